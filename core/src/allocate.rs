@@ -1,0 +1,923 @@
+//! Allocation: a facility budget and a set of jobs in, one per-GPU cap per job out.
+
+use std::fmt;
+
+/// A named allocation policy. Names are the ones sites write in `powerflex.toml` and pass
+/// to `powerflexctl --policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Maximise Σ tokens/s on the estimated curves under the budget and tier floors.
+    Optimal,
+    /// The paper's baseline: each job's cut in proportion to its uncapped power.
+    Equal,
+    /// The paper's Eq. 2: each job's cut in proportion to (P_max / T_max) · PFI.
+    PfiProportional,
+}
+
+impl Policy {
+    /// Every accepted name, in the order help texts list them.
+    pub const NAMES: [&'static str; 3] = ["optimal", "equal", "pfi-proportional"];
+
+    /// Looks a policy up by its config/CLI name.
+    pub fn from_name(name: &str) -> Option<Policy> {
+        match name {
+            "optimal" => Some(Policy::Optimal),
+            "equal" => Some(Policy::Equal),
+            "pfi-proportional" => Some(Policy::PfiProportional),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Optimal => "optimal",
+            Policy::Equal => "equal",
+            Policy::PfiProportional => "pfi-proportional",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use serde::Serialize;
+
+use crate::curve::{CapCurve, OperatingPoint};
+use crate::units::{SlowdownFraction, Watts};
+
+/// The per-GPU caps a job's GPUs accept: NVML's constraints and the site's granularity.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CapLimits {
+    /// Lowest cap, W per GPU.
+    pub min_w: Watts,
+    /// Highest cap (the uncapped setting), W per GPU.
+    pub max_w: Watts,
+    /// Granularity: caps are `min_w + k·step_w`, plus `max_w` itself, W.
+    pub step_w: Watts,
+}
+
+impl CapLimits {
+    fn validate(&self, job: &str) -> Result<(), AllocationError> {
+        let ok = self.min_w.0.is_finite()
+            && self.max_w.0.is_finite()
+            && self.step_w.0.is_finite()
+            && self.min_w.0 > 0.0
+            && self.min_w.0 <= self.max_w.0
+            && self.step_w.0 > 0.0;
+        if ok {
+            Ok(())
+        } else {
+            Err(AllocationError::BadLimits {
+                job: job.to_string(),
+                min_w: self.min_w.0,
+                max_w: self.max_w.0,
+                step_w: self.step_w.0,
+            })
+        }
+    }
+
+    /// The highest grid cap ≤ `cap` (at least `min_w`).
+    pub fn snap_down(&self, cap: f64) -> f64 {
+        if cap >= self.max_w.0 {
+            return self.max_w.0;
+        }
+        if cap <= self.min_w.0 {
+            return self.min_w.0;
+        }
+        let k = ((cap - self.min_w.0) / self.step_w.0 + 1e-9).floor();
+        (self.min_w.0 + k * self.step_w.0).min(self.max_w.0)
+    }
+
+    /// The lowest grid cap ≥ `cap` (at most `max_w`).
+    pub fn snap_up(&self, cap: f64) -> f64 {
+        if cap <= self.min_w.0 {
+            return self.min_w.0;
+        }
+        let k = ((cap - self.min_w.0) / self.step_w.0 - 1e-9).ceil();
+        (self.min_w.0 + k * self.step_w.0).min(self.max_w.0)
+    }
+
+    /// Number of grid caps strictly above `cap` up to and including `upper`, and the i-th
+    /// of them (1-based) — used to binary-search caps between two grid points.
+    fn nth_above(&self, cap: f64, i: usize) -> f64 {
+        let k = ((cap - self.min_w.0) / self.step_w.0 + 1e-9).floor() + i as f64;
+        (self.min_w.0 + k * self.step_w.0).min(self.max_w.0)
+    }
+
+    fn count_between(&self, from: f64, to: f64) -> usize {
+        if to <= from {
+            return 0;
+        }
+        let k_from = ((from - self.min_w.0) / self.step_w.0 + 1e-9).floor();
+        let k_to = ((to - self.min_w.0) / self.step_w.0 + 1e-9).floor();
+        let mut n = (k_to - k_from).max(0.0) as usize;
+        // `max_w` off the step grid is one more cap.
+        if to >= self.max_w.0 && self.snap_down_strict(self.max_w.0) < self.max_w.0 {
+            n += 1;
+        }
+        n
+    }
+
+    fn snap_down_strict(&self, cap: f64) -> f64 {
+        let k = ((cap - self.min_w.0) / self.step_w.0 + 1e-9).floor();
+        self.min_w.0 + k * self.step_w.0
+    }
+}
+
+/// One job as the allocator sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobSpec {
+    /// Slurm job id (or any unique name).
+    pub id: String,
+    /// GPUs the job runs on (all get the same cap).
+    pub gpus: u32,
+    /// The job's curve: per-GPU cap → summed power, throughput.
+    pub curve: CapCurve,
+    /// The tier's bound; `None` = no floor (any slowdown acceptable).
+    pub max_slowdown: Option<SlowdownFraction>,
+    /// The caps its GPUs accept.
+    pub limits: CapLimits,
+    /// Objective weight of one unit of this job's throughput: 1 to maximise raw tokens/s,
+    /// `1 / T_max` to maximise the sum of normalised throughputs.
+    pub throughput_weight: f64,
+}
+
+/// Whether a job's tier bound held.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum FloorStatus {
+    /// The job has no bound.
+    None,
+    /// Slowdown within the bound.
+    Held,
+    /// The budget could not meet the bound: slowdown exceeds it by `excess` (a fraction
+    /// of uncapped throughput).
+    Broken { excess: f64 },
+}
+
+/// The decision for one job.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobAllocation {
+    pub id: String,
+    /// Per-GPU cap, W.
+    pub cap_w: Watts,
+    /// Summed power expected at that cap on the job's curve, W.
+    pub power_w: Watts,
+    /// Throughput expected at that cap.
+    pub throughput: f64,
+    /// `1 − throughput / uncapped throughput`.
+    pub slowdown: f64,
+    pub max_slowdown: Option<SlowdownFraction>,
+    pub floor: FloorStatus,
+}
+
+/// The result of one allocation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Allocation {
+    pub policy: Policy,
+    pub budget_w: Watts,
+    /// One entry per input job, in input order.
+    pub jobs: Vec<JobAllocation>,
+    /// Σ expected power, W. Never above the budget unless `over_budget_w > 0`.
+    pub total_power_w: Watts,
+    /// Σ throughput_weight · throughput.
+    pub objective: f64,
+    /// By how much the budget is short even with every job at its lowest cap (0 when the
+    /// budget is feasible). The allocation then holds every job at its lowest cap.
+    pub over_budget_w: Watts,
+}
+
+impl Allocation {
+    /// Jobs whose bound the budget could not meet.
+    pub fn broken_floors(&self) -> impl Iterator<Item = &JobAllocation> {
+        self.jobs
+            .iter()
+            .filter(|j| matches!(j.floor, FloorStatus::Broken { .. }))
+    }
+}
+
+/// Why an allocation could not be computed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AllocationError {
+    #[error("budget must be a finite, non-negative number of watts (got {budget_w})")]
+    BadBudget { budget_w: f64 },
+    #[error("job {job}: cap limits min {min_w} W, max {max_w} W, step {step_w} W are invalid (need 0 < min ≤ max and step > 0)")]
+    BadLimits {
+        job: String,
+        min_w: f64,
+        max_w: f64,
+        step_w: f64,
+    },
+    #[error("job {job}: needs at least one GPU")]
+    NoGpus { job: String },
+    #[error("job {job}: throughput weight must be finite and > 0 (got {weight})")]
+    BadWeight { job: String, weight: f64 },
+    #[error("job {job}: slowdown bound {bound} is outside 0–100 %")]
+    BadBound { job: String, bound: f64 },
+}
+
+/// The budget to plan with when job power comes from noisy estimates: `budget` less `z`
+/// standard deviations of the error in the jobs' summed power, each job's reading having
+/// relative standard deviation `power_noise`. Errors of different jobs are independent,
+/// so the margin shrinks as 1/√(jobs): 100 jobs at 1 % noise and z = 3 keep 0.3 %.
+/// The optimiser also leans toward jobs whose noise flatters their savings; the margin
+/// covers that too.
+pub fn hedged_budget(budget: Watts, jobs: &[JobSpec], power_noise: f64, z: f64) -> Watts {
+    let total: f64 = jobs.iter().map(|j| j.curve.uncapped().power_w.0).sum();
+    if total <= 0.0 || power_noise <= 0.0 {
+        return budget;
+    }
+    let spread = jobs
+        .iter()
+        .map(|j| (j.curve.uncapped().power_w.0 * power_noise).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let margin = (z * spread / total).min(0.5);
+    budget * (1.0 - margin)
+}
+
+/// A job prepared for allocation: its cap range and the floor its tier sets.
+#[derive(Debug)]
+struct Prepared<'a> {
+    spec: &'a JobSpec,
+    /// Lowest cap worth using: the limits' minimum, or the curve's lowest known cap.
+    lo: f64,
+    /// Highest cap: the limits' maximum.
+    hi: f64,
+    /// Lowest cap at which the tier bound holds on the curve.
+    floor: f64,
+    t_top: f64,
+}
+
+impl Prepared<'_> {
+    fn at(&self, cap: f64) -> OperatingPoint {
+        self.spec.curve.at(Watts(cap))
+    }
+    fn power(&self, cap: f64) -> f64 {
+        self.at(cap).power_w.0
+    }
+    fn value(&self, cap: f64) -> f64 {
+        self.at(cap).throughput * self.spec.throughput_weight
+    }
+}
+
+/// Allocates `budget` (Σ of the jobs' GPU power, W) across `jobs` with `policy`.
+///
+/// Every policy first settles the floors: each job's cap may not go below the lowest cap
+/// at which its tier bound holds. When the budget cannot pay for every floor, tiers give
+/// way in order of their bound, largest first (flex3, then flex2, flex1; flex0 last): the
+/// first tier whose surrender makes the budget feasible shares what is left, the tiers
+/// before it drop to their lowest caps, and the tiers after it keep their floors. Above
+/// the floors the policy decides:
+/// - `Equal` cuts every job's power by the same fraction of its uncapped power;
+/// - `PfiProportional` cuts in proportion to (P_max / T_max) · PFI (the paper's Eq. 2),
+///   with T_max in the objective's unit (weight × throughput);
+/// - `Optimal` maximises Σ weight · throughput on the curves (greedy over the upper
+///   concave hull of each curve, then a fill on the real curve), and returns the better
+///   of that and the other two policies, so it is never worse than either on the curves
+///   it is given.
+///
+/// Deterministic: the same input gives the same output.
+pub fn allocate(
+    jobs: &[JobSpec],
+    budget: Watts,
+    policy: Policy,
+) -> Result<Allocation, AllocationError> {
+    if !budget.0.is_finite() || budget.0 < 0.0 {
+        return Err(AllocationError::BadBudget { budget_w: budget.0 });
+    }
+    let prepared = jobs.iter().map(prepare).collect::<Result<Vec<_>, _>>()?;
+    let bounds = settle_floors(&prepared, budget.0);
+    let caps = match policy {
+        Policy::Equal => equal_caps(&prepared, &bounds.range, budget.0),
+        Policy::PfiProportional => pfi_proportional_caps(&prepared, &bounds.range, budget.0),
+        Policy::Optimal => {
+            let candidates = [
+                greedy_caps(&prepared, &bounds.range, budget.0),
+                equal_caps(&prepared, &bounds.range, budget.0),
+                pfi_proportional_caps(&prepared, &bounds.range, budget.0),
+            ];
+            let mut best: Option<(f64, Vec<f64>)> = None;
+            for caps in candidates {
+                let value: f64 = prepared.iter().zip(&caps).map(|(p, &c)| p.value(c)).sum();
+                if best
+                    .as_ref()
+                    .is_none_or(|(v, _)| value > *v + 1e-12 * v.abs())
+                {
+                    best = Some((value, caps));
+                }
+            }
+            best.map(|(_, caps)| caps).unwrap_or_default()
+        }
+    };
+    Ok(build_allocation(
+        &prepared,
+        &caps,
+        budget,
+        policy,
+        bounds.over_budget_w,
+    ))
+}
+
+fn prepare(spec: &JobSpec) -> Result<Prepared<'_>, AllocationError> {
+    spec.limits.validate(&spec.id)?;
+    if spec.gpus == 0 {
+        return Err(AllocationError::NoGpus {
+            job: spec.id.clone(),
+        });
+    }
+    if !(spec.throughput_weight.is_finite() && spec.throughput_weight > 0.0) {
+        return Err(AllocationError::BadWeight {
+            job: spec.id.clone(),
+            weight: spec.throughput_weight,
+        });
+    }
+    if let Some(b) = spec.max_slowdown {
+        if !(b.0.is_finite() && (0.0..=1.0).contains(&b.0)) {
+            return Err(AllocationError::BadBound {
+                job: spec.id.clone(),
+                bound: b.0,
+            });
+        }
+    }
+    let limits = &spec.limits;
+    let hi = limits.max_w.0;
+    let lo = limits
+        .snap_up(limits.min_w.0.max(spec.curve.lowest().cap_w.0))
+        .min(hi);
+    let t_top = spec.curve.at(Watts(hi)).throughput;
+    let mut prepared = Prepared {
+        spec,
+        lo,
+        hi,
+        floor: lo,
+        t_top,
+    };
+    prepared.floor = floor_cap(&prepared);
+    Ok(prepared)
+}
+
+/// Lowest grid cap at which the job's throughput stays within its bound (and above which
+/// it stays within it too).
+fn floor_cap(job: &Prepared<'_>) -> f64 {
+    let Some(bound) = job.spec.max_slowdown else {
+        return job.lo;
+    };
+    if bound.0 <= 0.0 {
+        return job.hi;
+    }
+    let needed = (1.0 - bound.0) * job.t_top;
+    // Walk down from the top through the knots inside [lo, hi].
+    let mut caps: Vec<f64> = job
+        .spec
+        .curve
+        .knots()
+        .iter()
+        .map(|k| k.cap_w.0)
+        .filter(|&c| c > job.lo && c < job.hi)
+        .collect();
+    caps.push(job.lo);
+    caps.sort_by(|a, b| b.total_cmp(a));
+    let mut above = job.hi;
+    let mut t_above = job.at(above).throughput;
+    for c in caps {
+        let t = job.at(c).throughput;
+        if t < needed {
+            // The crossing lies in (c, above]: linear on this piece.
+            let crossing = if t_above > t {
+                c + (needed - t) / (t_above - t) * (above - c)
+            } else {
+                above
+            };
+            return job.spec.limits.snap_up(crossing).clamp(job.lo, job.hi);
+        }
+        above = c;
+        t_above = t;
+    }
+    job.lo
+}
+
+/// The cap range each job may move in once floors are settled.
+#[derive(Debug)]
+struct Bounds {
+    range: Vec<(f64, f64)>,
+    over_budget_w: Watts,
+}
+
+fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
+    let floor_power: f64 = jobs.iter().map(|j| j.power(j.floor)).sum();
+    if floor_power <= budget {
+        return Bounds {
+            range: jobs.iter().map(|j| (j.floor, j.hi)).collect(),
+            over_budget_w: Watts::ZERO,
+        };
+    }
+    // Give-way order: largest bound first. Jobs without a bound already sit at `lo`.
+    let mut bounds: Vec<f64> = jobs
+        .iter()
+        .filter_map(|j| j.spec.max_slowdown.map(|b| b.0))
+        .collect();
+    bounds.sort_by(|a, b| b.total_cmp(a));
+    bounds.dedup();
+    let mut lower_power = floor_power;
+    for (rank, &giving) in bounds.iter().enumerate() {
+        for j in jobs
+            .iter()
+            .filter(|j| j.spec.max_slowdown.map(|b| b.0) == Some(giving))
+        {
+            lower_power -= j.power(j.floor) - j.power(j.lo);
+        }
+        if lower_power <= budget {
+            let already_gave: &[f64] = &bounds[..rank];
+            let range = jobs
+                .iter()
+                .map(|j| match j.spec.max_slowdown.map(|b| b.0) {
+                    None => (j.lo, j.lo),
+                    Some(b) if b == giving => (j.lo, j.floor),
+                    Some(b) if already_gave.contains(&b) => (j.lo, j.lo),
+                    Some(_) => (j.floor, j.floor),
+                })
+                .collect();
+            return Bounds {
+                range,
+                over_budget_w: Watts::ZERO,
+            };
+        }
+    }
+    Bounds {
+        range: jobs.iter().map(|j| (j.lo, j.lo)).collect(),
+        over_budget_w: Watts(lower_power - budget),
+    }
+}
+
+/// Highest grid cap in `[lower, upper]` whose power is at most `target` (or `lower`).
+fn cap_for_power(job: &Prepared<'_>, lower: f64, upper: f64, target: f64) -> f64 {
+    if job.power(upper) <= target {
+        return upper;
+    }
+    let n = job.spec.limits.count_between(lower, upper);
+    // Binary search the largest i in 0..=n with power(nth_above(lower, i)) <= target.
+    let (mut ok, mut bad) = (0usize, n);
+    while bad - ok > 1 {
+        let mid = (ok + bad) / 2;
+        let cap = job.spec.limits.nth_above(lower, mid).min(upper);
+        if job.power(cap) <= target {
+            ok = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    if ok == 0 {
+        lower
+    } else {
+        job.spec.limits.nth_above(lower, ok).min(upper)
+    }
+}
+
+/// Bisection for the largest `x` in [0, x_max] with `spent(x) <= budget`, where `spent`
+/// falls as `x` rises (x is a cut: a fraction or a multiplier).
+fn bisect_cut(x_max: f64, budget: f64, spent: impl Fn(f64) -> f64) -> f64 {
+    if spent(0.0) <= budget {
+        return 0.0;
+    }
+    let (mut lo, mut hi) = (0.0, x_max);
+    for _ in 0..64 {
+        let mid = 0.5 * (lo + hi);
+        if spent(mid) <= budget {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
+fn equal_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f64> {
+    let targets = |fraction: f64| -> Vec<f64> {
+        jobs.iter()
+            .zip(range)
+            .map(|(j, &(lower, upper))| {
+                let p_top = j.power(j.hi);
+                (p_top * (1.0 - fraction)).clamp(j.power(lower), j.power(upper))
+            })
+            .collect()
+    };
+    let cut = bisect_cut(1.0, budget, |f| targets(f).iter().sum());
+    caps_for_targets(jobs, range, &targets(cut))
+}
+
+fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f64> {
+    let weights: Vec<f64> = jobs
+        .iter()
+        .map(|j| {
+            let top = j.at(j.hi);
+            let pfi = j
+                .spec
+                .curve
+                .pfi()
+                .filter(|p| p.is_finite() && *p > 0.0)
+                .unwrap_or(1.0);
+            // T_max in the objective's unit: with per-job normalised throughput
+            // (weight 1/T_max) every T_max is 1, as in the paper's simulation.
+            let t_max = (top.throughput * j.spec.throughput_weight).max(f64::MIN_POSITIVE);
+            (top.power_w.0 / t_max) * pfi
+        })
+        .collect();
+    let targets = |lambda: f64| -> Vec<f64> {
+        jobs.iter()
+            .zip(range)
+            .zip(&weights)
+            .map(|((j, &(lower, upper)), &w)| {
+                let p_top = j.power(j.hi);
+                (p_top - lambda * w).clamp(j.power(lower), j.power(upper))
+            })
+            .collect()
+    };
+    let lambda_max = jobs
+        .iter()
+        .zip(&weights)
+        .map(|(j, &w)| j.power(j.hi) / w.max(f64::MIN_POSITIVE))
+        .fold(0.0, f64::max);
+    let lambda = bisect_cut(lambda_max, budget, |l| targets(l).iter().sum());
+    caps_for_targets(jobs, range, &targets(lambda))
+}
+
+fn caps_for_targets(jobs: &[Prepared<'_>], range: &[(f64, f64)], targets: &[f64]) -> Vec<f64> {
+    jobs.iter()
+        .zip(range)
+        .zip(targets)
+        .map(|((j, &(lower, upper)), &t)| cap_for_power(j, lower, upper, t))
+        .collect()
+}
+
+/// A hull segment waiting in the greedy's queue.
+#[derive(Debug, PartialEq)]
+struct Segment {
+    slope: f64,
+    job: usize,
+}
+
+impl Eq for Segment {}
+
+impl Ord for Segment {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Steepest first; ties to the lower job index, so the result is deterministic.
+        self.slope
+            .total_cmp(&other.slope)
+            .then_with(|| other.job.cmp(&self.job))
+    }
+}
+
+impl PartialOrd for Segment {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Upper concave hull of a job's candidate caps in (power, value), starting at `lower`.
+/// Returns caps of the hull vertices in increasing power, each worth moving to.
+fn hull(job: &Prepared<'_>, lower: f64, upper: f64) -> Vec<(f64, f64, f64)> {
+    let limits = &job.spec.limits;
+    let mut caps: Vec<f64> = vec![lower, upper];
+    for k in job.spec.curve.knots() {
+        let c = k.cap_w.0;
+        if c > lower && c < upper {
+            caps.push(limits.snap_down(c).max(lower));
+            caps.push(limits.snap_up(c).min(upper));
+        }
+    }
+    caps.sort_by(f64::total_cmp);
+    caps.dedup();
+    let start = (lower, job.power(lower), job.value(lower));
+    let mut hull: Vec<(f64, f64, f64)> = vec![start];
+    for &c in caps.iter().skip_while(|&&c| c <= lower) {
+        let p = job.power(c);
+        let v = job.value(c);
+        if p < start.1 || v <= hull.last().map_or(start.2, |h| h.2) {
+            continue; // no gain, or below the start's power (noise in a raw curve)
+        }
+        let last_power = hull.last().map_or(start.1, |h| h.1);
+        if p <= last_power && hull.len() > 1 {
+            // Same power, more value: a free improvement replaces the last vertex.
+            hull.pop();
+        }
+        while hull.len() >= 2 {
+            let (a, b) = (hull[hull.len() - 2], hull[hull.len() - 1]);
+            // Drop b if it lies on or below the chord from a to the new point.
+            let cross = (b.1 - a.1) * (v - a.2) - (b.2 - a.2) * (p - a.1);
+            if cross >= 0.0 {
+                hull.pop();
+            } else {
+                break;
+            }
+        }
+        hull.push((c, p, v));
+    }
+    hull
+}
+
+fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f64> {
+    let mut caps: Vec<f64> = range.iter().map(|&(lower, _)| lower).collect();
+    let spent: f64 = jobs.iter().zip(&caps).map(|(j, &c)| j.power(c)).sum();
+    let mut remaining = budget - spent;
+    let hulls: Vec<Vec<(f64, f64, f64)>> = jobs
+        .iter()
+        .zip(range)
+        .map(|(j, &(lower, upper))| hull(j, lower, upper))
+        .collect();
+    let mut position = vec![0usize; jobs.len()];
+    let mut queue = BinaryHeap::with_capacity(jobs.len());
+    let slope = |h: &[(f64, f64, f64)], i: usize| -> Option<f64> {
+        let (a, b) = (h.get(i)?, h.get(i + 1)?);
+        let dp = b.1 - a.1;
+        Some(if dp <= 0.0 {
+            f64::INFINITY
+        } else {
+            (b.2 - a.2) / dp
+        })
+    };
+    for (job, h) in hulls.iter().enumerate() {
+        if let Some(s) = slope(h, 0) {
+            queue.push(Segment { slope: s, job });
+        }
+    }
+    let tolerance = 1e-9 * budget.max(1.0);
+    while let Some(Segment { job, .. }) = queue.pop() {
+        let h = &hulls[job];
+        let i = position[job];
+        let (from, to) = (h[i], h[i + 1]);
+        let cost = to.1 - from.1;
+        if cost <= remaining + tolerance {
+            remaining -= cost;
+            caps[job] = to.0;
+            position[job] = i + 1;
+            if let Some(s) = slope(h, i + 1) {
+                queue.push(Segment { slope: s, job });
+            }
+        } else {
+            // Move as far toward `to` as the remaining budget allows, on the real curve.
+            let j = &jobs[job];
+            let cap = cap_for_power(j, from.0, to.0, from.1 + remaining);
+            if j.value(cap) > from.2 {
+                remaining -= j.power(cap) - from.1;
+                caps[job] = cap;
+            }
+        }
+    }
+    caps
+}
+
+fn build_allocation(
+    jobs: &[Prepared<'_>],
+    caps: &[f64],
+    budget: Watts,
+    policy: Policy,
+    over_budget_w: Watts,
+) -> Allocation {
+    let mut total_power = 0.0;
+    let mut objective = 0.0;
+    let allocations = jobs
+        .iter()
+        .zip(caps)
+        .map(|(j, &cap)| {
+            let point = j.at(cap);
+            total_power += point.power_w.0;
+            objective += point.throughput * j.spec.throughput_weight;
+            let slowdown = if j.t_top > 0.0 {
+                (1.0 - point.throughput / j.t_top).max(0.0)
+            } else {
+                0.0
+            };
+            let floor = match j.spec.max_slowdown {
+                None => FloorStatus::None,
+                Some(b) if slowdown <= b.0 + 1e-9 => FloorStatus::Held,
+                Some(b) => FloorStatus::Broken {
+                    excess: slowdown - b.0,
+                },
+            };
+            JobAllocation {
+                id: j.spec.id.clone(),
+                cap_w: Watts(cap),
+                power_w: point.power_w,
+                throughput: point.throughput,
+                slowdown,
+                max_slowdown: j.spec.max_slowdown,
+                floor,
+            }
+        })
+        .collect();
+    Allocation {
+        policy,
+        budget_w: budget,
+        jobs: allocations,
+        total_power_w: Watts(total_power),
+        objective,
+        over_budget_w,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job of `gpus` GPUs drawing ~cap each, with the given PFI (prior-shaped curve).
+    fn job(id: &str, gpus: u32, pfi: f64, bound: Option<f64>) -> JobSpec {
+        JobSpec {
+            id: id.to_string(),
+            gpus,
+            curve: CapCurve::from_pfi_prior(
+                Watts(700.0 * f64::from(gpus)),
+                1000.0,
+                pfi,
+                Watts(200.0),
+                Watts(700.0),
+                Watts(100.0),
+            )
+            .expect("prior"),
+            max_slowdown: bound.map(SlowdownFraction),
+            limits: CapLimits {
+                min_w: Watts(200.0),
+                max_w: Watts(700.0),
+                step_w: Watts(10.0),
+            },
+            throughput_weight: 1.0,
+        }
+    }
+
+    #[test]
+    fn ample_budget_leaves_everyone_uncapped() {
+        let jobs = [job("a", 8, 1.2, Some(0.25)), job("b", 4, 2.0, None)];
+        for policy in [Policy::Optimal, Policy::Equal, Policy::PfiProportional] {
+            let a = allocate(&jobs, Watts(100_000.0), policy).expect("allocation");
+            assert!(
+                a.jobs.iter().all(|j| j.cap_w == Watts(700.0)),
+                "{policy}: {a:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn flex0_is_never_capped_while_others_can_give() {
+        let jobs = [
+            job("steady", 8, 1.1, Some(0.0)),
+            job("flexible", 8, 2.5, Some(0.5)),
+        ];
+        // 30 % below the 11.2 kW uncapped draw.
+        let a = allocate(&jobs, Watts(7840.0), Policy::Optimal).expect("allocation");
+        assert_eq!(a.jobs[0].cap_w, Watts(700.0));
+        assert_eq!(a.jobs[0].floor, FloorStatus::Held);
+        assert!(a.jobs[1].cap_w.0 < 700.0);
+        assert!(a.total_power_w.0 <= 7840.0 + 1e-9);
+    }
+
+    #[test]
+    fn optimal_cuts_the_job_that_sheds_power_cheaply() {
+        let jobs = [job("dense", 8, 1.1, None), job("moe", 8, 2.5, None)];
+        let a = allocate(&jobs, Watts(0.8 * 11_200.0), Policy::Optimal).expect("allocation");
+        assert!(a.jobs[1].cap_w < a.jobs[0].cap_w, "{a:?}");
+        let e = allocate(&jobs, Watts(0.8 * 11_200.0), Policy::Equal).expect("allocation");
+        assert!(a.objective > e.objective);
+        assert_eq!(
+            e.jobs[0].cap_w, e.jobs[1].cap_w,
+            "equal cuts the same fraction"
+        );
+    }
+
+    #[test]
+    fn tiers_give_way_largest_bound_first() {
+        let jobs = [
+            job("f1", 8, 1.5, Some(0.10)),
+            job("f2", 8, 1.5, Some(0.25)),
+            job("f3", 8, 1.5, Some(0.40)),
+        ];
+        // On this curve a bound b allows a power cut of 1.5·b; floors on the 10 W grid:
+        // flex1 600 W/GPU = 4800 W, flex2 440 W = 3520 W, flex3 280 W = 2240 W; the
+        // lowest cap, 200 W, draws 1600 W.
+        let floors = 4800.0 + 3520.0 + 2240.0;
+        let a = allocate(&jobs, Watts(floors - 300.0), Policy::Optimal).expect("allocation");
+        assert_eq!(a.jobs[0].floor, FloorStatus::Held, "{a:?}");
+        assert_eq!(a.jobs[1].floor, FloorStatus::Held, "{a:?}");
+        assert!(
+            matches!(a.jobs[2].floor, FloorStatus::Broken { .. }),
+            "{a:?}"
+        );
+        assert!(a.total_power_w.0 <= floors - 300.0 + 1e-9);
+        // Deeper: flex3 at its lowest cap, flex2 shares what is left, flex1 still held.
+        let budget = 4800.0 + 1600.0 + 2500.0;
+        let b = allocate(&jobs, Watts(budget), Policy::Optimal).expect("allocation");
+        assert_eq!(b.jobs[2].cap_w, Watts(200.0), "{b:?}");
+        assert!(
+            matches!(b.jobs[1].floor, FloorStatus::Broken { .. }),
+            "{b:?}"
+        );
+        assert!(b.jobs[1].cap_w.0 > 200.0);
+        assert_eq!(b.jobs[0].floor, FloorStatus::Held);
+        assert!(b.total_power_w.0 <= budget + 1e-9);
+    }
+
+    #[test]
+    fn infeasible_budget_holds_everyone_at_the_lowest_cap_and_says_by_how_much() {
+        let jobs = [job("a", 8, 1.5, Some(0.0)), job("b", 8, 1.5, None)];
+        let a = allocate(&jobs, Watts(2000.0), Policy::Optimal).expect("allocation");
+        assert!(a.jobs.iter().all(|j| j.cap_w == Watts(200.0)));
+        assert!(
+            (a.over_budget_w.0 - 1200.0).abs() < 1e-9,
+            "{:?}",
+            a.over_budget_w
+        );
+        assert_eq!(a.broken_floors().count(), 1);
+    }
+
+    #[test]
+    fn no_jobs_is_an_empty_allocation() {
+        let a = allocate(&[], Watts(1000.0), Policy::Optimal).expect("allocation");
+        assert!(a.jobs.is_empty());
+        assert_eq!(a.total_power_w, Watts::ZERO);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        let good = job("a", 8, 1.5, None);
+        assert!(matches!(
+            allocate(
+                std::slice::from_ref(&good),
+                Watts(f64::NAN),
+                Policy::Optimal
+            ),
+            Err(AllocationError::BadBudget { .. })
+        ));
+        assert!(matches!(
+            allocate(std::slice::from_ref(&good), Watts(-1.0), Policy::Optimal),
+            Err(AllocationError::BadBudget { .. })
+        ));
+        let no_gpus = JobSpec {
+            gpus: 0,
+            ..good.clone()
+        };
+        assert_eq!(
+            allocate(&[no_gpus], Watts(1.0), Policy::Optimal),
+            Err(AllocationError::NoGpus { job: "a".into() })
+        );
+        let bad_limits = JobSpec {
+            limits: CapLimits {
+                min_w: Watts(700.0),
+                max_w: Watts(200.0),
+                step_w: Watts(10.0),
+            },
+            ..good.clone()
+        };
+        assert_eq!(
+            allocate(&[bad_limits], Watts(1.0), Policy::Optimal),
+            Err(AllocationError::BadLimits {
+                job: "a".into(),
+                min_w: 700.0,
+                max_w: 200.0,
+                step_w: 10.0
+            })
+        );
+        let bad_weight = JobSpec {
+            throughput_weight: 0.0,
+            ..good.clone()
+        };
+        assert_eq!(
+            allocate(&[bad_weight], Watts(1.0), Policy::Optimal),
+            Err(AllocationError::BadWeight {
+                job: "a".into(),
+                weight: 0.0
+            })
+        );
+        let bad_bound = JobSpec {
+            max_slowdown: Some(SlowdownFraction(1.5)),
+            ..good
+        };
+        assert_eq!(
+            allocate(&[bad_bound], Watts(1.0), Policy::Optimal),
+            Err(AllocationError::BadBound {
+                job: "a".into(),
+                bound: 1.5
+            })
+        );
+    }
+
+    #[test]
+    fn grid_snapping() {
+        let limits = CapLimits {
+            min_w: Watts(200.0),
+            max_w: Watts(705.0),
+            step_w: Watts(10.0),
+        };
+        assert_eq!(limits.snap_down(456.0), 450.0);
+        assert_eq!(limits.snap_up(451.0), 460.0);
+        assert_eq!(limits.snap_up(450.0), 450.0);
+        assert_eq!(limits.snap_up(702.0), 705.0);
+        assert_eq!(limits.snap_down(100.0), 200.0);
+        assert_eq!(limits.snap_down(800.0), 705.0);
+    }
+}

@@ -1,0 +1,1539 @@
+//! The site config, `powerflex.toml`: parsed once by every powerflex component on a
+//! node and validated into typed values before anything acts on it.
+//!
+//! Two steps, two kinds of error. [`RawSiteConfig`] mirrors the file with serde and
+//! `deny_unknown_fields`, so a typo in a key is a [`ConfigError::Parse`] carrying toml's
+//! message with line and column. [`RawSiteConfig::validate`] then checks ranges and
+//! cross-field rules and returns a [`SiteConfig`] of typed values ([`Watts`], durations
+//! in `_s` seconds, [`Policy`], [`TierTable`], socket addresses), or one validation
+//! variant of [`ConfigError`] naming the key path and what is accepted.
+//! [`SiteConfig::from_toml_str`] does both.
+//!
+//! Every key carries its unit in its name (`_w` watts, `_s` seconds, `_pct` percent).
+//! This module only sees text: callers read the file (conventionally next to
+//! `slurm.conf`, e.g. `/etc/slurm/powerflex.toml`) and hand the contents in.
+//!
+//! Sections: `[facility]` (budget and policy), `[tiers]` (what `--power-flex` accepts),
+//! `[gpu_models.<NAME>]` (per-GPU cap ranges, calibration grid, fail-safe cap),
+//! `[controller]`, `[agent]` and `[predictor]`. `slurm-conf/powerflex.toml` is a complete,
+//! commented example.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::allocate::Policy;
+use crate::flex::{FlexError, Service, Tier, TierTable, UNMANAGED};
+use crate::units::{SlowdownFraction, Watts};
+
+/// Accepted range of `controller.lease_ttl_s`, in seconds.
+pub const LEASE_TTL_RANGE_S: std::ops::RangeInclusive<u64> = 5..=3600;
+/// Accepted range of `controller.allocation_period_s`, in seconds.
+pub const ALLOCATION_PERIOD_RANGE_S: std::ops::RangeInclusive<u64> = 1..=600;
+/// Accepted range of `agent.calibration_allowance_pct`, in percent.
+pub const CALIBRATION_ALLOWANCE_RANGE_PCT: std::ops::RangeInclusive<f64> = 0.0..=50.0;
+/// Longest accepted `[gpu_models.<NAME>]` name, in bytes.
+pub const MAX_GPU_MODEL_NAME_BYTES: usize = 64;
+
+const DEFAULT_LEASE_TTL_S: u64 = 60;
+const DEFAULT_ALLOCATION_PERIOD_S: u64 = 10;
+const DEFAULT_KEY_FILE: &str = "/etc/slurm/powerflex.key";
+const DEFAULT_AGENT_SOCKET: &str = "/run/powerflex/%n.sock";
+const DEFAULT_CALIBRATION_ALLOWANCE_PCT: f64 = 5.0;
+
+// ---------------------------------------------------------------------------------------
+// Raw: the file as written.
+// ---------------------------------------------------------------------------------------
+
+/// `powerflex.toml` as written, before validation. Unknown keys at any level are parse
+/// errors.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSiteConfig {
+    /// `[facility]`, required.
+    pub facility: RawFacility,
+    /// `[tiers]`, optional: without it the site offers the default tiers.
+    #[serde(default)]
+    pub tiers: RawTiers,
+    /// `[gpu_models.<NAME>]`, at least one.
+    #[serde(default)]
+    pub gpu_models: BTreeMap<String, RawGpuModel>,
+    /// `[controller]`, required.
+    pub controller: RawController,
+    /// `[agent]`, optional.
+    #[serde(default)]
+    pub agent: RawAgent,
+    /// `[predictor]`, optional.
+    #[serde(default)]
+    pub predictor: RawPredictor,
+}
+
+/// `[facility]`: the site-wide budget and how it is shared.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawFacility {
+    /// Facility GPU power budget, watts: the sum of all powerflex-managed GPUs' caps
+    /// stays at or below it. Required, finite, above 0.
+    pub gpu_budget_w: f64,
+    /// Allocation policy: `optimal` (default), `equal` or `pfi-proportional`.
+    pub policy: Option<String>,
+}
+
+/// `[tiers]`: what `--power-flex` accepts at this site.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTiers {
+    /// Service for jobs submitted without `--power-flex`: a tier name or `none`
+    /// (default `none`: such jobs are not managed).
+    pub default: Option<String>,
+    /// Whether users may write `max-slowdown=N%` in place of a tier (default `true`).
+    pub allow_max_slowdown: Option<bool>,
+    /// `[[tiers.tier]]` entries. Absent: the default tiers flex0/1/2/3 (0/10/25/50 %).
+    /// Present but empty (`tier = []`): no named tiers, which needs
+    /// `allow_max_slowdown = true`.
+    pub tier: Option<Vec<RawTier>>,
+}
+
+/// One `[[tiers.tier]]` entry.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTier {
+    /// Name users write: 1 to 32 of `a-z`, `0-9`, `-`, `_`; not `none`.
+    pub name: String,
+    /// Largest tolerated slowdown, percent of uncapped throughput, 0 to 100.
+    pub max_slowdown_pct: f64,
+}
+
+/// `[gpu_models.<NAME>]`: the cap range and grids for one GPU model. All values are per
+/// GPU, in watts.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGpuModel {
+    /// Lowest per-GPU cap powerflex may set, watts; at or above NVML's minimum
+    /// power-management limit for the model.
+    pub min_cap_w: f64,
+    /// Highest per-GPU cap, watts: the uncapped reference point (normally the TDP, e.g.
+    /// 700 for H200).
+    pub max_cap_w: f64,
+    /// Cap granularity, watts, above 0: allocated caps are multiples of this step above
+    /// `min_cap_w`.
+    pub cap_step_w: f64,
+    /// Per-GPU caps the calibration walk visits, watts, strictly descending, starting at
+    /// `max_cap_w` (the uncapped point) with at least one cap below it, all within
+    /// `min_cap_w..=max_cap_w`.
+    pub calibration_caps_w: Vec<f64>,
+    /// Per-GPU cap the agent applies when its controller lease expires, watts, within
+    /// `min_cap_w..=max_cap_w`. Choose it so that every GPU at this cap fits the facility
+    /// budget.
+    pub failsafe_cap_w: f64,
+}
+
+/// `[controller]`: the site controller.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawController {
+    /// Socket address the controller listens on and agents connect to, e.g.
+    /// `10.0.0.5:7300` or `[fd00::5]:7300`: an IP literal (no host names), not `0.0.0.0`
+    /// or `[::]`.
+    pub listen: String,
+    /// Lifetime of a cap lease, seconds, 5 to 3600 (default 60), at least twice
+    /// `allocation_period_s`.
+    pub lease_ttl_s: Option<u64>,
+    /// Seconds between allocations (and lease renewals), 1 to 600 (default 10).
+    pub allocation_period_s: Option<u64>,
+    /// Absolute path of the root-only site key that authenticates agent and admin
+    /// traffic (default `/etc/slurm/powerflex.key`).
+    pub key_file: Option<String>,
+}
+
+/// `[agent]`: the node agent `powerflexd`.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAgent {
+    /// Absolute path of the agent's Unix socket; `%n` is the Slurm node name, `%%` a
+    /// literal `%` (default `/run/powerflex/%n.sock`).
+    pub socket: Option<String>,
+    /// Optional socket address for unauthenticated metrics; must be loopback, e.g.
+    /// `127.0.0.1:9464`. Absent: no metrics listener.
+    pub metrics_listen: Option<String>,
+    /// Optional NVML library to load (path or soname). Absent: the system
+    /// `libnvidia-ml.so.1`.
+    pub nvml_library: Option<String>,
+    /// Extra slowdown tolerated during calibration beyond the tier bound, percent of
+    /// uncapped throughput, 0 to 50 (default 5).
+    pub calibration_allowance_pct: Option<f64>,
+    /// Node GPU power budget for standalone mode (no controller), watts, above 0.
+    /// Absent: the node's budget comes from the controller.
+    pub node_budget_w: Option<f64>,
+}
+
+/// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
+/// (arXiv 2609.11542; LOO R² 0.52, RMSE 0.24, weak within a job type).
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPredictor {
+    /// PFI at a DRAM copy product of 0, dimensionless (default 1.2).
+    pub pfi_intercept: Option<f64>,
+    /// PFI gained per unit of DRAM copy product (DRAM activity × memory copy
+    /// utilisation, both fractions 0 to 1), dimensionless (default 1.5).
+    pub pfi_per_dram_copy_product: Option<f64>,
+}
+
+// ---------------------------------------------------------------------------------------
+// Validated: typed values.
+// ---------------------------------------------------------------------------------------
+
+/// A validated site config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SiteConfig {
+    pub facility: FacilityConfig,
+    pub tiers: TiersConfig,
+    /// Sorted by name; at least one.
+    pub gpu_models: Vec<GpuModelConfig>,
+    pub controller: ControllerConfig,
+    pub agent: AgentConfig,
+    pub predictor: PredictorConfig,
+}
+
+/// Validated `[facility]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FacilityConfig {
+    /// Facility GPU power budget, above 0.
+    pub gpu_budget_w: Watts,
+    pub policy: Policy,
+}
+
+/// Validated `[tiers]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TiersConfig {
+    /// Tiers offered, and whether `max-slowdown=N%` is allowed.
+    pub table: TierTable,
+    /// Service for jobs submitted without `--power-flex`.
+    pub default: Service,
+}
+
+/// Validated `[gpu_models.<NAME>]`. All caps are per GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuModelConfig {
+    /// Matched by the agent as a case-insensitive substring of the NVML device name:
+    /// `H200` matches `NVIDIA H200`. See [`SiteConfig::gpu_model_for`].
+    pub name: String,
+    pub min_cap_w: Watts,
+    pub max_cap_w: Watts,
+    pub cap_step_w: Watts,
+    /// Strictly descending, starting at `max_cap_w`, at least two entries.
+    pub calibration_caps_w: Vec<Watts>,
+    pub failsafe_cap_w: Watts,
+}
+
+/// Validated `[controller]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControllerConfig {
+    pub listen: SocketAddr,
+    /// 5 to 3600, at least twice `allocation_period_s`.
+    pub lease_ttl_s: u64,
+    /// 1 to 600.
+    pub allocation_period_s: u64,
+    /// Absolute.
+    pub key_file: PathBuf,
+}
+
+impl ControllerConfig {
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_secs(self.lease_ttl_s)
+    }
+
+    pub fn allocation_period(&self) -> Duration {
+        Duration::from_secs(self.allocation_period_s)
+    }
+}
+
+/// Validated `[agent]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// Socket path pattern: absolute, placeholders `%n` and `%%` only. Expand it with
+    /// [`AgentConfig::socket_path`].
+    pub socket: String,
+    /// Loopback only.
+    pub metrics_listen: Option<SocketAddr>,
+    pub nvml_library: Option<PathBuf>,
+    /// Extra slowdown tolerated during calibration beyond the tier bound, 0 to 0.5.
+    pub calibration_allowance: SlowdownFraction,
+    pub node_budget_w: Option<Watts>,
+}
+
+impl AgentConfig {
+    /// The socket path on node `node_name`: `%n` replaced by the name, `%%` by `%`.
+    pub fn socket_path(&self, node_name: &str) -> PathBuf {
+        let mut path = String::with_capacity(self.socket.len() + node_name.len());
+        let mut chars = self.socket.chars();
+        while let Some(c) = chars.next() {
+            if c != '%' {
+                path.push(c);
+                continue;
+            }
+            match chars.next() {
+                Some('n') => path.push_str(node_name),
+                Some(other) => path.push(other),
+                None => path.push('%'),
+            }
+        }
+        PathBuf::from(path)
+    }
+}
+
+/// Validated `[predictor]`: a prior only, replaced by the job's measured curve once the
+/// agent has calibrated it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PredictorConfig {
+    pub pfi_intercept: f64,
+    pub pfi_per_dram_copy_product: f64,
+}
+
+impl Default for PredictorConfig {
+    /// Intercept 1.2, slope 1.5: spans roughly the PFI range the paper measured on H200
+    /// (1.10 to 2.67) as the DRAM copy product goes from 0 to 1. A prior, not a fit to
+    /// any site's jobs.
+    fn default() -> PredictorConfig {
+        PredictorConfig {
+            pfi_intercept: 1.2,
+            pfi_per_dram_copy_product: 1.5,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors.
+// ---------------------------------------------------------------------------------------
+
+/// Why `powerflex.toml` was rejected. `Parse` is toml's own message (with line and
+/// column); every other variant is one validation rule, naming the key path and what
+/// is accepted.
+///
+/// `model` fields hold the model name as it appears in a key path: `H200`, or quoted
+/// (`"H100 NVL"`) when TOML needs quotes. Watt values are plain `f64` watts.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot parse the site config: {message}")]
+    Parse { message: String },
+    #[error("{key} must be a finite number, not {value}")]
+    NotFinite { key: String, value: f64 },
+    #[error("{key} = {value} is out of range; accepted: {accepted}")]
+    OutOfRange {
+        key: String,
+        value: String,
+        accepted: String,
+    },
+    #[error(
+        "unknown facility.policy \"{}\"; accepted: {}",
+        .value.escape_default(), Policy::NAMES.join(", ")
+    )]
+    UnknownPolicy { value: String },
+    #[error("tiers.tier: {0}")]
+    Tiers(FlexError),
+    #[error("tiers.default \"{}\" is not offered; accepted: {accepted}", .name.escape_default())]
+    UnknownDefaultTier { name: String, accepted: String },
+    #[error(
+        "no gpu models configured; add at least one [gpu_models.<NAME>] section, \
+         e.g. [gpu_models.H200]"
+    )]
+    NoGpuModels,
+    #[error(
+        "invalid gpu model name \"{}\"; accepted: 1 to {MAX_GPU_MODEL_NAME_BYTES} printable \
+         ascii characters without leading or trailing spaces, e.g. H200",
+        .name.escape_default()
+    )]
+    InvalidGpuModelName { name: String },
+    #[error(
+        "gpu models \"{}\" and \"{}\" differ only in case; the agent matches names \
+         case-insensitively, keep one",
+        .first.escape_default(), .second.escape_default()
+    )]
+    DuplicateGpuModel { first: String, second: String },
+    #[error("gpu_models.{model}: min_cap_w ({min_cap_w}) must be below max_cap_w ({max_cap_w})")]
+    CapRangeInverted {
+        model: String,
+        min_cap_w: f64,
+        max_cap_w: f64,
+    },
+    #[error(
+        "gpu_models.{model}.calibration_caps_w has {count} caps; accepted: max_cap_w first, \
+         then at least one lower cap, e.g. [700, 600, 500, 400]"
+    )]
+    CalibrationCapsTooFew { model: String, count: usize },
+    #[error(
+        "gpu_models.{model}.calibration_caps_w starts at {first} W; it must start at \
+         max_cap_w ({max_cap_w} W), the uncapped reference point"
+    )]
+    CalibrationCapsMustStartAtMax {
+        model: String,
+        first: f64,
+        max_cap_w: f64,
+    },
+    #[error(
+        "gpu_models.{model}.calibration_caps_w: {cap} W is outside min_cap_w..max_cap_w \
+         ({min_cap_w} to {max_cap_w} W)"
+    )]
+    CalibrationCapOutOfRange {
+        model: String,
+        cap: f64,
+        min_cap_w: f64,
+        max_cap_w: f64,
+    },
+    #[error(
+        "gpu_models.{model}.calibration_caps_w: {cap} W follows {previous} W; caps must be \
+         strictly descending"
+    )]
+    CalibrationCapsNotDescending {
+        model: String,
+        previous: f64,
+        cap: f64,
+    },
+    #[error(
+        "gpu_models.{model}: failsafe_cap_w ({failsafe_cap_w}) must be within min_cap_w..max_cap_w \
+         ({min_cap_w} to {max_cap_w})"
+    )]
+    FailsafeCapOutOfRange {
+        model: String,
+        failsafe_cap_w: f64,
+        min_cap_w: f64,
+        max_cap_w: f64,
+    },
+    #[error(
+        "{key} \"{}\" is not a socket address; accepted: ip:port, e.g. 10.0.0.5:7300 or \
+         [fd00::5]:7300 (host names are not resolved)",
+        .value.escape_default()
+    )]
+    BadSocketAddr { key: String, value: String },
+    #[error(
+        "controller.listen ({addr}) must name one address agents can connect to; use the \
+         controller host's ip, e.g. 10.0.0.5:{}",
+        .addr.port()
+    )]
+    UnspecifiedListen { addr: SocketAddr },
+    #[error(
+        "agent.metrics_listen ({addr}) must be a loopback address, e.g. 127.0.0.1:{} or \
+         [::1]:{}: metrics are served without authentication",
+        .addr.port(), .addr.port()
+    )]
+    MetricsNotLoopback { addr: SocketAddr },
+    #[error(
+        "controller.lease_ttl_s ({lease_ttl_s}) must be at least twice \
+         controller.allocation_period_s ({allocation_period_s}) so one missed renewal does \
+         not expire the leases"
+    )]
+    LeaseTooShort {
+        lease_ttl_s: u64,
+        allocation_period_s: u64,
+    },
+    #[error("{key} is empty; accepted: a path")]
+    EmptyPath { key: String },
+    #[error(
+        "{key} \"{}\" contains control characters; accepted: a plain path",
+        .value.escape_default()
+    )]
+    ControlCharacterInPath { key: String, value: String },
+    #[error(
+        "{key} \"{}\" is not an absolute path; accepted: a path starting with /",
+        .value.escape_default()
+    )]
+    NotAbsolutePath { key: String, value: String },
+    #[error(
+        "agent.socket \"{}\" uses an unknown placeholder %{}; accepted: %n (slurm node name), \
+         %% (a literal %)",
+        .value.escape_default(), .placeholder.escape_default()
+    )]
+    BadSocketPlaceholder { value: String, placeholder: String },
+}
+
+// ---------------------------------------------------------------------------------------
+// Parsing and validation.
+// ---------------------------------------------------------------------------------------
+
+impl SiteConfig {
+    /// Parses and validates the text of `powerflex.toml`.
+    pub fn from_toml_str(text: &str) -> Result<SiteConfig, ConfigError> {
+        RawSiteConfig::from_toml_str(text)?.validate()
+    }
+
+    /// The model config for an NVML device name: the configured names that occur in it,
+    /// case-insensitively, longest first (so `H100 NVL` beats `H100` for
+    /// `NVIDIA H100 NVL`). `None`: powerflex does not manage this GPU model.
+    pub fn gpu_model_for(&self, nvml_device_name: &str) -> Option<&GpuModelConfig> {
+        let device = nvml_device_name.to_ascii_lowercase();
+        self.gpu_models
+            .iter()
+            .filter(|m| device.contains(&m.name.to_ascii_lowercase()))
+            .max_by_key(|m| m.name.len())
+    }
+}
+
+impl RawSiteConfig {
+    /// Parses the text of `powerflex.toml` without validating values.
+    pub fn from_toml_str(text: &str) -> Result<RawSiteConfig, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            message: e.to_string().trim_end().to_string(),
+        })
+    }
+
+    /// Checks every value and cross-field rule; the first violation is returned.
+    pub fn validate(self) -> Result<SiteConfig, ConfigError> {
+        Ok(SiteConfig {
+            facility: validate_facility(self.facility)?,
+            tiers: validate_tiers(self.tiers)?,
+            gpu_models: validate_gpu_models(self.gpu_models)?,
+            controller: validate_controller(self.controller)?,
+            agent: validate_agent(self.agent)?,
+            predictor: validate_predictor(self.predictor)?,
+        })
+    }
+}
+
+fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
+    let gpu_budget_w = positive_watts("facility.gpu_budget_w", raw.gpu_budget_w)?;
+    let policy = match raw.policy {
+        None => Policy::Optimal,
+        Some(name) => Policy::from_name(&name).ok_or(ConfigError::UnknownPolicy { value: name })?,
+    };
+    Ok(FacilityConfig {
+        gpu_budget_w,
+        policy,
+    })
+}
+
+fn validate_tiers(raw: RawTiers) -> Result<TiersConfig, ConfigError> {
+    let allow = raw.allow_max_slowdown.unwrap_or(true);
+    let table = match raw.tier {
+        None => TierTable::default_table().with_max_slowdown(allow),
+        Some(tiers) => TierTable::new(
+            tiers
+                .into_iter()
+                .map(|t| Tier::new(t.name, t.max_slowdown_pct))
+                .collect(),
+            allow,
+        ),
+    }
+    .map_err(ConfigError::Tiers)?;
+    let default = match raw.default.as_deref() {
+        None | Some(UNMANAGED) => Service::Unmanaged,
+        Some(name) => match table.lookup(name) {
+            Some(tier) => Service::Bounded {
+                tier: tier.name.clone(),
+                max_slowdown: tier.max_slowdown,
+            },
+            None => {
+                let mut accepted: Vec<&str> = table.names().collect();
+                accepted.push(UNMANAGED);
+                return Err(ConfigError::UnknownDefaultTier {
+                    name: name.to_string(),
+                    accepted: accepted.join(", "),
+                });
+            }
+        },
+    };
+    Ok(TiersConfig { table, default })
+}
+
+fn validate_gpu_models(
+    raw: BTreeMap<String, RawGpuModel>,
+) -> Result<Vec<GpuModelConfig>, ConfigError> {
+    if raw.is_empty() {
+        return Err(ConfigError::NoGpuModels);
+    }
+    let mut models: Vec<GpuModelConfig> = Vec::with_capacity(raw.len());
+    for (name, model) in raw {
+        let valid_name = !name.is_empty()
+            && name.len() <= MAX_GPU_MODEL_NAME_BYTES
+            && name.bytes().all(|b| (0x20..=0x7e).contains(&b))
+            && name.trim() == name;
+        if !valid_name {
+            return Err(ConfigError::InvalidGpuModelName { name });
+        }
+        if let Some(other) = models.iter().find(|m| m.name.eq_ignore_ascii_case(&name)) {
+            return Err(ConfigError::DuplicateGpuModel {
+                first: other.name.clone(),
+                second: name,
+            });
+        }
+        models.push(validate_gpu_model(name, model)?);
+    }
+    Ok(models)
+}
+
+fn validate_gpu_model(name: String, raw: RawGpuModel) -> Result<GpuModelConfig, ConfigError> {
+    let model = model_key(&name);
+    let key = |field: &str| format!("gpu_models.{model}.{field}");
+    let min = positive_watts(&key("min_cap_w"), raw.min_cap_w)?;
+    let max = positive_watts(&key("max_cap_w"), raw.max_cap_w)?;
+    let step = positive_watts(&key("cap_step_w"), raw.cap_step_w)?;
+    if min.0 >= max.0 {
+        return Err(ConfigError::CapRangeInverted {
+            model,
+            min_cap_w: min.0,
+            max_cap_w: max.0,
+        });
+    }
+    if step.0 > max.0 - min.0 {
+        return Err(ConfigError::OutOfRange {
+            key: key("cap_step_w"),
+            value: step.0.to_string(),
+            accepted: format!(
+                "above 0 and at most max_cap_w - min_cap_w ({} W)",
+                max.0 - min.0
+            ),
+        });
+    }
+
+    let caps = &raw.calibration_caps_w;
+    for (index, cap) in caps.iter().enumerate() {
+        finite(&format!("{}[{index}]", key("calibration_caps_w")), *cap)?;
+    }
+    if caps.len() < 2 {
+        return Err(ConfigError::CalibrationCapsTooFew {
+            model,
+            count: caps.len(),
+        });
+    }
+    if caps.first() != Some(&max.0) {
+        return Err(ConfigError::CalibrationCapsMustStartAtMax {
+            model,
+            first: caps.first().copied().unwrap_or(f64::NAN),
+            max_cap_w: max.0,
+        });
+    }
+    let mut previous: Option<f64> = None;
+    for &cap in caps {
+        if !(min.0..=max.0).contains(&cap) {
+            return Err(ConfigError::CalibrationCapOutOfRange {
+                model,
+                cap,
+                min_cap_w: min.0,
+                max_cap_w: max.0,
+            });
+        }
+        if let Some(previous) = previous.filter(|p| cap >= *p) {
+            return Err(ConfigError::CalibrationCapsNotDescending {
+                model,
+                previous,
+                cap,
+            });
+        }
+        previous = Some(cap);
+    }
+
+    let failsafe = finite(&key("failsafe_cap_w"), raw.failsafe_cap_w)?;
+    if !(min.0..=max.0).contains(&failsafe) {
+        return Err(ConfigError::FailsafeCapOutOfRange {
+            model,
+            failsafe_cap_w: failsafe,
+            min_cap_w: min.0,
+            max_cap_w: max.0,
+        });
+    }
+
+    Ok(GpuModelConfig {
+        name,
+        min_cap_w: min,
+        max_cap_w: max,
+        cap_step_w: step,
+        calibration_caps_w: raw.calibration_caps_w.into_iter().map(Watts).collect(),
+        failsafe_cap_w: Watts(failsafe),
+    })
+}
+
+/// A model name as it appears in a TOML key path: bare if TOML allows it, else quoted.
+fn model_key(name: &str) -> String {
+    let bare = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if bare {
+        name.to_string()
+    } else {
+        format!("\"{}\"", name.escape_default())
+    }
+}
+
+fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigError> {
+    let listen = socket_addr("controller.listen", &raw.listen)?;
+    if listen.ip().is_unspecified() {
+        return Err(ConfigError::UnspecifiedListen { addr: listen });
+    }
+    let lease_ttl_s = raw.lease_ttl_s.unwrap_or(DEFAULT_LEASE_TTL_S);
+    if !LEASE_TTL_RANGE_S.contains(&lease_ttl_s) {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.lease_ttl_s".into(),
+            value: lease_ttl_s.to_string(),
+            accepted: "5 to 3600 seconds".into(),
+        });
+    }
+    let allocation_period_s = raw
+        .allocation_period_s
+        .unwrap_or(DEFAULT_ALLOCATION_PERIOD_S);
+    if !ALLOCATION_PERIOD_RANGE_S.contains(&allocation_period_s) {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.allocation_period_s".into(),
+            value: allocation_period_s.to_string(),
+            accepted: "1 to 600 seconds".into(),
+        });
+    }
+    if lease_ttl_s < allocation_period_s.saturating_mul(2) {
+        return Err(ConfigError::LeaseTooShort {
+            lease_ttl_s,
+            allocation_period_s,
+        });
+    }
+    let key_file = path(
+        "controller.key_file",
+        raw.key_file.as_deref().unwrap_or(DEFAULT_KEY_FILE),
+        true,
+    )?;
+    Ok(ControllerConfig {
+        listen,
+        lease_ttl_s,
+        allocation_period_s,
+        key_file,
+    })
+}
+
+fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
+    let socket = raw
+        .socket
+        .unwrap_or_else(|| DEFAULT_AGENT_SOCKET.to_string());
+    path("agent.socket", &socket, true)?;
+    let mut chars = socket.chars();
+    while let Some(c) = chars.next() {
+        if c == '%' {
+            match chars.next() {
+                Some('n' | '%') => {}
+                other => {
+                    return Err(ConfigError::BadSocketPlaceholder {
+                        placeholder: other.map(String::from).unwrap_or_default(),
+                        value: socket,
+                    })
+                }
+            }
+        }
+    }
+
+    let metrics_listen = match raw.metrics_listen {
+        None => None,
+        Some(text) => {
+            let addr = socket_addr("agent.metrics_listen", &text)?;
+            if !addr.ip().is_loopback() {
+                return Err(ConfigError::MetricsNotLoopback { addr });
+            }
+            Some(addr)
+        }
+    };
+    let nvml_library = match raw.nvml_library {
+        None => None,
+        Some(text) => Some(path("agent.nvml_library", &text, false)?),
+    };
+
+    let key = "agent.calibration_allowance_pct";
+    let allowance_pct = finite(
+        key,
+        raw.calibration_allowance_pct
+            .unwrap_or(DEFAULT_CALIBRATION_ALLOWANCE_PCT),
+    )?;
+    if !CALIBRATION_ALLOWANCE_RANGE_PCT.contains(&allowance_pct) {
+        return Err(ConfigError::OutOfRange {
+            key: key.into(),
+            value: allowance_pct.to_string(),
+            accepted: "0 to 50 percent".into(),
+        });
+    }
+    let node_budget_w = match raw.node_budget_w {
+        None => None,
+        Some(w) => Some(positive_watts("agent.node_budget_w", w)?),
+    };
+    Ok(AgentConfig {
+        socket,
+        metrics_listen,
+        nvml_library,
+        calibration_allowance: SlowdownFraction(allowance_pct / 100.0),
+        node_budget_w,
+    })
+}
+
+fn validate_predictor(raw: RawPredictor) -> Result<PredictorConfig, ConfigError> {
+    let default = PredictorConfig::default();
+    Ok(PredictorConfig {
+        pfi_intercept: finite(
+            "predictor.pfi_intercept",
+            raw.pfi_intercept.unwrap_or(default.pfi_intercept),
+        )?,
+        pfi_per_dram_copy_product: finite(
+            "predictor.pfi_per_dram_copy_product",
+            raw.pfi_per_dram_copy_product
+                .unwrap_or(default.pfi_per_dram_copy_product),
+        )?,
+    })
+}
+
+fn finite(key: &str, value: f64) -> Result<f64, ConfigError> {
+    if value.is_finite() {
+        Ok(value)
+    } else {
+        Err(ConfigError::NotFinite {
+            key: key.to_string(),
+            value,
+        })
+    }
+}
+
+fn positive_watts(key: &str, value: f64) -> Result<Watts, ConfigError> {
+    let value = finite(key, value)?;
+    if value > 0.0 {
+        Ok(Watts(value))
+    } else {
+        Err(ConfigError::OutOfRange {
+            key: key.to_string(),
+            value: value.to_string(),
+            accepted: "a number of watts above 0".into(),
+        })
+    }
+}
+
+fn socket_addr(key: &str, text: &str) -> Result<SocketAddr, ConfigError> {
+    text.parse().map_err(|_| ConfigError::BadSocketAddr {
+        key: key.to_string(),
+        value: text.to_string(),
+    })
+}
+
+fn path(key: &str, text: &str, absolute: bool) -> Result<PathBuf, ConfigError> {
+    if text.is_empty() {
+        return Err(ConfigError::EmptyPath {
+            key: key.to_string(),
+        });
+    }
+    if text.chars().any(char::is_control) {
+        return Err(ConfigError::ControlCharacterInPath {
+            key: key.to_string(),
+            value: text.to_string(),
+        });
+    }
+    if absolute && !text.starts_with('/') {
+        return Err(ConfigError::NotAbsolutePath {
+            key: key.to_string(),
+            value: text.to_string(),
+        });
+    }
+    Ok(PathBuf::from(text))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../../slurm-conf/powerflex.toml");
+
+    const MINIMAL: &str = r#"
+[facility]
+gpu_budget_w = 120000
+
+[gpu_models.H200]
+min_cap_w = 200
+max_cap_w = 700
+cap_step_w = 10
+calibration_caps_w = [700, 600, 500, 400]
+failsafe_cap_w = 500
+
+[controller]
+listen = "10.0.0.5:7300"
+"#;
+
+    /// `MINIMAL` with `old` replaced by `new` (which must change something).
+    fn edited(old: &str, new: &str) -> String {
+        assert!(MINIMAL.contains(old), "{old:?} not in MINIMAL");
+        MINIMAL.replacen(old, new, 1)
+    }
+
+    /// `MINIMAL` with `extra` appended.
+    fn plus(extra: &str) -> String {
+        format!("{MINIMAL}\n{extra}\n")
+    }
+
+    fn parse_error(text: &str) -> String {
+        match SiteConfig::from_toml_str(text) {
+            Err(ConfigError::Parse { message }) => message,
+            other => panic!("expected a parse error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn example_config_parses_and_validates() {
+        let config = SiteConfig::from_toml_str(EXAMPLE).unwrap();
+        assert_eq!(config.gpu_models.len(), 1);
+        let h200 = config.gpu_model_for("NVIDIA H200").unwrap();
+        assert_eq!(h200.max_cap_w, Watts(700.0));
+        assert!(config.facility.gpu_budget_w.0 > 0.0);
+        // The fail-safe cap on every GPU of the example site fits its budget.
+        let gpus = 24.0 * 8.0;
+        assert!(h200.failsafe_cap_w.0 * gpus <= config.facility.gpu_budget_w.0);
+        // Every key the example documents is set explicitly, not left to a default.
+        let raw = RawSiteConfig::from_toml_str(EXAMPLE).unwrap();
+        assert!(raw.facility.policy.is_some());
+        assert!(raw.tiers.default.is_some() && raw.tiers.allow_max_slowdown.is_some());
+        assert!(raw.tiers.tier.is_some());
+        let c = &raw.controller;
+        assert!(c.lease_ttl_s.is_some() && c.allocation_period_s.is_some());
+        assert!(c.key_file.is_some());
+        let a = &raw.agent;
+        assert!(a.socket.is_some() && a.metrics_listen.is_some() && a.nvml_library.is_some());
+        assert!(a.calibration_allowance_pct.is_some());
+        // Standalone mode is documented but left off: this site runs a controller.
+        assert!(a.node_budget_w.is_none() && EXAMPLE.contains("# node_budget_w = "));
+        let p = &raw.predictor;
+        assert!(p.pfi_intercept.is_some() && p.pfi_per_dram_copy_product.is_some());
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let config = SiteConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(
+            config,
+            SiteConfig {
+                facility: FacilityConfig {
+                    gpu_budget_w: Watts(120_000.0),
+                    policy: Policy::Optimal,
+                },
+                tiers: TiersConfig {
+                    table: TierTable::default_table(),
+                    default: Service::Unmanaged,
+                },
+                gpu_models: vec![GpuModelConfig {
+                    name: "H200".into(),
+                    min_cap_w: Watts(200.0),
+                    max_cap_w: Watts(700.0),
+                    cap_step_w: Watts(10.0),
+                    calibration_caps_w: vec![
+                        Watts(700.0),
+                        Watts(600.0),
+                        Watts(500.0),
+                        Watts(400.0)
+                    ],
+                    failsafe_cap_w: Watts(500.0),
+                }],
+                controller: ControllerConfig {
+                    listen: "10.0.0.5:7300".parse().unwrap(),
+                    lease_ttl_s: 60,
+                    allocation_period_s: 10,
+                    key_file: PathBuf::from("/etc/slurm/powerflex.key"),
+                },
+                agent: AgentConfig {
+                    socket: "/run/powerflex/%n.sock".into(),
+                    metrics_listen: None,
+                    nvml_library: None,
+                    calibration_allowance: SlowdownFraction(0.05),
+                    node_budget_w: None,
+                },
+                predictor: PredictorConfig {
+                    pfi_intercept: 1.2,
+                    pfi_per_dram_copy_product: 1.5,
+                },
+            }
+        );
+        assert_eq!(config.controller.lease_ttl(), Duration::from_secs(60));
+        assert_eq!(
+            config.controller.allocation_period(),
+            Duration::from_secs(10)
+        );
+    }
+
+    #[test]
+    fn accepted_values_are_typed() {
+        let text = plus(
+            r#"
+[tiers]
+default = "silver"
+allow_max_slowdown = false
+[[tiers.tier]]
+name = "gold"
+max_slowdown_pct = 0
+[[tiers.tier]]
+name = "silver"
+max_slowdown_pct = 12.5
+
+[gpu_models."H100 NVL"]
+min_cap_w = 200.0
+max_cap_w = 400.0
+cap_step_w = 5
+calibration_caps_w = [400, 300]
+failsafe_cap_w = 200
+
+[agent]
+socket = "/run/pf/%n-100%%.sock"
+metrics_listen = "[::1]:9464"
+node_budget_w = 5600
+"#,
+        )
+        .replace(
+            "[controller]",
+            "[controller]\nlease_ttl_s = 20\nallocation_period_s = 10",
+        );
+        let config = SiteConfig::from_toml_str(&text).unwrap();
+        assert_eq!(
+            config.tiers.default,
+            Service::Bounded {
+                tier: "silver".into(),
+                max_slowdown: SlowdownFraction(0.125)
+            }
+        );
+        assert!(!config.tiers.table.allows_max_slowdown());
+        assert_eq!(config.controller.lease_ttl_s, 20);
+        assert_eq!(
+            config.agent.socket_path("gpu017"),
+            PathBuf::from("/run/pf/gpu017-100%.sock")
+        );
+        assert_eq!(
+            config.agent.metrics_listen,
+            Some("[::1]:9464".parse().unwrap())
+        );
+        assert_eq!(config.agent.node_budget_w, Some(Watts(5600.0)));
+        let names: Vec<_> = config.gpu_models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["H100 NVL", "H200"]);
+        for policy in Policy::NAMES {
+            let text = edited(
+                "gpu_budget_w = 120000",
+                &format!("gpu_budget_w = 120000\npolicy = \"{policy}\""),
+            );
+            let config = SiteConfig::from_toml_str(&text).unwrap();
+            assert_eq!(config.facility.policy.name(), policy);
+        }
+    }
+
+    #[test]
+    fn gpu_models_match_nvml_names() {
+        let text = plus(
+            r#"
+[gpu_models.h100]
+min_cap_w = 200
+max_cap_w = 700
+cap_step_w = 10
+calibration_caps_w = [700, 500]
+failsafe_cap_w = 400
+[gpu_models."H100 NVL"]
+min_cap_w = 200
+max_cap_w = 400
+cap_step_w = 10
+calibration_caps_w = [400, 300]
+failsafe_cap_w = 300
+"#,
+        );
+        let config = SiteConfig::from_toml_str(&text).unwrap();
+        let name = |device: &str| config.gpu_model_for(device).map(|m| m.name.as_str());
+        assert_eq!(name("NVIDIA H200"), Some("H200"));
+        assert_eq!(name("nvidia h200 nvl"), Some("H200"));
+        assert_eq!(name("NVIDIA H100 80GB HBM3"), Some("h100"));
+        assert_eq!(name("NVIDIA H100 NVL"), Some("H100 NVL"));
+        assert_eq!(name("NVIDIA A100-SXM4-80GB"), None);
+    }
+
+    #[test]
+    fn rejects_each_validation_error() {
+        let bad_tier = |extra: &str| plus(&format!("[tiers]\n{extra}"));
+        let cases: Vec<(String, ConfigError)> = vec![
+            (
+                edited("gpu_budget_w = 120000", "gpu_budget_w = 0"),
+                ConfigError::OutOfRange {
+                    key: "facility.gpu_budget_w".into(),
+                    value: "0".into(),
+                    accepted: "a number of watts above 0".into(),
+                },
+            ),
+            (
+                edited("gpu_budget_w = 120000", "gpu_budget_w = -5.5"),
+                ConfigError::OutOfRange {
+                    key: "facility.gpu_budget_w".into(),
+                    value: "-5.5".into(),
+                    accepted: "a number of watts above 0".into(),
+                },
+            ),
+            (
+                edited("gpu_budget_w = 120000", "gpu_budget_w = inf"),
+                ConfigError::NotFinite {
+                    key: "facility.gpu_budget_w".into(),
+                    value: f64::INFINITY,
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\npolicy = \"greedy\"",
+                ),
+                ConfigError::UnknownPolicy {
+                    value: "greedy".into(),
+                },
+            ),
+            (
+                bad_tier("default = \"flex9\""),
+                ConfigError::UnknownDefaultTier {
+                    name: "flex9".into(),
+                    accepted: "flex0, flex1, flex2, flex3, none".into(),
+                },
+            ),
+            (
+                bad_tier("[[tiers.tier]]\nname = \"Gold\"\nmax_slowdown_pct = 5"),
+                ConfigError::Tiers(FlexError::InvalidTierName {
+                    name: "Gold".into(),
+                }),
+            ),
+            (
+                bad_tier("[[tiers.tier]]\nname = \"none\"\nmax_slowdown_pct = 5"),
+                ConfigError::Tiers(FlexError::ReservedTierName {
+                    name: "none".into(),
+                }),
+            ),
+            (
+                bad_tier(
+                    "[[tiers.tier]]\nname = \"a\"\nmax_slowdown_pct = 5\n\
+                     [[tiers.tier]]\nname = \"a\"\nmax_slowdown_pct = 6",
+                ),
+                ConfigError::Tiers(FlexError::DuplicateTier { name: "a".into() }),
+            ),
+            (
+                bad_tier("[[tiers.tier]]\nname = \"a\"\nmax_slowdown_pct = 150"),
+                ConfigError::Tiers(FlexError::TierSlowdownOutOfRange {
+                    name: "a".into(),
+                    max_slowdown_pct: 150.0,
+                }),
+            ),
+            (
+                bad_tier("allow_max_slowdown = false\ntier = []"),
+                ConfigError::Tiers(FlexError::NoTiers),
+            ),
+            (
+                "[facility]\ngpu_budget_w = 1\n[controller]\nlisten = \"10.0.0.5:7300\"\n"
+                    .to_string(),
+                ConfigError::NoGpuModels,
+            ),
+            (
+                edited("[gpu_models.H200]", "[gpu_models.\" H200\"]"),
+                ConfigError::InvalidGpuModelName {
+                    name: " H200".into(),
+                },
+            ),
+            (
+                edited("[gpu_models.H200]", "[gpu_models.\"H200\\u0007\"]"),
+                ConfigError::InvalidGpuModelName {
+                    name: "H200\u{7}".into(),
+                },
+            ),
+            (
+                edited("[gpu_models.H200]", "[gpu_models.\"\"]"),
+                ConfigError::InvalidGpuModelName { name: "".into() },
+            ),
+            (
+                plus(
+                    "[gpu_models.h200]\nmin_cap_w = 200\nmax_cap_w = 700\ncap_step_w = 10\n\
+                     calibration_caps_w = [700, 600]\nfailsafe_cap_w = 500",
+                ),
+                ConfigError::DuplicateGpuModel {
+                    first: "H200".into(),
+                    second: "h200".into(),
+                },
+            ),
+            (
+                edited("min_cap_w = 200", "min_cap_w = 800"),
+                ConfigError::CapRangeInverted {
+                    model: "H200".into(),
+                    min_cap_w: 800.0,
+                    max_cap_w: 700.0,
+                },
+            ),
+            (
+                edited("min_cap_w = 200", "min_cap_w = 0"),
+                ConfigError::OutOfRange {
+                    key: "gpu_models.H200.min_cap_w".into(),
+                    value: "0".into(),
+                    accepted: "a number of watts above 0".into(),
+                },
+            ),
+            (
+                edited("max_cap_w = 700", "max_cap_w = nan"),
+                ConfigError::NotFinite {
+                    key: "gpu_models.H200.max_cap_w".into(),
+                    value: f64::NAN,
+                },
+            ),
+            (
+                edited("cap_step_w = 10", "cap_step_w = 0"),
+                ConfigError::OutOfRange {
+                    key: "gpu_models.H200.cap_step_w".into(),
+                    value: "0".into(),
+                    accepted: "a number of watts above 0".into(),
+                },
+            ),
+            (
+                edited("cap_step_w = 10", "cap_step_w = 600"),
+                ConfigError::OutOfRange {
+                    key: "gpu_models.H200.cap_step_w".into(),
+                    value: "600".into(),
+                    accepted: "above 0 and at most max_cap_w - min_cap_w (500 W)".into(),
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[700]"),
+                ConfigError::CalibrationCapsTooFew {
+                    model: "H200".into(),
+                    count: 1,
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[]"),
+                ConfigError::CalibrationCapsTooFew {
+                    model: "H200".into(),
+                    count: 0,
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[600, 500]"),
+                ConfigError::CalibrationCapsMustStartAtMax {
+                    model: "H200".into(),
+                    first: 600.0,
+                    max_cap_w: 700.0,
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[700, 100]"),
+                ConfigError::CalibrationCapOutOfRange {
+                    model: "H200".into(),
+                    cap: 100.0,
+                    min_cap_w: 200.0,
+                    max_cap_w: 700.0,
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[700, 500, 600]"),
+                ConfigError::CalibrationCapsNotDescending {
+                    model: "H200".into(),
+                    previous: 500.0,
+                    cap: 600.0,
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[700, 500, 500]"),
+                ConfigError::CalibrationCapsNotDescending {
+                    model: "H200".into(),
+                    previous: 500.0,
+                    cap: 500.0,
+                },
+            ),
+            (
+                edited("[700, 600, 500, 400]", "[700, -inf]"),
+                ConfigError::NotFinite {
+                    key: "gpu_models.H200.calibration_caps_w[1]".into(),
+                    value: f64::NEG_INFINITY,
+                },
+            ),
+            (
+                edited("failsafe_cap_w = 500", "failsafe_cap_w = 150"),
+                ConfigError::FailsafeCapOutOfRange {
+                    model: "H200".into(),
+                    failsafe_cap_w: 150.0,
+                    min_cap_w: 200.0,
+                    max_cap_w: 700.0,
+                },
+            ),
+            (
+                edited("\"10.0.0.5:7300\"", "\"ctl.example.org:7300\""),
+                ConfigError::BadSocketAddr {
+                    key: "controller.listen".into(),
+                    value: "ctl.example.org:7300".into(),
+                },
+            ),
+            (
+                edited("\"10.0.0.5:7300\"", "\"10.0.0.5\""),
+                ConfigError::BadSocketAddr {
+                    key: "controller.listen".into(),
+                    value: "10.0.0.5".into(),
+                },
+            ),
+            (
+                edited("\"10.0.0.5:7300\"", "\"0.0.0.0:7300\""),
+                ConfigError::UnspecifiedListen {
+                    addr: "0.0.0.0:7300".parse().unwrap(),
+                },
+            ),
+            (
+                plus("lease_ttl_s = 4"),
+                ConfigError::OutOfRange {
+                    key: "controller.lease_ttl_s".into(),
+                    value: "4".into(),
+                    accepted: "5 to 3600 seconds".into(),
+                },
+            ),
+            (
+                plus("lease_ttl_s = 3601"),
+                ConfigError::OutOfRange {
+                    key: "controller.lease_ttl_s".into(),
+                    value: "3601".into(),
+                    accepted: "5 to 3600 seconds".into(),
+                },
+            ),
+            (
+                plus("allocation_period_s = 0"),
+                ConfigError::OutOfRange {
+                    key: "controller.allocation_period_s".into(),
+                    value: "0".into(),
+                    accepted: "1 to 600 seconds".into(),
+                },
+            ),
+            (
+                plus("allocation_period_s = 40"),
+                ConfigError::LeaseTooShort {
+                    lease_ttl_s: 60,
+                    allocation_period_s: 40,
+                },
+            ),
+            (
+                plus("key_file = \"\""),
+                ConfigError::EmptyPath {
+                    key: "controller.key_file".into(),
+                },
+            ),
+            (
+                plus("key_file = \"powerflex.key\""),
+                ConfigError::NotAbsolutePath {
+                    key: "controller.key_file".into(),
+                    value: "powerflex.key".into(),
+                },
+            ),
+            (
+                plus("key_file = \"/etc/pf\\n.key\""),
+                ConfigError::ControlCharacterInPath {
+                    key: "controller.key_file".into(),
+                    value: "/etc/pf\n.key".into(),
+                },
+            ),
+            (
+                plus("[agent]\nsocket = \"run/%n.sock\""),
+                ConfigError::NotAbsolutePath {
+                    key: "agent.socket".into(),
+                    value: "run/%n.sock".into(),
+                },
+            ),
+            (
+                plus("[agent]\nsocket = \"/run/%h.sock\""),
+                ConfigError::BadSocketPlaceholder {
+                    value: "/run/%h.sock".into(),
+                    placeholder: "h".into(),
+                },
+            ),
+            (
+                plus("[agent]\nsocket = \"/run/pf%\""),
+                ConfigError::BadSocketPlaceholder {
+                    value: "/run/pf%".into(),
+                    placeholder: "".into(),
+                },
+            ),
+            (
+                plus("[agent]\nmetrics_listen = \"0.0.0.0:9464\""),
+                ConfigError::MetricsNotLoopback {
+                    addr: "0.0.0.0:9464".parse().unwrap(),
+                },
+            ),
+            (
+                plus("[agent]\nmetrics_listen = \"localhost:9464\""),
+                ConfigError::BadSocketAddr {
+                    key: "agent.metrics_listen".into(),
+                    value: "localhost:9464".into(),
+                },
+            ),
+            (
+                plus("[agent]\nnvml_library = \"\""),
+                ConfigError::EmptyPath {
+                    key: "agent.nvml_library".into(),
+                },
+            ),
+            (
+                plus("[agent]\ncalibration_allowance_pct = 51"),
+                ConfigError::OutOfRange {
+                    key: "agent.calibration_allowance_pct".into(),
+                    value: "51".into(),
+                    accepted: "0 to 50 percent".into(),
+                },
+            ),
+            (
+                plus("[agent]\ncalibration_allowance_pct = -1"),
+                ConfigError::OutOfRange {
+                    key: "agent.calibration_allowance_pct".into(),
+                    value: "-1".into(),
+                    accepted: "0 to 50 percent".into(),
+                },
+            ),
+            (
+                plus("[agent]\nnode_budget_w = 0"),
+                ConfigError::OutOfRange {
+                    key: "agent.node_budget_w".into(),
+                    value: "0".into(),
+                    accepted: "a number of watts above 0".into(),
+                },
+            ),
+            (
+                plus("[predictor]\npfi_intercept = nan"),
+                ConfigError::NotFinite {
+                    key: "predictor.pfi_intercept".into(),
+                    value: f64::NAN,
+                },
+            ),
+            (
+                plus("[predictor]\npfi_per_dram_copy_product = inf"),
+                ConfigError::NotFinite {
+                    key: "predictor.pfi_per_dram_copy_product".into(),
+                    value: f64::INFINITY,
+                },
+            ),
+        ];
+        for (text, expected) in cases {
+            let got = SiteConfig::from_toml_str(&text);
+            // NaN != NaN, so compare NaN-carrying variants by their message.
+            match (&got, &expected) {
+                (Err(e), ConfigError::NotFinite { value, .. }) if value.is_nan() => {
+                    assert_eq!(e.to_string(), expected.to_string(), "config:\n{text}");
+                    assert!(matches!(e, ConfigError::NotFinite { .. }));
+                }
+                _ => assert_eq!(got, Err(expected), "config:\n{text}"),
+            }
+        }
+    }
+
+    #[test]
+    fn exact_validation_messages() {
+        let message = |text: &str| SiteConfig::from_toml_str(text).unwrap_err().to_string();
+        assert_eq!(
+            message(&edited("min_cap_w = 200", "min_cap_w = 800")),
+            "gpu_models.H200: min_cap_w (800) must be below max_cap_w (700)"
+        );
+        assert_eq!(
+            message(&edited(
+                "gpu_budget_w = 120000",
+                "gpu_budget_w = 1\npolicy = \"greedy\""
+            )),
+            "unknown facility.policy \"greedy\"; accepted: optimal, equal, pfi-proportional"
+        );
+        assert_eq!(
+            message(&plus("[agent]\nmetrics_listen = \"10.1.2.3:9464\"")),
+            "agent.metrics_listen (10.1.2.3:9464) must be a loopback address, e.g. \
+             127.0.0.1:9464 or [::1]:9464: metrics are served without authentication"
+        );
+        assert_eq!(
+            message(
+                &edited("[gpu_models.H200]", "[gpu_models.\"H200 NVL\"]")
+                    .replace("failsafe_cap_w = 500", "failsafe_cap_w = 900")
+            ),
+            "gpu_models.\"H200 NVL\": failsafe_cap_w (900) must be within min_cap_w..max_cap_w \
+             (200 to 700)"
+        );
+        assert_eq!(
+            message(&plus("[tiers]\ndefault = \"gold\"")),
+            "tiers.default \"gold\" is not offered; accepted: flex0, flex1, flex2, flex3, none"
+        );
+        for text in [
+            edited("min_cap_w = 200", "min_cap_w = 800"),
+            plus("lease_ttl_s = 4"),
+            plus("[tiers]\ndefault = \"gold\""),
+        ] {
+            let m = message(&text);
+            assert!(
+                !m.ends_with('.') && !m.starts_with(char::is_uppercase),
+                "{m}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_keys_are_parse_errors_at_every_level() {
+        let cases = [
+            plus("unknown_top = 1"),
+            // Appending to MINIMAL lands in [controller].
+            plus("budget_kw = 1"),
+            edited(
+                "gpu_budget_w = 120000",
+                "gpu_budget_w = 120000\nbudget_kw = 1",
+            ),
+            plus("[tiers]\nallow_maxslowdown = true"),
+            plus("[[tiers.tier]]\nname = \"a\"\nmax_slowdown_pct = 5\nmax_slowdown = 0.05"),
+            edited("failsafe_cap_w = 500", "failsafe_cap_w = 500\ntdp_w = 700"),
+            plus("[agent]\nsockets = \"/run/x\""),
+            plus("[predictor]\npfi_slope = 1"),
+            plus("[extra]\nx = 1"),
+        ];
+        for text in cases {
+            let message = parse_error(&text);
+            assert!(message.contains("unknown field"), "{message}");
+            assert!(message.contains("line"), "{message}");
+        }
+    }
+
+    #[test]
+    fn wrong_types_and_missing_keys_are_parse_errors() {
+        let cases = [
+            edited("gpu_budget_w = 120000", "gpu_budget_w = \"120kW\""),
+            plus("lease_ttl_s = 60.5"),
+            plus("lease_ttl_s = -60"),
+            plus("lease_ttl_s = \"60\""),
+            edited("[700, 600, 500, 400]", "\"700,600\""),
+            edited("[700, 600, 500, 400]", "[700, \"600\"]"),
+            plus("[tiers]\nallow_max_slowdown = \"yes\""),
+            plus("[agent]\nmetrics_listen = 9464"),
+            plus("[agent]\nnode_budget_w = \"5kW\""),
+            "not toml at all [".to_string(),
+            String::new(),
+        ];
+        for text in cases {
+            parse_error(&text);
+        }
+        let missing = [
+            (edited("gpu_budget_w = 120000", ""), "gpu_budget_w"),
+            (edited("min_cap_w = 200", ""), "min_cap_w"),
+            (edited("max_cap_w = 700", ""), "max_cap_w"),
+            (edited("cap_step_w = 10", ""), "cap_step_w"),
+            (
+                edited("calibration_caps_w = [700, 600, 500, 400]", ""),
+                "calibration_caps_w",
+            ),
+            (edited("failsafe_cap_w = 500", ""), "failsafe_cap_w"),
+            (edited("listen = \"10.0.0.5:7300\"", ""), "listen"),
+            (plus("[[tiers.tier]]\nname = \"a\""), "max_slowdown_pct"),
+            (edited("[facility]\ngpu_budget_w = 120000", ""), "facility"),
+            (
+                edited("[controller]\nlisten = \"10.0.0.5:7300\"", ""),
+                "controller",
+            ),
+        ];
+        for (text, field) in missing {
+            let message = parse_error(&text);
+            assert!(
+                message.contains("missing field") && message.contains(field),
+                "{field}: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn arbitrary_text_never_panics() {
+        use proptest::prelude::*;
+        proptest!(|(text in any::<String>())| {
+            let _ = SiteConfig::from_toml_str(&text);
+        });
+        proptest!(|(value in any::<f64>(), key in prop_oneof![
+            Just("gpu_budget_w = 120000"),
+            Just("min_cap_w = 200"),
+            Just("max_cap_w = 700"),
+            Just("cap_step_w = 10"),
+            Just("failsafe_cap_w = 500"),
+        ])| {
+            let name = key.split(' ').next().unwrap_or_default();
+            let text = edited(key, &format!("{name} = {value:?}"));
+            let _ = SiteConfig::from_toml_str(&text);
+        });
+    }
+}

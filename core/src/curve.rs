@@ -1,0 +1,756 @@
+//! Power–throughput curves: what a job draws and how fast it runs at each per-GPU cap.
+//!
+//! A [`CapCurve`] is piecewise linear in the cap between knots. Between two measured caps
+//! both power and throughput are interpolated linearly, so in the (power, throughput)
+//! plane the curve is the polyline through the knots. Outside the knots it is flat: below
+//! the lowest knot a job is assumed to draw (and run) exactly as at that knot — a job never
+//! draws less than its power at its lowest known cap, so no policy can bank savings that
+//! were never measured; above the highest knot it runs uncapped.
+//!
+//! [`estimate_curve`] turns sparse, noisy calibration points into a curve that is monotone
+//! (throughput and power never rise as the cap falls) and concave in (power, throughput)
+//! where the noise allows; [`estimate_population`] additionally shrinks each job's shape
+//! toward the population's, by how much its own points can be trusted. That shrinkage is
+//! what keeps the optimiser from chasing noise: a job whose points cannot be told apart
+//! from the average is treated as average, and a set of average jobs is allocated exactly
+//! as the equal-weight baseline would allocate it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::units::Watts;
+
+/// One operating point of a job: at per-GPU cap `cap_w`, the job's GPUs together drew
+/// `power_w` and the job ran at `throughput` (tokens/s or steps/s, as the job reports).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OperatingPoint {
+    /// Per-GPU power cap, W.
+    pub cap_w: Watts,
+    /// The job's summed realised GPU power at that cap, W.
+    pub power_w: Watts,
+    /// The job's throughput at that cap, in the job's own unit (tokens/s or steps/s).
+    pub throughput: f64,
+}
+
+/// Where a curve's numbers came from; consumers label results accordingly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CurveSource {
+    /// Measured points taken as exact (offline files, the evaluation's true curves).
+    Measured,
+    /// Fitted from noisy calibration points.
+    Estimated,
+    /// Built from a PFI alone (telemetry predictor or a site default): a guess.
+    Prior,
+}
+
+/// Why a set of points does not make a curve.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CurveError {
+    #[error("a curve needs at least one point")]
+    Empty,
+    #[error("point at cap {cap_w} W has a non-finite or non-positive value (cap, power and throughput must be > 0)")]
+    NotPositive { cap_w: f64 },
+    #[error("cap {cap_w} W appears twice; each cap may be measured once")]
+    DuplicateCap { cap_w: f64 },
+    #[error("a PFI prior needs PFI > 0, P_max > 0 and T_max > 0 (got PFI {pfi}, P_max {p_max_w} W, T_max {t_max})")]
+    BadPrior { pfi: f64, p_max_w: f64, t_max: f64 },
+}
+
+/// A job's power and throughput as functions of its per-GPU cap.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CapCurve {
+    knots: Vec<OperatingPoint>,
+    source: CurveSource,
+    /// One standard deviation of the throughput estimate, as a fraction of uncapped
+    /// throughput (0 for exact curves).
+    relative_uncertainty: f64,
+}
+
+impl CapCurve {
+    /// A curve through `points` taken as exact (sorted by cap; caps must be unique).
+    pub fn from_points(points: &[OperatingPoint]) -> Result<CapCurve, CurveError> {
+        CapCurve::with_source(points, CurveSource::Measured, 0.0)
+    }
+
+    /// A curve through `points` with a stated source and uncertainty.
+    pub fn with_source(
+        points: &[OperatingPoint],
+        source: CurveSource,
+        relative_uncertainty: f64,
+    ) -> Result<CapCurve, CurveError> {
+        if points.is_empty() {
+            return Err(CurveError::Empty);
+        }
+        for p in points {
+            let ok = |x: f64| x.is_finite() && x > 0.0;
+            if !(ok(p.cap_w.0) && ok(p.power_w.0) && ok(p.throughput)) {
+                return Err(CurveError::NotPositive { cap_w: p.cap_w.0 });
+            }
+        }
+        let mut knots = points.to_vec();
+        knots.sort_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0));
+        for pair in knots.windows(2) {
+            if pair[0].cap_w.0 == pair[1].cap_w.0 {
+                return Err(CurveError::DuplicateCap {
+                    cap_w: pair[0].cap_w.0,
+                });
+            }
+        }
+        Ok(CapCurve {
+            knots,
+            source,
+            relative_uncertainty,
+        })
+    }
+
+    /// A prior curve for a job known only by its uncapped point and PFI: power follows the
+    /// cap (P = P_max · cap / max_cap, never above P_max) and throughput loses
+    /// `(1 − P/P_max) / PFI`, so the curve's PFI on any grid is exactly `pfi`. Knots every
+    /// `step_w` from `min_cap` to `max_cap`.
+    pub fn from_pfi_prior(
+        p_max: Watts,
+        t_max: f64,
+        pfi: f64,
+        min_cap: Watts,
+        max_cap: Watts,
+        knot_step: Watts,
+    ) -> Result<CapCurve, CurveError> {
+        let valid = |x: f64| x.is_finite() && x > 0.0;
+        if !(valid(pfi) && valid(p_max.0) && valid(t_max)) {
+            return Err(CurveError::BadPrior {
+                pfi,
+                p_max_w: p_max.0,
+                t_max,
+            });
+        }
+        let step = knot_step.0.max(1.0);
+        let mut knots = Vec::new();
+        let mut cap = max_cap.0;
+        while cap > min_cap.0 + 1e-9 {
+            knots.push(prior_point(p_max, t_max, pfi, Watts(cap), max_cap));
+            cap -= step;
+        }
+        knots.push(prior_point(p_max, t_max, pfi, min_cap, max_cap));
+        CapCurve::with_source(&knots, CurveSource::Prior, 0.25)
+    }
+
+    pub fn knots(&self) -> &[OperatingPoint] {
+        &self.knots
+    }
+
+    pub fn source(&self) -> CurveSource {
+        self.source
+    }
+
+    pub fn relative_uncertainty(&self) -> f64 {
+        self.relative_uncertainty
+    }
+
+    /// The uncapped point: the highest cap known.
+    pub fn uncapped(&self) -> OperatingPoint {
+        // `knots` is never empty (checked at construction).
+        self.knots[self.knots.len() - 1]
+    }
+
+    /// The lowest cap known.
+    pub fn lowest(&self) -> OperatingPoint {
+        self.knots[0]
+    }
+
+    /// Power and throughput at per-GPU cap `cap` (flat outside the knots).
+    pub fn at(&self, cap: Watts) -> OperatingPoint {
+        let c = cap.0;
+        let first = self.knots[0];
+        let last = self.uncapped();
+        if c <= first.cap_w.0 {
+            return OperatingPoint {
+                cap_w: cap,
+                ..first
+            };
+        }
+        if c >= last.cap_w.0 {
+            return OperatingPoint { cap_w: cap, ..last };
+        }
+        // First knot with cap >= c; it exists and is > 0 because first.cap < c < last.cap.
+        let hi = self.knots.partition_point(|k| k.cap_w.0 < c);
+        let (a, b) = (self.knots[hi - 1], self.knots[hi]);
+        let f = (c - a.cap_w.0) / (b.cap_w.0 - a.cap_w.0);
+        OperatingPoint {
+            cap_w: cap,
+            power_w: Watts(a.power_w.0 + f * (b.power_w.0 - a.power_w.0)),
+            throughput: a.throughput + f * (b.throughput - a.throughput),
+        }
+    }
+
+    /// The PFI of the knots (Eq. 1).
+    pub fn pfi(&self) -> Option<f64> {
+        crate::pfi::pfi(&self.knots)
+    }
+}
+
+fn prior_point(p_max: Watts, t_max: f64, pfi: f64, cap: Watts, max_cap: Watts) -> OperatingPoint {
+    let power = (p_max.0 * cap.0 / max_cap.0).min(p_max.0);
+    let power_cut = 1.0 - power / p_max.0;
+    let throughput = t_max * (1.0 - power_cut / pfi).max(0.01);
+    OperatingPoint {
+        cap_w: cap,
+        power_w: Watts(power),
+        throughput,
+    }
+}
+
+/// Weighted pool-adjacent-violators: the non-decreasing sequence closest to `values` in
+/// weighted least squares.
+pub(crate) fn isotonic_non_decreasing(values: &[f64], weights: &[f64]) -> Vec<f64> {
+    // Blocks of (weighted mean, total weight, count).
+    let mut blocks: Vec<(f64, f64, usize)> = Vec::with_capacity(values.len());
+    for (&v, &w) in values.iter().zip(weights) {
+        blocks.push((v, w, 1));
+        while blocks.len() >= 2 {
+            let n = blocks.len();
+            let (m2, w2, c2) = blocks[n - 1];
+            let (m1, w1, c1) = blocks[n - 2];
+            if m1 <= m2 {
+                break;
+            }
+            let w = w1 + w2;
+            let mean = if w > 0.0 {
+                (m1 * w1 + m2 * w2) / w
+            } else {
+                (m1 + m2) / 2.0
+            };
+            blocks.truncate(n - 2);
+            blocks.push((mean, w, c1 + c2));
+        }
+    }
+    blocks
+        .into_iter()
+        .flat_map(|(m, _, c)| std::iter::repeat_n(m, c))
+        .collect()
+}
+
+/// Turns one job's calibration points (possibly repeated caps, noisy) into a curve.
+///
+/// `relative_noise` is one standard deviation of a single reading of power or throughput,
+/// as a fraction (the agent measures it from the spread of its steady-state samples).
+/// Steps: average repeated caps; force power and throughput to be non-decreasing in the
+/// cap (isotonic regression); then make throughput concave in power — the slope
+/// dT/dP may only fall as power rises — when the concave fit stays within 2.5 σ of every
+/// point, i.e. where the data allow it.
+pub fn estimate_curve(
+    observations: &[OperatingPoint],
+    relative_noise: f64,
+) -> Result<CapCurve, CurveError> {
+    finish_curve(average_readings(observations)?, relative_noise)
+}
+
+/// Calibration readings with repeated caps averaged, sorted by cap.
+#[derive(Debug, Clone)]
+struct Readings {
+    caps: Vec<f64>,
+    power: Vec<f64>,
+    throughput: Vec<f64>,
+    /// Readings averaged into each entry.
+    weight: Vec<f64>,
+}
+
+fn average_readings(observations: &[OperatingPoint]) -> Result<Readings, CurveError> {
+    if observations.is_empty() {
+        return Err(CurveError::Empty);
+    }
+    for p in observations {
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        if !(ok(p.cap_w.0) && ok(p.power_w.0) && ok(p.throughput)) {
+            return Err(CurveError::NotPositive { cap_w: p.cap_w.0 });
+        }
+    }
+    let mut sorted = observations.to_vec();
+    sorted.sort_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0));
+    let mut r = Readings {
+        caps: Vec::new(),
+        power: Vec::new(),
+        throughput: Vec::new(),
+        weight: Vec::new(),
+    };
+    for p in &sorted {
+        match r.caps.last() {
+            Some(&last) if (last - p.cap_w.0).abs() < 1e-9 => {
+                let i = r.caps.len() - 1;
+                let w = r.weight[i];
+                r.power[i] = (r.power[i] * w + p.power_w.0) / (w + 1.0);
+                r.throughput[i] = (r.throughput[i] * w + p.throughput) / (w + 1.0);
+                r.weight[i] = w + 1.0;
+            }
+            _ => {
+                r.caps.push(p.cap_w.0);
+                r.power.push(p.power_w.0);
+                r.throughput.push(p.throughput);
+                r.weight.push(1.0);
+            }
+        }
+    }
+    Ok(r)
+}
+
+/// Monotone and (where the noise allows) concave knots from readings.
+fn finish_curve(r: Readings, relative_noise: f64) -> Result<CapCurve, CurveError> {
+    let power = isotonic_non_decreasing(&r.power, &r.weight);
+    let monotone = isotonic_non_decreasing(&r.throughput, &r.weight);
+    let t_top = monotone[monotone.len() - 1];
+    let concave = concave_in_power(&power, &monotone);
+    let tolerance = 2.5 * relative_noise.max(1e-4) * t_top;
+    let within_noise = concave
+        .iter()
+        .zip(&monotone)
+        .all(|(c, m)| (c - m).abs() <= tolerance);
+    let throughput = if within_noise { concave } else { monotone };
+    let knots: Vec<OperatingPoint> = r
+        .caps
+        .iter()
+        .zip(power.iter().zip(&throughput))
+        .map(|(&c, (&p, &t))| OperatingPoint {
+            cap_w: Watts(c),
+            power_w: Watts(p),
+            throughput: t,
+        })
+        .collect();
+    let points_per_knot = r.weight.iter().sum::<f64>() / r.weight.len() as f64;
+    CapCurve::with_source(
+        &knots,
+        CurveSource::Estimated,
+        relative_noise * (2.0 / points_per_knot).sqrt(),
+    )
+}
+
+/// The power model a GPU under a cap follows: it draws a fixed fraction of the cap while
+/// the cap binds, and its uncapped draw above that — `P(c) = min(slope · c, plateau)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PowerModel {
+    /// Summed power per watt of per-GPU cap while the cap binds (≈ GPUs × 0.98).
+    slope: f64,
+    /// Uncapped summed power, W.
+    plateau: f64,
+}
+
+impl PowerModel {
+    fn at(&self, cap: f64) -> f64 {
+        (self.slope * cap).min(self.plateau)
+    }
+}
+
+/// Least-squares fit (in relative error) of [`PowerModel`] to readings. Each split is a
+/// hypothesis — the lowest `j` caps bind, the rest sit on the plateau (all or none may
+/// bind) — fitted in closed form and scored on the full model; the best score wins.
+fn fit_power_model(r: &Readings) -> Option<PowerModel> {
+    let n = r.caps.len();
+    let weighted_mean = |range: std::ops::Range<usize>, f: &dyn Fn(usize) -> f64| {
+        let w: f64 = range.clone().map(|i| r.weight[i]).sum();
+        range.map(|i| f(i) * r.weight[i]).sum::<f64>() / w
+    };
+    let mut best: Option<(f64, PowerModel)> = None;
+    for binding in 0..=n {
+        let model = if binding == 0 {
+            // Nothing binds: flat at the mean draw.
+            PowerModel {
+                slope: f64::INFINITY,
+                plateau: weighted_mean(0..n, &|i| r.power[i]),
+            }
+        } else {
+            let slope = weighted_mean(0..binding, &|i| r.power[i] / r.caps[i]);
+            let plateau = if binding == n {
+                slope * r.caps[n - 1]
+            } else {
+                weighted_mean(binding..n, &|i| r.power[i])
+            };
+            PowerModel { slope, plateau }
+        };
+        let sse: f64 = (0..n)
+            .map(|i| {
+                let fitted = model.at(r.caps[i]);
+                r.weight[i] * ((r.power[i] - fitted) / fitted).powi(2)
+            })
+            .sum();
+        if sse.is_finite() && best.as_ref().is_none_or(|(b, _)| sse < *b) {
+            best = Some((sse, model));
+        }
+    }
+    best.map(|(_, m)| m)
+}
+
+/// Estimates every job's curve from its calibration points, pooling what the population
+/// says about how much the jobs' power readings can be trusted.
+///
+/// Power: each job's readings are fitted with the cap-following model
+/// `P(c) = min(slope · c, plateau)`; across the population, the spread of readings around
+/// their fits beyond what `relative_noise` explains is the model's own error τ². Each
+/// reading then moves toward its fit by σ² / (σ² + τ²): all the way when the model
+/// explains the data (noise is averaged out across a job's caps), not at all when jobs
+/// depart from it. This matters because the optimiser favours jobs whose noise flatters
+/// their savings; the less noise left in power, the less budget that bias can eat.
+///
+/// Below its lowest reading a job's curve is extended to `min_cap_w` (when lower): power
+/// from the fitted model, throughput pessimistically (see `extend_down`), so the
+/// extension does not promise throughput the job cannot deliver, while the optimiser
+/// still knows the cap exists and how much power it saves.
+/// Throughput and the rest follow [`estimate_curve`].
+pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<CapCurve> {
+    let observations: Vec<&[OperatingPoint]> = jobs.iter().map(|j| j.points.as_slice()).collect();
+    let readings: Vec<Option<Readings>> = observations
+        .iter()
+        .map(|obs| average_readings(obs).ok())
+        .collect();
+    let models: Vec<Option<PowerModel>> = readings
+        .iter()
+        .map(|r| r.as_ref().and_then(fit_power_model))
+        .collect();
+    let noise_var = relative_noise * relative_noise;
+    // Pooled excess residual variance: E[e²] = σ²/w · (1 − 2/n) + τ² for a 2-parameter fit.
+    let (mut excess, mut count) = (0.0, 0.0);
+    for (r, m) in readings.iter().zip(&models) {
+        if let (Some(r), Some(m)) = (r, m) {
+            let n = r.caps.len() as f64;
+            if n <= 2.0 {
+                continue;
+            }
+            for i in 0..r.caps.len() {
+                let e = (r.power[i] - m.at(r.caps[i])) / m.at(r.caps[i]);
+                excess += e * e - noise_var / r.weight[i] * (1.0 - 2.0 / n);
+                count += 1.0;
+            }
+        }
+    }
+    let model_var = if count > 0.0 {
+        (excess / count).max(0.0)
+    } else {
+        f64::INFINITY
+    };
+    let smoothed = readings
+        .into_iter()
+        .zip(&models)
+        .map(|(r, m)| {
+            let mut r = r?;
+            if let Some(m) = m {
+                for i in 0..r.caps.len() {
+                    let reading_var = noise_var / r.weight[i];
+                    let keep = if model_var.is_finite() && model_var + reading_var > 0.0 {
+                        model_var / (model_var + reading_var)
+                    } else {
+                        1.0
+                    };
+                    let fitted = m.at(r.caps[i]);
+                    r.power[i] = fitted + keep * (r.power[i] - fitted);
+                }
+            }
+            Some(r)
+        })
+        .collect::<Vec<Option<Readings>>>();
+    let smoothed = shrink_throughput(smoothed, relative_noise);
+    smoothed
+        .into_iter()
+        .zip(jobs)
+        .zip(&models)
+        .map(|((r, job), model)| match r {
+            Some(mut r) => {
+                extend_down(&mut r, *model, job.min_cap_w.0);
+                finish_curve(r, relative_noise).unwrap_or_else(|_| fallback_curve(&job.points))
+            }
+            None => fallback_curve(&job.points),
+        })
+        .collect()
+}
+
+/// One job's calibration readings and the lowest cap its GPUs accept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobReadings {
+    pub points: Vec<OperatingPoint>,
+    /// Lowest per-GPU cap the job may be given, W.
+    pub min_cap_w: Watts,
+}
+
+/// Adds a reading at `min_cap` below the lowest one (see [`estimate_population`]).
+fn extend_down(r: &mut Readings, model: Option<PowerModel>, min_cap: f64) {
+    let (c_lo, p_lo, t_lo) = (r.caps[0], r.power[0], r.throughput[0]);
+    if !(min_cap.is_finite() && min_cap > 0.0 && min_cap < c_lo * 0.999) {
+        return;
+    }
+    let power = match model {
+        Some(m) if m.slope.is_finite() => m.at(min_cap).min(p_lo),
+        // Nothing bound in the readings: assume nothing is saved below them either.
+        Some(_) => p_lo,
+        None => p_lo * min_cap / c_lo,
+    };
+    r.caps.insert(0, min_cap);
+    r.power.insert(0, power);
+    // The lower of two guesses: throughput in proportion to power (a lower bound where
+    // the curve is concave), and the lowest measured segment continued (lower where the
+    // curve already bends down, as throughput collapses at deep caps).
+    let proportional = t_lo * power / p_lo;
+    let continued = if r.caps.len() >= 2 && r.power[1] > p_lo {
+        let slope = (r.throughput[1] - t_lo) / (r.power[1] - p_lo);
+        t_lo - slope * (p_lo - power)
+    } else {
+        proportional
+    };
+    r.throughput
+        .insert(0, proportional.min(continued).max(1e-6 * t_lo));
+    r.weight.insert(0, r.weight[0]);
+}
+
+/// Fewest jobs for which population statistics are worth computing.
+const MIN_POPULATION: usize = 8;
+
+/// Empirical-Bayes shrinkage of each job's normalised throughput readings toward the
+/// population's curve.
+///
+/// In normalised coordinates (p = P/P_top, t = T/T_top) each job's deviation from the
+/// population curve t̄(p) is modelled as `(1 − p)·δ_job + residual`: a job-level shift
+/// (a more or less flexible job, the bulk of what differs between jobs) plus a per-cap
+/// shape term. Both are shrunk toward zero by signal / (signal + noise), with the signal
+/// variances estimated from the spread across jobs beyond what the reading noise
+/// explains. A job whose readings cannot be told apart from the population's is treated
+/// as the population — and a set of identical curves is allocated exactly as the
+/// equal-weight baseline allocates, which is the hedge the optimiser needs.
+fn shrink_throughput(
+    mut jobs: Vec<Option<Readings>>,
+    relative_noise: f64,
+) -> Vec<Option<Readings>> {
+    let usable = jobs.iter().flatten().filter(|r| r.caps.len() >= 2).count();
+    let noise_var = 2.0 * relative_noise * relative_noise; // t is a ratio of two readings
+    if usable < MIN_POPULATION || noise_var <= 0.0 {
+        return jobs;
+    }
+    // Normalised capped points of every job.
+    let normalised = |r: &Readings| -> Vec<(f64, f64)> {
+        let n = r.caps.len();
+        let (p_top, t_top) = (r.power[n - 1], r.throughput[n - 1]);
+        (0..n - 1)
+            .map(|i| (r.power[i] / p_top, r.throughput[i] / t_top))
+            .collect()
+    };
+    let mut pooled: Vec<(f64, f64)> = jobs.iter().flatten().flat_map(&normalised).collect();
+    pooled.push((1.0, 1.0));
+    pooled.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let fitted = isotonic_non_decreasing(
+        &pooled.iter().map(|p| p.1).collect::<Vec<_>>(),
+        &vec![1.0; pooled.len()],
+    );
+    let xs: Vec<f64> = pooled.iter().map(|p| p.0).collect();
+    let mean_curve = |p: f64| -> f64 {
+        let i = xs.partition_point(|&x| x < p);
+        if i == 0 {
+            return fitted[0];
+        }
+        if i >= xs.len() {
+            return fitted[xs.len() - 1];
+        }
+        let (x0, x1) = (xs[i - 1], xs[i]);
+        if x1 - x0 <= 1e-12 {
+            return fitted[i];
+        }
+        fitted[i - 1] + (p - x0) / (x1 - x0) * (fitted[i] - fitted[i - 1])
+    };
+    // Per job: the shift δ by weighted least squares, and the per-point residuals.
+    struct Fit {
+        delta: f64,
+        delta_var: f64,
+        points: Vec<(f64, f64, f64)>, // (p, deviation, residual)
+    }
+    let fits: Vec<Option<Fit>> = jobs
+        .iter()
+        .map(|r| {
+            let r = r.as_ref()?;
+            let pts = normalised(r);
+            let sxx: f64 = pts.iter().map(|(p, _)| (1.0 - p).powi(2)).sum();
+            if pts.is_empty() || sxx <= 1e-9 {
+                return None;
+            }
+            let devs: Vec<(f64, f64)> = pts.iter().map(|&(p, t)| (p, t - mean_curve(p))).collect();
+            let delta = devs.iter().map(|(p, d)| (1.0 - p) * d).sum::<f64>() / sxx;
+            Some(Fit {
+                delta,
+                delta_var: noise_var / sxx,
+                points: devs
+                    .iter()
+                    .map(|&(p, d)| (p, d, d - (1.0 - p) * delta))
+                    .collect(),
+            })
+        })
+        .collect();
+    let present: Vec<&Fit> = fits.iter().flatten().collect();
+    let n = present.len() as f64;
+    let delta_signal = (present
+        .iter()
+        .map(|f| f.delta * f.delta - f.delta_var)
+        .sum::<f64>()
+        / n)
+        .max(0.0);
+    let (mut resid_sum, mut resid_count) = (0.0, 0.0);
+    for f in &present {
+        let k = f.points.len() as f64;
+        for &(_, _, e) in &f.points {
+            resid_sum += e * e - noise_var * (1.0 - 1.0 / k);
+            resid_count += 1.0;
+        }
+    }
+    let resid_signal = if resid_count > 0.0 {
+        (resid_sum / resid_count).max(0.0)
+    } else {
+        0.0
+    };
+    for (r, fit) in jobs.iter_mut().zip(&fits) {
+        let (Some(r), Some(fit)) = (r.as_mut(), fit) else {
+            continue;
+        };
+        let keep_delta = delta_signal / (delta_signal + fit.delta_var);
+        let keep_resid = resid_signal / (resid_signal + noise_var);
+        let n_caps = r.caps.len();
+        let t_top = r.throughput[n_caps - 1];
+        for (i, &(p, _, resid)) in fit.points.iter().enumerate() {
+            let t = mean_curve(p) + (1.0 - p) * fit.delta * keep_delta + resid * keep_resid;
+            r.throughput[i] = t.max(1e-6) * t_top;
+        }
+    }
+    jobs
+}
+
+/// A concave (in power) version of a non-decreasing throughput sequence: slopes between
+/// consecutive points are made non-increasing by pooling (weighted by the power step),
+/// which keeps the total rise; the curve is anchored at the uncapped point, the one every
+/// decision is measured against.
+fn concave_in_power(power: &[f64], throughput: &[f64]) -> Vec<f64> {
+    let n = power.len();
+    if n < 3 {
+        return throughput.to_vec();
+    }
+    let mut slopes = Vec::with_capacity(n - 1);
+    let mut widths = Vec::with_capacity(n - 1);
+    for i in 0..n - 1 {
+        let dp = power[i + 1] - power[i];
+        let dt = throughput[i + 1] - throughput[i];
+        if dp <= 1e-9 {
+            // No power difference: a concave curve cannot rise here; keep the step as is.
+            return throughput.to_vec();
+        }
+        slopes.push(dt / dp);
+        widths.push(dp);
+    }
+    // Concave ⇔ slopes non-increasing in power ⇔ reversed slopes non-decreasing.
+    let reversed: Vec<f64> = slopes.iter().rev().copied().collect();
+    let reversed_w: Vec<f64> = widths.iter().rev().copied().collect();
+    let mut fitted = isotonic_non_decreasing(&reversed, &reversed_w);
+    fitted.reverse();
+    let mut out = vec![0.0; n];
+    out[n - 1] = throughput[n - 1];
+    for i in (0..n - 1).rev() {
+        out[i] = out[i + 1] - fitted[i] * widths[i];
+    }
+    out
+}
+
+/// A curve for a job whose points are unusable: flat at the highest valid reading, so no
+/// policy expects to save anything by capping it.
+fn fallback_curve(obs: &[OperatingPoint]) -> CapCurve {
+    let top = obs
+        .iter()
+        .filter(|p| p.power_w.0.is_finite() && p.power_w.0 > 0.0 && p.throughput > 0.0)
+        .max_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0))
+        .copied()
+        .unwrap_or(OperatingPoint {
+            cap_w: Watts(1.0),
+            power_w: Watts(1.0),
+            throughput: 1.0,
+        });
+    CapCurve {
+        knots: vec![top],
+        source: CurveSource::Prior,
+        relative_uncertainty: 1.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pt(cap: f64, power: f64, throughput: f64) -> OperatingPoint {
+        OperatingPoint {
+            cap_w: Watts(cap),
+            power_w: Watts(power),
+            throughput,
+        }
+    }
+
+    #[test]
+    fn interpolates_linearly_and_is_flat_outside() {
+        let curve = CapCurve::from_points(&[pt(700.0, 5600.0, 100.0), pt(300.0, 2400.0, 60.0)])
+            .expect("curve");
+        let mid = curve.at(Watts(500.0));
+        assert!((mid.power_w.0 - 4000.0).abs() < 1e-9);
+        assert!((mid.throughput - 80.0).abs() < 1e-9);
+        assert_eq!(curve.at(Watts(200.0)).power_w, Watts(2400.0));
+        assert_eq!(curve.at(Watts(800.0)).throughput, 100.0);
+    }
+
+    #[test]
+    fn rejects_bad_points() {
+        assert_eq!(CapCurve::from_points(&[]), Err(CurveError::Empty));
+        assert_eq!(
+            CapCurve::from_points(&[pt(700.0, 1.0, 1.0), pt(700.0, 2.0, 2.0)]),
+            Err(CurveError::DuplicateCap { cap_w: 700.0 })
+        );
+        assert_eq!(
+            CapCurve::from_points(&[pt(700.0, f64::NAN, 1.0)]),
+            Err(CurveError::NotPositive { cap_w: 700.0 })
+        );
+    }
+
+    #[test]
+    fn isotonic_pools_violators() {
+        let fitted = isotonic_non_decreasing(&[1.0, 3.0, 2.0, 4.0], &[1.0; 4]);
+        assert_eq!(fitted, vec![1.0, 2.5, 2.5, 4.0]);
+    }
+
+    #[test]
+    fn estimate_is_monotone_in_cap() {
+        // Throughput at 500 W read higher than at 600 W: noise, not physics.
+        let obs = [
+            pt(700.0, 5600.0, 100.0),
+            pt(600.0, 4800.0, 96.0),
+            pt(500.0, 4000.0, 97.0),
+            pt(300.0, 2400.0, 60.0),
+        ];
+        let curve = estimate_curve(&obs, 0.01).expect("curve");
+        let t: Vec<f64> = curve.knots().iter().map(|k| k.throughput).collect();
+        assert!(t.windows(2).all(|w| w[0] <= w[1] + 1e-12), "{t:?}");
+        assert_eq!(curve.source(), CurveSource::Estimated);
+    }
+
+    #[test]
+    fn estimate_keeps_real_non_concavity_beyond_noise() {
+        // A knee far larger than 1 % noise: concavity would move points by ~20 %; kept.
+        let obs = [
+            pt(700.0, 700.0, 100.0),
+            pt(600.0, 600.0, 99.0),
+            pt(500.0, 500.0, 98.0),
+            pt(400.0, 400.0, 60.0),
+            pt(300.0, 300.0, 55.0),
+        ];
+        let curve = estimate_curve(&obs, 0.01).expect("curve");
+        assert!((curve.at(Watts(400.0)).throughput - 60.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn prior_reproduces_its_pfi() {
+        let curve = CapCurve::from_pfi_prior(
+            Watts(5600.0),
+            1000.0,
+            1.6,
+            Watts(200.0),
+            Watts(700.0),
+            Watts(100.0),
+        )
+        .expect("prior");
+        assert_eq!(curve.source(), CurveSource::Prior);
+        assert!((curve.pfi().expect("pfi") - 1.6).abs() < 1e-9);
+        assert_eq!(curve.knots().len(), 6);
+    }
+}
