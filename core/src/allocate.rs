@@ -273,8 +273,9 @@ impl Prepared<'_> {
 /// Every policy first settles the floors: each job's cap may not go below the lowest cap
 /// at which its tier bound holds. When the budget cannot pay for every floor, tiers give
 /// way in order of their bound, largest first (flex3, then flex2, flex1; flex0 last): the
-/// first tier whose surrender makes the budget feasible shares what is left, the tiers
-/// before it drop to their lowest caps, and the tiers after it keep their floors. Above
+/// tiers before the last one needed drop to their lowest caps (jobs without a bound
+/// too), the last one needed exceeds its bound by the smallest excess that fits, the
+/// same for all its jobs, and the tiers after it keep their floors. Above
 /// the floors the policy decides:
 /// - `Equal` cuts every job's power by the same fraction of its uncapped power;
 /// - `PfiProportional` cuts in proportion to (P_max / T_max) · PFI (the paper's Eq. 2),
@@ -367,13 +368,21 @@ fn prepare(spec: &JobSpec) -> Result<Prepared<'_>, AllocationError> {
 /// Lowest grid cap at which the job's throughput stays within its bound (and above which
 /// it stays within it too).
 fn floor_cap(job: &Prepared<'_>) -> f64 {
-    let Some(bound) = job.spec.max_slowdown else {
-        return job.lo;
-    };
-    if bound.0 <= 0.0 {
+    match job.spec.max_slowdown {
+        None => job.lo,
+        Some(bound) => floor_cap_for(job, bound.0),
+    }
+}
+
+/// Lowest grid cap at which the job's slowdown stays within `bound` (a fraction).
+fn floor_cap_for(job: &Prepared<'_>, bound: f64) -> f64 {
+    if bound <= 0.0 {
         return job.hi;
     }
-    let needed = (1.0 - bound.0) * job.t_top;
+    if bound >= 1.0 {
+        return job.lo;
+    }
+    let needed = (1.0 - bound) * job.t_top;
     // Walk down from the top through the knots inside [lo, hi].
     let mut caps: Vec<f64> = job
         .spec
@@ -435,14 +444,44 @@ fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
             lower_power -= j.power(j.floor) - j.power(j.lo);
         }
         if lower_power <= budget {
+            // This tier gives way, but only as far as it must: every job of it exceeds
+            // its bound by the same smallest excess that fits the budget, so the breach
+            // is shared evenly instead of a few jobs being driven to their lowest cap.
             let already_gave: &[f64] = &bounds[..rank];
+            let others: f64 = jobs
+                .iter()
+                .map(|j| match j.spec.max_slowdown.map(|b| b.0) {
+                    Some(b) if b == giving => 0.0,
+                    Some(b) if !already_gave.contains(&b) => j.power(j.floor),
+                    _ => j.power(j.lo),
+                })
+                .sum();
+            let giving_jobs: Vec<&Prepared<'_>> = jobs
+                .iter()
+                .filter(|j| j.spec.max_slowdown.map(|b| b.0) == Some(giving))
+                .collect();
+            let power_at = |excess: f64| -> f64 {
+                giving_jobs
+                    .iter()
+                    .map(|j| j.power(floor_cap_for(j, giving + excess)))
+                    .sum::<f64>()
+            };
+            let (mut fits, mut short) = (1.0 - giving, 0.0);
+            for _ in 0..50 {
+                let mid = 0.5 * (fits + short);
+                if others + power_at(mid) <= budget {
+                    fits = mid;
+                } else {
+                    short = mid;
+                }
+            }
             let range = jobs
                 .iter()
                 .map(|j| match j.spec.max_slowdown.map(|b| b.0) {
                     None => (j.lo, j.lo),
-                    Some(b) if b == giving => (j.lo, j.floor),
+                    Some(b) if b == giving => (floor_cap_for(j, giving + fits), j.hi),
                     Some(b) if already_gave.contains(&b) => (j.lo, j.lo),
-                    Some(_) => (j.floor, j.floor),
+                    Some(_) => (j.floor, j.hi),
                 })
                 .collect();
             return Bounds {
