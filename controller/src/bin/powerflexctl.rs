@@ -1,0 +1,273 @@
+//! `powerflexctl`: powerflex's admin CLI.
+//!
+//! Exit codes: 0 success; 1 the input was read but rejected (malformed file, invalid
+//! value), or an I/O error; 2 the command line itself is wrong (clap's usage errors).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use powerflex_controller::offline;
+use powerflex_controller::{read_text, CtlError};
+use powerflex_core::allocate::Policy;
+use powerflex_core::config::SiteConfig;
+use powerflex_core::curves_csv::parse_curves;
+use powerflex_core::evaluate::{evaluate, EvaluateParams};
+use powerflex_core::Watts;
+
+/// Largest input file accepted, bytes.
+const MAX_INPUT_BYTES: u64 = 256 * 1024 * 1024;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "powerflexctl",
+    version,
+    about = "powerflex admin CLI: per-job PFI, budget allocation and offline policy evaluation",
+    long_about = None
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    /// Aligned human-readable table.
+    Table,
+    /// One JSON document, for scripts.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// PFI (arXiv 2609.11542 Eq. 1) of every job in a curves file.
+    Pfi {
+        /// Curves CSV: job,cap_w,power_w,throughput[,gpus,tier,dram_copy_product];
+        /// cap_w per GPU in W, power_w the job's summed GPU power in W.
+        #[arg(long, value_name = "FILE")]
+        curves: String,
+        /// Output: a table for people, JSON for scripts.
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Split a GPU power budget across the jobs of a curves file: cap, power, throughput,
+    /// slowdown and tier per job, and totals. Jobs whose tier is `none` stay uncapped and
+    /// their power comes off the budget first.
+    Allocate {
+        /// Curves CSV (see `pfi --help`); the optional `tier` column takes any
+        /// --power-flex value (flex2, max-slowdown=15%, none).
+        #[arg(long, value_name = "FILE")]
+        curves: String,
+        /// Budget for the summed GPU power of these jobs: watts, or with a unit
+        /// (850kW, 1.2MW).
+        #[arg(long, value_name = "W")]
+        budget_w: String,
+        /// Allocation policy [default: the site's, else optimal].
+        #[arg(long, value_parser = ["optimal", "equal", "pfi-proportional"])]
+        policy: Option<String>,
+        /// Site config (powerflex.toml): its tiers, default tier, cap limits and
+        /// policy. Without it: the default tiers (flex0 0 %, flex1 10 %, flex2 25 %,
+        /// flex3 50 %), untiered jobs unmanaged, each job's measured caps in 1 W steps.
+        #[arg(long, value_name = "FILE")]
+        site: Option<String>,
+        /// Which [gpu_models.NAME] of the site config limits the caps, when it has several.
+        #[arg(long, value_name = "NAME", requires = "site")]
+        gpu_model: Option<String>,
+        /// Output: a table for people, JSON for scripts.
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// The paper's §6 experiment on your curves: equal, pfi_proportional,
+    /// optimal_calibrated and oracle, scored on the true curves at the caps they chose.
+    Evaluate {
+        /// Curves CSV (see `pfi --help`); each job's points are its true curve.
+        #[arg(long, value_name = "FILE")]
+        curves: String,
+        /// Fraction of Σ P_max to shed, e.g. 0.3 for a 30 % cut.
+        #[arg(long, value_name = "F")]
+        cut: f64,
+        /// Jobs per workload, drawn with replacement from the file.
+        #[arg(long, default_value_t = 100, value_name = "N")]
+        jobs_per_workload: usize,
+        /// Number of random workloads.
+        #[arg(long, default_value_t = 500, value_name = "N")]
+        workloads: usize,
+        /// Seed of the random draws (same seed, same numbers, on any machine).
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        seed: u64,
+        /// Calibration caps as fractions of each job's maximum cap; each maps to the
+        /// nearest measured cap.
+        #[arg(
+            long,
+            default_value = "1.0,0.8,0.6,0.4",
+            value_delimiter = ',',
+            value_name = "F,F,..."
+        )]
+        calibration_grid: Vec<f64>,
+        /// One standard deviation of multiplicative noise on each calibration reading of
+        /// power and throughput (0.01 = 1 %).
+        #[arg(long, default_value_t = 0.01, value_name = "F")]
+        noise: f64,
+        /// Score raw throughput (tokens/s) instead of per-job normalised T/T_max.
+        #[arg(long)]
+        raw: bool,
+        /// Cap granularity, W per GPU.
+        #[arg(long, default_value_t = 1.0, value_name = "W")]
+        cap_step_w: f64,
+        /// Suppress the progress line on stderr.
+        #[arg(long, short)]
+        quiet: bool,
+        /// Output: a table for people, JSON for scripts.
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Write SIMULATED curves for the jobs of the paper's PFI table (for trying the other
+    /// commands without measurements). Output is a curves CSV on stdout.
+    SynthCurves {
+        /// The paper's table, e.g. shared/data/paper_pfi_h200.csv.
+        #[arg(long, value_name = "FILE")]
+        paper: String,
+        /// Multiplicative measurement noise on each point (0.005 = 0.5 %); 0 reproduces
+        /// the paper's PFIs exactly.
+        #[arg(long, default_value_t = 0.0, value_name = "F")]
+        noise: f64,
+        /// Seed of the noise.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        seed: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(output) => {
+            print!("{output}");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("powerflexctl: error: {err}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn json<T: serde::Serialize>(value: &T) -> Result<String, CtlError> {
+    serde_json::to_string_pretty(value)
+        .map(|s| s + "\n")
+        .map_err(|e| CtlError::Usage(format!("cannot encode JSON: {e}")))
+}
+
+fn load_curves(path: &str) -> Result<Vec<powerflex_core::curves_csv::JobCurveRecord>, CtlError> {
+    let text = read_text(path, MAX_INPUT_BYTES)?;
+    parse_curves(&text).map_err(|e| CtlError::Input {
+        path: path.to_string(),
+        source: e.into(),
+    })
+}
+
+fn run(cli: Cli) -> Result<String, CtlError> {
+    match cli.command {
+        Command::Pfi { curves, format } => {
+            let rows = offline::pfi_rows(&load_curves(&curves)?);
+            match format {
+                Format::Table => Ok(offline::render_pfi(&rows)),
+                Format::Json => json(&rows),
+            }
+        }
+        Command::Allocate {
+            curves,
+            budget_w,
+            policy,
+            site,
+            gpu_model,
+            format,
+        } => {
+            let budget =
+                Watts::parse(&budget_w).map_err(|e| CtlError::Usage(format!("--budget-w: {e}")))?;
+            let policy = policy.as_deref().and_then(Policy::from_name);
+            let setup = match site {
+                Some(path) => {
+                    let text = read_text(&path, MAX_INPUT_BYTES)?;
+                    let site = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
+                        path: path.clone(),
+                        source: e.into(),
+                    })?;
+                    offline::AllocateSetup::from_site(&site, gpu_model.as_deref(), policy)?
+                }
+                None => offline::AllocateSetup::defaults(policy.unwrap_or(Policy::Optimal)),
+            };
+            let report = offline::allocate_curves(&load_curves(&curves)?, budget, &setup)?;
+            if !report.floors_broken.is_empty() || report.over_budget_w > 0.0 {
+                eprintln!(
+                    "powerflexctl: warning: the budget cannot hold every tier bound ({} job(s) over their bound, {:.0} W short at the lowest caps)",
+                    report.floors_broken.len(),
+                    report.over_budget_w
+                );
+            }
+            match format {
+                Format::Table => Ok(offline::render_allocate(&report)),
+                Format::Json => json(&report),
+            }
+        }
+        Command::Evaluate {
+            curves,
+            cut,
+            jobs_per_workload,
+            workloads,
+            seed,
+            calibration_grid,
+            noise,
+            raw,
+            cap_step_w,
+            quiet,
+            format,
+        } => {
+            let records = load_curves(&curves)?;
+            let params = EvaluateParams {
+                cut,
+                jobs_per_workload,
+                workloads,
+                seed,
+                calibration_grid,
+                noise,
+                raw,
+                cap_step_w,
+            };
+            let started = std::time::Instant::now();
+            let mut last_shown = std::time::Instant::now();
+            let mut progress = |done: usize, total: usize| {
+                if quiet {
+                    return;
+                }
+                if done == total || last_shown.elapsed().as_millis() >= 500 {
+                    last_shown = std::time::Instant::now();
+                    eprint!(
+                        "\revaluate: workload {done}/{total} ({:.1} s)",
+                        started.elapsed().as_secs_f64()
+                    );
+                    if done == total {
+                        eprintln!();
+                    }
+                }
+            };
+            let report =
+                evaluate(&records, &params, &mut progress).map_err(powerflex_core::Error::from)?;
+            match format {
+                Format::Table => Ok(offline::render_evaluate(&report)),
+                Format::Json => json(&report),
+            }
+        }
+        Command::SynthCurves { paper, noise, seed } => {
+            if !(noise.is_finite() && (0.0..0.5).contains(&noise)) {
+                return Err(CtlError::Usage(format!(
+                    "--noise must be a fraction in [0, 0.5), e.g. 0.005 (got {noise})"
+                )));
+            }
+            let text = read_text(&paper, MAX_INPUT_BYTES)?;
+            offline::synth_curves(&text, noise, seed).map_err(|source| CtlError::Input {
+                path: paper,
+                source,
+            })
+        }
+    }
+}

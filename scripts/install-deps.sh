@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs what building and testing powerflex needs on Debian 12, skipping what is there.
+# Sourced by scripts/test.sh and scripts/demo.sh; safe to run on its own (as root).
+#
+#   slurm-wlm      slurmctld, slurmd and the clients (end-to-end tests, demo)
+#   libslurm-dev   slurm/spank.h, which the SPANK plugin's bindings are generated from
+#   munge          Slurm's authentication daemon (production installs; tests use auth/none)
+#   libclang-dev, clang   bindgen needs libclang
+set -euo pipefail
+
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang)
+
+powerflex_install_deps() {
+    local missing=()
+    local pkg
+    for pkg in "${POWERFLEX_APT_PACKAGES[@]}"; do
+        if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+            missing+=("$pkg")
+        fi
+    done
+    if ((${#missing[@]})); then
+        if [[ $(id -u) -ne 0 ]]; then
+            echo "powerflex: missing Debian packages: ${missing[*]}; run as root or: apt-get install ${missing[*]}" >&2
+            return 1
+        fi
+        echo "powerflex: installing ${missing[*]} (apt-get)" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    if ! command -v cargo >/dev/null 2>&1; then
+        if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+            export PATH="$HOME/.cargo/bin:$PATH"
+        else
+            echo "powerflex: cargo not found; install the Rust toolchain (rustup, Rust >= 1.85) first" >&2
+            return 1
+        fi
+    fi
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    powerflex_install_deps
+fi

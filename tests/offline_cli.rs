@@ -1,0 +1,371 @@
+//! `powerflexctl`'s offline commands, run as a user would: the real binary, real files.
+
+use powerflex::{binary, data_file, run, scratch_dir};
+use serde_json::Value;
+
+fn ctl() -> std::path::PathBuf {
+    binary("powerflexctl")
+}
+
+fn paper_rows() -> Vec<(f64, Option<f64>)> {
+    let text = std::fs::read_to_string(data_file("paper_pfi_h200.csv")).expect("paper table");
+    text.lines()
+        .skip(1)
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[7].parse().expect("pfi"), f[10].parse().ok())
+        })
+        .collect()
+}
+
+#[test]
+fn synthetic_curves_reproduce_every_paper_pfi() {
+    let dir = scratch_dir("synth");
+    let curves = dir.join("curves.csv");
+    let paper = data_file("paper_pfi_h200.csv");
+    let out = run(
+        &ctl(),
+        &["synth-curves", "--paper", paper.to_str().expect("utf-8")],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout.starts_with("# SIMULATED"),
+        "output must say it is simulated"
+    );
+    std::fs::write(&curves, &out.stdout).expect("write curves");
+
+    let pfi = run(
+        &ctl(),
+        &[
+            "pfi",
+            "--curves",
+            curves.to_str().expect("utf-8"),
+            "--format",
+            "json",
+        ],
+    );
+    assert_eq!(pfi.code, Some(0), "{}", pfi.stderr);
+    let rows: Vec<Value> = serde_json::from_str(&pfi.stdout).expect("json");
+    let expected = paper_rows();
+    assert_eq!(rows.len(), expected.len());
+    for (row, (target, target_4cap)) in rows.iter().zip(expected) {
+        let got = row["pfi"].as_f64().expect("pfi defined");
+        assert!(
+            (got - target).abs() <= 0.03,
+            "{}: PFI {got} vs paper {target}",
+            row["job"]
+        );
+        if let (Some(t4), Some(g4)) = (target_4cap, row["pfi_4cap"].as_f64()) {
+            assert!(
+                (g4 - t4).abs() <= 0.05,
+                "{}: 4-cap PFI {g4} vs paper {t4}",
+                row["job"]
+            );
+        }
+    }
+    // The committed file is what this command writes.
+    let committed = std::fs::read_to_string(data_file("curves/paper_h200_synthetic.csv"))
+        .expect("committed curves");
+    assert_eq!(
+        committed, out.stdout,
+        "data/curves/paper_h200_synthetic.csv is stale; regenerate it (see data/README.md)"
+    );
+}
+
+#[test]
+fn evaluate_recovers_most_of_the_gap_without_breaking_the_budget() {
+    let curves = data_file("curves/paper_h200_synthetic.csv");
+    for cut in ["0.1", "0.2", "0.3", "0.4"] {
+        let out = run(
+            &ctl(),
+            &[
+                "evaluate",
+                "--curves",
+                curves.to_str().expect("utf-8"),
+                "--cut",
+                cut,
+                "--workloads",
+                "120",
+                "--seed",
+                "7",
+                "--format",
+                "json",
+                "--quiet",
+            ],
+        );
+        assert_eq!(out.code, Some(0), "{}", out.stderr);
+        let r: Value = serde_json::from_str(&out.stdout).expect("json");
+        for key in [
+            "equal",
+            "pfi_proportional",
+            "optimal_calibrated",
+            "oracle",
+            "infeasible_workloads",
+        ] {
+            assert!(!r[key].is_null(), "missing {key} in {r}");
+        }
+        let gap = r["gap_recovered"]["optimal_calibrated"]
+            .as_f64()
+            .expect("gap");
+        assert!(
+            gap >= 0.8,
+            "cut {cut}: optimal_calibrated recovered {gap:.3} of the gap"
+        );
+        assert!(r["gap_recovered"]["pfi_proportional"].is_number());
+        for policy in ["equal", "pfi_proportional", "optimal_calibrated", "oracle"] {
+            assert_eq!(
+                r["budget_violations"][policy], 0,
+                "cut {cut}: {policy} broke the budget"
+            );
+        }
+        let oracle = r["oracle"].as_f64().expect("oracle");
+        let equal = r["equal"].as_f64().expect("equal");
+        assert!(
+            oracle > equal,
+            "the oracle must beat equal on heterogeneous jobs"
+        );
+    }
+}
+
+#[test]
+fn evaluate_is_reproducible_from_its_seed() {
+    let curves = data_file("curves/paper_h200_synthetic.csv");
+    let args = [
+        "evaluate",
+        "--curves",
+        curves.to_str().expect("utf-8"),
+        "--cut",
+        "0.3",
+        "--workloads",
+        "20",
+        "--seed",
+        "99",
+        "--format",
+        "json",
+        "-q",
+    ];
+    let a = run(&ctl(), &args);
+    let b = run(&ctl(), &args);
+    assert_eq!(a.code, Some(0), "{}", a.stderr);
+    assert_eq!(a.stdout, b.stdout);
+}
+
+#[test]
+fn allocate_holds_budget_and_tiers() {
+    let dir = scratch_dir("allocate");
+    let curves = dir.join("tiered.csv");
+    // Two jobs of 8 GPUs, one bound to 10 %, one to 50 %; a third unmanaged.
+    std::fs::write(
+        &curves,
+        "job,cap_w,power_w,throughput,gpus,tier\n\
+         dense,700,5520,1000,8,flex1\n\
+         dense,500,3940,880,8,flex1\n\
+         dense,300,2360,560,8,flex1\n\
+         moe,700,4800,9000,8,flex3\n\
+         moe,500,3940,8800,8,flex3\n\
+         moe,300,2360,7000,8,flex3\n\
+         other,700,5000,3000,8,none\n\
+         other,300,2360,1500,8,none\n",
+    )
+    .expect("write");
+    let out = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            curves.to_str().expect("utf-8"),
+            "--budget-w",
+            "12kW",
+            "--format",
+            "json",
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let r: Value = serde_json::from_str(&out.stdout).expect("json");
+    assert!(r["total_power_w"].as_f64().expect("power") <= 12_000.0 + 1e-6);
+    assert_eq!(r["unmanaged_power_w"], 5000.0);
+    let jobs = r["jobs"].as_array().expect("jobs");
+    assert_eq!(jobs.len(), 3);
+    for job in jobs {
+        if job["job"] == "other" {
+            assert_eq!(job["cap_w"], 700.0, "unmanaged jobs stay uncapped");
+            assert_eq!(job["tier"], "none");
+        } else {
+            assert_eq!(job["floor"], "held", "{job}");
+            assert!(
+                job["slowdown"].as_f64().expect("slowdown")
+                    <= job["max_slowdown"].as_f64().expect("bound") + 1e-9
+            );
+        }
+    }
+    let moe = jobs.iter().find(|j| j["job"] == "moe").expect("moe");
+    let dense = jobs.iter().find(|j| j["job"] == "dense").expect("dense");
+    assert!(
+        moe["cap_w"].as_f64() < dense["cap_w"].as_f64(),
+        "the job that sheds power cheaply gives more"
+    );
+
+    let table = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            curves.to_str().expect("utf-8"),
+            "--budget-w",
+            "12000",
+        ],
+    );
+    assert_eq!(table.code, Some(0));
+    assert!(
+        table.stdout.contains("policy optimal: budget 12.0 kW"),
+        "{}",
+        table.stdout
+    );
+
+    // A budget below the floors: the warning names the broken bounds.
+    let tight = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            curves.to_str().expect("utf-8"),
+            "--budget-w",
+            "9kW",
+        ],
+    );
+    assert_eq!(tight.code, Some(0));
+    assert!(
+        tight.stdout.contains("TIER BOUNDS BROKEN"),
+        "{}",
+        tight.stdout
+    );
+    assert!(
+        tight.stderr.contains("cannot hold every tier bound"),
+        "{}",
+        tight.stderr
+    );
+}
+
+#[test]
+fn allocate_uses_the_site_config() {
+    let curves = data_file("curves/paper_h200_synthetic.csv");
+    let site = powerflex::repo_root().join("slurm-conf/powerflex.toml");
+    let out = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            curves.to_str().expect("utf-8"),
+            "--budget-w",
+            "200kW",
+            "--site",
+            site.to_str().expect("utf-8"),
+            "--format",
+            "json",
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let r: Value = serde_json::from_str(&out.stdout).expect("json");
+    // The example site's default tier is none: every job unmanaged and uncapped.
+    assert!(r["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .all(|j| j["tier"] == "none"));
+    assert_eq!(r["policy"], "optimal");
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_a_non_zero_exit() {
+    let dir = scratch_dir("bad-input");
+    let bad = dir.join("bad.csv");
+    std::fs::write(
+        &bad,
+        "job,cap_w,power_w,throughput\na,700,5600,100\na,600,lots,90\n",
+    )
+    .expect("write");
+    let bad = bad.to_str().expect("utf-8");
+
+    let out = run(&ctl(), &["pfi", "--curves", bad]);
+    assert_eq!(out.code, Some(1));
+    assert!(
+        out.stderr
+            .contains("line 3, column power_w: \"lots\" is not a positive number"),
+        "{}",
+        out.stderr
+    );
+
+    let missing = run(&ctl(), &["pfi", "--curves", "/nonexistent/curves.csv"]);
+    assert_eq!(missing.code, Some(1));
+    assert!(
+        missing
+            .stderr
+            .contains("cannot read /nonexistent/curves.csv"),
+        "{}",
+        missing.stderr
+    );
+
+    let curves = data_file("curves/paper_h200_synthetic.csv");
+    let curves = curves.to_str().expect("utf-8");
+    let cut = run(&ctl(), &["evaluate", "--curves", curves, "--cut", "1.5"]);
+    assert_eq!(cut.code, Some(1));
+    assert!(
+        cut.stderr
+            .contains("--cut must be a fraction strictly between 0 and 1"),
+        "{}",
+        cut.stderr
+    );
+
+    let budget = run(
+        &ctl(),
+        &["allocate", "--curves", curves, "--budget-w", "lots"],
+    );
+    assert_eq!(budget.code, Some(1));
+    assert!(budget.stderr.contains("--budget-w"), "{}", budget.stderr);
+
+    let flag = run(
+        &ctl(),
+        &["evaluate", "--curves", curves, "--cut", "0.3", "--bogus"],
+    );
+    assert_eq!(flag.code, Some(2), "usage errors exit 2");
+
+    let policy = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            curves,
+            "--budget-w",
+            "1kW",
+            "--policy",
+            "greedy",
+        ],
+    );
+    assert_eq!(policy.code, Some(2));
+    assert!(policy.stderr.contains("optimal"), "{}", policy.stderr);
+
+    let tiered = dir.join("tiers.csv");
+    std::fs::write(
+        &tiered,
+        "job,cap_w,power_w,throughput,tier\na,700,5600,100,flex9\na,600,4800,90,flex9\n",
+    )
+    .expect("write");
+    let tier = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            tiered.to_str().expect("utf-8"),
+            "--budget-w",
+            "5kW",
+        ],
+    );
+    assert_eq!(tier.code, Some(1));
+    assert!(
+        tier.stderr
+            .contains("unknown tier \"flex9\"; this site offers: flex0, flex1, flex2, flex3, none"),
+        "{}",
+        tier.stderr
+    );
+}
