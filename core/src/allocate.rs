@@ -294,8 +294,24 @@ pub fn allocate(
     if !budget.0.is_finite() || budget.0 < 0.0 {
         return Err(AllocationError::BadBudget { budget_w: budget.0 });
     }
-    let prepared = jobs.iter().map(prepare).collect::<Result<Vec<_>, _>>()?;
-    let bounds = settle_floors(&prepared, budget.0);
+    // Measured territory first: caps below a curve's lowest reading are extrapolated, and
+    // are used only when the budget cannot be met without them.
+    let mut prepared = jobs
+        .iter()
+        .map(|j| prepare(j, false))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut bounds = settle_floors(&prepared, budget.0);
+    if bounds.over_budget_w.0 > 0.0
+        && jobs
+            .iter()
+            .any(|j| j.curve.lowest_read_cap() > j.curve.lowest().cap_w)
+    {
+        prepared = jobs
+            .iter()
+            .map(|j| prepare(j, true))
+            .collect::<Result<Vec<_>, _>>()?;
+        bounds = settle_floors(&prepared, budget.0);
+    }
     let caps = match policy {
         Policy::Equal => equal_caps(&prepared, &bounds.range, budget.0),
         Policy::PfiProportional => pfi_proportional_caps(&prepared, &bounds.range, budget.0),
@@ -327,7 +343,7 @@ pub fn allocate(
     ))
 }
 
-fn prepare(spec: &JobSpec) -> Result<Prepared<'_>, AllocationError> {
+fn prepare(spec: &JobSpec, extrapolated: bool) -> Result<Prepared<'_>, AllocationError> {
     spec.limits.validate(&spec.id)?;
     if spec.gpus == 0 {
         return Err(AllocationError::NoGpus {
@@ -350,9 +366,12 @@ fn prepare(spec: &JobSpec) -> Result<Prepared<'_>, AllocationError> {
     }
     let limits = &spec.limits;
     let hi = limits.max_w.0;
-    let lo = limits
-        .snap_up(limits.min_w.0.max(spec.curve.lowest().cap_w.0))
-        .min(hi);
+    let lowest_known = if extrapolated {
+        spec.curve.lowest().cap_w.0
+    } else {
+        spec.curve.lowest_read_cap().0
+    };
+    let lo = limits.snap_up(limits.min_w.0.max(lowest_known)).min(hi);
     let t_top = spec.curve.at(Watts(hi)).throughput;
     let mut prepared = Prepared {
         spec,
@@ -958,5 +977,48 @@ mod tests {
         assert_eq!(limits.snap_up(702.0), 705.0);
         assert_eq!(limits.snap_down(100.0), 200.0);
         assert_eq!(limits.snap_down(800.0), 705.0);
+    }
+
+    #[test]
+    fn extrapolated_caps_are_a_last_resort() {
+        use crate::curve::{estimate_population, JobReadings};
+        let readings: Vec<JobReadings> = (0..3)
+            .map(|i| JobReadings {
+                points: [400.0, 550.0, 700.0]
+                    .iter()
+                    .map(|&c| OperatingPoint {
+                        cap_w: Watts(c),
+                        power_w: Watts(8.0 * c),
+                        throughput: 1000.0 * (c / 700.0).powf(0.5 + 0.1 * f64::from(i)),
+                    })
+                    .collect(),
+                min_cap_w: Watts(200.0),
+                cap_grid_w: Vec::new(),
+            })
+            .collect();
+        let specs: Vec<JobSpec> = estimate_population(&readings, 0.0)
+            .into_iter()
+            .enumerate()
+            .map(|(i, curve)| JobSpec {
+                id: format!("j{i}"),
+                gpus: 8,
+                curve,
+                max_slowdown: None,
+                limits: CapLimits {
+                    min_w: Watts(200.0),
+                    max_w: Watts(700.0),
+                    step_w: Watts(10.0),
+                },
+                throughput_weight: 1.0,
+            })
+            .collect();
+        // Reachable above the lowest reading (3 × 400 W × 8 = 9.6 kW): stays above it.
+        let a = allocate(&specs, Watts(11_000.0), Policy::Optimal).expect("allocation");
+        assert!(a.jobs.iter().all(|j| j.cap_w.0 >= 400.0), "{a:?}");
+        // Not reachable: goes below, and meets the budget.
+        let b = allocate(&specs, Watts(8_000.0), Policy::Optimal).expect("allocation");
+        assert!(b.jobs.iter().any(|j| j.cap_w.0 < 400.0), "{b:?}");
+        assert_eq!(b.over_budget_w, Watts::ZERO);
+        assert!(b.total_power_w.0 <= 8_000.0 + 1e-9);
     }
 }

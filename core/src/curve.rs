@@ -64,6 +64,9 @@ pub struct CapCurve {
     /// One standard deviation of the throughput estimate, as a fraction of uncapped
     /// throughput (0 for exact curves).
     relative_uncertainty: f64,
+    /// Knots below this cap are extrapolated, not read; `None` = all knots were read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    extrapolated_below_w: Option<Watts>,
 }
 
 impl CapCurve {
@@ -100,6 +103,7 @@ impl CapCurve {
             knots,
             source,
             relative_uncertainty,
+            extrapolated_below_w: None,
         })
     }
 
@@ -144,6 +148,11 @@ impl CapCurve {
 
     pub fn relative_uncertainty(&self) -> f64 {
         self.relative_uncertainty
+    }
+
+    /// The lowest cap whose knot was read rather than extrapolated.
+    pub fn lowest_read_cap(&self) -> Watts {
+        self.extrapolated_below_w.unwrap_or(self.lowest().cap_w)
     }
 
     /// The uncapped point: the highest cap known.
@@ -322,6 +331,92 @@ fn finish_curve(r: Readings, relative_noise: f64) -> Result<CapCurve, CurveError
     )
 }
 
+/// Adds knots at the grid caps that lie between two knots at or above `lowest_read`.
+///
+/// Linear interpolation between sparse readings sits *below* a concave curve (a chord),
+/// so an optimiser working on it prefers to send some jobs to one reading and others to
+/// the next, where spreading the cut evenly would have done better. A monotone cubic
+/// (Fritsch–Carlson) through the knots in (power, throughput) estimates the bulge from
+/// the neighbouring slopes; the new knot is kept between the chord and the tangent lines
+/// of the neighbouring segments, the region any concave curve through the readings
+/// must pass. Power at the new cap is the larger of linear interpolation and the fitted
+/// power model: where the cap starts to bind between two readings, the chord would
+/// promise savings the job does not deliver.
+fn densify(
+    curve: CapCurve,
+    grid: &[Watts],
+    lowest_read: f64,
+    model: Option<PowerModel>,
+) -> CapCurve {
+    let knots = curve.knots.clone();
+    let n = knots.len();
+    if n < 3 || grid.is_empty() {
+        return curve;
+    }
+    let x: Vec<f64> = knots.iter().map(|k| k.power_w.0).collect();
+    let y: Vec<f64> = knots.iter().map(|k| k.throughput).collect();
+    if x.windows(2).any(|w| w[1] <= w[0]) {
+        return curve; // flat power somewhere: no shape to interpolate in power
+    }
+    let secant: Vec<f64> = (0..n - 1)
+        .map(|i| (y[i + 1] - y[i]) / (x[i + 1] - x[i]))
+        .collect();
+    let mut slope = vec![0.0; n];
+    slope[0] = secant[0];
+    slope[n - 1] = secant[n - 2];
+    for i in 1..n - 1 {
+        let (a, b) = (secant[i - 1], secant[i]);
+        if a > 0.0 && b > 0.0 {
+            let (h0, h1) = (x[i] - x[i - 1], x[i + 1] - x[i]);
+            let (w1, w2) = (2.0 * h1 + h0, h1 + 2.0 * h0);
+            slope[i] = (w1 + w2) / (w1 / a + w2 / b);
+        }
+    }
+    let mut out = Vec::with_capacity(n + grid.len());
+    for i in 0..n - 1 {
+        out.push(knots[i]);
+        let (a, b) = (knots[i], knots[i + 1]);
+        if a.cap_w.0 < lowest_read - 1e-9 {
+            continue;
+        }
+        for g in grid.iter().map(|g| g.0) {
+            if g <= a.cap_w.0 + 1e-9 || g >= b.cap_w.0 - 1e-9 {
+                continue;
+            }
+            let f = (g - a.cap_w.0) / (b.cap_w.0 - a.cap_w.0);
+            let chord_power = a.power_w.0 + f * (b.power_w.0 - a.power_w.0);
+            let model_power = model.map_or(chord_power, |m| m.at(g));
+            let p = chord_power.max(model_power).min(b.power_w.0);
+            let h = x[i + 1] - x[i];
+            let t = (p - x[i]) / h;
+            let (t2, t3) = (t * t, t * t * t);
+            let cubic = (2.0 * t3 - 3.0 * t2 + 1.0) * y[i]
+                + (t3 - 2.0 * t2 + t) * h * slope[i]
+                + (-2.0 * t3 + 3.0 * t2) * y[i + 1]
+                + (t3 - t2) * h * slope[i + 1];
+            let chord = y[i] + t * (y[i + 1] - y[i]);
+            let mut ceiling = y[i + 1];
+            if i > 0 {
+                ceiling = ceiling.min(y[i] + secant[i - 1] * (p - x[i]));
+            }
+            if i + 2 < n {
+                ceiling = ceiling.min(y[i + 1] - secant[i + 1] * (x[i + 1] - p));
+            }
+            let value = cubic.min(ceiling).max(chord);
+            out.push(OperatingPoint {
+                cap_w: Watts(g),
+                power_w: Watts(p),
+                throughput: value,
+            });
+        }
+    }
+    out.push(knots[n - 1]);
+    CapCurve {
+        knots: out,
+        ..curve
+    }
+}
+
 /// The power model a GPU under a cap follows: it draws a fixed fraction of the cap while
 /// the cap binds, and its uncapped draw above that — `P(c) = min(slope · c, plateau)`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -389,9 +484,9 @@ fn fit_power_model(r: &Readings) -> Option<PowerModel> {
 /// their savings; the less noise left in power, the less budget that bias can eat.
 ///
 /// Below its lowest reading a job's curve is extended to `min_cap_w` (when lower): power
-/// from the fitted model, throughput pessimistically (see `extend_down`), so the
-/// extension does not promise throughput the job cannot deliver, while the optimiser
-/// still knows the cap exists and how much power it saves.
+/// from the fitted model, throughput pessimistically (see `extend_down`). The curve
+/// marks where the extrapolation starts; the allocator goes there only when the budget
+/// cannot be met above it.
 /// Throughput and the rest follow [`estimate_curve`].
 pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<CapCurve> {
     let observations: Vec<&[OperatingPoint]> = jobs.iter().map(|j| j.points.as_slice()).collect();
@@ -451,8 +546,15 @@ pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<Cap
         .zip(&models)
         .map(|((r, job), model)| match r {
             Some(mut r) => {
+                let lowest_read = r.caps[0];
                 extend_down(&mut r, *model, job.min_cap_w.0);
-                finish_curve(r, relative_noise).unwrap_or_else(|_| fallback_curve(&job.points))
+                finish_curve(r, relative_noise)
+                    .map(|curve| CapCurve {
+                        extrapolated_below_w: (curve.lowest().cap_w.0 < lowest_read)
+                            .then_some(Watts(lowest_read)),
+                        ..densify(curve, &job.cap_grid_w, lowest_read, *model)
+                    })
+                    .unwrap_or_else(|_| fallback_curve(&job.points))
             }
             None => fallback_curve(&job.points),
         })
@@ -465,6 +567,10 @@ pub struct JobReadings {
     pub points: Vec<OperatingPoint>,
     /// Lowest per-GPU cap the job may be given, W.
     pub min_cap_w: Watts,
+    /// The caps the site calibrates on (its cap grid), W per GPU. Where the job was not
+    /// read at one of them, the curve gets a knot there by shape-preserving
+    /// interpolation (see `densify`); empty = no such knots.
+    pub cap_grid_w: Vec<Watts>,
 }
 
 /// Adds a reading at `min_cap` below the lowest one (see [`estimate_population`]).
@@ -566,9 +672,15 @@ fn shrink_throughput(
             }
             let devs: Vec<(f64, f64)> = pts.iter().map(|&(p, t)| (p, t - mean_curve(p))).collect();
             let delta = devs.iter().map(|(p, d)| (1.0 - p) * d).sum::<f64>() / sxx;
+            // Each t = T/T_top carries its own reading's noise and the top reading's,
+            // which is common to all of a job's points: Var δ̂ = σ²(Σ a²t² + (Σ a t)²)
+            // with a = (1 − p)/Σ(1 − p)².
+            let reading_var = noise_var / 2.0;
+            let own: f64 = pts.iter().map(|(p, t)| ((1.0 - p) / sxx * t).powi(2)).sum();
+            let common: f64 = pts.iter().map(|(p, t)| (1.0 - p) / sxx * t).sum();
             Some(Fit {
                 delta,
-                delta_var: noise_var / sxx,
+                delta_var: reading_var * (own + common * common),
                 points: devs
                     .iter()
                     .map(|&(p, d)| (p, d, d - (1.0 - p) * delta))
@@ -664,6 +776,7 @@ fn fallback_curve(obs: &[OperatingPoint]) -> CapCurve {
         knots: vec![top],
         source: CurveSource::Prior,
         relative_uncertainty: 1.0,
+        extrapolated_below_w: None,
     }
 }
 
@@ -752,5 +865,170 @@ mod tests {
         assert_eq!(curve.source(), CurveSource::Prior);
         assert!((curve.pfi().expect("pfi") - 1.6).abs() < 1e-9);
         assert_eq!(curve.knots().len(), 6);
+    }
+
+    fn readings(caps: &[f64], power: &[f64]) -> Readings {
+        Readings {
+            caps: caps.to_vec(),
+            power: power.to_vec(),
+            throughput: vec![1.0; caps.len()],
+            weight: vec![1.0; caps.len()],
+        }
+    }
+
+    #[test]
+    fn power_model_finds_slope_and_plateau() {
+        // 8 GPUs at 0.985·cap while binding, 560 W/GPU uncapped: knee at ~568 W.
+        let caps = [300.0, 400.0, 600.0, 700.0];
+        let power: Vec<f64> = caps
+            .iter()
+            .map(|c| (c * 0.985 * 8.0_f64).min(4480.0))
+            .collect();
+        let m = fit_power_model(&readings(&caps, &power)).expect("model");
+        assert!((m.slope - 7.88).abs() < 1e-9, "{m:?}");
+        assert!((m.plateau - 4480.0).abs() < 1e-9, "{m:?}");
+        // Every cap binding: the plateau sits at the top cap.
+        let all: Vec<f64> = caps.iter().map(|c| c * 0.985 * 8.0).collect();
+        let m = fit_power_model(&readings(&caps, &all)).expect("model");
+        assert!((m.at(700.0) - 700.0 * 0.985 * 8.0).abs() < 1e-6);
+    }
+
+    fn noisy_population(
+        n: usize,
+        noise: f64,
+        pfi_of: impl Fn(usize) -> f64,
+        seed: u64,
+    ) -> (Vec<JobReadings>, Vec<CapCurve>) {
+        let mut rng = crate::rng::SplitMix64::new(seed);
+        let mut jobs = Vec::new();
+        let mut truths = Vec::new();
+        for i in 0..n {
+            let truth = CapCurve::from_pfi_prior(
+                Watts(5600.0),
+                1000.0,
+                pfi_of(i),
+                Watts(200.0),
+                Watts(700.0),
+                Watts(100.0),
+            )
+            .expect("prior");
+            let points = [300.0, 400.0, 600.0, 700.0]
+                .iter()
+                .map(|&c| {
+                    let t = truth.at(Watts(c));
+                    OperatingPoint {
+                        cap_w: Watts(c),
+                        power_w: t.power_w * (1.0 + noise * rng.normal()),
+                        throughput: t.throughput * (1.0 + noise * rng.normal()),
+                    }
+                })
+                .collect();
+            jobs.push(JobReadings {
+                points,
+                min_cap_w: Watts(200.0),
+                cap_grid_w: Vec::new(),
+            });
+            truths.push(truth);
+        }
+        (jobs, truths)
+    }
+
+    fn mean_abs_error(curves: &[CapCurve], truths: &[CapCurve], cap: f64, power: bool) -> f64 {
+        curves
+            .iter()
+            .zip(truths)
+            .map(|(c, t)| {
+                let (e, tr) = (c.at(Watts(cap)), t.at(Watts(cap)));
+                if power {
+                    (e.power_w.0 / tr.power_w.0 - 1.0).abs()
+                } else {
+                    (e.throughput / c.uncapped().throughput
+                        - tr.throughput / t.uncapped().throughput)
+                        .abs()
+                }
+            })
+            .sum::<f64>()
+            / curves.len() as f64
+    }
+
+    #[test]
+    fn population_estimate_beats_each_job_alone() {
+        // Identical jobs, 2 % noise: pooling must cut the error of power and of the
+        // normalised throughput at a capped point.
+        let (jobs, truths) = noisy_population(60, 0.02, |_| 1.5, 3);
+        let alone: Vec<CapCurve> = jobs
+            .iter()
+            .map(|j| estimate_curve(&j.points, 0.02).expect("curve"))
+            .collect();
+        let pooled = estimate_population(&jobs, 0.02);
+        for cap in [400.0, 600.0] {
+            let (a, p) = (
+                mean_abs_error(&alone, &truths, cap, true),
+                mean_abs_error(&pooled, &truths, cap, true),
+            );
+            assert!(p < 0.7 * a, "power at {cap}: pooled {p} vs alone {a}");
+            let (a, p) = (
+                mean_abs_error(&alone, &truths, cap, false),
+                mean_abs_error(&pooled, &truths, cap, false),
+            );
+            assert!(p < 0.7 * a, "throughput at {cap}: pooled {p} vs alone {a}");
+        }
+    }
+
+    #[test]
+    fn population_keeps_real_differences() {
+        // Very different jobs read with little noise: shrinkage must not erase them.
+        let (jobs, truths) = noisy_population(40, 0.002, |i| if i % 2 == 0 { 1.1 } else { 2.6 }, 5);
+        let pooled = estimate_population(&jobs, 0.002);
+        let err = mean_abs_error(&pooled, &truths, 400.0, false);
+        assert!(err < 0.01, "normalised throughput error {err}");
+    }
+
+    #[test]
+    fn extension_below_the_lowest_reading_is_marked_and_pessimistic() {
+        let (jobs, truths) = noisy_population(10, 0.0, |_| 1.5, 1);
+        let pooled = estimate_population(&jobs, 0.0);
+        for (c, t) in pooled.iter().zip(&truths) {
+            assert_eq!(c.lowest().cap_w, Watts(200.0));
+            assert_eq!(c.lowest_read_cap(), Watts(300.0));
+            assert!(c.at(Watts(200.0)).throughput <= t.at(Watts(200.0)).throughput + 1e-9);
+        }
+    }
+
+    #[test]
+    fn densify_adds_knots_between_chord_and_tangents() {
+        // A concave curve read at 300/400/600/700 W; the grid also has 500 W.
+        let t = |p: f64| 1000.0 * (1.0 - (1.0 - p / 5600.0).powi(2));
+        let caps = [300.0, 400.0, 600.0, 700.0];
+        let points: Vec<OperatingPoint> = caps
+            .iter()
+            .map(|&c| OperatingPoint {
+                cap_w: Watts(c),
+                power_w: Watts(8.0 * c),
+                throughput: t(8.0 * c),
+            })
+            .collect();
+        let jobs = vec![JobReadings {
+            points,
+            min_cap_w: Watts(300.0),
+            cap_grid_w: [300.0, 400.0, 500.0, 600.0, 700.0].map(Watts).to_vec(),
+        }];
+        let curve = &estimate_population(&jobs, 0.0)[0];
+        let knot = curve
+            .knots()
+            .iter()
+            .find(|k| k.cap_w == Watts(500.0))
+            .expect("knot at 500 W");
+        let chord = (t(3200.0) + t(4800.0)) / 2.0;
+        assert!(
+            knot.throughput > chord,
+            "{} should bulge above the chord {chord}",
+            knot.throughput
+        );
+        assert!(
+            (knot.throughput - t(4000.0)).abs() < (t(4000.0) - chord) * 0.5,
+            "close to the truth"
+        );
+        assert_eq!(knot.power_w, Watts(4000.0));
     }
 }

@@ -260,6 +260,7 @@ pub fn evaluate(
             .map(|j| JobReadings {
                 points: observe(j, params, &mut rng),
                 min_cap_w: j.limits.min_w,
+                cap_grid_w: j.caps.iter().map(|&c| Watts(c)).collect(),
             })
             .collect();
         if floor > budget {
@@ -422,5 +423,110 @@ mod tests {
             calibration_caps(&four, &[1.0, 0.8, 0.6, 0.4]),
             vec![200.0, 500.0, 600.0, 700.0]
         );
+    }
+
+    fn record(name: &str, pfi: f64) -> JobCurveRecord {
+        let curve = CapCurve::from_pfi_prior(
+            Watts(5600.0),
+            1000.0,
+            pfi,
+            Watts(200.0),
+            Watts(700.0),
+            Watts(100.0),
+        )
+        .expect("prior");
+        JobCurveRecord {
+            job: name.to_string(),
+            gpus: Some(8),
+            tier: None,
+            dram_copy_product: None,
+            points: curve.knots().to_vec(),
+        }
+    }
+
+    #[test]
+    fn rejects_bad_parameters() {
+        let jobs = [record("a", 1.2)];
+        let mut quiet = |_: usize, _: usize| {};
+        let bad = |p: EvaluateParams| evaluate(&jobs, &p, &mut |_, _| {}).expect_err("rejected");
+        assert_eq!(
+            bad(EvaluateParams {
+                cut: 1.0,
+                ..Default::default()
+            }),
+            EvaluateError::BadCut(1.0)
+        );
+        assert_eq!(
+            bad(EvaluateParams {
+                workloads: 0,
+                ..Default::default()
+            }),
+            EvaluateError::EmptyWorkload
+        );
+        assert!(matches!(
+            bad(EvaluateParams {
+                calibration_grid: vec![1.5],
+                ..Default::default()
+            }),
+            EvaluateError::BadGrid(_)
+        ));
+        assert_eq!(
+            bad(EvaluateParams {
+                noise: -0.1,
+                ..Default::default()
+            }),
+            EvaluateError::BadNoise(-0.1)
+        );
+        assert_eq!(
+            bad(EvaluateParams {
+                cap_step_w: 0.0,
+                ..Default::default()
+            }),
+            EvaluateError::BadStep(0.0)
+        );
+        assert_eq!(
+            evaluate(&[], &EvaluateParams::default(), &mut quiet),
+            Err(EvaluateError::NoJobs)
+        );
+    }
+
+    #[test]
+    fn heterogeneous_jobs_open_a_gap_that_calibration_recovers() {
+        let jobs = [
+            record("dense", 1.1),
+            record("mixed", 1.6),
+            record("moe", 2.6),
+        ];
+        let params = EvaluateParams {
+            workloads: 30,
+            jobs_per_workload: 40,
+            ..Default::default()
+        };
+        let mut calls = 0;
+        let report = evaluate(&jobs, &params, &mut |_, _| calls += 1).expect("report");
+        assert_eq!(calls, 30, "progress after every workload");
+        assert!(report.oracle > report.equal);
+        let gap = report
+            .gap_recovered
+            .optimal_calibrated
+            .expect("gap defined");
+        assert!(gap > 0.8, "recovered {gap}");
+        assert_eq!(report.budget_violations.optimal_calibrated, 0);
+        assert_eq!(report.infeasible_workloads, 0);
+        assert!(report.power_over_budget.oracle <= 1.0 + 1e-9);
+    }
+
+    #[test]
+    fn a_cut_below_every_lowest_cap_is_infeasible_not_a_violation() {
+        let jobs = [record("a", 1.5)];
+        let params = EvaluateParams {
+            cut: 0.9, // 200/700 W is the lowest cap: a 71 % cut at most
+            workloads: 5,
+            jobs_per_workload: 3,
+            ..Default::default()
+        };
+        let report = evaluate(&jobs, &params, &mut |_, _| {}).expect("report");
+        assert_eq!(report.infeasible_workloads, 5);
+        assert_eq!(report.gap_recovered.optimal_calibrated, None);
     }
 }
