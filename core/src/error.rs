@@ -7,6 +7,7 @@ use crate::curve::CurveError;
 use crate::curves_csv::CurvesError;
 use crate::evaluate::EvaluateError;
 use crate::flex::FlexError;
+use crate::gpus::GpuListError;
 use crate::units::PowerParseError;
 use crate::workload::PaperTableError;
 
@@ -30,4 +31,6 @@ pub enum Error {
     Power(#[from] PowerParseError),
     #[error(transparent)]
     PaperTable(#[from] PaperTableError),
+    #[error(transparent)]
+    GpuList(#[from] GpuListError),
 }

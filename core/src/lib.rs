@@ -18,6 +18,7 @@ pub mod curves_csv;
 pub mod error;
 pub mod evaluate;
 pub mod flex;
+pub mod gpus;
 pub mod pfi;
 pub mod rng;
 pub mod units;
