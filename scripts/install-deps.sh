@@ -6,9 +6,12 @@
 #   libslurm-dev   slurm/spank.h, which the SPANK plugin's bindings are generated from
 #   munge          Slurm's authentication daemon (production installs; tests use auth/none)
 #   libclang-dev, clang   bindgen needs libclang
+#   python3-pip    only if python3 has no pip: to install nvidia-ml-py (NVIDIA's NVML
+#                  bindings, PyPI), a client we did not write, for the simulator's tests
+#   util-linux     setpriv, to run a test client as an unprivileged user
 set -euo pipefail
 
-POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang)
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux)
 
 powerflex_install_deps() {
     local missing=()
@@ -27,6 +30,17 @@ powerflex_install_deps() {
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
         apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    # NVIDIA's own Python NVML bindings: the simulator's tests use them as a client we did
+    # not write. From PyPI (package nvidia-ml-py, module pynvml).
+    if ! python3 -c "import pynvml" >/dev/null 2>&1; then
+        if ! python3 -m pip --version >/dev/null 2>&1; then
+            echo "powerflex: installing python3-pip (apt-get)" >&2
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+        fi
+        echo "powerflex: installing nvidia-ml-py (pip)" >&2
+        python3 -m pip install --quiet --disable-pip-version-check nvidia-ml-py >/dev/null 2>&1 \
+            || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages nvidia-ml-py
     fi
     if ! command -v cargo >/dev/null 2>&1; then
         if [[ -x "$HOME/.cargo/bin/cargo" ]]; then

@@ -1,0 +1,287 @@
+//! `powerflex-simjob`: a SIMULATED training job, a stand-in for real training inside Slurm
+//! jobs.
+//!
+//! It claims the GPUs Slurm gave it (`SLURM_JOB_GPUS` / `CUDA_VISIBLE_DEVICES`, indices or
+//! UUIDs) on its node's simulated GPUs (`POWERFLEX_SIM_DIR`, `%n` = node name), marks them
+//! busy with a workload profile, and runs steps paced by the current power limits: each
+//! step takes `--step-s` simulated seconds at full speed, longer under a cap, and the
+//! slowest GPU sets the pace (synchronous data-parallel training). It prints one CSV line
+//! per step, reports progress to the node agent when `POWERFLEX_PROGRESS` names a socket
+//! (no agent, no error), and releases its GPUs on exit, SIGTERM and SIGINT.
+//!
+//! `--time-scale X` runs X simulated seconds per real second: the demo's hour of training
+//! takes minutes. Throughput in its output is per simulated second.
+//!
+//! Exit codes: 0 finished (or stopped by SIGTERM/SIGINT); 1 could not start (no GPUs, no
+//! simulated node, unknown profile, GPUs held by another job); 2 usage error.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use powerflex_core::gpus::{job_gpus_from_env, parse_gpu_list, GpuRef};
+use powerflex_core::Watts;
+use powerflex_proto::{ProgressReport, PROGRESS_ENV, VERSION};
+use powerflex_sim::profiles::{Library, Profile};
+use powerflex_sim::state::{dir_from_env, Node, Workload};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "powerflex-simjob",
+    version,
+    about = "A SIMULATED training job on simulated GPUs, paced by their power caps"
+)]
+#[command(group(clap::ArgGroup::new("length").args(["duration", "steps"])))]
+struct Cli {
+    /// Workload profile from the library (`powerflex-sim profiles` lists them).
+    #[arg(long)]
+    profile: String,
+    /// Stop after this many simulated seconds.
+    #[arg(long, value_name = "S")]
+    duration: Option<f64>,
+    /// Stop after this many steps [default: run until SIGTERM].
+    #[arg(long, value_name = "N")]
+    steps: Option<u64>,
+    /// Simulated seconds per real second.
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    time_scale: f64,
+    /// Simulated seconds one step takes uncapped.
+    #[arg(long, default_value_t = 1.0, value_name = "S")]
+    step_s: f64,
+    /// Node state directory [default: $POWERFLEX_SIM_DIR, %n = $SLURMD_NODENAME].
+    #[arg(long, value_name = "DIR")]
+    sim_dir: Option<PathBuf>,
+    /// GPUs to use, indices or UUIDs [default: $SLURM_JOB_GPUS, else $CUDA_VISIBLE_DEVICES].
+    #[arg(long, value_name = "LIST")]
+    gpus: Option<String>,
+    /// Job id [default: $SLURM_JOB_ID, else local-<pid>].
+    #[arg(long, value_name = "ID")]
+    job_id: Option<String>,
+    /// Write the per-step CSV here instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    csv: Option<PathBuf>,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    // Only async-signal-safe work here: two atomic stores.
+    STOP_SIGNAL.store(signal, Ordering::SeqCst);
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to atomics, which is async-signal-safe.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::signal(signal, on_signal as *const () as libc::sighandler_t);
+        }
+    }
+}
+
+/// Releases the job's GPUs however `main` ends.
+struct Claim<'a> {
+    node: &'a Node,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.node.release(std::process::id()) {
+            eprintln!("powerflex-simjob: could not release the simulated GPUs: {e}");
+        }
+    }
+}
+
+/// Best-effort progress reporting: never blocks the job for long, never fails it.
+struct Reporter {
+    path: Option<PathBuf>,
+    stream: Option<UnixStream>,
+    next_attempt: Instant,
+}
+
+impl Reporter {
+    fn from_env() -> Reporter {
+        Reporter {
+            path: std::env::var_os(PROGRESS_ENV)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
+            stream: None,
+            next_attempt: Instant::now(),
+        }
+    }
+
+    fn send(&mut self, report: &ProgressReport) {
+        let Some(path) = &self.path else { return };
+        if self.stream.is_none() && Instant::now() >= self.next_attempt {
+            match UnixStream::connect(path) {
+                Ok(s) => {
+                    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+                    self.stream = Some(s);
+                }
+                Err(_) => self.next_attempt = Instant::now() + Duration::from_secs(5),
+            }
+        }
+        if let Some(stream) = &mut self.stream {
+            if stream.write_all(report.to_line().as_bytes()).is_err() {
+                self.stream = None;
+                self.next_attempt = Instant::now() + Duration::from_secs(5);
+            }
+        }
+    }
+}
+
+fn resolve_gpus(node: &Node, refs: &[GpuRef]) -> Result<Vec<u32>, String> {
+    refs.iter()
+        .map(|r| match r {
+            GpuRef::Index(i) if *i < node.gpu_count() => Ok(*i),
+            GpuRef::Index(i) => Err(format!(
+                "GPU index {i} does not exist; the node has {}",
+                node.gpu_count()
+            )),
+            GpuRef::Uuid(u) => node.index_of_uuid(u).map_err(|e| e.to_string()),
+        })
+        .collect()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("powerflex-simjob: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    if !(cli.time_scale.is_finite() && cli.time_scale > 0.0) {
+        return Err(format!(
+            "--time-scale must be a positive number (got {})",
+            cli.time_scale
+        ));
+    }
+    if !(cli.step_s.is_finite() && cli.step_s > 0.0) {
+        return Err(format!(
+            "--step-s must be a positive number of seconds (got {})",
+            cli.step_s
+        ));
+    }
+    let library = Library::builtin().map_err(|e| e.to_string())?;
+    let profile: Profile = library
+        .find(&cli.profile)
+        .map_err(|e| e.to_string())?
+        .clone();
+    let dir = match &cli.sim_dir {
+        Some(d) => d.clone(),
+        None => dir_from_env().map_err(|e| e.to_string())?,
+    };
+    let node = Node::open(&dir).map_err(|e| e.to_string())?;
+    let refs = match &cli.gpus {
+        Some(list) => parse_gpu_list(list).map_err(|e| format!("--gpus: {e}"))?,
+        None => job_gpus_from_env(|name| std::env::var(name).ok()).map_err(|e| e.to_string())?,
+    };
+    if refs.is_empty() {
+        return Err("no GPUs: this job was given none (set SLURM_JOB_GPUS or CUDA_VISIBLE_DEVICES, or pass --gpus)".into());
+    }
+    let gpus = resolve_gpus(&node, &refs)?;
+    let job_id = cli
+        .job_id
+        .clone()
+        .or_else(|| std::env::var("SLURM_JOB_ID").ok())
+        .unwrap_or_else(|| format!("local-{}", std::process::id()));
+
+    install_signal_handlers();
+    let workload = Workload {
+        job_id: job_id.clone(),
+        pid: std::process::id(),
+        profile: profile.name.clone(),
+        physics: profile.physics,
+        memory_used_bytes: (node.model().memory_bytes as f64 * profile.memory_used_fraction) as u64,
+    };
+    node.claim(&gpus, &workload).map_err(|e| e.to_string())?;
+    let _claim = Claim { node: &node };
+
+    let mut out: Box<dyn Write> = match &cli.csv {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let tokens_per_step = profile.tokens_per_s_per_gpu * gpus.len() as f64 * cli.step_s;
+    let _ = writeln!(
+        out,
+        "# powerflex-simjob: SIMULATED training job {job_id}, profile {} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
+        profile.name,
+        gpus.len(),
+        node.model().key,
+        gpus,
+        node.info().node,
+        cli.time_scale
+    );
+    let _ = writeln!(
+        out,
+        "simulated,step,tokens,elapsed_s,tokens_per_s,cap_min_w,cap_max_w"
+    );
+    let _ = out.flush();
+
+    let mut reporter = Reporter::from_env();
+    let (mut step, mut tokens, mut elapsed_sim) = (0u64, 0u64, 0.0f64);
+    loop {
+        if STOP.load(Ordering::SeqCst)
+            || cli.steps.is_some_and(|n| step >= n)
+            || cli.duration.is_some_and(|d| elapsed_sim >= d)
+        {
+            break;
+        }
+        // Caps now; the slowest GPU sets the pace of the whole step.
+        let mut slowest = 1.0f64;
+        let (mut cap_min, mut cap_max) = (f64::MAX, 0.0f64);
+        for &g in &gpus {
+            let gpu = node.gpu(g).map_err(|e| e.to_string())?;
+            let cap_w = f64::from(gpu.power_limit_mw) / 1000.0;
+            cap_min = cap_min.min(cap_w);
+            cap_max = cap_max.max(cap_w);
+            slowest = slowest.min(profile.physics.at_cap(Watts(cap_w)).relative_throughput);
+        }
+        let step_sim = cli.step_s / slowest.max(1e-3);
+        let step_real = Duration::from_secs_f64(step_sim / cli.time_scale);
+        let started = Instant::now();
+        while started.elapsed() < step_real {
+            if STOP.load(Ordering::SeqCst) {
+                break;
+            }
+            std::thread::sleep((step_real - started.elapsed()).min(Duration::from_millis(50)));
+        }
+        if STOP.load(Ordering::SeqCst) {
+            break; // an interrupted step did not complete
+        }
+        step += 1;
+        tokens += tokens_per_step.round() as u64;
+        elapsed_sim += step_sim;
+        let _ = writeln!(
+            out,
+            "true,{step},{tokens},{elapsed_sim:.3},{:.1},{cap_min:.0},{cap_max:.0}",
+            tokens_per_step / step_sim
+        );
+        let _ = out.flush();
+        reporter.send(&ProgressReport {
+            v: VERSION,
+            job_id: job_id.clone(),
+            tokens,
+            steps: step,
+        });
+    }
+    let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+    if signal != 0 {
+        eprintln!("powerflex-simjob: SIMULATED job {job_id} stopped by signal {signal} after {step} steps; GPUs released");
+    }
+    Ok(())
+}

@@ -1,0 +1,755 @@
+//! One simulated node's GPUs, kept as files so that every process on the machine — the
+//! agent setting caps, the simulated job reading them, a test sampling power — sees the
+//! same GPUs.
+//!
+//! Layout of a node's state directory:
+//! - `node.json` — node name, device model, GPU count, creation time (the "driver load");
+//! - `gpu<i>.json` — one GPU: identity, power limit, energy checkpoint, the workload
+//!   running on it, an injected fault;
+//! - `gpu<i>.lock` — `flock` target serialising read-modify-write of that GPU.
+//!
+//! Readers never lock: writers replace `gpu<i>.json` by `rename(2)`, so a reader sees the
+//! old or the new file whole. Power is not stored but computed at read time from the
+//! limit and the workload; energy is stored as a checkpoint (mJ at a time) advanced at
+//! every change of what the GPU draws, and read as checkpoint + power × elapsed time.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use powerflex_core::workload::Physics;
+use powerflex_core::Watts;
+
+use crate::models::{self, DeviceModel};
+use crate::SimError;
+
+/// The environment variable naming a node's state directory; `%n` = `SLURMD_NODENAME`.
+pub const STATE_DIR_ENV: &str = "POWERFLEX_SIM_DIR";
+
+/// Relative amplitude of the power-reading noise (uniform ±0.5 %).
+pub const POWER_NOISE: f64 = 0.005;
+
+/// Wall-clock milliseconds since the Unix epoch (shared by every process on the host).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A node's description, `node.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeInfo {
+    /// Always true: everything under this directory is simulated.
+    pub simulated: bool,
+    pub node: String,
+    pub model: String,
+    pub gpu_count: u32,
+    /// When the node was made: energy counters count from here, like from driver load.
+    pub created_unix_ms: u64,
+}
+
+/// A fault the simulator injects on one GPU, as a real driver would report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// The GPU fell off the bus: every call on it fails with `NVML_ERROR_GPU_IS_LOST`.
+    GpuLost,
+    /// Every call on it times out: `NVML_ERROR_TIMEOUT`.
+    Timeout,
+    /// Setting its power limit fails with `NVML_ERROR_NO_PERMISSION`, even as root.
+    NoPermission,
+}
+
+impl Fault {
+    pub const NAMES: [&'static str; 3] = ["gpu-lost", "timeout", "no-permission"];
+
+    pub fn from_name(name: &str) -> Option<Fault> {
+        match name {
+            "gpu-lost" => Some(Fault::GpuLost),
+            "timeout" => Some(Fault::Timeout),
+            "no-permission" => Some(Fault::NoPermission),
+            _ => None,
+        }
+    }
+}
+
+/// Work running on a GPU: a simulated training job's share of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub job_id: String,
+    /// The process that claimed the GPU; a claim whose process is gone is ignored.
+    pub pid: u32,
+    pub profile: String,
+    pub physics: Physics,
+    pub memory_used_bytes: u64,
+}
+
+/// One GPU's stored state, `gpu<i>.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuState {
+    pub index: u32,
+    pub uuid: String,
+    pub serial: String,
+    pub pci_bus_id: String,
+    pub power_limit_mw: u32,
+    /// Energy at `checkpoint_unix_ms`, mJ since the node was made.
+    pub energy_mj: f64,
+    pub checkpoint_unix_ms: u64,
+    pub workload: Option<Workload>,
+    pub fault: Option<Fault>,
+}
+
+/// What a GPU reports at one instant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuReading {
+    /// Power draw, mW (with ±0.5 % noise, never above the limit).
+    pub power_mw: u32,
+    /// Noise-free draw, mW: what the energy counter integrates.
+    pub steady_power_mw: u32,
+    pub energy_mj: u64,
+    pub limit_mw: u32,
+    pub sm_clock_mhz: u32,
+    pub memory_clock_mhz: u32,
+    /// GPU and memory utilisation over the last sample period, percent.
+    pub gpu_util_pct: u32,
+    pub memory_util_pct: u32,
+    pub memory_used_bytes: u64,
+    pub temperature_c: u32,
+    /// Whether the power cap is what holds the clock down.
+    pub power_capped: bool,
+    pub busy: bool,
+    /// The job on the GPU, when one is running.
+    pub job_id: Option<String>,
+    /// Throughput relative to uncapped for the running workload (1.0 when idle).
+    pub relative_throughput: f64,
+}
+
+fn is_alive(pid: u32) -> bool {
+    pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// A cheap, stable hash (FNV-1a), for identities and reading noise.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in *part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+impl GpuState {
+    fn new(node: &str, index: u32, model: &DeviceModel, now: u64) -> GpuState {
+        let h = fnv1a(&[node.as_bytes(), &index.to_le_bytes()]);
+        let h2 = fnv1a(&[&h.to_le_bytes()]);
+        GpuState {
+            index,
+            uuid: format!(
+                "GPU-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+                h >> 32,
+                (h >> 16) & 0xffff,
+                h & 0xffff,
+                h2 >> 48,
+                h2 & 0xffff_ffff_ffff
+            ),
+            serial: format!("SIM{:010}", h % 10_000_000_000),
+            pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + index * 0x10),
+            power_limit_mw: model.default_limit_mw,
+            energy_mj: 0.0,
+            checkpoint_unix_ms: now,
+            workload: None,
+            fault: None,
+        }
+    }
+
+    /// The workload actually running (its process alive).
+    pub fn running(&self) -> Option<&Workload> {
+        self.workload.as_ref().filter(|w| is_alive(w.pid))
+    }
+
+    /// Noise-free draw, mW, and the physics state behind it.
+    fn steady(&self, model: &DeviceModel) -> (u32, Option<powerflex_core::workload::GpuState>) {
+        match self.running() {
+            None => (model.idle_mw.min(self.power_limit_mw), None),
+            Some(w) => {
+                let state = w
+                    .physics
+                    .at_cap(Watts(f64::from(self.power_limit_mw) / 1000.0));
+                let mw = (state.power_w.0 * 1000.0).round() as u32;
+                (mw.min(self.power_limit_mw), Some(state))
+            }
+        }
+    }
+
+    /// Energy at `now`, mJ.
+    fn energy_at(&self, model: &DeviceModel, now: u64) -> f64 {
+        let (mw, _) = self.steady(model);
+        let elapsed = now.saturating_sub(self.checkpoint_unix_ms) as f64;
+        self.energy_mj + f64::from(mw) * elapsed / 1000.0
+    }
+
+    /// Advances the energy checkpoint to `now` (before changing what the GPU draws).
+    fn checkpoint(&mut self, model: &DeviceModel, now: u64) {
+        self.energy_mj = self.energy_at(model, now);
+        self.checkpoint_unix_ms = self.checkpoint_unix_ms.max(now);
+    }
+
+    /// What the GPU reports at `now`.
+    pub fn reading(&self, model: &DeviceModel, now: u64) -> GpuReading {
+        let (steady_mw, physics) = self.steady(model);
+        // ±0.5 % noise, fixed within each 100 ms so repeated reads in a sample agree.
+        let bucket = now / 100;
+        let h = fnv1a(&[self.uuid.as_bytes(), &bucket.to_le_bytes()]);
+        let unit = (h >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+        let noisy = (f64::from(steady_mw) * (1.0 + POWER_NOISE * unit)).round() as u32;
+        let power_mw = noisy.min(self.power_limit_mw);
+        let running = self.running();
+        let (sm, gpu_util, mem_util, capped, relative) = match (running, physics) {
+            (Some(w), Some(p)) => {
+                let m = w.physics.memory_bound_fraction;
+                let s = p.sm_clock_fraction;
+                // Share of step time in memory-bound work grows as the SM clock falls.
+                let memory_share = m / (m + (1.0 - m) / s);
+                (
+                    (f64::from(model.max_sm_clock_mhz) * s).round() as u32,
+                    100,
+                    (100.0 * (0.15 + 0.8 * memory_share)).round() as u32,
+                    p.cap_binding,
+                    p.relative_throughput,
+                )
+            }
+            _ => (model.idle_sm_clock_mhz, 0, 0, false, 1.0),
+        };
+        GpuReading {
+            power_mw,
+            steady_power_mw: steady_mw,
+            energy_mj: self.energy_at(model, now).max(0.0) as u64,
+            limit_mw: self.power_limit_mw,
+            sm_clock_mhz: sm,
+            memory_clock_mhz: model.memory_clock_mhz,
+            gpu_util_pct: gpu_util,
+            memory_util_pct: mem_util,
+            memory_used_bytes: running.map_or(512 * 1024 * 1024, |w| w.memory_used_bytes),
+            temperature_c: (30.0 + 0.075 * f64::from(power_mw) / 1000.0).round() as u32,
+            power_capped: capped,
+            busy: running.is_some(),
+            job_id: running.map(|w| w.job_id.clone()),
+            relative_throughput: relative,
+        }
+    }
+}
+
+/// One simulated node: its directory and description.
+#[derive(Debug, Clone)]
+pub struct Node {
+    dir: PathBuf,
+    info: NodeInfo,
+    model: &'static DeviceModel,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SimError + '_ {
+    move |source| SimError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it, then rename.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let mut file = fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    file.write_all(bytes).map_err(io_err(&tmp))?;
+    file.sync_all().map_err(io_err(&tmp))?;
+    fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// An exclusive `flock` held until dropped.
+struct LockGuard {
+    file: fs::File,
+}
+
+impl LockGuard {
+    fn acquire(path: &Path) -> Result<LockGuard, SimError> {
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(io_err(path))?;
+        loop {
+            // SAFETY: flock on a descriptor we own; it blocks until the lock is ours.
+            #[allow(unsafe_code)]
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+            if rc == 0 {
+                return Ok(LockGuard { file });
+            }
+            let err = std::io::Error::last_os_error();
+            if err.kind() != std::io::ErrorKind::Interrupted {
+                return Err(io_err(path)(err));
+            }
+        }
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        // SAFETY: unlocking our own descriptor; closing it would release the lock anyway.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::flock(self.file.as_raw_fd(), libc::LOCK_UN);
+        }
+    }
+}
+
+/// Resolves the state directory from the environment: `POWERFLEX_SIM_DIR`, with `%n`
+/// replaced by `SLURMD_NODENAME`.
+pub fn dir_from_env() -> Result<PathBuf, SimError> {
+    let raw = std::env::var(STATE_DIR_ENV).map_err(|_| SimError::NoStateDir)?;
+    if raw.is_empty() {
+        return Err(SimError::NoStateDir);
+    }
+    if raw.contains("%n") {
+        let node = std::env::var("SLURMD_NODENAME").map_err(|_| SimError::NoNodeName)?;
+        return Ok(PathBuf::from(raw.replace("%n", &node)));
+    }
+    Ok(PathBuf::from(raw))
+}
+
+impl Node {
+    /// Makes a node of `gpu_count` GPUs of `model` in `dir`, all idle at the default limit.
+    pub fn init(
+        dir: &Path,
+        node: &str,
+        model: &str,
+        gpu_count: u32,
+        force: bool,
+    ) -> Result<Node, SimError> {
+        let model = models::find(model).ok_or_else(|| SimError::UnknownModel(model.to_string()))?;
+        let info_path = dir.join("node.json");
+        if info_path.exists() && !force {
+            return Err(SimError::Exists {
+                path: dir.display().to_string(),
+            });
+        }
+        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        if force {
+            // A re-made node starts clean: drop GPUs beyond the new count too.
+            if let Ok(entries) = fs::read_dir(dir) {
+                for entry in entries.flatten() {
+                    let name = entry.file_name();
+                    let name = name.to_string_lossy();
+                    if name.starts_with("gpu") && name.ends_with(".json") {
+                        let _ = fs::remove_file(entry.path());
+                    }
+                }
+            }
+        }
+        let now = now_ms();
+        let info = NodeInfo {
+            simulated: true,
+            node: node.to_string(),
+            model: model.key.to_string(),
+            gpu_count,
+            created_unix_ms: now,
+        };
+        for index in 0..gpu_count {
+            let gpu = GpuState::new(node, index, model, now);
+            let path = dir.join(format!("gpu{index}.json"));
+            write_atomic(&path, &to_json(&gpu, &path)?)?;
+        }
+        write_atomic(&info_path, &to_json(&info, &info_path)?)?;
+        Ok(Node {
+            dir: dir.to_path_buf(),
+            info,
+            model,
+        })
+    }
+
+    /// Opens an existing node.
+    pub fn open(dir: &Path) -> Result<Node, SimError> {
+        let info_path = dir.join("node.json");
+        let text = fs::read(&info_path).map_err(|source| SimError::NotANode {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        let info: NodeInfo = serde_json::from_slice(&text).map_err(|e| SimError::Corrupt {
+            path: info_path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let model =
+            models::find(&info.model).ok_or_else(|| SimError::UnknownModel(info.model.clone()))?;
+        Ok(Node {
+            dir: dir.to_path_buf(),
+            info,
+            model,
+        })
+    }
+
+    /// Opens the node named by `POWERFLEX_SIM_DIR`.
+    pub fn open_from_env() -> Result<Node, SimError> {
+        Node::open(&dir_from_env()?)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn info(&self) -> &NodeInfo {
+        &self.info
+    }
+
+    pub fn model(&self) -> &'static DeviceModel {
+        self.model
+    }
+
+    pub fn gpu_count(&self) -> u32 {
+        self.info.gpu_count
+    }
+
+    fn gpu_path(&self, index: u32) -> Result<PathBuf, SimError> {
+        if index >= self.info.gpu_count {
+            return Err(SimError::NoSuchGpu {
+                index,
+                count: self.info.gpu_count,
+            });
+        }
+        Ok(self.dir.join(format!("gpu{index}.json")))
+    }
+
+    /// Reads one GPU's stored state.
+    pub fn gpu(&self, index: u32) -> Result<GpuState, SimError> {
+        let path = self.gpu_path(index)?;
+        let bytes = fs::read(&path).map_err(io_err(&path))?;
+        serde_json::from_slice(&bytes).map_err(|e| SimError::Corrupt {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The index of the GPU with `uuid`.
+    pub fn index_of_uuid(&self, uuid: &str) -> Result<u32, SimError> {
+        for index in 0..self.info.gpu_count {
+            if self.gpu(index)?.uuid == uuid {
+                return Ok(index);
+            }
+        }
+        Err(SimError::NoSuchUuid(uuid.to_string()))
+    }
+
+    /// What GPU `index` reports now.
+    pub fn reading(&self, index: u32) -> Result<(GpuState, GpuReading), SimError> {
+        let gpu = self.gpu(index)?;
+        let reading = gpu.reading(self.model, now_ms());
+        Ok((gpu, reading))
+    }
+
+    /// Changes GPU `index` under its lock: the energy checkpoint is advanced first, so
+    /// the change affects only energy from now on.
+    pub fn update<T>(
+        &self,
+        index: u32,
+        change: impl FnOnce(&mut GpuState) -> Result<T, SimError>,
+    ) -> Result<T, SimError> {
+        let path = self.gpu_path(index)?;
+        let _lock = LockGuard::acquire(&self.dir.join(format!("gpu{index}.lock")))?;
+        let mut gpu = self.gpu(index)?;
+        gpu.checkpoint(self.model, now_ms());
+        let result = change(&mut gpu)?;
+        write_atomic(&path, &to_json(&gpu, &path)?)?;
+        Ok(result)
+    }
+
+    /// `nvmlDeviceSetPowerManagementLimit`: root only, within the constraints.
+    pub fn set_power_limit(&self, index: u32, limit_mw: u32, euid: u32) -> Result<(), SimError> {
+        let gpu = self.gpu(index)?;
+        match gpu.fault {
+            Some(Fault::GpuLost | Fault::Timeout | Fault::NoPermission) => {
+                return Err(SimError::Fault {
+                    index,
+                    fault: gpu.fault.unwrap_or(Fault::GpuLost),
+                })
+            }
+            None => {}
+        }
+        if euid != 0 {
+            return Err(SimError::NoPermission);
+        }
+        let (min_mw, max_mw) = (self.model.min_limit_mw, self.model.max_limit_mw);
+        if !(min_mw..=max_mw).contains(&limit_mw) {
+            return Err(SimError::LimitOutOfRange {
+                requested_mw: limit_mw,
+                min_mw,
+                max_mw,
+            });
+        }
+        self.update(index, |gpu| {
+            gpu.power_limit_mw = limit_mw;
+            Ok(())
+        })
+    }
+
+    /// Puts `workload` on the GPUs `indices`. A GPU held by another live process is
+    /// refused; a claim left by a dead process is replaced.
+    pub fn claim(&self, indices: &[u32], workload: &Workload) -> Result<(), SimError> {
+        for &index in indices {
+            self.update(index, |gpu| {
+                if let Some(other) = gpu.running() {
+                    if other.pid != workload.pid {
+                        return Err(SimError::Busy {
+                            index,
+                            job_id: other.job_id.clone(),
+                            pid: other.pid,
+                        });
+                    }
+                }
+                gpu.workload = Some(workload.clone());
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Takes the workload of process `pid` off every GPU it holds.
+    pub fn release(&self, pid: u32) -> Result<u32, SimError> {
+        let mut released = 0;
+        for index in 0..self.info.gpu_count {
+            let holds = self
+                .gpu(index)?
+                .workload
+                .as_ref()
+                .is_some_and(|w| w.pid == pid);
+            if holds {
+                self.update(index, |gpu| {
+                    gpu.workload = None;
+                    Ok(())
+                })?;
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Injects (or with `None` clears) a fault on GPU `index`.
+    pub fn set_fault(&self, index: u32, fault: Option<Fault>) -> Result<(), SimError> {
+        self.update(index, |gpu| {
+            gpu.fault = fault;
+            Ok(())
+        })
+    }
+}
+
+fn to_json<T: Serialize>(value: &T, path: &Path) -> Result<Vec<u8>, SimError> {
+    serde_json::to_vec_pretty(value).map_err(|e| SimError::Corrupt {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("pf-sim-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn physics() -> Physics {
+        Physics {
+            static_w: 150.0,
+            dynamic_w: 530.0,
+            clock_exponent: 2.0,
+            knee_clock_fraction: 0.75,
+            memory_bound_fraction: 0.3,
+            min_clock_fraction: 0.05,
+        }
+    }
+
+    #[test]
+    fn init_open_and_identities() {
+        let dir = scratch("init");
+        let node = Node::init(&dir, "n1", "h200", 4, false).expect("init");
+        assert_eq!(node.gpu_count(), 4);
+        assert!(matches!(
+            Node::init(&dir, "n1", "H200", 4, false),
+            Err(SimError::Exists { .. })
+        ));
+        let again = Node::open(&dir).expect("open");
+        assert_eq!(again.model().nvml_name, "NVIDIA H200");
+        let a = again.gpu(0).expect("gpu0");
+        let b = again.gpu(1).expect("gpu1");
+        assert_ne!(a.uuid, b.uuid);
+        assert!(
+            a.uuid.starts_with("GPU-") && a.uuid.len() == 40,
+            "{}",
+            a.uuid
+        );
+        assert_eq!(again.index_of_uuid(&b.uuid).expect("found"), 1);
+        assert!(matches!(
+            again.gpu(4),
+            Err(SimError::NoSuchGpu { index: 4, count: 4 })
+        ));
+        // Another node name gives other UUIDs.
+        let other = Node::init(&scratch("init-other"), "n2", "H200", 1, false).expect("init");
+        assert_ne!(other.gpu(0).expect("gpu").uuid, a.uuid);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn limits_need_root_and_range() {
+        let dir = scratch("limits");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        assert!(matches!(
+            node.set_power_limit(0, 500_000, 1000),
+            Err(SimError::NoPermission)
+        ));
+        assert!(matches!(
+            node.set_power_limit(0, 150_000, 0),
+            Err(SimError::LimitOutOfRange {
+                requested_mw: 150_000,
+                ..
+            })
+        ));
+        node.set_power_limit(0, 450_000, 0).expect("set");
+        assert_eq!(node.gpu(0).expect("gpu").power_limit_mw, 450_000);
+        node.set_fault(0, Some(Fault::NoPermission)).expect("fault");
+        assert!(matches!(
+            node.set_power_limit(0, 500_000, 0),
+            Err(SimError::Fault { .. })
+        ));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn busy_gpu_draws_its_demand_never_above_the_cap() {
+        let dir = scratch("busy");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        let workload = Workload {
+            job_id: "42".into(),
+            pid: std::process::id(),
+            profile: "test".into(),
+            physics: physics(),
+            memory_used_bytes: 100 << 30,
+        };
+        node.claim(&[0], &workload).expect("claim");
+        let (_, uncapped) = node.reading(0).expect("reading");
+        assert!(uncapped.busy && !uncapped.power_capped);
+        assert_eq!(uncapped.steady_power_mw, 680_000, "{uncapped:?}");
+        node.set_power_limit(0, 300_000, 0).expect("cap");
+        for _ in 0..20 {
+            let (_, r) = node.reading(0).expect("reading");
+            assert!(r.power_mw <= 300_000, "{r:?}");
+            assert!(r.power_capped && r.sm_clock_fraction_ok(uncapped.sm_clock_mhz));
+            assert_eq!(
+                r.memory_clock_mhz, uncapped.memory_clock_mhz,
+                "memory clock stays"
+            );
+            assert!(r.relative_throughput < 1.0);
+        }
+        assert_eq!(node.release(std::process::id()).expect("release"), 1);
+        let (_, idle) = node.reading(0).expect("reading");
+        assert!(!idle.busy);
+        assert_eq!(idle.steady_power_mw, 75_000);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn energy_integrates_power_over_time() {
+        let model = models::find("H200").expect("model");
+        let mut gpu = GpuState::new("n1", 0, model, 1_000);
+        // Idle 75 W for 2 s = 150 J = 150,000 mJ.
+        assert_eq!(gpu.reading(model, 3_000).energy_mj, 150_000);
+        gpu.checkpoint(model, 3_000);
+        gpu.power_limit_mw = 60_000; // below idle: the limit holds the draw
+        assert_eq!(gpu.reading(model, 4_000).energy_mj, 150_000 + 60_000);
+        // A clock going backwards never makes energy fall.
+        gpu.checkpoint(model, 2_000);
+        assert!(gpu.reading(model, 2_500).energy_mj >= 150_000);
+    }
+
+    #[test]
+    fn claims_of_dead_processes_are_ignored_and_replaced() {
+        let dir = scratch("dead");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        let mut w = Workload {
+            job_id: "1".into(),
+            pid: u32::MAX - 1, // no such process
+            profile: "test".into(),
+            physics: physics(),
+            memory_used_bytes: 1,
+        };
+        node.claim(&[0], &w).expect("claim");
+        assert!(!node.reading(0).expect("reading").1.busy);
+        w.pid = std::process::id();
+        node.claim(&[0], &w).expect("dead claim replaced");
+        let mut other = w.clone();
+        other.pid = 1; // init: alive, another process
+        assert!(matches!(
+            node.claim(&[0], &other),
+            Err(SimError::Busy { .. })
+        ));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn concurrent_writers_and_readers_never_see_a_torn_gpu() {
+        let dir = scratch("concurrent");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        std::thread::scope(|scope| {
+            for t in 0..4u32 {
+                let node = node.clone();
+                scope.spawn(move || {
+                    for i in 0..50u32 {
+                        let mw = 200_000 + (t * 50 + i) * 1_000;
+                        node.update(0, |gpu| {
+                            gpu.power_limit_mw = mw;
+                            gpu.serial = format!("w{t}-{i}");
+                            Ok(())
+                        })
+                        .expect("update");
+                    }
+                });
+            }
+            for _ in 0..2 {
+                let node = node.clone();
+                scope.spawn(move || {
+                    for _ in 0..200 {
+                        // Every read parses: a reader sees the old file or the new one whole.
+                        let gpu = node.gpu(0).expect("whole file");
+                        assert!(
+                            (200_000..=400_000).contains(&gpu.power_limit_mw)
+                                || gpu.power_limit_mw == 700_000
+                        );
+                    }
+                });
+            }
+        });
+        // 200 serialised read-modify-writes, none lost: the energy checkpoint only grows.
+        let gpu = node.gpu(0).expect("gpu");
+        assert!(gpu.serial.starts_with('w'));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    trait ClockCheck {
+        fn sm_clock_fraction_ok(&self, uncapped_mhz: u32) -> bool;
+    }
+
+    impl ClockCheck for GpuReading {
+        fn sm_clock_fraction_ok(&self, uncapped_mhz: u32) -> bool {
+            self.sm_clock_mhz < uncapped_mhz
+        }
+    }
+}

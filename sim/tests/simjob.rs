@@ -1,0 +1,263 @@
+//! `powerflex-simjob` as Slurm would run it: a real process on a simulated node.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use powerflex_proto::ProgressReport;
+use powerflex_sim::state::Node;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pf-simjob-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch");
+    dir
+}
+
+fn simjob() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_powerflex-simjob"));
+    c.env_remove("SLURM_JOB_GPUS")
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("POWERFLEX_PROGRESS")
+        .env_remove("SLURM_JOB_ID");
+    c
+}
+
+fn csv_rows(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("true,"))
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect()
+}
+
+#[test]
+fn runs_paced_by_caps_and_releases_its_gpus() {
+    let dir = scratch("paced").join("n1");
+    let node = Node::init(&dir, "n1", "H200", 4, true).expect("node");
+    let run = |limit_mw: u32| {
+        for g in [1, 2] {
+            node.set_power_limit(g, limit_mw, 0).expect("set");
+        }
+        let out = simjob()
+            .args([
+                "--profile",
+                "llama-3.1-70b-dense-pt-8g-compile",
+                "--steps",
+                "3",
+                "--time-scale",
+                "200",
+            ])
+            .env("POWERFLEX_SIM_DIR", &dir)
+            .env("SLURM_JOB_GPUS", "1,2")
+            .env("SLURM_JOB_ID", "4242")
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let uncapped = run(700_000);
+    assert!(
+        uncapped.starts_with("# powerflex-simjob: SIMULATED training job 4242"),
+        "{uncapped}"
+    );
+    let rows = csv_rows(&uncapped);
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[2][1], "3", "step");
+    assert_eq!(
+        rows[2][2],
+        (942 * 2 * 3).to_string(),
+        "tokens: 942 tok/s/GPU x 2 GPUs x 3 steps"
+    );
+    let tps_uncapped: f64 = rows[0][4].parse().expect("tokens/s");
+    assert!((tps_uncapped - 1884.0).abs() < 1.0);
+    for g in 0..4 {
+        assert!(
+            node.gpu(g).expect("gpu").running().is_none(),
+            "GPU {g} released"
+        );
+    }
+    let capped = run(300_000);
+    let tps_capped: f64 = csv_rows(&capped)[0][4].parse().expect("tokens/s");
+    let library = powerflex_sim::profiles::Library::builtin().expect("library");
+    let physics = library
+        .find("llama-3.1-70b-dense-pt-8g-compile")
+        .expect("profile")
+        .physics;
+    let expected = physics
+        .at_cap(powerflex_core::Watts(300.0))
+        .relative_throughput;
+    assert!(
+        (tps_capped / tps_uncapped - expected).abs() < 0.01,
+        "{tps_capped}/{tps_uncapped} vs {expected}"
+    );
+    assert_eq!(csv_rows(&capped)[0][5], "300", "cap column");
+}
+
+#[test]
+fn sigterm_stops_the_job_and_frees_the_gpus() {
+    let dir = scratch("sigterm").join("n1");
+    let node = Node::init(&dir, "n1", "H200", 2, true).expect("node");
+    let uuid = node.gpu(1).expect("gpu").uuid;
+    let child = simjob()
+        .args(["--profile", "synthetic-memory-bound"])
+        .env("POWERFLEX_SIM_DIR", &dir)
+        .env("CUDA_VISIBLE_DEVICES", &uuid)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.gpu(1).expect("gpu").running().is_none() {
+        assert!(Instant::now() < deadline, "the job never claimed its GPU");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        node.gpu(0).expect("gpu").running().is_none(),
+        "only the GPU it was given"
+    );
+    let (_, reading) = node.reading(1).expect("reading");
+    assert!(reading.busy && reading.power_mw > 400_000, "{reading:?}");
+    // SAFETY: signalling the child we spawned, by its PID.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let out = child.wait_with_output().expect("wait");
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped by signal 15"));
+    assert!(
+        node.gpu(1).expect("gpu").workload.is_none(),
+        "claim removed on SIGTERM"
+    );
+}
+
+#[test]
+fn reports_progress_to_a_listening_agent() {
+    let root = scratch("progress");
+    let dir = root.join("n1");
+    Node::init(&dir, "n1", "H200", 1, true).expect("node");
+    let socket = root.join("agent.sock");
+    let listener = UnixListener::bind(&socket).expect("bind");
+    let out = simjob()
+        .args([
+            "--profile",
+            "synthetic-compute-bound",
+            "--steps",
+            "4",
+            "--time-scale",
+            "100",
+            "--job-id",
+            "99",
+        ])
+        .env("POWERFLEX_SIM_DIR", &dir)
+        .env("SLURM_JOB_GPUS", "0")
+        .env("POWERFLEX_PROGRESS", &socket)
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (stream, _) = listener.accept().expect("the job connected");
+    let reports: Vec<ProgressReport> = BufReader::new(stream)
+        .lines()
+        .map(|l| ProgressReport::from_line(&l.expect("line")).expect("valid report"))
+        .collect();
+    assert_eq!(reports.len(), 4);
+    assert_eq!(reports[3].steps, 4);
+    assert_eq!(reports[3].job_id, "99");
+    assert_eq!(reports[3].tokens, 4 * 4000);
+    assert!(
+        reports.windows(2).all(|w| w[1].tokens > w[0].tokens),
+        "cumulative"
+    );
+}
+
+#[test]
+fn no_agent_is_no_error() {
+    let root = scratch("no-agent");
+    let dir = root.join("n1");
+    Node::init(&dir, "n1", "H200", 1, true).expect("node");
+    let out = simjob()
+        .args([
+            "--profile",
+            "synthetic-compute-bound",
+            "--steps",
+            "2",
+            "--time-scale",
+            "100",
+        ])
+        .env("POWERFLEX_SIM_DIR", &dir)
+        .env("SLURM_JOB_GPUS", "0")
+        .env("POWERFLEX_PROGRESS", root.join("nobody-listens.sock"))
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(csv_rows(&String::from_utf8_lossy(&out.stdout)).len(), 2);
+}
+
+#[test]
+fn refuses_to_start_with_a_clear_message() {
+    let root = scratch("refuse");
+    let dir = root.join("n1");
+    Node::init(&dir, "n1", "H200", 2, true).expect("node");
+    /// Arguments, environment, and what stderr must say.
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            vec!["--profile", "nope"],
+            vec![("SLURM_JOB_GPUS", "0")],
+            "unknown workload profile \"nope\"",
+        ),
+        (
+            vec!["--profile", "synthetic-compute-bound"],
+            vec![],
+            "no GPUs",
+        ),
+        (
+            vec!["--profile", "synthetic-compute-bound"],
+            vec![("SLURM_JOB_GPUS", "7")],
+            "GPU index 7 does not exist",
+        ),
+        (
+            vec!["--profile", "synthetic-compute-bound"],
+            vec![("SLURM_JOB_GPUS", "zero")],
+            "neither an index nor",
+        ),
+        (
+            vec!["--profile", "synthetic-compute-bound", "--time-scale", "0"],
+            vec![("SLURM_JOB_GPUS", "0")],
+            "--time-scale",
+        ),
+    ];
+    for (args, env, message) in cases {
+        let mut cmd = simjob();
+        cmd.args(&args).env("POWERFLEX_SIM_DIR", &dir);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("run");
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    let out = simjob()
+        .args(["--profile", "synthetic-compute-bound"])
+        .env_remove("POWERFLEX_SIM_DIR")
+        .env("SLURM_JOB_GPUS", "0")
+        .output()
+        .expect("run");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("POWERFLEX_SIM_DIR is not set"));
+}
