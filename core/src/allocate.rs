@@ -231,7 +231,8 @@ pub enum AllocationError {
 /// covers that too.
 pub fn hedged_budget(budget: Watts, jobs: &[JobSpec], power_noise: f64, z: f64) -> Watts {
     let total: f64 = jobs.iter().map(|j| j.curve.uncapped().power_w.0).sum();
-    if total <= 0.0 || power_noise <= 0.0 {
+    let usable = |x: f64| x.is_finite() && x > 0.0;
+    if !(usable(total) && usable(power_noise) && usable(z)) {
         return budget;
     }
     let spread = jobs
@@ -295,13 +296,14 @@ pub fn allocate(
         return Err(AllocationError::BadBudget { budget_w: budget.0 });
     }
     // Measured territory first: caps below a curve's lowest reading are extrapolated, and
-    // are used only when the budget cannot be met without them.
+    // are used only when the budget cannot pay every floor without them — a tier's
+    // promise outranks the preference for measured caps.
     let mut prepared = jobs
         .iter()
         .map(|j| prepare(j, false))
         .collect::<Result<Vec<_>, _>>()?;
     let mut bounds = settle_floors(&prepared, budget.0);
-    if bounds.over_budget_w.0 > 0.0
+    if !bounds.floors_paid
         && jobs
             .iter()
             .any(|j| j.curve.lowest_read_cap() > j.curve.lowest().cap_w)
@@ -316,17 +318,20 @@ pub fn allocate(
         Policy::Equal => equal_caps(&prepared, &bounds.range, budget.0),
         Policy::PfiProportional => pfi_proportional_caps(&prepared, &bounds.range, budget.0),
         Policy::Optimal => {
+            // Equal first: the greedy must beat it by more than rounding to be chosen,
+            // so curves that give it nothing to exploit (identical ones, say) keep
+            // the even cut, the robust choice when the curves may be wrong.
             let candidates = [
-                greedy_caps(&prepared, &bounds.range, budget.0),
                 equal_caps(&prepared, &bounds.range, budget.0),
                 pfi_proportional_caps(&prepared, &bounds.range, budget.0),
+                greedy_caps(&prepared, &bounds.range, budget.0),
             ];
             let mut best: Option<(f64, Vec<f64>)> = None;
             for caps in candidates {
                 let value: f64 = prepared.iter().zip(&caps).map(|(p, &c)| p.value(c)).sum();
                 if best
                     .as_ref()
-                    .is_none_or(|(v, _)| value > *v + 1e-12 * v.abs())
+                    .is_none_or(|(v, _)| value > *v + 1e-9 * v.abs())
                 {
                     best = Some((value, caps));
                 }
@@ -437,6 +442,8 @@ fn floor_cap_for(job: &Prepared<'_>, bound: f64) -> f64 {
 struct Bounds {
     range: Vec<(f64, f64)>,
     over_budget_w: Watts,
+    /// Whether the budget pays every floor.
+    floors_paid: bool,
 }
 
 fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
@@ -445,6 +452,7 @@ fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
         return Bounds {
             range: jobs.iter().map(|j| (j.floor, j.hi)).collect(),
             over_budget_w: Watts::ZERO,
+            floors_paid: true,
         };
     }
     // Give-way order: largest bound first. Jobs without a bound already sit at `lo`.
@@ -506,17 +514,22 @@ fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
             return Bounds {
                 range,
                 over_budget_w: Watts::ZERO,
+                floors_paid: false,
             };
         }
     }
     Bounds {
         range: jobs.iter().map(|j| (j.lo, j.lo)).collect(),
         over_budget_w: Watts(lower_power - budget),
+        floors_paid: false,
     }
 }
 
 /// Highest grid cap in `[lower, upper]` whose power is at most `target` (or `lower`).
 fn cap_for_power(job: &Prepared<'_>, lower: f64, upper: f64, target: f64) -> f64 {
+    // A target computed as a fraction of a sum lands a rounding error off the power of
+    // the cap it was meant for; a micro-watt of slack keeps that cap.
+    let target = target + POWER_SLACK_W;
     if job.power(upper) <= target {
         return upper;
     }
@@ -537,6 +550,15 @@ fn cap_for_power(job: &Prepared<'_>, lower: f64, upper: f64, target: f64) -> f64
     } else {
         job.spec.limits.nth_above(lower, ok).min(upper)
     }
+}
+
+/// Float slack when comparing power with a target, W per job (a micro-watt).
+const POWER_SLACK_W: f64 = 1e-6;
+
+/// `x` limited to the range between `a` and `b`, whichever is larger: a measured curve
+/// may draw more at a lower cap (noise), and that must not panic or invert the range.
+fn clamp_between(x: f64, a: f64, b: f64) -> f64 {
+    x.max(a.min(b)).min(a.max(b))
 }
 
 /// Bisection for the largest `x` in [0, x_max] with `spent(x) <= budget`, where `spent`
@@ -563,7 +585,7 @@ fn equal_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f
             .zip(range)
             .map(|(j, &(lower, upper))| {
                 let p_top = j.power(j.hi);
-                (p_top * (1.0 - fraction)).clamp(j.power(lower), j.power(upper))
+                clamp_between(p_top * (1.0 - fraction), j.power(lower), j.power(upper))
             })
             .collect()
     };
@@ -594,7 +616,7 @@ fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f6
             .zip(&weights)
             .map(|((j, &(lower, upper)), &w)| {
                 let p_top = j.power(j.hi);
-                (p_top - lambda * w).clamp(j.power(lower), j.power(upper))
+                clamp_between(p_top - lambda * w, j.power(lower), j.power(upper))
             })
             .collect()
     };
@@ -706,13 +728,12 @@ fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<
             queue.push(Segment { slope: s, job });
         }
     }
-    let tolerance = 1e-9 * budget.max(1.0);
     while let Some(Segment { job, .. }) = queue.pop() {
         let h = &hulls[job];
         let i = position[job];
         let (from, to) = (h[i], h[i + 1]);
         let cost = to.1 - from.1;
-        if cost <= remaining + tolerance {
+        if cost <= remaining {
             remaining -= cost;
             caps[job] = to.0;
             position[job] = i + 1;
@@ -1020,5 +1041,126 @@ mod tests {
         assert!(b.jobs.iter().any(|j| j.cap_w.0 < 400.0), "{b:?}");
         assert_eq!(b.over_budget_w, Watts::ZERO);
         assert!(b.total_power_w.0 <= 8_000.0 + 1e-9);
+    }
+
+    #[test]
+    fn unbounded_jobs_go_below_their_readings_before_a_floor_breaks() {
+        use crate::curve::{estimate_population, JobReadings};
+        let readings = vec![JobReadings {
+            points: [400.0, 550.0, 700.0]
+                .iter()
+                .map(|&c| OperatingPoint {
+                    cap_w: Watts(c),
+                    power_w: Watts(8.0 * c),
+                    throughput: c,
+                })
+                .collect(),
+            min_cap_w: Watts(200.0),
+            cap_grid_w: Vec::new(),
+        }];
+        let unbounded = estimate_population(&readings, 0.0).remove(0);
+        let limits = CapLimits {
+            min_w: Watts(200.0),
+            max_w: Watts(700.0),
+            step_w: Watts(10.0),
+        };
+        let jobs = [
+            JobSpec {
+                id: "u".into(),
+                gpus: 8,
+                curve: unbounded,
+                max_slowdown: None,
+                limits,
+                throughput_weight: 1.0,
+            },
+            JobSpec {
+                id: "f0".into(),
+                gpus: 8,
+                curve: CapCurve::from_points(&[
+                    OperatingPoint {
+                        cap_w: Watts(200.0),
+                        power_w: Watts(1600.0),
+                        throughput: 50.0,
+                    },
+                    OperatingPoint {
+                        cap_w: Watts(700.0),
+                        power_w: Watts(5600.0),
+                        throughput: 100.0,
+                    },
+                ])
+                .expect("curve"),
+                max_slowdown: Some(SlowdownFraction(0.0)),
+                limits,
+                throughput_weight: 1.0,
+            },
+        ];
+        let a = allocate(&jobs, Watts(8000.0), Policy::Optimal).expect("allocation");
+        assert_eq!(a.jobs[1].cap_w, Watts(700.0), "{a:?}");
+        assert_eq!(a.jobs[1].floor, FloorStatus::Held);
+        assert!(a.total_power_w.0 <= 8000.0);
+    }
+
+    #[test]
+    fn noisy_measured_power_neither_panics_nor_overspends() {
+        // Power at 600 W read above power at 700 W: the flex1 floor sits where the curve
+        // draws more than uncapped.
+        let curve = CapCurve::from_points(&[
+            OperatingPoint {
+                cap_w: Watts(500.0),
+                power_w: Watts(4000.0),
+                throughput: 80.0,
+            },
+            OperatingPoint {
+                cap_w: Watts(600.0),
+                power_w: Watts(4810.0),
+                throughput: 85.0,
+            },
+            OperatingPoint {
+                cap_w: Watts(700.0),
+                power_w: Watts(4800.0),
+                throughput: 100.0,
+            },
+        ])
+        .expect("curve");
+        let job = JobSpec {
+            id: "a".into(),
+            gpus: 8,
+            curve,
+            max_slowdown: Some(SlowdownFraction(0.10)),
+            limits: CapLimits {
+                min_w: Watts(500.0),
+                max_w: Watts(700.0),
+                step_w: Watts(1.0),
+            },
+            throughput_weight: 1.0,
+        };
+        for policy in [Policy::Optimal, Policy::Equal, Policy::PfiProportional] {
+            let a = allocate(std::slice::from_ref(&job), Watts(4807.0), policy).expect("no panic");
+            if a.over_budget_w == Watts::ZERO {
+                assert!(a.total_power_w.0 <= 4807.0, "{policy}: {a:?}");
+            }
+        }
+        // A budget a hair under the uncapped draw is not rounded up to it.
+        let a = allocate(
+            std::slice::from_ref(&job),
+            Watts(4800.0 - 1e-6),
+            Policy::Optimal,
+        )
+        .expect("allocation");
+        assert!(a.total_power_w.0 <= 4800.0 - 1e-6 + 1e-6);
+    }
+
+    #[test]
+    fn identical_curves_keep_the_even_cut() {
+        let jobs: Vec<JobSpec> = (0..6)
+            .map(|i| job(&format!("j{i}"), 8, 1.5, None))
+            .collect();
+        let a = allocate(&jobs, Watts(0.7 * 6.0 * 5600.0), Policy::Optimal).expect("allocation");
+        let first = a.jobs[0].cap_w;
+        assert!(
+            a.jobs.iter().all(|j| j.cap_w == first),
+            "{:?}",
+            a.jobs.iter().map(|j| j.cap_w.0).collect::<Vec<_>>()
+        );
     }
 }

@@ -58,6 +58,7 @@ pub enum CurveError {
 
 /// A job's power and throughput as functions of its per-GPU cap.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "CapCurveWire")]
 pub struct CapCurve {
     knots: Vec<OperatingPoint>,
     source: CurveSource,
@@ -194,6 +195,27 @@ impl CapCurve {
     /// The PFI of the knots (Eq. 1).
     pub fn pfi(&self) -> Option<f64> {
         crate::pfi::pfi(&self.knots)
+    }
+}
+
+/// A curve as it arrives over the wire or from disk, validated into a [`CapCurve`].
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CapCurveWire {
+    knots: Vec<OperatingPoint>,
+    source: CurveSource,
+    relative_uncertainty: f64,
+    #[serde(default)]
+    extrapolated_below_w: Option<Watts>,
+}
+
+impl TryFrom<CapCurveWire> for CapCurve {
+    type Error = CurveError;
+
+    fn try_from(wire: CapCurveWire) -> Result<CapCurve, CurveError> {
+        let mut curve = CapCurve::with_source(&wire.knots, wire.source, wire.relative_uncertainty)?;
+        curve.extrapolated_below_w = wire.extrapolated_below_w.filter(|w| w.0.is_finite());
+        Ok(curve)
     }
 }
 
@@ -362,8 +384,25 @@ fn densify(
         .map(|i| (y[i + 1] - y[i]) / (x[i + 1] - x[i]))
         .collect();
     let mut slope = vec![0.0; n];
-    slope[0] = secant[0];
-    slope[n - 1] = secant[n - 2];
+    // Ends: the one-sided three-point estimate, kept shape-preserving (Fritsch–Carlson):
+    // zero if it turns against the end secant, at most three times it.
+    let end_slope = |h_near: f64, h_far: f64, s_near: f64, s_far: f64| -> f64 {
+        let d = ((2.0 * h_near + h_far) * s_near - h_near * s_far) / (h_near + h_far);
+        if d * s_near <= 0.0 {
+            0.0
+        } else if (s_near * s_far <= 0.0) && d.abs() > 3.0 * s_near.abs() {
+            3.0 * s_near
+        } else {
+            d
+        }
+    };
+    slope[0] = end_slope(x[1] - x[0], x[2] - x[1], secant[0], secant[1]);
+    slope[n - 1] = end_slope(
+        x[n - 1] - x[n - 2],
+        x[n - 2] - x[n - 3],
+        secant[n - 2],
+        secant[n - 3],
+    );
     for i in 1..n - 1 {
         let (a, b) = (secant[i - 1], secant[i]);
         if a > 0.0 && b > 0.0 {
@@ -372,6 +411,9 @@ fn densify(
             slope[i] = (w1 + w2) / (w1 / a + w2 / b);
         }
     }
+    let mut grid: Vec<f64> = grid.iter().map(|g| g.0).filter(|g| g.is_finite()).collect();
+    grid.sort_by(f64::total_cmp);
+    grid.dedup();
     let mut out = Vec::with_capacity(n + grid.len());
     for i in 0..n - 1 {
         out.push(knots[i]);
@@ -379,7 +421,7 @@ fn densify(
         if a.cap_w.0 < lowest_read - 1e-9 {
             continue;
         }
-        for g in grid.iter().map(|g| g.0) {
+        for &g in &grid {
             if g <= a.cap_w.0 + 1e-9 || g >= b.cap_w.0 - 1e-9 {
                 continue;
             }
@@ -489,6 +531,12 @@ fn fit_power_model(r: &Readings) -> Option<PowerModel> {
 /// cannot be met above it.
 /// Throughput and the rest follow [`estimate_curve`].
 pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<CapCurve> {
+    // A noise level that is not a number is treated as none: no pooling, no shrinkage.
+    let relative_noise = if relative_noise.is_finite() && relative_noise > 0.0 {
+        relative_noise
+    } else {
+        0.0
+    };
     let observations: Vec<&[OperatingPoint]> = jobs.iter().map(|j| j.points.as_slice()).collect();
     let readings: Vec<Option<Readings>> = observations
         .iter()
@@ -585,8 +633,6 @@ fn extend_down(r: &mut Readings, model: Option<PowerModel>, min_cap: f64) {
         Some(_) => p_lo,
         None => p_lo * min_cap / c_lo,
     };
-    r.caps.insert(0, min_cap);
-    r.power.insert(0, power);
     // The lower of two guesses: throughput in proportion to power (a lower bound where
     // the curve is concave), and the lowest measured segment continued (lower where the
     // curve already bends down, as throughput collapses at deep caps).
@@ -597,8 +643,10 @@ fn extend_down(r: &mut Readings, model: Option<PowerModel>, min_cap: f64) {
     } else {
         proportional
     };
-    r.throughput
-        .insert(0, proportional.min(continued).max(1e-6 * t_lo));
+    let throughput = proportional.min(continued).max(1e-6 * t_lo);
+    r.caps.insert(0, min_cap);
+    r.power.insert(0, power);
+    r.throughput.insert(0, throughput);
     r.weight.insert(0, r.weight[0]);
 }
 
@@ -764,7 +812,10 @@ fn concave_in_power(power: &[f64], throughput: &[f64]) -> Vec<f64> {
 fn fallback_curve(obs: &[OperatingPoint]) -> CapCurve {
     let top = obs
         .iter()
-        .filter(|p| p.power_w.0.is_finite() && p.power_w.0 > 0.0 && p.throughput > 0.0)
+        .filter(|p| {
+            let ok = |x: f64| x.is_finite() && x > 0.0;
+            ok(p.cap_w.0) && ok(p.power_w.0) && ok(p.throughput)
+        })
         .max_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0))
         .copied()
         .unwrap_or(OperatingPoint {
@@ -1030,5 +1081,94 @@ mod tests {
             "close to the truth"
         );
         assert_eq!(knot.power_w, Watts(4000.0));
+    }
+
+    #[test]
+    fn extension_takes_the_lower_of_its_two_guesses() {
+        // Steep lowest segment: continuing it (100) is below proportional (333).
+        let jobs = vec![JobReadings {
+            points: vec![
+                OperatingPoint {
+                    cap_w: Watts(300.0),
+                    power_w: Watts(2400.0),
+                    throughput: 500.0,
+                },
+                OperatingPoint {
+                    cap_w: Watts(400.0),
+                    power_w: Watts(3200.0),
+                    throughput: 900.0,
+                },
+                OperatingPoint {
+                    cap_w: Watts(700.0),
+                    power_w: Watts(5600.0),
+                    throughput: 1000.0,
+                },
+            ],
+            min_cap_w: Watts(200.0),
+            cap_grid_w: Vec::new(),
+        }];
+        let curve = &estimate_population(&jobs, 0.0)[0];
+        assert!(
+            (curve.at(Watts(200.0)).throughput - 100.0).abs() < 1e-6,
+            "{:?}",
+            curve.knots()
+        );
+    }
+
+    #[test]
+    fn densify_accepts_a_descending_grid() {
+        let points: Vec<OperatingPoint> = [300.0, 400.0, 600.0, 700.0]
+            .iter()
+            .map(|&c| OperatingPoint {
+                cap_w: Watts(c),
+                power_w: Watts(8.0 * c),
+                throughput: 1000.0 * (1.0 - (1.0 - c / 700.0).powi(2)),
+            })
+            .collect();
+        let jobs = vec![JobReadings {
+            points,
+            min_cap_w: Watts(300.0),
+            cap_grid_w: [700.0, 550.0, 500.0, 500.0, 450.0, 300.0]
+                .map(Watts)
+                .to_vec(),
+        }];
+        let curve = &estimate_population(&jobs, 0.0)[0];
+        let caps: Vec<f64> = curve.knots().iter().map(|k| k.cap_w.0).collect();
+        assert_eq!(caps, vec![300.0, 400.0, 450.0, 500.0, 550.0, 600.0, 700.0]);
+    }
+
+    #[test]
+    fn unusable_readings_never_make_a_curve_that_panics() {
+        let jobs = vec![JobReadings {
+            points: vec![
+                OperatingPoint {
+                    cap_w: Watts(f64::NAN),
+                    power_w: Watts(5000.0),
+                    throughput: 100.0,
+                },
+                OperatingPoint {
+                    cap_w: Watts(700.0),
+                    power_w: Watts(5600.0),
+                    throughput: 1000.0,
+                },
+            ],
+            min_cap_w: Watts(200.0),
+            cap_grid_w: Vec::new(),
+        }];
+        for noise in [0.01, f64::NAN, -1.0] {
+            let curve = &estimate_population(&jobs, noise)[0];
+            let at = curve.at(Watts(500.0));
+            assert!(at.power_w.0.is_finite() && at.throughput.is_finite());
+        }
+    }
+
+    #[test]
+    fn deserialising_validates() {
+        let good = CapCurve::from_points(&[pt(700.0, 5600.0, 100.0), pt(300.0, 2400.0, 60.0)])
+            .expect("curve");
+        let text = serde_json::to_string(&good).expect("json");
+        assert_eq!(serde_json::from_str::<CapCurve>(&text).expect("back"), good);
+        let empty = r#"{"knots":[],"source":"measured","relative_uncertainty":0.0}"#;
+        assert!(serde_json::from_str::<CapCurve>(empty).is_err());
     }
 }

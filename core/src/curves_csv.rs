@@ -149,6 +149,8 @@ fn printable(text: &str) -> String {
 
 /// Parses a curves file. Jobs come back in order of first appearance.
 pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
+    // A byte-order mark from a spreadsheet export is not part of the first column's name.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut lines = text
         .lines()
         .enumerate()
@@ -158,6 +160,8 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
     let cols = parse_header(header_line, header)?;
     let mut jobs: Vec<JobCurveRecord> = Vec::new();
     let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    // Caps seen per job (bit patterns): duplicate detection in constant time per row.
+    let mut seen_caps: Vec<std::collections::HashSet<u64>> = Vec::new();
     let mut rows = 0usize;
     for (line, text) in lines {
         rows += 1;
@@ -220,6 +224,7 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
             Some(&i) => i,
             None => {
                 index.insert(job.to_string(), jobs.len());
+                seen_caps.push(std::collections::HashSet::new());
                 jobs.push(JobCurveRecord {
                     job: job.to_string(),
                     gpus,
@@ -240,7 +245,7 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
             &record.dram_copy_product,
             &dram,
         )?;
-        if record.points.iter().any(|p| p.cap_w == point.cap_w) {
+        if !seen_caps[slot].insert(point.cap_w.0.to_bits()) {
             return Err(CurvesError::DuplicateCap {
                 line,
                 job: job.to_string(),
@@ -295,7 +300,7 @@ pub fn write_curves(records: &[JobCurveRecord]) -> String {
     for r in records {
         for p in &r.points {
             out.push_str(&format!(
-                "{},{},{:.1},{:.2},{},{},{}\n",
+                "{},{},{},{},{},{},{}\n",
                 r.job,
                 p.cap_w.0,
                 p.power_w.0,
@@ -422,6 +427,19 @@ a,300,2400,600,8
         assert_eq!(
             err.to_string(),
             "line 2, column power_w: \"NaN\" is not a positive number"
+        );
+    }
+
+    #[test]
+    fn byte_order_mark_and_small_rates_are_fine() {
+        let jobs = parse_curves(
+            "\u{feff}job,cap_w,power_w,throughput\na,700,5600,0.004\na,500,4000,0.003\n",
+        )
+        .expect("parse");
+        assert_eq!(jobs[0].points[1].throughput, 0.004);
+        assert_eq!(
+            parse_curves(&write_curves(&jobs)).expect("round trip"),
+            jobs
         );
     }
 }
