@@ -168,6 +168,17 @@ pub struct RawAgent {
     /// Node GPU power budget for standalone mode (no controller), watts, above 0.
     /// Absent: the node's budget comes from the controller.
     pub node_budget_w: Option<f64>,
+    /// Directory for the agent's persisted state (saved default caps, live jobs and
+    /// their curves); `%n` is the node name (default `/var/lib/powerflex/%n`).
+    pub state_dir: Option<String>,
+    /// Calibration: least time a job reports progress before its walk starts, seconds
+    /// (0.5 to 3600, default 60).
+    pub calibration_warmup_s: Option<f64>,
+    /// Calibration: time a job gets to feel each new cap before it is measured, seconds
+    /// (0.5 to 600, default 10).
+    pub calibration_settle_s: Option<f64>,
+    /// Calibration: measurement time at each cap, seconds (1 to 3600, default 30).
+    pub calibration_hold_s: Option<f64>,
 }
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
@@ -263,25 +274,43 @@ pub struct AgentConfig {
     /// Extra slowdown tolerated during calibration beyond the tier bound, 0 to 0.5.
     pub calibration_allowance: SlowdownFraction,
     pub node_budget_w: Option<Watts>,
+    /// State directory pattern: absolute, `%n` = node name.
+    pub state_dir: String,
+    pub calibration_warmup_s: f64,
+    pub calibration_settle_s: f64,
+    pub calibration_hold_s: f64,
+}
+
+/// Default state directory of the agent.
+pub const DEFAULT_AGENT_STATE_DIR: &str = "/var/lib/powerflex/%n";
+
+/// Expands `%n` (node name) and `%%` in a path pattern.
+pub fn expand_node(pattern: &str, node_name: &str) -> PathBuf {
+    let mut path = String::with_capacity(pattern.len() + node_name.len());
+    let mut chars = pattern.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            path.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => path.push_str(node_name),
+            Some(other) => path.push(other),
+            None => path.push('%'),
+        }
+    }
+    PathBuf::from(path)
 }
 
 impl AgentConfig {
+    /// The state directory on node `node_name`.
+    pub fn state_dir(&self, node_name: &str) -> PathBuf {
+        expand_node(&self.state_dir, node_name)
+    }
+
     /// The socket path on node `node_name`: `%n` replaced by the name, `%%` by `%`.
     pub fn socket_path(&self, node_name: &str) -> PathBuf {
-        let mut path = String::with_capacity(self.socket.len() + node_name.len());
-        let mut chars = self.socket.chars();
-        while let Some(c) = chars.next() {
-            if c != '%' {
-                path.push(c);
-                continue;
-            }
-            match chars.next() {
-                Some('n') => path.push_str(node_name),
-                Some(other) => path.push(other),
-                None => path.push('%'),
-            }
-        }
-        PathBuf::from(path)
+        expand_node(&self.socket, node_name)
     }
 }
 
@@ -751,12 +780,55 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
         None => None,
         Some(w) => Some(positive_watts("agent.node_budget_w", w)?),
     };
+    let state_dir = raw
+        .state_dir
+        .unwrap_or_else(|| DEFAULT_AGENT_STATE_DIR.to_string());
+    path("agent.state_dir", &state_dir, true)?;
+    let seconds = |key: &str,
+                   value: Option<f64>,
+                   default: f64,
+                   lo: f64,
+                   hi: f64|
+     -> Result<f64, ConfigError> {
+        let v = finite(key, value.unwrap_or(default))?;
+        if (lo..=hi).contains(&v) {
+            Ok(v)
+        } else {
+            Err(ConfigError::OutOfRange {
+                key: key.to_string(),
+                value: v.to_string(),
+                accepted: format!("{lo} to {hi} seconds"),
+            })
+        }
+    };
     Ok(AgentConfig {
         socket,
         metrics_listen,
         nvml_library,
         calibration_allowance: SlowdownFraction(allowance_pct / 100.0),
         node_budget_w,
+        state_dir,
+        calibration_warmup_s: seconds(
+            "agent.calibration_warmup_s",
+            raw.calibration_warmup_s,
+            60.0,
+            0.5,
+            3600.0,
+        )?,
+        calibration_settle_s: seconds(
+            "agent.calibration_settle_s",
+            raw.calibration_settle_s,
+            10.0,
+            0.5,
+            600.0,
+        )?,
+        calibration_hold_s: seconds(
+            "agent.calibration_hold_s",
+            raw.calibration_hold_s,
+            30.0,
+            1.0,
+            3600.0,
+        )?,
     })
 }
 
@@ -933,6 +1005,10 @@ listen = "10.0.0.5:7300"
                     nvml_library: None,
                     calibration_allowance: SlowdownFraction(0.05),
                     node_budget_w: None,
+                    state_dir: "/var/lib/powerflex/%n".into(),
+                    calibration_warmup_s: 60.0,
+                    calibration_settle_s: 10.0,
+                    calibration_hold_s: 30.0,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,

@@ -133,3 +133,189 @@ mod tests {
         );
     }
 }
+
+/// ## Job control (SPANK plugin / epilog → node agent)
+/// One request line, one reply line, over the agent's control socket. Only root peers may
+/// register or end jobs (the agent checks `SO_PEERCRED`); anyone may ask for status.
+/// ```json
+/// {"v":1,"op":"register","job_id":"4242","step_id":"0","uid":1000,"node":"n1","gpus":["0","1"],"flex":"flex2"}
+/// {"v":1,"op":"end-step","job_id":"4242","step_id":"0"}
+/// {"v":1,"op":"end-job","job_id":"4242"}
+/// {"v":1,"op":"status"}
+/// ```
+/// Replies: `{"v":1,"ok":true,...}` or `{"v":1,"ok":false,"error":"..."}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum ControlOp {
+    /// A job step starts on this node (every step registers; the first one creates the job).
+    Register {
+        job_id: String,
+        step_id: String,
+        /// The job owner's uid: progress reports are accepted only from this user.
+        uid: u32,
+        /// Slurm node name (`slurmd -N`), to catch a request sent to the wrong agent.
+        node: String,
+        /// GPUs as the job's environment names them: indices or UUIDs.
+        gpus: Vec<String>,
+        /// The `--power-flex` value (empty: the site default).
+        flex: String,
+    },
+    /// A step ended (its GPUs stay with the job until the job ends).
+    EndStep { job_id: String, step_id: String },
+    /// The job ended: its GPUs go back to their default caps.
+    EndJob { job_id: String },
+    /// Snapshot of the agent's state.
+    Status,
+}
+
+/// A control request: protocol version plus the operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlRequest {
+    pub v: u32,
+    #[serde(flatten)]
+    pub op: ControlOp,
+}
+
+/// The agent's answer to a control request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlReply {
+    pub v: u32,
+    pub ok: bool,
+    /// What went wrong, when `ok` is false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// For `register`: the address to put in the job's `POWERFLEX_PROGRESS`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    /// For `register`: the service the job got, in `--power-flex` form.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+    /// For `status`: the agent's snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<serde_json::Value>,
+}
+
+impl ControlReply {
+    pub fn ok() -> ControlReply {
+        ControlReply {
+            v: VERSION,
+            ok: true,
+            error: None,
+            progress: None,
+            tier: None,
+            status: None,
+        }
+    }
+
+    pub fn error(message: impl Into<String>) -> ControlReply {
+        ControlReply {
+            ok: false,
+            error: Some(message.into()),
+            ..ControlReply::ok()
+        }
+    }
+
+    pub fn to_line(&self) -> String {
+        let mut line =
+            serde_json::to_string(self).unwrap_or_else(|_| "{\"v\":1,\"ok\":false}".into());
+        line.push('\n');
+        line
+    }
+
+    pub fn from_line(line: &str) -> Result<ControlReply, ProtoError> {
+        if line.len() > MAX_LINE_BYTES {
+            return Err(ProtoError::TooLong(line.len()));
+        }
+        serde_json::from_str(line.trim_end()).map_err(|e| ProtoError::Malformed(e.to_string()))
+    }
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+}
+
+impl ControlRequest {
+    pub fn new(op: ControlOp) -> ControlRequest {
+        ControlRequest { v: VERSION, op }
+    }
+
+    pub fn to_line(&self) -> String {
+        let mut line = serde_json::to_string(self).unwrap_or_default();
+        line.push('\n');
+        line
+    }
+
+    /// Parses and validates one request line.
+    pub fn from_line(line: &str) -> Result<ControlRequest, ProtoError> {
+        if line.len() > MAX_LINE_BYTES {
+            return Err(ProtoError::TooLong(line.len()));
+        }
+        let request: ControlRequest = serde_json::from_str(line.trim_end_matches(['\n', '\r']))
+            .map_err(|e| ProtoError::Malformed(e.to_string()))?;
+        if request.v != VERSION {
+            return Err(ProtoError::Version(request.v));
+        }
+        let ids_ok = match &request.op {
+            ControlOp::Register {
+                job_id,
+                step_id,
+                gpus,
+                node,
+                flex,
+                ..
+            } => {
+                valid_id(job_id)
+                    && valid_id(step_id)
+                    && gpus.len() <= 1024
+                    && node.len() <= 256
+                    && flex.len() <= MAX_LINE_BYTES
+            }
+            ControlOp::EndStep { job_id, step_id } => valid_id(job_id) && valid_id(step_id),
+            ControlOp::EndJob { job_id } => valid_id(job_id),
+            ControlOp::Status => true,
+        };
+        if !ids_ok {
+            return Err(ProtoError::BadJobId);
+        }
+        Ok(request)
+    }
+}
+
+#[cfg(test)]
+mod control_tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_validate() {
+        let r = ControlRequest::new(ControlOp::Register {
+            job_id: "42".into(),
+            step_id: "batch".into(),
+            uid: 1000,
+            node: "n1".into(),
+            gpus: vec!["0".into(), "1".into()],
+            flex: "flex2".into(),
+        });
+        assert_eq!(ControlRequest::from_line(&r.to_line()), Ok(r));
+        let line = "{\"v\":1,\"op\":\"end-job\",\"job_id\":\"42\"}";
+        assert_eq!(
+            ControlRequest::from_line(line),
+            Ok(ControlRequest::new(ControlOp::EndJob {
+                job_id: "42".into()
+            }))
+        );
+        assert!(matches!(
+            ControlRequest::from_line("{\"v\":1,\"op\":\"reboot\"}"),
+            Err(ProtoError::Malformed(_))
+        ));
+        assert_eq!(
+            ControlRequest::from_line("{\"v\":1,\"op\":\"end-job\",\"job_id\":\"a b\"}"),
+            Err(ProtoError::BadJobId)
+        );
+        let reply = ControlReply::error("nope");
+        assert_eq!(ControlReply::from_line(&reply.to_line()), Ok(reply));
+    }
+}

@@ -1,0 +1,170 @@
+//! The GPUs as the agent sees them: a small trait with one production implementation on
+//! `nvml-wrapper`. Power is [`Watts`] here; milliwatts exist only inside [`NvmlBackend`],
+//! converted in one place. The simulated GPUs are reached through the *same* backend,
+//! with the simulated library's path as `nvml_library` — there is no simulated backend
+//! in this crate, so tests run the production code path.
+
+use std::ffi::OsStr;
+
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+use powerflex_core::Watts;
+
+/// What a GPU is and which caps it accepts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuIdentity {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub min_cap: Watts,
+    pub max_cap: Watts,
+    /// The board's default limit (what "restore" writes back).
+    pub default_cap: Watts,
+}
+
+/// One reading of a GPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuSample {
+    pub power: Watts,
+    /// The limit in force (enforced limit).
+    pub cap: Watts,
+    /// Energy since driver load, mJ.
+    pub energy_mj: u64,
+    /// Utilisation over the last sample period, percent.
+    pub gpu_util_pct: u32,
+    pub memory_util_pct: u32,
+}
+
+/// How an NVML failure should be treated; classified once, here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Retrying will not help (no permission, unsupported, bad argument): mark the GPU
+    /// degraded and stop writing to it.
+    Permanent,
+    /// The GPU fell off the bus: degraded until the agent restarts.
+    DeviceLost,
+    /// Worth retrying on the next tick (timeout, busy driver).
+    Transient,
+}
+
+/// A failed GPU operation.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("GPU {index}: {message}")]
+pub struct GpuError {
+    pub index: u32,
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+/// The GPU operations the agent needs.
+pub trait GpuBackend: Send {
+    /// Every GPU on the node.
+    fn discover(&mut self) -> Result<Vec<GpuIdentity>, GpuError>;
+    /// A reading of GPU `index`.
+    fn sample(&mut self, index: u32) -> Result<GpuSample, GpuError>;
+    /// Sets GPU `index`'s power limit (the caller clamps to the GPU's constraints).
+    fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError>;
+}
+
+/// Production backend: NVML through `nvml-wrapper`, initialised once per process.
+pub struct NvmlBackend {
+    nvml: Nvml,
+}
+
+impl std::fmt::Debug for NvmlBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NvmlBackend")
+    }
+}
+
+fn classify(e: &NvmlError) -> ErrorClass {
+    match e {
+        NvmlError::GpuLost | NvmlError::ResetRequired => ErrorClass::DeviceLost,
+        NvmlError::Timeout
+        | NvmlError::InUse
+        | NvmlError::InsufficientMemory
+        | NvmlError::NoData
+        | NvmlError::Unknown => ErrorClass::Transient,
+        _ => ErrorClass::Permanent,
+    }
+}
+
+fn err(index: u32, e: NvmlError) -> GpuError {
+    GpuError {
+        index,
+        class: classify(&e),
+        message: format!("{e}"),
+    }
+}
+
+fn watts(mw: u32) -> Watts {
+    Watts(f64::from(mw) / 1000.0)
+}
+
+impl NvmlBackend {
+    /// Loads NVML: the library at `library` (a path or soname), or the system's
+    /// `libnvidia-ml.so.1` when `None`.
+    pub fn open(library: Option<&std::path::Path>) -> Result<NvmlBackend, String> {
+        let nvml = match library {
+            Some(path) => Nvml::builder().lib_path(OsStr::new(path)).init(),
+            None => Nvml::init(),
+        }
+        .map_err(|e| match library {
+            Some(p) => format!("cannot initialise NVML from {}: {e}", p.display()),
+            None => format!("cannot initialise NVML (libnvidia-ml.so.1): {e}"),
+        })?;
+        Ok(NvmlBackend { nvml })
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn discover(&mut self) -> Result<Vec<GpuIdentity>, GpuError> {
+        let count = self.nvml.device_count().map_err(|e| err(u32::MAX, e))?;
+        let mut gpus = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let d = self
+                .nvml
+                .device_by_index(index)
+                .map_err(|e| err(index, e))?;
+            let constraints = d
+                .power_management_limit_constraints()
+                .map_err(|e| err(index, e))?;
+            gpus.push(GpuIdentity {
+                index,
+                uuid: d.uuid().map_err(|e| err(index, e))?,
+                name: d.name().map_err(|e| err(index, e))?,
+                min_cap: watts(constraints.min_limit),
+                max_cap: watts(constraints.max_limit),
+                default_cap: watts(
+                    d.power_management_limit_default()
+                        .map_err(|e| err(index, e))?,
+                ),
+            });
+        }
+        Ok(gpus)
+    }
+
+    fn sample(&mut self, index: u32) -> Result<GpuSample, GpuError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(|e| err(index, e))?;
+        let util = d.utilization_rates().map_err(|e| err(index, e))?;
+        Ok(GpuSample {
+            power: watts(d.power_usage().map_err(|e| err(index, e))?),
+            cap: watts(d.enforced_power_limit().map_err(|e| err(index, e))?),
+            energy_mj: d.total_energy_consumption().map_err(|e| err(index, e))?,
+            gpu_util_pct: util.gpu,
+            memory_util_pct: util.memory,
+        })
+    }
+
+    fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError> {
+        let mut d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(|e| err(index, e))?;
+        let mw = (cap.0 * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        d.set_power_management_limit(mw).map_err(|e| err(index, e))
+    }
+}

@@ -1,0 +1,152 @@
+//! `powerflexd`: powerflex's node agent. Run as root, one per GPU node (or per
+//! `slurmd -N` node on a test host).
+//!
+//! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT; every GPU restored); 1 could not start
+//! (config, NVML, sockets); 2 usage error.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use powerflex_agent::backend::{GpuBackend, NvmlBackend};
+use powerflex_agent::calibration::CalibrationSettings;
+use powerflex_agent::control::AgentSettings;
+use powerflex_agent::run::{run, RunOptions};
+use powerflex_core::config::SiteConfig;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "powerflexd",
+    version,
+    about = "powerflex node agent: per-job GPU power caps, calibration, restore on exit"
+)]
+struct Cli {
+    /// Site config (powerflex.toml).
+    #[arg(long, default_value = "/etc/slurm/powerflex.toml", value_name = "FILE")]
+    config: PathBuf,
+    /// Slurm node name this agent serves [default: $SLURMD_NODENAME, else the short host name].
+    #[arg(long, value_name = "NAME")]
+    node: Option<String>,
+    /// GPU sampling and cap reconciliation period, milliseconds.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), value_name = "MS")]
+    sample_interval_ms: u64,
+}
+
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().split('.').next().unwrap_or("").to_string())
+        .unwrap_or_default()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("POWERFLEX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    match start(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("powerflexd: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn start(cli: Cli) -> Result<(), String> {
+    let text = std::fs::read_to_string(&cli.config)
+        .map_err(|e| format!("cannot read {}: {e}", cli.config.display()))?;
+    let site =
+        SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", cli.config.display()))?;
+    let node = cli
+        .node
+        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
+        .unwrap_or_else(hostname);
+    if node.is_empty() {
+        return Err("cannot tell this node's name; pass --node".into());
+    }
+    let mut backend = NvmlBackend::open(site.agent.nvml_library.as_deref())?;
+    let gpus = backend.discover().map_err(|e| e.to_string())?;
+    let first = gpus.first().ok_or("NVML reports no GPU on this node")?;
+    let model = site.gpu_model_for(&first.name).ok_or_else(|| {
+        format!(
+            "no [gpu_models.*] section of {} matches the GPU \"{}\"; it has: {}",
+            cli.config.display(),
+            first.name,
+            site.gpu_models
+                .iter()
+                .map(|m| m.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
+    let control_socket = site.agent.socket_path(&node);
+    let progress_socket = control_socket.with_extension("progress");
+    let settings = AgentSettings {
+        node: node.clone(),
+        tiers: site.tiers.table.clone(),
+        default_service: site.tiers.default.clone(),
+        calibration: CalibrationSettings {
+            grid: model.calibration_caps_w.clone(),
+            settle_s: site.agent.calibration_settle_s,
+            hold_s: site.agent.calibration_hold_s,
+            warmup_s: site.agent.calibration_warmup_s,
+            steady_cv: 0.05,
+            allowance: site.agent.calibration_allowance.0,
+            no_signal_s: site.agent.calibration_warmup_s * 2.0,
+        },
+        cap_step: model.cap_step_w,
+        failsafe_cap: model.failsafe_cap_w,
+        node_budget: site.agent.node_budget_w,
+        policy: site.facility.policy,
+        lease_ttl_s: site.controller.lease_ttl_s as f64,
+        prior_intercept: site.predictor.pfi_intercept,
+        prior_slope: site.predictor.pfi_per_dram_copy_product,
+        progress_address: progress_socket.display().to_string(),
+    };
+    let options = RunOptions {
+        control_socket,
+        progress_socket,
+        state_dir: site.agent.state_dir(&node),
+        metrics_listen: site.agent.metrics_listen,
+        sample_interval: Duration::from_millis(cli.sample_interval_ms),
+    };
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::signal(signal, on_signal as *const () as libc::sighandler_t);
+        }
+    }
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let shutdown = shutdown.clone();
+        std::thread::spawn(move || {
+            while !shutdown.load(Ordering::SeqCst) {
+                if SIGNALLED.load(Ordering::SeqCst) {
+                    shutdown.store(true, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let result =
+        run(settings, options, Box::new(backend), shutdown.clone()).map_err(|e| e.to_string());
+    shutdown.store(true, Ordering::SeqCst);
+    let _ = watcher.join();
+    result
+}

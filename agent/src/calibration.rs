@@ -1,0 +1,463 @@
+//! Early-step calibration of one job's power–throughput curve: a pure state machine the
+//! control loop drives with the time, the job's progress and its GPUs' power.
+//!
+//! 1. **Warm-up**: wait for progress reports, then for steady state — the job's rate over
+//!    the last few one-second windows varies by less than `steady_cv`. (Without reports
+//!    for `no_signal_s` the job gets the telemetry prior instead.)
+//! 2. **Walk**: hold each cap of the site's grid, from the top: `settle_s` for the job to
+//!    feel the new cap, then `hold_s` of measurement. The rate at a level comes from the
+//!    job's own reports — counts between the first and last report in the window, with
+//!    intervals slower than 0.8× the median dropped (evaluations, checkpoints), which is
+//!    exact for steady steps and robust to pauses; power is the mean of the job's summed
+//!    GPU power over the window.
+//! 3. **Bounded**: before stepping down, the next level's slowdown is predicted from the
+//!    last two; the walk stops when the measured or predicted slowdown exceeds the tier's
+//!    bound plus `allowance`, and when the grid ends.
+//! 4. **Result**: the measured points, their PFI (Eq. 1), a fitted curve, how long it
+//!    took and the tokens it cost the job (uncapped rate minus level rate, over each
+//!    level's time).
+
+use std::collections::VecDeque;
+
+use powerflex_core::curve::{estimate_curve, CapCurve, OperatingPoint};
+use powerflex_core::pfi::pfi;
+use powerflex_core::Watts;
+
+/// Knobs of the walk (from the site config's `[agent]` section).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CalibrationSettings {
+    /// Per-GPU caps to visit, descending, the first being the uncapped setting.
+    pub grid: Vec<Watts>,
+    pub settle_s: f64,
+    pub hold_s: f64,
+    /// Least time between the first report and the first level.
+    pub warmup_s: f64,
+    /// Coefficient of variation of 1 s rates below which the job is steady.
+    pub steady_cv: f64,
+    /// Extra slowdown tolerated during the walk beyond the tier bound.
+    pub allowance: f64,
+    /// Without a report for this long after registration: use the telemetry prior.
+    pub no_signal_s: f64,
+}
+
+/// The job's cumulative progress as reported, with the agent's receive times.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProgressLog {
+    reports: VecDeque<(f64, f64)>,
+}
+
+/// Reports kept per job: enough for any window the walk looks at.
+const MAX_REPORTS: usize = 20_000;
+
+impl ProgressLog {
+    /// Records a cumulative count (tokens, or steps for jobs that count only steps) at `t`.
+    /// Counts that go backwards (a restarted job) restart the log.
+    pub fn record(&mut self, t: f64, count: f64) {
+        if let Some(&(_, last)) = self.reports.back() {
+            if count < last {
+                self.reports.clear();
+            }
+        }
+        self.reports.push_back((t, count));
+        if self.reports.len() > MAX_REPORTS {
+            self.reports.pop_front();
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reports.is_empty()
+    }
+
+    pub fn first_time(&self) -> Option<f64> {
+        self.reports.front().map(|r| r.0)
+    }
+
+    pub fn last(&self) -> Option<(f64, f64)> {
+        self.reports.back().copied()
+    }
+
+    /// Robust rate over `[from, to]` (see the module docs) and its relative standard error.
+    pub fn rate(&self, from: f64, to: f64) -> Option<(f64, f64)> {
+        let inside: Vec<(f64, f64)> = self
+            .reports
+            .iter()
+            .copied()
+            .filter(|r| r.0 >= from && r.0 <= to)
+            .collect();
+        if inside.len() < 3 {
+            return None;
+        }
+        let intervals: Vec<(f64, f64)> = inside
+            .windows(2)
+            .filter_map(|w| {
+                let dt = w[1].0 - w[0].0;
+                (dt > 0.0).then_some((dt, w[1].1 - w[0].1))
+            })
+            .collect();
+        if intervals.is_empty() {
+            return None;
+        }
+        let mut rates: Vec<f64> = intervals.iter().map(|(dt, dc)| dc / dt).collect();
+        rates.sort_by(f64::total_cmp);
+        let median = rates[rates.len() / 2];
+        let kept: Vec<&(f64, f64)> = intervals
+            .iter()
+            .filter(|(dt, dc)| dc / dt >= 0.8 * median)
+            .collect();
+        let time: f64 = kept.iter().map(|(dt, _)| dt).sum();
+        let count: f64 = kept.iter().map(|(_, dc)| dc).sum();
+        if time <= 0.0 || count <= 0.0 {
+            return None;
+        }
+        let rate = count / time;
+        // Spread of per-interval rates, as a standard error of the pooled rate.
+        let n = kept.len() as f64;
+        let var = kept
+            .iter()
+            .map(|(dt, dc)| (dc / dt - rate).powi(2))
+            .sum::<f64>()
+            / n.max(1.0);
+        Some((rate, (var.sqrt() / rate) / n.sqrt()))
+    }
+
+    /// Rates over consecutive `window_s` windows ending at `now` (oldest first).
+    pub fn window_rates(&self, now: f64, window_s: f64, count: usize) -> Vec<f64> {
+        (0..count)
+            .rev()
+            .filter_map(|k| {
+                let end = now - k as f64 * window_s;
+                self.rate(end - window_s, end).map(|r| r.0)
+            })
+            .collect()
+    }
+}
+
+/// Where the walk is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Phase {
+    /// Waiting for reports and steady state.
+    Warmup,
+    /// Holding grid level `level` since `since` (agent seconds).
+    Level { level: usize, since: f64 },
+    /// Finished: the curve is measured.
+    Done,
+    /// Not calibrated, and why (calibrate=off, flex0, no progress signal).
+    Skipped(String),
+}
+
+/// One measured level.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Level {
+    pub cap: Watts,
+    pub power: Watts,
+    pub throughput: f64,
+    pub relative_noise: f64,
+}
+
+/// The calibration of one job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibration {
+    pub settings: CalibrationSettings,
+    /// The tier's bound (fraction); `None` = no bound.
+    pub bound: Option<f64>,
+    pub phase: Phase,
+    pub levels: Vec<Level>,
+    pub registered_at: f64,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<f64>,
+    /// Tokens (or steps) the walk cost the job against running uncapped.
+    pub cost: f64,
+    power_sum: f64,
+    power_samples: u32,
+}
+
+impl Calibration {
+    /// A calibration for a job registered at `now`. `enabled = false` (calibrate=off)
+    /// and a bound of 0 (flex0: never capped, so a walk could only hurt) skip the walk.
+    pub fn new(
+        settings: CalibrationSettings,
+        bound: Option<f64>,
+        enabled: bool,
+        now: f64,
+    ) -> Calibration {
+        let phase = if !enabled {
+            Phase::Skipped("calibrate=off".into())
+        } else if bound == Some(0.0) {
+            Phase::Skipped("flex0 jobs are never capped".into())
+        } else if settings.grid.len() < 2 {
+            Phase::Skipped("the calibration grid has fewer than two caps".into())
+        } else {
+            Phase::Warmup
+        };
+        Calibration {
+            settings,
+            bound,
+            phase,
+            levels: Vec::new(),
+            registered_at: now,
+            started_at: None,
+            finished_at: None,
+            cost: 0.0,
+            power_sum: 0.0,
+            power_samples: 0,
+        }
+    }
+
+    /// The cap the walk wants on the job's GPUs now, if any.
+    pub fn cap(&self) -> Option<Watts> {
+        match self.phase {
+            Phase::Level { level, .. } => self.settings.grid.get(level).copied(),
+            _ => None,
+        }
+    }
+
+    pub fn is_active(&self) -> bool {
+        matches!(self.phase, Phase::Warmup | Phase::Level { .. })
+    }
+
+    /// Advances the walk. `job_power` is the job's summed GPU power now, when known.
+    pub fn tick(&mut self, now: f64, log: &ProgressLog, job_power: Option<Watts>) {
+        match self.phase.clone() {
+            Phase::Warmup => {
+                let Some(first) = log.first_time() else {
+                    if now - self.registered_at >= self.settings.no_signal_s {
+                        self.phase = Phase::Skipped("no progress reports: telemetry prior".into());
+                    }
+                    return;
+                };
+                if now - first < self.settings.warmup_s {
+                    return;
+                }
+                let rates = log.window_rates(now, 1.0, 5);
+                if rates.len() < 5 {
+                    return;
+                }
+                let mean = rates.iter().sum::<f64>() / rates.len() as f64;
+                let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>()
+                    / rates.len() as f64)
+                    .sqrt();
+                if mean > 0.0 && sd / mean < self.settings.steady_cv {
+                    self.started_at = Some(now);
+                    self.enter(0, now);
+                }
+            }
+            Phase::Level { level, since } => {
+                let measure_from = since + self.settings.settle_s;
+                let measure_to = measure_from + self.settings.hold_s;
+                if now >= measure_from {
+                    if let Some(p) = job_power {
+                        self.power_sum += p.0;
+                        self.power_samples += 1;
+                    }
+                }
+                if now < measure_to {
+                    return;
+                }
+                let Some((rate, noise)) = log.rate(measure_from, now) else {
+                    // No reports in the window: the job paused; hold longer.
+                    if now - since > 10.0 * (self.settings.settle_s + self.settings.hold_s) {
+                        self.finish(now);
+                    }
+                    return;
+                };
+                let power = if self.power_samples > 0 {
+                    Watts(self.power_sum / f64::from(self.power_samples))
+                } else {
+                    Watts(0.0)
+                };
+                let cap = self.settings.grid[level];
+                self.levels.push(Level {
+                    cap,
+                    power,
+                    throughput: rate,
+                    relative_noise: noise,
+                });
+                let top = self.levels[0].throughput;
+                let slowdown = |t: f64| if top > 0.0 { 1.0 - t / top } else { 0.0 };
+                if level > 0 {
+                    self.cost += (top - rate).max(0.0) * (now - since);
+                }
+                let limit = self.bound.unwrap_or(1.0) + self.settings.allowance;
+                let measured = slowdown(rate);
+                let next = level + 1;
+                let predicted = match (self.levels.len() >= 2, self.settings.grid.get(next)) {
+                    (true, Some(next_cap)) => {
+                        let (a, b) = (
+                            self.levels[self.levels.len() - 2],
+                            self.levels[self.levels.len() - 1],
+                        );
+                        let per_watt =
+                            (a.throughput - b.throughput) / (a.cap.0 - b.cap.0).max(1e-9);
+                        slowdown(b.throughput - per_watt * (b.cap.0 - next_cap.0))
+                    }
+                    _ => measured,
+                };
+                if next >= self.settings.grid.len() || measured > limit || predicted > limit {
+                    self.finish(now);
+                } else {
+                    self.enter(next, now);
+                }
+            }
+            Phase::Done | Phase::Skipped(_) => {}
+        }
+    }
+
+    fn enter(&mut self, level: usize, now: f64) {
+        self.phase = Phase::Level { level, since: now };
+        self.power_sum = 0.0;
+        self.power_samples = 0;
+    }
+
+    fn finish(&mut self, now: f64) {
+        self.finished_at = Some(now);
+        self.phase = if self.levels.len() >= 2 {
+            Phase::Done
+        } else {
+            Phase::Skipped("too few levels measured".into())
+        };
+    }
+
+    /// The measured points (per-GPU cap, summed power, throughput).
+    pub fn points(&self) -> Vec<OperatingPoint> {
+        self.levels
+            .iter()
+            .map(|l| OperatingPoint {
+                cap_w: l.cap,
+                power_w: l.power,
+                throughput: l.throughput,
+            })
+            .collect()
+    }
+
+    /// PFI of the measured points (Eq. 1), once done.
+    pub fn pfi(&self) -> Option<f64> {
+        (self.phase == Phase::Done)
+            .then(|| pfi(&self.points()))
+            .flatten()
+    }
+
+    /// The fitted curve, once done.
+    pub fn curve(&self) -> Option<CapCurve> {
+        if self.phase != Phase::Done {
+            return None;
+        }
+        let noise = self
+            .levels
+            .iter()
+            .map(|l| l.relative_noise)
+            .fold(0.0, f64::max)
+            .max(0.002);
+        estimate_curve(&self.points(), noise).ok()
+    }
+
+    /// Seconds from the start of the walk to its end.
+    pub fn duration_s(&self) -> Option<f64> {
+        Some(self.finished_at? - self.started_at?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> CalibrationSettings {
+        CalibrationSettings {
+            grid: [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]
+                .map(Watts)
+                .to_vec(),
+            settle_s: 2.0,
+            hold_s: 5.0,
+            warmup_s: 3.0,
+            steady_cv: 0.05,
+            allowance: 0.05,
+            no_signal_s: 30.0,
+        }
+    }
+
+    /// Relative throughput of a fake job at a cap: loses (1 - cap/700)/2 (PFI 2).
+    fn speed(cap: f64) -> f64 {
+        1.0 - (1.0 - cap / 700.0) / 2.0
+    }
+
+    /// Drives a calibration with a fake clock: the job reports every 0.1 s at the rate
+    /// its current cap allows; power follows the cap.
+    fn run(bound: Option<f64>) -> Calibration {
+        let mut cal = Calibration::new(settings(), bound, true, 0.0);
+        let mut log = ProgressLog::default();
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        while t < 400.0 && cal.is_active() {
+            let cap = cal.cap().map_or(700.0, |c| c.0);
+            t += 0.1;
+            count += 1000.0 * speed(cap) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                cal.tick(t, &log, Some(Watts(8.0 * cap * 0.985)));
+                next_tick += 1.0;
+            }
+        }
+        cal
+    }
+
+    #[test]
+    fn walks_the_grid_and_measures_the_pfi() {
+        let cal = run(Some(0.50));
+        assert_eq!(cal.phase, Phase::Done);
+        assert_eq!(
+            cal.levels.len(),
+            6,
+            "flex3 + 5 % allows the whole grid here"
+        );
+        let pfi = cal.pfi().expect("pfi");
+        assert!((pfi - 2.0).abs() < 0.02, "pfi {pfi}");
+        assert!(cal.cost > 0.0);
+        assert!(cal.duration_s().expect("duration") > 6.0 * 7.0 - 1.0);
+        assert!(cal.curve().is_some());
+    }
+
+    #[test]
+    fn a_tight_bound_stops_the_walk_early() {
+        // flex1: 10 % + 5 % allowance; slowdown reaches 7.1 % at 600 W... 21 % at 400 W.
+        let cal = run(Some(0.10));
+        assert_eq!(cal.phase, Phase::Done);
+        let deepest = cal.levels.last().expect("levels").cap.0;
+        assert!(deepest >= 500.0, "walked down to {deepest} W");
+        for l in &cal.levels {
+            assert!(1.0 - l.throughput / cal.levels[0].throughput <= 0.15 + 0.01);
+        }
+    }
+
+    #[test]
+    fn skips_when_asked_or_pointless_and_falls_back_without_a_signal() {
+        assert!(matches!(
+            Calibration::new(settings(), Some(0.25), false, 0.0).phase,
+            Phase::Skipped(_)
+        ));
+        assert!(matches!(
+            Calibration::new(settings(), Some(0.0), true, 0.0).phase,
+            Phase::Skipped(_)
+        ));
+        let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+        cal.tick(31.0, &ProgressLog::default(), None);
+        assert_eq!(
+            cal.phase,
+            Phase::Skipped("no progress reports: telemetry prior".into())
+        );
+    }
+
+    #[test]
+    fn rate_ignores_pauses() {
+        let mut log = ProgressLog::default();
+        let mut count = 0.0;
+        for i in 1..=100 {
+            let t = f64::from(i) * 0.1;
+            // A 2 s checkpoint pause in the middle.
+            if !(4.0..6.0).contains(&t) {
+                count += 100.0;
+            }
+            log.record(t, count);
+        }
+        let (rate, _) = log.rate(0.0, 10.0).expect("rate");
+        assert!((rate - 1000.0).abs() < 1.0, "{rate}");
+    }
+}

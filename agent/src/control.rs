@@ -1,0 +1,878 @@
+//! The agent's decisions, as a pure state machine: the control loop feeds it the time,
+//! requests, progress and GPU readings, and executes the [`Action`]s it returns. No I/O,
+//! no clock: tests drive it with a fake time.
+//!
+//! Per GPU the desired cap is:
+//! - no job, or a job with `--power-flex=none`: the saved default;
+//! - a managed job: its granted cap — the controller's lease while it lasts, then the
+//!   site's fail-safe cap; in standalone mode the node budget's allocation; with neither,
+//!   uncapped — lowered further while its calibration walk holds a level;
+//!
+//! one cap per job, the same on all its GPUs, clamped to each GPU's constraints and
+//! written only when it changes.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
+use powerflex_core::curve::{CapCurve, CurveSource};
+use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
+use powerflex_core::gpus::{parse_gpu_list, GpuRef};
+use powerflex_core::Watts;
+
+use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
+use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
+
+/// Everything the state machine needs from the site config.
+#[derive(Debug, Clone)]
+pub struct AgentSettings {
+    /// Slurm node name this agent serves.
+    pub node: String,
+    pub tiers: TierTable,
+    pub default_service: Service,
+    pub calibration: CalibrationSettings,
+    /// Cap granularity, W per GPU.
+    pub cap_step: Watts,
+    /// Cap applied when the controller's lease runs out.
+    pub failsafe_cap: Watts,
+    /// Standalone mode: this node's GPU power budget.
+    pub node_budget: Option<Watts>,
+    pub policy: Policy,
+    /// Controller mode: how long a lease lasts, seconds.
+    pub lease_ttl_s: f64,
+    /// Telemetry prior: PFI ≈ intercept + slope · DRAM copy product.
+    pub prior_intercept: f64,
+    pub prior_slope: f64,
+    /// What the plugin puts in a job's `POWERFLEX_PROGRESS`.
+    pub progress_address: String,
+}
+
+/// What the control loop must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Write a power limit (already clamped) to a GPU.
+    SetCap { gpu: u32, cap: Watts },
+    /// The persisted state changed: save it.
+    Persist,
+}
+
+/// One GPU as the agent tracks it.
+#[derive(Debug, Clone)]
+pub struct GpuSlot {
+    pub identity: GpuIdentity,
+    /// The limit to restore: the GPU's limit when powerflex first saw it.
+    pub saved_default: Watts,
+    /// The limit last written (or read back at start).
+    pub applied: Option<Watts>,
+    /// Why the GPU is out of service, when it is.
+    pub degraded: Option<String>,
+    pub last: Option<GpuSample>,
+    /// The job using it.
+    pub job: Option<String>,
+}
+
+/// One job on this node.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub id: String,
+    pub uid: u32,
+    pub request: FlexRequest,
+    pub gpus: Vec<u32>,
+    pub steps: BTreeSet<String>,
+    pub log: ProgressLog,
+    pub calibration: Calibration,
+    /// The cap the budget grants (allocation or lease), when one applies.
+    pub granted: Option<Watts>,
+    pub registered_at: f64,
+    /// Telemetry prior when there is no progress signal: (DRAM copy product, PFI).
+    pub prior: Option<(f64, f64)>,
+    /// Curve and PFI restored from a previous run of the agent.
+    pub restored_pfi: Option<f64>,
+}
+
+impl Job {
+    fn managed(&self) -> bool {
+        self.request.service.is_managed()
+    }
+}
+
+/// A grant of caps from the controller, valid until `expires_at`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Lease {
+    pub caps: BTreeMap<String, Watts>,
+    pub expires_at: f64,
+}
+
+/// Outcome of a registration, for the reply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Registered {
+    /// The service in `--power-flex` form.
+    pub tier: String,
+    /// Where the job reports progress (`None` for unmanaged jobs).
+    pub progress: Option<String>,
+}
+
+/// The agent's state.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    pub settings: AgentSettings,
+    pub gpus: Vec<GpuSlot>,
+    pub jobs: BTreeMap<String, Job>,
+    pub lease: Option<Lease>,
+    /// When the agent started (controller mode: the first lease is due by start + TTL).
+    pub started_at: f64,
+    /// Progress reports refused (wrong user, wrong job, malformed).
+    pub progress_rejected: u64,
+}
+
+impl Agent {
+    /// An agent for `gpus`. `saved` holds default limits persisted by an earlier run (by
+    /// UUID): a restart after a crash must not mistake a cap it left for the default.
+    pub fn new(
+        settings: AgentSettings,
+        gpus: Vec<GpuIdentity>,
+        saved: &BTreeMap<String, Watts>,
+        now: f64,
+    ) -> Agent {
+        let gpus = gpus
+            .into_iter()
+            .map(|identity| GpuSlot {
+                saved_default: saved
+                    .get(&identity.uuid)
+                    .copied()
+                    .unwrap_or(identity.default_cap),
+                identity,
+                applied: None,
+                degraded: None,
+                last: None,
+                job: None,
+            })
+            .collect();
+        Agent {
+            settings,
+            gpus,
+            jobs: BTreeMap::new(),
+            lease: None,
+            started_at: now,
+            progress_rejected: 0,
+        }
+    }
+
+    fn controller_mode(&self) -> bool {
+        self.settings.node_budget.is_none()
+    }
+
+    /// Registers a job step. Every step of a job registers; the first creates the job.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        &mut self,
+        now: f64,
+        job_id: &str,
+        step_id: &str,
+        uid: u32,
+        node: &str,
+        gpus: &[String],
+        flex: &str,
+    ) -> Result<Registered, String> {
+        if node != self.settings.node {
+            return Err(format!(
+                "this agent serves node {}, not {node}; check the plugin's socket= argument",
+                self.settings.node
+            ));
+        }
+        let request = if flex.trim().is_empty() {
+            FlexRequest {
+                service: self.settings.default_service.clone(),
+                calibrate: Calibrate::Auto,
+            }
+        } else {
+            parse_power_flex(flex, &self.settings.tiers).map_err(|e| e.to_string())?
+        };
+        let refs = parse_gpu_list(&gpus.join(",")).map_err(|e| e.to_string())?;
+        let mut indices = Vec::new();
+        for r in &refs {
+            let found = self.gpus.iter().position(|g| match r {
+                GpuRef::Index(i) => g.identity.index == *i,
+                GpuRef::Uuid(u) => &g.identity.uuid == u,
+            });
+            match found {
+                Some(i) => indices.push(i as u32),
+                None => return Err(format!("no GPU {r} on node {}", self.settings.node)),
+            }
+        }
+        let tier = request.to_string();
+        let managed = request.service.is_managed();
+        let settings = self.settings.calibration.clone();
+        let bound = request.service.max_slowdown().map(|b| b.0);
+        let calibrate = request.calibrate == Calibrate::Auto;
+        let job = self.jobs.entry(job_id.to_string()).or_insert_with(|| Job {
+            id: job_id.to_string(),
+            uid,
+            request: request.clone(),
+            gpus: Vec::new(),
+            steps: BTreeSet::new(),
+            log: ProgressLog::default(),
+            calibration: Calibration::new(settings, bound, calibrate && managed, now),
+            granted: None,
+            registered_at: now,
+            prior: None,
+            restored_pfi: None,
+        });
+        job.steps.insert(step_id.to_string());
+        for i in indices {
+            if !job.gpus.contains(&i) {
+                job.gpus.push(i);
+            }
+        }
+        let job_gpus = job.gpus.clone();
+        for &g in &job_gpus {
+            let slot = &mut self.gpus[g as usize];
+            if let Some(other) = slot.job.as_ref().filter(|o| o.as_str() != job_id) {
+                // Slurm gives a GPU to one job at a time: the other job's end was missed.
+                let other = other.clone();
+                if let Some(o) = self.jobs.get_mut(&other) {
+                    o.gpus.retain(|x| *x != g);
+                }
+            }
+            self.gpus[g as usize].job = Some(job_id.to_string());
+        }
+        self.jobs
+            .retain(|_, j| !j.gpus.is_empty() || j.id == job_id);
+        Ok(Registered {
+            tier,
+            progress: managed.then(|| self.settings.progress_address.clone()),
+        })
+    }
+
+    /// A step ended. The job keeps its GPUs (other steps, the batch script) until it ends.
+    pub fn end_step(&mut self, job_id: &str, step_id: &str) -> Result<(), String> {
+        match self.jobs.get_mut(job_id) {
+            Some(job) => {
+                job.steps.remove(step_id);
+                Ok(())
+            }
+            None => Err(format!("no job {job_id} on this node")),
+        }
+    }
+
+    /// The job ended: its GPUs return to their defaults on the next tick. Ending an
+    /// unknown job is not an error (every epilog calls it, calibrated or not).
+    pub fn end_job(&mut self, job_id: &str) -> bool {
+        let known = self.jobs.remove(job_id).is_some();
+        for slot in &mut self.gpus {
+            if slot.job.as_deref() == Some(job_id) {
+                slot.job = None;
+            }
+        }
+        known
+    }
+
+    /// A progress report from a verified process of `job_id`.
+    pub fn progress(
+        &mut self,
+        now: f64,
+        job_id: &str,
+        tokens: u64,
+        steps: u64,
+    ) -> Result<(), String> {
+        let job = self
+            .jobs
+            .get_mut(job_id)
+            .ok_or_else(|| format!("no job {job_id} on this node"))?;
+        let count = if tokens > 0 {
+            tokens as f64
+        } else {
+            steps as f64
+        };
+        job.log.record(now, count);
+        Ok(())
+    }
+
+    /// Installs a lease from the controller.
+    pub fn set_lease(&mut self, now: f64, caps: BTreeMap<String, Watts>) {
+        self.lease = Some(Lease {
+            caps,
+            expires_at: now + self.settings.lease_ttl_s,
+        });
+    }
+
+    /// Records a GPU reading (or its failure).
+    pub fn sampled(&mut self, gpu: u32, result: Result<GpuSample, GpuError>) {
+        let Some(slot) = self.gpus.get_mut(gpu as usize) else {
+            return;
+        };
+        match result {
+            Ok(s) => {
+                slot.last = Some(s);
+                if slot.applied.is_none() {
+                    slot.applied = Some(s.cap);
+                }
+            }
+            Err(e) => {
+                slot.last = None;
+                if e.class != ErrorClass::Transient {
+                    slot.degraded = Some(e.message);
+                }
+            }
+        }
+    }
+
+    /// A cap write succeeded.
+    pub fn cap_written(&mut self, gpu: u32, cap: Watts) {
+        if let Some(slot) = self.gpus.get_mut(gpu as usize) {
+            slot.applied = Some(cap);
+        }
+    }
+
+    /// A cap write failed: a permanent or lost-device failure degrades that GPU only.
+    pub fn cap_failed(&mut self, e: &GpuError) {
+        if let Some(slot) = self.gpus.get_mut(e.index as usize) {
+            if e.class != ErrorClass::Transient {
+                slot.degraded = Some(e.message.clone());
+            }
+        }
+    }
+
+    fn job_power(&self, job: &Job) -> Option<Watts> {
+        let mut total = 0.0;
+        for &g in &job.gpus {
+            total += self.gpus[g as usize].last?.power.0;
+        }
+        Some(Watts(total))
+    }
+
+    /// The curve the allocator uses for `job`: measured, else a prior from its PFI.
+    fn curve_for(&self, job: &Job) -> Option<CapCurve> {
+        if let Some(c) = job.calibration.curve() {
+            return Some(c);
+        }
+        let first = self.gpus.get(*job.gpus.first()? as usize)?;
+        // Uncapped draw unknown without a walk: assume the GPUs can draw their maximum.
+        let p_max: f64 = job
+            .gpus
+            .iter()
+            .map(|&g| self.gpus[g as usize].identity.max_cap.0)
+            .sum::<f64>()
+            .max(1.0);
+        let pfi = job
+            .restored_pfi
+            .or(job.prior.map(|p| p.1))
+            .unwrap_or(self.settings.prior_intercept);
+        CapCurve::from_pfi_prior(
+            Watts(p_max),
+            1.0,
+            pfi.max(0.5),
+            first.identity.min_cap,
+            first.identity.max_cap,
+            Watts(50.0),
+        )
+        .ok()
+    }
+
+    /// Standalone mode: splits the node budget across managed jobs.
+    fn allocate_node_budget(&mut self, budget: Watts) {
+        // Power of GPUs outside managed jobs comes off the budget first.
+        let outside: f64 = self
+            .gpus
+            .iter()
+            .filter(|g| {
+                g.job
+                    .as_ref()
+                    .and_then(|j| self.jobs.get(j))
+                    .is_none_or(|j| !j.managed())
+            })
+            .map(|g| g.last.map_or(g.identity.max_cap.0, |s| s.power.0))
+            .sum();
+        let mut specs = Vec::new();
+        for job in self
+            .jobs
+            .values()
+            .filter(|j| j.managed() && !j.gpus.is_empty())
+        {
+            let Some(curve) = self.curve_for(job) else {
+                continue;
+            };
+            let first = &self.gpus[job.gpus[0] as usize].identity;
+            specs.push(JobSpec {
+                id: job.id.clone(),
+                gpus: job.gpus.len() as u32,
+                throughput_weight: 1.0 / curve.uncapped().throughput.max(1e-9),
+                curve,
+                max_slowdown: job.request.service.max_slowdown(),
+                limits: CapLimits {
+                    min_w: first.min_cap,
+                    max_w: first.max_cap,
+                    step_w: self.settings.cap_step,
+                },
+            });
+        }
+        let managed_budget = Watts((budget.0 - outside).max(0.0));
+        if let Ok(a) = allocate(&specs, managed_budget, self.settings.policy) {
+            for decided in a.jobs {
+                if let Some(job) = self.jobs.get_mut(&decided.id) {
+                    job.granted = Some(decided.cap_w);
+                }
+            }
+        }
+    }
+
+    /// The per-GPU cap the job should run at now (before calibration lowers it).
+    fn granted_cap(&self, now: f64, job: &Job) -> Option<Watts> {
+        if !job.managed() {
+            return None;
+        }
+        if self.controller_mode() {
+            return match &self.lease {
+                Some(lease) if now < lease.expires_at => lease.caps.get(&job.id).copied(),
+                Some(_) => Some(self.settings.failsafe_cap),
+                None if now - self.started_at >= self.settings.lease_ttl_s => {
+                    Some(self.settings.failsafe_cap)
+                }
+                None => None,
+            };
+        }
+        job.granted
+    }
+
+    /// Whether the controller's lease has run out (controller mode only).
+    pub fn failsafe_active(&self, now: f64) -> bool {
+        self.controller_mode()
+            && match &self.lease {
+                Some(lease) => now >= lease.expires_at,
+                None => now - self.started_at >= self.settings.lease_ttl_s,
+            }
+    }
+
+    /// One control period: advance calibrations, allocate, and return the cap writes
+    /// needed to reach the desired caps.
+    pub fn tick(&mut self, now: f64) -> Vec<Action> {
+        let mut changed = false;
+        let ids: Vec<String> = self.jobs.keys().cloned().collect();
+        for id in &ids {
+            let power = self.jobs.get(id).and_then(|j| self.job_power(j));
+            let memory_util: Option<f64> = self.jobs.get(id).and_then(|j| {
+                let utils: Vec<f64> = j
+                    .gpus
+                    .iter()
+                    .filter_map(|&g| {
+                        self.gpus[g as usize]
+                            .last
+                            .map(|s| f64::from(s.memory_util_pct) / 100.0)
+                    })
+                    .collect();
+                (!utils.is_empty()).then(|| utils.iter().sum::<f64>() / utils.len() as f64)
+            });
+            let (intercept, slope) = (self.settings.prior_intercept, self.settings.prior_slope);
+            if let Some(job) = self.jobs.get_mut(id) {
+                let before = job.calibration.phase.clone();
+                job.calibration.tick(now, &job.log, power);
+                if job.calibration.phase != before {
+                    changed = true;
+                }
+                // No progress signal: the paper's telemetry predictor as a prior. NVML has
+                // no DRAM-active counter, so its memory utilisation (the memory-copy
+                // share) stands in for both factors of the DRAM copy product.
+                if matches!(&job.calibration.phase, Phase::Skipped(why) if why.contains("telemetry prior"))
+                {
+                    if let Some(u) = memory_util {
+                        let dcp = u * u;
+                        job.prior = Some((dcp, intercept + slope * dcp));
+                    }
+                }
+            }
+        }
+        if let Some(budget) = self.settings.node_budget {
+            self.allocate_node_budget(budget);
+        }
+        let mut actions = Vec::new();
+        for gpu in 0..self.gpus.len() {
+            let slot = &self.gpus[gpu];
+            if slot.degraded.is_some() {
+                continue;
+            }
+            let job = slot.job.as_ref().and_then(|j| self.jobs.get(j));
+            let desired = match job {
+                None => slot.saved_default,
+                Some(job) if !job.managed() => slot.saved_default,
+                Some(job) => {
+                    let granted = self.granted_cap(now, job).unwrap_or(slot.identity.max_cap);
+                    match job.calibration.cap() {
+                        Some(level) => granted.min(level),
+                        None => granted,
+                    }
+                }
+            };
+            let desired = clamp(desired, &slot.identity);
+            if slot.applied.is_none_or(|a| (a.0 - desired.0).abs() > 0.5) {
+                actions.push(Action::SetCap {
+                    gpu: gpu as u32,
+                    cap: desired,
+                });
+            }
+        }
+        if changed {
+            actions.push(Action::Persist);
+        }
+        actions
+    }
+
+    /// Cap writes that put every healthy GPU back to its saved default (shutdown).
+    pub fn restore_all(&self) -> Vec<Action> {
+        self.gpus
+            .iter()
+            .filter(|g| g.degraded.is_none())
+            .map(|g| Action::SetCap {
+                gpu: g.identity.index,
+                cap: clamp(g.saved_default, &g.identity),
+            })
+            .collect()
+    }
+
+    /// The status snapshot (also the metrics' source).
+    pub fn snapshot(&self, now: f64) -> Snapshot {
+        Snapshot {
+            node: self.settings.node.clone(),
+            mode: if self.controller_mode() {
+                "controller"
+            } else {
+                "standalone"
+            },
+            failsafe: self.failsafe_active(now),
+            degraded: self.gpus.iter().any(|g| g.degraded.is_some()),
+            progress_rejected: self.progress_rejected,
+            gpus: self
+                .gpus
+                .iter()
+                .map(|g| GpuView {
+                    index: g.identity.index,
+                    uuid: g.identity.uuid.clone(),
+                    name: g.identity.name.clone(),
+                    default_w: g.saved_default.0,
+                    cap_w: g.applied.map(|w| w.0),
+                    power_w: g.last.map(|s| s.power.0),
+                    energy_j: g.last.map(|s| s.energy_mj as f64 / 1000.0),
+                    job: g.job.clone(),
+                    degraded: g.degraded.clone(),
+                })
+                .collect(),
+            jobs: self
+                .jobs
+                .values()
+                .map(|j| {
+                    let cal = &j.calibration;
+                    let (state, reason) = match &cal.phase {
+                        Phase::Warmup => ("warmup", None),
+                        Phase::Level { .. } => ("walking", None),
+                        Phase::Done => ("done", None),
+                        Phase::Skipped(why) => ("skipped", Some(why.clone())),
+                    };
+                    let rate = match j.log.last() {
+                        Some((t, _)) if now - t < 30.0 => j.log.rate(now - 10.0, now).map(|r| r.0),
+                        _ => None,
+                    };
+                    JobView {
+                        job: j.id.clone(),
+                        uid: j.uid,
+                        tier: j.request.to_string(),
+                        gpus: j
+                            .gpus
+                            .iter()
+                            .map(|&g| self.gpus[g as usize].identity.index)
+                            .collect(),
+                        steps: j.steps.iter().cloned().collect(),
+                        cap_w: j
+                            .gpus
+                            .first()
+                            .and_then(|&g| self.gpus[g as usize].applied.map(|w| w.0)),
+                        granted_w: self.granted_cap(now, j).map(|w| w.0),
+                        calibration: state,
+                        calibration_note: reason,
+                        calibration_level_w: cal.cap().map(|w| w.0),
+                        calibration_s: cal.duration_s(),
+                        calibration_cost: cal.cost,
+                        pfi: cal.pfi().or(j.restored_pfi),
+                        pfi_source: if cal.pfi().is_some() || j.restored_pfi.is_some() {
+                            Some(CurveSource::Measured)
+                        } else if j.prior.is_some() {
+                            Some(CurveSource::Prior)
+                        } else {
+                            None
+                        },
+                        prior_pfi: j.prior.map(|p| p.1),
+                        points: cal
+                            .levels
+                            .iter()
+                            .map(|l| [l.cap.0, l.power.0, l.throughput])
+                            .collect(),
+                        throughput: rate,
+                        power_w: self.job_power(j).map(|w| w.0),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+fn clamp(cap: Watts, identity: &GpuIdentity) -> Watts {
+    Watts(cap.0.clamp(identity.min_cap.0, identity.max_cap.0))
+}
+
+/// What `status` and the metrics show.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Snapshot {
+    pub node: String,
+    pub mode: &'static str,
+    /// The controller's lease ran out and the fail-safe cap applies.
+    pub failsafe: bool,
+    /// At least one GPU is out of service.
+    pub degraded: bool,
+    pub progress_rejected: u64,
+    pub gpus: Vec<GpuView>,
+    pub jobs: Vec<JobView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuView {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub default_w: f64,
+    pub cap_w: Option<f64>,
+    pub power_w: Option<f64>,
+    pub energy_j: Option<f64>,
+    pub job: Option<String>,
+    pub degraded: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobView {
+    pub job: String,
+    pub uid: u32,
+    pub tier: String,
+    pub gpus: Vec<u32>,
+    pub steps: Vec<String>,
+    pub cap_w: Option<f64>,
+    pub granted_w: Option<f64>,
+    /// warmup, walking, done or skipped.
+    pub calibration: &'static str,
+    pub calibration_note: Option<String>,
+    pub calibration_level_w: Option<f64>,
+    /// How long the walk took, seconds.
+    pub calibration_s: Option<f64>,
+    /// Tokens (or steps) the walk cost against running uncapped.
+    pub calibration_cost: f64,
+    pub pfi: Option<f64>,
+    pub pfi_source: Option<CurveSource>,
+    pub prior_pfi: Option<f64>,
+    /// Measured levels: [cap W per GPU, job power W, throughput].
+    pub points: Vec<[f64; 3]>,
+    /// Recent throughput (job's unit per second).
+    pub throughput: Option<f64>,
+    pub power_w: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calibration::CalibrationSettings;
+
+    fn gpu(index: u32) -> GpuIdentity {
+        GpuIdentity {
+            index,
+            uuid: format!("GPU-{index:08x}-0000-0000-0000-000000000000"),
+            name: "NVIDIA H200".into(),
+            min_cap: Watts(200.0),
+            max_cap: Watts(700.0),
+            default_cap: Watts(700.0),
+        }
+    }
+
+    fn settings(node_budget: Option<Watts>) -> AgentSettings {
+        AgentSettings {
+            node: "n1".into(),
+            tiers: TierTable::default_table(),
+            default_service: Service::Unmanaged,
+            calibration: CalibrationSettings {
+                grid: [700.0, 600.0, 500.0].map(Watts).to_vec(),
+                settle_s: 1.0,
+                hold_s: 2.0,
+                warmup_s: 1.0,
+                steady_cv: 0.05,
+                allowance: 0.05,
+                no_signal_s: 10.0,
+            },
+            cap_step: Watts(10.0),
+            failsafe_cap: Watts(500.0),
+            node_budget,
+            policy: Policy::Optimal,
+            lease_ttl_s: 30.0,
+            prior_intercept: 1.2,
+            prior_slope: 1.5,
+            progress_address: "/run/powerflex/n1.progress".into(),
+        }
+    }
+
+    fn agent(node_budget: Option<Watts>) -> Agent {
+        let mut a = Agent::new(
+            settings(node_budget),
+            (0..4).map(gpu).collect(),
+            &BTreeMap::new(),
+            0.0,
+        );
+        for g in 0..4 {
+            a.sampled(
+                g,
+                Ok(GpuSample {
+                    power: Watts(650.0),
+                    cap: Watts(700.0),
+                    energy_mj: 0,
+                    gpu_util_pct: 100,
+                    memory_util_pct: 40,
+                }),
+            );
+        }
+        a
+    }
+
+    fn caps(actions: &[Action]) -> Vec<(u32, f64)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::SetCap { gpu, cap } => Some((*gpu, cap.0)),
+                Action::Persist => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn registration_resolves_gpus_and_validates() {
+        let mut a = agent(None);
+        let uuid = a.gpus[3].identity.uuid.clone();
+        let r = a
+            .register(0.0, "7", "0", 1000, "n1", &["1".into(), uuid], "flex2")
+            .expect("registered");
+        assert_eq!(r.tier, "flex2");
+        assert_eq!(r.progress.as_deref(), Some("/run/powerflex/n1.progress"));
+        assert_eq!(a.jobs["7"].gpus, vec![1, 3]);
+        assert_eq!(a.gpus[3].job.as_deref(), Some("7"));
+        assert!(a
+            .register(0.0, "8", "0", 0, "n2", &["0".into()], "flex2")
+            .expect_err("wrong node")
+            .contains("serves node n1"));
+        assert!(a
+            .register(0.0, "8", "0", 0, "n1", &["9".into()], "flex2")
+            .expect_err("no gpu")
+            .contains("no GPU 9"));
+        assert!(a
+            .register(0.0, "8", "0", 0, "n1", &["0".into()], "gold")
+            .expect_err("tier")
+            .contains("unknown tier"));
+        let none = a
+            .register(0.0, "9", "0", 0, "n1", &["0".into()], "")
+            .expect("default service");
+        assert_eq!((none.tier.as_str(), none.progress), ("none", None));
+    }
+
+    #[test]
+    fn caps_are_written_once_and_restored_at_job_end() {
+        let mut a = agent(None);
+        // Nothing to do at the start: every GPU already at its default.
+        assert!(caps(&a.tick(1.0)).is_empty());
+        a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
+            .expect("registered");
+        // Lease arrives: job 7 at 450 W on both GPUs, in one go.
+        a.set_lease(2.0, BTreeMap::from([("7".to_string(), Watts(450.0))]));
+        let first = caps(&a.tick(2.0));
+        assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
+        for (g, c) in first {
+            a.cap_written(g, Watts(c));
+        }
+        assert!(caps(&a.tick(3.0)).is_empty(), "written only on change");
+        assert!(a.end_job("7"));
+        assert_eq!(caps(&a.tick(4.0)), vec![(0, 700.0), (1, 700.0)]);
+        assert!(!a.end_job("7"), "ending twice is harmless");
+    }
+
+    #[test]
+    fn lease_expiry_brings_the_failsafe_cap() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["2".into()], "flex2,calibrate=off")
+            .expect("registered");
+        assert!(
+            caps(&a.tick(10.0)).is_empty(),
+            "no lease yet, but the TTL has not run out"
+        );
+        assert_eq!(
+            caps(&a.tick(31.0)),
+            vec![(2, 500.0)],
+            "no lease within the TTL: fail-safe"
+        );
+        assert!(a.failsafe_active(31.0));
+        a.cap_written(2, Watts(500.0));
+        a.set_lease(40.0, BTreeMap::from([("7".to_string(), Watts(600.0))]));
+        assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
+        a.cap_written(2, Watts(600.0));
+        assert_eq!(
+            caps(&a.tick(71.0)),
+            vec![(2, 500.0)],
+            "lease over: fail-safe again"
+        );
+    }
+
+    #[test]
+    fn degraded_gpus_are_left_alone() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
+            .expect("registered");
+        a.sampled(
+            1,
+            Err(GpuError {
+                index: 1,
+                class: ErrorClass::DeviceLost,
+                message: "GPU is lost".into(),
+            }),
+        );
+        a.set_lease(1.0, BTreeMap::from([("7".to_string(), Watts(400.0))]));
+        assert_eq!(caps(&a.tick(1.0)), vec![(0, 400.0)]);
+        assert!(a.snapshot(1.0).degraded);
+        a.sampled(
+            2,
+            Err(GpuError {
+                index: 2,
+                class: ErrorClass::Transient,
+                message: "timeout".into(),
+            }),
+        );
+        assert!(
+            a.gpus[2].degraded.is_none(),
+            "a transient error does not degrade"
+        );
+    }
+
+    #[test]
+    fn standalone_budget_is_shared_and_unmanaged_jobs_untouched() {
+        let mut a = agent(Some(Watts(2000.0)));
+        a.register(
+            0.0,
+            "7",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex3,calibrate=off",
+        )
+        .expect("managed");
+        a.register(0.0, "8", "0", 0, "n1", &["2".into()], "none")
+            .expect("unmanaged");
+        let decided = caps(&a.tick(1.0));
+        // GPUs 2 (unmanaged) and 3 (idle) draw 650 W each: 700 W left for job 7's two GPUs.
+        assert!(
+            decided.iter().all(|&(g, _)| g == 0 || g == 1),
+            "{decided:?}"
+        );
+        let cap = decided[0].1;
+        assert!(cap <= 350.0 && cap >= 200.0, "{decided:?}");
+        assert_eq!(decided[0].1, decided[1].1);
+    }
+}

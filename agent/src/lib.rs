@@ -1,0 +1,20 @@
+//! `powerflexd`, the node agent: the only process that touches GPU power.
+//!
+//! It runs as root on every GPU node, takes job start and end from the SPANK plugin and
+//! the epilog, measures each job's power–throughput curve in its early steps, applies the
+//! caps the controller (or, standalone, the node budget) grants, and puts every GPU back
+//! to its default when a job ends — also when the agent stops or restarts after a crash.
+//!
+//! - [`backend`]: the GPU trait and its NVML implementation (the only code that uses
+//!   `nvml-wrapper`);
+//! - [`calibration`], [`control`]: pure state machines (no I/O, no clock);
+//! - [`server`], [`metrics`], [`persist`], [`run`]: sockets, Prometheus, state on disk,
+//!   and the control loop that ties them together.
+
+pub mod backend;
+pub mod calibration;
+pub mod control;
+pub mod metrics;
+pub mod persist;
+pub mod run;
+pub mod server;

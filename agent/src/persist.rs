@@ -1,0 +1,166 @@
+//! The agent's persisted state: what must survive a crash or restart — every GPU's saved
+//! default limit, and the live jobs (so a restarted agent can tell which GPUs still
+//! belong to a job and which must go back to their default). Written atomically
+//! (temporary file, fsync, rename); a corrupt or truncated file is reported and set
+//! aside, never trusted.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use powerflex_core::Watts;
+
+/// File name inside the state directory.
+pub const STATE_FILE: &str = "agent-state.json";
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PersistedJob {
+    pub job_id: String,
+    pub uid: u32,
+    /// The job's service in `--power-flex` form.
+    pub flex: String,
+    /// GPU UUIDs (stable across agent restarts, unlike nothing else).
+    pub gpus: Vec<String>,
+    pub steps: Vec<String>,
+    /// PFI measured by the calibration, when done.
+    pub pfi: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PersistedState {
+    pub node: String,
+    /// GPU UUID → the limit to restore, W.
+    pub saved_defaults: BTreeMap<String, Watts>,
+    pub jobs: Vec<PersistedJob>,
+}
+
+/// Why the state could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is corrupt ({message}); moved aside to {moved}")]
+    Corrupt {
+        path: String,
+        message: String,
+        moved: String,
+    },
+}
+
+pub fn state_path(dir: &Path) -> PathBuf {
+    dir.join(STATE_FILE)
+}
+
+/// Loads the state; `Ok(None)` when there is none yet. A file that does not parse is
+/// renamed to `*.corrupt` and reported, so the agent starts from what NVML says.
+pub fn load(dir: &Path) -> Result<Option<PersistedState>, PersistError> {
+    let path = state_path(dir);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(PersistError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        }
+    };
+    match serde_json::from_slice::<PersistedState>(&bytes) {
+        Ok(state) => Ok(Some(state)),
+        Err(e) => {
+            let moved = path.with_extension("json.corrupt");
+            let _ = std::fs::rename(&path, &moved);
+            Err(PersistError::Corrupt {
+                path: path.display().to_string(),
+                message: e.to_string(),
+                moved: moved.display().to_string(),
+            })
+        }
+    }
+}
+
+/// Saves the state atomically.
+pub fn save(dir: &Path, state: &PersistedState) -> Result<(), PersistError> {
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| PersistError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = state_path(dir);
+    let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+    let bytes = serde_json::to_vec_pretty(state).unwrap_or_default();
+    let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    file.write_all(&bytes).map_err(io(&tmp))?;
+    file.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io(&path))
+}
+
+/// Whether any process on this host belongs to Slurm job `job_id` (its environment has
+/// `SLURM_JOB_ID=<job_id>`). Used after a restart to tell live jobs from ended ones,
+/// and to check who sends progress. Needs root to read other users' environments.
+pub fn job_has_process(job_id: &str) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .any(|pid| process_job_id(pid).as_deref() == Some(job_id))
+}
+
+/// The `SLURM_JOB_ID` in process `pid`'s environment, if readable.
+pub fn process_job_id(pid: u32) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"SLURM_JOB_ID="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_corruption() {
+        let dir = std::env::temp_dir().join(format!("pf-persist-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(load(&dir).expect("empty").is_none());
+        let mut state = PersistedState {
+            node: "n1".into(),
+            ..Default::default()
+        };
+        state.saved_defaults.insert("GPU-1".into(), Watts(700.0));
+        state.jobs.push(PersistedJob {
+            job_id: "7".into(),
+            uid: 1000,
+            flex: "flex2".into(),
+            gpus: vec!["GPU-1".into()],
+            steps: vec!["0".into()],
+            pfi: Some(1.4),
+        });
+        save(&dir, &state).expect("save");
+        assert_eq!(load(&dir).expect("load"), Some(state));
+        std::fs::write(state_path(&dir), b"{\"node\": \"n1\", \"saved_def").expect("truncate");
+        assert!(matches!(load(&dir), Err(PersistError::Corrupt { .. })));
+        assert!(load(&dir).expect("moved aside").is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn finds_its_own_job_id() {
+        // This test process has no SLURM_JOB_ID (cargo does not set one).
+        assert_eq!(
+            process_job_id(std::process::id()),
+            std::env::var("SLURM_JOB_ID").ok()
+        );
+    }
+}

@@ -1,0 +1,385 @@
+//! The agent's I/O edge: binds the sockets, runs the control loop, executes the state
+//! machine's actions on the GPU backend, persists, and restores every GPU on the way out.
+//!
+//! Threads: one acceptor per socket (plus a short-lived thread per connection), the
+//! metrics server, and the control loop, which `select!`s over inbound requests and a
+//! tick; crossbeam channels between them, no async runtime.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, select, tick};
+use powerflex_core::Watts;
+use powerflex_proto::{ControlOp, ControlReply};
+use tracing::{error, info, info_span, warn};
+
+use crate::backend::GpuBackend;
+use crate::control::{Action, Agent, AgentSettings};
+use crate::persist::{self, PersistedJob, PersistedState};
+use crate::server::{self, Inbound, SnapshotCell};
+
+/// Where the agent listens and keeps its state.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub control_socket: PathBuf,
+    pub progress_socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// How often GPUs are sampled and caps reconciled.
+    pub sample_interval: Duration,
+}
+
+/// Why the agent could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{0}")]
+    Gpu(#[from] crate::backend::GpuError),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn bind_unix(path: &Path, what: &'static str) -> Result<UnixListener, AgentError> {
+    let io = |source| AgentError::Io {
+        what,
+        path: path.display().to_string(),
+        source,
+    };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io)?;
+    }
+    // A socket file left by a crashed agent: nobody can be listening on it (we hold the
+    // node), so it is replaced.
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(io)?;
+    // Anyone may connect; who may do what is checked per request (SO_PEERCRED).
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(io)?;
+    Ok(listener)
+}
+
+fn persisted(agent: &Agent) -> PersistedState {
+    PersistedState {
+        node: agent.settings.node.clone(),
+        saved_defaults: agent
+            .gpus
+            .iter()
+            .map(|g| (g.identity.uuid.clone(), g.saved_default))
+            .collect(),
+        jobs: agent
+            .jobs
+            .values()
+            .map(|j| PersistedJob {
+                job_id: j.id.clone(),
+                uid: j.uid,
+                flex: j.request.to_string(),
+                gpus: j
+                    .gpus
+                    .iter()
+                    .map(|&g| agent.gpus[g as usize].identity.uuid.clone())
+                    .collect(),
+                steps: j.steps.iter().cloned().collect(),
+                pfi: j.calibration.pfi().or(j.restored_pfi),
+            })
+            .collect(),
+    }
+}
+
+fn save(state_dir: &Path, agent: &Agent) {
+    if let Err(e) = persist::save(state_dir, &persisted(agent)) {
+        error!(error = %e, "cannot persist agent state");
+    }
+}
+
+fn execute(
+    actions: Vec<Action>,
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    state_dir: &Path,
+) {
+    for action in actions {
+        match action {
+            Action::SetCap { gpu, cap } => {
+                let job = agent.gpus.get(gpu as usize).and_then(|g| g.job.clone());
+                match backend.set_cap(gpu, cap) {
+                    Ok(()) => {
+                        info!(
+                            gpu,
+                            cap_w = cap.0,
+                            job = job.as_deref().unwrap_or("-"),
+                            "cap applied"
+                        );
+                        agent.cap_written(gpu, cap);
+                    }
+                    Err(e) => {
+                        warn!(gpu, cap_w = cap.0, error = %e, class = ?e.class, "cap not applied");
+                        agent.cap_failed(&e);
+                    }
+                }
+            }
+            Action::Persist => save(state_dir, agent),
+        }
+    }
+}
+
+/// Runs the agent until `shutdown` is set, then restores every GPU's default cap.
+pub fn run(
+    settings: AgentSettings,
+    options: RunOptions,
+    mut backend: Box<dyn GpuBackend>,
+    shutdown: Arc<AtomicBool>,
+) -> Result<(), AgentError> {
+    let span = info_span!("powerflexd", node = %settings.node);
+    let _enter = span.enter();
+    let clock = Instant::now();
+    let now = || clock.elapsed().as_secs_f64();
+
+    let identities = backend.discover()?;
+    let saved = match persist::load(&options.state_dir) {
+        Ok(state) => state,
+        Err(e) => {
+            error!(error = %e, "persisted state unusable; starting from the GPUs' own defaults");
+            None
+        }
+    };
+    let saved_defaults: BTreeMap<String, Watts> = saved
+        .as_ref()
+        .map(|s| s.saved_defaults.clone())
+        .unwrap_or_default();
+    let mut agent = Agent::new(settings, identities, &saved_defaults, now());
+    info!(
+        gpus = agent.gpus.len(),
+        mode = if agent.settings.node_budget.is_some() {
+            "standalone"
+        } else {
+            "controller"
+        },
+        "agent started"
+    );
+
+    // Reconcile after a crash or restart: jobs still running keep their GPUs; every
+    // other GPU goes back to its saved default on the first tick.
+    for job in saved.map(|s| s.jobs).unwrap_or_default() {
+        if !persist::job_has_process(&job.job_id) {
+            info!(job_id = %job.job_id, "job from the previous run has ended; its GPUs return to default");
+            continue;
+        }
+        let steps = if job.steps.is_empty() {
+            vec!["0".to_string()]
+        } else {
+            job.steps.clone()
+        };
+        for step in steps {
+            let node = agent.settings.node.clone();
+            match agent.register(
+                now(),
+                &job.job_id,
+                &step,
+                job.uid,
+                &node,
+                &job.gpus,
+                &job.flex,
+            ) {
+                Ok(_) => {}
+                Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot restore job"),
+            }
+        }
+        if let Some(j) = agent.jobs.get_mut(&job.job_id) {
+            j.restored_pfi = job.pfi;
+            info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
+        }
+    }
+    save(&options.state_dir, &agent);
+
+    let snapshot: SnapshotCell = Arc::new(RwLock::new(Arc::new(agent.snapshot(now()))));
+    let (tx, rx) = bounded::<Inbound>(1024);
+    let control = bind_unix(&options.control_socket, "control socket")?;
+    let progress = bind_unix(&options.progress_socket, "progress socket")?;
+    let mut threads = vec![
+        server::spawn_control(control, tx.clone(), snapshot.clone(), shutdown.clone()).map_err(
+            |source| AgentError::Io {
+                what: "thread for",
+                path: options.control_socket.display().to_string(),
+                source,
+            },
+        )?,
+        server::spawn_progress(progress, tx.clone(), shutdown.clone()).map_err(|source| {
+            AgentError::Io {
+                what: "thread for",
+                path: options.progress_socket.display().to_string(),
+                source,
+            }
+        })?,
+    ];
+    if let Some(addr) = options.metrics_listen {
+        let listener = TcpListener::bind(addr).map_err(|source| AgentError::Io {
+            what: "metrics listener",
+            path: addr.to_string(),
+            source,
+        })?;
+        threads.push(metrics_thread(
+            listener,
+            snapshot.clone(),
+            shutdown.clone(),
+        )?);
+    }
+    drop(tx);
+
+    let ticker = tick(Duration::from_millis(50));
+    let mut next_sample = 0.0;
+    while !shutdown.load(Ordering::SeqCst) {
+        select! {
+            recv(rx) -> msg => {
+                let Ok(msg) = msg else { break };
+                handle(msg, &mut agent, now(), &options.state_dir);
+                publish(&snapshot, &agent, now());
+            }
+            recv(ticker) -> _ => {
+                let t = now();
+                if t < next_sample {
+                    continue;
+                }
+                next_sample = t + options.sample_interval.as_secs_f64();
+                for gpu in 0..agent.gpus.len() as u32 {
+                    if agent.gpus[gpu as usize].degraded.is_some() {
+                        continue;
+                    }
+                    let sample = backend.sample(gpu);
+                    if let Err(e) = &sample {
+                        warn!(gpu, error = %e, class = ?e.class, "GPU reading failed");
+                    }
+                    agent.sampled(gpu, sample);
+                }
+                let actions = agent.tick(t);
+                execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
+                publish(&snapshot, &agent, t);
+            }
+        }
+    }
+    info!("shutting down: restoring every GPU's default cap");
+    let actions = agent.restore_all();
+    execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
+    save(&options.state_dir, &agent);
+    shutdown.store(true, Ordering::SeqCst);
+    for t in threads {
+        let _ = t.join();
+    }
+    let _ = std::fs::remove_file(&options.control_socket);
+    let _ = std::fs::remove_file(&options.progress_socket);
+    Ok(())
+}
+
+fn metrics_thread(
+    listener: TcpListener,
+    snapshot: SnapshotCell,
+    shutdown: Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<()>, AgentError> {
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    crate::metrics::spawn(listener, snapshot, shutdown).map_err(|source| AgentError::Io {
+        what: "thread for",
+        path: addr,
+        source,
+    })
+}
+
+fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
+    let fresh = Arc::new(agent.snapshot(now));
+    if let Ok(mut slot) = cell.write() {
+        *slot = fresh;
+    }
+}
+
+fn handle(msg: Inbound, agent: &mut Agent, now: f64, state_dir: &Path) {
+    match msg {
+        Inbound::Control {
+            request,
+            peer,
+            reply,
+        } => {
+            let answer = match request.op {
+                ControlOp::Register {
+                    job_id,
+                    step_id,
+                    uid,
+                    node,
+                    gpus,
+                    flex,
+                } => {
+                    let span = info_span!("job", job_id = %job_id);
+                    let _e = span.enter();
+                    match agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex) {
+                        Ok(r) => {
+                            info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
+                            save(state_dir, agent);
+                            ControlReply {
+                                progress: r.progress,
+                                tier: Some(r.tier),
+                                ..ControlReply::ok()
+                            }
+                        }
+                        Err(e) => {
+                            warn!(step_id = %step_id, error = %e, "registration refused");
+                            ControlReply::error(e)
+                        }
+                    }
+                }
+                ControlOp::EndStep { job_id, step_id } => match agent.end_step(&job_id, &step_id) {
+                    Ok(()) => {
+                        info!(job_id = %job_id, step_id = %step_id, "step ended");
+                        save(state_dir, agent);
+                        ControlReply::ok()
+                    }
+                    Err(e) => ControlReply::error(e),
+                },
+                ControlOp::EndJob { job_id } => {
+                    let known = agent.end_job(&job_id);
+                    info!(job_id = %job_id, known, "job ended; its GPUs return to default");
+                    save(state_dir, agent);
+                    ControlReply::ok()
+                }
+                ControlOp::Status => ControlReply::ok(),
+            };
+            let _ = reply.send(answer);
+        }
+        Inbound::Progress {
+            report,
+            peer,
+            verdict,
+        } => {
+            let owner = agent.jobs.get(&report.job_id).map(|j| j.uid);
+            let outcome = match owner {
+                None => Err(format!("no job {} on this node", report.job_id)),
+                Some(uid) if uid != peer.uid && peer.uid != 0 => Err(format!(
+                    "uid {} may not report for job {} (owned by uid {uid})",
+                    peer.uid, report.job_id
+                )),
+                Some(_) => agent.progress(now, &report.job_id, report.tokens, report.steps),
+            };
+            if let Err(e) = &outcome {
+                agent.progress_rejected += 1;
+                warn!(job_id = %report.job_id, pid = peer.pid, uid = peer.uid, error = %e, "progress report refused");
+            }
+            let _ = verdict.send(outcome);
+        }
+        Inbound::ProgressRefused { reason, peer } => {
+            agent.progress_rejected += 1;
+            warn!(pid = peer.pid, uid = peer.uid, error = %reason, "progress report refused");
+        }
+    }
+}

@@ -1,0 +1,527 @@
+//! `powerflexd` as a real process on simulated GPUs: real sockets, the real NVML code
+//! path (nvml-wrapper loading the simulated library), real simulated training jobs.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
+use powerflex_sim::state::{Fault, Node};
+use serde_json::Value;
+
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+/// Builds what the tests run besides the agent: the simulated NVML library, the
+/// simulated job, the socket client.
+fn build() {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "dev".to_string(),
+            Some(p) => p.to_string(),
+        };
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--quiet", "--profile", &profile])
+            .args([
+                "-p",
+                "powerflex-sim-nvml",
+                "-p",
+                "powerflex-sim",
+                "-p",
+                "powerflex-agent",
+                "--bins",
+                "--lib",
+                "--examples",
+            ])
+            .status()
+            .expect("cargo");
+        assert!(status.success(), "build failed");
+    });
+}
+
+fn wait_until<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// One agent on one simulated node, in its own directory.
+struct Fixture {
+    dir: PathBuf,
+    node: Node,
+    config: PathBuf,
+    agent: Option<Child>,
+    jobs: Vec<Child>,
+    metrics_port: u16,
+}
+
+impl Fixture {
+    fn new(name: &str, node_budget_w: Option<f64>, lease_ttl_s: u64) -> Fixture {
+        build();
+        let dir = std::env::temp_dir().join(format!("pf-agent-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let node = Node::init(&dir.join("sim/n1"), "n1", "H200", 8, true).expect("sim node");
+        let metrics_port = free_port();
+        let config = dir.join("powerflex.toml");
+        let budget = node_budget_w.map_or(String::new(), |w| format!("node_budget_w = {w}\n"));
+        std::fs::write(
+            &config,
+            format!(
+                "[facility]\ngpu_budget_w = 100000.0\npolicy = \"optimal\"\n\
+                 [tiers]\ndefault = \"none\"\n\
+                 [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
+                 calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
+                 [controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = {lease_ttl_s}\nallocation_period_s = 2\n\
+                 [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{lib}\"\n\
+                 metrics_listen = \"127.0.0.1:{metrics_port}\"\ncalibration_allowance_pct = 5.0\n\
+                 calibration_warmup_s = 1.0\ncalibration_settle_s = 1.0\ncalibration_hold_s = 3.0\n{budget}",
+                d = dir.display(),
+                lib = profile_dir().join("libpowerflex_sim_nvml.so").display(),
+            ),
+        )
+        .expect("config");
+        let mut f = Fixture {
+            dir,
+            node,
+            config,
+            agent: None,
+            jobs: Vec::new(),
+            metrics_port,
+        };
+        f.start_agent();
+        f
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("n1.sock")
+    }
+
+    fn start_agent(&mut self) {
+        let _ = std::fs::remove_file(self.socket());
+        let log = std::fs::File::create(self.dir.join("agent.log")).expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_powerflexd"))
+            .args([
+                "--config",
+                self.config.to_str().expect("utf-8"),
+                "--node",
+                "n1",
+                "--sample-interval-ms",
+                "200",
+            ])
+            .env("POWERFLEX_SIM_DIR", self.node.dir())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start powerflexd");
+        self.agent = Some(child);
+        wait_until("the agent's socket", Duration::from_secs(20), || {
+            (UnixStream::connect(self.socket()).is_ok()).then_some(())
+        });
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    fn request(&self, op: ControlOp) -> ControlReply {
+        let mut stream = UnixStream::connect(self.socket()).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        stream
+            .write_all(ControlRequest::new(op).to_line().as_bytes())
+            .expect("send");
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line).expect("reply");
+        ControlReply::from_line(&line).expect("valid reply")
+    }
+
+    fn register(&self, job: &str, gpus: &[&str], flex: &str) -> ControlReply {
+        self.request(ControlOp::Register {
+            job_id: job.into(),
+            step_id: "0".into(),
+            uid: 0,
+            node: "n1".into(),
+            gpus: gpus.iter().map(|g| g.to_string()).collect(),
+            flex: flex.into(),
+        })
+    }
+
+    fn status(&self) -> Value {
+        self.request(ControlOp::Status).status.expect("status")
+    }
+
+    fn job_status(&self, job: &str) -> Option<Value> {
+        self.status()["jobs"]
+            .as_array()?
+            .iter()
+            .find(|j| j["job"] == job)
+            .cloned()
+    }
+
+    fn limit_w(&self, gpu: u32) -> f64 {
+        f64::from(self.node.gpu(gpu).expect("gpu").power_limit_mw) / 1000.0
+    }
+
+    fn simjob(&mut self, job: &str, gpus: &str, profile: &str, progress: Option<&str>) -> u32 {
+        let mut cmd = Command::new(profile_dir().join("powerflex-simjob"));
+        cmd.args(["--profile", profile, "--time-scale", "20"])
+            .env("POWERFLEX_SIM_DIR", self.node.dir())
+            .env("SLURM_JOB_ID", job)
+            .env("SLURM_JOB_GPUS", gpus)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        match progress {
+            Some(p) => cmd.env("POWERFLEX_PROGRESS", p),
+            None => cmd.env_remove("POWERFLEX_PROGRESS"),
+        };
+        let child = cmd.spawn().expect("simjob");
+        let pid = child.id();
+        self.jobs.push(child);
+        pid
+    }
+
+    fn signal_agent(&mut self, signal: i32) -> Option<std::process::ExitStatus> {
+        let mut child = self.agent.take()?;
+        // SAFETY: signalling the agent process this fixture started, by its PID.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, signal);
+        }
+        child.wait().ok()
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = self.signal_agent(libc::SIGKILL);
+        for job in &mut self.jobs {
+            let _ = job.kill();
+            let _ = job.wait();
+        }
+    }
+}
+
+fn client(args: &[&str], as_nobody: bool, env: &[(&str, &str)]) -> Vec<String> {
+    let probe = profile_dir().join("examples/socket_client");
+    let mut cmd = if as_nobody {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&probe);
+        c
+    } else {
+        Command::new(&probe)
+    };
+    cmd.args(args).env_remove("SLURM_JOB_ID");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("client");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
+    let mut f = Fixture::new("calibrate", None, 3600);
+    let reply = f.register("101", &["0", "1"], "flex3");
+    assert!(reply.ok, "{reply:?}");
+    assert_eq!(reply.tier.as_deref(), Some("flex3"));
+    let progress = reply.progress.expect("progress address for a managed job");
+    let profile = "qwen3-30b-a3b-moe-ft-8g";
+    f.simjob("101", "0,1", profile, Some(&progress));
+    // Calibration walks the grid: caps on the job's GPUs go below 700 W meanwhile.
+    wait_until(
+        "a calibration level below 700 W",
+        Duration::from_secs(60),
+        || (f.limit_w(0) < 700.0).then_some(()),
+    );
+    assert_eq!(f.limit_w(0), f.limit_w(1), "one cap for the whole job");
+    assert_eq!(f.limit_w(2), 700.0, "GPUs of no job untouched");
+    let done = wait_until("calibration to finish", Duration::from_secs(120), || {
+        f.job_status("101").filter(|j| j["calibration"] == "done")
+    });
+    // The measured PFI against the profile's own PFI on the caps the walk visited.
+    let caps: Vec<f64> = done["points"]
+        .as_array()
+        .expect("points")
+        .iter()
+        .map(|p| p[0].as_f64().expect("cap"))
+        .collect();
+    assert!(caps.len() >= 4, "walked {caps:?}");
+    let library = powerflex_sim::profiles::Library::builtin().expect("library");
+    let truth = library
+        .find(profile)
+        .expect("profile")
+        .physics
+        .pfi_on(&caps)
+        .expect("true pfi");
+    let measured = done["pfi"].as_f64().expect("pfi");
+    assert!(
+        (measured - truth).abs() <= 0.05,
+        "measured PFI {measured} vs true {truth} on {caps:?}"
+    );
+    assert!(done["calibration_s"].as_f64().expect("duration") > 0.0);
+    assert!(done["calibration_cost"].as_f64().expect("cost") > 0.0);
+    // Back to uncapped after the walk (no budget, no controller lease yet).
+    wait_until(
+        "the cap back at 700 W after calibration",
+        Duration::from_secs(10),
+        || (f.limit_w(0) == 700.0).then_some(()),
+    );
+    // Metrics carry the job's PFI.
+    let metrics = client_http(f.metrics_port);
+    assert!(
+        metrics.contains("powerflex_job_pfi{node=\"n1\",job=\"101\",tier=\"flex3\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("powerflex_gpu_power_watts{node=\"n1\",gpu=\"0\""));
+    // Job end: defaults restored.
+    let end = f.request(ControlOp::EndJob {
+        job_id: "101".into(),
+    });
+    assert!(end.ok);
+    wait_until(
+        "job end to restore defaults",
+        Duration::from_secs(10),
+        || {
+            (f.job_status("101").is_none() && f.limit_w(0) == 700.0 && f.limit_w(1) == 700.0)
+                .then_some(())
+        },
+    );
+}
+
+fn client_http(port: u16) -> String {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics");
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+        .expect("request");
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body
+}
+
+#[test]
+fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
+    // 8 GPUs at up to 700 W: a 3 kW node budget must cap the busy ones hard.
+    let mut f = Fixture::new("standalone", Some(3000.0), 3600);
+    let reply = f.register("301", &["0", "1", "2", "3"], "flex3,calibrate=off");
+    assert!(reply.ok, "{reply:?}");
+    f.simjob(
+        "301",
+        "0,1,2,3",
+        "llama-3.1-70b-dense-pt-8g-compile",
+        Some(reply.progress.as_deref().expect("progress")),
+    );
+    wait_until("the budget to cap the job", Duration::from_secs(20), || {
+        (f.limit_w(0) < 700.0).then_some(())
+    });
+    let total = wait_until(
+        "draw within the node budget",
+        Duration::from_secs(20),
+        || {
+            let total: f64 = (0..8)
+                .map(|g| f64::from(f.node.reading(g).expect("reading").1.power_mw) / 1000.0)
+                .sum();
+            (total <= 3000.0 * 1.005).then_some(total)
+        },
+    );
+    assert!(total > 2000.0, "budget spent, not wasted: {total}");
+    let status = f.signal_agent(libc::SIGTERM).expect("agent exit");
+    assert!(status.success(), "clean exit on SIGTERM");
+    for g in 0..8 {
+        assert_eq!(f.limit_w(g), 700.0, "GPU {g} restored at shutdown");
+    }
+}
+
+#[test]
+fn restart_after_kill_9_reconciles_with_live_jobs() {
+    let mut f = Fixture::new("kill9", None, 3600);
+    // Job 201 keeps running; job 202's process dies while the agent is down.
+    let r1 = f.register("201", &["2"], "flex3");
+    let r2 = f.register("202", &["4"], "flex3");
+    assert!(r1.ok && r2.ok);
+    f.simjob("201", "2", "synthetic-memory-bound", r1.progress.as_deref());
+    let doomed = f.simjob("202", "4", "synthetic-memory-bound", r2.progress.as_deref());
+    wait_until(
+        "both jobs capped by their walks",
+        Duration::from_secs(60),
+        || (f.limit_w(2) < 700.0 && f.limit_w(4) < 700.0).then_some(()),
+    );
+    f.signal_agent(libc::SIGKILL);
+    // SAFETY: killing the simulated job this test started, by its PID.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(doomed as libc::pid_t, libc::SIGKILL);
+    }
+    let jobs = std::mem::take(&mut f.jobs);
+    let (mut dead, alive): (Vec<Child>, Vec<Child>) =
+        jobs.into_iter().partition(|c| c.id() == doomed);
+    for c in &mut dead {
+        let _ = c.wait();
+    }
+    f.jobs = alive;
+    assert!(
+        f.limit_w(4) < 700.0,
+        "a crashed agent leaves its caps behind"
+    );
+    f.start_agent();
+    wait_until(
+        "the ended job's GPU back to default",
+        Duration::from_secs(10),
+        || (f.limit_w(4) == 700.0).then_some(()),
+    );
+    let status = f.status();
+    let jobs: Vec<&str> = status["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .filter_map(|j| j["job"].as_str())
+        .collect();
+    assert_eq!(
+        jobs,
+        vec!["201"],
+        "the live job is managed again, the dead one is gone"
+    );
+    assert!(f.log().contains("still running"), "{}", f.log());
+}
+
+#[test]
+fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
+    let mut f = Fixture::new("trust", None, 3600);
+    let socket = f.socket();
+    let socket = socket.to_str().expect("utf-8");
+    let register = ControlRequest::new(ControlOp::Register {
+        job_id: "401".into(),
+        step_id: "0".into(),
+        uid: 0,
+        node: "n1".into(),
+        gpus: vec!["5".into()],
+        flex: "flex2".into(),
+    })
+    .to_line();
+    let as_nobody = client(&[socket, register.trim_end()], true, &[]);
+    assert!(as_nobody[0].contains("only root"), "{as_nobody:?}");
+    assert!(f.job_status("401").is_none());
+    let status_as_nobody = client(&[socket, "{\"v\":1,\"op\":\"status\"}"], true, &[]);
+    assert!(
+        status_as_nobody[0].contains("\"ok\":true"),
+        "status is open to everyone"
+    );
+
+    let reply = f.register("401", &["5"], "flex2");
+    let progress = reply.progress.expect("progress");
+    f.simjob("401", "5", "synthetic-compute-bound", Some(&progress));
+    let forged = "{\"v\":1,\"job_id\":\"401\",\"tokens\":999999999,\"steps\":1}";
+    // Another job's process.
+    let other_job = client(&[&progress, forged], false, &[("SLURM_JOB_ID", "999")]);
+    assert!(other_job[0].contains("belongs to job 999"), "{other_job:?}");
+    // The right job id in the environment, the wrong user.
+    let other_uid = client(&[&progress, forged], true, &[("SLURM_JOB_ID", "401")]);
+    assert!(
+        other_uid
+            .first()
+            .is_some_and(|l| l.contains("may not report")),
+        "{other_uid:?}"
+    );
+    assert!(f.status()["progress_rejected"].as_u64().expect("count") >= 2);
+
+    // Malformed and oversized requests get an error and the agent keeps serving.
+    let garbage = client(&[socket, "this is not json"], false, &[]);
+    assert!(garbage[0].contains("\"ok\":false"), "{garbage:?}");
+    let huge = "x".repeat(10_000);
+    let oversized = client(&[socket, &huge], false, &[]);
+    assert!(oversized[0].contains("limit"), "{oversized:?}");
+    let unknown_tier = f.register("402", &["6"], "flex9");
+    assert!(
+        !unknown_tier.ok
+            && unknown_tier
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("unknown tier"))
+    );
+    let wrong_node = f.request(ControlOp::Register {
+        job_id: "403".into(),
+        step_id: "0".into(),
+        uid: 0,
+        node: "n7".into(),
+        gpus: vec!["6".into()],
+        flex: "flex2".into(),
+    });
+    assert!(wrong_node
+        .error
+        .as_deref()
+        .is_some_and(|e| e.contains("serves node n1")));
+    assert!(f.status()["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .any(|j| j["job"] == "401"));
+}
+
+#[test]
+fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
+    let f = Fixture::new("failsafe", None, 5);
+    let reply = f.register("501", &["0"], "flex2,calibrate=off");
+    assert!(reply.ok);
+    assert_eq!(f.limit_w(0), 700.0);
+    wait_until(
+        "the fail-safe cap after the lease",
+        Duration::from_secs(20),
+        || (f.limit_w(0) == 500.0).then_some(()),
+    );
+    assert_eq!(f.status()["failsafe"], true);
+    assert_eq!(f.limit_w(1), 700.0, "GPUs of no job keep their default");
+}
+
+#[test]
+fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
+    let mut f = Fixture::new("degraded", None, 3600);
+    f.node.set_fault(6, Some(Fault::GpuLost)).expect("fault");
+    wait_until("GPU 6 marked degraded", Duration::from_secs(10), || {
+        let s = f.status();
+        (s["degraded"] == true && s["gpus"][6]["degraded"].is_string()).then_some(())
+    });
+    let reply = f.register("601", &["7"], "flex3");
+    assert!(reply.ok);
+    f.simjob(
+        "601",
+        "7",
+        "synthetic-memory-bound",
+        reply.progress.as_deref(),
+    );
+    wait_until("GPU 7 calibrating", Duration::from_secs(60), || {
+        (f.limit_w(7) < 700.0).then_some(())
+    });
+    assert!(
+        f.log().contains("GPU reading failed"),
+        "the failure is logged"
+    );
+}
