@@ -1,6 +1,8 @@
 //! Helpers for the whole-system tests in `tests/`: where the built binaries and the
 //! project's data are, and how to run a binary and capture what it says.
 
+pub mod slurm;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
