@@ -872,7 +872,7 @@ mod tests {
             "{decided:?}"
         );
         let cap = decided[0].1;
-        assert!(cap <= 350.0 && cap >= 200.0, "{decided:?}");
+        assert!((200.0..=350.0).contains(&cap), "{decided:?}");
         assert_eq!(decided[0].1, decided[1].1);
     }
 }

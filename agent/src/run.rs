@@ -244,8 +244,13 @@ pub fn run(
         select! {
             recv(rx) -> msg => {
                 let Ok(msg) = msg else { break };
-                handle(msg, &mut agent, now(), &options.state_dir);
-                publish(&snapshot, &agent, now());
+                // Progress is frequent and changes nothing a reader needs at once: it is
+                // published with the next tick. Job changes are published right away.
+                let job_change = matches!(msg, Inbound::Control { .. });
+                handle(msg, &mut agent, now(), clock, &options.state_dir);
+                if job_change {
+                    publish(&snapshot, &agent, now());
+                }
             }
             recv(ticker) -> _ => {
                 let t = now();
@@ -305,7 +310,7 @@ fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
     }
 }
 
-fn handle(msg: Inbound, agent: &mut Agent, now: f64, state_dir: &Path) {
+fn handle(msg: Inbound, agent: &mut Agent, now: f64, clock: Instant, state_dir: &Path) {
     match msg {
         Inbound::Control {
             request,
@@ -360,8 +365,10 @@ fn handle(msg: Inbound, agent: &mut Agent, now: f64, state_dir: &Path) {
         Inbound::Progress {
             report,
             peer,
+            received,
             verdict,
         } => {
+            let at = received.saturating_duration_since(clock).as_secs_f64();
             let owner = agent.jobs.get(&report.job_id).map(|j| j.uid);
             let outcome = match owner {
                 None => Err(format!("no job {} on this node", report.job_id)),
@@ -369,7 +376,7 @@ fn handle(msg: Inbound, agent: &mut Agent, now: f64, state_dir: &Path) {
                     "uid {} may not report for job {} (owned by uid {uid})",
                     peer.uid, report.job_id
                 )),
-                Some(_) => agent.progress(now, &report.job_id, report.tokens, report.steps),
+                Some(_) => agent.progress(at, &report.job_id, report.tokens, report.steps),
             };
             if let Err(e) = &outcome {
                 agent.progress_rejected += 1;

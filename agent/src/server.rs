@@ -71,6 +71,9 @@ pub enum Inbound {
     Progress {
         report: ProgressReport,
         peer: Peer,
+        /// When the line arrived: the loop may handle it later, and throughput is
+        /// measured between arrivals.
+        received: std::time::Instant,
         verdict: Sender<Result<(), String>>,
     },
     /// A progress line refused before reaching the loop (counted there).
@@ -322,6 +325,7 @@ fn serve_progress(mut stream: UnixStream, tx: &Sender<Inbound>, shutdown: &Atomi
             }
             Err(e) => return refuse(&mut stream, tx, peer, e.to_string()),
         };
+        let received = std::time::Instant::now();
         let report = match ProgressReport::from_line(&line) {
             Ok(r) => r,
             Err(e) => return refuse(&mut stream, tx, peer, e.to_string()),
@@ -340,6 +344,7 @@ fn serve_progress(mut stream: UnixStream, tx: &Sender<Inbound>, shutdown: &Atomi
             .try_send(Inbound::Progress {
                 report,
                 peer,
+                received,
                 verdict: verdict_tx,
             })
             .is_err()

@@ -525,3 +525,50 @@ fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
         "the failure is logged"
     );
 }
+
+#[test]
+fn the_python_helper_reports_progress_the_agent_accepts() {
+    let f = Fixture::new("python", None, 3600);
+    let reply = f.register("701", &["3"], "flex2");
+    let progress = reply.progress.expect("progress address");
+    let helper_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    // A training loop of 40 steps of 1000 tokens, reporting through the shipped helper.
+    let script = "import sys, time\n\
+                  sys.path.insert(0, sys.argv[1])\n\
+                  from powerflex_progress import ProgressReporter\n\
+                  with ProgressReporter(min_interval_s=0.0) as r:\n\
+                  \x20   for _ in range(40):\n\
+                  \x20       time.sleep(0.05)\n\
+                  \x20       r.add(tokens=1000, steps=1)\n";
+    let out = Command::new("python3")
+        .args(["-c", script, helper_dir.to_str().expect("utf-8")])
+        .env("POWERFLEX_PROGRESS", &progress)
+        .env("SLURM_JOB_ID", "701")
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(f.status()["progress_rejected"], 0, "every report accepted");
+    let throughput = wait_until(
+        "the job's throughput in status",
+        Duration::from_secs(10),
+        || f.job_status("701").and_then(|j| j["throughput"].as_f64()),
+    );
+    assert!(
+        (10_000.0..=25_000.0).contains(&throughput),
+        "~20k tokens/s reported, got {throughput}"
+    );
+    // The helper's own unit tests (stdlib unittest).
+    let unit = Command::new("python3")
+        .arg(helper_dir.join("test_powerflex_progress.py"))
+        .output()
+        .expect("python3");
+    assert!(
+        unit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&unit.stderr)
+    );
+}

@@ -234,6 +234,7 @@ fn run(cli: Cli) -> Result<(), String> {
 
     let mut reporter = Reporter::from_env();
     let (mut step, mut tokens, mut elapsed_sim) = (0u64, 0u64, 0.0f64);
+    let mut step_end = Instant::now();
     loop {
         if STOP.load(Ordering::SeqCst)
             || cli.steps.is_some_and(|n| step >= n)
@@ -252,13 +253,21 @@ fn run(cli: Cli) -> Result<(), String> {
             slowest = slowest.min(profile.physics.at_cap(Watts(cap_w)).relative_throughput);
         }
         let step_sim = cli.step_s / slowest.max(1e-3);
+        // Steps end on a schedule, not "sleep after the last one": the time spent on
+        // bookkeeping and the scheduler's lateness do not accumulate, so the job's rate
+        // is the physics' rate even on a loaded machine.
         let step_real = Duration::from_secs_f64(step_sim / cli.time_scale);
-        let started = Instant::now();
-        while started.elapsed() < step_real {
+        step_end = step_end.max(Instant::now() - step_real) + step_real;
+        while Instant::now() < step_end {
             if STOP.load(Ordering::SeqCst) {
                 break;
             }
-            std::thread::sleep((step_real - started.elapsed()).min(Duration::from_millis(50)));
+            // saturating: the deadline may pass between the check above and this line.
+            std::thread::sleep(
+                step_end
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(50)),
+            );
         }
         if STOP.load(Ordering::SeqCst) {
             break; // an interrupted step did not complete

@@ -1,0 +1,256 @@
+//! powerflexd on SIMULATED GPUs, measured: `cargo bench -p powerflex-agent --bench agent`.
+//!
+//! Prints two tables:
+//! 1. calibration per tier and profile — levels walked, deepest cap, wall time, the
+//!    measured PFI against the profile's own PFI on the caps walked, and the cost of the
+//!    walk in seconds of uncapped training (tokens lost ÷ uncapped tokens/s);
+//! 2. the agent's resident memory and CPU time while it samples 8 GPUs at 1 Hz for 60 s.
+//!
+//! Timings are shortened so the run takes about two minutes: warm-up 2 s, settle 2 s, hold
+//! 6 s per level, jobs at time scale 20. Cost in uncapped-seconds scales with the hold.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use powerflex_sim::profiles::Library;
+use serde_json::Value;
+
+fn release_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("bench path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/release")
+        .to_path_buf()
+}
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn send(socket: &Path, line: &str) -> Value {
+    let mut s = UnixStream::connect(socket).expect("agent socket");
+    s.set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    s.write_all(line.as_bytes()).expect("send");
+    s.write_all(b"\n").expect("send");
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply).expect("reply");
+    serde_json::from_str(&reply).expect("json reply")
+}
+
+fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, procs: &mut Procs) -> u32 {
+    let _ = std::fs::remove_dir_all(dir.join("sim"));
+    let _ = std::fs::remove_dir_all(dir.join("state"));
+    powerflex_sim::state::Node::init(&dir.join("sim/n1"), "n1", "H200", 8, true).expect("sim node");
+    let config = dir.join("powerflex.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[facility]\ngpu_budget_w = 100000.0\n[tiers]\ndefault = \"none\"\n\
+             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
+             calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
+             [controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = 3600\n\
+             [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{b}/libpowerflex_sim_nvml.so\"\n\
+             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 6.0\n",
+            d = dir.display(),
+            b = bin.display()
+        ),
+    )
+    .expect("config");
+    let _ = std::fs::remove_file(dir.join("n1.sock"));
+    let child = Command::new(bin.join("powerflexd"))
+        .args([
+            "--config",
+            config.to_str().expect("utf-8"),
+            "--node",
+            "n1",
+            "--sample-interval-ms",
+            &interval_ms.to_string(),
+        ])
+        .env("POWERFLEX_SIM_DIR", dir.join("sim/n1"))
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("powerflexd");
+    let pid = child.id();
+    procs.0.push(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while UnixStream::connect(dir.join("n1.sock")).is_err() {
+        assert!(Instant::now() < deadline, "agent did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    pid
+}
+
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 (1-based); after ")" they are 12 and 13 (1-based from state).
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmRSS:")
+                .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn main() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let built = Command::new(cargo)
+        .current_dir(manifest)
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "powerflex-agent",
+            "-p",
+            "powerflex-sim",
+            "-p",
+            "powerflex-sim-nvml",
+            "--bins",
+            "--lib",
+        ])
+        .status()
+        .expect("cargo");
+    assert!(built.success());
+    let bin = release_dir();
+    let dir = std::env::temp_dir().join(format!("pf-bench-agent-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let library = Library::builtin().expect("library");
+
+    println!("== calibration on SIMULATED H200s (warm-up 2 s, settle 2 s, hold 6 s per level; jobs at time scale 20)");
+    let mut procs = Procs(Vec::new());
+    start_agent(&dir, &bin, 250, &mut procs);
+    let jobs = [
+        ("11", "flex1", "gpt-oss-20b-moe-ft-8g-seq4096-bs8"),
+        ("12", "flex2", "gpt-oss-20b-moe-ft-8g-seq4096-bs8"),
+        ("13", "flex3", "gpt-oss-20b-moe-ft-8g-seq4096-bs8"),
+        ("14", "flex1", "llama-3.1-70b-dense-pt-8g-compile"),
+        ("15", "flex2", "llama-3.1-70b-dense-pt-8g-compile"),
+        ("16", "flex3", "llama-3.1-70b-dense-pt-8g-compile"),
+        ("17", "flex2", "qwen3-30b-a3b-moe-pt-8g-ep1"),
+        ("18", "flex3", "qwen3-30b-a3b-moe-pt-8g-ep1"),
+    ];
+    let socket = dir.join("n1.sock");
+    for (gpu, (job, tier, profile)) in jobs.iter().enumerate() {
+        let reply = send(
+            &socket,
+            &format!("{{\"v\":1,\"op\":\"register\",\"job_id\":\"{job}\",\"step_id\":\"0\",\"uid\":0,\"node\":\"n1\",\"gpus\":[\"{gpu}\"],\"flex\":\"{tier}\"}}"),
+        );
+        let progress = reply["progress"].as_str().expect("progress").to_string();
+        procs.0.push(
+            Command::new(bin.join("powerflex-simjob"))
+                .args(["--profile", profile, "--time-scale", "20"])
+                .env("SLURM_JOB_ID", job)
+                .env("SLURM_JOB_GPUS", gpu.to_string())
+                .env("POWERFLEX_SIM_DIR", dir.join("sim/n1"))
+                .env("POWERFLEX_PROGRESS", progress)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("simjob"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        let s = send(&socket, "{\"v\":1,\"op\":\"status\"}")["status"].clone();
+        let busy = s["jobs"].as_array().map_or(0, |j| {
+            j.iter()
+                .filter(|j| j["calibration"] == "warmup" || j["calibration"] == "walking")
+                .count()
+        });
+        if busy == 0 || Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    println!(
+        "{:>4} {:<6} {:<36} {:>6} {:>8} {:>7} {:>6} {:>6} {:>16}",
+        "job", "tier", "profile", "levels", "deepest", "wall s", "PFI", "true", "cost uncapped-s"
+    );
+    for j in status["jobs"].as_array().expect("jobs") {
+        let id = j["job"].as_str().unwrap_or("");
+        let (_, tier, profile) = jobs
+            .iter()
+            .find(|(i, _, _)| *i == id)
+            .copied()
+            .unwrap_or(("", "", ""));
+        let points = j["points"].as_array().cloned().unwrap_or_default();
+        let caps: Vec<f64> = points.iter().filter_map(|p| p[0].as_f64()).collect();
+        let truth = library
+            .find(profile)
+            .ok()
+            .and_then(|p| p.physics.pfi_on(&caps));
+        let top = points.first().and_then(|p| p[2].as_f64()).unwrap_or(0.0);
+        let cost_s = if top > 0.0 {
+            j["calibration_cost"].as_f64().unwrap_or(0.0) / top
+        } else {
+            0.0
+        };
+        println!(
+            "{:>4} {:<6} {:<36} {:>6} {:>8.0} {:>7.1} {:>6.2} {:>6.2} {:>16.2}",
+            id,
+            tier,
+            profile,
+            caps.len(),
+            caps.iter().copied().fold(f64::MAX, f64::min),
+            j["calibration_s"].as_f64().unwrap_or(f64::NAN),
+            j["pfi"].as_f64().unwrap_or(f64::NAN),
+            truth.unwrap_or(f64::NAN),
+            cost_s
+        );
+    }
+    drop(procs);
+
+    println!(
+        "\n== agent footprint: 8 SIMULATED GPUs sampled at 1 Hz, 8 busy jobs registered, 60 s"
+    );
+    let mut procs = Procs(Vec::new());
+    let pid = start_agent(&dir, &bin, 1000, &mut procs);
+    for gpu in 0..8 {
+        send(
+            &socket,
+            &format!("{{\"v\":1,\"op\":\"register\",\"job_id\":\"9{gpu}\",\"step_id\":\"0\",\"uid\":0,\"node\":\"n1\",\"gpus\":[\"{gpu}\"],\"flex\":\"flex2,calibrate=off\"}}"),
+        );
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let (cpu0, t0) = (cpu_seconds(pid), Instant::now());
+    std::thread::sleep(Duration::from_secs(60));
+    let (cpu1, wall) = (cpu_seconds(pid), t0.elapsed().as_secs_f64());
+    println!("{:>12} {:>14} {:>10}", "RSS MiB", "CPU s / 60 s", "CPU %");
+    println!(
+        "{:>12.1} {:>14.2} {:>10.2}",
+        rss_kib(pid) as f64 / 1024.0,
+        cpu1 - cpu0,
+        100.0 * (cpu1 - cpu0) / wall
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

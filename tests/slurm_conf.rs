@@ -1,0 +1,78 @@
+//! Every file in slurm-conf/ is exercised: the systemd units start the binaries we build
+//! with flags those binaries accept, and point at the config path the binaries default to.
+
+use powerflex::{binary, repo_root, run};
+
+/// `Key=Value` lines of a systemd unit's `[Service]` section.
+fn service_keys(unit: &str) -> Vec<(String, String)> {
+    let mut in_service = false;
+    let mut keys = Vec::new();
+    for line in unit.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_service = line == "[Service]";
+            continue;
+        }
+        if in_service && !line.starts_with('#') {
+            if let Some((k, v)) = line.split_once('=') {
+                keys.push((k.trim().to_string(), v.trim().to_string()));
+            }
+        }
+    }
+    keys
+}
+
+#[test]
+fn powerflexd_unit_starts_the_agent_with_flags_it_accepts() {
+    let unit =
+        std::fs::read_to_string(repo_root().join("slurm-conf/powerflexd.service")).expect("unit");
+    let keys = service_keys(&unit);
+    let exec = keys
+        .iter()
+        .find(|(k, _)| k == "ExecStart")
+        .map(|(_, v)| v.clone())
+        .expect("ExecStart");
+    let mut words = exec.split_whitespace();
+    let program = words.next().expect("program");
+    assert!(program.ends_with("/powerflexd"), "{program}");
+    let args: Vec<&str> = words.collect();
+    assert_eq!(args, ["--config", "/etc/slurm/powerflex.toml"]);
+    assert!(
+        keys.iter()
+            .any(|(k, v)| k == "KillSignal" && v == "SIGTERM"),
+        "SIGTERM restores the GPUs"
+    );
+    assert!(
+        keys.iter().any(|(k, v)| k == "User" && v == "root"),
+        "NVML limits need root"
+    );
+    assert!(
+        keys.iter()
+            .any(|(k, v)| k == "RuntimeDirectory" && v == "powerflex"),
+        "/run/powerflex for the sockets"
+    );
+    // The flags parse (a usage error would exit 2); the missing file is reported plainly.
+    let agent = binary("powerflexd");
+    let mut args_with_missing: Vec<&str> = args.clone();
+    args_with_missing[1] = "/nonexistent/powerflex.toml";
+    let out = run(&agent, &args_with_missing);
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("cannot read /nonexistent/powerflex.toml"),
+        "{}",
+        out.stderr
+    );
+    // The unit's defaults agree with the binary's.
+    let help = run(&agent, &["--help"]);
+    assert!(
+        help.stdout.contains("/etc/slurm/powerflex.toml"),
+        "{}",
+        help.stdout
+    );
+    // And with the example site config's socket and state directories.
+    let site = std::fs::read_to_string(repo_root().join("slurm-conf/powerflex.toml"))
+        .expect("site config");
+    assert!(site.contains("socket = \"/run/powerflex/%n.sock\""));
+    assert!(site.contains("state_dir = \"/var/lib/powerflex/%n\""));
+    assert!(unit.contains("StateDirectory=powerflex"));
+}
