@@ -451,7 +451,10 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
             .is_some_and(|l| l.contains("may not report")),
         "{other_uid:?}"
     );
-    assert!(f.status()["progress_rejected"].as_u64().expect("count") >= 2);
+    // The counter is published with the agent's next tick.
+    wait_until("both refusals counted", Duration::from_secs(5), || {
+        (f.status()["progress_rejected"].as_u64().expect("count") >= 2).then_some(())
+    });
 
     // Malformed and oversized requests get an error and the agent keeps serving.
     let garbage = client(&[socket, "this is not json"], false, &[]);
