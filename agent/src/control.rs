@@ -289,11 +289,17 @@ impl Agent {
         Ok(())
     }
 
-    /// Installs a lease from the controller.
-    pub fn set_lease(&mut self, now: f64, caps: BTreeMap<String, Watts>) {
+    /// Installs a lease from the controller, valid for `ttl_s` (never longer than the
+    /// site's lease TTL, whatever the message says).
+    pub fn set_lease(&mut self, now: f64, caps: BTreeMap<String, Watts>, ttl_s: f64) {
+        let ttl = if ttl_s.is_finite() && ttl_s > 0.0 {
+            ttl_s.min(self.settings.lease_ttl_s)
+        } else {
+            0.0
+        };
         self.lease = Some(Lease {
             caps,
-            expires_at: now + self.settings.lease_ttl_s,
+            expires_at: now + ttl,
         });
     }
 
@@ -782,7 +788,7 @@ mod tests {
         a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
             .expect("registered");
         // Lease arrives: job 7 at 450 W on both GPUs, in one go.
-        a.set_lease(2.0, BTreeMap::from([("7".to_string(), Watts(450.0))]));
+        a.set_lease(2.0, BTreeMap::from([("7".to_string(), Watts(450.0))]), 30.0);
         let first = caps(&a.tick(2.0));
         assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
         for (g, c) in first {
@@ -810,7 +816,11 @@ mod tests {
         );
         assert!(a.failsafe_active(31.0));
         a.cap_written(2, Watts(500.0));
-        a.set_lease(40.0, BTreeMap::from([("7".to_string(), Watts(600.0))]));
+        a.set_lease(
+            40.0,
+            BTreeMap::from([("7".to_string(), Watts(600.0))]),
+            3600.0,
+        );
         assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
         a.cap_written(2, Watts(600.0));
         assert_eq!(
@@ -833,7 +843,7 @@ mod tests {
                 message: "GPU is lost".into(),
             }),
         );
-        a.set_lease(1.0, BTreeMap::from([("7".to_string(), Watts(400.0))]));
+        a.set_lease(1.0, BTreeMap::from([("7".to_string(), Watts(400.0))]), 30.0);
         assert_eq!(caps(&a.tick(1.0)), vec![(0, 400.0)]);
         assert!(a.snapshot(1.0).degraded);
         a.sampled(

@@ -8,12 +8,13 @@
 //! - [`backend`]: the GPU trait and its NVML implementation (the only code that uses
 //!   `nvml-wrapper`);
 //! - [`calibration`], [`control`]: pure state machines (no I/O, no clock);
-//! - [`server`], [`metrics`], [`persist`], [`run`]: sockets, Prometheus, state on disk,
-//!   and the control loop that ties them together.
+//! - [`server`], [`link`], [`metrics`], [`persist`], [`run`]: sockets, the controller
+//!   link, Prometheus, state on disk, and the control loop that ties them together.
 
 pub mod backend;
 pub mod calibration;
 pub mod control;
+pub mod link;
 pub mod metrics;
 pub mod persist;
 pub mod run;

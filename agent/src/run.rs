@@ -33,6 +33,8 @@ pub struct RunOptions {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// How often GPUs are sampled and caps reconciled.
     pub sample_interval: Duration,
+    /// The controller link (controller mode with a readable site key), or none.
+    pub link: Option<crate::link::LinkOptions>,
 }
 
 /// Why the agent could not start or stopped with an error.
@@ -236,6 +238,29 @@ pub fn run(
             shutdown.clone(),
         )?);
     }
+    if let Some(mut link) = options.link.clone() {
+        link.gpus = agent
+            .gpus
+            .iter()
+            .map(|g| powerflex_proto::link::GpuInfo {
+                uuid: g.identity.uuid.clone(),
+                name: g.identity.name.clone(),
+                min_w: g.identity.min_cap.0,
+                max_w: g.identity.max_cap.0,
+                default_w: g.saved_default.0,
+            })
+            .collect();
+        let addr = link.controller.to_string();
+        threads.push(
+            crate::link::spawn(link, snapshot.clone(), tx.clone(), shutdown.clone()).map_err(
+                |source| AgentError::Io {
+                    what: "thread for the controller link to",
+                    path: addr,
+                    source,
+                },
+            )?,
+        );
+    }
     drop(tx);
 
     let ticker = tick(Duration::from_millis(50));
@@ -246,7 +271,7 @@ pub fn run(
                 let Ok(msg) = msg else { break };
                 // Progress is frequent and changes nothing a reader needs at once: it is
                 // published with the next tick. Job changes are published right away.
-                let job_change = matches!(msg, Inbound::Control { .. });
+                let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
                 handle(msg, &mut agent, now(), clock, &options.state_dir);
                 if job_change {
                     publish(&snapshot, &agent, now());
@@ -383,6 +408,10 @@ fn handle(msg: Inbound, agent: &mut Agent, now: f64, clock: Instant, state_dir: 
                 warn!(job_id = %report.job_id, pid = peer.pid, uid = peer.uid, error = %e, "progress report refused");
             }
             let _ = verdict.send(outcome);
+        }
+        Inbound::Lease { caps, ttl_s } => {
+            info!(jobs = caps.len(), ttl_s, "lease from the controller");
+            agent.set_lease(now, caps, ttl_s);
         }
         Inbound::ProgressRefused { reason, peer } => {
             agent.progress_rejected += 1;

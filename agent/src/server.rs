@@ -78,6 +78,11 @@ pub enum Inbound {
     },
     /// A progress line refused before reaching the loop (counted there).
     ProgressRefused { reason: String, peer: Peer },
+    /// An authenticated lease from the controller: per-job caps for `ttl_s`.
+    Lease {
+        caps: std::collections::BTreeMap<String, powerflex_core::Watts>,
+        ttl_s: f64,
+    },
 }
 
 /// The status snapshot, published by the control loop and read by anyone. The lock is

@@ -80,6 +80,16 @@ struct Fixture {
 
 impl Fixture {
     fn new(name: &str, node_budget_w: Option<f64>, lease_ttl_s: u64) -> Fixture {
+        Fixture::with_controller(name, node_budget_w, lease_ttl_s, None)
+    }
+
+    /// `controller`: the port a test controller listens on and the site key file.
+    fn with_controller(
+        name: &str,
+        node_budget_w: Option<f64>,
+        lease_ttl_s: u64,
+        controller: Option<(u16, &Path)>,
+    ) -> Fixture {
         build();
         let dir = std::env::temp_dir().join(format!("pf-agent-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -88,6 +98,10 @@ impl Fixture {
         let metrics_port = free_port();
         let config = dir.join("powerflex.toml");
         let budget = node_budget_w.map_or(String::new(), |w| format!("node_budget_w = {w}\n"));
+        let (port, key) = match controller {
+            Some((port, key)) => (port, key.display().to_string()),
+            None => (9, dir.join("no-such.key").display().to_string()),
+        };
         std::fs::write(
             &config,
             format!(
@@ -95,7 +109,7 @@ impl Fixture {
                  [tiers]\ndefault = \"none\"\n\
                  [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
                  calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
-                 [controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = {lease_ttl_s}\nallocation_period_s = 2\n\
+                 [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = {lease_ttl_s}\nallocation_period_s = 2\nkey_file = \"{key}\"\n\
                  [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{lib}\"\n\
                  metrics_listen = \"127.0.0.1:{metrics_port}\"\ncalibration_allowance_pct = 5.0\n\
                  calibration_warmup_s = 1.0\ncalibration_settle_s = 1.0\ncalibration_hold_s = 3.0\n{budget}",
@@ -574,4 +588,99 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
         "{}",
         String::from_utf8_lossy(&unit.stderr)
     );
+}
+
+#[test]
+fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsafe() {
+    use powerflex_proto::link::{Body, Envelope};
+    use std::os::unix::fs::PermissionsExt;
+    let key = b"0123456789abcdef0123456789abcdef".to_vec();
+    let keydir = std::env::temp_dir().join(format!("pf-agent-key-{}", std::process::id()));
+    std::fs::create_dir_all(&keydir).expect("dir");
+    let key_file = keydir.join("powerflex.key");
+    std::fs::write(&key_file, &key).expect("key");
+    std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("controller port");
+    let port = listener.local_addr().expect("addr").port();
+    let f = Fixture::with_controller("link", None, 3600, Some((port, &key_file)));
+    assert!(f.register("801", &["0", "1"], "flex2,calibrate=off").ok);
+
+    // The agent connects and says hello, authenticated with the site key.
+    let (stream, _) = listener.accept().expect("agent connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut lines = BufReader::new(stream.try_clone().expect("clone")).lines();
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as u64
+    };
+    let hello = Envelope::open(
+        &key,
+        &lines.next().expect("hello").expect("line"),
+        0,
+        now_ms(),
+    )
+    .expect("authentic hello");
+    assert_eq!(hello.from, "n1");
+    let Body::Hello { gpus } = hello.body else {
+        panic!("expected hello, got {:?}", hello.body)
+    };
+    assert_eq!(gpus.len(), 8);
+    // Reports follow, carrying the job.
+    let report = wait_until("a report with job 801", Duration::from_secs(10), || {
+        let e = Envelope::open(&key, &lines.next()?.ok()?, 0, now_ms()).ok()?;
+        match e.body {
+            Body::Report { jobs, .. } if jobs.iter().any(|j| j.job_id == "801") => Some(jobs),
+            _ => None,
+        }
+    });
+    assert_eq!(
+        report.iter().find(|j| j.job_id == "801").expect("job").tier,
+        "flex2,calibrate=off"
+    );
+
+    let mut to_agent = stream;
+    let lease = |seq: u64, cap: f64, ttl_s: f64, key: &[u8]| {
+        Envelope::seal(
+            key,
+            "controller",
+            seq,
+            now_ms(),
+            Body::Lease {
+                caps: [("801".to_string(), cap)].into(),
+                ttl_s,
+            },
+        )
+        .expect("seal")
+        .to_line()
+    };
+    let first = lease(100, 450.0, 4.0, &key);
+    to_agent.write_all(first.as_bytes()).expect("send lease");
+    wait_until(
+        "the leased cap on both GPUs",
+        Duration::from_secs(10),
+        || (f.limit_w(0) == 450.0 && f.limit_w(1) == 450.0).then_some(()),
+    );
+    // A forged lease (wrong key) changes nothing.
+    to_agent
+        .write_all(lease(101, 300.0, 4.0, b"not the site key at all, no").as_bytes())
+        .expect("send forged");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(f.limit_w(0), 450.0, "forged lease ignored");
+    // The lease runs out: fail-safe cap. Replaying the old lease does not revive it.
+    wait_until(
+        "the fail-safe cap after the lease",
+        Duration::from_secs(15),
+        || (f.limit_w(0) == 500.0).then_some(()),
+    );
+    to_agent.write_all(first.as_bytes()).expect("replay");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(f.limit_w(0), 500.0, "replayed lease refused");
+    let log = f.log();
+    assert!(log.contains("fails authentication"), "{log}");
+    assert!(log.contains("replayed"), "{log}");
+    let _ = std::fs::remove_dir_all(&keydir);
 }

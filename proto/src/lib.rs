@@ -319,3 +319,6 @@ mod control_tests {
         assert_eq!(ControlReply::from_line(&reply.to_line()), Ok(reply));
     }
 }
+
+#[cfg(feature = "link")]
+pub mod link;

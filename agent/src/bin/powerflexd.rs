@@ -14,6 +14,7 @@ use clap::Parser;
 use powerflex_agent::backend::{GpuBackend, NvmlBackend};
 use powerflex_agent::calibration::CalibrationSettings;
 use powerflex_agent::control::AgentSettings;
+use powerflex_agent::link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
 use powerflex_core::config::SiteConfig;
 
@@ -39,6 +40,28 @@ static SIGNALLED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
     SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+/// Reads the site key; it must be a root-only file (mode 0600 or stricter).
+fn read_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read the site key {}: {e}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "the site key {} is readable by others; chmod 600 it",
+            path.display()
+        ));
+    }
+    let key = std::fs::read(path)
+        .map_err(|e| format!("cannot read the site key {}: {e}", path.display()))?;
+    if key.trim_ascii().len() < 16 {
+        return Err(format!(
+            "the site key {} is shorter than 16 bytes",
+            path.display()
+        ));
+    }
+    Ok(key.trim_ascii().to_vec())
 }
 
 fn hostname() -> String {
@@ -118,12 +141,35 @@ fn start(cli: Cli) -> Result<(), String> {
         prior_slope: site.predictor.pfi_per_dram_copy_product,
         progress_address: progress_socket.display().to_string(),
     };
+    // Controller mode needs the site key; without it no lease can be trusted, so the
+    // link stays down and the fail-safe cap applies once the first lease would be due.
+    let link = if site.agent.node_budget_w.is_some() {
+        None
+    } else {
+        match read_key(&site.controller.key_file) {
+            Ok(key) => Some(LinkOptions {
+                controller: site.controller.listen,
+                key,
+                node: node.clone(),
+                report_period: Duration::from_secs(site.controller.allocation_period_s),
+                gpus: Vec::new(),
+            }),
+            Err(e) => {
+                tracing::error!(
+                    "{e}; no controller link: the fail-safe cap will apply after {} s",
+                    site.controller.lease_ttl_s
+                );
+                None
+            }
+        }
+    };
     let options = RunOptions {
         control_socket,
         progress_socket,
         state_dir: site.agent.state_dir(&node),
         metrics_listen: site.agent.metrics_listen,
         sample_interval: Duration::from_millis(cli.sample_interval_ms),
+        link,
     };
     for signal in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.

@@ -1,0 +1,191 @@
+//! The agent's side of the controller link (protocol: `powerflex_proto::link`).
+//!
+//! One thread keeps a TCP connection to the controller: it says hello (the node's GPUs),
+//! reports the node's jobs every allocation period, and hands every authenticated lease
+//! to the control loop. A reader thread per connection turns lines into leases. On any
+//! failure the connection is dropped and re-made with exponential backoff (1 s to 30 s);
+//! meanwhile the caps already granted hold until their lease runs out, then the control
+//! loop applies the fail-safe cap. Messages that fail authentication, are replayed or
+//! stale are logged and ignored.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{unbounded, Sender};
+use powerflex_core::Watts;
+use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport, MAX_LINK_LINE_BYTES};
+use tracing::{info, warn};
+
+use crate::server::{Inbound, SnapshotCell};
+
+/// What the link needs to know.
+#[derive(Debug, Clone)]
+pub struct LinkOptions {
+    pub controller: SocketAddr,
+    /// The site key (contents of `controller.key_file`).
+    pub key: Vec<u8>,
+    pub node: String,
+    pub report_period: Duration,
+    pub gpus: Vec<GpuInfo>,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Sender sequence: starts at the start time in ms, so it rises across restarts.
+struct Sequence(u64);
+
+impl Sequence {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.max(unix_ms()) + 1;
+        self.0
+    }
+}
+
+fn report(snapshot: &SnapshotCell) -> Body {
+    let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
+    let Some(s) = snap else {
+        return Body::Report {
+            jobs: Vec::new(),
+            power_w: 0.0,
+            failsafe: false,
+        };
+    };
+    Body::Report {
+        jobs: s
+            .jobs
+            .iter()
+            .map(|j| JobReport {
+                job_id: j.job.clone(),
+                tier: j.tier.clone(),
+                gpus: j.gpus.len() as u32,
+                cap_w: j.cap_w,
+                power_w: j.power_w,
+                throughput: j.throughput,
+                pfi: j.pfi.or(j.prior_pfi),
+                pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
+                points: j.points.clone(),
+            })
+            .collect(),
+        power_w: s.gpus.iter().filter_map(|g| g.power_w).sum(),
+        failsafe: s.failsafe,
+    }
+}
+
+/// Runs the link until `shutdown`.
+pub fn spawn(
+    options: LinkOptions,
+    snapshot: SnapshotCell,
+    tx: Sender<Inbound>,
+    shutdown: Arc<AtomicBool>,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name("controller-link".into()).spawn(move || {
+        let mut seq = Sequence(unix_ms());
+        let mut backoff = Duration::from_secs(1);
+        while !shutdown.load(Ordering::SeqCst) {
+            match TcpStream::connect_timeout(&options.controller, Duration::from_secs(2)) {
+                Ok(stream) => {
+                    info!(controller = %options.controller, "connected to the controller");
+                    backoff = Duration::from_secs(1);
+                    serve(stream, &options, &mut seq, &snapshot, &tx, &shutdown);
+                    warn!(controller = %options.controller, "controller link lost; caps hold until their lease ends");
+                }
+                Err(e) => warn!(controller = %options.controller, error = %e, retry_s = backoff.as_secs(), "cannot reach the controller"),
+            }
+            let until = Instant::now() + backoff;
+            while Instant::now() < until && !shutdown.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(30));
+        }
+    })
+}
+
+fn send(stream: &mut TcpStream, options: &LinkOptions, seq: &mut Sequence, body: Body) -> bool {
+    match Envelope::seal(&options.key, &options.node, seq.next(), unix_ms(), body) {
+        Ok(e) => stream.write_all(e.to_line().as_bytes()).is_ok(),
+        Err(_) => false,
+    }
+}
+
+fn serve(
+    mut stream: TcpStream,
+    options: &LinkOptions,
+    seq: &mut Sequence,
+    snapshot: &SnapshotCell,
+    tx: &Sender<Inbound>,
+    shutdown: &AtomicBool,
+) {
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+    let Ok(read_half) = stream.try_clone() else {
+        return;
+    };
+    let (lines_tx, lines_rx) = unbounded::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut reader = BufReader::new(read_half);
+        loop {
+            let mut line = String::new();
+            // A line longer than the limit ends the connection rather than memory.
+            match (&mut reader)
+                .take(MAX_LINK_LINE_BYTES as u64 + 1)
+                .read_line(&mut line)
+            {
+                Ok(0) | Err(_) => return,
+                Ok(_) if line.len() > MAX_LINK_LINE_BYTES => return,
+                Ok(_) => {
+                    if lines_tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    if !send(
+        &mut stream,
+        options,
+        seq,
+        Body::Hello {
+            gpus: options.gpus.clone(),
+        },
+    ) {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        let _ = reader.join();
+        return;
+    }
+    let mut last_seq = 0u64;
+    let mut next_report = Instant::now();
+    while !shutdown.load(Ordering::SeqCst) {
+        if Instant::now() >= next_report {
+            next_report = Instant::now() + options.report_period;
+            if !send(&mut stream, options, seq, report(snapshot)) {
+                break;
+            }
+        }
+        match lines_rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(line) => match Envelope::open(&options.key, &line, last_seq, unix_ms()) {
+                Ok(envelope) => {
+                    last_seq = envelope.seq;
+                    if let Body::Lease { caps, ttl_s } = envelope.body {
+                        let caps: BTreeMap<String, Watts> =
+                            caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
+                        let _ = tx.send(Inbound::Lease { caps, ttl_s });
+                    }
+                }
+                Err(e) => warn!(error = %e, "controller message refused"),
+            },
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = reader.join();
+}
