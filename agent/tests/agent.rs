@@ -5,49 +5,28 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
 
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .to_path_buf()
-}
+use powerflex::profile_dir;
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
 /// simulated job, the socket client.
 fn build() {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "dev".to_string(),
-            Some(p) => p.to_string(),
-        };
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "--quiet", "--profile", &profile])
-            .args([
-                "-p",
-                "powerflex-sim-nvml",
-                "-p",
-                "powerflex-sim",
-                "-p",
-                "powerflex-agent",
-                "--bins",
-                "--lib",
-                "--examples",
-            ])
-            .status()
-            .expect("cargo");
-        assert!(status.success(), "build failed");
-    });
+    powerflex::cargo_build(&[
+        "-p",
+        "powerflex-sim-nvml",
+        "-p",
+        "powerflex-sim",
+        "-p",
+        "powerflex-agent",
+        "--bins",
+        "--lib",
+        "--examples",
+    ]);
 }
 
 fn wait_until<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {

@@ -13,31 +13,38 @@ pub fn profile_dir() -> PathBuf {
     PathBuf::from(env!("POWERFLEX_PROFILE_DIR"))
 }
 
-/// Path of a workspace binary, built fresh for this test run.
+/// Runs `cargo build <args>` once per test process (per distinct `args`), in the profile
+/// the tests were built with, with the cargo that runs the tests.
 ///
-/// `cargo test` compiles other packages' binaries only as unit-test harnesses, so the real
-/// executable in the profile directory may be stale or missing. Each binary is therefore
-/// (re)built once per test process with the cargo that runs the tests, in the same
-/// profile; when it is already current that costs a fraction of a second.
-pub fn binary(name: &str) -> PathBuf {
-    static BUILT: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+/// `cargo test` compiles other packages' binaries only as unit-test harnesses (and their
+/// cdylibs and examples not at all), so the real artifacts in the profile directory may
+/// be stale or missing; when they are current this costs a fraction of a second.
+pub fn cargo_build(args: &[&str]) {
+    static BUILT: OnceLock<Mutex<HashSet<Vec<String>>>> = OnceLock::new();
     let built = BUILT.get_or_init(|| Mutex::new(HashSet::new()));
     let mut built = built.lock().unwrap_or_else(PoisonError::into_inner);
-    if !built.contains(name) {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let profile_dir = profile_dir();
-        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "dev".to_string(),
-            Some(other) => other.to_string(),
-        };
-        let status = Command::new(cargo)
-            .current_dir(repo_root())
-            .args(["build", "--quiet", "--profile", &profile, "--bin", name])
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run cargo to build {name}: {e}"));
-        assert!(status.success(), "cargo build --bin {name} failed");
-        built.insert(name.to_string());
+    let key: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    if built.contains(&key) {
+        return;
     }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let status = Command::new(cargo)
+        .current_dir(repo_root())
+        .args(["build", "--quiet", "--profile", &profile])
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cargo build {args:?}: {e}"));
+    assert!(status.success(), "cargo build {args:?} failed");
+    built.insert(key);
+}
+
+/// Path of a workspace binary, built fresh for this test run (see [`cargo_build`]).
+pub fn binary(name: &str) -> PathBuf {
+    cargo_build(&["--bin", name]);
     let path = profile_dir().join(name);
     assert!(
         path.is_file(),

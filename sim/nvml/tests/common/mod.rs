@@ -6,46 +6,12 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
-/// target/<profile>, from this test binary's own path (target/<profile>/deps/<test>).
-pub fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .to_path_buf()
-}
+pub use powerflex::profile_dir;
 
-/// Builds the cdylib and the probe example once per test binary (cargo test does not
-/// promise either is current), and returns the library's path.
+/// The simulated NVML library (built, with the probe example, for this test run).
 pub fn library() -> PathBuf {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "dev".to_string(),
-            Some(p) => p.to_string(),
-        };
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args([
-                "build",
-                "--quiet",
-                "--profile",
-                &profile,
-                "-p",
-                "powerflex-sim-nvml",
-                "--lib",
-                "--examples",
-            ])
-            .status()
-            .expect("run cargo");
-        assert!(
-            status.success(),
-            "building the simulated NVML library failed"
-        );
-    });
+    powerflex::cargo_build(&["-p", "powerflex-sim-nvml", "--lib", "--examples"]);
     let lib = profile_dir().join("libpowerflex_sim_nvml.so");
     assert!(lib.is_file(), "{} missing", lib.display());
     lib
