@@ -76,3 +76,32 @@ fn powerflexd_unit_starts_the_agent_with_flags_it_accepts() {
     assert!(site.contains("state_dir = \"/var/lib/powerflex/%n\""));
     assert!(unit.contains("StateDirectory=powerflex"));
 }
+
+#[test]
+fn plugstack_loads_the_plugin_optionally_with_valid_arguments() {
+    let text = std::fs::read_to_string(repo_root().join("slurm-conf/plugstack.conf"))
+        .expect("plugstack.conf");
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let words: Vec<String> = lines[0].split_whitespace().map(str::to_string).collect();
+    assert_eq!(
+        words[0], "optional",
+        "never required: a plugin error must not drain nodes"
+    );
+    assert!(words[1].ends_with("/power_flex.so"));
+    let args = power_flex::logic::parse_args(&words[2..]).expect("the shipped arguments parse");
+    assert_eq!(args.socket, "/run/powerflex/%n.sock");
+    assert_eq!(args.timeout, std::time::Duration::from_millis(200));
+    // The site config it names is the one the agent's unit reads; its socket matches.
+    assert_eq!(
+        args.site.as_deref(),
+        Some(std::path::Path::new("/etc/slurm/powerflex.toml"))
+    );
+    let site =
+        std::fs::read_to_string(repo_root().join("slurm-conf/powerflex.toml")).expect("site");
+    assert!(site.contains(&format!("socket = \"{}\"", args.socket)));
+}

@@ -1,0 +1,429 @@
+//! `power_flex.so`, powerflex's SPANK plugin: the user's `--power-flex=` and the node
+//! agent's news of job steps.
+//!
+//! - **Allocator/local** (sbatch, salloc, srun): registers `--power-flex=VALUE` and
+//!   validates it against the site's tiers; a bad value fails submission with the core's
+//!   message, and no job is created.
+//! - **Remote** (slurmstepd, root): in `slurm_spank_init_post_opt` — root, before tasks are
+//!   forked, after options are known — registers the step with the node's agent and puts
+//!   `POWERFLEX_TIER` and `POWERFLEX_PROGRESS` into the tasks' environment; in
+//!   `slurm_spank_exit` ends the step.
+//! - **Job epilog** (root): tells the agent the job ended, so its GPUs return to default
+//!   even if every step crashed.
+//!
+//! Rules: every entry point runs its body under `catch_unwind` and returns the fail-open
+//! code on a panic; one socket exchange per callback with a hard timeout; no threads, no
+//! NVML, no `unwrap`; global state in a `Mutex` locked with
+//! `unwrap_or_else(PoisonError::into_inner)`; logs with a fixed `"%s"` format. Only a bad
+//! `--power-flex` value at submission returns an error.
+
+#![allow(unsafe_code)]
+// The SPANK entry points are `unsafe extern "C"`: their contract is Slurm's (a valid
+// `spank_t`, `ac` C strings in `av`), stated here once rather than on each callback.
+#![allow(clippy::missing_safety_doc)]
+
+mod ffi {
+    #![allow(
+        non_camel_case_types,
+        non_upper_case_globals,
+        non_snake_case,
+        dead_code,
+        clippy::all
+    )]
+    include!(concat!(env!("OUT_DIR"), "/spank_bindings.rs"));
+}
+pub mod logic;
+
+use std::ffi::{c_char, c_int, c_uint, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, PoisonError};
+
+use powerflex_core::flex::{parse_power_flex, Service};
+use powerflex_proto::{ControlOp, ControlRequest};
+
+/// Exported for Slurm's plugin loader.
+#[no_mangle]
+pub static plugin_name: [u8; 11] = *b"power_flex\0";
+#[no_mangle]
+pub static plugin_type: [u8; 6] = *b"spank\0";
+/// Must equal the Slurm this plugin runs under (bindgen reads it from the installed headers).
+#[no_mangle]
+pub static plugin_version: c_uint = ffi::SLURM_VERSION_NUMBER;
+
+const OPTION_NAME: &CStr = c"power-flex";
+const OPTION_ARGINFO: &CStr = c"TIER[,calibrate=auto|off]";
+const OPTION_USAGE: &CStr =
+    c"powerflex: slowdown this job accepts when the site cuts GPU power: flex0 (none), flex1 (10%), flex2 (25%), flex3 (50%), max-slowdown=N%, or none";
+
+/// What the plugin keeps between callbacks of one process.
+#[derive(Debug, Default)]
+struct State {
+    args: Option<logic::Args>,
+    /// Why the plugin is disabled, when it is.
+    disabled: Option<String>,
+    /// The --power-flex value, as given.
+    flex: Option<String>,
+    registered: Option<(String, String)>,
+    /// Set when the agent could not be reached: tasks print one warning to the job.
+    warn_job: Option<String>,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    args: None,
+    disabled: None,
+    flex: None,
+    registered: None,
+    warn_job: None,
+});
+
+fn state() -> std::sync::MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Logs through Slurm with a fixed format: user text is never a format string.
+fn log_error(message: &str) {
+    let text =
+        CString::new(format!("power_flex: {message}").replace('\0', " ")).unwrap_or_default();
+    // SAFETY: both arguments are valid NUL-terminated strings; "%s" consumes one.
+    unsafe { ffi::slurm_error(c"%s".as_ptr(), text.as_ptr()) };
+}
+
+fn log_info(message: &str) {
+    let text =
+        CString::new(format!("power_flex: {message}").replace('\0', " ")).unwrap_or_default();
+    // SAFETY: as in log_error.
+    unsafe { ffi::slurm_info(c"%s".as_ptr(), text.as_ptr()) };
+}
+
+/// Runs a callback body; a panic is logged and answered with `fail_open`.
+fn guarded(fail_open: c_int, body: impl FnOnce() -> c_int) -> c_int {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(rc) => rc,
+        Err(_) => {
+            // Logging could panic too (it should not); never let that escape either.
+            let _ = catch_unwind(|| log_error("internal error; continuing without powerflex"));
+            fail_open
+        }
+    }
+}
+
+fn context() -> ffi::spank_context_t {
+    // SAFETY: no arguments; callable from any callback.
+    unsafe { ffi::spank_context() }
+}
+
+fn args_of(ac: c_int, av: *mut *mut c_char) -> Vec<String> {
+    if av.is_null() || ac <= 0 {
+        return Vec::new();
+    }
+    (0..ac as usize)
+        .filter_map(|i| {
+            // SAFETY: Slurm passes `ac` valid C strings in `av`.
+            let p = unsafe { *av.add(i) };
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        })
+        .collect()
+}
+
+fn getenv(sp: ffi::spank_t, name: &CStr) -> Option<String> {
+    let mut buf = vec![0 as c_char; 4096];
+    // SAFETY: buf holds 4096 bytes, as passed.
+    let rc = unsafe { ffi::spank_getenv(sp, name.as_ptr(), buf.as_mut_ptr(), buf.len() as c_int) };
+    if rc != ffi::ESPANK_SUCCESS {
+        return None;
+    }
+    // SAFETY: spank_getenv NUL-terminates within buf on success.
+    let value = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    (!value.is_empty()).then_some(value)
+}
+
+fn setenv(sp: ffi::spank_t, name: &CStr, value: &str) {
+    if let Ok(v) = CString::new(value) {
+        // SAFETY: valid C strings; overwrite = 1.
+        let rc = unsafe { ffi::spank_setenv(sp, name.as_ptr(), v.as_ptr(), 1) };
+        if rc != ffi::ESPANK_SUCCESS {
+            log_error(&format!(
+                "cannot set {} in the job environment",
+                name.to_string_lossy()
+            ));
+        }
+    }
+}
+
+fn item_u32(sp: ffi::spank_t, item: ffi::spank_item) -> Option<u32> {
+    let mut value: u32 = 0;
+    // SAFETY: these items (job id, step id, uid) take one uint32_t* argument.
+    let rc = unsafe { ffi::spank_get_item(sp, item, &mut value as *mut u32) };
+    (rc == ffi::ESPANK_SUCCESS).then_some(value)
+}
+
+/// This node's Slurm name in remote context. The job's environment carries the name of
+/// the node the job was *submitted* from (`SLURMD_NODENAME` of the batch host, say), so
+/// the name is taken from the step's node list at this node's relative id instead —
+/// essential when several `slurmd -N` nodes share one host.
+fn node_name(sp: ffi::spank_t) -> String {
+    let id = item_u32(sp, ffi::spank_item_S_JOB_NODEID);
+    for var in [
+        c"SLURM_STEP_NODELIST",
+        c"SLURM_JOB_NODELIST",
+        c"SLURM_NODELIST",
+    ] {
+        if let (Some(id), Some(list)) = (id, getenv(sp, var)) {
+            if let Some(name) =
+                logic::expand_hostlist(&list).and_then(|l| l.get(id as usize).cloned())
+            {
+                return name;
+            }
+        }
+    }
+    std::env::var("SLURMD_NODENAME").unwrap_or_default()
+}
+
+/// The option callback: keeps the value and, at submission, validates it.
+unsafe extern "C" fn on_option(_val: c_int, optarg: *const c_char, remote: c_int) -> c_int {
+    guarded(0, || {
+        let value = if optarg.is_null() {
+            String::new()
+        } else {
+            // SAFETY: Slurm passes the option's argument as a C string.
+            unsafe { CStr::from_ptr(optarg) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        let mut st = state();
+        st.flex = Some(value.clone());
+        if remote != 0 || st.disabled.is_some() {
+            return 0;
+        }
+        let args = st.args.clone().unwrap_or_default();
+        drop(st);
+        match logic::site_tiers(&args) {
+            Ok((table, _)) => match logic::validate(&value, &table) {
+                Ok(()) => 0,
+                Err(message) => {
+                    log_error(&message);
+                    -1
+                }
+            },
+            Err(e) => {
+                // The site config is unreadable here: fail open, say so.
+                log_error(&format!("{e}; --power-flex not checked"));
+                0
+            }
+        }
+    })
+}
+
+/// Registers the option and reads the plugstack arguments, in every context.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_init(
+    sp: ffi::spank_t,
+    ac: c_int,
+    av: *mut *mut c_char,
+) -> c_int {
+    guarded(0, || {
+        let raw = args_of(ac, av);
+        {
+            let mut st = state();
+            match logic::parse_args(&raw) {
+                Ok(a) => st.args = Some(a),
+                Err(e) => {
+                    log_error(&format!("{e}; plugin disabled"));
+                    st.disabled = Some(e);
+                }
+            }
+        }
+        let option = Box::leak(Box::new(ffi::spank_option {
+            name: OPTION_NAME.as_ptr().cast_mut(),
+            arginfo: OPTION_ARGINFO.as_ptr().cast_mut(),
+            usage: OPTION_USAGE.as_ptr().cast_mut(),
+            has_arg: 1,
+            val: 0,
+            cb: Some(on_option),
+        }));
+        // SAFETY: `option` lives for the rest of the process (leaked on purpose).
+        let rc = unsafe { ffi::spank_option_register(sp, option) };
+        if rc != ffi::ESPANK_SUCCESS {
+            log_error("cannot register --power-flex");
+        }
+        0
+    })
+}
+
+/// Remote context, root, options known, tasks not yet forked: register the step.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_init_post_opt(
+    sp: ffi::spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guarded(0, || {
+        if context() != ffi::spank_context_S_CTX_REMOTE {
+            return 0;
+        }
+        let (args, flex) = {
+            let st = state();
+            if st.disabled.is_some() {
+                return 0;
+            }
+            (st.args.clone().unwrap_or_default(), st.flex.clone())
+        };
+        let (table, default) = match logic::site_tiers(&args) {
+            Ok(t) => t,
+            Err(e) => {
+                log_error(&format!("{e}; job runs unmanaged"));
+                return 0;
+            }
+        };
+        let (service, flex) = match flex.filter(|f| !f.is_empty()) {
+            Some(f) => match parse_power_flex(&f, &table) {
+                Ok(r) => (r.service, f),
+                Err(e) => {
+                    log_error(&format!("{e}; job runs unmanaged"));
+                    return 0;
+                }
+            },
+            None => (default.clone(), String::new()),
+        };
+        if service == Service::Unmanaged {
+            return 0;
+        }
+        let (Some(job_id), Some(step_id), Some(uid)) = (
+            item_u32(sp, ffi::spank_item_S_JOB_ID),
+            item_u32(sp, ffi::spank_item_S_JOB_STEPID),
+            item_u32(sp, ffi::spank_item_S_JOB_UID),
+        ) else {
+            log_error("cannot read the job id, step id or uid; job runs unmanaged");
+            return 0;
+        };
+        let node = node_name(sp);
+        let gpus: Vec<String> = getenv(sp, c"SLURM_JOB_GPUS")
+            .or_else(|| getenv(sp, c"CUDA_VISIBLE_DEVICES"))
+            .map(|g| {
+                g.split(',')
+                    .map(str::to_string)
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let step = logic::StepInfo {
+            job_id,
+            step_id,
+            uid,
+            node,
+            gpus,
+        };
+        if !logic::should_register(&service, &step) {
+            return 0;
+        }
+        match logic::exchange(
+            &args.socket,
+            &step.node,
+            &logic::register_request(&step, &flex),
+            args.timeout,
+        ) {
+            Ok(reply) if reply.ok => {
+                if let Some(tier) = &reply.tier {
+                    setenv(sp, c"POWERFLEX_TIER", tier);
+                }
+                if let Some(progress) = &reply.progress {
+                    setenv(sp, c"POWERFLEX_PROGRESS", progress);
+                }
+                log_info(&format!(
+                    "job {job_id} step {} registered with the agent",
+                    logic::step_name(step_id)
+                ));
+                state().registered = Some((job_id.to_string(), logic::step_name(step_id)));
+            }
+            Ok(reply) => {
+                let why = reply.error.unwrap_or_else(|| "refused".into());
+                log_error(&format!(
+                    "agent refused job {job_id}: {why}; the job runs unmanaged"
+                ));
+                state().warn_job = Some(format!("powerflex: the node agent refused this job ({why}); it runs without power management"));
+            }
+            Err(e) => {
+                log_error(&format!("{e}; job {job_id} runs unmanaged"));
+                state().warn_job = Some("powerflex: warning: the node's power agent is not reachable; this job runs without power management".into());
+            }
+        }
+        0
+    })
+}
+
+/// In each task (as the user): the one line the job sees when the agent was unreachable.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_task_init(
+    _sp: ffi::spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guarded(0, || {
+        if context() == ffi::spank_context_S_CTX_REMOTE {
+            if let Some(w) = state().warn_job.take() {
+                eprintln!("{w}");
+            }
+        }
+        0
+    })
+}
+
+/// Remote context: the step is over.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_exit(
+    sp: ffi::spank_t,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guarded(0, || {
+        if context() != ffi::spank_context_S_CTX_REMOTE {
+            return 0;
+        }
+        let (args, registered) = {
+            let st = state();
+            (st.args.clone().unwrap_or_default(), st.registered.clone())
+        };
+        let Some((job_id, step_id)) = registered else {
+            return 0;
+        };
+        let node = node_name(sp);
+        let request = ControlRequest::new(ControlOp::EndStep { job_id, step_id });
+        if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
+            log_error(&e);
+        }
+        0
+    })
+}
+
+/// Job epilog (root, every node of the job): the job is over; its GPUs go back.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_job_epilog(
+    sp: ffi::spank_t,
+    ac: c_int,
+    av: *mut *mut c_char,
+) -> c_int {
+    guarded(0, || {
+        // The epilog loads the plugin afresh: its plugstack arguments come with this call.
+        let args = match logic::parse_args(&args_of(ac, av)) {
+            Ok(a) => a,
+            Err(e) => {
+                log_error(&format!("{e}; plugin disabled"));
+                return 0;
+            }
+        };
+        let Some(job_id) = item_u32(sp, ffi::spank_item_S_JOB_ID) else {
+            return 0;
+        };
+        let node = std::env::var("SLURMD_NODENAME").unwrap_or_default();
+        let request = ControlRequest::new(ControlOp::EndJob {
+            job_id: job_id.to_string(),
+        });
+        // The agent may be down (or the job never managed): nothing to undo then.
+        if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
+            log_info(&e);
+        }
+        0
+    })
+}

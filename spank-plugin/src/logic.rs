@@ -1,0 +1,357 @@
+//! The plugin's decisions, free of FFI: plugstack arguments, option validation, what to
+//! send the agent and what to do with its answer. The FFI shim (`lib.rs`) implements
+//! [`Spank`] over the real `spank_t`; unit tests implement it with a fake.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use powerflex_core::config::{expand_node, SiteConfig};
+use powerflex_core::flex::{parse_power_flex, Service, TierTable};
+use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
+
+/// Default agent socket (as in the site config's default).
+pub const DEFAULT_SOCKET: &str = "/run/powerflex/%n.sock";
+/// Default bound on the time one callback may spend talking to the agent.
+pub const DEFAULT_TIMEOUT_MS: u64 = 200;
+/// Slurm's special step ids.
+pub const BATCH_STEP: u32 = 0xffff_fffb;
+pub const EXTERN_STEP: u32 = 0xffff_fffc;
+pub const INTERACTIVE_STEP: u32 = 0xffff_fffa;
+
+/// plugstack.conf arguments: `site=PATH socket=PATTERN timeout_ms=N default=TIER`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Args {
+    pub site: Option<PathBuf>,
+    pub socket: String,
+    pub timeout: Duration,
+    /// Service for jobs that give no --power-flex (overrides the site's default).
+    pub default: Option<String>,
+}
+
+impl Default for Args {
+    fn default() -> Args {
+        Args {
+            site: None,
+            socket: DEFAULT_SOCKET.to_string(),
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+            default: None,
+        }
+    }
+}
+
+/// Parses plugstack.conf arguments. An error disables the plugin (it never fails jobs).
+pub fn parse_args(args: &[String]) -> Result<Args, String> {
+    let mut out = Args::default();
+    for arg in args {
+        let (key, value) = arg
+            .split_once('=')
+            .ok_or_else(|| format!("plugstack argument \"{arg}\" is not key=value; accepted keys: site, socket, timeout_ms, default"))?;
+        match key {
+            "site" if value.starts_with('/') => out.site = Some(PathBuf::from(value)),
+            "site" => return Err(format!("site= must be an absolute path (got \"{value}\")")),
+            "socket" if value.starts_with('/') => out.socket = value.to_string(),
+            "socket" => return Err(format!("socket= must be an absolute path, %n = node name (got \"{value}\")")),
+            "timeout_ms" => match value.parse::<u64>() {
+                Ok(ms) if (1..=5000).contains(&ms) => out.timeout = Duration::from_millis(ms),
+                _ => return Err(format!("timeout_ms= must be 1 to 5000 milliseconds (got \"{value}\")")),
+            },
+            "default" if !value.is_empty() => out.default = Some(value.to_string()),
+            "default" => return Err("default= needs a tier (or none)".into()),
+            other => {
+                return Err(format!(
+                    "unknown plugstack argument \"{other}\"; accepted keys: site, socket, timeout_ms, default"
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The tiers and default service this site offers: from the site config when `site=`
+/// names one that parses, else the built-in tiers (and `none` as default).
+pub fn site_tiers(args: &Args) -> Result<(TierTable, Service), String> {
+    let (table, mut default) = match &args.site {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let site =
+                SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+            (site.tiers.table, site.tiers.default)
+        }
+        None => (TierTable::default_table(), Service::Unmanaged),
+    };
+    if let Some(d) = &args.default {
+        default = parse_power_flex(d, &table)
+            .map_err(|e| format!("default={d}: {e}"))?
+            .service;
+    }
+    Ok((table, default))
+}
+
+/// Validates a `--power-flex` value at submission; `Err` is the message for the user.
+pub fn validate(value: &str, table: &TierTable) -> Result<(), String> {
+    parse_power_flex(value, table)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// The step id as the agent names it.
+pub fn step_name(step: u32) -> String {
+    match step {
+        BATCH_STEP => "batch".into(),
+        EXTERN_STEP => "extern".into(),
+        INTERACTIVE_STEP => "interactive".into(),
+        n => n.to_string(),
+    }
+}
+
+/// One request, one reply, over the agent's socket, all within `budget`.
+pub fn exchange(
+    socket: &str,
+    node: &str,
+    request: &ControlRequest,
+    budget: Duration,
+) -> Result<ControlReply, String> {
+    let started = Instant::now();
+    let path = expand_node(socket, node);
+    let stream = UnixStream::connect(&path).map_err(|e| {
+        format!(
+            "cannot reach the powerflex agent at {}: {e}",
+            path.display()
+        )
+    })?;
+    let left = |started: Instant| {
+        budget
+            .checked_sub(started.elapsed())
+            .filter(|d| !d.is_zero())
+    };
+    let remaining = left(started).ok_or("the powerflex agent did not answer in time")?;
+    stream
+        .set_write_timeout(Some(remaining))
+        .map_err(|e| e.to_string())?;
+    (&stream)
+        .write_all(request.to_line().as_bytes())
+        .map_err(|e| format!("cannot send to the powerflex agent: {e}"))?;
+    let remaining = left(started).ok_or("the powerflex agent did not answer in time")?;
+    stream
+        .set_read_timeout(Some(remaining))
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(&stream)
+        .take(powerflex_proto::MAX_LINE_BYTES as u64)
+        .read_line(&mut line)
+        .map_err(|e| format!("the powerflex agent did not answer in time ({e})"))?;
+    ControlReply::from_line(&line).map_err(|e| format!("bad answer from the powerflex agent: {e}"))
+}
+
+use std::io::Read as _;
+
+/// Expands a Slurm hostlist (`n[1-3,5],gpu[01-02],login`) into names, in order.
+/// Returns `None` for a malformed list or one longer than 65,536 names.
+pub fn expand_hostlist(list: &str) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    let mut rest = list.trim();
+    while !rest.is_empty() {
+        // The next element ends at a comma outside brackets.
+        let mut depth = 0;
+        let end = rest
+            .char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '[' => depth += 1,
+                    ']' => depth -= 1,
+                    _ => {}
+                }
+                c == ',' && depth == 0
+            })
+            .map_or(rest.len(), |(i, _)| i);
+        let element = &rest[..end];
+        rest = rest[end..].trim_start_matches(',');
+        match element.split_once('[') {
+            None if !element.is_empty() => names.push(element.to_string()),
+            None => {}
+            Some((prefix, tail)) => {
+                let (ranges, suffix) = tail.split_once(']')?;
+                for range in ranges.split(',') {
+                    let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+                    let width = lo.len();
+                    let (lo, hi): (u64, u64) = (lo.parse().ok()?, hi.parse().ok()?);
+                    if hi < lo || hi - lo > 65_536 {
+                        return None;
+                    }
+                    for n in lo..=hi {
+                        names.push(format!("{prefix}{n:0width$}{suffix}"));
+                    }
+                }
+            }
+        }
+        if names.len() > 65_536 {
+            return None;
+        }
+    }
+    Some(names)
+}
+
+/// What the remote (slurmstepd) side knows about the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepInfo {
+    pub job_id: u32,
+    pub step_id: u32,
+    pub uid: u32,
+    pub node: String,
+    pub gpus: Vec<String>,
+}
+
+/// Builds the registration for a step with service `flex` (already validated).
+pub fn register_request(step: &StepInfo, flex: &str) -> ControlRequest {
+    ControlRequest::new(ControlOp::Register {
+        job_id: step.job_id.to_string(),
+        step_id: step_name(step.step_id),
+        uid: step.uid,
+        node: step.node.clone(),
+        gpus: step.gpus.clone(),
+        flex: flex.to_string(),
+    })
+}
+
+/// Whether a step should be registered at all: managed service, GPUs, not the extern step.
+pub fn should_register(service: &Service, step: &StepInfo) -> bool {
+    service.is_managed() && !step.gpus.is_empty() && step.step_id != EXTERN_STEP
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn plugstack_arguments() {
+        let a = parse_args(&s(&[
+            "site=/etc/slurm/powerflex.toml",
+            "socket=/run/pf/%n.sock",
+            "timeout_ms=150",
+            "default=flex1",
+        ]))
+        .expect("ok");
+        assert_eq!(a.site, Some(PathBuf::from("/etc/slurm/powerflex.toml")));
+        assert_eq!(a.socket, "/run/pf/%n.sock");
+        assert_eq!(a.timeout, Duration::from_millis(150));
+        assert_eq!(a.default.as_deref(), Some("flex1"));
+        assert_eq!(parse_args(&[]).expect("defaults"), Args::default());
+        for bad in [
+            &["site=relative"][..],
+            &["timeout_ms=0"],
+            &["timeout_ms=x"],
+            &["color=red"],
+            &["novalue"],
+            &["default="],
+        ] {
+            assert!(parse_args(&s(bad)).is_err(), "{bad:?}");
+        }
+        assert!(parse_args(&s(&["color=red"]))
+            .expect_err("msg")
+            .contains("accepted keys: site, socket, timeout_ms, default"));
+    }
+
+    #[test]
+    fn tiers_from_defaults_and_validation_messages() {
+        let (table, default) = site_tiers(&Args::default()).expect("defaults");
+        assert_eq!(default, Service::Unmanaged);
+        assert!(validate("flex2", &table).is_ok());
+        assert!(validate("flex3,calibrate=off", &table).is_ok());
+        assert_eq!(
+            validate("flex9", &table).expect_err("bad"),
+            "unknown tier \"flex9\"; this site offers: flex0, flex1, flex2, flex3, none, or max-slowdown=N%"
+        );
+        let with_default = Args {
+            default: Some("flex1".into()),
+            ..Args::default()
+        };
+        assert!(site_tiers(&with_default).expect("ok").1.is_managed());
+        let missing = Args {
+            site: Some(PathBuf::from("/nonexistent/powerflex.toml")),
+            ..Args::default()
+        };
+        assert!(site_tiers(&missing)
+            .expect_err("missing")
+            .contains("cannot read /nonexistent/powerflex.toml"));
+    }
+
+    #[test]
+    fn steps_and_requests() {
+        let step = StepInfo {
+            job_id: 42,
+            step_id: BATCH_STEP,
+            uid: 1000,
+            node: "n1".into(),
+            gpus: vec!["0".into(), "1".into()],
+        };
+        let line = register_request(&step, "flex2").to_line();
+        assert!(
+            line.contains("\"step_id\":\"batch\"") && line.contains("\"job_id\":\"42\""),
+            "{line}"
+        );
+        let (table, _) = site_tiers(&Args::default()).expect("defaults");
+        let flex2 = parse_power_flex("flex2", &table).expect("ok").service;
+        assert!(should_register(&flex2, &step));
+        assert!(!should_register(&Service::Unmanaged, &step));
+        assert!(!should_register(
+            &flex2,
+            &StepInfo {
+                gpus: vec![],
+                ..step.clone()
+            }
+        ));
+        assert!(!should_register(
+            &flex2,
+            &StepInfo {
+                step_id: EXTERN_STEP,
+                ..step
+            }
+        ));
+        assert_eq!(step_name(3), "3");
+    }
+
+    #[test]
+    fn an_absent_agent_fails_fast() {
+        let t = Instant::now();
+        let e = exchange(
+            "/nonexistent/%n.sock",
+            "n1",
+            &ControlRequest::new(ControlOp::Status),
+            Duration::from_millis(200),
+        )
+        .expect_err("down");
+        assert!(
+            e.contains("cannot reach the powerflex agent at /nonexistent/n1.sock"),
+            "{e}"
+        );
+        assert!(t.elapsed() < Duration::from_millis(200));
+    }
+
+    #[test]
+    fn hostlists_expand_like_slurm() {
+        assert_eq!(
+            expand_hostlist("n[1-3]"),
+            Some(vec!["n1".into(), "n2".into(), "n3".into()])
+        );
+        assert_eq!(
+            expand_hostlist("gpu[01-02,07],login"),
+            Some(vec![
+                "gpu01".into(),
+                "gpu02".into(),
+                "gpu07".into(),
+                "login".into()
+            ])
+        );
+        assert_eq!(expand_hostlist("n1"), Some(vec!["n1".into()]));
+        assert_eq!(expand_hostlist("n[3-1]"), None);
+        assert_eq!(expand_hostlist("n[1-"), None);
+        assert_eq!(expand_hostlist(""), Some(vec![]));
+    }
+}
