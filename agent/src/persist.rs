@@ -1,7 +1,7 @@
 //! The agent's persisted state: what must survive a crash or restart — every GPU's saved
 //! default limit, and the live jobs (so a restarted agent can tell which GPUs still
 //! belong to a job and which must go back to their default). Written atomically
-//! (temporary file, fsync, rename); a corrupt or truncated file is reported and set
+//! (temporary file, then rename); a corrupt or truncated file is reported and set
 //! aside, never trusted.
 
 use std::collections::BTreeMap;
@@ -99,7 +99,9 @@ pub fn save(dir: &Path, state: &PersistedState) -> Result<(), PersistError> {
     let bytes = serde_json::to_vec_pretty(state).unwrap_or_default();
     let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
     file.write_all(&bytes).map_err(io(&tmp))?;
-    file.sync_all().map_err(io(&tmp))?;
+    // No fsync: the state must survive the agent's crash (the page cache does), not the
+    // node's — a rebooted node's GPUs come back at their defaults anyway. An fsync here
+    // sat on the registration path of every job step.
     std::fs::rename(&tmp, &path).map_err(io(&path))
 }
 
