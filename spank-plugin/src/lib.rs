@@ -38,7 +38,6 @@ use std::ffi::{c_char, c_int, c_uint, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, PoisonError};
 
-use powerflex_core::flex::{parse_power_flex, Service};
 use powerflex_proto::{ControlOp, ControlRequest};
 
 /// Exported for Slurm's plugin loader.
@@ -270,87 +269,46 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
             }
             (st.args.clone().unwrap_or_default(), st.flex.clone())
         };
-        let (table, default) = match logic::site_tiers(&args) {
-            Ok(t) => t,
-            Err(e) => {
-                log_error(&format!("{e}; job runs unmanaged"));
-                return 0;
-            }
-        };
-        let (service, flex) = match flex.filter(|f| !f.is_empty()) {
-            Some(f) => match parse_power_flex(&f, &table) {
-                Ok(r) => (r.service, f),
-                Err(e) => {
-                    log_error(&format!("{e}; job runs unmanaged"));
-                    return 0;
-                }
-            },
-            None => (default.clone(), String::new()),
-        };
-        if service == Service::Unmanaged {
-            return 0;
-        }
-        let (Some(job_id), Some(step_id), Some(uid)) = (
-            item_u32(sp, ffi::spank_item_S_JOB_ID),
-            item_u32(sp, ffi::spank_item_S_JOB_STEPID),
-            item_u32(sp, ffi::spank_item_S_JOB_UID),
-        ) else {
-            log_error("cannot read the job id, step id or uid; job runs unmanaged");
-            return 0;
-        };
-        let node = node_name(sp);
-        let gpus: Vec<String> = getenv(sp, c"SLURM_JOB_GPUS")
-            .or_else(|| getenv(sp, c"CUDA_VISIBLE_DEVICES"))
-            .map(|g| {
-                g.split(',')
-                    .map(str::to_string)
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default();
-        let step = logic::StepInfo {
-            job_id,
-            step_id,
-            uid,
-            node,
-            gpus,
-        };
-        if !logic::should_register(&service, &step) {
-            return 0;
-        }
-        match logic::exchange(
-            &args.socket,
-            &step.node,
-            &logic::register_request(&step, &flex),
-            args.timeout,
-        ) {
-            Ok(reply) if reply.ok => {
-                if let Some(tier) = &reply.tier {
-                    setenv(sp, c"POWERFLEX_TIER", tier);
-                }
-                if let Some(progress) = &reply.progress {
-                    setenv(sp, c"POWERFLEX_PROGRESS", progress);
-                }
-                log_info(&format!(
-                    "job {job_id} step {} registered with the agent",
-                    logic::step_name(step_id)
-                ));
-                state().registered = Some((job_id.to_string(), logic::step_name(step_id)));
-            }
-            Ok(reply) => {
-                let why = reply.error.unwrap_or_else(|| "refused".into());
-                log_error(&format!(
-                    "agent refused job {job_id}: {why}; the job runs unmanaged"
-                ));
-                state().warn_job = Some(format!("powerflex: the node agent refused this job ({why}); it runs without power management"));
-            }
-            Err(e) => {
-                log_error(&format!("{e}; job {job_id} runs unmanaged"));
-                state().warn_job = Some("powerflex: warning: the node's power agent is not reachable; this job runs without power management".into());
-            }
+        let mut api = Handle(sp);
+        match logic::on_step_start(&mut api, &args, flex.as_deref(), logic::exchange) {
+            logic::StepStart::Registered(job, step) => state().registered = Some((job, step)),
+            logic::StepStart::WarnJob(line) => state().warn_job = Some(line),
+            logic::StepStart::Skipped => {}
         }
         0
     })
+}
+
+/// [`logic::Spank`] over the real handle.
+struct Handle(ffi::spank_t);
+
+impl logic::Spank for Handle {
+    fn job_id(&self) -> Option<u32> {
+        item_u32(self.0, ffi::spank_item_S_JOB_ID)
+    }
+    fn step_id(&self) -> Option<u32> {
+        item_u32(self.0, ffi::spank_item_S_JOB_STEPID)
+    }
+    fn uid(&self) -> Option<u32> {
+        item_u32(self.0, ffi::spank_item_S_JOB_UID)
+    }
+    fn node(&self) -> String {
+        node_name(self.0)
+    }
+    fn getenv(&self, name: &str) -> Option<String> {
+        CString::new(name).ok().and_then(|n| getenv(self.0, &n))
+    }
+    fn setenv(&mut self, name: &str, value: &str) {
+        if let Ok(n) = CString::new(name) {
+            setenv(self.0, &n, value);
+        }
+    }
+    fn log_error(&self, message: &str) {
+        log_error(message);
+    }
+    fn log_info(&self, message: &str) {
+        log_info(message);
+    }
 }
 
 /// In each task (as the user): the one line the job sees when the agent was unreachable.

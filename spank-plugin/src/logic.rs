@@ -216,6 +216,120 @@ pub fn register_request(step: &StepInfo, flex: &str) -> ControlRequest {
     })
 }
 
+/// What the step-start logic needs from SPANK (the FFI shim implements it over `spank_t`;
+/// tests use a fake).
+pub trait Spank {
+    fn job_id(&self) -> Option<u32>;
+    fn step_id(&self) -> Option<u32>;
+    fn uid(&self) -> Option<u32>;
+    /// This node's Slurm name.
+    fn node(&self) -> String;
+    /// A variable of the job's environment.
+    fn getenv(&self, name: &str) -> Option<String>;
+    /// Sets a variable in the tasks' environment.
+    fn setenv(&mut self, name: &str, value: &str);
+    fn log_error(&self, message: &str);
+    fn log_info(&self, message: &str);
+}
+
+/// What happened at step start, for the state the other callbacks read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepStart {
+    /// Nothing to do: unmanaged, no GPUs, extern step, or an unusable setup (logged).
+    Skipped,
+    /// Registered: (job id, step name) for the step's end.
+    Registered(String, String),
+    /// The agent could not be reached or refused: the line the job's tasks print.
+    WarnJob(String),
+}
+
+/// The remote-context step start: decide the service, register with the agent through
+/// `send`, and export the tier and progress address to the tasks.
+pub fn on_step_start(
+    api: &mut impl Spank,
+    args: &Args,
+    flex: Option<&str>,
+    send: impl FnOnce(&str, &str, &ControlRequest, Duration) -> Result<ControlReply, String>,
+) -> StepStart {
+    let (table, default) = match site_tiers(args) {
+        Ok(t) => t,
+        Err(e) => {
+            api.log_error(&format!("{e}; job runs unmanaged"));
+            return StepStart::Skipped;
+        }
+    };
+    let (service, flex) = match flex.filter(|f| !f.is_empty()) {
+        Some(f) => match parse_power_flex(f, &table) {
+            Ok(r) => (r.service, f.to_string()),
+            Err(e) => {
+                api.log_error(&format!("{e}; job runs unmanaged"));
+                return StepStart::Skipped;
+            }
+        },
+        None => (default, String::new()),
+    };
+    if !service.is_managed() {
+        return StepStart::Skipped;
+    }
+    let (Some(job_id), Some(step_id), Some(uid)) = (api.job_id(), api.step_id(), api.uid()) else {
+        api.log_error("cannot read the job id, step id or uid; job runs unmanaged");
+        return StepStart::Skipped;
+    };
+    let gpus: Vec<String> = api
+        .getenv("SLURM_JOB_GPUS")
+        .or_else(|| api.getenv("CUDA_VISIBLE_DEVICES"))
+        .map(|g| {
+            g.split(',')
+                .map(str::to_string)
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let step = StepInfo {
+        job_id,
+        step_id,
+        uid,
+        node: api.node(),
+        gpus,
+    };
+    if !should_register(&service, &step) {
+        return StepStart::Skipped;
+    }
+    match send(
+        &args.socket,
+        &step.node,
+        &register_request(&step, &flex),
+        args.timeout,
+    ) {
+        Ok(reply) if reply.ok => {
+            if let Some(tier) = &reply.tier {
+                api.setenv("POWERFLEX_TIER", tier);
+            }
+            if let Some(progress) = &reply.progress {
+                api.setenv("POWERFLEX_PROGRESS", progress);
+            }
+            api.log_info(&format!(
+                "job {job_id} step {} registered with the agent",
+                step_name(step_id)
+            ));
+            StepStart::Registered(job_id.to_string(), step_name(step_id))
+        }
+        Ok(reply) => {
+            let why = reply.error.unwrap_or_else(|| "refused".into());
+            api.log_error(&format!(
+                "agent refused job {job_id}: {why}; the job runs unmanaged"
+            ));
+            StepStart::WarnJob(format!("powerflex: the node agent refused this job ({why}); it runs without power management"))
+        }
+        Err(e) => {
+            api.log_error(&format!("{e}; job {job_id} runs unmanaged"));
+            StepStart::WarnJob(
+                "powerflex: warning: the node's power agent is not reachable; this job runs without power management".into(),
+            )
+        }
+    }
+}
+
 /// Whether a step should be registered at all: managed service, GPUs, not the extern step.
 pub fn should_register(service: &Service, step: &StepInfo) -> bool {
     service.is_managed() && !step.gpus.is_empty() && step.step_id != EXTERN_STEP
@@ -353,5 +467,148 @@ mod tests {
         assert_eq!(expand_hostlist("n[3-1]"), None);
         assert_eq!(expand_hostlist("n[1-"), None);
         assert_eq!(expand_hostlist(""), Some(vec![]));
+    }
+
+    use std::collections::BTreeMap;
+
+    /// A fake SPANK handle: a job environment, items, and what the plugin did.
+    #[derive(Default)]
+    struct Fake {
+        env: BTreeMap<String, String>,
+        exported: BTreeMap<String, String>,
+        errors: std::cell::RefCell<Vec<String>>,
+        step: Option<u32>,
+    }
+
+    impl Spank for Fake {
+        fn job_id(&self) -> Option<u32> {
+            Some(42)
+        }
+        fn step_id(&self) -> Option<u32> {
+            self.step.or(Some(0))
+        }
+        fn uid(&self) -> Option<u32> {
+            Some(1000)
+        }
+        fn node(&self) -> String {
+            "n2".into()
+        }
+        fn getenv(&self, name: &str) -> Option<String> {
+            self.env.get(name).cloned()
+        }
+        fn setenv(&mut self, name: &str, value: &str) {
+            self.exported.insert(name.into(), value.into());
+        }
+        fn log_error(&self, message: &str) {
+            self.errors.borrow_mut().push(message.into());
+        }
+        fn log_info(&self, _: &str) {}
+    }
+
+    fn with_gpus() -> Fake {
+        let mut f = Fake::default();
+        f.env.insert("SLURM_JOB_GPUS".into(), "0,1".into());
+        f
+    }
+
+    #[test]
+    fn a_managed_step_registers_and_exports_its_tier() {
+        let mut fake = with_gpus();
+        let mut sent = None;
+        let outcome = on_step_start(
+            &mut fake,
+            &Args::default(),
+            Some("flex2"),
+            |socket, node, request, timeout| {
+                sent = Some((
+                    socket.to_string(),
+                    node.to_string(),
+                    request.to_line(),
+                    timeout,
+                ));
+                Ok(ControlReply {
+                    tier: Some("flex2".into()),
+                    progress: Some("/run/powerflex/n2.progress".into()),
+                    ..ControlReply::ok()
+                })
+            },
+        );
+        assert_eq!(outcome, StepStart::Registered("42".into(), "0".into()));
+        let (socket, node, line, timeout) = sent.expect("sent");
+        assert_eq!(
+            (socket.as_str(), node.as_str(), timeout),
+            (DEFAULT_SOCKET, "n2", Duration::from_millis(200))
+        );
+        assert!(
+            line.contains("\"gpus\":[\"0\",\"1\"]")
+                && line.contains("\"uid\":1000")
+                && line.contains("\"flex\":\"flex2\""),
+            "{line}"
+        );
+        assert_eq!(
+            fake.exported.get("POWERFLEX_TIER").map(String::as_str),
+            Some("flex2")
+        );
+        assert_eq!(
+            fake.exported.get("POWERFLEX_PROGRESS").map(String::as_str),
+            Some("/run/powerflex/n2.progress")
+        );
+    }
+
+    #[test]
+    fn unmanaged_gpuless_and_extern_steps_stay_away_from_the_agent() {
+        let never =
+            |_: &str, _: &str, _: &ControlRequest, _: Duration| -> Result<ControlReply, String> {
+                panic!("must not contact the agent")
+            };
+        assert_eq!(
+            on_step_start(&mut with_gpus(), &Args::default(), None, never),
+            StepStart::Skipped,
+            "site default none"
+        );
+        assert_eq!(
+            on_step_start(&mut with_gpus(), &Args::default(), Some("none"), never),
+            StepStart::Skipped
+        );
+        assert_eq!(
+            on_step_start(&mut Fake::default(), &Args::default(), Some("flex1"), never),
+            StepStart::Skipped,
+            "no GPUs"
+        );
+        let mut ext = with_gpus();
+        ext.step = Some(EXTERN_STEP);
+        assert_eq!(
+            on_step_start(&mut ext, &Args::default(), Some("flex1"), never),
+            StepStart::Skipped
+        );
+    }
+
+    #[test]
+    fn an_unreachable_or_refusing_agent_fails_open_with_one_warning() {
+        let mut fake = with_gpus();
+        let down = on_step_start(&mut fake, &Args::default(), Some("flex3"), |_, _, _, _| {
+            Err("cannot reach".into())
+        });
+        assert!(
+            matches!(down, StepStart::WarnJob(ref w) if w.contains("not reachable")),
+            "{down:?}"
+        );
+        assert_eq!(fake.errors.borrow().len(), 1);
+        assert!(fake.exported.is_empty());
+        let mut fake = with_gpus();
+        let refused = on_step_start(&mut fake, &Args::default(), Some("flex3"), |_, _, _, _| {
+            Ok(ControlReply::error("no GPU 7 on node n2"))
+        });
+        assert!(
+            matches!(refused, StepStart::WarnJob(ref w) if w.contains("no GPU 7")),
+            "{refused:?}"
+        );
+        // A value that slipped past submission (site config changed since) is not fatal.
+        let mut fake = with_gpus();
+        let stale = on_step_start(&mut fake, &Args::default(), Some("gold"), |_, _, _, _| {
+            panic!("no agent")
+        });
+        assert_eq!(stale, StepStart::Skipped);
+        assert!(fake.errors.borrow()[0].contains("unknown tier"));
     }
 }
