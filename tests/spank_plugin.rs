@@ -5,10 +5,10 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir};
+use powerflex::{binary, cargo_build, profile_dir, wait_until};
 use serde_json::Value;
 
 fn plugin() -> PathBuf {
@@ -16,17 +16,6 @@ fn plugin() -> PathBuf {
     let so = profile_dir().join("libpower_flex.so");
     assert!(so.is_file(), "{} missing", so.display());
     so
-}
-
-fn wait_until<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// A cluster whose nodes each run a powerflexd on 4 simulated H200s.

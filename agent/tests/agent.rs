@@ -11,7 +11,7 @@ use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
 
-use powerflex::profile_dir;
+use powerflex::{profile_dir, wait_until};
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
 /// simulated job, the socket client.
@@ -27,17 +27,6 @@ fn build() {
         "--lib",
         "--examples",
     ]);
-}
-
-fn wait_until<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn free_port() -> u16 {

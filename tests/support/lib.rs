@@ -54,6 +54,26 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// Polls `check` every 100 ms until it yields a value; panics naming `what` after
+/// `timeout`. Tests wait for conditions this way, never with a fixed sleep.
+pub fn wait_until<T>(
+    what: &str,
+    timeout: std::time::Duration,
+    mut check: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// The repository root.
 pub fn repo_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
