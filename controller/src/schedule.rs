@@ -109,7 +109,7 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, ScheduleError> {
         _ => return Err(bad()),
     };
     let ms = value * scale;
-    if !ms.is_finite() || ms < 0.0 || ms > 365.0 * 86_400_000.0 {
+    if !ms.is_finite() || !(0.0..=365.0 * 86_400_000.0).contains(&ms) {
         return Err(bad());
     }
     Ok(ms.round() as u64)
