@@ -3,12 +3,14 @@
 //! This library holds what the binaries do, so tests can call it without a process:
 //! [`offline`] implements the commands that work on files alone (`pfi`, `allocate`,
 //! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
-//! at each instant, [`table`] renders human tables. The binaries parse
+//! at each instant, [`site`] splits that budget across the jobs of every node (one cap
+//! per job everywhere), [`table`] renders human tables. The binaries parse
 //! arguments, read files, print and choose exit codes; the decisions come from
 //! `powerflex-core`.
 
 pub mod offline;
 pub mod schedule;
+pub mod site;
 pub mod table;
 
 /// Errors of the CLI and controller. Messages are lowercase, without a trailing period.

@@ -1,0 +1,314 @@
+//! One facility budget across every node: the controller's allocation step, pure.
+//!
+//! Agents report their jobs per node; a job that spans nodes is one job here — its GPUs
+//! and power add up across nodes, its throughput is the job's (the same on every node) —
+//! and gets one cap, the same on all its GPUs everywhere (synchronous training runs at the
+//! pace of its slowest rank). Power the controller does not steer comes off the budget
+//! first: idle GPUs and unmanaged jobs at what they draw, and a node that stopped
+//! reporting at its fail-safe cap on every GPU (what it falls to when its lease runs out).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use powerflex_core::allocate::{allocate, Allocation, CapLimits, JobSpec, Policy};
+use powerflex_core::curve::{CapCurve, OperatingPoint};
+use powerflex_core::flex::{parse_power_flex, TierTable};
+use powerflex_core::Watts;
+use powerflex_proto::link::{GpuInfo, JobReport};
+
+/// What the controller knows of one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeView {
+    pub node: String,
+    pub gpus: Vec<GpuInfo>,
+    pub jobs: Vec<JobReport>,
+    /// The node's summed GPU draw in its last report, W.
+    pub power_w: f64,
+    /// Whether the node reported within its lease (a silent node is at its fail-safe cap).
+    pub live: bool,
+}
+
+/// Site settings the allocation needs.
+#[derive(Debug, Clone)]
+pub struct SiteSettings {
+    pub tiers: TierTable,
+    pub policy: Policy,
+    pub cap_step: Watts,
+    pub failsafe_cap: Watts,
+    /// PFI assumed for a job with neither a measured curve nor a prior.
+    pub default_pfi: f64,
+}
+
+/// The outcome of one allocation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Decision {
+    /// Per node: job → per-GPU cap, W (what the node's lease says).
+    pub leases: BTreeMap<String, BTreeMap<String, f64>>,
+    pub budget_w: f64,
+    /// Power not steered by the allocation (idle GPUs, unmanaged jobs, silent nodes), W.
+    pub reserved_w: f64,
+    /// The core allocation over the managed jobs.
+    pub allocation: Option<Allocation>,
+}
+
+/// A job gathered across nodes.
+#[derive(Debug, Default)]
+struct SiteJob {
+    tier: String,
+    gpus: u32,
+    nodes: Vec<String>,
+    power_w: f64,
+    pfi: Option<f64>,
+    /// cap → (summed power, throughput, nodes that measured it).
+    points: BTreeMap<u64, (f64, f64, usize)>,
+    min_cap: f64,
+    max_cap: f64,
+}
+
+/// Splits `budget` across the managed jobs of every live node.
+pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Decision {
+    let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
+    let mut reserved = 0.0;
+    for node in nodes {
+        if !node.live {
+            reserved += settings.failsafe_cap.0 * node.gpus.len() as f64;
+            continue;
+        }
+        let (min_cap, max_cap) = node.gpus.iter().fold((0.0f64, f64::MAX), |(lo, hi), g| {
+            (lo.max(g.min_w), hi.min(g.max_w))
+        });
+        let mut node_managed = 0.0;
+        for report in &node.jobs {
+            let managed = parse_power_flex(&report.tier, &settings.tiers)
+                .map(|r| r.service.is_managed())
+                .unwrap_or(false);
+            if !managed {
+                continue;
+            }
+            let job = jobs
+                .entry(report.job_id.clone())
+                .or_insert_with(|| SiteJob {
+                    tier: report.tier.clone(),
+                    min_cap: 0.0,
+                    max_cap: f64::MAX,
+                    ..SiteJob::default()
+                });
+            job.gpus += report.gpus;
+            job.nodes.push(node.node.clone());
+            let power = report.power_w.unwrap_or(max_cap * f64::from(report.gpus));
+            job.power_w += power;
+            node_managed += power;
+            job.pfi = job.pfi.or(report.pfi);
+            job.min_cap = job.min_cap.max(min_cap);
+            job.max_cap = job.max_cap.min(max_cap);
+            for p in &report.points {
+                let entry = job
+                    .points
+                    .entry(p[0].round() as u64)
+                    .or_insert((0.0, 0.0, 0));
+                entry.0 += p[1];
+                entry.1 = entry.1.max(p[2]);
+                entry.2 += 1;
+            }
+        }
+        reserved += (node.power_w - node_managed).max(0.0);
+    }
+    let mut specs = Vec::new();
+    for (id, job) in &jobs {
+        let Ok(request) = parse_power_flex(&job.tier, &settings.tiers) else {
+            continue;
+        };
+        if job.gpus == 0 || job.max_cap == f64::MAX || job.max_cap <= 0.0 {
+            continue;
+        }
+        let nodes = job.nodes.len();
+        // A curve only from caps every node of the job measured: part of a job's power
+        // is no estimate of all of it.
+        let points: Vec<OperatingPoint> = job
+            .points
+            .iter()
+            .filter(|(_, (_, _, n))| *n == nodes)
+            .map(|(&cap, &(power, throughput, _))| OperatingPoint {
+                cap_w: Watts(cap as f64),
+                power_w: Watts(power),
+                throughput,
+            })
+            .collect();
+        let curve = if points.len() >= 2 {
+            CapCurve::from_points(&points).ok()
+        } else {
+            None
+        }
+        .or_else(|| {
+            CapCurve::from_pfi_prior(
+                Watts(job.max_cap * f64::from(job.gpus)),
+                1.0,
+                job.pfi.unwrap_or(settings.default_pfi).max(0.5),
+                Watts(job.min_cap),
+                Watts(job.max_cap),
+                Watts(50.0),
+            )
+            .ok()
+        });
+        let Some(curve) = curve else { continue };
+        specs.push(JobSpec {
+            id: id.clone(),
+            gpus: job.gpus,
+            throughput_weight: 1.0 / curve.uncapped().throughput.max(1e-9),
+            curve,
+            max_slowdown: request.service.max_slowdown(),
+            limits: CapLimits {
+                min_w: Watts(job.min_cap),
+                max_w: Watts(job.max_cap),
+                step_w: settings.cap_step,
+            },
+        });
+    }
+    let managed_budget = Watts((budget.0 - reserved).max(0.0));
+    let allocation = allocate(&specs, managed_budget, settings.policy).ok();
+    let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for node in nodes.iter().filter(|n| n.live) {
+        leases.entry(node.node.clone()).or_default();
+    }
+    if let Some(a) = &allocation {
+        for decided in &a.jobs {
+            for node in jobs
+                .get(&decided.id)
+                .map(|j| j.nodes.clone())
+                .unwrap_or_default()
+            {
+                leases
+                    .entry(node)
+                    .or_default()
+                    .insert(decided.id.clone(), decided.cap_w.0);
+            }
+        }
+    }
+    Decision {
+        leases,
+        budget_w: budget.0,
+        reserved_w: reserved,
+        allocation,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(i: u32) -> GpuInfo {
+        GpuInfo {
+            uuid: format!("GPU-{i}"),
+            name: "NVIDIA H200".into(),
+            min_w: 200.0,
+            max_w: 700.0,
+            default_w: 700.0,
+        }
+    }
+
+    fn report(job: &str, tier: &str, gpus: u32, power: f64, points: Vec<[f64; 3]>) -> JobReport {
+        JobReport {
+            job_id: job.into(),
+            tier: tier.into(),
+            gpus,
+            cap_w: Some(700.0),
+            power_w: Some(power),
+            throughput: Some(1000.0),
+            pfi: None,
+            pfi_source: None,
+            points,
+        }
+    }
+
+    fn settings() -> SiteSettings {
+        SiteSettings {
+            tiers: TierTable::default_table(),
+            policy: Policy::Optimal,
+            cap_step: Watts(10.0),
+            failsafe_cap: Watts(500.0),
+            default_pfi: 1.3,
+        }
+    }
+
+    /// A job's measured points on one node with `g` GPUs: power follows the cap, PFI 2.
+    fn points(g: f64) -> Vec<[f64; 3]> {
+        [700.0, 500.0, 300.0]
+            .iter()
+            .map(|&c| [c, c * g, 1000.0 * (1.0 - (1.0 - c / 700.0) / 2.0)])
+            .collect()
+    }
+
+    #[test]
+    fn a_job_across_nodes_gets_one_cap_everywhere_within_the_budget() {
+        let nodes = vec![
+            NodeView {
+                node: "n1".into(),
+                gpus: (0..4).map(gpu).collect(),
+                jobs: vec![report("7", "flex3", 4, 2800.0, points(4.0))],
+                power_w: 2800.0,
+                live: true,
+            },
+            NodeView {
+                node: "n2".into(),
+                gpus: (0..4).map(gpu).collect(),
+                jobs: vec![report("7", "flex3", 4, 2800.0, points(4.0))],
+                power_w: 2800.0,
+                live: true,
+            },
+        ];
+        let d = decide(&nodes, Watts(4000.0), &settings());
+        let c1 = d.leases["n1"]["7"];
+        let c2 = d.leases["n2"]["7"];
+        assert_eq!(c1, c2, "one cap on all the job's GPUs");
+        assert!(c1 * 8.0 <= 4000.0 + 1e-6, "8 GPUs at {c1} W within 4 kW");
+        assert_eq!(d.reserved_w, 0.0);
+    }
+
+    #[test]
+    fn unmanaged_idle_and_silent_power_comes_off_the_budget_first() {
+        let nodes = vec![
+            NodeView {
+                node: "n1".into(),
+                gpus: (0..4).map(gpu).collect(),
+                jobs: vec![
+                    report("7", "flex2", 2, 1400.0, points(2.0)),
+                    report("8", "none", 2, 1300.0, vec![]),
+                ],
+                power_w: 2700.0,
+                live: true,
+            },
+            NodeView {
+                node: "n2".into(),
+                gpus: (0..4).map(gpu).collect(),
+                jobs: vec![report("9", "flex3", 4, 2800.0, points(4.0))],
+                power_w: 2800.0,
+                live: false,
+            },
+        ];
+        let d = decide(&nodes, Watts(5000.0), &settings());
+        // Unmanaged job 8 (1300 W) plus silent n2 at its fail-safe (4 x 500 W).
+        assert_eq!(d.reserved_w, 1300.0 + 2000.0);
+        assert!(!d.leases.contains_key("n2"), "no lease for a silent node");
+        assert!(
+            !d.leases["n1"].contains_key("8"),
+            "unmanaged jobs get no cap"
+        );
+        let cap = d.leases["n1"]["7"];
+        assert!(cap * 2.0 <= 5000.0 - 3300.0 + 1e-6, "{cap}");
+    }
+
+    #[test]
+    fn jobs_without_curves_are_allocated_on_a_prior() {
+        let nodes = vec![NodeView {
+            node: "n1".into(),
+            gpus: (0..8).map(gpu).collect(),
+            jobs: vec![report("5", "flex3", 8, 5600.0, vec![])],
+            power_w: 5600.0,
+            live: true,
+        }];
+        let d = decide(&nodes, Watts(4000.0), &settings());
+        let cap = d.leases["n1"]["5"];
+        assert!(cap < 700.0 && cap * 8.0 <= 4000.0 + 1e-6, "{cap}");
+    }
+}
