@@ -8,6 +8,7 @@
 //! arguments, read files, print and choose exit codes; the decisions come from
 //! `powerflex-core`.
 
+pub mod ctld;
 pub mod offline;
 pub mod schedule;
 pub mod site;

@@ -147,6 +147,12 @@ pub struct RawController {
     /// Absolute path of the root-only site key that authenticates agent and admin
     /// traffic (default `/etc/slurm/powerflex.key`).
     pub key_file: Option<String>,
+    /// Absolute path of the controller's admin socket, where `powerflexctl` talks to it
+    /// (default `/run/powerflex/ctld.sock`).
+    pub admin_socket: Option<String>,
+    /// Absolute directory for the controller's persisted state: budget, events
+    /// (default `/var/lib/powerflex/ctld`).
+    pub state_dir: Option<String>,
 }
 
 /// `[agent]`: the node agent `powerflexd`.
@@ -250,6 +256,10 @@ pub struct ControllerConfig {
     pub allocation_period_s: u64,
     /// Absolute.
     pub key_file: PathBuf,
+    /// Absolute.
+    pub admin_socket: PathBuf,
+    /// Absolute.
+    pub state_dir: PathBuf,
 }
 
 impl ControllerConfig {
@@ -720,11 +730,27 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
         raw.key_file.as_deref().unwrap_or(DEFAULT_KEY_FILE),
         true,
     )?;
+    let admin_socket = path(
+        "controller.admin_socket",
+        raw.admin_socket
+            .as_deref()
+            .unwrap_or("/run/powerflex/ctld.sock"),
+        true,
+    )?;
+    let state_dir = path(
+        "controller.state_dir",
+        raw.state_dir
+            .as_deref()
+            .unwrap_or("/var/lib/powerflex/ctld"),
+        true,
+    )?;
     Ok(ControllerConfig {
         listen,
         lease_ttl_s,
         allocation_period_s,
         key_file,
+        admin_socket,
+        state_dir,
     })
 }
 
@@ -998,6 +1024,8 @@ listen = "10.0.0.5:7300"
                     lease_ttl_s: 60,
                     allocation_period_s: 10,
                     key_file: PathBuf::from("/etc/slurm/powerflex.key"),
+                    admin_socket: PathBuf::from("/run/powerflex/ctld.sock"),
+                    state_dir: PathBuf::from("/var/lib/powerflex/ctld"),
                 },
                 agent: AgentConfig {
                     socket: "/run/powerflex/%n.sock".into(),

@@ -1,13 +1,16 @@
 //! `powerflexctl`: powerflex's admin CLI.
 //!
 //! Exit codes: 0 success; 1 the input was read but rejected (malformed file, invalid
-//! value), or an I/O error; 2 the command line itself is wrong (clap's usage errors).
+//! value, refused by the controller), or an I/O error; 2 the command line itself is wrong
+//! (clap's usage errors).
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use powerflex_controller::ctld::{self, AdminOp};
 use powerflex_controller::offline;
+use powerflex_controller::schedule::{parse_duration_ms, parse_reduce, parse_start_ms, Cut};
 use powerflex_controller::{read_text, CtlError};
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::SiteConfig;
@@ -22,7 +25,7 @@ const MAX_INPUT_BYTES: u64 = 256 * 1024 * 1024;
 #[command(
     name = "powerflexctl",
     version,
-    about = "powerflex admin CLI: per-job PFI, budget allocation and offline policy evaluation",
+    about = "powerflex admin CLI: the controller's status, budget and grid events; per-job PFI, budget allocation and offline policy evaluation",
     long_about = None
 )]
 struct Cli {
@@ -121,6 +124,24 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
+    /// The controller's state: budget, draw, headroom, active event, nodes, jobs.
+    Status {
+        #[command(flatten)]
+        ctld: CtldArgs,
+        /// Output: a table for people, JSON for scripts.
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Change the facility budget (root): `budget set 850kW`.
+    Budget {
+        #[command(subcommand)]
+        action: BudgetAction,
+    },
+    /// Grid events (adding and cancelling needs root).
+    Event {
+        #[command(subcommand)]
+        action: EventAction,
+    },
     /// Write SIMULATED curves for the jobs of the paper's PFI table (for trying the other
     /// commands without measurements). Output is a curves CSV on stdout.
     SynthCurves {
@@ -135,6 +156,151 @@ enum Command {
         #[arg(long, default_value_t = 1, value_name = "N")]
         seed: u64,
     },
+}
+
+/// How to reach powerflex-ctld.
+#[derive(Debug, Clone, clap::Args)]
+struct CtldArgs {
+    /// Site config, for the controller's admin socket.
+    #[arg(long, default_value = "/etc/slurm/powerflex.toml", value_name = "FILE")]
+    site: String,
+    /// The admin socket itself (overrides --site).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum BudgetAction {
+    /// Set the budget: watts, or with a unit (850kW, 1.2MW).
+    Set {
+        budget: String,
+        #[command(flatten)]
+        ctld: CtldArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum EventAction {
+    /// Schedule a grid event: --reduce 30% or --target 600kW, from --start for --duration.
+    Add {
+        /// Cut this share of the budget, e.g. 30%.
+        #[arg(long, conflicts_with = "target", required_unless_present = "target")]
+        reduce: Option<String>,
+        /// Bring the budget to this power, e.g. 600kW.
+        #[arg(long)]
+        target: Option<String>,
+        /// now, +DURATION (+10m) or an RFC 3339 time.
+        #[arg(long, default_value = "now")]
+        start: String,
+        /// How long the event lasts: 90s, 5m, 3h, 1d.
+        #[arg(long)]
+        duration: String,
+        /// Time over which caps step down after the start and back up before the end.
+        #[arg(long, default_value = "0s")]
+        ramp: String,
+        #[command(flatten)]
+        ctld: CtldArgs,
+    },
+    /// List scheduled and running events.
+    List {
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Cancel an event by id.
+    Cancel {
+        id: u64,
+        #[command(flatten)]
+        ctld: CtldArgs,
+    },
+}
+
+fn admin_socket(args: &CtldArgs) -> Result<std::path::PathBuf, CtlError> {
+    if let Some(s) = &args.socket {
+        return Ok(std::path::PathBuf::from(s));
+    }
+    let text = read_text(&args.site, MAX_INPUT_BYTES)?;
+    let site = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
+        path: args.site.clone(),
+        source: e.into(),
+    })?;
+    Ok(site.controller.admin_socket)
+}
+
+fn admin(args: &CtldArgs, op: AdminOp) -> Result<Option<serde_json::Value>, CtlError> {
+    let reply = ctld::request(&admin_socket(args)?, &op).map_err(CtlError::Usage)?;
+    if reply.ok {
+        Ok(reply.status)
+    } else {
+        Err(CtlError::Usage(
+            reply.error.unwrap_or_else(|| "refused".into()),
+        ))
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn render_status(s: &serde_json::Value) -> String {
+    let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
+    let mut out = format!(
+        "budget {} (base {}), draw {}, headroom {}\n",
+        w(&s["budget_w"]),
+        w(&s["base_budget_w"]),
+        w(&s["draw_w"]),
+        w(&s["headroom_w"])
+    );
+    if let Some(e) = s["active_event"].as_object() {
+        out.push_str(&format!("active event {}: {}\n", e["id"], e["cut"]));
+    }
+    let mut nodes =
+        powerflex_controller::table::Table::new(["node", "gpus", "live", "power", "jobs"]);
+    for n in s["nodes"].as_array().into_iter().flatten() {
+        nodes.row([
+            n["node"].as_str().unwrap_or("").to_string(),
+            n["gpus"].to_string(),
+            n["live"].to_string(),
+            w(&n["power_w"]),
+            n["jobs"].to_string(),
+        ]);
+    }
+    out.push_str(&nodes.render());
+    let mut jobs = powerflex_controller::table::Table::new([
+        "job",
+        "tier",
+        "gpus",
+        "PFI",
+        "cap",
+        "tok/s now",
+        "uncapped",
+        "bound",
+    ]);
+    for j in s["jobs"].as_array().into_iter().flatten() {
+        jobs.row([
+            j["job"].as_str().unwrap_or("").to_string(),
+            j["tier"].as_str().unwrap_or("").to_string(),
+            j["gpus"].to_string(),
+            j["pfi"].as_f64().map_or("-".into(), |p| format!("{p:.2}")),
+            j["cap_w"]
+                .as_f64()
+                .map_or("-".into(), |c| format!("{c:.0} W")),
+            j["throughput"]
+                .as_f64()
+                .map_or("-".into(), |t| format!("{t:.0}")),
+            j["uncapped_throughput"]
+                .as_f64()
+                .map_or("-".into(), |t| format!("{t:.0}")),
+            j["floor"]["state"].as_str().unwrap_or("-").to_string(),
+        ]);
+    }
+    out.push('\n');
+    out.push_str(&jobs.render());
+    out
 }
 
 fn main() -> ExitCode {
@@ -257,6 +423,89 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 Format::Json => json(&report),
             }
         }
+        Command::Status { ctld: args, format } => {
+            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            match format {
+                Format::Table => Ok(render_status(&status)),
+                Format::Json => json(&status),
+            }
+        }
+        Command::Budget {
+            action: BudgetAction::Set { budget, ctld: args },
+        } => {
+            let w = Watts::parse(&budget).map_err(|e| CtlError::Usage(format!("budget: {e}")))?;
+            admin(&args, AdminOp::BudgetSet { budget_w: w.0 })?;
+            Ok(format!("budget set to {w}\n"))
+        }
+        Command::Event { action } => match action {
+            EventAction::Add {
+                reduce,
+                target,
+                start,
+                duration,
+                ramp,
+                ctld: args,
+            } => {
+                let cut = match (reduce, target) {
+                    (Some(r), _) => Cut::Reduce {
+                        fraction: parse_reduce(&r).map_err(|e| CtlError::Usage(e.to_string()))?,
+                    },
+                    (None, Some(t)) => Cut::Target {
+                        budget_w: Watts::parse(&t)
+                            .map_err(|e| CtlError::Usage(format!("--target: {e}")))?,
+                    },
+                    (None, None) => {
+                        return Err(CtlError::Usage("give --reduce or --target".into()))
+                    }
+                };
+                let start_ms =
+                    parse_start_ms(&start, now_ms()).map_err(|e| CtlError::Usage(e.to_string()))?;
+                let duration_ms = parse_duration_ms(&duration)
+                    .map_err(|e| CtlError::Usage(format!("--duration: {e}")))?;
+                let ramp_ms = parse_duration_ms(&ramp)
+                    .map_err(|e| CtlError::Usage(format!("--ramp: {e}")))?;
+                let reply = admin(
+                    &args,
+                    AdminOp::EventAdd {
+                        cut,
+                        start_ms,
+                        duration_ms,
+                        ramp_ms,
+                    },
+                )?
+                .unwrap_or_default();
+                Ok(format!("event {} scheduled\n", reply["id"]))
+            }
+            EventAction::List { ctld: args, format } => {
+                let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+                match format {
+                    Format::Json => json(&status["events"]),
+                    Format::Table => {
+                        let mut t = powerflex_controller::table::Table::new([
+                            "id",
+                            "cut",
+                            "start (unix ms)",
+                            "duration",
+                            "ramp",
+                        ]);
+                        for e in status["events"].as_array().into_iter().flatten() {
+                            t.row([
+                                e["id"].to_string(),
+                                e["cut"].to_string(),
+                                e["start_ms"].to_string(),
+                                format!("{} s", e["duration_ms"].as_u64().unwrap_or(0) / 1000),
+                                format!("{} s", e["ramp_ms"].as_u64().unwrap_or(0) / 1000),
+                            ]);
+                        }
+                        Ok(t.render())
+                    }
+                }
+            }
+            EventAction::Cancel { id, ctld: args } => {
+                admin(&args, AdminOp::EventCancel { id })?;
+                Ok(format!("event {id} cancelled\n"))
+            }
+        },
         Command::SynthCurves { paper, noise, seed } => {
             if !(noise.is_finite() && (0.0..0.5).contains(&noise)) {
                 return Err(CtlError::Usage(format!(

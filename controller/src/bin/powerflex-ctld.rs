@@ -1,0 +1,121 @@
+//! `powerflex-ctld`: the site controller. One per site, as root.
+//!
+//! Exit codes: 0 stopped by SIGTERM/SIGINT; 1 could not start (config, key, sockets);
+//! 2 usage error.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use powerflex_controller::ctld::{run, CtldOptions};
+use powerflex_controller::site::SiteSettings;
+use powerflex_core::config::SiteConfig;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "powerflex-ctld",
+    version,
+    about = "powerflex site controller: one GPU power budget across every node, grid events on schedule"
+)]
+struct Cli {
+    /// Site config (powerflex.toml).
+    #[arg(long, default_value = "/etc/slurm/powerflex.toml", value_name = "FILE")]
+    config: PathBuf,
+}
+
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("POWERFLEX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    match start(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("powerflex-ctld: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn start(cli: Cli) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let text = std::fs::read_to_string(&cli.config)
+        .map_err(|e| format!("cannot read {}: {e}", cli.config.display()))?;
+    let site =
+        SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", cli.config.display()))?;
+    let key_path = &site.controller.key_file;
+    let meta = std::fs::metadata(key_path)
+        .map_err(|e| format!("cannot read the site key {}: {e}", key_path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "the site key {} is readable by others; chmod 600 it",
+            key_path.display()
+        ));
+    }
+    let key = std::fs::read(key_path)
+        .map_err(|e| format!("cannot read the site key {}: {e}", key_path.display()))?;
+    let key = key.trim_ascii().to_vec();
+    if key.len() < 16 {
+        return Err(format!(
+            "the site key {} is shorter than 16 bytes",
+            key_path.display()
+        ));
+    }
+    let model = site
+        .gpu_models
+        .first()
+        .ok_or("the site config has no GPU model")?;
+    let options = CtldOptions {
+        listen: site.controller.listen,
+        admin_socket: site.controller.admin_socket.clone(),
+        state_dir: site.controller.state_dir.clone(),
+        key,
+        base_budget: site.facility.gpu_budget_w,
+        period: Duration::from_secs(site.controller.allocation_period_s),
+        lease_ttl_s: site.controller.lease_ttl_s as f64,
+        site: SiteSettings {
+            tiers: site.tiers.table.clone(),
+            policy: site.facility.policy,
+            cap_step: model.cap_step_w,
+            failsafe_cap: model.failsafe_cap_w,
+            default_pfi: site.predictor.pfi_intercept,
+        },
+    };
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::signal(signal, on_signal as *const () as libc::sighandler_t);
+        }
+    }
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let shutdown = shutdown.clone();
+        std::thread::spawn(move || {
+            while !shutdown.load(Ordering::SeqCst) {
+                if SIGNALLED.load(Ordering::SeqCst) {
+                    shutdown.store(true, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let result = run(options, shutdown.clone());
+    shutdown.store(true, Ordering::SeqCst);
+    let _ = watcher.join();
+    result
+}

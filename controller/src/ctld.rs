@@ -1,0 +1,629 @@
+//! `powerflex-ctld`: the site controller's I/O edge.
+//!
+//! - **Agent link** (TCP, `controller.listen`): each connection says hello, then reports;
+//!   every message must carry a valid HMAC under the site key with a rising sequence
+//!   number per node (`powerflex_proto::link`). Leases go back every allocation period.
+//! - **Admin socket** (Unix, `controller.admin_socket`): `powerflexctl` reads status
+//!   (anyone) and changes the budget and grid events (root only, `SO_PEERCRED`).
+//! - **Loop**: every `allocation_period_s`, the budget in force ([`crate::schedule`]) is
+//!   split across every live node's jobs ([`crate::site`]) and each node gets its lease.
+//! - **State** (budget override, events, next event id) is saved atomically on change;
+//!   after a restart the controller resumes its events, and agents keep the caps of their
+//!   unexpired leases meanwhile — nobody goes over budget in between.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{bounded, select, tick, unbounded, Receiver, Sender};
+use serde::{Deserialize, Serialize};
+use tracing::{error, info, warn};
+
+use powerflex_core::Watts;
+use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport, MAX_LINK_LINE_BYTES};
+
+use crate::schedule::{active_event, effective_budget, Cut, Event};
+use crate::site::{decide, Decision, NodeView, SiteSettings};
+
+/// Where the controller listens and keeps its state.
+#[derive(Debug, Clone)]
+pub struct CtldOptions {
+    pub listen: std::net::SocketAddr,
+    pub admin_socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub key: Vec<u8>,
+    pub base_budget: Watts,
+    pub period: Duration,
+    pub lease_ttl_s: f64,
+    pub site: SiteSettings,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// What survives a restart.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CtldState {
+    /// Budget set with `powerflexctl budget set`, overriding the site config's.
+    pub budget_w: Option<Watts>,
+    pub events: Vec<Event>,
+    pub next_event_id: u64,
+}
+
+const STATE_FILE: &str = "ctld-state.json";
+
+fn load_state(dir: &Path) -> CtldState {
+    let path = dir.join(STATE_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+            let moved = path.with_extension("json.corrupt");
+            let _ = std::fs::rename(&path, &moved);
+            error!(path = %path.display(), error = %e, moved = %moved.display(), "controller state corrupt; starting from the site config");
+            CtldState::default()
+        }),
+        Err(_) => CtldState::default(),
+    }
+}
+
+fn save_state(dir: &Path, state: &CtldState) {
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(state).unwrap_or_default())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, dir.join(STATE_FILE))
+    };
+    if let Err(e) = write() {
+        error!(error = %e, "cannot persist controller state");
+    }
+}
+
+/// An admin request (one JSON line on the admin socket).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum AdminOp {
+    Status,
+    BudgetSet {
+        budget_w: f64,
+    },
+    EventAdd {
+        cut: Cut,
+        start_ms: u64,
+        duration_ms: u64,
+        ramp_ms: u64,
+    },
+    EventCancel {
+        id: u64,
+    },
+}
+
+/// The controller's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdminReply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<serde_json::Value>,
+}
+
+impl AdminReply {
+    fn ok(status: Option<serde_json::Value>) -> AdminReply {
+        AdminReply {
+            ok: true,
+            error: None,
+            status,
+        }
+    }
+    fn error(message: impl Into<String>) -> AdminReply {
+        AdminReply {
+            ok: false,
+            error: Some(message.into()),
+            status: None,
+        }
+    }
+}
+
+enum Inbound {
+    Hello {
+        node: String,
+        gpus: Vec<GpuInfo>,
+        writer: Sender<String>,
+    },
+    Report {
+        node: String,
+        jobs: Vec<JobReport>,
+        power_w: f64,
+    },
+    Admin {
+        op: AdminOp,
+        uid: u32,
+        reply: Sender<AdminReply>,
+    },
+}
+
+struct Session {
+    view: NodeView,
+    last_seen_ms: u64,
+    writer: Option<Sender<String>>,
+}
+
+/// Runs the controller until `shutdown`.
+pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String> {
+    let mut state = load_state(&options.state_dir);
+    info!(
+        budget_w = state.budget_w.map_or(options.base_budget.0, |w| w.0),
+        events = state.events.len(),
+        "controller started"
+    );
+    let (tx, rx) = bounded::<Inbound>(4096);
+    let link = TcpListener::bind(options.listen)
+        .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
+    link.set_nonblocking(true).map_err(|e| e.to_string())?;
+    if let Some(parent) = options.admin_socket.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    let _ = std::fs::remove_file(&options.admin_socket);
+    let admin = UnixListener::bind(&options.admin_socket)
+        .map_err(|e| format!("cannot bind {}: {e}", options.admin_socket.display()))?;
+    let _ = std::fs::set_permissions(
+        &options.admin_socket,
+        std::fs::Permissions::from_mode(0o666),
+    );
+    admin.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let last_seq: Arc<Mutex<BTreeMap<String, u64>>> = Arc::new(Mutex::new(BTreeMap::new()));
+
+    let acceptors = {
+        let (link_tx, link_shutdown, key, last_seq) = (
+            tx.clone(),
+            shutdown.clone(),
+            options.key.clone(),
+            last_seq.clone(),
+        );
+        let link_thread = std::thread::spawn(move || {
+            while !link_shutdown.load(Ordering::SeqCst) {
+                match link.accept() {
+                    Ok((stream, peer)) => {
+                        let (tx, key, last_seq, shutdown) = (
+                            link_tx.clone(),
+                            key.clone(),
+                            last_seq.clone(),
+                            link_shutdown.clone(),
+                        );
+                        std::thread::spawn(move || {
+                            serve_agent(stream, peer, &tx, &key, &last_seq, &shutdown)
+                        });
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "agent link accept failed");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            }
+        });
+        let (tx, shutdown) = (tx.clone(), shutdown.clone());
+        let admin_thread = std::thread::spawn(move || {
+            while !shutdown.load(Ordering::SeqCst) {
+                match admin.accept() {
+                    Ok((stream, _)) => {
+                        let tx = tx.clone();
+                        std::thread::spawn(move || serve_admin(stream, &tx));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                }
+            }
+        });
+        [link_thread, admin_thread]
+    };
+    drop(tx);
+
+    let mut sessions: BTreeMap<String, Session> = BTreeMap::new();
+    let mut seq = unix_ms();
+    let mut last: Option<Decision> = None;
+    let ticker = tick(options.period);
+    let check = tick(Duration::from_millis(100));
+    let mut allocate_now = true;
+    while !shutdown.load(Ordering::SeqCst) {
+        select! {
+            recv(rx) -> msg => {
+                let Ok(msg) = msg else { break };
+                match msg {
+                    Inbound::Hello { node, gpus, writer } => {
+                        info!(node = %node, gpus = gpus.len(), "agent connected");
+                        let s = sessions.entry(node.clone()).or_insert_with(|| Session {
+                            view: NodeView { node: node.clone(), gpus: Vec::new(), jobs: Vec::new(), power_w: 0.0, live: true },
+                            last_seen_ms: 0,
+                            writer: None,
+                        });
+                        s.view.gpus = gpus;
+                        s.writer = Some(writer);
+                        s.last_seen_ms = unix_ms();
+                        allocate_now = true;
+                    }
+                    Inbound::Report { node, jobs, power_w } => {
+                        if let Some(s) = sessions.get_mut(&node) {
+                            let changed = s.view.jobs.iter().map(|j| &j.job_id).ne(jobs.iter().map(|j| &j.job_id));
+                            s.view.jobs = jobs;
+                            s.view.power_w = power_w;
+                            s.last_seen_ms = unix_ms();
+                            allocate_now |= changed;
+                        }
+                    }
+                    Inbound::Admin { op, uid, reply } => {
+                        let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref());
+                        if answer.ok {
+                            allocate_now = true;
+                        }
+                        let _ = reply.send(answer);
+                    }
+                }
+            }
+            recv(ticker) -> _ => allocate_now = true,
+            recv(check) -> _ => {}
+        }
+        if !allocate_now {
+            continue;
+        }
+        allocate_now = false;
+        let now = unix_ms();
+        let ttl_ms = (options.lease_ttl_s * 1000.0) as u64;
+        for s in sessions.values_mut() {
+            s.view.live = now.saturating_sub(s.last_seen_ms) < ttl_ms;
+        }
+        let before = state.events.len();
+        state.events.retain(|e| e.pending(now));
+        if state.events.len() != before {
+            save_state(&options.state_dir, &state);
+        }
+        let base = state.budget_w.unwrap_or(options.base_budget);
+        let budget = effective_budget(base, &state.events, now);
+        let views: Vec<NodeView> = sessions.values().map(|s| s.view.clone()).collect();
+        let decision = decide(&views, budget, &options.site);
+        if let Some(a) = &decision.allocation {
+            if a.over_budget_w.0 > 0.0 || a.broken_floors().next().is_some() {
+                error!(
+                    budget_w = budget.0,
+                    short_w = a.over_budget_w.0,
+                    broken = a.broken_floors().count(),
+                    "the budget cannot hold every tier bound"
+                );
+            }
+        }
+        for (node, caps) in &decision.leases {
+            let Some(writer) = sessions.get(node).and_then(|s| s.writer.clone()) else {
+                continue;
+            };
+            seq = seq.max(unix_ms()) + 1;
+            let body = Body::Lease {
+                caps: caps.clone(),
+                ttl_s: options.lease_ttl_s,
+            };
+            if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
+                let _ = writer.try_send(e.to_line());
+            }
+        }
+        last = Some(decision);
+    }
+    for t in acceptors {
+        let _ = t.join();
+    }
+    let _ = std::fs::remove_file(&options.admin_socket);
+    Ok(())
+}
+
+fn handle_admin(
+    op: AdminOp,
+    uid: u32,
+    state: &mut CtldState,
+    options: &CtldOptions,
+    sessions: &BTreeMap<String, Session>,
+    last: Option<&Decision>,
+) -> AdminReply {
+    let now = unix_ms();
+    if op != AdminOp::Status && uid != 0 {
+        return AdminReply::error("only root may change the budget or grid events");
+    }
+    match op {
+        AdminOp::Status => AdminReply::ok(Some(status(state, options, sessions, last, now))),
+        AdminOp::BudgetSet { budget_w } => {
+            if !(budget_w.is_finite() && budget_w > 0.0) {
+                return AdminReply::error(format!(
+                    "budget must be a positive power (got {budget_w} W)"
+                ));
+            }
+            info!(budget_w, "budget set");
+            state.budget_w = Some(Watts(budget_w));
+            save_state(&options.state_dir, state);
+            AdminReply::ok(None)
+        }
+        AdminOp::EventAdd {
+            cut,
+            start_ms,
+            duration_ms,
+            ramp_ms,
+        } => {
+            if duration_ms == 0 || ramp_ms.saturating_mul(2) > duration_ms {
+                return AdminReply::error("an event needs a duration longer than twice its ramp");
+            }
+            state.next_event_id += 1;
+            let event = Event {
+                id: state.next_event_id,
+                cut,
+                start_ms,
+                duration_ms,
+                ramp_ms,
+            };
+            info!(
+                id = event.id,
+                ?cut,
+                start_ms,
+                duration_ms,
+                ramp_ms,
+                "grid event added"
+            );
+            state.events.push(event);
+            save_state(&options.state_dir, state);
+            AdminReply::ok(Some(serde_json::json!({ "id": state.next_event_id })))
+        }
+        AdminOp::EventCancel { id } => {
+            let before = state.events.len();
+            state.events.retain(|e| e.id != id);
+            if state.events.len() == before {
+                return AdminReply::error(format!("no event {id}"));
+            }
+            info!(id, "grid event cancelled");
+            save_state(&options.state_dir, state);
+            AdminReply::ok(None)
+        }
+    }
+}
+
+fn status(
+    state: &CtldState,
+    options: &CtldOptions,
+    sessions: &BTreeMap<String, Session>,
+    last: Option<&Decision>,
+    now: u64,
+) -> serde_json::Value {
+    let base = state.budget_w.unwrap_or(options.base_budget);
+    let budget = effective_budget(base, &state.events, now);
+    let draw: f64 = sessions
+        .values()
+        .filter(|s| s.view.live)
+        .map(|s| s.view.power_w)
+        .sum();
+    let caps: BTreeMap<String, f64> = last
+        .and_then(|d| d.allocation.as_ref())
+        .map(|a| a.jobs.iter().map(|j| (j.id.clone(), j.cap_w.0)).collect())
+        .unwrap_or_default();
+    let floors: BTreeMap<String, serde_json::Value> = last
+        .and_then(|d| d.allocation.as_ref())
+        .map(|a| {
+            a.jobs
+                .iter()
+                .map(|j| {
+                    (
+                        j.id.clone(),
+                        serde_json::to_value(j.floor).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut jobs: BTreeMap<String, serde_json::Value> = BTreeMap::new();
+    for s in sessions.values() {
+        for j in &s.view.jobs {
+            let entry = jobs.entry(j.job_id.clone()).or_insert_with(|| {
+                serde_json::json!({
+                    "job": j.job_id, "tier": j.tier, "nodes": [], "gpus": 0, "pfi": j.pfi,
+                    "cap_w": caps.get(&j.job_id), "floor": floors.get(&j.job_id),
+                    "throughput": j.throughput, "uncapped_throughput": j.points.first().map(|p| p[2]),
+                })
+            });
+            if let Some(n) = entry["nodes"].as_array_mut() {
+                n.push(serde_json::Value::String(s.view.node.clone()));
+            }
+            entry["gpus"] =
+                serde_json::json!(entry["gpus"].as_u64().unwrap_or(0) + u64::from(j.gpus));
+        }
+    }
+    serde_json::json!({
+        "base_budget_w": base.0,
+        "budget_w": budget.0,
+        "draw_w": draw,
+        "headroom_w": budget.0 - draw,
+        "active_event": active_event(base, &state.events, now),
+        "events": state.events,
+        "over_budget_w": last.and_then(|d| d.allocation.as_ref()).map(|a| a.over_budget_w.0),
+        "nodes": sessions.values().map(|s| serde_json::json!({
+            "node": s.view.node, "gpus": s.view.gpus.len(), "live": s.view.live, "power_w": s.view.power_w,
+            "jobs": s.view.jobs.len(), "seen_ms_ago": now.saturating_sub(s.last_seen_ms),
+        })).collect::<Vec<_>>(),
+        "jobs": jobs.into_values().collect::<Vec<_>>(),
+    })
+}
+
+fn serve_agent(
+    stream: TcpStream,
+    peer: std::net::SocketAddr,
+    tx: &Sender<Inbound>,
+    key: &[u8],
+    last_seq: &Mutex<BTreeMap<String, u64>>,
+    shutdown: &AtomicBool,
+) {
+    let Ok(mut write_half) = stream.try_clone() else {
+        return;
+    };
+    let _ = write_half.set_write_timeout(Some(Duration::from_secs(2)));
+    let (writer_tx, writer_rx): (Sender<String>, Receiver<String>) = unbounded();
+    std::thread::spawn(move || {
+        for line in writer_rx {
+            if write_half.write_all(line.as_bytes()).is_err() {
+                return;
+            }
+        }
+    });
+    let mut reader = BufReader::new(stream);
+    let mut node: Option<String> = None;
+    while !shutdown.load(Ordering::SeqCst) {
+        let mut line = String::new();
+        match (&mut reader)
+            .take(MAX_LINK_LINE_BYTES as u64 + 1)
+            .read_line(&mut line)
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) if line.len() > MAX_LINK_LINE_BYTES => {
+                warn!(%peer, "oversized message from an agent; connection closed");
+                return;
+            }
+            Ok(_) => {}
+        }
+        // The sender claims a name; the MAC and its sequence decide whether to believe it.
+        let claimed = serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| v["from"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        let previous = last_seq
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&claimed)
+            .copied()
+            .unwrap_or(0);
+        let envelope = match Envelope::open(key, &line, previous, unix_ms()) {
+            Ok(e) => e,
+            Err(e) => {
+                warn!(%peer, error = %e, "agent message refused");
+                continue;
+            }
+        };
+        last_seq
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(envelope.from.clone(), envelope.seq);
+        match envelope.body {
+            Body::Hello { gpus } => {
+                node = Some(envelope.from.clone());
+                let _ = tx.send(Inbound::Hello {
+                    node: envelope.from,
+                    gpus,
+                    writer: writer_tx.clone(),
+                });
+            }
+            Body::Report { jobs, power_w, .. }
+                if node.as_deref() == Some(envelope.from.as_str()) =>
+            {
+                let _ = tx.send(Inbound::Report {
+                    node: envelope.from,
+                    jobs,
+                    power_w,
+                });
+            }
+            other => warn!(%peer, body = ?other, "unexpected message from an agent"),
+        }
+    }
+}
+
+fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which we own.
+    #[allow(unsafe_code)]
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+fn serve_admin(mut stream: UnixStream, tx: &Sender<Inbound>) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+    let uid = peer_uid(&stream).unwrap_or(u32::MAX);
+    let mut line = String::new();
+    let reply = match stream
+        .try_clone()
+        .map(BufReader::new)
+        .and_then(|r| r.take(65_536).read_line(&mut line))
+    {
+        Err(e) => AdminReply::error(e.to_string()),
+        Ok(_) => match serde_json::from_str::<AdminOp>(line.trim_end()) {
+            Err(e) => AdminReply::error(format!("malformed admin request: {e}")),
+            Ok(op) => {
+                let (reply_tx, reply_rx) = bounded(1);
+                if tx
+                    .send_timeout(
+                        Inbound::Admin {
+                            op,
+                            uid,
+                            reply: reply_tx,
+                        },
+                        Duration::from_secs(2),
+                    )
+                    .is_err()
+                {
+                    AdminReply::error("controller busy")
+                } else {
+                    reply_rx
+                        .recv_timeout(Duration::from_secs(5))
+                        .unwrap_or_else(|_| AdminReply::error("controller did not answer in time"))
+                }
+            }
+        },
+    };
+    let mut text = serde_json::to_string(&reply).unwrap_or_default();
+    text.push('\n');
+    let _ = stream.write_all(text.as_bytes());
+}
+
+/// Sends one admin request to the controller at `socket` and returns its reply.
+pub fn request(socket: &Path, op: &AdminOp) -> Result<AdminReply, String> {
+    let mut stream = UnixStream::connect(socket)
+        .map_err(|e| format!("cannot reach powerflex-ctld at {}: {e}", socket.display()))?;
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut line = serde_json::to_string(op).map_err(|e| e.to_string())?;
+    line.push('\n');
+    stream
+        .write_all(line.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let mut reply = String::new();
+    BufReader::new(stream)
+        .take(16 * 1024 * 1024)
+        .read_line(&mut reply)
+        .map_err(|e| {
+            format!(
+                "no answer from powerflex-ctld after {:.1} s: {e}",
+                started.elapsed().as_secs_f64()
+            )
+        })?;
+    serde_json::from_str(reply.trim_end())
+        .map_err(|e| format!("bad answer from powerflex-ctld: {e}"))
+}

@@ -1,0 +1,265 @@
+//! powerflex-ctld with real agents on simulated GPUs: budget changes and grid events reach
+//! every node's caps, the draw stays within the budget, and a restarted controller resumes.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use powerflex::{binary, cargo_build, profile_dir, run, wait_until};
+use powerflex_sim::state::Node;
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port")
+}
+
+fn draw_w(nodes: &[Node]) -> f64 {
+    nodes
+        .iter()
+        .flat_map(|n| {
+            (0..n.gpu_count())
+                .map(move |g| f64::from(n.reading(g).expect("reading").1.power_mw) / 1000.0)
+        })
+        .sum()
+}
+
+fn caps_w(nodes: &[Node]) -> Vec<f64> {
+    nodes
+        .iter()
+        .flat_map(|n| {
+            (0..n.gpu_count())
+                .map(move |g| f64::from(n.gpu(g).expect("gpu").power_limit_mw) / 1000.0)
+        })
+        .collect()
+}
+
+fn start_ctld(config: &Path, log: &Path) -> Child {
+    Command::new(binary("powerflex-ctld"))
+        .args(["--config", config.to_str().expect("utf-8")])
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("powerflex-ctld")
+}
+
+#[test]
+fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
+    cargo_build(&[
+        "-p",
+        "powerflex-sim-nvml",
+        "-p",
+        "powerflex-sim",
+        "-p",
+        "powerflex-agent",
+        "--bins",
+        "--lib",
+        "--examples",
+    ]);
+    let base = std::env::temp_dir().join(format!("pf-ctld-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("dir");
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let key = base.join("powerflex.key");
+    std::fs::write(&key, "a site key for the controller tests\n").expect("key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let port = free_port();
+    let config = base.join("powerflex.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[facility]\ngpu_budget_w = 100000.0\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
+             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
+             calibration_caps_w = [700.0, 600.0]\nfailsafe_cap_w = 500.0\n\
+             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 6\nallocation_period_s = 1\nkey_file = \"{k}\"\n\
+             admin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld-state\"\n\
+             [agent]\nsocket = \"{b}/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n",
+            k = key.display(),
+            b = base.display(),
+            lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
+        ),
+    )
+    .expect("config");
+    let mut procs = Procs(Vec::new());
+    procs.0.push(start_ctld(&config, &base.join("ctld.log")));
+    let admin = base.join("ctld.sock");
+    wait_until("the admin socket", Duration::from_secs(20), || {
+        admin.exists().then_some(())
+    });
+
+    let mut nodes = Vec::new();
+    for name in ["n1", "n2"] {
+        let node = Node::init(&base.join("sim").join(name), name, "H200", 4, true).expect("sim");
+        procs.0.push(
+            Command::new(binary("powerflexd"))
+                .args([
+                    "--config",
+                    config.to_str().expect("utf-8"),
+                    "--node",
+                    name,
+                    "--sample-interval-ms",
+                    "250",
+                ])
+                .env("POWERFLEX_SIM_DIR", node.dir())
+                .stderr(std::fs::File::create(base.join(format!("agent-{name}.log"))).expect("log"))
+                .spawn()
+                .expect("agent"),
+        );
+        let sock = base.join(format!("{name}.sock"));
+        wait_until("agent socket", Duration::from_secs(20), || {
+            std::os::unix::net::UnixStream::connect(&sock)
+                .is_ok()
+                .then_some(())
+        });
+        let client = profile_dir().join("examples/socket_client");
+        let reg = format!(
+            "{{\"v\":1,\"op\":\"register\",\"job_id\":\"77\",\"step_id\":\"0\",\"uid\":0,\"node\":\"{name}\",\"gpus\":[\"0\",\"1\",\"2\",\"3\"],\"flex\":\"flex3,calibrate=off\"}}"
+        );
+        let out = Command::new(&client)
+            .args([sock.to_str().expect("utf-8"), &reg])
+            .output()
+            .expect("client");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("\"ok\":true"),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        procs.0.push(
+            Command::new(profile_dir().join("powerflex-simjob"))
+                .args([
+                    "--profile",
+                    "llama-3.1-70b-dense-pt-8g-compile",
+                    "--time-scale",
+                    "20",
+                ])
+                .env("POWERFLEX_SIM_DIR", node.dir())
+                .env("SLURM_JOB_ID", "77")
+                .env("SLURM_JOB_GPUS", "0,1,2,3")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("simjob"),
+        );
+        nodes.push(node);
+    }
+    let ctl = binary("powerflexctl");
+    let socket = admin.to_str().expect("utf-8").to_string();
+    let ctl_run = |args: &[&str]| {
+        let mut a: Vec<&str> = args.to_vec();
+        a.extend(["--socket", &socket]);
+        run(&ctl, &a)
+    };
+    // Both agents connect; the job spans both nodes.
+    wait_until("both nodes live in status", Duration::from_secs(20), || {
+        let out = ctl_run(&["status", "--format", "json"]);
+        let s: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
+        let live = s["nodes"]
+            .as_array()?
+            .iter()
+            .filter(|n| n["live"] == true)
+            .count();
+        (live == 2 && s["jobs"][0]["gpus"] == 8).then_some(())
+    });
+
+    // A budget cut: one cap on all 8 GPUs, draw within the budget.
+    let set = ctl_run(&["budget", "set", "3.2kW"]);
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
+    let cap = wait_until("the cut on every GPU", Duration::from_secs(15), || {
+        let caps = caps_w(&nodes);
+        (caps.iter().all(|&c| c == caps[0]) && caps[0] < 700.0).then_some(caps[0])
+    });
+    assert!(cap * 8.0 <= 3200.0 + 1e-6, "8 x {cap} W");
+    wait_until("draw within 3.2 kW", Duration::from_secs(10), || {
+        (draw_w(&nodes) <= 3200.0 * 1.005).then_some(())
+    });
+
+    // A grid event now: half the budget.
+    let add = ctl_run(&[
+        "event",
+        "add",
+        "--reduce",
+        "50%",
+        "--start",
+        "now",
+        "--duration",
+        "10m",
+    ]);
+    assert_eq!(add.code, Some(0), "{}", add.stderr);
+    wait_until("the event's caps", Duration::from_secs(15), || {
+        caps_w(&nodes)
+            .iter()
+            .all(|&c| c * 8.0 <= 1600.0 + 1e-6)
+            .then_some(())
+    });
+    wait_until("draw within 1.6 kW", Duration::from_secs(10), || {
+        (draw_w(&nodes) <= 1600.0 * 1.005).then_some(())
+    });
+
+    // kill -9 the controller mid-event: caps hold on their leases; restarted, it resumes.
+    procs.0[0].kill().expect("kill");
+    let _ = procs.0[0].wait();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        draw_w(&nodes) <= 1600.0 * 1.005,
+        "leases hold while the controller is down"
+    );
+    procs.0[0] = start_ctld(&config, &base.join("ctld2.log"));
+    wait_until(
+        "the event resumed after restart",
+        Duration::from_secs(20),
+        || {
+            let out = ctl_run(&["status", "--format", "json"]);
+            let s: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
+            (s["active_event"]["id"] == 1 && s["budget_w"].as_f64()? <= 1600.0 + 1e-6).then_some(())
+        },
+    );
+    for _ in 0..10 {
+        assert!(
+            draw_w(&nodes) <= 1600.0 * 1.005,
+            "never over budget across the restart"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // Only root changes the budget; malformed input is refused with a message.
+    let as_nobody = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&ctl)
+        .args(["budget", "set", "100kW", "--socket", &socket])
+        .output()
+        .expect("setpriv");
+    assert_eq!(as_nobody.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&as_nobody.stderr).contains("only root"),
+        "{}",
+        String::from_utf8_lossy(&as_nobody.stderr)
+    );
+    let bad = ctl_run(&["event", "add", "--reduce", "150%", "--duration", "1h"]);
+    assert_eq!(bad.code, Some(1));
+    assert!(bad.stderr.contains("bad reduction"), "{}", bad.stderr);
+    let cancel = ctl_run(&["event", "cancel", "1"]);
+    assert_eq!(cancel.code, Some(0), "{}", cancel.stderr);
+    wait_until(
+        "caps back up after the event",
+        Duration::from_secs(15),
+        || {
+            caps_w(&nodes)
+                .iter()
+                .all(|&c| c * 8.0 > 1600.0 + 1.0)
+                .then_some(())
+        },
+    );
+    let _ = std::fs::remove_dir_all(PathBuf::from(&base).join("sim"));
+}
