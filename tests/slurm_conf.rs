@@ -105,3 +105,38 @@ fn plugstack_loads_the_plugin_optionally_with_valid_arguments() {
         std::fs::read_to_string(repo_root().join("slurm-conf/powerflex.toml")).expect("site");
     assert!(site.contains(&format!("socket = \"{}\"", args.socket)));
 }
+
+#[test]
+fn powerflex_ctld_unit_starts_the_controller_with_flags_it_accepts() {
+    let unit = std::fs::read_to_string(repo_root().join("slurm-conf/powerflex-ctld.service"))
+        .expect("unit");
+    let keys = service_keys(&unit);
+    let exec = keys
+        .iter()
+        .find(|(k, _)| k == "ExecStart")
+        .map(|(_, v)| v.clone())
+        .expect("ExecStart");
+    let words: Vec<&str> = exec.split_whitespace().collect();
+    assert!(words[0].ends_with("/powerflex-ctld"), "{exec}");
+    assert_eq!(words[1..], ["--config", "/etc/slurm/powerflex.toml"]);
+    let ctld = binary("powerflex-ctld");
+    let out = run(&ctld, &["--config", "/nonexistent/powerflex.toml"]);
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("cannot read /nonexistent/powerflex.toml"),
+        "{}",
+        out.stderr
+    );
+    // The state directory and admin socket agree with the example site config.
+    let site =
+        std::fs::read_to_string(repo_root().join("slurm-conf/powerflex.toml")).expect("site");
+    assert!(
+        site.contains("state_dir = \"/var/lib/powerflex/ctld\"")
+            && unit.contains("StateDirectory=powerflex/ctld")
+    );
+    assert!(
+        site.contains("admin_socket = \"/run/powerflex/ctld.sock\"")
+            && unit.contains("RuntimeDirectory=powerflex")
+    );
+}

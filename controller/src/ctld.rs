@@ -437,6 +437,7 @@ fn status(
                     "job": j.job_id, "tier": j.tier, "nodes": [], "gpus": 0, "pfi": j.pfi,
                     "cap_w": caps.get(&j.job_id), "floor": floors.get(&j.job_id),
                     "throughput": j.throughput, "uncapped_throughput": j.points.first().map(|p| p[2]),
+                    "pfi_source": j.pfi_source, "power_w": 0.0, "points": {},
                 })
             });
             if let Some(n) = entry["nodes"].as_array_mut() {
@@ -444,6 +445,10 @@ fn status(
             }
             entry["gpus"] =
                 serde_json::json!(entry["gpus"].as_u64().unwrap_or(0) + u64::from(j.gpus));
+            entry["power_w"] = serde_json::json!(
+                entry["power_w"].as_f64().unwrap_or(0.0) + j.power_w.unwrap_or(0.0)
+            );
+            entry["points"][&s.view.node] = serde_json::json!(j.points);
         }
     }
     serde_json::json!({

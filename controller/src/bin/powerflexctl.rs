@@ -132,6 +132,30 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
+    /// Jobs across the site: tier, nodes, GPUs, PFI, cap, throughput now vs uncapped, bound.
+    Jobs {
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Nodes: GPUs, live or silent, draw, jobs.
+    Nodes {
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// One job's measured curve (per node) and PFI.
+    Report {
+        /// Slurm job id.
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
     /// Change the facility budget (root): `budget set 850kW`.
     Budget {
         #[command(subcommand)]
@@ -246,6 +270,62 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+fn render_nodes(s: &serde_json::Value) -> String {
+    let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
+    let mut nodes =
+        powerflex_controller::table::Table::new(["node", "gpus", "live", "power", "jobs"]);
+    for n in s["nodes"].as_array().into_iter().flatten() {
+        nodes.row([
+            n["node"].as_str().unwrap_or("").to_string(),
+            n["gpus"].to_string(),
+            n["live"].to_string(),
+            w(&n["power_w"]),
+            n["jobs"].to_string(),
+        ]);
+    }
+    nodes.render()
+}
+
+fn render_jobs(s: &serde_json::Value) -> String {
+    let mut jobs = powerflex_controller::table::Table::new([
+        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound",
+    ]);
+    for j in s["jobs"].as_array().into_iter().flatten() {
+        let nodes: Vec<&str> = j["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n.as_str())
+            .collect();
+        let bound = match j["floor"]["state"].as_str() {
+            Some("broken") => format!(
+                "BROKEN by {:.1}%",
+                j["floor"]["excess"].as_f64().unwrap_or(0.0) * 100.0
+            ),
+            Some(state) => state.to_string(),
+            None => "-".into(),
+        };
+        jobs.row([
+            j["job"].as_str().unwrap_or("").to_string(),
+            j["tier"].as_str().unwrap_or("").to_string(),
+            nodes.join(","),
+            j["gpus"].to_string(),
+            j["pfi"].as_f64().map_or("-".into(), |p| format!("{p:.2}")),
+            j["cap_w"]
+                .as_f64()
+                .map_or("-".into(), |c| format!("{c:.0} W")),
+            j["throughput"]
+                .as_f64()
+                .map_or("-".into(), |t| format!("{t:.0}")),
+            j["uncapped_throughput"]
+                .as_f64()
+                .map_or("-".into(), |t| format!("{t:.0}")),
+            bound,
+        ]);
+    }
+    jobs.render()
+}
+
 fn render_status(s: &serde_json::Value) -> String {
     let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
     let mut out = format!(
@@ -258,48 +338,9 @@ fn render_status(s: &serde_json::Value) -> String {
     if let Some(e) = s["active_event"].as_object() {
         out.push_str(&format!("active event {}: {}\n", e["id"], e["cut"]));
     }
-    let mut nodes =
-        powerflex_controller::table::Table::new(["node", "gpus", "live", "power", "jobs"]);
-    for n in s["nodes"].as_array().into_iter().flatten() {
-        nodes.row([
-            n["node"].as_str().unwrap_or("").to_string(),
-            n["gpus"].to_string(),
-            n["live"].to_string(),
-            w(&n["power_w"]),
-            n["jobs"].to_string(),
-        ]);
-    }
-    out.push_str(&nodes.render());
-    let mut jobs = powerflex_controller::table::Table::new([
-        "job",
-        "tier",
-        "gpus",
-        "PFI",
-        "cap",
-        "tok/s now",
-        "uncapped",
-        "bound",
-    ]);
-    for j in s["jobs"].as_array().into_iter().flatten() {
-        jobs.row([
-            j["job"].as_str().unwrap_or("").to_string(),
-            j["tier"].as_str().unwrap_or("").to_string(),
-            j["gpus"].to_string(),
-            j["pfi"].as_f64().map_or("-".into(), |p| format!("{p:.2}")),
-            j["cap_w"]
-                .as_f64()
-                .map_or("-".into(), |c| format!("{c:.0} W")),
-            j["throughput"]
-                .as_f64()
-                .map_or("-".into(), |t| format!("{t:.0}")),
-            j["uncapped_throughput"]
-                .as_f64()
-                .map_or("-".into(), |t| format!("{t:.0}")),
-            j["floor"]["state"].as_str().unwrap_or("-").to_string(),
-        ]);
-    }
+    out.push_str(&render_nodes(s));
     out.push('\n');
-    out.push_str(&jobs.render());
+    out.push_str(&render_jobs(s));
     out
 }
 
@@ -428,6 +469,83 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             match format {
                 Format::Table => Ok(render_status(&status)),
                 Format::Json => json(&status),
+            }
+        }
+        Command::Jobs { ctld: args, format } => {
+            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            match format {
+                Format::Table => Ok(render_jobs(&status)),
+                Format::Json => json(&status["jobs"]),
+            }
+        }
+        Command::Nodes { ctld: args, format } => {
+            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            match format {
+                Format::Table => Ok(render_nodes(&status)),
+                Format::Json => json(&status["nodes"]),
+            }
+        }
+        Command::Report {
+            job,
+            ctld: args,
+            format,
+        } => {
+            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            let found = status["jobs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|j| j["job"].as_str() == Some(job.as_str()))
+                .cloned()
+                .ok_or_else(|| {
+                    CtlError::Usage(format!("no job {job} is known to the controller"))
+                })?;
+            match format {
+                Format::Json => json(&found),
+                Format::Table => {
+                    let mut out = format!(
+                        "job {job}: tier {}, PFI {} ({}), cap {}\n",
+                        found["tier"].as_str().unwrap_or("-"),
+                        found["pfi"]
+                            .as_f64()
+                            .map_or("-".into(), |p| format!("{p:.2}")),
+                        found["pfi_source"].as_str().unwrap_or("not measured"),
+                        found["cap_w"]
+                            .as_f64()
+                            .map_or("-".into(), |c| format!("{c:.0} W")),
+                    );
+                    let mut t = powerflex_controller::table::Table::new([
+                        "node",
+                        "cap",
+                        "power",
+                        "throughput",
+                        "slowdown",
+                    ]);
+                    for (node, points) in found["points"].as_object().into_iter().flatten() {
+                        let rows = points.as_array().cloned().unwrap_or_default();
+                        let top = rows.first().and_then(|p| p[2].as_f64()).unwrap_or(0.0);
+                        for p in rows {
+                            let (cap, power, tput) = (
+                                p[0].as_f64().unwrap_or(0.0),
+                                p[1].as_f64().unwrap_or(0.0),
+                                p[2].as_f64().unwrap_or(0.0),
+                            );
+                            t.row([
+                                node.clone(),
+                                format!("{cap:.0} W"),
+                                Watts(power).to_string(),
+                                format!("{tput:.1}"),
+                                if top > 0.0 {
+                                    format!("{:.1}%", (1.0 - tput / top) * 100.0)
+                                } else {
+                                    "-".into()
+                                },
+                            ]);
+                        }
+                    }
+                    out.push_str(&t.render());
+                    Ok(out)
+                }
             }
         }
         Command::Budget {
