@@ -237,6 +237,8 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
     drop(tx);
 
     let mut sessions: BTreeMap<String, Session> = BTreeMap::new();
+    let mut annotations: BTreeMap<String, String> = BTreeMap::new();
+    let annotator = spawn_annotator();
     let mut seq = unix_ms();
     let mut last: Option<Decision> = None;
     let ticker = tick(options.period);
@@ -321,6 +323,7 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
                 let _ = writer.try_send(e.to_line());
             }
         }
+        annotate(&decision, &sessions, &mut annotations, &annotator);
         last = Some(decision);
     }
     for t in acceptors {
@@ -328,6 +331,66 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
     }
     let _ = std::fs::remove_file(&options.admin_socket);
     Ok(())
+}
+
+/// Runs `scontrol update JobId=N AdminComment=...` for each queued job, so admins see
+/// the job's tier, PFI and cap in `scontrol show job`. Where scontrol is missing or fails,
+/// it says so once and carries on without: the annotation is a courtesy, not control.
+fn spawn_annotator() -> Sender<(String, String)> {
+    let (tx, rx) = unbounded::<(String, String)>();
+    std::thread::spawn(move || {
+        let mut warned = false;
+        for (job, text) in rx {
+            let outcome = std::process::Command::new("scontrol")
+                .args([
+                    "update",
+                    &format!("JobId={job}"),
+                    &format!("AdminComment={text}"),
+                ])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status();
+            match outcome {
+                Ok(s) if s.success() => {}
+                Ok(_) | Err(_) if !warned => {
+                    warned = true;
+                    info!(job_id = %job, "scontrol cannot annotate jobs here; Slurm will not show powerflex's caps");
+                }
+                _ => {}
+            }
+        }
+    });
+    tx
+}
+
+fn annotate(
+    decision: &Decision,
+    sessions: &BTreeMap<String, Session>,
+    done: &mut BTreeMap<String, String>,
+    annotator: &Sender<(String, String)>,
+) {
+    let Some(allocation) = &decision.allocation else {
+        return;
+    };
+    let mut live: Vec<String> = Vec::new();
+    for job in &allocation.jobs {
+        let report = sessions
+            .values()
+            .flat_map(|s| s.view.jobs.iter())
+            .find(|j| j.job_id == job.id);
+        let tier = report.map_or("-", |r| r.tier.as_str());
+        let pfi = report
+            .and_then(|r| r.pfi)
+            .map_or("-".to_string(), |p| format!("{p:.2}"));
+        // No spaces: `scontrol show job` prints key=value pairs separated by spaces.
+        let text = format!("powerflex;tier={tier};pfi={pfi};cap={:.0}W", job.cap_w.0);
+        live.push(job.id.clone());
+        if done.get(&job.id) != Some(&text) {
+            done.insert(job.id.clone(), text.clone());
+            let _ = annotator.send((job.id.clone(), text));
+        }
+    }
+    done.retain(|id, _| live.contains(id));
 }
 
 fn handle_admin(

@@ -264,12 +264,22 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
 
     // The views an admin reads.
     let jobs = ctl_run(&["jobs"]);
-    assert!(jobs.stdout.contains("77") && jobs.stdout.contains("n1,n2"), "{}", jobs.stdout);
+    assert!(
+        jobs.stdout.contains("77") && jobs.stdout.contains("n1,n2"),
+        "{}",
+        jobs.stdout
+    );
     let nodes_out = ctl_run(&["nodes", "--format", "json"]);
     let listed: serde_json::Value = serde_json::from_str(&nodes_out.stdout).expect("json");
     assert_eq!(listed.as_array().map(Vec::len), Some(2));
     let report = ctl_run(&["report", "--job", "77"]);
-    assert!(report.stdout.starts_with("job 77: tier flex3,calibrate=off"), "{}", report.stdout);
+    assert!(
+        report
+            .stdout
+            .starts_with("job 77: tier flex3,calibrate=off"),
+        "{}",
+        report.stdout
+    );
     assert_eq!(ctl_run(&["report", "--job", "999"]).code, Some(1));
 
     // A message sealed with another key is refused and logged.
@@ -278,15 +288,29 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         b"not the site key at all, no no",
         "n1",
         u64::MAX / 2,
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64,
-        powerflex_proto::link::Body::Report { jobs: vec![], power_w: 0.0, failsafe: false },
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as u64,
+        powerflex_proto::link::Body::Report {
+            jobs: vec![],
+            power_w: 0.0,
+            failsafe: false,
+        },
     )
     .expect("seal");
     let mut raw = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
     raw.write_all(forged.to_line().as_bytes()).expect("send");
-    wait_until("the forged message in the log", Duration::from_secs(10), || {
-        std::fs::read_to_string(base.join("ctld2.log")).ok()?.contains("fails authentication").then_some(())
-    });
+    wait_until(
+        "the forged message in the log",
+        Duration::from_secs(10),
+        || {
+            std::fs::read_to_string(base.join("ctld2.log"))
+                .ok()?
+                .contains("fails authentication")
+                .then_some(())
+        },
+    );
 
     // An agent that disappears: after its lease it counts at its fail-safe cap and the
     // rest of the budget goes to the live node.
@@ -295,7 +319,10 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     wait_until("n2 silent", Duration::from_secs(20), || {
         let out = ctl_run(&["nodes", "--format", "json"]);
         let v: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-        v.as_array()?.iter().any(|n| n["node"] == "n2" && n["live"] == false).then_some(())
+        v.as_array()?
+            .iter()
+            .any(|n| n["node"] == "n2" && n["live"] == false)
+            .then_some(())
     });
     let _ = std::fs::remove_dir_all(PathBuf::from(&base).join("sim"));
 }

@@ -1,0 +1,188 @@
+//! The controller on a real Slurm cluster: jobs submitted with --power-flex reach it
+//! through the plugin and the agents, it caps them across nodes, and Slurm shows its
+//! decision in `scontrol show job` (AdminComment).
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use powerflex::slurm::{Cluster, ClusterOptions};
+use powerflex::{binary, cargo_build, profile_dir, run, wait_until};
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
+    cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
+    let (agent, ctld, ctl) = (
+        binary("powerflexd"),
+        binary("powerflex-ctld"),
+        binary("powerflexctl"),
+    );
+    let base = std::env::temp_dir().join(format!("pf-ctld-slurm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(base.join("agent")).expect("dir");
+    let key = base.join("site.key");
+    std::fs::write(&key, "controller-on-slurm test site key\n").expect("key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let site = base.join("powerflex.toml");
+    std::fs::write(
+        &site,
+        format!(
+            "[facility]\ngpu_budget_w = 100000.0\n[tiers]\ndefault = \"none\"\n\
+             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
+             calibration_caps_w = [700.0, 600.0]\nfailsafe_cap_w = 500.0\n\
+             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 6\nallocation_period_s = 1\nkey_file = \"{k}\"\n\
+             admin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld\"\n\
+             [agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n",
+            k = key.display(),
+            b = base.display(),
+            lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
+        ),
+    )
+    .expect("site");
+    let cluster = Cluster::start(
+        "ctld-slurm",
+        ClusterOptions {
+            nodes: 2,
+            gpus_per_node: 4,
+            plugstack: Some(format!(
+                "optional {} site={} socket={}/agent/%n.sock timeout_ms=500\n",
+                profile_dir().join("libpower_flex.so").display(),
+                site.display(),
+                base.display()
+            )),
+            ..ClusterOptions::default()
+        },
+    );
+    let mut procs = Procs(Vec::new());
+    let mut ctld_cmd = Command::new(&ctld);
+    ctld_cmd
+        .args(["--config", site.to_str().expect("utf-8")])
+        .stderr(std::fs::File::create(base.join("ctld.log")).expect("log"));
+    for (k, v) in cluster.env() {
+        ctld_cmd.env(k, v); // scontrol finds this cluster
+    }
+    procs.0.push(ctld_cmd.spawn().expect("ctld"));
+    let mut sims = Vec::new();
+    for node in cluster.node_names().to_vec() {
+        let sim =
+            powerflex_sim::state::Node::init(&base.join("sim").join(&node), &node, "H200", 4, true)
+                .expect("sim");
+        procs.0.push(
+            Command::new(&agent)
+                .args([
+                    "--config",
+                    site.to_str().expect("utf-8"),
+                    "--node",
+                    &node,
+                    "--sample-interval-ms",
+                    "250",
+                ])
+                .env("POWERFLEX_SIM_DIR", sim.dir())
+                .stderr(std::fs::File::create(base.join(format!("agent-{node}.log"))).expect("log"))
+                .spawn()
+                .expect("agent"),
+        );
+        let sock = base.join("agent").join(format!("{node}.sock"));
+        wait_until("agent socket", Duration::from_secs(20), || {
+            std::os::unix::net::UnixStream::connect(&sock)
+                .is_ok()
+                .then_some(())
+        });
+        sims.push(sim);
+    }
+    let admin = base.join("ctld.sock");
+    let socket = admin.to_str().expect("utf-8").to_string();
+    // A 2-node job, 2 GPUs per node, running simulated training on them.
+    let job = cluster
+        .sbatch(
+            &[
+                "-N2",
+                "--gres=gpu:2",
+                "--power-flex=flex3,calibrate=off",
+                "--wrap",
+                &format!(
+                    "srun env POWERFLEX_SIM_DIR={}/sim/%n bash -c 'POWERFLEX_SIM_DIR=${{POWERFLEX_SIM_DIR/\\%n/$SLURMD_NODENAME}} {} --profile synthetic-memory-bound --duration 600 --time-scale 20 > /dev/null'",
+                    base.display(),
+                    profile_dir().join("powerflex-simjob").display()
+                ),
+            ],
+            None,
+        )
+        .expect("sbatch");
+    let id = job.to_string();
+    wait_until(
+        "the job on both nodes at the controller",
+        Duration::from_secs(40),
+        || {
+            let out = run(&ctl, &["jobs", "--format", "json", "--socket", &socket]);
+            let jobs: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
+            let j = jobs
+                .as_array()?
+                .iter()
+                .find(|j| j["job"].as_str() == Some(id.as_str()))?
+                .clone();
+            (j["gpus"] == 4).then_some(j)
+        },
+    );
+    // Slurm shows the controller's decision.
+    let comment = wait_until(
+        "AdminComment in scontrol show job",
+        Duration::from_secs(30),
+        || {
+            let info = cluster.job_info(job);
+            info.split_whitespace()
+                .find(|w| w.starts_with("AdminComment=powerflex;"))
+                .map(str::to_string)
+        },
+    );
+    assert!(comment.contains("tier=flex3"), "{comment}");
+    // A budget that pays for ~300 W on each of the job's GPUs (idle GPUs draw 75 W each).
+    assert_eq!(
+        run(&ctl, &["budget", "set", "1.8kW", "--socket", &socket]).code,
+        Some(0)
+    );
+    wait_until(
+        "the job's GPUs capped on both nodes",
+        Duration::from_secs(20),
+        || {
+            sims.iter()
+                .all(|n| {
+                    (0..2).all(|g| {
+                        n.gpu(g)
+                            .map(|s| s.power_limit_mw < 700_000)
+                            .unwrap_or(false)
+                    })
+                })
+                .then_some(())
+        },
+    );
+    let caps: Vec<u32> = sims
+        .iter()
+        .flat_map(|n| (0..2).map(move |g| n.gpu(g).expect("gpu").power_limit_mw))
+        .collect();
+    assert!(
+        caps.iter().all(|&c| c == caps[0]),
+        "one cap on every GPU of the job: {caps:?}"
+    );
+    cluster.run("scancel", &[&id]);
+    assert!(matches!(
+        cluster.wait_job_done(job, Duration::from_secs(60)).as_str(),
+        "CANCELLED" | "COMPLETED"
+    ));
+    cluster.assert_no_node_drained();
+}
