@@ -43,7 +43,22 @@ pub struct CtldOptions {
     pub period: Duration,
     pub lease_ttl_s: f64,
     pub site: SiteSettings,
+    /// Loopback address for Prometheus metrics, if any.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
+
+/// One allocation period, for `powerflexctl plot`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub t_ms: u64,
+    pub budget_w: f64,
+    pub draw_w: f64,
+    /// Job → per-GPU cap, W.
+    pub caps: BTreeMap<String, f64>,
+}
+
+/// Samples kept: an hour at a 1 s period, a day at the default 10 s... within memory.
+const HISTORY: usize = 8640;
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -96,6 +111,8 @@ fn save_state(dir: &Path, state: &CtldState) {
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum AdminOp {
     Status,
+    /// The recent budget, draw and caps, one sample per allocation period.
+    History,
     BudgetSet {
         budget_w: f64,
     },
@@ -238,6 +255,13 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
 
     let mut sessions: BTreeMap<String, Session> = BTreeMap::new();
     let mut annotations: BTreeMap<String, String> = BTreeMap::new();
+    let mut history: std::collections::VecDeque<Sample> = std::collections::VecDeque::new();
+    let metrics: Arc<Mutex<String>> = Arc::new(Mutex::new(String::new()));
+    if let Some(addr) = options.metrics_listen {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+        serve_metrics(listener, metrics.clone(), shutdown.clone());
+    }
     let annotator = spawn_annotator();
     let mut seq = unix_ms();
     let mut last: Option<Decision> = None;
@@ -269,6 +293,10 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
                             s.last_seen_ms = unix_ms();
                             allocate_now |= changed;
                         }
+                    }
+                    Inbound::Admin { op: AdminOp::History, reply, .. } => {
+                        let samples: Vec<&Sample> = history.iter().collect();
+                        let _ = reply.send(AdminReply::ok(serde_json::to_value(samples).ok()));
                     }
                     Inbound::Admin { op, uid, reply } => {
                         let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref());
@@ -324,6 +352,34 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
             }
         }
         annotate(&decision, &sessions, &mut annotations, &annotator);
+        let draw: f64 = sessions
+            .values()
+            .filter(|s| s.view.live)
+            .map(|s| s.view.power_w)
+            .sum();
+        let caps: BTreeMap<String, f64> = decision
+            .allocation
+            .as_ref()
+            .map(|a| a.jobs.iter().map(|j| (j.id.clone(), j.cap_w.0)).collect())
+            .unwrap_or_default();
+        history.push_back(Sample {
+            t_ms: now,
+            budget_w: budget.0,
+            draw_w: draw,
+            caps,
+        });
+        while history.len() > HISTORY {
+            history.pop_front();
+        }
+        let text = render_metrics(
+            &decision,
+            base,
+            budget,
+            draw,
+            &sessions,
+            active_event(base, &state.events, now).is_some(),
+        );
+        *metrics.lock().unwrap_or_else(PoisonError::into_inner) = text;
         last = Some(decision);
     }
     for t in acceptors {
@@ -331,6 +387,101 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
     }
     let _ = std::fs::remove_file(&options.admin_socket);
     Ok(())
+}
+
+fn render_metrics(
+    decision: &Decision,
+    base: Watts,
+    budget: Watts,
+    draw: f64,
+    sessions: &BTreeMap<String, Session>,
+    event: bool,
+) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, rows: Vec<(String, f64)>| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (labels, v) in rows {
+            let _ = writeln!(out, "{name}{labels} {v}");
+        }
+    };
+    gauge(
+        "powerflex_budget_watts",
+        "Facility GPU budget in force, W.",
+        vec![(String::new(), budget.0)],
+    );
+    gauge(
+        "powerflex_base_budget_watts",
+        "Facility GPU budget without grid events, W.",
+        vec![(String::new(), base.0)],
+    );
+    gauge(
+        "powerflex_draw_watts",
+        "Summed GPU draw reported by live agents, W.",
+        vec![(String::new(), draw)],
+    );
+    gauge(
+        "powerflex_event_active",
+        "1 while a grid event cuts the budget.",
+        vec![(String::new(), if event { 1.0 } else { 0.0 })],
+    );
+    gauge(
+        "powerflex_node_live",
+        "1 when the node's agent reported within its lease.",
+        sessions
+            .iter()
+            .map(|(n, s)| {
+                (
+                    format!("{{node=\"{n}\"}}"),
+                    if s.view.live { 1.0 } else { 0.0 },
+                )
+            })
+            .collect(),
+    );
+    if let Some(a) = &decision.allocation {
+        gauge(
+            "powerflex_job_cap_watts",
+            "Per-GPU cap granted to the job, W.",
+            a.jobs
+                .iter()
+                .map(|j| (format!("{{job=\"{}\"}}", j.id), j.cap_w.0))
+                .collect(),
+        );
+        gauge(
+            "powerflex_floors_broken",
+            "Jobs whose tier bound the budget cannot hold.",
+            vec![(String::new(), a.broken_floors().count() as f64)],
+        );
+        gauge(
+            "powerflex_over_budget_watts",
+            "Shortfall with every job at its lowest cap, W.",
+            vec![(String::new(), a.over_budget_w.0)],
+        );
+    }
+    out
+}
+
+fn serve_metrics(listener: TcpListener, text: Arc<Mutex<String>>, shutdown: Arc<AtomicBool>) {
+    let _ = listener.set_nonblocking(true);
+    std::thread::spawn(move || {
+        while !shutdown.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    let _ = stream.set_nonblocking(false);
+                    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+                    let mut request = [0u8; 1024];
+                    let _ = stream.read(&mut request);
+                    let body = text.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    });
 }
 
 /// Runs `scontrol update JobId=N AdminComment=...` for each queued job, so admins see
@@ -406,7 +557,9 @@ fn handle_admin(
         return AdminReply::error("only root may change the budget or grid events");
     }
     match op {
-        AdminOp::Status => AdminReply::ok(Some(status(state, options, sessions, last, now))),
+        AdminOp::Status | AdminOp::History => {
+            AdminReply::ok(Some(status(state, options, sessions, last, now)))
+        }
         AdminOp::BudgetSet { budget_w } => {
             if !(budget_w.is_finite() && budget_w > 0.0) {
                 return AdminReply::error(format!(

@@ -153,6 +153,9 @@ pub struct RawController {
     /// Absolute directory for the controller's persisted state: budget, events
     /// (default `/var/lib/powerflex/ctld`).
     pub state_dir: Option<String>,
+    /// Optional socket address for the controller's unauthenticated Prometheus metrics;
+    /// must be loopback, e.g. `127.0.0.1:9465`. Absent: no metrics listener.
+    pub metrics_listen: Option<String>,
 }
 
 /// `[agent]`: the node agent `powerflexd`.
@@ -260,6 +263,8 @@ pub struct ControllerConfig {
     pub admin_socket: PathBuf,
     /// Absolute.
     pub state_dir: PathBuf,
+    /// Loopback only.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl ControllerConfig {
@@ -744,6 +749,16 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
             .unwrap_or("/var/lib/powerflex/ctld"),
         true,
     )?;
+    let metrics_listen = match raw.metrics_listen {
+        None => None,
+        Some(text) => {
+            let addr = socket_addr("controller.metrics_listen", &text)?;
+            if !addr.ip().is_loopback() {
+                return Err(ConfigError::MetricsNotLoopback { addr });
+            }
+            Some(addr)
+        }
+    };
     Ok(ControllerConfig {
         listen,
         lease_ttl_s,
@@ -751,6 +766,7 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
         key_file,
         admin_socket,
         state_dir,
+        metrics_listen,
     })
 }
 
@@ -1026,6 +1042,7 @@ listen = "10.0.0.5:7300"
                     key_file: PathBuf::from("/etc/slurm/powerflex.key"),
                     admin_socket: PathBuf::from("/run/powerflex/ctld.sock"),
                     state_dir: PathBuf::from("/var/lib/powerflex/ctld"),
+                    metrics_listen: None,
                 },
                 agent: AgentConfig {
                     socket: "/run/powerflex/%n.sock".into(),

@@ -87,6 +87,7 @@ fn start(cli: Cli) -> Result<(), String> {
         base_budget: site.facility.gpu_budget_w,
         period: Duration::from_secs(site.controller.allocation_period_s),
         lease_ttl_s: site.controller.lease_ttl_s as f64,
+        metrics_listen: site.controller.metrics_listen,
         site: SiteSettings {
             tiers: site.tiers.table.clone(),
             policy: site.facility.policy,
