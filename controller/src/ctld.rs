@@ -55,6 +55,9 @@ pub struct Sample {
     pub draw_w: f64,
     /// Job → per-GPU cap, W.
     pub caps: BTreeMap<String, f64>,
+    /// Any live node's GPUs are simulated (their NVML names say so).
+    #[serde(default)]
+    pub simulated: bool,
 }
 
 /// Samples kept: an hour at a 1 s period, a day at the default 10 s... within memory.
@@ -367,6 +370,9 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
             budget_w: budget.0,
             draw_w: draw,
             caps,
+            simulated: sessions
+                .values()
+                .any(|s| s.view.live && s.view.gpus.iter().any(|g| g.name.contains("(simulated)"))),
         });
         while history.len() > HISTORY {
             history.pop_front();
@@ -470,11 +476,21 @@ fn serve_metrics(listener: TcpListener, text: Arc<Mutex<String>>, shutdown: Arc<
                     let _ = stream.set_nonblocking(false);
                     let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
                     let mut request = [0u8; 1024];
-                    let _ = stream.read(&mut request);
-                    let body = text.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                    let read = stream.read(&mut request).unwrap_or(0);
+                    let line = String::from_utf8_lossy(&request[..read]);
+                    let path = line.split_whitespace().nth(1).unwrap_or("");
+                    // Scrapers ask for /metrics; "/" too, for a person with curl.
+                    let (status, body) = if path == "/metrics" || path == "/" {
+                        (
+                            "200 OK",
+                            text.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+                        )
+                    } else {
+                        ("404 Not Found", "try /metrics\n".to_string())
+                    };
                     let _ = write!(
                         stream,
-                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                         body.len()
                     );
                 }

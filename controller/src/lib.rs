@@ -1,15 +1,16 @@
-//! The site controller (`powerflex-ctld`, to come) and the admin CLI `powerflexctl`.
+//! The site controller (`powerflex-ctld`, [`ctld`]) and the admin CLI `powerflexctl`.
 //!
 //! This library holds what the binaries do, so tests can call it without a process:
 //! [`offline`] implements the commands that work on files alone (`pfi`, `allocate`,
 //! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
 //! at each instant, [`site`] splits that budget across the jobs of every node (one cap
-//! per job everywhere), [`table`] renders human tables. The binaries parse
+//! per job everywhere), [`table`] renders human tables, [`plot`] draws the controller's history as SVG. The binaries parse
 //! arguments, read files, print and choose exit codes; the decisions come from
 //! `powerflex-core`.
 
 pub mod ctld;
 pub mod offline;
+pub mod plot;
 pub mod schedule;
 pub mod site;
 pub mod table;
@@ -19,6 +20,12 @@ pub mod table;
 pub enum CtlError {
     #[error("cannot read {path}: {source}")]
     Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
         path: String,
         #[source]
         source: std::io::Error,

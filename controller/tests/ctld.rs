@@ -47,6 +47,23 @@ fn caps_w(nodes: &[Node]) -> Vec<f64> {
         .collect()
 }
 
+/// A minimal HTTP/1.1 GET over loopback; returns the whole response.
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    response
+}
+
 fn start_ctld(config: &Path, log: &Path) -> Child {
     Command::new(binary("powerflex-ctld"))
         .args(["--config", config.to_str().expect("utf-8")])
@@ -76,6 +93,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     std::fs::write(&key, "a site key for the controller tests\n").expect("key");
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     let port = free_port();
+    let metrics_port = free_port();
     let config = base.join("powerflex.toml");
     std::fs::write(
         &config,
@@ -85,6 +103,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
              calibration_caps_w = [700.0, 600.0]\nfailsafe_cap_w = 500.0\n\
              [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 6\nallocation_period_s = 1\nkey_file = \"{k}\"\n\
              admin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld-state\"\n\
+             metrics_listen = \"127.0.0.1:{metrics_port}\"\n\
              [agent]\nsocket = \"{b}/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n",
             k = key.display(),
             b = base.display(),
@@ -281,6 +300,30 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         report.stdout
     );
     assert_eq!(ctl_run(&["report", "--job", "999"]).code, Some(1));
+    let events = ctl_run(&["events", "--format", "json"]);
+    assert_eq!(events.stdout.trim(), "[]", "the cancelled event is gone");
+
+    // Prometheus text on loopback: the budget in force and the job's cap.
+    let metrics = http_get(metrics_port, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(metrics.contains("powerflex_budget_watts 3200"), "{metrics}");
+    assert!(
+        metrics.contains("powerflex_job_cap_watts{job=\"77\""),
+        "{metrics}"
+    );
+    assert!(http_get(metrics_port, "/nope").starts_with("HTTP/1.1 404"));
+
+    // The plot: an SVG of the history since the restart (kept in memory) with the job's caps.
+    let svg_path = base.join("history.svg");
+    let plot = ctl_run(&["plot", "--out", svg_path.to_str().expect("utf-8")]);
+    assert_eq!(plot.code, Some(0), "{}", plot.stderr);
+    assert!(plot.stdout.contains("1 jobs"), "{}", plot.stdout);
+    let svg = std::fs::read_to_string(&svg_path).expect("svg written");
+    assert!(svg.starts_with("<svg") && svg.contains(">job 77<") && svg.contains("SIMULATED"));
+    assert!(svg.matches("<polyline").count() >= 3, "{svg}");
+    let png = ctl_run(&["plot", "--out", "x.png"]);
+    assert_eq!(png.code, Some(1));
+    assert!(png.stderr.contains("only SVG"), "{}", png.stderr);
 
     // A message sealed with another key is refused and logged.
     use std::io::Write as _;

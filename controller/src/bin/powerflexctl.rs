@@ -161,6 +161,28 @@ enum Command {
         #[command(subcommand)]
         action: BudgetAction,
     },
+    /// Scheduled and running grid events (same as `event list`).
+    Events {
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Draw budget vs draw over time and each job's cap as an SVG (from the controller's
+    /// in-memory history: one sample per allocation period, the last 8,640).
+    Plot {
+        /// Where to write the picture; must end in .svg.
+        #[arg(long, value_name = "FILE.svg")]
+        out: String,
+        /// Title printed at the top.
+        #[arg(
+            long,
+            default_value = "powerflex: facility budget, GPU draw and per-job caps"
+        )]
+        title: String,
+        #[command(flatten)]
+        ctld: CtldArgs,
+    },
     /// Grid events (adding and cancelling needs root).
     Event {
         #[command(subcommand)]
@@ -342,6 +364,32 @@ fn render_status(s: &serde_json::Value) -> String {
     out.push('\n');
     out.push_str(&render_jobs(s));
     out
+}
+
+fn list_events(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
+    let status = admin(args, AdminOp::Status)?.unwrap_or_default();
+    match format {
+        Format::Json => json(&status["events"]),
+        Format::Table => {
+            let mut t = powerflex_controller::table::Table::new([
+                "id",
+                "cut",
+                "start (unix ms)",
+                "duration",
+                "ramp",
+            ]);
+            for e in status["events"].as_array().into_iter().flatten() {
+                t.row([
+                    e["id"].to_string(),
+                    e["cut"].to_string(),
+                    e["start_ms"].to_string(),
+                    format!("{} s", e["duration_ms"].as_u64().unwrap_or(0) / 1000),
+                    format!("{} s", e["ramp_ms"].as_u64().unwrap_or(0) / 1000),
+                ]);
+            }
+            Ok(t.render())
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -594,36 +642,45 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 .unwrap_or_default();
                 Ok(format!("event {} scheduled\n", reply["id"]))
             }
-            EventAction::List { ctld: args, format } => {
-                let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
-                match format {
-                    Format::Json => json(&status["events"]),
-                    Format::Table => {
-                        let mut t = powerflex_controller::table::Table::new([
-                            "id",
-                            "cut",
-                            "start (unix ms)",
-                            "duration",
-                            "ramp",
-                        ]);
-                        for e in status["events"].as_array().into_iter().flatten() {
-                            t.row([
-                                e["id"].to_string(),
-                                e["cut"].to_string(),
-                                e["start_ms"].to_string(),
-                                format!("{} s", e["duration_ms"].as_u64().unwrap_or(0) / 1000),
-                                format!("{} s", e["ramp_ms"].as_u64().unwrap_or(0) / 1000),
-                            ]);
-                        }
-                        Ok(t.render())
-                    }
-                }
-            }
+            EventAction::List { ctld: args, format } => list_events(&args, format),
             EventAction::Cancel { id, ctld: args } => {
                 admin(&args, AdminOp::EventCancel { id })?;
                 Ok(format!("event {id} cancelled\n"))
             }
         },
+        Command::Events { ctld: args, format } => list_events(&args, format),
+        Command::Plot {
+            out,
+            title,
+            ctld: args,
+        } => {
+            let extension = std::path::Path::new(&out)
+                .extension()
+                .and_then(|e| e.to_str())
+                .map(str::to_ascii_lowercase);
+            if extension.as_deref() != Some("svg") {
+                return Err(CtlError::Usage(format!(
+                    "--out {out}: only SVG is written (name the file *.svg); open it in a browser or convert it with rsvg-convert"
+                )));
+            }
+            let history = admin(&args, AdminOp::History)?.unwrap_or_default();
+            let samples: Vec<ctld::Sample> = serde_json::from_value(history).map_err(|e| {
+                CtlError::Usage(format!("the controller's history is not understood: {e}"))
+            })?;
+            let svg = powerflex_controller::plot::render_svg(&samples, &title)
+                .map_err(|e| CtlError::Usage(e.to_string()))?;
+            std::fs::write(&out, svg).map_err(|source| CtlError::Write {
+                path: out.clone(),
+                source,
+            })?;
+            let jobs: std::collections::BTreeSet<&String> =
+                samples.iter().flat_map(|s| s.caps.keys()).collect();
+            Ok(format!(
+                "wrote {out}: {} samples, {} jobs\n",
+                samples.len(),
+                jobs.len()
+            ))
+        }
         Command::SynthCurves { paper, noise, seed } => {
             if !(noise.is_finite() && (0.0..0.5).contains(&noise)) {
                 return Err(CtlError::Usage(format!(

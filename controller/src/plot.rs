@@ -1,0 +1,375 @@
+//! `powerflexctl plot`: the controller's history as an SVG — budget against draw on top,
+//! each job's per-GPU cap below, on one time axis.
+//!
+//! SVG is text, so it is written by hand here instead of pulling in a plotting crate;
+//! every browser and image viewer opens it. Pure: samples in, a document out.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::ctld::Sample;
+
+const WIDTH: f64 = 960.0;
+const HEIGHT: f64 = 640.0;
+const LEFT: f64 = 80.0;
+const RIGHT: f64 = 180.0;
+const TOP_PANEL: (f64, f64) = (60.0, 320.0);
+const BOTTOM_PANEL: (f64, f64) = (370.0, 590.0);
+/// Enough colours to tell a dozen jobs apart; past that they repeat with a dash.
+const PALETTE: [&str; 12] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#393b79", "#637939",
+];
+/// Most job lines drawn; the rest are counted in the legend.
+const MAX_JOBS: usize = 24;
+
+/// Errors of plotting: only "nothing to plot".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NoSamples;
+
+impl std::fmt::Display for NoSamples {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the controller has no history yet (it records one sample per allocation period); try again in a few seconds")
+    }
+}
+
+/// "Nice" tick step (1, 2 or 5 × 10^k) giving about `count` ticks over `span`.
+fn tick_step(span: f64, count: f64) -> f64 {
+    let raw = (span / count).max(f64::MIN_POSITIVE);
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let fraction = raw / magnitude;
+    let nice = if fraction <= 1.0 {
+        1.0
+    } else if fraction <= 2.0 {
+        2.0
+    } else if fraction <= 5.0 {
+        5.0
+    } else {
+        10.0
+    };
+    nice * magnitude
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// Power in the unit that keeps the numbers short.
+fn power_unit(max_w: f64) -> (f64, &'static str) {
+    if max_w >= 2e6 {
+        (1e6, "MW")
+    } else if max_w >= 2e3 {
+        (1e3, "kW")
+    } else {
+        (1.0, "W")
+    }
+}
+
+struct Axis {
+    t0_ms: u64,
+    span_s: f64,
+}
+
+impl Axis {
+    fn x(&self, t_ms: u64) -> f64 {
+        let s = t_ms.saturating_sub(self.t0_ms) as f64 / 1000.0;
+        LEFT + s / self.span_s * (WIDTH - LEFT - RIGHT)
+    }
+}
+
+fn y_of(value: f64, (lo, hi): (f64, f64), (top, bottom): (f64, f64)) -> f64 {
+    bottom - (value - lo) / (hi - lo) * (bottom - top)
+}
+
+/// Draws a panel's frame, its y ticks (in `scale` units) and the shared x ticks.
+fn frame(
+    out: &mut String,
+    axis: &Axis,
+    range: (f64, f64),
+    panel: (f64, f64),
+    scale: f64,
+    y_label: &str,
+) {
+    let (top, bottom) = panel;
+    let right = WIDTH - RIGHT;
+    let _ = writeln!(
+        out,
+        r##"<rect x="{LEFT}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#444"/>"##,
+        w = right - LEFT,
+        h = bottom - top
+    );
+    let step = tick_step((range.1 - range.0) / scale, 5.0) * scale;
+    let mut v = (range.0 / step).ceil() * step;
+    while v <= range.1 + step * 1e-9 {
+        let y = y_of(v, range, panel);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{LEFT}" y1="{y:.1}" x2="{right}" y2="{y:.1}" stroke="#ddd"/><text x="{tx}" y="{ty:.1}" text-anchor="end" font-size="11">{label}</text>"##,
+            tx = LEFT - 6.0,
+            ty = y + 4.0,
+            label = trim_number(v / scale)
+        );
+        v += step;
+    }
+    let step_s = tick_step(axis.span_s, 8.0);
+    let mut s = 0.0;
+    while s <= axis.span_s + step_s * 1e-9 {
+        let x = LEFT + s / axis.span_s * (right - LEFT);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{x:.1}" y1="{bottom}" x2="{x:.1}" y2="{b2}" stroke="#444"/><text x="{x:.1}" y="{ty}" text-anchor="middle" font-size="11">{label}</text>"##,
+            b2 = bottom + 4.0,
+            ty = bottom + 16.0,
+            label = trim_number(s)
+        );
+        s += step_s;
+    }
+    let _ = writeln!(
+        out,
+        r#"<text x="18" y="{my:.1}" font-size="12" transform="rotate(-90 18 {my:.1})" text-anchor="middle">{label}</text>"#,
+        my = (top + bottom) / 2.0,
+        label = escape(y_label)
+    );
+}
+
+fn trim_number(v: f64) -> String {
+    let text = format!("{v:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    if text == "-0" {
+        "0".into()
+    } else {
+        text.into()
+    }
+}
+
+/// A polyline through `points`; with `step`, a staircase (values hold until the next
+/// sample, which is how the budget and caps behave).
+fn polyline(
+    points: &[(f64, f64)],
+    colour: &str,
+    width: f64,
+    dash: Option<&str>,
+    step: bool,
+) -> String {
+    let mut coords = String::new();
+    let mut previous: Option<(f64, f64)> = None;
+    for &(x, y) in points {
+        if let (true, Some((_, py))) = (step, previous) {
+            let _ = write!(coords, "{x:.1},{py:.1} ");
+        }
+        let _ = write!(coords, "{x:.1},{y:.1} ");
+        previous = Some((x, y));
+    }
+    let dash = dash.map_or(String::new(), |d| format!(r#" stroke-dasharray="{d}""#));
+    format!(
+        r#"<polyline fill="none" stroke="{colour}" stroke-width="{width}"{dash} points="{}"/>"#,
+        coords.trim_end()
+    )
+}
+
+fn legend_entry(out: &mut String, y: f64, colour: &str, dash: Option<&str>, label: &str) {
+    let x = WIDTH - RIGHT + 14.0;
+    let dash = dash.map_or(String::new(), |d| format!(r#" stroke-dasharray="{d}""#));
+    let _ = writeln!(
+        out,
+        r#"<line x1="{x}" y1="{y}" x2="{x2}" y2="{y}" stroke="{colour}" stroke-width="2"{dash}/><text x="{tx}" y="{ty}" font-size="11">{label}</text>"#,
+        x2 = x + 22.0,
+        tx = x + 28.0,
+        ty = y + 4.0,
+        label = escape(label)
+    );
+}
+
+/// Renders the samples (oldest first) as a standalone SVG document.
+pub fn render_svg(samples: &[Sample], title: &str) -> Result<String, NoSamples> {
+    let (Some(first), Some(last)) = (samples.first(), samples.last()) else {
+        return Err(NoSamples);
+    };
+    let axis = Axis {
+        t0_ms: first.t_ms,
+        span_s: ((last.t_ms.saturating_sub(first.t_ms)) as f64 / 1000.0).max(1.0),
+    };
+    let simulated = samples.iter().any(|s| s.simulated);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif">"#
+    );
+    let _ = writeln!(
+        out,
+        r#"<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        escape(title)
+    );
+    let _ = writeln!(
+        out,
+        r##"<text x="{LEFT}" y="44" font-size="12" fill="#555">{} samples over {} s{}</text>"##,
+        samples.len(),
+        trim_number(axis.span_s),
+        if simulated {
+            " · SIMULATED GPUs (powerflex-sim)"
+        } else {
+            ""
+        }
+    );
+
+    // Top panel: budget and draw.
+    let max_power = samples
+        .iter()
+        .map(|s| s.budget_w.max(s.draw_w))
+        .fold(0.0, f64::max)
+        .max(1.0);
+    let (scale, unit) = power_unit(max_power);
+    let power_range = (0.0, max_power * 1.08);
+    frame(
+        &mut out,
+        &axis,
+        power_range,
+        TOP_PANEL,
+        scale,
+        &format!("GPU power ({unit})"),
+    );
+    let budget: Vec<(f64, f64)> = samples
+        .iter()
+        .map(|s| (axis.x(s.t_ms), y_of(s.budget_w, power_range, TOP_PANEL)))
+        .collect();
+    let draw: Vec<(f64, f64)> = samples
+        .iter()
+        .map(|s| (axis.x(s.t_ms), y_of(s.draw_w, power_range, TOP_PANEL)))
+        .collect();
+    out.push_str(&polyline(&budget, "#d62728", 2.0, Some("6 3"), true));
+    out.push('\n');
+    out.push_str(&polyline(&draw, "#1f77b4", 2.0, None, false));
+    out.push('\n');
+    legend_entry(
+        &mut out,
+        TOP_PANEL.0 + 14.0,
+        "#d62728",
+        Some("6 3"),
+        "budget",
+    );
+    legend_entry(&mut out, TOP_PANEL.0 + 32.0, "#1f77b4", None, "draw");
+
+    // Bottom panel: per-job caps. A job's line breaks where it has no cap.
+    let mut jobs: BTreeMap<&str, Vec<Option<(u64, f64)>>> = BTreeMap::new();
+    for (i, s) in samples.iter().enumerate() {
+        for (job, &cap) in &s.caps {
+            let series = jobs
+                .entry(job.as_str())
+                .or_insert_with(|| vec![None; samples.len()]);
+            series[i] = Some((s.t_ms, cap));
+        }
+    }
+    let max_cap = samples
+        .iter()
+        .flat_map(|s| s.caps.values().copied())
+        .fold(0.0, f64::max)
+        .max(1.0);
+    let cap_range = (0.0, max_cap * 1.08);
+    frame(
+        &mut out,
+        &axis,
+        cap_range,
+        BOTTOM_PANEL,
+        1.0,
+        "per-GPU cap (W)",
+    );
+    let mut legend_y = BOTTOM_PANEL.0 + 14.0;
+    for (n, (job, series)) in jobs.iter().take(MAX_JOBS).enumerate() {
+        let colour = PALETTE[n % PALETTE.len()];
+        let dash = (n >= PALETTE.len()).then_some("4 2");
+        let mut run: Vec<(f64, f64)> = Vec::new();
+        for point in series.iter().chain(std::iter::once(&None)) {
+            match point {
+                Some((t, cap)) => run.push((axis.x(*t), y_of(*cap, cap_range, BOTTOM_PANEL))),
+                None if !run.is_empty() => {
+                    out.push_str(&polyline(&run, colour, 1.5, dash, true));
+                    out.push('\n');
+                    run.clear();
+                }
+                None => {}
+            }
+        }
+        if legend_y < HEIGHT - 20.0 {
+            legend_entry(&mut out, legend_y, colour, dash, &format!("job {job}"));
+            legend_y += 18.0;
+        }
+    }
+    if jobs.len() > MAX_JOBS {
+        let _ = writeln!(
+            out,
+            r#"<text x="{x}" y="{legend_y}" font-size="11">+{} more jobs not drawn</text>"#,
+            jobs.len() - MAX_JOBS,
+            x = WIDTH - RIGHT + 14.0
+        );
+    }
+    if jobs.is_empty() {
+        let _ = writeln!(
+            out,
+            r##"<text x="{x}" y="{y}" font-size="12" fill="#555" text-anchor="middle">no managed jobs in this period</text>"##,
+            x = (LEFT + WIDTH - RIGHT) / 2.0,
+            y = (BOTTOM_PANEL.0 + BOTTOM_PANEL.1) / 2.0
+        );
+    }
+    let _ = writeln!(
+        out,
+        r#"<text x="{x}" y="{y}" font-size="12" text-anchor="middle">seconds since {t0} (Unix ms)</text>"#,
+        x = (LEFT + WIDTH - RIGHT) / 2.0,
+        y = HEIGHT - 16.0,
+        t0 = first.t_ms
+    );
+    out.push_str("</svg>\n");
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(t_ms: u64, budget_w: f64, draw_w: f64, caps: &[(&str, f64)]) -> Sample {
+        Sample {
+            t_ms,
+            budget_w,
+            draw_w,
+            caps: caps.iter().map(|(j, c)| (j.to_string(), *c)).collect(),
+            simulated: true,
+        }
+    }
+
+    #[test]
+    fn nothing_to_plot_is_an_error_not_an_empty_picture() {
+        assert_eq!(render_svg(&[], "t"), Err(NoSamples));
+    }
+
+    #[test]
+    fn draws_budget_draw_and_one_line_per_job_with_gaps() {
+        let samples = [
+            sample(1_000, 4000.0, 3500.0, &[("7", 700.0)]),
+            sample(2_000, 2000.0, 1900.0, &[("7", 350.0), ("8", 300.0)]),
+            sample(3_000, 2000.0, 1950.0, &[("8", 300.0)]),
+            sample(4_000, 2000.0, 1950.0, &[("7", 400.0), ("8", 300.0)]),
+        ];
+        let svg = render_svg(&samples, "site <a&b>").expect("svg");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("site &lt;a&amp;b&gt;"), "title is escaped");
+        assert!(svg.contains("SIMULATED"));
+        assert!(svg.contains("GPU power (kW)"));
+        assert!(svg.contains(">job 7<") && svg.contains(">job 8<"));
+        // budget + draw + job 7 in two runs (gap at t=3 s) + job 8 in one run.
+        assert_eq!(svg.matches("<polyline").count(), 5);
+        // The budget staircase starts at the left edge at 4 kW of a 4.32 kW axis.
+        let top = y_of(4000.0, (0.0, 4000.0 * 1.08), TOP_PANEL);
+        assert!(svg.contains(&format!("{LEFT:.1},{top:.1}")), "{svg}");
+    }
+
+    #[test]
+    fn ticks_are_round_numbers() {
+        assert_eq!(tick_step(100.0, 5.0), 20.0);
+        assert_eq!(tick_step(850_000.0, 5.0), 200_000.0);
+        assert_eq!(tick_step(7.0, 8.0), 1.0);
+        assert_eq!(trim_number(1.50), "1.5");
+        assert_eq!(trim_number(-0.0), "0");
+    }
+}
