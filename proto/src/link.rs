@@ -240,4 +240,32 @@ mod tests {
             Err(LinkError::BadMac { .. })
         ));
     }
+
+    /// The MAC covers the re-serialised envelope, so every float must survive
+    /// text -> f64 -> text unchanged; serde_json's default (fast, approximate) float
+    /// parser does not guarantee that, which once made reports with measured powers fail
+    /// authentication at random.
+    #[test]
+    fn any_float_survives_the_round_trip_the_mac_depends_on() {
+        use proptest::prelude::*;
+        proptest!(|(power in 0.0f64..1e7, cap in 100.0f64..1000.0, t in 0.0f64..1e6)| {
+            let body = Body::Report {
+                jobs: vec![JobReport {
+                    job_id: "1".into(),
+                    tier: "flex1".into(),
+                    gpus: 8,
+                    cap_w: Some(cap),
+                    power_w: Some(power),
+                    throughput: Some(t),
+                    pfi: Some(t / 1e6),
+                    pfi_source: Some("measured".into()),
+                    points: vec![[cap, power, t]],
+                }],
+                power_w: power * 0.97,
+                failsafe: false,
+            };
+            let e = Envelope::seal(KEY, "n1", 2, 5_000, body).expect("seal");
+            prop_assert_eq!(Envelope::open(KEY, &e.to_line(), 1, 5_000), Ok(e));
+        });
+    }
 }
