@@ -274,39 +274,51 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
     while !shutdown.load(Ordering::SeqCst) {
         select! {
             recv(rx) -> msg => {
-                let Ok(msg) = msg else { break };
-                match msg {
-                    Inbound::Hello { node, gpus, writer } => {
-                        info!(node = %node, gpus = gpus.len(), "agent connected");
-                        let s = sessions.entry(node.clone()).or_insert_with(|| Session {
-                            view: NodeView { node: node.clone(), gpus: Vec::new(), jobs: Vec::new(), power_w: 0.0, live: true },
-                            last_seen_ms: 0,
-                            writer: None,
-                        });
-                        s.view.gpus = gpus;
-                        s.writer = Some(writer);
-                        s.last_seen_ms = unix_ms();
-                        allocate_now = true;
+                let Ok(first) = msg else { break };
+                // Drain what else is queued before allocating: a thousand agents
+                // connecting at once then cost one allocation, not a thousand.
+                let mut batch = vec![first];
+                while batch.len() < 8192 {
+                    match rx.try_recv() {
+                        Ok(more) => batch.push(more),
+                        Err(_) => break,
                     }
-                    Inbound::Report { node, jobs, power_w } => {
-                        if let Some(s) = sessions.get_mut(&node) {
-                            let changed = s.view.jobs.iter().map(|j| &j.job_id).ne(jobs.iter().map(|j| &j.job_id));
-                            s.view.jobs = jobs;
-                            s.view.power_w = power_w;
+                }
+                for msg in batch {
+                    match msg {
+                        Inbound::Hello { node, gpus, writer } => {
+                            info!(node = %node, gpus = gpus.len(), "agent connected");
+                            let s = sessions.entry(node.clone()).or_insert_with(|| Session {
+                                view: NodeView { node: node.clone(), gpus: Vec::new(), jobs: Vec::new(), power_w: 0.0, live: true },
+                                last_seen_ms: 0,
+                                writer: None,
+                            });
+                            s.view.gpus = gpus;
+                            s.writer = Some(writer);
                             s.last_seen_ms = unix_ms();
-                            allocate_now |= changed;
-                        }
-                    }
-                    Inbound::Admin { op: AdminOp::History, reply, .. } => {
-                        let samples: Vec<&Sample> = history.iter().collect();
-                        let _ = reply.send(AdminReply::ok(serde_json::to_value(samples).ok()));
-                    }
-                    Inbound::Admin { op, uid, reply } => {
-                        let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref());
-                        if answer.ok {
                             allocate_now = true;
                         }
-                        let _ = reply.send(answer);
+                        Inbound::Report { node, jobs, power_w } => {
+                            if let Some(s) = sessions.get_mut(&node) {
+                                let changed = s.view.jobs.iter().map(|j| &j.job_id).ne(jobs.iter().map(|j| &j.job_id));
+                                s.view.jobs = jobs;
+                                s.view.power_w = power_w;
+                                s.last_seen_ms = unix_ms();
+                                allocate_now |= changed;
+                            }
+                        }
+                        Inbound::Admin { op: AdminOp::History, reply, .. } => {
+                            let samples: Vec<&Sample> = history.iter().collect();
+                            let _ = reply.send(AdminReply::ok(serde_json::to_value(samples).ok()));
+                        }
+                        Inbound::Admin { op, uid, reply } => {
+                            let changes = !matches!(op, AdminOp::Status | AdminOp::History);
+                            let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref());
+                            if answer.ok && changes {
+                                allocate_now = true;
+                            }
+                            let _ = reply.send(answer);
+                        }
                     }
                 }
             }
@@ -507,7 +519,7 @@ fn spawn_annotator() -> Sender<(String, String)> {
     let (tx, rx) = unbounded::<(String, String)>();
     std::thread::spawn(move || {
         let mut warned = false;
-        for (job, text) in rx {
+        for (job, text) in &rx {
             let outcome = std::process::Command::new("scontrol")
                 .args([
                     "update",
@@ -519,6 +531,16 @@ fn spawn_annotator() -> Sender<(String, String)> {
                 .status();
             match outcome {
                 Ok(s) if s.success() => {}
+                // No scontrol on this host: stop trying, the queue just drains.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    if !warned {
+                        info!(
+                            "scontrol is not installed here; Slurm will not show powerflex's caps"
+                        );
+                    }
+                    for _ in rx.iter() {}
+                    return;
+                }
                 Ok(_) | Err(_) if !warned => {
                     warned = true;
                     info!(job_id = %job, "scontrol cannot annotate jobs here; Slurm will not show powerflex's caps");
