@@ -196,6 +196,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use powerflex_core::allocate::FloorStatus;
 
     fn gpu(i: u32) -> GpuInfo {
         GpuInfo {
@@ -310,5 +311,59 @@ mod tests {
         let d = decide(&nodes, Watts(4000.0), &settings());
         let cap = d.leases["n1"]["5"];
         assert!(cap < 700.0 && cap * 8.0 <= 4000.0 + 1e-6, "{cap}");
+    }
+
+    #[test]
+    fn when_floors_cannot_all_hold_lower_tiers_give_way_first() {
+        // One 4-GPU job per tier, all on the same PFI-2 curve measured down to 300 W
+        // (their lowest cap). Floors need 2800 (flex0) + 2240 (flex1, cap 560) + 1400
+        // (flex2, cap 350) + 1200 (flex3 at 300 W, within its 50 %) = 7640 W; the budget
+        // is 6600 W. flex2 gives way to 300 W (1200 W), then flex1 takes what is left
+        // (1400 W, cap 350 W) and flex0 keeps 700 W.
+        let nodes: Vec<NodeView> = ["flex0", "flex1", "flex2", "flex3"]
+            .iter()
+            .enumerate()
+            .map(|(i, tier)| NodeView {
+                node: format!("n{i}"),
+                gpus: (0..4).map(gpu).collect(),
+                jobs: vec![report(&format!("{i}"), tier, 4, 2800.0, points(4.0))],
+                power_w: 2800.0,
+                live: true,
+            })
+            .collect();
+        let d = decide(&nodes, Watts(6600.0), &settings());
+        let a = d.allocation.expect("allocation");
+        let floor = |id: &str| {
+            a.jobs
+                .iter()
+                .find(|j| j.id == id)
+                .map(|j| j.floor)
+                .expect("job")
+        };
+        assert!(
+            !matches!(floor("0"), FloorStatus::Broken { .. }),
+            "flex0 gives way last: {:?}",
+            floor("0")
+        );
+        assert!(
+            matches!(floor("2"), FloorStatus::Broken { .. }),
+            "flex2 gives way before flex1"
+        );
+        assert!(
+            !matches!(floor("3"), FloorStatus::Broken { .. }),
+            "flex3's 50 % bound holds even at its lowest cap"
+        );
+        assert_eq!(d.leases["n0"]["0"], 700.0);
+        assert_eq!(
+            d.leases["n2"]["2"], 300.0,
+            "flex2 is taken to its lowest cap first"
+        );
+        assert!(matches!(floor("1"), FloorStatus::Broken { .. }));
+        assert_eq!(
+            d.leases["n1"]["1"], 350.0,
+            "then flex1 gives up what is still short"
+        );
+        let granted: f64 = a.jobs.iter().map(|j| j.power_w.0).sum();
+        assert!(granted <= 6600.0 + 1e-6, "{granted} W");
     }
 }

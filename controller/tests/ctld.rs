@@ -355,6 +355,37 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         },
     );
 
+    // A correctly signed message sent twice: the copy is a replay. An unsigned one
+    // fails authentication. Both are refused and logged, and the connection stays usable.
+    let key_bytes = std::fs::read(&key).expect("key");
+    let hello = powerflex_proto::link::Envelope::seal(
+        key_bytes.trim_ascii(),
+        "ghost",
+        5,
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as u64,
+        powerflex_proto::link::Body::Hello { gpus: vec![] },
+    )
+    .expect("seal");
+    raw.write_all(hello.to_line().as_bytes()).expect("send");
+    raw.write_all(hello.to_line().as_bytes()).expect("replay");
+    let mut unsigned = hello.clone();
+    unsigned.seq = 6;
+    unsigned.mac = String::new();
+    raw.write_all(unsigned.to_line().as_bytes()).expect("send");
+    wait_until(
+        "the replay and the unsigned message in the log",
+        Duration::from_secs(10),
+        || {
+            let log = std::fs::read_to_string(base.join("ctld2.log")).ok()?;
+            (log.contains("message from ghost replayed")
+                && log.contains("message from ghost fails authentication"))
+            .then_some(())
+        },
+    );
+
     // An agent that disappears: after its lease it counts at its fail-safe cap and the
     // rest of the budget goes to the live node.
     procs.0[3].kill().expect("kill agent n2");
