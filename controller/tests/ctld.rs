@@ -282,6 +282,12 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     );
 
     // The views an admin reads.
+    let status = ctl_run(&["status"]);
+    assert!(
+        status.stdout.starts_with("budget 3200 W") && status.stdout.contains("flex3"),
+        "{}",
+        status.stdout
+    );
     let jobs = ctl_run(&["jobs"]);
     assert!(
         jobs.stdout.contains("77") && jobs.stdout.contains("n1,n2"),

@@ -360,6 +360,74 @@ fn render_status(s: &serde_json::Value) -> String {
     if let Some(e) = s["active_event"].as_object() {
         out.push_str(&format!("active event {}: {}\n", e["id"], e["cut"]));
     }
+    let jobs: Vec<&serde_json::Value> = s["jobs"].as_array().into_iter().flatten().collect();
+    let broken: Vec<String> = jobs
+        .iter()
+        .filter(|j| j["floor"]["state"] == "broken")
+        .map(|j| {
+            format!(
+                "{} ({}) by {:.1}%",
+                j["job"].as_str().unwrap_or(""),
+                j["tier"].as_str().unwrap_or(""),
+                j["floor"]["excess"].as_f64().unwrap_or(0.0) * 100.0
+            )
+        })
+        .collect();
+    if !broken.is_empty() {
+        out.push_str(&format!(
+            "OVER THEIR BOUND ({} jobs; the budget cannot hold every tier): {}\n",
+            broken.len(),
+            broken.join(", ")
+        ));
+    }
+    if let Some(short) = s["over_budget_w"].as_f64().filter(|&w| w > 0.0) {
+        out.push_str(&format!(
+            "SHORT {}: every managed job is at its lowest cap\n",
+            Watts(short)
+        ));
+    }
+    // Per tier: how many jobs and GPUs, the cap range, bounds broken.
+    let mut tiers: std::collections::BTreeMap<String, (usize, u64, f64, f64, usize)> =
+        std::collections::BTreeMap::new();
+    for j in &jobs {
+        let tier = j["tier"].as_str().unwrap_or("-");
+        let tier = tier.split(',').next().unwrap_or(tier).to_string();
+        let e = tiers
+            .entry(tier)
+            .or_insert((0, 0, f64::INFINITY, f64::NEG_INFINITY, 0));
+        e.0 += 1;
+        e.1 += j["gpus"].as_u64().unwrap_or(0);
+        if let Some(cap) = j["cap_w"].as_f64() {
+            e.2 = e.2.min(cap);
+            e.3 = e.3.max(cap);
+        }
+        e.4 += usize::from(j["floor"]["state"] == "broken");
+    }
+    if !tiers.is_empty() {
+        let mut t = powerflex_controller::table::Table::new([
+            "tier",
+            "jobs",
+            "gpus",
+            "caps",
+            "bounds broken",
+        ]);
+        for (tier, (n, gpus, lo, hi, broken)) in tiers {
+            let caps = if lo.is_finite() {
+                format!("{lo:.0}-{hi:.0} W")
+            } else {
+                "-".into()
+            };
+            t.row([
+                tier,
+                n.to_string(),
+                gpus.to_string(),
+                caps,
+                broken.to_string(),
+            ]);
+        }
+        out.push_str(&t.render());
+        out.push('\n');
+    }
     out.push_str(&render_nodes(s));
     out.push('\n');
     out.push_str(&render_jobs(s));
