@@ -1,0 +1,327 @@
+//! Closed loop on real Slurm: slurmctld + 3 slurmd nodes with 8 SIMULATED H200s each, the
+//! plugin, an agent per node and the controller. Four training jobs with different tiers
+//! and profiles calibrate; a 30 % grid event with a ramp is met — the draw sampled from the
+//! simulated GPUs stays within the budget after the ramp, every job's slowdown within its
+//! tier's bound, flex0 never capped — and when the jobs end every GPU is back at its
+//! default cap. An invalid tier is refused at submission; no node drains.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use powerflex::slurm::{Cluster, ClusterOptions};
+use powerflex::{binary, cargo_build, profile_dir, run, wait_until};
+use powerflex_sim::state::Node;
+
+const GPUS_PER_NODE: u32 = 8;
+const DEFAULT_CAP_MW: u32 = 700_000;
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn draw_w(sims: &[Node]) -> f64 {
+    sims.iter()
+        .flat_map(|n| {
+            (0..GPUS_PER_NODE)
+                .map(move |g| f64::from(n.reading(g).expect("reading").1.power_mw) / 1000.0)
+        })
+        .sum()
+}
+
+fn all_caps_mw(sims: &[Node]) -> Vec<u32> {
+    sims.iter()
+        .flat_map(|n| (0..GPUS_PER_NODE).map(move |g| n.gpu(g).expect("gpu").power_limit_mw))
+        .collect()
+}
+
+/// The job's line in `powerflexctl jobs --format json`.
+fn job_view(ctl: &Path, socket: &str, id: u32) -> Option<serde_json::Value> {
+    let out = run(ctl, &["jobs", "--format", "json", "--socket", socket]);
+    let jobs: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
+    jobs.as_array()?
+        .iter()
+        .find(|j| j["job"].as_str() == Some(id.to_string().as_str()))
+        .cloned()
+}
+
+#[test]
+fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
+    cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
+    let (agent, ctld, ctl, simjob) = (
+        binary("powerflexd"),
+        binary("powerflex-ctld"),
+        binary("powerflexctl"),
+        binary("powerflex-simjob"),
+    );
+    let base = std::env::temp_dir().join(format!("pf-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(base.join("agent")).expect("dir");
+    let key = base.join("site.key");
+    std::fs::write(&key, "end-to-end test site key, loopback\n").expect("key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let site = base.join("powerflex.toml");
+    std::fs::write(
+        &site,
+        format!(
+            "[facility]\ngpu_budget_w = 16800.0\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
+             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
+             calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0]\nfailsafe_cap_w = 500.0\n\
+             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 10\nallocation_period_s = 1\nkey_file = \"{k}\"\n\
+             admin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld\"\n\
+             [agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n\
+             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 5.0\n",
+            k = key.display(),
+            b = base.display(),
+            lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
+        ),
+    )
+    .expect("site");
+    let cluster = Cluster::start(
+        "e2e",
+        ClusterOptions {
+            nodes: 3,
+            gpus_per_node: GPUS_PER_NODE,
+            cpus_per_node: 8,
+            plugstack: Some(format!(
+                "optional {} site={} socket={}/agent/%n.sock timeout_ms=500\n",
+                profile_dir().join("libpower_flex.so").display(),
+                site.display(),
+                base.display()
+            )),
+            ..ClusterOptions::default()
+        },
+    );
+    let mut procs = Procs(Vec::new());
+    let mut ctld_cmd = Command::new(&ctld);
+    ctld_cmd
+        .args(["--config", site.to_str().expect("utf-8")])
+        .stderr(std::fs::File::create(base.join("ctld.log")).expect("log"));
+    for (k, v) in cluster.env() {
+        ctld_cmd.env(k, v);
+    }
+    procs.0.push(ctld_cmd.spawn().expect("ctld"));
+    let mut sims = Vec::new();
+    for node in cluster.node_names().to_vec() {
+        let sim = Node::init(
+            &base.join("sim").join(&node),
+            &node,
+            "H200",
+            GPUS_PER_NODE,
+            true,
+        )
+        .expect("sim");
+        procs.0.push(
+            Command::new(&agent)
+                .args([
+                    "--config",
+                    site.to_str().expect("utf-8"),
+                    "--node",
+                    &node,
+                    "--sample-interval-ms",
+                    "250",
+                ])
+                .env("POWERFLEX_SIM_DIR", sim.dir())
+                .stderr(std::fs::File::create(base.join(format!("agent-{node}.log"))).expect("log"))
+                .spawn()
+                .expect("agent"),
+        );
+        let sock = base.join("agent").join(format!("{node}.sock"));
+        wait_until("agent socket", Duration::from_secs(20), || {
+            std::os::unix::net::UnixStream::connect(&sock)
+                .is_ok()
+                .then_some(())
+        });
+        sims.push(sim);
+    }
+    let socket = base.join("ctld.sock").to_str().expect("utf-8").to_string();
+    wait_until(
+        "the controller's admin socket",
+        Duration::from_secs(20),
+        || Path::new(&socket).exists().then_some(()),
+    );
+
+    // An invalid tier is refused at submission, with the accepted values.
+    let refused = cluster
+        .sbatch(&["--power-flex=flex9", "--wrap", "true"], None)
+        .expect_err("flex9 must be refused");
+    assert!(refused.contains("unknown tier \"flex9\""), "{refused}");
+
+    // Simulated training: each node's task runs powerflex-simjob on its GPUs, 8,000
+    // simulated seconds (400 s of wall time at scale 20), longer than the test.
+    let training = |profile: &str| {
+        format!(
+            "srun bash -c 'POWERFLEX_SIM_DIR={}/sim/$SLURMD_NODENAME exec {} --profile {profile} --duration 8000 --time-scale 20 > /dev/null'",
+            base.display(),
+            simjob.display()
+        )
+    };
+    // (tier, bound, nodes, GPUs per node, profile)
+    let mix: [(&str, f64, u32, u32, &str); 4] = [
+        ("flex0", 0.0, 1, 4, "llama-3.1-70b-dense-pt-8g-compile"),
+        ("flex1", 0.10, 1, 4, "gpt-oss-20b-moe-ft-8g-seq4096-bs8"),
+        ("flex2", 0.25, 2, 4, "qwen3-30b-a3b-moe-ft-8g"),
+        ("flex3", 0.50, 2, 4, "llama-3.1-70b-dense-pt-16g"),
+    ];
+    let jobs: Vec<(u32, &str, f64)> = mix
+        .iter()
+        .map(|&(tier, bound, nodes, gpus, profile)| {
+            let id = cluster
+                .sbatch(
+                    &[
+                        &format!("-N{nodes}"),
+                        &format!("--gres=gpu:{gpus}"),
+                        &format!("--power-flex={tier}"),
+                        "--wrap",
+                        &training(profile),
+                    ],
+                    None,
+                )
+                .expect("sbatch");
+            (id, tier, bound)
+        })
+        .collect();
+
+    // Calibration: every capped tier's curve is measured (flex0 is never walked).
+    let started = Instant::now();
+    for &(id, tier, _) in &jobs {
+        wait_until(
+            &format!("job {id} ({tier}) at the controller with its curve"),
+            Duration::from_secs(150),
+            || {
+                let j = job_view(&ctl, &socket, id)?;
+                let measured = tier == "flex0" || j["pfi_source"] == "measured";
+                (measured && j["throughput"].as_f64().is_some()).then_some(())
+            },
+        );
+    }
+    eprintln!("calibrated in {:.0} s", started.elapsed().as_secs_f64());
+    wait_until(
+        "every cap back at the default after calibration",
+        Duration::from_secs(30),
+        || {
+            all_caps_mw(&sims)
+                .iter()
+                .all(|&c| c == DEFAULT_CAP_MW)
+                .then_some(())
+        },
+    );
+    // Each job's uncapped throughput, the reference for its slowdown: the 700 W point of
+    // its calibrated curve, or (flex0, never walked) what it does now at the default cap.
+    std::thread::sleep(Duration::from_secs(4));
+    let uncapped: Vec<f64> = jobs
+        .iter()
+        .map(|&(id, _, _)| {
+            job_view(&ctl, &socket, id)
+                .and_then(|j| {
+                    j["uncapped_throughput"]
+                        .as_f64()
+                        .or_else(|| j["throughput"].as_f64())
+                })
+                .expect("throughput before the event")
+        })
+        .collect();
+    let before_w = draw_w(&sims);
+    let target_w = (before_w * 0.7).floor();
+    let add = run(
+        &ctl,
+        &[
+            "event",
+            "add",
+            "--target",
+            &format!("{target_w}W"),
+            "--start",
+            "now",
+            "--duration",
+            "60s",
+            "--ramp",
+            "4s",
+            "--socket",
+            &socket,
+        ],
+    );
+    assert_eq!(add.code, Some(0), "{}", add.stderr);
+    // After the ramp plus the time for caps to reach the GPUs.
+    std::thread::sleep(Duration::from_secs(7));
+    let mut worst = 0.0f64;
+    let flex0 = jobs[0].0;
+    for _ in 0..20 {
+        let draw = draw_w(&sims);
+        worst = worst.max(draw);
+        assert!(
+            draw <= target_w * 1.01,
+            "draw {draw:.0} W over the {target_w:.0} W budget (uncapped {before_w:.0} W)"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!("event: uncapped {before_w:.0} W, budget {target_w:.0} W, highest draw {worst:.0} W");
+    // Slowdowns within bounds: throughput now against the job's uncapped throughput.
+    std::thread::sleep(Duration::from_secs(3));
+    for (&(id, tier, bound), &uncapped) in jobs.iter().zip(&uncapped) {
+        let j = job_view(&ctl, &socket, id).unwrap_or_else(|| {
+            let all = run(&ctl, &["jobs", "--socket", &socket]);
+            panic!(
+                "job {id} ({tier}) not at the controller during the event; slurm: {}\n{}{}",
+                cluster.job_state(id).unwrap_or_default(),
+                all.stdout,
+                all.stderr
+            )
+        });
+        let now = j["throughput"].as_f64().expect("throughput");
+        let slowdown = 1.0 - now / uncapped;
+        eprintln!(
+            "job {id} {tier}: cap {} W, slowdown {:.1} % (bound {:.0} %)",
+            j["cap_w"],
+            slowdown * 100.0,
+            bound * 100.0
+        );
+        assert!(
+            slowdown <= bound + 0.03,
+            "job {id} ({tier}) slowed {:.1} %, bound {:.0} %",
+            slowdown * 100.0,
+            bound * 100.0
+        );
+        assert_ne!(j["floor"]["state"], "broken", "job {id}: {j}");
+    }
+    // flex0 is never capped.
+    let flex0_caps: Vec<f64> = job_view(&ctl, &socket, flex0)
+        .and_then(|j| j["cap_w"].as_f64())
+        .into_iter()
+        .collect();
+    assert!(flex0_caps.iter().all(|&c| c >= 700.0), "{flex0_caps:?}");
+
+    // The jobs end: every simulated GPU returns to its default cap.
+    for &(id, _, _) in &jobs {
+        cluster.run("scancel", &[&id.to_string()]);
+    }
+    for &(id, _, _) in &jobs {
+        let state = cluster.wait_job_done(id, Duration::from_secs(60));
+        assert!(
+            matches!(state.as_str(), "CANCELLED" | "COMPLETED"),
+            "{state}"
+        );
+    }
+    wait_until(
+        "every GPU back at its default cap",
+        Duration::from_secs(30),
+        || {
+            all_caps_mw(&sims)
+                .iter()
+                .all(|&c| c == DEFAULT_CAP_MW)
+                .then_some(())
+        },
+    );
+    cluster.assert_no_node_drained();
+}
