@@ -1,6 +1,6 @@
 //! Closed loop on real Slurm: slurmctld + 3 slurmd nodes with 8 SIMULATED H200s each, the
 //! plugin, an agent per node and the controller. Four training jobs with different tiers
-//! and profiles calibrate; a 30 % grid event with a ramp is met — the draw sampled from the
+//! and profiles calibrate (measured PFI checked against the profile's); a 30 % grid event with a ramp is met — the draw sampled from the
 //! simulated GPUs stays within the budget after the ramp, every job's slowdown within its
 //! tier's bound, flex0 never capped — and when the jobs end every GPU is back at its
 //! default cap. An invalid tier is refused at submission; no node drains.
@@ -208,6 +208,37 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         );
     }
     eprintln!("calibrated in {:.0} s", started.elapsed().as_secs_f64());
+    // Each measured PFI against the profile's true PFI on the caps the agent walked.
+    let library = powerflex_sim::profiles::Library::builtin().expect("profile library");
+    for (&(id, tier, _), &(_, _, _, _, profile)) in jobs.iter().zip(&mix) {
+        if tier == "flex0" {
+            continue;
+        }
+        let j = job_view(&ctl, &socket, id).expect("job");
+        let measured = j["pfi"].as_f64().expect("measured PFI");
+        let (node, points) = j["points"]
+            .as_object()
+            .and_then(|m| m.iter().next())
+            .expect("points from a node");
+        let caps: Vec<f64> = points
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p[0].as_f64())
+            .collect();
+        let truth = library
+            .find(profile)
+            .ok()
+            .and_then(|p| p.physics.pfi_on(&caps))
+            .expect("true PFI");
+        eprintln!(
+            "job {id} {tier} {profile}: PFI measured {measured:.2}, true {truth:.2} on {caps:?} W ({node})"
+        );
+        assert!(
+            (measured - truth).abs() <= 0.1,
+            "job {id} ({profile}): measured PFI {measured:.3}, true {truth:.3}"
+        );
+    }
     wait_until(
         "every cap back at the default after calibration",
         Duration::from_secs(30),
