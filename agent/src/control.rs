@@ -89,6 +89,22 @@ pub struct Job {
     pub prior: Option<(f64, f64)>,
     /// Curve and PFI restored from a previous run of the agent.
     pub restored_pfi: Option<f64>,
+    pub restored_points: Vec<[f64; 3]>,
+}
+
+impl Job {
+    /// The calibrated points, [per-GPU cap W, job power W, throughput]: this run's walk,
+    /// or the previous run's when this one has not walked.
+    pub fn curve_points(&self) -> Vec<[f64; 3]> {
+        if self.calibration.levels.is_empty() {
+            return self.restored_points.clone();
+        }
+        self.calibration
+            .levels
+            .iter()
+            .map(|l| [l.cap.0, l.power.0, l.throughput])
+            .collect()
+    }
 }
 
 impl Job {
@@ -122,6 +138,8 @@ pub struct Agent {
     pub lease: Option<Lease>,
     /// When the agent started (controller mode: the first lease is due by start + TTL).
     pub started_at: f64,
+    /// Wall-clock time (Unix seconds) of this agent's clock zero, to persist deadlines.
+    pub clock_origin_unix_s: f64,
     /// Progress reports refused (wrong user, wrong job, malformed).
     pub progress_rejected: u64,
 }
@@ -155,6 +173,7 @@ impl Agent {
             jobs: BTreeMap::new(),
             lease: None,
             started_at: now,
+            clock_origin_unix_s: 0.0,
             progress_rejected: 0,
         }
     }
@@ -218,6 +237,7 @@ impl Agent {
             registered_at: now,
             prior: None,
             restored_pfi: None,
+            restored_points: Vec::new(),
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -606,11 +626,7 @@ impl Agent {
                             None
                         },
                         prior_pfi: j.prior.map(|p| p.1),
-                        points: cal
-                            .levels
-                            .iter()
-                            .map(|l| [l.cap.0, l.power.0, l.throughput])
-                            .collect(),
+                        points: j.curve_points(),
                         throughput: rate,
                         power_w: self.job_power(j).map(|w| w.0),
                     }

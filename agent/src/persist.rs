@@ -27,6 +27,11 @@ pub struct PersistedJob {
     pub steps: Vec<String>,
     /// PFI measured by the calibration, when done.
     pub pfi: Option<f64>,
+    /// The calibrated points, [per-GPU cap W, job power W, throughput], so a restarted
+    /// agent hands the controller the same curve (without them it would plan on a prior
+    /// and could mispredict the job's draw). Absent in files from older agents.
+    #[serde(default)]
+    pub points: Vec<[f64; 3]>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -36,6 +41,20 @@ pub struct PersistedState {
     /// GPU UUID → the limit to restore, W.
     pub saved_defaults: BTreeMap<String, Watts>,
     pub jobs: Vec<PersistedJob>,
+    /// The controller's last lease, so a restarted agent keeps its jobs at the granted
+    /// caps until the next lease instead of raising them to the default (which would put
+    /// the site over budget). Absent in files from older agents.
+    #[serde(default)]
+    pub lease: Option<PersistedLease>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PersistedLease {
+    /// Job → per-GPU cap.
+    pub caps: BTreeMap<String, Watts>,
+    /// Wall-clock expiry, seconds since the Unix epoch.
+    pub expires_unix_s: f64,
 }
 
 /// Why the state could not be read or written.
@@ -148,9 +167,18 @@ mod tests {
             gpus: vec!["GPU-1".into()],
             steps: vec!["0".into()],
             pfi: Some(1.4),
+            points: vec![[700.0, 2650.3, 1000.0], [500.0, 1988.7, 912.5]],
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));
+        // A file from an agent that did not save points still loads.
+        std::fs::write(
+            state_path(&dir),
+            br#"{"node":"n1","saved_defaults":{},"jobs":[{"job_id":"7","uid":0,"flex":"flex1","gpus":[],"steps":[],"pfi":null}]}"#,
+        )
+        .expect("write");
+        let old = load(&dir).expect("load").expect("state");
+        assert!(old.jobs[0].points.is_empty());
         std::fs::write(state_path(&dir), b"{\"node\": \"n1\", \"saved_def").expect("truncate");
         assert!(matches!(load(&dir), Err(PersistError::Corrupt { .. })));
         assert!(load(&dir).expect("moved aside").is_none());

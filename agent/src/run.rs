@@ -95,9 +95,21 @@ fn persisted(agent: &Agent) -> PersistedState {
                     .collect(),
                 steps: j.steps.iter().cloned().collect(),
                 pfi: j.calibration.pfi().or(j.restored_pfi),
+                points: j.curve_points(),
             })
             .collect(),
+        lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
+            caps: l.caps.clone(),
+            expires_unix_s: agent.clock_origin_unix_s + l.expires_at,
+        }),
     }
+}
+
+fn unix_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 fn save(state_dir: &Path, agent: &Agent) {
@@ -157,11 +169,13 @@ pub fn run(
             None
         }
     };
+    let saved_lease = saved.as_ref().and_then(|s| s.lease.clone());
     let saved_defaults: BTreeMap<String, Watts> = saved
         .as_ref()
         .map(|s| s.saved_defaults.clone())
         .unwrap_or_default();
     let mut agent = Agent::new(settings, identities, &saved_defaults, now());
+    agent.clock_origin_unix_s = unix_s() - now();
     info!(
         gpus = agent.gpus.len(),
         mode = if agent.settings.node_budget.is_some() {
@@ -201,7 +215,19 @@ pub fn run(
         }
         if let Some(j) = agent.jobs.get_mut(&job.job_id) {
             j.restored_pfi = job.pfi;
+            j.restored_points = job.points.clone();
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
+        }
+    }
+    // The previous run's lease, while it lasts, keeps the restored jobs at their caps.
+    if let Some(lease) = saved_lease {
+        let left_s = lease.expires_unix_s - unix_s();
+        if left_s > 0.0 {
+            info!(
+                jobs = lease.caps.len(),
+                left_s, "resuming the previous run's lease"
+            );
+            agent.set_lease(now(), lease.caps, left_s);
         }
     }
     save(&options.state_dir, &agent);
@@ -412,6 +438,8 @@ fn handle(msg: Inbound, agent: &mut Agent, now: f64, clock: Instant, state_dir: 
         Inbound::Lease { caps, ttl_s } => {
             info!(jobs = caps.len(), ttl_s, "lease from the controller");
             agent.set_lease(now, caps, ttl_s);
+            // A restarted agent resumes this lease (see persist::PersistedLease).
+            save(state_dir, agent);
         }
         Inbound::ProgressRefused { reason, peer } => {
             agent.progress_rejected += 1;
