@@ -78,6 +78,12 @@ pub struct CtldState {
     pub budget_w: Option<Watts>,
     pub events: Vec<Event>,
     pub next_event_id: u64,
+    /// Every node that has connected, with its GPUs. After a restart the controller
+    /// waits for these (up to half a lease) before allocating: allocating with only the
+    /// first agents to reconnect would hand them the others' watts while the others'
+    /// old leases still hold their caps, and the site would go over budget.
+    #[serde(default)]
+    pub nodes: BTreeMap<String, Vec<GpuInfo>>,
 }
 
 const STATE_FILE: &str = "ctld-state.json";
@@ -268,6 +274,33 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
     let annotator = spawn_annotator();
     let mut seq = unix_ms();
     let mut last: Option<Decision> = None;
+    // Nodes known from before a restart count as silent (at their fail-safe cap) until
+    // they reconnect, and no allocation is made until all have or half a lease passed.
+    for (node, gpus) in &state.nodes {
+        sessions.insert(
+            node.clone(),
+            Session {
+                view: NodeView {
+                    node: node.clone(),
+                    gpus: gpus.clone(),
+                    jobs: Vec::new(),
+                    power_w: 0.0,
+                    live: false,
+                },
+                last_seen_ms: 0,
+                writer: None,
+            },
+        );
+    }
+    let mut awaiting: std::collections::BTreeSet<String> = state.nodes.keys().cloned().collect();
+    let grace_until_ms = unix_ms() + (options.lease_ttl_s * 500.0) as u64;
+    if !awaiting.is_empty() {
+        info!(
+            nodes = awaiting.len(),
+            grace_s = options.lease_ttl_s / 2.0,
+            "waiting for the known agents to reconnect before allocating"
+        );
+    }
     let ticker = tick(options.period);
     let check = tick(Duration::from_millis(100));
     let mut allocate_now = true;
@@ -293,6 +326,11 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
                                 last_seen_ms: 0,
                                 writer: None,
                             });
+                            if state.nodes.get(&node) != Some(&gpus) {
+                                state.nodes.insert(node.clone(), gpus.clone());
+                                save_state(&options.state_dir, &state);
+                            }
+                            awaiting.remove(&node);
                             s.view.gpus = gpus;
                             s.writer = Some(writer);
                             s.last_seen_ms = unix_ms();
@@ -333,6 +371,14 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
         let ttl_ms = (options.lease_ttl_s * 1000.0) as u64;
         for s in sessions.values_mut() {
             s.view.live = now.saturating_sub(s.last_seen_ms) < ttl_ms;
+        }
+        if !awaiting.is_empty() {
+            if now < grace_until_ms {
+                // Their old leases still hold every cap; nothing is lost by waiting.
+                continue;
+            }
+            warn!(nodes = ?awaiting, "agents known before the restart did not reconnect; counting them at their fail-safe cap");
+            awaiting.clear();
         }
         let before = state.events.len();
         state.events.retain(|e| e.pending(now));
