@@ -2,7 +2,8 @@
 //! plugin, an agent per node and the controller. Four training jobs with different tiers
 //! and profiles calibrate (measured PFI checked against the profile's); a 30 % grid event with a ramp is met — the draw sampled from the
 //! simulated GPUs stays within the budget after the ramp, every job's slowdown within its
-//! tier's bound, flex0 never capped — and when the jobs end every GPU is back at its
+//! tier's bound, flex0 never capped, through a kill -9 of an agent and of the controller —
+//! and when the jobs end every GPU is back at its
 //! default cap. An invalid tier is refused at submission; no node drains.
 
 use std::os::unix::fs::PermissionsExt;
@@ -105,14 +106,31 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         },
     );
     let mut procs = Procs(Vec::new());
-    let mut ctld_cmd = Command::new(&ctld);
-    ctld_cmd
-        .args(["--config", site.to_str().expect("utf-8")])
-        .stderr(std::fs::File::create(base.join("ctld.log")).expect("log"));
-    for (k, v) in cluster.env() {
-        ctld_cmd.env(k, v);
-    }
-    procs.0.push(ctld_cmd.spawn().expect("ctld"));
+    let start_ctld = |log: &str| {
+        let mut cmd = Command::new(&ctld);
+        cmd.args(["--config", site.to_str().expect("utf-8")])
+            .stderr(std::fs::File::create(base.join(log)).expect("log"));
+        for (k, v) in cluster.env() {
+            cmd.env(k, v); // scontrol finds this cluster
+        }
+        cmd.spawn().expect("ctld")
+    };
+    let start_agent = |node: &str, sim: &Node, log: &str| {
+        Command::new(&agent)
+            .args([
+                "--config",
+                site.to_str().expect("utf-8"),
+                "--node",
+                node,
+                "--sample-interval-ms",
+                "250",
+            ])
+            .env("POWERFLEX_SIM_DIR", sim.dir())
+            .stderr(std::fs::File::create(base.join(log)).expect("log"))
+            .spawn()
+            .expect("agent")
+    };
+    procs.0.push(start_ctld("ctld.log"));
     let mut sims = Vec::new();
     for node in cluster.node_names().to_vec() {
         let sim = Node::init(
@@ -123,21 +141,9 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             true,
         )
         .expect("sim");
-        procs.0.push(
-            Command::new(&agent)
-                .args([
-                    "--config",
-                    site.to_str().expect("utf-8"),
-                    "--node",
-                    &node,
-                    "--sample-interval-ms",
-                    "250",
-                ])
-                .env("POWERFLEX_SIM_DIR", sim.dir())
-                .stderr(std::fs::File::create(base.join(format!("agent-{node}.log"))).expect("log"))
-                .spawn()
-                .expect("agent"),
-        );
+        procs
+            .0
+            .push(start_agent(&node, &sim, &format!("agent-{node}.log")));
         let sock = base.join("agent").join(format!("{node}.sock"));
         wait_until("agent socket", Duration::from_secs(20), || {
             std::os::unix::net::UnixStream::connect(&sock)
@@ -234,8 +240,10 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         eprintln!(
             "job {id} {tier} {profile}: PFI measured {measured:.2}, true {truth:.2} on {caps:?} W ({node})"
         );
+        // PFI is a ratio of relative changes: judge its error relatively (5 %, with
+        // 5 s of measurement per cap on a busy 2-core machine).
         assert!(
-            (measured - truth).abs() <= 0.1,
+            (measured - truth).abs() <= 0.05 * truth,
             "job {id} ({profile}): measured PFI {measured:.3}, true {truth:.3}"
         );
     }
@@ -276,7 +284,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             "--start",
             "now",
             "--duration",
-            "60s",
+            "180s",
             "--ramp",
             "4s",
             "--socket",
@@ -326,6 +334,74 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         );
         assert_ne!(j["floor"]["state"], "broken", "job {id}: {j}");
     }
+    // kill -9 the agent of n1 mid-job and start it again: the caps stay on the GPUs
+    // while it is down, it takes its jobs back, and the budget holds throughout.
+    let n1_caps = all_caps_mw(&sims[..1]);
+    procs.0[1].kill().expect("kill agent");
+    let _ = procs.0[1].wait();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        all_caps_mw(&sims[..1]),
+        n1_caps,
+        "caps hold while the agent is down"
+    );
+    procs.0[1] = start_agent(&cluster.node_names()[0], &sims[0], "agent-n1-2.log");
+    wait_until("n1 live again", Duration::from_secs(30), || {
+        let out = run(&ctl, &["nodes", "--format", "json", "--socket", &socket]);
+        let nodes: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
+        let n1 = nodes
+            .as_array()?
+            .iter()
+            .find(|n| n["node"] == "n1")?
+            .clone();
+        (n1["live"] == true && n1["jobs"].as_u64()? >= 1).then_some(())
+    });
+    // The restarted agent still has the flex1 job's calibrated curve (persisted), so the
+    // controller keeps planning on measurements, not on a prior.
+    let flex1 = job_view(&ctl, &socket, jobs[1].0).expect("flex1 job");
+    assert!(
+        flex1["uncapped_throughput"].as_f64().is_some() && flex1["pfi_source"] == "measured",
+        "{flex1}"
+    );
+    // kill -9 the controller mid-event and start it again: the leases hold the caps, the
+    // event resumes from its persisted state.
+    procs.0[0].kill().expect("kill ctld");
+    let _ = procs.0[0].wait();
+    for _ in 0..6 {
+        let draw = draw_w(&sims);
+        assert!(
+            draw <= target_w * 1.01,
+            "draw {draw:.0} W with the controller down"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    procs.0[0] = start_ctld("ctld-2.log");
+    wait_until("the event resumed", Duration::from_secs(30), || {
+        let out = run(&ctl, &["status", "--format", "json", "--socket", &socket]);
+        let s: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
+        (s["active_event"]["id"] == 1 && s["budget_w"].as_f64()? <= target_w + 1e-6).then_some(())
+    });
+    for _ in 0..10 {
+        let draw = draw_w(&sims);
+        assert!(
+            draw <= target_w * 1.01,
+            "draw {draw:.0} W after the restarts"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for &(id, tier, _) in &jobs {
+        wait_until(
+            &format!("job {id} ({tier}) still managed after the restarts"),
+            Duration::from_secs(20),
+            || job_view(&ctl, &socket, id).map(|_| ()),
+        );
+        assert_eq!(
+            cluster.job_state(id).as_deref(),
+            Some("RUNNING"),
+            "job {id}"
+        );
+    }
+
     // flex0 is never capped.
     let flex0_caps: Vec<f64> = job_view(&ctl, &socket, flex0)
         .and_then(|j| j["cap_w"].as_f64())
