@@ -2,23 +2,13 @@
 //! through the plugin and the agents, it caps them across nodes, and Slurm shows its
 //! decision in `scontrol show job` (AdminComment).
 
-use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::Duration;
 
 use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir, run, wait_until};
-
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+use powerflex::{
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
+};
 
 #[test]
 fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
@@ -32,12 +22,8 @@ fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(base.join("agent")).expect("dir");
     let key = base.join("site.key");
-    std::fs::write(&key, "controller-on-slurm test site key\n").expect("key");
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
+    write_site_key(&key, "controller-on-slurm test site key\n");
+    let port = free_loopback_port();
     let site = base.join("powerflex.toml");
     std::fs::write(
         &site,
@@ -68,7 +54,7 @@ fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
             ..ClusterOptions::default()
         },
     );
-    let mut procs = Procs(Vec::new());
+    let mut procs = Children(Vec::new());
     let mut ctld_cmd = Command::new(&ctld);
     ctld_cmd
         .args(["--config", site.to_str().expect("utf-8")])

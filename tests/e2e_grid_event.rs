@@ -6,28 +6,18 @@
 //! and when the jobs end every GPU is back at its
 //! default cap. An invalid tier is refused at submission; no node drains.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir, run, wait_until};
+use powerflex::{
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
+};
 use powerflex_sim::state::Node;
 
 const GPUS_PER_NODE: u32 = 8;
 const DEFAULT_CAP_MW: u32 = 700_000;
-
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn draw_w(sims: &[Node]) -> f64 {
     sims.iter()
@@ -67,12 +57,8 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(base.join("agent")).expect("dir");
     let key = base.join("site.key");
-    std::fs::write(&key, "end-to-end test site key, loopback\n").expect("key");
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
+    write_site_key(&key, "end-to-end test site key, loopback\n");
+    let port = free_loopback_port();
     let site = base.join("powerflex.toml");
     std::fs::write(
         &site,
@@ -105,7 +91,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             ..ClusterOptions::default()
         },
     );
-    let mut procs = Procs(Vec::new());
+    let mut procs = Children(Vec::new());
     let start_ctld = |log: &str| {
         let mut cmd = Command::new(&ctld);
         cmd.args(["--config", site.to_str().expect("utf-8")])

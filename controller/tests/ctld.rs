@@ -6,26 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use powerflex::{binary, cargo_build, profile_dir, run, wait_until};
+use powerflex::{
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
+};
 use powerflex_sim::state::Node;
-
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port")
-}
 
 fn draw_w(nodes: &[Node]) -> f64 {
     nodes
@@ -90,10 +74,9 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     std::fs::create_dir_all(&base).expect("dir");
     std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let key = base.join("powerflex.key");
-    std::fs::write(&key, "a site key for the controller tests\n").expect("key");
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let port = free_port();
-    let metrics_port = free_port();
+    write_site_key(&key, "a site key for the controller tests\n");
+    let port = free_loopback_port();
+    let metrics_port = free_loopback_port();
     let config = base.join("powerflex.toml");
     std::fs::write(
         &config,
@@ -111,7 +94,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         ),
     )
     .expect("config");
-    let mut procs = Procs(Vec::new());
+    let mut procs = Children(Vec::new());
     procs.0.push(start_ctld(&config, &base.join("ctld.log")));
     let admin = base.join("ctld.sock");
     wait_until("the admin socket", Duration::from_secs(20), || {

@@ -5,7 +5,7 @@ pub mod slurm;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 /// The cargo profile directory holding the workspace's binaries (set by `build.rs`).
@@ -116,4 +116,33 @@ pub fn run(binary: &Path, args: &[&str]) -> Ran {
         stdout: String::from_utf8_lossy(&stdout).into_owned(),
         stderr: String::from_utf8_lossy(&stderr).into_owned(),
     }
+}
+
+/// Processes a test started: killed (by PID) and reaped when the test ends, pass or fail.
+#[derive(Debug, Default)]
+pub struct Children(pub Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A loopback TCP port free at the time of asking.
+pub fn free_loopback_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("cannot find a free loopback port: {e}"))
+}
+
+/// Writes a site key readable by root only, as powerflexd and powerflex-ctld demand.
+pub fn write_site_key(path: &Path, key: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, key).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
 }
