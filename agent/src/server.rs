@@ -12,7 +12,6 @@
 //!   gets one error line and the connection is closed.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -25,40 +24,7 @@ use tracing::{debug, warn};
 
 use crate::persist::process_job_id;
 
-/// Who is on the other end of a Unix socket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer {
-    pub pid: u32,
-    pub uid: u32,
-}
-
-/// The credentials of a connected Unix-socket peer.
-pub fn peer_of(stream: &UnixStream) -> std::io::Result<Peer> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred we own.
-    #[allow(unsafe_code)]
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(Peer {
-        pid: cred.pid as u32,
-        uid: cred.uid,
-    })
-}
+pub use powerflex_proto::peer::{peer_of, Peer};
 
 /// What the acceptors hand to the control loop.
 #[derive(Debug)]

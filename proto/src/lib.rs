@@ -322,3 +322,4 @@ mod control_tests {
 
 #[cfg(feature = "link")]
 pub mod link;
+pub mod peer;

@@ -42,28 +42,6 @@ extern "C" fn on_signal(_: libc::c_int) {
     SIGNALLED.store(true, Ordering::SeqCst);
 }
 
-/// Reads the site key; it must be a root-only file (mode 0600 or stricter).
-fn read_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
-    use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path)
-        .map_err(|e| format!("cannot read the site key {}: {e}", path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "the site key {} is readable by others; chmod 600 it",
-            path.display()
-        ));
-    }
-    let key = std::fs::read(path)
-        .map_err(|e| format!("cannot read the site key {}: {e}", path.display()))?;
-    if key.trim_ascii().len() < 16 {
-        return Err(format!(
-            "the site key {} is shorter than 16 bytes",
-            path.display()
-        ));
-    }
-    Ok(key.trim_ascii().to_vec())
-}
-
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().split('.').next().unwrap_or("").to_string())
@@ -146,7 +124,7 @@ fn start(cli: Cli) -> Result<(), String> {
     let link = if site.agent.node_budget_w.is_some() {
         None
     } else {
-        match read_key(&site.controller.key_file) {
+        match powerflex_proto::link::read_site_key(&site.controller.key_file) {
             Ok(key) => Some(LinkOptions {
                 controller: site.controller.listen,
                 key,

@@ -52,29 +52,12 @@ fn main() -> ExitCode {
 }
 
 fn start(cli: Cli) -> Result<(), String> {
-    use std::os::unix::fs::PermissionsExt;
     let text = std::fs::read_to_string(&cli.config)
         .map_err(|e| format!("cannot read {}: {e}", cli.config.display()))?;
     let site =
         SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", cli.config.display()))?;
-    let key_path = &site.controller.key_file;
-    let meta = std::fs::metadata(key_path)
-        .map_err(|e| format!("cannot read the site key {}: {e}", key_path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "the site key {} is readable by others; chmod 600 it",
-            key_path.display()
-        ));
-    }
-    let key = std::fs::read(key_path)
-        .map_err(|e| format!("cannot read the site key {}: {e}", key_path.display()))?;
-    let key = key.trim_ascii().to_vec();
-    if key.len() < 16 {
-        return Err(format!(
-            "the site key {} is shorter than 16 bytes",
-            key_path.display()
-        ));
-    }
+    let key = powerflex_proto::link::read_site_key(&site.controller.key_file)
+        .map_err(|e| e.to_string())?;
     let model = site
         .gpu_models
         .first()
