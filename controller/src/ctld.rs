@@ -25,6 +25,7 @@ use crossbeam_channel::{bounded, select, tick, unbounded, Receiver, Sender};
 use serde::{Deserialize, Serialize};
 use tracing::{error, info, warn};
 
+use powerflex_core::allocate::Policy;
 use powerflex_core::Watts;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport, MAX_LINK_LINE_BYTES};
 
@@ -133,6 +134,24 @@ pub enum AdminOp {
     EventCancel {
         id: u64,
     },
+    /// What `policy` would decide now, on the same curves and views as the controller's
+    /// own allocation, at `budget_w` (default: the budget in force). Read-only.
+    WhatIf {
+        policy: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget_w: Option<f64>,
+    },
+}
+
+impl AdminOp {
+    /// Whether the request changes the controller's state (root only, and the
+    /// allocation runs again at once).
+    pub fn changes_state(&self) -> bool {
+        !matches!(
+            self,
+            AdminOp::Status | AdminOp::History | AdminOp::WhatIf { .. }
+        )
+    }
 }
 
 /// The controller's answer.
@@ -349,7 +368,7 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
                             let _ = reply.send(AdminReply::ok(serde_json::to_value(samples).ok()));
                         }
                         Inbound::Admin { op, uid, reply } => {
-                            let changes = !matches!(op, AdminOp::Status | AdminOp::History);
+                            let changes = op.changes_state();
                             let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref());
                             if answer.ok && changes {
                                 allocate_now = true;
@@ -636,7 +655,7 @@ fn handle_admin(
     last: Option<&Decision>,
 ) -> AdminReply {
     let now = unix_ms();
-    if op != AdminOp::Status && uid != 0 {
+    if op.changes_state() && uid != 0 {
         return AdminReply::error("only root may change the budget or grid events");
     }
     match op {
@@ -682,6 +701,32 @@ fn handle_admin(
             state.events.push(event);
             save_state(&options.state_dir, state);
             AdminReply::ok(Some(serde_json::json!({ "id": state.next_event_id })))
+        }
+        AdminOp::WhatIf { policy, budget_w } => {
+            let Some(policy) = Policy::from_name(&policy) else {
+                return AdminReply::error(format!(
+                    "unknown policy {policy:?}; accepted: optimal, equal, pfi-proportional"
+                ));
+            };
+            let budget = match budget_w {
+                Some(w) if !(w.is_finite() && w > 0.0) => {
+                    return AdminReply::error(format!(
+                        "budget must be a positive power (got {w} W)"
+                    ))
+                }
+                Some(w) => Watts(w),
+                None => effective_budget(
+                    state.budget_w.unwrap_or(options.base_budget),
+                    &state.events,
+                    now,
+                ),
+            };
+            let views: Vec<NodeView> = sessions.values().map(|s| s.view.clone()).collect();
+            let settings = SiteSettings {
+                policy,
+                ..options.site.clone()
+            };
+            AdminReply::ok(serde_json::to_value(decide(&views, budget, &settings)).ok())
         }
         AdminOp::EventCancel { id } => {
             let before = state.events.len();

@@ -292,6 +292,57 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let events = ctl_run(&["events", "--format", "json"]);
     assert_eq!(events.stdout.trim(), "[]", "the cancelled event is gone");
 
+    // What equal-weight would do at half the budget, on the same curves: read-only, for
+    // everyone, and nothing changes on the GPUs.
+    let whatif = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&ctl)
+        .args([
+            "whatif", "--policy", "equal", "--budget", "1.6kW", "--format", "json",
+        ])
+        .args(["--socket", &socket])
+        .output()
+        .expect("setpriv");
+    assert!(
+        whatif.status.success(),
+        "{}",
+        String::from_utf8_lossy(&whatif.stderr)
+    );
+    let decision: serde_json::Value = serde_json::from_slice(&whatif.stdout).expect("json");
+    assert_eq!(decision["allocation"]["policy"], "equal", "{decision}");
+    assert_eq!(decision["budget_w"], 1600.0, "{decision}");
+    let planned = decision["allocation"]["total_power_w"]
+        .as_f64()
+        .expect("power")
+        + decision["reserved_w"].as_f64().expect("reserved");
+    assert!(planned <= 1600.0 + 1e-6, "{decision}");
+    let job77 = decision["allocation"]["jobs"]
+        .as_array()
+        .and_then(|jobs| jobs.iter().find(|j| j["id"] == "77"))
+        .expect("job 77 in the what-if");
+    assert!(job77["cap_w"].as_f64().expect("cap") < 700.0, "{job77}");
+    let after: serde_json::Value =
+        serde_json::from_str(&ctl_run(&["status", "--format", "json"]).stdout).expect("json");
+    assert_eq!(
+        after["budget_w"], 3200.0,
+        "a what-if applies nothing: {after}"
+    );
+    let table = ctl_run(&["whatif", "--policy", "optimal"]);
+    assert!(
+        table.stdout.starts_with("policy optimal: budget 3200 W") && table.stdout.contains("77"),
+        "{}",
+        table.stdout
+    );
+    let unknown = ctl_run(&["whatif", "--policy", "fastest"]);
+    assert_eq!(unknown.code, Some(1));
+    assert!(
+        unknown
+            .stderr
+            .contains("unknown policy \"fastest\"; accepted: optimal, equal"),
+        "{}",
+        unknown.stderr
+    );
+
     // Prometheus text on loopback: the budget in force and the job's cap.
     let metrics = http_get(metrics_port, "/metrics");
     assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");

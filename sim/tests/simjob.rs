@@ -75,6 +75,20 @@ fn runs_paced_by_caps_and_releases_its_gpus() {
         (942 * 2 * 3).to_string(),
         "tokens: 942 tok/s/GPU x 2 GPUs x 3 steps"
     );
+    // Steps are stamped with wall-clock time, in order and now-ish.
+    let stamps: Vec<u128> = rows
+        .iter()
+        .map(|r| r[7].parse().expect("unix_ms"))
+        .collect();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis();
+    assert!(stamps.windows(2).all(|w| w[0] <= w[1]), "{stamps:?}");
+    assert!(
+        now_ms - stamps[2] < 60_000 && stamps[2] <= now_ms,
+        "{stamps:?}"
+    );
     let tps_uncapped: f64 = rows[0][4].parse().expect("tokens/s");
     assert!((tps_uncapped - 1884.0).abs() < 1.0);
     for g in 0..4 {

@@ -156,6 +156,21 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
+    /// What another policy would decide now, on the controller's own curves and views:
+    /// per-job cap, expected power, throughput and slowdown, and the totals. Read-only;
+    /// nothing is applied. `whatif --policy equal` is the equal-weight baseline.
+    Whatif {
+        /// optimal, equal or pfi-proportional.
+        #[arg(long, default_value = "equal")]
+        policy: String,
+        /// Budget to split, e.g. 11kW [default: the budget in force, events included].
+        #[arg(long)]
+        budget: Option<String>,
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
     /// Change the facility budget (root): `budget set 850kW`.
     Budget {
         #[command(subcommand)]
@@ -346,6 +361,63 @@ fn render_jobs(s: &serde_json::Value) -> String {
         ]);
     }
     jobs.render()
+}
+
+fn render_whatif(d: &serde_json::Value) -> String {
+    let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
+    let a = &d["allocation"];
+    let mut out = format!(
+        "policy {}: budget {}, of which {} not steered (idle GPUs, unmanaged jobs, silent nodes)\n",
+        a["policy"].as_str().unwrap_or("-"),
+        w(&d["budget_w"]),
+        w(&d["reserved_w"])
+    );
+    let mut t = powerflex_controller::table::Table::new([
+        "job",
+        "cap",
+        "power",
+        "throughput",
+        "slowdown",
+        "bound",
+        "floor",
+    ]);
+    for j in a["jobs"].as_array().into_iter().flatten() {
+        t.row([
+            j["id"].as_str().unwrap_or("").to_string(),
+            j["cap_w"]
+                .as_f64()
+                .map_or("-".into(), |c| format!("{c:.0} W")),
+            w(&j["power_w"]),
+            j["throughput"]
+                .as_f64()
+                .map_or("-".into(), |x| format!("{x:.0}")),
+            j["slowdown"]
+                .as_f64()
+                .map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
+            j["max_slowdown"]
+                .as_f64()
+                .map_or("none".into(), |x| format!("{:.0}%", x * 100.0)),
+            match j["floor"]["state"].as_str() {
+                Some("broken") => format!(
+                    "BROKEN by {:.1}%",
+                    j["floor"]["excess"].as_f64().unwrap_or(0.0) * 100.0
+                ),
+                Some(s) => s.to_string(),
+                None => "-".into(),
+            },
+        ]);
+    }
+    out.push_str(&t.render());
+    if a.is_object() {
+        out.push_str(&format!(
+            "managed jobs: power {}, short {}\n",
+            w(&a["total_power_w"]),
+            w(&a["over_budget_w"])
+        ));
+    } else {
+        out.push_str("no managed jobs to allocate\n");
+    }
+    out
 }
 
 fn render_status(s: &serde_json::Value) -> String {
@@ -662,6 +734,22 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                     out.push_str(&t.render());
                     Ok(out)
                 }
+            }
+        }
+        Command::Whatif {
+            policy,
+            budget,
+            ctld: args,
+            format,
+        } => {
+            let budget_w = budget
+                .map(|b| Watts::parse(&b).map_err(|e| CtlError::Usage(format!("budget: {e}"))))
+                .transpose()?
+                .map(|w| w.0);
+            let decision = admin(&args, AdminOp::WhatIf { policy, budget_w })?.unwrap_or_default();
+            match format {
+                Format::Json => json(&decision),
+                Format::Table => Ok(render_whatif(&decision)),
             }
         }
         Command::Budget {

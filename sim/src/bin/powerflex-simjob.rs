@@ -6,7 +6,8 @@
 //! busy with a workload profile, and runs steps paced by the current power limits: each
 //! step takes `--step-s` simulated seconds at full speed, longer under a cap, and the
 //! slowest GPU sets the pace (synchronous data-parallel training). It prints one CSV line
-//! per step, reports progress to the node agent when `POWERFLEX_PROGRESS` names a socket
+//! per step (cumulative tokens, simulated seconds, tokens per simulated second, the caps,
+//! and the wall-clock end of the step in Unix ms), reports progress to the node agent when `POWERFLEX_PROGRESS` names a socket
 //! (no agent, no error), and releases its GPUs on exit, SIGTERM and SIGINT.
 //!
 //! `--time-scale X` runs X simulated seconds per real second: the demo's hour of training
@@ -96,6 +97,14 @@ impl Drop for Claim<'_> {
             eprintln!("powerflex-simjob: could not release the simulated GPUs: {e}");
         }
     }
+}
+
+/// Wall-clock time of a step's end, ms since the Unix epoch: lines up the steps of a
+/// job's ranks on different nodes with each other and with events outside the job.
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 /// Best-effort progress reporting: never blocks the job for long, never fails it.
@@ -228,7 +237,7 @@ fn run(cli: Cli) -> Result<(), String> {
     );
     let _ = writeln!(
         out,
-        "simulated,step,tokens,elapsed_s,tokens_per_s,cap_min_w,cap_max_w"
+        "simulated,step,tokens,elapsed_s,tokens_per_s,cap_min_w,cap_max_w,unix_ms"
     );
     let _ = out.flush();
 
@@ -277,8 +286,9 @@ fn run(cli: Cli) -> Result<(), String> {
         elapsed_sim += step_sim;
         let _ = writeln!(
             out,
-            "true,{step},{tokens},{elapsed_sim:.3},{:.1},{cap_min:.0},{cap_max:.0}",
-            tokens_per_step / step_sim
+            "true,{step},{tokens},{elapsed_sim:.3},{:.1},{cap_min:.0},{cap_max:.0},{}",
+            tokens_per_step / step_sim,
+            unix_ms()
         );
         let _ = out.flush();
         reporter.send(&ProgressReport {
