@@ -1,6 +1,7 @@
-//! Which GPUs a job was given, as Slurm and CUDA name them: `SLURM_JOB_GPUS` (global
-//! indices, `0,1`) or `CUDA_VISIBLE_DEVICES` (indices or UUIDs, `GPU-8f6c…`). The plugin,
-//! the agent and the simulated job all read these; one parser serves them.
+//! Which GPUs a job was given, as Slurm and CUDA name them: `SLURM_STEP_GPUS` /
+//! `SLURM_JOB_GPUS` (global indices, `0,1`) or `CUDA_VISIBLE_DEVICES` (indices or UUIDs,
+//! `GPU-8f6c…`). The plugin, the agent and the simulated job all read these; one parser
+//! serves them.
 
 use std::fmt;
 
@@ -77,20 +78,32 @@ pub fn parse_gpu_list(text: &str) -> Result<Vec<GpuRef>, GpuListError> {
     Ok(out)
 }
 
-/// The job's GPUs from its environment: `SLURM_JOB_GPUS` when set (global indices, what
-/// the node's GPUs are numbered by), else `CUDA_VISIBLE_DEVICES`. `lookup` reads a variable
-/// (`std::env::var` in production, a map in tests).
+/// Where a step's environment names its GPUs on this node, most specific first.
+///
+/// `SLURM_STEP_GPUS` is this step's GPUs on this node. `SLURM_JOB_GPUS` is right for the
+/// batch and extern steps, but a multi-node job's `srun` steps inherit it from the batch
+/// node, where it names *that* node's GPUs (seen with slurm-wlm 22.05: on the second node
+/// `SLURM_JOB_GPUS=2,3` while `SLURM_STEP_GPUS=0,1`). `CUDA_VISIBLE_DEVICES` comes last:
+/// with `ConstrainDevices=yes` it is renumbered from 0 inside the job's cgroup.
+pub const GPU_ENV_VARS: [&str; 3] = ["SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"];
+
+/// The first non-empty value of [`GPU_ENV_VARS`]; `lookup` reads a variable
+/// (`std::env::var` in production, spank_getenv in the plugin, a map in tests).
+pub fn gpu_env_value(lookup: impl Fn(&str) -> Option<String>) -> Option<String> {
+    GPU_ENV_VARS
+        .iter()
+        .filter_map(|name| lookup(name))
+        .find(|value| !value.trim().is_empty())
+}
+
+/// The job's GPUs on this node from its environment (see [`GPU_ENV_VARS`]).
 pub fn job_gpus_from_env(
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<Vec<GpuRef>, GpuListError> {
-    for name in ["SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"] {
-        if let Some(value) = lookup(name) {
-            if !value.trim().is_empty() {
-                return parse_gpu_list(&value);
-            }
-        }
+    match gpu_env_value(lookup) {
+        Some(value) => parse_gpu_list(&value),
+        None => Ok(Vec::new()),
     }
-    Ok(Vec::new())
 }
 
 #[cfg(test)]
@@ -155,5 +168,26 @@ mod tests {
         let cuda_only = |name: &str| (name == "CUDA_VISIBLE_DEVICES").then(|| "1".to_string());
         assert_eq!(job_gpus_from_env(cuda_only), Ok(vec![GpuRef::Index(1)]));
         assert_eq!(job_gpus_from_env(|_| None), Ok(vec![]));
+    }
+
+    #[test]
+    fn a_steps_own_gpus_win_over_the_batch_nodes() {
+        // The second node of a multi-node job: SLURM_JOB_GPUS is the batch node's.
+        let env = |name: &str| match name {
+            "SLURM_STEP_GPUS" => Some("0,1".to_string()),
+            "SLURM_JOB_GPUS" => Some("2,3".to_string()),
+            "CUDA_VISIBLE_DEVICES" => Some("0,1".to_string()),
+            _ => None,
+        };
+        assert_eq!(
+            job_gpus_from_env(env),
+            Ok(vec![GpuRef::Index(0), GpuRef::Index(1)])
+        );
+        let empty_step = |name: &str| match name {
+            "SLURM_STEP_GPUS" => Some(String::new()),
+            "SLURM_JOB_GPUS" => Some("2,3".to_string()),
+            _ => None,
+        };
+        assert_eq!(gpu_env_value(empty_step).as_deref(), Some("2,3"));
     }
 }

@@ -275,9 +275,7 @@ pub fn on_step_start(
         api.log_error("cannot read the job id, step id or uid; job runs unmanaged");
         return StepStart::Skipped;
     };
-    let gpus: Vec<String> = api
-        .getenv("SLURM_JOB_GPUS")
-        .or_else(|| api.getenv("CUDA_VISIBLE_DEVICES"))
+    let gpus: Vec<String> = powerflex_core::gpus::gpu_env_value(|name| api.getenv(name))
         .map(|g| {
             g.split(',')
                 .map(str::to_string)
@@ -553,6 +551,24 @@ mod tests {
             fake.exported.get("POWERFLEX_PROGRESS").map(String::as_str),
             Some("/run/powerflex/n2.progress")
         );
+    }
+
+    #[test]
+    fn a_multi_node_step_registers_this_nodes_gpus_not_the_batch_nodes() {
+        let mut fake = with_gpus();
+        fake.env.insert("SLURM_JOB_GPUS".into(), "2,3".into());
+        fake.env.insert("SLURM_STEP_GPUS".into(), "0,1".into());
+        let mut line = String::new();
+        on_step_start(
+            &mut fake,
+            &Args::default(),
+            Some("flex2"),
+            |_, _, request, _| {
+                line = request.to_line();
+                Ok(ControlReply::ok())
+            },
+        );
+        assert!(line.contains("\"gpus\":[\"0\",\"1\"]"), "{line}");
     }
 
     #[test]

@@ -197,7 +197,7 @@ fn run(cli: Cli) -> Result<(), String> {
         None => job_gpus_from_env(|name| std::env::var(name).ok()).map_err(|e| e.to_string())?,
     };
     if refs.is_empty() {
-        return Err("no GPUs: this job was given none (set SLURM_JOB_GPUS or CUDA_VISIBLE_DEVICES, or pass --gpus)".into());
+        return Err("no GPUs: this job was given none (set SLURM_STEP_GPUS, SLURM_JOB_GPUS or CUDA_VISIBLE_DEVICES, or pass --gpus)".into());
     }
     let gpus = resolve_gpus(&node, &refs)?;
     let job_id = cli
