@@ -90,6 +90,9 @@ pub struct Job {
     /// Curve and PFI restored from a previous run of the agent.
     pub restored_pfi: Option<f64>,
     pub restored_points: Vec<[f64; 3]>,
+    /// Whether the job's progress reports count tokens (`Some(true)`) or only steps;
+    /// `None` before its first report. Tokens/s of different jobs add up; steps/s do not.
+    pub counts_tokens: Option<bool>,
 }
 
 impl Job {
@@ -238,6 +241,7 @@ impl Agent {
             prior: None,
             restored_pfi: None,
             restored_points: Vec::new(),
+            counts_tokens: None,
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -306,6 +310,7 @@ impl Agent {
             steps as f64
         };
         job.log.record(now, count);
+        job.counts_tokens = Some(tokens > 0);
         Ok(())
     }
 
@@ -628,6 +633,13 @@ impl Agent {
                         prior_pfi: j.prior.map(|p| p.1),
                         points: j.curve_points(),
                         throughput: rate,
+                        throughput_unit: j.counts_tokens.map(|tokens| {
+                            if tokens {
+                                "tokens"
+                            } else {
+                                "steps"
+                            }
+                        }),
                         power_w: self.job_power(j).map(|w| w.0),
                     }
                 })
@@ -691,6 +703,8 @@ pub struct JobView {
     pub points: Vec<[f64; 3]>,
     /// Recent throughput (job's unit per second).
     pub throughput: Option<f64>,
+    /// What `throughput` counts per second: "tokens" or "steps" (None before a report).
+    pub throughput_unit: Option<&'static str>,
     pub power_w: Option<f64>,
 }
 

@@ -71,6 +71,7 @@ fn report(snapshot: &SnapshotCell) -> Body {
                 cap_w: j.cap_w,
                 power_w: j.power_w,
                 throughput: j.throughput,
+                throughput_unit: j.throughput_unit.map(str::to_string),
                 pfi: j.pfi.or(j.prior_pfi),
                 pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
                 points: j.points.clone(),

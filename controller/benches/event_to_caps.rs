@@ -75,6 +75,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         cap_w: Some(cap_w),
         power_w: Some(cap_w * DRAW_PER_CAP * f64::from(gpus)),
         throughput: Some(throughput(cap_w)),
+        throughput_unit: Some("tokens".into()),
         pfi: None,
         pfi_source: Some("measured".into()),
         points,

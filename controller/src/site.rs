@@ -1,18 +1,26 @@
 //! One facility budget across every node: the controller's allocation step, pure.
 //!
-//! Agents report their jobs per node; a job that spans nodes is one job here — its GPUs
-//! and power add up across nodes, its throughput is the job's (the same on every node) —
+//! Agents report their jobs per node; a job that spans nodes is one job here — its GPUs,
+//! power and throughput add up across nodes (each node's agent measures the progress its
+//! own ranks report; a job that reports only from rank 0 has throughput on one node) —
 //! and gets one cap, the same on all its GPUs everywhere (synchronous training runs at the
 //! pace of its slowest rank). Power the controller does not steer comes off the budget
 //! first: idle GPUs and unmanaged jobs at what they draw, and a node that stopped
 //! reporting at its fail-safe cap on every GPU (what it falls to when its lease runs out).
+//!
+//! Curves come from the same estimator as the offline evaluation
+//! ([`estimate_population`]): smoothed, and extended below each job's lowest measured cap
+//! to the GPUs' minimum — territory the allocator enters only when the budget cannot pay
+//! every tier's floor above it. The objective is the site's total tokens/s when every
+//! managed job reports tokens; when some report only steps (units that do not add up),
+//! it is the sum of each job's speed relative to uncapped.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 use powerflex_core::allocate::{allocate, Allocation, CapLimits, JobSpec, Policy};
-use powerflex_core::curve::{CapCurve, OperatingPoint};
+use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, OperatingPoint};
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
 use powerflex_proto::link::{GpuInfo, JobReport};
@@ -50,7 +58,14 @@ pub struct Decision {
     pub reserved_w: f64,
     /// The core allocation over the managed jobs.
     pub allocation: Option<Allocation>,
+    /// What the allocation maximised: "tokens/s" (every managed job reports tokens) or
+    /// "relative-speed" (the sum of each job's throughput over its uncapped throughput).
+    pub objective: &'static str,
 }
+
+/// One standard deviation of a calibration reading (power or throughput), as a fraction:
+/// the paper's repeat-run noise is ~0.5 %; the agent's 5-30 s holds are noisier.
+const MEASUREMENT_NOISE: f64 = 0.01;
 
 /// A job gathered across nodes.
 #[derive(Debug, Default)]
@@ -60,7 +75,11 @@ struct SiteJob {
     nodes: Vec<String>,
     power_w: f64,
     pfi: Option<f64>,
-    /// cap → (summed power, throughput, nodes that measured it).
+    /// Summed over the nodes that report it.
+    throughput: Option<f64>,
+    /// Whether every node that reports progress counts tokens.
+    counts_tokens: bool,
+    /// cap → (summed power, summed throughput, nodes that measured it).
     points: BTreeMap<u64, (f64, f64, usize)>,
     min_cap: f64,
     max_cap: f64,
@@ -92,6 +111,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                     tier: report.tier.clone(),
                     min_cap: 0.0,
                     max_cap: f64::MAX,
+                    counts_tokens: true,
                     ..SiteJob::default()
                 });
             job.gpus += report.gpus;
@@ -100,6 +120,10 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             job.power_w += power;
             node_managed += power;
             job.pfi = job.pfi.or(report.pfi);
+            if let Some(t) = report.throughput.filter(|t| t.is_finite() && *t > 0.0) {
+                job.throughput = Some(job.throughput.unwrap_or(0.0) + t);
+                job.counts_tokens &= report.throughput_unit.as_deref() == Some("tokens");
+            }
             job.min_cap = job.min_cap.max(min_cap);
             job.max_cap = job.max_cap.min(max_cap);
             for p in &report.points {
@@ -108,13 +132,16 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                     .entry(p[0].round() as u64)
                     .or_insert((0.0, 0.0, 0));
                 entry.0 += p[1];
-                entry.1 = entry.1.max(p[2]);
+                entry.1 += p[2];
                 entry.2 += 1;
             }
         }
         reserved += (node.power_w - node_managed).max(0.0);
     }
-    let mut specs = Vec::new();
+    // The jobs the allocation can steer, and their measured points (caps every node of
+    // the job measured: part of a job's power is no estimate of all of it).
+    let mut steerable: Vec<(&String, &SiteJob, powerflex_core::flex::FlexRequest)> = Vec::new();
+    let mut readings = Vec::new();
     for (id, job) in &jobs {
         let Ok(request) = parse_power_flex(&job.tier, &settings.tiers) else {
             continue;
@@ -123,8 +150,6 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             continue;
         }
         let nodes = job.nodes.len();
-        // A curve only from caps every node of the job measured: part of a job's power
-        // is no estimate of all of it.
         let points: Vec<OperatingPoint> = job
             .points
             .iter()
@@ -135,15 +160,24 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                 throughput,
             })
             .collect();
-        let curve = if points.len() >= 2 {
-            CapCurve::from_points(&points).ok()
-        } else {
-            None
+        if points.len() >= 2 {
+            readings.push(JobReadings {
+                points,
+                min_cap_w: Watts(job.min_cap),
+                cap_grid_w: Vec::new(),
+            });
         }
-        .or_else(|| {
+        steerable.push((id, job, request));
+    }
+    let mut measured = estimate_population(&readings, MEASUREMENT_NOISE).into_iter();
+    let mut curves = Vec::new();
+    for (_, job, _) in &steerable {
+        let nodes = job.nodes.len();
+        let has_points = job.points.values().filter(|(_, _, n)| *n == nodes).count() >= 2;
+        let curve = if has_points { measured.next() } else { None }.or_else(|| {
             CapCurve::from_pfi_prior(
                 Watts(job.max_cap * f64::from(job.gpus)),
-                1.0,
+                job.throughput.unwrap_or(1.0),
                 job.pfi.unwrap_or(settings.default_pfi).max(0.5),
                 Watts(job.min_cap),
                 Watts(job.max_cap),
@@ -151,11 +185,23 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             )
             .ok()
         });
+        curves.push(curve);
+    }
+    // Tokens/s add up across jobs; steps/s (or a job with no throughput yet) do not.
+    let raw_tokens = steerable.iter().zip(&curves).all(|((_, job, _), curve)| {
+        curve.is_none() || (job.counts_tokens && job.throughput.is_some())
+    });
+    let mut specs = Vec::new();
+    for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
         specs.push(JobSpec {
-            id: id.clone(),
+            id: (*id).clone(),
             gpus: job.gpus,
-            throughput_weight: 1.0 / curve.uncapped().throughput.max(1e-9),
+            throughput_weight: if raw_tokens {
+                1.0
+            } else {
+                1.0 / curve.uncapped().throughput.max(1e-9)
+            },
             curve,
             max_slowdown: request.service.max_slowdown(),
             limits: CapLimits {
@@ -190,6 +236,11 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         budget_w: budget.0,
         reserved_w: reserved,
         allocation,
+        objective: if raw_tokens {
+            "tokens/s"
+        } else {
+            "relative-speed"
+        },
     }
 }
 
@@ -216,6 +267,7 @@ mod tests {
             cap_w: Some(700.0),
             power_w: Some(power),
             throughput: Some(1000.0),
+            throughput_unit: Some("tokens".into()),
             pfi: None,
             pfi_source: None,
             points,
@@ -319,13 +371,19 @@ mod tests {
         // (their lowest cap). Floors need 2800 (flex0) + 2240 (flex1, cap 560) + 1400
         // (flex2, cap 350) + 1200 (flex3 at 300 W, within its 50 %) = 7640 W; the budget
         // is 6600 W. flex2 gives way to 300 W (1200 W), then flex1 takes what is left
-        // (1400 W, cap 350 W) and flex0 keeps 700 W.
+        // (1400 W, cap 350 W) and flex0 keeps 700 W. These GPUs go no lower than 300 W,
+        // so nothing is extrapolated.
         let nodes: Vec<NodeView> = ["flex0", "flex1", "flex2", "flex3"]
             .iter()
             .enumerate()
             .map(|(i, tier)| NodeView {
                 node: format!("n{i}"),
-                gpus: (0..4).map(gpu).collect(),
+                gpus: (0..4)
+                    .map(|g| GpuInfo {
+                        min_w: 300.0,
+                        ..gpu(g)
+                    })
+                    .collect(),
                 jobs: vec![report(&format!("{i}"), tier, 4, 2800.0, points(4.0))],
                 power_w: 2800.0,
                 live: true,
@@ -365,5 +423,83 @@ mod tests {
         );
         let granted: f64 = a.jobs.iter().map(|j| j.power_w.0).sum();
         assert!(granted <= 6600.0 + 1e-6, "{granted} W");
+    }
+
+    /// A job measured down to 400 W, with a flex1 neighbour whose floor the budget cannot
+    /// pay unless someone goes lower.
+    fn measured_to_400(tier_of_second: &str, budget_w: f64) -> Decision {
+        let to_400 = |g: f64| -> Vec<[f64; 3]> {
+            points(g)
+                .into_iter()
+                .filter(|p| p[0] >= 400.0)
+                .chain([
+                    [
+                        600.0,
+                        600.0 * g,
+                        1000.0 * (1.0 - (1.0 - 600.0 / 700.0) / 2.0),
+                    ],
+                    [
+                        400.0,
+                        400.0 * g,
+                        1000.0 * (1.0 - (1.0 - 400.0 / 700.0) / 2.0),
+                    ],
+                ])
+                .collect()
+        };
+        let nodes = vec![NodeView {
+            node: "n1".into(),
+            gpus: (0..8).map(gpu).collect(),
+            jobs: vec![
+                report("1", "flex3", 4, 2800.0, to_400(4.0)),
+                report("2", tier_of_second, 4, 2800.0, to_400(4.0)),
+            ],
+            power_w: 5600.0,
+            live: true,
+        }];
+        decide(&nodes, Watts(budget_w), &settings())
+    }
+
+    #[test]
+    fn below_the_lowest_measured_cap_only_when_a_floor_needs_it() {
+        // Enough budget with both at or above 400 W: nothing goes below the measurements.
+        let d = measured_to_400("flex3", 3600.0);
+        assert!(
+            d.leases["n1"].values().all(|&c| c >= 400.0),
+            "{:?}",
+            d.leases
+        );
+        assert_eq!(d.objective, "tokens/s");
+        // flex1 needs about 580 W (2320 W) to hold 10 %; at 3400 W the flex3 job must go
+        // below its lowest reading (1600 W at 400 W) to pay for it.
+        let d = measured_to_400("flex1", 3400.0);
+        let a = d.allocation.expect("allocation");
+        assert!(a.broken_floors().next().is_none(), "{a:?}");
+        assert!(d.leases["n1"]["1"] < 400.0, "{:?}", d.leases);
+        assert!(a.total_power_w.0 <= 3400.0 + 1e-6);
+    }
+
+    #[test]
+    fn throughput_adds_up_across_nodes_and_steps_switch_the_objective() {
+        let mut nodes: Vec<NodeView> = ["n1", "n2"]
+            .iter()
+            .map(|n| NodeView {
+                node: (*n).into(),
+                gpus: (0..4).map(gpu).collect(),
+                jobs: vec![report("7", "flex3", 4, 2800.0, points(4.0))],
+                power_w: 2800.0,
+                live: true,
+            })
+            .collect();
+        let d = decide(&nodes, Watts(4000.0), &settings());
+        let a = d.allocation.expect("allocation");
+        // Each node measured 1000 tokens/s uncapped: the job makes 2000.
+        let uncapped = a.jobs[0].throughput / (1.0 - a.jobs[0].slowdown);
+        assert!((uncapped - 2000.0).abs() < 20.0, "{uncapped}");
+        assert_eq!(d.objective, "tokens/s");
+        nodes[1].jobs[0].throughput_unit = Some("steps".into());
+        assert_eq!(
+            decide(&nodes, Watts(4000.0), &settings()).objective,
+            "relative-speed"
+        );
     }
 }

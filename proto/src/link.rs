@@ -47,6 +47,9 @@ pub struct JobReport {
     /// Summed GPU power now, W.
     pub power_w: Option<f64>,
     pub throughput: Option<f64>,
+    /// What `throughput` counts per second on this node: "tokens" or "steps".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throughput_unit: Option<String>,
     pub pfi: Option<f64>,
     /// "measured" or "prior".
     pub pfi_source: Option<String>,
@@ -279,6 +282,7 @@ mod tests {
                     cap_w: Some(cap),
                     power_w: Some(power),
                     throughput: Some(t),
+                    throughput_unit: Some("tokens".into()),
                     pfi: Some(t / 1e6),
                     pfi_source: Some("measured".into()),
                     points: vec![[cap, power, t]],
