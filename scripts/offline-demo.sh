@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# powerflex's main job, as far as it is built today: the site-level decision on real data.
-# Builds powerflexctl, shows each workload's Power Flexibility Index, replays the paper's
-# §6 experiment (equal-weight vs the paper's PFI rule vs powerflex's calibrated optimiser
-# vs an oracle) at 10–40 % grid cuts, and splits a budget across tiered jobs.
-# The curves are SIMULATED from the paper's published PFIs (data/README.md).
+# The site-level decision on the paper's data, offline (no cluster, no root needed for the
+# commands themselves): each workload's Power Flexibility Index, a replay of the paper's
+# §6 experiment (equal-weight vs the paper's PFI rule vs powerflex's calibrated optimiser vs
+# an oracle) at 10–40 % grid cuts, and a tiered budget split. The curves are SIMULATED from
+# the paper's published PFIs (data/README.md). The main demo is scripts/demo.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh

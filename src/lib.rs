@@ -1,5 +1,7 @@
-//! Helpers for the whole-system tests in `tests/`: where the built binaries and the
-//! project's data are, and how to run a binary and capture what it says.
+//! powerflex's testbed: a real Slurm cluster on this machine ([`slurm`]) and the helpers
+//! the whole-system tests in `tests/` and the demo (`powerflex-demo`) share — where the
+//! built binaries and the project's data are, how to run a binary and capture what it
+//! says, a guard that ends the processes it started by PID.
 
 pub mod slurm;
 

@@ -412,7 +412,7 @@ impl Cluster {
         let host = hostname();
         let d = d.display();
         let mut conf = format!(
-            "# Written by tests/support/slurm.rs for one test; not for real use.\n\
+            "# Written by powerflex::slurm (src/slurm.rs) for a test or the demo; not for real use.\n\
              ClusterName=pftest\n\
              SlurmctldHost={host}(127.0.0.1)\n\
              AuthType=auth/none\n\

@@ -1,5 +1,7 @@
 //! Every file in slurm-conf/ is exercised: the systemd units start the binaries we build
-//! with flags those binaries accept, and point at the config path the binaries default to.
+//! with flags those binaries accept, and point at the config path the binaries default to;
+//! plugstack.conf's arguments parse; the slurm.conf and gres.conf snippets declare the same
+//! GPUs.
 
 use powerflex::{binary, repo_root, run};
 
@@ -139,4 +141,44 @@ fn powerflex_ctld_unit_starts_the_controller_with_flags_it_accepts() {
         site.contains("admin_socket = \"/run/powerflex/ctld.sock\"")
             && unit.contains("RuntimeDirectory=powerflex")
     );
+}
+
+/// Non-comment lines of a Slurm config file.
+fn config_lines(file: &str) -> Vec<String> {
+    std::fs::read_to_string(repo_root().join("slurm-conf").join(file))
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn slurm_and_gres_snippets_declare_the_same_gpus_the_plugin_reads() {
+    let slurm = config_lines("slurm.conf.snippet");
+    assert!(slurm.contains(&"GresTypes=gpu".to_string()), "{slurm:?}");
+    // The plugin stack file is where plugstack.conf's own header says to install it.
+    assert!(
+        slurm.contains(&"PlugStackConfig=/etc/slurm/plugstack.conf".to_string()),
+        "{slurm:?}"
+    );
+    let node = slurm
+        .iter()
+        .find(|l| l.starts_with("NodeName="))
+        .expect("a NodeName line");
+    let per_node: u32 = node
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("Gres=gpu:"))
+        .and_then(|n| n.parse().ok())
+        .expect("Gres=gpu:N on the node line");
+    let gres = config_lines("gres.conf.snippet");
+    assert_eq!(
+        gres,
+        vec![format!("Name=gpu File=/dev/nvidia[0-{}]", per_node - 1)],
+        "gres.conf names exactly the {per_node} GPUs slurm.conf declares"
+    );
+    let plugstack = std::fs::read_to_string(repo_root().join("slurm-conf/plugstack.conf"))
+        .expect("plugstack.conf");
+    assert!(plugstack.contains("/etc/slurm/plugstack.conf"));
 }

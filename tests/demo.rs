@@ -1,0 +1,100 @@
+//! The README's first command, shortened: `powerflex-demo` with a 20 s event hold runs the
+//! whole system on a local Slurm cluster with SIMULATED GPUs and must finish with every
+//! promise kept. Its summary is checked here, not only its exit code: the measured PFIs,
+//! the comparison with equal-weight, the plot, and every GPU back at its default cap.
+
+use std::process::Command;
+
+use powerflex::{binary, cargo_build, scratch_dir};
+
+#[test]
+fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
+    // The demo runs the real artifacts from this profile: plugin and simulated NVML too.
+    cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
+    for name in [
+        "powerflexd",
+        "powerflex-ctld",
+        "powerflexctl",
+        "powerflex-simjob",
+    ] {
+        binary(name);
+    }
+    let demo = binary("powerflex-demo");
+    let out_dir = scratch_dir("demo-output");
+    let out = Command::new(&demo)
+        .args(["--ramp-s", "5", "--hold-s", "20", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run powerflex-demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "powerflex-demo failed ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    // What a user reads: simulated GPUs said plainly, the rejection, the table, the plot.
+    assert!(stdout.contains("every GPU here is SIMULATED"), "{stdout}");
+    assert!(
+        stdout.contains("--power-flex=flex7 is refused at submission")
+            && stdout.contains("unknown tier \"flex7\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("== per job") && stdout.contains("== cluster"),
+        "{stdout}"
+    );
+    let svg = std::fs::read_to_string(out_dir.join("powerflex-demo.svg")).expect("plot");
+    assert!(
+        svg.starts_with("<svg") || svg.starts_with("<?xml"),
+        "{svg:.200}"
+    );
+
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out_dir.join("summary.json")).expect("summary.json"),
+    )
+    .expect("summary is JSON");
+    assert_eq!(summary["simulated"], true);
+    let jobs = summary["jobs"].as_array().expect("jobs");
+    assert_eq!(jobs.len(), 6, "{summary}");
+    for job in jobs {
+        let id = &job["job"];
+        assert_eq!(job["within_bound"], true, "job {id}: {job}");
+        if job["tier"] == "flex0" {
+            assert!(
+                job["cap_during_w"][0].as_f64().expect("cap") >= 700.0,
+                "{job}"
+            );
+            continue;
+        }
+        let (measured, truth) = (
+            job["pfi_measured"].as_f64().expect("measured PFI"),
+            job["pfi_true"].as_f64().expect("true PFI"),
+        );
+        assert!(
+            (measured - truth).abs() <= 0.05 * truth,
+            "job {id}: measured PFI {measured}, true {truth}"
+        );
+    }
+    let cluster = &summary["cluster"];
+    let f = |k: &str| {
+        cluster[k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k}: {cluster}"))
+    };
+    assert!(
+        f("draw_during_max_w") <= f("event_budget_w") * 1.01,
+        "{cluster}"
+    );
+    assert!(
+        f("event_budget_w") <= f("draw_before_w") * 0.7 + 1.0,
+        "a 30 % cut: {cluster}"
+    );
+    // Never worse than equal-weight on the same curves and budget.
+    assert!(
+        f("tokens_per_s_optimal_true") >= f("tokens_per_s_equal") * 0.999,
+        "{cluster}"
+    );
+    assert_eq!(cluster["caps_restored_at_job_end"], true, "{cluster}");
+    assert_eq!(cluster["caps_default_after_shutdown"], true, "{cluster}");
+}
