@@ -135,6 +135,28 @@ fn frame(
     );
 }
 
+/// `YYYY-MM-DD hh:mm:ss UTC` for a Unix time in ms (days to a civil date by the
+/// proleptic Gregorian calendar, eras of 400 years).
+fn utc_text(unix_ms: u64) -> String {
+    let secs = unix_ms / 1000;
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 fn trim_number(v: f64) -> String {
     let text = format!("{v:.3}");
     let text = text.trim_end_matches('0').trim_end_matches('.');
@@ -207,7 +229,11 @@ pub fn render_svg(samples: &[Sample], title: &str) -> Result<String, NoSamples> 
         out,
         r##"<text x="{LEFT}" y="44" font-size="12" fill="#555">{} samples over {} s{}</text>"##,
         samples.len(),
-        trim_number(axis.span_s),
+        if axis.span_s >= 10.0 {
+            format!("{:.0}", axis.span_s)
+        } else {
+            trim_number(axis.span_s)
+        },
         if simulated {
             " · SIMULATED GPUs (powerflex-sim)"
         } else {
@@ -315,10 +341,10 @@ pub fn render_svg(samples: &[Sample], title: &str) -> Result<String, NoSamples> 
     }
     let _ = writeln!(
         out,
-        r#"<text x="{x}" y="{y}" font-size="12" text-anchor="middle">seconds since {t0} (Unix ms)</text>"#,
+        r#"<text x="{x}" y="{y}" font-size="12" text-anchor="middle">seconds since {t0}</text>"#,
         x = (LEFT + WIDTH - RIGHT) / 2.0,
         y = HEIGHT - 16.0,
-        t0 = first.t_ms
+        t0 = utc_text(first.t_ms)
     );
     out.push_str("</svg>\n");
     Ok(out)
@@ -362,6 +388,13 @@ mod tests {
         // The budget staircase starts at the left edge at 4 kW of a 4.32 kW axis.
         let top = y_of(4000.0, (0.0, 4000.0 * 1.08), TOP_PANEL);
         assert!(svg.contains(&format!("{LEFT:.1},{top:.1}")), "{svg}");
+    }
+
+    #[test]
+    fn utc_text_is_the_calendar_date() {
+        assert_eq!(utc_text(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc_text(951_782_400_000), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc_text(1_795_971_593_413), "2026-11-29 16:59:53 UTC");
     }
 
     #[test]
