@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, exactly as CI runs it (.ci/run calls this script).
 # Installs what it needs, then: format check, clippy with warnings as errors, build,
-# every test of every crate.
+# every test of every crate (the fault matrix and the demo included), a short fuzz run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
@@ -17,3 +17,5 @@ step "cargo build"
 cargo build --workspace --all-targets --quiet
 step "cargo test"
 cargo test --workspace --quiet
+step "fuzz smoke run: every parser target for 5 s (scripts/fuzz.sh; longer runs: scripts/fuzz.sh 600)"
+bash scripts/fuzz.sh 5

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Fuzzes every parser that takes outside input (fuzz/fuzz_targets/*.rs) with libFuzzer
+# through cargo fuzz, each for a bounded time, with AddressSanitizer.
+#
+#   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     default: 60 s, every target
+#
+# Limits on every run: 5 s per input (a hang is a finding), 1 GiB RSS and 256 MiB per
+# allocation (an unbounded allocation is a finding). Findings land in
+# fuzz/artifacts/<target>/; fix them and keep each input as a regression test in the
+# crate that owns the parser. The corpus grows in fuzz/corpus/<target>/ (not committed).
+# cargo fuzz needs nightly-only flags (-Zsanitizer); RUSTC_BOOTSTRAP=1 lets the stable
+# toolchain accept them, as this machine has no other.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-60}
+shift || true
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "==> installing cargo-fuzz (cargo install, once)" >&2
+    cargo install --quiet --locked cargo-fuzz
+fi
+export RUSTC_BOOTSTRAP=1
+targets=("$@")
+if ((${#targets[@]} == 0)); then
+    mapfile -t targets < <(cargo fuzz list --fuzz-dir fuzz)
+fi
+echo "==> building ${#targets[@]} fuzz targets (release, AddressSanitizer)" >&2
+cargo fuzz build --fuzz-dir fuzz --release
+failed=()
+for target in "${targets[@]}"; do
+    mkdir -p "fuzz/corpus/$target"
+    echo "==> fuzzing $target for ${seconds}s" >&2
+    if ! cargo fuzz run --fuzz-dir fuzz --release "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
+        -max_total_time="$seconds" -timeout=5 -rss_limit_mb=1024 -malloc_limit_mb=256 \
+        -print_final_stats=1 2>"fuzz/last-$target.log"; then
+        failed+=("$target")
+        tail -40 "fuzz/last-$target.log" >&2
+    else
+        grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "fuzz/last-$target.log" | tr '\n' ' ' >&2
+        echo >&2
+    fi
+done
+if ((${#failed[@]})); then
+    echo "fuzz: findings in ${failed[*]} (inputs under fuzz/artifacts/)" >&2
+    exit 1
+fi
+echo "fuzz: ${#targets[@]} targets, ${seconds}s each, no finding" >&2
