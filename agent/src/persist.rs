@@ -146,6 +146,79 @@ pub fn process_job_id(pid: u32) -> Option<String> {
         .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
+/// A managed job found running on this node's GPUs by its processes' environments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningJob {
+    pub job_id: String,
+    pub uid: u32,
+    /// The GPUs its processes name (indices or UUIDs), deduplicated.
+    pub gpus: Vec<String>,
+    /// Its `--power-flex` service as the plugin exported it (`POWERFLEX_TIER`).
+    pub flex: String,
+}
+
+/// Managed jobs with processes on `node`, from `/proc/<pid>/environ`: a process counts
+/// when it has `SLURM_JOB_ID`, `SLURMD_NODENAME=node` (several `slurmd -N` may share a
+/// host), `POWERFLEX_TIER` (set by the plugin for managed steps only) and a GPU list.
+/// Lets an agent that lost its state file take back the jobs still running, instead of
+/// releasing their caps and breaking the site's budget. Needs root.
+pub fn running_managed_jobs(node: &str) -> Vec<RunningJob> {
+    use std::os::unix::fs::MetadataExt;
+    let mut jobs: Vec<RunningJob> = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return jobs;
+    };
+    for pid in entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+    {
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let vars: BTreeMap<&[u8], &[u8]> = environ
+            .split(|&b| b == 0)
+            .filter_map(|var| {
+                let eq = var.iter().position(|&b| b == b'=')?;
+                Some((&var[..eq], &var[eq + 1..]))
+            })
+            .collect();
+        let text = |name: &str| {
+            vars.get(name.as_bytes())
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        };
+        let (Some(job_id), Some(flex)) = (text("SLURM_JOB_ID"), text("POWERFLEX_TIER")) else {
+            continue;
+        };
+        if text("SLURMD_NODENAME").as_deref() != Some(node) {
+            continue;
+        }
+        let Some(gpus) = powerflex_core::gpus::gpu_env_value(text) else {
+            continue;
+        };
+        let Ok(uid) = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()) else {
+            continue;
+        };
+        let job = match jobs.iter_mut().find(|j| j.job_id == job_id) {
+            Some(j) => j,
+            None => {
+                jobs.push(RunningJob {
+                    job_id,
+                    uid,
+                    gpus: Vec::new(),
+                    flex,
+                });
+                jobs.last_mut().expect("just pushed")
+            }
+        };
+        for g in gpus.split(',').map(str::trim).filter(|g| !g.is_empty()) {
+            if !job.gpus.iter().any(|known| known == g) {
+                job.gpus.push(g.to_string());
+            }
+        }
+    }
+    jobs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +265,43 @@ mod tests {
             process_job_id(std::process::id()),
             std::env::var("SLURM_JOB_ID").ok()
         );
+    }
+
+    #[test]
+    fn running_managed_jobs_are_found_by_their_processes_environment() {
+        let node = format!("pf-test-node-{}", std::process::id());
+        let spawn = |job: &str, tier: Option<&str>, gpus: &str| {
+            let mut c = std::process::Command::new("sleep");
+            c.arg("30")
+                .env("SLURM_JOB_ID", job)
+                .env("SLURMD_NODENAME", &node)
+                .env("SLURM_STEP_GPUS", gpus)
+                .env("SLURM_JOB_GPUS", "7");
+            if let Some(t) = tier {
+                c.env("POWERFLEX_TIER", t);
+            }
+            c.spawn().expect("sleep")
+        };
+        let mut children = vec![
+            spawn("901", Some("flex2"), "1,3"),
+            spawn("901", Some("flex2"), "3,5"),
+            spawn("902", None, "0"), // unmanaged: no POWERFLEX_TIER
+        ];
+        let found = running_managed_jobs(&node);
+        for c in &mut children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].job_id, "901");
+        assert_eq!(found[0].flex, "flex2");
+        assert_eq!(
+            found[0].gpus,
+            vec!["1", "3", "5"],
+            "the step's GPUs, merged"
+        );
+        assert!(running_managed_jobs("no-such-node")
+            .iter()
+            .all(|j| j.job_id != "901"));
     }
 }

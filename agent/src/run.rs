@@ -219,6 +219,29 @@ pub fn run(
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
+    // Managed jobs running on this node's GPUs that the state file did not list (it was
+    // lost or corrupt): take them back rather than release their caps, which would
+    // break the site's budget until the controller caught up.
+    let node = agent.settings.node.clone();
+    for job in persist::running_managed_jobs(&node) {
+        if agent.jobs.contains_key(&job.job_id) {
+            continue;
+        }
+        match agent.register(
+            now(),
+            &job.job_id,
+            "adopted",
+            job.uid,
+            &node,
+            &job.gpus,
+            &job.flex,
+        ) {
+            Ok(_) => {
+                info!(job_id = %job.job_id, gpus = ?job.gpus, tier = %job.flex, "job running on this node's GPUs without a record; managing it again")
+            }
+            Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
+        }
+    }
     // The previous run's lease, while it lasts, keeps the restored jobs at their caps.
     if let Some(lease) = saved_lease {
         let left_s = lease.expires_unix_s - unix_s();
