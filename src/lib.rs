@@ -4,6 +4,7 @@
 //! says, a guard that ends the processes it started by PID.
 
 pub mod slurm;
+pub mod stack;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

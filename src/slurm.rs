@@ -111,6 +111,8 @@ pub struct Cluster {
     /// Daemon (`slurmctld` or a node name) and PID, as read from the pid files at start.
     pids: Vec<(String, u32)>,
     stopped: bool,
+    /// Environment for each node's slurmd (`%n` already replaced), kept for restarts.
+    node_env: Vec<(String, Vec<(String, String)>)>,
     _turn: Turn,
 }
 
@@ -151,6 +153,7 @@ impl Cluster {
             nodes,
             pids: Vec::new(),
             stopped: false,
+            node_env: Vec::new(),
             _turn: turn,
         };
         // From here on a panic drops `cluster`, which stops whatever already started.
@@ -367,6 +370,49 @@ impl Cluster {
         self.pids.clone()
     }
 
+    /// Stops `node`'s slurmd with SIGTERM (by its PID) and starts it again, as an admin's
+    /// `systemctl restart slurmd` would; running jobs' slurmstepd processes live on.
+    /// Returns once the new slurmd has written its pid file and the node responds.
+    pub fn restart_slurmd(&mut self, node: &str) {
+        let Some(index) = self.pids.iter().position(|(which, _)| which == node) else {
+            panic!("no slurmd for node {node:?}");
+        };
+        let (_, pid) = self.pids.remove(index);
+        signal(pid, "TERM");
+        let deadline = Instant::now() + TERM_TIMEOUT;
+        while pid_alive(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "slurmd of {node} (pid {pid}) ignored SIGTERM"
+            );
+            thread::sleep(POLL);
+        }
+        let env = self
+            .node_env
+            .iter()
+            .find(|(n, _)| n == node)
+            .map(|(_, env)| env.clone())
+            .unwrap_or_default();
+        let conf = self.conf.display().to_string();
+        self.spawn_daemon(node, "slurmd", &["-N", node, "-f", &conf], &env);
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let responding = self
+                .node_states()
+                .iter()
+                .any(|(n, state)| n == node && !state.ends_with('*'));
+            if responding {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{node} not responding after its slurmd restarted\n{}",
+                self.logs_tail()
+            );
+            thread::sleep(POLL);
+        }
+    }
+
     /// Cancels the jobs and stops the daemons (see the module docs). Panics if a daemon
     /// survives SIGKILL. Dropping the cluster does the same without panicking.
     pub fn stop(&mut self) {
@@ -479,6 +525,7 @@ impl Cluster {
                 .map(|(k, v)| (k.clone(), v.replace("%n", &node)))
                 .collect();
             self.spawn_daemon(&node, "slurmd", &["-N", &node, "-f", &conf], &env);
+            self.node_env.push((node.clone(), env));
         }
         let deadline = Instant::now() + START_TIMEOUT;
         loop {

@@ -1,0 +1,355 @@
+//! The whole powerflex stack on a local Slurm cluster, for the fault tests: the cluster
+//! ([`crate::slurm`]) with the SPANK plugin, one simulated GPU node and one `powerflexd`
+//! per Slurm node, and `powerflex-ctld`; plus the checks every fault must pass — the draw
+//! within the budget, no GPU capped without a live job on it, no node drained.
+//!
+//! Every process it starts is stopped by PID when the stack is dropped (the agents and
+//! the controller first, then the cluster).
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use powerflex_sim::state::Node;
+
+use crate::slurm::{Cluster, ClusterOptions};
+use crate::{
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key,
+};
+
+/// The shape of a stack.
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    /// The facility's GPU budget, W.
+    pub budget_w: f64,
+    pub lease_ttl_s: u64,
+    /// Extra lines for the site config's `[agent]` table.
+    pub agent_extra: String,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        StackOptions {
+            nodes: 2,
+            gpus_per_node: 4,
+            budget_w: 5600.0,
+            lease_ttl_s: 10,
+            agent_extra: String::new(),
+        }
+    }
+}
+
+/// A running stack. Field order is drop order: daemons before the cluster.
+#[derive(Debug)]
+pub struct Stack {
+    ctld: Option<Child>,
+    agents: Vec<Option<Child>>,
+    pub cluster: Cluster,
+    /// Sockets, site config, logs, simulated GPU state.
+    pub base: PathBuf,
+    pub site: PathBuf,
+    /// The controller's admin socket.
+    pub socket: PathBuf,
+    pub sims: Vec<Node>,
+    pub ctl: PathBuf,
+    pub simjob: PathBuf,
+    pub gpus_per_node: u32,
+    restarts: u32,
+}
+
+/// The simulated GPUs' default power limit, W.
+pub const DEFAULT_CAP_W: f64 = 700.0;
+
+impl Stack {
+    /// Starts the cluster (named `name`), the controller and one agent per node, and
+    /// returns once every agent is live at the controller.
+    pub fn start(name: &str, options: StackOptions) -> Stack {
+        cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
+        let (ctl, simjob) = (binary("powerflexctl"), binary("powerflex-simjob"));
+        let base = std::env::temp_dir().join(format!("pf-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(base.join("agent")).expect("stack dir");
+        let key = base.join("site.key");
+        write_site_key(&key, "fault-test site key, loopback only\n");
+        let site = base.join("powerflex.toml");
+        std::fs::write(
+            &site,
+            format!(
+                "[facility]\ngpu_budget_w = {budget:.1}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
+                 [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
+                 calibration_caps_w = [700.0, 500.0, 300.0]\nfailsafe_cap_w = 300.0\n\
+                 [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = {ttl}\nallocation_period_s = 1\n\
+                 key_file = \"{key}\"\nadmin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld\"\n\
+                 [agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n\
+                 calibration_warmup_s = 1.0\ncalibration_settle_s = 1.0\ncalibration_hold_s = 2.0\n{extra}\n",
+                budget = options.budget_w,
+                port = free_loopback_port(),
+                ttl = options.lease_ttl_s,
+                key = key.display(),
+                b = base.display(),
+                lib = profile_dir().join("libpowerflex_sim_nvml.so").display(),
+                extra = options.agent_extra,
+            ),
+        )
+        .expect("site config");
+        let cluster = Cluster::start(
+            name,
+            ClusterOptions {
+                nodes: options.nodes,
+                gpus_per_node: options.gpus_per_node,
+                cpus_per_node: 8,
+                plugstack: Some(format!(
+                    "optional {} site={} socket={}/agent/%n.sock timeout_ms=500\n",
+                    profile_dir().join("libpower_flex.so").display(),
+                    site.display(),
+                    base.display()
+                )),
+                ..ClusterOptions::default()
+            },
+        );
+        let sims = cluster
+            .node_names()
+            .iter()
+            .map(|node| {
+                Node::init(
+                    &base.join("sim").join(node),
+                    node,
+                    "H200",
+                    options.gpus_per_node,
+                    true,
+                )
+                .expect("simulated node")
+            })
+            .collect();
+        let mut stack = Stack {
+            ctld: None,
+            agents: Vec::new(),
+            cluster,
+            socket: base.join("ctld.sock"),
+            base,
+            site,
+            sims,
+            ctl,
+            simjob,
+            gpus_per_node: options.gpus_per_node,
+            restarts: 0,
+        };
+        stack.start_ctld();
+        for i in 0..stack.sims.len() {
+            let agent = stack.spawn_agent(i);
+            stack.agents.push(Some(agent));
+        }
+        stack.wait_live(options.nodes as usize);
+        stack
+    }
+
+    fn log(&mut self, name: &str) -> std::fs::File {
+        self.restarts += 1;
+        std::fs::File::create(self.base.join(format!("{name}-{}.log", self.restarts)))
+            .expect("log file")
+    }
+
+    /// Starts the controller (again).
+    pub fn start_ctld(&mut self) {
+        let log = self.log("ctld");
+        let mut command = Command::new(binary("powerflex-ctld"));
+        command
+            .args(["--config", &self.site.to_string_lossy()])
+            .envs(self.cluster.env())
+            .stderr(log);
+        self.ctld = Some(command.spawn().expect("powerflex-ctld"));
+        let socket = self.socket.clone();
+        wait_until(
+            "the controller's admin socket",
+            Duration::from_secs(20),
+            || {
+                std::os::unix::net::UnixStream::connect(&socket)
+                    .ok()
+                    .map(|_| ())
+            },
+        );
+    }
+
+    /// kill -9 the controller.
+    pub fn kill_ctld(&mut self) {
+        if let Some(mut child) = self.ctld.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+
+    fn spawn_agent(&mut self, i: usize) -> Child {
+        let node = self.cluster.node_names()[i].clone();
+        let log = self.log(&format!("agent-{node}"));
+        Command::new(binary("powerflexd"))
+            .args(["--config", &self.site.to_string_lossy(), "--node", &node])
+            .args(["--sample-interval-ms", "250"])
+            .env("POWERFLEX_SIM_DIR", self.sims[i].dir())
+            .stderr(log)
+            .spawn()
+            .expect("powerflexd")
+    }
+
+    /// The agent's control socket on node `i`.
+    pub fn agent_socket(&self, i: usize) -> PathBuf {
+        self.base
+            .join("agent")
+            .join(format!("{}.sock", self.cluster.node_names()[i]))
+    }
+
+    /// kill -9 the agent of node `i`.
+    pub fn kill_agent(&mut self, i: usize) {
+        if let Some(mut child) = self.agents[i].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the agent of node `i` (again) and waits for its control socket.
+    pub fn start_agent(&mut self, i: usize) {
+        let agent = self.spawn_agent(i);
+        self.agents[i] = Some(agent);
+        let socket = self.agent_socket(i);
+        wait_until("the agent's socket", Duration::from_secs(20), || {
+            std::os::unix::net::UnixStream::connect(&socket)
+                .ok()
+                .map(|_| ())
+        });
+    }
+
+    /// The agent's persisted state file on node `i`.
+    pub fn agent_state_file(&self, i: usize) -> PathBuf {
+        self.base
+            .join("state")
+            .join(&self.cluster.node_names()[i])
+            .join("agent-state.json")
+    }
+
+    fn wait_live(&self, nodes: usize) {
+        wait_until(
+            "every agent live at the controller",
+            Duration::from_secs(30),
+            || {
+                let listed = self.ctl_json(&["nodes"])?;
+                let live = listed
+                    .as_array()?
+                    .iter()
+                    .filter(|n| n["live"] == true)
+                    .count();
+                (live == nodes).then_some(())
+            },
+        );
+    }
+
+    /// `powerflexctl ARGS --format json --socket …`, parsed; `None` if it fails.
+    pub fn ctl_json(&self, args: &[&str]) -> Option<serde_json::Value> {
+        let socket = self.socket.to_string_lossy();
+        let mut all = args.to_vec();
+        all.extend(["--format", "json", "--socket", &socket]);
+        let out = run(&self.ctl, &all);
+        (out.code == Some(0))
+            .then(|| serde_json::from_str(&out.stdout).ok())
+            .flatten()
+    }
+
+    /// Submits a simulated training job: `nodes` × `gpus` GPUs, `--power-flex=flex`,
+    /// `profile` for `duration_sim_s` simulated seconds at time scale 20.
+    pub fn submit(&self, flex: &str, nodes: u32, gpus: u32, profile: &str) -> u32 {
+        let wrap = format!(
+            "srun bash -c 'POWERFLEX_SIM_DIR={}/sim/$SLURMD_NODENAME exec {} --profile {profile} --duration 20000 --time-scale 20 > /dev/null'",
+            self.base.display(),
+            self.simjob.display()
+        );
+        self.cluster
+            .sbatch(
+                &[
+                    &format!("-N{nodes}"),
+                    &format!("--gres=gpu:{gpus}"),
+                    &format!("--power-flex={flex}"),
+                    "--wrap",
+                    &wrap,
+                ],
+                None,
+            )
+            .expect("sbatch")
+    }
+
+    /// Summed draw of every simulated GPU, W.
+    pub fn draw_w(&self) -> f64 {
+        self.sims
+            .iter()
+            .flat_map(|n| {
+                (0..self.gpus_per_node)
+                    .map(move |g| f64::from(n.reading(g).expect("reading").1.power_mw) / 1000.0)
+            })
+            .sum()
+    }
+
+    /// Every simulated GPU's cap, W, node by node.
+    pub fn caps_w(&self) -> Vec<f64> {
+        self.sims
+            .iter()
+            .flat_map(|n| {
+                (0..self.gpus_per_node)
+                    .map(move |g| f64::from(n.gpu(g).expect("gpu").power_limit_mw) / 1000.0)
+            })
+            .collect()
+    }
+
+    /// GPUs below their default cap with no live job on them: `(node, gpu, cap W)`.
+    pub fn capped_without_a_job(&self) -> Vec<(String, u32, f64)> {
+        let mut found = Vec::new();
+        for (node, sim) in self.cluster.node_names().iter().zip(&self.sims) {
+            for g in 0..self.gpus_per_node {
+                let gpu = sim.gpu(g).expect("gpu");
+                let cap = f64::from(gpu.power_limit_mw) / 1000.0;
+                let live = gpu
+                    .running()
+                    .is_some_and(|w| crate::slurm::pid_alive(w.pid));
+                if cap < DEFAULT_CAP_W && !live {
+                    found.push((node.clone(), g, cap));
+                }
+            }
+        }
+        found
+    }
+
+    /// The controller's budget in force, W.
+    pub fn budget_w(&self) -> Option<f64> {
+        self.ctl_json(&["status"])?["budget_w"].as_f64()
+    }
+
+    /// Samples the draw every 250 ms for `duration`; panics when a sample is more than
+    /// 1 % over `budget_w` (the simulated GPUs' power noise is ±0.5 %). Returns the
+    /// highest sample.
+    pub fn assert_draw_within(&self, budget_w: f64, duration: Duration, what: &str) -> f64 {
+        let end = std::time::Instant::now() + duration;
+        let mut highest = 0.0f64;
+        while std::time::Instant::now() < end {
+            let draw = self.draw_w();
+            highest = highest.max(draw);
+            assert!(
+                draw <= budget_w * 1.01,
+                "{what}: draw {draw:.0} W over the {budget_w:.0} W budget"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        highest
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for child in self.agents.iter_mut().flatten() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Some(child) = self.ctld.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! The fault matrix (docs/fault-matrix.md), the rows that need the whole stack on a local
+//! Slurm cluster with SIMULATED GPUs. Each row injects one fault while jobs run under a
+//! budget that caps them, and checks what must hold: the draw never over the budget, no
+//! GPU left capped without a live job, no job killed by powerflex, no node drained.
+
+use std::time::Duration;
+
+use powerflex::slurm::pid_alive;
+use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
+use powerflex::wait_until;
+
+/// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
+const BUDGET_W: f64 = 3000.0;
+const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
+
+/// Sets the budget and waits until the jobs' caps bring the draw within it.
+fn capped(stack: &Stack) {
+    let set = powerflex::run(
+        &stack.ctl,
+        &[
+            "budget",
+            "set",
+            &format!("{BUDGET_W}W"),
+            "--socket",
+            &stack.socket.to_string_lossy(),
+        ],
+    );
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
+    wait_until(
+        "the draw within the budget",
+        Duration::from_secs(30),
+        || {
+            (stack.draw_w() <= BUDGET_W * 1.01 && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W))
+                .then_some(())
+        },
+    );
+}
+
+fn running(stack: &Stack, id: u32) -> bool {
+    stack.cluster.job_state(id).as_deref() == Some("RUNNING")
+}
+
+/// After the jobs end: every GPU back at its default, no node drained.
+fn ends_clean(stack: &Stack, jobs: &[u32]) {
+    for id in jobs {
+        stack.cluster.run("scancel", &[&id.to_string()]);
+    }
+    for &id in jobs {
+        stack.cluster.wait_job_done(id, Duration::from_secs(60));
+    }
+    wait_until(
+        "every GPU back at its default cap",
+        Duration::from_secs(30),
+        || {
+            stack
+                .caps_w()
+                .iter()
+                .all(|&c| c == DEFAULT_CAP_W)
+                .then_some(())
+        },
+    );
+    stack.cluster.assert_no_node_drained();
+}
+
+#[test]
+fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
+    let mut stack = Stack::start("f-slurmd", StackOptions::default());
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until("the job runs", Duration::from_secs(30), || {
+        running(&stack, job).then_some(())
+    });
+    capped(&stack);
+    let caps = stack.caps_w();
+    stack.cluster.restart_slurmd("n1");
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(4), "after slurmd restarted");
+    assert_eq!(stack.caps_w(), caps, "caps untouched by the slurmd restart");
+    assert!(
+        running(&stack, job),
+        "the job survives its slurmd's restart"
+    );
+    assert!(stack.capped_without_a_job().is_empty());
+    // The job's end still reaches the agent through the new slurmd (job epilog).
+    ends_clean(&stack, &[job]);
+}
+
+#[test]
+fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
+    let stack = Stack::start("f-jobkill", StackOptions::default());
+    let victim = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
+    let other = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
+    wait_until("both jobs run", Duration::from_secs(30), || {
+        (running(&stack, victim) && running(&stack, other)).then_some(())
+    });
+    capped(&stack);
+    // kill -9 the victim's training process (found through the GPUs it holds).
+    let pid = wait_until(
+        "the victim's process on a GPU",
+        Duration::from_secs(10),
+        || {
+            stack.sims.iter().find_map(|sim| {
+                (0..stack.gpus_per_node).find_map(|g| {
+                    let gpu = sim.gpu(g).ok()?;
+                    let w = gpu.running()?;
+                    (w.job_id == victim.to_string()).then_some(w.pid)
+                })
+            })
+        },
+    );
+    assert!(pid_alive(pid));
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let state = stack.cluster.wait_job_done(victim, Duration::from_secs(60));
+    assert_ne!(state, "RUNNING");
+    wait_until(
+        "the killed job's GPUs back at their default",
+        Duration::from_secs(30),
+        || stack.capped_without_a_job().is_empty().then_some(()),
+    );
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(3), "after the job died");
+    assert!(running(&stack, other), "powerflex kills no job");
+    ends_clean(&stack, &[other]);
+}
+
+#[test]
+fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
+    let mut stack = Stack::start("f-state", StackOptions::default());
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until("the job runs", Duration::from_secs(30), || {
+        running(&stack, job).then_some(())
+    });
+    capped(&stack);
+    stack.kill_agent(0);
+    let state = stack.agent_state_file(0);
+    let text = std::fs::read(&state).expect("the agent's state file");
+    std::fs::write(&state, &text[..text.len() / 2]).expect("truncate");
+    stack.start_agent(0);
+    // The agent starts, says so, keeps the corrupt file for a post-mortem, and takes the
+    // running job back from its processes: the caps and the budget hold throughout.
+    assert!(
+        state.with_extension("json.corrupt").exists(),
+        "the corrupt file is set aside"
+    );
+    stack.assert_draw_within(
+        BUDGET_W,
+        Duration::from_secs(6),
+        "after the agent restarted",
+    );
+    wait_until(
+        "the job managed on n1 again",
+        Duration::from_secs(20),
+        || {
+            let jobs = stack.ctl_json(&["jobs"])?;
+            let j = jobs
+                .as_array()?
+                .iter()
+                .find(|j| j["job"].as_str() == Some(job.to_string().as_str()))?
+                .clone();
+            (j["nodes"].as_array()?.len() == 2).then_some(())
+        },
+    );
+    assert!(running(&stack, job));
+    assert!(stack.capped_without_a_job().is_empty());
+    ends_clean(&stack, &[job]);
+}
