@@ -336,9 +336,12 @@ impl Agent {
         match result {
             Ok(s) => {
                 slot.last = Some(s);
-                if slot.applied.is_none() {
+                if slot.applied.is_none() || slot.degraded.is_some() {
+                    // After a fault the limit on the GPU is what it reads, not what was
+                    // last written: the next tick writes the desired cap if they differ.
                     slot.applied = Some(s.cap);
                 }
+                slot.degraded = None;
             }
             Err(e) => {
                 slot.last = None;
@@ -888,6 +891,18 @@ mod tests {
             a.gpus[2].degraded.is_none(),
             "a transient error does not degrade"
         );
+        // The lost GPU answers again (a probe): it is managed again, from the limit it
+        // reads, and gets the job's cap.
+        a.sampled(
+            1,
+            Ok(GpuSample {
+                power: Watts(650.0),
+                cap: Watts(700.0),
+                ..a.gpus[0].last.expect("a sample of GPU 0")
+            }),
+        );
+        assert!(a.gpus[1].degraded.is_none());
+        assert!(caps(&a.tick(2.0)).contains(&(1, 400.0)));
     }
 
     #[test]

@@ -60,24 +60,50 @@ fn report(snapshot: &SnapshotCell) -> Body {
             failsafe: false,
         };
     };
+    // A GPU the agent cannot read or set right now (degraded, or its last sample failed)
+    // keeps drawing under the last limit it accepted: report it at that cap, outside its
+    // job, so the controller pays for it first and splits the rest over the GPUs it can
+    // steer. Otherwise a lower budget would reach only the healthy GPUs and the stuck
+    // one would carry the site over it.
+    let steerable = |g: &crate::control::GpuView| g.degraded.is_none() && g.power_w.is_some();
+    let node_power_w: f64 = s
+        .gpus
+        .iter()
+        .map(|g| {
+            if steerable(g) {
+                g.power_w.unwrap_or(0.0)
+            } else {
+                g.cap_w.unwrap_or(g.default_w)
+            }
+        })
+        .sum();
     Body::Report {
         jobs: s
             .jobs
             .iter()
-            .map(|j| JobReport {
-                job_id: j.job.clone(),
-                tier: j.tier.clone(),
-                gpus: j.gpus.len() as u32,
-                cap_w: j.cap_w,
-                power_w: j.power_w,
-                throughput: j.throughput,
-                throughput_unit: j.throughput_unit.map(str::to_string),
-                pfi: j.pfi.or(j.prior_pfi),
-                pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
-                points: j.points.clone(),
+            .map(|j| {
+                let (gpus, power_w) = s
+                    .gpus
+                    .iter()
+                    .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
+                    .fold((0u32, 0.0f64), |(n, p), g| {
+                        (n + 1, p + g.power_w.unwrap_or(0.0))
+                    });
+                JobReport {
+                    job_id: j.job.clone(),
+                    tier: j.tier.clone(),
+                    gpus,
+                    cap_w: j.cap_w,
+                    power_w: (gpus > 0).then_some(power_w),
+                    throughput: j.throughput,
+                    throughput_unit: j.throughput_unit.map(str::to_string),
+                    pfi: j.pfi.or(j.prior_pfi),
+                    pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
+                    points: j.points.clone(),
+                }
             })
             .collect(),
-        power_w: s.gpus.iter().filter_map(|g| g.power_w).sum(),
+        power_w: node_power_w,
         failsafe: s.failsafe,
     }
 }

@@ -149,6 +149,9 @@ fn execute(
     }
 }
 
+/// How often a degraded GPU is read to see whether it works again, seconds.
+const DEGRADED_PROBE_S: f64 = 10.0;
+
 /// Runs the agent until `shutdown` is set, then restores every GPU's default cap.
 pub fn run(
     settings: AgentSettings,
@@ -314,6 +317,7 @@ pub fn run(
 
     let ticker = tick(Duration::from_millis(50));
     let mut next_sample = 0.0;
+    let mut next_probe = DEGRADED_PROBE_S;
     while !shutdown.load(Ordering::SeqCst) {
         select! {
             recv(rx) -> msg => {
@@ -332,13 +336,25 @@ pub fn run(
                     continue;
                 }
                 next_sample = t + options.sample_interval.as_secs_f64();
+                // Degraded GPUs are probed now and then, not every sample: a GPU that
+                // answers again (a fault cleared, a permission fixed) is managed again,
+                // and its default restored when its job is gone.
+                let probe = t >= next_probe;
+                if probe {
+                    next_probe = t + DEGRADED_PROBE_S;
+                }
                 for gpu in 0..agent.gpus.len() as u32 {
-                    if agent.gpus[gpu as usize].degraded.is_some() {
+                    let degraded = agent.gpus[gpu as usize].degraded.is_some();
+                    if degraded && !probe {
                         continue;
                     }
                     let sample = backend.sample(gpu);
-                    if let Err(e) = &sample {
-                        warn!(gpu, error = %e, class = ?e.class, "GPU reading failed");
+                    match &sample {
+                        Err(e) if !degraded => {
+                            warn!(gpu, error = %e, class = ?e.class, "GPU reading failed")
+                        }
+                        Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
+                        _ => {}
                     }
                     agent.sampled(gpu, sample);
                 }
