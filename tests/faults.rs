@@ -165,3 +165,92 @@ fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
     assert!(stack.capped_without_a_job().is_empty());
     ends_clean(&stack, &[job]);
 }
+
+/// The stack's fail-safe cap (src/stack.rs writes it into the site config), W.
+const FAILSAFE_CAP_W: f64 = 300.0;
+
+#[test]
+fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap() {
+    let mut stack = Stack::start(
+        "f-lease",
+        StackOptions {
+            lease_ttl_s: 5,
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until("the job runs", Duration::from_secs(30), || {
+        running(&stack, job).then_some(())
+    });
+    capped(&stack);
+    stack.kill_ctld();
+    // While the lease lasts and after it: the draw stays within the budget (the fail-safe
+    // cap on every GPU is below it), and the job runs on.
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(6), "controller gone");
+    wait_until(
+        "every GPU at the fail-safe cap",
+        Duration::from_secs(10),
+        || {
+            stack
+                .caps_w()
+                .iter()
+                .all(|&c| c == FAILSAFE_CAP_W)
+                .then_some(())
+        },
+    );
+    assert!(running(&stack, job), "powerflex kills no job");
+    // The controller back: leases again, the budget split again.
+    stack.start_ctld();
+    wait_until("caps from a fresh lease", Duration::from_secs(30), || {
+        stack
+            .caps_w()
+            .iter()
+            .all(|&c| c > FAILSAFE_CAP_W)
+            .then_some(())
+    });
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(3), "controller back");
+    ends_clean(&stack, &[job]);
+}
+
+#[test]
+fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
+    use powerflex_sim::state::Fault;
+    let stack = Stack::start("f-nvml", StackOptions::default());
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until("the job runs", Duration::from_secs(30), || {
+        running(&stack, job).then_some(())
+    });
+    capped(&stack);
+    let n1 = &stack.sims[0];
+    for (i, kind) in ["gpu-lost", "no-permission", "timeout"].iter().enumerate() {
+        n1.set_fault(1, Fault::from_name(kind)).expect("inject");
+        // A lower budget must still reach the GPUs that answer.
+        let budget = BUDGET_W - 200.0 * (i as f64 + 1.0);
+        let set = powerflex::run(
+            &stack.ctl,
+            &[
+                "budget",
+                "set",
+                &format!("{budget}W"),
+                "--socket",
+                &stack.socket.to_string_lossy(),
+            ],
+        );
+        assert_eq!(set.code, Some(0), "{}", set.stderr);
+        wait_until(
+            &format!("the draw within {budget} W with {kind} on n1 GPU 1"),
+            Duration::from_secs(20),
+            || (stack.draw_w() <= budget * 1.01).then_some(()),
+        );
+        stack.assert_draw_within(budget, Duration::from_secs(2), kind);
+        let status = stack.ctl_json(&["nodes"]).expect("controller answers");
+        let n1_live = status
+            .as_array()
+            .and_then(|n| n.iter().find(|n| n["node"] == "n1"))
+            .map(|n| n["live"] == true);
+        assert_eq!(n1_live, Some(true), "the agent carries on with {kind}");
+        n1.set_fault(1, None).expect("clear");
+    }
+    assert!(running(&stack, job), "powerflex kills no job");
+    ends_clean(&stack, &[job]);
+}
