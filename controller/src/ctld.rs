@@ -205,8 +205,20 @@ struct Session {
     writer: Option<Sender<String>>,
 }
 
-/// Runs the controller until `shutdown`.
-pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String> {
+/// A re-read site config (on SIGHUP): the new options, or why the file was refused.
+pub type Reload = Result<CtldOptions, String>;
+
+/// Runs the controller until `shutdown`. `reloads` brings re-read site configs: a valid
+/// one replaces the budget, policy, tiers and lease settings at once (the listen
+/// addresses, sockets, state directory, key and period need a restart); a refused one
+/// leaves the config in force and is reported by `status` until a valid one arrives.
+pub fn run(
+    options: CtldOptions,
+    shutdown: Arc<AtomicBool>,
+    reloads: Receiver<Reload>,
+) -> Result<(), String> {
+    let mut options = options;
+    let mut config_error: Option<String> = None;
     let mut state = load_state(&options.state_dir);
     info!(
         budget_w = state.budget_w.map_or(options.base_budget.0, |w| w.0),
@@ -369,7 +381,7 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
                         }
                         Inbound::Admin { op, uid, reply } => {
                             let changes = op.changes_state();
-                            let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref());
+                            let answer = handle_admin(op, uid, &mut state, &options, &sessions, last.as_ref(), config_error.as_deref());
                             if answer.ok && changes {
                                 allocate_now = true;
                             }
@@ -378,6 +390,36 @@ pub fn run(options: CtldOptions, shutdown: Arc<AtomicBool>) -> Result<(), String
                     }
                 }
             }
+            recv(reloads) -> reload => match reload {
+                Ok(Ok(new)) => {
+                    let needs_restart = new.listen != options.listen
+                        || new.admin_socket != options.admin_socket
+                        || new.state_dir != options.state_dir
+                        || new.key != options.key
+                        || new.period != options.period
+                        || new.metrics_listen != options.metrics_listen;
+                    if needs_restart {
+                        warn!("site config reloaded; listen addresses, sockets, state directory, key and allocation period change only on restart");
+                    }
+                    info!(base_budget_w = new.base_budget.0, policy = new.site.policy.name(), lease_ttl_s = new.lease_ttl_s, "site config reloaded");
+                    options = CtldOptions {
+                        listen: options.listen,
+                        admin_socket: options.admin_socket.clone(),
+                        state_dir: options.state_dir.clone(),
+                        key: options.key.clone(),
+                        period: options.period,
+                        metrics_listen: options.metrics_listen,
+                        ..new
+                    };
+                    config_error = None;
+                    allocate_now = true;
+                }
+                Ok(Err(e)) => {
+                    error!(error = %e, "site config reload refused; the previous config stays in force");
+                    config_error = Some(e);
+                }
+                Err(_) => {}
+            },
             recv(ticker) -> _ => allocate_now = true,
             recv(check) -> _ => {}
         }
@@ -653,6 +695,7 @@ fn handle_admin(
     options: &CtldOptions,
     sessions: &BTreeMap<String, Session>,
     last: Option<&Decision>,
+    config_error: Option<&str>,
 ) -> AdminReply {
     let now = unix_ms();
     if op.changes_state() && uid != 0 {
@@ -660,7 +703,9 @@ fn handle_admin(
     }
     match op {
         AdminOp::Status | AdminOp::History => {
-            AdminReply::ok(Some(status(state, options, sessions, last, now)))
+            let mut answer = status(state, options, sessions, last, now);
+            answer["config_error"] = serde_json::json!(config_error);
+            AdminReply::ok(Some(answer))
         }
         AdminOp::BudgetSet { budget_w } => {
             if !(budget_w.is_finite() && budget_w > 0.0) {

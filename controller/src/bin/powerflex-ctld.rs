@@ -1,5 +1,9 @@
 //! `powerflex-ctld`: the site controller. One per site, as root.
 //!
+//! SIGHUP re-reads the site config: budget, policy, tiers and lease settings change at
+//! once; an invalid file is refused, logged and shown by `powerflexctl status`, and the
+//! config in force stays.
+//!
 //! Exit codes: 0 stopped by SIGTERM/SIGINT; 1 could not start (config, key, sockets);
 //! 2 usage error.
 
@@ -32,6 +36,13 @@ extern "C" fn on_signal(_: libc::c_int) {
     SIGNALLED.store(true, Ordering::SeqCst);
 }
 
+/// SIGHUP: re-read the site config (see `ctld::run` for what changes without a restart).
+static RELOAD: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_hangup(_: libc::c_int) {
+    RELOAD.store(true, Ordering::SeqCst);
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -51,18 +62,19 @@ fn main() -> ExitCode {
     }
 }
 
-fn start(cli: Cli) -> Result<(), String> {
-    let text = std::fs::read_to_string(&cli.config)
-        .map_err(|e| format!("cannot read {}: {e}", cli.config.display()))?;
+/// Reads and validates the site config and the key: the controller's options.
+fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
+    let text = std::fs::read_to_string(config)
+        .map_err(|e| format!("cannot read {}: {e}", config.display()))?;
     let site =
-        SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", cli.config.display()))?;
+        SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", config.display()))?;
     let key = powerflex_proto::link::read_site_key(&site.controller.key_file)
         .map_err(|e| e.to_string())?;
     let model = site
         .gpu_models
         .first()
         .ok_or("the site config has no GPU model")?;
-    let options = CtldOptions {
+    Ok(CtldOptions {
         listen: site.controller.listen,
         admin_socket: site.controller.admin_socket.clone(),
         state_dir: site.controller.state_dir.clone(),
@@ -78,7 +90,11 @@ fn start(cli: Cli) -> Result<(), String> {
             failsafe_cap: model.failsafe_cap_w,
             default_pfi: site.predictor.pfi_intercept,
         },
-    };
+    })
+}
+
+fn start(cli: Cli) -> Result<(), String> {
+    let options = load_options(&cli.config)?;
     for signal in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         #[allow(unsafe_code)]
@@ -86,19 +102,29 @@ fn start(cli: Cli) -> Result<(), String> {
             libc::signal(signal, on_signal as *const () as libc::sighandler_t);
         }
     }
+    // SAFETY: as above.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::signal(libc::SIGHUP, on_hangup as *const () as libc::sighandler_t);
+    }
     let shutdown = Arc::new(AtomicBool::new(false));
+    let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
     let watcher = {
         let shutdown = shutdown.clone();
+        let config = cli.config.clone();
         std::thread::spawn(move || {
             while !shutdown.load(Ordering::SeqCst) {
                 if SIGNALLED.load(Ordering::SeqCst) {
                     shutdown.store(true, Ordering::SeqCst);
                 }
+                if RELOAD.swap(false, Ordering::SeqCst) {
+                    let _ = reload_tx.send(load_options(&config));
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
         })
     };
-    let result = run(options, shutdown.clone());
+    let result = run(options, shutdown.clone(), reload_rx);
     shutdown.store(true, Ordering::SeqCst);
     let _ = watcher.join();
     result

@@ -432,6 +432,11 @@ fn render_status(s: &serde_json::Value) -> String {
     if let Some(e) = s["active_event"].as_object() {
         out.push_str(&format!("active event {}: {}\n", e["id"], e["cut"]));
     }
+    if let Some(e) = s["config_error"].as_str() {
+        out.push_str(&format!(
+            "SITE CONFIG RELOAD REFUSED (the previous config stays in force): {e}\n"
+        ));
+    }
     let jobs: Vec<&serde_json::Value> = s["jobs"].as_array().into_iter().flatten().collect();
     let broken: Vec<String> = jobs
         .iter()
