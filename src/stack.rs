@@ -181,6 +181,23 @@ impl Stack {
         let _ = std::fs::remove_file(&self.socket);
     }
 
+    /// SIGHUP to the controller (by PID): re-read the site config.
+    pub fn reload_ctld(&self) {
+        let pid = self.ctld.as_ref().expect("the controller runs").id();
+        let sent = Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .expect("kill -HUP");
+        assert!(sent.success());
+    }
+
+    /// Rewrites the site config, replacing `from` (which must occur) with `to`.
+    pub fn edit_site(&self, from: &str, to: &str) {
+        let text = std::fs::read_to_string(&self.site).expect("site config");
+        assert!(text.contains(from), "{from:?} not in the site config");
+        std::fs::write(&self.site, text.replacen(from, to, 1)).expect("site config");
+    }
+
     fn spawn_agent(&mut self, i: usize) -> Child {
         let node = self.cluster.node_names()[i].clone();
         let log = self.log(&format!("agent-{node}"));

@@ -254,3 +254,66 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
     assert!(running(&stack, job), "powerflex kills no job");
     ends_clean(&stack, &[job]);
 }
+
+#[test]
+fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
+    let stack = Stack::start(
+        "f-reload",
+        StackOptions {
+            budget_w: BUDGET_W,
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until(
+        "the job capped within the config's budget",
+        Duration::from_secs(30),
+        || {
+            (running(&stack, job)
+                && stack.draw_w() <= BUDGET_W * 1.01
+                && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W))
+            .then_some(())
+        },
+    );
+    // A valid edit takes effect on SIGHUP.
+    stack.edit_site("gpu_budget_w = 3000.0", "gpu_budget_w = 2500.0");
+    stack.reload_ctld();
+    wait_until(
+        "the reloaded budget in force",
+        Duration::from_secs(10),
+        || (stack.budget_w()? == 2500.0).then_some(()),
+    );
+    // An invalid one is refused, reported, and changes nothing.
+    stack.edit_site("gpu_budget_w = 2500.0", "gpu_budget_w = -5.0");
+    stack.reload_ctld();
+    let status = wait_until("the refusal reported", Duration::from_secs(10), || {
+        let s = stack.ctl_json(&["status"])?;
+        s["config_error"].is_string().then_some(s)
+    });
+    assert!(
+        status["config_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("gpu_budget_w")),
+        "{status}"
+    );
+    assert_eq!(status["budget_w"], 2500.0, "the config in force stays");
+    let table = powerflex::run(
+        &stack.ctl,
+        &["status", "--socket", &stack.socket.to_string_lossy()],
+    );
+    assert!(
+        table.stdout.contains("SITE CONFIG RELOAD REFUSED"),
+        "{}",
+        table.stdout
+    );
+    stack.assert_draw_within(2500.0, Duration::from_secs(3), "after the refused reload");
+    assert!(running(&stack, job), "powerflex kills no job");
+    // Fixed: accepted, the report cleared.
+    stack.edit_site("gpu_budget_w = -5.0", "gpu_budget_w = 2600.0");
+    stack.reload_ctld();
+    wait_until("the fixed config in force", Duration::from_secs(10), || {
+        let s = stack.ctl_json(&["status"])?;
+        (s["budget_w"] == 2600.0 && s["config_error"].is_null()).then_some(())
+    });
+    ends_clean(&stack, &[job]);
+}
