@@ -9,9 +9,10 @@
 #   python3-pip    only if python3 has no pip: to install nvidia-ml-py (NVIDIA's NVML
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
+#   faketime       libfaketime, to jump one agent's wall clock in the fault tests
 set -euo pipefail
 
-POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux)
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime)
 
 powerflex_install_deps() {
     local missing=()

@@ -27,6 +27,8 @@ pub struct StackOptions {
     pub lease_ttl_s: u64,
     /// Extra lines for the site config's `[agent]` table.
     pub agent_extra: String,
+    /// Extra environment for one node's agent: (node index, name, value).
+    pub agent_env: Vec<(usize, String, String)>,
 }
 
 impl Default for StackOptions {
@@ -37,6 +39,7 @@ impl Default for StackOptions {
             budget_w: 5600.0,
             lease_ttl_s: 10,
             agent_extra: String::new(),
+            agent_env: Vec::new(),
         }
     }
 }
@@ -56,6 +59,7 @@ pub struct Stack {
     pub ctl: PathBuf,
     pub simjob: PathBuf,
     pub gpus_per_node: u32,
+    agent_env: Vec<(usize, String, String)>,
     restarts: u32,
 }
 
@@ -134,6 +138,7 @@ impl Stack {
             ctl,
             simjob,
             gpus_per_node: options.gpus_per_node,
+            agent_env: options.agent_env.clone(),
             restarts: 0,
         };
         stack.start_ctld();
@@ -205,6 +210,12 @@ impl Stack {
             .args(["--config", &self.site.to_string_lossy(), "--node", &node])
             .args(["--sample-interval-ms", "250"])
             .env("POWERFLEX_SIM_DIR", self.sims[i].dir())
+            .envs(
+                self.agent_env
+                    .iter()
+                    .filter(|(node, _, _)| *node == i)
+                    .map(|(_, k, v)| (k, v)),
+            )
             .stderr(log)
             .spawn()
             .expect("powerflexd")

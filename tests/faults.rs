@@ -317,3 +317,68 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     });
     ends_clean(&stack, &[job]);
 }
+
+#[test]
+fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
+    // n1's agent runs under libfaketime: its wall clock (not its monotonic clock, which
+    // an NTP step leaves alone too) follows the offset in this file.
+    let offset = std::env::temp_dir().join(format!("pf-clock-{}", std::process::id()));
+    std::fs::write(&offset, "+0\n").expect("offset file");
+    let libfaketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+    assert!(
+        std::path::Path::new(libfaketime).exists(),
+        "{libfaketime} missing: apt-get install faketime (scripts/install-deps.sh does)"
+    );
+    let env = |k: &str, v: &str| (0usize, k.to_string(), v.to_string());
+    let stack = Stack::start(
+        "f-clock",
+        StackOptions {
+            budget_w: BUDGET_W,
+            lease_ttl_s: 5,
+            agent_env: vec![
+                env("LD_PRELOAD", libfaketime),
+                env("FAKETIME_TIMESTAMP_FILE", &offset.to_string_lossy()),
+                env("FAKETIME_NO_CACHE", "1"),
+                env("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+            ],
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until(
+        "the job capped within the budget",
+        Duration::from_secs(30),
+        || {
+            (running(&stack, job)
+                && stack.draw_w() <= BUDGET_W * 1.01
+                && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W))
+            .then_some(())
+        },
+    );
+    let live = |node: &str| -> Option<bool> {
+        let nodes = stack.ctl_json(&["nodes"])?;
+        let n = nodes
+            .as_array()?
+            .iter()
+            .find(|n| n["node"] == node)?
+            .clone();
+        Some(n["live"] == true)
+    };
+    for jump in ["+600", "-600"] {
+        std::fs::write(&offset, format!("{jump}\n")).expect("jump");
+        // n1's messages now look stale (or from the future) to the controller and its
+        // leases to n1: n1 falls silent, then to its fail-safe cap; the budget holds.
+        stack.assert_draw_within(BUDGET_W, Duration::from_secs(8), &format!("clock {jump} s"));
+        assert_eq!(live("n1"), Some(false), "n1's stale messages are refused");
+        assert!(running(&stack, job), "powerflex kills no job");
+        std::fs::write(&offset, "+0\n").expect("jump back");
+        wait_until(
+            "n1 live again after its clock is back",
+            Duration::from_secs(30),
+            || (live("n1")? && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W)).then_some(()),
+        );
+        stack.assert_draw_within(BUDGET_W, Duration::from_secs(2), "clock back");
+    }
+    ends_clean(&stack, &[job]);
+    let _ = std::fs::remove_file(&offset);
+}
