@@ -302,6 +302,15 @@ impl Calibration {
         }
     }
 
+    /// The budget holds the job's GPUs below the level being measured: that level has not
+    /// begun. Its settle and hold start over once its cap is in force, so no point is
+    /// recorded at a cap other than the one it is labelled with.
+    pub fn held_below_level(&mut self, now: f64) {
+        if let Phase::Level { level, .. } = self.phase {
+            self.enter(level, now);
+        }
+    }
+
     fn enter(&mut self, level: usize, now: f64) {
         self.phase = Phase::Level { level, since: now };
         self.power_sum = 0.0;
@@ -459,5 +468,19 @@ mod tests {
         }
         let (rate, _) = log.rate(0.0, 10.0).expect("rate");
         assert!((rate - 1000.0).abs() < 1.0, "{rate}");
+    }
+
+    #[test]
+    fn a_level_held_below_its_cap_starts_over() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        cal.enter(0, 10.0);
+        cal.held_below_level(25.0);
+        assert_eq!(
+            cal.phase,
+            Phase::Level {
+                level: 0,
+                since: 25.0
+            }
+        );
     }
 }

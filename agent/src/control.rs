@@ -457,13 +457,18 @@ impl Agent {
             return None;
         }
         if self.controller_mode() {
+            // A job the controller has not granted a cap yet (it started since the last
+            // lease, or while the controller is away) runs at the fail-safe cap: the
+            // budget was split without it, and uncapped it could carry the site over.
             return match &self.lease {
-                Some(lease) if now < lease.expires_at => lease.caps.get(&job.id).copied(),
-                Some(_) => Some(self.settings.failsafe_cap),
-                None if now - self.started_at >= self.settings.lease_ttl_s => {
-                    Some(self.settings.failsafe_cap)
-                }
-                None => None,
+                Some(lease) if now < lease.expires_at => Some(
+                    lease
+                        .caps
+                        .get(&job.id)
+                        .copied()
+                        .unwrap_or(self.settings.failsafe_cap),
+                ),
+                _ => Some(self.settings.failsafe_cap),
             };
         }
         job.granted
@@ -498,7 +503,16 @@ impl Agent {
                 (!utils.is_empty()).then(|| utils.iter().sum::<f64>() / utils.len() as f64)
             });
             let (intercept, slope) = (self.settings.prior_intercept, self.settings.prior_slope);
+            let held_below = self.jobs.get(id).is_some_and(|j| {
+                match (j.calibration.cap(), self.granted_cap(now, j)) {
+                    (Some(level), Some(granted)) => granted.0 < level.0 - 0.5,
+                    _ => false,
+                }
+            });
             if let Some(job) = self.jobs.get_mut(id) {
+                if held_below {
+                    job.calibration.held_below_level(now);
+                }
                 let before = job.calibration.phase.clone();
                 job.calibration.tick(now, &job.log, power);
                 if job.calibration.phase != before {
@@ -834,18 +848,41 @@ mod tests {
     }
 
     #[test]
+    fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex2,calibrate=off")
+            .expect("registered");
+        a.set_lease(
+            1.0,
+            BTreeMap::from([("7".to_string(), Watts(600.0))]),
+            3600.0,
+        );
+        assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
+        a.cap_written(0, Watts(600.0));
+        // Job 8 starts after the lease (the controller is away): not uncapped.
+        a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+            .expect("registered");
+        assert_eq!(caps(&a.tick(4.0)), vec![(1, 500.0)]);
+    }
+
+    #[test]
     fn lease_expiry_brings_the_failsafe_cap() {
         let mut a = agent(None);
         a.register(0.0, "7", "0", 0, "n1", &["2".into()], "flex2,calibrate=off")
             .expect("registered");
-        assert!(
-            caps(&a.tick(10.0)).is_empty(),
-            "no lease yet, but the TTL has not run out"
-        );
         assert_eq!(
-            caps(&a.tick(31.0)),
+            caps(&a.tick(10.0)),
             vec![(2, 500.0)],
-            "no lease within the TTL: fail-safe"
+            "no cap granted yet: the fail-safe cap, not the GPU's maximum"
+        );
+        assert!(
+            !a.failsafe_active(10.0),
+            "the link itself is not yet overdue"
+        );
+        a.cap_written(2, Watts(500.0));
+        assert!(
+            caps(&a.tick(31.0)).is_empty(),
+            "no lease within the TTL: still fail-safe"
         );
         assert!(a.failsafe_active(31.0));
         a.cap_written(2, Watts(500.0));

@@ -325,7 +325,7 @@ pub fn run(
                 // Progress is frequent and changes nothing a reader needs at once: it is
                 // published with the next tick. Job changes are published right away.
                 let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
-                handle(msg, &mut agent, now(), clock, &options.state_dir);
+                handle(msg, &mut agent, backend.as_mut(), now(), clock, &options.state_dir);
                 if job_change {
                     publish(&snapshot, &agent, now());
                 }
@@ -400,7 +400,14 @@ fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
     }
 }
 
-fn handle(msg: Inbound, agent: &mut Agent, now: f64, clock: Instant, state_dir: &Path) {
+fn handle(
+    msg: Inbound,
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    now: f64,
+    clock: Instant,
+    state_dir: &Path,
+) {
     match msg {
         Inbound::Control {
             request,
@@ -421,6 +428,12 @@ fn handle(msg: Inbound, agent: &mut Agent, now: f64, clock: Instant, state_dir: 
                     match agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex) {
                         Ok(r) => {
                             info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
+                            // Cap the job's GPUs before answering: slurmstepd starts the
+                            // tasks after this reply, so they never run above the cap
+                            // the job is granted (the fail-safe until the controller
+                            // has allocated it).
+                            let actions = agent.tick(now);
+                            execute(actions, agent, backend, state_dir);
                             save(state_dir, agent);
                             ControlReply {
                                 progress: r.progress,

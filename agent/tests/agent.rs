@@ -232,7 +232,10 @@ fn client(args: &[&str], as_nobody: bool, env: &[(&str, &str)]) -> Vec<String> {
 
 #[test]
 fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
-    let mut f = Fixture::new("calibrate", None, 3600);
+    // Standalone with a node budget above what the GPUs can draw: the agent grants the
+    // job the GPUs' maximum, so the walk starts from the uncapped point. (In controller
+    // mode with no controller, a job would wait at the fail-safe cap instead.)
+    let mut f = Fixture::new("calibrate", Some(100_000.0), 3600);
     let reply = f.register("101", &["0", "1"], "flex3");
     assert!(reply.ok, "{reply:?}");
     assert_eq!(reply.tier.as_deref(), Some("flex3"));
@@ -326,16 +329,17 @@ fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
         (f.limit_w(0) < 700.0).then_some(())
     });
     let total = wait_until(
-        "draw within the node budget",
+        "the job's draw spending the node budget, within it",
         Duration::from_secs(20),
         || {
             let total: f64 = (0..8)
                 .map(|g| f64::from(f.node.reading(g).expect("reading").1.power_mw) / 1000.0)
                 .sum();
-            (total <= 3000.0 * 1.005).then_some(total)
+            // Spent, not wasted: the busy job draws most of the budget, within it.
+            (total > 2000.0 && total <= 3000.0 * 1.005).then_some(total)
         },
     );
-    assert!(total > 2000.0, "budget spent, not wasted: {total}");
+    assert!(total <= 3000.0 * 1.005, "{total}");
     let status = f.signal_agent(libc::SIGTERM).expect("agent exit");
     assert!(status.success(), "clean exit on SIGTERM");
     for g in 0..8 {
@@ -476,13 +480,16 @@ fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
     let f = Fixture::new("failsafe", None, 5);
     let reply = f.register("501", &["0"], "flex2,calibrate=off");
     assert!(reply.ok);
-    assert_eq!(f.limit_w(0), 700.0);
+    // No controller has granted the job a cap: it runs at the fail-safe cap at once, not
+    // at the GPU's maximum, and the agent reports the fail-safe once the lease is overdue.
     wait_until(
-        "the fail-safe cap after the lease",
+        "the fail-safe cap for a job no lease covers",
         Duration::from_secs(20),
         || (f.limit_w(0) == 500.0).then_some(()),
     );
-    assert_eq!(f.status()["failsafe"], true);
+    wait_until("the fail-safe reported", Duration::from_secs(20), || {
+        (f.status()["failsafe"] == true).then_some(())
+    });
     assert_eq!(f.limit_w(1), 700.0, "GPUs of no job keep their default");
 }
 
