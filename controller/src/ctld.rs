@@ -87,17 +87,39 @@ pub struct CtldState {
 }
 
 const STATE_FILE: &str = "ctld-state.json";
+/// The state before the last save: what a restart falls back on when the file is corrupt.
+const PREVIOUS_STATE_FILE: &str = "ctld-state.prev.json";
 
-fn load_state(dir: &Path) -> CtldState {
+fn read_state(path: &Path) -> Option<Result<CtldState, serde_json::Error>> {
+    std::fs::read(path)
+        .ok()
+        .map(|bytes| serde_json::from_slice(&bytes))
+}
+
+/// The persisted state, and whether it was lost (corrupt, with no usable previous copy):
+/// then the nodes and events it held are unknown.
+fn load_state(dir: &Path) -> (CtldState, bool) {
     let path = dir.join(STATE_FILE);
-    match std::fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+    let previous = dir.join(PREVIOUS_STATE_FILE);
+    match read_state(&path) {
+        Some(Ok(state)) => return (state, false),
+        None if !previous.exists() => return (CtldState::default(), false),
+        None => {}
+        Some(Err(e)) => {
             let moved = path.with_extension("json.corrupt");
             let _ = std::fs::rename(&path, &moved);
-            error!(path = %path.display(), error = %e, moved = %moved.display(), "controller state corrupt; starting from the site config");
-            CtldState::default()
-        }),
-        Err(_) => CtldState::default(),
+            error!(path = %path.display(), error = %e, moved = %moved.display(), "controller state corrupt");
+        }
+    }
+    match read_state(&previous) {
+        Some(Ok(state)) => {
+            warn!(path = %previous.display(), "using the state saved before the last change; the last admin change may be missing");
+            (state, false)
+        }
+        _ => {
+            error!("no usable controller state: the grid events and nodes it held are lost; re-add the events (powerflexctl event list shows what is known)");
+            (CtldState::default(), true)
+        }
     }
 }
 
@@ -108,7 +130,15 @@ fn save_state(dir: &Path, state: &CtldState) {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&serde_json::to_vec_pretty(state).unwrap_or_default())?;
         f.sync_all()?;
-        std::fs::rename(&tmp, dir.join(STATE_FILE))
+        // Keep the state being replaced: the file in place is never missing, and a
+        // restart that finds it corrupt falls back on the one before.
+        let current = dir.join(STATE_FILE);
+        if current.exists() {
+            let previous = dir.join(PREVIOUS_STATE_FILE);
+            let _ = std::fs::remove_file(&previous);
+            std::fs::hard_link(&current, &previous)?;
+        }
+        std::fs::rename(&tmp, current)
     };
     if let Err(e) = write() {
         error!(error = %e, "cannot persist controller state");
@@ -219,7 +249,21 @@ pub fn run(
 ) -> Result<(), String> {
     let mut options = options;
     let mut config_error: Option<String> = None;
-    let mut state = load_state(&options.state_dir);
+    let (mut state, state_lost) = load_state(&options.state_dir);
+    // With the state lost, the nodes that hold leases are unknown: allocate nothing for
+    // one lease, so every old lease has run out (its node at its fail-safe cap) before
+    // new ones are handed out, and no node's watts are given twice.
+    let hold_until_ms = if state_lost {
+        unix_ms() + (options.lease_ttl_s * 1000.0) as u64
+    } else {
+        0
+    };
+    if state_lost {
+        warn!(
+            hold_s = options.lease_ttl_s,
+            "holding the first allocation until every old lease has run out"
+        );
+    }
     info!(
         budget_w = state.budget_w.map_or(options.base_budget.0, |w| w.0),
         events = state.events.len(),
@@ -431,6 +475,9 @@ pub fn run(
         let ttl_ms = (options.lease_ttl_s * 1000.0) as u64;
         for s in sessions.values_mut() {
             s.view.live = now.saturating_sub(s.last_seen_ms) < ttl_ms;
+        }
+        if now < hold_until_ms {
+            continue;
         }
         if !awaiting.is_empty() {
             if now < grace_until_ms {
