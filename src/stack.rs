@@ -248,6 +248,11 @@ impl Stack {
         });
     }
 
+    /// The controller's persisted state file.
+    pub fn ctld_state_file(&self) -> PathBuf {
+        self.base.join("ctld").join("ctld-state.json")
+    }
+
     /// The agent's persisted state file on node `i`.
     pub fn agent_state_file(&self, i: usize) -> PathBuf {
         self.base

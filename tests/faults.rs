@@ -27,13 +27,31 @@ fn capped(stack: &Stack) {
     );
     assert_eq!(set.code, Some(0), "{}", set.stderr);
     wait_until(
-        "the draw within the budget",
+        "the controller's caps within the budget",
         Duration::from_secs(30),
-        || {
-            (stack.draw_w() <= BUDGET_W * 1.01 && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W))
-                .then_some(())
-        },
+        || allocated(stack).then_some(()),
     );
+}
+
+/// Every job runs at the cap the controller allocated it (not the fail-safe cap a job
+/// waits at until then, nor the default) and the draw is within the budget.
+fn allocated(stack: &Stack) -> bool {
+    let Some(jobs) = stack.ctl_json(&["jobs"]) else {
+        return false;
+    };
+    let granted: Vec<f64> = jobs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|j| j["cap_w"].as_f64())
+        .collect();
+    let caps = stack.caps_w();
+    !granted.is_empty()
+        && granted.len() == jobs.as_array().map_or(0, Vec::len)
+        && caps
+            .iter()
+            .all(|c| *c < DEFAULT_CAP_W && granted.contains(c))
+        && stack.draw_w() <= BUDGET_W * 1.01
 }
 
 fn running(stack: &Stack, id: u32) -> bool {
@@ -268,12 +286,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     wait_until(
         "the job capped within the config's budget",
         Duration::from_secs(30),
-        || {
-            (running(&stack, job)
-                && stack.draw_w() <= BUDGET_W * 1.01
-                && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W))
-            .then_some(())
-        },
+        || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     // A valid edit takes effect on SIGHUP.
     stack.edit_site("gpu_budget_w = 3000.0", "gpu_budget_w = 2500.0");
@@ -348,12 +361,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     wait_until(
         "the job capped within the budget",
         Duration::from_secs(30),
-        || {
-            (running(&stack, job)
-                && stack.draw_w() <= BUDGET_W * 1.01
-                && stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W))
-            .then_some(())
-        },
+        || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     let live = |node: &str| -> Option<bool> {
         let nodes = stack.ctl_json(&["nodes"])?;
@@ -381,4 +389,62 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     }
     ends_clean(&stack, &[job]);
     let _ = std::fs::remove_file(&offset);
+}
+
+#[test]
+fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
+    let mut stack = Stack::start(
+        "f-ctldstate",
+        StackOptions {
+            budget_w: 5000.0,
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until("the job runs", Duration::from_secs(30), || {
+        running(&stack, job).then_some(())
+    });
+    // A grid event down to the test budget, then an admin change after it (so the
+    // previous copy holds the event too).
+    let socket = stack.socket.to_string_lossy().to_string();
+    let add = powerflex::run(
+        &stack.ctl,
+        &[
+            "event",
+            "add",
+            "--target",
+            &format!("{BUDGET_W}W"),
+            "--duration",
+            "10m",
+            "--socket",
+            &socket,
+        ],
+    );
+    assert_eq!(add.code, Some(0), "{}", add.stderr);
+    let set = powerflex::run(&stack.ctl, &["budget", "set", "5200W", "--socket", &socket]);
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
+    wait_until("the event's caps", Duration::from_secs(30), || {
+        allocated(&stack).then_some(())
+    });
+    stack.kill_ctld();
+    let state = stack.ctld_state_file();
+    let text = std::fs::read(&state).expect("controller state");
+    std::fs::write(&state, &text[..text.len() / 3]).expect("truncate");
+    stack.start_ctld();
+    assert!(state.with_extension("json.corrupt").exists(), "set aside");
+    let status = wait_until("the event known again", Duration::from_secs(10), || {
+        let s = stack.ctl_json(&["status"])?;
+        (s["active_event"]["id"] == 1).then_some(s)
+    });
+    assert!(
+        status["budget_w"].as_f64().expect("budget") <= BUDGET_W + 1e-6,
+        "{status}"
+    );
+    stack.assert_draw_within(
+        BUDGET_W,
+        Duration::from_secs(4),
+        "after the restart on the previous state",
+    );
+    assert!(running(&stack, job), "powerflex kills no job");
+    ends_clean(&stack, &[job]);
 }

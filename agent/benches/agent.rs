@@ -48,10 +48,11 @@ fn send(socket: &Path, line: &str) -> Value {
     serde_json::from_str(&reply).expect("json reply")
 }
 
-fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, procs: &mut Procs) -> u32 {
+fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, gpus: u32, procs: &mut Procs) -> u32 {
     let _ = std::fs::remove_dir_all(dir.join("sim"));
     let _ = std::fs::remove_dir_all(dir.join("state"));
-    powerflex_sim::state::Node::init(&dir.join("sim/n1"), "n1", "H200", 8, true).expect("sim node");
+    powerflex_sim::state::Node::init(&dir.join("sim/n1"), "n1", "H200", gpus, true)
+        .expect("sim node");
     let config = dir.join("powerflex.toml");
     std::fs::write(
         &config,
@@ -61,7 +62,8 @@ fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, procs: &mut Procs) -> u
              calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
              [controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = 3600\n\
              [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{b}/libpowerflex_sim_nvml.so\"\n\
-             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 6.0\n",
+             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 6.0\n\
+             node_budget_w = 1000000.0\n",
             d = dir.display(),
             b = bin.display()
         ),
@@ -148,7 +150,7 @@ fn main() {
 
     println!("== calibration on SIMULATED H200s (warm-up 2 s, settle 2 s, hold 6 s per level; jobs at time scale 20)");
     let mut procs = Procs(Vec::new());
-    start_agent(&dir, &bin, 250, &mut procs);
+    start_agent(&dir, &bin, 250, 8, &mut procs);
     let jobs = [
         ("11", "flex1", "gpt-oss-20b-moe-ft-8g-seq4096-bs8"),
         ("12", "flex2", "gpt-oss-20b-moe-ft-8g-seq4096-bs8"),
@@ -231,26 +233,32 @@ fn main() {
     drop(procs);
 
     println!(
-        "\n== agent footprint: 8 SIMULATED GPUs sampled at 1 Hz, 8 busy jobs registered, 60 s"
+        "\n== agent footprint: N SIMULATED GPUs sampled at 1 Hz, one managed job registered per GPU, 30 s each"
     );
-    let mut procs = Procs(Vec::new());
-    let pid = start_agent(&dir, &bin, 1000, &mut procs);
-    for gpu in 0..8 {
-        send(
-            &socket,
-            &format!("{{\"v\":1,\"op\":\"register\",\"job_id\":\"9{gpu}\",\"step_id\":\"0\",\"uid\":0,\"node\":\"n1\",\"gpus\":[\"{gpu}\"],\"flex\":\"flex2,calibrate=off\"}}"),
+    println!(
+        "{:>6} {:>12} {:>14} {:>10}",
+        "GPUs", "RSS MiB", "CPU s / 30 s", "CPU %"
+    );
+    for gpus in [8u32, 32, 128] {
+        let mut procs = Procs(Vec::new());
+        let pid = start_agent(&dir, &bin, 1000, gpus, &mut procs);
+        for gpu in 0..gpus {
+            send(
+                &socket,
+                &format!("{{\"v\":1,\"op\":\"register\",\"job_id\":\"9{gpu}\",\"step_id\":\"0\",\"uid\":0,\"node\":\"n1\",\"gpus\":[\"{gpu}\"],\"flex\":\"flex2,calibrate=off\"}}"),
+            );
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        let (cpu0, t0) = (cpu_seconds(pid), Instant::now());
+        std::thread::sleep(Duration::from_secs(30));
+        let (cpu1, wall) = (cpu_seconds(pid), t0.elapsed().as_secs_f64());
+        println!(
+            "{:>6} {:>12.1} {:>14.2} {:>10.2}",
+            gpus,
+            rss_kib(pid) as f64 / 1024.0,
+            cpu1 - cpu0,
+            100.0 * (cpu1 - cpu0) / wall
         );
     }
-    std::thread::sleep(Duration::from_secs(2));
-    let (cpu0, t0) = (cpu_seconds(pid), Instant::now());
-    std::thread::sleep(Duration::from_secs(60));
-    let (cpu1, wall) = (cpu_seconds(pid), t0.elapsed().as_secs_f64());
-    println!("{:>12} {:>14} {:>10}", "RSS MiB", "CPU s / 60 s", "CPU %");
-    println!(
-        "{:>12.1} {:>14.2} {:>10.2}",
-        rss_kib(pid) as f64 / 1024.0,
-        cpu1 - cpu0,
-        100.0 * (cpu1 - cpu0) / wall
-    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -30,11 +30,13 @@ use powerflex_core::flex::TierTable;
 use powerflex_core::Watts;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
 
-const NODES: usize = 1000;
+/// Site sizes measured, nodes.
+const NODE_COUNTS: [usize; 3] = [10, 100, 1000];
 const GPUS_PER_NODE: usize = 8;
 const MAX_CAP_W: f64 = 700.0;
 const MIN_CAP_W: f64 = 200.0;
-const BASE_BUDGET_W: f64 = 5_000_000.0;
+/// The base budget per GPU (5 MW for 1,000 nodes of 8): below the uncapped draw.
+const BASE_BUDGET_PER_GPU_W: f64 = 625.0;
 const CUT: f64 = 0.30;
 const TRIALS: usize = 5;
 const KEY: &[u8] = b"benchmark site key, loopback only";
@@ -118,7 +120,7 @@ impl HarnessNode {
     }
 }
 
-fn start_ctld(dir: &Path, port: u16) -> Child {
+fn start_ctld(dir: &Path, port: u16, base_budget_w: f64) -> Child {
     let key = dir.join("site.key");
     std::fs::write(&key, KEY).expect("key");
     // The controller refuses a key others can read, like a real site's.
@@ -128,7 +130,7 @@ fn start_ctld(dir: &Path, port: u16) -> Child {
     std::fs::write(
         &config,
         format!(
-            "[facility]\ngpu_budget_w = {BASE_BUDGET_W}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
+            "[facility]\ngpu_budget_w = {base_budget_w}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
              [gpu_models.H200]\nmin_cap_w = {MIN_CAP_W}\nmax_cap_w = {MAX_CAP_W}\ncap_step_w = 5.0\n\
              calibration_caps_w = [700.0, 600.0, 500.0, 400.0]\nfailsafe_cap_w = 500.0\n\
              [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 60\nallocation_period_s = 10\n\
@@ -209,7 +211,8 @@ fn site_settings() -> SiteSettings {
     }
 }
 
-fn event_to_caps() -> Vec<(Duration, Duration)> {
+fn event_to_caps(node_count: usize) -> Vec<(Duration, Duration)> {
+    let base_budget_w = (node_count * GPUS_PER_NODE) as f64 * BASE_BUDGET_PER_GPU_W;
     let dir = std::env::temp_dir().join(format!("pf-ctld-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
@@ -217,7 +220,7 @@ fn event_to_caps() -> Vec<(Duration, Duration)> {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("port");
-    let mut ctld = start_ctld(&dir, port);
+    let mut ctld = start_ctld(&dir, port, base_budget_w);
     let admin = dir.join("ctld.sock");
     let started = Instant::now();
     while !admin.exists() {
@@ -231,10 +234,10 @@ fn event_to_caps() -> Vec<(Duration, Duration)> {
 
     let epoch = Instant::now();
     eprintln!(
-        "connecting {NODES} harness agents ({} GPUs) ...",
-        NODES * GPUS_PER_NODE
+        "connecting {node_count} harness agents ({} GPUs) ...",
+        node_count * GPUS_PER_NODE
     );
-    let nodes: Vec<Arc<HarnessNode>> = (0..NODES)
+    let nodes: Vec<Arc<HarnessNode>> = (0..node_count)
         .map(|i| {
             let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect ctld");
             let reader = stream.try_clone().expect("clone");
@@ -289,19 +292,19 @@ fn event_to_caps() -> Vec<(Duration, Duration)> {
     // The budget bounds the draw (what the facility meter sees), not the caps' sum.
     let base_total = |caps: &[f64]| caps.iter().sum::<f64>() * GPUS_PER_NODE as f64 * DRAW_PER_CAP;
     let first = wait_all(&nodes, epoch, epoch, |caps| {
-        base_total(caps) <= BASE_BUDGET_W + 1e-6
+        base_total(caps) <= base_budget_w + 1e-6
     });
     eprintln!(
-        "all {NODES} nodes leased within {:.0} ms of connecting; draw {:.0} kW of {:.0} kW",
+        "all {node_count} nodes leased within {:.0} ms of connecting; draw {:.0} kW of {:.0} kW",
         first.as_secs_f64() * 1e3,
         base_total(&nodes.iter().map(|n| n.cap_w()).collect::<Vec<_>>()) / 1e3,
-        BASE_BUDGET_W / 1e3
+        base_budget_w / 1e3
     );
     let before: Vec<f64> = nodes.iter().map(|n| n.cap_w()).collect();
 
     let mut results = Vec::new();
     for trial in 1..=TRIALS {
-        let cut_budget = BASE_BUDGET_W * (1.0 - CUT);
+        let cut_budget = base_budget_w * (1.0 - CUT);
         let t0 = Instant::now();
         let reply = ctl(
             &dir,
@@ -391,31 +394,36 @@ fn main() {
     // trial would be counted as controller latency.
     binary("powerflex-ctld");
     binary("powerflexctl");
-    let trials = event_to_caps();
     let median = |mut v: Vec<Duration>| {
         v.sort();
         v[v.len() / 2]
     };
-    let cuts: Vec<Duration> = trials.iter().map(|t| t.0).collect();
-    let restores: Vec<Duration> = trials.iter().map(|t| t.1).collect();
-    println!("\npowerflex-ctld, SIMULATED site of {NODES} nodes x {GPUS_PER_NODE} GPUs on loopback, {TRIALS} trials");
-    println!("{:<44} {:>10} {:>10}", "", "median", "max");
-    println!(
-        "{:<44} {:>7.0} ms {:>7.0} ms",
-        "event add -30% --start now -> all caps cut",
-        median(cuts.clone()).as_secs_f64() * 1e3,
-        cuts.iter().max().expect("trials").as_secs_f64() * 1e3
-    );
-    println!(
-        "{:<44} {:>7.0} ms {:>7.0} ms",
-        "event cancel -> all caps restored",
-        median(restores.clone()).as_secs_f64() * 1e3,
-        restores.iter().max().expect("trials").as_secs_f64() * 1e3
-    );
-    println!("\nsite::decide (one allocation, in process), budget 70 % of max");
-    println!("{:>8} {:>8} {:>12}", "jobs", "GPUs", "median");
-    for (jobs, per_node) in [(1_000, 1), (10_000, 8)] {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut rows = Vec::new();
+    for nodes in NODE_COUNTS {
+        let trials = event_to_caps(nodes);
+        let cuts: Vec<Duration> = trials.iter().map(|t| t.0).collect();
+        let restores: Vec<Duration> = trials.iter().map(|t| t.1).collect();
+        rows.push(format!(
+            "| {nodes} | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms |",
+            nodes * GPUS_PER_NODE,
+            ms(median(cuts.clone())),
+            ms(*cuts.iter().max().expect("trials")),
+            ms(median(restores.clone())),
+            ms(*restores.iter().max().expect("trials")),
+        ));
+    }
+    println!("Grid event to caps: the real powerflex-ctld and powerflexctl on loopback, harness agents speaking the real link protocol (SIMULATED GPUs, 8 per node), {TRIALS} trials per size; `event add --reduce 30% --start now` until every node's lease brings the draw within the cut budget, and `event cancel` until every cap is back.\n");
+    println!("| nodes | GPUs | event → caps cut, median | max | cancel → restored, median | max |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for row in rows {
+        println!("{row}");
+    }
+    println!("\nOne allocation (`site::decide`, in process), budget 70 % of the uncapped draw:\n");
+    println!("| jobs | GPUs | median |");
+    println!("| --- | --- | --- |");
+    for (jobs, per_node) in [(100, 1), (1_000, 1), (10_000, 8)] {
         let (gpus, t, _) = time_decide(jobs, per_node);
-        println!("{:>8} {:>8} {:>9.1} ms", jobs, gpus, t.as_secs_f64() * 1e3);
+        println!("| {jobs} | {gpus} | {:.1} ms |", ms(t));
     }
 }
