@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates BENCHMARKS.md: every benchmark, run now on this machine, side by side
 # where it is a comparison. As root on Debian 12 (the srun benchmark starts a local
-# Slurm cluster); takes about 15 minutes on a 2-core VM.
+# Slurm cluster); takes about 3 minutes on a 2-core VM after the build.
 #
 #   scripts/bench.sh            # writes BENCHMARKS.md
 #   scripts/bench.sh OUT.md     # writes OUT.md instead

@@ -80,14 +80,18 @@ fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, gpus: u32, procs: &mut 
             &interval_ms.to_string(),
         ])
         .env("POWERFLEX_SIM_DIR", dir.join("sim/n1"))
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("agent.log")).expect("agent log"))
         .spawn()
         .expect("powerflexd");
     let pid = child.id();
     procs.0.push(child);
     let deadline = Instant::now() + Duration::from_secs(20);
     while UnixStream::connect(dir.join("n1.sock")).is_err() {
-        assert!(Instant::now() < deadline, "agent did not start");
+        assert!(
+            Instant::now() < deadline,
+            "agent did not start:\n{}",
+            std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     pid
@@ -239,7 +243,8 @@ fn main() {
         "{:>6} {:>12} {:>14} {:>10}",
         "GPUs", "RSS MiB", "CPU s / 30 s", "CPU %"
     );
-    for gpus in [8u32, 32, 128] {
+    // The simulated NVML library models at most 64 GPUs per node (more than any real one).
+    for gpus in [8u32, 16, 64] {
         let mut procs = Procs(Vec::new());
         let pid = start_agent(&dir, &bin, 1000, gpus, &mut procs);
         for gpu in 0..gpus {
