@@ -267,11 +267,14 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SimError + '_ {
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file beside it, then rename.
+///
+/// No fsync: readers in other processes see the whole old or the whole new file either
+/// way, which is all a GPU's state needs (a real GPU's limits do not survive a power loss
+/// either), and a cap write should cost what NVML's does, not a disk flush.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     let mut file = fs::File::create(&tmp).map_err(io_err(&tmp))?;
     file.write_all(bytes).map_err(io_err(&tmp))?;
-    file.sync_all().map_err(io_err(&tmp))?;
     fs::rename(&tmp, path).map_err(io_err(path))
 }
 
