@@ -196,6 +196,28 @@ impl Stack {
         assert!(sent.success());
     }
 
+    /// SIGHUP to the agent of node `i` (by PID): re-read the site config.
+    pub fn reload_agent(&self, i: usize) {
+        let pid = self.agents[i].as_ref().expect("the agent runs").id();
+        let sent = Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .expect("kill -HUP");
+        assert!(sent.success());
+    }
+
+    /// The agent's own status on node `i` (its control socket), if it answers.
+    pub fn agent_status(&self, i: usize) -> Option<serde_json::Value> {
+        use std::io::{BufRead, Write};
+        let mut stream = std::os::unix::net::UnixStream::connect(self.agent_socket(i)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        stream.write_all(b"{\"v\":1,\"op\":\"status\"}\n").ok()?;
+        let mut line = String::new();
+        std::io::BufReader::new(stream).read_line(&mut line).ok()?;
+        let reply: serde_json::Value = serde_json::from_str(&line).ok()?;
+        Some(reply["status"].clone())
+    }
+
     /// Rewrites the site config, replacing `from` (which must occur) with `to`.
     pub fn edit_site(&self, from: &str, to: &str) {
         let text = std::fs::read_to_string(&self.site).expect("site config");

@@ -448,3 +448,64 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
     assert!(running(&stack, job), "powerflex kills no job");
     ends_clean(&stack, &[job]);
 }
+
+#[test]
+fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
+    let mut stack = Stack::start(
+        "f-agentcfg",
+        StackOptions {
+            budget_w: BUDGET_W,
+            lease_ttl_s: 5,
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until(
+        "the job capped within the budget",
+        Duration::from_secs(30),
+        || (running(&stack, job) && allocated(&stack)).then_some(()),
+    );
+    // An invalid edit: refused by both agents, reported, nothing changes.
+    stack.edit_site("failsafe_cap_w = 300.0", "failsafe_cap_w = 9000.0");
+    for i in 0..2 {
+        stack.reload_agent(i);
+    }
+    for i in 0..2 {
+        let status = wait_until(
+            "the refusal in the agent's status",
+            Duration::from_secs(10),
+            || {
+                let s = stack.agent_status(i)?;
+                s["config_error"].is_string().then_some(s)
+            },
+        );
+        assert!(
+            status["config_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("failsafe_cap_w")),
+            "{status}"
+        );
+    }
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(2), "after the refused reload");
+    // A valid edit takes effect: with the controller gone past its lease, the jobs fall
+    // to the new fail-safe cap.
+    stack.edit_site("failsafe_cap_w = 9000.0", "failsafe_cap_w = 250.0");
+    for i in 0..2 {
+        stack.reload_agent(i);
+    }
+    for i in 0..2 {
+        wait_until("the reload accepted", Duration::from_secs(10), || {
+            stack.agent_status(i)?["config_error"]
+                .is_null()
+                .then_some(())
+        });
+    }
+    stack.kill_ctld();
+    wait_until(
+        "every GPU at the new fail-safe cap",
+        Duration::from_secs(20),
+        || stack.caps_w().iter().all(|&c| c == 250.0).then_some(()),
+    );
+    assert!(running(&stack, job), "powerflex kills no job");
+    ends_clean(&stack, &[job]);
+}

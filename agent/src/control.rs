@@ -145,9 +145,39 @@ pub struct Agent {
     pub clock_origin_unix_s: f64,
     /// Progress reports refused (wrong user, wrong job, malformed).
     pub progress_rejected: u64,
+    /// Why the last site config reload was refused (the settings in force stayed).
+    pub config_error: Option<String>,
 }
 
 impl Agent {
+    /// Applies re-read settings (SIGHUP). The node name, the progress address and the
+    /// mode (standalone or controller) are fixed for the agent's life; new calibration
+    /// settings apply to jobs registered from now on, the rest at the next tick.
+    pub fn reload(&mut self, new: Result<AgentSettings, String>) -> Result<(), String> {
+        let checked = new.and_then(|new| {
+            if new.node_budget.is_some() != self.settings.node_budget.is_some() {
+                Err("switching between standalone (agent.node_budget_w) and controller mode needs a restart".to_string())
+            } else {
+                Ok(new)
+            }
+        });
+        match checked {
+            Ok(new) => {
+                self.settings = AgentSettings {
+                    node: self.settings.node.clone(),
+                    progress_address: self.settings.progress_address.clone(),
+                    ..new
+                };
+                self.config_error = None;
+                Ok(())
+            }
+            Err(e) => {
+                self.config_error = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
     /// An agent for `gpus`. `saved` holds default limits persisted by an earlier run (by
     /// UUID): a restart after a crash must not mistake a cap it left for the default.
     pub fn new(
@@ -178,6 +208,7 @@ impl Agent {
             started_at: now,
             clock_origin_unix_s: 0.0,
             progress_rejected: 0,
+            config_error: None,
         }
     }
 
@@ -589,6 +620,7 @@ impl Agent {
             failsafe: self.failsafe_active(now),
             degraded: self.gpus.iter().any(|g| g.degraded.is_some()),
             progress_rejected: self.progress_rejected,
+            config_error: self.config_error.clone(),
             gpus: self
                 .gpus
                 .iter()
@@ -679,6 +711,8 @@ pub struct Snapshot {
     /// At least one GPU is out of service.
     pub degraded: bool,
     pub progress_rejected: u64,
+    /// Why the last site config reload was refused; none once one is accepted.
+    pub config_error: Option<String>,
     pub gpus: Vec<GpuView>,
     pub jobs: Vec<JobView>,
 }
@@ -863,6 +897,29 @@ mod tests {
         a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
             .expect("registered");
         assert_eq!(caps(&a.tick(4.0)), vec![(1, 500.0)]);
+    }
+
+    #[test]
+    fn a_reload_keeps_the_node_and_mode_and_reports_a_refusal() {
+        let mut a = agent(None);
+        let mut new = a.settings.clone();
+        new.failsafe_cap = Watts(250.0);
+        new.node = "elsewhere".into();
+        assert!(a.reload(Ok(new.clone())).is_ok());
+        assert_eq!(a.settings.failsafe_cap, Watts(250.0));
+        assert_eq!(
+            a.settings.node, "n1",
+            "the node is fixed for the agent's life"
+        );
+        new.node_budget = Some(Watts(1000.0));
+        assert!(a.reload(Ok(new)).is_err(), "a mode switch needs a restart");
+        assert!(a.reload(Err("bad file".into())).is_err());
+        assert_eq!(a.snapshot(0.0).config_error.as_deref(), Some("bad file"));
+        assert_eq!(
+            a.settings.failsafe_cap,
+            Watts(250.0),
+            "the settings in force stay"
+        );
     }
 
     #[test]

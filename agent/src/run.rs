@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, select, tick};
+use crossbeam_channel::{bounded, select, tick, Receiver};
 use powerflex_core::Watts;
 use powerflex_proto::{ControlOp, ControlReply};
 use tracing::{error, info, info_span, warn};
@@ -153,11 +153,15 @@ fn execute(
 const DEGRADED_PROBE_S: f64 = 10.0;
 
 /// Runs the agent until `shutdown` is set, then restores every GPU's default cap.
+///
+/// `reloads` brings re-read site configs (SIGHUP): see [`Agent::reload`]; a refused one
+/// is logged and shown by `status` (`config_error`), and the settings in force stay.
 pub fn run(
     settings: AgentSettings,
     options: RunOptions,
     mut backend: Box<dyn GpuBackend>,
     shutdown: Arc<AtomicBool>,
+    reloads: Receiver<Result<AgentSettings, String>>,
 ) -> Result<(), AgentError> {
     let span = info_span!("powerflexd", node = %settings.node);
     let _enter = span.enter();
@@ -327,6 +331,19 @@ pub fn run(
                 let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
                 handle(msg, &mut agent, backend.as_mut(), now(), clock, &options.state_dir);
                 if job_change {
+                    publish(&snapshot, &agent, now());
+                }
+            }
+            recv(reloads) -> reload => {
+                if let Ok(reload) = reload {
+                    match agent.reload(reload) {
+                        Ok(()) => info!(
+                            failsafe_cap_w = agent.settings.failsafe_cap.0,
+                            lease_ttl_s = agent.settings.lease_ttl_s,
+                            "site config reloaded"
+                        ),
+                        Err(e) => error!(error = %e, "site config reload refused; the settings in force stay"),
+                    }
                     publish(&snapshot, &agent, now());
                 }
             }

@@ -1,6 +1,10 @@
 //! `powerflexd`: powerflex's node agent. Run as root, one per GPU node (or per
 //! `slurmd -N` node on a test host).
 //!
+//! SIGHUP re-reads the site config: tiers, fail-safe cap, node budget, lease and
+//! calibration settings change without a restart; an invalid file is refused, logged and
+//! shown by `status` (`config_error`), and the settings in force stay.
+//!
 //! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT; every GPU restored); 1 could not start
 //! (config, NVML, sockets); 2 usage error.
 
@@ -42,6 +46,13 @@ extern "C" fn on_signal(_: libc::c_int) {
     SIGNALLED.store(true, Ordering::SeqCst);
 }
 
+/// SIGHUP: re-read the site config (see `Agent::reload` for what changes).
+static RELOAD: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_hangup(_: libc::c_int) {
+    RELOAD.store(true, Ordering::SeqCst);
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().split('.').next().unwrap_or("").to_string())
@@ -68,26 +79,25 @@ fn main() -> ExitCode {
     }
 }
 
-fn start(cli: Cli) -> Result<(), String> {
-    let text = std::fs::read_to_string(&cli.config)
-        .map_err(|e| format!("cannot read {}: {e}", cli.config.display()))?;
-    let site =
-        SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", cli.config.display()))?;
-    let node = cli
-        .node
-        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
-        .unwrap_or_else(hostname);
-    if node.is_empty() {
-        return Err("cannot tell this node's name; pass --node".into());
-    }
-    let mut backend = NvmlBackend::open(site.agent.nvml_library.as_deref())?;
-    let gpus = backend.discover().map_err(|e| e.to_string())?;
-    let first = gpus.first().ok_or("NVML reports no GPU on this node")?;
-    let model = site.gpu_model_for(&first.name).ok_or_else(|| {
+/// Reads and validates the site config.
+fn read_site(path: &std::path::Path) -> Result<SiteConfig, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The agent's settings from the site config, for GPUs named `gpu_name`.
+fn settings_from(
+    site: &SiteConfig,
+    config: &std::path::Path,
+    node: &str,
+    gpu_name: &str,
+    progress_address: String,
+) -> Result<AgentSettings, String> {
+    let model = site.gpu_model_for(gpu_name).ok_or_else(|| {
         format!(
-            "no [gpu_models.*] section of {} matches the GPU \"{}\"; it has: {}",
-            cli.config.display(),
-            first.name,
+            "no [gpu_models.*] section of {} matches the GPU \"{gpu_name}\"; it has: {}",
+            config.display(),
             site.gpu_models
                 .iter()
                 .map(|m| m.name.as_str())
@@ -95,10 +105,8 @@ fn start(cli: Cli) -> Result<(), String> {
                 .join(", ")
         )
     })?;
-    let control_socket = site.agent.socket_path(&node);
-    let progress_socket = control_socket.with_extension("progress");
-    let settings = AgentSettings {
-        node: node.clone(),
+    Ok(AgentSettings {
+        node: node.to_string(),
         tiers: site.tiers.table.clone(),
         default_service: site.tiers.default.clone(),
         calibration: CalibrationSettings {
@@ -117,8 +125,36 @@ fn start(cli: Cli) -> Result<(), String> {
         lease_ttl_s: site.controller.lease_ttl_s as f64,
         prior_intercept: site.predictor.pfi_intercept,
         prior_slope: site.predictor.pfi_per_dram_copy_product,
-        progress_address: progress_socket.display().to_string(),
-    };
+        progress_address,
+    })
+}
+
+fn start(cli: Cli) -> Result<(), String> {
+    let site = read_site(&cli.config)?;
+    let node = cli
+        .node
+        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
+        .unwrap_or_else(hostname);
+    if node.is_empty() {
+        return Err("cannot tell this node's name; pass --node".into());
+    }
+    let mut backend = NvmlBackend::open(site.agent.nvml_library.as_deref())?;
+    let gpus = backend.discover().map_err(|e| e.to_string())?;
+    let gpu_name = gpus
+        .first()
+        .ok_or("NVML reports no GPU on this node")?
+        .name
+        .clone();
+    let control_socket = site.agent.socket_path(&node);
+    let progress_socket = control_socket.with_extension("progress");
+    let progress_address = progress_socket.display().to_string();
+    let settings = settings_from(
+        &site,
+        &cli.config,
+        &node,
+        &gpu_name,
+        progress_address.clone(),
+    )?;
     // Controller mode needs the site key; without it no lease can be trusted, so the
     // link stays down and the fail-safe cap applies once the first lease would be due.
     let link = if site.agent.node_budget_w.is_some() {
@@ -156,20 +192,39 @@ fn start(cli: Cli) -> Result<(), String> {
             libc::signal(signal, on_signal as *const () as libc::sighandler_t);
         }
     }
+    // SAFETY: as above.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::signal(libc::SIGHUP, on_hangup as *const () as libc::sighandler_t);
+    }
     let shutdown = Arc::new(AtomicBool::new(false));
+    let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
     let watcher = {
         let shutdown = shutdown.clone();
+        let config = cli.config.clone();
         std::thread::spawn(move || {
             while !shutdown.load(Ordering::SeqCst) {
                 if SIGNALLED.load(Ordering::SeqCst) {
                     shutdown.store(true, Ordering::SeqCst);
                 }
+                if RELOAD.swap(false, Ordering::SeqCst) {
+                    let reloaded = read_site(&config).and_then(|site| {
+                        settings_from(&site, &config, &node, &gpu_name, progress_address.clone())
+                    });
+                    let _ = reload_tx.send(reloaded);
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
         })
     };
-    let result =
-        run(settings, options, Box::new(backend), shutdown.clone()).map_err(|e| e.to_string());
+    let result = run(
+        settings,
+        options,
+        Box::new(backend),
+        shutdown.clone(),
+        reload_rx,
+    )
+    .map_err(|e| e.to_string());
     shutdown.store(true, Ordering::SeqCst);
     let _ = watcher.join();
     result
