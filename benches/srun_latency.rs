@@ -89,7 +89,7 @@ fn main() {
         let mut agent: Child = Command::new(&agent_bin)
             .args(["--config", site.to_str().expect("utf-8"), "--node", "n1"])
             .env("POWERFLEX_SIM_DIR", &sim)
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(base.join("agent.log")).expect("agent log"))
             .spawn()
             .expect("agent");
         let sock = base.join("agent/n1.sock");
@@ -118,5 +118,7 @@ fn main() {
         down,
         down / bare
     );
-    let _ = std::fs::remove_dir_all(&base);
+    if std::env::var_os("POWERFLEX_BENCH_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(&base);
+    }
 }

@@ -386,6 +386,9 @@ pub fn run(
     execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
     save(&options.state_dir, &agent);
     shutdown.store(true, Ordering::SeqCst);
+    // The accept threads block in accept(): a connection wakes each to see the shutdown.
+    let _ = std::os::unix::net::UnixStream::connect(&options.control_socket);
+    let _ = std::os::unix::net::UnixStream::connect(&options.progress_socket);
     for t in threads {
         let _ = t.join();
     }

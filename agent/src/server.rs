@@ -105,13 +105,16 @@ pub fn spawn_control(
     snapshot: SnapshotCell,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
-    listener.set_nonblocking(true)?;
+    // A blocking accept: a request is served the moment it arrives (a polling accept
+    // added up to 10 ms to every srun). `run` wakes it at shutdown by connecting.
+    listener.set_nonblocking(false)?;
     let active = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control-accept".into())
         .spawn(move || {
             while !shutdown.load(Ordering::SeqCst) {
                 match listener.accept() {
+                    Ok(_) if shutdown.load(Ordering::SeqCst) => break,
                     Ok((mut stream, _)) => {
                         let Some(slot) = take_slot(&active) else {
                             reply(
@@ -127,9 +130,6 @@ pub fn spawn_control(
                                 let _slot = slot;
                                 serve_control(stream, &tx, &snapshot);
                             });
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(10))
                     }
                     Err(e) => {
                         warn!(error = %e, "control socket accept failed");
@@ -226,13 +226,15 @@ pub fn spawn_progress(
     tx: Sender<Inbound>,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
-    listener.set_nonblocking(true)?;
+    // Blocking, as the control socket's; woken at shutdown the same way.
+    listener.set_nonblocking(false)?;
     let active = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("progress-accept".into())
         .spawn(move || {
             while !shutdown.load(Ordering::SeqCst) {
                 match listener.accept() {
+                    Ok(_) if shutdown.load(Ordering::SeqCst) => break,
                     Ok((stream, _)) => {
                         let Some(slot) = take_slot(&active) else {
                             continue;
@@ -244,9 +246,6 @@ pub fn spawn_progress(
                                 let _slot = slot;
                                 serve_progress(stream, &tx, &shutdown);
                             });
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(10))
                     }
                     Err(e) => {
                         warn!(error = %e, "progress socket accept failed");
