@@ -4,7 +4,7 @@
 //! Run: `cargo bench -p powerflex --bench srun_latency` (root; needs slurm-wlm).
 
 use std::os::unix::net::UnixStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use powerflex::slurm::{Cluster, ClusterOptions};
