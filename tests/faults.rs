@@ -36,6 +36,11 @@ fn capped(stack: &Stack) {
 /// Every job runs at the cap the controller allocated it (not the fail-safe cap a job
 /// waits at until then, nor the default) and the draw is within the budget.
 fn allocated(stack: &Stack) -> bool {
+    allocated_within(stack, BUDGET_W)
+}
+
+/// [`allocated`] for a budget other than [`BUDGET_W`].
+fn allocated_within(stack: &Stack, budget_w: f64) -> bool {
     let Some(jobs) = stack.ctl_json(&["jobs"]) else {
         return false;
     };
@@ -51,7 +56,7 @@ fn allocated(stack: &Stack) -> bool {
         && caps
             .iter()
             .all(|c| *c < DEFAULT_CAP_W && granted.contains(c))
-        && stack.draw_w() <= BUDGET_W * 1.01
+        && stack.draw_w() <= budget_w * 1.01
 }
 
 fn running(stack: &Stack, id: u32) -> bool {
@@ -295,6 +300,11 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         "the reloaded budget in force",
         Duration::from_secs(10),
         || (stack.budget_w()? == 2500.0).then_some(()),
+    );
+    wait_until(
+        "the caps for the reloaded budget",
+        Duration::from_secs(20),
+        || allocated_within(&stack, 2500.0).then_some(()),
     );
     // An invalid one is refused, reported, and changes nothing.
     stack.edit_site("gpu_budget_w = 2500.0", "gpu_budget_w = -5.0");
