@@ -59,6 +59,16 @@ fn allocated_within(stack: &Stack, budget_w: f64) -> bool {
         && stack.draw_w() <= budget_w * 1.01
 }
 
+/// Submits the rows' training job (flex3, no calibration walk, 2 nodes x 4 GPUs) and
+/// waits until it runs.
+fn start_job(stack: &Stack) -> u32 {
+    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
+    wait_until("the job runs", Duration::from_secs(30), || {
+        running(stack, job).then_some(())
+    });
+    job
+}
+
 fn running(stack: &Stack, id: u32) -> bool {
     stack.cluster.job_state(id).as_deref() == Some("RUNNING")
 }
@@ -88,10 +98,7 @@ fn ends_clean(stack: &Stack, jobs: &[u32]) {
 #[test]
 fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
     let mut stack = Stack::start("f-slurmd", StackOptions::default());
-    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
-    wait_until("the job runs", Duration::from_secs(30), || {
-        running(&stack, job).then_some(())
-    });
+    let job = start_job(&stack);
     capped(&stack);
     let caps = stack.caps_w();
     stack.cluster.restart_slurmd("n1");
@@ -150,10 +157,7 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
 #[test]
 fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
     let mut stack = Stack::start("f-state", StackOptions::default());
-    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
-    wait_until("the job runs", Duration::from_secs(30), || {
-        running(&stack, job).then_some(())
-    });
+    let job = start_job(&stack);
     capped(&stack);
     stack.kill_agent(0);
     let state = stack.agent_state_file(0);
@@ -201,10 +205,7 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
             ..StackOptions::default()
         },
     );
-    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
-    wait_until("the job runs", Duration::from_secs(30), || {
-        running(&stack, job).then_some(())
-    });
+    let job = start_job(&stack);
     capped(&stack);
     stack.kill_ctld();
     // While the lease lasts and after it: the draw stays within the budget (the fail-safe
@@ -239,10 +240,7 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
 fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
     use powerflex_sim::state::Fault;
     let stack = Stack::start("f-nvml", StackOptions::default());
-    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
-    wait_until("the job runs", Duration::from_secs(30), || {
-        running(&stack, job).then_some(())
-    });
+    let job = start_job(&stack);
     capped(&stack);
     let n1 = &stack.sims[0];
     for (i, kind) in ["gpu-lost", "no-permission", "timeout"].iter().enumerate() {
@@ -410,10 +408,7 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
             ..StackOptions::default()
         },
     );
-    let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
-    wait_until("the job runs", Duration::from_secs(30), || {
-        running(&stack, job).then_some(())
-    });
+    let job = start_job(&stack);
     // A grid event down to the test budget, then an admin change after it (so the
     // previous copy holds the event too).
     let socket = stack.socket.to_string_lossy().to_string();
