@@ -323,3 +323,4 @@ mod control_tests {
 #[cfg(feature = "link")]
 pub mod link;
 pub mod peer;
+pub mod signals;

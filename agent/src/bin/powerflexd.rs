@@ -40,19 +40,6 @@ struct Cli {
     sample_interval_ms: u64,
 }
 
-static SIGNALLED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    SIGNALLED.store(true, Ordering::SeqCst);
-}
-
-/// SIGHUP: re-read the site config (see `Agent::reload` for what changes).
-static RELOAD: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_hangup(_: libc::c_int) {
-    RELOAD.store(true, Ordering::SeqCst);
-}
-
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().split('.').next().unwrap_or("").to_string())
@@ -185,38 +172,15 @@ fn start(cli: Cli) -> Result<(), String> {
         sample_interval: Duration::from_millis(cli.sample_interval_ms),
         link,
     };
-    for signal in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::signal(signal, on_signal as *const () as libc::sighandler_t);
-        }
-    }
-    // SAFETY: as above.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::signal(libc::SIGHUP, on_hangup as *const () as libc::sighandler_t);
-    }
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
-    let watcher = {
-        let shutdown = shutdown.clone();
-        let config = cli.config.clone();
-        std::thread::spawn(move || {
-            while !shutdown.load(Ordering::SeqCst) {
-                if SIGNALLED.load(Ordering::SeqCst) {
-                    shutdown.store(true, Ordering::SeqCst);
-                }
-                if RELOAD.swap(false, Ordering::SeqCst) {
-                    let reloaded = read_site(&config).and_then(|site| {
-                        settings_from(&site, &config, &node, &gpu_name, progress_address.clone())
-                    });
-                    let _ = reload_tx.send(reloaded);
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        })
-    };
+    let config = cli.config.clone();
+    let watcher = powerflex_proto::signals::spawn_watcher(shutdown.clone(), move || {
+        let reloaded = read_site(&config).and_then(|site| {
+            settings_from(&site, &config, &node, &gpu_name, progress_address.clone())
+        });
+        let _ = reload_tx.send(reloaded);
+    });
     let result = run(
         settings,
         options,

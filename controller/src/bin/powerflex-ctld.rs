@@ -30,19 +30,6 @@ struct Cli {
     config: PathBuf,
 }
 
-static SIGNALLED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    SIGNALLED.store(true, Ordering::SeqCst);
-}
-
-/// SIGHUP: re-read the site config (see `ctld::run` for what changes without a restart).
-static RELOAD: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_hangup(_: libc::c_int) {
-    RELOAD.store(true, Ordering::SeqCst);
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -95,35 +82,12 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
 
 fn start(cli: Cli) -> Result<(), String> {
     let options = load_options(&cli.config)?;
-    for signal in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::signal(signal, on_signal as *const () as libc::sighandler_t);
-        }
-    }
-    // SAFETY: as above.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::signal(libc::SIGHUP, on_hangup as *const () as libc::sighandler_t);
-    }
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
-    let watcher = {
-        let shutdown = shutdown.clone();
-        let config = cli.config.clone();
-        std::thread::spawn(move || {
-            while !shutdown.load(Ordering::SeqCst) {
-                if SIGNALLED.load(Ordering::SeqCst) {
-                    shutdown.store(true, Ordering::SeqCst);
-                }
-                if RELOAD.swap(false, Ordering::SeqCst) {
-                    let _ = reload_tx.send(load_options(&config));
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        })
-    };
+    let config = cli.config.clone();
+    let watcher = powerflex_proto::signals::spawn_watcher(shutdown.clone(), move || {
+        let _ = reload_tx.send(load_options(&config));
+    });
     let result = run(options, shutdown.clone(), reload_rx);
     shutdown.store(true, Ordering::SeqCst);
     let _ = watcher.join();
