@@ -16,7 +16,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
-use powerflex_core::curve::{CapCurve, CurveSource};
+use powerflex_core::curve::CapCurve;
+use powerflex_proto::status::{AgentMode, CalibrationState, PfiSource, ThroughputUnit};
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
 use powerflex_core::gpus::{parse_gpu_list, GpuRef};
 use powerflex_core::Watts;
@@ -613,9 +614,9 @@ impl Agent {
         Snapshot {
             node: self.settings.node.clone(),
             mode: if self.controller_mode() {
-                "controller"
+                AgentMode::Controller
             } else {
-                "standalone"
+                AgentMode::Standalone
             },
             failsafe: self.failsafe_active(now),
             degraded: self.gpus.iter().any(|g| g.degraded.is_some()),
@@ -642,10 +643,10 @@ impl Agent {
                 .map(|j| {
                     let cal = &j.calibration;
                     let (state, reason) = match &cal.phase {
-                        Phase::Warmup => ("warmup", None),
-                        Phase::Level { .. } => ("walking", None),
-                        Phase::Done => ("done", None),
-                        Phase::Skipped(why) => ("skipped", Some(why.clone())),
+                        Phase::Warmup => (CalibrationState::Warmup, None),
+                        Phase::Level { .. } => (CalibrationState::Walking, None),
+                        Phase::Done => (CalibrationState::Done, None),
+                        Phase::Skipped(why) => (CalibrationState::Skipped, Some(why.clone())),
                     };
                     let rate = match j.log.last() {
                         Some((t, _)) if now - t < 30.0 => j.log.rate(now - 10.0, now).map(|r| r.0),
@@ -673,9 +674,9 @@ impl Agent {
                         calibration_cost: cal.cost,
                         pfi: cal.pfi().or(j.restored_pfi),
                         pfi_source: if cal.pfi().is_some() || j.restored_pfi.is_some() {
-                            Some(CurveSource::Measured)
+                            Some(PfiSource::Measured)
                         } else if j.prior.is_some() {
-                            Some(CurveSource::Prior)
+                            Some(PfiSource::Prior)
                         } else {
                             None
                         },
@@ -684,9 +685,9 @@ impl Agent {
                         throughput: rate,
                         throughput_unit: j.counts_tokens.map(|tokens| {
                             if tokens {
-                                "tokens"
+                                ThroughputUnit::Tokens
                             } else {
-                                "steps"
+                                ThroughputUnit::Steps
                             }
                         }),
                         power_w: self.job_power(j).map(|w| w.0),
@@ -701,63 +702,11 @@ fn clamp(cap: Watts, identity: &GpuIdentity) -> Watts {
     Watts(cap.0.clamp(identity.min_cap.0, identity.max_cap.0))
 }
 
-/// What `status` and the metrics show.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Snapshot {
-    pub node: String,
-    pub mode: &'static str,
-    /// The controller's lease ran out and the fail-safe cap applies.
-    pub failsafe: bool,
-    /// At least one GPU is out of service.
-    pub degraded: bool,
-    pub progress_rejected: u64,
-    /// Why the last site config reload was refused; none once one is accepted.
-    pub config_error: Option<String>,
-    pub gpus: Vec<GpuView>,
-    pub jobs: Vec<JobView>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct GpuView {
-    pub index: u32,
-    pub uuid: String,
-    pub name: String,
-    pub default_w: f64,
-    pub cap_w: Option<f64>,
-    pub power_w: Option<f64>,
-    pub energy_j: Option<f64>,
-    pub job: Option<String>,
-    pub degraded: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct JobView {
-    pub job: String,
-    pub uid: u32,
-    pub tier: String,
-    pub gpus: Vec<u32>,
-    pub steps: Vec<String>,
-    pub cap_w: Option<f64>,
-    pub granted_w: Option<f64>,
-    /// warmup, walking, done or skipped.
-    pub calibration: &'static str,
-    pub calibration_note: Option<String>,
-    pub calibration_level_w: Option<f64>,
-    /// How long the walk took, seconds.
-    pub calibration_s: Option<f64>,
-    /// Tokens (or steps) the walk cost against running uncapped.
-    pub calibration_cost: f64,
-    pub pfi: Option<f64>,
-    pub pfi_source: Option<CurveSource>,
-    pub prior_pfi: Option<f64>,
-    /// Measured levels: [cap W per GPU, job power W, throughput].
-    pub points: Vec<[f64; 3]>,
-    /// Recent throughput (job's unit per second).
-    pub throughput: Option<f64>,
-    /// What `throughput` counts per second: "tokens" or "steps" (None before a report).
-    pub throughput_unit: Option<&'static str>,
-    pub power_w: Option<f64>,
-}
+/// What `status` and the metrics show: the wire types, so the control socket sends what
+/// the loop built and clients read it back typed.
+pub use powerflex_proto::status::{
+    AgentGpuStatus as GpuView, AgentJobStatus as JobView, AgentStatus as Snapshot,
+};
 
 #[cfg(test)]
 mod tests {

@@ -96,9 +96,9 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     cap_w: j.cap_w,
                     power_w: (gpus > 0).then_some(power_w),
                     throughput: j.throughput,
-                    throughput_unit: j.throughput_unit.map(str::to_string),
+                    throughput_unit: j.throughput_unit,
                     pfi: j.pfi.or(j.prior_pfi),
-                    pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
+                    pfi_source: j.pfi_source,
                     points: j.points.clone(),
                 }
             })

@@ -177,7 +177,7 @@ fn serve_control(mut stream: UnixStream, tx: &Sender<Inbound>, snapshot: &Snapsh
     };
     if request.op == ControlOp::Status {
         let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
-        let status = snap.and_then(|s| serde_json::to_value(&*s).ok());
+        let status = snap.map(|s| (*s).clone());
         reply(
             &mut stream,
             &ControlReply {

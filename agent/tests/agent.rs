@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
-use serde_json::Value;
+use powerflex_proto::status::{AgentJobStatus, AgentStatus, CalibrationState};
 
 use powerflex::{profile_dir, wait_until};
 
@@ -153,16 +153,12 @@ impl Fixture {
         })
     }
 
-    fn status(&self) -> Value {
+    fn status(&self) -> AgentStatus {
         self.request(ControlOp::Status).status.expect("status")
     }
 
-    fn job_status(&self, job: &str) -> Option<Value> {
-        self.status()["jobs"]
-            .as_array()?
-            .iter()
-            .find(|j| j["job"] == job)
-            .cloned()
+    fn job_status(&self, job: &str) -> Option<AgentJobStatus> {
+        self.status().jobs.into_iter().find(|j| j.job == job)
     }
 
     fn limit_w(&self, gpu: u32) -> f64 {
@@ -251,15 +247,11 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
     assert_eq!(f.limit_w(0), f.limit_w(1), "one cap for the whole job");
     assert_eq!(f.limit_w(2), 700.0, "GPUs of no job untouched");
     let done = wait_until("calibration to finish", Duration::from_secs(120), || {
-        f.job_status("101").filter(|j| j["calibration"] == "done")
+        f.job_status("101")
+            .filter(|j| j.calibration == CalibrationState::Done)
     });
     // The measured PFI against the profile's own PFI on the caps the walk visited.
-    let caps: Vec<f64> = done["points"]
-        .as_array()
-        .expect("points")
-        .iter()
-        .map(|p| p[0].as_f64().expect("cap"))
-        .collect();
+    let caps: Vec<f64> = done.points.iter().map(|p| p[0]).collect();
     assert!(caps.len() >= 4, "walked {caps:?}");
     let library = powerflex_sim::profiles::Library::builtin().expect("library");
     let truth = library
@@ -268,13 +260,13 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
         .physics
         .pfi_on(&caps)
         .expect("true pfi");
-    let measured = done["pfi"].as_f64().expect("pfi");
+    let measured = done.pfi.expect("pfi");
     assert!(
         (measured - truth).abs() <= 0.05,
         "measured PFI {measured} vs true {truth} on {caps:?}"
     );
-    assert!(done["calibration_s"].as_f64().expect("duration") > 0.0);
-    assert!(done["calibration_cost"].as_f64().expect("cost") > 0.0);
+    assert!(done.calibration_s.expect("duration") > 0.0);
+    assert!(done.calibration_cost > 0.0);
     // Back to uncapped after the walk (no budget, no controller lease yet).
     wait_until(
         "the cap back at 700 W after calibration",
@@ -385,12 +377,7 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
         || (f.limit_w(4) == 700.0).then_some(()),
     );
     let status = f.status();
-    let jobs: Vec<&str> = status["jobs"]
-        .as_array()
-        .expect("jobs")
-        .iter()
-        .filter_map(|j| j["job"].as_str())
-        .collect();
+    let jobs: Vec<&str> = status.jobs.iter().map(|j| j.job.as_str()).collect();
     assert_eq!(
         jobs,
         vec!["201"],
@@ -439,7 +426,7 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
     );
     // The counter is published with the agent's next tick.
     wait_until("both refusals counted", Duration::from_secs(5), || {
-        (f.status()["progress_rejected"].as_u64().expect("count") >= 2).then_some(())
+        (f.status().progress_rejected >= 2).then_some(())
     });
 
     // Malformed and oversized requests get an error and the agent keeps serving.
@@ -468,11 +455,7 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
         .error
         .as_deref()
         .is_some_and(|e| e.contains("serves node n1")));
-    assert!(f.status()["jobs"]
-        .as_array()
-        .expect("jobs")
-        .iter()
-        .any(|j| j["job"] == "401"));
+    assert!(f.status().jobs.iter().any(|j| j.job == "401"));
 }
 
 #[test]
@@ -488,7 +471,7 @@ fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
         || (f.limit_w(0) == 500.0).then_some(()),
     );
     wait_until("the fail-safe reported", Duration::from_secs(20), || {
-        (f.status()["failsafe"] == true).then_some(())
+        f.status().failsafe.then_some(())
     });
     assert_eq!(f.limit_w(1), 700.0, "GPUs of no job keep their default");
 }
@@ -499,7 +482,7 @@ fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
     f.node.set_fault(6, Some(Fault::GpuLost)).expect("fault");
     wait_until("GPU 6 marked degraded", Duration::from_secs(10), || {
         let s = f.status();
-        (s["degraded"] == true && s["gpus"][6]["degraded"].is_string()).then_some(())
+        (s.degraded && s.gpus[6].degraded.is_some()).then_some(())
     });
     let reply = f.register("601", &["7"], "flex3");
     assert!(reply.ok);
@@ -543,11 +526,11 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(f.status()["progress_rejected"], 0, "every report accepted");
+    assert_eq!(f.status().progress_rejected, 0, "every report accepted");
     let throughput = wait_until(
         "the job's throughput in status",
         Duration::from_secs(10),
-        || f.job_status("701").and_then(|j| j["throughput"].as_f64()),
+        || f.job_status("701").and_then(|j| j.throughput),
     );
     assert!(
         (10_000.0..=25_000.0).contains(&throughput),

@@ -192,7 +192,7 @@ pub struct ControlReply {
     pub tier: Option<String>,
     /// For `status`: the agent's snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub status: Option<serde_json::Value>,
+    pub status: Option<status::AgentStatus>,
 }
 
 impl ControlReply {
@@ -320,7 +320,9 @@ mod control_tests {
     }
 }
 
+pub mod admin;
 #[cfg(feature = "link")]
 pub mod link;
 pub mod peer;
 pub mod signals;
+pub mod status;

@@ -47,12 +47,11 @@ pub struct JobReport {
     /// Summed GPU power now, W.
     pub power_w: Option<f64>,
     pub throughput: Option<f64>,
-    /// What `throughput` counts per second on this node: "tokens" or "steps".
+    /// What `throughput` counts per second on this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub throughput_unit: Option<String>,
+    pub throughput_unit: Option<crate::status::ThroughputUnit>,
     pub pfi: Option<f64>,
-    /// "measured" or "prior".
-    pub pfi_source: Option<String>,
+    pub pfi_source: Option<crate::status::PfiSource>,
     /// Calibrated points: [per-GPU cap W, job power W, throughput].
     pub points: Vec<[f64; 3]>,
 }
@@ -282,9 +281,9 @@ mod tests {
                     cap_w: Some(cap),
                     power_w: Some(power),
                     throughput: Some(t),
-                    throughput_unit: Some("tokens".into()),
+                    throughput_unit: Some(crate::status::ThroughputUnit::Tokens),
                     pfi: Some(t / 1e6),
-                    pfi_source: Some("measured".into()),
+                    pfi_source: Some(crate::status::PfiSource::Measured),
                     points: vec![[cap, power, t]],
                 }],
                 power_w: power * 0.97,

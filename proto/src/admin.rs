@@ -1,0 +1,324 @@
+//! The controller's admin protocol (`powerflexctl` → `powerflex-ctld`, one JSON line each
+//! way over the admin Unix socket), and the grid events it schedules.
+//!
+//! ```json
+//! {"v":1,"op":"status"}
+//! {"v":1,"op":"budget-set","budget_w":6000.0}
+//! {"v":1,"op":"event-add","cut":{"reduce":{"fraction":0.3}},"start_ms":1800000000000,"duration_ms":3600000,"ramp_ms":60000}
+//! ```
+//! Replies: `{"v":1,"ok":true,...}` or `{"v":1,"ok":false,"error":"..."}`. A request with
+//! another `v` is refused with a message naming the version this controller speaks.
+
+use serde::{Deserialize, Serialize};
+
+use crate::status::{CtldStatus, DecisionView, HistorySample};
+
+/// Version of the admin protocol this crate speaks.
+pub const ADMIN_VERSION: u32 = 1;
+
+/// Longest admin request line, bytes (newline included).
+pub const MAX_ADMIN_REQUEST_BYTES: usize = 65_536;
+
+/// What an event does to the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Cut {
+    /// Remove this fraction (0–1) of the base budget.
+    Reduce { fraction: f64 },
+    /// Bring the budget down to this many watts (never up: a target above the base cuts
+    /// nothing).
+    Target { budget_w: f64 },
+}
+
+/// A scheduled grid event. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Event {
+    pub id: u64,
+    pub cut: Cut,
+    pub start_ms: u64,
+    pub duration_ms: u64,
+    /// Time over which the cut ramps in after `start_ms` and out before the end.
+    pub ramp_ms: u64,
+}
+
+impl Event {
+    pub fn end_ms(&self) -> u64 {
+        self.start_ms.saturating_add(self.duration_ms)
+    }
+
+    /// How much of the cut applies at `now_ms` (0 to 1).
+    pub fn depth(&self, now_ms: u64) -> f64 {
+        if now_ms < self.start_ms || now_ms >= self.end_ms() {
+            return 0.0;
+        }
+        if self.ramp_ms == 0 {
+            return 1.0;
+        }
+        let ramp = self.ramp_ms as f64;
+        let since_start = (now_ms - self.start_ms) as f64;
+        let until_end = (self.end_ms() - now_ms) as f64;
+        (since_start / ramp).min(until_end / ramp).min(1.0)
+    }
+
+    /// Watts this event removes from `base_w` at `now_ms`.
+    pub fn cut_w(&self, base_w: f64, now_ms: u64) -> f64 {
+        let full = match self.cut {
+            Cut::Reduce { fraction } => base_w * fraction.clamp(0.0, 1.0),
+            Cut::Target { budget_w } => (base_w - budget_w).max(0.0),
+        };
+        full * self.depth(now_ms)
+    }
+
+    /// Whether the event still matters at `now_ms` (not over).
+    pub fn pending(&self, now_ms: u64) -> bool {
+        now_ms < self.end_ms()
+    }
+}
+
+/// An admin operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum AdminOp {
+    Status,
+    /// The recent budget, draw and caps, one sample per allocation period.
+    History,
+    BudgetSet {
+        budget_w: f64,
+    },
+    EventAdd {
+        cut: Cut,
+        start_ms: u64,
+        duration_ms: u64,
+        ramp_ms: u64,
+    },
+    EventCancel {
+        id: u64,
+    },
+    /// What `policy` would decide now, on the same curves and views as the controller's
+    /// own allocation, at `budget_w` (default: the budget in force). Read-only.
+    WhatIf {
+        policy: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget_w: Option<f64>,
+    },
+}
+
+impl AdminOp {
+    /// Whether the operation changes the controller's state (root only, and the
+    /// allocation runs again at once).
+    pub fn changes_state(&self) -> bool {
+        !matches!(
+            self,
+            AdminOp::Status | AdminOp::History | AdminOp::WhatIf { .. }
+        )
+    }
+}
+
+/// An admin request: protocol version plus the operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdminRequest {
+    pub v: u32,
+    #[serde(flatten)]
+    pub op: AdminOp,
+}
+
+/// Why an admin request line was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    #[error("admin request of {0} bytes exceeds the {MAX_ADMIN_REQUEST_BYTES}-byte limit")]
+    TooLong(usize),
+    #[error("malformed admin request: {0}")]
+    Malformed(String),
+    #[error("admin request without a protocol version; accepted: \"v\":{ADMIN_VERSION}")]
+    NoVersion,
+    #[error(
+        "unsupported admin protocol version {0}; this controller speaks version {ADMIN_VERSION}"
+    )]
+    Version(u64),
+}
+
+impl AdminRequest {
+    pub fn new(op: AdminOp) -> AdminRequest {
+        AdminRequest {
+            v: ADMIN_VERSION,
+            op,
+        }
+    }
+
+    /// The request as one line, newline included.
+    pub fn to_line(&self) -> String {
+        // Strings, numbers and enums only: serialising cannot fail.
+        let mut line = serde_json::to_string(self).unwrap_or_default();
+        line.push('\n');
+        line
+    }
+
+    /// Parses one request line. The version is read first, so a client speaking another
+    /// version hears which one is accepted rather than a complaint about its fields.
+    pub fn from_line(line: &str) -> Result<AdminRequest, AdminError> {
+        if line.len() > MAX_ADMIN_REQUEST_BYTES {
+            return Err(AdminError::TooLong(line.len()));
+        }
+        let text = line.trim_end_matches(['\n', '\r']);
+        #[derive(Deserialize)]
+        struct VersionOnly {
+            v: Option<serde_json::Number>,
+        }
+        let version: VersionOnly =
+            serde_json::from_str(text).map_err(|e| AdminError::Malformed(e.to_string()))?;
+        match version.v.map(|n| n.as_u64()) {
+            None => return Err(AdminError::NoVersion),
+            Some(Some(v)) if v == u64::from(ADMIN_VERSION) => {}
+            Some(Some(v)) => return Err(AdminError::Version(v)),
+            Some(None) => return Err(AdminError::Version(u64::MAX)),
+        }
+        serde_json::from_str(text).map_err(|e| AdminError::Malformed(e.to_string()))
+    }
+}
+
+/// The controller's answer. Exactly one of the payload fields is set on success, the one
+/// the operation asks for; `budget-set` and `event-cancel` carry none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminReply {
+    pub v: u32,
+    pub ok: bool,
+    /// What went wrong, when `ok` is false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// For `status`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<CtldStatus>,
+    /// For `history`: oldest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<Vec<HistorySample>>,
+    /// For `event-add`: the new event's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<u64>,
+    /// For `what-if`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub what_if: Option<DecisionView>,
+}
+
+impl AdminReply {
+    pub fn ok() -> AdminReply {
+        AdminReply {
+            v: ADMIN_VERSION,
+            ok: true,
+            error: None,
+            status: None,
+            history: None,
+            event_id: None,
+            what_if: None,
+        }
+    }
+
+    pub fn error(message: impl Into<String>) -> AdminReply {
+        AdminReply {
+            ok: false,
+            error: Some(message.into()),
+            ..AdminReply::ok()
+        }
+    }
+
+    /// The reply as one line, newline included.
+    pub fn to_line(&self) -> String {
+        let mut line = serde_json::to_string(self)
+            .unwrap_or_else(|_| format!("{{\"v\":{ADMIN_VERSION},\"ok\":false}}"));
+        line.push('\n');
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_round_trips_as_one_line() {
+        let request = AdminRequest::new(AdminOp::EventAdd {
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: 1_800_000_000_000,
+            duration_ms: 3_600_000,
+            ramp_ms: 60_000,
+        });
+        let line = request.to_line();
+        assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
+        assert!(line.starts_with("{\"v\":1,\"op\":\"event-add\""), "{line}");
+        assert_eq!(AdminRequest::from_line(&line), Ok(request));
+    }
+
+    #[test]
+    fn a_wrong_or_missing_version_is_refused_naming_the_accepted_one() {
+        let wrong = AdminRequest::from_line("{\"v\":2,\"op\":\"status\"}\n");
+        assert_eq!(wrong, Err(AdminError::Version(2)));
+        let message = wrong.unwrap_err().to_string();
+        assert!(message.contains("version 2") && message.contains("version 1"), "{message}");
+        // A version 2 client's unknown op still hears about the version first.
+        assert_eq!(
+            AdminRequest::from_line("{\"v\":2,\"op\":\"teleport\"}"),
+            Err(AdminError::Version(2))
+        );
+        let missing = AdminRequest::from_line("{\"op\":\"status\"}");
+        assert_eq!(missing, Err(AdminError::NoVersion));
+        assert!(missing.unwrap_err().to_string().contains("\"v\":1"));
+        assert!(matches!(
+            AdminRequest::from_line("{\"v\":-1,\"op\":\"status\"}"),
+            Err(AdminError::Version(_))
+        ));
+    }
+
+    #[test]
+    fn malformed_requests_name_what_was_wrong() {
+        for (line, needle) in [
+            ("not json", "malformed"),
+            ("{\"v\":1,\"op\":\"teleport\"}", "teleport"),
+            ("{\"v\":1,\"op\":\"budget-set\"}", "budget_w"),
+            ("{\"v\":1,\"op\":\"event-cancel\",\"id\":1,\"extra\":2}", "extra"),
+        ] {
+            let e = AdminRequest::from_line(line).expect_err(line).to_string();
+            assert!(e.contains(needle), "{line}: {e}");
+        }
+        let long = format!("{{\"v\":1,\"op\":\"status\",\"x\":\"{}\"}}", "a".repeat(70_000));
+        assert!(matches!(
+            AdminRequest::from_line(&long),
+            Err(AdminError::TooLong(_))
+        ));
+    }
+
+    #[test]
+    fn only_changes_need_root() {
+        assert!(!AdminOp::Status.changes_state());
+        assert!(!AdminOp::History.changes_state());
+        assert!(!AdminOp::WhatIf {
+            policy: "equal".into(),
+            budget_w: None
+        }
+        .changes_state());
+        assert!(AdminOp::BudgetSet { budget_w: 1.0 }.changes_state());
+        assert!(AdminOp::EventCancel { id: 1 }.changes_state());
+    }
+
+    #[test]
+    fn an_event_ramps_in_and_out() {
+        let e = Event {
+            id: 1,
+            cut: Cut::Reduce { fraction: 0.5 },
+            start_ms: 1000,
+            duration_ms: 10_000,
+            ramp_ms: 2000,
+        };
+        assert_eq!(e.cut_w(1000.0, 999), 0.0);
+        assert_eq!(e.cut_w(1000.0, 2000), 250.0);
+        assert_eq!(e.cut_w(1000.0, 5000), 500.0);
+        assert_eq!(e.cut_w(1000.0, 10_000), 250.0);
+        assert!(e.pending(10_999) && !e.pending(11_000));
+        let target = Event {
+            cut: Cut::Target { budget_w: 1200.0 },
+            ramp_ms: 0,
+            ..e
+        };
+        assert_eq!(target.cut_w(1000.0, 5000), 0.0, "a target above the base cuts nothing");
+    }
+}

@@ -1,0 +1,331 @@
+//! Status snapshots: what `powerflexctl status` (controller) and `{"op":"status"}` on the
+//! agent's control socket answer, and the views inside them. Typed on both ends so a
+//! renamed field is a compile error, not a `-` in a table.
+//!
+//! Units: every power is W (`_w`), times are Unix milliseconds (`_ms`) or seconds (`_s`),
+//! throughput is the job's own unit per second (see [`ThroughputUnit`]).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::admin::Event;
+
+/// Where a job's PFI (and the curve behind it) came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PfiSource {
+    /// Calibrated on this job's own GPUs.
+    Measured,
+    /// A guess: the site's per-tier prior or the default PFI.
+    Prior,
+}
+
+impl PfiSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            PfiSource::Measured => "measured",
+            PfiSource::Prior => "prior",
+        }
+    }
+}
+
+/// What a job's throughput counts per second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ThroughputUnit {
+    Tokens,
+    Steps,
+}
+
+impl ThroughputUnit {
+    pub fn name(self) -> &'static str {
+        match self {
+            ThroughputUnit::Tokens => "tokens",
+            ThroughputUnit::Steps => "steps",
+        }
+    }
+}
+
+/// What an allocation maximised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Objective {
+    /// The site's total tokens/s: every managed job reports tokens.
+    #[serde(rename = "tokens/s")]
+    TokensPerS,
+    /// The sum of each job's throughput over its uncapped throughput (some jobs report
+    /// only steps, which do not add up across jobs).
+    #[serde(rename = "relative-speed")]
+    RelativeSpeed,
+}
+
+impl Objective {
+    pub fn name(self) -> &'static str {
+        match self {
+            Objective::TokensPerS => "tokens/s",
+            Objective::RelativeSpeed => "relative-speed",
+        }
+    }
+}
+
+/// Whether a job's tier bound held in an allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum FloorView {
+    /// The job has no bound.
+    None,
+    /// Slowdown within the bound.
+    Held,
+    /// The budget could not meet the bound: slowdown exceeds it by `excess` (a fraction
+    /// of uncapped throughput).
+    Broken { excess: f64 },
+}
+
+impl FloorView {
+    pub fn is_broken(&self) -> bool {
+        matches!(self, FloorView::Broken { .. })
+    }
+}
+
+/// The controller's status snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CtldStatus {
+    /// The budget without grid events (site config, or `budget set`), W.
+    pub base_budget_w: f64,
+    /// The budget in force now, W.
+    pub budget_w: f64,
+    /// Summed GPU draw reported by live agents, W.
+    pub draw_w: f64,
+    pub headroom_w: f64,
+    /// The event with the deepest cut in force now.
+    pub active_event: Option<Event>,
+    pub events: Vec<Event>,
+    /// Shortfall of the last allocation with every job at its lowest cap, W (none before
+    /// the first allocation).
+    pub over_budget_w: Option<f64>,
+    pub nodes: Vec<NodeStatus>,
+    pub jobs: Vec<SiteJobStatus>,
+    /// Why the last site config reload was refused; none once one is accepted.
+    #[serde(default)]
+    pub config_error: Option<String>,
+}
+
+/// One node as the controller sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node: String,
+    /// Number of GPUs.
+    pub gpus: u32,
+    /// Reported within its lease.
+    pub live: bool,
+    pub power_w: f64,
+    /// Number of jobs it reports.
+    pub jobs: u32,
+    pub seen_ms_ago: u64,
+}
+
+/// One job across every node it runs on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SiteJobStatus {
+    pub job: String,
+    /// The job's service in `--power-flex` form.
+    pub tier: String,
+    pub nodes: Vec<String>,
+    /// Number of GPUs, summed over nodes.
+    pub gpus: u32,
+    pub pfi: Option<f64>,
+    pub pfi_source: Option<PfiSource>,
+    /// Per-GPU cap granted by the last allocation, W.
+    pub cap_w: Option<f64>,
+    pub floor: Option<FloorView>,
+    /// As reported by the first node that reports the job.
+    pub throughput: Option<f64>,
+    pub uncapped_throughput: Option<f64>,
+    /// Summed GPU power, W.
+    pub power_w: f64,
+    /// Per node: calibrated points [per-GPU cap W, job power W, throughput].
+    pub points: BTreeMap<String, Vec<[f64; 3]>>,
+}
+
+/// One allocation period, for `powerflexctl plot`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistorySample {
+    pub t_ms: u64,
+    pub budget_w: f64,
+    pub draw_w: f64,
+    /// Job → per-GPU cap, W.
+    pub caps: BTreeMap<String, f64>,
+    /// Any live node's GPUs are simulated (their NVML names say so).
+    #[serde(default)]
+    pub simulated: bool,
+}
+
+/// What an allocation decided (the answer to `what-if`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecisionView {
+    /// Per node: job → per-GPU cap, W (what the node's lease says).
+    pub leases: BTreeMap<String, BTreeMap<String, f64>>,
+    pub budget_w: f64,
+    /// Power not steered by the allocation (idle GPUs, unmanaged jobs, silent nodes), W.
+    pub reserved_w: f64,
+    /// The allocation over the managed jobs; none when there are none.
+    pub allocation: Option<AllocationView>,
+    pub objective: Objective,
+}
+
+/// The allocation over the managed jobs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AllocationView {
+    /// The policy's config name: optimal, equal or pfi-proportional.
+    pub policy: String,
+    pub budget_w: f64,
+    pub jobs: Vec<JobAllocationView>,
+    /// Σ expected power, W.
+    pub total_power_w: f64,
+    /// The objective's value (see [`DecisionView::objective`]).
+    pub objective: f64,
+    /// Shortfall with every job at its lowest cap, W (0 when the budget is feasible).
+    pub over_budget_w: f64,
+}
+
+/// One job's share of an allocation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobAllocationView {
+    pub id: String,
+    /// Per-GPU cap, W.
+    pub cap_w: f64,
+    /// Summed power expected at that cap, W.
+    pub power_w: f64,
+    pub throughput: f64,
+    /// `1 − throughput / uncapped throughput`.
+    pub slowdown: f64,
+    /// The tier's bound on `slowdown`, if any.
+    pub max_slowdown: Option<f64>,
+    pub floor: FloorView,
+}
+
+/// The agent's mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AgentMode {
+    /// Caps come from the controller's leases.
+    Controller,
+    /// Caps come from the node's own budget.
+    Standalone,
+}
+
+/// A job's calibration walk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CalibrationState {
+    Warmup,
+    Walking,
+    Done,
+    Skipped,
+}
+
+impl CalibrationState {
+    pub fn name(self) -> &'static str {
+        match self {
+            CalibrationState::Warmup => "warmup",
+            CalibrationState::Walking => "walking",
+            CalibrationState::Done => "done",
+            CalibrationState::Skipped => "skipped",
+        }
+    }
+}
+
+/// The node agent's status snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    pub node: String,
+    pub mode: AgentMode,
+    /// The controller's lease ran out and the fail-safe cap applies.
+    pub failsafe: bool,
+    /// At least one GPU is out of service.
+    pub degraded: bool,
+    pub progress_rejected: u64,
+    /// Why the last site config reload was refused; none once one is accepted.
+    pub config_error: Option<String>,
+    pub gpus: Vec<AgentGpuStatus>,
+    pub jobs: Vec<AgentJobStatus>,
+}
+
+/// One GPU on the agent's node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentGpuStatus {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    /// The limit saved at start, restored when jobs end, W.
+    pub default_w: f64,
+    pub cap_w: Option<f64>,
+    pub power_w: Option<f64>,
+    pub energy_j: Option<f64>,
+    pub job: Option<String>,
+    /// Why the GPU is out of service.
+    pub degraded: Option<String>,
+}
+
+/// One job on the agent's node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentJobStatus {
+    pub job: String,
+    pub uid: u32,
+    pub tier: String,
+    /// GPU indices.
+    pub gpus: Vec<u32>,
+    pub steps: Vec<String>,
+    pub cap_w: Option<f64>,
+    pub granted_w: Option<f64>,
+    pub calibration: CalibrationState,
+    pub calibration_note: Option<String>,
+    pub calibration_level_w: Option<f64>,
+    /// How long the walk took, seconds.
+    pub calibration_s: Option<f64>,
+    /// Tokens (or steps) the walk cost against running uncapped.
+    pub calibration_cost: f64,
+    pub pfi: Option<f64>,
+    pub pfi_source: Option<PfiSource>,
+    pub prior_pfi: Option<f64>,
+    /// Measured levels: [cap W per GPU, job power W, throughput].
+    pub points: Vec<[f64; 3]>,
+    /// Recent throughput (job's unit per second).
+    pub throughput: Option<f64>,
+    pub throughput_unit: Option<ThroughputUnit>,
+    pub power_w: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_sets_serialise_as_their_wire_names() {
+        let names = serde_json::to_string(&(
+            PfiSource::Measured,
+            ThroughputUnit::Steps,
+            Objective::TokensPerS,
+            Objective::RelativeSpeed,
+            AgentMode::Standalone,
+            CalibrationState::Walking,
+            FloorView::Broken { excess: 0.05 },
+        ))
+        .expect("json");
+        assert_eq!(
+            names,
+            r#"["measured","steps","tokens/s","relative-speed","standalone","walking",{"state":"broken","excess":0.05}]"#
+        );
+        assert_eq!(PfiSource::Prior.name(), "prior");
+        assert_eq!(ThroughputUnit::Tokens.name(), "tokens");
+        assert_eq!(Objective::RelativeSpeed.name(), "relative-speed");
+    }
+
+    #[test]
+    fn an_unknown_pfi_source_is_refused_naming_the_accepted_ones() {
+        let e = serde_json::from_str::<PfiSource>("\"guessed\"")
+            .expect_err("unknown")
+            .to_string();
+        assert!(e.contains("measured") && e.contains("prior"), "{e}");
+    }
+}
