@@ -17,10 +17,10 @@ use serde::Serialize;
 
 use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
 use powerflex_core::curve::CapCurve;
-use powerflex_proto::status::{AgentMode, CalibrationState, PfiSource, ThroughputUnit};
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
 use powerflex_core::gpus::{parse_gpu_list, GpuRef};
 use powerflex_core::Watts;
+use powerflex_proto::status::{AgentMode, CalibrationState, PfiSource, ThroughputUnit};
 
 use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};

@@ -109,7 +109,12 @@ pub fn render(s: &Snapshot) -> String {
         "1 for the job's calibration state (warmup, walking, done, skipped).",
         s.jobs
             .iter()
-            .map(|j| (format!("{},state=\"{}\"", job(j), j.calibration.name()), 1.0))
+            .map(|j| {
+                (
+                    format!("{},state=\"{}\"", job(j), j.calibration.name()),
+                    1.0,
+                )
+            })
             .collect(),
     );
     family(

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use powerflex_proto::status::{AgentJobStatus, AgentStatus, CalibrationState};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
-use powerflex_proto::status::{AgentJobStatus, AgentStatus, CalibrationState};
 
 use powerflex::{profile_dir, wait_until};
 

@@ -77,9 +77,9 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         cap_w: Some(cap_w),
         power_w: Some(cap_w * DRAW_PER_CAP * f64::from(gpus)),
         throughput: Some(throughput(cap_w)),
-        throughput_unit: Some("tokens".into()),
+        throughput_unit: Some(powerflex_proto::status::ThroughputUnit::Tokens),
         pfi: None,
-        pfi_source: Some("measured".into()),
+        pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
         points,
     }
 }

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::ctld::Sample;
+use powerflex_proto::status::HistorySample as Sample;
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 640.0;

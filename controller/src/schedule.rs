@@ -6,71 +6,17 @@
 //! of one allocation period instead of all at once. Overlapping events: the deepest cut at
 //! each instant wins. Times are Unix milliseconds; the controller passes its clock in.
 
-use serde::{Deserialize, Serialize};
-
 use powerflex_core::Watts;
 
-/// What an event does to the budget.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub enum Cut {
-    /// Remove this fraction (0–1) of the base budget.
-    Reduce { fraction: f64 },
-    /// Bring the budget down to this (never up: a target above the base cuts nothing).
-    Target { budget_w: Watts },
-}
-
-/// A scheduled grid event.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Event {
-    pub id: u64,
-    pub cut: Cut,
-    pub start_ms: u64,
-    pub duration_ms: u64,
-    /// Time over which the cut ramps in after `start_ms` and out before the end.
-    pub ramp_ms: u64,
-}
-
-impl Event {
-    pub fn end_ms(&self) -> u64 {
-        self.start_ms.saturating_add(self.duration_ms)
-    }
-
-    /// How much of the cut applies at `now` (0 to 1).
-    fn depth(&self, now: u64) -> f64 {
-        if now < self.start_ms || now >= self.end_ms() {
-            return 0.0;
-        }
-        if self.ramp_ms == 0 {
-            return 1.0;
-        }
-        let ramp = self.ramp_ms as f64;
-        let since_start = (now - self.start_ms) as f64;
-        let until_end = (self.end_ms() - now) as f64;
-        (since_start / ramp).min(until_end / ramp).min(1.0)
-    }
-
-    /// Watts this event removes from `base` at `now`.
-    pub fn cut_w(&self, base: Watts, now: u64) -> Watts {
-        let full = match self.cut {
-            Cut::Reduce { fraction } => base.0 * fraction.clamp(0.0, 1.0),
-            Cut::Target { budget_w } => (base.0 - budget_w.0).max(0.0),
-        };
-        Watts(full * self.depth(now))
-    }
-
-    /// Whether the event still matters at `now` (not over).
-    pub fn pending(&self, now: u64) -> bool {
-        now < self.end_ms()
-    }
-}
+// The event types are the admin protocol's: `powerflexctl` sends them, the controller
+// keeps them and `status` shows them.
+pub use powerflex_proto::admin::{Cut, Event};
 
 /// The budget at `now`: `base` less the deepest cut of any event in force.
 pub fn effective_budget(base: Watts, events: &[Event], now: u64) -> Watts {
     let cut = events
         .iter()
-        .map(|e| e.cut_w(base, now).0)
+        .map(|e| e.cut_w(base.0, now))
         .fold(0.0, f64::max);
     Watts((base.0 - cut).max(0.0))
 }
@@ -79,8 +25,8 @@ pub fn effective_budget(base: Watts, events: &[Event], now: u64) -> Watts {
 pub fn active_event(base: Watts, events: &[Event], now: u64) -> Option<&Event> {
     events
         .iter()
-        .filter(|e| e.cut_w(base, now).0 > 0.0)
-        .max_by(|a, b| a.cut_w(base, now).0.total_cmp(&b.cut_w(base, now).0))
+        .filter(|e| e.cut_w(base.0, now) > 0.0)
+        .max_by(|a, b| a.cut_w(base.0, now).total_cmp(&b.cut_w(base.0, now)))
 }
 
 /// Why a time, duration or cut did not parse.
@@ -244,7 +190,7 @@ mod tests {
             event(
                 2,
                 Cut::Target {
-                    budget_w: Watts(600_000.0),
+                    budget_w: 600_000.0,
                 },
                 2 * H,
                 H,
@@ -253,7 +199,7 @@ mod tests {
             event(
                 3,
                 Cut::Target {
-                    budget_w: Watts(2_000_000.0),
+                    budget_w: 2_000_000.0,
                 },
                 0,
                 10 * H,

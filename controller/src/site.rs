@@ -24,6 +24,7 @@ use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, Operatin
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
 use powerflex_proto::link::{GpuInfo, JobReport};
+use powerflex_proto::status::{Objective, ThroughputUnit};
 
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,7 +61,7 @@ pub struct Decision {
     pub allocation: Option<Allocation>,
     /// What the allocation maximised: "tokens/s" (every managed job reports tokens) or
     /// "relative-speed" (the sum of each job's throughput over its uncapped throughput).
-    pub objective: &'static str,
+    pub objective: Objective,
 }
 
 /// One standard deviation of a calibration reading (power or throughput), as a fraction:
@@ -122,7 +123,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             job.pfi = job.pfi.or(report.pfi);
             if let Some(t) = report.throughput.filter(|t| t.is_finite() && *t > 0.0) {
                 job.throughput = Some(job.throughput.unwrap_or(0.0) + t);
-                job.counts_tokens &= report.throughput_unit.as_deref() == Some("tokens");
+                job.counts_tokens &= report.throughput_unit == Some(ThroughputUnit::Tokens);
             }
             job.min_cap = job.min_cap.max(min_cap);
             job.max_cap = job.max_cap.min(max_cap);
@@ -237,9 +238,9 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         reserved_w: reserved,
         allocation,
         objective: if raw_tokens {
-            "tokens/s"
+            Objective::TokensPerS
         } else {
-            "relative-speed"
+            Objective::RelativeSpeed
         },
     }
 }
@@ -267,7 +268,7 @@ mod tests {
             cap_w: Some(700.0),
             power_w: Some(power),
             throughput: Some(1000.0),
-            throughput_unit: Some("tokens".into()),
+            throughput_unit: Some(ThroughputUnit::Tokens),
             pfi: None,
             pfi_source: None,
             points,
@@ -468,7 +469,7 @@ mod tests {
             "{:?}",
             d.leases
         );
-        assert_eq!(d.objective, "tokens/s");
+        assert_eq!(d.objective, Objective::TokensPerS);
         // flex1 needs about 580 W (2320 W) to hold 10 %; at 3400 W the flex3 job must go
         // below its lowest reading (1600 W at 400 W) to pay for it.
         let d = measured_to_400("flex1", 3400.0);
@@ -495,11 +496,11 @@ mod tests {
         // Each node measured 1000 tokens/s uncapped: the job makes 2000.
         let uncapped = a.jobs[0].throughput / (1.0 - a.jobs[0].slowdown);
         assert!((uncapped - 2000.0).abs() < 20.0, "{uncapped}");
-        assert_eq!(d.objective, "tokens/s");
-        nodes[1].jobs[0].throughput_unit = Some("steps".into());
+        assert_eq!(d.objective, Objective::TokensPerS);
+        nodes[1].jobs[0].throughput_unit = Some(ThroughputUnit::Steps);
         assert_eq!(
             decide(&nodes, Watts(4000.0), &settings()).objective,
-            "relative-speed"
+            Objective::RelativeSpeed
         );
     }
 }

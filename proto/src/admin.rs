@@ -254,7 +254,10 @@ mod tests {
         let wrong = AdminRequest::from_line("{\"v\":2,\"op\":\"status\"}\n");
         assert_eq!(wrong, Err(AdminError::Version(2)));
         let message = wrong.unwrap_err().to_string();
-        assert!(message.contains("version 2") && message.contains("version 1"), "{message}");
+        assert!(
+            message.contains("version 2") && message.contains("version 1"),
+            "{message}"
+        );
         // A version 2 client's unknown op still hears about the version first.
         assert_eq!(
             AdminRequest::from_line("{\"v\":2,\"op\":\"teleport\"}"),
@@ -275,12 +278,18 @@ mod tests {
             ("not json", "malformed"),
             ("{\"v\":1,\"op\":\"teleport\"}", "teleport"),
             ("{\"v\":1,\"op\":\"budget-set\"}", "budget_w"),
-            ("{\"v\":1,\"op\":\"event-cancel\",\"id\":1,\"extra\":2}", "extra"),
+            (
+                "{\"v\":1,\"op\":\"event-cancel\",\"id\":1,\"extra\":2}",
+                "extra",
+            ),
         ] {
             let e = AdminRequest::from_line(line).expect_err(line).to_string();
             assert!(e.contains(needle), "{line}: {e}");
         }
-        let long = format!("{{\"v\":1,\"op\":\"status\",\"x\":\"{}\"}}", "a".repeat(70_000));
+        let long = format!(
+            "{{\"v\":1,\"op\":\"status\",\"x\":\"{}\"}}",
+            "a".repeat(70_000)
+        );
         assert!(matches!(
             AdminRequest::from_line(&long),
             Err(AdminError::TooLong(_))
@@ -319,6 +328,10 @@ mod tests {
             ramp_ms: 0,
             ..e
         };
-        assert_eq!(target.cut_w(1000.0, 5000), 0.0, "a target above the base cuts nothing");
+        assert_eq!(
+            target.cut_w(1000.0, 5000),
+            0.0,
+            "a target above the base cuts nothing"
+        );
     }
 }

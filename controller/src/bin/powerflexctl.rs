@@ -8,8 +8,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use powerflex_controller::ctld::{self, AdminOp};
+use powerflex_controller::ctld;
 use powerflex_controller::offline;
+use powerflex_controller::render;
 use powerflex_controller::schedule::{parse_duration_ms, parse_reduce, parse_start_ms, Cut};
 use powerflex_controller::{read_text, CtlError};
 use powerflex_core::allocate::Policy;
@@ -17,6 +18,8 @@ use powerflex_core::config::SiteConfig;
 use powerflex_core::curves_csv::parse_curves;
 use powerflex_core::evaluate::{evaluate, EvaluateParams};
 use powerflex_core::Watts;
+use powerflex_proto::admin::{AdminOp, AdminReply};
+use powerflex_proto::status::CtldStatus;
 
 /// Largest input file accepted, bytes.
 const MAX_INPUT_BYTES: u64 = 256 * 1024 * 1024;
@@ -289,15 +292,29 @@ fn admin_socket(args: &CtldArgs) -> Result<std::path::PathBuf, CtlError> {
     Ok(site.controller.admin_socket)
 }
 
-fn admin(args: &CtldArgs, op: AdminOp) -> Result<Option<serde_json::Value>, CtlError> {
+fn admin(args: &CtldArgs, op: AdminOp) -> Result<AdminReply, CtlError> {
     let reply = ctld::request(&admin_socket(args)?, &op).map_err(CtlError::Usage)?;
     if reply.ok {
-        Ok(reply.status)
+        Ok(reply)
     } else {
         Err(CtlError::Usage(
             reply.error.unwrap_or_else(|| "refused".into()),
         ))
     }
+}
+
+/// The controller's status; an `ok` reply without one is a controller that does not
+/// speak this CLI's protocol.
+fn status(args: &CtldArgs) -> Result<CtldStatus, CtlError> {
+    admin(args, AdminOp::Status)?
+        .status
+        .ok_or_else(|| missing("status"))
+}
+
+fn missing(what: &str) -> CtlError {
+    CtlError::Usage(format!(
+        "the controller's answer carries no {what}; is powerflex-ctld the same version as powerflexctl?"
+    ))
 }
 
 fn now_ms() -> u64 {
@@ -307,233 +324,11 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-fn render_nodes(s: &serde_json::Value) -> String {
-    let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
-    let mut nodes =
-        powerflex_controller::table::Table::new(["node", "gpus", "live", "power", "jobs"]);
-    for n in s["nodes"].as_array().into_iter().flatten() {
-        nodes.row([
-            n["node"].as_str().unwrap_or("").to_string(),
-            n["gpus"].to_string(),
-            n["live"].to_string(),
-            w(&n["power_w"]),
-            n["jobs"].to_string(),
-        ]);
-    }
-    nodes.render()
-}
-
-fn render_jobs(s: &serde_json::Value) -> String {
-    let mut jobs = powerflex_controller::table::Table::new([
-        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound",
-    ]);
-    for j in s["jobs"].as_array().into_iter().flatten() {
-        let nodes: Vec<&str> = j["nodes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|n| n.as_str())
-            .collect();
-        let bound = match j["floor"]["state"].as_str() {
-            Some("broken") => format!(
-                "BROKEN by {:.1}%",
-                j["floor"]["excess"].as_f64().unwrap_or(0.0) * 100.0
-            ),
-            Some(state) => state.to_string(),
-            None => "-".into(),
-        };
-        jobs.row([
-            j["job"].as_str().unwrap_or("").to_string(),
-            j["tier"].as_str().unwrap_or("").to_string(),
-            nodes.join(","),
-            j["gpus"].to_string(),
-            j["pfi"].as_f64().map_or("-".into(), |p| format!("{p:.2}")),
-            j["cap_w"]
-                .as_f64()
-                .map_or("-".into(), |c| format!("{c:.0} W")),
-            j["throughput"]
-                .as_f64()
-                .map_or("-".into(), |t| format!("{t:.0}")),
-            j["uncapped_throughput"]
-                .as_f64()
-                .map_or("-".into(), |t| format!("{t:.0}")),
-            bound,
-        ]);
-    }
-    jobs.render()
-}
-
-fn render_whatif(d: &serde_json::Value) -> String {
-    let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
-    let a = &d["allocation"];
-    let mut out = format!(
-        "policy {}: budget {}, of which {} not steered (idle GPUs, unmanaged jobs, silent nodes)\n",
-        a["policy"].as_str().unwrap_or("-"),
-        w(&d["budget_w"]),
-        w(&d["reserved_w"])
-    );
-    let mut t = powerflex_controller::table::Table::new([
-        "job",
-        "cap",
-        "power",
-        "throughput",
-        "slowdown",
-        "bound",
-        "floor",
-    ]);
-    for j in a["jobs"].as_array().into_iter().flatten() {
-        t.row([
-            j["id"].as_str().unwrap_or("").to_string(),
-            j["cap_w"]
-                .as_f64()
-                .map_or("-".into(), |c| format!("{c:.0} W")),
-            w(&j["power_w"]),
-            j["throughput"]
-                .as_f64()
-                .map_or("-".into(), |x| format!("{x:.0}")),
-            j["slowdown"]
-                .as_f64()
-                .map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
-            j["max_slowdown"]
-                .as_f64()
-                .map_or("none".into(), |x| format!("{:.0}%", x * 100.0)),
-            match j["floor"]["state"].as_str() {
-                Some("broken") => format!(
-                    "BROKEN by {:.1}%",
-                    j["floor"]["excess"].as_f64().unwrap_or(0.0) * 100.0
-                ),
-                Some(s) => s.to_string(),
-                None => "-".into(),
-            },
-        ]);
-    }
-    out.push_str(&t.render());
-    if a.is_object() {
-        out.push_str(&format!(
-            "managed jobs: power {}, short {}\n",
-            w(&a["total_power_w"]),
-            w(&a["over_budget_w"])
-        ));
-    } else {
-        out.push_str("no managed jobs to allocate\n");
-    }
-    out
-}
-
-fn render_status(s: &serde_json::Value) -> String {
-    let w = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| Watts(x).to_string());
-    let mut out = format!(
-        "budget {} (base {}), draw {}, headroom {}\n",
-        w(&s["budget_w"]),
-        w(&s["base_budget_w"]),
-        w(&s["draw_w"]),
-        w(&s["headroom_w"])
-    );
-    if let Some(e) = s["active_event"].as_object() {
-        out.push_str(&format!("active event {}: {}\n", e["id"], e["cut"]));
-    }
-    if let Some(e) = s["config_error"].as_str() {
-        out.push_str(&format!(
-            "SITE CONFIG RELOAD REFUSED (the previous config stays in force): {e}\n"
-        ));
-    }
-    let jobs: Vec<&serde_json::Value> = s["jobs"].as_array().into_iter().flatten().collect();
-    let broken: Vec<String> = jobs
-        .iter()
-        .filter(|j| j["floor"]["state"] == "broken")
-        .map(|j| {
-            format!(
-                "{} ({}) by {:.1}%",
-                j["job"].as_str().unwrap_or(""),
-                j["tier"].as_str().unwrap_or(""),
-                j["floor"]["excess"].as_f64().unwrap_or(0.0) * 100.0
-            )
-        })
-        .collect();
-    if !broken.is_empty() {
-        out.push_str(&format!(
-            "OVER THEIR BOUND ({} jobs; the budget cannot hold every tier): {}\n",
-            broken.len(),
-            broken.join(", ")
-        ));
-    }
-    if let Some(short) = s["over_budget_w"].as_f64().filter(|&w| w > 0.0) {
-        out.push_str(&format!(
-            "SHORT {}: every managed job is at its lowest cap\n",
-            Watts(short)
-        ));
-    }
-    // Per tier: how many jobs and GPUs, the cap range, bounds broken.
-    let mut tiers: std::collections::BTreeMap<String, (usize, u64, f64, f64, usize)> =
-        std::collections::BTreeMap::new();
-    for j in &jobs {
-        let tier = j["tier"].as_str().unwrap_or("-");
-        let tier = tier.split(',').next().unwrap_or(tier).to_string();
-        let e = tiers
-            .entry(tier)
-            .or_insert((0, 0, f64::INFINITY, f64::NEG_INFINITY, 0));
-        e.0 += 1;
-        e.1 += j["gpus"].as_u64().unwrap_or(0);
-        if let Some(cap) = j["cap_w"].as_f64() {
-            e.2 = e.2.min(cap);
-            e.3 = e.3.max(cap);
-        }
-        e.4 += usize::from(j["floor"]["state"] == "broken");
-    }
-    if !tiers.is_empty() {
-        let mut t = powerflex_controller::table::Table::new([
-            "tier",
-            "jobs",
-            "gpus",
-            "caps",
-            "bounds broken",
-        ]);
-        for (tier, (n, gpus, lo, hi, broken)) in tiers {
-            let caps = if lo.is_finite() {
-                format!("{lo:.0}-{hi:.0} W")
-            } else {
-                "-".into()
-            };
-            t.row([
-                tier,
-                n.to_string(),
-                gpus.to_string(),
-                caps,
-                broken.to_string(),
-            ]);
-        }
-        out.push_str(&t.render());
-        out.push('\n');
-    }
-    out.push_str(&render_nodes(s));
-    out.push('\n');
-    out.push_str(&render_jobs(s));
-    out
-}
-
 fn list_events(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
-    let status = admin(args, AdminOp::Status)?.unwrap_or_default();
+    let status = status(args)?;
     match format {
-        Format::Json => json(&status["events"]),
-        Format::Table => {
-            let mut t = powerflex_controller::table::Table::new([
-                "id",
-                "cut",
-                "start (unix ms)",
-                "duration",
-                "ramp",
-            ]);
-            for e in status["events"].as_array().into_iter().flatten() {
-                t.row([
-                    e["id"].to_string(),
-                    e["cut"].to_string(),
-                    e["start_ms"].to_string(),
-                    format!("{} s", e["duration_ms"].as_u64().unwrap_or(0) / 1000),
-                    format!("{} s", e["ramp_ms"].as_u64().unwrap_or(0) / 1000),
-                ]);
-            }
-            Ok(t.render())
-        }
+        Format::Json => json(&status.events),
+        Format::Table => Ok(render::render_events(&status.events)),
     }
 }
 
@@ -658,24 +453,24 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             }
         }
         Command::Status { ctld: args, format } => {
-            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            let status = status(&args)?;
             match format {
-                Format::Table => Ok(render_status(&status)),
+                Format::Table => Ok(render::render_status(&status)),
                 Format::Json => json(&status),
             }
         }
         Command::Jobs { ctld: args, format } => {
-            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            let status = status(&args)?;
             match format {
-                Format::Table => Ok(render_jobs(&status)),
-                Format::Json => json(&status["jobs"]),
+                Format::Table => Ok(render::render_jobs(&status.jobs)),
+                Format::Json => json(&status.jobs),
             }
         }
         Command::Nodes { ctld: args, format } => {
-            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
+            let status = status(&args)?;
             match format {
-                Format::Table => Ok(render_nodes(&status)),
-                Format::Json => json(&status["nodes"]),
+                Format::Table => Ok(render::render_nodes(&status.nodes)),
+                Format::Json => json(&status.nodes),
             }
         }
         Command::Report {
@@ -683,62 +478,16 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             ctld: args,
             format,
         } => {
-            let status = admin(&args, AdminOp::Status)?.unwrap_or_default();
-            let found = status["jobs"]
-                .as_array()
+            let found = status(&args)?
+                .jobs
                 .into_iter()
-                .flatten()
-                .find(|j| j["job"].as_str() == Some(job.as_str()))
-                .cloned()
+                .find(|j| j.job == job)
                 .ok_or_else(|| {
                     CtlError::Usage(format!("no job {job} is known to the controller"))
                 })?;
             match format {
                 Format::Json => json(&found),
-                Format::Table => {
-                    let mut out = format!(
-                        "job {job}: tier {}, PFI {} ({}), cap {}\n",
-                        found["tier"].as_str().unwrap_or("-"),
-                        found["pfi"]
-                            .as_f64()
-                            .map_or("-".into(), |p| format!("{p:.2}")),
-                        found["pfi_source"].as_str().unwrap_or("not measured"),
-                        found["cap_w"]
-                            .as_f64()
-                            .map_or("-".into(), |c| format!("{c:.0} W")),
-                    );
-                    let mut t = powerflex_controller::table::Table::new([
-                        "node",
-                        "cap",
-                        "power",
-                        "throughput",
-                        "slowdown",
-                    ]);
-                    for (node, points) in found["points"].as_object().into_iter().flatten() {
-                        let rows = points.as_array().cloned().unwrap_or_default();
-                        let top = rows.first().and_then(|p| p[2].as_f64()).unwrap_or(0.0);
-                        for p in rows {
-                            let (cap, power, tput) = (
-                                p[0].as_f64().unwrap_or(0.0),
-                                p[1].as_f64().unwrap_or(0.0),
-                                p[2].as_f64().unwrap_or(0.0),
-                            );
-                            t.row([
-                                node.clone(),
-                                format!("{cap:.0} W"),
-                                Watts(power).to_string(),
-                                format!("{tput:.1}"),
-                                if top > 0.0 {
-                                    format!("{:.1}%", (1.0 - tput / top) * 100.0)
-                                } else {
-                                    "-".into()
-                                },
-                            ]);
-                        }
-                    }
-                    out.push_str(&t.render());
-                    Ok(out)
-                }
+                Format::Table => Ok(render::render_job_report(&found)),
             }
         }
         Command::Whatif {
@@ -751,10 +500,12 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 .map(|b| Watts::parse(&b).map_err(|e| CtlError::Usage(format!("budget: {e}"))))
                 .transpose()?
                 .map(|w| w.0);
-            let decision = admin(&args, AdminOp::WhatIf { policy, budget_w })?.unwrap_or_default();
+            let decision = admin(&args, AdminOp::WhatIf { policy, budget_w })?
+                .what_if
+                .ok_or_else(|| missing("decision"))?;
             match format {
                 Format::Json => json(&decision),
-                Format::Table => Ok(render_whatif(&decision)),
+                Format::Table => Ok(render::render_whatif(&decision)),
             }
         }
         Command::Budget {
@@ -779,7 +530,8 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                     },
                     (None, Some(t)) => Cut::Target {
                         budget_w: Watts::parse(&t)
-                            .map_err(|e| CtlError::Usage(format!("--target: {e}")))?,
+                            .map_err(|e| CtlError::Usage(format!("--target: {e}")))?
+                            .0,
                     },
                     (None, None) => {
                         return Err(CtlError::Usage("give --reduce or --target".into()))
@@ -791,7 +543,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                     .map_err(|e| CtlError::Usage(format!("--duration: {e}")))?;
                 let ramp_ms = parse_duration_ms(&ramp)
                     .map_err(|e| CtlError::Usage(format!("--ramp: {e}")))?;
-                let reply = admin(
+                let id = admin(
                     &args,
                     AdminOp::EventAdd {
                         cut,
@@ -800,8 +552,9 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         ramp_ms,
                     },
                 )?
-                .unwrap_or_default();
-                Ok(format!("event {} scheduled\n", reply["id"]))
+                .event_id
+                .ok_or_else(|| missing("event id"))?;
+                Ok(format!("event {id} scheduled\n"))
             }
             EventAction::List { ctld: args, format } => list_events(&args, format),
             EventAction::Cancel { id, ctld: args } => {
@@ -824,10 +577,9 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                     "--out {out}: only SVG is written (name the file *.svg); open it in a browser or convert it with rsvg-convert"
                 )));
             }
-            let history = admin(&args, AdminOp::History)?.unwrap_or_default();
-            let samples: Vec<ctld::Sample> = serde_json::from_value(history).map_err(|e| {
-                CtlError::Usage(format!("the controller's history is not understood: {e}"))
-            })?;
+            let samples = admin(&args, AdminOp::History)?
+                .history
+                .ok_or_else(|| missing("history"))?;
             let svg = powerflex_controller::plot::render_svg(&samples, &title)
                 .map_err(|e| CtlError::Usage(e.to_string()))?;
             std::fs::write(&out, svg).map_err(|source| CtlError::Write {

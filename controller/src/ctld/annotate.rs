@@ -1,0 +1,82 @@
+//! `scontrol` annotations: each managed job's tier, PFI and cap in its `AdminComment`, so
+//! admins see them in `scontrol show job`. The core decides what changed ([`changes`]);
+//! one thread runs `scontrol` for each change ([`spawn_annotator`]).
+
+use std::collections::BTreeMap;
+
+use crossbeam_channel::{unbounded, Sender};
+use tracing::info;
+
+use powerflex_proto::link::JobReport;
+
+use crate::site::Decision;
+
+/// The annotations `decision` calls for that differ from those already made (`done`,
+/// job → text, updated in place; jobs no longer allocated are forgotten). Pure.
+pub fn changes<'a>(
+    decision: &Decision,
+    reports: impl Iterator<Item = &'a JobReport> + Clone,
+    done: &mut BTreeMap<String, String>,
+) -> Vec<(String, String)> {
+    let Some(allocation) = &decision.allocation else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut live: Vec<&str> = Vec::new();
+    for job in &allocation.jobs {
+        let report = reports.clone().find(|j| j.job_id == job.id);
+        let tier = report.map_or("-", |r| r.tier.as_str());
+        let pfi = report
+            .and_then(|r| r.pfi)
+            .map_or("-".to_string(), |p| format!("{p:.2}"));
+        // No spaces: `scontrol show job` prints key=value pairs separated by spaces.
+        let text = format!("powerflex;tier={tier};pfi={pfi};cap={:.0}W", job.cap_w.0);
+        live.push(&job.id);
+        if done.get(&job.id) != Some(&text) {
+            done.insert(job.id.clone(), text.clone());
+            out.push((job.id.clone(), text));
+        }
+    }
+    done.retain(|id, _| live.contains(&id.as_str()));
+    out
+}
+
+/// Runs `scontrol update JobId=N AdminComment=...` for each queued job, so admins see
+/// the job's tier, PFI and cap in `scontrol show job`. Where scontrol is missing or fails,
+/// it says so once and carries on without: the annotation is a courtesy, not control.
+pub fn spawn_annotator() -> Sender<(String, String)> {
+    let (tx, rx) = unbounded::<(String, String)>();
+    std::thread::spawn(move || {
+        let mut warned = false;
+        for (job, text) in &rx {
+            let outcome = std::process::Command::new("scontrol")
+                .args([
+                    "update",
+                    &format!("JobId={job}"),
+                    &format!("AdminComment={text}"),
+                ])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status();
+            match outcome {
+                Ok(s) if s.success() => {}
+                // No scontrol on this host: stop trying, the queue just drains.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    if !warned {
+                        info!(
+                            "scontrol is not installed here; Slurm will not show powerflex's caps"
+                        );
+                    }
+                    for _ in rx.iter() {}
+                    return;
+                }
+                Ok(_) | Err(_) if !warned => {
+                    warned = true;
+                    info!(job_id = %job, "scontrol cannot annotate jobs here; Slurm will not show powerflex's caps");
+                }
+                _ => {}
+            }
+        }
+    });
+    tx
+}

@@ -1,0 +1,172 @@
+//! What survives a controller restart, saved atomically on change with the copy it
+//! replaces kept beside it: a restart that finds the file corrupt falls back on that one.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tracing::{error, warn};
+
+use powerflex_core::Watts;
+use powerflex_proto::link::GpuInfo;
+
+use crate::schedule::Event;
+
+/// What survives a restart.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CtldState {
+    /// Budget set with `powerflexctl budget set`, overriding the site config's.
+    pub budget_w: Option<Watts>,
+    pub events: Vec<Event>,
+    pub next_event_id: u64,
+    /// Every node that has connected, with its GPUs. After a restart the controller
+    /// waits for these (up to half a lease) before allocating: allocating with only the
+    /// first agents to reconnect would hand them the others' watts while the others'
+    /// old leases still hold their caps, and the site would go over budget.
+    #[serde(default)]
+    pub nodes: BTreeMap<String, Vec<GpuInfo>>,
+}
+
+/// The state as loaded at start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loaded {
+    pub state: CtldState,
+    /// The state was corrupt with no usable previous copy: the nodes and events it held
+    /// are unknown.
+    pub lost: bool,
+}
+
+pub const STATE_FILE: &str = "ctld-state.json";
+/// The state before the last save: what a restart falls back on when the file is corrupt.
+pub const PREVIOUS_STATE_FILE: &str = "ctld-state.prev.json";
+
+fn read_state(path: &Path) -> Option<Result<CtldState, serde_json::Error>> {
+    std::fs::read(path)
+        .ok()
+        .map(|bytes| serde_json::from_slice(&bytes))
+}
+
+/// The persisted state in `dir`, falling back on the previous copy when the file is
+/// corrupt (the corrupt file is moved aside as `*.json.corrupt`).
+pub fn load(dir: &Path) -> Loaded {
+    let path = dir.join(STATE_FILE);
+    let previous = dir.join(PREVIOUS_STATE_FILE);
+    match read_state(&path) {
+        Some(Ok(state)) => return Loaded { state, lost: false },
+        None if !previous.exists() => {
+            return Loaded {
+                state: CtldState::default(),
+                lost: false,
+            }
+        }
+        None => {}
+        Some(Err(e)) => {
+            let moved = path.with_extension("json.corrupt");
+            let _ = std::fs::rename(&path, &moved);
+            error!(path = %path.display(), error = %e, moved = %moved.display(), "controller state corrupt");
+        }
+    }
+    match read_state(&previous) {
+        Some(Ok(state)) => {
+            warn!(path = %previous.display(), "using the state saved before the last change; the last admin change may be missing");
+            Loaded { state, lost: false }
+        }
+        _ => {
+            error!("no usable controller state: the grid events and nodes it held are lost; re-add the events (powerflexctl event list shows what is known)");
+            Loaded {
+                state: CtldState::default(),
+                lost: true,
+            }
+        }
+    }
+}
+
+/// Saves `state` in `dir`; a failure is logged, and the controller carries on with the
+/// state in memory.
+pub fn save(dir: &Path, state: &CtldState) {
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(state).unwrap_or_default())?;
+        f.sync_all()?;
+        // Keep the state being replaced: the file in place is never missing, and a
+        // restart that finds it corrupt falls back on the one before.
+        let current = dir.join(STATE_FILE);
+        if current.exists() {
+            let previous = dir.join(PREVIOUS_STATE_FILE);
+            let _ = std::fs::remove_file(&previous);
+            std::fs::hard_link(&current, &previous)?;
+        }
+        std::fs::rename(&tmp, current)
+    };
+    if let Err(e) = write() {
+        error!(error = %e, "cannot persist controller state");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("pf-ctld-state-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn with_budget(w: f64) -> CtldState {
+        CtldState {
+            budget_w: Some(Watts(w)),
+            ..CtldState::default()
+        }
+    }
+
+    #[test]
+    fn no_file_is_a_fresh_start_not_a_loss() {
+        let dir = temp_dir("fresh");
+        assert_eq!(
+            load(&dir),
+            Loaded {
+                state: CtldState::default(),
+                lost: false
+            }
+        );
+    }
+
+    #[test]
+    fn a_corrupt_file_falls_back_on_the_previous_copy() {
+        let dir = temp_dir("fallback");
+        save(&dir, &with_budget(1000.0));
+        save(&dir, &with_budget(2000.0));
+        assert_eq!(load(&dir).state, with_budget(2000.0));
+        std::fs::write(dir.join(STATE_FILE), b"{ not json").expect("corrupt");
+        let loaded = load(&dir);
+        assert_eq!(
+            loaded.state,
+            with_budget(1000.0),
+            "the copy before the last save"
+        );
+        assert!(!loaded.lost);
+        assert!(
+            dir.join("ctld-state.json.corrupt").exists(),
+            "kept for a person to read"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn both_copies_unusable_is_a_loss() {
+        let dir = temp_dir("lost");
+        save(&dir, &with_budget(1000.0));
+        save(&dir, &with_budget(2000.0));
+        std::fs::write(dir.join(STATE_FILE), b"garbage").expect("corrupt");
+        std::fs::write(dir.join(PREVIOUS_STATE_FILE), b"garbage").expect("corrupt");
+        let loaded = load(&dir);
+        assert!(loaded.lost);
+        assert_eq!(loaded.state, CtldState::default());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,130 @@
+//! The typed views the admin socket answers with: the status snapshot, and an allocation
+//! decision as the wire shows it. Pure.
+
+use std::collections::BTreeMap;
+
+use powerflex_core::allocate::{Allocation, FloorStatus};
+use powerflex_core::Watts;
+use powerflex_proto::status::{
+    AllocationView, CtldStatus, DecisionView, FloorView, JobAllocationView, NodeStatus,
+    SiteJobStatus,
+};
+
+use super::core::Session;
+use super::state::CtldState;
+use crate::schedule::{active_event, effective_budget};
+use crate::site::Decision;
+
+/// The controller's status at `now_ms`.
+pub fn build(
+    state: &CtldState,
+    base_budget: Watts,
+    sessions: &BTreeMap<String, Session>,
+    last: Option<&Decision>,
+    config_error: Option<&str>,
+    now_ms: u64,
+) -> CtldStatus {
+    let base = state.budget_w.unwrap_or(base_budget);
+    let budget = effective_budget(base, &state.events, now_ms);
+    let draw = live_draw_w(sessions);
+    let allocation = last.and_then(|d| d.allocation.as_ref());
+    let granted = |job: &str| allocation.and_then(|a| a.jobs.iter().find(|j| j.id == job));
+    let mut jobs: BTreeMap<String, SiteJobStatus> = BTreeMap::new();
+    for s in sessions.values() {
+        for j in &s.view.jobs {
+            let entry = jobs
+                .entry(j.job_id.clone())
+                .or_insert_with(|| SiteJobStatus {
+                    job: j.job_id.clone(),
+                    tier: j.tier.clone(),
+                    nodes: Vec::new(),
+                    gpus: 0,
+                    pfi: j.pfi,
+                    pfi_source: j.pfi_source,
+                    cap_w: granted(&j.job_id).map(|g| g.cap_w.0),
+                    floor: granted(&j.job_id).map(|g| floor_view(g.floor)),
+                    throughput: j.throughput,
+                    uncapped_throughput: j.points.first().map(|p| p[2]),
+                    power_w: 0.0,
+                    points: BTreeMap::new(),
+                });
+            entry.nodes.push(s.view.node.clone());
+            entry.gpus += j.gpus;
+            entry.power_w += j.power_w.unwrap_or(0.0);
+            entry.points.insert(s.view.node.clone(), j.points.clone());
+        }
+    }
+    CtldStatus {
+        base_budget_w: base.0,
+        budget_w: budget.0,
+        draw_w: draw,
+        headroom_w: budget.0 - draw,
+        active_event: active_event(base, &state.events, now_ms).cloned(),
+        events: state.events.clone(),
+        over_budget_w: allocation.map(|a| a.over_budget_w.0),
+        nodes: sessions
+            .values()
+            .map(|s| NodeStatus {
+                node: s.view.node.clone(),
+                gpus: s.view.gpus.len() as u32,
+                live: s.view.live,
+                power_w: s.view.power_w,
+                jobs: s.view.jobs.len() as u32,
+                seen_ms_ago: now_ms.saturating_sub(s.last_seen_ms),
+            })
+            .collect(),
+        jobs: jobs.into_values().collect(),
+        config_error: config_error.map(str::to_string),
+    }
+}
+
+/// Summed draw of the nodes that reported within their lease, W.
+pub fn live_draw_w(sessions: &BTreeMap<String, Session>) -> f64 {
+    sessions
+        .values()
+        .filter(|s| s.view.live)
+        .map(|s| s.view.power_w)
+        .sum()
+}
+
+pub fn floor_view(floor: FloorStatus) -> FloorView {
+    match floor {
+        FloorStatus::None => FloorView::None,
+        FloorStatus::Held => FloorView::Held,
+        FloorStatus::Broken { excess } => FloorView::Broken { excess },
+    }
+}
+
+fn allocation_view(a: &Allocation) -> AllocationView {
+    AllocationView {
+        policy: a.policy.name().to_string(),
+        budget_w: a.budget_w.0,
+        jobs: a
+            .jobs
+            .iter()
+            .map(|j| JobAllocationView {
+                id: j.id.clone(),
+                cap_w: j.cap_w.0,
+                power_w: j.power_w.0,
+                throughput: j.throughput,
+                slowdown: j.slowdown,
+                max_slowdown: j.max_slowdown.map(|s| s.0),
+                floor: floor_view(j.floor),
+            })
+            .collect(),
+        total_power_w: a.total_power_w.0,
+        objective: a.objective,
+        over_budget_w: a.over_budget_w.0,
+    }
+}
+
+/// An allocation decision as the admin protocol shows it.
+pub fn decision_view(d: &Decision) -> DecisionView {
+    DecisionView {
+        leases: d.leases.clone(),
+        budget_w: d.budget_w,
+        reserved_w: d.reserved_w,
+        allocation: d.allocation.as_ref().map(allocation_view),
+        objective: d.objective,
+    }
+}

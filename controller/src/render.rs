@@ -1,0 +1,483 @@
+//! Tables for people from the controller's typed answers: `powerflexctl status`, `jobs`,
+//! `nodes`, `report`, `what-if` and `event list`. Pure: typed values in, text out.
+
+use std::collections::BTreeMap;
+
+use powerflex_core::Watts;
+use powerflex_proto::admin::Event;
+use powerflex_proto::status::{CtldStatus, DecisionView, FloorView, NodeStatus, SiteJobStatus};
+
+use crate::table::Table;
+
+fn watts(w: f64) -> String {
+    Watts(w).to_string()
+}
+
+fn cap(w: Option<f64>) -> String {
+    w.map_or("-".into(), |c| format!("{c:.0} W"))
+}
+
+fn whole(x: Option<f64>) -> String {
+    x.map_or("-".into(), |t| format!("{t:.0}"))
+}
+
+/// A tier bound's state as a table cell: BROKEN stands out.
+fn bound(floor: Option<&FloorView>) -> String {
+    match floor {
+        Some(FloorView::Broken { excess }) => format!("BROKEN by {:.1}%", excess * 100.0),
+        Some(FloorView::Held) => "held".into(),
+        Some(FloorView::None) => "none".into(),
+        None => "-".into(),
+    }
+}
+
+/// A cut as the wire writes it, e.g. `{"reduce":{"fraction":0.3}}`.
+fn cut_text(event: &Event) -> String {
+    serde_json::to_string(&event.cut).unwrap_or_else(|_| "-".into())
+}
+
+pub fn render_nodes(nodes: &[NodeStatus]) -> String {
+    let mut t = Table::new(["node", "gpus", "live", "power", "jobs"]);
+    for n in nodes {
+        t.row([
+            n.node.clone(),
+            n.gpus.to_string(),
+            n.live.to_string(),
+            watts(n.power_w),
+            n.jobs.to_string(),
+        ]);
+    }
+    t.render()
+}
+
+pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
+    let mut t = Table::new([
+        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound",
+    ]);
+    for j in jobs {
+        t.row([
+            j.job.clone(),
+            j.tier.clone(),
+            j.nodes.join(","),
+            j.gpus.to_string(),
+            j.pfi.map_or("-".into(), |p| format!("{p:.2}")),
+            cap(j.cap_w),
+            whole(j.throughput),
+            whole(j.uncapped_throughput),
+            bound(j.floor.as_ref()),
+        ]);
+    }
+    t.render()
+}
+
+/// One job's calibrated points per node, with the slowdown against its uncapped point.
+pub fn render_job_report(job: &SiteJobStatus) -> String {
+    let mut out = format!(
+        "job {}: tier {}, PFI {} ({}), cap {}\n",
+        job.job,
+        job.tier,
+        job.pfi.map_or("-".into(), |p| format!("{p:.2}")),
+        job.pfi_source.map_or("not measured", |s| s.name()),
+        cap(job.cap_w),
+    );
+    let mut t = Table::new(["node", "cap", "power", "throughput", "slowdown"]);
+    for (node, points) in &job.points {
+        let top = points.first().map_or(0.0, |p| p[2]);
+        for &[cap_w, power_w, throughput] in points {
+            t.row([
+                node.clone(),
+                format!("{cap_w:.0} W"),
+                watts(power_w),
+                format!("{throughput:.1}"),
+                if top > 0.0 {
+                    format!("{:.1}%", (1.0 - throughput / top) * 100.0)
+                } else {
+                    "-".into()
+                },
+            ]);
+        }
+    }
+    out.push_str(&t.render());
+    out
+}
+
+pub fn render_whatif(d: &DecisionView) -> String {
+    let a = d.allocation.as_ref();
+    let mut out = format!(
+        "policy {}: budget {}, of which {} not steered (idle GPUs, unmanaged jobs, silent nodes)\n",
+        a.map_or("-", |a| a.policy.as_str()),
+        watts(d.budget_w),
+        watts(d.reserved_w)
+    );
+    let mut t = Table::new([
+        "job",
+        "cap",
+        "power",
+        "throughput",
+        "slowdown",
+        "bound",
+        "floor",
+    ]);
+    for j in a.into_iter().flat_map(|a| &a.jobs) {
+        t.row([
+            j.id.clone(),
+            cap(Some(j.cap_w)),
+            watts(j.power_w),
+            format!("{:.0}", j.throughput),
+            format!("{:.1}%", j.slowdown * 100.0),
+            j.max_slowdown
+                .map_or("none".into(), |x| format!("{:.0}%", x * 100.0)),
+            bound(Some(&j.floor)),
+        ]);
+    }
+    out.push_str(&t.render());
+    match a {
+        Some(a) => out.push_str(&format!(
+            "managed jobs: power {}, short {}\n",
+            watts(a.total_power_w),
+            watts(a.over_budget_w)
+        )),
+        None => out.push_str("no managed jobs to allocate\n"),
+    }
+    out
+}
+
+pub fn render_status(s: &CtldStatus) -> String {
+    let mut out = format!(
+        "budget {} (base {}), draw {}, headroom {}\n",
+        watts(s.budget_w),
+        watts(s.base_budget_w),
+        watts(s.draw_w),
+        watts(s.headroom_w)
+    );
+    if let Some(e) = &s.active_event {
+        out.push_str(&format!("active event {}: {}\n", e.id, cut_text(e)));
+    }
+    if let Some(e) = &s.config_error {
+        out.push_str(&format!(
+            "SITE CONFIG RELOAD REFUSED (the previous config stays in force): {e}\n"
+        ));
+    }
+    let broken: Vec<String> = s
+        .jobs
+        .iter()
+        .filter_map(|j| match j.floor {
+            Some(FloorView::Broken { excess }) => {
+                Some(format!("{} ({}) by {:.1}%", j.job, j.tier, excess * 100.0))
+            }
+            _ => None,
+        })
+        .collect();
+    if !broken.is_empty() {
+        out.push_str(&format!(
+            "OVER THEIR BOUND ({} jobs; the budget cannot hold every tier): {}\n",
+            broken.len(),
+            broken.join(", ")
+        ));
+    }
+    if let Some(short) = s.over_budget_w.filter(|&w| w > 0.0) {
+        out.push_str(&format!(
+            "SHORT {}: every managed job is at its lowest cap\n",
+            Watts(short)
+        ));
+    }
+    // Per tier: how many jobs and GPUs, the cap range, bounds broken.
+    let mut tiers: BTreeMap<String, (usize, u64, f64, f64, usize)> = BTreeMap::new();
+    for j in &s.jobs {
+        let tier = j.tier.split(',').next().unwrap_or(&j.tier).to_string();
+        let e = tiers
+            .entry(tier)
+            .or_insert((0, 0, f64::INFINITY, f64::NEG_INFINITY, 0));
+        e.0 += 1;
+        e.1 += u64::from(j.gpus);
+        if let Some(cap) = j.cap_w {
+            e.2 = e.2.min(cap);
+            e.3 = e.3.max(cap);
+        }
+        e.4 += usize::from(j.floor.as_ref().is_some_and(FloorView::is_broken));
+    }
+    if !tiers.is_empty() {
+        let mut t = Table::new(["tier", "jobs", "gpus", "caps", "bounds broken"]);
+        for (tier, (n, gpus, lo, hi, broken)) in tiers {
+            let caps = if lo.is_finite() {
+                format!("{lo:.0}-{hi:.0} W")
+            } else {
+                "-".into()
+            };
+            t.row([
+                tier,
+                n.to_string(),
+                gpus.to_string(),
+                caps,
+                broken.to_string(),
+            ]);
+        }
+        out.push_str(&t.render());
+        out.push('\n');
+    }
+    out.push_str(&render_nodes(&s.nodes));
+    out.push('\n');
+    out.push_str(&render_jobs(&s.jobs));
+    out
+}
+
+pub fn render_events(events: &[Event]) -> String {
+    let mut t = Table::new(["id", "cut", "start (unix ms)", "duration", "ramp"]);
+    for e in events {
+        t.row([
+            e.id.to_string(),
+            cut_text(e),
+            e.start_ms.to_string(),
+            format!("{} s", e.duration_ms / 1000),
+            format!("{} s", e.ramp_ms / 1000),
+        ]);
+    }
+    t.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_proto::admin::Cut;
+    use powerflex_proto::status::{AllocationView, JobAllocationView, Objective, PfiSource};
+
+    fn job(id: &str, tier: &str, cap_w: Option<f64>, floor: Option<FloorView>) -> SiteJobStatus {
+        SiteJobStatus {
+            job: id.into(),
+            tier: tier.into(),
+            nodes: vec!["n1".into(), "n2".into()],
+            gpus: 4,
+            pfi: Some(1.434),
+            pfi_source: Some(PfiSource::Measured),
+            cap_w,
+            floor,
+            throughput: Some(1234.4),
+            uncapped_throughput: Some(2000.0),
+            power_w: 1800.0,
+            points: BTreeMap::from([(
+                "n1".to_string(),
+                vec![[700.0, 2600.0, 2000.0], [400.0, 1500.0, 1500.0]],
+            )]),
+        }
+    }
+
+    fn status() -> CtldStatus {
+        let event = Event {
+            id: 3,
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: 1_000,
+            duration_ms: 3_600_000,
+            ramp_ms: 60_000,
+        };
+        CtldStatus {
+            base_budget_w: 10_000.0,
+            budget_w: 7_000.0,
+            draw_w: 6_500.0,
+            headroom_w: 500.0,
+            active_event: Some(event.clone()),
+            events: vec![event],
+            over_budget_w: Some(0.0),
+            nodes: vec![NodeStatus {
+                node: "n1".into(),
+                gpus: 8,
+                live: true,
+                power_w: 3_250.0,
+                jobs: 2,
+                seen_ms_ago: 400,
+            }],
+            jobs: vec![
+                job("101", "flex2", Some(450.0), Some(FloorView::Held)),
+                job(
+                    "102",
+                    "flex2,calibrate=off",
+                    Some(300.0),
+                    Some(FloorView::Broken { excess: 0.042 }),
+                ),
+                job("103", "flex0", None, None),
+            ],
+            config_error: None,
+        }
+    }
+
+    #[test]
+    fn status_names_the_budget_the_event_and_the_broken_bounds() {
+        let text = render_status(&status());
+        assert!(
+            text.starts_with("budget 7000 W (base 10.0 kW), draw 6500 W, headroom 500 W\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("active event 3: {\"reduce\":{\"fraction\":0.3}}\n"),
+            "{text}"
+        );
+        assert!(text.contains("OVER THEIR BOUND (1 jobs; the budget cannot hold every tier): 102 (flex2,calibrate=off) by 4.2%"), "{text}");
+        assert!(!text.contains("SHORT"), "no shortfall: {text}");
+        assert!(!text.contains("RELOAD REFUSED"), "{text}");
+        // flex2 and flex2,calibrate=off are one tier: 2 jobs, 8 GPUs, caps 300-450 W, 1 broken.
+        let tier_row = text
+            .lines()
+            .find(|l| l.starts_with("flex2 "))
+            .expect("flex2 row");
+        let cells: Vec<&str> = tier_row.split_whitespace().collect();
+        assert_eq!(cells, ["flex2", "2", "8", "300-450", "W", "1"]);
+        let flex0 = text
+            .lines()
+            .find(|l| l.starts_with("flex0 "))
+            .expect("flex0 row");
+        assert!(flex0.contains(" - "), "no cap yet: {flex0}");
+    }
+
+    #[test]
+    fn a_refused_reload_and_a_shortfall_stand_out() {
+        let mut s = status();
+        s.config_error = Some("bad key".into());
+        s.over_budget_w = Some(250.0);
+        s.active_event = None;
+        let text = render_status(&s);
+        assert!(text.contains(
+            "SITE CONFIG RELOAD REFUSED (the previous config stays in force): bad key\n"
+        ));
+        assert!(text.contains("SHORT 250 W: every managed job is at its lowest cap\n"));
+        assert!(!text.contains("active event"));
+    }
+
+    #[test]
+    fn jobs_and_nodes_show_every_field() {
+        let s = status();
+        let jobs = render_jobs(&s.jobs);
+        let row: Vec<&str> = jobs
+            .lines()
+            .nth(2)
+            .expect("102")
+            .split_whitespace()
+            .collect();
+        assert_eq!(
+            row,
+            [
+                "102",
+                "flex2,calibrate=off",
+                "n1,n2",
+                "4",
+                "1.43",
+                "300",
+                "W",
+                "1234",
+                "2000",
+                "BROKEN",
+                "by",
+                "4.2%"
+            ]
+        );
+        let none: Vec<&str> = jobs
+            .lines()
+            .nth(3)
+            .expect("103")
+            .split_whitespace()
+            .collect();
+        assert_eq!(none[5..], ["-", "1234", "2000", "-"]);
+        let nodes = render_nodes(&s.nodes);
+        let row: Vec<&str> = nodes
+            .lines()
+            .nth(1)
+            .expect("n1")
+            .split_whitespace()
+            .collect();
+        assert_eq!(row, ["n1", "8", "true", "3250", "W", "2"]);
+    }
+
+    #[test]
+    fn a_job_report_shows_its_points_and_slowdowns() {
+        let text = render_job_report(&job("101", "flex2", Some(450.0), None));
+        assert!(
+            text.starts_with("job 101: tier flex2, PFI 1.43 (measured), cap 450 W\n"),
+            "{text}"
+        );
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .skip(2)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows[0], ["n1", "700", "W", "2600", "W", "2000.0", "0.0%"]);
+        assert_eq!(rows[1], ["n1", "400", "W", "1500", "W", "1500.0", "25.0%"]);
+        let mut unmeasured = job("104", "flex1", None, None);
+        unmeasured.pfi = None;
+        unmeasured.pfi_source = None;
+        let text = render_job_report(&unmeasured);
+        assert!(
+            text.starts_with("job 104: tier flex1, PFI - (not measured), cap -\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn what_if_shows_each_job_and_the_totals() {
+        let mut d = DecisionView {
+            leases: BTreeMap::new(),
+            budget_w: 5000.0,
+            reserved_w: 300.0,
+            allocation: Some(AllocationView {
+                policy: "equal".into(),
+                budget_w: 4700.0,
+                jobs: vec![JobAllocationView {
+                    id: "101".into(),
+                    cap_w: 450.0,
+                    power_w: 1800.0,
+                    throughput: 1700.4,
+                    slowdown: 0.15,
+                    max_slowdown: Some(0.25),
+                    floor: FloorView::Held,
+                }],
+                total_power_w: 1800.0,
+                objective: 1700.4,
+                over_budget_w: 0.0,
+            }),
+            objective: Objective::TokensPerS,
+        };
+        let text = render_whatif(&d);
+        assert!(
+            text.starts_with("policy equal: budget 5000 W, of which 300 W not steered"),
+            "{text}"
+        );
+        let row: Vec<&str> = text
+            .lines()
+            .nth(2)
+            .expect("row")
+            .split_whitespace()
+            .collect();
+        assert_eq!(
+            row,
+            ["101", "450", "W", "1800", "W", "1700", "15.0%", "25%", "held"]
+        );
+        assert!(
+            text.ends_with("managed jobs: power 1800 W, short 0 W\n"),
+            "{text}"
+        );
+        d.allocation = None;
+        let text = render_whatif(&d);
+        assert!(text.starts_with("policy -: "), "{text}");
+        assert!(text.ends_with("no managed jobs to allocate\n"), "{text}");
+    }
+
+    #[test]
+    fn events_list_their_cut_and_times() {
+        let text = render_events(&status().events);
+        let row: Vec<&str> = text
+            .lines()
+            .nth(1)
+            .expect("row")
+            .split_whitespace()
+            .collect();
+        assert_eq!(
+            row,
+            [
+                "3",
+                "{\"reduce\":{\"fraction\":0.3}}",
+                "1000",
+                "3600",
+                "s",
+                "60",
+                "s"
+            ]
+        );
+    }
+}
