@@ -482,3 +482,513 @@ impl Core {
         self.last = Some(decision);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::site::SiteSettings;
+    use powerflex_core::flex::TierTable;
+    use powerflex_proto::admin::Cut;
+    use powerflex_proto::status::ThroughputUnit;
+    use std::time::Duration;
+
+    /// A fake clock's start: an ordinary Unix time in ms.
+    const T0: u64 = 1_800_000_000_000;
+    const TTL_S: f64 = 30.0;
+
+    fn options() -> CtldOptions {
+        CtldOptions {
+            listen: "127.0.0.1:7000".parse().expect("addr"),
+            admin_socket: "/run/powerflex/ctld.sock".into(),
+            state_dir: "/var/lib/powerflex".into(),
+            key: b"site key".to_vec(),
+            base_budget: Watts(10_000.0),
+            period: Duration::from_secs(10),
+            lease_ttl_s: TTL_S,
+            site: SiteSettings {
+                tiers: TierTable::default_table(),
+                policy: Policy::Optimal,
+                cap_step: Watts(10.0),
+                failsafe_cap: Watts(500.0),
+                default_pfi: 1.3,
+            },
+            metrics_listen: None,
+        }
+    }
+
+    fn fresh() -> Core {
+        Core::new(options(), Loaded::default(), T0)
+    }
+
+    fn gpus(n: u32) -> Vec<GpuInfo> {
+        (0..n)
+            .map(|i| GpuInfo {
+                uuid: format!("GPU-{i}"),
+                name: "NVIDIA H200".into(),
+                min_w: 200.0,
+                max_w: 700.0,
+                default_w: 700.0,
+            })
+            .collect()
+    }
+
+    fn job(id: &str, pfi: Option<f64>) -> JobReport {
+        JobReport {
+            job_id: id.into(),
+            tier: "flex2".into(),
+            gpus: 4,
+            cap_w: Some(700.0),
+            power_w: Some(2400.0),
+            throughput: Some(1000.0),
+            throughput_unit: Some(ThroughputUnit::Tokens),
+            pfi,
+            pfi_source: None,
+            points: [700.0, 500.0, 300.0]
+                .iter()
+                .map(|&c| [c, c * 4.0, 1000.0 * (1.0 - (1.0 - c / 700.0) / 2.0)])
+                .collect(),
+        }
+    }
+
+    fn hello(node: &str) -> Input {
+        Input::Hello {
+            node: node.into(),
+            gpus: gpus(4),
+        }
+    }
+
+    fn report(node: &str, jobs: Vec<JobReport>) -> Input {
+        Input::Report {
+            node: node.into(),
+            jobs,
+            power_w: 2400.0,
+        }
+    }
+
+    fn admin(op: AdminOp, uid: u32) -> Input {
+        Input::Admin { op, uid }
+    }
+
+    /// Two nodes with one job each, allocated at T0.
+    fn running() -> Core {
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+            ],
+        );
+        core
+    }
+
+    fn allocations(core: &Core) -> usize {
+        core.history().count()
+    }
+
+    fn reply(out: &Output) -> &AdminReply {
+        assert_eq!(out.replies.len(), 1, "{out:?}");
+        &out.replies[0].1
+    }
+
+    #[test]
+    fn only_root_changes_the_budget_or_events_and_anyone_reads() {
+        let mut core = running();
+        for op in [
+            AdminOp::BudgetSet { budget_w: 5000.0 },
+            AdminOp::EventAdd {
+                cut: Cut::Reduce { fraction: 0.3 },
+                start_ms: T0,
+                duration_ms: 60_000,
+                ramp_ms: 0,
+            },
+            AdminOp::EventCancel { id: 1 },
+        ] {
+            let out = core.step(T0 + 1, vec![admin(op.clone(), 1000)]);
+            let r = reply(&out);
+            assert!(!r.ok, "{op:?}");
+            assert_eq!(
+                r.error.as_deref(),
+                Some("only root may change the budget or grid events")
+            );
+            assert_eq!(out.persist, None, "a refused change saves nothing");
+        }
+        assert_eq!(core.state().budget_w, None);
+        assert!(core.state().events.is_empty());
+        let out = core.step(T0 + 2, vec![admin(AdminOp::Status, 1000)]);
+        assert!(reply(&out).ok && reply(&out).status.is_some());
+
+        let out = core.step(
+            T0 + 3,
+            vec![admin(AdminOp::BudgetSet { budget_w: 5000.0 }, 0)],
+        );
+        assert!(reply(&out).ok);
+        assert_eq!(
+            out.persist.as_ref().and_then(|s| s.budget_w),
+            Some(Watts(5000.0))
+        );
+        assert!(out.metrics.is_some(), "a change is allocated at once");
+        assert_eq!(core.status(T0 + 3).budget_w, 5000.0);
+        let out = core.step(
+            T0 + 4,
+            vec![admin(AdminOp::BudgetSet { budget_w: -1.0 }, 0)],
+        );
+        assert!(reply(&out)
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("positive")));
+    }
+
+    #[test]
+    fn events_are_numbered_validated_and_cancelled() {
+        let mut core = running();
+        let add = |duration_ms, ramp_ms| AdminOp::EventAdd {
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: T0,
+            duration_ms,
+            ramp_ms,
+        };
+        let out = core.step(T0 + 1, vec![admin(add(0, 0), 0)]);
+        assert!(reply(&out)
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("twice its ramp")));
+        let out = core.step(T0 + 1, vec![admin(add(60_000, 30_001), 0)]);
+        assert!(!reply(&out).ok);
+        let out = core.step(
+            T0 + 1,
+            vec![admin(add(60_000, 0), 0), admin(add(60_000, 0), 0)],
+        );
+        let ids: Vec<Option<u64>> = out.replies.iter().map(|(_, r)| r.event_id).collect();
+        assert_eq!(ids, [Some(1), Some(2)]);
+        assert_eq!(out.persist.as_ref().map(|s| s.events.len()), Some(2));
+        assert_eq!(core.status(T0 + 1).budget_w, 7000.0, "30 % off at once");
+        let out = core.step(T0 + 2, vec![admin(AdminOp::EventCancel { id: 7 }, 0)]);
+        assert_eq!(reply(&out).error.as_deref(), Some("no event 7"));
+        let out = core.step(T0 + 2, vec![admin(AdminOp::EventCancel { id: 1 }, 0)]);
+        assert!(reply(&out).ok);
+        assert_eq!(
+            core.state().events.iter().map(|e| e.id).collect::<Vec<_>>(),
+            [2]
+        );
+    }
+
+    #[test]
+    fn after_state_loss_nothing_is_allocated_for_one_lease() {
+        let lost = Loaded {
+            state: CtldState::default(),
+            lost: true,
+        };
+        let mut core = Core::new(options(), lost, T0);
+        let out = core.step(T0, vec![hello("n1"), report("n1", vec![job("101", None)])]);
+        assert!(out.leases.is_empty() && out.metrics.is_none(), "{out:?}");
+        let out = core.step(T0 + 29_999, vec![Input::Tick]);
+        assert!(out.leases.is_empty());
+        assert_eq!(allocations(&core), 0);
+        // The agent kept reporting through the hold (silent, it would count as dead).
+        let out = core.step(
+            T0 + 30_000,
+            vec![report("n1", vec![job("101", None)]), Input::Tick],
+        );
+        assert!(out.leases.contains_key("n1"), "{out:?}");
+        assert_eq!(allocations(&core), 1);
+    }
+
+    fn restarted_with(nodes: &[&str]) -> Core {
+        let state = CtldState {
+            nodes: nodes.iter().map(|n| (n.to_string(), gpus(4))).collect(),
+            ..CtldState::default()
+        };
+        Core::new(options(), Loaded { state, lost: false }, T0)
+    }
+
+    #[test]
+    fn after_a_restart_the_known_agents_are_awaited() {
+        let mut core = restarted_with(&["n1", "n2"]);
+        let out = core.step(
+            T0 + 100,
+            vec![hello("n1"), report("n1", vec![job("101", None)])],
+        );
+        assert!(out.leases.is_empty(), "n2's old lease still holds its caps");
+        assert_eq!(out.persist, None, "n1's GPUs are as saved");
+        let out = core.step(
+            T0 + 200,
+            vec![hello("n2"), report("n2", vec![job("102", None)])],
+        );
+        assert_eq!(
+            out.leases.keys().collect::<Vec<_>>(),
+            ["n1", "n2"],
+            "all back: allocated at once"
+        );
+    }
+
+    #[test]
+    fn an_agent_that_stays_away_is_counted_at_its_failsafe_cap_after_half_a_lease() {
+        let mut core = restarted_with(&["n1", "n2"]);
+        let out = core.step(
+            T0 + 100,
+            vec![hello("n1"), report("n1", vec![job("101", None)])],
+        );
+        assert!(out.leases.is_empty());
+        let out = core.step(T0 + 14_999, vec![Input::Tick]);
+        assert!(out.leases.is_empty(), "within the grace");
+        let out = core.step(T0 + 15_000, vec![Input::Tick]);
+        assert_eq!(out.leases.keys().collect::<Vec<_>>(), ["n1"]);
+        let status = core.status(T0 + 15_000);
+        let n2 = status.nodes.iter().find(|n| n.node == "n2").expect("n2");
+        assert!(!n2.live);
+        // n2's 4 GPUs at the 500 W fail-safe cap come off the budget first.
+        let out = core.step(
+            T0 + 15_001,
+            vec![admin(
+                AdminOp::WhatIf {
+                    policy: "optimal".into(),
+                    budget_w: None,
+                },
+                1000,
+            )],
+        );
+        let d = reply(&out).what_if.as_ref().expect("decision");
+        assert!(d.reserved_w >= 2000.0, "{d:?}");
+    }
+
+    #[test]
+    fn a_batch_of_messages_costs_one_allocation() {
+        let mut core = fresh();
+        let mut inputs = Vec::new();
+        for i in 0..200 {
+            let node = format!("n{i:03}");
+            inputs.push(hello(&node));
+            inputs.push(report(&node, vec![job(&format!("{}", 1000 + i), None)]));
+        }
+        let out = core.step(T0, inputs);
+        assert_eq!(allocations(&core), 1);
+        assert_eq!(out.leases.len(), 200);
+        assert_eq!(out.persist.map(|s| s.nodes.len()), Some(200), "saved once");
+    }
+
+    #[test]
+    fn only_a_change_in_the_jobs_reallocates_before_the_tick() {
+        let mut core = running();
+        assert_eq!(allocations(&core), 1);
+        let out = core.step(T0 + 1000, vec![report("n1", vec![job("101", None)])]);
+        assert!(out.metrics.is_none() && out.leases.is_empty());
+        assert_eq!(allocations(&core), 1);
+        let out = core.step(
+            T0 + 2000,
+            vec![report("n1", vec![job("101", None), job("103", None)])],
+        );
+        assert!(out.leases["n1"].contains_key("103"), "{out:?}");
+        core.step(T0 + 10_000, vec![Input::Tick]);
+        assert_eq!(allocations(&core), 3);
+        // A report from a node that never said hello is dropped.
+        let out = core.step(T0 + 10_001, vec![report("n9", vec![job("109", None)])]);
+        assert!(out.leases.is_empty());
+        assert!(core
+            .status(T0 + 10_001)
+            .nodes
+            .iter()
+            .all(|n| n.node != "n9"));
+    }
+
+    #[test]
+    fn a_silent_node_goes_dead_after_its_lease_and_leases_carry_the_ttl() {
+        let mut core = running();
+        let out = core.step(
+            T0 + 29_999,
+            vec![report("n2", vec![job("102", None)]), Input::Tick],
+        );
+        assert_eq!(out.lease_ttl_s, TTL_S);
+        let live = |core: &Core, now| {
+            core.status(now)
+                .nodes
+                .iter()
+                .map(|n| (n.node.clone(), n.live))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            live(&core, T0 + 29_999),
+            [("n1".into(), true), ("n2".into(), true)]
+        );
+        core.step(T0 + 30_000, vec![Input::Tick]);
+        assert_eq!(
+            live(&core, T0 + 30_000),
+            [("n1".into(), false), ("n2".into(), true)]
+        );
+        let status = core.status(T0 + 30_000);
+        assert_eq!(status.draw_w, 2400.0, "only live nodes' draw counts");
+        assert_eq!(status.nodes[0].seen_ms_ago, 30_000);
+        core.step(
+            T0 + 31_000,
+            vec![report("n1", vec![job("101", None)]), Input::Tick],
+        );
+        assert!(core.status(T0 + 31_000).nodes[0].live);
+    }
+
+    #[test]
+    fn an_event_that_ended_is_dropped_and_saved() {
+        let mut core = running();
+        let out = core.step(
+            T0 + 1,
+            vec![admin(
+                AdminOp::EventAdd {
+                    cut: Cut::Target { budget_w: 6000.0 },
+                    start_ms: T0,
+                    duration_ms: 10_000,
+                    ramp_ms: 0,
+                },
+                0,
+            )],
+        );
+        assert!(reply(&out).ok);
+        assert_eq!(core.status(T0 + 5000).active_event.map(|e| e.id), Some(1));
+        let out = core.step(T0 + 9_999, vec![Input::Tick]);
+        assert_eq!(out.persist, None);
+        let out = core.step(T0 + 10_000, vec![Input::Tick]);
+        assert_eq!(out.persist.map(|s| s.events), Some(Vec::new()));
+        assert!(core.status(T0 + 10_000).events.is_empty());
+        assert_eq!(core.status(T0 + 10_000).budget_w, 10_000.0);
+    }
+
+    #[test]
+    fn a_job_is_annotated_only_when_its_text_changes() {
+        let mut core = fresh();
+        let out = core.step(T0, vec![hello("n1"), report("n1", vec![job("101", None)])]);
+        assert_eq!(out.annotations.len(), 1);
+        let (id, text) = &out.annotations[0];
+        assert_eq!(id, "101");
+        assert!(
+            text.starts_with("powerflex;tier=flex2;pfi=-;cap="),
+            "{text}"
+        );
+        assert!(!text.contains(' '), "scontrol splits on spaces: {text}");
+        let out = core.step(T0 + 10_000, vec![Input::Tick]);
+        assert!(
+            out.metrics.is_some() && out.annotations.is_empty(),
+            "{out:?}"
+        );
+        let out = core.step(
+            T0 + 20_000,
+            vec![report("n1", vec![job("101", Some(1.5))]), Input::Tick],
+        );
+        assert_eq!(out.annotations.len(), 1);
+        assert!(out.annotations[0].1.contains("pfi=1.50"), "{out:?}");
+    }
+
+    #[test]
+    fn a_reload_changes_the_budget_at_once_and_not_what_needs_a_restart() {
+        let mut core = running();
+        let mut new = options();
+        new.base_budget = Watts(8000.0);
+        new.lease_ttl_s = 60.0;
+        new.listen = "127.0.0.1:7100".parse().expect("addr");
+        new.key = b"another key".to_vec();
+        new.period = Duration::from_secs(1);
+        let out = core.step(T0 + 1, vec![Input::Reload(Ok(new))]);
+        assert!(out.metrics.is_some(), "reallocated at once");
+        assert_eq!(out.lease_ttl_s, 60.0);
+        assert_eq!(core.status(T0 + 1).base_budget_w, 8000.0);
+        assert_eq!(core.options().listen, options().listen);
+        assert_eq!(core.options().key, options().key);
+        assert_eq!(core.options().period, options().period);
+        // A budget set by an admin still overrides the site config's.
+        core.step(
+            T0 + 2,
+            vec![admin(AdminOp::BudgetSet { budget_w: 9000.0 }, 0)],
+        );
+        let mut again = options();
+        again.base_budget = Watts(7000.0);
+        core.step(T0 + 3, vec![Input::Reload(Ok(again))]);
+        assert_eq!(core.status(T0 + 3).budget_w, 9000.0);
+    }
+
+    #[test]
+    fn a_refused_reload_keeps_the_config_and_is_reported_until_a_valid_one() {
+        let mut core = running();
+        let out = core.step(
+            T0 + 1,
+            vec![Input::Reload(Err("powerflex.toml: bad key".into()))],
+        );
+        assert!(
+            out.metrics.is_none(),
+            "nothing changed, nothing to reallocate"
+        );
+        let status = core.status(T0 + 1);
+        assert_eq!(
+            status.config_error.as_deref(),
+            Some("powerflex.toml: bad key")
+        );
+        assert_eq!(status.base_budget_w, 10_000.0);
+        let out = core.step(T0 + 2, vec![admin(AdminOp::Status, 1000)]);
+        assert_eq!(
+            reply(&out)
+                .status
+                .as_ref()
+                .and_then(|s| s.config_error.as_deref()),
+            Some("powerflex.toml: bad key")
+        );
+        core.step(T0 + 3, vec![Input::Reload(Ok(options()))]);
+        assert_eq!(core.status(T0 + 3).config_error, None);
+    }
+
+    #[test]
+    fn what_if_is_read_only() {
+        let mut core = running();
+        let before_state = core.state().clone();
+        let before_status = core.status(T0 + 1);
+        let out = core.step(
+            T0 + 1,
+            vec![admin(
+                AdminOp::WhatIf {
+                    policy: "equal".into(),
+                    budget_w: Some(3000.0),
+                },
+                1000,
+            )],
+        );
+        let d = reply(&out).what_if.as_ref().expect("decision");
+        assert_eq!(d.budget_w, 3000.0);
+        assert_eq!(
+            d.allocation.as_ref().map(|a| a.policy.as_str()),
+            Some("equal")
+        );
+        assert!(out.persist.is_none() && out.leases.is_empty() && out.metrics.is_none());
+        assert_eq!(core.state(), &before_state);
+        assert_eq!(core.status(T0 + 1), before_status);
+        assert_eq!(allocations(&core), 1);
+        let out = core.step(
+            T0 + 2,
+            vec![admin(
+                AdminOp::WhatIf {
+                    policy: "greedy".into(),
+                    budget_w: None,
+                },
+                0,
+            )],
+        );
+        let e = reply(&out).error.clone().expect("refused");
+        assert!(
+            e.contains("\"greedy\"") && e.contains("optimal, equal, pfi-proportional"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn history_keeps_one_sample_per_allocation() {
+        let mut core = running();
+        for i in 1..=3 {
+            core.step(T0 + i * 5_000, vec![Input::Tick]);
+        }
+        let out = core.step(T0 + 15_001, vec![admin(AdminOp::History, 1000)]);
+        let history = reply(&out).history.as_ref().expect("history");
+        assert_eq!(
+            history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
+            [T0, T0 + 5_000, T0 + 10_000, T0 + 15_000]
+        );
+        assert!(history
+            .iter()
+            .all(|s| s.caps.contains_key("101") && s.budget_w == 10_000.0));
+    }
+}

@@ -30,7 +30,7 @@ pub struct CtldState {
 }
 
 /// The state as loaded at start.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Loaded {
     pub state: CtldState,
     /// The state was corrupt with no usable previous copy: the nodes and events it held
