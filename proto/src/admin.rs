@@ -253,7 +253,7 @@ mod tests {
     fn a_wrong_or_missing_version_is_refused_naming_the_accepted_one() {
         let wrong = AdminRequest::from_line("{\"v\":2,\"op\":\"status\"}\n");
         assert_eq!(wrong, Err(AdminError::Version(2)));
-        let message = wrong.unwrap_err().to_string();
+        let message = wrong.expect_err("refused").to_string();
         assert!(
             message.contains("version 2") && message.contains("version 1"),
             "{message}"
@@ -265,7 +265,7 @@ mod tests {
         );
         let missing = AdminRequest::from_line("{\"op\":\"status\"}");
         assert_eq!(missing, Err(AdminError::NoVersion));
-        assert!(missing.unwrap_err().to_string().contains("\"v\":1"));
+        assert!(missing.expect_err("refused").to_string().contains("\"v\":1"));
         assert!(matches!(
             AdminRequest::from_line("{\"v\":-1,\"op\":\"status\"}"),
             Err(AdminError::Version(_))
