@@ -10,6 +10,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use powerflex_proto::status::{AgentStatus, CtldStatus, NodeStatus};
+use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::Node;
 
 use crate::slurm::{Cluster, ClusterOptions};
@@ -207,15 +209,15 @@ impl Stack {
     }
 
     /// The agent's own status on node `i` (its control socket), if it answers.
-    pub fn agent_status(&self, i: usize) -> Option<serde_json::Value> {
+    pub fn agent_status(&self, i: usize) -> Option<AgentStatus> {
         use std::io::{BufRead, Write};
         let mut stream = std::os::unix::net::UnixStream::connect(self.agent_socket(i)).ok()?;
         stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        stream.write_all(b"{\"v\":1,\"op\":\"status\"}\n").ok()?;
+        let request = ControlRequest::new(ControlOp::Status).to_line();
+        stream.write_all(request.as_bytes()).ok()?;
         let mut line = String::new();
         std::io::BufReader::new(stream).read_line(&mut line).ok()?;
-        let reply: serde_json::Value = serde_json::from_str(&line).ok()?;
-        Some(reply["status"].clone())
+        ControlReply::from_line(&line).ok()?.status
     }
 
     /// Rewrites the site config, replacing `from` (which must occur) with `to`.
@@ -288,19 +290,16 @@ impl Stack {
             "every agent live at the controller",
             Duration::from_secs(30),
             || {
-                let listed = self.ctl_json(&["nodes"])?;
-                let live = listed
-                    .as_array()?
-                    .iter()
-                    .filter(|n| n["live"] == true)
-                    .count();
+                let listed: Vec<NodeStatus> = self.ctl_json(&["nodes"])?;
+                let live = listed.iter().filter(|n| n.live).count();
                 (live == nodes).then_some(())
             },
         );
     }
 
-    /// `powerflexctl ARGS --format json --socket …`, parsed; `None` if it fails.
-    pub fn ctl_json(&self, args: &[&str]) -> Option<serde_json::Value> {
+    /// `powerflexctl ARGS --format json --socket …`, parsed as `T` (e.g. `CtldStatus` for
+    /// `status`, `Vec<SiteJobStatus>` for `jobs`); `None` if it fails.
+    pub fn ctl_json<T: serde::de::DeserializeOwned>(&self, args: &[&str]) -> Option<T> {
         let socket = self.socket.to_string_lossy();
         let mut all = args.to_vec();
         all.extend(["--format", "json", "--socket", &socket]);
@@ -374,7 +373,7 @@ impl Stack {
 
     /// The controller's budget in force, W.
     pub fn budget_w(&self) -> Option<f64> {
-        self.ctl_json(&["status"])?["budget_w"].as_f64()
+        self.ctl_json::<CtldStatus>(&["status"]).map(|s| s.budget_w)
     }
 
     /// Samples the draw every 250 ms for `duration`; panics when a sample is more than

@@ -9,6 +9,7 @@ use powerflex::slurm::{Cluster, ClusterOptions};
 use powerflex::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
+use powerflex_proto::status::SiteJobStatus;
 
 #[test]
 fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
@@ -116,13 +117,9 @@ fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
         Duration::from_secs(40),
         || {
             let out = run(&ctl, &["jobs", "--format", "json", "--socket", &socket]);
-            let jobs: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-            let j = jobs
-                .as_array()?
-                .iter()
-                .find(|j| j["job"].as_str() == Some(id.as_str()))?
-                .clone();
-            (j["gpus"] == 4).then_some(j)
+            let jobs: Vec<SiteJobStatus> = serde_json::from_str(&out.stdout).ok()?;
+            let j = jobs.into_iter().find(|j| j.job == id)?;
+            (j.gpus == 4).then_some(j)
         },
     );
     // Slurm shows the controller's decision.

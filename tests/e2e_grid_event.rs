@@ -14,6 +14,7 @@ use powerflex::slurm::{Cluster, ClusterOptions};
 use powerflex::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
+use powerflex_proto::status::{CtldStatus, FloorView, NodeStatus, PfiSource, SiteJobStatus};
 use powerflex_sim::state::Node;
 
 const GPUS_PER_NODE: u32 = 8;
@@ -35,13 +36,10 @@ fn all_caps_mw(sims: &[Node]) -> Vec<u32> {
 }
 
 /// The job's line in `powerflexctl jobs --format json`.
-fn job_view(ctl: &Path, socket: &str, id: u32) -> Option<serde_json::Value> {
+fn job_view(ctl: &Path, socket: &str, id: u32) -> Option<SiteJobStatus> {
     let out = run(ctl, &["jobs", "--format", "json", "--socket", socket]);
-    let jobs: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-    jobs.as_array()?
-        .iter()
-        .find(|j| j["job"].as_str() == Some(id.to_string().as_str()))
-        .cloned()
+    let jobs: Vec<SiteJobStatus> = serde_json::from_str(&out.stdout).ok()?;
+    jobs.into_iter().find(|j| j.job == id.to_string())
 }
 
 #[test]
@@ -194,8 +192,8 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             Duration::from_secs(150),
             || {
                 let j = job_view(&ctl, &socket, id)?;
-                let measured = tier == "flex0" || j["pfi_source"] == "measured";
-                (measured && j["throughput"].as_f64().is_some()).then_some(())
+                let measured = tier == "flex0" || j.pfi_source == Some(PfiSource::Measured);
+                (measured && j.throughput.is_some()).then_some(())
             },
         );
     }
@@ -207,17 +205,9 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             continue;
         }
         let j = job_view(&ctl, &socket, id).expect("job");
-        let measured = j["pfi"].as_f64().expect("measured PFI");
-        let (node, points) = j["points"]
-            .as_object()
-            .and_then(|m| m.iter().next())
-            .expect("points from a node");
-        let caps: Vec<f64> = points
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|p| p[0].as_f64())
-            .collect();
+        let measured = j.pfi.expect("measured PFI");
+        let (node, points) = j.points.iter().next().expect("points from a node");
+        let caps: Vec<f64> = points.iter().map(|p| p[0]).collect();
         let truth = library
             .find(profile)
             .ok()
@@ -250,11 +240,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         .iter()
         .map(|&(id, _, _)| {
             job_view(&ctl, &socket, id)
-                .and_then(|j| {
-                    j["uncapped_throughput"]
-                        .as_f64()
-                        .or_else(|| j["throughput"].as_f64())
-                })
+                .and_then(|j| j.uncapped_throughput.or(j.throughput))
                 .expect("throughput before the event")
         })
         .collect();
@@ -304,11 +290,11 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
                 all.stderr
             )
         });
-        let now = j["throughput"].as_f64().expect("throughput");
+        let now = j.throughput.expect("throughput");
         let slowdown = 1.0 - now / uncapped;
         eprintln!(
-            "job {id} {tier}: cap {} W, slowdown {:.1} % (bound {:.0} %)",
-            j["cap_w"],
+            "job {id} {tier}: cap {:?} W, slowdown {:.1} % (bound {:.0} %)",
+            j.cap_w,
             slowdown * 100.0,
             bound * 100.0
         );
@@ -318,7 +304,10 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             slowdown * 100.0,
             bound * 100.0
         );
-        assert_ne!(j["floor"]["state"], "broken", "job {id}: {j}");
+        assert!(
+            !j.floor.as_ref().is_some_and(FloorView::is_broken),
+            "job {id}: {j:?}"
+        );
     }
     // kill -9 the agent of n1 mid-job and start it again: the caps stay on the GPUs
     // while it is down, it takes its jobs back, and the budget holds throughout.
@@ -334,20 +323,16 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
     procs.0[1] = start_agent(&cluster.node_names()[0], &sims[0], "agent-n1-2.log");
     wait_until("n1 live again", Duration::from_secs(30), || {
         let out = run(&ctl, &["nodes", "--format", "json", "--socket", &socket]);
-        let nodes: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-        let n1 = nodes
-            .as_array()?
-            .iter()
-            .find(|n| n["node"] == "n1")?
-            .clone();
-        (n1["live"] == true && n1["jobs"].as_u64()? >= 1).then_some(())
+        let nodes: Vec<NodeStatus> = serde_json::from_str(&out.stdout).ok()?;
+        let n1 = nodes.into_iter().find(|n| n.node == "n1")?;
+        (n1.live && n1.jobs >= 1).then_some(())
     });
     // The restarted agent still has the flex1 job's calibrated curve (persisted), so the
     // controller keeps planning on measurements, not on a prior.
     let flex1 = job_view(&ctl, &socket, jobs[1].0).expect("flex1 job");
     assert!(
-        flex1["uncapped_throughput"].as_f64().is_some() && flex1["pfi_source"] == "measured",
-        "{flex1}"
+        flex1.uncapped_throughput.is_some() && flex1.pfi_source == Some(PfiSource::Measured),
+        "{flex1:?}"
     );
     // kill -9 the controller mid-event and start it again: the leases hold the caps, the
     // event resumes from its persisted state.
@@ -364,8 +349,8 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
     procs.0[0] = start_ctld("ctld-2.log");
     wait_until("the event resumed", Duration::from_secs(30), || {
         let out = run(&ctl, &["status", "--format", "json", "--socket", &socket]);
-        let s: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-        (s["active_event"]["id"] == 1 && s["budget_w"].as_f64()? <= target_w + 1e-6).then_some(())
+        let s: CtldStatus = serde_json::from_str(&out.stdout).ok()?;
+        (s.active_event.map(|e| e.id) == Some(1) && s.budget_w <= target_w + 1e-6).then_some(())
     });
     for _ in 0..10 {
         let draw = draw_w(&sims);
@@ -390,7 +375,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
 
     // flex0 is never capped.
     let flex0_caps: Vec<f64> = job_view(&ctl, &socket, flex0)
-        .and_then(|j| j["cap_w"].as_f64())
+        .and_then(|j| j.cap_w)
         .into_iter()
         .collect();
     assert!(flex0_caps.iter().all(|&c| c >= 700.0), "{flex0_caps:?}");

@@ -8,6 +8,7 @@ use std::time::Duration;
 use powerflex::slurm::pid_alive;
 use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex::wait_until;
+use powerflex_proto::status::{CtldStatus, NodeStatus, SiteJobStatus};
 
 /// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
 const BUDGET_W: f64 = 3000.0;
@@ -41,18 +42,13 @@ fn allocated(stack: &Stack) -> bool {
 
 /// [`allocated`] for a budget other than [`BUDGET_W`].
 fn allocated_within(stack: &Stack, budget_w: f64) -> bool {
-    let Some(jobs) = stack.ctl_json(&["jobs"]) else {
+    let Some(jobs) = stack.ctl_json::<Vec<SiteJobStatus>>(&["jobs"]) else {
         return false;
     };
-    let granted: Vec<f64> = jobs
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|j| j["cap_w"].as_f64())
-        .collect();
+    let granted: Vec<f64> = jobs.iter().filter_map(|j| j.cap_w).collect();
     let caps = stack.caps_w();
     !granted.is_empty()
-        && granted.len() == jobs.as_array().map_or(0, Vec::len)
+        && granted.len() == jobs.len()
         && caps
             .iter()
             .all(|c| *c < DEFAULT_CAP_W && granted.contains(c))
@@ -179,13 +175,9 @@ fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
         "the job managed on n1 again",
         Duration::from_secs(20),
         || {
-            let jobs = stack.ctl_json(&["jobs"])?;
-            let j = jobs
-                .as_array()?
-                .iter()
-                .find(|j| j["job"].as_str() == Some(job.to_string().as_str()))?
-                .clone();
-            (j["nodes"].as_array()?.len() == 2).then_some(())
+            let jobs: Vec<SiteJobStatus> = stack.ctl_json(&["jobs"])?;
+            let j = jobs.into_iter().find(|j| j.job == job.to_string())?;
+            (j.nodes.len() == 2).then_some(())
         },
     );
     assert!(running(&stack, job));
@@ -264,11 +256,8 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
             || (stack.draw_w() <= budget * 1.01).then_some(()),
         );
         stack.assert_draw_within(budget, Duration::from_secs(2), kind);
-        let status = stack.ctl_json(&["nodes"]).expect("controller answers");
-        let n1_live = status
-            .as_array()
-            .and_then(|n| n.iter().find(|n| n["node"] == "n1"))
-            .map(|n| n["live"] == true);
+        let nodes: Vec<NodeStatus> = stack.ctl_json(&["nodes"]).expect("controller answers");
+        let n1_live = nodes.iter().find(|n| n.node == "n1").map(|n| n.live);
         assert_eq!(n1_live, Some(true), "the agent carries on with {kind}");
         n1.set_fault(1, None).expect("clear");
     }
@@ -308,16 +297,17 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     stack.edit_site("gpu_budget_w = 2500.0", "gpu_budget_w = -5.0");
     stack.reload_ctld();
     let status = wait_until("the refusal reported", Duration::from_secs(10), || {
-        let s = stack.ctl_json(&["status"])?;
-        s["config_error"].is_string().then_some(s)
+        let s: CtldStatus = stack.ctl_json(&["status"])?;
+        s.config_error.is_some().then_some(s)
     });
     assert!(
-        status["config_error"]
-            .as_str()
+        status
+            .config_error
+            .as_deref()
             .is_some_and(|e| e.contains("gpu_budget_w")),
-        "{status}"
+        "{status:?}"
     );
-    assert_eq!(status["budget_w"], 2500.0, "the config in force stays");
+    assert_eq!(status.budget_w, 2500.0, "the config in force stays");
     let table = powerflex::run(
         &stack.ctl,
         &["status", "--socket", &stack.socket.to_string_lossy()],
@@ -333,8 +323,8 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     stack.edit_site("gpu_budget_w = -5.0", "gpu_budget_w = 2600.0");
     stack.reload_ctld();
     wait_until("the fixed config in force", Duration::from_secs(10), || {
-        let s = stack.ctl_json(&["status"])?;
-        (s["budget_w"] == 2600.0 && s["config_error"].is_null()).then_some(())
+        let s: CtldStatus = stack.ctl_json(&["status"])?;
+        (s.budget_w == 2600.0 && s.config_error.is_none()).then_some(())
     });
     ends_clean(&stack, &[job]);
 }
@@ -372,13 +362,8 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
         || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     let live = |node: &str| -> Option<bool> {
-        let nodes = stack.ctl_json(&["nodes"])?;
-        let n = nodes
-            .as_array()?
-            .iter()
-            .find(|n| n["node"] == node)?
-            .clone();
-        Some(n["live"] == true)
+        let nodes: Vec<NodeStatus> = stack.ctl_json(&["nodes"])?;
+        nodes.iter().find(|n| n.node == node).map(|n| n.live)
     };
     for jump in ["+600", "-600"] {
         std::fs::write(&offset, format!("{jump}\n")).expect("jump");
@@ -438,13 +423,10 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
     stack.start_ctld();
     assert!(state.with_extension("json.corrupt").exists(), "set aside");
     let status = wait_until("the event known again", Duration::from_secs(10), || {
-        let s = stack.ctl_json(&["status"])?;
-        (s["active_event"]["id"] == 1).then_some(s)
+        let s: CtldStatus = stack.ctl_json(&["status"])?;
+        (s.active_event.as_ref().map(|e| e.id) == Some(1)).then_some(s)
     });
-    assert!(
-        status["budget_w"].as_f64().expect("budget") <= BUDGET_W + 1e-6,
-        "{status}"
-    );
+    assert!(status.budget_w <= BUDGET_W + 1e-6, "{status:?}");
     stack.assert_draw_within(
         BUDGET_W,
         Duration::from_secs(4),
@@ -481,14 +463,15 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
             Duration::from_secs(10),
             || {
                 let s = stack.agent_status(i)?;
-                s["config_error"].is_string().then_some(s)
+                s.config_error.is_some().then_some(s)
             },
         );
         assert!(
-            status["config_error"]
-                .as_str()
+            status
+                .config_error
+                .as_deref()
                 .is_some_and(|e| e.contains("failsafe_cap_w")),
-            "{status}"
+            "{status:?}"
         );
     }
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(2), "after the refused reload");
@@ -500,9 +483,7 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
     }
     for i in 0..2 {
         wait_until("the reload accepted", Duration::from_secs(10), || {
-            stack.agent_status(i)?["config_error"]
-                .is_null()
-                .then_some(())
+            stack.agent_status(i)?.config_error.is_none().then_some(())
         });
     }
     stack.kill_ctld();

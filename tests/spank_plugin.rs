@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use powerflex::slurm::{Cluster, ClusterOptions};
 use powerflex::{binary, cargo_build, profile_dir, wait_until};
-use serde_json::Value;
+use powerflex_proto::status::AgentStatus;
+use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 
 fn plugin() -> PathBuf {
     cargo_build(&["-p", "powerflex-spank", "--lib"]);
@@ -98,15 +99,19 @@ impl Site {
         }
     }
 
-    fn status(&self, node: &str) -> Value {
+    fn status(&self, node: &str) -> AgentStatus {
         let mut s = UnixStream::connect(self.base.join("agent").join(format!("{node}.sock")))
             .expect("agent");
         s.set_read_timeout(Some(Duration::from_secs(3)))
             .expect("timeout");
-        s.write_all(b"{\"v\":1,\"op\":\"status\"}\n").expect("send");
+        s.write_all(ControlRequest::new(ControlOp::Status).to_line().as_bytes())
+            .expect("send");
         let mut line = String::new();
         BufReader::new(s).read_line(&mut line).expect("reply");
-        serde_json::from_str::<Value>(&line).expect("json")["status"].clone()
+        ControlReply::from_line(&line)
+            .expect("a reply")
+            .status
+            .expect("a status")
     }
 
     fn agent_log(&self, node: &str) -> String {
@@ -192,17 +197,11 @@ fn option_is_offered_validated_and_reaches_the_agents() {
         let j = wait_until(
             &format!("job on {node}'s agent"),
             Duration::from_secs(30),
-            || {
-                site.status(node)["jobs"]
-                    .as_array()?
-                    .iter()
-                    .find(|j| j["job"].as_str() == Some(job_id.as_str()))
-                    .cloned()
-            },
+            || site.status(node).jobs.into_iter().find(|j| j.job == job_id),
         );
-        assert_eq!(j["tier"], "flex2");
-        assert_eq!(j["gpus"].as_array().map(Vec::len), Some(2), "{j}");
-        assert_eq!(j["uid"], 0);
+        assert_eq!(j.tier, "flex2");
+        assert_eq!(j.gpus.len(), 2, "{j:?}");
+        assert_eq!(j.uid, 0);
     }
     assert_eq!(c.wait_job_done(job, Duration::from_secs(60)), "COMPLETED");
     let text = out_text(&out);
@@ -215,10 +214,7 @@ fn option_is_offered_validated_and_reaches_the_agents() {
         wait_until(
             &format!("job end on {node}"),
             Duration::from_secs(30),
-            || {
-                let s = site.status(node);
-                s["jobs"].as_array()?.is_empty().then_some(())
-            },
+            || site.status(node).jobs.is_empty().then_some(()),
         );
         assert!(
             site.agent_log(node).contains("job ended"),

@@ -9,6 +9,7 @@ use std::time::Duration;
 use powerflex::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
+use powerflex_proto::status::{CtldStatus, DecisionView, NodeStatus};
 use powerflex_sim::state::Node;
 
 fn draw_w(nodes: &[Node]) -> f64 {
@@ -166,13 +167,9 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     // Both agents connect; the job spans both nodes.
     wait_until("both nodes live in status", Duration::from_secs(20), || {
         let out = ctl_run(&["status", "--format", "json"]);
-        let s: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-        let live = s["nodes"]
-            .as_array()?
-            .iter()
-            .filter(|n| n["live"] == true)
-            .count();
-        (live == 2 && s["jobs"][0]["gpus"] == 8).then_some(())
+        let s: CtldStatus = serde_json::from_str(&out.stdout).ok()?;
+        let live = s.nodes.iter().filter(|n| n.live).count();
+        (live == 2 && s.jobs.first()?.gpus == 8).then_some(())
     });
 
     // A budget cut: one cap on all 8 GPUs, draw within the budget.
@@ -224,8 +221,8 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         Duration::from_secs(20),
         || {
             let out = ctl_run(&["status", "--format", "json"]);
-            let s: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-            (s["active_event"]["id"] == 1 && s["budget_w"].as_f64()? <= 1600.0 + 1e-6).then_some(())
+            let s: CtldStatus = serde_json::from_str(&out.stdout).ok()?;
+            (s.active_event.map(|e| e.id) == Some(1) && s.budget_w <= 1600.0 + 1e-6).then_some(())
         },
     );
     for _ in 0..10 {
@@ -279,8 +276,8 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         jobs.stdout
     );
     let nodes_out = ctl_run(&["nodes", "--format", "json"]);
-    let listed: serde_json::Value = serde_json::from_str(&nodes_out.stdout).expect("json");
-    assert_eq!(listed.as_array().map(Vec::len), Some(2));
+    let listed: Vec<NodeStatus> = serde_json::from_str(&nodes_out.stdout).expect("json");
+    assert_eq!(listed.len(), 2);
     let report = ctl_run(&["report", "--job", "77"]);
     assert!(
         report
@@ -309,24 +306,23 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         "{}",
         String::from_utf8_lossy(&whatif.stderr)
     );
-    let decision: serde_json::Value = serde_json::from_slice(&whatif.stdout).expect("json");
-    assert_eq!(decision["allocation"]["policy"], "equal", "{decision}");
-    assert_eq!(decision["budget_w"], 1600.0, "{decision}");
-    let planned = decision["allocation"]["total_power_w"]
-        .as_f64()
-        .expect("power")
-        + decision["reserved_w"].as_f64().expect("reserved");
-    assert!(planned <= 1600.0 + 1e-6, "{decision}");
-    let job77 = decision["allocation"]["jobs"]
-        .as_array()
-        .and_then(|jobs| jobs.iter().find(|j| j["id"] == "77"))
+    let decision: DecisionView = serde_json::from_slice(&whatif.stdout).expect("json");
+    let allocation = decision.allocation.as_ref().expect("an allocation");
+    assert_eq!(allocation.policy, "equal", "{decision:?}");
+    assert_eq!(decision.budget_w, 1600.0, "{decision:?}");
+    let planned = allocation.total_power_w + decision.reserved_w;
+    assert!(planned <= 1600.0 + 1e-6, "{decision:?}");
+    let job77 = allocation
+        .jobs
+        .iter()
+        .find(|j| j.id == "77")
         .expect("job 77 in the what-if");
-    assert!(job77["cap_w"].as_f64().expect("cap") < 700.0, "{job77}");
-    let after: serde_json::Value =
+    assert!(job77.cap_w < 700.0, "{job77:?}");
+    let after: CtldStatus =
         serde_json::from_str(&ctl_run(&["status", "--format", "json"]).stdout).expect("json");
     assert_eq!(
-        after["budget_w"], 3200.0,
-        "a what-if applies nothing: {after}"
+        after.budget_w, 3200.0,
+        "a what-if applies nothing: {after:?}"
     );
     let table = ctl_run(&["whatif", "--policy", "optimal"]);
     assert!(
@@ -433,10 +429,10 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let _ = procs.0[3].wait();
     wait_until("n2 silent", Duration::from_secs(20), || {
         let out = ctl_run(&["nodes", "--format", "json"]);
-        let v: serde_json::Value = serde_json::from_str(&out.stdout).ok()?;
-        v.as_array()?
+        let nodes: Vec<NodeStatus> = serde_json::from_str(&out.stdout).ok()?;
+        nodes
             .iter()
-            .any(|n| n["node"] == "n2" && n["live"] == false)
+            .any(|n| n.node == "n2" && !n.live)
             .then_some(())
     });
     let _ = std::fs::remove_dir_all(PathBuf::from(&base).join("sim"));

@@ -265,7 +265,10 @@ mod tests {
         );
         let missing = AdminRequest::from_line("{\"op\":\"status\"}");
         assert_eq!(missing, Err(AdminError::NoVersion));
-        assert!(missing.expect_err("refused").to_string().contains("\"v\":1"));
+        assert!(missing
+            .expect_err("refused")
+            .to_string()
+            .contains("\"v\":1"));
         assert!(matches!(
             AdminRequest::from_line("{\"v\":-1,\"op\":\"status\"}"),
             Err(AdminError::Version(_))

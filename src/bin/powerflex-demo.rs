@@ -24,7 +24,10 @@ use serde_json::{json, Value};
 use powerflex::slurm::{Cluster, ClusterOptions};
 use powerflex::{profile_dir, repo_root, run, write_site_key, Children};
 use powerflex_core::Watts;
-use powerflex_proto::{ControlOp, ControlRequest, VERSION};
+use powerflex_proto::status::{
+    AgentJobStatus, AgentStatus, CtldStatus, DecisionView, NodeStatus, PfiSource, SiteJobStatus,
+};
+use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::profiles::Library;
 use powerflex_sim::state::Node;
 
@@ -205,8 +208,12 @@ fn artifact(name: &str) -> Result<PathBuf, String> {
     }
 }
 
-/// `powerflexctl ARGS --format json --socket SOCKET`, parsed.
-fn ctl_json(ctl: &Path, socket: &Path, args: &[&str]) -> Result<Value, String> {
+/// `powerflexctl ARGS --format json --socket SOCKET`, parsed as `T`.
+fn ctl_json<T: serde::de::DeserializeOwned>(
+    ctl: &Path,
+    socket: &Path,
+    args: &[&str],
+) -> Result<T, String> {
     let socket = socket.to_string_lossy();
     let mut all = args.to_vec();
     all.extend(["--format", "json", "--socket", &socket]);
@@ -223,18 +230,13 @@ fn ctl_json(ctl: &Path, socket: &Path, args: &[&str]) -> Result<Value, String> {
 }
 
 /// The agent's own snapshot (its control socket's `status`).
-fn agent_status(socket: &Path) -> Result<Value, String> {
+fn agent_status(socket: &Path) -> Result<AgentStatus, String> {
     let mut stream =
         UnixStream::connect(socket).map_err(|e| format!("agent {}: {e}", socket.display()))?;
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .map_err(|e| e.to_string())?;
-    let request = ControlRequest {
-        v: VERSION,
-        op: ControlOp::Status,
-    };
-    let mut line = serde_json::to_string(&request).map_err(|e| e.to_string())?;
-    line.push('\n');
+    let line = ControlRequest::new(ControlOp::Status).to_line();
     stream
         .write_all(line.as_bytes())
         .map_err(|e| format!("agent {}: {e}", socket.display()))?;
@@ -242,15 +244,14 @@ fn agent_status(socket: &Path) -> Result<Value, String> {
     BufReader::new(stream)
         .read_line(&mut reply)
         .map_err(|e| format!("agent {}: {e}", socket.display()))?;
-    let reply: Value = serde_json::from_str(&reply)
-        .map_err(|e| format!("agent {}: not JSON ({e})", socket.display()))?;
-    Ok(reply["status"].clone())
+    ControlReply::from_line(&reply)
+        .map_err(|e| format!("agent {}: {e}", socket.display()))?
+        .status
+        .ok_or_else(|| format!("agent {}: no status in the reply", socket.display()))
 }
 
-fn job_view(jobs: &Value, id: u32) -> Option<&Value> {
-    jobs.as_array()?
-        .iter()
-        .find(|j| j["job"].as_str() == Some(id.to_string().as_str()))
+fn job_view(jobs: &[SiteJobStatus], id: u32) -> Option<&SiteJobStatus> {
+    jobs.iter().find(|j| j.job == id.to_string())
 }
 
 fn draw_w(sims: &[Node]) -> Result<f64, String> {
@@ -561,12 +562,10 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         Duration::from_secs(30),
         Duration::from_secs(5),
         || {
-            let Ok(listed) = ctl_json(&ctl, &socket, &["nodes"]) else {
+            let Ok(listed) = ctl_json::<Vec<NodeStatus>>(&ctl, &socket, &["nodes"]) else {
                 return Ok(None);
             };
-            let live = listed
-                .as_array()
-                .map_or(0, |n| n.iter().filter(|n| n["live"] == true).count());
+            let live = listed.iter().filter(|n| n.live).count();
             Ok((live == nodes.len()).then_some(()))
         },
         || "waiting for the agents to reach the controller".into(),
@@ -646,15 +645,11 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         let mut parts = Vec::new();
         for node in &nodes {
             if let Ok(status) = agent_status(&agent_socket(node)) {
-                for j in status["jobs"].as_array().into_iter().flatten() {
-                    let level = j["calibration_level_w"]
-                        .as_f64()
+                for j in &status.jobs {
+                    let level = j
+                        .calibration_level_w
                         .map_or(String::new(), |l| format!(" at {l:.0} W"));
-                    parts.push(format!(
-                        "{}@{node} {}{level}",
-                        j["job"].as_str().unwrap_or("?"),
-                        j["calibration"].as_str().unwrap_or("?")
-                    ));
+                    parts.push(format!("{}@{node} {}{level}", j.job, j.calibration.name()));
                 }
             }
         }
@@ -670,13 +665,13 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         Duration::from_secs(240),
         Duration::from_secs(10),
         || {
-            let Ok(listed) = ctl_json(&ctl, &socket, &["jobs"]) else {
+            let Ok(listed) = ctl_json::<Vec<SiteJobStatus>>(&ctl, &socket, &["jobs"]) else {
                 return Ok(None);
             };
             let done = jobs.iter().all(|j| {
                 job_view(&listed, j.id).is_some_and(|v| {
-                    (j.spec.tier == "flex0" || v["pfi_source"] == "measured")
-                        && v["throughput"].as_f64().is_some()
+                    (j.spec.tier == "flex0" || v.pfi_source == Some(PfiSource::Measured))
+                        && v.throughput.is_some()
                 })
             });
             Ok(done.then_some(()))
@@ -701,13 +696,13 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         || "some GPUs are still capped".into(),
     )?;
     // Calibration figures, from each job's first node (all its nodes walk together).
-    let mut calibration: Vec<(u32, Value)> = Vec::new();
+    let mut calibration: Vec<(u32, AgentJobStatus)> = Vec::new();
     for node in &nodes {
         let status = agent_status(&agent_socket(node))?;
-        for j in status["jobs"].as_array().into_iter().flatten() {
-            let id: u32 = j["job"].as_str().and_then(|s| s.parse().ok()).unwrap_or(0);
+        for j in status.jobs {
+            let id: u32 = j.job.parse().unwrap_or(0);
             if !calibration.iter().any(|(seen, _)| *seen == id) {
-                calibration.push((id, j.clone()));
+                calibration.push((id, j));
             }
         }
     }
@@ -723,7 +718,7 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
     let before_to = unix_ms();
     let draw_before = before_draw.iter().sum::<f64>() / before_draw.len() as f64;
     let target_w = (draw_before * (1.0 - cli.cut)).floor();
-    let jobs_before = ctl_json(&ctl, &socket, &["jobs"])?;
+    let jobs_before: Vec<SiteJobStatus> = ctl_json(&ctl, &socket, &["jobs"])?;
 
     let duration_s = cli.ramp_s * 2.0 + cli.hold_s;
     progress.say(format!(
@@ -762,13 +757,13 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
     let during_from_s = cli.ramp_s + settle_s;
     let during_to_s = cli.ramp_s + cli.hold_s - 1.0;
     let mut draw_samples: Vec<(f64, f64, f64)> = Vec::new(); // (t, draw, budget)
-    let mut whatif: Option<(Value, Value)> = None;
+    let mut whatif: Option<(DecisionView, DecisionView)> = None;
     let mut last_said = Instant::now() - Duration::from_secs(60);
     while event_start.elapsed().as_secs_f64() < during_to_s {
         let t = event_start.elapsed().as_secs_f64();
         let draw = draw_w(&sims)?;
-        let status = ctl_json(&ctl, &socket, &["status"]).unwrap_or(Value::Null);
-        let budget = status["budget_w"].as_f64().unwrap_or(f64::NAN);
+        let budget =
+            ctl_json::<CtldStatus>(&ctl, &socket, &["status"]).map_or(f64::NAN, |s| s.budget_w);
         if t >= during_from_s - 1.0 {
             draw_samples.push((t, draw, target_w));
         }
@@ -797,7 +792,7 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
     }
     let during_from = event_start_ms + (during_from_s * 1000.0) as u64;
     let during_to = event_start_ms + (during_to_s * 1000.0) as u64;
-    let jobs_during = ctl_json(&ctl, &socket, &["jobs"])?;
+    let jobs_during: Vec<SiteJobStatus> = ctl_json(&ctl, &socket, &["jobs"])?;
     progress.say("      ramping back up");
     wait_for(
         &progress,
@@ -805,9 +800,9 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         Duration::from_secs_f64(duration_s + 60.0),
         Duration::from_secs(10),
         || {
-            let status = ctl_json(&ctl, &socket, &["status"])?;
-            let over = status["active_event"].is_null()
-                && event_start.elapsed().as_secs_f64() >= duration_s;
+            let status: CtldStatus = ctl_json(&ctl, &socket, &["status"])?;
+            let over =
+                status.active_event.is_none() && event_start.elapsed().as_secs_f64() >= duration_s;
             Ok((over && caps_w(&sims)?.iter().all(|&c| c >= DEFAULT_CAP_W)).then_some(()))
         },
         || {
@@ -867,20 +862,12 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
 
     // ---- results ----
     let (equal, optimal) = whatif.ok_or("the event ended before the what-if snapshot")?;
-    let equal_cap = |id: u32| -> Option<f64> {
-        equal["allocation"]["jobs"]
-            .as_array()?
-            .iter()
-            .find(|j| j["id"].as_str() == Some(id.to_string().as_str()))?["cap_w"]
-            .as_f64()
+    let cap_in = |decision: &DecisionView, id: u32| -> Option<f64> {
+        let jobs = &decision.allocation.as_ref()?.jobs;
+        Some(jobs.iter().find(|j| j.id == id.to_string())?.cap_w)
     };
-    let optimal_cap = |id: u32| -> Option<f64> {
-        optimal["allocation"]["jobs"]
-            .as_array()?
-            .iter()
-            .find(|j| j["id"].as_str() == Some(id.to_string().as_str()))?["cap_w"]
-            .as_f64()
-    };
+    let equal_cap = |id: u32| cap_in(&equal, id);
+    let optimal_cap = |id: u32| cap_in(&optimal, id);
     let mut rows = Vec::new();
     let mut summary_jobs = Vec::new();
     let (mut total_before, mut total_during) = (0.0, 0.0);
@@ -895,16 +882,15 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         let (during, d_lo, d_hi) = window(&jobs_dir, id, during_from, during_to, cli.time_scale)
             .ok_or(format!("job {id}: no steps logged during the event"))?;
         let slowdown = 1.0 - during / before;
-        let view = job_view(&jobs_before, id).cloned().unwrap_or(Value::Null);
-        let walked: Vec<f64> = view["points"]
-            .as_object()
-            .and_then(|m| m.values().next())
-            .and_then(|p| p.as_array())
-            .map(|p| p.iter().filter_map(|x| x[0].as_f64()).collect())
+        let view = job_view(&jobs_before, id);
+        // The first node's points: all the job's nodes walk together.
+        let first_points = view.and_then(|v| v.points.values().next());
+        let walked: Vec<f64> = first_points
+            .map(|p| p.iter().map(|x| x[0]).collect())
             .unwrap_or_default();
-        let measured_pfi = (view["pfi_source"] == "measured")
-            .then(|| view["pfi"].as_f64())
-            .flatten();
+        let measured_pfi = view
+            .filter(|v| v.pfi_source == Some(PfiSource::Measured))
+            .and_then(|v| v.pfi);
         let true_grid: &[f64] = if walked.len() >= 2 {
             &walked
         } else {
@@ -928,12 +914,9 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         let cal = calibration
             .iter()
             .find(|(seen, _)| *seen == id)
-            .map(|(_, c)| c.clone())
-            .unwrap_or(Value::Null);
-        let top = walked
-            .first()
-            .and_then(|_| view["points"].as_object()?.values().next()?[0][2].as_f64());
-        let cost_uncapped_s = match (cal["calibration_cost"].as_f64(), top) {
+            .map(|(_, c)| c);
+        let top = first_points.and_then(|p| p.first()).map(|p| p[2]);
+        let cost_uncapped_s = match (cal.map(|c| c.calibration_cost), top) {
             (Some(cost), Some(top)) if top > 0.0 => Some(cost / top * cli.time_scale),
             _ => None,
         };
@@ -972,7 +955,7 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
             "caps_walked_w": walked, "cap_before_w": [b_lo, b_hi], "cap_during_w": [d_lo, d_hi],
             "tokens_per_s_before": before, "tokens_per_s_during": during, "slowdown": slowdown,
             "within_bound": within, "equal_cap_w": equal_cap(id), "equal_slowdown": eq_slowdown,
-            "calibration_s": cal["calibration_s"], "calibration_cost_uncapped_s": cost_uncapped_s,
+            "calibration_s": cal.and_then(|c| c.calibration_s), "calibration_cost_uncapped_s": cost_uncapped_s,
         }));
     }
     let during_samples: Vec<&(f64, f64, f64)> = draw_samples
