@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use powerflex_proto::status::CalibrationState;
+use powerflex_proto::ControlReply;
 use powerflex_sim::profiles::Library;
-use serde_json::Value;
 
 fn release_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("bench path");
@@ -37,7 +38,7 @@ impl Drop for Procs {
     }
 }
 
-fn send(socket: &Path, line: &str) -> Value {
+fn send(socket: &Path, line: &str) -> ControlReply {
     let mut s = UnixStream::connect(socket).expect("agent socket");
     s.set_read_timeout(Some(Duration::from_secs(3)))
         .expect("timeout");
@@ -45,7 +46,7 @@ fn send(socket: &Path, line: &str) -> Value {
     s.write_all(b"\n").expect("send");
     let mut reply = String::new();
     BufReader::new(s).read_line(&mut reply).expect("reply");
-    serde_json::from_str(&reply).expect("json reply")
+    ControlReply::from_line(&reply).expect("a control reply")
 }
 
 fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, gpus: u32, procs: &mut Procs) -> u32 {
@@ -171,7 +172,7 @@ fn main() {
             &socket,
             &format!("{{\"v\":1,\"op\":\"register\",\"job_id\":\"{job}\",\"step_id\":\"0\",\"uid\":0,\"node\":\"n1\",\"gpus\":[\"{gpu}\"],\"flex\":\"{tier}\"}}"),
         );
-        let progress = reply["progress"].as_str().expect("progress").to_string();
+        let progress = reply.progress.expect("progress");
         procs.0.push(
             Command::new(bin.join("powerflex-simjob"))
                 .args(["--profile", profile, "--time-scale", "20"])
@@ -187,12 +188,19 @@ fn main() {
     }
     let deadline = Instant::now() + Duration::from_secs(240);
     let status = loop {
-        let s = send(&socket, "{\"v\":1,\"op\":\"status\"}")["status"].clone();
-        let busy = s["jobs"].as_array().map_or(0, |j| {
-            j.iter()
-                .filter(|j| j["calibration"] == "warmup" || j["calibration"] == "walking")
-                .count()
-        });
+        let s = send(&socket, "{\"v\":1,\"op\":\"status\"}")
+            .status
+            .expect("status");
+        let busy = s
+            .jobs
+            .iter()
+            .filter(|j| {
+                matches!(
+                    j.calibration,
+                    CalibrationState::Warmup | CalibrationState::Walking
+                )
+            })
+            .count();
         if busy == 0 || Instant::now() > deadline {
             break s;
         }
@@ -202,22 +210,21 @@ fn main() {
         "{:>4} {:<6} {:<36} {:>6} {:>8} {:>7} {:>6} {:>6} {:>16}",
         "job", "tier", "profile", "levels", "deepest", "wall s", "PFI", "true", "cost uncapped-s"
     );
-    for j in status["jobs"].as_array().expect("jobs") {
-        let id = j["job"].as_str().unwrap_or("");
+    for j in &status.jobs {
+        let id = j.job.as_str();
         let (_, tier, profile) = jobs
             .iter()
             .find(|(i, _, _)| *i == id)
             .copied()
             .unwrap_or(("", "", ""));
-        let points = j["points"].as_array().cloned().unwrap_or_default();
-        let caps: Vec<f64> = points.iter().filter_map(|p| p[0].as_f64()).collect();
+        let caps: Vec<f64> = j.points.iter().map(|p| p[0]).collect();
         let truth = library
             .find(profile)
             .ok()
             .and_then(|p| p.physics.pfi_on(&caps));
-        let top = points.first().and_then(|p| p[2].as_f64()).unwrap_or(0.0);
+        let top = j.points.first().map_or(0.0, |p| p[2]);
         let cost_s = if top > 0.0 {
-            j["calibration_cost"].as_f64().unwrap_or(0.0) / top
+            j.calibration_cost / top
         } else {
             0.0
         };
@@ -228,8 +235,8 @@ fn main() {
             profile,
             caps.len(),
             caps.iter().copied().fold(f64::MAX, f64::min),
-            j["calibration_s"].as_f64().unwrap_or(f64::NAN),
-            j["pfi"].as_f64().unwrap_or(f64::NAN),
+            j.calibration_s.unwrap_or(f64::NAN),
+            j.pfi.unwrap_or(f64::NAN),
             truth.unwrap_or(f64::NAN),
             cost_s
         );

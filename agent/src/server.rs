@@ -257,11 +257,7 @@ pub fn spawn_progress(
 }
 
 fn write_error(stream: &mut UnixStream, reason: &str) {
-    let line = format!(
-        "{{\"v\":1,\"ok\":false,\"error\":{}}}\n",
-        serde_json::Value::String(reason.to_string())
-    );
-    let _ = stream.write_all(line.as_bytes());
+    let _ = stream.write_all(ControlReply::error(reason).to_line().as_bytes());
 }
 
 /// Refuses a report the control loop has not seen (so the loop counts it too).
