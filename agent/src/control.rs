@@ -121,6 +121,19 @@ impl Job {
 pub struct Lease {
     pub caps: BTreeMap<String, Watts>,
     pub expires_at: f64,
+    /// Per-GPU cap for a managed job the lease does not name (it started since).
+    pub start_cap: Option<Watts>,
+}
+
+/// A GPU whose limit, read back, is not what the agent last wrote: something else
+/// (`nvidia-smi -pl`, a GPU reset, a driver reload, a second agent) changed it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CapMismatch {
+    pub gpu: u32,
+    /// What the agent wrote, W.
+    pub expected: Watts,
+    /// What the GPU reads back, W.
+    pub found: Watts,
 }
 
 /// Outcome of a registration, for the reply.
@@ -147,6 +160,8 @@ pub struct Agent {
     pub progress_rejected: u64,
     /// Why the last site config reload was refused (the settings in force stayed).
     pub config_error: Option<String>,
+    /// GPU limits found changed behind the agent's back (and written again).
+    pub cap_mismatches: u64,
 }
 
 impl Agent {
@@ -209,6 +224,7 @@ impl Agent {
             clock_origin_unix_s: 0.0,
             progress_rejected: 0,
             config_error: None,
+            cap_mismatches: 0,
         }
     }
 
@@ -346,39 +362,70 @@ impl Agent {
     }
 
     /// Installs a lease from the controller, valid for `ttl_s` (never longer than the
-    /// site's lease TTL, whatever the message says).
-    pub fn set_lease(&mut self, now: f64, caps: BTreeMap<String, Watts>, ttl_s: f64) {
+    /// site's lease TTL, whatever the message says). `start_cap` is the per-GPU cap for a
+    /// managed job the lease does not name. A lease already expired (`ttl_s <= 0`, e.g.
+    /// the previous run's after a restart) grants nothing, but its caps still bound the
+    /// fail-safe: it never raises a job above its last grant.
+    pub fn set_lease(
+        &mut self,
+        now: f64,
+        caps: BTreeMap<String, Watts>,
+        ttl_s: f64,
+        start_cap: Option<Watts>,
+    ) {
         let ttl = if ttl_s.is_finite() && ttl_s > 0.0 {
             ttl_s.min(self.settings.lease_ttl_s)
         } else {
             0.0
         };
+        let valid = |w: &Watts| w.0.is_finite() && w.0 >= 0.0;
         self.lease = Some(Lease {
-            caps,
+            caps: caps.into_iter().filter(|(_, w)| valid(w)).collect(),
             expires_at: now + ttl,
+            start_cap: start_cap.filter(valid),
         });
     }
 
-    /// Records a GPU reading (or its failure).
-    pub fn sampled(&mut self, gpu: u32, result: Result<GpuSample, GpuError>) {
-        let Some(slot) = self.gpus.get_mut(gpu as usize) else {
-            return;
-        };
+    /// Records a GPU reading (or its failure). The limit read back is what the GPU
+    /// enforces from now on, whatever the agent last wrote: when they differ, something
+    /// else changed it, and the next tick writes the agent's cap again. That mismatch is
+    /// returned (to log) and counted (metrics, status, the controller's report).
+    pub fn sampled(
+        &mut self,
+        gpu: u32,
+        result: Result<GpuSample, GpuError>,
+    ) -> Option<CapMismatch> {
+        let slot = self.gpus.get_mut(gpu as usize)?;
         match result {
             Ok(s) => {
                 slot.last = Some(s);
-                if slot.applied.is_none() || slot.degraded.is_some() {
-                    // After a fault the limit on the GPU is what it reads, not what was
-                    // last written: the next tick writes the desired cap if they differ.
-                    slot.applied = Some(s.cap);
-                }
+                let mismatch = match slot.applied {
+                    Some(written)
+                        if slot.degraded.is_none() && (written.0 - s.cap.0).abs() > 0.5 =>
+                    {
+                        Some(CapMismatch {
+                            gpu,
+                            expected: written,
+                            found: s.cap,
+                        })
+                    }
+                    _ => None,
+                };
+                // After a fault, or a change behind the agent's back, the limit on the
+                // GPU is what it reads, not what was last written.
+                slot.applied = Some(s.cap);
                 slot.degraded = None;
+                if mismatch.is_some() {
+                    self.cap_mismatches += 1;
+                }
+                mismatch
             }
             Err(e) => {
                 slot.last = None;
                 if e.class != ErrorClass::Transient {
                     slot.degraded = Some(e.message);
                 }
+                None
             }
         }
     }
@@ -488,19 +535,24 @@ impl Agent {
             return None;
         }
         if self.controller_mode() {
+            let failsafe = self.settings.failsafe_cap;
             // A job the controller has not granted a cap yet (it started since the last
-            // lease, or while the controller is away) runs at the fail-safe cap: the
-            // budget was split without it, and uncapped it could carry the site over.
-            return match &self.lease {
-                Some(lease) if now < lease.expires_at => Some(
-                    lease
-                        .caps
-                        .get(&job.id)
-                        .copied()
-                        .unwrap_or(self.settings.failsafe_cap),
-                ),
-                _ => Some(self.settings.failsafe_cap),
-            };
+            // lease) runs at the lease's start cap, never above the fail-safe: the budget
+            // was split without it, and uncapped it could carry the site over.
+            // When the lease runs out, every job falls to the fail-safe cap, or stays at
+            // its last grant when that is lower: the fail-safe never raises a cap (a cut
+            // below it must hold while the controller is away).
+            return Some(match &self.lease {
+                Some(lease) => {
+                    let unnamed = lease.start_cap.map_or(failsafe, |s| s.min(failsafe));
+                    match lease.caps.get(&job.id).copied() {
+                        Some(cap) if now < lease.expires_at => cap,
+                        Some(cap) => cap.min(failsafe),
+                        None => unnamed,
+                    }
+                }
+                None => failsafe,
+            });
         }
         job.granted
     }
@@ -621,6 +673,7 @@ impl Agent {
             degraded: self.gpus.iter().any(|g| g.degraded.is_some()),
             progress_rejected: self.progress_rejected,
             config_error: self.config_error.clone(),
+            cap_mismatches: self.cap_mismatches,
             gpus: self
                 .gpus
                 .iter()
@@ -713,6 +766,8 @@ pub struct Snapshot {
     pub progress_rejected: u64,
     /// Why the last site config reload was refused; none once one is accepted.
     pub config_error: Option<String>,
+    /// GPU limits found changed behind the agent's back (and written again).
+    pub cap_mismatches: u64,
     pub gpus: Vec<GpuView>,
     pub jobs: Vec<JobView>,
 }
@@ -869,7 +924,12 @@ mod tests {
         a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
             .expect("registered");
         // Lease arrives: job 7 at 450 W on both GPUs, in one go.
-        a.set_lease(2.0, BTreeMap::from([("7".to_string(), Watts(450.0))]), 30.0);
+        a.set_lease(
+            2.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
         let first = caps(&a.tick(2.0));
         assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
         for (g, c) in first {
@@ -890,6 +950,7 @@ mod tests {
             1.0,
             BTreeMap::from([("7".to_string(), Watts(600.0))]),
             3600.0,
+            None,
         );
         assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
         a.cap_written(0, Watts(600.0));
@@ -947,6 +1008,7 @@ mod tests {
             40.0,
             BTreeMap::from([("7".to_string(), Watts(600.0))]),
             3600.0,
+            None,
         );
         assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
         a.cap_written(2, Watts(600.0));
@@ -970,7 +1032,12 @@ mod tests {
                 message: "GPU is lost".into(),
             }),
         );
-        a.set_lease(1.0, BTreeMap::from([("7".to_string(), Watts(400.0))]), 30.0);
+        a.set_lease(
+            1.0,
+            BTreeMap::from([("7".to_string(), Watts(400.0))]),
+            30.0,
+            None,
+        );
         assert_eq!(caps(&a.tick(1.0)), vec![(0, 400.0)]);
         assert!(a.snapshot(1.0).degraded);
         a.sampled(
@@ -1023,5 +1090,120 @@ mod tests {
         let cap = decided[0].1;
         assert!((200.0..=350.0).contains(&cap), "{decided:?}");
         assert_eq!(decided[0].1, decided[1].1);
+    }
+
+    /// Issue: two jobs cut below the fail-safe went back up to it when the controller
+    /// died, and the site went over its budget.
+    #[test]
+    fn the_failsafe_never_raises_a_cap() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.set_lease(
+            1.0,
+            BTreeMap::from([("7".to_string(), Watts(250.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(2.0)), vec![(0, 250.0)]);
+        a.cap_written(0, Watts(250.0));
+        assert!(
+            caps(&a.tick(40.0)).is_empty(),
+            "lease over: stays at 250 W, below the 500 W fail-safe"
+        );
+        assert!(a.failsafe_active(40.0));
+        // A grant above the fail-safe still falls to it.
+        a.set_lease(
+            41.0,
+            BTreeMap::from([("7".to_string(), Watts(650.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(42.0)), vec![(0, 650.0)]);
+        a.cap_written(0, Watts(650.0));
+        assert_eq!(caps(&a.tick(80.0)), vec![(0, 500.0)]);
+    }
+
+    #[test]
+    fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
+        let mut a = agent(None);
+        a.set_lease(0.0, BTreeMap::new(), 30.0, Some(Watts(300.0)));
+        a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+            .expect("registered");
+        assert_eq!(caps(&a.tick(2.0)), vec![(1, 300.0)]);
+        a.cap_written(1, Watts(300.0));
+        assert!(
+            caps(&a.tick(40.0)).is_empty(),
+            "and stays there when the lease lapses"
+        );
+        // A start cap above the fail-safe is held to it.
+        a.set_lease(41.0, BTreeMap::new(), 30.0, Some(Watts(650.0)));
+        assert_eq!(caps(&a.tick(42.0)), vec![(1, 500.0)]);
+        // Nonsense in a lease is ignored, never applied.
+        a.set_lease(
+            43.0,
+            BTreeMap::from([("8".to_string(), Watts(f64::NAN))]),
+            30.0,
+            Some(Watts(-1.0)),
+        );
+        a.cap_written(1, Watts(500.0));
+        assert!(caps(&a.tick(44.0)).is_empty());
+    }
+
+    /// Issue: `nvidia-smi -pl`, a GPU reset or a second agent changed a limit and the
+    /// agent, comparing with its own last write, never noticed.
+    #[test]
+    fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.set_lease(
+            0.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(1.0)), vec![(0, 450.0)]);
+        a.cap_written(0, Watts(450.0));
+        let sample = a.gpus[0].last.expect("a sample of GPU 0");
+        let same = a.sampled(
+            0,
+            Ok(GpuSample {
+                cap: Watts(450.0),
+                ..sample
+            }),
+        );
+        assert_eq!(same, None);
+        let found = a.sampled(
+            0,
+            Ok(GpuSample {
+                cap: Watts(700.0),
+                ..sample
+            }),
+        );
+        assert_eq!(
+            found,
+            Some(CapMismatch {
+                gpu: 0,
+                expected: Watts(450.0),
+                found: Watts(700.0)
+            })
+        );
+        assert_eq!(a.cap_mismatches, 1);
+        assert_eq!(a.snapshot(2.0).cap_mismatches, 1);
+        assert_eq!(caps(&a.tick(2.0)), vec![(0, 450.0)], "written again");
+        a.cap_written(0, Watts(450.0));
+        // An idle GPU reset to another limit goes back to its default too.
+        let idle = a.gpus[3].last.expect("a sample of GPU 3");
+        assert!(a
+            .sampled(
+                3,
+                Ok(GpuSample {
+                    cap: Watts(300.0),
+                    ..idle
+                })
+            )
+            .is_some());
+        assert_eq!(caps(&a.tick(3.0)), vec![(3, 700.0)]);
     }
 }

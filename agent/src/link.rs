@@ -58,6 +58,7 @@ fn report(snapshot: &SnapshotCell) -> Body {
             jobs: Vec::new(),
             power_w: 0.0,
             failsafe: false,
+            cap_mismatches: 0,
         };
     };
     // A GPU the agent cannot read or set right now (degraded, or its last sample failed)
@@ -100,11 +101,18 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     pfi: j.pfi.or(j.prior_pfi),
                     pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
                     points: j.points.clone(),
+                    gpu_uuids: s
+                        .gpus
+                        .iter()
+                        .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
+                        .map(|g| g.uuid.clone())
+                        .collect(),
                 }
             })
             .collect(),
         power_w: node_power_w,
         failsafe: s.failsafe,
+        cap_mismatches: s.cap_mismatches,
     }
 }
 
@@ -201,10 +209,26 @@ fn serve(
             Ok(line) => match Envelope::open(&options.key, &line, last_seq, unix_ms()) {
                 Ok(envelope) => {
                     last_seq = envelope.seq;
-                    if let Body::Lease { caps, ttl_s } = envelope.body {
+                    if let Body::Lease {
+                        node,
+                        caps,
+                        ttl_s,
+                        start_cap_w,
+                    } = envelope.body
+                    {
+                        // A lease for another node (misrouted, or replayed from there)
+                        // would set this node's caps from another node's share.
+                        if node != options.node {
+                            warn!(lease_node = %node, node = %options.node, "lease for another node refused");
+                            continue;
+                        }
                         let caps: BTreeMap<String, Watts> =
                             caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
-                        let _ = tx.send(Inbound::Lease { caps, ttl_s });
+                        let _ = tx.send(Inbound::Lease {
+                            caps,
+                            ttl_s,
+                            start_cap: start_cap_w.map(Watts),
+                        });
                     }
                 }
                 Err(e) => warn!(error = %e, "controller message refused"),

@@ -101,6 +101,7 @@ fn persisted(agent: &Agent) -> PersistedState {
         lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
             caps: l.caps.clone(),
             expires_unix_s: agent.clock_origin_unix_s + l.expires_at,
+            start_cap_w: l.start_cap.map(|w| w.0),
         }),
     }
 }
@@ -249,16 +250,17 @@ pub fn run(
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
     }
-    // The previous run's lease, while it lasts, keeps the restored jobs at their caps.
+    // The previous run's lease, while it lasts, keeps the restored jobs at their caps;
+    // once run out it still bounds the fail-safe (which never raises a job above its
+    // last grant).
     if let Some(lease) = saved_lease {
         let left_s = lease.expires_unix_s - unix_s();
-        if left_s > 0.0 {
-            info!(
-                jobs = lease.caps.len(),
-                left_s, "resuming the previous run's lease"
-            );
-            agent.set_lease(now(), lease.caps, left_s);
-        }
+        info!(
+            jobs = lease.caps.len(),
+            left_s = left_s.max(0.0),
+            "resuming the previous run's lease"
+        );
+        agent.set_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
     }
     save(&options.state_dir, &agent);
 
@@ -373,7 +375,15 @@ pub fn run(
                         Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
                         _ => {}
                     }
-                    agent.sampled(gpu, sample);
+                    if let Some(m) = agent.sampled(gpu, sample) {
+                        warn!(
+                            gpu = m.gpu,
+                            expected_w = m.expected.0,
+                            found_w = m.found.0,
+                            mismatches = agent.cap_mismatches,
+                            "GPU limit changed behind the agent's back; writing it again"
+                        );
+                    }
                 }
                 let actions = agent.tick(t);
                 execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
@@ -507,9 +517,18 @@ fn handle(
             }
             let _ = verdict.send(outcome);
         }
-        Inbound::Lease { caps, ttl_s } => {
-            info!(jobs = caps.len(), ttl_s, "lease from the controller");
-            agent.set_lease(now, caps, ttl_s);
+        Inbound::Lease {
+            caps,
+            ttl_s,
+            start_cap,
+        } => {
+            info!(
+                jobs = caps.len(),
+                ttl_s,
+                start_cap_w = start_cap.map(|w| w.0),
+                "lease from the controller"
+            );
+            agent.set_lease(now, caps, ttl_s, start_cap);
             // A restarted agent resumes this lease (see persist::PersistedLease).
             save(state_dir, agent);
         }

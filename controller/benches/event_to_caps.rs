@@ -81,6 +81,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         pfi: None,
         pfi_source: Some("measured".into()),
         points,
+        gpu_uuids: Vec::new(),
     }
 }
 
@@ -116,6 +117,7 @@ impl HarnessNode {
             jobs: vec![job_report(index, GPUS_PER_NODE as u32, cap)],
             power_w: cap * DRAW_PER_CAP * GPUS_PER_NODE as f64,
             failsafe: false,
+            cap_mismatches: 0,
         });
     }
 }

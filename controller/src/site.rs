@@ -19,11 +19,13 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use powerflex_core::allocate::{allocate, Allocation, CapLimits, JobSpec, Policy};
+use powerflex_core::allocate::{allocate, validate_spec, Allocation, CapLimits, JobSpec, Policy};
 use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, OperatingPoint};
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
-use powerflex_proto::link::{GpuInfo, JobReport};
+use powerflex_proto::link::{
+    validate_gpus, validate_report_totals, GpuInfo, JobReport, MAX_GPUS_PER_NODE, MAX_GPU_POWER_W,
+};
 
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +60,12 @@ pub struct Decision {
     pub reserved_w: f64,
     /// The core allocation over the managed jobs.
     pub allocation: Option<Allocation>,
+    /// Reports left out because their values cannot be true.
+    pub rejected: Vec<Rejected>,
+    /// Per-GPU cap for a managed job that starts before the next allocation names it:
+    /// the fail-safe cap, or the budget's even share per GPU of the site when that is
+    /// lower (a job that starts during a cut does not start above the cut), W.
+    pub start_cap_w: f64,
     /// What the allocation maximised: "tokens/s" (every managed job reports tokens) or
     /// "relative-speed" (the sum of each job's throughput over its uncapped throughput).
     pub objective: &'static str,
@@ -85,18 +93,74 @@ struct SiteJob {
     max_cap: f64,
 }
 
+/// A report (or a node's whole report) left out of the allocation because its values
+/// cannot be true. It hurts only its sender: the job runs at what its node's lease gives
+/// a job it does not name, and the rest of the site is allocated as usual.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rejected {
+    pub node: String,
+    /// The job, or `None` when the node's report as a whole was refused.
+    pub job: Option<String>,
+    pub reason: String,
+}
+
+/// The per-GPU cap range `(min_w, max_w)` common to `gpus`, or `None` when their ranges
+/// do not overlap (two GPU models whose limits have nothing in common).
+fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64)> {
+    let (lo, hi) = gpus.fold((0.0f64, f64::MAX), |(lo, hi), g| {
+        (lo.max(g.min_w), hi.min(g.max_w))
+    });
+    (lo > 0.0 && lo <= hi && hi < f64::MAX).then_some((lo, hi))
+}
+
+/// What a node that does not report may draw: every GPU at its default limit, since an
+/// agent stopped cleanly restores the defaults and one that crashed may have left any
+/// cap up to them, W.
+pub fn silent_node_reserve_w(gpus: &[GpuInfo]) -> f64 {
+    gpus.iter().map(|g| g.default_w.max(g.max_w)).sum()
+}
+
+/// The per-GPU cap a job not yet allocated starts at: min(fail-safe, budget / the site's
+/// GPUs).
+fn start_cap_w(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> f64 {
+    let gpus: usize = nodes.iter().map(|n| n.gpus.len()).sum();
+    if gpus == 0 {
+        return settings.failsafe_cap.0;
+    }
+    settings.failsafe_cap.0.min(budget.0 / gpus as f64).max(0.0)
+}
+
 /// Splits `budget` across the managed jobs of every live node.
 pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Decision {
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
     let mut reserved = 0.0;
+    let mut rejected: Vec<Rejected> = Vec::new();
     for node in nodes {
         if !node.live {
-            reserved += settings.failsafe_cap.0 * node.gpus.len() as f64;
+            reserved += silent_node_reserve_w(&node.gpus);
             continue;
         }
-        let (min_cap, max_cap) = node.gpus.iter().fold((0.0f64, f64::MAX), |(lo, hi), g| {
-            (lo.max(g.min_w), hi.min(g.max_w))
-        });
+        if let Err(e) = validate_gpus(&node.gpus)
+            .and_then(|()| validate_report_totals(&node.jobs, node.power_w, &node.gpus))
+        {
+            // Nothing the node says can be believed: pay for it as for a silent node
+            // (the GPUs' limits are unknown too, so at the most a GPU may draw).
+            reserved += node.gpus.len().min(MAX_GPUS_PER_NODE) as f64
+                * node
+                    .gpus
+                    .iter()
+                    .map(|g| g.max_w)
+                    .filter(|w| w.is_finite())
+                    .fold(0.0f64, f64::max)
+                    .clamp(0.0, MAX_GPU_POWER_W);
+            rejected.push(Rejected {
+                node: node.node.clone(),
+                job: None,
+                reason: e.to_string(),
+            });
+            continue;
+        }
+        let node_range = common_range(node.gpus.iter());
         let mut node_managed = 0.0;
         for report in &node.jobs {
             let managed = parse_power_flex(&report.tier, &settings.tiers)
@@ -105,6 +169,34 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             if !managed {
                 continue;
             }
+            if let Err(e) = report.validate(&node.gpus) {
+                rejected.push(Rejected {
+                    node: node.node.clone(),
+                    job: Some(report.job_id.clone()),
+                    reason: e.to_string(),
+                });
+                continue;
+            }
+            // The job's own GPUs decide its range; a node with two GPU models then
+            // troubles only a job that spans both.
+            let range = if report.gpu_uuids.is_empty() {
+                node_range
+            } else {
+                common_range(
+                    node.gpus
+                        .iter()
+                        .filter(|g| report.gpu_uuids.contains(&g.uuid)),
+                )
+            };
+            let Some((min_cap, max_cap)) = range else {
+                rejected.push(Rejected {
+                    node: node.node.clone(),
+                    job: Some(report.job_id.clone()),
+                    reason: "the job's GPUs have no power limit in common (two GPU models)"
+                        .to_string(),
+                });
+                continue;
+            };
             let job = jobs
                 .entry(report.job_id.clone())
                 .or_insert_with(|| SiteJob {
@@ -114,7 +206,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                     counts_tokens: true,
                     ..SiteJob::default()
                 });
-            job.gpus += report.gpus;
+            job.gpus = job.gpus.saturating_add(report.gpus);
             job.nodes.push(node.node.clone());
             let power = report.power_w.unwrap_or(max_cap * f64::from(report.gpus));
             job.power_w += power;
@@ -147,6 +239,17 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             continue;
         };
         if job.gpus == 0 || job.max_cap == f64::MAX || job.max_cap <= 0.0 {
+            continue;
+        }
+        if job.min_cap > job.max_cap {
+            // Its nodes' GPUs share no limit: one cap everywhere cannot be set.
+            for node in &job.nodes {
+                rejected.push(Rejected {
+                    node: node.clone(),
+                    job: Some(id.to_string()),
+                    reason: "the job's GPUs on its nodes have no power limit in common".to_string(),
+                });
+            }
             continue;
         }
         let nodes = job.nodes.len();
@@ -211,6 +314,24 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             },
         });
     }
+    // One job the allocator cannot take must not cost every other job its allocation.
+    specs.retain(|spec| match validate_spec(spec) {
+        Ok(()) => true,
+        Err(e) => {
+            for node in jobs
+                .get(&spec.id)
+                .map(|j| j.nodes.clone())
+                .unwrap_or_default()
+            {
+                rejected.push(Rejected {
+                    node,
+                    job: Some(spec.id.clone()),
+                    reason: e.to_string(),
+                });
+            }
+            false
+        }
+    });
     let managed_budget = Watts((budget.0 - reserved).max(0.0));
     let allocation = allocate(&specs, managed_budget, settings.policy).ok();
     let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
@@ -236,6 +357,8 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         budget_w: budget.0,
         reserved_w: reserved,
         allocation,
+        rejected,
+        start_cap_w: start_cap_w(nodes, budget, settings),
         objective: if raw_tokens {
             "tokens/s"
         } else {
@@ -271,6 +394,7 @@ mod tests {
             pfi: None,
             pfi_source: None,
             points,
+            gpu_uuids: Vec::new(),
         }
     }
 
@@ -339,16 +463,17 @@ mod tests {
                 live: false,
             },
         ];
-        let d = decide(&nodes, Watts(5000.0), &settings());
-        // Unmanaged job 8 (1300 W) plus silent n2 at its fail-safe (4 x 500 W).
-        assert_eq!(d.reserved_w, 1300.0 + 2000.0);
+        let d = decide(&nodes, Watts(6000.0), &settings());
+        // Unmanaged job 8 (1300 W) plus silent n2 at what it may draw: its GPUs' defaults
+        // (a stopped agent restores them; a crashed one may have left any cap below).
+        assert_eq!(d.reserved_w, 1300.0 + 2800.0);
         assert!(!d.leases.contains_key("n2"), "no lease for a silent node");
         assert!(
             !d.leases["n1"].contains_key("8"),
             "unmanaged jobs get no cap"
         );
         let cap = d.leases["n1"]["7"];
-        assert!(cap * 2.0 <= 5000.0 - 3300.0 + 1e-6, "{cap}");
+        assert!(cap * 2.0 <= 6000.0 - 4100.0 + 1e-6, "{cap}");
     }
 
     #[test]
@@ -501,5 +626,136 @@ mod tests {
             decide(&nodes, Watts(4000.0), &settings()).objective,
             "relative-speed"
         );
+    }
+
+    fn node(name: &str, gpus: Vec<GpuInfo>, jobs: Vec<JobReport>) -> NodeView {
+        let power_w = jobs
+            .iter()
+            .filter_map(|j| j.power_w)
+            .filter(|p| p.is_finite())
+            .sum();
+        NodeView {
+            node: name.into(),
+            gpus,
+            jobs,
+            power_w,
+            live: true,
+        }
+    }
+
+    /// Issue: one bad report cancelled the whole site's allocation (`allocate(..).ok()`),
+    /// dropping every managed job to the fail-safe cap.
+    #[test]
+    fn a_bad_report_hurts_only_its_sender() {
+        let mut nan = report("2", "flex2", 4, f64::NAN, points(4.0));
+        nan.pfi = Some(1.5);
+        let mut negative = report("3", "flex2", 4, -5000.0, points(4.0));
+        negative.throughput = Some(1000.0);
+        let mut huge = report("4", "flex2", u32::MAX, 2800.0, points(4.0));
+        huge.throughput = Some(1e300);
+        let nodes = vec![
+            node(
+                "good",
+                (0..4).map(gpu).collect(),
+                vec![report("1", "flex3", 4, 2800.0, points(4.0))],
+            ),
+            node("nan", (0..4).map(gpu).collect(), vec![nan]),
+            node("negative", (0..4).map(gpu).collect(), vec![negative]),
+            node("huge", (0..4).map(gpu).collect(), vec![huge]),
+        ];
+        let d = decide(&nodes, Watts(9000.0), &settings());
+        let a = d.allocation.as_ref().expect("the good job is allocated");
+        assert_eq!(a.jobs.len(), 1, "{a:?}");
+        assert_eq!(a.jobs[0].id, "1");
+        assert!(d.leases["good"].contains_key("1"));
+        let refused: Vec<_> = d.rejected.iter().map(|r| r.node.as_str()).collect();
+        assert!(
+            refused.contains(&"nan") && refused.contains(&"huge"),
+            "{:?}",
+            d.rejected
+        );
+        // A negative node power cannot shrink what is reserved for others.
+        assert!(d.reserved_w >= 0.0);
+        assert!(refused.contains(&"negative"), "{:?}", d.rejected);
+    }
+
+    #[test]
+    fn a_node_announcing_a_zero_minimum_is_paid_for_and_the_rest_is_allocated() {
+        let mut broken: Vec<GpuInfo> = (0..4).map(gpu).collect();
+        broken[0].min_w = 0.0;
+        let nodes = vec![
+            node(
+                "good",
+                (0..4).map(gpu).collect(),
+                vec![report("1", "flex3", 4, 2800.0, points(4.0))],
+            ),
+            node(
+                "broken",
+                broken,
+                vec![report("2", "flex3", 4, 2800.0, points(4.0))],
+            ),
+        ];
+        let d = decide(&nodes, Watts(5000.0), &settings());
+        let a = d.allocation.as_ref().expect("allocation");
+        assert_eq!(
+            a.jobs.iter().map(|j| j.id.as_str()).collect::<Vec<_>>(),
+            ["1"]
+        );
+        assert_eq!(
+            d.reserved_w,
+            4.0 * 700.0,
+            "the broken node is paid at its GPUs' most"
+        );
+        assert!(a.jobs[0].cap_w.0 * 4.0 <= 5000.0 - 2800.0 + 1e-9);
+        assert_eq!(d.rejected.len(), 1);
+        assert_eq!(d.rejected[0].job, None);
+    }
+
+    #[test]
+    fn two_gpu_models_on_one_node_are_handled_per_job() {
+        let mut gpus: Vec<GpuInfo> = (0..4).map(gpu).collect();
+        for g in &mut gpus[2..] {
+            g.name = "NVIDIA L4".into();
+            g.min_w = 40.0;
+            g.max_w = 72.0;
+            g.default_w = 72.0;
+        }
+        let mut big = report("1", "flex3", 2, 1400.0, points(2.0));
+        big.gpu_uuids = vec!["GPU-0".into(), "GPU-1".into()];
+        let mut small = report("2", "flex3", 2, 140.0, Vec::new());
+        small.gpu_uuids = vec!["GPU-2".into(), "GPU-3".into()];
+        let d = decide(
+            &[node("mixed", gpus, vec![big, small])],
+            Watts(1200.0),
+            &settings(),
+        );
+        let a = d.allocation.as_ref().expect("allocation");
+        assert_eq!(a.jobs.len(), 2, "{:?}", d.rejected);
+        let cap = |id: &str| a.jobs.iter().find(|j| j.id == id).map(|j| j.cap_w.0);
+        let big_cap = cap("1").expect("job 1");
+        let small_cap = cap("2").expect("job 2");
+        assert!((200.0..=700.0).contains(&big_cap), "{big_cap}");
+        assert!((40.0..=72.0).contains(&small_cap), "{small_cap}");
+    }
+
+    #[test]
+    fn a_job_starting_during_a_cut_starts_at_the_cuts_share() {
+        let n = node("n", (0..8).map(gpu).collect(), Vec::new());
+        assert_eq!(
+            decide(std::slice::from_ref(&n), Watts(8.0 * 700.0), &settings()).start_cap_w,
+            500.0
+        );
+        assert_eq!(
+            decide(&[n], Watts(8.0 * 250.0), &settings()).start_cap_w,
+            250.0
+        );
+    }
+
+    #[test]
+    fn a_silent_node_is_reserved_at_its_defaults_not_the_failsafe() {
+        let mut silent = node("quiet", (0..8).map(gpu).collect(), Vec::new());
+        silent.live = false;
+        let d = decide(&[silent], Watts(9000.0), &settings());
+        assert_eq!(d.reserved_w, 8.0 * 700.0);
     }
 }
