@@ -210,6 +210,7 @@ fn site_settings() -> SiteSettings {
         cap_step: Watts(5.0),
         failsafe_cap: Watts(500.0),
         default_pfi: 0.8,
+        budget_mode: powerflex_core::config::BudgetMode::default(),
     }
 }
 

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use powerflex_core::allocate::{allocate, validate_spec, Allocation, CapLimits, JobSpec, Policy};
+use powerflex_core::config::BudgetMode;
 use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, OperatingPoint};
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
@@ -48,6 +49,8 @@ pub struct SiteSettings {
     pub failsafe_cap: Watts,
     /// PFI assumed for a job with neither a measured curve nor a prior.
     pub default_pfi: f64,
+    /// What the budget bounds: measured draw (with a margin) or the sum of caps.
+    pub budget_mode: BudgetMode,
 }
 
 /// The outcome of one allocation.
@@ -91,6 +94,14 @@ struct SiteJob {
     points: BTreeMap<u64, (f64, f64, usize)>,
     min_cap: f64,
     max_cap: f64,
+    /// Per-GPU cap in force on the job's GPUs as the agents read it back (the highest
+    /// across its nodes), W; `None` when a node did not say.
+    cap_now_w: Option<f64>,
+    /// Whether every node of the job reported its power (the metered correction needs
+    /// the whole job's draw).
+    power_from_every_node: bool,
+    /// The default limits of the job's GPUs, summed: the most they draw uncapped, W.
+    default_w: f64,
 }
 
 /// A report (or a node's whole report) left out of the allocation because its values
@@ -118,6 +129,29 @@ fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64
 /// cap up to them, W.
 pub fn silent_node_reserve_w(gpus: &[GpuInfo]) -> f64 {
     gpus.iter().map(|g| g.default_w.max(g.max_w)).sum()
+}
+
+/// The job's curve with its power as the budget mode counts it.
+/// - `Hard`: every GPU at its cap, `cap × GPUs`, whatever the job draws.
+/// - `Metered`: the curve's power scaled by what the job draws now over what the curve
+///   predicts at the cap in force (a job drawing below its curve leaves headroom to
+///   others; one drawing above it, after a phase change, is paid for at once), and never
+///   above `cap × GPUs`, which no job averages above.
+fn power_as_budgeted(curve: &CapCurve, job: &SiteJob, mode: BudgetMode) -> CapCurve {
+    let gpus = f64::from(job.gpus);
+    match mode {
+        BudgetMode::Hard => curve.map_power(|cap, _| Watts(cap.0 * gpus)),
+        BudgetMode::Metered { .. } => {
+            let predicted_now = job.cap_now_w.map(|c| curve.at(Watts(c)).power_w.0);
+            let ratio = match predicted_now {
+                Some(p) if job.power_from_every_node && p > 0.0 && job.power_w > 0.0 => {
+                    (job.power_w / p).clamp(0.05, 10.0)
+                }
+                _ => 1.0,
+            };
+            curve.map_power(|cap, power| Watts((power.0 * ratio).min(cap.0 * gpus)))
+        }
+    }
 }
 
 /// The per-GPU cap a job not yet allocated starts at: min(fail-safe, budget / the site's
@@ -162,6 +196,10 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         }
         let node_range = common_range(node.gpus.iter());
         let mut node_managed = 0.0;
+        // What the node's managed jobs may draw at most, W, and the most one GPU of the
+        // node does (for a job that does not name its GPUs).
+        let mut node_managed_default_w = 0.0;
+        let node_default_w = node.gpus.iter().map(|g| g.default_w).fold(0.0, f64::max);
         for report in &node.jobs {
             let managed = parse_power_flex(&report.tier, &settings.tiers)
                 .map(|r| r.service.is_managed())
@@ -197,6 +235,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                 });
                 continue;
             };
+            let first_node = !jobs.contains_key(&report.job_id);
             let job = jobs
                 .entry(report.job_id.clone())
                 .or_insert_with(|| SiteJob {
@@ -204,8 +243,26 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                     min_cap: 0.0,
                     max_cap: f64::MAX,
                     counts_tokens: true,
+                    power_from_every_node: true,
                     ..SiteJob::default()
                 });
+            job.cap_now_w = match (first_node, job.cap_now_w, report.cap_w) {
+                (true, _, now) => now,
+                (false, Some(a), Some(b)) => Some(a.max(b)),
+                (false, _, _) => None,
+            };
+            job.power_from_every_node &= report.power_w.is_some();
+            let job_default_w = if report.gpu_uuids.is_empty() {
+                f64::from(report.gpus) * node_default_w
+            } else {
+                node.gpus
+                    .iter()
+                    .filter(|g| report.gpu_uuids.contains(&g.uuid))
+                    .map(|g| g.default_w)
+                    .sum()
+            };
+            job.default_w += job_default_w;
+            node_managed_default_w += job_default_w;
             job.gpus = job.gpus.saturating_add(report.gpus);
             job.nodes.push(node.node.clone());
             let power = report.power_w.unwrap_or(max_cap * f64::from(report.gpus));
@@ -228,7 +285,14 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                 entry.2 += 1;
             }
         }
-        reserved += (node.power_w - node_managed).max(0.0);
+        reserved += match settings.budget_mode {
+            // Idle GPUs, unmanaged jobs and GPUs the agent cannot steer: at their default
+            // limit, whatever they draw now.
+            BudgetMode::Hard => {
+                (silent_node_reserve_w(&node.gpus) - node_managed_default_w).max(0.0)
+            }
+            BudgetMode::Metered { .. } => (node.power_w - node_managed).max(0.0),
+        };
     }
     // The jobs the allocation can steer, and their measured points (caps every node of
     // the job measured: part of a job's power is no estimate of all of it).
@@ -297,6 +361,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
     let mut specs = Vec::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
+        let curve = power_as_budgeted(&curve, job, settings.budget_mode);
         specs.push(JobSpec {
             id: (*id).clone(),
             gpus: job.gpus,
@@ -332,7 +397,21 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             false
         }
     });
-    let managed_budget = Watts((budget.0 - reserved).max(0.0));
+    // A managed job the allocation does not steer (no usable range or curve) still
+    // draws: pay for it before the others.
+    for (id, job) in &jobs {
+        if !specs.iter().any(|s| &s.id == id) {
+            reserved += match settings.budget_mode {
+                BudgetMode::Hard => job.default_w,
+                BudgetMode::Metered { .. } => job.power_w,
+            };
+        }
+    }
+    let usable = match settings.budget_mode {
+        BudgetMode::Hard => budget.0,
+        BudgetMode::Metered { margin } => budget.0 * (1.0 - margin.clamp(0.0, 1.0)),
+    };
+    let managed_budget = Watts((usable - reserved).max(0.0));
     let allocation = allocate(&specs, managed_budget, settings.policy).ok();
     let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| n.live) {
@@ -405,6 +484,7 @@ mod tests {
             cap_step: Watts(10.0),
             failsafe_cap: Watts(500.0),
             default_pfi: 1.3,
+            budget_mode: BudgetMode::Metered { margin: 0.0 },
         }
     }
 
@@ -757,5 +837,162 @@ mod tests {
         silent.live = false;
         let d = decide(&[silent], Watts(9000.0), &settings());
         assert_eq!(d.reserved_w, 8.0 * 700.0);
+    }
+
+    /// A job of the closed-loop tests below: what it really draws at a per-GPU cap.
+    struct Truth {
+        id: &'static str,
+        tier: &'static str,
+        gpus: u32,
+        /// Measured points the agent reports (empty: not walked, planned on a prior).
+        points: Vec<[f64; 3]>,
+        draw_per_gpu: Box<dyn Fn(f64) -> f64>,
+    }
+
+    /// Runs `periods` allocations against the jobs' true draw, the way the controller
+    /// and agents do: each report carries the cap in force and the draw at it. Returns
+    /// the site's true draw after each allocation, and the last decision.
+    fn closed_loop(
+        jobs: &[Truth],
+        budget: f64,
+        mode: BudgetMode,
+        periods: usize,
+        caps: &mut BTreeMap<String, f64>,
+    ) -> (Vec<f64>, Decision) {
+        let gpus: u32 = jobs.iter().map(|j| j.gpus).sum();
+        let settings = SiteSettings {
+            budget_mode: mode,
+            ..settings()
+        };
+        let mut draws = Vec::new();
+        let mut last = None;
+        for _ in 0..periods {
+            let reports: Vec<JobReport> = jobs
+                .iter()
+                .map(|j| {
+                    let cap = caps.get(j.id).copied().unwrap_or(500.0);
+                    let draw = (j.draw_per_gpu)(cap).min(cap) * f64::from(j.gpus);
+                    JobReport {
+                        cap_w: Some(cap),
+                        ..report(j.id, j.tier, j.gpus, draw, j.points.clone())
+                    }
+                })
+                .collect();
+            let view = node("n1", (0..gpus).map(gpu).collect(), reports);
+            let d = decide(&[view], Watts(budget), &settings);
+            for (job, cap) in &d.leases["n1"] {
+                caps.insert(job.clone(), *cap);
+            }
+            draws.push(
+                jobs.iter()
+                    .map(|j| {
+                        let cap = caps[j.id];
+                        (j.draw_per_gpu)(cap).min(cap) * f64::from(j.gpus)
+                    })
+                    .sum(),
+            );
+            last = Some(d);
+        }
+        (draws, last.expect("at least one period"))
+    }
+
+    fn flex0_below_its_cap(per_gpu: f64) -> Truth {
+        Truth {
+            id: "1",
+            tier: "flex0",
+            gpus: 4,
+            points: Vec::new(),
+            draw_per_gpu: Box::new(move |cap| cap.min(per_gpu)),
+        }
+    }
+
+    fn flex3_at_its_cap() -> Truth {
+        Truth {
+            id: "2",
+            tier: "flex3",
+            gpus: 4,
+            points: points(4.0),
+            draw_per_gpu: Box::new(|cap| 0.97 * cap),
+        }
+    }
+
+    /// Issue 13: a flex0 job drawing 560 W per GPU below its 700 W cap left 14 % of a
+    /// 4 kW budget unused while a flex3 job sat capped beside it.
+    #[test]
+    fn metered_mode_gives_the_headroom_of_jobs_below_their_caps_to_others() {
+        let jobs = [flex0_below_its_cap(560.0), flex3_at_its_cap()];
+        let mut caps = BTreeMap::new();
+        let (draws, _) = closed_loop(
+            &jobs,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            6,
+            &mut caps,
+        );
+        let steady = draws[draws.len() - 1];
+        assert!(steady <= 4000.0, "{draws:?}");
+        assert!(
+            steady >= 0.98 * 4000.0,
+            "budget used {:.1} %: {draws:?}",
+            steady / 40.0
+        );
+        assert_eq!(caps["1"], 700.0, "flex0 is never capped");
+        // Every period after the first within the budget.
+        assert!(draws[1..].iter().all(|&d| d <= 4000.0), "{draws:?}");
+    }
+
+    #[test]
+    fn hard_mode_keeps_the_sum_of_caps_within_the_budget_whatever_jobs_draw() {
+        let jobs = [flex0_below_its_cap(560.0), flex3_at_its_cap()];
+        let mut caps = BTreeMap::new();
+        let (_, d) = closed_loop(&jobs, 4000.0, BudgetMode::Hard, 4, &mut caps);
+        let caps_sum: f64 = caps.values().map(|c| c * 4.0).sum();
+        assert!(caps_sum <= 4000.0 + 1e-6, "{caps:?}");
+        assert_eq!(d.reserved_w, 0.0, "every GPU is in a managed job");
+        // With an idle GPU beside them, its default limit comes off first.
+        let view = node(
+            "n1",
+            (0..9).map(gpu).collect(),
+            vec![report("2", "flex3", 4, 100.0, points(4.0))],
+        );
+        let hard = SiteSettings {
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        };
+        let d = decide(&[view], Watts(5000.0), &hard);
+        assert_eq!(d.reserved_w, 5.0 * 700.0);
+        assert!(d.leases["n1"]["2"] * 4.0 <= 1500.0 + 1e-6, "{:?}", d.leases);
+    }
+
+    /// Issue 13: a phase change to a heavier load (the flex0 job from 560 W to 690 W per
+    /// GPU) must be back within the budget within two allocation periods.
+    #[test]
+    fn a_phase_change_is_back_within_the_budget_within_two_periods() {
+        let mut caps = BTreeMap::new();
+        let light = [flex0_below_its_cap(560.0), flex3_at_its_cap()];
+        let (before, _) = closed_loop(
+            &light,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            5,
+            &mut caps,
+        );
+        assert!(before.iter().skip(1).all(|&d| d <= 4000.0), "{before:?}");
+        let heavy = [flex0_below_its_cap(690.0), flex3_at_its_cap()];
+        // The draw the moment the phase changes, at the caps of the light phase.
+        let jump: f64 = caps["1"].min(690.0) * 4.0 + 0.97 * caps["2"] * 4.0;
+        assert!(jump > 4000.0, "the test must start over budget: {jump}");
+        let (after, _) = closed_loop(
+            &heavy,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            4,
+            &mut caps,
+        );
+        assert!(
+            after[1..].iter().all(|&d| d <= 4000.0),
+            "over the budget after two periods: {after:?}"
+        );
+        assert!(after[after.len() - 1] >= 0.97 * 4000.0, "{after:?}");
     }
 }
