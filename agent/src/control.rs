@@ -586,15 +586,15 @@ impl Agent {
                 (!utils.is_empty()).then(|| utils.iter().sum::<f64>() / utils.len() as f64)
             });
             let (intercept, slope) = (self.settings.prior_intercept, self.settings.prior_slope);
-            let held_below = self.jobs.get(id).is_some_and(|j| {
+            let held_below = self.jobs.get(id).and_then(|j| {
                 match (j.calibration.cap(), self.granted_cap(now, j)) {
-                    (Some(level), Some(granted)) => granted.0 < level.0 - 0.5,
-                    _ => false,
+                    (Some(level), Some(granted)) if granted.0 < level.0 - 0.5 => Some(granted),
+                    _ => None,
                 }
             });
             if let Some(job) = self.jobs.get_mut(id) {
-                if held_below {
-                    job.calibration.held_below_level(now);
+                if let Some(granted) = held_below {
+                    job.calibration.held_below_level(now, granted);
                 }
                 let before = job.calibration.phase.clone();
                 job.calibration.tick(now, &job.log, power);

@@ -224,6 +224,8 @@ pub fn run(
         if let Some(j) = agent.jobs.get_mut(&job.job_id) {
             j.restored_pfi = job.pfi;
             j.restored_points = job.points.clone();
+            // The curve survives the restart: no second walk, no point of one replacing it.
+            j.calibration.restore(&job.points);
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
