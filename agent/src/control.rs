@@ -68,6 +68,9 @@ pub struct GpuSlot {
     /// Why the GPU is out of service, when it is.
     pub degraded: Option<String>,
     pub last: Option<GpuSample>,
+    /// Since when (agent seconds) the limit read back has been the one in `last`: the
+    /// power in `last` reflects that limit only once it has held for a while.
+    pub cap_since: Option<f64>,
     /// The job using it.
     pub job: Option<String>,
 }
@@ -212,6 +215,7 @@ impl Agent {
                 applied: None,
                 degraded: None,
                 last: None,
+                cap_since: None,
                 job: None,
             })
             .collect();
@@ -392,12 +396,17 @@ impl Agent {
     /// returned (to log) and counted (metrics, status, the controller's report).
     pub fn sampled(
         &mut self,
+        now: f64,
         gpu: u32,
         result: Result<GpuSample, GpuError>,
     ) -> Option<CapMismatch> {
         let slot = self.gpus.get_mut(gpu as usize)?;
         match result {
             Ok(s) => {
+                let same_cap = slot.last.is_some_and(|l| (l.cap.0 - s.cap.0).abs() <= 0.5);
+                if !same_cap {
+                    slot.cap_since = Some(now);
+                }
                 slot.last = Some(s);
                 let mismatch = match slot.applied {
                     Some(written)
@@ -422,6 +431,7 @@ impl Agent {
             }
             Err(e) => {
                 slot.last = None;
+                slot.cap_since = None;
                 if e.class != ErrorClass::Transient {
                     slot.degraded = Some(e.message);
                 }
@@ -444,6 +454,18 @@ impl Agent {
                 slot.degraded = Some(e.message.clone());
             }
         }
+    }
+
+    /// The limit the job's GPUs read back in the samples that gave [`Self::job_power`], when
+    /// they all agree.
+    fn job_sampled_cap(&self, job: &Job) -> Option<Watts> {
+        let mut caps = job
+            .gpus
+            .iter()
+            .map(|&g| self.gpus[g as usize].last.map(|s| s.cap));
+        let first = caps.next()??;
+        caps.all(|c| c.is_some_and(|c| (c.0 - first.0).abs() <= 0.5))
+            .then_some(first)
     }
 
     fn job_power(&self, job: &Job) -> Option<Watts> {
@@ -743,6 +765,13 @@ impl Agent {
                             }
                         }),
                         power_w: self.job_power(j).map(|w| w.0),
+                        power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
+                        power_cap_steady_s: j
+                            .gpus
+                            .iter()
+                            .map(|&g| self.gpus[g as usize].cap_since.map(|t| now - t))
+                            .try_fold(f64::INFINITY, |low, s| s.map(|s| low.min(s)))
+                            .filter(|s| s.is_finite()),
                     }
                 })
                 .collect(),
@@ -812,6 +841,10 @@ pub struct JobView {
     /// What `throughput` counts per second: "tokens" or "steps" (None before a report).
     pub throughput_unit: Option<&'static str>,
     pub power_w: Option<f64>,
+    /// The per-GPU limit read back in the same samples as `power_w`, W.
+    pub power_cap_w: Option<f64>,
+    /// How long that limit had held when `power_w` was sampled, seconds.
+    pub power_cap_steady_s: Option<f64>,
 }
 
 #[cfg(test)]
@@ -864,6 +897,7 @@ mod tests {
         );
         for g in 0..4 {
             a.sampled(
+                0.0,
                 g,
                 Ok(GpuSample {
                     power: Watts(650.0),
@@ -1025,6 +1059,7 @@ mod tests {
         a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
             .expect("registered");
         a.sampled(
+            0.0,
             1,
             Err(GpuError {
                 index: 1,
@@ -1041,6 +1076,7 @@ mod tests {
         assert_eq!(caps(&a.tick(1.0)), vec![(0, 400.0)]);
         assert!(a.snapshot(1.0).degraded);
         a.sampled(
+            0.0,
             2,
             Err(GpuError {
                 index: 2,
@@ -1055,6 +1091,7 @@ mod tests {
         // The lost GPU answers again (a probe): it is managed again, from the limit it
         // reads, and gets the job's cap.
         a.sampled(
+            0.0,
             1,
             Ok(GpuSample {
                 power: Watts(650.0),
@@ -1167,6 +1204,7 @@ mod tests {
         a.cap_written(0, Watts(450.0));
         let sample = a.gpus[0].last.expect("a sample of GPU 0");
         let same = a.sampled(
+            0.0,
             0,
             Ok(GpuSample {
                 cap: Watts(450.0),
@@ -1175,6 +1213,7 @@ mod tests {
         );
         assert_eq!(same, None);
         let found = a.sampled(
+            0.0,
             0,
             Ok(GpuSample {
                 cap: Watts(700.0),
@@ -1197,6 +1236,7 @@ mod tests {
         let idle = a.gpus[3].last.expect("a sample of GPU 3");
         assert!(a
             .sampled(
+                0.0,
                 3,
                 Ok(GpuSample {
                     cap: Watts(300.0),

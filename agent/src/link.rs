@@ -107,6 +107,8 @@ fn report(snapshot: &SnapshotCell) -> Body {
                         .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
                         .map(|g| g.uuid.clone())
                         .collect(),
+                    power_cap_w: j.power_cap_w,
+                    power_cap_steady_s: j.power_cap_steady_s,
                 }
             })
             .collect(),

@@ -377,7 +377,7 @@ pub fn run(
                         Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
                         _ => {}
                     }
-                    if let Some(m) = agent.sampled(gpu, sample) {
+                    if let Some(m) = agent.sampled(t, gpu, sample) {
                         warn!(
                             gpu = m.gpu,
                             expected_w = m.expected.0,

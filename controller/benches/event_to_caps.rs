@@ -82,6 +82,8 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         pfi_source: Some("measured".into()),
         points,
         gpu_uuids: Vec::new(),
+        power_cap_w: Some(cap_w),
+        power_cap_steady_s: Some(10.0),
     }
 }
 

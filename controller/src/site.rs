@@ -102,7 +102,14 @@ struct SiteJob {
     power_from_every_node: bool,
     /// The default limits of the job's GPUs, summed: the most they draw uncapped, W.
     default_w: f64,
+    /// Whether on every node the cap had held long enough for the draw to show it.
+    power_steady: bool,
 }
+
+/// How long a cap must have held before the draw sampled under it is taken as the job's
+/// draw at that cap, s: NVML's power reading averages over about a second, and the draw
+/// settles within a few hundred milliseconds of a cap change.
+const STEADY_AFTER_CAP_CHANGE_S: f64 = 1.0;
 
 /// A report (or a node's whole report) left out of the allocation because its values
 /// cannot be true. It hurts only its sender: the job runs at what its node's lease gives
@@ -145,7 +152,15 @@ fn power_as_budgeted(curve: &CapCurve, job: &SiteJob, mode: BudgetMode) -> CapCu
             let predicted_now = job.cap_now_w.map(|c| curve.at(Watts(c)).power_w.0);
             let ratio = match predicted_now {
                 Some(p) if job.power_from_every_node && p > 0.0 && job.power_w > 0.0 => {
-                    (job.power_w / p).clamp(0.05, 10.0)
+                    let measured = (job.power_w / p).clamp(0.05, 10.0);
+                    // Bad news is believed at once; good news (a job drawing less than its
+                    // curve says) only once the cap it was measured at has settled: a draw
+                    // sampled just after a cap rose still shows the lower cap.
+                    if job.power_steady {
+                        measured
+                    } else {
+                        measured.max(1.0)
+                    }
                 }
                 _ => 1.0,
             };
@@ -246,10 +261,21 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                     power_from_every_node: true,
                     ..SiteJob::default()
                 });
-            job.cap_now_w = match (first_node, job.cap_now_w, report.cap_w) {
+            // The cap the draw was measured at: the one read back with it, else the last
+            // written. Nodes that disagree leave no single cap to compare with.
+            let measured_at = report.power_cap_w.or(report.cap_w);
+            job.cap_now_w = match (first_node, job.cap_now_w, measured_at) {
                 (true, _, now) => now,
-                (false, Some(a), Some(b)) => Some(a.max(b)),
+                (false, Some(a), Some(b)) if (a - b).abs() <= 0.5 => Some(a),
                 (false, _, _) => None,
+            };
+            let steady = report
+                .power_cap_steady_s
+                .is_some_and(|s| s >= STEADY_AFTER_CAP_CHANGE_S);
+            job.power_steady = if first_node {
+                steady
+            } else {
+                job.power_steady && steady
             };
             job.power_from_every_node &= report.power_w.is_some();
             let job_default_w = if report.gpu_uuids.is_empty() {
@@ -474,6 +500,8 @@ mod tests {
             pfi_source: None,
             points,
             gpu_uuids: Vec::new(),
+            power_cap_w: None,
+            power_cap_steady_s: Some(10.0),
         }
     }
 
@@ -994,5 +1022,41 @@ mod tests {
             "over the budget after two periods: {after:?}"
         );
         assert!(after[after.len() - 1] >= 0.97 * 4000.0, "{after:?}");
+    }
+
+    /// A draw sampled right after a cap rose still shows the lower cap: taken as the job's
+    /// draw at the new cap, it made the controller raise caps further and the site went
+    /// over its budget (found on the local cluster after an agent restart).
+    #[test]
+    fn a_low_draw_measured_just_after_a_cap_change_is_not_believed_yet() {
+        let settings = SiteSettings {
+            budget_mode: BudgetMode::Metered { margin: 0.0 },
+            ..settings()
+        };
+        let mut fresh = report("2", "flex3", 4, 4.0 * 300.0, points(4.0));
+        fresh.cap_w = Some(480.0);
+        fresh.power_cap_w = Some(480.0);
+        fresh.power_cap_steady_s = Some(0.2);
+        let unsettled = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![fresh.clone()])],
+            Watts(2000.0),
+            &settings,
+        );
+        fresh.power_cap_steady_s = Some(5.0);
+        let settled = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![fresh])],
+            Watts(2000.0),
+            &settings,
+        );
+        let cap = |d: &Decision| d.leases["n1"]["2"];
+        assert!(
+            cap(&unsettled) * 4.0 <= 2000.0 + 1e-6,
+            "planned at its curve: {}",
+            cap(&unsettled)
+        );
+        assert!(
+            cap(&settled) > cap(&unsettled),
+            "once settled, the low draw frees watts"
+        );
     }
 }

@@ -59,6 +59,14 @@ pub struct JobReport {
     /// takes the job's cap range from its own GPUs, not from every GPU of the node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_uuids: Vec<String>,
+    /// The per-GPU limit the GPUs read back in the samples that gave `power_w` (which
+    /// `cap_w`, the last limit written, may not yet be), W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_cap_w: Option<f64>,
+    /// How long that limit had held when `power_w` was sampled, seconds: a draw sampled
+    /// just after a cap change does not yet show what the job draws at the new cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_cap_steady_s: Option<f64>,
 }
 
 /// What a message says.
@@ -273,6 +281,12 @@ impl JobReport {
         }
         if let Some(p) = self.power_w {
             check_range(&job("power_w"), p, 0.0, most_w)?;
+        }
+        if let Some(cap) = self.power_cap_w {
+            check_range(&job("power_cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
+        }
+        if let Some(s) = self.power_cap_steady_s {
+            check_range(&job("power_cap_steady_s"), s, 0.0, f64::MAX)?;
         }
         if let Some(t) = self.throughput {
             check_range(&job("throughput"), t, 0.0, f64::MAX)?;
@@ -495,6 +509,8 @@ mod tests {
                     pfi_source: Some("measured".into()),
                     points: vec![[cap, power, t]],
                     gpu_uuids: Vec::new(),
+                    power_cap_w: Some(cap),
+                    power_cap_steady_s: Some(t / 1e3),
                 }],
                 power_w: power * 0.97,
                 failsafe: false,
@@ -528,6 +544,8 @@ mod tests {
             pfi_source: Some("measured".into()),
             points: vec![[700.0, 690.0 * f64::from(gpus), 1100.0]],
             gpu_uuids: Vec::new(),
+            power_cap_w: Some(500.0),
+            power_cap_steady_s: Some(3.0),
         }
     }
 
