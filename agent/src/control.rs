@@ -165,6 +165,9 @@ pub struct Agent {
     pub config_error: Option<String>,
     /// GPU limits found changed behind the agent's back (and written again).
     pub cap_mismatches: u64,
+    /// Leases applied (written and read back) since the agent started: the link reports
+    /// at once when this rises, which confirms the new caps to the controller.
+    pub leases_applied: u64,
 }
 
 impl Agent {
@@ -229,6 +232,7 @@ impl Agent {
             progress_rejected: 0,
             config_error: None,
             cap_mismatches: 0,
+            leases_applied: 0,
         }
     }
 
@@ -696,6 +700,7 @@ impl Agent {
             progress_rejected: self.progress_rejected,
             config_error: self.config_error.clone(),
             cap_mismatches: self.cap_mismatches,
+            leases_applied: self.leases_applied,
             gpus: self
                 .gpus
                 .iter()
@@ -797,6 +802,8 @@ pub struct Snapshot {
     pub config_error: Option<String>,
     /// GPU limits found changed behind the agent's back (and written again).
     pub cap_mismatches: u64,
+    /// Leases applied and read back since the agent started.
+    pub leases_applied: u64,
     pub gpus: Vec<GpuView>,
     pub jobs: Vec<JobView>,
 }

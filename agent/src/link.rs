@@ -51,6 +51,10 @@ impl Sequence {
     }
 }
 
+fn leases_applied(snapshot: &SnapshotCell) -> u64 {
+    snapshot.read().map(|s| s.leases_applied).unwrap_or(0)
+}
+
 fn report(snapshot: &SnapshotCell) -> Body {
     let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
     let Some(s) = snap else {
@@ -200,14 +204,22 @@ fn serve(
     }
     let mut last_seq = 0u64;
     let mut next_report = Instant::now();
+    let mut leases_reported = leases_applied(snapshot);
     while !shutdown.load(Ordering::SeqCst) {
+        // A lease just applied is confirmed at once (the caps read back are in the
+        // report), not at the next period: the controller holds increases until then.
+        let applied = leases_applied(snapshot);
+        if applied != leases_reported {
+            leases_reported = applied;
+            next_report = Instant::now();
+        }
         if Instant::now() >= next_report {
             next_report = Instant::now() + options.report_period;
             if !send(&mut stream, options, seq, report(snapshot)) {
                 break;
             }
         }
-        match lines_rx.recv_timeout(Duration::from_millis(100)) {
+        match lines_rx.recv_timeout(Duration::from_millis(20)) {
             Ok(line) => match Envelope::open(&options.key, &line, last_seq, unix_ms()) {
                 Ok(envelope) => {
                     last_seq = envelope.seq;

@@ -531,6 +531,23 @@ fn handle(
                 "lease from the controller"
             );
             agent.set_lease(now, caps, ttl_s, start_cap);
+            // Apply it now rather than at the next tick, and read the written limits
+            // back: the controller holds other nodes' increases until this node's
+            // decreases are confirmed, so the confirmation should not wait a period.
+            let actions = agent.tick(now);
+            let written: Vec<u32> = actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::SetCap { gpu, .. } => Some(*gpu),
+                    Action::Persist => None,
+                })
+                .collect();
+            execute(actions, agent, backend, state_dir);
+            for gpu in written {
+                let sample = backend.sample(gpu);
+                agent.sampled(now, gpu, sample);
+            }
+            agent.leases_applied += 1;
             // A restarted agent resumes this lease (see persist::PersistedLease).
             save(state_dir, agent);
         }
