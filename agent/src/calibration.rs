@@ -50,6 +50,11 @@ pub struct ProgressLog {
 /// not saved): the paper's repeat-run noise of ~0.5 %, doubled for the agent's short holds.
 const RESTORED_NOISE: f64 = 0.01;
 
+/// Least time between the end of a walk and a repeated one, s.
+pub const MIN_REWALK_INTERVAL_S: f64 = 600.0;
+/// Most repeated walks per job.
+pub const MAX_REWALKS: u32 = 3;
+
 /// Reports kept per job: enough for any window the walk looks at.
 const MAX_REPORTS: usize = 20_000;
 
@@ -169,8 +174,12 @@ pub struct Calibration {
     pub registered_at: f64,
     pub started_at: Option<f64>,
     pub finished_at: Option<f64>,
-    /// Tokens (or steps) the walk cost the job against running uncapped.
+    /// Tokens (or steps) the walk cost the job against running uncapped (every walk).
     pub cost: f64,
+    /// The curve of the walk before the one under way, reported until the new one ends.
+    pub previous: Vec<Level>,
+    /// Walks started again because the job's measurements left its curve.
+    pub rewalks: u32,
     power_sum: f64,
     power_samples: u32,
 }
@@ -202,6 +211,8 @@ impl Calibration {
             started_at: None,
             finished_at: None,
             cost: 0.0,
+            previous: Vec::new(),
+            rewalks: 0,
             power_sum: 0.0,
             power_samples: 0,
         }
@@ -328,6 +339,36 @@ impl Calibration {
         match next {
             Some(i) => self.enter(i, now),
             None => self.finish(now),
+        }
+    }
+
+    /// The controller found the job's measurements outside its curve's band: walk it
+    /// again, when the last walk finished at least [`MIN_REWALK_INTERVAL_S`] ago and fewer
+    /// than [`MAX_REWALKS`] walks were repeated (each costs the job tokens). The finished
+    /// curve stays in use until the new walk ends. Returns whether a walk started.
+    pub fn rewalk(&mut self, now: f64) -> bool {
+        let rested = self
+            .finished_at
+            .is_none_or(|t| now - t >= MIN_REWALK_INTERVAL_S);
+        if self.phase != Phase::Done || !rested || self.rewalks >= MAX_REWALKS {
+            return false;
+        }
+        self.previous = std::mem::take(&mut self.levels);
+        self.rewalks += 1;
+        self.registered_at = now;
+        self.started_at = None;
+        self.finished_at = None;
+        self.phase = Phase::Warmup;
+        true
+    }
+
+    /// The points to plan on: this walk's once done, else the previous walk's while a
+    /// repeated walk is under way, else what this walk has measured so far.
+    pub fn best_levels(&self) -> &[Level] {
+        if self.phase != Phase::Done && !self.previous.is_empty() {
+            &self.previous
+        } else {
+            &self.levels
         }
     }
 
@@ -584,5 +625,29 @@ mod tests {
         let mut one = Calibration::new(settings(), Some(0.5), true, 0.0);
         one.restore(&[[700.0, 5600.0, 1000.0], [f64::NAN, 1.0, 1.0]]);
         assert_eq!(one.phase, Phase::Warmup, "one valid point is no curve");
+    }
+
+    #[test]
+    fn a_drifted_job_is_walked_again_at_a_bounded_rate_and_keeps_its_curve_meanwhile() {
+        let mut cal = run(Some(0.5));
+        assert_eq!(cal.phase, Phase::Done);
+        let done_at = cal.finished_at.expect("finished");
+        let levels = cal.levels.clone();
+        assert!(!cal.rewalk(done_at + 10.0), "too soon after the last walk");
+        assert!(cal.rewalk(done_at + MIN_REWALK_INTERVAL_S));
+        assert_eq!(cal.phase, Phase::Warmup);
+        assert_eq!(
+            cal.best_levels(),
+            levels.as_slice(),
+            "the old curve while walking"
+        );
+        assert!(
+            !cal.rewalk(done_at + 2.0 * MIN_REWALK_INTERVAL_S),
+            "only a finished walk is repeated"
+        );
+        cal.rewalks = MAX_REWALKS;
+        cal.phase = Phase::Done;
+        cal.finished_at = Some(0.0);
+        assert!(!cal.rewalk(1e9), "at most MAX_REWALKS repeats");
     }
 }

@@ -102,11 +102,11 @@ impl Job {
     /// The calibrated points, [per-GPU cap W, job power W, throughput]: this run's walk,
     /// or the previous run's when this one has not walked.
     pub fn curve_points(&self) -> Vec<[f64; 3]> {
-        if self.calibration.levels.is_empty() {
+        let levels = self.calibration.best_levels();
+        if levels.is_empty() {
             return self.restored_points.clone();
         }
-        self.calibration
-            .levels
+        levels
             .iter()
             .map(|l| [l.cap.0, l.power.0, l.throughput])
             .collect()
@@ -392,6 +392,21 @@ impl Agent {
             expires_at: now + ttl,
             start_cap: start_cap.filter(valid),
         });
+    }
+
+    /// The controller found these jobs' measurements outside their curves: walk each of
+    /// them again where its calibration allows (see [`Calibration::rewalk`]). Returns the
+    /// jobs whose walk started.
+    pub fn recalibrate(&mut self, now: f64, jobs: &[String]) -> Vec<String> {
+        let mut started = Vec::new();
+        for id in jobs {
+            if let Some(job) = self.jobs.get_mut(id) {
+                if job.calibration.rewalk(now) {
+                    started.push(id.clone());
+                }
+            }
+        }
+        started
     }
 
     /// Records a GPU reading (or its failure). The limit read back is what the GPU
@@ -771,6 +786,7 @@ impl Agent {
                         }),
                         power_w: self.job_power(j).map(|w| w.0),
                         power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
+                        calibrating: cal.is_active(),
                         power_cap_steady_s: j
                             .gpus
                             .iter()
@@ -850,6 +866,8 @@ pub struct JobView {
     pub power_w: Option<f64>,
     /// The per-GPU limit read back in the same samples as `power_w`, W.
     pub power_cap_w: Option<f64>,
+    /// The calibration walk is under way (warm-up or a level).
+    pub calibrating: bool,
     /// How long that limit had held when `power_w` was sampled, seconds.
     pub power_cap_steady_s: Option<f64>,
 }

@@ -113,6 +113,7 @@ fn report(snapshot: &SnapshotCell) -> Body {
                         .collect(),
                     power_cap_w: j.power_cap_w,
                     power_cap_steady_s: j.power_cap_steady_s,
+                    calibrating: j.calibrating,
                 }
             })
             .collect(),
@@ -228,6 +229,7 @@ fn serve(
                         caps,
                         ttl_s,
                         start_cap_w,
+                        recalibrate,
                     } = envelope.body
                     {
                         // A lease for another node (misrouted, or replayed from there)
@@ -242,6 +244,7 @@ fn serve(
                             caps,
                             ttl_s,
                             start_cap: start_cap_w.map(Watts),
+                            recalibrate,
                         });
                     }
                 }

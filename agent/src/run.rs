@@ -523,7 +523,11 @@ fn handle(
             caps,
             ttl_s,
             start_cap,
+            recalibrate,
         } => {
+            for job_id in agent.recalibrate(now, &recalibrate) {
+                info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
+            }
             info!(
                 jobs = caps.len(),
                 ttl_s,

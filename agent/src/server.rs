@@ -50,6 +50,8 @@ pub enum Inbound {
         caps: std::collections::BTreeMap<String, powerflex_core::Watts>,
         ttl_s: f64,
         start_cap: Option<powerflex_core::Watts>,
+        /// Jobs to walk again (their measurements left their curves).
+        recalibrate: Vec<String>,
     },
 }
 

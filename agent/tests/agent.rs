@@ -629,6 +629,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
                 caps: [("801".to_string(), cap)].into(),
                 ttl_s,
                 start_cap_w: None,
+                recalibrate: Vec::new(),
             },
         )
         .expect("seal")

@@ -84,6 +84,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         gpu_uuids: Vec::new(),
         power_cap_w: Some(cap_w),
         power_cap_steady_s: Some(10.0),
+        calibrating: false,
     }
 }
 

@@ -65,6 +65,8 @@ pub struct Decision {
     pub allocation: Option<Allocation>,
     /// Reports left out because their values cannot be true.
     pub rejected: Vec<Rejected>,
+    /// Jobs whose measurements left their curve's band.
+    pub drifted: Vec<Drift>,
     /// Per-GPU cap for a managed job that starts before the next allocation names it:
     /// the fail-safe cap, or the budget's even share per GPU of the site when that is
     /// lower (a job that starts during a cut does not start above the cut), W.
@@ -104,7 +106,33 @@ struct SiteJob {
     default_w: f64,
     /// Whether on every node the cap had held long enough for the draw to show it.
     power_steady: bool,
+    /// The shortest time the cap had held on any of the job's nodes, s.
+    cap_steady_s: f64,
+    /// Whether an agent is walking the job's calibration now.
+    calibrating: bool,
 }
+
+/// A job whose measured draw or throughput at its cap left its curve's band: its curve
+/// no longer describes it (a new phase, a changed batch size, a curve that was wrong).
+/// Its power is corrected by the metered loop at once; its shape is walked again.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Drift {
+    pub job: String,
+    /// The per-GPU cap it was measured at, W.
+    pub cap_w: f64,
+    /// Measured over predicted power at that cap.
+    pub power_ratio: Option<f64>,
+    /// Measured over predicted throughput at that cap.
+    pub throughput_ratio: Option<f64>,
+}
+
+/// How far measured power may stray from a measured curve before the job counts as
+/// drifted (a fraction); throughput may stray this much or three of the curve's standard
+/// errors, whichever is wider.
+const DRIFT_BAND: f64 = 0.10;
+/// How long a cap must have held before the throughput, a rate over the agent's last
+/// 10 s, is compared with the curve at that cap, s.
+const THROUGHPUT_WINDOW_S: f64 = 10.0;
 
 /// How long a cap must have held before the draw sampled under it is taken as the job's
 /// draw at that cap, s: NVML's power reading averages over about a second, and the draw
@@ -136,6 +164,34 @@ fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64
 /// cap up to them, W.
 pub fn silent_node_reserve_w(gpus: &[GpuInfo]) -> f64 {
     gpus.iter().map(|g| g.default_w.max(g.max_w)).sum()
+}
+
+/// Whether `job`'s measurements at the cap in force left its measured `curve`'s band.
+/// Priors (no measured curve) and jobs being walked are not judged: their curve is a
+/// guess or incomplete, not a promise.
+fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> {
+    if curve.source() == powerflex_core::curve::CurveSource::Prior || job.calibrating {
+        return None;
+    }
+    let cap = job.cap_now_w?;
+    let predicted = curve.at(Watts(cap));
+    let power_ratio = (job.power_steady && job.power_from_every_node && predicted.power_w.0 > 0.0)
+        .then(|| job.power_w / predicted.power_w.0);
+    let throughput_ratio = match job.throughput {
+        Some(t) if job.cap_steady_s >= THROUGHPUT_WINDOW_S && predicted.throughput > 0.0 => {
+            Some(t / predicted.throughput)
+        }
+        _ => None,
+    };
+    let throughput_band = DRIFT_BAND.max(3.0 * curve.relative_uncertainty());
+    let out = power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND)
+        || throughput_ratio.is_some_and(|r| (r - 1.0).abs() > throughput_band);
+    out.then(|| Drift {
+        job: id.to_string(),
+        cap_w: cap,
+        power_ratio,
+        throughput_ratio,
+    })
 }
 
 /// The job's curve with its power as the budget mode counts it.
@@ -277,6 +333,13 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             } else {
                 job.power_steady && steady
             };
+            let held_s = report.power_cap_steady_s.unwrap_or(0.0);
+            job.cap_steady_s = if first_node {
+                held_s
+            } else {
+                job.cap_steady_s.min(held_s)
+            };
+            job.calibrating |= report.calibrating;
             job.power_from_every_node &= report.power_w.is_some();
             let job_default_w = if report.gpu_uuids.is_empty() {
                 f64::from(report.gpus) * node_default_w
@@ -385,8 +448,12 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         curve.is_none() || (job.counts_tokens && job.throughput.is_some())
     });
     let mut specs = Vec::new();
+    let mut drifted = Vec::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
+        if let Some(d) = drift(id, job, &curve) {
+            drifted.push(d);
+        }
         let curve = power_as_budgeted(&curve, job, settings.budget_mode);
         specs.push(JobSpec {
             id: (*id).clone(),
@@ -463,6 +530,7 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         reserved_w: reserved,
         allocation,
         rejected,
+        drifted,
         start_cap_w: start_cap_w(nodes, budget, settings),
         objective: if raw_tokens {
             "tokens/s"
@@ -502,6 +570,7 @@ mod tests {
             gpu_uuids: Vec::new(),
             power_cap_w: None,
             power_cap_steady_s: Some(10.0),
+            calibrating: false,
         }
     }
 
@@ -1058,5 +1127,48 @@ mod tests {
             cap(&settled) > cap(&unsettled),
             "once settled, the low draw frees watts"
         );
+    }
+
+    #[test]
+    fn a_job_whose_draw_or_speed_leaves_its_curve_is_marked_drifted() {
+        // points(4.0): power = cap x 4, throughput 1000 x (1 - (1 - cap/700)/2).
+        let at = |cap: f64, power: f64, throughput: f64| {
+            let mut r = report("7", "flex3", 4, power, points(4.0));
+            r.cap_w = Some(cap);
+            r.throughput = Some(throughput);
+            r.power_cap_steady_s = Some(30.0);
+            decide(
+                &[node("n1", (0..4).map(gpu).collect(), vec![r])],
+                Watts(9000.0),
+                &settings(),
+            )
+        };
+        let on_curve = 1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0);
+        assert!(at(500.0, 2000.0, on_curve).drifted.is_empty());
+        let heavier = at(500.0, 2000.0 * 1.3, on_curve);
+        assert_eq!(heavier.drifted.len(), 1, "{:?}", heavier.drifted);
+        assert!(heavier.drifted[0]
+            .power_ratio
+            .is_some_and(|r| (r - 1.3).abs() < 0.02));
+        let slower = at(500.0, 2000.0, on_curve * 0.7);
+        assert_eq!(slower.drifted.len(), 1);
+        // Not judged while the agent walks it, nor on a prior.
+        let mut walking = report("7", "flex3", 4, 2600.0, points(4.0));
+        walking.cap_w = Some(500.0);
+        walking.calibrating = true;
+        let d = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![walking])],
+            Watts(9000.0),
+            &settings(),
+        );
+        assert!(d.drifted.is_empty());
+        let mut prior = report("7", "flex3", 4, 2600.0, Vec::new());
+        prior.cap_w = Some(500.0);
+        let d = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![prior])],
+            Watts(9000.0),
+            &settings(),
+        );
+        assert!(d.drifted.is_empty());
     }
 }

@@ -67,6 +67,10 @@ pub struct JobReport {
     /// just after a cap change does not yet show what the job draws at the new cap.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power_cap_steady_s: Option<f64>,
+    /// The agent is walking the job's calibration now (its cap is the walk's level, and
+    /// its points are not yet a whole curve).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub calibrating: bool,
 }
 
 /// What a message says.
@@ -96,6 +100,10 @@ pub enum Body {
         /// job, so a job that starts during a cut does not start above it, W.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         start_cap_w: Option<f64>,
+        /// Jobs whose measured power or throughput left their curve's band: the agent
+        /// walks them again, at most as often as its rate limit allows.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        recalibrate: Vec<String>,
     },
 }
 
@@ -452,6 +460,7 @@ mod tests {
             caps: [("42".to_string(), 450.0)].into(),
             ttl_s: 30.0,
             start_cap_w: Some(300.0),
+            recalibrate: Vec::new(),
         }
     }
 
@@ -511,6 +520,7 @@ mod tests {
                     gpu_uuids: Vec::new(),
                     power_cap_w: Some(cap),
                     power_cap_steady_s: Some(t / 1e3),
+                    calibrating: t > 5e5,
                 }],
                 power_w: power * 0.97,
                 failsafe: false,
@@ -546,6 +556,7 @@ mod tests {
             gpu_uuids: Vec::new(),
             power_cap_w: Some(500.0),
             power_cap_steady_s: Some(3.0),
+            calibrating: false,
         }
     }
 
