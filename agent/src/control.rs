@@ -46,6 +46,9 @@ pub struct AgentSettings {
     pub prior_slope: f64,
     /// What the plugin puts in a job's `POWERFLEX_PROGRESS`.
     pub progress_address: String,
+    /// A job seen with step daemons on this host whose daemons have all been gone this
+    /// long is ended, epilog or not, s.
+    pub job_end_grace_s: f64,
 }
 
 /// What the control loop must do.
@@ -96,6 +99,9 @@ pub struct Job {
     /// Whether the job's progress reports count tokens (`Some(true)`) or only steps;
     /// `None` before its first report. Tokens/s of different jobs add up; steps/s do not.
     pub counts_tokens: Option<bool>,
+    /// When a step daemon of the job was last seen on this host (agent seconds); `None`
+    /// before the first sighting.
+    pub seen_alive_at: Option<f64>,
 }
 
 impl Job {
@@ -297,6 +303,7 @@ impl Agent {
             restored_pfi: None,
             restored_points: Vec::new(),
             counts_tokens: None,
+            seen_alive_at: None,
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -345,6 +352,28 @@ impl Agent {
             }
         }
         known
+    }
+
+    /// The jobs with step daemons on this host now (from [`crate::procs`]). A job seen
+    /// alive before whose daemons have all been gone for `job_end_grace_s` has ended
+    /// without its epilog reaching the agent (a busy agent, a failed connect, an empty
+    /// `SLURMD_NODENAME`): it is ended here, and its GPUs go back to their defaults at the
+    /// next tick. A job never seen alive (registered from elsewhere, or before the first
+    /// scan) is left to its epilog. Returns the jobs ended.
+    pub fn jobs_alive(&mut self, now: f64, alive: &BTreeSet<String>) -> Vec<String> {
+        let grace = self.settings.job_end_grace_s;
+        let mut gone = Vec::new();
+        for job in self.jobs.values_mut() {
+            if alive.contains(&job.id) {
+                job.seen_alive_at = Some(now);
+            } else if job.seen_alive_at.is_some_and(|t| now - t >= grace) {
+                gone.push(job.id.clone());
+            }
+        }
+        for id in &gone {
+            self.end_job(id);
+        }
+        gone
     }
 
     /// A progress report from a verified process of `job_id`.
@@ -910,6 +939,7 @@ mod tests {
             prior_intercept: 1.2,
             prior_slope: 1.5,
             progress_address: "/run/powerflex/n1.progress".into(),
+            job_end_grace_s: 30.0,
         }
     }
 
@@ -1270,5 +1300,40 @@ mod tests {
             )
             .is_some());
         assert_eq!(caps(&a.tick(3.0)), vec![(3, 700.0)]);
+    }
+
+    /// Issue 13: a job whose epilog never reached the agent stayed registered, capped
+    /// and paid for, forever.
+    #[test]
+    fn a_job_whose_step_daemons_are_gone_is_ended_after_the_grace() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.register(0.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
+            .expect("registered");
+        let both = BTreeSet::from(["7".to_string(), "8".to_string()]);
+        assert!(a.jobs_alive(1.0, &both).is_empty());
+        let only_8 = BTreeSet::from(["8".to_string()]);
+        assert!(a.jobs_alive(20.0, &only_8).is_empty(), "within the grace");
+        assert_eq!(a.jobs_alive(31.0, &only_8), vec!["7".to_string()]);
+        assert!(!a.jobs.contains_key("7"));
+        assert!(
+            a.gpus[0].job.is_none(),
+            "its GPU is free and goes back to its default"
+        );
+        // A job never seen with a step daemon (registered before the first scan) is left
+        // to its epilog.
+        a.register(
+            40.0,
+            "9",
+            "0",
+            0,
+            "n1",
+            &["2".into()],
+            "flex3,calibrate=off",
+        )
+        .expect("registered");
+        assert!(a.jobs_alive(500.0, &only_8).is_empty());
+        assert!(a.jobs.contains_key("9"));
     }
 }

@@ -113,6 +113,9 @@ fn unix_s() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// How often the agent looks for jobs whose step daemons are gone, s.
+const JOB_SCAN_INTERVAL_S: f64 = 2.0;
+
 fn save(state_dir: &Path, agent: &Agent) {
     if let Err(e) = persist::save(state_dir, &persisted(agent)) {
         error!(error = %e, "cannot persist agent state");
@@ -326,6 +329,7 @@ pub fn run(
     let ticker = tick(Duration::from_millis(50));
     let mut next_sample = 0.0;
     let mut next_probe = DEGRADED_PROBE_S;
+    let mut next_job_scan = 0.0;
     while !shutdown.load(Ordering::SeqCst) {
         select! {
             recv(rx) -> msg => {
@@ -363,6 +367,18 @@ pub fn run(
                 let probe = t >= next_probe;
                 if probe {
                     next_probe = t + DEGRADED_PROBE_S;
+                }
+                // Jobs whose end never reached the agent: their step daemons are gone.
+                if t >= next_job_scan {
+                    next_job_scan = t + JOB_SCAN_INTERVAL_S;
+                    match crate::procs::ProcTable::read(Path::new("/proc")) {
+                        Ok(table) => {
+                            for job_id in agent.jobs_alive(t, &table.live_jobs()) {
+                                warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
+                            }
+                        }
+                        Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),
+                    }
                 }
                 for gpu in 0..agent.gpus.len() as u32 {
                     let degraded = agent.gpus[gpu as usize].degraded.is_some();

@@ -194,6 +194,9 @@ pub struct RawAgent {
     pub calibration_settle_s: Option<f64>,
     /// Calibration: measurement time at each cap, seconds (1 to 3600, default 30).
     pub calibration_hold_s: Option<f64>,
+    /// A job whose step daemons (root-owned `slurmstepd`) have all been gone from the
+    /// node this long is ended without its epilog, seconds (5 to 3600, default 30).
+    pub job_end_grace_s: Option<f64>,
 }
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
@@ -336,6 +339,7 @@ pub struct AgentConfig {
     pub calibration_warmup_s: f64,
     pub calibration_settle_s: f64,
     pub calibration_hold_s: f64,
+    pub job_end_grace_s: f64,
 }
 
 /// Default state directory of the agent.
@@ -952,6 +956,13 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
             1.0,
             3600.0,
         )?,
+        job_end_grace_s: seconds(
+            "agent.job_end_grace_s",
+            raw.job_end_grace_s,
+            30.0,
+            5.0,
+            3600.0,
+        )?,
     })
 }
 
@@ -1136,6 +1147,7 @@ listen = "10.0.0.5:7300"
                     calibration_warmup_s: 60.0,
                     calibration_settle_s: 10.0,
                     calibration_hold_s: 30.0,
+                    job_end_grace_s: 30.0,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,
