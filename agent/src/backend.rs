@@ -64,6 +64,8 @@ pub trait GpuBackend: Send {
     fn sample(&mut self, index: u32) -> Result<GpuSample, GpuError>;
     /// Sets GPU `index`'s power limit (the caller clamps to the GPU's constraints).
     fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError>;
+    /// Process ids with a compute context on GPU `index` (NVML's running processes).
+    fn running_pids(&mut self, index: u32) -> Result<Vec<u32>, GpuError>;
 }
 
 /// Production backend: NVML through `nvml-wrapper`, initialised once per process.
@@ -159,6 +161,18 @@ impl GpuBackend for NvmlBackend {
             gpu_util_pct: util.gpu,
             memory_util_pct: util.memory,
         })
+    }
+
+    fn running_pids(&mut self, index: u32) -> Result<Vec<u32>, GpuError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(|e| err(index, e))?;
+        Ok(d.running_compute_processes()
+            .map_err(|e| err(index, e))?
+            .into_iter()
+            .map(|p| p.pid)
+            .collect())
     }
 
     fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError> {
