@@ -33,6 +33,8 @@ pub struct GpuSample {
     /// Utilisation over the last sample period, percent.
     pub gpu_util_pct: u32,
     pub memory_util_pct: u32,
+    /// SM clock now, MHz (0 where NVML cannot say): what a cap slows.
+    pub sm_clock_mhz: u32,
 }
 
 /// How an NVML failure should be treated; classified once, here.
@@ -160,6 +162,10 @@ impl GpuBackend for NvmlBackend {
             energy_mj: d.total_energy_consumption().map_err(|e| err(index, e))?,
             gpu_util_pct: util.gpu,
             memory_util_pct: util.memory,
+            // A GPU without the clock reading still has every other reading.
+            sm_clock_mhz: d
+                .clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM)
+                .unwrap_or(0),
         })
     }
 

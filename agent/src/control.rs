@@ -723,6 +723,22 @@ impl Agent {
                     .collect();
                 (!utils.is_empty()).then(|| utils.iter().sum::<f64>() / utils.len() as f64)
             });
+            // The job's mean SM clock now, when every GPU of it says.
+            let sm_clock: Option<f64> = self.jobs.get(id).and_then(|j| {
+                let clocks: Option<Vec<f64>> = j
+                    .gpus
+                    .iter()
+                    .map(|&g| {
+                        self.gpus[g as usize]
+                            .last
+                            .map(|s| f64::from(s.sm_clock_mhz))
+                            .filter(|&c| c > 0.0)
+                    })
+                    .collect();
+                clocks
+                    .filter(|c| !c.is_empty())
+                    .map(|c| c.iter().sum::<f64>() / c.len() as f64)
+            });
             let (intercept, slope) = (self.settings.prior_intercept, self.settings.prior_slope);
             let held_below = self.jobs.get(id).and_then(|j| {
                 match (j.calibration.cap(), self.granted_cap(now, j)) {
@@ -735,6 +751,9 @@ impl Agent {
                     job.calibration.held_below_level(now, granted);
                 }
                 let before = job.calibration.phase.clone();
+                if let Some(mhz) = sm_clock {
+                    job.calibration.observe_clock(now, mhz);
+                }
                 job.calibration.tick(now, &job.log, power);
                 if job.calibration.phase != before {
                     changed = true;
@@ -885,6 +904,7 @@ impl Agent {
                         power_w: self.job_power(j).map(|w| w.0),
                         power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
                         calibrating: cal.is_active(),
+                        curve_implausible: cal.implausible.clone(),
                         power_cap_steady_s: j
                             .gpus
                             .iter()
@@ -968,6 +988,9 @@ pub struct JobView {
     pub power_cap_w: Option<f64>,
     /// The calibration walk is under way (warm-up or a level).
     pub calibrating: bool,
+    /// Why the job's reported curve was not believed (it slowed more than its GPUs'
+    /// clocks): the job is planned on the telemetry prior. For the admin.
+    pub curve_implausible: Option<String>,
     /// How long that limit had held when `power_w` was sampled, seconds.
     pub power_cap_steady_s: Option<f64>,
 }
@@ -1031,6 +1054,7 @@ mod tests {
                     energy_mj: 0,
                     gpu_util_pct: 100,
                     memory_util_pct: 40,
+                    sm_clock_mhz: 1980,
                 }),
             );
         }

@@ -228,10 +228,16 @@ fn a_busy_gpu_never_draws_above_its_enforced_limit() {
     assert_eq!(running[0].pid, std::process::id());
     assert_eq!(d.running_compute_processes_count().expect("count"), 1);
     let idle = nvml.device_by_index(BUSY_GPU + 1).expect("idle device");
-    assert!(idle.running_compute_processes().expect("idle list").is_empty());
+    assert!(idle
+        .running_compute_processes()
+        .expect("idle list")
+        .is_empty());
     d.set_power_management_limit(700_000).expect("restore");
     node.release(std::process::id()).expect("release");
-    assert!(d.running_compute_processes().expect("after release").is_empty());
+    assert!(d
+        .running_compute_processes()
+        .expect("after release")
+        .is_empty());
 }
 
 #[test]
