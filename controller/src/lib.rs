@@ -12,6 +12,7 @@ pub mod ctld;
 pub mod offline;
 pub mod plot;
 pub mod render;
+pub mod rollout;
 pub mod schedule;
 pub mod site;
 pub mod table;

@@ -431,6 +431,9 @@ mod tests {
                 objective: 1700.4,
                 over_budget_w: 0.0,
             }),
+            rejected: Vec::new(),
+            drifted: Vec::new(),
+            start_cap_w: 500.0,
             objective: Objective::TokensPerS,
         };
         let text = render_whatif(&d);

@@ -170,7 +170,36 @@ pub struct DecisionView {
     pub reserved_w: f64,
     /// The allocation over the managed jobs; none when there are none.
     pub allocation: Option<AllocationView>,
+    /// Reports left out because their values cannot be true.
+    #[serde(default)]
+    pub rejected: Vec<RejectedView>,
+    /// Jobs whose measurements left their curve's band.
+    #[serde(default)]
+    pub drifted: Vec<DriftView>,
+    /// Per-GPU cap for a managed job that starts before the next allocation names it, W.
+    pub start_cap_w: f64,
     pub objective: Objective,
+}
+
+/// A report (or one job of it) the allocation left out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RejectedView {
+    pub node: String,
+    /// The job, or none when the node's report as a whole was refused.
+    pub job: Option<String>,
+    pub reason: String,
+}
+
+/// A job whose measurements left its curve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DriftView {
+    pub job: String,
+    /// The per-GPU cap it was measured at, W.
+    pub cap_w: f64,
+    /// Measured over predicted power at that cap.
+    pub power_ratio: Option<f64>,
+    /// Measured over predicted throughput at that cap.
+    pub throughput_ratio: Option<f64>,
 }
 
 /// The allocation over the managed jobs.
@@ -247,6 +276,12 @@ pub struct AgentStatus {
     pub progress_rejected: u64,
     /// Why the last site config reload was refused; none once one is accepted.
     pub config_error: Option<String>,
+    /// GPU limits found changed behind the agent's back (and written again).
+    pub cap_mismatches: u64,
+    /// Leases applied and read back since the agent started.
+    pub leases_applied: u64,
+    /// GPU claims refused because other jobs' processes use the GPU.
+    pub gpu_claims_refused: u64,
     pub gpus: Vec<AgentGpuStatus>,
     pub jobs: Vec<AgentJobStatus>,
 }
@@ -294,6 +329,15 @@ pub struct AgentJobStatus {
     pub throughput: Option<f64>,
     pub throughput_unit: Option<ThroughputUnit>,
     pub power_w: Option<f64>,
+    /// The per-GPU limit read back in the same samples as `power_w`, W.
+    pub power_cap_w: Option<f64>,
+    /// The calibration walk is under way (warm-up or a level).
+    pub calibrating: bool,
+    /// Why the job's reported curve was not believed (it slowed more than its GPUs'
+    /// clocks): the job is planned on the telemetry prior. For the admin.
+    pub curve_implausible: Option<String>,
+    /// How long that limit had held when `power_w` was sampled, seconds.
+    pub power_cap_steady_s: Option<f64>,
 }
 
 #[cfg(test)]

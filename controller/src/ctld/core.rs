@@ -51,6 +51,17 @@ pub enum Input {
     Tick,
 }
 
+/// One node's lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lease {
+    /// Job → per-GPU cap, W.
+    pub caps: BTreeMap<String, f64>,
+    /// Per-GPU cap for a job that starts before the next allocation names it, W.
+    pub start_cap_w: f64,
+    /// The node's jobs whose measurements left their curves: to be walked again.
+    pub recalibrate: Vec<String>,
+}
+
 /// What one [`Core::step`] asks the I/O edge to do, in this order: persist, reply, lease,
 /// annotate, publish metrics.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -60,9 +71,8 @@ pub struct Output {
     pub persist: Option<CtldState>,
     /// One reply per [`Input::Admin`], with the input's index in the step's inputs.
     pub replies: Vec<(usize, AdminReply)>,
-    /// Per node: job → per-GPU cap, W, valid for `lease_ttl_s`. Empty when nothing was
-    /// allocated this step.
-    pub leases: BTreeMap<String, BTreeMap<String, f64>>,
+    /// Per node, valid for `lease_ttl_s`. Empty when nothing was allocated this step.
+    pub leases: BTreeMap<String, Lease>,
     pub lease_ttl_s: f64,
     /// Job → `AdminComment` text, only for jobs whose text changed.
     pub annotations: Vec<(String, String)>,
@@ -442,7 +452,24 @@ impl Core {
                 );
             }
         }
-        out.leases = decision.leases.clone();
+        out.leases = decision
+            .leases
+            .iter()
+            .map(|(node, caps)| {
+                let recalibrate = decision
+                    .drifted
+                    .iter()
+                    .filter(|d| caps.contains_key(&d.job))
+                    .map(|d| d.job.clone())
+                    .collect();
+                let lease = Lease {
+                    caps: caps.clone(),
+                    start_cap_w: decision.start_cap_w,
+                    recalibrate,
+                };
+                (node.clone(), lease)
+            })
+            .collect();
         out.annotations = annotate::changes(
             &decision,
             self.sessions.values().flat_map(|s| s.view.jobs.iter()),
@@ -487,6 +514,7 @@ impl Core {
 mod tests {
     use super::*;
     use crate::site::SiteSettings;
+    use powerflex_core::config::{BudgetMode, Objective};
     use powerflex_core::flex::TierTable;
     use powerflex_proto::admin::Cut;
     use powerflex_proto::status::ThroughputUnit;
@@ -511,6 +539,8 @@ mod tests {
                 cap_step: Watts(10.0),
                 failsafe_cap: Watts(500.0),
                 default_pfi: 1.3,
+                budget_mode: BudgetMode::Metered { margin: 0.0 },
+                objective: Objective::Tokens,
             },
             metrics_listen: None,
         }
@@ -538,7 +568,8 @@ mod tests {
             tier: "flex2".into(),
             gpus: 4,
             cap_w: Some(700.0),
-            power_w: Some(2400.0),
+            // On its curve: 4 GPUs at 700 W.
+            power_w: Some(2800.0),
             throughput: Some(1000.0),
             throughput_unit: Some(ThroughputUnit::Tokens),
             pfi,
@@ -547,21 +578,26 @@ mod tests {
                 .iter()
                 .map(|&c| [c, c * 4.0, 1000.0 * (1.0 - (1.0 - c / 700.0) / 2.0)])
                 .collect(),
+            gpu_uuids: Vec::new(),
+            power_cap_w: None,
+            power_cap_steady_s: Some(10.0),
+            calibrating: false,
         }
     }
 
+    /// Room for two of [`job`]'s 4-GPU jobs.
     fn hello(node: &str) -> Input {
         Input::Hello {
             node: node.into(),
-            gpus: gpus(4),
+            gpus: gpus(8),
         }
     }
 
     fn report(node: &str, jobs: Vec<JobReport>) -> Input {
         Input::Report {
             node: node.into(),
+            power_w: 2800.0 * jobs.len() as f64,
             jobs,
-            power_w: 2400.0,
         }
     }
 
@@ -698,7 +734,7 @@ mod tests {
 
     fn restarted_with(nodes: &[&str]) -> Core {
         let state = CtldState {
-            nodes: nodes.iter().map(|n| (n.to_string(), gpus(4))).collect(),
+            nodes: nodes.iter().map(|n| (n.to_string(), gpus(8))).collect(),
             ..CtldState::default()
         };
         Core::new(options(), Loaded { state, lost: false }, T0)
@@ -739,7 +775,7 @@ mod tests {
         let status = core.status(T0 + 15_000);
         let n2 = status.nodes.iter().find(|n| n.node == "n2").expect("n2");
         assert!(!n2.live);
-        // n2's 4 GPUs at the 500 W fail-safe cap come off the budget first.
+        // n2's 8 GPUs at the 500 W fail-safe cap come off the budget first.
         let out = core.step(
             T0 + 15_001,
             vec![admin(
@@ -751,7 +787,7 @@ mod tests {
             )],
         );
         let d = reply(&out).what_if.as_ref().expect("decision");
-        assert!(d.reserved_w >= 2000.0, "{d:?}");
+        assert!(d.reserved_w >= 4000.0, "{d:?}");
     }
 
     #[test]
@@ -780,7 +816,7 @@ mod tests {
             T0 + 2000,
             vec![report("n1", vec![job("101", None), job("103", None)])],
         );
-        assert!(out.leases["n1"].contains_key("103"), "{out:?}");
+        assert!(out.leases["n1"].caps.contains_key("103"), "{out:?}");
         core.step(T0 + 10_000, vec![Input::Tick]);
         assert_eq!(allocations(&core), 3);
         // A report from a node that never said hello is dropped.
@@ -818,7 +854,7 @@ mod tests {
             [("n1".into(), false), ("n2".into(), true)]
         );
         let status = core.status(T0 + 30_000);
-        assert_eq!(status.draw_w, 2400.0, "only live nodes' draw counts");
+        assert_eq!(status.draw_w, 2800.0, "only live nodes' draw counts");
         assert_eq!(status.nodes[0].seen_ms_ago, 30_000);
         core.step(
             T0 + 31_000,

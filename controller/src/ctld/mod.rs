@@ -36,7 +36,7 @@ use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
 
 pub use self::admin::request;
-pub use self::core::{Core, Input, Output};
+pub use self::core::{Core, Input, Lease, Output};
 pub use self::state::CtldState;
 use crate::site::SiteSettings;
 
@@ -142,14 +142,17 @@ pub fn run(
             }
         }
         waiting.clear();
-        for (node, caps) in out.leases {
+        for (node, lease) in out.leases {
             let Some(writer) = writers.get(&node) else {
                 continue;
             };
             seq = seq.max(unix_ms()) + 1;
             let body = Body::Lease {
-                caps,
+                node,
+                caps: lease.caps,
                 ttl_s: out.lease_ttl_s,
+                start_cap_w: Some(lease.start_cap_w),
+                recalibrate: lease.recalibrate,
             };
             if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
                 let _ = writer.try_send(e.to_line());

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use powerflex_core::allocate::{Allocation, FloorStatus};
 use powerflex_core::Watts;
 use powerflex_proto::status::{
-    AllocationView, CtldStatus, DecisionView, FloorView, JobAllocationView, NodeStatus,
-    SiteJobStatus,
+    AllocationView, CtldStatus, DecisionView, DriftView, FloorView, JobAllocationView, NodeStatus,
+    RejectedView, SiteJobStatus,
 };
 
 use super::core::Session;
@@ -125,6 +125,26 @@ pub fn decision_view(d: &Decision) -> DecisionView {
         budget_w: d.budget_w,
         reserved_w: d.reserved_w,
         allocation: d.allocation.as_ref().map(allocation_view),
+        rejected: d
+            .rejected
+            .iter()
+            .map(|r| RejectedView {
+                node: r.node.clone(),
+                job: r.job.clone(),
+                reason: r.reason.clone(),
+            })
+            .collect(),
+        drifted: d
+            .drifted
+            .iter()
+            .map(|x| DriftView {
+                job: x.job.clone(),
+                cap_w: x.cap_w,
+                power_ratio: x.power_ratio,
+                throughput_ratio: x.throughput_ratio,
+            })
+            .collect(),
+        start_cap_w: d.start_cap_w,
         objective: d.objective,
     }
 }
