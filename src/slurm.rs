@@ -474,6 +474,7 @@ impl Cluster {
              SlurmdLogFile={d}/log/slurmd-%n.log\n\
              SlurmdParameters=config_overrides\n\
              ProctrackType=proctrack/linuxproc\n\
+             PrologFlags=Contain\n\
              TaskPlugin=task/none\n\
              JobAcctGatherType=jobacct_gather/none\n\
              AccountingStorageType=accounting_storage/none\n\
