@@ -66,6 +66,14 @@ pub enum DaemonError {
 }
 
 impl DaemonError {
+    /// Wraps an I/O error with what was being done and on what.
+    pub fn io_on(
+        what: &'static str,
+        path: impl std::fmt::Display,
+    ) -> impl FnOnce(std::io::Error) -> DaemonError {
+        DaemonError::io(what, path)
+    }
+
     pub(crate) fn io(
         what: &'static str,
         path: impl std::fmt::Display,
