@@ -29,7 +29,7 @@ pub fn kill(pid: u32, signal: Signal) -> Result<(), DaemonError> {
     })
 }
 
-/// The effective-or-not, plain real uid of this process.
+/// The real uid of this process.
 pub fn current_uid() -> u32 {
     rustix::process::getuid().as_raw()
 }
