@@ -15,7 +15,12 @@
 //! ## What fits where, for a daemon that adopts it
 //! - state file saved on every change: [`fsx::write_atomic`] with
 //!   [`fsx::AtomicWrite::durable`] (fsync; what the controller's state needs) or
-//!   [`fsx::AtomicWrite::fast`] (what survives a process crash, not a node crash);
+//!   [`fsx::AtomicWrite::fast`] (what survives a process crash, not a node crash); a
+//!   daemon that keeps the previous copy (the controller's `ctld-state.prev.json`)
+//!   hard-links the current file to that name first, then writes;
+//! - an accept loop that must end: the [`http`] responder shows the pattern (blocking
+//!   accept, `shutdown(2)` on the listener to wake it);
+//! - a peer's uid on a Unix socket: [`os::peer_of`];
 //! - a socket read of one request: [`lines::read_line`] with the protocol's limit;
 //! - metrics: build the text with [`prom::TextWriter`] from [`prom::catalog`] families
 //!   and serve it with [`http::MetricsServer::spawn`] given a closure that renders the
