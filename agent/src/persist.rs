@@ -5,13 +5,13 @@
 //! aside, never trusted.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::procs::ProcTable;
 use serde::{Deserialize, Serialize};
 
 use powerflex_core::Watts;
+use powerflex_daemon::fsx::{write_atomic, AtomicWrite};
 
 /// File name inside the state directory.
 pub const STATE_FILE: &str = "agent-state.json";
@@ -77,6 +77,8 @@ pub enum PersistError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Write(powerflex_daemon::DaemonError),
     #[error("{path} is corrupt ({message}); moved aside to {moved}")]
     Corrupt {
         path: String,
@@ -119,20 +121,16 @@ pub fn load(dir: &Path) -> Result<Option<PersistedState>, PersistError> {
 
 /// Saves the state atomically.
 pub fn save(dir: &Path, state: &PersistedState) -> Result<(), PersistError> {
-    let io = |path: &Path| {
-        let path = path.display().to_string();
-        move |source| PersistError::Io { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let path = state_path(dir);
-    let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+    std::fs::create_dir_all(dir).map_err(|source| PersistError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
     let bytes = serde_json::to_vec_pretty(state).unwrap_or_default();
-    let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-    file.write_all(&bytes).map_err(io(&tmp))?;
     // No fsync: the state must survive the agent's crash (the page cache does), not the
     // node's — a rebooted node's GPUs come back at their defaults anyway. An fsync here
-    // sat on the registration path of every job step.
-    std::fs::rename(&tmp, &path).map_err(io(&path))
+    // sat on the registration path of every job step. Root-only: it names jobs and uids.
+    let how = AtomicWrite::fast().with_mode(0o600);
+    write_atomic(&state_path(dir), &bytes, how).map_err(PersistError::Write)
 }
 
 /// Whether any process on this host belongs to Slurm job `job_id` (its environment has

@@ -42,6 +42,8 @@ pub struct RunOptions {
 pub enum AgentError {
     #[error("{0}")]
     Gpu(#[from] crate::backend::GpuError),
+    #[error("{0}")]
+    Plumbing(#[from] powerflex_daemon::DaemonError),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -332,17 +334,14 @@ pub fn run(
             }
         })?,
     ];
+    let mut metrics = None;
     if let Some(addr) = options.metrics_listen {
         let listener = TcpListener::bind(addr).map_err(|source| AgentError::Io {
             what: "metrics listener",
             path: addr.to_string(),
             source,
         })?;
-        threads.push(metrics_thread(
-            listener,
-            snapshot.clone(),
-            shutdown.clone(),
-        )?);
+        metrics = Some(crate::metrics::spawn(listener, snapshot.clone())?);
     }
     if let Some(mut link) = options.link.clone() {
         link.gpus = agent
@@ -467,25 +466,12 @@ pub fn run(
     for t in threads {
         let _ = t.join();
     }
+    if let Some(metrics) = metrics {
+        metrics.stop();
+    }
     let _ = std::fs::remove_file(&options.control_socket);
     let _ = std::fs::remove_file(&options.progress_socket);
     Ok(())
-}
-
-fn metrics_thread(
-    listener: TcpListener,
-    snapshot: SnapshotCell,
-    shutdown: Arc<AtomicBool>,
-) -> Result<std::thread::JoinHandle<()>, AgentError> {
-    let addr = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    crate::metrics::spawn(listener, snapshot, shutdown).map_err(|source| AgentError::Io {
-        what: "thread for",
-        path: addr,
-        source,
-    })
 }
 
 fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
