@@ -327,6 +327,4 @@ mod control_tests {
 pub mod admin;
 #[cfg(feature = "link")]
 pub mod link;
-pub mod peer;
-pub mod signals;
 pub mod status;
