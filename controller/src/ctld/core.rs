@@ -86,7 +86,9 @@ pub struct Core {
     options: CtldOptions,
     state: CtldState,
     sessions: BTreeMap<String, Session>,
-    /// Nodes known from before a restart that have not said hello yet.
+    /// Nodes known from before a restart whose first report has not arrived: until it
+    /// does their jobs are unknown, and allocating without them would hand their watts
+    /// to the jobs already reported while their old leases still hold their caps.
     awaiting: BTreeSet<String>,
     /// With the state lost, nothing is allocated before this.
     hold_until_ms: u64,
@@ -249,7 +251,6 @@ impl Core {
             self.state.nodes.insert(node.clone(), gpus.clone());
             self.dirty = true;
         }
-        self.awaiting.remove(&node);
         session.view.gpus = gpus;
         session.last_seen_ms = now_ms;
         self.allocate_now = true;
@@ -271,7 +272,10 @@ impl Core {
         s.view.jobs = jobs;
         s.view.power_w = power_w;
         s.last_seen_ms = now_ms;
-        self.allocate_now |= changed;
+        // An agent reports right after its hello; the first report after a restart
+        // completes what the controller knows of the node.
+        let first = self.awaiting.remove(node);
+        self.allocate_now |= changed || first;
     }
 
     /// A valid config replaces the budget, policy, tiers and lease settings at once; the
@@ -757,6 +761,27 @@ mod tests {
             out.leases.keys().collect::<Vec<_>>(),
             ["n1", "n2"],
             "all back: allocated at once"
+        );
+    }
+
+    #[test]
+    fn after_a_restart_a_hello_without_its_report_is_not_enough() {
+        let mut core = restarted_with(&["n1", "n2"]);
+        // Both reconnect in one batch, but only n2's report came with it: n1's jobs are
+        // unknown, and n2's jobs would get n1's watts.
+        let out = core.step(
+            T0 + 100,
+            vec![
+                hello("n1"),
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+            ],
+        );
+        assert!(out.leases.is_empty(), "{out:?}");
+        let out = core.step(T0 + 110, vec![report("n1", vec![job("101", None)])]);
+        assert_eq!(out.leases.keys().collect::<Vec<_>>(), ["n1", "n2"]);
+        assert!(
+            out.leases["n1"].caps.contains_key("101") && out.leases["n2"].caps.contains_key("102")
         );
     }
 
