@@ -124,7 +124,10 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, ScheduleError> {
         text: printable(text),
         reason,
     };
-    let span: jiff::Span = text.trim().parse().map_err(|e: jiff::Error| bad(e.to_string()))?;
+    let span: jiff::Span = text
+        .trim()
+        .parse()
+        .map_err(|e: jiff::Error| bad(e.to_string()))?;
     let duration = span
         .to_duration(jiff::SpanRelativeTo::days_are_24_hours())
         .map_err(|_| bad("months and years have no fixed length".into()))?;
@@ -163,9 +166,13 @@ pub fn parse_reduce(text: &str) -> Result<f64, ScheduleError> {
 pub enum Start {
     Now,
     /// This many milliseconds after now.
-    After { ms: u64 },
+    After {
+        ms: u64,
+    },
     /// At this Unix time, milliseconds.
-    At { unix_ms: u64 },
+    At {
+        unix_ms: u64,
+    },
 }
 
 impl Start {
@@ -360,7 +367,16 @@ mod tests {
                 parse_start(bad)
             );
         }
-        for bad in ["3 fortnights", "90", "-5m", "1y", "2mo", "366d", "", "5m\u{e9}"] {
+        for bad in [
+            "3 fortnights",
+            "90",
+            "-5m",
+            "1y",
+            "2mo",
+            "366d",
+            "",
+            "5m\u{e9}",
+        ] {
             assert!(
                 matches!(parse_duration_ms(bad), Err(ScheduleError::Duration { .. })),
                 "{bad:?}: {:?}",
@@ -385,7 +401,9 @@ mod tests {
                 && e.ends_with("accepted: now, +DURATION (e.g. +10m), or an RFC 3339 time with an offset (e.g. 2026-12-01T17:00:00Z, 2026-12-01T18:00:00+01:00)"),
             "{e}"
         );
-        let e = parse_duration_ms("3 fortnights").expect_err("bad").to_string();
+        let e = parse_duration_ms("3 fortnights")
+            .expect_err("bad")
+            .to_string();
         assert!(
             e.starts_with("bad duration \"3 fortnights\": ") && e.contains("accepted: a length"),
             "{e}"
@@ -405,7 +423,10 @@ mod tests {
         assert_eq!(duration_text(3 * H + 300_000), "3h 5m");
         assert_eq!(duration_text(0), "0s");
         for ms in [0, 1_000, 90_000, 3 * H, 1_796_144_400_000] {
-            assert_eq!(parse_start_ms(&utc_text(ms).replace(" UTC", "Z").replacen(' ', "T", 1), 0), Ok(ms));
+            assert_eq!(
+                parse_start_ms(&utc_text(ms).replace(" UTC", "Z").replacen(' ', "T", 1), 0),
+                Ok(ms)
+            );
         }
     }
 }
