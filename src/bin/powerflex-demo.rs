@@ -305,21 +305,19 @@ fn wait_for<T>(
     }
 }
 
-/// The steps a simulated job's rank logged (lines `true,step,tokens,elapsed_s,
-/// tokens_per_s,cap_min_w,cap_max_w,unix_ms`).
+/// The steps a simulated job's rank logged (`powerflex_sim::steplog`); a log not yet
+/// written or not readable counts as no steps, as before.
 fn read_steps(path: &Path) -> Vec<Step> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Vec::new();
     };
-    text.lines()
-        .filter(|l| l.starts_with("true,"))
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(',').collect();
-            Some(Step {
-                tokens: f.get(2)?.parse().ok()?,
-                cap_w: f.get(5)?.parse().ok()?,
-                unix_ms: f.get(7)?.parse().ok()?,
-            })
+    powerflex_sim::steplog::read_steps(&text)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| Step {
+            tokens: s.tokens,
+            cap_w: s.cap_min_w,
+            unix_ms: s.unix_ms,
         })
         .collect()
 }

@@ -29,6 +29,7 @@ use powerflex_core::Watts;
 use powerflex_proto::{ProgressReport, PROGRESS_ENV, VERSION};
 use powerflex_sim::profiles::{Library, Profile};
 use powerflex_sim::state::{dir_from_env, Node, Workload};
+use powerflex_sim::steplog::{StepLogWriter, StepRow};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -101,10 +102,10 @@ impl Drop for Claim<'_> {
 
 /// Wall-clock time of a step's end, ms since the Unix epoch: lines up the steps of a
 /// job's ranks on different nodes with each other and with events outside the job.
-fn unix_ms() -> u128 {
+fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Best-effort progress reporting: never blocks the job for long, never fails it.
@@ -217,7 +218,7 @@ fn run(cli: Cli) -> Result<(), String> {
     node.claim(&gpus, &workload).map_err(|e| e.to_string())?;
     let _claim = Claim { node: &node };
 
-    let mut out: Box<dyn Write> = match &cli.csv {
+    let out: Box<dyn Write> = match &cli.csv {
         Some(path) => Box::new(
             std::fs::File::create(path)
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))?,
@@ -225,9 +226,8 @@ fn run(cli: Cli) -> Result<(), String> {
         None => Box::new(std::io::stdout()),
     };
     let tokens_per_step = profile.tokens_per_s_per_gpu * gpus.len() as f64 * cli.step_s;
-    let _ = writeln!(
-        out,
-        "# powerflex-simjob: SIMULATED training job {job_id}, profile {} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
+    let comment = format!(
+        "powerflex-simjob: SIMULATED training job {job_id}, profile {} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
         profile.name,
         gpus.len(),
         node.model().key,
@@ -235,11 +235,7 @@ fn run(cli: Cli) -> Result<(), String> {
         node.info().node,
         cli.time_scale
     );
-    let _ = writeln!(
-        out,
-        "simulated,step,tokens,elapsed_s,tokens_per_s,cap_min_w,cap_max_w,unix_ms"
-    );
-    let _ = out.flush();
+    let mut log = StepLogWriter::new(out, &comment).map_err(|e| e.to_string())?;
 
     let mut reporter = Reporter::from_env();
     let (mut step, mut tokens, mut elapsed_sim) = (0u64, 0u64, 0.0f64);
@@ -284,13 +280,18 @@ fn run(cli: Cli) -> Result<(), String> {
         step += 1;
         tokens += tokens_per_step.round() as u64;
         elapsed_sim += step_sim;
-        let _ = writeln!(
-            out,
-            "true,{step},{tokens},{elapsed_sim:.3},{:.1},{cap_min:.0},{cap_max:.0},{}",
-            tokens_per_step / step_sim,
-            unix_ms()
-        );
-        let _ = out.flush();
+        // A log that cannot be written (full disk, closed pipe) must not stop training,
+        // as a real job's logging would not: the progress report still goes out.
+        let _ = log.step(&StepRow {
+            simulated: true,
+            step,
+            tokens,
+            elapsed_s: (elapsed_sim * 1000.0).round() / 1000.0,
+            tokens_per_s: (tokens_per_step / step_sim * 10.0).round() / 10.0,
+            cap_min_w: cap_min.round(),
+            cap_max_w: cap_max.round(),
+            unix_ms: unix_ms(),
+        });
         reporter.send(&ProgressReport {
             v: VERSION,
             job_id: job_id.clone(),
