@@ -26,9 +26,10 @@ pub struct StepRow {
     pub elapsed_s: f64,
     /// Tokens per simulated second during this step.
     pub tokens_per_s: f64,
-    /// Lowest and highest power cap among the job's GPUs during the step, W.
-    pub cap_min_w: f64,
-    pub cap_max_w: f64,
+    /// Lowest and highest power cap among the job's GPUs during the step, whole W (as
+    /// the log always printed them).
+    pub cap_min_w: u32,
+    pub cap_max_w: u32,
     /// Wall-clock end of the step, Unix milliseconds.
     pub unix_ms: u64,
 }
@@ -116,8 +117,8 @@ mod tests {
             tokens: step * 1000,
             elapsed_s: step as f64 * 1.25,
             tokens_per_s: 800.0,
-            cap_min_w: 500.0,
-            cap_max_w: 700.0,
+            cap_min_w: 500,
+            cap_max_w: 700,
             unix_ms: 1_796_144_400_000 + step,
         }
     }

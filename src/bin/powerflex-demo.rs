@@ -316,7 +316,7 @@ fn read_steps(path: &Path) -> Vec<Step> {
         .into_iter()
         .map(|s| Step {
             tokens: s.tokens,
-            cap_w: s.cap_min_w,
+            cap_w: f64::from(s.cap_min_w),
             unix_ms: s.unix_ms,
         })
         .collect()

@@ -288,8 +288,8 @@ fn run(cli: Cli) -> Result<(), String> {
             tokens,
             elapsed_s: (elapsed_sim * 1000.0).round() / 1000.0,
             tokens_per_s: (tokens_per_step / step_sim * 10.0).round() / 10.0,
-            cap_min_w: cap_min.round(),
-            cap_max_w: cap_max.round(),
+            cap_min_w: cap_min.round() as u32,
+            cap_max_w: cap_max.round() as u32,
             unix_ms: unix_ms(),
         });
         reporter.send(&ProgressReport {
