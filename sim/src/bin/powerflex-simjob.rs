@@ -40,32 +40,70 @@ use powerflex_sim::steplog::{StepLogWriter, StepRow};
 #[command(group(clap::ArgGroup::new("length").args(["duration", "steps"])))]
 struct Cli {
     /// Workload profile from the library (`powerflex-sim profiles` lists them).
-    #[arg(long)]
-    profile: String,
+    #[arg(long, value_parser = builtin_profile)]
+    profile: Profile,
     /// Stop after this many simulated seconds.
-    #[arg(long, value_name = "S")]
+    #[arg(long, value_name = "S", value_parser = positive_s)]
     duration: Option<f64>,
     /// Stop after this many steps [default: run until SIGTERM].
     #[arg(long, value_name = "N")]
     steps: Option<u64>,
     /// Simulated seconds per real second.
-    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    #[arg(long, default_value = "1", value_name = "X", value_parser = positive_scale)]
     time_scale: f64,
     /// Simulated seconds one step takes uncapped.
-    #[arg(long, default_value_t = 1.0, value_name = "S")]
+    #[arg(long, default_value = "1", value_name = "S", value_parser = positive_s)]
     step_s: f64,
     /// Node state directory [default: $POWERFLEX_SIM_DIR, %n = $SLURMD_NODENAME].
     #[arg(long, value_name = "DIR")]
     sim_dir: Option<PathBuf>,
     /// GPUs to use, indices or UUIDs [default: $SLURM_JOB_GPUS, else $CUDA_VISIBLE_DEVICES].
-    #[arg(long, value_name = "LIST")]
-    gpus: Option<String>,
+    #[arg(long, value_name = "LIST", value_parser = gpu_list)]
+    gpus: Option<GpuList>,
     /// Job id [default: $SLURM_JOB_ID, else local-<pid>].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
     /// Write the per-step CSV here instead of stdout.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
+}
+
+/// `--gpus`, parsed (a newtype: clap would read a bare `Vec` as a repeated flag).
+#[derive(Debug, Clone)]
+struct GpuList(Vec<GpuRef>);
+
+fn gpu_list(text: &str) -> Result<GpuList, String> {
+    parse_gpu_list(text).map(GpuList).map_err(|e| e.to_string())
+}
+
+/// A profile of the built-in library; an unknown name lists the known ones.
+fn builtin_profile(name: &str) -> Result<Profile, String> {
+    let library = Library::builtin().map_err(|e| e.to_string())?;
+    library.find(name).cloned().map_err(|e| e.to_string())
+}
+
+fn positive(text: &str, accepted: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!(
+            "\"{}\" is not accepted; accepted: {accepted}",
+            text.escape_default()
+        )),
+    }
+}
+
+fn positive_s(text: &str) -> Result<f64, String> {
+    positive(
+        text,
+        "a positive number of simulated seconds, e.g. 1 or 0.5",
+    )
+}
+
+fn positive_scale(text: &str) -> Result<f64, String> {
+    positive(
+        text,
+        "a positive number of simulated seconds per real second, e.g. 20",
+    )
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -171,30 +209,14 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), String> {
-    if !(cli.time_scale.is_finite() && cli.time_scale > 0.0) {
-        return Err(format!(
-            "--time-scale must be a positive number (got {})",
-            cli.time_scale
-        ));
-    }
-    if !(cli.step_s.is_finite() && cli.step_s > 0.0) {
-        return Err(format!(
-            "--step-s must be a positive number of seconds (got {})",
-            cli.step_s
-        ));
-    }
-    let library = Library::builtin().map_err(|e| e.to_string())?;
-    let profile: Profile = library
-        .find(&cli.profile)
-        .map_err(|e| e.to_string())?
-        .clone();
+    let profile = &cli.profile;
     let dir = match &cli.sim_dir {
         Some(d) => d.clone(),
         None => dir_from_env().map_err(|e| e.to_string())?,
     };
     let node = Node::open(&dir).map_err(|e| e.to_string())?;
     let refs = match &cli.gpus {
-        Some(list) => parse_gpu_list(list).map_err(|e| format!("--gpus: {e}"))?,
+        Some(GpuList(list)) => list.clone(),
         None => job_gpus_from_env(|name| std::env::var(name).ok()).map_err(|e| e.to_string())?,
     };
     if refs.is_empty() {
