@@ -599,3 +599,72 @@ fn well_formed_event_values_get_past_the_command_line() {
         );
     }
 }
+
+/// The other binaries parse their values in clap too: a malformed one exits 2 with a
+/// message naming the flag and what it accepts, before anything starts (the demo would
+/// otherwise need root and Slurm, the agent a config file).
+#[test]
+fn other_binaries_refuse_malformed_values_with_exit_2() {
+    let cases: [(&str, &[&str], &str, &str); 7] = [
+        (
+            "powerflex-demo",
+            &["--cut", "0.95"],
+            "--cut",
+            "accepted: a share of the draw between 0 and 0.9",
+        ),
+        (
+            "powerflex-demo",
+            &["--ramp-s", "0.5"],
+            "--ramp-s",
+            "accepted: at least 1 second",
+        ),
+        (
+            "powerflex-demo",
+            &["--hold-s", "NaN"],
+            "--hold-s",
+            "accepted: at least 15 seconds",
+        ),
+        (
+            "powerflex-demo",
+            &["--time-scale", "x"],
+            "--time-scale",
+            "accepted: at least 1 simulated second",
+        ),
+        (
+            "powerflex-sim",
+            &["init", "--dir", "/nonexistent/n1", "--model", "A100"],
+            "--model",
+            "accepted: H200, H100",
+        ),
+        (
+            "powerflex-sim",
+            &["init", "--dir", "/nonexistent/n1", "--gpus", "0"],
+            "--gpus",
+            "1..=64",
+        ),
+        (
+            "powerflexd",
+            &[
+                "--config",
+                "/nonexistent/powerflex.toml",
+                "--sample-interval-ms",
+                "10",
+            ],
+            "--sample-interval-ms",
+            "50..=60000",
+        ),
+    ];
+    for (name, args, flag, accepted) in cases {
+        let out = run(&powerflex::binary(name), args);
+        let shown = format!("{name} {}", args.join(" "));
+        assert_eq!(out.code, Some(2), "{shown}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("invalid value")
+                && out.stderr.contains(flag)
+                && out.stderr.contains(accepted),
+            "{shown}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("panicked"), "{shown}: {}", out.stderr);
+    }
+}

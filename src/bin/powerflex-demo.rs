@@ -46,16 +46,16 @@ const SLOWDOWN_TOLERANCE: f64 = 0.03;
 )]
 struct Cli {
     /// The grid event's cut, as a share of the cluster's measured draw before it.
-    #[arg(long, default_value_t = 0.30, value_name = "FRACTION")]
+    #[arg(long, default_value = "0.3", value_name = "FRACTION", value_parser = cut_share)]
     cut: f64,
     /// How long the budget takes to step down at the start, and back up at the end, s.
-    #[arg(long, default_value_t = 10.0, value_name = "S")]
+    #[arg(long, default_value = "10", value_name = "S", value_parser = ramp_s)]
     ramp_s: f64,
     /// How long the event holds at its full cut, s.
-    #[arg(long, default_value_t = 60.0, value_name = "S")]
+    #[arg(long, default_value = "60", value_name = "S", value_parser = hold_s)]
     hold_s: f64,
     /// Simulated seconds per real second for the training jobs.
-    #[arg(long, default_value_t = 20.0, value_name = "X")]
+    #[arg(long, default_value = "20", value_name = "X", value_parser = time_scale)]
     time_scale: f64,
     /// Where the plot, the jobs' step logs, the daemons' logs and the summary go
     /// [default: <repo>/target/powerflex-demo].
@@ -157,6 +157,42 @@ impl Progress {
         println!("[{:>2}:{:02}] {}", s / 60, s % 60, message.as_ref());
         let _ = std::io::stdout().flush();
     }
+}
+
+/// A number in a range, or a message naming the range (clap exits 2 with it).
+fn ranged(text: &str, ok: impl Fn(f64) -> bool, accepted: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && ok(v) => Ok(v),
+        _ => Err(format!("accepted: {accepted}")),
+    }
+}
+
+fn cut_share(text: &str) -> Result<f64, String> {
+    ranged(
+        text,
+        |v| v > 0.0 && v < 0.9,
+        "a share of the draw between 0 and 0.9, e.g. 0.3",
+    )
+}
+
+fn ramp_s(text: &str) -> Result<f64, String> {
+    ranged(text, |v| v >= 1.0, "at least 1 second")
+}
+
+fn hold_s(text: &str) -> Result<f64, String> {
+    ranged(
+        text,
+        |v| v >= 15.0,
+        "at least 15 seconds (the measurement window)",
+    )
+}
+
+fn time_scale(text: &str) -> Result<f64, String> {
+    ranged(
+        text,
+        |v| v >= 1.0,
+        "at least 1 simulated second per real second",
+    )
 }
 
 fn main() -> ExitCode {
@@ -432,15 +468,6 @@ fn terminate(child: &mut Child) {
 }
 
 fn run_demo(cli: &Cli) -> Result<bool, String> {
-    if !(cli.cut > 0.0 && cli.cut < 0.9) {
-        return Err(format!(
-            "--cut {} is out of range: give a share of the draw between 0 and 0.9, e.g. 0.3",
-            cli.cut
-        ));
-    }
-    if !(cli.ramp_s >= 1.0 && cli.hold_s >= 15.0 && cli.time_scale >= 1.0) {
-        return Err("--ramp-s must be at least 1, --hold-s at least 15 (the measurement window), --time-scale at least 1".into());
-    }
     check_root()?;
     let ctld_bin = artifact("powerflex-ctld")?;
     let agent_bin = artifact("powerflexd")?;
