@@ -429,4 +429,40 @@ mod tests {
             );
         }
     }
+
+    /// The fuzz target's properties on its seed corpus (fuzz/seeds/event_time), so they
+    /// hold in every `cargo test`, not only when someone fuzzes.
+    #[test]
+    fn the_fuzz_seeds_print_and_parse_back() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/event_time");
+        let mut seen = (0, 0, 0);
+        for entry in std::fs::read_dir(&dir).expect("fuzz/seeds/event_time") {
+            let path = entry.expect("seed").path();
+            let text = std::fs::read_to_string(&path).expect("seed text");
+            match parse_start(&text) {
+                Ok(Start::At { unix_ms }) => {
+                    seen.0 += 1;
+                    let printed = utc_text(unix_ms).replace(" UTC", "Z").replacen(' ', "T", 1);
+                    assert_eq!(
+                        parse_start(&printed),
+                        Ok(Start::At {
+                            unix_ms: unix_ms - unix_ms % 1000
+                        }),
+                        "{path:?}"
+                    );
+                }
+                Ok(_) => {}
+                Err(_) => seen.1 += 1,
+            }
+            if let Ok(ms) = parse_duration_ms(&text) {
+                seen.2 += 1;
+                assert_eq!(parse_duration_ms(&duration_text(ms)), Ok(ms), "{path:?}");
+                assert_eq!(parse_event_duration_ms(&text).is_ok(), ms > 0, "{path:?}");
+            }
+        }
+        assert!(
+            seen.0 >= 10 && seen.1 >= 10 && seen.2 >= 8,
+            "the seeds reach accepted times, refused starts and durations: {seen:?}"
+        );
+    }
 }
