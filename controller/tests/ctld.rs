@@ -250,7 +250,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         String::from_utf8_lossy(&as_nobody.stderr)
     );
     let bad = ctl_run(&["event", "add", "--reduce", "150%", "--duration", "1h"]);
-    assert_eq!(bad.code, Some(1));
+    assert_eq!(bad.code, Some(2), "a bad value is a usage error");
     assert!(bad.stderr.contains("bad reduction"), "{}", bad.stderr);
     let cancel = ctl_run(&["event", "cancel", "1"]);
     assert_eq!(cancel.code, Some(0), "{}", cancel.stderr);
@@ -335,11 +335,11 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         table.stdout
     );
     let unknown = ctl_run(&["whatif", "--policy", "fastest"]);
-    assert_eq!(unknown.code, Some(1));
+    assert_eq!(unknown.code, Some(2), "a bad value is a usage error");
     assert!(
         unknown
             .stderr
-            .contains("unknown policy \"fastest\"; accepted: optimal, equal"),
+            .contains("possible values: optimal, equal, pfi-proportional"),
         "{}",
         unknown.stderr
     );
@@ -363,7 +363,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     assert!(svg.starts_with("<svg") && svg.contains(">job 77<") && svg.contains("SIMULATED"));
     assert!(svg.matches("<polyline").count() >= 3, "{svg}");
     let png = ctl_run(&["plot", "--out", "x.png"]);
-    assert_eq!(png.code, Some(1));
+    assert_eq!(png.code, Some(2), "a bad value is a usage error");
     assert!(png.stderr.contains("only SVG"), "{}", png.stderr);
 
     // A message sealed with another key is refused and logged.
