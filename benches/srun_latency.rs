@@ -1,14 +1,14 @@
 //! `srun` launch latency with power_flex.so loaded, against no plugin: one run, three
 //! local clusters (no plugin; plugin with agents up; plugin with agents down), 25 timed
 //! `srun -N1 --gres=gpu:1 true` each after 3 warm-ups. Prints medians and ratios.
-//! Run: `cargo bench -p powerflex --bench srun_latency` (root; needs slurm-wlm).
+//! Run: `cargo bench -p powerflex-testbed --bench srun_latency` (root; needs slurm-wlm).
 
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir};
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{binary, cargo_build, profile_dir};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -5,8 +5,8 @@
 use std::process::Command;
 use std::time::Duration;
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
 

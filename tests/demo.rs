@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use powerflex::{binary, cargo_build, scratch_dir};
+use powerflex_testbed::{binary, cargo_build, scratch_dir};
 
 #[test]
 fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {

@@ -10,11 +10,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{
+use powerflex_sim::state::Node;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
-use powerflex_sim::state::Node;
 
 const GPUS_PER_NODE: u32 = 8;
 const DEFAULT_CAP_MW: u32 = 700_000;

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use powerflex::slurm::pid_alive;
-use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
-use powerflex::wait_until;
+use powerflex_testbed::slurm::pid_alive;
+use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
+use powerflex_testbed::wait_until;
 
 /// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
 const BUDGET_W: f64 = 3000.0;
@@ -15,7 +15,7 @@ const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
 
 /// Sets the budget and waits until the jobs' caps bring the draw within it.
 fn capped(stack: &Stack) {
-    let set = powerflex::run(
+    let set = powerflex_testbed::run(
         &stack.ctl,
         &[
             "budget",
@@ -247,7 +247,7 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
         n1.set_fault(1, Fault::from_name(kind)).expect("inject");
         // A lower budget must still reach the GPUs that answer.
         let budget = BUDGET_W - 200.0 * (i as f64 + 1.0);
-        let set = powerflex::run(
+        let set = powerflex_testbed::run(
             &stack.ctl,
             &[
                 "budget",
@@ -318,7 +318,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         "{status}"
     );
     assert_eq!(status["budget_w"], 2500.0, "the config in force stays");
-    let table = powerflex::run(
+    let table = powerflex_testbed::run(
         &stack.ctl,
         &["status", "--socket", &stack.socket.to_string_lossy()],
     );
@@ -412,7 +412,7 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
     // A grid event down to the test budget, then an admin change after it (so the
     // previous copy holds the event too).
     let socket = stack.socket.to_string_lossy().to_string();
-    let add = powerflex::run(
+    let add = powerflex_testbed::run(
         &stack.ctl,
         &[
             "event",
@@ -426,7 +426,7 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
         ],
     );
     assert_eq!(add.code, Some(0), "{}", add.stderr);
-    let set = powerflex::run(&stack.ctl, &["budget", "set", "5200W", "--socket", &socket]);
+    let set = powerflex_testbed::run(&stack.ctl, &["budget", "set", "5200W", "--socket", &socket]);
     assert_eq!(set.code, Some(0), "{}", set.stderr);
     wait_until("the event's caps", Duration::from_secs(30), || {
         allocated(&stack).then_some(())

@@ -1,6 +1,6 @@
 //! `powerflexctl`'s offline commands, run as a user would: the real binary, real files.
 
-use powerflex::{binary, data_file, run, scratch_dir};
+use powerflex_testbed::{binary, data_file, run, scratch_dir};
 use serde_json::Value;
 
 fn ctl() -> std::path::PathBuf {
@@ -250,7 +250,7 @@ fn allocate_holds_budget_and_tiers() {
 #[test]
 fn allocate_uses_the_site_config() {
     let curves = data_file("curves/paper_h200_synthetic.csv");
-    let site = powerflex::repo_root().join("slurm-conf/powerflex.toml");
+    let site = powerflex_testbed::repo_root().join("slurm-conf/powerflex.toml");
     let out = run(
         &ctl(),
         &[

@@ -1,4 +1,4 @@
-//! The Slurm test harness itself (`powerflex::slurm`): a real three-node cluster with
+//! The Slurm test harness itself (`powerflex_testbed::slurm`): a real three-node cluster with
 //! gres GPUs runs a job on every node, and its daemons are gone after it stops — also
 //! when the test that owns it panics while a job runs.
 
@@ -6,7 +6,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use powerflex::slurm::{pid_alive, Cluster, ClusterOptions};
+use powerflex_testbed::slurm::{pid_alive, Cluster, ClusterOptions};
 
 #[test]
 fn three_gpu_nodes_run_a_job_and_stop_cleanly() {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir, wait_until};
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{binary, cargo_build, profile_dir, wait_until};
 use serde_json::Value;
 
 fn plugin() -> PathBuf {

@@ -11,12 +11,12 @@ use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
 
-use powerflex::{profile_dir, wait_until};
+use powerflex_testbed::{profile_dir, wait_until};
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
 /// simulated job, the socket client.
 fn build() {
-    powerflex::cargo_build(&[
+    powerflex_testbed::cargo_build(&[
         "-p",
         "powerflex-sim-nvml",
         "-p",

@@ -23,12 +23,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use powerflex::binary;
 use powerflex_controller::site::{decide, NodeView, SiteSettings};
 use powerflex_core::allocate::Policy;
 use powerflex_core::flex::TierTable;
 use powerflex_core::Watts;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_testbed::binary;
 
 /// Site sizes measured, nodes.
 const NODE_COUNTS: [usize; 3] = [10, 100, 1000];

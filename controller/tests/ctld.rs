@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use powerflex::{
+use powerflex_sim::state::Node;
+use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
-use powerflex_sim::state::Node;
 
 fn draw_w(nodes: &[Node]) -> f64 {
     nodes

@@ -21,12 +21,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use serde_json::{json, Value};
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{profile_dir, repo_root, run, write_site_key, Children};
 use powerflex_core::Watts;
 use powerflex_proto::{ControlOp, ControlRequest, VERSION};
 use powerflex_sim::profiles::Library;
 use powerflex_sim::state::Node;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{profile_dir, repo_root, run, write_site_key, Children};
 
 const NODES: u32 = 3;
 const GPUS_PER_NODE: u32 = 8;
