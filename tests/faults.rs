@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use powerflex_core::config::{RawGpuModel, RawSiteConfig};
 use powerflex_testbed::slurm::pid_alive;
 use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex_testbed::wait_until;
@@ -12,6 +13,13 @@ use powerflex_testbed::wait_until;
 /// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
 const BUDGET_W: f64 = 3000.0;
 const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
+
+/// The stack's one GPU model section, to edit.
+fn h200(site: &mut RawSiteConfig) -> &mut RawGpuModel {
+    site.gpu_models
+        .get_mut("H200")
+        .expect("the stack's site config has [gpu_models.H200]")
+}
 
 /// Sets the budget and waits until the jobs' caps bring the draw within it.
 fn capped(stack: &Stack) {
@@ -292,7 +300,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     // A valid edit takes effect on SIGHUP.
-    stack.edit_site("gpu_budget_w = 3000.0", "gpu_budget_w = 2500.0");
+    stack.edit_site(|site| site.facility.gpu_budget_w = 2500.0);
     stack.reload_ctld();
     wait_until(
         "the reloaded budget in force",
@@ -305,7 +313,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         || allocated_within(&stack, 2500.0).then_some(()),
     );
     // An invalid one is refused, reported, and changes nothing.
-    stack.edit_site("gpu_budget_w = 2500.0", "gpu_budget_w = -5.0");
+    stack.edit_site(|site| site.facility.gpu_budget_w = -5.0);
     stack.reload_ctld();
     let status = wait_until("the refusal reported", Duration::from_secs(10), || {
         let s = stack.ctl_json(&["status"])?;
@@ -330,7 +338,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     stack.assert_draw_within(2500.0, Duration::from_secs(3), "after the refused reload");
     assert!(running(&stack, job), "powerflex kills no job");
     // Fixed: accepted, the report cleared.
-    stack.edit_site("gpu_budget_w = -5.0", "gpu_budget_w = 2600.0");
+    stack.edit_site(|site| site.facility.gpu_budget_w = 2600.0);
     stack.reload_ctld();
     wait_until("the fixed config in force", Duration::from_secs(10), || {
         let s = stack.ctl_json(&["status"])?;
@@ -471,7 +479,7 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
         || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     // An invalid edit: refused by both agents, reported, nothing changes.
-    stack.edit_site("failsafe_cap_w = 300.0", "failsafe_cap_w = 9000.0");
+    stack.edit_site(|site| h200(site).failsafe_cap_w = 9000.0);
     for i in 0..2 {
         stack.reload_agent(i);
     }
@@ -494,7 +502,7 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(2), "after the refused reload");
     // A valid edit takes effect: with the controller gone past its lease, the jobs fall
     // to the new fail-safe cap.
-    stack.edit_site("failsafe_cap_w = 9000.0", "failsafe_cap_w = 250.0");
+    stack.edit_site(|site| h200(site).failsafe_cap_w = 250.0);
     for i in 0..2 {
         stack.reload_agent(i);
     }

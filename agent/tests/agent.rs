@@ -11,6 +11,7 @@ use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
 
+use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::{profile_dir, wait_until};
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
@@ -65,27 +66,27 @@ impl Fixture {
         let node = Node::init(&dir.join("sim/n1"), "n1", "H200", 8, true).expect("sim node");
         let metrics_port = free_port();
         let config = dir.join("powerflex.toml");
-        let budget = node_budget_w.map_or(String::new(), |w| format!("node_budget_w = {w}\n"));
         let (port, key) = match controller {
-            Some((port, key)) => (port, key.display().to_string()),
-            None => (9, dir.join("no-such.key").display().to_string()),
+            Some((port, key)) => (port, key.to_path_buf()),
+            None => (9, dir.join("no-such.key")),
         };
-        std::fs::write(
-            &config,
-            format!(
-                "[facility]\ngpu_budget_w = 100000.0\npolicy = \"optimal\"\n\
-                 [tiers]\ndefault = \"none\"\n\
-                 [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-                 calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
-                 [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = {lease_ttl_s}\nallocation_period_s = 2\nkey_file = \"{key}\"\n\
-                 [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{lib}\"\n\
-                 metrics_listen = \"127.0.0.1:{metrics_port}\"\ncalibration_allowance_pct = 5.0\n\
-                 calibration_warmup_s = 1.0\ncalibration_settle_s = 1.0\ncalibration_hold_s = 3.0\n{budget}",
-                d = dir.display(),
-                lib = profile_dir().join("libpowerflex_sim_nvml.so").display(),
-            ),
-        )
-        .expect("config");
+        SiteBuilder::new(100000.0)
+            .h200(&[700.0, 600.0, 500.0, 400.0, 300.0, 200.0], 500.0)
+            .controller(([127, 0, 0, 1], port).into(), lease_ttl_s, 2)
+            .key_file(&key)
+            .agent_paths(
+                &format!("{}/%n.sock", dir.display()),
+                &format!("{}/state/%n", dir.display()),
+                &profile_dir().join("libpowerflex_sim_nvml.so"),
+            )
+            .agent_metrics(([127, 0, 0, 1], metrics_port).into())
+            .calibration_s(1.0, 1.0, 3.0)
+            .edit(|raw| {
+                raw.agent.calibration_allowance_pct = Some(5.0);
+                raw.agent.node_budget_w = node_budget_w;
+            })
+            .write(&config)
+            .unwrap_or_else(|e| panic!("{e}"));
         let mut f = Fixture {
             dir,
             node,
