@@ -5,6 +5,7 @@
 use std::process::Command;
 use std::time::Duration;
 
+use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{
@@ -13,6 +14,9 @@ use powerflex_testbed::{
 
 #[test]
 fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
     let (agent, ctld, ctl) = (
         binary("powerflexd"),

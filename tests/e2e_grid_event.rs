@@ -11,6 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use powerflex_sim::state::Node;
+use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{
@@ -47,6 +48,9 @@ fn job_view(ctl: &Path, socket: &str, id: u32) -> Option<serde_json::Value> {
 
 #[test]
 fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
     let (agent, ctld, ctl, simjob) = (
         binary("powerflexd"),

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use powerflex_core::config::{RawGpuModel, RawSiteConfig};
+use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::slurm::pid_alive;
 use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex_testbed::wait_until;
@@ -13,6 +14,9 @@ use powerflex_testbed::wait_until;
 /// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
 const BUDGET_W: f64 = 3000.0;
 const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
+
+/// libfaketime's preload library (Debian's `faketime`; scripts/install-deps.sh installs it).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// The stack's one GPU model section, to edit.
 fn h200(site: &mut RawSiteConfig) -> &mut RawGpuModel {
@@ -105,6 +109,9 @@ fn ends_clean(stack: &Stack, jobs: &[u32]) {
 
 #[test]
 fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start("f-slurmd", StackOptions::default());
     let job = start_job(&stack);
     capped(&stack);
@@ -123,6 +130,9 @@ fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
 
 #[test]
 fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let stack = Stack::start("f-jobkill", StackOptions::default());
     let victim = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
     let other = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
@@ -164,6 +174,9 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
 
 #[test]
 fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start("f-state", StackOptions::default());
     let job = start_job(&stack);
     capped(&stack);
@@ -206,6 +219,9 @@ const FAILSAFE_CAP_W: f64 = 300.0;
 
 #[test]
 fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start(
         "f-lease",
         StackOptions {
@@ -246,6 +262,9 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
 
 #[test]
 fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     use powerflex_sim::state::Fault;
     let stack = Stack::start("f-nvml", StackOptions::default());
     let job = start_job(&stack);
@@ -286,6 +305,9 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
 
 #[test]
 fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let stack = Stack::start(
         "f-reload",
         StackOptions {
@@ -349,15 +371,13 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
 
 #[test]
 fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
+    if !can_run(&[Need::Root, Need::Slurm, Need::File(LIBFAKETIME)]) {
+        return;
+    }
     // n1's agent runs under libfaketime: its wall clock (not its monotonic clock, which
     // an NTP step leaves alone too) follows the offset in this file.
     let offset = std::env::temp_dir().join(format!("pf-clock-{}", std::process::id()));
     std::fs::write(&offset, "+0\n").expect("offset file");
-    let libfaketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
-    assert!(
-        std::path::Path::new(libfaketime).exists(),
-        "{libfaketime} missing: apt-get install faketime (scripts/install-deps.sh does)"
-    );
     let env = |k: &str, v: &str| (0usize, k.to_string(), v.to_string());
     let stack = Stack::start(
         "f-clock",
@@ -365,7 +385,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
             budget_w: BUDGET_W,
             lease_ttl_s: 5,
             agent_env: vec![
-                env("LD_PRELOAD", libfaketime),
+                env("LD_PRELOAD", LIBFAKETIME),
                 env("FAKETIME_TIMESTAMP_FILE", &offset.to_string_lossy()),
                 env("FAKETIME_NO_CACHE", "1"),
                 env("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
@@ -409,6 +429,9 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
 
 #[test]
 fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start(
         "f-ctldstate",
         StackOptions {
@@ -464,6 +487,9 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
 
 #[test]
 fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start(
         "f-agentcfg",
         StackOptions {

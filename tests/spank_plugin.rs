@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{binary, cargo_build, profile_dir, wait_until};
@@ -129,6 +130,9 @@ fn out_text(path: &Path) -> String {
 
 #[test]
 fn option_is_offered_validated_and_reaches_the_agents() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let site = Site::start("spank-plugin", true);
     let c = &site.cluster;
 
@@ -253,6 +257,9 @@ fn option_is_offered_validated_and_reaches_the_agents() {
 
 #[test]
 fn with_the_agent_down_jobs_run_and_say_so_once() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let site = Site::start("spank-down", false);
     let c = &site.cluster;
     let out = c.dir().join("down.out");
@@ -281,6 +288,9 @@ fn with_the_agent_down_jobs_run_and_say_so_once() {
 
 #[test]
 fn srun_loads_the_plugin_cleanly_under_valgrind() {
+    if !can_run(&[Need::Root, Need::Slurm, Need::Program("valgrind")]) {
+        return;
+    }
     let site = Site::start("spank-valgrind", true);
     let c = &site.cluster;
     // srun (local and allocator contexts) loads power_flex.so, registers and validates the

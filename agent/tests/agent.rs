@@ -11,6 +11,7 @@ use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
 
+use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::{profile_dir, wait_until};
 
@@ -233,6 +234,9 @@ fn client(args: &[&str], as_nobody: bool, env: &[(&str, &str)]) -> Vec<String> {
 
 #[test]
 fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     // Standalone with a node budget above what the GPUs can draw: the agent grants the
     // job the GPUs' maximum, so the walk starts from the uncapped point. (In controller
     // mode with no controller, a job would wait at the fail-safe cap instead.)
@@ -316,6 +320,9 @@ fn client_http(port: u16) -> String {
 
 #[test]
 fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     // 8 GPUs at up to 700 W: a 3 kW node budget must cap the busy ones hard.
     let mut f = Fixture::new("standalone", Some(3000.0), 3600);
     let reply = f.register("301", &["0", "1", "2", "3"], "flex3,calibrate=off");
@@ -350,6 +357,9 @@ fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
 
 #[test]
 fn restart_after_kill_9_reconciles_with_live_jobs() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let mut f = Fixture::new("kill9", None, 3600);
     // Job 201 keeps running; job 202's process dies while the agent is down.
     let r1 = f.register("201", &["2"], "flex3");
@@ -402,6 +412,9 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
 
 #[test]
 fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let mut f = Fixture::new("trust", None, 3600);
     let socket = f.socket();
     let socket = socket.to_str().expect("utf-8");
@@ -478,6 +491,9 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
 
 #[test]
 fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let f = Fixture::new("failsafe", None, 5);
     let reply = f.register("501", &["0"], "flex2,calibrate=off");
     assert!(reply.ok);
@@ -496,6 +512,9 @@ fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
 
 #[test]
 fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let mut f = Fixture::new("degraded", None, 3600);
     f.node.set_fault(6, Some(Fault::GpuLost)).expect("fault");
     wait_until("GPU 6 marked degraded", Duration::from_secs(10), || {
@@ -521,6 +540,9 @@ fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
 
 #[test]
 fn the_python_helper_reports_progress_the_agent_accepts() {
+    if !can_run(&[Need::Root, Need::Program("python3")]) {
+        return;
+    }
     let f = Fixture::new("python", None, 3600);
     let reply = f.register("701", &["3"], "flex2");
     let progress = reply.progress.expect("progress address");
@@ -568,6 +590,9 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
 
 #[test]
 fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsafe() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     use powerflex_proto::link::{Body, Envelope};
     use std::os::unix::fs::PermissionsExt;
     let key = b"0123456789abcdef0123456789abcdef".to_vec();

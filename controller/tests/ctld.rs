@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use powerflex_sim::state::Node;
+use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
@@ -59,6 +60,9 @@ fn start_ctld(config: &Path, log: &Path) -> Child {
 
 #[test]
 fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     cargo_build(&[
         "-p",
         "powerflex-sim-nvml",
