@@ -59,7 +59,7 @@ struct Cli {
     #[arg(long, default_value_t = 20.0, value_name = "X")]
     time_scale: f64,
     /// Where the plot, the jobs' step logs, the daemons' logs and the summary go
-    /// [default: <repo>/target/powerflex-demo].
+    /// [default: REPO/target/powerflex-demo].
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
 }

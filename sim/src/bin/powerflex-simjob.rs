@@ -59,7 +59,7 @@ struct Cli {
     /// GPUs to use, indices or UUIDs [default: $SLURM_JOB_GPUS, else $CUDA_VISIBLE_DEVICES].
     #[arg(long, value_name = "LIST")]
     gpus: Option<String>,
-    /// Job id [default: $SLURM_JOB_ID, else local-<pid>].
+    /// Job id [default: $SLURM_JOB_ID, else local-PID].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
     /// Write the per-step CSV here instead of stdout.
