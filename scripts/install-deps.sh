@@ -10,6 +10,7 @@
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
 #   faketime       libfaketime, to jump one agent's wall clock in the fault tests
+#   valgrind       watches the plugin inside srun (tests/spank_plugin.rs)
 #
 # and, from crates.io with `cargo install --locked` (built from source, once per
 # machine; measured on a 2-core machine: cargo-deny 3 min 53 s, cargo-machete 1 min 10 s):
@@ -17,7 +18,7 @@
 #   cargo-machete  dependencies declared but not used
 set -euo pipefail
 
-POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime)
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime valgrind)
 
 powerflex_install_deps() {
     local missing=()
