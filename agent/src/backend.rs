@@ -152,7 +152,9 @@ impl GpuBackend for NvmlBackend {
         let util = d.utilization_rates().map_err(|e| err(index, e))?;
         Ok(GpuSample {
             power: watts(d.power_usage().map_err(|e| err(index, e))?),
-            cap: watts(d.enforced_power_limit().map_err(|e| err(index, e))?),
+            // The limit as set (what the agent writes and must find again), not the enforced
+            // one, which other constraints may lower below it.
+            cap: watts(d.power_management_limit().map_err(|e| err(index, e))?),
             energy_mj: d.total_energy_consumption().map_err(|e| err(index, e))?,
             gpu_util_pct: util.gpu,
             memory_util_pct: util.memory,

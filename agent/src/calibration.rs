@@ -46,6 +46,15 @@ pub struct ProgressLog {
     reports: VecDeque<(f64, f64)>,
 }
 
+/// Relative noise assumed for points restored from a previous run (their own noise was
+/// not saved): the paper's repeat-run noise of ~0.5 %, doubled for the agent's short holds.
+const RESTORED_NOISE: f64 = 0.01;
+
+/// Least time between the end of a walk and a repeated one, s.
+pub const MIN_REWALK_INTERVAL_S: f64 = 600.0;
+/// Most repeated walks per job.
+pub const MAX_REWALKS: u32 = 3;
+
 /// Reports kept per job: enough for any window the walk looks at.
 const MAX_REPORTS: usize = 20_000;
 
@@ -165,8 +174,12 @@ pub struct Calibration {
     pub registered_at: f64,
     pub started_at: Option<f64>,
     pub finished_at: Option<f64>,
-    /// Tokens (or steps) the walk cost the job against running uncapped.
+    /// Tokens (or steps) the walk cost the job against running uncapped (every walk).
     pub cost: f64,
+    /// The curve of the walk before the one under way, reported until the new one ends.
+    pub previous: Vec<Level>,
+    /// Walks started again because the job's measurements left its curve.
+    pub rewalks: u32,
     power_sum: f64,
     power_samples: u32,
 }
@@ -198,6 +211,8 @@ impl Calibration {
             started_at: None,
             finished_at: None,
             cost: 0.0,
+            previous: Vec::new(),
+            rewalks: 0,
             power_sum: 0.0,
             power_samples: 0,
         }
@@ -302,12 +317,79 @@ impl Calibration {
         }
     }
 
-    /// The budget holds the job's GPUs below the level being measured: that level has not
-    /// begun. Its settle and hold start over once its cap is in force, so no point is
-    /// recorded at a cap other than the one it is labelled with.
-    pub fn held_below_level(&mut self, now: f64) {
-        if let Phase::Level { level, .. } = self.phase {
-            self.enter(level, now);
+    /// The budget holds the job's GPUs at `granted`, below the level being measured: that
+    /// level cannot be measured now. The walk moves on to the highest grid level at or
+    /// below the grant and goes down from there (a job capped from the start is walked
+    /// from its granted cap down, instead of waiting forever for a level the budget does
+    /// not allow); its settle and hold start afresh, so no point is recorded at a cap
+    /// other than the one it is labelled with. With the grant below every level left,
+    /// the walk ends with what it has measured.
+    pub fn held_below_level(&mut self, now: f64, granted: Watts) {
+        let Phase::Level { level, .. } = self.phase else {
+            return;
+        };
+        let next = self
+            .settings
+            .grid
+            .iter()
+            .enumerate()
+            .skip(level + 1)
+            .find(|(_, cap)| cap.0 <= granted.0 + 0.5)
+            .map(|(i, _)| i);
+        match next {
+            Some(i) => self.enter(i, now),
+            None => self.finish(now),
+        }
+    }
+
+    /// The controller found the job's measurements outside its curve's band: walk it
+    /// again, when the last walk finished at least [`MIN_REWALK_INTERVAL_S`] ago and fewer
+    /// than [`MAX_REWALKS`] walks were repeated (each costs the job tokens). The finished
+    /// curve stays in use until the new walk ends. Returns whether a walk started.
+    pub fn rewalk(&mut self, now: f64) -> bool {
+        let rested = self
+            .finished_at
+            .is_none_or(|t| now - t >= MIN_REWALK_INTERVAL_S);
+        if self.phase != Phase::Done || !rested || self.rewalks >= MAX_REWALKS {
+            return false;
+        }
+        self.previous = std::mem::take(&mut self.levels);
+        self.rewalks += 1;
+        self.registered_at = now;
+        self.started_at = None;
+        self.finished_at = None;
+        self.phase = Phase::Warmup;
+        true
+    }
+
+    /// The points to plan on: this walk's once done, else the previous walk's while a
+    /// repeated walk is under way, else what this walk has measured so far.
+    pub fn best_levels(&self) -> &[Level] {
+        if self.phase != Phase::Done && !self.previous.is_empty() {
+            &self.previous
+        } else {
+            &self.levels
+        }
+    }
+
+    /// Takes the curve measured by a previous run of the agent (points of per-GPU cap W,
+    /// job power W, throughput): a restarted agent does not walk the job again, and the
+    /// curve is not replaced by a new walk's first point. Fewer than two valid points
+    /// change nothing.
+    pub fn restore(&mut self, points: &[[f64; 3]]) {
+        let levels: Vec<Level> = points
+            .iter()
+            .filter(|p| p.iter().all(|x| x.is_finite() && *x > 0.0))
+            .map(|p| Level {
+                cap: Watts(p[0]),
+                power: Watts(p[1]),
+                throughput: p[2],
+                relative_noise: RESTORED_NOISE,
+            })
+            .collect();
+        if levels.len() >= 2 {
+            self.levels = levels;
+            self.phase = Phase::Done;
         }
     }
 
@@ -471,16 +553,101 @@ mod tests {
     }
 
     #[test]
-    fn a_level_held_below_its_cap_starts_over() {
+    fn a_level_held_below_its_cap_moves_to_the_grant_and_starts_afresh() {
         let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
         cal.enter(0, 10.0);
-        cal.held_below_level(25.0);
+        cal.held_below_level(25.0, Watts(600.0));
         assert_eq!(
             cal.phase,
             Phase::Level {
-                level: 0,
+                level: 1,
                 since: 25.0
             }
         );
+    }
+
+    /// Issue 13: a job capped from the start restarted its walk at level 0 for as long as
+    /// the cap held, so it was never measured.
+    #[test]
+    fn a_job_capped_from_the_start_is_walked_from_its_grant_down() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let granted = 450.0;
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        while t < 400.0 && cal.is_active() {
+            let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
+            t += 0.1;
+            count += 1000.0 * speed(cap) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                if cal.cap().is_some_and(|level| granted < level.0 - 0.5) {
+                    cal.held_below_level(t, Watts(granted));
+                }
+                cal.tick(t, &log, Some(Watts(8.0 * cap)));
+                next_tick += 1.0;
+            }
+        }
+        assert_eq!(cal.phase, Phase::Done, "{:?}", cal.levels);
+        assert_eq!(
+            cal.levels[0].cap,
+            Watts(400.0),
+            "the first level at or below the grant"
+        );
+        assert!(cal.levels.iter().all(|l| l.cap.0 <= granted));
+        assert!(cal.levels.len() >= 2);
+    }
+
+    #[test]
+    fn a_grant_below_every_level_left_ends_the_walk() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        cal.enter(0, 10.0);
+        cal.held_below_level(11.0, Watts(150.0));
+        assert!(!cal.is_active());
+        assert!(
+            matches!(cal.phase, Phase::Skipped(_)),
+            "nothing measured: {:?}",
+            cal.phase
+        );
+    }
+
+    #[test]
+    fn a_restored_curve_is_kept_not_walked_again() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        cal.restore(&[
+            [700.0, 5600.0, 1000.0],
+            [500.0, 4000.0, 850.0],
+            [300.0, 2400.0, 700.0],
+        ]);
+        assert_eq!(cal.phase, Phase::Done);
+        assert!(cal.curve().is_some());
+        assert!(cal.pfi().is_some());
+        let mut one = Calibration::new(settings(), Some(0.5), true, 0.0);
+        one.restore(&[[700.0, 5600.0, 1000.0], [f64::NAN, 1.0, 1.0]]);
+        assert_eq!(one.phase, Phase::Warmup, "one valid point is no curve");
+    }
+
+    #[test]
+    fn a_drifted_job_is_walked_again_at_a_bounded_rate_and_keeps_its_curve_meanwhile() {
+        let mut cal = run(Some(0.5));
+        assert_eq!(cal.phase, Phase::Done);
+        let done_at = cal.finished_at.expect("finished");
+        let levels = cal.levels.clone();
+        assert!(!cal.rewalk(done_at + 10.0), "too soon after the last walk");
+        assert!(cal.rewalk(done_at + MIN_REWALK_INTERVAL_S));
+        assert_eq!(cal.phase, Phase::Warmup);
+        assert_eq!(
+            cal.best_levels(),
+            levels.as_slice(),
+            "the old curve while walking"
+        );
+        assert!(
+            !cal.rewalk(done_at + 2.0 * MIN_REWALK_INTERVAL_S),
+            "only a finished walk is repeated"
+        );
+        cal.rewalks = MAX_REWALKS;
+        cal.phase = Phase::Done;
+        cal.finished_at = Some(0.0);
+        assert!(!cal.rewalk(1e9), "at most MAX_REWALKS repeats");
     }
 }

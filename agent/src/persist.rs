@@ -55,6 +55,9 @@ pub struct PersistedLease {
     pub caps: BTreeMap<String, Watts>,
     /// Wall-clock expiry, seconds since the Unix epoch.
     pub expires_unix_s: f64,
+    /// Per-GPU cap for a job the lease does not name. Absent in older files.
+    #[serde(default)]
+    pub start_cap_w: Option<f64>,
 }
 
 /// Why the state could not be read or written.

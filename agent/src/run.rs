@@ -101,6 +101,7 @@ fn persisted(agent: &Agent) -> PersistedState {
         lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
             caps: l.caps.clone(),
             expires_unix_s: agent.clock_origin_unix_s + l.expires_at,
+            start_cap_w: l.start_cap.map(|w| w.0),
         }),
     }
 }
@@ -111,6 +112,9 @@ fn unix_s() -> f64 {
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
 }
+
+/// How often the agent looks for jobs whose step daemons are gone, s.
+const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
 fn save(state_dir: &Path, agent: &Agent) {
     if let Err(e) = persist::save(state_dir, &persisted(agent)) {
@@ -223,6 +227,8 @@ pub fn run(
         if let Some(j) = agent.jobs.get_mut(&job.job_id) {
             j.restored_pfi = job.pfi;
             j.restored_points = job.points.clone();
+            // The curve survives the restart: no second walk, no point of one replacing it.
+            j.calibration.restore(&job.points);
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
@@ -249,16 +255,17 @@ pub fn run(
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
     }
-    // The previous run's lease, while it lasts, keeps the restored jobs at their caps.
+    // The previous run's lease, while it lasts, keeps the restored jobs at their caps;
+    // once run out it still bounds the fail-safe (which never raises a job above its
+    // last grant).
     if let Some(lease) = saved_lease {
         let left_s = lease.expires_unix_s - unix_s();
-        if left_s > 0.0 {
-            info!(
-                jobs = lease.caps.len(),
-                left_s, "resuming the previous run's lease"
-            );
-            agent.set_lease(now(), lease.caps, left_s);
-        }
+        info!(
+            jobs = lease.caps.len(),
+            left_s = left_s.max(0.0),
+            "resuming the previous run's lease"
+        );
+        agent.set_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
     }
     save(&options.state_dir, &agent);
 
@@ -322,6 +329,7 @@ pub fn run(
     let ticker = tick(Duration::from_millis(50));
     let mut next_sample = 0.0;
     let mut next_probe = DEGRADED_PROBE_S;
+    let mut next_job_scan = 0.0;
     while !shutdown.load(Ordering::SeqCst) {
         select! {
             recv(rx) -> msg => {
@@ -360,6 +368,18 @@ pub fn run(
                 if probe {
                     next_probe = t + DEGRADED_PROBE_S;
                 }
+                // Jobs whose end never reached the agent: their step daemons are gone.
+                if t >= next_job_scan {
+                    next_job_scan = t + JOB_SCAN_INTERVAL_S;
+                    match crate::procs::ProcTable::read(Path::new("/proc")) {
+                        Ok(table) => {
+                            for job_id in agent.jobs_alive(t, &table.live_jobs()) {
+                                warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
+                            }
+                        }
+                        Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),
+                    }
+                }
                 for gpu in 0..agent.gpus.len() as u32 {
                     let degraded = agent.gpus[gpu as usize].degraded.is_some();
                     if degraded && !probe {
@@ -373,7 +393,15 @@ pub fn run(
                         Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
                         _ => {}
                     }
-                    agent.sampled(gpu, sample);
+                    if let Some(m) = agent.sampled(t, gpu, sample) {
+                        warn!(
+                            gpu = m.gpu,
+                            expected_w = m.expected.0,
+                            found_w = m.found.0,
+                            mismatches = agent.cap_mismatches,
+                            "GPU limit changed behind the agent's back; writing it again"
+                        );
+                    }
                 }
                 let actions = agent.tick(t);
                 execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
@@ -507,9 +535,39 @@ fn handle(
             }
             let _ = verdict.send(outcome);
         }
-        Inbound::Lease { caps, ttl_s } => {
-            info!(jobs = caps.len(), ttl_s, "lease from the controller");
-            agent.set_lease(now, caps, ttl_s);
+        Inbound::Lease {
+            caps,
+            ttl_s,
+            start_cap,
+            recalibrate,
+        } => {
+            for job_id in agent.recalibrate(now, &recalibrate) {
+                info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
+            }
+            info!(
+                jobs = caps.len(),
+                ttl_s,
+                start_cap_w = start_cap.map(|w| w.0),
+                "lease from the controller"
+            );
+            agent.set_lease(now, caps, ttl_s, start_cap);
+            // Apply it now rather than at the next tick, and read the written limits
+            // back: the controller holds other nodes' increases until this node's
+            // decreases are confirmed, so the confirmation should not wait a period.
+            let actions = agent.tick(now);
+            let written: Vec<u32> = actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::SetCap { gpu, .. } => Some(*gpu),
+                    Action::Persist => None,
+                })
+                .collect();
+            execute(actions, agent, backend, state_dir);
+            for gpu in written {
+                let sample = backend.sample(gpu);
+                agent.sampled(now, gpu, sample);
+            }
+            agent.leases_applied += 1;
             // A restarted agent resumes this lease (see persist::PersistedLease).
             save(state_dir, agent);
         }

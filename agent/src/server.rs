@@ -44,10 +44,14 @@ pub enum Inbound {
     },
     /// A progress line refused before reaching the loop (counted there).
     ProgressRefused { reason: String, peer: Peer },
-    /// An authenticated lease from the controller: per-job caps for `ttl_s`.
+    /// An authenticated lease from the controller for this node: per-job caps for
+    /// `ttl_s`, and the cap for a job it does not name.
     Lease {
         caps: std::collections::BTreeMap<String, powerflex_core::Watts>,
         ttl_s: f64,
+        start_cap: Option<powerflex_core::Watts>,
+        /// Jobs to walk again (their measurements left their curves).
+        recalibrate: Vec<String>,
     },
 }
 

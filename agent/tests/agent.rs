@@ -644,33 +644,42 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     );
 
     let mut to_agent = stream;
-    let lease = |seq: u64, cap: f64, ttl_s: f64, key: &[u8]| {
+    let lease_for = |node: &str, seq: u64, cap: f64, ttl_s: f64, key: &[u8]| {
         Envelope::seal(
             key,
             "controller",
             seq,
             now_ms(),
             Body::Lease {
+                node: node.to_string(),
                 caps: [("801".to_string(), cap)].into(),
                 ttl_s,
+                start_cap_w: None,
+                recalibrate: Vec::new(),
             },
         )
         .expect("seal")
         .to_line()
     };
-    let first = lease(100, 450.0, 4.0, &key);
+    let lease = |seq: u64, cap: f64, ttl_s: f64, key: &[u8]| lease_for("n1", seq, cap, ttl_s, key);
+    // Above the 500 W fail-safe, so that the lease running out lowers the cap.
+    let first = lease(100, 600.0, 4.0, &key);
     to_agent.write_all(first.as_bytes()).expect("send lease");
     wait_until(
         "the leased cap on both GPUs",
         Duration::from_secs(10),
-        || (f.limit_w(0) == 450.0 && f.limit_w(1) == 450.0).then_some(()),
+        || (f.limit_w(0) == 600.0 && f.limit_w(1) == 600.0).then_some(()),
     );
-    // A forged lease (wrong key) changes nothing.
+    // A forged lease (wrong key) changes nothing; nor does an authentic lease for
+    // another node.
     to_agent
         .write_all(lease(101, 300.0, 4.0, b"not the site key at all, no").as_bytes())
         .expect("send forged");
+    to_agent
+        .write_all(lease_for("n2", 102, 300.0, 4.0, &key).as_bytes())
+        .expect("send misrouted");
     std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(f.limit_w(0), 450.0, "forged lease ignored");
+    assert_eq!(f.limit_w(0), 600.0, "forged and misrouted leases ignored");
     // The lease runs out: fail-safe cap. Replaying the old lease does not revive it.
     wait_until(
         "the fail-safe cap after the lease",
@@ -683,5 +692,6 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     let log = f.log();
     assert!(log.contains("fails authentication"), "{log}");
     assert!(log.contains("replayed"), "{log}");
+    assert!(log.contains("lease for another node refused"), "{log}");
     let _ = std::fs::remove_dir_all(&keydir);
 }

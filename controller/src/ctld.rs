@@ -512,8 +512,16 @@ pub fn run(
             };
             seq = seq.max(unix_ms()) + 1;
             let body = Body::Lease {
+                node: node.clone(),
                 caps: caps.clone(),
                 ttl_s: options.lease_ttl_s,
+                start_cap_w: Some(decision.start_cap_w),
+                recalibrate: decision
+                    .drifted
+                    .iter()
+                    .filter(|d| caps.contains_key(&d.job))
+                    .map(|d| d.job.clone())
+                    .collect(),
             };
             if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
                 let _ = writer.try_send(e.to_line());

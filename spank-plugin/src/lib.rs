@@ -33,6 +33,7 @@ mod ffi {
     include!(concat!(env!("OUT_DIR"), "/spank_bindings.rs"));
 }
 pub mod logic;
+mod wire;
 
 use std::ffi::{c_char, c_int, c_uint, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};

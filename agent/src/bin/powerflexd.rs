@@ -113,6 +113,7 @@ fn settings_from(
         prior_intercept: site.predictor.pfi_intercept,
         prior_slope: site.predictor.pfi_per_dram_copy_product,
         progress_address,
+        job_end_grace_s: site.agent.job_end_grace_s,
     })
 }
 

@@ -76,6 +76,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             cap_step: model.cap_step_w,
             failsafe_cap: model.failsafe_cap_w,
             default_pfi: site.predictor.pfi_intercept,
+            budget_mode: site.facility.budget_mode,
         },
     })
 }
