@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The developer's loop: format check, clippy with warnings as errors, and the pure unit
-# tests of every crate (their lib and bin tests: no Slurm, no root, no daemons). Under
+# tests of every crate (their lib and bin tests: no running Slurm, no root, no daemons;
+# building the plugin needs libslurm-dev's spank.h and libclang all the same). Under
 # two minutes on a 2-core machine once built. The whole suite, with the whole-system
 # tests on a local Slurm cluster, is scripts/test.sh.
 #
