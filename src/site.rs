@@ -175,20 +175,24 @@ impl SiteBuilder {
 
     /// The file's text, after the real loader has accepted it.
     pub fn to_toml(&self) -> Result<String, SiteError> {
-        let body = toml::to_string(&self.raw).map_err(SiteError::Serialize)?;
-        let text = format!("{}{body}", self.header);
-        SiteConfig::from_toml_str(&text).map_err(SiteError::Invalid)?;
-        Ok(text)
+        self.checked().map(|(text, _)| text)
     }
 
     /// Writes the file and returns the config the daemons will load from it.
     pub fn write(&self, path: &Path) -> Result<SiteConfig, SiteError> {
-        let text = self.to_toml()?;
-        std::fs::write(path, &text).map_err(|source| SiteError::Io {
+        let (text, config) = self.checked()?;
+        std::fs::write(path, text).map_err(|source| SiteError::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        SiteConfig::from_toml_str(&text).map_err(SiteError::Invalid)
+        Ok(config)
+    }
+
+    fn checked(&self) -> Result<(String, SiteConfig), SiteError> {
+        let body = toml::to_string(&self.raw).map_err(SiteError::Serialize)?;
+        let text = format!("{}{body}", self.header);
+        let config = SiteConfig::from_toml_str(&text).map_err(SiteError::Invalid)?;
+        Ok((text, config))
     }
 }
 
