@@ -50,6 +50,40 @@ pub struct ProgressLog {
 /// not saved): the paper's repeat-run noise of ~0.5 %, doubled for the agent's short holds.
 const RESTORED_NOISE: f64 = 0.01;
 
+/// How much more a job's reported throughput may fall, as a fraction of uncapped, than its
+/// GPUs' SM clock fell at the same cap: a cap slows the SM clock and leaves memory alone,
+/// so no job slows by more than its clock (memory-bound jobs slow by less). The margin is
+/// for measurement noise and clock averaging.
+const CLOCK_SLOWDOWN_MARGIN: f64 = 0.05;
+
+/// Why the levels cannot be a true curve, if they cannot: at some cap the reported
+/// throughput fell further below the top level's than the SM clock did (beyond the margin
+/// and three standard errors of the two rates).
+pub fn implausible(levels: &[Level]) -> Option<String> {
+    let top = levels.first()?;
+    let top_clock = top.sm_clock_mhz.filter(|c| *c > 0.0)?;
+    if top.throughput <= 0.0 {
+        return None;
+    }
+    for level in &levels[1..] {
+        let Some(clock) = level.sm_clock_mhz.filter(|c| *c > 0.0) else {
+            continue;
+        };
+        let speed = level.throughput / top.throughput;
+        let clock_ratio = clock / top_clock;
+        let noise = 3.0 * (level.relative_noise.powi(2) + top.relative_noise.powi(2)).sqrt();
+        if speed < clock_ratio - CLOCK_SLOWDOWN_MARGIN - noise {
+            return Some(format!(
+                "reported progress at {:.0} W fell to {:.0} % of the top level's while the SM clock stayed at {:.0} %",
+                level.cap.0,
+                100.0 * speed,
+                100.0 * clock_ratio
+            ));
+        }
+    }
+    None
+}
+
 /// Least time between the end of a walk and a repeated one, s.
 pub const MIN_REWALK_INTERVAL_S: f64 = 600.0;
 /// Most repeated walks per job.
@@ -161,6 +195,8 @@ pub struct Level {
     pub power: Watts,
     pub throughput: f64,
     pub relative_noise: f64,
+    /// Mean SM clock over the level's measurement, MHz, where the GPUs gave it.
+    pub sm_clock_mhz: Option<f64>,
 }
 
 /// The calibration of one job.
@@ -180,8 +216,13 @@ pub struct Calibration {
     pub previous: Vec<Level>,
     /// Walks started again because the job's measurements left its curve.
     pub rewalks: u32,
+    /// Why the job's reported curve was not believed, when it was not (flagged to the
+    /// admin in status and reports).
+    pub implausible: Option<String>,
     power_sum: f64,
     power_samples: u32,
+    clock_sum: f64,
+    clock_samples: u32,
 }
 
 impl Calibration {
@@ -213,8 +254,11 @@ impl Calibration {
             cost: 0.0,
             previous: Vec::new(),
             rewalks: 0,
+            implausible: None,
             power_sum: 0.0,
             power_samples: 0,
+            clock_sum: 0.0,
+            clock_samples: 0,
         }
     }
 
@@ -281,11 +325,14 @@ impl Calibration {
                     Watts(0.0)
                 };
                 let cap = self.settings.grid[level];
+                let sm_clock_mhz = (self.clock_samples > 0)
+                    .then(|| self.clock_sum / f64::from(self.clock_samples));
                 self.levels.push(Level {
                     cap,
                     power,
                     throughput: rate,
                     relative_noise: noise,
+                    sm_clock_mhz,
                 });
                 let top = self.levels[0].throughput;
                 let slowdown = |t: f64| if top > 0.0 { 1.0 - t / top } else { 0.0 };
@@ -385,6 +432,7 @@ impl Calibration {
                 power: Watts(p[1]),
                 throughput: p[2],
                 relative_noise: RESTORED_NOISE,
+                sm_clock_mhz: None,
             })
             .collect();
         if levels.len() >= 2 {
@@ -397,14 +445,35 @@ impl Calibration {
         self.phase = Phase::Level { level, since: now };
         self.power_sum = 0.0;
         self.power_samples = 0;
+        self.clock_sum = 0.0;
+        self.clock_samples = 0;
+    }
+
+    /// The job's mean SM clock at `now`, MHz: kept over each level's measurement window,
+    /// to check the job's reported slowdown against what the cap did to its GPUs.
+    pub fn observe_clock(&mut self, now: f64, sm_clock_mhz: f64) {
+        if let Phase::Level { since, .. } = self.phase {
+            if now >= since + self.settings.settle_s
+                && sm_clock_mhz.is_finite()
+                && sm_clock_mhz > 0.0
+            {
+                self.clock_sum += sm_clock_mhz;
+                self.clock_samples += 1;
+            }
+        }
     }
 
     fn finish(&mut self, now: f64) {
         self.finished_at = Some(now);
-        self.phase = if self.levels.len() >= 2 {
-            Phase::Done
-        } else {
+        self.phase = if self.levels.len() < 2 {
             Phase::Skipped("too few levels measured".into())
+        } else if let Some(why) = implausible(&self.levels) {
+            // The job's own reports say it slowed more than its GPUs did: its curve is
+            // words, not a measurement. Plan on the telemetry prior, and say why.
+            self.implausible = Some(why.clone());
+            Phase::Skipped(format!("{why}; planned on the telemetry prior"))
+        } else {
+            Phase::Done
         };
     }
 
@@ -649,5 +718,69 @@ mod tests {
         cal.phase = Phase::Done;
         cal.finished_at = Some(0.0);
         assert!(!cal.rewalk(1e9), "at most MAX_REWALKS repeats");
+    }
+
+    /// Issue 14: a job's reported curve decides its floor; a job that reports a steep
+    /// drop under caps buys a high floor. Its GPUs' clocks say how much a cap can slow it.
+    #[test]
+    fn a_reported_slowdown_steeper_than_the_clock_is_not_believed() {
+        let level = |cap: f64, throughput: f64, clock: f64| Level {
+            cap: Watts(cap),
+            power: Watts(cap * 4.0),
+            throughput,
+            relative_noise: 0.005,
+            sm_clock_mhz: Some(clock),
+        };
+        // Honest: throughput falls less than the clock (a memory-bound job).
+        let honest = [
+            level(700.0, 1000.0, 1980.0),
+            level(500.0, 930.0, 1600.0),
+            level(300.0, 800.0, 1200.0),
+        ];
+        assert_eq!(implausible(&honest), None);
+        // Compute-bound: throughput falls with the clock, within the margin.
+        let compute = [level(700.0, 1000.0, 1980.0), level(500.0, 800.0, 1600.0)];
+        assert_eq!(implausible(&compute), None);
+        // Words: a 50 % drop while the clock fell 19 %.
+        let inflated = [level(700.0, 1000.0, 1980.0), level(500.0, 500.0, 1600.0)];
+        let why = implausible(&inflated).expect("implausible");
+        assert!(why.contains("500 W"), "{why}");
+        // Without clocks nothing can be said.
+        let blind = [
+            Level {
+                sm_clock_mhz: None,
+                ..level(700.0, 1000.0, 0.0)
+            },
+            level(500.0, 500.0, 1600.0),
+        ];
+        assert_eq!(implausible(&blind), None);
+    }
+
+    #[test]
+    fn an_implausible_walk_ends_on_the_prior_and_is_flagged() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        while t < 400.0 && cal.is_active() {
+            let cap = cal.cap().map_or(700.0, |c| c.0);
+            t += 0.1;
+            // The job claims to lose 2 % of its speed per 10 W of cap.
+            count += 1000.0 * (1.0 - (700.0 - cap) / 500.0).max(0.05) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                // A memory-bound GPU: the clock loses a third of what the cap takes.
+                cal.observe_clock(t, 1980.0 * (1.0 - (700.0 - cap) / 700.0 / 3.0));
+                cal.tick(t, &log, Some(Watts(4.0 * cap)));
+                next_tick += 1.0;
+            }
+        }
+        assert!(
+            matches!(&cal.phase, Phase::Skipped(why) if why.contains("telemetry prior")),
+            "{:?}",
+            cal.phase
+        );
+        assert!(cal.implausible.is_some());
+        assert!(cal.curve().is_none() && cal.pfi().is_none());
     }
 }

@@ -134,6 +134,14 @@ pub struct Lease {
     pub start_cap: Option<Watts>,
 }
 
+/// A job's claim of a GPU that other jobs' processes use and its own do not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuClaimRefused {
+    pub gpu: u32,
+    pub claimed_by: String,
+    pub used_by: Vec<String>,
+}
+
 /// A GPU whose limit, read back, is not what the agent last wrote: something else
 /// (`nvidia-smi -pl`, a GPU reset, a driver reload, a second agent) changed it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -174,6 +182,8 @@ pub struct Agent {
     /// Leases applied (written and read back) since the agent started: the link reports
     /// at once when this rises, which confirms the new caps to the controller.
     pub leases_applied: u64,
+    /// GPU claims refused because other jobs' processes use the GPU.
+    pub gpu_claims_refused: u64,
 }
 
 impl Agent {
@@ -239,6 +249,7 @@ impl Agent {
             config_error: None,
             cap_mismatches: 0,
             leases_applied: 0,
+            gpu_claims_refused: 0,
         }
     }
 
@@ -282,6 +293,27 @@ impl Agent {
             match found {
                 Some(i) => indices.push(i as u32),
                 None => return Err(format!("no GPU {r} on node {}", self.settings.node)),
+            }
+        }
+        // Slurm gives a GPU to one job at a time: a step naming a GPU of a job that is
+        // still running names GPUs Slurm did not give it. Checked before anything is
+        // recorded, so a refused step changes nothing.
+        for &g in &indices {
+            let slot = &self.gpus[g as usize];
+            let running_owner = slot
+                .job
+                .as_ref()
+                .filter(|o| o.as_str() != job_id)
+                .and_then(|o| self.jobs.get(o))
+                .filter(|o| {
+                    o.seen_alive_at
+                        .is_some_and(|t| now - t < self.settings.job_end_grace_s)
+                });
+            if let Some(owner) = running_owner {
+                return Err(format!(
+                    "GPU {} belongs to running job {}; a step may register only the GPUs Slurm gave it",
+                    slot.identity.index, owner.id
+                ));
             }
         }
         let tier = request.to_string();
@@ -374,6 +406,42 @@ impl Agent {
             self.end_job(id);
         }
         gone
+    }
+
+    /// What NVML says uses each GPU, as jobs (from [`crate::procs`]: the job each running
+    /// process belongs to; processes in no job are left out). A GPU registered to a job
+    /// none of whose processes use it, while another job's do, was claimed with words
+    /// (e.g. GPU variables the user exported in a step Slurm gave no GPUs): the claim is
+    /// refused, the GPU leaves that job and returns to its default at the next tick.
+    /// Returns the refusals, to log and count.
+    pub fn check_gpu_use(
+        &mut self,
+        used_by: &BTreeMap<u32, BTreeSet<String>>,
+    ) -> Vec<GpuClaimRefused> {
+        let mut refused = Vec::new();
+        for (&gpu, users) in used_by {
+            let Some(slot) = self.gpus.get_mut(gpu as usize) else {
+                continue;
+            };
+            let Some(claimant) = slot.job.clone() else {
+                continue;
+            };
+            if users.is_empty() || users.contains(&claimant) {
+                continue;
+            }
+            slot.job = None;
+            if let Some(job) = self.jobs.get_mut(&claimant) {
+                job.gpus.retain(|g| *g != gpu);
+            }
+            refused.push(GpuClaimRefused {
+                gpu,
+                claimed_by: claimant,
+                used_by: users.iter().cloned().collect(),
+            });
+        }
+        self.jobs.retain(|_, j| !j.gpus.is_empty());
+        self.gpu_claims_refused += refused.len() as u64;
+        refused
     }
 
     /// A progress report from a verified process of `job_id`.
@@ -655,6 +723,22 @@ impl Agent {
                     .collect();
                 (!utils.is_empty()).then(|| utils.iter().sum::<f64>() / utils.len() as f64)
             });
+            // The job's mean SM clock now, when every GPU of it says.
+            let sm_clock: Option<f64> = self.jobs.get(id).and_then(|j| {
+                let clocks: Option<Vec<f64>> = j
+                    .gpus
+                    .iter()
+                    .map(|&g| {
+                        self.gpus[g as usize]
+                            .last
+                            .map(|s| f64::from(s.sm_clock_mhz))
+                            .filter(|&c| c > 0.0)
+                    })
+                    .collect();
+                clocks
+                    .filter(|c| !c.is_empty())
+                    .map(|c| c.iter().sum::<f64>() / c.len() as f64)
+            });
             let (intercept, slope) = (self.settings.prior_intercept, self.settings.prior_slope);
             let held_below = self.jobs.get(id).and_then(|j| {
                 match (j.calibration.cap(), self.granted_cap(now, j)) {
@@ -667,6 +751,9 @@ impl Agent {
                     job.calibration.held_below_level(now, granted);
                 }
                 let before = job.calibration.phase.clone();
+                if let Some(mhz) = sm_clock {
+                    job.calibration.observe_clock(now, mhz);
+                }
                 job.calibration.tick(now, &job.log, power);
                 if job.calibration.phase != before {
                     changed = true;
@@ -745,6 +832,7 @@ impl Agent {
             config_error: self.config_error.clone(),
             cap_mismatches: self.cap_mismatches,
             leases_applied: self.leases_applied,
+            gpu_claims_refused: self.gpu_claims_refused,
             gpus: self
                 .gpus
                 .iter()
@@ -816,6 +904,7 @@ impl Agent {
                         power_w: self.job_power(j).map(|w| w.0),
                         power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
                         calibrating: cal.is_active(),
+                        curve_implausible: cal.implausible.clone(),
                         power_cap_steady_s: j
                             .gpus
                             .iter()
@@ -849,6 +938,8 @@ pub struct Snapshot {
     pub cap_mismatches: u64,
     /// Leases applied and read back since the agent started.
     pub leases_applied: u64,
+    /// GPU claims refused because other jobs' processes use the GPU.
+    pub gpu_claims_refused: u64,
     pub gpus: Vec<GpuView>,
     pub jobs: Vec<JobView>,
 }
@@ -897,6 +988,9 @@ pub struct JobView {
     pub power_cap_w: Option<f64>,
     /// The calibration walk is under way (warm-up or a level).
     pub calibrating: bool,
+    /// Why the job's reported curve was not believed (it slowed more than its GPUs'
+    /// clocks): the job is planned on the telemetry prior. For the admin.
+    pub curve_implausible: Option<String>,
     /// How long that limit had held when `power_w` was sampled, seconds.
     pub power_cap_steady_s: Option<f64>,
 }
@@ -960,6 +1054,7 @@ mod tests {
                     energy_mj: 0,
                     gpu_util_pct: 100,
                     memory_util_pct: 40,
+                    sm_clock_mhz: 1980,
                 }),
             );
         }
@@ -1335,5 +1430,61 @@ mod tests {
         .expect("registered");
         assert!(a.jobs_alive(500.0, &only_8).is_empty());
         assert!(a.jobs.contains_key("9"));
+    }
+
+    /// Issue 14: a step Slurm gave no GPUs, with GPU variables the user exported, took
+    /// another job's GPUs.
+    #[test]
+    fn a_running_jobs_gpus_cannot_be_claimed_by_another() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex0")
+            .expect("registered");
+        a.jobs_alive(1.0, &BTreeSet::from(["7".to_string(), "66".to_string()]));
+        let refused = a
+            .register(2.0, "66", "0", 1000, "n1", &["1".into()], "flex3")
+            .expect_err("GPU 1 is job 7's");
+        assert!(refused.contains("belongs to running job 7"), "{refused}");
+        assert_eq!(a.gpus[1].job.as_deref(), Some("7"));
+        assert!(!a.jobs.contains_key("66"));
+        // A job whose end was missed (never seen alive since) still gives way.
+        a.register(3.0, "8", "0", 0, "n1", &["2".into()], "flex2")
+            .expect("registered");
+        a.register(4.0, "9", "0", 0, "n1", &["2".into()], "flex2")
+            .expect("8 was never seen running");
+        assert_eq!(a.gpus[2].job.as_deref(), Some("9"));
+    }
+
+    #[test]
+    fn a_gpu_used_only_by_another_jobs_processes_leaves_the_claimant() {
+        let mut a = agent(None);
+        a.register(
+            0.0,
+            "66",
+            "0",
+            1000,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex3",
+        )
+        .expect("registered");
+        // NVML: GPU 0 runs a process of job 7 (not registered: an unmanaged job), GPU 1
+        // a process of 66 itself.
+        let used = BTreeMap::from([
+            (0, BTreeSet::from(["7".to_string()])),
+            (1, BTreeSet::from(["66".to_string()])),
+        ]);
+        let refused = a.check_gpu_use(&used);
+        assert_eq!(
+            refused,
+            vec![GpuClaimRefused {
+                gpu: 0,
+                claimed_by: "66".into(),
+                used_by: vec!["7".into()]
+            }]
+        );
+        assert_eq!(a.gpus[0].job, None, "back to its default at the next tick");
+        assert_eq!(a.jobs["66"].gpus, vec![1]);
+        assert_eq!(a.snapshot(1.0).gpu_claims_refused, 1);
+        assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
     }
 }

@@ -113,6 +113,32 @@ fn unix_s() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Per GPU that NVML lists processes on, the jobs those processes belong to (processes
+/// in no Slurm job left out). GPUs whose list NVML cannot give are left out too.
+fn gpu_users(
+    backend: &mut dyn GpuBackend,
+    agent: &Agent,
+    table: &crate::procs::ProcTable,
+) -> std::collections::BTreeMap<u32, std::collections::BTreeSet<String>> {
+    let mut used = std::collections::BTreeMap::new();
+    for gpu in 0..agent.gpus.len() as u32 {
+        if agent.gpus[gpu as usize].degraded.is_some() {
+            continue;
+        }
+        let Ok(pids) = backend.running_pids(gpu) else {
+            continue;
+        };
+        let jobs: std::collections::BTreeSet<String> = pids
+            .into_iter()
+            .filter_map(|pid| table.step_of(pid).map(|s| s.job))
+            .collect();
+        if !jobs.is_empty() {
+            used.insert(gpu, jobs);
+        }
+    }
+    used
+}
+
 /// How often the agent looks for jobs whose step daemons are gone, s.
 const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
@@ -375,6 +401,10 @@ pub fn run(
                         Ok(table) => {
                             for job_id in agent.jobs_alive(t, &table.live_jobs()) {
                                 warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
+                            }
+                            let used_by = gpu_users(backend.as_mut(), &agent, &table);
+                            for r in agent.check_gpu_use(&used_by) {
+                                warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
                             }
                         }
                         Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),

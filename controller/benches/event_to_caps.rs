@@ -219,6 +219,7 @@ fn site_settings() -> SiteSettings {
         failsafe_cap: Watts(500.0),
         default_pfi: 0.8,
         budget_mode: powerflex_core::config::BudgetMode::default(),
+        objective: powerflex_core::config::Objective::Tokens,
     }
 }
 

@@ -11,16 +11,18 @@
 //! Curves come from the same estimator as the offline evaluation
 //! ([`estimate_population`]): smoothed, and extended below each job's lowest measured cap
 //! to the GPUs' minimum — territory the allocator enters only when the budget cannot pay
-//! every tier's floor above it. The objective is the site's total tokens/s when every
-//! managed job reports tokens; when some report only steps (units that do not add up),
-//! it is the sum of each job's speed relative to uncapped.
+//! every tier's floor above it. The objective is, by default, the sum of each job's speed
+//! relative to its own uncapped speed: what a job says about its scale (tokens/s are
+//! self-reported) buys it nothing. A site that trusts its jobs' counts can choose the
+//! total tokens/s instead; while any managed job reports only steps (units that do not
+//! add up), relative speed is used all the same.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 use powerflex_core::allocate::{allocate, validate_spec, Allocation, CapLimits, JobSpec, Policy};
-use powerflex_core::config::BudgetMode;
+use powerflex_core::config::{BudgetMode, Objective};
 use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, OperatingPoint};
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
@@ -51,6 +53,8 @@ pub struct SiteSettings {
     pub default_pfi: f64,
     /// What the budget bounds: measured draw (with a margin) or the sum of caps.
     pub budget_mode: BudgetMode,
+    /// What the allocation maximises.
+    pub objective: Objective,
 }
 
 /// The outcome of one allocation.
@@ -444,9 +448,10 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         curves.push(curve);
     }
     // Tokens/s add up across jobs; steps/s (or a job with no throughput yet) do not.
-    let raw_tokens = steerable.iter().zip(&curves).all(|((_, job, _), curve)| {
-        curve.is_none() || (job.counts_tokens && job.throughput.is_some())
-    });
+    let raw_tokens = settings.objective == Objective::Tokens
+        && steerable.iter().zip(&curves).all(|((_, job, _), curve)| {
+            curve.is_none() || (job.counts_tokens && job.throughput.is_some())
+        });
     let mut specs = Vec::new();
     let mut drifted = Vec::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
@@ -582,6 +587,7 @@ mod tests {
             failsafe_cap: Watts(500.0),
             default_pfi: 1.3,
             budget_mode: BudgetMode::Metered { margin: 0.0 },
+            objective: Objective::Tokens,
         }
     }
 
@@ -1170,5 +1176,33 @@ mod tests {
             &settings(),
         );
         assert!(d.drifted.is_empty());
+    }
+
+    /// Issue 14: with the raw sum of self-reported tokens/s as the objective, a job
+    /// claiming 1000x its tokens took the largest cap and pushed every other job to its
+    /// floor.
+    #[test]
+    fn inflated_tokens_buy_nothing_under_the_default_objective() {
+        let honest = report("1", "flex3", 4, 2800.0, points(4.0));
+        let mut inflated = report("2", "flex3", 4, 2800.0, points(4.0));
+        inflated.throughput = inflated.throughput.map(|t| t * 1000.0);
+        for p in &mut inflated.points {
+            p[2] *= 1000.0;
+        }
+        let nodes = [
+            node("n1", (0..4).map(gpu).collect(), vec![honest]),
+            node("n2", (0..4).map(gpu).collect(), vec![inflated]),
+        ];
+        let relative = SiteSettings {
+            objective: Objective::RelativeSpeed,
+            ..settings()
+        };
+        let d = decide(&nodes, Watts(4000.0), &relative);
+        assert_eq!(d.objective, "relative-speed");
+        assert_eq!(d.leases["n1"]["1"], d.leases["n2"]["2"], "{:?}", d.leases);
+        // With raw tokens (a site option), the claim would win: that is why it is not
+        // the default.
+        let d = decide(&nodes, Watts(4000.0), &settings());
+        assert!(d.leases["n2"]["2"] > d.leases["n1"]["1"], "{:?}", d.leases);
     }
 }

@@ -92,6 +92,10 @@ pub struct RawFacility {
     /// `metered` mode: the share of the budget held back for measurement noise and the
     /// draw's rise between two allocations, percent (default 1, 0 to 20).
     pub metered_margin_pct: Option<f64>,
+    /// What the allocation maximises: `relative-speed` (default; each job counts as its
+    /// throughput over its own uncapped throughput, so what a job reports about its scale
+    /// buys it nothing) or `tokens` (the site's total tokens/s, as the jobs report them).
+    pub objective: Option<String>,
 }
 
 /// `[tiers]`: what `--power-flex` accepts at this site.
@@ -240,6 +244,32 @@ pub struct FacilityConfig {
     pub gpu_budget_w: Watts,
     pub policy: Policy,
     pub budget_mode: BudgetMode,
+    pub objective: Objective,
+}
+
+/// What the allocation maximises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Objective {
+    /// The sum of each job's throughput over its own uncapped throughput: a job's
+    /// self-reported scale buys it nothing.
+    #[default]
+    RelativeSpeed,
+    /// The site's total tokens/s, as the jobs report them (trusts the jobs' counts; falls
+    /// back to relative speed while any managed job reports only steps).
+    Tokens,
+}
+
+impl Objective {
+    /// The names `facility.objective` accepts.
+    pub const NAMES: [&'static str; 2] = ["relative-speed", "tokens"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Objective::RelativeSpeed => "relative-speed",
+            Objective::Tokens => "tokens",
+        }
+    }
 }
 
 /// What the facility budget bounds.
@@ -632,10 +662,26 @@ fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
             })
         }
     };
+    let objective = match raw.objective.as_deref() {
+        None | Some("relative-speed") => Objective::RelativeSpeed,
+        Some("tokens") => Objective::Tokens,
+        Some(other) => {
+            return Err(ConfigError::OutOfRange {
+                key: "facility.objective".into(),
+                value: format!("\"{}\"", other.escape_default()),
+                accepted: Objective::NAMES
+                    .iter()
+                    .map(|n| format!("\"{n}\""))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        }
+    };
     Ok(FacilityConfig {
         gpu_budget_w,
         policy,
         budget_mode,
+        objective,
     })
 }
 
@@ -1137,6 +1183,7 @@ listen = "10.0.0.5:7300"
                     gpu_budget_w: Watts(120_000.0),
                     policy: Policy::Optimal,
                     budget_mode: BudgetMode::Metered { margin: 0.01 },
+                    objective: Objective::RelativeSpeed,
                 },
                 tiers: TiersConfig {
                     table: TierTable::default_table(),

@@ -77,6 +77,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             failsafe_cap: model.failsafe_cap_w,
             default_pfi: site.predictor.pfi_intercept,
             budget_mode: site.facility.budget_mode,
+            objective: site.facility.objective,
         },
     })
 }
