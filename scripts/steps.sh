@@ -6,7 +6,8 @@
 # prints "==> what it checks", runs the command, then "<-- 12.3 s: what it checks".
 # steps_summary prints every step's time and the total; a failing step prints the
 # summary so far and exits with the step's status. The times go to stderr, so they are
-# in CI's log next to each step's output.
+# in CI's log next to each step's output. A step runs in a subshell: what it exports
+# does not reach the steps after it.
 
 PF_STEP_NAMES=()
 PF_STEP_MS=()
@@ -27,9 +28,18 @@ run_step() {
     local name=$1
     shift
     printf '\n==> %s\n' "$name" >&2
-    local start_ms status=0
+    local start_ms status
     start_ms=$(date +%s%3N)
-    "$@" || status=$?
+    # In a subshell with errexit on and outside any `||`: bash ignores `set -e` inside a
+    # command that is part of a `||` list, so a failing line inside a shell function
+    # (the installer's) would otherwise be skipped over.
+    set +e
+    (
+        set -e
+        "$@"
+    )
+    status=$?
+    set -e
     local ms=$(($(date +%s%3N) - start_ms))
     PF_STEP_NAMES+=("$name")
     PF_STEP_MS+=("$ms")

@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 source scripts/steps.sh
 source scripts/install-deps.sh
 run_step "install what is missing (scripts/install-deps.sh)" powerflex_install_deps
+# The installer ran in a subshell: find cargo here too when it is not on PATH.
+command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
 
 run_step "cargo fmt --check" cargo fmt --all -- --check
 run_step "cargo clippy (warnings are errors; incompatible_msrv checks std use against rust-version)" \
