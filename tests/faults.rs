@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use powerflex_core::config::{RawGpuModel, RawSiteConfig};
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::slurm::pid_alive;
 use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
@@ -155,11 +156,7 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
         },
     );
     assert!(pid_alive(pid));
-    let killed = std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
+    kill(pid, Signal::KILL).expect("SIGKILL to the job's process");
     let state = stack.cluster.wait_job_done(victim, Duration::from_secs(60));
     assert_ne!(state, "RUNNING");
     wait_until(

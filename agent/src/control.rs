@@ -23,6 +23,7 @@ use powerflex_core::Watts;
 
 use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
+use crate::procs::JobKey;
 
 /// Everything the state machine needs from the site config.
 #[derive(Debug, Clone)]
@@ -102,6 +103,10 @@ pub struct Job {
     /// When a step daemon of the job was last seen on this host (agent seconds); `None`
     /// before the first sighting.
     pub seen_alive_at: Option<f64>,
+    /// The cluster of the step daemon that registered the job (its `SLURM_CONF`):
+    /// `None` while unknown (registered by something other than a step daemon), and then
+    /// the job is never judged by the step daemons seen on the host.
+    pub cluster: Option<Option<String>>,
 }
 
 impl Job {
@@ -336,6 +341,7 @@ impl Agent {
             restored_points: Vec::new(),
             counts_tokens: None,
             seen_alive_at: None,
+            cluster: None,
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -386,17 +392,27 @@ impl Agent {
         known
     }
 
+    /// The cluster of the step daemon that registered `job_id` (see [`Job::cluster`]).
+    pub fn set_job_cluster(&mut self, job_id: &str, cluster: Option<String>) {
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.cluster = Some(cluster);
+        }
+    }
+
     /// The jobs with step daemons on this host now (from [`crate::procs`]). A job seen
     /// alive before whose daemons have all been gone for `job_end_grace_s` has ended
     /// without its epilog reaching the agent (a busy agent, a failed connect, an empty
     /// `SLURMD_NODENAME`): it is ended here, and its GPUs go back to their defaults at the
     /// next tick. A job never seen alive (registered from elsewhere, or before the first
     /// scan) is left to its epilog. Returns the jobs ended.
-    pub fn jobs_alive(&mut self, now: f64, alive: &BTreeSet<String>) -> Vec<String> {
+    pub fn jobs_alive(&mut self, now: f64, alive: &BTreeSet<JobKey>) -> Vec<String> {
         let grace = self.settings.job_end_grace_s;
         let mut gone = Vec::new();
         for job in self.jobs.values_mut() {
-            if alive.contains(&job.id) {
+            let Some(cluster) = &job.cluster else {
+                continue;
+            };
+            if alive.contains(&(job.id.clone(), cluster.clone())) {
                 job.seen_alive_at = Some(now);
             } else if job.seen_alive_at.is_some_and(|t| now - t >= grace) {
                 gone.push(job.id.clone());
@@ -416,7 +432,7 @@ impl Agent {
     /// Returns the refusals, to log and count.
     pub fn check_gpu_use(
         &mut self,
-        used_by: &BTreeMap<u32, BTreeSet<String>>,
+        used_by: &BTreeMap<u32, BTreeSet<JobKey>>,
     ) -> Vec<GpuClaimRefused> {
         let mut refused = Vec::new();
         for (&gpu, users) in used_by {
@@ -426,7 +442,11 @@ impl Agent {
             let Some(claimant) = slot.job.clone() else {
                 continue;
             };
-            if users.is_empty() || users.contains(&claimant) {
+            // A claimant of unknown cluster cannot be compared with what runs.
+            let Some(cluster) = self.jobs.get(&claimant).and_then(|j| j.cluster.clone()) else {
+                continue;
+            };
+            if users.is_empty() || users.contains(&(claimant.clone(), cluster)) {
                 continue;
             }
             slot.job = None;
@@ -436,7 +456,7 @@ impl Agent {
             refused.push(GpuClaimRefused {
                 gpu,
                 claimed_by: claimant,
-                used_by: users.iter().cloned().collect(),
+                used_by: users.iter().map(|(job, _)| job.clone()).collect(),
             });
         }
         self.jobs.retain(|_, j| !j.gpus.is_empty());
@@ -1406,9 +1426,20 @@ mod tests {
             .expect("registered");
         a.register(0.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
             .expect("registered");
-        let both = BTreeSet::from(["7".to_string(), "8".to_string()]);
+        a.set_job_cluster("7", None);
+        a.set_job_cluster("8", None);
+        let key = |id: &str| (id.to_string(), None);
+        let both = BTreeSet::from([
+            key("7"),
+            key("8"),
+            ("7".to_string(), Some("/other/slurm.conf".to_string())),
+        ]);
         assert!(a.jobs_alive(1.0, &both).is_empty());
-        let only_8 = BTreeSet::from(["8".to_string()]);
+        // Job 7 of another cluster on the same host keeps nothing alive here.
+        let only_8 = BTreeSet::from([
+            key("8"),
+            ("7".to_string(), Some("/other/slurm.conf".to_string())),
+        ]);
         assert!(a.jobs_alive(20.0, &only_8).is_empty(), "within the grace");
         assert_eq!(a.jobs_alive(31.0, &only_8), vec!["7".to_string()]);
         assert!(!a.jobs.contains_key("7"));
@@ -1439,7 +1470,11 @@ mod tests {
         let mut a = agent(None);
         a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex0")
             .expect("registered");
-        a.jobs_alive(1.0, &BTreeSet::from(["7".to_string(), "66".to_string()]));
+        a.set_job_cluster("7", None);
+        a.jobs_alive(
+            1.0,
+            &BTreeSet::from([("7".to_string(), None), ("66".to_string(), None)]),
+        );
         let refused = a
             .register(2.0, "66", "0", 1000, "n1", &["1".into()], "flex3")
             .expect_err("GPU 1 is job 7's");
@@ -1467,11 +1502,12 @@ mod tests {
             "flex3",
         )
         .expect("registered");
+        a.set_job_cluster("66", None);
         // NVML: GPU 0 runs a process of job 7 (not registered: an unmanaged job), GPU 1
         // a process of 66 itself.
         let used = BTreeMap::from([
-            (0, BTreeSet::from(["7".to_string()])),
-            (1, BTreeSet::from(["66".to_string()])),
+            (0, BTreeSet::from([("7".to_string(), None)])),
+            (1, BTreeSet::from([("66".to_string(), None)])),
         ]);
         let refused = a.check_gpu_use(&used);
         assert_eq!(

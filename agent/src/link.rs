@@ -9,7 +9,7 @@
 //! stale are logged and ignored.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{unbounded, Sender};
 use powerflex_core::Watts;
+use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport, MAX_LINK_LINE_BYTES};
 use tracing::{info, warn};
 
@@ -174,20 +175,10 @@ fn serve(
     let (lines_tx, lines_rx) = unbounded::<String>();
     let reader = std::thread::spawn(move || {
         let mut reader = BufReader::new(read_half);
-        loop {
-            let mut line = String::new();
-            // A line longer than the limit ends the connection rather than memory.
-            match (&mut reader)
-                .take(MAX_LINK_LINE_BYTES as u64 + 1)
-                .read_line(&mut line)
-            {
-                Ok(0) | Err(_) => return,
-                Ok(_) if line.len() > MAX_LINK_LINE_BYTES => return,
-                Ok(_) => {
-                    if lines_tx.send(line).is_err() {
-                        return;
-                    }
-                }
+        // A line longer than the limit ends the connection rather than memory.
+        while let Ok(Some(line)) = read_line(&mut reader, MAX_LINK_LINE_BYTES) {
+            if lines_tx.send(line).is_err() {
+                return;
             }
         }
     });

@@ -9,6 +9,11 @@
 //! them root's or make root's `slurmstepd` their parent. This works with
 //! `proctrack/linuxproc` (the test cluster) as with the cgroup plugins.
 //!
+//! Job ids are unique within one Slurm cluster only. Where several clusters share a host
+//! (the test clusters, several `slurmd -N` on one machine), a step daemon is told apart by
+//! the `SLURM_CONF` in its environment (root's, set by slurmd, not by the job): a job is
+//! known by its id and that cluster together, [`JobKey`].
+//!
 //! [`ProcTable::read`] reads `/proc` (I/O); everything else is pure and tested on tables
 //! built by hand.
 
@@ -27,13 +32,27 @@ pub struct ProcEntry {
     /// Whether `/proc/PID/exe` is a `slurmstepd` binary (`slurmstepd`, Debian's
     /// `slurmstepd-wlm`).
     pub exe_is_slurmstepd: bool,
+    /// `SLURM_CONF` from the environment of a root-owned `slurmstepd` (which cluster it
+    /// serves; `None` for the default config). Not read for other processes.
+    pub slurm_conf: Option<String>,
 }
 
-/// A Slurm step: job id and step name (`0`, `batch`, `extern`, ...).
+/// A job as this host can tell it apart: its id and the cluster of its step daemons.
+pub type JobKey = (String, Option<String>);
+
+/// A Slurm step: job id and step name (`0`, `batch`, `extern`, ...), and the cluster its
+/// step daemon serves (its `SLURM_CONF`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct StepId {
     pub job: String,
     pub step: String,
+    pub cluster: Option<String>,
+}
+
+impl StepId {
+    pub fn job_key(&self) -> JobKey {
+        (self.job.clone(), self.cluster.clone())
+    }
 }
 
 /// Deepest ancestry walked: process trees are shallow; a loop or a forged table stops here.
@@ -56,6 +75,7 @@ pub fn parse_stepd_title(title: &str) -> Option<StepId> {
     (valid(job) && valid(step) && job.starts_with(|c: char| c.is_ascii_digit())).then(|| StepId {
         job: job.to_string(),
         step: step.to_string(),
+        cluster: None,
     })
 }
 
@@ -109,11 +129,11 @@ impl ProcTable {
     }
 
     /// Jobs with at least one step daemon on this host.
-    pub fn live_jobs(&self) -> BTreeSet<String> {
+    pub fn live_jobs(&self) -> BTreeSet<JobKey> {
         self.by_pid
             .values()
             .filter_map(stepd_step)
-            .map(|s| s.job)
+            .map(|s| s.job_key())
             .collect()
     }
 }
@@ -123,7 +143,25 @@ fn stepd_step(entry: &ProcEntry) -> Option<StepId> {
     if entry.uid != 0 || !entry.exe_is_slurmstepd {
         return None;
     }
-    parse_stepd_title(&entry.title)
+    parse_stepd_title(&entry.title).map(|s| StepId {
+        cluster: entry.slurm_conf.clone(),
+        ..s
+    })
+}
+
+/// The cluster served by process `pid` when it is a root-owned step daemon (the peer of a
+/// registration): `Some(SLURM_CONF)`, or `None` when it is not a step daemon.
+pub fn stepd_cluster(proc_root: &Path, pid: u32) -> Option<Option<String>> {
+    let entry = read_entry(&proc_root.join(pid.to_string()), pid)?;
+    stepd_step(&entry).map(|s| s.cluster)
+}
+
+fn slurm_conf_of(dir: &Path) -> Option<String> {
+    let environ = std::fs::read(dir.join("environ")).ok()?;
+    environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"SLURM_CONF="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
 fn read_entry(dir: &Path, pid: u32) -> Option<ProcEntry> {
@@ -149,12 +187,19 @@ fn read_entry(dir: &Path, pid: u32) -> Option<ProcEntry> {
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .is_some_and(|name| name == "slurmstepd" || name.starts_with("slurmstepd-"));
+    // Only a step daemon's environment says anything trustworthy (root's, from slurmd).
+    let slurm_conf = if uid == 0 && exe_is_slurmstepd {
+        slurm_conf_of(dir)
+    } else {
+        None
+    };
     Some(ProcEntry {
         pid,
         ppid,
         uid,
         title,
         exe_is_slurmstepd,
+        slurm_conf,
     })
 }
 
@@ -169,6 +214,7 @@ mod tests {
             uid: 0,
             title: title.into(),
             exe_is_slurmstepd: true,
+            slurm_conf: None,
         }
     }
 
@@ -179,6 +225,7 @@ mod tests {
             uid,
             title: title.into(),
             exe_is_slurmstepd: false,
+            slurm_conf: None,
         }
     }
 
@@ -188,6 +235,7 @@ mod tests {
             Some(StepId {
                 job: j.into(),
                 step: s.into(),
+                cluster: None,
             })
         };
         assert_eq!(parse_stepd_title("slurmstepd: [1234.0]"), step("1234", "0"));
@@ -235,7 +283,10 @@ mod tests {
         assert_eq!(job(201), None, "a forged title owned by a user is no job");
         assert_eq!(job(300), None);
         assert_eq!(job(999), None, "unknown pid");
-        assert_eq!(table.live_jobs(), BTreeSet::from(["42".to_string()]));
+        assert_eq!(
+            table.live_jobs(),
+            BTreeSet::from([("42".to_string(), None)])
+        );
     }
 
     #[test]
@@ -250,5 +301,29 @@ mod tests {
         let me = table.get(std::process::id()).expect("this process");
         assert_eq!(me.pid, std::process::id());
         assert!(!me.exe_is_slurmstepd);
+    }
+
+    #[test]
+    fn the_same_job_id_in_two_clusters_is_two_jobs() {
+        let other = |pid, conf: &str| ProcEntry {
+            slurm_conf: Some(conf.into()),
+            ..stepd(pid, "slurmstepd: [1.batch]")
+        };
+        let table = ProcTable::from_entries([
+            other(10, "/a/slurm.conf"),
+            other(20, "/b/slurm.conf"),
+            user(11, 10, 1000, "train"),
+        ]);
+        assert_eq!(
+            table.live_jobs(),
+            BTreeSet::from([
+                ("1".to_string(), Some("/a/slurm.conf".to_string())),
+                ("1".to_string(), Some("/b/slurm.conf".to_string())),
+            ])
+        );
+        assert_eq!(
+            table.step_of(11).map(|s| s.job_key()),
+            Some(("1".to_string(), Some("/a/slurm.conf".to_string())))
+        );
     }
 }

@@ -42,6 +42,8 @@ pub struct RunOptions {
 pub enum AgentError {
     #[error("{0}")]
     Gpu(#[from] crate::backend::GpuError),
+    #[error("{0}")]
+    Plumbing(#[from] powerflex_daemon::DaemonError),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -96,6 +98,8 @@ fn persisted(agent: &Agent) -> PersistedState {
                 steps: j.steps.iter().cloned().collect(),
                 pfi: j.calibration.pfi().or(j.restored_pfi),
                 points: j.curve_points(),
+                from_stepd: j.cluster.is_some(),
+                cluster: j.cluster.clone().flatten(),
             })
             .collect(),
         lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
@@ -119,7 +123,7 @@ fn gpu_users(
     backend: &mut dyn GpuBackend,
     agent: &Agent,
     table: &crate::procs::ProcTable,
-) -> std::collections::BTreeMap<u32, std::collections::BTreeSet<String>> {
+) -> std::collections::BTreeMap<u32, std::collections::BTreeSet<crate::procs::JobKey>> {
     let mut used = std::collections::BTreeMap::new();
     for gpu in 0..agent.gpus.len() as u32 {
         if agent.gpus[gpu as usize].degraded.is_some() {
@@ -128,9 +132,9 @@ fn gpu_users(
         let Ok(pids) = backend.running_pids(gpu) else {
             continue;
         };
-        let jobs: std::collections::BTreeSet<String> = pids
+        let jobs: std::collections::BTreeSet<crate::procs::JobKey> = pids
             .into_iter()
-            .filter_map(|pid| table.step_of(pid).map(|s| s.job))
+            .filter_map(|pid| table.step_of(pid).map(|s| s.job_key()))
             .collect();
         if !jobs.is_empty() {
             used.insert(gpu, jobs);
@@ -253,6 +257,9 @@ pub fn run(
         if let Some(j) = agent.jobs.get_mut(&job.job_id) {
             j.restored_pfi = job.pfi;
             j.restored_points = job.points.clone();
+            if job.from_stepd {
+                j.cluster = Some(job.cluster.clone());
+            }
             // The curve survives the restart: no second walk, no point of one replacing it.
             j.calibration.restore(&job.points);
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
@@ -262,7 +269,18 @@ pub fn run(
     // lost or corrupt): take them back rather than release their caps, which would
     // break the site's budget until the controller caught up.
     let node = agent.settings.node.clone();
-    for job in persist::running_managed_jobs(&node) {
+    let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
+        .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
+        .filter(|(_, pids)| !pids.is_empty())
+        .collect();
+    let running = match crate::procs::ProcTable::read(Path::new("/proc")) {
+        Ok(table) => persist::running_managed_jobs(&table, &gpu_pids, persist::process_facts),
+        Err(e) => {
+            warn!(error = %e, "cannot read /proc to take back running jobs");
+            Vec::new()
+        }
+    };
+    for job in running {
         if agent.jobs.contains_key(&job.job_id) {
             continue;
         }
@@ -276,6 +294,7 @@ pub fn run(
             &job.flex,
         ) {
             Ok(_) => {
+                agent.set_job_cluster(&job.job_id, job.cluster.clone());
                 info!(job_id = %job.job_id, gpus = ?job.gpus, tier = %job.flex, "job running on this node's GPUs without a record; managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
@@ -315,17 +334,14 @@ pub fn run(
             }
         })?,
     ];
+    let mut metrics = None;
     if let Some(addr) = options.metrics_listen {
         let listener = TcpListener::bind(addr).map_err(|source| AgentError::Io {
             what: "metrics listener",
             path: addr.to_string(),
             source,
         })?;
-        threads.push(metrics_thread(
-            listener,
-            snapshot.clone(),
-            shutdown.clone(),
-        )?);
+        metrics = Some(crate::metrics::spawn(listener, snapshot.clone())?);
     }
     if let Some(mut link) = options.link.clone() {
         link.gpus = agent
@@ -450,25 +466,12 @@ pub fn run(
     for t in threads {
         let _ = t.join();
     }
+    if let Some(metrics) = metrics {
+        metrics.stop();
+    }
     let _ = std::fs::remove_file(&options.control_socket);
     let _ = std::fs::remove_file(&options.progress_socket);
     Ok(())
-}
-
-fn metrics_thread(
-    listener: TcpListener,
-    snapshot: SnapshotCell,
-    shutdown: Arc<AtomicBool>,
-) -> Result<std::thread::JoinHandle<()>, AgentError> {
-    let addr = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    crate::metrics::spawn(listener, snapshot, shutdown).map_err(|source| AgentError::Io {
-        what: "thread for",
-        path: addr,
-        source,
-    })
 }
 
 fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
@@ -505,6 +508,14 @@ fn handle(
                     let _e = span.enter();
                     match agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex) {
                         Ok(r) => {
+                            // The registering peer is the step's slurmstepd (root): its
+                            // cluster tells this job apart from same-numbered jobs of
+                            // other clusters on the host.
+                            if let Some(cluster) =
+                                crate::procs::stepd_cluster(Path::new("/proc"), peer.pid)
+                            {
+                                agent.set_job_cluster(&job_id, cluster);
+                            }
                             info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
                             // Cap the job's GPUs before answering: slurmstepd starts the
                             // tasks after this reply, so they never run above the cap

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
@@ -190,20 +191,17 @@ impl Fixture {
         pid
     }
 
-    fn signal_agent(&mut self, signal: i32) -> Option<std::process::ExitStatus> {
+    fn signal_agent(&mut self, signal: Signal) -> Option<std::process::ExitStatus> {
         let mut child = self.agent.take()?;
-        // SAFETY: signalling the agent process this fixture started, by its PID.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, signal);
-        }
+        // The agent process this fixture started, by its PID.
+        let _ = kill(child.id(), signal);
         child.wait().ok()
     }
 }
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        let _ = self.signal_agent(libc::SIGKILL);
+        let _ = self.signal_agent(Signal::KILL);
         for job in &mut self.jobs {
             let _ = job.kill();
             let _ = job.wait();
@@ -348,7 +346,7 @@ fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
         },
     );
     assert!(total <= 3000.0 * 1.005, "{total}");
-    let status = f.signal_agent(libc::SIGTERM).expect("agent exit");
+    let status = f.signal_agent(Signal::TERM).expect("agent exit");
     assert!(status.success(), "clean exit on SIGTERM");
     for g in 0..8 {
         assert_eq!(f.limit_w(g), 700.0, "GPU {g} restored at shutdown");
@@ -372,12 +370,9 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
         Duration::from_secs(60),
         || (f.limit_w(2) < 700.0 && f.limit_w(4) < 700.0).then_some(()),
     );
-    f.signal_agent(libc::SIGKILL);
-    // SAFETY: killing the simulated job this test started, by its PID.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::kill(doomed as libc::pid_t, libc::SIGKILL);
-    }
+    f.signal_agent(Signal::KILL);
+    // The simulated job this test started, by its PID.
+    kill(doomed, Signal::KILL).expect("kill the job");
     let jobs = std::mem::take(&mut f.jobs);
     let (mut dead, alive): (Vec<Child>, Vec<Child>) =
         jobs.into_iter().partition(|c| c.id() == doomed);

@@ -994,7 +994,7 @@ fn serve_agent(
 fn serve_admin(mut stream: UnixStream, tx: &Sender<Inbound>) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
-    let uid = powerflex_proto::peer::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
+    let uid = powerflex_daemon::os::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
     let mut line = String::new();
     let reply = match stream
         .try_clone()

@@ -326,5 +326,3 @@ mod control_tests {
 
 #[cfg(feature = "link")]
 pub mod link;
-pub mod peer;
-pub mod signals;

@@ -149,28 +149,6 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// Reads the site key: a root-only file (mode 0600 or stricter) of at least 16 bytes,
-/// surrounding whitespace ignored. Agent and controller must derive the same key.
-pub fn read_site_key(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
-    use std::os::unix::fs::PermissionsExt;
-    let shown = path.display();
-    let unreadable =
-        |e: std::io::Error| std::io::Error::other(format!("cannot read the site key {shown}: {e}"));
-    let meta = std::fs::metadata(path).map_err(unreadable)?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        return Err(std::io::Error::other(format!(
-            "the site key {shown} is readable by others; chmod 600 it"
-        )));
-    }
-    let key = std::fs::read(path).map_err(unreadable)?;
-    if key.trim_ascii().len() < 16 {
-        return Err(std::io::Error::other(format!(
-            "the site key {shown} is shorter than 16 bytes"
-        )));
-    }
-    Ok(key.trim_ascii().to_vec())
-}
-
 /// Most GPUs one node may announce or one job may hold on one node.
 pub const MAX_GPUS_PER_NODE: usize = 256;
 /// Highest power limit or draw believed of one GPU, W (the largest accelerators today

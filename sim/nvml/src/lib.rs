@@ -66,9 +66,10 @@ fn sim_code(e: &SimError) -> Code {
         SimError::NoPermission => nvmlReturn_enum_NVML_ERROR_NO_PERMISSION,
         SimError::Fault { fault, .. } => fault_code(*fault),
         SimError::Busy { .. } => nvmlReturn_enum_NVML_ERROR_IN_USE,
-        SimError::Corrupt { .. } | SimError::Io { .. } | SimError::Exists { .. } => {
-            nvmlReturn_enum_NVML_ERROR_UNKNOWN
-        }
+        SimError::Corrupt { .. }
+        | SimError::Io { .. }
+        | SimError::Plumbing(_)
+        | SimError::Exists { .. } => nvmlReturn_enum_NVML_ERROR_UNKNOWN,
     }
 }
 
