@@ -1,6 +1,6 @@
 //! `powerflexctl`'s offline commands, run as a user would: the real binary, real files.
 
-use powerflex::{binary, data_file, run, scratch_dir};
+use powerflex_testbed::{binary, data_file, run, scratch_dir};
 use serde_json::Value;
 
 fn ctl() -> std::path::PathBuf {
@@ -250,7 +250,7 @@ fn allocate_holds_budget_and_tiers() {
 #[test]
 fn allocate_uses_the_site_config() {
     let curves = data_file("curves/paper_h200_synthetic.csv");
-    let site = powerflex::repo_root().join("slurm-conf/powerflex.toml");
+    let site = powerflex_testbed::repo_root().join("slurm-conf/powerflex.toml");
     let out = run(
         &ctl(),
         &[
@@ -655,7 +655,7 @@ fn other_binaries_refuse_malformed_values_with_exit_2() {
         ),
     ];
     for (name, args, flag, accepted) in cases {
-        let out = run(&powerflex::binary(name), args);
+        let out = run(&binary(name), args);
         let shown = format!("{name} {}", args.join(" "));
         assert_eq!(out.code, Some(2), "{shown}: {}", out.stderr);
         assert!(

@@ -21,13 +21,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use serde_json::{json, Value};
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{profile_dir, repo_root, run, write_site_key, Children};
 use powerflex_core::Watts;
 use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::{ControlOp, ControlRequest, VERSION};
 use powerflex_sim::profiles::Library;
 use powerflex_sim::state::Node;
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{profile_dir, repo_root, run, write_site_key, Children};
 
 const NODES: u32 = 3;
 const GPUS_PER_NODE: u32 = 8;
@@ -59,7 +60,7 @@ struct Cli {
     #[arg(long, default_value = "20", value_name = "X", value_parser = time_scale)]
     time_scale: f64,
     /// Where the plot, the jobs' step logs, the daemons' logs and the summary go
-    /// [default: <repo>/target/powerflex-demo].
+    /// [default: REPO/target/powerflex-demo].
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
 }
@@ -501,29 +502,23 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         .port();
     let site = out.join("powerflex.toml");
     let budget_w = f64::from(NODES * GPUS_PER_NODE) * DEFAULT_CAP_W;
-    let grid: Vec<String> = CALIBRATION_CAPS_W
-        .iter()
-        .map(|c| format!("{c:.1}"))
-        .collect();
-    std::fs::write(
-        &site,
-        format!(
-            "# powerflex demo site (written by powerflex-demo): 3 nodes x 8 SIMULATED H200.\n\
-             # Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).\n\
-             [facility]\ngpu_budget_w = {budget_w:.1}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
-             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-             calibration_caps_w = [{grid}]\nfailsafe_cap_w = 500.0\n\
-             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 10\nallocation_period_s = 1\n\
-             key_file = \"{key}\"\nadmin_socket = \"{run}/ctld.sock\"\nstate_dir = \"{run}/ctld\"\n\
-             [agent]\nsocket = \"{run}/agent/%n.sock\"\nstate_dir = \"{run}/state/%n\"\nnvml_library = \"{nvml}\"\n\
-             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 5.0\n",
-            grid = grid.join(", "),
-            key = key.display(),
-            run = run_dir.display(),
-            nvml = nvml.display()
-        ),
-    )
-    .map_err(|e| format!("{}: {e}", site.display()))?;
+    SiteBuilder::new(budget_w)
+        .header(
+            "powerflex demo site (written by powerflex-demo): 3 nodes x 8 SIMULATED H200.\n\
+             Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).",
+        )
+        .h200(&CALIBRATION_CAPS_W, 500.0)
+        .controller(([127, 0, 0, 1], port).into(), 10, 1)
+        .key_file(&key)
+        .controller_paths(&run_dir.join("ctld.sock"), &run_dir.join("ctld"))
+        .agent_paths(
+            &format!("{}/agent/%n.sock", run_dir.display()),
+            &format!("{}/state/%n", run_dir.display()),
+            &nvml,
+        )
+        .calibration_s(2.0, 2.0, 5.0)
+        .write(&site)
+        .map_err(|e| e.to_string())?;
 
     println!("powerflex demo — every GPU here is SIMULATED (libpowerflex_sim_nvml.so behind the real NVML API); the training jobs are simulated too.");
     println!("results, logs and the plot go to {}\n", out.display());

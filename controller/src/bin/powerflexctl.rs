@@ -48,7 +48,7 @@ enum Format {
 enum Command {
     /// PFI (arXiv 2609.11542 Eq. 1) of every job in a curves file.
     Pfi {
-        /// Curves CSV: job,cap_w,power_w,throughput[,gpus,tier,dram_copy_product];
+        /// Curves CSV: job,cap_w,power_w,throughput, then optionally gpus,tier,dram_copy_product;
         /// cap_w per GPU in W, power_w the job's summed GPU power in W.
         #[arg(long, value_name = "FILE")]
         curves: String,

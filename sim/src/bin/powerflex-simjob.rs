@@ -61,7 +61,7 @@ struct Cli {
     /// GPUs to use, indices or UUIDs [default: $SLURM_JOB_GPUS, else $CUDA_VISIBLE_DEVICES].
     #[arg(long, value_name = "LIST", value_parser = gpu_list)]
     gpus: Option<GpuList>,
-    /// Job id [default: $SLURM_JOB_ID, else local-<pid>].
+    /// Job id [default: $SLURM_JOB_ID, else local-PID].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
     /// Write the per-step CSV here instead of stdout.
