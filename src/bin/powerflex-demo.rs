@@ -505,8 +505,13 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
     SiteBuilder::new(budget_w)
         .header(
             "powerflex demo site (written by powerflex-demo): 3 nodes x 8 SIMULATED H200.\n\
-             Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).",
+             Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).\n\
+             The demo's jobs are the site's own simulated jobs, so it trusts their token\n\
+             counts and maximises total tokens/s (the default objective is relative speed).",
         )
+        // Its results are judged in total tokens/s against equal-weight: the allocation
+        // must maximise the same thing.
+        .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
         .h200(&CALIBRATION_CAPS_W, 500.0)
         .controller(([127, 0, 0, 1], port).into(), 10, 1)
         .key_file(&key)
