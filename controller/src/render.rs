@@ -7,6 +7,7 @@ use powerflex_core::Watts;
 use powerflex_proto::admin::Event;
 use powerflex_proto::status::{CtldStatus, DecisionView, FloorView, NodeStatus, SiteJobStatus};
 
+use crate::schedule::{duration_text, utc_text};
 use crate::table::Table;
 
 fn watts(w: f64) -> String {
@@ -222,14 +223,14 @@ pub fn render_status(s: &CtldStatus) -> String {
 }
 
 pub fn render_events(events: &[Event]) -> String {
-    let mut t = Table::new(["id", "cut", "start (unix ms)", "duration", "ramp"]);
+    let mut t = Table::new(["id", "cut", "start", "duration", "ramp"]);
     for e in events {
         t.row([
             e.id.to_string(),
             cut_text(e),
-            e.start_ms.to_string(),
-            format!("{} s", e.duration_ms / 1000),
-            format!("{} s", e.ramp_ms / 1000),
+            utc_text(e.start_ms),
+            duration_text(e.duration_ms),
+            duration_text(e.ramp_ms),
         ]);
     }
     t.render()
@@ -475,11 +476,11 @@ mod tests {
             [
                 "3",
                 "{\"reduce\":{\"fraction\":0.3}}",
-                "1000",
-                "3600",
-                "s",
-                "60",
-                "s"
+                "1970-01-01",
+                "00:00:01",
+                "UTC",
+                "1h",
+                "1m"
             ]
         );
     }
