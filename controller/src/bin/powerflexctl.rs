@@ -98,25 +98,48 @@ enum Command {
         /// Seed of the random draws (same seed, same numbers, on any machine).
         #[arg(long, default_value_t = 1, value_name = "N")]
         seed: u64,
-        /// Calibration caps as fractions of each job's maximum cap; each maps to the
-        /// nearest measured cap.
-        #[arg(
-            long,
-            default_value = "1.0,0.8,0.6,0.4",
-            value_delimiter = ',',
-            value_name = "F,F,..."
-        )]
-        calibration_grid: Vec<f64>,
-        /// One standard deviation of multiplicative noise on each calibration reading of
-        /// power and throughput (0.01 = 1 %).
+        /// Fixed calibration caps as fractions of each job's maximum cap, one window each
+        /// (each maps to the nearest measured cap); without it the designed calibration
+        /// runs (see --calibration-budget, --expected-cut).
+        #[arg(long, value_delimiter = ',', value_name = "F,F,...")]
+        calibration_grid: Option<Vec<f64>>,
+        /// One standard deviation of multiplicative noise on one measurement window's
+        /// reading of power and of throughput (0.01 = 1 %).
         #[arg(long, default_value_t = 0.01, value_name = "F")]
         noise: f64,
         /// Score raw throughput (tokens/s) instead of per-job normalised T/T_max.
         #[arg(long)]
         raw: bool,
-        /// Cap granularity, W per GPU.
-        #[arg(long, default_value_t = 1.0, value_name = "W")]
-        cap_step_w: f64,
+        /// Cap granularity, W per GPU (default: the spacing of each job's measured caps,
+        /// so only measured caps are chosen).
+        #[arg(long, value_name = "W")]
+        cap_step_w: Option<f64>,
+        /// Most tokens the designed calibration may cost a job, fraction of its
+        /// first-hour tokens.
+        #[arg(long, default_value_t = 0.02, value_name = "F")]
+        calibration_budget: f64,
+        /// The deepest cut the site expects (site config facility.expected_cut_pct / 100);
+        /// sets how deep the designed calibration walks.
+        #[arg(long, default_value_t = 0.3, value_name = "F")]
+        expected_cut: f64,
+        /// Length of one calibration measurement window, s (--noise is per window).
+        #[arg(long, default_value_t = 30.0, value_name = "S")]
+        window_s: f64,
+        /// Standard deviations by which the optimal caps' expected gain must beat its
+        /// uncertainty before the allocator leaves the equal split.
+        #[arg(long, default_value_t = 1.0, value_name = "Z")]
+        gain_z: f64,
+        /// Standard deviations of the summed-power error kept below the budget.
+        #[arg(long, default_value_t = 2.0, value_name = "Z")]
+        power_z: f64,
+        /// Multi-event mode: run this many grid events after calibration, learning from
+        /// each event's steady stretches and small cap probes; reports gap recovered per
+        /// event.
+        #[arg(long, default_value_t = 0, value_name = "N")]
+        events: usize,
+        /// How long each event holds its caps, s.
+        #[arg(long, default_value_t = 3600.0, value_name = "S")]
+        event_hold_s: f64,
         /// Suppress the progress line on stderr.
         #[arg(long, short)]
         quiet: bool,
@@ -619,6 +642,13 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             noise,
             raw,
             cap_step_w,
+            calibration_budget,
+            expected_cut,
+            window_s,
+            gain_z,
+            power_z,
+            events,
+            event_hold_s,
             quiet,
             format,
         } => {
@@ -629,9 +659,18 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 workloads,
                 seed,
                 calibration_grid,
+                design: powerflex_core::calibration_design::DesignParams {
+                    budget_fraction: calibration_budget,
+                    expected_cut,
+                    window_s,
+                    ..Default::default()
+                },
                 noise,
                 raw,
                 cap_step_w,
+                caution: powerflex_core::allocate::Caution { power_z, gain_z },
+                events,
+                event_hold_s,
             };
             let started = std::time::Instant::now();
             let mut last_shown = std::time::Instant::now();
