@@ -236,6 +236,28 @@ impl CapCurve {
         })
     }
 
+    /// This curve with every knot's power raised by `z` of its standard errors: what an
+    /// optimiser should plan with when it picks among noisy curves, because it favours
+    /// exactly the jobs whose noise flatters their savings. Unchanged without per-knot
+    /// uncertainty or for a `z` that is not a positive number.
+    pub fn with_power_margin(&self, z: f64) -> CapCurve {
+        if self.knot_sigma.len() != self.knots.len() || !(z.is_finite() && z > 0.0) {
+            return self.clone();
+        }
+        let mut out = self.clone();
+        for (k, s) in out.knots.iter_mut().zip(&self.knot_sigma) {
+            k.power_w = Watts(k.power_w.0 + z * s.power_w);
+        }
+        // Raising each knot by its own error can break monotonicity in the cap.
+        for i in (0..out.knots.len().saturating_sub(1)).rev() {
+            let above = out.knots[i + 1].power_w.0;
+            if out.knots[i].power_w.0 > above {
+                out.knots[i].power_w = Watts(above);
+            }
+        }
+        out
+    }
+
     /// The PFI of the knots (Eq. 1).
     pub fn pfi(&self) -> Option<f64> {
         crate::pfi::pfi(&self.knots)

@@ -130,7 +130,7 @@ enum Command {
         #[arg(long, default_value_t = 1.0, value_name = "Z")]
         gain_z: f64,
         /// Standard deviations of the summed-power error kept below the budget.
-        #[arg(long, default_value_t = 2.0, value_name = "Z")]
+        #[arg(long, default_value_t = 1.0, value_name = "Z")]
         power_z: f64,
         /// Multi-event mode: run this many grid events after calibration, learning from
         /// each event's steady stretches and small cap probes; reports gap recovered per
