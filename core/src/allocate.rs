@@ -1325,4 +1325,49 @@ mod tests {
             a.jobs.iter().map(|j| j.cap_w.0).collect::<Vec<_>>()
         );
     }
+
+    #[test]
+    fn cautious_allocation_leans_to_equal_as_far_as_the_noise_warrants() {
+        use crate::curve::estimate_from_windows;
+        // Two kinds of job read through windows; `spread` is each window's relative error.
+        let jobs = |spread: f64, windows: usize| -> Vec<JobSpec> {
+            (0..8)
+                .map(|i| {
+                    let pfi = if i % 2 == 0 { 1.1 } else { 2.5 };
+                    let truth = job("t", 8, pfi, None).curve;
+                    let readings: Vec<OperatingPoint> = truth
+                        .knots()
+                        .iter()
+                        .flat_map(|k| {
+                            (0..windows).map(move |w| {
+                                let e = if (w + i) % 2 == 0 { spread } else { -spread };
+                                OperatingPoint {
+                                    cap_w: k.cap_w,
+                                    power_w: k.power_w * (1.0 + e),
+                                    throughput: k.throughput * (1.0 - e),
+                                }
+                            })
+                        })
+                        .collect();
+                    JobSpec {
+                        id: format!("j{i}"),
+                        curve: estimate_from_windows(&readings, spread).expect("curve"),
+                        ..job("x", 8, pfi, None)
+                    }
+                })
+                .collect()
+        };
+        let budget = Watts(0.75 * 8.0 * 5600.0);
+        let precise = allocate_cautious(&jobs(0.001, 4), budget, Caution::default()).expect("ok");
+        assert!(!precise.kept_equal, "{precise:?}");
+        let optimal = allocate(&jobs(0.001, 4), budget, Policy::Optimal).expect("ok");
+        assert!(precise.allocation.objective >= 0.99 * optimal.objective);
+        let noisy = allocate_cautious(&jobs(0.4, 2), budget, Caution::default()).expect("ok");
+        assert!(noisy.kept_equal, "{noisy:?}");
+        assert_eq!(noisy.allocation.policy, Policy::Equal);
+        for a in [&precise, &noisy] {
+            assert!(a.planned_budget_w.0 <= budget.0);
+            assert!(a.allocation.total_power_w.0 <= a.planned_budget_w.0 + 1e-6);
+        }
+    }
 }

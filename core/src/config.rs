@@ -80,6 +80,10 @@ pub struct RawFacility {
     pub gpu_budget_w: f64,
     /// Allocation policy: `optimal` (default), `equal` or `pfi-proportional`.
     pub policy: Option<String>,
+    /// The deepest grid-event cut the site expects, percent of the uncapped draw
+    /// (default 30, accepted above 0 and below 95): calibration walks each job as deep as
+    /// such a cut can push it.
+    pub expected_cut_pct: Option<f64>,
 }
 
 /// `[tiers]`: what `--power-flex` accepts at this site.
@@ -224,6 +228,8 @@ pub struct FacilityConfig {
     /// Facility GPU power budget, above 0.
     pub gpu_budget_w: Watts,
     pub policy: Policy,
+    /// The deepest cut the site expects, a fraction (0.3 = 30 %).
+    pub expected_cut: f64,
 }
 
 /// Validated `[tiers]`.
@@ -542,11 +548,28 @@ fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
         None => Policy::Optimal,
         Some(name) => Policy::from_name(&name).ok_or(ConfigError::UnknownPolicy { value: name })?,
     };
+    let key = "facility.expected_cut_pct";
+    let expected_pct = finite(
+        key,
+        raw.expected_cut_pct.unwrap_or(DEFAULT_EXPECTED_CUT_PCT),
+    )?;
+    if !(expected_pct > 0.0 && expected_pct < 95.0) {
+        return Err(ConfigError::OutOfRange {
+            key: key.into(),
+            value: expected_pct.to_string(),
+            accepted: "above 0 and below 95 percent".into(),
+        });
+    }
     Ok(FacilityConfig {
         gpu_budget_w,
         policy,
+        expected_cut: expected_pct / 100.0,
     })
 }
+
+/// Default `facility.expected_cut_pct`: the deepest cut in the paper's and the field
+/// demo's grid events (arXiv 2507.00909 shed 25 % for three hours).
+pub const DEFAULT_EXPECTED_CUT_PCT: f64 = 30.0;
 
 fn validate_tiers(raw: RawTiers) -> Result<TiersConfig, ConfigError> {
     let allow = raw.allow_max_slowdown.unwrap_or(true);
@@ -1017,6 +1040,7 @@ listen = "10.0.0.5:7300"
                 facility: FacilityConfig {
                     gpu_budget_w: Watts(120_000.0),
                     policy: Policy::Optimal,
+                    expected_cut: 0.3,
                 },
                 tiers: TiersConfig {
                     table: TierTable::default_table(),
@@ -1480,6 +1504,17 @@ failsafe_cap_w = 300
                     key: "agent.calibration_allowance_pct".into(),
                     value: "51".into(),
                     accepted: "0 to 50 percent".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 120000\nexpected_cut_pct = 95",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.expected_cut_pct".into(),
+                    value: "95".into(),
+                    accepted: "above 0 and below 95 percent".into(),
                 },
             ),
             (

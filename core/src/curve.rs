@@ -1080,6 +1080,55 @@ mod tests {
     }
 
     #[test]
+    fn windows_estimate_keeps_knees_and_carries_uncertainty() {
+        // A knee at 500 W and a rise at 600 W that is noise (faster at a lower cap).
+        let truth = [
+            (300.0, 55.0),
+            (400.0, 60.0),
+            (500.0, 98.0),
+            (600.0, 101.0),
+            (700.0, 100.0),
+        ];
+        let windows = |n: usize| -> Vec<OperatingPoint> {
+            truth
+                .iter()
+                .flat_map(|&(c, t)| {
+                    (0..n).map(move |i| {
+                        let wiggle = if i % 2 == 0 { 1.01 } else { 0.99 };
+                        pt(c, c * wiggle, t * wiggle)
+                    })
+                })
+                .collect()
+        };
+        let few = estimate_from_windows(&windows(2), 0.01).expect("curve");
+        let many = estimate_from_windows(&windows(8), 0.01).expect("curve");
+        let t: Vec<f64> = few.knots().iter().map(|k| k.throughput).collect();
+        assert!(t.windows(2).all(|w| w[0] <= w[1]), "monotone: {t:?}");
+        assert!((t[1] - 60.0).abs() < 1e-9, "the knee is kept: {t:?}");
+        assert!(
+            (t[3] - 100.5).abs() < 1e-9 && (t[4] - 100.5).abs() < 1e-9,
+            "{t:?}"
+        );
+        let (s_few, s_many) = (
+            few.sigma_at(Watts(500.0)).expect("sigma"),
+            many.sigma_at(Watts(500.0)).expect("sigma"),
+        );
+        assert!(
+            s_many.throughput < 0.6 * s_few.throughput,
+            "{s_few:?} {s_many:?}"
+        );
+        assert!(s_few.power_w > 0.0);
+        // The margin raises power by its errors and keeps it monotone.
+        let raised = few.with_power_margin(1.0);
+        for (r, k) in raised.knots().iter().zip(few.knots()) {
+            assert!(r.power_w.0 >= k.power_w.0 - 1e-9);
+        }
+        // Serialised and back, the uncertainty travels with the knots.
+        let text = serde_json::to_string(&few).expect("json");
+        assert_eq!(serde_json::from_str::<CapCurve>(&text).expect("back"), few);
+    }
+
+    #[test]
     fn prior_reproduces_its_pfi() {
         let curve = CapCurve::from_pfi_prior(
             Watts(5600.0),

@@ -114,6 +114,8 @@ pub enum EvaluateError {
     BadStep(f64),
     #[error("--event-hold-s must be at least one calibration window long (got {hold_s} s, window {window_s} s)")]
     BadHold { hold_s: f64, window_s: f64 },
+    #[error("--{name} must be a non-negative number of standard deviations, e.g. 1 (got {value})")]
+    BadCaution { name: &'static str, value: f64 },
     #[error(transparent)]
     Design(#[from] DesignError),
     #[error("the curves file has no jobs")]
@@ -334,6 +336,14 @@ fn validate(params: &EvaluateParams) -> Result<(), EvaluateError> {
     if let Some(step) = params.cap_step_w {
         if !(step.is_finite() && step > 0.0) {
             return Err(EvaluateError::BadStep(step));
+        }
+    }
+    for (name, value) in [
+        ("power-z", params.caution.power_z),
+        ("gain-z", params.caution.gain_z),
+    ] {
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(EvaluateError::BadCaution { name, value });
         }
     }
     params.design.validate()?;
@@ -877,6 +887,40 @@ mod tests {
             EvaluateError::BadStep(0.0)
         );
         assert_eq!(
+            bad(EvaluateParams {
+                caution: Caution {
+                    power_z: -1.0,
+                    gain_z: 1.0
+                },
+                ..Default::default()
+            }),
+            EvaluateError::BadCaution {
+                name: "power-z",
+                value: -1.0
+            }
+        );
+        assert_eq!(
+            bad(EvaluateParams {
+                events: 2,
+                event_hold_s: 5.0,
+                ..Default::default()
+            }),
+            EvaluateError::BadHold {
+                hold_s: 5.0,
+                window_s: 30.0
+            }
+        );
+        assert!(matches!(
+            bad(EvaluateParams {
+                design: DesignParams {
+                    budget_fraction: 0.9,
+                    ..Default::default()
+                },
+                ..Default::default()
+            }),
+            EvaluateError::Design(DesignError::BadBudget(_))
+        ));
+        assert_eq!(
             evaluate(&[], &EvaluateParams::default(), &mut quiet),
             Err(EvaluateError::NoJobs)
         );
@@ -906,6 +950,82 @@ mod tests {
         assert_eq!(report.budget_violations.optimal_calibrated, 0);
         assert_eq!(report.infeasible_workloads, 0);
         assert!(report.power_over_budget.oracle <= 1.0 + 1e-9);
+    }
+
+    /// A knee-shaped job: flat to `knee` × 700 W, then throughput falls in proportion to
+    /// the cap; power follows the cap. Measured every 25 W from 200 W, as real sets are.
+    fn knee(name: &str, knee: f64) -> JobCurveRecord {
+        let points = (0..=20)
+            .map(|i| {
+                let cap = 200.0 + 25.0 * f64::from(i);
+                OperatingPoint {
+                    cap_w: Watts(cap),
+                    power_w: Watts(8.0 * cap.min(650.0)),
+                    throughput: 1000.0 * (cap / (knee * 700.0)).min(1.0),
+                }
+            })
+            .collect();
+        JobCurveRecord {
+            job: name.to_string(),
+            gpus: Some(8),
+            tier: None,
+            dram_copy_product: None,
+            points,
+        }
+    }
+
+    #[test]
+    fn cap_space_scoring_reports_both_ceilings_and_the_calibration_cost() {
+        let jobs = [knee("early", 0.45), knee("mid", 0.65), knee("late", 0.9)];
+        let params = EvaluateParams {
+            workloads: 12,
+            jobs_per_workload: 30,
+            cut: 0.2,
+            ..Default::default()
+        };
+        let r = evaluate(&jobs, &params, &mut |_, _| {}).expect("report");
+        assert!(r.power_space_optimum >= r.oracle - 1e-9, "{r:?}");
+        assert!(r.oracle > r.equal, "{r:?}");
+        assert!(r.optimal_calibrated >= r.equal, "{r:?}");
+        assert_eq!(r.budget_violations.optimal_calibrated, 0);
+        let c = r.calibration_cost;
+        assert!(c.mean_fraction > 0.0 && c.max_fraction <= 0.02, "{c:?}");
+        assert_eq!(c.budget_fraction, Some(0.02));
+        assert_eq!(r.calibration, "designed");
+    }
+
+    #[test]
+    fn events_refine_the_curves_the_decisions_depend_on() {
+        let jobs = [knee("early", 0.45), knee("mid", 0.65), knee("late", 0.9)];
+        let params = EvaluateParams {
+            workloads: 8,
+            jobs_per_workload: 30,
+            cut: 0.3,
+            noise: 0.03,
+            events: 4,
+            ..Default::default()
+        };
+        let r = evaluate(&jobs, &params, &mut |_, _| {}).expect("report");
+        assert_eq!(r.events.len(), 4);
+        let first = r.events[0].gap_recovered.expect("gap");
+        let last = r.events[3].gap_recovered.expect("gap");
+        assert!(
+            (first - r.gap_recovered.optimal_calibrated.expect("gap")).abs() < 1e-12,
+            "event 1 decides on the calibration alone"
+        );
+        assert!(last > first, "{:?}", r.events);
+        assert!(
+            r.events.iter().all(|e| e.budget_violations == 0),
+            "{:?}",
+            r.events
+        );
+    }
+
+    #[test]
+    fn measured_step_is_the_spacing_of_the_capped_points() {
+        assert_eq!(measured_step(&[100.0, 125.0, 150.0, 260.0]), 25.0);
+        assert_eq!(measured_step(&[200.0, 500.0, 600.0, 700.0]), 100.0);
+        assert_eq!(measured_step(&[300.0, 700.0]), 400.0);
     }
 
     #[test]

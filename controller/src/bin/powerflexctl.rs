@@ -118,10 +118,13 @@ enum Command {
         /// first-hour tokens.
         #[arg(long, default_value_t = 0.02, value_name = "F")]
         calibration_budget: f64,
-        /// The deepest cut the site expects (site config facility.expected_cut_pct / 100);
-        /// sets how deep the designed calibration walks.
-        #[arg(long, default_value_t = 0.3, value_name = "F")]
-        expected_cut: f64,
+        /// The deepest cut the site expects, a fraction; sets how deep the designed
+        /// calibration walks [default: the site config's facility.expected_cut_pct, else 0.3].
+        #[arg(long, value_name = "F")]
+        expected_cut: Option<f64>,
+        /// Site config (powerflex.toml) to take the expected cut from.
+        #[arg(long, value_name = "FILE")]
+        site: Option<String>,
         /// Length of one calibration measurement window, s (--noise is per window).
         #[arg(long, default_value_t = 30.0, value_name = "S")]
         window_s: f64,
@@ -649,10 +652,25 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             power_z,
             events,
             event_hold_s,
+            site,
             quiet,
             format,
         } => {
             let records = load_curves(&curves)?;
+            let expected_cut = match (expected_cut, site) {
+                (Some(cut), _) => cut,
+                (None, Some(path)) => {
+                    let text = read_text(&path, MAX_INPUT_BYTES)?;
+                    SiteConfig::from_toml_str(&text)
+                        .map_err(|e| CtlError::Input {
+                            path: path.clone(),
+                            source: e.into(),
+                        })?
+                        .facility
+                        .expected_cut
+                }
+                (None, None) => powerflex_core::config::DEFAULT_EXPECTED_CUT_PCT / 100.0,
+            };
             let params = EvaluateParams {
                 cut,
                 jobs_per_workload,
