@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_sim::state::Node;
 
 use crate::slurm::{Cluster, ClusterOptions};
@@ -189,21 +190,13 @@ impl Stack {
     /// SIGHUP to the controller (by PID): re-read the site config.
     pub fn reload_ctld(&self) {
         let pid = self.ctld.as_ref().expect("the controller runs").id();
-        let sent = Command::new("kill")
-            .args(["-HUP", &pid.to_string()])
-            .status()
-            .expect("kill -HUP");
-        assert!(sent.success());
+        kill(pid, Signal::HUP).expect("SIGHUP to the controller");
     }
 
     /// SIGHUP to the agent of node `i` (by PID): re-read the site config.
     pub fn reload_agent(&self, i: usize) {
         let pid = self.agents[i].as_ref().expect("the agent runs").id();
-        let sent = Command::new("kill")
-            .args(["-HUP", &pid.to_string()])
-            .status()
-            .expect("kill -HUP");
-        assert!(sent.success());
+        kill(pid, Signal::HUP).expect("SIGHUP to the agent");
     }
 
     /// The agent's own status on node `i` (its control socket), if it answers.

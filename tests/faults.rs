@@ -8,6 +8,7 @@ use std::time::Duration;
 use powerflex::slurm::pid_alive;
 use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex::wait_until;
+use powerflex_daemon::os::{kill, Signal};
 
 /// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
 const BUDGET_W: f64 = 3000.0;
@@ -137,11 +138,7 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
         },
     );
     assert!(pid_alive(pid));
-    let killed = std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
+    kill(pid, Signal::KILL).expect("SIGKILL to the job's process");
     let state = stack.cluster.wait_job_done(victim, Duration::from_secs(60));
     assert_ne!(state, "RUNNING");
     wait_until(

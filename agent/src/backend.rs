@@ -33,6 +33,8 @@ pub struct GpuSample {
     /// Utilisation over the last sample period, percent.
     pub gpu_util_pct: u32,
     pub memory_util_pct: u32,
+    /// SM clock now, MHz (0 where NVML cannot say): what a cap slows.
+    pub sm_clock_mhz: u32,
 }
 
 /// How an NVML failure should be treated; classified once, here.
@@ -64,6 +66,8 @@ pub trait GpuBackend: Send {
     fn sample(&mut self, index: u32) -> Result<GpuSample, GpuError>;
     /// Sets GPU `index`'s power limit (the caller clamps to the GPU's constraints).
     fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError>;
+    /// Process ids with a compute context on GPU `index` (NVML's running processes).
+    fn running_pids(&mut self, index: u32) -> Result<Vec<u32>, GpuError>;
 }
 
 /// Production backend: NVML through `nvml-wrapper`, initialised once per process.
@@ -152,11 +156,29 @@ impl GpuBackend for NvmlBackend {
         let util = d.utilization_rates().map_err(|e| err(index, e))?;
         Ok(GpuSample {
             power: watts(d.power_usage().map_err(|e| err(index, e))?),
-            cap: watts(d.enforced_power_limit().map_err(|e| err(index, e))?),
+            // The limit as set (what the agent writes and must find again), not the enforced
+            // one, which other constraints may lower below it.
+            cap: watts(d.power_management_limit().map_err(|e| err(index, e))?),
             energy_mj: d.total_energy_consumption().map_err(|e| err(index, e))?,
             gpu_util_pct: util.gpu,
             memory_util_pct: util.memory,
+            // A GPU without the clock reading still has every other reading.
+            sm_clock_mhz: d
+                .clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM)
+                .unwrap_or(0),
         })
+    }
+
+    fn running_pids(&mut self, index: u32) -> Result<Vec<u32>, GpuError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(|e| err(index, e))?;
+        Ok(d.running_compute_processes()
+            .map_err(|e| err(index, e))?
+            .into_iter()
+            .map(|p| p.pid)
+            .collect())
     }
 
     fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError> {

@@ -46,6 +46,49 @@ pub struct ProgressLog {
     reports: VecDeque<(f64, f64)>,
 }
 
+/// Relative noise assumed for points restored from a previous run (their own noise was
+/// not saved): the paper's repeat-run noise of ~0.5 %, doubled for the agent's short holds.
+const RESTORED_NOISE: f64 = 0.01;
+
+/// How much more a job's reported throughput may fall, as a fraction of uncapped, than its
+/// GPUs' SM clock fell at the same cap: a cap slows the SM clock and leaves memory alone,
+/// so no job slows by more than its clock (memory-bound jobs slow by less). The margin is
+/// for measurement noise and clock averaging.
+const CLOCK_SLOWDOWN_MARGIN: f64 = 0.05;
+
+/// Why the levels cannot be a true curve, if they cannot: at some cap the reported
+/// throughput fell further below the top level's than the SM clock did (beyond the margin
+/// and three standard errors of the two rates).
+pub fn implausible(levels: &[Level]) -> Option<String> {
+    let top = levels.first()?;
+    let top_clock = top.sm_clock_mhz.filter(|c| *c > 0.0)?;
+    if top.throughput <= 0.0 {
+        return None;
+    }
+    for level in &levels[1..] {
+        let Some(clock) = level.sm_clock_mhz.filter(|c| *c > 0.0) else {
+            continue;
+        };
+        let speed = level.throughput / top.throughput;
+        let clock_ratio = clock / top_clock;
+        let noise = 3.0 * (level.relative_noise.powi(2) + top.relative_noise.powi(2)).sqrt();
+        if speed < clock_ratio - CLOCK_SLOWDOWN_MARGIN - noise {
+            return Some(format!(
+                "reported progress at {:.0} W fell to {:.0} % of the top level's while the SM clock stayed at {:.0} %",
+                level.cap.0,
+                100.0 * speed,
+                100.0 * clock_ratio
+            ));
+        }
+    }
+    None
+}
+
+/// Least time between the end of a walk and a repeated one, s.
+pub const MIN_REWALK_INTERVAL_S: f64 = 600.0;
+/// Most repeated walks per job.
+pub const MAX_REWALKS: u32 = 3;
+
 /// Reports kept per job: enough for any window the walk looks at.
 const MAX_REPORTS: usize = 20_000;
 
@@ -152,6 +195,8 @@ pub struct Level {
     pub power: Watts,
     pub throughput: f64,
     pub relative_noise: f64,
+    /// Mean SM clock over the level's measurement, MHz, where the GPUs gave it.
+    pub sm_clock_mhz: Option<f64>,
 }
 
 /// The calibration of one job.
@@ -165,10 +210,19 @@ pub struct Calibration {
     pub registered_at: f64,
     pub started_at: Option<f64>,
     pub finished_at: Option<f64>,
-    /// Tokens (or steps) the walk cost the job against running uncapped.
+    /// Tokens (or steps) the walk cost the job against running uncapped (every walk).
     pub cost: f64,
+    /// The curve of the walk before the one under way, reported until the new one ends.
+    pub previous: Vec<Level>,
+    /// Walks started again because the job's measurements left its curve.
+    pub rewalks: u32,
+    /// Why the job's reported curve was not believed, when it was not (flagged to the
+    /// admin in status and reports).
+    pub implausible: Option<String>,
     power_sum: f64,
     power_samples: u32,
+    clock_sum: f64,
+    clock_samples: u32,
 }
 
 impl Calibration {
@@ -198,8 +252,13 @@ impl Calibration {
             started_at: None,
             finished_at: None,
             cost: 0.0,
+            previous: Vec::new(),
+            rewalks: 0,
+            implausible: None,
             power_sum: 0.0,
             power_samples: 0,
+            clock_sum: 0.0,
+            clock_samples: 0,
         }
     }
 
@@ -266,11 +325,14 @@ impl Calibration {
                     Watts(0.0)
                 };
                 let cap = self.settings.grid[level];
+                let sm_clock_mhz = (self.clock_samples > 0)
+                    .then(|| self.clock_sum / f64::from(self.clock_samples));
                 self.levels.push(Level {
                     cap,
                     power,
                     throughput: rate,
                     relative_noise: noise,
+                    sm_clock_mhz,
                 });
                 let top = self.levels[0].throughput;
                 let slowdown = |t: f64| if top > 0.0 { 1.0 - t / top } else { 0.0 };
@@ -302,12 +364,80 @@ impl Calibration {
         }
     }
 
-    /// The budget holds the job's GPUs below the level being measured: that level has not
-    /// begun. Its settle and hold start over once its cap is in force, so no point is
-    /// recorded at a cap other than the one it is labelled with.
-    pub fn held_below_level(&mut self, now: f64) {
-        if let Phase::Level { level, .. } = self.phase {
-            self.enter(level, now);
+    /// The budget holds the job's GPUs at `granted`, below the level being measured: that
+    /// level cannot be measured now. The walk moves on to the highest grid level at or
+    /// below the grant and goes down from there (a job capped from the start is walked
+    /// from its granted cap down, instead of waiting forever for a level the budget does
+    /// not allow); its settle and hold start afresh, so no point is recorded at a cap
+    /// other than the one it is labelled with. With the grant below every level left,
+    /// the walk ends with what it has measured.
+    pub fn held_below_level(&mut self, now: f64, granted: Watts) {
+        let Phase::Level { level, .. } = self.phase else {
+            return;
+        };
+        let next = self
+            .settings
+            .grid
+            .iter()
+            .enumerate()
+            .skip(level + 1)
+            .find(|(_, cap)| cap.0 <= granted.0 + 0.5)
+            .map(|(i, _)| i);
+        match next {
+            Some(i) => self.enter(i, now),
+            None => self.finish(now),
+        }
+    }
+
+    /// The controller found the job's measurements outside its curve's band: walk it
+    /// again, when the last walk finished at least [`MIN_REWALK_INTERVAL_S`] ago and fewer
+    /// than [`MAX_REWALKS`] walks were repeated (each costs the job tokens). The finished
+    /// curve stays in use until the new walk ends. Returns whether a walk started.
+    pub fn rewalk(&mut self, now: f64) -> bool {
+        let rested = self
+            .finished_at
+            .is_none_or(|t| now - t >= MIN_REWALK_INTERVAL_S);
+        if self.phase != Phase::Done || !rested || self.rewalks >= MAX_REWALKS {
+            return false;
+        }
+        self.previous = std::mem::take(&mut self.levels);
+        self.rewalks += 1;
+        self.registered_at = now;
+        self.started_at = None;
+        self.finished_at = None;
+        self.phase = Phase::Warmup;
+        true
+    }
+
+    /// The points to plan on: this walk's once done, else the previous walk's while a
+    /// repeated walk is under way, else what this walk has measured so far.
+    pub fn best_levels(&self) -> &[Level] {
+        if self.phase != Phase::Done && !self.previous.is_empty() {
+            &self.previous
+        } else {
+            &self.levels
+        }
+    }
+
+    /// Takes the curve measured by a previous run of the agent (points of per-GPU cap W,
+    /// job power W, throughput): a restarted agent does not walk the job again, and the
+    /// curve is not replaced by a new walk's first point. Fewer than two valid points
+    /// change nothing.
+    pub fn restore(&mut self, points: &[[f64; 3]]) {
+        let levels: Vec<Level> = points
+            .iter()
+            .filter(|p| p.iter().all(|x| x.is_finite() && *x > 0.0))
+            .map(|p| Level {
+                cap: Watts(p[0]),
+                power: Watts(p[1]),
+                throughput: p[2],
+                relative_noise: RESTORED_NOISE,
+                sm_clock_mhz: None,
+            })
+            .collect();
+        if levels.len() >= 2 {
+            self.levels = levels;
+            self.phase = Phase::Done;
         }
     }
 
@@ -315,14 +445,35 @@ impl Calibration {
         self.phase = Phase::Level { level, since: now };
         self.power_sum = 0.0;
         self.power_samples = 0;
+        self.clock_sum = 0.0;
+        self.clock_samples = 0;
+    }
+
+    /// The job's mean SM clock at `now`, MHz: kept over each level's measurement window,
+    /// to check the job's reported slowdown against what the cap did to its GPUs.
+    pub fn observe_clock(&mut self, now: f64, sm_clock_mhz: f64) {
+        if let Phase::Level { since, .. } = self.phase {
+            if now >= since + self.settings.settle_s
+                && sm_clock_mhz.is_finite()
+                && sm_clock_mhz > 0.0
+            {
+                self.clock_sum += sm_clock_mhz;
+                self.clock_samples += 1;
+            }
+        }
     }
 
     fn finish(&mut self, now: f64) {
         self.finished_at = Some(now);
-        self.phase = if self.levels.len() >= 2 {
-            Phase::Done
-        } else {
+        self.phase = if self.levels.len() < 2 {
             Phase::Skipped("too few levels measured".into())
+        } else if let Some(why) = implausible(&self.levels) {
+            // The job's own reports say it slowed more than its GPUs did: its curve is
+            // words, not a measurement. Plan on the telemetry prior, and say why.
+            self.implausible = Some(why.clone());
+            Phase::Skipped(format!("{why}; planned on the telemetry prior"))
+        } else {
+            Phase::Done
         };
     }
 
@@ -471,16 +622,165 @@ mod tests {
     }
 
     #[test]
-    fn a_level_held_below_its_cap_starts_over() {
+    fn a_level_held_below_its_cap_moves_to_the_grant_and_starts_afresh() {
         let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
         cal.enter(0, 10.0);
-        cal.held_below_level(25.0);
+        cal.held_below_level(25.0, Watts(600.0));
         assert_eq!(
             cal.phase,
             Phase::Level {
-                level: 0,
+                level: 1,
                 since: 25.0
             }
         );
+    }
+
+    /// Issue 13: a job capped from the start restarted its walk at level 0 for as long as
+    /// the cap held, so it was never measured.
+    #[test]
+    fn a_job_capped_from_the_start_is_walked_from_its_grant_down() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let granted = 450.0;
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        while t < 400.0 && cal.is_active() {
+            let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
+            t += 0.1;
+            count += 1000.0 * speed(cap) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                if cal.cap().is_some_and(|level| granted < level.0 - 0.5) {
+                    cal.held_below_level(t, Watts(granted));
+                }
+                cal.tick(t, &log, Some(Watts(8.0 * cap)));
+                next_tick += 1.0;
+            }
+        }
+        assert_eq!(cal.phase, Phase::Done, "{:?}", cal.levels);
+        assert_eq!(
+            cal.levels[0].cap,
+            Watts(400.0),
+            "the first level at or below the grant"
+        );
+        assert!(cal.levels.iter().all(|l| l.cap.0 <= granted));
+        assert!(cal.levels.len() >= 2);
+    }
+
+    #[test]
+    fn a_grant_below_every_level_left_ends_the_walk() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        cal.enter(0, 10.0);
+        cal.held_below_level(11.0, Watts(150.0));
+        assert!(!cal.is_active());
+        assert!(
+            matches!(cal.phase, Phase::Skipped(_)),
+            "nothing measured: {:?}",
+            cal.phase
+        );
+    }
+
+    #[test]
+    fn a_restored_curve_is_kept_not_walked_again() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        cal.restore(&[
+            [700.0, 5600.0, 1000.0],
+            [500.0, 4000.0, 850.0],
+            [300.0, 2400.0, 700.0],
+        ]);
+        assert_eq!(cal.phase, Phase::Done);
+        assert!(cal.curve().is_some());
+        assert!(cal.pfi().is_some());
+        let mut one = Calibration::new(settings(), Some(0.5), true, 0.0);
+        one.restore(&[[700.0, 5600.0, 1000.0], [f64::NAN, 1.0, 1.0]]);
+        assert_eq!(one.phase, Phase::Warmup, "one valid point is no curve");
+    }
+
+    #[test]
+    fn a_drifted_job_is_walked_again_at_a_bounded_rate_and_keeps_its_curve_meanwhile() {
+        let mut cal = run(Some(0.5));
+        assert_eq!(cal.phase, Phase::Done);
+        let done_at = cal.finished_at.expect("finished");
+        let levels = cal.levels.clone();
+        assert!(!cal.rewalk(done_at + 10.0), "too soon after the last walk");
+        assert!(cal.rewalk(done_at + MIN_REWALK_INTERVAL_S));
+        assert_eq!(cal.phase, Phase::Warmup);
+        assert_eq!(
+            cal.best_levels(),
+            levels.as_slice(),
+            "the old curve while walking"
+        );
+        assert!(
+            !cal.rewalk(done_at + 2.0 * MIN_REWALK_INTERVAL_S),
+            "only a finished walk is repeated"
+        );
+        cal.rewalks = MAX_REWALKS;
+        cal.phase = Phase::Done;
+        cal.finished_at = Some(0.0);
+        assert!(!cal.rewalk(1e9), "at most MAX_REWALKS repeats");
+    }
+
+    /// Issue 14: a job's reported curve decides its floor; a job that reports a steep
+    /// drop under caps buys a high floor. Its GPUs' clocks say how much a cap can slow it.
+    #[test]
+    fn a_reported_slowdown_steeper_than_the_clock_is_not_believed() {
+        let level = |cap: f64, throughput: f64, clock: f64| Level {
+            cap: Watts(cap),
+            power: Watts(cap * 4.0),
+            throughput,
+            relative_noise: 0.005,
+            sm_clock_mhz: Some(clock),
+        };
+        // Honest: throughput falls less than the clock (a memory-bound job).
+        let honest = [
+            level(700.0, 1000.0, 1980.0),
+            level(500.0, 930.0, 1600.0),
+            level(300.0, 800.0, 1200.0),
+        ];
+        assert_eq!(implausible(&honest), None);
+        // Compute-bound: throughput falls with the clock, within the margin.
+        let compute = [level(700.0, 1000.0, 1980.0), level(500.0, 800.0, 1600.0)];
+        assert_eq!(implausible(&compute), None);
+        // Words: a 50 % drop while the clock fell 19 %.
+        let inflated = [level(700.0, 1000.0, 1980.0), level(500.0, 500.0, 1600.0)];
+        let why = implausible(&inflated).expect("implausible");
+        assert!(why.contains("500 W"), "{why}");
+        // Without clocks nothing can be said.
+        let blind = [
+            Level {
+                sm_clock_mhz: None,
+                ..level(700.0, 1000.0, 0.0)
+            },
+            level(500.0, 500.0, 1600.0),
+        ];
+        assert_eq!(implausible(&blind), None);
+    }
+
+    #[test]
+    fn an_implausible_walk_ends_on_the_prior_and_is_flagged() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        while t < 400.0 && cal.is_active() {
+            let cap = cal.cap().map_or(700.0, |c| c.0);
+            t += 0.1;
+            // The job claims to lose 2 % of its speed per 10 W of cap.
+            count += 1000.0 * (1.0 - (700.0 - cap) / 500.0).max(0.05) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                // A memory-bound GPU: the clock loses a third of what the cap takes.
+                cal.observe_clock(t, 1980.0 * (1.0 - (700.0 - cap) / 700.0 / 3.0));
+                cal.tick(t, &log, Some(Watts(4.0 * cap)));
+                next_tick += 1.0;
+            }
+        }
+        assert!(
+            matches!(&cal.phase, Phase::Skipped(why) if why.contains("telemetry prior")),
+            "{:?}",
+            cal.phase
+        );
+        assert!(cal.implausible.is_some());
+        assert!(cal.curve().is_none() && cal.pfi().is_none());
     }
 }

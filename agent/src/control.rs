@@ -23,6 +23,7 @@ use powerflex_core::Watts;
 
 use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
+use crate::procs::JobKey;
 
 /// Everything the state machine needs from the site config.
 #[derive(Debug, Clone)]
@@ -46,6 +47,9 @@ pub struct AgentSettings {
     pub prior_slope: f64,
     /// What the plugin puts in a job's `POWERFLEX_PROGRESS`.
     pub progress_address: String,
+    /// A job seen with step daemons on this host whose daemons have all been gone this
+    /// long is ended, epilog or not, s.
+    pub job_end_grace_s: f64,
 }
 
 /// What the control loop must do.
@@ -68,6 +72,9 @@ pub struct GpuSlot {
     /// Why the GPU is out of service, when it is.
     pub degraded: Option<String>,
     pub last: Option<GpuSample>,
+    /// Since when (agent seconds) the limit read back has been the one in `last`: the
+    /// power in `last` reflects that limit only once it has held for a while.
+    pub cap_since: Option<f64>,
     /// The job using it.
     pub job: Option<String>,
 }
@@ -93,17 +100,24 @@ pub struct Job {
     /// Whether the job's progress reports count tokens (`Some(true)`) or only steps;
     /// `None` before its first report. Tokens/s of different jobs add up; steps/s do not.
     pub counts_tokens: Option<bool>,
+    /// When a step daemon of the job was last seen on this host (agent seconds); `None`
+    /// before the first sighting.
+    pub seen_alive_at: Option<f64>,
+    /// The cluster of the step daemon that registered the job (its `SLURM_CONF`):
+    /// `None` while unknown (registered by something other than a step daemon), and then
+    /// the job is never judged by the step daemons seen on the host.
+    pub cluster: Option<Option<String>>,
 }
 
 impl Job {
     /// The calibrated points, [per-GPU cap W, job power W, throughput]: this run's walk,
     /// or the previous run's when this one has not walked.
     pub fn curve_points(&self) -> Vec<[f64; 3]> {
-        if self.calibration.levels.is_empty() {
+        let levels = self.calibration.best_levels();
+        if levels.is_empty() {
             return self.restored_points.clone();
         }
-        self.calibration
-            .levels
+        levels
             .iter()
             .map(|l| [l.cap.0, l.power.0, l.throughput])
             .collect()
@@ -121,6 +135,27 @@ impl Job {
 pub struct Lease {
     pub caps: BTreeMap<String, Watts>,
     pub expires_at: f64,
+    /// Per-GPU cap for a managed job the lease does not name (it started since).
+    pub start_cap: Option<Watts>,
+}
+
+/// A job's claim of a GPU that other jobs' processes use and its own do not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuClaimRefused {
+    pub gpu: u32,
+    pub claimed_by: String,
+    pub used_by: Vec<String>,
+}
+
+/// A GPU whose limit, read back, is not what the agent last wrote: something else
+/// (`nvidia-smi -pl`, a GPU reset, a driver reload, a second agent) changed it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CapMismatch {
+    pub gpu: u32,
+    /// What the agent wrote, W.
+    pub expected: Watts,
+    /// What the GPU reads back, W.
+    pub found: Watts,
 }
 
 /// Outcome of a registration, for the reply.
@@ -147,6 +182,13 @@ pub struct Agent {
     pub progress_rejected: u64,
     /// Why the last site config reload was refused (the settings in force stayed).
     pub config_error: Option<String>,
+    /// GPU limits found changed behind the agent's back (and written again).
+    pub cap_mismatches: u64,
+    /// Leases applied (written and read back) since the agent started: the link reports
+    /// at once when this rises, which confirms the new caps to the controller.
+    pub leases_applied: u64,
+    /// GPU claims refused because other jobs' processes use the GPU.
+    pub gpu_claims_refused: u64,
 }
 
 impl Agent {
@@ -197,6 +239,7 @@ impl Agent {
                 applied: None,
                 degraded: None,
                 last: None,
+                cap_since: None,
                 job: None,
             })
             .collect();
@@ -209,6 +252,9 @@ impl Agent {
             clock_origin_unix_s: 0.0,
             progress_rejected: 0,
             config_error: None,
+            cap_mismatches: 0,
+            leases_applied: 0,
+            gpu_claims_refused: 0,
         }
     }
 
@@ -254,6 +300,27 @@ impl Agent {
                 None => return Err(format!("no GPU {r} on node {}", self.settings.node)),
             }
         }
+        // Slurm gives a GPU to one job at a time: a step naming a GPU of a job that is
+        // still running names GPUs Slurm did not give it. Checked before anything is
+        // recorded, so a refused step changes nothing.
+        for &g in &indices {
+            let slot = &self.gpus[g as usize];
+            let running_owner = slot
+                .job
+                .as_ref()
+                .filter(|o| o.as_str() != job_id)
+                .and_then(|o| self.jobs.get(o))
+                .filter(|o| {
+                    o.seen_alive_at
+                        .is_some_and(|t| now - t < self.settings.job_end_grace_s)
+                });
+            if let Some(owner) = running_owner {
+                return Err(format!(
+                    "GPU {} belongs to running job {}; a step may register only the GPUs Slurm gave it",
+                    slot.identity.index, owner.id
+                ));
+            }
+        }
         let tier = request.to_string();
         let managed = request.service.is_managed();
         let settings = self.settings.calibration.clone();
@@ -273,6 +340,8 @@ impl Agent {
             restored_pfi: None,
             restored_points: Vec::new(),
             counts_tokens: None,
+            seen_alive_at: None,
+            cluster: None,
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -323,6 +392,78 @@ impl Agent {
         known
     }
 
+    /// The cluster of the step daemon that registered `job_id` (see [`Job::cluster`]).
+    pub fn set_job_cluster(&mut self, job_id: &str, cluster: Option<String>) {
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.cluster = Some(cluster);
+        }
+    }
+
+    /// The jobs with step daemons on this host now (from [`crate::procs`]). A job seen
+    /// alive before whose daemons have all been gone for `job_end_grace_s` has ended
+    /// without its epilog reaching the agent (a busy agent, a failed connect, an empty
+    /// `SLURMD_NODENAME`): it is ended here, and its GPUs go back to their defaults at the
+    /// next tick. A job never seen alive (registered from elsewhere, or before the first
+    /// scan) is left to its epilog. Returns the jobs ended.
+    pub fn jobs_alive(&mut self, now: f64, alive: &BTreeSet<JobKey>) -> Vec<String> {
+        let grace = self.settings.job_end_grace_s;
+        let mut gone = Vec::new();
+        for job in self.jobs.values_mut() {
+            let Some(cluster) = &job.cluster else {
+                continue;
+            };
+            if alive.contains(&(job.id.clone(), cluster.clone())) {
+                job.seen_alive_at = Some(now);
+            } else if job.seen_alive_at.is_some_and(|t| now - t >= grace) {
+                gone.push(job.id.clone());
+            }
+        }
+        for id in &gone {
+            self.end_job(id);
+        }
+        gone
+    }
+
+    /// What NVML says uses each GPU, as jobs (from [`crate::procs`]: the job each running
+    /// process belongs to; processes in no job are left out). A GPU registered to a job
+    /// none of whose processes use it, while another job's do, was claimed with words
+    /// (e.g. GPU variables the user exported in a step Slurm gave no GPUs): the claim is
+    /// refused, the GPU leaves that job and returns to its default at the next tick.
+    /// Returns the refusals, to log and count.
+    pub fn check_gpu_use(
+        &mut self,
+        used_by: &BTreeMap<u32, BTreeSet<JobKey>>,
+    ) -> Vec<GpuClaimRefused> {
+        let mut refused = Vec::new();
+        for (&gpu, users) in used_by {
+            let Some(slot) = self.gpus.get_mut(gpu as usize) else {
+                continue;
+            };
+            let Some(claimant) = slot.job.clone() else {
+                continue;
+            };
+            // A claimant of unknown cluster cannot be compared with what runs.
+            let Some(cluster) = self.jobs.get(&claimant).and_then(|j| j.cluster.clone()) else {
+                continue;
+            };
+            if users.is_empty() || users.contains(&(claimant.clone(), cluster)) {
+                continue;
+            }
+            slot.job = None;
+            if let Some(job) = self.jobs.get_mut(&claimant) {
+                job.gpus.retain(|g| *g != gpu);
+            }
+            refused.push(GpuClaimRefused {
+                gpu,
+                claimed_by: claimant,
+                used_by: users.iter().map(|(job, _)| job.clone()).collect(),
+            });
+        }
+        self.jobs.retain(|_, j| !j.gpus.is_empty());
+        self.gpu_claims_refused += refused.len() as u64;
+        refused
+    }
+
     /// A progress report from a verified process of `job_id`.
     pub fn progress(
         &mut self,
@@ -346,39 +487,91 @@ impl Agent {
     }
 
     /// Installs a lease from the controller, valid for `ttl_s` (never longer than the
-    /// site's lease TTL, whatever the message says).
-    pub fn set_lease(&mut self, now: f64, caps: BTreeMap<String, Watts>, ttl_s: f64) {
+    /// site's lease TTL, whatever the message says). `start_cap` is the per-GPU cap for a
+    /// managed job the lease does not name. A lease already expired (`ttl_s <= 0`, e.g.
+    /// the previous run's after a restart) grants nothing, but its caps still bound the
+    /// fail-safe: it never raises a job above its last grant.
+    pub fn set_lease(
+        &mut self,
+        now: f64,
+        caps: BTreeMap<String, Watts>,
+        ttl_s: f64,
+        start_cap: Option<Watts>,
+    ) {
         let ttl = if ttl_s.is_finite() && ttl_s > 0.0 {
             ttl_s.min(self.settings.lease_ttl_s)
         } else {
             0.0
         };
+        let valid = |w: &Watts| w.0.is_finite() && w.0 >= 0.0;
         self.lease = Some(Lease {
-            caps,
+            caps: caps.into_iter().filter(|(_, w)| valid(w)).collect(),
             expires_at: now + ttl,
+            start_cap: start_cap.filter(valid),
         });
     }
 
-    /// Records a GPU reading (or its failure).
-    pub fn sampled(&mut self, gpu: u32, result: Result<GpuSample, GpuError>) {
-        let Some(slot) = self.gpus.get_mut(gpu as usize) else {
-            return;
-        };
+    /// The controller found these jobs' measurements outside their curves: walk each of
+    /// them again where its calibration allows (see [`Calibration::rewalk`]). Returns the
+    /// jobs whose walk started.
+    pub fn recalibrate(&mut self, now: f64, jobs: &[String]) -> Vec<String> {
+        let mut started = Vec::new();
+        for id in jobs {
+            if let Some(job) = self.jobs.get_mut(id) {
+                if job.calibration.rewalk(now) {
+                    started.push(id.clone());
+                }
+            }
+        }
+        started
+    }
+
+    /// Records a GPU reading (or its failure). The limit read back is what the GPU
+    /// enforces from now on, whatever the agent last wrote: when they differ, something
+    /// else changed it, and the next tick writes the agent's cap again. That mismatch is
+    /// returned (to log) and counted (metrics, status, the controller's report).
+    pub fn sampled(
+        &mut self,
+        now: f64,
+        gpu: u32,
+        result: Result<GpuSample, GpuError>,
+    ) -> Option<CapMismatch> {
+        let slot = self.gpus.get_mut(gpu as usize)?;
         match result {
             Ok(s) => {
-                slot.last = Some(s);
-                if slot.applied.is_none() || slot.degraded.is_some() {
-                    // After a fault the limit on the GPU is what it reads, not what was
-                    // last written: the next tick writes the desired cap if they differ.
-                    slot.applied = Some(s.cap);
+                let same_cap = slot.last.is_some_and(|l| (l.cap.0 - s.cap.0).abs() <= 0.5);
+                if !same_cap {
+                    slot.cap_since = Some(now);
                 }
+                slot.last = Some(s);
+                let mismatch = match slot.applied {
+                    Some(written)
+                        if slot.degraded.is_none() && (written.0 - s.cap.0).abs() > 0.5 =>
+                    {
+                        Some(CapMismatch {
+                            gpu,
+                            expected: written,
+                            found: s.cap,
+                        })
+                    }
+                    _ => None,
+                };
+                // After a fault, or a change behind the agent's back, the limit on the
+                // GPU is what it reads, not what was last written.
+                slot.applied = Some(s.cap);
                 slot.degraded = None;
+                if mismatch.is_some() {
+                    self.cap_mismatches += 1;
+                }
+                mismatch
             }
             Err(e) => {
                 slot.last = None;
+                slot.cap_since = None;
                 if e.class != ErrorClass::Transient {
                     slot.degraded = Some(e.message);
                 }
+                None
             }
         }
     }
@@ -397,6 +590,18 @@ impl Agent {
                 slot.degraded = Some(e.message.clone());
             }
         }
+    }
+
+    /// The limit the job's GPUs read back in the samples that gave [`Self::job_power`], when
+    /// they all agree.
+    fn job_sampled_cap(&self, job: &Job) -> Option<Watts> {
+        let mut caps = job
+            .gpus
+            .iter()
+            .map(|&g| self.gpus[g as usize].last.map(|s| s.cap));
+        let first = caps.next()??;
+        caps.all(|c| c.is_some_and(|c| (c.0 - first.0).abs() <= 0.5))
+            .then_some(first)
     }
 
     fn job_power(&self, job: &Job) -> Option<Watts> {
@@ -488,19 +693,24 @@ impl Agent {
             return None;
         }
         if self.controller_mode() {
+            let failsafe = self.settings.failsafe_cap;
             // A job the controller has not granted a cap yet (it started since the last
-            // lease, or while the controller is away) runs at the fail-safe cap: the
-            // budget was split without it, and uncapped it could carry the site over.
-            return match &self.lease {
-                Some(lease) if now < lease.expires_at => Some(
-                    lease
-                        .caps
-                        .get(&job.id)
-                        .copied()
-                        .unwrap_or(self.settings.failsafe_cap),
-                ),
-                _ => Some(self.settings.failsafe_cap),
-            };
+            // lease) runs at the lease's start cap, never above the fail-safe: the budget
+            // was split without it, and uncapped it could carry the site over.
+            // When the lease runs out, every job falls to the fail-safe cap, or stays at
+            // its last grant when that is lower: the fail-safe never raises a cap (a cut
+            // below it must hold while the controller is away).
+            return Some(match &self.lease {
+                Some(lease) => {
+                    let unnamed = lease.start_cap.map_or(failsafe, |s| s.min(failsafe));
+                    match lease.caps.get(&job.id).copied() {
+                        Some(cap) if now < lease.expires_at => cap,
+                        Some(cap) => cap.min(failsafe),
+                        None => unnamed,
+                    }
+                }
+                None => failsafe,
+            });
         }
         job.granted
     }
@@ -533,18 +743,37 @@ impl Agent {
                     .collect();
                 (!utils.is_empty()).then(|| utils.iter().sum::<f64>() / utils.len() as f64)
             });
+            // The job's mean SM clock now, when every GPU of it says.
+            let sm_clock: Option<f64> = self.jobs.get(id).and_then(|j| {
+                let clocks: Option<Vec<f64>> = j
+                    .gpus
+                    .iter()
+                    .map(|&g| {
+                        self.gpus[g as usize]
+                            .last
+                            .map(|s| f64::from(s.sm_clock_mhz))
+                            .filter(|&c| c > 0.0)
+                    })
+                    .collect();
+                clocks
+                    .filter(|c| !c.is_empty())
+                    .map(|c| c.iter().sum::<f64>() / c.len() as f64)
+            });
             let (intercept, slope) = (self.settings.prior_intercept, self.settings.prior_slope);
-            let held_below = self.jobs.get(id).is_some_and(|j| {
+            let held_below = self.jobs.get(id).and_then(|j| {
                 match (j.calibration.cap(), self.granted_cap(now, j)) {
-                    (Some(level), Some(granted)) => granted.0 < level.0 - 0.5,
-                    _ => false,
+                    (Some(level), Some(granted)) if granted.0 < level.0 - 0.5 => Some(granted),
+                    _ => None,
                 }
             });
             if let Some(job) = self.jobs.get_mut(id) {
-                if held_below {
-                    job.calibration.held_below_level(now);
+                if let Some(granted) = held_below {
+                    job.calibration.held_below_level(now, granted);
                 }
                 let before = job.calibration.phase.clone();
+                if let Some(mhz) = sm_clock {
+                    job.calibration.observe_clock(now, mhz);
+                }
                 job.calibration.tick(now, &job.log, power);
                 if job.calibration.phase != before {
                     changed = true;
@@ -621,6 +850,9 @@ impl Agent {
             degraded: self.gpus.iter().any(|g| g.degraded.is_some()),
             progress_rejected: self.progress_rejected,
             config_error: self.config_error.clone(),
+            cap_mismatches: self.cap_mismatches,
+            leases_applied: self.leases_applied,
+            gpu_claims_refused: self.gpu_claims_refused,
             gpus: self
                 .gpus
                 .iter()
@@ -690,6 +922,15 @@ impl Agent {
                             }
                         }),
                         power_w: self.job_power(j).map(|w| w.0),
+                        power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
+                        calibrating: cal.is_active(),
+                        curve_implausible: cal.implausible.clone(),
+                        power_cap_steady_s: j
+                            .gpus
+                            .iter()
+                            .map(|&g| self.gpus[g as usize].cap_since.map(|t| now - t))
+                            .try_fold(f64::INFINITY, |low, s| s.map(|s| low.min(s)))
+                            .filter(|s| s.is_finite()),
                     }
                 })
                 .collect(),
@@ -713,6 +954,12 @@ pub struct Snapshot {
     pub progress_rejected: u64,
     /// Why the last site config reload was refused; none once one is accepted.
     pub config_error: Option<String>,
+    /// GPU limits found changed behind the agent's back (and written again).
+    pub cap_mismatches: u64,
+    /// Leases applied and read back since the agent started.
+    pub leases_applied: u64,
+    /// GPU claims refused because other jobs' processes use the GPU.
+    pub gpu_claims_refused: u64,
     pub gpus: Vec<GpuView>,
     pub jobs: Vec<JobView>,
 }
@@ -757,6 +1004,15 @@ pub struct JobView {
     /// What `throughput` counts per second: "tokens" or "steps" (None before a report).
     pub throughput_unit: Option<&'static str>,
     pub power_w: Option<f64>,
+    /// The per-GPU limit read back in the same samples as `power_w`, W.
+    pub power_cap_w: Option<f64>,
+    /// The calibration walk is under way (warm-up or a level).
+    pub calibrating: bool,
+    /// Why the job's reported curve was not believed (it slowed more than its GPUs'
+    /// clocks): the job is planned on the telemetry prior. For the admin.
+    pub curve_implausible: Option<String>,
+    /// How long that limit had held when `power_w` was sampled, seconds.
+    pub power_cap_steady_s: Option<f64>,
 }
 
 #[cfg(test)]
@@ -797,6 +1053,7 @@ mod tests {
             prior_intercept: 1.2,
             prior_slope: 1.5,
             progress_address: "/run/powerflex/n1.progress".into(),
+            job_end_grace_s: 30.0,
         }
     }
 
@@ -809,6 +1066,7 @@ mod tests {
         );
         for g in 0..4 {
             a.sampled(
+                0.0,
                 g,
                 Ok(GpuSample {
                     power: Watts(650.0),
@@ -816,6 +1074,7 @@ mod tests {
                     energy_mj: 0,
                     gpu_util_pct: 100,
                     memory_util_pct: 40,
+                    sm_clock_mhz: 1980,
                 }),
             );
         }
@@ -869,7 +1128,12 @@ mod tests {
         a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
             .expect("registered");
         // Lease arrives: job 7 at 450 W on both GPUs, in one go.
-        a.set_lease(2.0, BTreeMap::from([("7".to_string(), Watts(450.0))]), 30.0);
+        a.set_lease(
+            2.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
         let first = caps(&a.tick(2.0));
         assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
         for (g, c) in first {
@@ -890,6 +1154,7 @@ mod tests {
             1.0,
             BTreeMap::from([("7".to_string(), Watts(600.0))]),
             3600.0,
+            None,
         );
         assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
         a.cap_written(0, Watts(600.0));
@@ -947,6 +1212,7 @@ mod tests {
             40.0,
             BTreeMap::from([("7".to_string(), Watts(600.0))]),
             3600.0,
+            None,
         );
         assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
         a.cap_written(2, Watts(600.0));
@@ -963,6 +1229,7 @@ mod tests {
         a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
             .expect("registered");
         a.sampled(
+            0.0,
             1,
             Err(GpuError {
                 index: 1,
@@ -970,10 +1237,16 @@ mod tests {
                 message: "GPU is lost".into(),
             }),
         );
-        a.set_lease(1.0, BTreeMap::from([("7".to_string(), Watts(400.0))]), 30.0);
+        a.set_lease(
+            1.0,
+            BTreeMap::from([("7".to_string(), Watts(400.0))]),
+            30.0,
+            None,
+        );
         assert_eq!(caps(&a.tick(1.0)), vec![(0, 400.0)]);
         assert!(a.snapshot(1.0).degraded);
         a.sampled(
+            0.0,
             2,
             Err(GpuError {
                 index: 2,
@@ -988,6 +1261,7 @@ mod tests {
         // The lost GPU answers again (a probe): it is managed again, from the limit it
         // reads, and gets the job's cap.
         a.sampled(
+            0.0,
             1,
             Ok(GpuSample {
                 power: Watts(650.0),
@@ -1023,5 +1297,230 @@ mod tests {
         let cap = decided[0].1;
         assert!((200.0..=350.0).contains(&cap), "{decided:?}");
         assert_eq!(decided[0].1, decided[1].1);
+    }
+
+    /// Issue: two jobs cut below the fail-safe went back up to it when the controller
+    /// died, and the site went over its budget.
+    #[test]
+    fn the_failsafe_never_raises_a_cap() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.set_lease(
+            1.0,
+            BTreeMap::from([("7".to_string(), Watts(250.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(2.0)), vec![(0, 250.0)]);
+        a.cap_written(0, Watts(250.0));
+        assert!(
+            caps(&a.tick(40.0)).is_empty(),
+            "lease over: stays at 250 W, below the 500 W fail-safe"
+        );
+        assert!(a.failsafe_active(40.0));
+        // A grant above the fail-safe still falls to it.
+        a.set_lease(
+            41.0,
+            BTreeMap::from([("7".to_string(), Watts(650.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(42.0)), vec![(0, 650.0)]);
+        a.cap_written(0, Watts(650.0));
+        assert_eq!(caps(&a.tick(80.0)), vec![(0, 500.0)]);
+    }
+
+    #[test]
+    fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
+        let mut a = agent(None);
+        a.set_lease(0.0, BTreeMap::new(), 30.0, Some(Watts(300.0)));
+        a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+            .expect("registered");
+        assert_eq!(caps(&a.tick(2.0)), vec![(1, 300.0)]);
+        a.cap_written(1, Watts(300.0));
+        assert!(
+            caps(&a.tick(40.0)).is_empty(),
+            "and stays there when the lease lapses"
+        );
+        // A start cap above the fail-safe is held to it.
+        a.set_lease(41.0, BTreeMap::new(), 30.0, Some(Watts(650.0)));
+        assert_eq!(caps(&a.tick(42.0)), vec![(1, 500.0)]);
+        // Nonsense in a lease is ignored, never applied.
+        a.set_lease(
+            43.0,
+            BTreeMap::from([("8".to_string(), Watts(f64::NAN))]),
+            30.0,
+            Some(Watts(-1.0)),
+        );
+        a.cap_written(1, Watts(500.0));
+        assert!(caps(&a.tick(44.0)).is_empty());
+    }
+
+    /// Issue: `nvidia-smi -pl`, a GPU reset or a second agent changed a limit and the
+    /// agent, comparing with its own last write, never noticed.
+    #[test]
+    fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.set_lease(
+            0.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(1.0)), vec![(0, 450.0)]);
+        a.cap_written(0, Watts(450.0));
+        let sample = a.gpus[0].last.expect("a sample of GPU 0");
+        let same = a.sampled(
+            0.0,
+            0,
+            Ok(GpuSample {
+                cap: Watts(450.0),
+                ..sample
+            }),
+        );
+        assert_eq!(same, None);
+        let found = a.sampled(
+            0.0,
+            0,
+            Ok(GpuSample {
+                cap: Watts(700.0),
+                ..sample
+            }),
+        );
+        assert_eq!(
+            found,
+            Some(CapMismatch {
+                gpu: 0,
+                expected: Watts(450.0),
+                found: Watts(700.0)
+            })
+        );
+        assert_eq!(a.cap_mismatches, 1);
+        assert_eq!(a.snapshot(2.0).cap_mismatches, 1);
+        assert_eq!(caps(&a.tick(2.0)), vec![(0, 450.0)], "written again");
+        a.cap_written(0, Watts(450.0));
+        // An idle GPU reset to another limit goes back to its default too.
+        let idle = a.gpus[3].last.expect("a sample of GPU 3");
+        assert!(a
+            .sampled(
+                0.0,
+                3,
+                Ok(GpuSample {
+                    cap: Watts(300.0),
+                    ..idle
+                })
+            )
+            .is_some());
+        assert_eq!(caps(&a.tick(3.0)), vec![(3, 700.0)]);
+    }
+
+    /// Issue 13: a job whose epilog never reached the agent stayed registered, capped
+    /// and paid for, forever.
+    #[test]
+    fn a_job_whose_step_daemons_are_gone_is_ended_after_the_grace() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.register(0.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.set_job_cluster("7", None);
+        a.set_job_cluster("8", None);
+        let key = |id: &str| (id.to_string(), None);
+        let both = BTreeSet::from([
+            key("7"),
+            key("8"),
+            ("7".to_string(), Some("/other/slurm.conf".to_string())),
+        ]);
+        assert!(a.jobs_alive(1.0, &both).is_empty());
+        // Job 7 of another cluster on the same host keeps nothing alive here.
+        let only_8 = BTreeSet::from([
+            key("8"),
+            ("7".to_string(), Some("/other/slurm.conf".to_string())),
+        ]);
+        assert!(a.jobs_alive(20.0, &only_8).is_empty(), "within the grace");
+        assert_eq!(a.jobs_alive(31.0, &only_8), vec!["7".to_string()]);
+        assert!(!a.jobs.contains_key("7"));
+        assert!(
+            a.gpus[0].job.is_none(),
+            "its GPU is free and goes back to its default"
+        );
+        // A job never seen with a step daemon (registered before the first scan) is left
+        // to its epilog.
+        a.register(
+            40.0,
+            "9",
+            "0",
+            0,
+            "n1",
+            &["2".into()],
+            "flex3,calibrate=off",
+        )
+        .expect("registered");
+        assert!(a.jobs_alive(500.0, &only_8).is_empty());
+        assert!(a.jobs.contains_key("9"));
+    }
+
+    /// Issue 14: a step Slurm gave no GPUs, with GPU variables the user exported, took
+    /// another job's GPUs.
+    #[test]
+    fn a_running_jobs_gpus_cannot_be_claimed_by_another() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex0")
+            .expect("registered");
+        a.set_job_cluster("7", None);
+        a.jobs_alive(
+            1.0,
+            &BTreeSet::from([("7".to_string(), None), ("66".to_string(), None)]),
+        );
+        let refused = a
+            .register(2.0, "66", "0", 1000, "n1", &["1".into()], "flex3")
+            .expect_err("GPU 1 is job 7's");
+        assert!(refused.contains("belongs to running job 7"), "{refused}");
+        assert_eq!(a.gpus[1].job.as_deref(), Some("7"));
+        assert!(!a.jobs.contains_key("66"));
+        // A job whose end was missed (never seen alive since) still gives way.
+        a.register(3.0, "8", "0", 0, "n1", &["2".into()], "flex2")
+            .expect("registered");
+        a.register(4.0, "9", "0", 0, "n1", &["2".into()], "flex2")
+            .expect("8 was never seen running");
+        assert_eq!(a.gpus[2].job.as_deref(), Some("9"));
+    }
+
+    #[test]
+    fn a_gpu_used_only_by_another_jobs_processes_leaves_the_claimant() {
+        let mut a = agent(None);
+        a.register(
+            0.0,
+            "66",
+            "0",
+            1000,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex3",
+        )
+        .expect("registered");
+        a.set_job_cluster("66", None);
+        // NVML: GPU 0 runs a process of job 7 (not registered: an unmanaged job), GPU 1
+        // a process of 66 itself.
+        let used = BTreeMap::from([
+            (0, BTreeSet::from([("7".to_string(), None)])),
+            (1, BTreeSet::from([("66".to_string(), None)])),
+        ]);
+        let refused = a.check_gpu_use(&used);
+        assert_eq!(
+            refused,
+            vec![GpuClaimRefused {
+                gpu: 0,
+                claimed_by: "66".into(),
+                used_by: vec!["7".into()]
+            }]
+        );
+        assert_eq!(a.gpus[0].job, None, "back to its default at the next tick");
+        assert_eq!(a.jobs["66"].gpus, vec![1]);
+        assert_eq!(a.snapshot(1.0).gpu_claims_refused, 1);
+        assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
     }
 }

@@ -17,5 +17,6 @@ pub mod control;
 pub mod link;
 pub mod metrics;
 pub mod persist;
+pub mod procs;
 pub mod run;
 pub mod server;

@@ -9,7 +9,7 @@
 //! stale are logged and ignored.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{unbounded, Sender};
 use powerflex_core::Watts;
+use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport, MAX_LINK_LINE_BYTES};
 use tracing::{info, warn};
 
@@ -51,6 +52,10 @@ impl Sequence {
     }
 }
 
+fn leases_applied(snapshot: &SnapshotCell) -> u64 {
+    snapshot.read().map(|s| s.leases_applied).unwrap_or(0)
+}
+
 fn report(snapshot: &SnapshotCell) -> Body {
     let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
     let Some(s) = snap else {
@@ -58,6 +63,7 @@ fn report(snapshot: &SnapshotCell) -> Body {
             jobs: Vec::new(),
             power_w: 0.0,
             failsafe: false,
+            cap_mismatches: 0,
         };
     };
     // A GPU the agent cannot read or set right now (degraded, or its last sample failed)
@@ -100,11 +106,21 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     pfi: j.pfi.or(j.prior_pfi),
                     pfi_source: j.pfi_source.map(|s| format!("{s:?}").to_lowercase()),
                     points: j.points.clone(),
+                    gpu_uuids: s
+                        .gpus
+                        .iter()
+                        .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
+                        .map(|g| g.uuid.clone())
+                        .collect(),
+                    power_cap_w: j.power_cap_w,
+                    power_cap_steady_s: j.power_cap_steady_s,
+                    calibrating: j.calibrating,
                 }
             })
             .collect(),
         power_w: node_power_w,
         failsafe: s.failsafe,
+        cap_mismatches: s.cap_mismatches,
     }
 }
 
@@ -159,20 +175,10 @@ fn serve(
     let (lines_tx, lines_rx) = unbounded::<String>();
     let reader = std::thread::spawn(move || {
         let mut reader = BufReader::new(read_half);
-        loop {
-            let mut line = String::new();
-            // A line longer than the limit ends the connection rather than memory.
-            match (&mut reader)
-                .take(MAX_LINK_LINE_BYTES as u64 + 1)
-                .read_line(&mut line)
-            {
-                Ok(0) | Err(_) => return,
-                Ok(_) if line.len() > MAX_LINK_LINE_BYTES => return,
-                Ok(_) => {
-                    if lines_tx.send(line).is_err() {
-                        return;
-                    }
-                }
+        // A line longer than the limit ends the connection rather than memory.
+        while let Ok(Some(line)) = read_line(&mut reader, MAX_LINK_LINE_BYTES) {
+            if lines_tx.send(line).is_err() {
+                return;
             }
         }
     });
@@ -190,21 +196,47 @@ fn serve(
     }
     let mut last_seq = 0u64;
     let mut next_report = Instant::now();
+    let mut leases_reported = leases_applied(snapshot);
     while !shutdown.load(Ordering::SeqCst) {
+        // A lease just applied is confirmed at once (the caps read back are in the
+        // report), not at the next period: the controller holds increases until then.
+        let applied = leases_applied(snapshot);
+        if applied != leases_reported {
+            leases_reported = applied;
+            next_report = Instant::now();
+        }
         if Instant::now() >= next_report {
             next_report = Instant::now() + options.report_period;
             if !send(&mut stream, options, seq, report(snapshot)) {
                 break;
             }
         }
-        match lines_rx.recv_timeout(Duration::from_millis(100)) {
+        match lines_rx.recv_timeout(Duration::from_millis(20)) {
             Ok(line) => match Envelope::open(&options.key, &line, last_seq, unix_ms()) {
                 Ok(envelope) => {
                     last_seq = envelope.seq;
-                    if let Body::Lease { caps, ttl_s } = envelope.body {
+                    if let Body::Lease {
+                        node,
+                        caps,
+                        ttl_s,
+                        start_cap_w,
+                        recalibrate,
+                    } = envelope.body
+                    {
+                        // A lease for another node (misrouted, or replayed from there)
+                        // would set this node's caps from another node's share.
+                        if node != options.node {
+                            warn!(lease_node = %node, node = %options.node, "lease for another node refused");
+                            continue;
+                        }
                         let caps: BTreeMap<String, Watts> =
                             caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
-                        let _ = tx.send(Inbound::Lease { caps, ttl_s });
+                        let _ = tx.send(Inbound::Lease {
+                            caps,
+                            ttl_s,
+                            start_cap: start_cap_w.map(Watts),
+                            recalibrate,
+                        });
                     }
                 }
                 Err(e) => warn!(error = %e, "controller message refused"),

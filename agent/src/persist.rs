@@ -5,12 +5,13 @@
 //! aside, never trusted.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::procs::ProcTable;
 use serde::{Deserialize, Serialize};
 
 use powerflex_core::Watts;
+use powerflex_daemon::fsx::{write_atomic, AtomicWrite};
 
 /// File name inside the state directory.
 pub const STATE_FILE: &str = "agent-state.json";
@@ -32,6 +33,13 @@ pub struct PersistedJob {
     /// and could mispredict the job's draw). Absent in files from older agents.
     #[serde(default)]
     pub points: Vec<[f64; 3]>,
+    /// Whether the job was registered by a step daemon, and that daemon's cluster
+    /// (`SLURM_CONF`): what tells it apart from jobs of the same id of other clusters on
+    /// the host. Absent in files from older agents (then unknown).
+    #[serde(default)]
+    pub from_stepd: bool,
+    #[serde(default)]
+    pub cluster: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -55,6 +63,9 @@ pub struct PersistedLease {
     pub caps: BTreeMap<String, Watts>,
     /// Wall-clock expiry, seconds since the Unix epoch.
     pub expires_unix_s: f64,
+    /// Per-GPU cap for a job the lease does not name. Absent in older files.
+    #[serde(default)]
+    pub start_cap_w: Option<f64>,
 }
 
 /// Why the state could not be read or written.
@@ -66,6 +77,8 @@ pub enum PersistError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Write(powerflex_daemon::DaemonError),
     #[error("{path} is corrupt ({message}); moved aside to {moved}")]
     Corrupt {
         path: String,
@@ -108,20 +121,16 @@ pub fn load(dir: &Path) -> Result<Option<PersistedState>, PersistError> {
 
 /// Saves the state atomically.
 pub fn save(dir: &Path, state: &PersistedState) -> Result<(), PersistError> {
-    let io = |path: &Path| {
-        let path = path.display().to_string();
-        move |source| PersistError::Io { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let path = state_path(dir);
-    let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+    std::fs::create_dir_all(dir).map_err(|source| PersistError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
     let bytes = serde_json::to_vec_pretty(state).unwrap_or_default();
-    let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-    file.write_all(&bytes).map_err(io(&tmp))?;
     // No fsync: the state must survive the agent's crash (the page cache does), not the
     // node's — a rebooted node's GPUs come back at their defaults anyway. An fsync here
-    // sat on the registration path of every job step.
-    std::fs::rename(&tmp, &path).map_err(io(&path))
+    // sat on the registration path of every job step. Root-only: it names jobs and uids.
+    let how = AtomicWrite::fast().with_mode(0o600);
+    write_atomic(&state_path(dir), &bytes, how).map_err(PersistError::Write)
 }
 
 /// Whether any process on this host belongs to Slurm job `job_id` (its environment has
@@ -146,77 +155,89 @@ pub fn process_job_id(pid: u32) -> Option<String> {
         .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
-/// A managed job found running on this node's GPUs by its processes' environments.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunningJob {
     pub job_id: String,
+    /// The cluster of its step daemons (their `SLURM_CONF`).
+    pub cluster: Option<String>,
     pub uid: u32,
-    /// The GPUs its processes name (indices or UUIDs), deduplicated.
+    /// The GPUs its processes run on, by index (from NVML, not from any variable).
     pub gpus: Vec<String>,
-    /// Its `--power-flex` service as the plugin exported it (`POWERFLEX_TIER`).
+    /// Its `--power-flex` service as the plugin exported it into its tasks
+    /// (`POWERFLEX_TIER`).
     pub flex: String,
 }
 
-/// Managed jobs with processes on `node`, from `/proc/<pid>/environ`: a process counts
-/// when it has `SLURM_JOB_ID`, `SLURMD_NODENAME=node` (several `slurmd -N` may share a
-/// host), `POWERFLEX_TIER` (set by the plugin for managed steps only) and a GPU list.
-/// Lets an agent that lost its state file take back the jobs still running, instead of
-/// releasing their caps and breaking the site's budget. Needs root.
-pub fn running_managed_jobs(node: &str) -> Vec<RunningJob> {
-    use std::os::unix::fs::MetadataExt;
+/// What the agent reads of a process to take its job back: its uid and the
+/// `POWERFLEX_TIER` the plugin put in its environment (absent: an unmanaged job).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessFacts {
+    pub uid: u32,
+    pub tier: Option<String>,
+}
+
+/// Managed jobs running on this node's GPUs, for an agent that lost its state file: it
+/// takes them back rather than release their caps and break the site's budget.
+///
+/// Nothing here is taken from what a job's user can write, except the tier the job
+/// was submitted with: the GPUs are the ones NVML lists the job's processes on
+/// (`gpu_pids`), and a process belongs to a job only through its root-owned
+/// `slurmstepd` ancestor (`table`). A process with a forged `SLURM_JOB_ID`, or on no
+/// GPU of this node, takes nothing back. `facts` reads a process's uid and tier.
+pub fn running_managed_jobs(
+    table: &ProcTable,
+    gpu_pids: &BTreeMap<u32, Vec<u32>>,
+    facts: impl Fn(u32) -> Option<ProcessFacts>,
+) -> Vec<RunningJob> {
     let mut jobs: Vec<RunningJob> = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return jobs;
-    };
-    for pid in entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-    {
-        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-            continue;
-        };
-        let vars: BTreeMap<&[u8], &[u8]> = environ
-            .split(|&b| b == 0)
-            .filter_map(|var| {
-                let eq = var.iter().position(|&b| b == b'=')?;
-                Some((&var[..eq], &var[eq + 1..]))
-            })
-            .collect();
-        let text = |name: &str| {
-            vars.get(name.as_bytes())
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-        };
-        let (Some(job_id), Some(flex)) = (text("SLURM_JOB_ID"), text("POWERFLEX_TIER")) else {
-            continue;
-        };
-        if text("SLURMD_NODENAME").as_deref() != Some(node) {
-            continue;
-        }
-        let Some(gpus) = powerflex_core::gpus::gpu_env_value(text) else {
-            continue;
-        };
-        let Ok(uid) = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()) else {
-            continue;
-        };
-        let job = match jobs.iter_mut().find(|j| j.job_id == job_id) {
-            Some(j) => j,
-            None => {
-                jobs.push(RunningJob {
-                    job_id,
-                    uid,
-                    gpus: Vec::new(),
-                    flex,
-                });
-                jobs.last_mut().expect("just pushed")
-            }
-        };
-        for g in gpus.split(',').map(str::trim).filter(|g| !g.is_empty()) {
-            if !job.gpus.iter().any(|known| known == g) {
-                job.gpus.push(g.to_string());
+    for (&gpu, pids) in gpu_pids {
+        for &pid in pids {
+            let Some(step) = table.step_of(pid) else {
+                continue;
+            };
+            let Some(ProcessFacts {
+                uid,
+                tier: Some(flex),
+            }) = facts(pid)
+            else {
+                continue;
+            };
+            let job = match jobs
+                .iter_mut()
+                .find(|j| j.job_id == step.job && j.cluster == step.cluster)
+            {
+                Some(j) => j,
+                None => {
+                    jobs.push(RunningJob {
+                        job_id: step.job.clone(),
+                        cluster: step.cluster.clone(),
+                        uid,
+                        gpus: Vec::new(),
+                        flex,
+                    });
+                    let last = jobs.len() - 1;
+                    &mut jobs[last]
+                }
+            };
+            let index = gpu.to_string();
+            if !job.gpus.contains(&index) {
+                job.gpus.push(index);
             }
         }
     }
     jobs
+}
+
+/// [`ProcessFacts`] of `pid` from `/proc` (needs root for other users' processes).
+pub fn process_facts(pid: u32) -> Option<ProcessFacts> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let tier = environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"POWERFLEX_TIER="))
+        .map(|v| String::from_utf8_lossy(v).into_owned());
+    Some(ProcessFacts { uid, tier })
 }
 
 #[cfg(test)]
@@ -241,6 +262,8 @@ mod tests {
             steps: vec!["0".into()],
             pfi: Some(1.4),
             points: vec![[700.0, 2650.3, 1000.0], [500.0, 1988.7, 912.5]],
+            from_stepd: true,
+            cluster: Some("/etc/slurm/slurm.conf".into()),
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));
@@ -267,41 +290,66 @@ mod tests {
         );
     }
 
+    /// Issue 14: the agent adopted any process whose environment held SLURM_JOB_ID,
+    /// POWERFLEX_TIER, SLURMD_NODENAME and a GPU list; a `sleep` with a forged
+    /// environment became job 666 and took another job's GPUs.
     #[test]
-    fn running_managed_jobs_are_found_by_their_processes_environment() {
-        let node = format!("pf-test-node-{}", std::process::id());
-        let spawn = |job: &str, tier: Option<&str>, gpus: &str| {
-            let mut c = std::process::Command::new("sleep");
-            c.arg("30")
-                .env("SLURM_JOB_ID", job)
-                .env("SLURMD_NODENAME", &node)
-                .env("SLURM_STEP_GPUS", gpus)
-                .env("SLURM_JOB_GPUS", "7");
-            if let Some(t) = tier {
-                c.env("POWERFLEX_TIER", t);
-            }
-            c.spawn().expect("sleep")
+    fn only_processes_of_real_steps_on_this_nodes_gpus_are_taken_back() {
+        use crate::procs::ProcEntry;
+        let stepd = |pid, title: &str, conf: &str| ProcEntry {
+            pid,
+            ppid: 1,
+            uid: 0,
+            title: title.into(),
+            exe_is_slurmstepd: true,
+            slurm_conf: Some(conf.into()),
         };
-        let mut children = vec![
-            spawn("901", Some("flex2"), "1,3"),
-            spawn("901", Some("flex2"), "3,5"),
-            spawn("902", None, "0"), // unmanaged: no POWERFLEX_TIER
-        ];
-        let found = running_managed_jobs(&node);
-        for c in &mut children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].job_id, "901");
-        assert_eq!(found[0].flex, "flex2");
+        let user = |pid, ppid, title: &str| ProcEntry {
+            pid,
+            ppid,
+            uid: 1000,
+            title: title.into(),
+            exe_is_slurmstepd: false,
+            slurm_conf: None,
+        };
+        let table = ProcTable::from_entries([
+            stepd(100, "slurmstepd: [901.0]", "/c/slurm.conf"),
+            user(101, 100, "train rank 0"),
+            user(102, 100, "train rank 1"),
+            stepd(200, "slurmstepd: [902.0]", "/c/slurm.conf"),
+            user(201, 200, "unmanaged job"),
+            // Forged: a user's process claiming job 666 in its environment, and a user
+            // process titled like a step daemon.
+            user(300, 1, "sleep 1000"),
+            user(400, 1, "slurmstepd: [667.0]"),
+            user(401, 400, "sleep 1000"),
+        ]);
+        let gpu_pids = BTreeMap::from([
+            (1, vec![101]),
+            (3, vec![101, 102]),
+            (4, vec![201]),
+            (5, vec![300]),
+            (6, vec![401]),
+        ]);
+        let facts = |pid: u32| {
+            Some(ProcessFacts {
+                uid: 1000,
+                tier: match pid {
+                    201 => None,
+                    _ => Some("flex2".into()),
+                },
+            })
+        };
+        let found = running_managed_jobs(&table, &gpu_pids, facts);
         assert_eq!(
-            found[0].gpus,
-            vec!["1", "3", "5"],
-            "the step's GPUs, merged"
+            found,
+            vec![RunningJob {
+                job_id: "901".into(),
+                cluster: Some("/c/slurm.conf".into()),
+                uid: 1000,
+                gpus: vec!["1".into(), "3".into()],
+                flex: "flex2".into(),
+            }]
         );
-        assert!(running_managed_jobs("no-such-node")
-            .iter()
-            .all(|j| j.job_id != "901"));
     }
 }

@@ -42,6 +42,8 @@ pub struct RunOptions {
 pub enum AgentError {
     #[error("{0}")]
     Gpu(#[from] crate::backend::GpuError),
+    #[error("{0}")]
+    Plumbing(#[from] powerflex_daemon::DaemonError),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -96,11 +98,14 @@ fn persisted(agent: &Agent) -> PersistedState {
                 steps: j.steps.iter().cloned().collect(),
                 pfi: j.calibration.pfi().or(j.restored_pfi),
                 points: j.curve_points(),
+                from_stepd: j.cluster.is_some(),
+                cluster: j.cluster.clone().flatten(),
             })
             .collect(),
         lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
             caps: l.caps.clone(),
             expires_unix_s: agent.clock_origin_unix_s + l.expires_at,
+            start_cap_w: l.start_cap.map(|w| w.0),
         }),
     }
 }
@@ -111,6 +116,35 @@ fn unix_s() -> f64 {
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
 }
+
+/// Per GPU that NVML lists processes on, the jobs those processes belong to (processes
+/// in no Slurm job left out). GPUs whose list NVML cannot give are left out too.
+fn gpu_users(
+    backend: &mut dyn GpuBackend,
+    agent: &Agent,
+    table: &crate::procs::ProcTable,
+) -> std::collections::BTreeMap<u32, std::collections::BTreeSet<crate::procs::JobKey>> {
+    let mut used = std::collections::BTreeMap::new();
+    for gpu in 0..agent.gpus.len() as u32 {
+        if agent.gpus[gpu as usize].degraded.is_some() {
+            continue;
+        }
+        let Ok(pids) = backend.running_pids(gpu) else {
+            continue;
+        };
+        let jobs: std::collections::BTreeSet<crate::procs::JobKey> = pids
+            .into_iter()
+            .filter_map(|pid| table.step_of(pid).map(|s| s.job_key()))
+            .collect();
+        if !jobs.is_empty() {
+            used.insert(gpu, jobs);
+        }
+    }
+    used
+}
+
+/// How often the agent looks for jobs whose step daemons are gone, s.
+const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
 fn save(state_dir: &Path, agent: &Agent) {
     if let Err(e) = persist::save(state_dir, &persisted(agent)) {
@@ -223,6 +257,11 @@ pub fn run(
         if let Some(j) = agent.jobs.get_mut(&job.job_id) {
             j.restored_pfi = job.pfi;
             j.restored_points = job.points.clone();
+            if job.from_stepd {
+                j.cluster = Some(job.cluster.clone());
+            }
+            // The curve survives the restart: no second walk, no point of one replacing it.
+            j.calibration.restore(&job.points);
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
@@ -230,7 +269,18 @@ pub fn run(
     // lost or corrupt): take them back rather than release their caps, which would
     // break the site's budget until the controller caught up.
     let node = agent.settings.node.clone();
-    for job in persist::running_managed_jobs(&node) {
+    let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
+        .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
+        .filter(|(_, pids)| !pids.is_empty())
+        .collect();
+    let running = match crate::procs::ProcTable::read(Path::new("/proc")) {
+        Ok(table) => persist::running_managed_jobs(&table, &gpu_pids, persist::process_facts),
+        Err(e) => {
+            warn!(error = %e, "cannot read /proc to take back running jobs");
+            Vec::new()
+        }
+    };
+    for job in running {
         if agent.jobs.contains_key(&job.job_id) {
             continue;
         }
@@ -244,21 +294,23 @@ pub fn run(
             &job.flex,
         ) {
             Ok(_) => {
+                agent.set_job_cluster(&job.job_id, job.cluster.clone());
                 info!(job_id = %job.job_id, gpus = ?job.gpus, tier = %job.flex, "job running on this node's GPUs without a record; managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
     }
-    // The previous run's lease, while it lasts, keeps the restored jobs at their caps.
+    // The previous run's lease, while it lasts, keeps the restored jobs at their caps;
+    // once run out it still bounds the fail-safe (which never raises a job above its
+    // last grant).
     if let Some(lease) = saved_lease {
         let left_s = lease.expires_unix_s - unix_s();
-        if left_s > 0.0 {
-            info!(
-                jobs = lease.caps.len(),
-                left_s, "resuming the previous run's lease"
-            );
-            agent.set_lease(now(), lease.caps, left_s);
-        }
+        info!(
+            jobs = lease.caps.len(),
+            left_s = left_s.max(0.0),
+            "resuming the previous run's lease"
+        );
+        agent.set_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
     }
     save(&options.state_dir, &agent);
 
@@ -282,17 +334,14 @@ pub fn run(
             }
         })?,
     ];
+    let mut metrics = None;
     if let Some(addr) = options.metrics_listen {
         let listener = TcpListener::bind(addr).map_err(|source| AgentError::Io {
             what: "metrics listener",
             path: addr.to_string(),
             source,
         })?;
-        threads.push(metrics_thread(
-            listener,
-            snapshot.clone(),
-            shutdown.clone(),
-        )?);
+        metrics = Some(crate::metrics::spawn(listener, snapshot.clone())?);
     }
     if let Some(mut link) = options.link.clone() {
         link.gpus = agent
@@ -322,6 +371,7 @@ pub fn run(
     let ticker = tick(Duration::from_millis(50));
     let mut next_sample = 0.0;
     let mut next_probe = DEGRADED_PROBE_S;
+    let mut next_job_scan = 0.0;
     while !shutdown.load(Ordering::SeqCst) {
         select! {
             recv(rx) -> msg => {
@@ -360,6 +410,22 @@ pub fn run(
                 if probe {
                     next_probe = t + DEGRADED_PROBE_S;
                 }
+                // Jobs whose end never reached the agent: their step daemons are gone.
+                if t >= next_job_scan {
+                    next_job_scan = t + JOB_SCAN_INTERVAL_S;
+                    match crate::procs::ProcTable::read(Path::new("/proc")) {
+                        Ok(table) => {
+                            for job_id in agent.jobs_alive(t, &table.live_jobs()) {
+                                warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
+                            }
+                            let used_by = gpu_users(backend.as_mut(), &agent, &table);
+                            for r in agent.check_gpu_use(&used_by) {
+                                warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
+                            }
+                        }
+                        Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),
+                    }
+                }
                 for gpu in 0..agent.gpus.len() as u32 {
                     let degraded = agent.gpus[gpu as usize].degraded.is_some();
                     if degraded && !probe {
@@ -373,7 +439,15 @@ pub fn run(
                         Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
                         _ => {}
                     }
-                    agent.sampled(gpu, sample);
+                    if let Some(m) = agent.sampled(t, gpu, sample) {
+                        warn!(
+                            gpu = m.gpu,
+                            expected_w = m.expected.0,
+                            found_w = m.found.0,
+                            mismatches = agent.cap_mismatches,
+                            "GPU limit changed behind the agent's back; writing it again"
+                        );
+                    }
                 }
                 let actions = agent.tick(t);
                 execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
@@ -392,25 +466,12 @@ pub fn run(
     for t in threads {
         let _ = t.join();
     }
+    if let Some(metrics) = metrics {
+        metrics.stop();
+    }
     let _ = std::fs::remove_file(&options.control_socket);
     let _ = std::fs::remove_file(&options.progress_socket);
     Ok(())
-}
-
-fn metrics_thread(
-    listener: TcpListener,
-    snapshot: SnapshotCell,
-    shutdown: Arc<AtomicBool>,
-) -> Result<std::thread::JoinHandle<()>, AgentError> {
-    let addr = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    crate::metrics::spawn(listener, snapshot, shutdown).map_err(|source| AgentError::Io {
-        what: "thread for",
-        path: addr,
-        source,
-    })
 }
 
 fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
@@ -447,6 +508,14 @@ fn handle(
                     let _e = span.enter();
                     match agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex) {
                         Ok(r) => {
+                            // The registering peer is the step's slurmstepd (root): its
+                            // cluster tells this job apart from same-numbered jobs of
+                            // other clusters on the host.
+                            if let Some(cluster) =
+                                crate::procs::stepd_cluster(Path::new("/proc"), peer.pid)
+                            {
+                                agent.set_job_cluster(&job_id, cluster);
+                            }
                             info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
                             // Cap the job's GPUs before answering: slurmstepd starts the
                             // tasks after this reply, so they never run above the cap
@@ -507,9 +576,39 @@ fn handle(
             }
             let _ = verdict.send(outcome);
         }
-        Inbound::Lease { caps, ttl_s } => {
-            info!(jobs = caps.len(), ttl_s, "lease from the controller");
-            agent.set_lease(now, caps, ttl_s);
+        Inbound::Lease {
+            caps,
+            ttl_s,
+            start_cap,
+            recalibrate,
+        } => {
+            for job_id in agent.recalibrate(now, &recalibrate) {
+                info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
+            }
+            info!(
+                jobs = caps.len(),
+                ttl_s,
+                start_cap_w = start_cap.map(|w| w.0),
+                "lease from the controller"
+            );
+            agent.set_lease(now, caps, ttl_s, start_cap);
+            // Apply it now rather than at the next tick, and read the written limits
+            // back: the controller holds other nodes' increases until this node's
+            // decreases are confirmed, so the confirmation should not wait a period.
+            let actions = agent.tick(now);
+            let written: Vec<u32> = actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::SetCap { gpu, .. } => Some(*gpu),
+                    Action::Persist => None,
+                })
+                .collect();
+            execute(actions, agent, backend, state_dir);
+            for gpu in written {
+                let sample = backend.sample(gpu);
+                agent.sampled(now, gpu, sample);
+            }
+            agent.leases_applied += 1;
             // A restarted agent resumes this lease (see persist::PersistedLease).
             save(state_dir, agent);
         }

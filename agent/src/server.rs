@@ -11,7 +11,7 @@
 //!   job owner's (checked by the control loop, which knows the owner). A refused report
 //!   gets one error line and the connection is closed.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -24,7 +24,8 @@ use tracing::{debug, warn};
 
 use crate::persist::process_job_id;
 
-pub use powerflex_proto::peer::{peer_of, Peer};
+pub use powerflex_daemon::os::{peer_of, Peer};
+use powerflex_daemon::{lines, DaemonError};
 
 /// What the acceptors hand to the control loop.
 #[derive(Debug)]
@@ -44,10 +45,14 @@ pub enum Inbound {
     },
     /// A progress line refused before reaching the loop (counted there).
     ProgressRefused { reason: String, peer: Peer },
-    /// An authenticated lease from the controller: per-job caps for `ttl_s`.
+    /// An authenticated lease from the controller for this node: per-job caps for
+    /// `ttl_s`, and the cap for a job it does not name.
     Lease {
         caps: std::collections::BTreeMap<String, powerflex_core::Watts>,
         ttl_s: f64,
+        start_cap: Option<powerflex_core::Watts>,
+        /// Jobs to walk again (their measurements left their curves).
+        recalibrate: Vec<String>,
     },
 }
 
@@ -60,22 +65,9 @@ const MAX_CONNECTIONS: usize = 64;
 /// How long a client may take to send its line, and the loop to answer it.
 const IO_TIMEOUT: Duration = Duration::from_millis(1000);
 
-/// Reads one line of at most `MAX_LINE_BYTES`. `Ok(None)` at end of stream.
-fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<String>> {
-    let mut buf = Vec::new();
-    let n = reader
-        .take(MAX_LINE_BYTES as u64 + 1)
-        .read_until(b'\n', &mut buf)?;
-    if n == 0 {
-        return Ok(None);
-    }
-    if buf.len() > MAX_LINE_BYTES {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("message exceeds the {MAX_LINE_BYTES}-byte limit"),
-        ));
-    }
-    Ok(Some(String::from_utf8_lossy(&buf).into_owned()))
+/// Reads one request or report line of at most `MAX_LINE_BYTES`.
+fn read_line(reader: &mut impl BufRead) -> Result<Option<String>, DaemonError> {
+    lines::read_line(reader, MAX_LINE_BYTES)
 }
 
 fn reply(stream: &mut UnixStream, r: &ControlReply) {
@@ -156,8 +148,11 @@ fn serve_control(mut stream: UnixStream, tx: &Sender<Inbound>, snapshot: &Snapsh
     };
     let line = match stream
         .try_clone()
-        .map(BufReader::new)
-        .and_then(|mut r| read_line(&mut r))
+        .map_err(DaemonError::io_on(
+            "cannot read from",
+            "the control connection",
+        ))
+        .and_then(|r| read_line(&mut BufReader::new(r)))
     {
         Ok(Some(line)) => line,
         Ok(None) => return,
@@ -285,14 +280,7 @@ fn serve_progress(mut stream: UnixStream, tx: &Sender<Inbound>, shutdown: &Atomi
         let line = match read_line(&mut reader) {
             Ok(Some(line)) => line,
             Ok(None) => return,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue
-            }
+            Err(e) if e.is_timeout() => continue,
             Err(e) => return refuse(&mut stream, tx, peer, e.to_string()),
         };
         let received = std::time::Instant::now();

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
@@ -188,20 +189,17 @@ impl Fixture {
         pid
     }
 
-    fn signal_agent(&mut self, signal: i32) -> Option<std::process::ExitStatus> {
+    fn signal_agent(&mut self, signal: Signal) -> Option<std::process::ExitStatus> {
         let mut child = self.agent.take()?;
-        // SAFETY: signalling the agent process this fixture started, by its PID.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, signal);
-        }
+        // The agent process this fixture started, by its PID.
+        let _ = kill(child.id(), signal);
         child.wait().ok()
     }
 }
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        let _ = self.signal_agent(libc::SIGKILL);
+        let _ = self.signal_agent(Signal::KILL);
         for job in &mut self.jobs {
             let _ = job.kill();
             let _ = job.wait();
@@ -340,7 +338,7 @@ fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
         },
     );
     assert!(total <= 3000.0 * 1.005, "{total}");
-    let status = f.signal_agent(libc::SIGTERM).expect("agent exit");
+    let status = f.signal_agent(Signal::TERM).expect("agent exit");
     assert!(status.success(), "clean exit on SIGTERM");
     for g in 0..8 {
         assert_eq!(f.limit_w(g), 700.0, "GPU {g} restored at shutdown");
@@ -361,12 +359,9 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
         Duration::from_secs(60),
         || (f.limit_w(2) < 700.0 && f.limit_w(4) < 700.0).then_some(()),
     );
-    f.signal_agent(libc::SIGKILL);
-    // SAFETY: killing the simulated job this test started, by its PID.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::kill(doomed as libc::pid_t, libc::SIGKILL);
-    }
+    f.signal_agent(Signal::KILL);
+    // The simulated job this test started, by its PID.
+    kill(doomed, Signal::KILL).expect("kill the job");
     let jobs = std::mem::take(&mut f.jobs);
     let (mut dead, alive): (Vec<Child>, Vec<Child>) =
         jobs.into_iter().partition(|c| c.id() == doomed);
@@ -618,33 +613,42 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     );
 
     let mut to_agent = stream;
-    let lease = |seq: u64, cap: f64, ttl_s: f64, key: &[u8]| {
+    let lease_for = |node: &str, seq: u64, cap: f64, ttl_s: f64, key: &[u8]| {
         Envelope::seal(
             key,
             "controller",
             seq,
             now_ms(),
             Body::Lease {
+                node: node.to_string(),
                 caps: [("801".to_string(), cap)].into(),
                 ttl_s,
+                start_cap_w: None,
+                recalibrate: Vec::new(),
             },
         )
         .expect("seal")
         .to_line()
     };
-    let first = lease(100, 450.0, 4.0, &key);
+    let lease = |seq: u64, cap: f64, ttl_s: f64, key: &[u8]| lease_for("n1", seq, cap, ttl_s, key);
+    // Above the 500 W fail-safe, so that the lease running out lowers the cap.
+    let first = lease(100, 600.0, 4.0, &key);
     to_agent.write_all(first.as_bytes()).expect("send lease");
     wait_until(
         "the leased cap on both GPUs",
         Duration::from_secs(10),
-        || (f.limit_w(0) == 450.0 && f.limit_w(1) == 450.0).then_some(()),
+        || (f.limit_w(0) == 600.0 && f.limit_w(1) == 600.0).then_some(()),
     );
-    // A forged lease (wrong key) changes nothing.
+    // A forged lease (wrong key) changes nothing; nor does an authentic lease for
+    // another node.
     to_agent
         .write_all(lease(101, 300.0, 4.0, b"not the site key at all, no").as_bytes())
         .expect("send forged");
+    to_agent
+        .write_all(lease_for("n2", 102, 300.0, 4.0, &key).as_bytes())
+        .expect("send misrouted");
     std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(f.limit_w(0), 450.0, "forged lease ignored");
+    assert_eq!(f.limit_w(0), 600.0, "forged and misrouted leases ignored");
     // The lease runs out: fail-safe cap. Replaying the old lease does not revive it.
     wait_until(
         "the fail-safe cap after the lease",
@@ -657,5 +661,6 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     let log = f.log();
     assert!(log.contains("fails authentication"), "{log}");
     assert!(log.contains("replayed"), "{log}");
+    assert!(log.contains("lease for another node refused"), "{log}");
     let _ = std::fs::remove_dir_all(&keydir);
 }

@@ -81,6 +81,10 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         pfi: None,
         pfi_source: Some("measured".into()),
         points,
+        gpu_uuids: Vec::new(),
+        power_cap_w: Some(cap_w),
+        power_cap_steady_s: Some(10.0),
+        calibrating: false,
     }
 }
 
@@ -116,6 +120,7 @@ impl HarnessNode {
             jobs: vec![job_report(index, GPUS_PER_NODE as u32, cap)],
             power_w: cap * DRAW_PER_CAP * GPUS_PER_NODE as f64,
             failsafe: false,
+            cap_mismatches: 0,
         });
     }
 }
@@ -208,6 +213,8 @@ fn site_settings() -> SiteSettings {
         cap_step: Watts(5.0),
         failsafe_cap: Watts(500.0),
         default_pfi: 0.8,
+        budget_mode: powerflex_core::config::BudgetMode::default(),
+        objective: powerflex_core::config::Objective::Tokens,
     }
 }
 

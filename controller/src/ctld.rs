@@ -512,8 +512,16 @@ pub fn run(
             };
             seq = seq.max(unix_ms()) + 1;
             let body = Body::Lease {
+                node: node.clone(),
                 caps: caps.clone(),
                 ttl_s: options.lease_ttl_s,
+                start_cap_w: Some(decision.start_cap_w),
+                recalibrate: decision
+                    .drifted
+                    .iter()
+                    .filter(|d| caps.contains_key(&d.job))
+                    .map(|d| d.job.clone())
+                    .collect(),
             };
             if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
                 let _ = writer.try_send(e.to_line());
@@ -986,7 +994,7 @@ fn serve_agent(
 fn serve_admin(mut stream: UnixStream, tx: &Sender<Inbound>) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
-    let uid = powerflex_proto::peer::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
+    let uid = powerflex_daemon::os::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
     let mut line = String::new();
     let reply = match stream
         .try_clone()

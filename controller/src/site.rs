@@ -11,19 +11,24 @@
 //! Curves come from the same estimator as the offline evaluation
 //! ([`estimate_population`]): smoothed, and extended below each job's lowest measured cap
 //! to the GPUs' minimum — territory the allocator enters only when the budget cannot pay
-//! every tier's floor above it. The objective is the site's total tokens/s when every
-//! managed job reports tokens; when some report only steps (units that do not add up),
-//! it is the sum of each job's speed relative to uncapped.
+//! every tier's floor above it. The objective is, by default, the sum of each job's speed
+//! relative to its own uncapped speed: what a job says about its scale (tokens/s are
+//! self-reported) buys it nothing. A site that trusts its jobs' counts can choose the
+//! total tokens/s instead; while any managed job reports only steps (units that do not
+//! add up), relative speed is used all the same.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use powerflex_core::allocate::{allocate, Allocation, CapLimits, JobSpec, Policy};
+use powerflex_core::allocate::{allocate, validate_spec, Allocation, CapLimits, JobSpec, Policy};
+use powerflex_core::config::{BudgetMode, Objective};
 use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, OperatingPoint};
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
-use powerflex_proto::link::{GpuInfo, JobReport};
+use powerflex_proto::link::{
+    validate_gpus, validate_report_totals, GpuInfo, JobReport, MAX_GPUS_PER_NODE, MAX_GPU_POWER_W,
+};
 
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,6 +51,10 @@ pub struct SiteSettings {
     pub failsafe_cap: Watts,
     /// PFI assumed for a job with neither a measured curve nor a prior.
     pub default_pfi: f64,
+    /// What the budget bounds: measured draw (with a margin) or the sum of caps.
+    pub budget_mode: BudgetMode,
+    /// What the allocation maximises.
+    pub objective: Objective,
 }
 
 /// The outcome of one allocation.
@@ -58,6 +67,14 @@ pub struct Decision {
     pub reserved_w: f64,
     /// The core allocation over the managed jobs.
     pub allocation: Option<Allocation>,
+    /// Reports left out because their values cannot be true.
+    pub rejected: Vec<Rejected>,
+    /// Jobs whose measurements left their curve's band.
+    pub drifted: Vec<Drift>,
+    /// Per-GPU cap for a managed job that starts before the next allocation names it:
+    /// the fail-safe cap, or the budget's even share per GPU of the site when that is
+    /// lower (a job that starts during a cut does not start above the cut), W.
+    pub start_cap_w: f64,
     /// What the allocation maximised: "tokens/s" (every managed job reports tokens) or
     /// "relative-speed" (the sum of each job's throughput over its uncapped throughput).
     pub objective: &'static str,
@@ -83,21 +100,181 @@ struct SiteJob {
     points: BTreeMap<u64, (f64, f64, usize)>,
     min_cap: f64,
     max_cap: f64,
+    /// Per-GPU cap in force on the job's GPUs as the agents read it back (the highest
+    /// across its nodes), W; `None` when a node did not say.
+    cap_now_w: Option<f64>,
+    /// Whether every node of the job reported its power (the metered correction needs
+    /// the whole job's draw).
+    power_from_every_node: bool,
+    /// The default limits of the job's GPUs, summed: the most they draw uncapped, W.
+    default_w: f64,
+    /// Whether on every node the cap had held long enough for the draw to show it.
+    power_steady: bool,
+    /// The shortest time the cap had held on any of the job's nodes, s.
+    cap_steady_s: f64,
+    /// Whether an agent is walking the job's calibration now.
+    calibrating: bool,
+}
+
+/// A job whose measured draw or throughput at its cap left its curve's band: its curve
+/// no longer describes it (a new phase, a changed batch size, a curve that was wrong).
+/// Its power is corrected by the metered loop at once; its shape is walked again.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Drift {
+    pub job: String,
+    /// The per-GPU cap it was measured at, W.
+    pub cap_w: f64,
+    /// Measured over predicted power at that cap.
+    pub power_ratio: Option<f64>,
+    /// Measured over predicted throughput at that cap.
+    pub throughput_ratio: Option<f64>,
+}
+
+/// How far measured power may stray from a measured curve before the job counts as
+/// drifted (a fraction); throughput may stray this much or three of the curve's standard
+/// errors, whichever is wider.
+const DRIFT_BAND: f64 = 0.10;
+/// How long a cap must have held before the throughput, a rate over the agent's last
+/// 10 s, is compared with the curve at that cap, s.
+const THROUGHPUT_WINDOW_S: f64 = 10.0;
+
+/// How long a cap must have held before the draw sampled under it is taken as the job's
+/// draw at that cap, s: NVML's power reading averages over about a second, and the draw
+/// settles within a few hundred milliseconds of a cap change.
+const STEADY_AFTER_CAP_CHANGE_S: f64 = 1.0;
+
+/// A report (or a node's whole report) left out of the allocation because its values
+/// cannot be true. It hurts only its sender: the job runs at what its node's lease gives
+/// a job it does not name, and the rest of the site is allocated as usual.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rejected {
+    pub node: String,
+    /// The job, or `None` when the node's report as a whole was refused.
+    pub job: Option<String>,
+    pub reason: String,
+}
+
+/// The per-GPU cap range `(min_w, max_w)` common to `gpus`, or `None` when their ranges
+/// do not overlap (two GPU models whose limits have nothing in common).
+fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64)> {
+    let (lo, hi) = gpus.fold((0.0f64, f64::MAX), |(lo, hi), g| {
+        (lo.max(g.min_w), hi.min(g.max_w))
+    });
+    (lo > 0.0 && lo <= hi && hi < f64::MAX).then_some((lo, hi))
+}
+
+/// What a node that does not report may draw: every GPU at its default limit, since an
+/// agent stopped cleanly restores the defaults and one that crashed may have left any
+/// cap up to them, W.
+pub fn silent_node_reserve_w(gpus: &[GpuInfo]) -> f64 {
+    gpus.iter().map(|g| g.default_w.max(g.max_w)).sum()
+}
+
+/// Whether `job`'s measurements at the cap in force left its measured `curve`'s band.
+/// Priors (no measured curve) and jobs being walked are not judged: their curve is a
+/// guess or incomplete, not a promise.
+fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> {
+    if curve.source() == powerflex_core::curve::CurveSource::Prior || job.calibrating {
+        return None;
+    }
+    let cap = job.cap_now_w?;
+    let predicted = curve.at(Watts(cap));
+    let power_ratio = (job.power_steady && job.power_from_every_node && predicted.power_w.0 > 0.0)
+        .then(|| job.power_w / predicted.power_w.0);
+    let throughput_ratio = match job.throughput {
+        Some(t) if job.cap_steady_s >= THROUGHPUT_WINDOW_S && predicted.throughput > 0.0 => {
+            Some(t / predicted.throughput)
+        }
+        _ => None,
+    };
+    let throughput_band = DRIFT_BAND.max(3.0 * curve.relative_uncertainty());
+    let out = power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND)
+        || throughput_ratio.is_some_and(|r| (r - 1.0).abs() > throughput_band);
+    out.then(|| Drift {
+        job: id.to_string(),
+        cap_w: cap,
+        power_ratio,
+        throughput_ratio,
+    })
+}
+
+/// The job's curve with its power as the budget mode counts it.
+/// - `Hard`: every GPU at its cap, `cap × GPUs`, whatever the job draws.
+/// - `Metered`: the curve's power scaled by what the job draws now over what the curve
+///   predicts at the cap in force (a job drawing below its curve leaves headroom to
+///   others; one drawing above it, after a phase change, is paid for at once), and never
+///   above `cap × GPUs`, which no job averages above.
+fn power_as_budgeted(curve: &CapCurve, job: &SiteJob, mode: BudgetMode) -> CapCurve {
+    let gpus = f64::from(job.gpus);
+    match mode {
+        BudgetMode::Hard => curve.map_power(|cap, _| Watts(cap.0 * gpus)),
+        BudgetMode::Metered { .. } => {
+            let predicted_now = job.cap_now_w.map(|c| curve.at(Watts(c)).power_w.0);
+            let ratio = match predicted_now {
+                Some(p) if job.power_from_every_node && p > 0.0 && job.power_w > 0.0 => {
+                    let measured = (job.power_w / p).clamp(0.05, 10.0);
+                    // Bad news is believed at once; good news (a job drawing less than its
+                    // curve says) only once the cap it was measured at has settled: a draw
+                    // sampled just after a cap rose still shows the lower cap.
+                    if job.power_steady {
+                        measured
+                    } else {
+                        measured.max(1.0)
+                    }
+                }
+                _ => 1.0,
+            };
+            curve.map_power(|cap, power| Watts((power.0 * ratio).min(cap.0 * gpus)))
+        }
+    }
+}
+
+/// The per-GPU cap a job not yet allocated starts at: min(fail-safe, budget / the site's
+/// GPUs).
+fn start_cap_w(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> f64 {
+    let gpus: usize = nodes.iter().map(|n| n.gpus.len()).sum();
+    if gpus == 0 {
+        return settings.failsafe_cap.0;
+    }
+    settings.failsafe_cap.0.min(budget.0 / gpus as f64).max(0.0)
 }
 
 /// Splits `budget` across the managed jobs of every live node.
 pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Decision {
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
     let mut reserved = 0.0;
+    let mut rejected: Vec<Rejected> = Vec::new();
     for node in nodes {
         if !node.live {
-            reserved += settings.failsafe_cap.0 * node.gpus.len() as f64;
+            reserved += silent_node_reserve_w(&node.gpus);
             continue;
         }
-        let (min_cap, max_cap) = node.gpus.iter().fold((0.0f64, f64::MAX), |(lo, hi), g| {
-            (lo.max(g.min_w), hi.min(g.max_w))
-        });
+        if let Err(e) = validate_gpus(&node.gpus)
+            .and_then(|()| validate_report_totals(&node.jobs, node.power_w, &node.gpus))
+        {
+            // Nothing the node says can be believed: pay for it as for a silent node
+            // (the GPUs' limits are unknown too, so at the most a GPU may draw).
+            reserved += node.gpus.len().min(MAX_GPUS_PER_NODE) as f64
+                * node
+                    .gpus
+                    .iter()
+                    .map(|g| g.max_w)
+                    .filter(|w| w.is_finite())
+                    .fold(0.0f64, f64::max)
+                    .clamp(0.0, MAX_GPU_POWER_W);
+            rejected.push(Rejected {
+                node: node.node.clone(),
+                job: None,
+                reason: e.to_string(),
+            });
+            continue;
+        }
+        let node_range = common_range(node.gpus.iter());
         let mut node_managed = 0.0;
+        // What the node's managed jobs may draw at most, W, and the most one GPU of the
+        // node does (for a job that does not name its GPUs).
+        let mut node_managed_default_w = 0.0;
+        let node_default_w = node.gpus.iter().map(|g| g.default_w).fold(0.0, f64::max);
         for report in &node.jobs {
             let managed = parse_power_flex(&report.tier, &settings.tiers)
                 .map(|r| r.service.is_managed())
@@ -105,6 +282,35 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             if !managed {
                 continue;
             }
+            if let Err(e) = report.validate(&node.gpus) {
+                rejected.push(Rejected {
+                    node: node.node.clone(),
+                    job: Some(report.job_id.clone()),
+                    reason: e.to_string(),
+                });
+                continue;
+            }
+            // The job's own GPUs decide its range; a node with two GPU models then
+            // troubles only a job that spans both.
+            let range = if report.gpu_uuids.is_empty() {
+                node_range
+            } else {
+                common_range(
+                    node.gpus
+                        .iter()
+                        .filter(|g| report.gpu_uuids.contains(&g.uuid)),
+                )
+            };
+            let Some((min_cap, max_cap)) = range else {
+                rejected.push(Rejected {
+                    node: node.node.clone(),
+                    job: Some(report.job_id.clone()),
+                    reason: "the job's GPUs have no power limit in common (two GPU models)"
+                        .to_string(),
+                });
+                continue;
+            };
+            let first_node = !jobs.contains_key(&report.job_id);
             let job = jobs
                 .entry(report.job_id.clone())
                 .or_insert_with(|| SiteJob {
@@ -112,9 +318,45 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                     min_cap: 0.0,
                     max_cap: f64::MAX,
                     counts_tokens: true,
+                    power_from_every_node: true,
                     ..SiteJob::default()
                 });
-            job.gpus += report.gpus;
+            // The cap the draw was measured at: the one read back with it, else the last
+            // written. Nodes that disagree leave no single cap to compare with.
+            let measured_at = report.power_cap_w.or(report.cap_w);
+            job.cap_now_w = match (first_node, job.cap_now_w, measured_at) {
+                (true, _, now) => now,
+                (false, Some(a), Some(b)) if (a - b).abs() <= 0.5 => Some(a),
+                (false, _, _) => None,
+            };
+            let steady = report
+                .power_cap_steady_s
+                .is_some_and(|s| s >= STEADY_AFTER_CAP_CHANGE_S);
+            job.power_steady = if first_node {
+                steady
+            } else {
+                job.power_steady && steady
+            };
+            let held_s = report.power_cap_steady_s.unwrap_or(0.0);
+            job.cap_steady_s = if first_node {
+                held_s
+            } else {
+                job.cap_steady_s.min(held_s)
+            };
+            job.calibrating |= report.calibrating;
+            job.power_from_every_node &= report.power_w.is_some();
+            let job_default_w = if report.gpu_uuids.is_empty() {
+                f64::from(report.gpus) * node_default_w
+            } else {
+                node.gpus
+                    .iter()
+                    .filter(|g| report.gpu_uuids.contains(&g.uuid))
+                    .map(|g| g.default_w)
+                    .sum()
+            };
+            job.default_w += job_default_w;
+            node_managed_default_w += job_default_w;
+            job.gpus = job.gpus.saturating_add(report.gpus);
             job.nodes.push(node.node.clone());
             let power = report.power_w.unwrap_or(max_cap * f64::from(report.gpus));
             job.power_w += power;
@@ -136,7 +378,14 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                 entry.2 += 1;
             }
         }
-        reserved += (node.power_w - node_managed).max(0.0);
+        reserved += match settings.budget_mode {
+            // Idle GPUs, unmanaged jobs and GPUs the agent cannot steer: at their default
+            // limit, whatever they draw now.
+            BudgetMode::Hard => {
+                (silent_node_reserve_w(&node.gpus) - node_managed_default_w).max(0.0)
+            }
+            BudgetMode::Metered { .. } => (node.power_w - node_managed).max(0.0),
+        };
     }
     // The jobs the allocation can steer, and their measured points (caps every node of
     // the job measured: part of a job's power is no estimate of all of it).
@@ -147,6 +396,17 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             continue;
         };
         if job.gpus == 0 || job.max_cap == f64::MAX || job.max_cap <= 0.0 {
+            continue;
+        }
+        if job.min_cap > job.max_cap {
+            // Its nodes' GPUs share no limit: one cap everywhere cannot be set.
+            for node in &job.nodes {
+                rejected.push(Rejected {
+                    node: node.clone(),
+                    job: Some(id.to_string()),
+                    reason: "the job's GPUs on its nodes have no power limit in common".to_string(),
+                });
+            }
             continue;
         }
         let nodes = job.nodes.len();
@@ -188,12 +448,18 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         curves.push(curve);
     }
     // Tokens/s add up across jobs; steps/s (or a job with no throughput yet) do not.
-    let raw_tokens = steerable.iter().zip(&curves).all(|((_, job, _), curve)| {
-        curve.is_none() || (job.counts_tokens && job.throughput.is_some())
-    });
+    let raw_tokens = settings.objective == Objective::Tokens
+        && steerable.iter().zip(&curves).all(|((_, job, _), curve)| {
+            curve.is_none() || (job.counts_tokens && job.throughput.is_some())
+        });
     let mut specs = Vec::new();
+    let mut drifted = Vec::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
+        if let Some(d) = drift(id, job, &curve) {
+            drifted.push(d);
+        }
+        let curve = power_as_budgeted(&curve, job, settings.budget_mode);
         specs.push(JobSpec {
             id: (*id).clone(),
             gpus: job.gpus,
@@ -211,7 +477,39 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
             },
         });
     }
-    let managed_budget = Watts((budget.0 - reserved).max(0.0));
+    // One job the allocator cannot take must not cost every other job its allocation.
+    specs.retain(|spec| match validate_spec(spec) {
+        Ok(()) => true,
+        Err(e) => {
+            for node in jobs
+                .get(&spec.id)
+                .map(|j| j.nodes.clone())
+                .unwrap_or_default()
+            {
+                rejected.push(Rejected {
+                    node,
+                    job: Some(spec.id.clone()),
+                    reason: e.to_string(),
+                });
+            }
+            false
+        }
+    });
+    // A managed job the allocation does not steer (no usable range or curve) still
+    // draws: pay for it before the others.
+    for (id, job) in &jobs {
+        if !specs.iter().any(|s| &s.id == id) {
+            reserved += match settings.budget_mode {
+                BudgetMode::Hard => job.default_w,
+                BudgetMode::Metered { .. } => job.power_w,
+            };
+        }
+    }
+    let usable = match settings.budget_mode {
+        BudgetMode::Hard => budget.0,
+        BudgetMode::Metered { margin } => budget.0 * (1.0 - margin.clamp(0.0, 1.0)),
+    };
+    let managed_budget = Watts((usable - reserved).max(0.0));
     let allocation = allocate(&specs, managed_budget, settings.policy).ok();
     let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| n.live) {
@@ -236,6 +534,9 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         budget_w: budget.0,
         reserved_w: reserved,
         allocation,
+        rejected,
+        drifted,
+        start_cap_w: start_cap_w(nodes, budget, settings),
         objective: if raw_tokens {
             "tokens/s"
         } else {
@@ -271,6 +572,10 @@ mod tests {
             pfi: None,
             pfi_source: None,
             points,
+            gpu_uuids: Vec::new(),
+            power_cap_w: None,
+            power_cap_steady_s: Some(10.0),
+            calibrating: false,
         }
     }
 
@@ -281,6 +586,8 @@ mod tests {
             cap_step: Watts(10.0),
             failsafe_cap: Watts(500.0),
             default_pfi: 1.3,
+            budget_mode: BudgetMode::Metered { margin: 0.0 },
+            objective: Objective::Tokens,
         }
     }
 
@@ -339,16 +646,17 @@ mod tests {
                 live: false,
             },
         ];
-        let d = decide(&nodes, Watts(5000.0), &settings());
-        // Unmanaged job 8 (1300 W) plus silent n2 at its fail-safe (4 x 500 W).
-        assert_eq!(d.reserved_w, 1300.0 + 2000.0);
+        let d = decide(&nodes, Watts(6000.0), &settings());
+        // Unmanaged job 8 (1300 W) plus silent n2 at what it may draw: its GPUs' defaults
+        // (a stopped agent restores them; a crashed one may have left any cap below).
+        assert_eq!(d.reserved_w, 1300.0 + 2800.0);
         assert!(!d.leases.contains_key("n2"), "no lease for a silent node");
         assert!(
             !d.leases["n1"].contains_key("8"),
             "unmanaged jobs get no cap"
         );
         let cap = d.leases["n1"]["7"];
-        assert!(cap * 2.0 <= 5000.0 - 3300.0 + 1e-6, "{cap}");
+        assert!(cap * 2.0 <= 6000.0 - 4100.0 + 1e-6, "{cap}");
     }
 
     #[test]
@@ -501,5 +809,400 @@ mod tests {
             decide(&nodes, Watts(4000.0), &settings()).objective,
             "relative-speed"
         );
+    }
+
+    fn node(name: &str, gpus: Vec<GpuInfo>, jobs: Vec<JobReport>) -> NodeView {
+        let power_w = jobs
+            .iter()
+            .filter_map(|j| j.power_w)
+            .filter(|p| p.is_finite())
+            .sum();
+        NodeView {
+            node: name.into(),
+            gpus,
+            jobs,
+            power_w,
+            live: true,
+        }
+    }
+
+    /// Issue: one bad report cancelled the whole site's allocation (`allocate(..).ok()`),
+    /// dropping every managed job to the fail-safe cap.
+    #[test]
+    fn a_bad_report_hurts_only_its_sender() {
+        let mut nan = report("2", "flex2", 4, f64::NAN, points(4.0));
+        nan.pfi = Some(1.5);
+        let mut negative = report("3", "flex2", 4, -5000.0, points(4.0));
+        negative.throughput = Some(1000.0);
+        let mut huge = report("4", "flex2", u32::MAX, 2800.0, points(4.0));
+        huge.throughput = Some(1e300);
+        let nodes = vec![
+            node(
+                "good",
+                (0..4).map(gpu).collect(),
+                vec![report("1", "flex3", 4, 2800.0, points(4.0))],
+            ),
+            node("nan", (0..4).map(gpu).collect(), vec![nan]),
+            node("negative", (0..4).map(gpu).collect(), vec![negative]),
+            node("huge", (0..4).map(gpu).collect(), vec![huge]),
+        ];
+        let d = decide(&nodes, Watts(9000.0), &settings());
+        let a = d.allocation.as_ref().expect("the good job is allocated");
+        assert_eq!(a.jobs.len(), 1, "{a:?}");
+        assert_eq!(a.jobs[0].id, "1");
+        assert!(d.leases["good"].contains_key("1"));
+        let refused: Vec<_> = d.rejected.iter().map(|r| r.node.as_str()).collect();
+        assert!(
+            refused.contains(&"nan") && refused.contains(&"huge"),
+            "{:?}",
+            d.rejected
+        );
+        // A negative node power cannot shrink what is reserved for others.
+        assert!(d.reserved_w >= 0.0);
+        assert!(refused.contains(&"negative"), "{:?}", d.rejected);
+    }
+
+    #[test]
+    fn a_node_announcing_a_zero_minimum_is_paid_for_and_the_rest_is_allocated() {
+        let mut broken: Vec<GpuInfo> = (0..4).map(gpu).collect();
+        broken[0].min_w = 0.0;
+        let nodes = vec![
+            node(
+                "good",
+                (0..4).map(gpu).collect(),
+                vec![report("1", "flex3", 4, 2800.0, points(4.0))],
+            ),
+            node(
+                "broken",
+                broken,
+                vec![report("2", "flex3", 4, 2800.0, points(4.0))],
+            ),
+        ];
+        let d = decide(&nodes, Watts(5000.0), &settings());
+        let a = d.allocation.as_ref().expect("allocation");
+        assert_eq!(
+            a.jobs.iter().map(|j| j.id.as_str()).collect::<Vec<_>>(),
+            ["1"]
+        );
+        assert_eq!(
+            d.reserved_w,
+            4.0 * 700.0,
+            "the broken node is paid at its GPUs' most"
+        );
+        assert!(a.jobs[0].cap_w.0 * 4.0 <= 5000.0 - 2800.0 + 1e-9);
+        assert_eq!(d.rejected.len(), 1);
+        assert_eq!(d.rejected[0].job, None);
+    }
+
+    #[test]
+    fn two_gpu_models_on_one_node_are_handled_per_job() {
+        let mut gpus: Vec<GpuInfo> = (0..4).map(gpu).collect();
+        for g in &mut gpus[2..] {
+            g.name = "NVIDIA L4".into();
+            g.min_w = 40.0;
+            g.max_w = 72.0;
+            g.default_w = 72.0;
+        }
+        let mut big = report("1", "flex3", 2, 1400.0, points(2.0));
+        big.gpu_uuids = vec!["GPU-0".into(), "GPU-1".into()];
+        let mut small = report("2", "flex3", 2, 140.0, Vec::new());
+        small.gpu_uuids = vec!["GPU-2".into(), "GPU-3".into()];
+        let d = decide(
+            &[node("mixed", gpus, vec![big, small])],
+            Watts(1200.0),
+            &settings(),
+        );
+        let a = d.allocation.as_ref().expect("allocation");
+        assert_eq!(a.jobs.len(), 2, "{:?}", d.rejected);
+        let cap = |id: &str| a.jobs.iter().find(|j| j.id == id).map(|j| j.cap_w.0);
+        let big_cap = cap("1").expect("job 1");
+        let small_cap = cap("2").expect("job 2");
+        assert!((200.0..=700.0).contains(&big_cap), "{big_cap}");
+        assert!((40.0..=72.0).contains(&small_cap), "{small_cap}");
+    }
+
+    #[test]
+    fn a_job_starting_during_a_cut_starts_at_the_cuts_share() {
+        let n = node("n", (0..8).map(gpu).collect(), Vec::new());
+        assert_eq!(
+            decide(std::slice::from_ref(&n), Watts(8.0 * 700.0), &settings()).start_cap_w,
+            500.0
+        );
+        assert_eq!(
+            decide(&[n], Watts(8.0 * 250.0), &settings()).start_cap_w,
+            250.0
+        );
+    }
+
+    #[test]
+    fn a_silent_node_is_reserved_at_its_defaults_not_the_failsafe() {
+        let mut silent = node("quiet", (0..8).map(gpu).collect(), Vec::new());
+        silent.live = false;
+        let d = decide(&[silent], Watts(9000.0), &settings());
+        assert_eq!(d.reserved_w, 8.0 * 700.0);
+    }
+
+    /// A job of the closed-loop tests below: what it really draws at a per-GPU cap.
+    struct Truth {
+        id: &'static str,
+        tier: &'static str,
+        gpus: u32,
+        /// Measured points the agent reports (empty: not walked, planned on a prior).
+        points: Vec<[f64; 3]>,
+        draw_per_gpu: Box<dyn Fn(f64) -> f64>,
+    }
+
+    /// Runs `periods` allocations against the jobs' true draw, the way the controller
+    /// and agents do: each report carries the cap in force and the draw at it. Returns
+    /// the site's true draw after each allocation, and the last decision.
+    fn closed_loop(
+        jobs: &[Truth],
+        budget: f64,
+        mode: BudgetMode,
+        periods: usize,
+        caps: &mut BTreeMap<String, f64>,
+    ) -> (Vec<f64>, Decision) {
+        let gpus: u32 = jobs.iter().map(|j| j.gpus).sum();
+        let settings = SiteSettings {
+            budget_mode: mode,
+            ..settings()
+        };
+        let mut draws = Vec::new();
+        let mut last = None;
+        for _ in 0..periods {
+            let reports: Vec<JobReport> = jobs
+                .iter()
+                .map(|j| {
+                    let cap = caps.get(j.id).copied().unwrap_or(500.0);
+                    let draw = (j.draw_per_gpu)(cap).min(cap) * f64::from(j.gpus);
+                    JobReport {
+                        cap_w: Some(cap),
+                        ..report(j.id, j.tier, j.gpus, draw, j.points.clone())
+                    }
+                })
+                .collect();
+            let view = node("n1", (0..gpus).map(gpu).collect(), reports);
+            let d = decide(&[view], Watts(budget), &settings);
+            for (job, cap) in &d.leases["n1"] {
+                caps.insert(job.clone(), *cap);
+            }
+            draws.push(
+                jobs.iter()
+                    .map(|j| {
+                        let cap = caps[j.id];
+                        (j.draw_per_gpu)(cap).min(cap) * f64::from(j.gpus)
+                    })
+                    .sum(),
+            );
+            last = Some(d);
+        }
+        (draws, last.expect("at least one period"))
+    }
+
+    fn flex0_below_its_cap(per_gpu: f64) -> Truth {
+        Truth {
+            id: "1",
+            tier: "flex0",
+            gpus: 4,
+            points: Vec::new(),
+            draw_per_gpu: Box::new(move |cap| cap.min(per_gpu)),
+        }
+    }
+
+    fn flex3_at_its_cap() -> Truth {
+        Truth {
+            id: "2",
+            tier: "flex3",
+            gpus: 4,
+            points: points(4.0),
+            draw_per_gpu: Box::new(|cap| 0.97 * cap),
+        }
+    }
+
+    /// Issue 13: a flex0 job drawing 560 W per GPU below its 700 W cap left 14 % of a
+    /// 4 kW budget unused while a flex3 job sat capped beside it.
+    #[test]
+    fn metered_mode_gives_the_headroom_of_jobs_below_their_caps_to_others() {
+        let jobs = [flex0_below_its_cap(560.0), flex3_at_its_cap()];
+        let mut caps = BTreeMap::new();
+        let (draws, _) = closed_loop(
+            &jobs,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            6,
+            &mut caps,
+        );
+        let steady = draws[draws.len() - 1];
+        assert!(steady <= 4000.0, "{draws:?}");
+        assert!(
+            steady >= 0.98 * 4000.0,
+            "budget used {:.1} %: {draws:?}",
+            steady / 40.0
+        );
+        assert_eq!(caps["1"], 700.0, "flex0 is never capped");
+        // Every period after the first within the budget.
+        assert!(draws[1..].iter().all(|&d| d <= 4000.0), "{draws:?}");
+    }
+
+    #[test]
+    fn hard_mode_keeps_the_sum_of_caps_within_the_budget_whatever_jobs_draw() {
+        let jobs = [flex0_below_its_cap(560.0), flex3_at_its_cap()];
+        let mut caps = BTreeMap::new();
+        let (_, d) = closed_loop(&jobs, 4000.0, BudgetMode::Hard, 4, &mut caps);
+        let caps_sum: f64 = caps.values().map(|c| c * 4.0).sum();
+        assert!(caps_sum <= 4000.0 + 1e-6, "{caps:?}");
+        assert_eq!(d.reserved_w, 0.0, "every GPU is in a managed job");
+        // With an idle GPU beside them, its default limit comes off first.
+        let view = node(
+            "n1",
+            (0..9).map(gpu).collect(),
+            vec![report("2", "flex3", 4, 100.0, points(4.0))],
+        );
+        let hard = SiteSettings {
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        };
+        let d = decide(&[view], Watts(5000.0), &hard);
+        assert_eq!(d.reserved_w, 5.0 * 700.0);
+        assert!(d.leases["n1"]["2"] * 4.0 <= 1500.0 + 1e-6, "{:?}", d.leases);
+    }
+
+    /// Issue 13: a phase change to a heavier load (the flex0 job from 560 W to 690 W per
+    /// GPU) must be back within the budget within two allocation periods.
+    #[test]
+    fn a_phase_change_is_back_within_the_budget_within_two_periods() {
+        let mut caps = BTreeMap::new();
+        let light = [flex0_below_its_cap(560.0), flex3_at_its_cap()];
+        let (before, _) = closed_loop(
+            &light,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            5,
+            &mut caps,
+        );
+        assert!(before.iter().skip(1).all(|&d| d <= 4000.0), "{before:?}");
+        let heavy = [flex0_below_its_cap(690.0), flex3_at_its_cap()];
+        // The draw the moment the phase changes, at the caps of the light phase.
+        let jump: f64 = caps["1"].min(690.0) * 4.0 + 0.97 * caps["2"] * 4.0;
+        assert!(jump > 4000.0, "the test must start over budget: {jump}");
+        let (after, _) = closed_loop(
+            &heavy,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            4,
+            &mut caps,
+        );
+        assert!(
+            after[1..].iter().all(|&d| d <= 4000.0),
+            "over the budget after two periods: {after:?}"
+        );
+        assert!(after[after.len() - 1] >= 0.97 * 4000.0, "{after:?}");
+    }
+
+    /// A draw sampled right after a cap rose still shows the lower cap: taken as the job's
+    /// draw at the new cap, it made the controller raise caps further and the site went
+    /// over its budget (found on the local cluster after an agent restart).
+    #[test]
+    fn a_low_draw_measured_just_after_a_cap_change_is_not_believed_yet() {
+        let settings = SiteSettings {
+            budget_mode: BudgetMode::Metered { margin: 0.0 },
+            ..settings()
+        };
+        let mut fresh = report("2", "flex3", 4, 4.0 * 300.0, points(4.0));
+        fresh.cap_w = Some(480.0);
+        fresh.power_cap_w = Some(480.0);
+        fresh.power_cap_steady_s = Some(0.2);
+        let unsettled = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![fresh.clone()])],
+            Watts(2000.0),
+            &settings,
+        );
+        fresh.power_cap_steady_s = Some(5.0);
+        let settled = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![fresh])],
+            Watts(2000.0),
+            &settings,
+        );
+        let cap = |d: &Decision| d.leases["n1"]["2"];
+        assert!(
+            cap(&unsettled) * 4.0 <= 2000.0 + 1e-6,
+            "planned at its curve: {}",
+            cap(&unsettled)
+        );
+        assert!(
+            cap(&settled) > cap(&unsettled),
+            "once settled, the low draw frees watts"
+        );
+    }
+
+    #[test]
+    fn a_job_whose_draw_or_speed_leaves_its_curve_is_marked_drifted() {
+        // points(4.0): power = cap x 4, throughput 1000 x (1 - (1 - cap/700)/2).
+        let at = |cap: f64, power: f64, throughput: f64| {
+            let mut r = report("7", "flex3", 4, power, points(4.0));
+            r.cap_w = Some(cap);
+            r.throughput = Some(throughput);
+            r.power_cap_steady_s = Some(30.0);
+            decide(
+                &[node("n1", (0..4).map(gpu).collect(), vec![r])],
+                Watts(9000.0),
+                &settings(),
+            )
+        };
+        let on_curve = 1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0);
+        assert!(at(500.0, 2000.0, on_curve).drifted.is_empty());
+        let heavier = at(500.0, 2000.0 * 1.3, on_curve);
+        assert_eq!(heavier.drifted.len(), 1, "{:?}", heavier.drifted);
+        assert!(heavier.drifted[0]
+            .power_ratio
+            .is_some_and(|r| (r - 1.3).abs() < 0.02));
+        let slower = at(500.0, 2000.0, on_curve * 0.7);
+        assert_eq!(slower.drifted.len(), 1);
+        // Not judged while the agent walks it, nor on a prior.
+        let mut walking = report("7", "flex3", 4, 2600.0, points(4.0));
+        walking.cap_w = Some(500.0);
+        walking.calibrating = true;
+        let d = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![walking])],
+            Watts(9000.0),
+            &settings(),
+        );
+        assert!(d.drifted.is_empty());
+        let mut prior = report("7", "flex3", 4, 2600.0, Vec::new());
+        prior.cap_w = Some(500.0);
+        let d = decide(
+            &[node("n1", (0..4).map(gpu).collect(), vec![prior])],
+            Watts(9000.0),
+            &settings(),
+        );
+        assert!(d.drifted.is_empty());
+    }
+
+    /// Issue 14: with the raw sum of self-reported tokens/s as the objective, a job
+    /// claiming 1000x its tokens took the largest cap and pushed every other job to its
+    /// floor.
+    #[test]
+    fn inflated_tokens_buy_nothing_under_the_default_objective() {
+        let honest = report("1", "flex3", 4, 2800.0, points(4.0));
+        let mut inflated = report("2", "flex3", 4, 2800.0, points(4.0));
+        inflated.throughput = inflated.throughput.map(|t| t * 1000.0);
+        for p in &mut inflated.points {
+            p[2] *= 1000.0;
+        }
+        let nodes = [
+            node("n1", (0..4).map(gpu).collect(), vec![honest]),
+            node("n2", (0..4).map(gpu).collect(), vec![inflated]),
+        ];
+        let relative = SiteSettings {
+            objective: Objective::RelativeSpeed,
+            ..settings()
+        };
+        let d = decide(&nodes, Watts(4000.0), &relative);
+        assert_eq!(d.objective, "relative-speed");
+        assert_eq!(d.leases["n1"]["1"], d.leases["n2"]["2"], "{:?}", d.leases);
+        // With raw tokens (a site option), the claim would win: that is why it is not
+        // the default.
+        let d = decide(&nodes, Watts(4000.0), &settings());
+        assert!(d.leases["n2"]["2"] > d.leases["n1"]["1"], "{:?}", d.leases);
     }
 }

@@ -380,6 +380,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
             jobs: vec![],
             power_w: 0.0,
             failsafe: false,
+            cap_mismatches: 0,
         },
     )
     .expect("seal");

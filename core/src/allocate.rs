@@ -463,7 +463,10 @@ pub fn allocate(
     ))
 }
 
-fn prepare(spec: &JobSpec, extrapolated: bool) -> Result<Prepared<'_>, AllocationError> {
+/// Checks one job's spec as [`allocate`] will: its limits, GPUs, weight and bound. A
+/// caller with many jobs can leave out the ones that fail, so one bad job does not cost
+/// every other job its allocation.
+pub fn validate_spec(spec: &JobSpec) -> Result<(), AllocationError> {
     spec.limits.validate(&spec.id)?;
     if spec.gpus == 0 {
         return Err(AllocationError::NoGpus {
@@ -484,6 +487,11 @@ fn prepare(spec: &JobSpec, extrapolated: bool) -> Result<Prepared<'_>, Allocatio
             });
         }
     }
+    Ok(())
+}
+
+fn prepare(spec: &JobSpec, extrapolated: bool) -> Result<Prepared<'_>, AllocationError> {
+    validate_spec(spec)?;
     let limits = &spec.limits;
     let hi = limits.max_w.0;
     let lowest_known = if extrapolated {

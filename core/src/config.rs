@@ -23,7 +23,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::allocate::Policy;
 use crate::flex::{FlexError, Service, Tier, TierTable, UNMANAGED};
@@ -84,6 +84,16 @@ pub struct RawFacility {
     /// (default 30, accepted above 0 and below 95): calibration walks each job as deep as
     /// such a cut can push it.
     pub expected_cut_pct: Option<f64>,
+    /// What the budget bounds: `metered` (default; the GPUs' measured draw) or `hard`
+    /// (the sum of caps × GPUs, trusting no curve: for breaker limits).
+    pub budget_mode: Option<String>,
+    /// `metered` mode: the share of the budget held back for measurement noise and the
+    /// draw's rise between two allocations, percent (default 1, 0 to 20).
+    pub metered_margin_pct: Option<f64>,
+    /// What the allocation maximises: `relative-speed` (default; each job counts as its
+    /// throughput over its own uncapped throughput, so what a job reports about its scale
+    /// buys it nothing) or `tokens` (the site's total tokens/s, as the jobs report them).
+    pub objective: Option<String>,
 }
 
 /// `[tiers]`: what `--power-flex` accepts at this site.
@@ -192,6 +202,9 @@ pub struct RawAgent {
     pub calibration_settle_s: Option<f64>,
     /// Calibration: measurement time at each cap, seconds (1 to 3600, default 30).
     pub calibration_hold_s: Option<f64>,
+    /// A job whose step daemons (root-owned `slurmstepd`) have all been gone from the
+    /// node this long is ended without its epilog, seconds (5 to 3600, default 30).
+    pub job_end_grace_s: Option<f64>,
 }
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
@@ -230,6 +243,68 @@ pub struct FacilityConfig {
     pub policy: Policy,
     /// The deepest cut the site expects, a fraction (0.3 = 30 %).
     pub expected_cut: f64,
+    pub budget_mode: BudgetMode,
+    pub objective: Objective,
+}
+
+/// What the allocation maximises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Objective {
+    /// The sum of each job's throughput over its own uncapped throughput: a job's
+    /// self-reported scale buys it nothing.
+    #[default]
+    RelativeSpeed,
+    /// The site's total tokens/s, as the jobs report them (trusts the jobs' counts; falls
+    /// back to relative speed while any managed job reports only steps).
+    Tokens,
+}
+
+impl Objective {
+    /// The names `facility.objective` accepts.
+    pub const NAMES: [&'static str; 2] = ["relative-speed", "tokens"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Objective::RelativeSpeed => "relative-speed",
+            Objective::Tokens => "tokens",
+        }
+    }
+}
+
+/// What the facility budget bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "kebab-case")]
+pub enum BudgetMode {
+    /// The sum of every GPU's cap (idle and unmanaged GPUs at their default limit) stays
+    /// within the budget, by construction: no curve or measurement is trusted.
+    Hard,
+    /// The GPUs' measured draw stays within the budget less `margin` (a fraction): each
+    /// job's curve is corrected by the power it draws at the cap in force, so the
+    /// headroom of jobs drawing below their caps goes to jobs that can use it.
+    Metered { margin: f64 },
+}
+
+impl BudgetMode {
+    /// The names `facility.budget_mode` accepts.
+    pub const NAMES: [&'static str; 2] = ["metered", "hard"];
+    /// Default `metered_margin_pct`.
+    pub const DEFAULT_MARGIN_PCT: f64 = 1.0;
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            BudgetMode::Hard => "hard",
+            BudgetMode::Metered { .. } => "metered",
+        }
+    }
+}
+
+impl Default for BudgetMode {
+    fn default() -> BudgetMode {
+        BudgetMode::Metered {
+            margin: BudgetMode::DEFAULT_MARGIN_PCT / 100.0,
+        }
+    }
 }
 
 /// Validated `[tiers]`.
@@ -300,6 +375,7 @@ pub struct AgentConfig {
     pub calibration_warmup_s: f64,
     pub calibration_settle_s: f64,
     pub calibration_hold_s: f64,
+    pub job_end_grace_s: f64,
 }
 
 /// Default state directory of the agent.
@@ -560,9 +636,64 @@ fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
             accepted: "above 0 and below 95 percent".into(),
         });
     }
+    let margin_pct = finite(
+        "facility.metered_margin_pct",
+        raw.metered_margin_pct
+            .unwrap_or(BudgetMode::DEFAULT_MARGIN_PCT),
+    )?;
+    if !(0.0..=20.0).contains(&margin_pct) {
+        return Err(ConfigError::OutOfRange {
+            key: "facility.metered_margin_pct".into(),
+            value: margin_pct.to_string(),
+            accepted: "a percentage from 0 to 20".into(),
+        });
+    }
+    let budget_mode = match raw.budget_mode.as_deref() {
+        None | Some("metered") => BudgetMode::Metered {
+            margin: margin_pct / 100.0,
+        },
+        Some("hard") if raw.metered_margin_pct.is_none() => BudgetMode::Hard,
+        Some("hard") => {
+            return Err(ConfigError::OutOfRange {
+                key: "facility.metered_margin_pct".into(),
+                value: margin_pct.to_string(),
+                accepted:
+                    "nothing with budget_mode = \"hard\" (the margin applies to metered mode)"
+                        .into(),
+            })
+        }
+        Some(other) => {
+            return Err(ConfigError::OutOfRange {
+                key: "facility.budget_mode".into(),
+                value: format!("\"{}\"", other.escape_default()),
+                accepted: BudgetMode::NAMES
+                    .iter()
+                    .map(|n| format!("\"{n}\""))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        }
+    };
+    let objective = match raw.objective.as_deref() {
+        None | Some("relative-speed") => Objective::RelativeSpeed,
+        Some("tokens") => Objective::Tokens,
+        Some(other) => {
+            return Err(ConfigError::OutOfRange {
+                key: "facility.objective".into(),
+                value: format!("\"{}\"", other.escape_default()),
+                accepted: Objective::NAMES
+                    .iter()
+                    .map(|n| format!("\"{n}\""))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        }
+    };
     Ok(FacilityConfig {
         gpu_budget_w,
         policy,
+        budget_mode,
+        objective,
         expected_cut: expected_pct / 100.0,
     })
 }
@@ -894,6 +1025,13 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
             1.0,
             3600.0,
         )?,
+        job_end_grace_s: seconds(
+            "agent.job_end_grace_s",
+            raw.job_end_grace_s,
+            30.0,
+            5.0,
+            3600.0,
+        )?,
     })
 }
 
@@ -1041,6 +1179,8 @@ listen = "10.0.0.5:7300"
                     gpu_budget_w: Watts(120_000.0),
                     policy: Policy::Optimal,
                     expected_cut: 0.3,
+                    budget_mode: BudgetMode::Metered { margin: 0.01 },
+                    objective: Objective::RelativeSpeed,
                 },
                 tiers: TiersConfig {
                     table: TierTable::default_table(),
@@ -1078,6 +1218,7 @@ listen = "10.0.0.5:7300"
                     calibration_warmup_s: 60.0,
                     calibration_settle_s: 10.0,
                     calibration_hold_s: 30.0,
+                    job_end_grace_s: 30.0,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,
@@ -1215,6 +1356,41 @@ failsafe_cap_w = 300
                 ),
                 ConfigError::UnknownPolicy {
                     value: "greedy".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\nbudget_mode = \"soft\"",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.budget_mode".into(),
+                    value: "\"soft\"".into(),
+                    accepted: "\"metered\", \"hard\"".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\nmetered_margin_pct = 25",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.metered_margin_pct".into(),
+                    value: "25".into(),
+                    accepted: "a percentage from 0 to 20".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\nbudget_mode = \"hard\"\nmetered_margin_pct = 3",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.metered_margin_pct".into(),
+                    value: "3".into(),
+                    accepted:
+                        "nothing with budget_mode = \"hard\" (the margin applies to metered mode)"
+                            .into(),
                 },
             ),
             (

@@ -262,6 +262,23 @@ impl CapCurve {
     pub fn pfi(&self) -> Option<f64> {
         crate::pfi::pfi(&self.knots)
     }
+
+    /// The same curve with each knot's power replaced by `power(cap_w, power_w)` (kept
+    /// above 1 mW), throughput, source and uncertainty unchanged: the controller's
+    /// correction of a job's power by what it measures, or the bound `cap × GPUs` the
+    /// hard budget mode allocates on.
+    pub fn map_power(&self, power: impl Fn(Watts, Watts) -> Watts) -> CapCurve {
+        let mut curve = self.clone();
+        for k in &mut curve.knots {
+            let p = power(k.cap_w, k.power_w).0;
+            k.power_w = Watts(if p.is_finite() {
+                p.max(1e-3)
+            } else {
+                k.power_w.0
+            });
+        }
+        curve
+    }
 }
 
 /// A curve as it arrives over the wire or from disk, validated into a [`CapCurve`].

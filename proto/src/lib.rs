@@ -50,6 +50,10 @@ pub enum ProtoError {
     Version(u32),
     #[error("job_id must be 1-64 characters of digits, letters, '_' or '.'")]
     BadJobId,
+    /// A well-formed message whose values cannot be true (NaN, a negative power, more
+    /// GPUs than a node holds, ...).
+    #[error("invalid {field}: {reason}")]
+    Invalid { field: String, reason: String },
 }
 
 impl ProgressReport {
@@ -230,7 +234,7 @@ impl ControlReply {
     }
 }
 
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
         && id
@@ -322,5 +326,3 @@ mod control_tests {
 
 #[cfg(feature = "link")]
 pub mod link;
-pub mod peer;
-pub mod signals;

@@ -55,6 +55,22 @@ pub struct JobReport {
     pub pfi_source: Option<String>,
     /// Calibrated points: [per-GPU cap W, job power W, throughput].
     pub points: Vec<[f64; 3]>,
+    /// UUIDs of the job's GPUs on this node (the ones `gpus` counts), so the controller
+    /// takes the job's cap range from its own GPUs, not from every GPU of the node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_uuids: Vec<String>,
+    /// The per-GPU limit the GPUs read back in the samples that gave `power_w` (which
+    /// `cap_w`, the last limit written, may not yet be), W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_cap_w: Option<f64>,
+    /// How long that limit had held when `power_w` was sampled, seconds: a draw sampled
+    /// just after a cap change does not yet show what the job draws at the new cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_cap_steady_s: Option<f64>,
+    /// The agent is walking the job's calibration now (its cap is the walk's level, and
+    /// its points are not yet a whole curve).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub calibrating: bool,
 }
 
 /// What a message says.
@@ -68,11 +84,26 @@ pub enum Body {
         jobs: Vec<JobReport>,
         power_w: f64,
         failsafe: bool,
+        /// GPU limits the agent found changed behind its back (read back through NVML
+        /// and not what it wrote) and wrote again, since the agent started.
+        #[serde(default)]
+        cap_mismatches: u64,
     },
-    /// Per-job per-GPU caps, W, valid for `ttl_s` from receipt.
+    /// Per-job per-GPU caps, W, valid for `ttl_s` from receipt, for node `node` only.
     Lease {
+        /// The node this lease is for: an agent refuses a lease naming another node.
+        node: String,
         caps: std::collections::BTreeMap<String, f64>,
         ttl_s: f64,
+        /// Per-GPU cap for a managed job the lease does not name yet (it started since
+        /// the controller last allocated): the share the budget in force leaves a new
+        /// job, so a job that starts during a cut does not start above it, W.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_cap_w: Option<f64>,
+        /// Jobs whose measured power or throughput left their curve's band: the agent
+        /// walks them again, at most as often as its rate limit allows.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        recalibrate: Vec<String>,
     },
 }
 
@@ -118,26 +149,201 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// Reads the site key: a root-only file (mode 0600 or stricter) of at least 16 bytes,
-/// surrounding whitespace ignored. Agent and controller must derive the same key.
-pub fn read_site_key(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
-    use std::os::unix::fs::PermissionsExt;
-    let shown = path.display();
-    let unreadable =
-        |e: std::io::Error| std::io::Error::other(format!("cannot read the site key {shown}: {e}"));
-    let meta = std::fs::metadata(path).map_err(unreadable)?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        return Err(std::io::Error::other(format!(
-            "the site key {shown} is readable by others; chmod 600 it"
-        )));
+/// Most GPUs one node may announce or one job may hold on one node.
+pub const MAX_GPUS_PER_NODE: usize = 256;
+/// Highest power limit or draw believed of one GPU, W (the largest accelerators today
+/// are near 1.5 kW; anything above this is a broken or lying sender).
+pub const MAX_GPU_POWER_W: f64 = 5_000.0;
+/// Most jobs one node may report, and most calibrated points per job.
+pub const MAX_JOBS_PER_NODE: usize = 256;
+pub const MAX_POINTS_PER_JOB: usize = 256;
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ProtoError {
+    ProtoError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
     }
-    let key = std::fs::read(path).map_err(unreadable)?;
-    if key.trim_ascii().len() < 16 {
-        return Err(std::io::Error::other(format!(
-            "the site key {shown} is shorter than 16 bytes"
-        )));
+}
+
+/// `value` must be finite and within `[lo, hi]`.
+fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), ProtoError> {
+    if !value.is_finite() {
+        return Err(invalid(field, format!("{value} is not a finite number")));
     }
-    Ok(key.trim_ascii().to_vec())
+    if value < lo || value > hi {
+        return Err(invalid(field, format!("{value} is outside {lo}..={hi}")));
+    }
+    Ok(())
+}
+
+impl GpuInfo {
+    /// Checks that the GPU's limits can be true: finite, `0 < min_w <= default_w <=
+    /// max_w <= MAX_GPU_POWER_W`, a UUID of 1-128 printable characters.
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        if self.uuid.is_empty()
+            || self.uuid.len() > 128
+            || !self.uuid.chars().all(|c| c.is_ascii_graphic())
+        {
+            return Err(invalid("gpu uuid", "1-128 printable ASCII characters"));
+        }
+        if self.name.len() > 256 {
+            return Err(invalid("gpu name", "longer than 256 bytes"));
+        }
+        let field = |f: &str| format!("gpu {} {f}", self.uuid);
+        check_range(
+            &field("min_w"),
+            self.min_w,
+            f64::MIN_POSITIVE,
+            MAX_GPU_POWER_W,
+        )?;
+        check_range(&field("max_w"), self.max_w, self.min_w, MAX_GPU_POWER_W)?;
+        check_range(&field("default_w"), self.default_w, self.min_w, self.max_w)?;
+        Ok(())
+    }
+}
+
+/// Checks an agent's hello: at most [`MAX_GPUS_PER_NODE`] valid GPUs, no UUID twice.
+pub fn validate_gpus(gpus: &[GpuInfo]) -> Result<(), ProtoError> {
+    if gpus.len() > MAX_GPUS_PER_NODE {
+        return Err(invalid(
+            "gpus",
+            format!("{} GPUs; at most {MAX_GPUS_PER_NODE} per node", gpus.len()),
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for g in gpus {
+        g.validate()?;
+        if !seen.insert(g.uuid.as_str()) {
+            return Err(invalid("gpus", format!("GPU {} announced twice", g.uuid)));
+        }
+    }
+    Ok(())
+}
+
+impl JobReport {
+    /// Checks that the report can be true of a job on a node with `node_gpus`: a valid job
+    /// id, `1..=node_gpus` GPUs (its UUIDs, when given, among the node's and as many as
+    /// `gpus`), finite non-negative power within what its GPUs can draw, finite
+    /// non-negative throughput, a PFI in (0, 100), at most [`MAX_POINTS_PER_JOB`] finite
+    /// points. A report that fails is left out of the allocation; the rest of the node's
+    /// jobs and every other node are still allocated.
+    pub fn validate(&self, node_gpus: &[GpuInfo]) -> Result<(), ProtoError> {
+        if !crate::valid_id(&self.job_id) {
+            return Err(ProtoError::BadJobId);
+        }
+        let job = |f: &str| format!("job {} {f}", self.job_id);
+        if self.tier.len() > 256 {
+            return Err(invalid(job("tier"), "longer than 256 bytes"));
+        }
+        if self.gpus == 0 || self.gpus as usize > node_gpus.len() {
+            return Err(invalid(
+                job("gpus"),
+                format!(
+                    "{} GPUs on a node that announced {}",
+                    self.gpus,
+                    node_gpus.len()
+                ),
+            ));
+        }
+        if !self.gpu_uuids.is_empty() {
+            if self.gpu_uuids.len() != self.gpus as usize {
+                return Err(invalid(
+                    job("gpu_uuids"),
+                    format!("{} UUIDs for {} GPUs", self.gpu_uuids.len(), self.gpus),
+                ));
+            }
+            for uuid in &self.gpu_uuids {
+                if !node_gpus.iter().any(|g| &g.uuid == uuid) {
+                    return Err(invalid(
+                        job("gpu_uuids"),
+                        format!("{uuid} is not a GPU this node announced"),
+                    ));
+                }
+            }
+        }
+        let most_w = MAX_GPU_POWER_W * f64::from(self.gpus);
+        if let Some(cap) = self.cap_w {
+            check_range(&job("cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
+        }
+        if let Some(p) = self.power_w {
+            check_range(&job("power_w"), p, 0.0, most_w)?;
+        }
+        if let Some(cap) = self.power_cap_w {
+            check_range(&job("power_cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
+        }
+        if let Some(s) = self.power_cap_steady_s {
+            check_range(&job("power_cap_steady_s"), s, 0.0, f64::MAX)?;
+        }
+        if let Some(t) = self.throughput {
+            check_range(&job("throughput"), t, 0.0, f64::MAX)?;
+        }
+        if let Some(pfi) = self.pfi {
+            check_range(&job("pfi"), pfi, f64::MIN_POSITIVE, 100.0)?;
+        }
+        if self.points.len() > MAX_POINTS_PER_JOB {
+            return Err(invalid(
+                job("points"),
+                format!("{} points; at most {MAX_POINTS_PER_JOB}", self.points.len()),
+            ));
+        }
+        for p in &self.points {
+            check_range(
+                &job("point cap_w"),
+                p[0],
+                f64::MIN_POSITIVE,
+                MAX_GPU_POWER_W,
+            )?;
+            check_range(&job("point power_w"), p[1], 0.0, most_w)?;
+            check_range(&job("point throughput"), p[2], 0.0, f64::MAX)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks a report's node-level figures: at most [`MAX_JOBS_PER_NODE`] jobs, no job twice,
+/// a finite draw within what the node's GPUs can draw, and no more GPUs in jobs than the
+/// node has. The jobs themselves are checked one by one ([`JobReport::validate`]).
+pub fn validate_report_totals(
+    jobs: &[JobReport],
+    power_w: f64,
+    node_gpus: &[GpuInfo],
+) -> Result<(), ProtoError> {
+    if jobs.len() > MAX_JOBS_PER_NODE {
+        return Err(invalid(
+            "jobs",
+            format!("{} jobs; at most {MAX_JOBS_PER_NODE} per node", jobs.len()),
+        ));
+    }
+    check_range(
+        "node power_w",
+        power_w,
+        0.0,
+        MAX_GPU_POWER_W * node_gpus.len().max(1) as f64,
+    )?;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut uuids = std::collections::BTreeSet::new();
+    let mut gpus_in_jobs: u64 = 0;
+    for j in jobs {
+        if !seen.insert(j.job_id.as_str()) {
+            return Err(invalid("jobs", format!("job {} reported twice", j.job_id)));
+        }
+        gpus_in_jobs += u64::from(j.gpus);
+        for uuid in &j.gpu_uuids {
+            if !uuids.insert(uuid.as_str()) {
+                return Err(invalid("jobs", format!("GPU {uuid} reported in two jobs")));
+            }
+        }
+    }
+    if gpus_in_jobs > node_gpus.len() as u64 {
+        return Err(invalid(
+            "jobs",
+            format!(
+                "{gpus_in_jobs} GPUs in jobs on a node that announced {}",
+                node_gpus.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Why a link message was refused.
@@ -228,8 +434,11 @@ mod tests {
 
     fn lease() -> Body {
         Body::Lease {
+            node: "n1".into(),
             caps: [("42".to_string(), 450.0)].into(),
             ttl_s: 30.0,
+            start_cap_w: Some(300.0),
+            recalibrate: Vec::new(),
         }
     }
 
@@ -286,12 +495,115 @@ mod tests {
                     pfi: Some(t / 1e6),
                     pfi_source: Some("measured".into()),
                     points: vec![[cap, power, t]],
+                    gpu_uuids: Vec::new(),
+                    power_cap_w: Some(cap),
+                    power_cap_steady_s: Some(t / 1e3),
+                    calibrating: t > 5e5,
                 }],
                 power_w: power * 0.97,
                 failsafe: false,
+                cap_mismatches: 0,
             };
             let e = Envelope::seal(KEY, "n1", 2, 5_000, body).expect("seal");
             prop_assert_eq!(Envelope::open(KEY, &e.to_line(), 1, 5_000), Ok(e));
         });
+    }
+
+    fn gpu(uuid: &str) -> GpuInfo {
+        GpuInfo {
+            uuid: uuid.into(),
+            name: "NVIDIA H200 (simulated)".into(),
+            min_w: 200.0,
+            max_w: 700.0,
+            default_w: 700.0,
+        }
+    }
+
+    fn job(id: &str, gpus: u32) -> JobReport {
+        JobReport {
+            job_id: id.into(),
+            tier: "flex2".into(),
+            gpus,
+            cap_w: Some(500.0),
+            power_w: Some(480.0 * f64::from(gpus)),
+            throughput: Some(1000.0),
+            throughput_unit: Some("tokens".into()),
+            pfi: Some(1.4),
+            pfi_source: Some("measured".into()),
+            points: vec![[700.0, 690.0 * f64::from(gpus), 1100.0]],
+            gpu_uuids: Vec::new(),
+            power_cap_w: Some(500.0),
+            power_cap_steady_s: Some(3.0),
+            calibrating: false,
+        }
+    }
+
+    #[test]
+    fn reports_that_cannot_be_true_are_refused_with_the_field_named() {
+        let node: Vec<GpuInfo> = (0..4).map(|i| gpu(&format!("GPU-{i}"))).collect();
+        assert_eq!(validate_gpus(&node), Ok(()));
+        assert_eq!(job("7", 2).validate(&node), Ok(()));
+        let refused = |j: JobReport| match j.validate(&node) {
+            Err(ProtoError::Invalid { field, .. }) => field,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        let mut nan = job("7", 2);
+        nan.power_w = Some(f64::NAN);
+        assert_eq!(refused(nan), "job 7 power_w");
+        let mut negative = job("7", 2);
+        negative.power_w = Some(-500.0);
+        assert_eq!(refused(negative), "job 7 power_w");
+        assert_eq!(refused(job("7", u32::MAX)), "job 7 gpus");
+        assert_eq!(refused(job("7", 0)), "job 7 gpus");
+        let mut inf = job("7", 2);
+        inf.throughput = Some(f64::INFINITY);
+        assert_eq!(refused(inf), "job 7 throughput");
+        let mut point = job("7", 2);
+        point.points.push([f64::NAN, 1.0, 1.0]);
+        assert_eq!(refused(point), "job 7 point cap_w");
+        let mut pfi = job("7", 2);
+        pfi.pfi = Some(0.0);
+        assert_eq!(refused(pfi), "job 7 pfi");
+        let mut foreign = job("7", 1);
+        foreign.gpu_uuids = vec!["GPU-elsewhere".into()];
+        assert_eq!(refused(foreign), "job 7 gpu_uuids");
+        assert_eq!(job("../x", 1).validate(&node), Err(ProtoError::BadJobId));
+    }
+
+    #[test]
+    fn node_totals_are_checked_without_overflow() {
+        let node: Vec<GpuInfo> = (0..4).map(|i| gpu(&format!("GPU-{i}"))).collect();
+        assert_eq!(
+            validate_report_totals(&[job("1", 2), job("2", 2)], 1900.0, &node),
+            Ok(())
+        );
+        // Two jobs whose counts add past u32::MAX, and more GPUs in jobs than the node has.
+        assert!(
+            validate_report_totals(&[job("1", u32::MAX), job("2", u32::MAX)], 100.0, &node)
+                .is_err()
+        );
+        assert!(validate_report_totals(&[job("1", 3), job("2", 2)], 100.0, &node).is_err());
+        assert!(validate_report_totals(&[job("1", 1), job("1", 1)], 100.0, &node).is_err());
+        assert!(validate_report_totals(&[], -1.0, &node).is_err());
+        assert!(validate_report_totals(&[], f64::NAN, &node).is_err());
+        let mut a = job("1", 1);
+        a.gpu_uuids = vec!["GPU-0".into()];
+        let mut b = job("2", 1);
+        b.gpu_uuids = vec!["GPU-0".into()];
+        assert!(validate_report_totals(&[a, b], 100.0, &node).is_err());
+    }
+
+    #[test]
+    fn impossible_gpus_are_refused() {
+        let mut bad = gpu("GPU-0");
+        bad.min_w = 0.0;
+        assert!(bad.validate().is_err());
+        let mut bad = gpu("GPU-0");
+        bad.max_w = 100.0;
+        assert!(bad.validate().is_err());
+        let mut bad = gpu("GPU-0");
+        bad.default_w = f64::NAN;
+        assert!(bad.validate().is_err());
+        assert!(validate_gpus(&[gpu("GPU-0"), gpu("GPU-0")]).is_err());
     }
 }

@@ -37,6 +37,8 @@ pub enum SimError {
     },
     #[error("{path}: {message}")]
     Corrupt { path: String, message: String },
+    #[error(transparent)]
+    Plumbing(#[from] powerflex_daemon::DaemonError),
     #[error("{path}: {source}")]
     Io {
         path: String,

@@ -14,8 +14,6 @@
 //! every change of what the GPU draws, and read as checkpoint + power × elapsed time.
 
 use std::fs;
-use std::io::Write;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -23,6 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use powerflex_core::workload::Physics;
 use powerflex_core::Watts;
+use powerflex_daemon::fsx::{self, AtomicWrite};
+use powerflex_daemon::os::FileLock;
 
 use crate::models::{self, DeviceModel};
 use crate::SimError;
@@ -270,50 +270,10 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SimError + '_ {
 ///
 /// No fsync: readers in other processes see the whole old or the whole new file either
 /// way, which is all a GPU's state needs (a real GPU's limits do not survive a power loss
-/// either), and a cap write should cost what NVML's does, not a disk flush.
+/// either), and a cap write should cost what NVML's does, not a disk flush. World-readable:
+/// every simulated job and the agent (another user) read it.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut file = fs::File::create(&tmp).map_err(io_err(&tmp))?;
-    file.write_all(bytes).map_err(io_err(&tmp))?;
-    fs::rename(&tmp, path).map_err(io_err(path))
-}
-
-/// An exclusive `flock` held until dropped.
-struct LockGuard {
-    file: fs::File,
-}
-
-impl LockGuard {
-    fn acquire(path: &Path) -> Result<LockGuard, SimError> {
-        let file = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .map_err(io_err(path))?;
-        loop {
-            // SAFETY: flock on a descriptor we own; it blocks until the lock is ours.
-            #[allow(unsafe_code)]
-            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-            if rc == 0 {
-                return Ok(LockGuard { file });
-            }
-            let err = std::io::Error::last_os_error();
-            if err.kind() != std::io::ErrorKind::Interrupted {
-                return Err(io_err(path)(err));
-            }
-        }
-    }
-}
-
-impl Drop for LockGuard {
-    fn drop(&mut self) {
-        // SAFETY: unlocking our own descriptor; closing it would release the lock anyway.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::flock(self.file.as_raw_fd(), libc::LOCK_UN);
-        }
-    }
+    fsx::write_atomic(path, bytes, AtomicWrite::fast().with_mode(0o644)).map_err(SimError::from)
 }
 
 /// Resolves the state directory from the environment: `POWERFLEX_SIM_DIR`, with `%n`
@@ -466,7 +426,7 @@ impl Node {
         change: impl FnOnce(&mut GpuState) -> Result<T, SimError>,
     ) -> Result<T, SimError> {
         let path = self.gpu_path(index)?;
-        let _lock = LockGuard::acquire(&self.dir.join(format!("gpu{index}.lock")))?;
+        let _lock = FileLock::acquire(&self.dir.join(format!("gpu{index}.lock")))?;
         let mut gpu = self.gpu(index)?;
         gpu.checkpoint(self.model, now_ms());
         let result = change(&mut gpu)?;

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::ProgressReport;
 use powerflex_sim::state::Node;
 
@@ -138,11 +139,8 @@ fn sigterm_stops_the_job_and_frees_the_gpus() {
     );
     let (_, reading) = node.reading(1).expect("reading");
     assert!(reading.busy && reading.power_mw > 400_000, "{reading:?}");
-    // SAFETY: signalling the child we spawned, by its PID.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-    }
+    // The child we spawned, by its PID.
+    kill(child.id(), Signal::TERM).expect("kill");
     let out = child.wait_with_output().expect("wait");
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("stopped by signal 15"));

@@ -8,8 +8,11 @@
 //!   forked, after options are known — registers the step with the node's agent and puts
 //!   `POWERFLEX_TIER` and `POWERFLEX_PROGRESS` into the tasks' environment; in
 //!   `slurm_spank_exit` ends the step.
-//! - **Job epilog** (root): tells the agent the job ended, so its GPUs return to default
-//!   even if every step crashed.
+//! - **Extern step's end** (root, every node, with `PrologFlags=Contain`): tells the agent
+//!   the job ended, so its GPUs return to default even if every step crashed. Without the
+//!   extern step, the agent finds the job's end itself (its step daemons gone). The plugin
+//!   exports no `slurm_spank_job_epilog`: that made Slurm exec `slurmstepd spank epilog`
+//!   for every job on every node, the largest part of the plugin's launch cost.
 //!
 //! Rules: every entry point runs its body under `catch_unwind` and returns the fail-open
 //! code on a panic; one socket exchange per callback with a hard timeout; no threads, no
@@ -33,6 +36,7 @@ mod ffi {
     include!(concat!(env!("OUT_DIR"), "/spank_bindings.rs"));
 }
 pub mod logic;
+mod wire;
 
 use std::ffi::{c_char, c_int, c_uint, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -343,6 +347,24 @@ pub unsafe extern "C" fn slurm_spank_exit(
             let st = state();
             (st.args.clone().unwrap_or_default(), st.registered.clone())
         };
+        // The extern step (PrologFlags=Contain) lives from the job's allocation to its
+        // end on every node of the job: its end is the job's end there. This is the
+        // job-end signal; exporting slurm_spank_job_epilog instead made Slurm exec
+        // `slurmstepd spank epilog` for every job, on every node.
+        if item_u32(sp, ffi::spank_item_S_JOB_STEPID) == Some(logic::EXTERN_STEP) {
+            let Some(job_id) = item_u32(sp, ffi::spank_item_S_JOB_ID) else {
+                return 0;
+            };
+            let node = node_name(sp);
+            let request = ControlRequest::new(ControlOp::EndJob {
+                job_id: job_id.to_string(),
+            });
+            // The agent may be down (or the job never managed): nothing to undo then.
+            if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
+                log_info(&e);
+            }
+            return 0;
+        }
         let Some((job_id, step_id)) = registered else {
             return 0;
         };
@@ -350,37 +372,6 @@ pub unsafe extern "C" fn slurm_spank_exit(
         let request = ControlRequest::new(ControlOp::EndStep { job_id, step_id });
         if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
             log_error(&e);
-        }
-        0
-    })
-}
-
-/// Job epilog (root, every node of the job): the job is over; its GPUs go back.
-#[no_mangle]
-pub unsafe extern "C" fn slurm_spank_job_epilog(
-    sp: ffi::spank_t,
-    ac: c_int,
-    av: *mut *mut c_char,
-) -> c_int {
-    guarded(0, || {
-        // The epilog loads the plugin afresh: its plugstack arguments come with this call.
-        let args = match logic::parse_args(&args_of(ac, av)) {
-            Ok(a) => a,
-            Err(e) => {
-                log_error(&format!("{e}; plugin disabled"));
-                return 0;
-            }
-        };
-        let Some(job_id) = item_u32(sp, ffi::spank_item_S_JOB_ID) else {
-            return 0;
-        };
-        let node = std::env::var("SLURMD_NODENAME").unwrap_or_default();
-        let request = ControlRequest::new(ControlOp::EndJob {
-            job_id: job_id.to_string(),
-        });
-        // The agent may be down (or the job never managed): nothing to undo then.
-        if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
-            log_info(&e);
         }
         0
     })

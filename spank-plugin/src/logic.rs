@@ -2,10 +2,8 @@
 //! send the agent and what to do with its answer. The FFI shim (`lib.rs`) implements
 //! [`Spank`] over the real `spank_t`; unit tests implement it with a fake.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use powerflex_core::config::{expand_node, SiteConfig};
 use powerflex_core::flex::{parse_power_flex, Service, TierTable};
@@ -114,39 +112,15 @@ pub fn exchange(
     request: &ControlRequest,
     budget: Duration,
 ) -> Result<ControlReply, String> {
-    let started = Instant::now();
     let path = expand_node(socket, node);
-    let stream = UnixStream::connect(&path).map_err(|e| {
-        format!(
-            "cannot reach the powerflex agent at {}: {e}",
-            path.display()
-        )
-    })?;
-    let left = |started: Instant| {
-        budget
-            .checked_sub(started.elapsed())
-            .filter(|d| !d.is_zero())
-    };
-    let remaining = left(started).ok_or("the powerflex agent did not answer in time")?;
-    stream
-        .set_write_timeout(Some(remaining))
-        .map_err(|e| e.to_string())?;
-    (&stream)
-        .write_all(request.to_line().as_bytes())
-        .map_err(|e| format!("cannot send to the powerflex agent: {e}"))?;
-    let remaining = left(started).ok_or("the powerflex agent did not answer in time")?;
-    stream
-        .set_read_timeout(Some(remaining))
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream)
-        .take(powerflex_proto::MAX_LINE_BYTES as u64)
-        .read_line(&mut line)
-        .map_err(|e| format!("the powerflex agent did not answer in time ({e})"))?;
+    let line = crate::wire::exchange_within(
+        &path,
+        request.to_line().as_bytes(),
+        powerflex_proto::MAX_LINE_BYTES,
+        budget,
+    )?;
     ControlReply::from_line(&line).map_err(|e| format!("bad answer from the powerflex agent: {e}"))
 }
-
-use std::io::Read as _;
 
 /// Expands a Slurm hostlist (`n[1-3,5],gpu[01-02],login`) into names, in order.
 /// Returns `None` for a malformed list or one longer than 65,536 names.
@@ -431,7 +405,7 @@ mod tests {
 
     #[test]
     fn an_absent_agent_fails_fast() {
-        let t = Instant::now();
+        let t = std::time::Instant::now();
         let e = exchange(
             "/nonexistent/%n.sock",
             "n1",

@@ -24,6 +24,7 @@ use serde_json::{json, Value};
 use powerflex::slurm::{Cluster, ClusterOptions};
 use powerflex::{profile_dir, repo_root, run, write_site_key, Children};
 use powerflex_core::Watts;
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::{ControlOp, ControlRequest, VERSION};
 use powerflex_sim::profiles::Library;
 use powerflex_sim::state::Node;
@@ -419,9 +420,7 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
 
 /// Sends SIGTERM by PID (the agents restore their GPUs on it), then SIGKILL after 10 s.
 fn terminate(child: &mut Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
+    let _ = kill(child.id(), Signal::TERM);
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         if let Ok(Some(_)) = child.try_wait() {

@@ -21,6 +21,7 @@ use powerflex_agent::control::AgentSettings;
 use powerflex_agent::link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
 use powerflex_core::config::SiteConfig;
+use powerflex_daemon::signals::SignalWatcher;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -48,14 +49,7 @@ fn hostname() -> String {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("POWERFLEX_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
+    powerflex_daemon::trace::init();
     match start(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -113,6 +107,7 @@ fn settings_from(
         prior_intercept: site.predictor.pfi_intercept,
         prior_slope: site.predictor.pfi_per_dram_copy_product,
         progress_address,
+        job_end_grace_s: site.agent.job_end_grace_s,
     })
 }
 
@@ -147,7 +142,7 @@ fn start(cli: Cli) -> Result<(), String> {
     let link = if site.agent.node_budget_w.is_some() {
         None
     } else {
-        match powerflex_proto::link::read_site_key(&site.controller.key_file) {
+        match powerflex_daemon::fsx::read_site_key(&site.controller.key_file) {
             Ok(key) => Some(LinkOptions {
                 controller: site.controller.listen,
                 key,
@@ -175,12 +170,13 @@ fn start(cli: Cli) -> Result<(), String> {
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
     let config = cli.config.clone();
-    let watcher = powerflex_proto::signals::spawn_watcher(shutdown.clone(), move || {
+    let watcher = SignalWatcher::spawn(shutdown.clone(), move || {
         let reloaded = read_site(&config).and_then(|site| {
             settings_from(&site, &config, &node, &gpu_name, progress_address.clone())
         });
         let _ = reload_tx.send(reloaded);
-    });
+    })
+    .map_err(|e| e.to_string())?;
     let result = run(
         settings,
         options,
@@ -190,6 +186,6 @@ fn start(cli: Cli) -> Result<(), String> {
     )
     .map_err(|e| e.to_string());
     shutdown.store(true, Ordering::SeqCst);
-    let _ = watcher.join();
+    watcher.stop();
     result
 }

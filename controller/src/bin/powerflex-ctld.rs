@@ -17,6 +17,7 @@ use clap::Parser;
 use powerflex_controller::ctld::{run, CtldOptions};
 use powerflex_controller::site::SiteSettings;
 use powerflex_core::config::SiteConfig;
+use powerflex_daemon::signals::SignalWatcher;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -32,14 +33,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("POWERFLEX_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
+    powerflex_daemon::trace::init();
     match start(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -55,7 +49,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         .map_err(|e| format!("cannot read {}: {e}", config.display()))?;
     let site =
         SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", config.display()))?;
-    let key = powerflex_proto::link::read_site_key(&site.controller.key_file)
+    let key = powerflex_daemon::fsx::read_site_key(&site.controller.key_file)
         .map_err(|e| e.to_string())?;
     let model = site
         .gpu_models
@@ -76,6 +70,8 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             cap_step: model.cap_step_w,
             failsafe_cap: model.failsafe_cap_w,
             default_pfi: site.predictor.pfi_intercept,
+            budget_mode: site.facility.budget_mode,
+            objective: site.facility.objective,
         },
     })
 }
@@ -85,11 +81,12 @@ fn start(cli: Cli) -> Result<(), String> {
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
     let config = cli.config.clone();
-    let watcher = powerflex_proto::signals::spawn_watcher(shutdown.clone(), move || {
+    let watcher = SignalWatcher::spawn(shutdown.clone(), move || {
         let _ = reload_tx.send(load_options(&config));
-    });
+    })
+    .map_err(|e| e.to_string())?;
     let result = run(options, shutdown.clone(), reload_rx);
     shutdown.store(true, Ordering::SeqCst);
-    let _ = watcher.join();
+    watcher.stop();
     result
 }

@@ -66,9 +66,10 @@ fn sim_code(e: &SimError) -> Code {
         SimError::NoPermission => nvmlReturn_enum_NVML_ERROR_NO_PERMISSION,
         SimError::Fault { fault, .. } => fault_code(*fault),
         SimError::Busy { .. } => nvmlReturn_enum_NVML_ERROR_IN_USE,
-        SimError::Corrupt { .. } | SimError::Io { .. } | SimError::Exists { .. } => {
-            nvmlReturn_enum_NVML_ERROR_UNKNOWN
-        }
+        SimError::Corrupt { .. }
+        | SimError::Io { .. }
+        | SimError::Plumbing(_)
+        | SimError::Exists { .. } => nvmlReturn_enum_NVML_ERROR_UNKNOWN,
     }
 }
 
@@ -633,6 +634,52 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
             free: total.saturating_sub(r.memory_used_bytes),
             used: r.memory_used_bytes,
         }
+    })
+}
+
+/// The processes with a compute context on the GPU: the simulated job's process while
+/// it runs. NVML's contract: with `infos` null or `*count` too small, the needed count
+/// goes to `*count` and the answer is `NVML_ERROR_INSUFFICIENT_SIZE` (`NVML_SUCCESS`
+/// with 0 when nothing runs).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> Code {
+    guard(|| {
+        if count.is_null() {
+            return INVALID;
+        }
+        let (_, gpu) = match device_state(device) {
+            Ok(v) => v,
+            Err(code) => return code,
+        };
+        let running: Vec<nvmlProcessInfo_t> = gpu
+            .running()
+            .map(|w| nvmlProcessInfo_t {
+                pid: w.pid,
+                usedGpuMemory: w.memory_used_bytes,
+                // Not a MIG device: NVML's "invalid" instance ids.
+                gpuInstanceId: u32::MAX,
+                computeInstanceId: u32::MAX,
+            })
+            .into_iter()
+            .collect();
+        // SAFETY: non-null pointer to the caller's count.
+        let room = unsafe { *count } as usize;
+        put(count, running.len() as c_uint);
+        if running.is_empty() {
+            return SUCCESS;
+        }
+        if infos.is_null() || room < running.len() {
+            return nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE;
+        }
+        for (i, info) in running.into_iter().enumerate() {
+            // SAFETY: the caller's array holds `room` >= running.len() entries.
+            unsafe { infos.add(i).write(info) };
+        }
+        SUCCESS
     })
 }
 

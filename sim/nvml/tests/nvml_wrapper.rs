@@ -221,8 +221,23 @@ fn a_busy_gpu_never_draws_above_its_enforced_limit() {
         let u = d.utilization_rates().expect("util");
         assert_eq!(u.gpu, 100);
     }
+    // NVML lists the job's process on the busy GPU and nothing on an idle one: the agent
+    // checks a job's GPU claims against these lists.
+    let running = d.running_compute_processes().expect("running processes");
+    assert_eq!(running.len(), 1, "{running:?}");
+    assert_eq!(running[0].pid, std::process::id());
+    assert_eq!(d.running_compute_processes_count().expect("count"), 1);
+    let idle = nvml.device_by_index(BUSY_GPU + 1).expect("idle device");
+    assert!(idle
+        .running_compute_processes()
+        .expect("idle list")
+        .is_empty());
     d.set_power_management_limit(700_000).expect("restore");
     node.release(std::process::id()).expect("release");
+    assert!(d
+        .running_compute_processes()
+        .expect("after release")
+        .is_empty());
 }
 
 #[test]

@@ -20,12 +20,13 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use powerflex_core::gpus::{job_gpus_from_env, parse_gpu_list, GpuRef};
 use powerflex_core::Watts;
+use powerflex_daemon::signals::stop_signal_cell;
 use powerflex_proto::{ProgressReport, PROGRESS_ENV, VERSION};
 use powerflex_sim::profiles::{Library, Profile};
 use powerflex_sim::state::{dir_from_env, Node, Workload};
@@ -65,25 +66,6 @@ struct Cli {
     /// Write the per-step CSV here instead of stdout.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
-}
-
-static STOP: AtomicBool = AtomicBool::new(false);
-static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(signal: libc::c_int) {
-    // Only async-signal-safe work here: two atomic stores.
-    STOP_SIGNAL.store(signal, Ordering::SeqCst);
-    STOP.store(true, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() {
-    for signal in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to atomics, which is async-signal-safe.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::signal(signal, on_signal as *const () as libc::sighandler_t);
-        }
-    }
 }
 
 /// Releases the job's GPUs however `main` ends.
@@ -206,7 +188,9 @@ fn run(cli: Cli) -> Result<(), String> {
         .or_else(|| std::env::var("SLURM_JOB_ID").ok())
         .unwrap_or_else(|| format!("local-{}", std::process::id()));
 
-    install_signal_handlers();
+    // SIGTERM/SIGINT end the job after the step in progress, with its GPUs released.
+    let stop_signal = stop_signal_cell().map_err(|e| e.to_string())?;
+    let stopped = || stop_signal.load(Ordering::SeqCst) != 0;
     let workload = Workload {
         job_id: job_id.clone(),
         pid: std::process::id(),
@@ -245,7 +229,7 @@ fn run(cli: Cli) -> Result<(), String> {
     let (mut step, mut tokens, mut elapsed_sim) = (0u64, 0u64, 0.0f64);
     let mut step_end = Instant::now();
     loop {
-        if STOP.load(Ordering::SeqCst)
+        if stopped()
             || cli.steps.is_some_and(|n| step >= n)
             || cli.duration.is_some_and(|d| elapsed_sim >= d)
         {
@@ -268,7 +252,7 @@ fn run(cli: Cli) -> Result<(), String> {
         let step_real = Duration::from_secs_f64(step_sim / cli.time_scale);
         step_end = step_end.max(Instant::now() - step_real) + step_real;
         while Instant::now() < step_end {
-            if STOP.load(Ordering::SeqCst) {
+            if stopped() {
                 break;
             }
             // saturating: the deadline may pass between the check above and this line.
@@ -278,7 +262,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     .min(Duration::from_millis(50)),
             );
         }
-        if STOP.load(Ordering::SeqCst) {
+        if stopped() {
             break; // an interrupted step did not complete
         }
         step += 1;
@@ -298,7 +282,7 @@ fn run(cli: Cli) -> Result<(), String> {
             steps: step,
         });
     }
-    let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+    let signal = stop_signal.load(Ordering::SeqCst);
     if signal != 0 {
         eprintln!("powerflex-simjob: SIMULATED job {job_id} stopped by signal {signal} after {step} steps; GPUs released");
     }

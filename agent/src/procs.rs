@@ -1,0 +1,329 @@
+//! Which Slurm job a process belongs to, from what the kernel records rather than from
+//! anything the job's user can write.
+//!
+//! Slurm runs every step of a job under a `slurmstepd` that it starts as root and whose
+//! process title names the step: `slurmstepd: [1234.0]`, `[1234.batch]`,
+//! `[1234.extern]`. A process belongs to job J when one of its ancestors is such a
+//! process: owned by root (uid 0), running the `slurmstepd` executable, titled with J. A
+//! user can set any environment and any title on their own processes, but cannot make
+//! them root's or make root's `slurmstepd` their parent. This works with
+//! `proctrack/linuxproc` (the test cluster) as with the cgroup plugins.
+//!
+//! Job ids are unique within one Slurm cluster only. Where several clusters share a host
+//! (the test clusters, several `slurmd -N` on one machine), a step daemon is told apart by
+//! the `SLURM_CONF` in its environment (root's, set by slurmd, not by the job): a job is
+//! known by its id and that cluster together, [`JobKey`].
+//!
+//! [`ProcTable::read`] reads `/proc` (I/O); everything else is pure and tested on tables
+//! built by hand.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// One process as `/proc` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcEntry {
+    pub pid: u32,
+    pub ppid: u32,
+    /// Real user id.
+    pub uid: u32,
+    /// The command line as one string (NULs as spaces, trimmed): a process's title.
+    pub title: String,
+    /// Whether `/proc/PID/exe` is a `slurmstepd` binary (`slurmstepd`, Debian's
+    /// `slurmstepd-wlm`).
+    pub exe_is_slurmstepd: bool,
+    /// `SLURM_CONF` from the environment of a root-owned `slurmstepd` (which cluster it
+    /// serves; `None` for the default config). Not read for other processes.
+    pub slurm_conf: Option<String>,
+}
+
+/// A job as this host can tell it apart: its id and the cluster of its step daemons.
+pub type JobKey = (String, Option<String>);
+
+/// A Slurm step: job id and step name (`0`, `batch`, `extern`, ...), and the cluster its
+/// step daemon serves (its `SLURM_CONF`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StepId {
+    pub job: String,
+    pub step: String,
+    pub cluster: Option<String>,
+}
+
+impl StepId {
+    pub fn job_key(&self) -> JobKey {
+        (self.job.clone(), self.cluster.clone())
+    }
+}
+
+/// Deepest ancestry walked: process trees are shallow; a loop or a forged table stops here.
+const MAX_DEPTH: usize = 64;
+
+/// The step a `slurmstepd` title names: `slurmstepd: [1234.0]` → (`1234`, `0`). Job ids of
+/// heterogeneous jobs (`1234+1`) and array tasks keep their Slurm spelling.
+pub fn parse_stepd_title(title: &str) -> Option<StepId> {
+    let inner = title
+        .trim()
+        .strip_prefix("slurmstepd: [")?
+        .strip_suffix(']')?;
+    let (job, step) = inner.rsplit_once('.')?;
+    let valid = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 64
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '+')
+    };
+    (valid(job) && valid(step) && job.starts_with(|c: char| c.is_ascii_digit())).then(|| StepId {
+        job: job.to_string(),
+        step: step.to_string(),
+        cluster: None,
+    })
+}
+
+/// A snapshot of the host's processes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProcTable {
+    by_pid: BTreeMap<u32, ProcEntry>,
+}
+
+impl ProcTable {
+    pub fn from_entries(entries: impl IntoIterator<Item = ProcEntry>) -> ProcTable {
+        ProcTable {
+            by_pid: entries.into_iter().map(|e| (e.pid, e)).collect(),
+        }
+    }
+
+    /// Reads every process under `proc_root` (normally `/proc`). Processes that end while
+    /// being read, or whose files cannot be read, are left out.
+    pub fn read(proc_root: &Path) -> std::io::Result<ProcTable> {
+        let mut entries = Vec::new();
+        for dir in std::fs::read_dir(proc_root)? {
+            let Ok(dir) = dir else { continue };
+            let Some(pid) = dir.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if let Some(entry) = read_entry(&dir.path(), pid) {
+                entries.push(entry);
+            }
+        }
+        Ok(ProcTable::from_entries(entries))
+    }
+
+    pub fn get(&self, pid: u32) -> Option<&ProcEntry> {
+        self.by_pid.get(&pid)
+    }
+
+    /// The step `pid` runs in: the nearest ancestor (or the process itself) that is a
+    /// root-owned `slurmstepd` titled with a step. `None` for a process outside any job.
+    pub fn step_of(&self, pid: u32) -> Option<StepId> {
+        let mut current = self.by_pid.get(&pid)?;
+        for _ in 0..MAX_DEPTH {
+            if let Some(step) = stepd_step(current) {
+                return Some(step);
+            }
+            if current.ppid == 0 || current.ppid == current.pid {
+                return None;
+            }
+            current = self.by_pid.get(&current.ppid)?;
+        }
+        None
+    }
+
+    /// Jobs with at least one step daemon on this host.
+    pub fn live_jobs(&self) -> BTreeSet<JobKey> {
+        self.by_pid
+            .values()
+            .filter_map(stepd_step)
+            .map(|s| s.job_key())
+            .collect()
+    }
+}
+
+/// The step of a process that is itself a step daemon Slurm started.
+fn stepd_step(entry: &ProcEntry) -> Option<StepId> {
+    if entry.uid != 0 || !entry.exe_is_slurmstepd {
+        return None;
+    }
+    parse_stepd_title(&entry.title).map(|s| StepId {
+        cluster: entry.slurm_conf.clone(),
+        ..s
+    })
+}
+
+/// The cluster served by process `pid` when it is a root-owned step daemon (the peer of a
+/// registration): `Some(SLURM_CONF)`, or `None` when it is not a step daemon.
+pub fn stepd_cluster(proc_root: &Path, pid: u32) -> Option<Option<String>> {
+    let entry = read_entry(&proc_root.join(pid.to_string()), pid)?;
+    stepd_step(&entry).map(|s| s.cluster)
+}
+
+fn slurm_conf_of(dir: &Path) -> Option<String> {
+    let environ = std::fs::read(dir.join("environ")).ok()?;
+    environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"SLURM_CONF="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+fn read_entry(dir: &Path, pid: u32) -> Option<ProcEntry> {
+    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+    // `pid (comm) state ppid ...`: comm may hold spaces and parentheses, so the fields
+    // are counted from the last ')'.
+    let after_comm = &stat[stat.rfind(')')? + 1..];
+    let ppid: u32 = after_comm.split_whitespace().nth(1)?.parse().ok()?;
+    let status = std::fs::read_to_string(dir.join("status")).ok()?;
+    let uid: u32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+    let title = String::from_utf8_lossy(&cmdline)
+        .replace('\0', " ")
+        .trim()
+        .to_string();
+    let exe_is_slurmstepd = std::fs::read_link(dir.join("exe"))
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .is_some_and(|name| name == "slurmstepd" || name.starts_with("slurmstepd-"));
+    // Only a step daemon's environment says anything trustworthy (root's, from slurmd).
+    let slurm_conf = if uid == 0 && exe_is_slurmstepd {
+        slurm_conf_of(dir)
+    } else {
+        None
+    };
+    Some(ProcEntry {
+        pid,
+        ppid,
+        uid,
+        title,
+        exe_is_slurmstepd,
+        slurm_conf,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stepd(pid: u32, title: &str) -> ProcEntry {
+        ProcEntry {
+            pid,
+            ppid: 1,
+            uid: 0,
+            title: title.into(),
+            exe_is_slurmstepd: true,
+            slurm_conf: None,
+        }
+    }
+
+    fn user(pid: u32, ppid: u32, uid: u32, title: &str) -> ProcEntry {
+        ProcEntry {
+            pid,
+            ppid,
+            uid,
+            title: title.into(),
+            exe_is_slurmstepd: false,
+            slurm_conf: None,
+        }
+    }
+
+    #[test]
+    fn titles_name_the_step() {
+        let step = |j: &str, s: &str| {
+            Some(StepId {
+                job: j.into(),
+                step: s.into(),
+                cluster: None,
+            })
+        };
+        assert_eq!(parse_stepd_title("slurmstepd: [1234.0]"), step("1234", "0"));
+        assert_eq!(
+            parse_stepd_title("slurmstepd: [7.batch] "),
+            step("7", "batch")
+        );
+        assert_eq!(
+            parse_stepd_title("slurmstepd: [7+1.extern]"),
+            step("7+1", "extern")
+        );
+        for bad in [
+            "slurmstepd: [7]",
+            "slurmstepd: [.0]",
+            "slurmstepd: [x.0]",
+            "slurmstepd: [7.0",
+            "sleep 100",
+            "slurmstepd: [7.0/../x]",
+            "",
+        ] {
+            assert_eq!(parse_stepd_title(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_job_is_what_root_owned_slurmstepd_ancestry_says() {
+        let table = ProcTable::from_entries([
+            user(1, 0, 0, "/sbin/init"),
+            stepd(100, "slurmstepd: [42.0]"),
+            user(101, 100, 1000, "python train.py"),
+            user(102, 101, 1000, "python worker"),
+            // A user's own process titled like a step daemon: not root's, not the binary.
+            user(200, 1, 1000, "slurmstepd: [666.0]"),
+            user(201, 200, 1000, "sleep 1000"),
+            // Root-owned but not the slurmstepd binary (e.g. a script renaming itself).
+            ProcEntry {
+                exe_is_slurmstepd: false,
+                ..stepd(300, "slurmstepd: [777.0]")
+            },
+        ]);
+        let job = |pid| table.step_of(pid).map(|s| s.job);
+        assert_eq!(job(102).as_deref(), Some("42"));
+        assert_eq!(job(101).as_deref(), Some("42"));
+        assert_eq!(job(100).as_deref(), Some("42"));
+        assert_eq!(job(201), None, "a forged title owned by a user is no job");
+        assert_eq!(job(300), None);
+        assert_eq!(job(999), None, "unknown pid");
+        assert_eq!(
+            table.live_jobs(),
+            BTreeSet::from([("42".to_string(), None)])
+        );
+    }
+
+    #[test]
+    fn a_parent_loop_ends() {
+        let table = ProcTable::from_entries([user(5, 6, 1000, "a"), user(6, 5, 1000, "b")]);
+        assert_eq!(table.step_of(5), None);
+    }
+
+    #[test]
+    fn this_host_s_proc_is_readable() {
+        let table = ProcTable::read(Path::new("/proc")).expect("/proc");
+        let me = table.get(std::process::id()).expect("this process");
+        assert_eq!(me.pid, std::process::id());
+        assert!(!me.exe_is_slurmstepd);
+    }
+
+    #[test]
+    fn the_same_job_id_in_two_clusters_is_two_jobs() {
+        let other = |pid, conf: &str| ProcEntry {
+            slurm_conf: Some(conf.into()),
+            ..stepd(pid, "slurmstepd: [1.batch]")
+        };
+        let table = ProcTable::from_entries([
+            other(10, "/a/slurm.conf"),
+            other(20, "/b/slurm.conf"),
+            user(11, 10, 1000, "train"),
+        ]);
+        assert_eq!(
+            table.live_jobs(),
+            BTreeSet::from([
+                ("1".to_string(), Some("/a/slurm.conf".to_string())),
+                ("1".to_string(), Some("/b/slurm.conf".to_string())),
+            ])
+        );
+        assert_eq!(
+            table.step_of(11).map(|s| s.job_key()),
+            Some(("1".to_string(), Some("/a/slurm.conf".to_string())))
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! Files the daemons own: state written atomically, and the site key read with its
+//! permissions checked.
+
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::DaemonError;
+
+/// How [`write_atomic`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtomicWrite {
+    /// fsync the file before the rename and the directory after it, so the new content
+    /// survives a power loss, not only a crash of the writer.
+    pub fsync: bool,
+    /// Permission bits of the new file (e.g. 0o600 for state only root may read).
+    pub mode: u32,
+}
+
+impl AtomicWrite {
+    /// Survives the writer's crash (the page cache holds it), not the node's: for state
+    /// that a reboot makes moot anyway and that sits on a latency path.
+    pub const fn fast() -> AtomicWrite {
+        AtomicWrite {
+            fsync: false,
+            mode: 0o644,
+        }
+    }
+
+    /// Survives a power loss: for state a restart must find (budgets, events).
+    pub const fn durable() -> AtomicWrite {
+        AtomicWrite {
+            fsync: true,
+            mode: 0o600,
+        }
+    }
+
+    /// The same, with permission bits `mode`.
+    pub const fn with_mode(self, mode: u32) -> AtomicWrite {
+        AtomicWrite { mode, ..self }
+    }
+}
+
+/// Distinguishes temporary files of concurrent writers in one process.
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let seq = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.tmp.{}.{seq}", std::process::id()))
+}
+
+/// Replaces `path` with `bytes` so that a reader, or the writer after a crash, sees
+/// either the whole old file or the whole new one: a temporary file beside it (same
+/// directory, so the rename stays on one filesystem), written, then renamed over it.
+/// On any failure the temporary file is removed and `path` is left as it was.
+pub fn write_atomic(path: &Path, bytes: &[u8], how: AtomicWrite) -> Result<(), DaemonError> {
+    let tmp = tmp_path(path);
+    let result = write_then_rename(&tmp, path, bytes, how);
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn write_then_rename(
+    tmp: &Path,
+    path: &Path,
+    bytes: &[u8],
+    how: AtomicWrite,
+) -> Result<(), DaemonError> {
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(how.mode)
+        .open(tmp)
+        .map_err(DaemonError::io("cannot create", tmp.display()))?;
+    // The umask may have narrowed the mode at creation; the caller asked for this one.
+    file.set_permissions(std::fs::Permissions::from_mode(how.mode))
+        .map_err(DaemonError::io("cannot set the mode of", tmp.display()))?;
+    file.write_all(bytes)
+        .map_err(DaemonError::io("cannot write", tmp.display()))?;
+    if how.fsync {
+        file.sync_all()
+            .map_err(DaemonError::io("cannot fsync", tmp.display()))?;
+    }
+    drop(file);
+    std::fs::rename(tmp, path).map_err(DaemonError::io("cannot rename into", path.display()))?;
+    if how.fsync {
+        // The rename is durable only once the directory entry is.
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(DaemonError::io("cannot fsync directory", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Shortest accepted site key, bytes (surrounding whitespace ignored).
+pub const MIN_KEY_BYTES: usize = 16;
+
+/// Reads the site key: a root-only file (mode 0600 or stricter) of at least
+/// [`MIN_KEY_BYTES`] bytes, surrounding whitespace ignored. Agent and controller must
+/// derive the same key from it.
+pub fn read_site_key(path: &Path) -> Result<Vec<u8>, DaemonError> {
+    let shown = path.display().to_string();
+    let meta =
+        std::fs::metadata(path).map_err(DaemonError::io("cannot read the site key", &shown))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(DaemonError::KeyPermissions { path: shown, mode });
+    }
+    let key = std::fs::read(path).map_err(DaemonError::io("cannot read the site key", &shown))?;
+    let key = key.trim_ascii();
+    if key.len() < MIN_KEY_BYTES {
+        return Err(DaemonError::KeyTooShort {
+            path: shown,
+            min_bytes: MIN_KEY_BYTES,
+        });
+    }
+    Ok(key.to_vec())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A fresh directory for one test, under the target's temp dir.
+    pub(crate) fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "powerflex-daemon-{name}-{}-{}",
+            std::process::id(),
+            TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        dir
+    }
+
+    #[test]
+    fn replaces_the_file_with_the_mode_asked_for() {
+        let dir = scratch("atomic");
+        let path = dir.join("state.json");
+        std::fs::write(&path, b"old").expect("old");
+        write_atomic(&path, b"new", AtomicWrite::durable()).expect("write");
+        assert_eq!(std::fs::read(&path).expect("read"), b"new");
+        let mode = std::fs::metadata(&path).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        write_atomic(&path, b"newer", AtomicWrite::fast().with_mode(0o640)).expect("write");
+        let mode = std::fs::metadata(&path).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o640);
+        // Nothing but the file itself is left in the directory.
+        let left: Vec<_> = std::fs::read_dir(&dir).expect("dir").flatten().collect();
+        assert_eq!(left.len(), 1, "{left:?}");
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_file_and_no_temporary() {
+        let dir = scratch("atomic-fail");
+        // The target is a non-empty directory: the rename over it must fail, after the
+        // temporary file was fully written.
+        let path = dir.join("state.json");
+        std::fs::create_dir(&path).expect("dir");
+        std::fs::write(path.join("keep"), b"old").expect("old");
+        let err = write_atomic(&path, b"new", AtomicWrite::fast()).expect_err("must fail");
+        assert!(err.to_string().contains("cannot rename into"), "{err}");
+        assert_eq!(std::fs::read(path.join("keep")).expect("old"), b"old");
+        let left: Vec<_> = std::fs::read_dir(&dir).expect("dir").flatten().collect();
+        assert_eq!(left.len(), 1, "the temporary file is gone: {left:?}");
+
+        // And where the temporary file cannot even be created, the old file stays.
+        let file = dir.join("plain");
+        std::fs::write(&file, b"old").expect("old");
+        let inside = file.join("x");
+        assert!(write_atomic(&inside, b"new", AtomicWrite::fast()).is_err());
+        assert_eq!(std::fs::read(&file).expect("read"), b"old");
+    }
+
+    #[test]
+    fn the_site_key_must_be_private_and_long_enough() {
+        let dir = scratch("key");
+        let path = dir.join("powerflex.key");
+        std::fs::write(&path, b"  a site key of some length \n").expect("key");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        assert!(matches!(
+            read_site_key(&path),
+            Err(DaemonError::KeyPermissions { mode: 0o644, .. })
+        ));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        assert_eq!(
+            read_site_key(&path).expect("key"),
+            b"a site key of some length".to_vec()
+        );
+        std::fs::write(&path, b"short\n").expect("key");
+        assert!(matches!(
+            read_site_key(&path),
+            Err(DaemonError::KeyTooShort { min_bytes: 16, .. })
+        ));
+        let missing = read_site_key(&dir.join("none")).expect_err("missing");
+        assert!(
+            missing.to_string().contains("cannot read the site key"),
+            "{missing}"
+        );
+    }
+}

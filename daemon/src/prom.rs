@@ -1,0 +1,330 @@
+//! Prometheus text exposition (format 0.0.4) and the catalog of every metric family
+//! powerflex exports.
+//!
+//! A family's label names are part of its type ([`Family<N>`] takes exactly `N` label
+//! values per sample), and every family is declared once in [`catalog`], so one metric
+//! name cannot carry two label sets in two daemons, and a label value cannot break the
+//! format: [`TextWriter`] escapes `\`, `"` and newlines.
+
+use std::fmt::Write as _;
+
+/// Prometheus metric type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Gauge,
+    Counter,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Gauge => "gauge",
+            Kind::Counter => "counter",
+        }
+    }
+}
+
+/// One metric family: name, type, help text and its `N` label names, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Family<const N: usize> {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    pub labels: [&'static str; N],
+}
+
+/// Every metric the daemons export. Per-node series (the agent's) carry `node`; per-job
+/// series carry `job` (and `tier` where the exporter knows it); per-GPU series `gpu`
+/// (NVML index) and `uuid`. The agent reports what it applied on its node, the
+/// controller what it granted site-wide, under different names, because in fail-safe
+/// or between leases the two differ.
+pub mod catalog {
+    use super::{Family, Kind};
+
+    // --- powerflexd (node agent) ---
+    pub const GPU_POWER_WATTS: Family<3> = Family {
+        name: "powerflex_gpu_power_watts",
+        kind: Kind::Gauge,
+        help: "GPU power draw, W.",
+        labels: ["node", "gpu", "uuid"],
+    };
+    pub const GPU_CAP_WATTS: Family<3> = Family {
+        name: "powerflex_gpu_cap_watts",
+        kind: Kind::Gauge,
+        help: "GPU power limit set by powerflex, W.",
+        labels: ["node", "gpu", "uuid"],
+    };
+    pub const GPU_DEFAULT_CAP_WATTS: Family<3> = Family {
+        name: "powerflex_gpu_default_cap_watts",
+        kind: Kind::Gauge,
+        help: "GPU power limit restored when no job runs, W.",
+        labels: ["node", "gpu", "uuid"],
+    };
+    pub const GPU_ENERGY_JOULES_TOTAL: Family<3> = Family {
+        name: "powerflex_gpu_energy_joules_total",
+        kind: Kind::Counter,
+        help: "GPU energy since driver load, J.",
+        labels: ["node", "gpu", "uuid"],
+    };
+    pub const GPU_DEGRADED: Family<3> = Family {
+        name: "powerflex_gpu_degraded",
+        kind: Kind::Gauge,
+        help: "1 when the GPU is out of service.",
+        labels: ["node", "gpu", "uuid"],
+    };
+    pub const JOB_PFI: Family<3> = Family {
+        name: "powerflex_job_pfi",
+        kind: Kind::Gauge,
+        help: "Power Flexibility Index of the job (measured, or the telemetry prior).",
+        labels: ["node", "job", "tier"],
+    };
+    pub const JOB_CAP_WATTS: Family<3> = Family {
+        name: "powerflex_job_cap_watts",
+        kind: Kind::Gauge,
+        help: "Per-GPU cap applied to the job's GPUs on this node, W.",
+        labels: ["node", "job", "tier"],
+    };
+    pub const JOB_THROUGHPUT: Family<3> = Family {
+        name: "powerflex_job_throughput",
+        kind: Kind::Gauge,
+        help: "Recent job throughput, in the job's unit per second.",
+        labels: ["node", "job", "tier"],
+    };
+    pub const JOB_CALIBRATION_STATE: Family<4> = Family {
+        name: "powerflex_job_calibration_state",
+        kind: Kind::Gauge,
+        help: "1 for the job's calibration state (warmup, walking, done, skipped).",
+        labels: ["node", "job", "tier", "state"],
+    };
+    pub const AGENT_FAILSAFE: Family<1> = Family {
+        name: "powerflex_agent_failsafe",
+        kind: Kind::Gauge,
+        help: "1 when the controller's lease ran out and the fail-safe cap applies.",
+        labels: ["node"],
+    };
+    pub const PROGRESS_REJECTED_TOTAL: Family<1> = Family {
+        name: "powerflex_progress_rejected_total",
+        kind: Kind::Counter,
+        help: "Progress reports refused (wrong user, wrong job, malformed).",
+        labels: ["node"],
+    };
+
+    // --- powerflex-ctld (controller) ---
+    pub const BUDGET_WATTS: Family<0> = Family {
+        name: "powerflex_budget_watts",
+        kind: Kind::Gauge,
+        help: "Facility GPU budget in force, W.",
+        labels: [],
+    };
+    pub const BASE_BUDGET_WATTS: Family<0> = Family {
+        name: "powerflex_base_budget_watts",
+        kind: Kind::Gauge,
+        help: "Facility GPU budget without grid events, W.",
+        labels: [],
+    };
+    pub const DRAW_WATTS: Family<0> = Family {
+        name: "powerflex_draw_watts",
+        kind: Kind::Gauge,
+        help: "Summed GPU draw reported by live agents, W.",
+        labels: [],
+    };
+    pub const EVENT_ACTIVE: Family<0> = Family {
+        name: "powerflex_event_active",
+        kind: Kind::Gauge,
+        help: "1 while a grid event cuts the budget.",
+        labels: [],
+    };
+    pub const NODE_LIVE: Family<1> = Family {
+        name: "powerflex_node_live",
+        kind: Kind::Gauge,
+        help: "1 when the node's agent reported within its lease.",
+        labels: ["node"],
+    };
+    /// The controller's grant; the agent's applied cap is [`JOB_CAP_WATTS`]. (Before
+    /// this catalog the controller exported the grant as `powerflex_job_cap_watts{job}`,
+    /// the same name the agent used with `{node,job,tier}`.)
+    pub const JOB_GRANTED_CAP_WATTS: Family<1> = Family {
+        name: "powerflex_job_granted_cap_watts",
+        kind: Kind::Gauge,
+        help: "Per-GPU cap the controller grants the job on all its nodes, W.",
+        labels: ["job"],
+    };
+    pub const FLOORS_BROKEN: Family<0> = Family {
+        name: "powerflex_floors_broken",
+        kind: Kind::Gauge,
+        help: "Jobs whose tier bound the budget cannot hold.",
+        labels: [],
+    };
+    pub const OVER_BUDGET_WATTS: Family<0> = Family {
+        name: "powerflex_over_budget_watts",
+        kind: Kind::Gauge,
+        help: "Shortfall with every job at its lowest cap, W.",
+        labels: [],
+    };
+
+    /// Every family's name and label names, for the consistency test and for docs.
+    pub fn all() -> Vec<(&'static str, Kind, Vec<&'static str>)> {
+        fn e<const N: usize>(f: Family<N>) -> (&'static str, Kind, Vec<&'static str>) {
+            (f.name, f.kind, f.labels.to_vec())
+        }
+        vec![
+            e(GPU_POWER_WATTS),
+            e(GPU_CAP_WATTS),
+            e(GPU_DEFAULT_CAP_WATTS),
+            e(GPU_ENERGY_JOULES_TOTAL),
+            e(GPU_DEGRADED),
+            e(JOB_PFI),
+            e(JOB_CAP_WATTS),
+            e(JOB_THROUGHPUT),
+            e(JOB_CALIBRATION_STATE),
+            e(AGENT_FAILSAFE),
+            e(PROGRESS_REJECTED_TOTAL),
+            e(BUDGET_WATTS),
+            e(BASE_BUDGET_WATTS),
+            e(DRAW_WATTS),
+            e(EVENT_ACTIVE),
+            e(NODE_LIVE),
+            e(JOB_GRANTED_CAP_WATTS),
+            e(FLOORS_BROKEN),
+            e(OVER_BUDGET_WATTS),
+        ]
+    }
+}
+
+/// Escapes a label value: backslash, double quote and newline, as the text format
+/// requires. Anything else (UTF-8 included) goes through unchanged.
+pub fn escape_label_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Builds one exposition. Each family is written once, header then samples.
+#[derive(Debug, Default)]
+pub struct TextWriter {
+    out: String,
+}
+
+impl TextWriter {
+    pub fn new() -> TextWriter {
+        TextWriter::default()
+    }
+
+    /// Writes `family`'s `# HELP`/`# TYPE` header and one sample per row; each row is
+    /// the `N` label values (in the family's label order) and the value. A family with
+    /// no rows still gets its header, so a scraper learns it exists.
+    pub fn family<'v, const N: usize>(
+        &mut self,
+        family: &Family<N>,
+        rows: impl IntoIterator<Item = ([&'v str; N], f64)>,
+    ) -> &mut TextWriter {
+        let name = family.name;
+        let _ = writeln!(
+            self.out,
+            "# HELP {name} {}\n# TYPE {name} {}",
+            family.help,
+            family.kind.as_str()
+        );
+        for (values, value) in rows {
+            self.out.push_str(name);
+            if N > 0 {
+                self.out.push('{');
+                for (i, (label, v)) in family.labels.iter().zip(values).enumerate() {
+                    if i > 0 {
+                        self.out.push(',');
+                    }
+                    let _ = write!(self.out, "{label}=\"{}\"", escape_label_value(v));
+                }
+                self.out.push('}');
+            }
+            let _ = writeln!(self.out, " {}", format_value(value));
+        }
+        self
+    }
+
+    /// The exposition text.
+    pub fn finish(self) -> String {
+        self.out
+    }
+}
+
+/// Values as the text format spells them (`+Inf`, `-Inf`, `NaN` included).
+fn format_value(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".into()
+    } else if value == f64::INFINITY {
+        "+Inf".into()
+    } else if value == f64::NEG_INFINITY {
+        "-Inf".into()
+    } else {
+        value.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape_label_value(r#"a\b"c"#), r#"a\\b\"c"#);
+        assert_eq!(escape_label_value("line\nbreak"), "line\\nbreak");
+        assert_eq!(escape_label_value("flex2 ünïcode"), "flex2 ünïcode");
+        let mut w = TextWriter::new();
+        w.family(
+            &catalog::JOB_CAP_WATTS,
+            [(["n1", "42", "x\"}\nevil 1"], 300.0)],
+        );
+        let text = w.finish();
+        assert_eq!(
+            text,
+            "# HELP powerflex_job_cap_watts Per-GPU cap applied to the job's GPUs on this node, W.\n\
+             # TYPE powerflex_job_cap_watts gauge\n\
+             powerflex_job_cap_watts{node=\"n1\",job=\"42\",tier=\"x\\\"}\\nevil 1\"} 300\n"
+        );
+        // The hostile value stayed inside one sample line.
+        assert_eq!(text.lines().count(), 3);
+    }
+
+    #[test]
+    fn families_without_labels_and_special_values() {
+        let mut w = TextWriter::new();
+        w.family(&catalog::BUDGET_WATTS, [([], 3200.0)])
+            .family(&catalog::DRAW_WATTS, [([], f64::NAN)])
+            .family(&catalog::PROGRESS_REJECTED_TOTAL, []);
+        let text = w.finish();
+        assert!(text.contains("\npowerflex_budget_watts 3200\n"), "{text}");
+        assert!(text.contains("\npowerflex_draw_watts NaN\n"), "{text}");
+        assert!(text.contains("# TYPE powerflex_progress_rejected_total counter\n"));
+        assert!(!text.contains("powerflex_progress_rejected_total{"));
+    }
+
+    #[test]
+    fn each_name_has_one_label_set_and_names_follow_the_conventions() {
+        let all = catalog::all();
+        let mut names: Vec<_> = all.iter().map(|(n, _, _)| *n).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all.len(), "a metric name is declared twice");
+        for (name, kind, labels) in &all {
+            assert!(name.starts_with("powerflex_"), "{name}");
+            // Counters, and only counters, end in `_total` (Prometheus naming).
+            assert_eq!(name.ends_with("_total"), *kind == Kind::Counter, "{name}");
+            let mut sorted = labels.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            assert_eq!(sorted.len(), labels.len(), "{name} repeats a label");
+            // Per-node series lead with `node`, so the two daemons' series join on it.
+            if labels.contains(&"node") {
+                assert_eq!(labels[0], "node", "{name}");
+            }
+        }
+    }
+}
