@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates BENCHMARKS.md: every benchmark, run now on this machine, side by side
 # where it is a comparison. As root on Debian 12 (the srun benchmark starts a local
-# Slurm cluster); takes about 3 minutes on a 2-core VM after the build.
+# Slurm cluster); takes about 9 minutes on a 2-core VM after the build (6 of them the
+# offline evaluation, scripts/bench-offline.sh).
 #
 #   scripts/bench.sh            # writes BENCHMARKS.md
 #   scripts/bench.sh OUT.md     # writes OUT.md instead
