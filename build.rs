@@ -4,7 +4,7 @@
 //! SPANK plugin) as real processes. Those artifacts belong to other packages, so
 //! `CARGO_BIN_EXE_*` does not name them; they sit in the same profile directory as this
 //! package's build output, which is three levels above `OUT_DIR`
-//! (`target/<profile>/build/powerflex-<hash>/out`).
+//! (`target/<profile>/build/powerflex-testbed-<hash>/out`).
 
 use std::env;
 use std::path::PathBuf;

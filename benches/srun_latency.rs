@@ -1,14 +1,15 @@
 //! `srun` launch latency with power_flex.so loaded, against no plugin: one run, three
 //! local clusters (no plugin; plugin with agents up; plugin with agents down), 25 timed
 //! `srun -N1 --gres=gpu:1 true` each after 3 warm-ups. Prints medians and ratios.
-//! Run: `cargo bench -p powerflex --bench srun_latency` (root; needs slurm-wlm).
+//! Run: `cargo bench -p powerflex-testbed --bench srun_latency` (root; needs slurm-wlm).
 
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir};
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{binary, cargo_build, profile_dir};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -46,17 +47,17 @@ fn main() {
     let base = std::env::temp_dir().join(format!("pf-srun-bench-{}", std::process::id()));
     std::fs::create_dir_all(base.join("agent")).expect("dir");
     let site = base.join("powerflex.toml");
-    std::fs::write(
-        &site,
-        format!(
-            "[facility]\ngpu_budget_w = 100000.0\n[gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-             calibration_caps_w = [700.0, 600.0]\nfailsafe_cap_w = 500.0\n[controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = 3600\n\
-             key_file = \"{b}/no.key\"\n[agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n",
-            b = base.display(),
-            lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
-        ),
-    )
-    .expect("site");
+    SiteBuilder::new(100000.0)
+        .h200(&[700.0, 600.0], 500.0)
+        .edit(|raw| raw.controller.lease_ttl_s = Some(3600))
+        .key_file(&base.join("no.key"))
+        .agent_paths(
+            &format!("{}/agent/%n.sock", base.display()),
+            &format!("{}/state/%n", base.display()),
+            &profile_dir().join("libpowerflex_sim_nvml.so"),
+        )
+        .write(&site)
+        .unwrap_or_else(|e| panic!("{e}"));
     let plugstack = format!(
         "optional {} site={} socket={}/agent/%n.sock timeout_ms=200\n",
         so.display(),

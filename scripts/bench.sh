@@ -53,8 +53,8 @@ section "Grid event to caps vs node count (up to 1,000 simulated nodes)" \
     "cargo bench -p powerflex-controller --bench event_to_caps" \
     cargo bench --quiet -p powerflex-controller --bench event_to_caps
 section "srun launch overhead of the SPANK plugin (ratio to no plugin)" \
-    "cargo bench -p powerflex --bench srun_latency" \
-    cargo bench --quiet -p powerflex --bench srun_latency
+    "cargo bench -p powerflex-testbed --bench srun_latency" \
+    cargo bench --quiet -p powerflex-testbed --bench srun_latency
 section "Agent: calibration time and token cost per tier; RSS and CPU per GPU count" \
     "cargo bench -p powerflex-agent --bench agent" \
     cargo bench --quiet -p powerflex-agent --bench agent

@@ -10,9 +10,15 @@
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
 #   faketime       libfaketime, to jump one agent's wall clock in the fault tests
+#   valgrind       watches the plugin inside srun (tests/spank_plugin.rs)
+#
+# and, from crates.io with `cargo install --locked` (built from source, once per
+# machine; measured on a 2-core machine: cargo-deny 3 min 53 s, cargo-machete 1 min 10 s):
+#   cargo-deny     licences, bans and sources of every dependency (deny.toml)
+#   cargo-machete  dependencies declared but not used
 set -euo pipefail
 
-POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime)
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime valgrind)
 
 powerflex_install_deps() {
     local missing=()
@@ -51,6 +57,14 @@ powerflex_install_deps() {
             return 1
         fi
     fi
+    # Pinned, so CI checks with the tools these configs were written for.
+    local tool
+    for tool in cargo-deny@0.20.2 cargo-machete@0.9.2; do
+        if ! command -v "${tool%@*}" >/dev/null 2>&1; then
+            echo "powerflex: installing $tool (cargo install, once)" >&2
+            cargo install --quiet --locked "$tool"
+        fi
+    done
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then

@@ -3,6 +3,8 @@
 //! built binaries and the project's data are, how to run a binary and capture what it
 //! says, a guard that ends the processes it started by PID.
 
+pub mod needs;
+pub mod site;
 pub mod slurm;
 pub mod stack;
 

@@ -4,7 +4,7 @@
 //! `slurm-wlm` (22.05); authentication is `auth/none`, so never point it at a real site.
 //!
 //! ```no_run
-//! use powerflex::slurm::{Cluster, ClusterOptions};
+//! use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 //! let cluster = Cluster::start("my-test", ClusterOptions::default());
 //! let id = cluster.sbatch(&["-N3", "--gres=gpu:2", "--wrap", "srun true"], None).unwrap();
 //! assert_eq!(cluster.wait_job_done(id, std::time::Duration::from_secs(60)), "COMPLETED");
@@ -460,7 +460,7 @@ impl Cluster {
         let host = hostname();
         let d = d.display();
         let mut conf = format!(
-            "# Written by powerflex::slurm (src/slurm.rs) for a test or the demo; not for real use.\n\
+            "# Written by powerflex_testbed::slurm (src/slurm.rs) for a test or the demo; not for real use.\n\
              ClusterName=pftest\n\
              SlurmctldHost={host}(127.0.0.1)\n\
              AuthType=auth/none\n\

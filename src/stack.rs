@@ -10,9 +10,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use powerflex_core::config::RawSiteConfig;
 use powerflex_daemon::os::{kill, Signal};
 use powerflex_sim::state::Node;
 
+use crate::site::{edit_site_file, SiteBuilder};
 use crate::slurm::{Cluster, ClusterOptions};
 use crate::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key,
@@ -26,8 +28,6 @@ pub struct StackOptions {
     /// The facility's GPU budget, W.
     pub budget_w: f64,
     pub lease_ttl_s: u64,
-    /// Extra lines for the site config's `[agent]` table.
-    pub agent_extra: String,
     /// Extra environment for one node's agent: (node index, name, value).
     pub agent_env: Vec<(usize, String, String)>,
 }
@@ -39,7 +39,6 @@ impl Default for StackOptions {
             gpus_per_node: 4,
             budget_w: 5600.0,
             lease_ttl_s: 10,
-            agent_extra: String::new(),
             agent_env: Vec::new(),
         }
     }
@@ -79,26 +78,23 @@ impl Stack {
         let key = base.join("site.key");
         write_site_key(&key, "fault-test site key, loopback only\n");
         let site = base.join("powerflex.toml");
-        std::fs::write(
-            &site,
-            format!(
-                "[facility]\ngpu_budget_w = {budget:.1}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
-                 [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-                 calibration_caps_w = [700.0, 500.0, 300.0]\nfailsafe_cap_w = 300.0\n\
-                 [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = {ttl}\nallocation_period_s = 1\n\
-                 key_file = \"{key}\"\nadmin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld\"\n\
-                 [agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n\
-                 calibration_warmup_s = 1.0\ncalibration_settle_s = 1.0\ncalibration_hold_s = 2.0\n{extra}\n",
-                budget = options.budget_w,
-                port = free_loopback_port(),
-                ttl = options.lease_ttl_s,
-                key = key.display(),
-                b = base.display(),
-                lib = profile_dir().join("libpowerflex_sim_nvml.so").display(),
-                extra = options.agent_extra,
-            ),
-        )
-        .expect("site config");
+        SiteBuilder::new(options.budget_w)
+            .h200(&[700.0, 500.0, 300.0], 300.0)
+            .controller(
+                ([127, 0, 0, 1], free_loopback_port()).into(),
+                options.lease_ttl_s,
+                1,
+            )
+            .key_file(&key)
+            .controller_paths(&base.join("ctld.sock"), &base.join("ctld"))
+            .agent_paths(
+                &format!("{}/agent/%n.sock", base.display()),
+                &format!("{}/state/%n", base.display()),
+                &profile_dir().join("libpowerflex_sim_nvml.so"),
+            )
+            .calibration_s(1.0, 1.0, 2.0)
+            .write(&site)
+            .unwrap_or_else(|e| panic!("{e}"));
         let cluster = Cluster::start(
             name,
             ClusterOptions {
@@ -211,11 +207,10 @@ impl Stack {
         Some(reply["status"].clone())
     }
 
-    /// Rewrites the site config, replacing `from` (which must occur) with `to`.
-    pub fn edit_site(&self, from: &str, to: &str) {
-        let text = std::fs::read_to_string(&self.site).expect("site config");
-        assert!(text.contains(from), "{from:?} not in the site config");
-        std::fs::write(&self.site, text.replacen(from, to, 1)).expect("site config");
+    /// Rewrites the site config through its types (see [`edit_site_file`]): the edit may
+    /// set an out-of-range value, for the daemons to refuse on reload.
+    pub fn edit_site(&self, edit: impl FnOnce(&mut RawSiteConfig)) {
+        edit_site_file(&self.site, edit).unwrap_or_else(|e| panic!("{e}"));
     }
 
     fn spawn_agent(&mut self, i: usize) -> Child {

@@ -5,13 +5,18 @@
 use std::process::Command;
 use std::time::Duration;
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
 
 #[test]
 fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
     let (agent, ctld, ctl) = (
         binary("powerflexd"),
@@ -25,21 +30,18 @@ fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
     write_site_key(&key, "controller-on-slurm test site key\n");
     let port = free_loopback_port();
     let site = base.join("powerflex.toml");
-    std::fs::write(
-        &site,
-        format!(
-            "[facility]\ngpu_budget_w = 100000.0\n[tiers]\ndefault = \"none\"\n\
-             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-             calibration_caps_w = [700.0, 600.0]\nfailsafe_cap_w = 500.0\n\
-             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 6\nallocation_period_s = 1\nkey_file = \"{k}\"\n\
-             admin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld\"\n\
-             [agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n",
-            k = key.display(),
-            b = base.display(),
-            lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
-        ),
-    )
-    .expect("site");
+    SiteBuilder::new(100000.0)
+        .h200(&[700.0, 600.0], 500.0)
+        .controller(([127, 0, 0, 1], port).into(), 6, 1)
+        .key_file(&key)
+        .controller_paths(&base.join("ctld.sock"), &base.join("ctld"))
+        .agent_paths(
+            &format!("{}/agent/%n.sock", base.display()),
+            &format!("{}/state/%n", base.display()),
+            &profile_dir().join("libpowerflex_sim_nvml.so"),
+        )
+        .write(&site)
+        .unwrap_or_else(|e| panic!("{e}"));
     let cluster = Cluster::start(
         "ctld-slurm",
         ClusterOptions {

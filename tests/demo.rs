@@ -5,10 +5,14 @@
 
 use std::process::Command;
 
-use powerflex::{binary, cargo_build, scratch_dir};
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::{binary, cargo_build, scratch_dir};
 
 #[test]
 fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     // The demo runs the real artifacts from this profile: plugin and simulated NVML too.
     cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
     for name in [

@@ -5,18 +5,30 @@
 
 use std::time::Duration;
 
-use powerflex::slurm::pid_alive;
-use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
-use powerflex::wait_until;
+use powerflex_core::config::{RawGpuModel, RawSiteConfig};
 use powerflex_daemon::os::{kill, Signal};
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::slurm::pid_alive;
+use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
+use powerflex_testbed::wait_until;
 
 /// A budget that caps two 4-GPU jobs well below their ~2.5 kW each.
 const BUDGET_W: f64 = 3000.0;
 const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
 
+/// libfaketime's preload library (Debian's `faketime`; scripts/install-deps.sh installs it).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// The stack's one GPU model section, to edit.
+fn h200(site: &mut RawSiteConfig) -> &mut RawGpuModel {
+    site.gpu_models
+        .get_mut("H200")
+        .expect("the stack's site config has [gpu_models.H200]")
+}
+
 /// Sets the budget and waits until the jobs' caps bring the draw within it.
 fn capped(stack: &Stack) {
-    let set = powerflex::run(
+    let set = powerflex_testbed::run(
         &stack.ctl,
         &[
             "budget",
@@ -98,6 +110,9 @@ fn ends_clean(stack: &Stack, jobs: &[u32]) {
 
 #[test]
 fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start("f-slurmd", StackOptions::default());
     let job = start_job(&stack);
     capped(&stack);
@@ -116,6 +131,9 @@ fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
 
 #[test]
 fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let stack = Stack::start("f-jobkill", StackOptions::default());
     let victim = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
     let other = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
@@ -153,6 +171,9 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
 
 #[test]
 fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start("f-state", StackOptions::default());
     let job = start_job(&stack);
     capped(&stack);
@@ -195,6 +216,9 @@ const FAILSAFE_CAP_W: f64 = 300.0;
 
 #[test]
 fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start(
         "f-lease",
         StackOptions {
@@ -235,6 +259,9 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
 
 #[test]
 fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     use powerflex_sim::state::Fault;
     let stack = Stack::start("f-nvml", StackOptions::default());
     let job = start_job(&stack);
@@ -244,7 +271,7 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
         n1.set_fault(1, Fault::from_name(kind)).expect("inject");
         // A lower budget must still reach the GPUs that answer.
         let budget = BUDGET_W - 200.0 * (i as f64 + 1.0);
-        let set = powerflex::run(
+        let set = powerflex_testbed::run(
             &stack.ctl,
             &[
                 "budget",
@@ -275,6 +302,9 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
 
 #[test]
 fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let stack = Stack::start(
         "f-reload",
         StackOptions {
@@ -289,7 +319,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     // A valid edit takes effect on SIGHUP.
-    stack.edit_site("gpu_budget_w = 3000.0", "gpu_budget_w = 2500.0");
+    stack.edit_site(|site| site.facility.gpu_budget_w = 2500.0);
     stack.reload_ctld();
     wait_until(
         "the reloaded budget in force",
@@ -302,7 +332,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         || allocated_within(&stack, 2500.0).then_some(()),
     );
     // An invalid one is refused, reported, and changes nothing.
-    stack.edit_site("gpu_budget_w = 2500.0", "gpu_budget_w = -5.0");
+    stack.edit_site(|site| site.facility.gpu_budget_w = -5.0);
     stack.reload_ctld();
     let status = wait_until("the refusal reported", Duration::from_secs(10), || {
         let s = stack.ctl_json(&["status"])?;
@@ -315,7 +345,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         "{status}"
     );
     assert_eq!(status["budget_w"], 2500.0, "the config in force stays");
-    let table = powerflex::run(
+    let table = powerflex_testbed::run(
         &stack.ctl,
         &["status", "--socket", &stack.socket.to_string_lossy()],
     );
@@ -327,7 +357,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     stack.assert_draw_within(2500.0, Duration::from_secs(3), "after the refused reload");
     assert!(running(&stack, job), "powerflex kills no job");
     // Fixed: accepted, the report cleared.
-    stack.edit_site("gpu_budget_w = -5.0", "gpu_budget_w = 2600.0");
+    stack.edit_site(|site| site.facility.gpu_budget_w = 2600.0);
     stack.reload_ctld();
     wait_until("the fixed config in force", Duration::from_secs(10), || {
         let s = stack.ctl_json(&["status"])?;
@@ -338,15 +368,13 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
 
 #[test]
 fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
+    if !can_run(&[Need::Root, Need::Slurm, Need::File(LIBFAKETIME)]) {
+        return;
+    }
     // n1's agent runs under libfaketime: its wall clock (not its monotonic clock, which
     // an NTP step leaves alone too) follows the offset in this file.
     let offset = std::env::temp_dir().join(format!("pf-clock-{}", std::process::id()));
     std::fs::write(&offset, "+0\n").expect("offset file");
-    let libfaketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
-    assert!(
-        std::path::Path::new(libfaketime).exists(),
-        "{libfaketime} missing: apt-get install faketime (scripts/install-deps.sh does)"
-    );
     let env = |k: &str, v: &str| (0usize, k.to_string(), v.to_string());
     let stack = Stack::start(
         "f-clock",
@@ -354,7 +382,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
             budget_w: BUDGET_W,
             lease_ttl_s: 5,
             agent_env: vec![
-                env("LD_PRELOAD", libfaketime),
+                env("LD_PRELOAD", LIBFAKETIME),
                 env("FAKETIME_TIMESTAMP_FILE", &offset.to_string_lossy()),
                 env("FAKETIME_NO_CACHE", "1"),
                 env("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
@@ -398,6 +426,9 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
 
 #[test]
 fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start(
         "f-ctldstate",
         StackOptions {
@@ -409,7 +440,7 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
     // A grid event down to the test budget, then an admin change after it (so the
     // previous copy holds the event too).
     let socket = stack.socket.to_string_lossy().to_string();
-    let add = powerflex::run(
+    let add = powerflex_testbed::run(
         &stack.ctl,
         &[
             "event",
@@ -423,7 +454,7 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
         ],
     );
     assert_eq!(add.code, Some(0), "{}", add.stderr);
-    let set = powerflex::run(&stack.ctl, &["budget", "set", "5200W", "--socket", &socket]);
+    let set = powerflex_testbed::run(&stack.ctl, &["budget", "set", "5200W", "--socket", &socket]);
     assert_eq!(set.code, Some(0), "{}", set.stderr);
     wait_until("the event's caps", Duration::from_secs(30), || {
         allocated(&stack).then_some(())
@@ -453,6 +484,9 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
 
 #[test]
 fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut stack = Stack::start(
         "f-agentcfg",
         StackOptions {
@@ -468,7 +502,7 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
         || (running(&stack, job) && allocated(&stack)).then_some(()),
     );
     // An invalid edit: refused by both agents, reported, nothing changes.
-    stack.edit_site("failsafe_cap_w = 300.0", "failsafe_cap_w = 9000.0");
+    stack.edit_site(|site| h200(site).failsafe_cap_w = 9000.0);
     for i in 0..2 {
         stack.reload_agent(i);
     }
@@ -491,7 +525,7 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(2), "after the refused reload");
     // A valid edit takes effect: with the controller gone past its lease, the jobs fall
     // to the new fail-safe cap.
-    stack.edit_site("failsafe_cap_w = 9000.0", "failsafe_cap_w = 250.0");
+    stack.edit_site(|site| h200(site).failsafe_cap_w = 250.0);
     for i in 0..2 {
         stack.reload_agent(i);
     }

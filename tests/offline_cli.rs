@@ -1,6 +1,6 @@
 //! `powerflexctl`'s offline commands, run as a user would: the real binary, real files.
 
-use powerflex::{binary, data_file, run, scratch_dir};
+use powerflex_testbed::{binary, data_file, run, scratch_dir};
 use serde_json::Value;
 
 fn ctl() -> std::path::PathBuf {
@@ -292,7 +292,7 @@ fn allocate_holds_budget_and_tiers() {
 #[test]
 fn allocate_uses_the_site_config() {
     let curves = data_file("curves/paper_h200_synthetic.csv");
-    let site = powerflex::repo_root().join("slurm-conf/powerflex.toml");
+    let site = powerflex_testbed::repo_root().join("slurm-conf/powerflex.toml");
     let out = run(
         &ctl(),
         &[
@@ -351,10 +351,10 @@ fn bad_input_gets_a_clear_error_and_a_non_zero_exit() {
     let curves = data_file("curves/paper_h200_synthetic.csv");
     let curves = curves.to_str().expect("utf-8");
     let cut = run(&ctl(), &["evaluate", "--curves", curves, "--cut", "1.5"]);
-    assert_eq!(cut.code, Some(1));
+    assert_eq!(cut.code, Some(2), "a bad value is a usage error");
     assert!(
         cut.stderr
-            .contains("--cut must be a fraction strictly between 0 and 1"),
+            .contains("accepted: a fraction strictly between 0 and 1"),
         "{}",
         cut.stderr
     );
@@ -363,7 +363,7 @@ fn bad_input_gets_a_clear_error_and_a_non_zero_exit() {
         &ctl(),
         &["allocate", "--curves", curves, "--budget-w", "lots"],
     );
-    assert_eq!(budget.code, Some(1));
+    assert_eq!(budget.code, Some(2), "a bad value is a usage error");
     assert!(budget.stderr.contains("--budget-w"), "{}", budget.stderr);
 
     let flag = run(
@@ -410,4 +410,303 @@ fn bad_input_gets_a_clear_error_and_a_non_zero_exit() {
         "{}",
         tier.stderr
     );
+}
+
+/// Every value on the command line is parsed by clap: a malformed one exits 2 with a
+/// message naming the flag and what it accepts, before anything is read or sent. None of
+/// these reach a controller (the socket does not exist), so a value that slipped through
+/// clap would exit 1 instead.
+#[test]
+fn malformed_values_exit_2_naming_what_is_accepted() {
+    let curves = data_file("curves/paper_h200_synthetic.csv");
+    let curves = curves.to_str().expect("utf-8");
+    let socket = "/nonexistent/powerflex-admin.sock";
+    let event = |start: &str, duration: &str, ramp: &str| -> Vec<String> {
+        // `--ramp=` so that a negative ramp reaches the value parser instead of reading as
+        // a flag.
+        let mut argv: Vec<String> = [
+            "event",
+            "add",
+            "--reduce",
+            "30%",
+            "--start",
+            start,
+            "--duration",
+            duration,
+            "--socket",
+            socket,
+        ]
+        .map(String::from)
+        .to_vec();
+        argv.push(format!("--ramp={ramp}"));
+        argv
+    };
+    let words = |w: &[&str]| -> Vec<String> { w.iter().map(|s| s.to_string()).collect() };
+    let start_accepts = "accepted: now, +DURATION";
+    let duration_accepts = "accepted: a length with units";
+    let cases: Vec<(Vec<String>, &str, &str)> = vec![
+        // The inputs of issue 12: a panic and four accepted impossibilities.
+        (
+            event("2026-12-01T17:00:00+\u{661}\u{662}:00", "3h", "0s"),
+            "--start",
+            start_accepts,
+        ),
+        (
+            event("2026-02-31T17:00:00Z", "3h", "0s"),
+            "--start",
+            start_accepts,
+        ),
+        (
+            event("2026-+1-01T17:00:00Z", "3h", "0s"),
+            "--start",
+            start_accepts,
+        ),
+        (
+            event("2026-12-01T17:00:00+99:00", "3h", "0s"),
+            "--start",
+            start_accepts,
+        ),
+        (event("now", "0s", "0s"), "--duration", "longer than 0"),
+        (
+            event("now", "3 fortnights", "0s"),
+            "--duration",
+            duration_accepts,
+        ),
+        (event("now", "90", "0s"), "--duration", duration_accepts),
+        (event("now", "3h", "-5m"), "--ramp", duration_accepts),
+        (event("+soon", "3h", "0s"), "--start", start_accepts),
+        (
+            event("2026-12-01T17:00:00", "3h", "0s"),
+            "--start",
+            "offset",
+        ),
+        (
+            words(&[
+                "event",
+                "add",
+                "--reduce",
+                "130%",
+                "--duration",
+                "1h",
+                "--socket",
+                socket,
+            ]),
+            "--reduce",
+            "accepted: a percentage above 0",
+        ),
+        (
+            words(&[
+                "event",
+                "add",
+                "--target",
+                "lots",
+                "--duration",
+                "1h",
+                "--socket",
+                socket,
+            ]),
+            "--target",
+            "with W, kW or MW",
+        ),
+        (
+            words(&["budget", "set", "5GW", "--socket", socket]),
+            "<BUDGET>",
+            "accepted: W, kW, MW",
+        ),
+        (
+            words(&["whatif", "--budget=-3kW", "--socket", socket]),
+            "--budget",
+            "with W, kW or MW",
+        ),
+        (
+            words(&["whatif", "--policy", "best", "--socket", socket]),
+            "--policy",
+            "possible values: optimal, equal, pfi-proportional",
+        ),
+        (
+            words(&["plot", "--out", "budget.png", "--socket", socket]),
+            "--out",
+            "only SVG is written",
+        ),
+        (
+            words(&["allocate", "--curves", curves, "--budget-w", "1.2GW"]),
+            "--budget-w",
+            "accepted: W, kW, MW",
+        ),
+        (
+            words(&[
+                "evaluate", "--curves", curves, "--cut", "0.3", "--noise", "NaN",
+            ]),
+            "--noise",
+            "accepted: a fraction in [0, 0.5)",
+        ),
+        (
+            words(&[
+                "evaluate",
+                "--curves",
+                curves,
+                "--cut",
+                "0.3",
+                "--workloads",
+                "0",
+            ]),
+            "--workloads",
+            "at least 1",
+        ),
+        (
+            words(&[
+                "evaluate",
+                "--curves",
+                curves,
+                "--cut",
+                "0.3",
+                "--calibration-grid",
+                "1.0,0.8,1.5",
+            ]),
+            "--calibration-grid",
+            "accepted: fractions in (0, 1]",
+        ),
+        (
+            words(&[
+                "evaluate",
+                "--curves",
+                curves,
+                "--cut",
+                "0.3",
+                "--cap-step-w",
+                "0",
+            ]),
+            "--cap-step-w",
+            "accepted: a positive number of watts",
+        ),
+        (
+            words(&["synth-curves", "--paper", curves, "--noise", "0.7"]),
+            "--noise",
+            "accepted: a fraction in [0, 0.5)",
+        ),
+    ];
+    for (args, flag, accepted) in cases {
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run(&ctl(), &argv);
+        let shown = argv.join(" ");
+        assert_eq!(out.code, Some(2), "{shown}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("invalid value") && out.stderr.contains(flag),
+            "{shown}: the message names the flag: {}",
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(accepted),
+            "{shown}: the message says what is accepted ({accepted}): {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("panicked"), "{shown}: {}", out.stderr);
+        assert!(out.stdout.is_empty(), "{shown}: {}", out.stdout);
+    }
+}
+
+/// Well-formed values pass clap and reach the controller: with no controller listening,
+/// that is exit 1 and a message about the socket, not a usage error.
+#[test]
+fn well_formed_event_values_get_past_the_command_line() {
+    for start in [
+        "now",
+        "+10m",
+        "2026-12-01T17:00:00Z",
+        "2026-12-01T18:00:00+01:00",
+        "2028-02-29T17:00:00.250-05:00",
+    ] {
+        let out = run(
+            &ctl(),
+            &[
+                "event",
+                "add",
+                "--reduce",
+                "30%",
+                "--start",
+                start,
+                "--duration",
+                "1h30m",
+                "--ramp",
+                "5m",
+                "--socket",
+                "/nonexistent/powerflex-admin.sock",
+            ],
+        );
+        assert_eq!(out.code, Some(1), "{start}: {}", out.stderr);
+        assert!(
+            !out.stderr.contains("invalid value"),
+            "{start}: {}",
+            out.stderr
+        );
+    }
+}
+
+/// The other binaries parse their values in clap too: a malformed one exits 2 with a
+/// message naming the flag and what it accepts, before anything starts (the demo would
+/// otherwise need root and Slurm, the agent a config file).
+#[test]
+fn other_binaries_refuse_malformed_values_with_exit_2() {
+    let cases: [(&str, &[&str], &str, &str); 7] = [
+        (
+            "powerflex-demo",
+            &["--cut", "0.95"],
+            "--cut",
+            "accepted: a share of the draw between 0 and 0.9",
+        ),
+        (
+            "powerflex-demo",
+            &["--ramp-s", "0.5"],
+            "--ramp-s",
+            "accepted: at least 1 second",
+        ),
+        (
+            "powerflex-demo",
+            &["--hold-s", "NaN"],
+            "--hold-s",
+            "accepted: at least 15 seconds",
+        ),
+        (
+            "powerflex-demo",
+            &["--time-scale", "x"],
+            "--time-scale",
+            "accepted: at least 1 simulated second",
+        ),
+        (
+            "powerflex-sim",
+            &["init", "--dir", "/nonexistent/n1", "--model", "A100"],
+            "--model",
+            "accepted: H200, H100",
+        ),
+        (
+            "powerflex-sim",
+            &["init", "--dir", "/nonexistent/n1", "--gpus", "0"],
+            "--gpus",
+            "1..=64",
+        ),
+        (
+            "powerflexd",
+            &[
+                "--config",
+                "/nonexistent/powerflex.toml",
+                "--sample-interval-ms",
+                "10",
+            ],
+            "--sample-interval-ms",
+            "50..=60000",
+        ),
+    ];
+    for (name, args, flag, accepted) in cases {
+        let out = run(&binary(name), args);
+        let shown = format!("{name} {}", args.join(" "));
+        assert_eq!(out.code, Some(2), "{shown}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("invalid value")
+                && out.stderr.contains(flag)
+                && out.stderr.contains(accepted),
+            "{shown}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("panicked"), "{shown}: {}", out.stderr);
+    }
 }

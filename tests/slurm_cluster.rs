@@ -1,4 +1,4 @@
-//! The Slurm test harness itself (`powerflex::slurm`): a real three-node cluster with
+//! The Slurm test harness itself (`powerflex_testbed::slurm`): a real three-node cluster with
 //! gres GPUs runs a job on every node, and its daemons are gone after it stops — also
 //! when the test that owns it panics while a job runs.
 
@@ -6,10 +6,14 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use powerflex::slurm::{pid_alive, Cluster, ClusterOptions};
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::slurm::{pid_alive, Cluster, ClusterOptions};
 
 #[test]
 fn three_gpu_nodes_run_a_job_and_stop_cleanly() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let mut cluster = Cluster::start(
         "slurm-cluster-smoke",
         ClusterOptions {
@@ -95,6 +99,9 @@ fn three_gpu_nodes_run_a_job_and_stop_cleanly() {
 
 #[test]
 fn a_panicking_test_still_stops_its_daemons() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let pids = Mutex::new(Vec::new());
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let cluster = Cluster::start(

@@ -3,7 +3,7 @@
 //! plugstack.conf's arguments parse; the slurm.conf and gres.conf snippets declare the same
 //! GPUs.
 
-use powerflex::{binary, repo_root, run};
+use powerflex_testbed::{binary, repo_root, run};
 
 /// `Key=Value` lines of a systemd unit's `[Service]` section.
 fn service_keys(unit: &str) -> Vec<(String, String)> {

@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{binary, cargo_build, profile_dir, wait_until};
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{binary, cargo_build, profile_dir, wait_until};
 use serde_json::Value;
 
 fn plugin() -> PathBuf {
@@ -34,20 +36,19 @@ impl Site {
         let _ = std::fs::remove_dir_all(&base);
         std::fs::create_dir_all(base.join("agent")).expect("dir");
         let site = base.join("powerflex.toml");
-        std::fs::write(
-            &site,
-            format!(
-                "[facility]\ngpu_budget_w = 100000.0\n[tiers]\ndefault = \"none\"\n\
-                 [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-                 calibration_caps_w = [700.0, 600.0, 500.0]\nfailsafe_cap_w = 500.0\n\
-                 [controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = 3600\nkey_file = \"{b}/no.key\"\n\
-                 [agent]\nsocket = \"{b}/agent/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n\
-                 calibration_warmup_s = 600\n",
-                b = base.display(),
-                lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
-            ),
-        )
-        .expect("site config");
+        // No controller runs here: the agents wait out a long warm-up at the default
+        // caps, which is all the plugin tests need.
+        SiteBuilder::new(100000.0)
+            .edit(|raw| raw.controller.lease_ttl_s = Some(3600))
+            .key_file(&base.join("no.key"))
+            .agent_paths(
+                &format!("{}/agent/%n.sock", base.display()),
+                &format!("{}/state/%n", base.display()),
+                &profile_dir().join("libpowerflex_sim_nvml.so"),
+            )
+            .edit(|raw| raw.agent.calibration_warmup_s = Some(600.0))
+            .write(&site)
+            .unwrap_or_else(|e| panic!("{e}"));
         let plugstack = format!(
             "optional {} site={} socket={}/agent/%n.sock timeout_ms=200\n",
             so.display(),
@@ -129,6 +130,9 @@ fn out_text(path: &Path) -> String {
 
 #[test]
 fn option_is_offered_validated_and_reaches_the_agents() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let site = Site::start("spank-plugin", true);
     let c = &site.cluster;
 
@@ -253,6 +257,9 @@ fn option_is_offered_validated_and_reaches_the_agents() {
 
 #[test]
 fn with_the_agent_down_jobs_run_and_say_so_once() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
     let site = Site::start("spank-down", false);
     let c = &site.cluster;
     let out = c.dir().join("down.out");
@@ -281,6 +288,9 @@ fn with_the_agent_down_jobs_run_and_say_so_once() {
 
 #[test]
 fn srun_loads_the_plugin_cleanly_under_valgrind() {
+    if !can_run(&[Need::Root, Need::Slurm, Need::Program("valgrind")]) {
+        return;
+    }
     let site = Site::start("spank-valgrind", true);
     let c = &site.cluster;
     // srun (local and allocator contexts) loads power_flex.so, registers and validates the

@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use powerflex_sim::profiles::Library;
+use powerflex_testbed::site::SiteBuilder;
 use serde_json::Value;
 
 fn release_dir() -> PathBuf {
@@ -54,21 +55,18 @@ fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, gpus: u32, procs: &mut 
     powerflex_sim::state::Node::init(&dir.join("sim/n1"), "n1", "H200", gpus, true)
         .expect("sim node");
     let config = dir.join("powerflex.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[facility]\ngpu_budget_w = 100000.0\n[tiers]\ndefault = \"none\"\n\
-             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-             calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
-             [controller]\nlisten = \"127.0.0.1:9\"\nlease_ttl_s = 3600\n\
-             [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{b}/libpowerflex_sim_nvml.so\"\n\
-             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 6.0\n\
-             node_budget_w = 1000000.0\n",
-            d = dir.display(),
-            b = bin.display()
-        ),
-    )
-    .expect("config");
+    SiteBuilder::new(100000.0)
+        .h200(&[700.0, 600.0, 500.0, 400.0, 300.0, 200.0], 500.0)
+        .edit(|raw| raw.controller.lease_ttl_s = Some(3600))
+        .agent_paths(
+            &format!("{}/%n.sock", dir.display()),
+            &format!("{}/state/%n", dir.display()),
+            &bin.join("libpowerflex_sim_nvml.so"),
+        )
+        .calibration_s(2.0, 2.0, 6.0)
+        .edit(|raw| raw.agent.node_budget_w = Some(1000000.0))
+        .write(&config)
+        .unwrap_or_else(|e| panic!("{e}"));
     let _ = std::fs::remove_file(dir.join("n1.sock"));
     let child = Command::new(bin.join("powerflexd"))
         .args([

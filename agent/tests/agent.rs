@@ -12,12 +12,14 @@ use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 use serde_json::Value;
 
-use powerflex::{profile_dir, wait_until};
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::{profile_dir, wait_until};
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
 /// simulated job, the socket client.
 fn build() {
-    powerflex::cargo_build(&[
+    powerflex_testbed::cargo_build(&[
         "-p",
         "powerflex-sim-nvml",
         "-p",
@@ -66,27 +68,27 @@ impl Fixture {
         let node = Node::init(&dir.join("sim/n1"), "n1", "H200", 8, true).expect("sim node");
         let metrics_port = free_port();
         let config = dir.join("powerflex.toml");
-        let budget = node_budget_w.map_or(String::new(), |w| format!("node_budget_w = {w}\n"));
         let (port, key) = match controller {
-            Some((port, key)) => (port, key.display().to_string()),
-            None => (9, dir.join("no-such.key").display().to_string()),
+            Some((port, key)) => (port, key.to_path_buf()),
+            None => (9, dir.join("no-such.key")),
         };
-        std::fs::write(
-            &config,
-            format!(
-                "[facility]\ngpu_budget_w = 100000.0\npolicy = \"optimal\"\n\
-                 [tiers]\ndefault = \"none\"\n\
-                 [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-                 calibration_caps_w = [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]\nfailsafe_cap_w = 500.0\n\
-                 [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = {lease_ttl_s}\nallocation_period_s = 2\nkey_file = \"{key}\"\n\
-                 [agent]\nsocket = \"{d}/%n.sock\"\nstate_dir = \"{d}/state/%n\"\nnvml_library = \"{lib}\"\n\
-                 metrics_listen = \"127.0.0.1:{metrics_port}\"\ncalibration_allowance_pct = 5.0\n\
-                 calibration_warmup_s = 1.0\ncalibration_settle_s = 1.0\ncalibration_hold_s = 3.0\n{budget}",
-                d = dir.display(),
-                lib = profile_dir().join("libpowerflex_sim_nvml.so").display(),
-            ),
-        )
-        .expect("config");
+        SiteBuilder::new(100000.0)
+            .h200(&[700.0, 600.0, 500.0, 400.0, 300.0, 200.0], 500.0)
+            .controller(([127, 0, 0, 1], port).into(), lease_ttl_s, 2)
+            .key_file(&key)
+            .agent_paths(
+                &format!("{}/%n.sock", dir.display()),
+                &format!("{}/state/%n", dir.display()),
+                &profile_dir().join("libpowerflex_sim_nvml.so"),
+            )
+            .agent_metrics(([127, 0, 0, 1], metrics_port).into())
+            .calibration_s(1.0, 1.0, 3.0)
+            .edit(|raw| {
+                raw.agent.calibration_allowance_pct = Some(5.0);
+                raw.agent.node_budget_w = node_budget_w;
+            })
+            .write(&config)
+            .unwrap_or_else(|e| panic!("{e}"));
         let mut f = Fixture {
             dir,
             node,
@@ -230,6 +232,9 @@ fn client(args: &[&str], as_nobody: bool, env: &[(&str, &str)]) -> Vec<String> {
 
 #[test]
 fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     // Standalone with a node budget above what the GPUs can draw: the agent grants the
     // job the GPUs' maximum, so the walk starts from the uncapped point. (In controller
     // mode with no controller, a job would wait at the fail-safe cap instead.)
@@ -313,6 +318,9 @@ fn client_http(port: u16) -> String {
 
 #[test]
 fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     // 8 GPUs at up to 700 W: a 3 kW node budget must cap the busy ones hard.
     let mut f = Fixture::new("standalone", Some(3000.0), 3600);
     let reply = f.register("301", &["0", "1", "2", "3"], "flex3,calibrate=off");
@@ -347,6 +355,9 @@ fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
 
 #[test]
 fn restart_after_kill_9_reconciles_with_live_jobs() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let mut f = Fixture::new("kill9", None, 3600);
     // Job 201 keeps running; job 202's process dies while the agent is down.
     let r1 = f.register("201", &["2"], "flex3");
@@ -396,6 +407,9 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
 
 #[test]
 fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let mut f = Fixture::new("trust", None, 3600);
     let socket = f.socket();
     let socket = socket.to_str().expect("utf-8");
@@ -472,6 +486,9 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
 
 #[test]
 fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let f = Fixture::new("failsafe", None, 5);
     let reply = f.register("501", &["0"], "flex2,calibrate=off");
     assert!(reply.ok);
@@ -490,6 +507,9 @@ fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
 
 #[test]
 fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let mut f = Fixture::new("degraded", None, 3600);
     f.node.set_fault(6, Some(Fault::GpuLost)).expect("fault");
     wait_until("GPU 6 marked degraded", Duration::from_secs(10), || {
@@ -515,6 +535,9 @@ fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
 
 #[test]
 fn the_python_helper_reports_progress_the_agent_accepts() {
+    if !can_run(&[Need::Root, Need::Program("python3")]) {
+        return;
+    }
     let f = Fixture::new("python", None, 3600);
     let reply = f.register("701", &["3"], "flex2");
     let progress = reply.progress.expect("progress address");
@@ -562,6 +585,9 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
 
 #[test]
 fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsafe() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     use powerflex_proto::link::{Body, Envelope};
     use std::os::unix::fs::PermissionsExt;
     let key = b"0123456789abcdef0123456789abcdef".to_vec();

@@ -23,12 +23,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use powerflex::binary;
 use powerflex_controller::site::{decide, NodeView, SiteSettings};
 use powerflex_core::allocate::Policy;
+use powerflex_core::config::RawGpuModel;
 use powerflex_core::flex::TierTable;
 use powerflex_core::Watts;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_testbed::binary;
+use powerflex_testbed::site::SiteBuilder;
 
 /// Site sizes measured, nodes.
 const NODE_COUNTS: [usize; 3] = [10, 100, 1000];
@@ -132,19 +134,22 @@ fn start_ctld(dir: &Path, port: u16, base_budget_w: f64) -> Child {
     std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
         .expect("chmod");
     let config = dir.join("powerflex.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[facility]\ngpu_budget_w = {base_budget_w}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
-             [gpu_models.H200]\nmin_cap_w = {MIN_CAP_W}\nmax_cap_w = {MAX_CAP_W}\ncap_step_w = 5.0\n\
-             calibration_caps_w = [700.0, 600.0, 500.0, 400.0]\nfailsafe_cap_w = 500.0\n\
-             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 60\nallocation_period_s = 10\n\
-             key_file = \"{k}\"\nadmin_socket = \"{d}/ctld.sock\"\nstate_dir = \"{d}/state\"\n",
-            k = key.display(),
-            d = dir.display()
-        ),
-    )
-    .expect("config");
+    SiteBuilder::new(base_budget_w)
+        .gpu_model(
+            "H200",
+            RawGpuModel {
+                min_cap_w: MIN_CAP_W,
+                max_cap_w: MAX_CAP_W,
+                cap_step_w: 5.0,
+                calibration_caps_w: vec![700.0, 600.0, 500.0, 400.0],
+                failsafe_cap_w: 500.0,
+            },
+        )
+        .controller(([127, 0, 0, 1], port).into(), 60, 10)
+        .key_file(&key)
+        .controller_paths(&dir.join("ctld.sock"), &dir.join("state"))
+        .write(&config)
+        .unwrap_or_else(|e| panic!("{e}"));
     Command::new(binary("powerflex-ctld"))
         .args(["--config", config.to_str().expect("utf-8")])
         .env("RUST_LOG", "warn")

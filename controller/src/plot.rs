@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::ctld::Sample;
+use crate::schedule::utc_text;
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 640.0;
@@ -133,28 +134,6 @@ fn frame(
         my = (top + bottom) / 2.0,
         label = escape(y_label)
     );
-}
-
-/// `YYYY-MM-DD hh:mm:ss UTC` for a Unix time in ms (days to a civil date by the
-/// proleptic Gregorian calendar, eras of 400 years).
-fn utc_text(unix_ms: u64) -> String {
-    let secs = unix_ms / 1000;
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 fn trim_number(v: f64) -> String {

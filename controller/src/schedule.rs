@@ -83,36 +83,71 @@ pub fn active_event(base: Watts, events: &[Event], now: u64) -> Option<&Event> {
         .max_by(|a, b| a.cut_w(base, now).0.total_cmp(&b.cut_w(base, now).0))
 }
 
+/// The longest event, ramp or start offset accepted: a year, well beyond any grid event.
+pub const MAX_DURATION_MS: u64 = 365 * 86_400_000;
+
+/// What `--duration`, `--ramp` and `--start +DURATION` accept, for error messages.
+const DURATION_FORMS: &str =
+    "a length with units, e.g. 90s, 5m, 3h, 1h30m, 1d or PT3H (at most 365 days)";
+
 /// Why a time, duration or cut did not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
-    #[error("bad duration \"{0}\"; accepted: a number with s, m, h or d, e.g. 90s, 5m, 3h")]
-    Duration(String),
-    #[error("bad start \"{0}\"; accepted: now, +DURATION (e.g. +10m), or an RFC 3339 time (e.g. 2026-12-01T17:00:00Z)")]
-    Start(String),
+    #[error("bad duration \"{text}\": {reason}; accepted: {DURATION_FORMS}")]
+    Duration { text: String, reason: String },
+    #[error("an event's duration must be longer than 0 (got \"{0}\"); accepted: {DURATION_FORMS}")]
+    ZeroDuration(String),
+    #[error("bad start \"{text}\": {reason}; accepted: now, +DURATION (e.g. +10m), or an RFC 3339 time with an offset (e.g. 2026-12-01T17:00:00Z, 2026-12-01T18:00:00+01:00)")]
+    Start { text: String, reason: String },
     #[error("bad reduction \"{0}\"; accepted: a percentage above 0 and at most 100, e.g. 30%")]
     Reduce(String),
 }
 
-/// Parses `90s`, `5m`, `3h`, `1d` (or a bare number of seconds) into milliseconds.
-pub fn parse_duration_ms(text: &str) -> Result<u64, ScheduleError> {
-    let t = text.trim();
-    let bad = || ScheduleError::Duration(text.chars().take(40).collect());
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let value: f64 = number.trim().parse().map_err(|_| bad())?;
-    let scale = match unit {
-        "" | "s" => 1_000.0,
-        "m" | "min" => 60_000.0,
-        "h" => 3_600_000.0,
-        "d" => 86_400_000.0,
-        _ => return Err(bad()),
-    };
-    let ms = value * scale;
-    if !ms.is_finite() || !(0.0..=365.0 * 86_400_000.0).contains(&ms) {
-        return Err(bad());
+/// Shows user text safely in a message: control characters escaped, long text cut.
+fn printable(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(40)
+        .flat_map(char::escape_default)
+        .collect();
+    if text.chars().count() > 40 {
+        out.push('…');
     }
-    Ok(ms.round() as u64)
+    out
+}
+
+/// Parses a length of time (`90s`, `5m`, `3h`, `1h30m`, `1d`, ISO 8601 `PT3H`) into
+/// milliseconds, 0 allowed (a ramp may be 0). Days are 24 h: grid events are scheduled in
+/// UTC, where there are no daylight-saving days.
+pub fn parse_duration_ms(text: &str) -> Result<u64, ScheduleError> {
+    let bad = |reason: String| ScheduleError::Duration {
+        text: printable(text),
+        reason,
+    };
+    let span: jiff::Span = text
+        .trim()
+        .parse()
+        .map_err(|e: jiff::Error| bad(e.to_string()))?;
+    let duration = span
+        .to_duration(jiff::SpanRelativeTo::days_are_24_hours())
+        .map_err(|_| bad("months and years have no fixed length".into()))?;
+    if duration.is_negative() {
+        return Err(bad("it is negative".into()));
+    }
+    let ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+    if ms > MAX_DURATION_MS {
+        return Err(bad("it is longer than 365 days".into()));
+    }
+    Ok(ms)
+}
+
+/// Parses an event's `--duration`: as [`parse_duration_ms`], but an event of length 0
+/// would be scheduled and do nothing, so it is refused.
+pub fn parse_event_duration_ms(text: &str) -> Result<u64, ScheduleError> {
+    match parse_duration_ms(text)? {
+        0 => Err(ScheduleError::ZeroDuration(printable(text))),
+        ms => Ok(ms),
+    }
 }
 
 /// Parses `30%` (or `30`) into a fraction in (0, 1].
@@ -120,84 +155,83 @@ pub fn parse_reduce(text: &str) -> Result<f64, ScheduleError> {
     let t = text.trim().trim_end_matches('%');
     match t.parse::<f64>() {
         Ok(p) if p.is_finite() && p > 0.0 && p <= 100.0 => Ok(p / 100.0),
-        _ => Err(ScheduleError::Reduce(text.chars().take(40).collect())),
+        _ => Err(ScheduleError::Reduce(printable(text))),
     }
 }
 
-/// Days since 1970-01-01 of a civil date (Howard Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+/// When an event starts, as written on the command line. `now` and `+DURATION` are
+/// relative, so parsing (in clap, before anything runs) is separate from resolving
+/// against the clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    Now,
+    /// This many milliseconds after now.
+    After {
+        ms: u64,
+    },
+    /// At this Unix time, milliseconds.
+    At {
+        unix_ms: u64,
+    },
 }
 
-/// Parses `now`, `+10m` or an RFC 3339 time (`2026-12-01T17:00:00Z`, `…+01:00`,
-/// fractional seconds allowed) into Unix milliseconds, relative to `now_ms`.
-pub fn parse_start_ms(text: &str, now_ms: u64) -> Result<u64, ScheduleError> {
+impl Start {
+    /// The Unix time in milliseconds this start means when the clock reads `now_ms`.
+    pub fn resolve(self, now_ms: u64) -> u64 {
+        match self {
+            Start::Now => now_ms,
+            Start::After { ms } => now_ms.saturating_add(ms),
+            Start::At { unix_ms } => unix_ms,
+        }
+    }
+}
+
+/// Parses `now`, `+10m` or an RFC 3339 time with an offset (`2026-12-01T17:00:00Z`,
+/// `2026-12-01T18:00:00+01:00`, fractional seconds allowed). jiff validates the calendar
+/// (no 31st of February) and the offset (at most ±25:59).
+pub fn parse_start(text: &str) -> Result<Start, ScheduleError> {
     let t = text.trim();
-    let bad = || ScheduleError::Start(text.chars().take(40).collect());
+    let bad = |reason: String| ScheduleError::Start {
+        text: printable(text),
+        reason,
+    };
     if t == "now" {
-        return Ok(now_ms);
+        return Ok(Start::Now);
     }
     if let Some(rest) = t.strip_prefix('+') {
-        return parse_duration_ms(rest)
-            .map(|d| now_ms + d)
-            .map_err(|_| bad());
+        return match parse_duration_ms(rest) {
+            Ok(ms) => Ok(Start::After { ms }),
+            Err(ScheduleError::Duration { reason, .. }) => Err(bad(reason)),
+            Err(other) => Err(bad(other.to_string())),
+        };
     }
-    let b = t.as_bytes();
-    if b.len() < 20
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || !(b[10] == b'T' || b[10] == b't' || b[10] == b' ')
-        || b[13] != b':'
-        || b[16] != b':'
-    {
-        return Err(bad());
-    }
-    let num =
-        |r: std::ops::Range<usize>| t.get(r).and_then(|s| s.parse::<i64>().ok()).ok_or_else(bad);
-    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&month)
-        || !(1..=31).contains(&day)
-        || hour > 23
-        || minute > 59
-        || second > 60
-    {
-        return Err(bad());
-    }
-    let mut rest = &t[19..];
-    let mut millis = 0i64;
-    if let Some(frac) = rest.strip_prefix('.') {
-        let digits: String = frac.chars().take_while(char::is_ascii_digit).collect();
-        if digits.is_empty() {
-            return Err(bad());
-        }
-        let ms: String = digits.chars().chain("000".chars()).take(3).collect();
-        millis = ms.parse().map_err(|_| bad())?;
-        rest = &frac[digits.len()..];
-    }
-    let offset_min = match rest {
-        "Z" | "z" => 0,
-        _ if rest.len() == 6
-            && (rest.starts_with('+') || rest.starts_with('-'))
-            && &rest[3..4] == ":" =>
-        {
-            let sign = if rest.starts_with('-') { -1 } else { 1 };
-            let h: i64 = rest[1..3].parse().map_err(|_| bad())?;
-            let m: i64 = rest[4..6].parse().map_err(|_| bad())?;
-            sign * (h * 60 + m)
-        }
-        _ => return Err(bad()),
-    };
-    let secs = days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second
-        - offset_min * 60;
-    let ms = secs * 1000 + millis;
-    u64::try_from(ms).map_err(|_| bad())
+    let at: jiff::Timestamp = t.parse().map_err(|e: jiff::Error| bad(e.to_string()))?;
+    let unix_ms =
+        u64::try_from(at.as_millisecond()).map_err(|_| bad("it is before 1970".into()))?;
+    Ok(Start::At { unix_ms })
+}
+
+/// [`parse_start`] resolved against `now_ms`.
+pub fn parse_start_ms(text: &str, now_ms: u64) -> Result<u64, ScheduleError> {
+    parse_start(text).map(|s| s.resolve(now_ms))
+}
+
+/// `YYYY-MM-DD hh:mm:ss UTC` for a Unix time in milliseconds (what `event list` and the
+/// plot print); times beyond jiff's range (year 9999) print as the raw number.
+pub fn utc_text(unix_ms: u64) -> String {
+    i64::try_from(unix_ms)
+        .ok()
+        .and_then(|ms| jiff::Timestamp::from_millisecond(ms).ok())
+        .map_or_else(
+            || format!("{unix_ms} ms after 1970"),
+            |t| t.strftime("%Y-%m-%d %H:%M:%S UTC").to_string(),
+        )
+}
+
+/// A length of time for people: `3h 5m`, `90s` is `1m 30s`.
+pub fn duration_text(ms: u64) -> String {
+    let d = jiff::SignedDuration::from_millis(i64::try_from(ms).unwrap_or(i64::MAX));
+    format!("{d:#}")
 }
 
 #[cfg(test)]
@@ -271,12 +305,11 @@ mod tests {
     fn parses_what_admins_type() {
         assert_eq!(parse_duration_ms("3h"), Ok(3 * H));
         assert_eq!(parse_duration_ms("5m"), Ok(300_000));
-        assert_eq!(parse_duration_ms("90"), Ok(90_000));
-        assert!(matches!(
-            parse_duration_ms("3 weeks"),
-            Err(ScheduleError::Duration(_))
-        ));
-        assert!(parse_duration_ms("-5m").is_err());
+        assert_eq!(parse_duration_ms("90s"), Ok(90_000));
+        assert_eq!(parse_duration_ms("1h30m"), Ok(H + H / 2));
+        assert_eq!(parse_duration_ms("1d"), Ok(24 * H));
+        assert_eq!(parse_duration_ms("PT3H"), Ok(3 * H));
+        assert_eq!(parse_duration_ms("0s"), Ok(0), "a ramp may be 0");
         assert_eq!(parse_reduce("30%"), Ok(0.3));
         assert!(
             parse_reduce("0%").is_err()
@@ -295,24 +328,141 @@ mod tests {
             Ok(1_796_144_400_000)
         );
         assert_eq!(
+            parse_start_ms("2026-12-01T12:00:00-05:00", 0),
+            Ok(1_796_144_400_000)
+        );
+        assert_eq!(
             parse_start_ms("2026-12-01T17:00:00.250Z", 0),
             Ok(1_796_144_400_250)
         );
+        assert_eq!(
+            parse_start_ms("2028-02-29T00:00:00Z", 0),
+            Ok(1_835_395_200_000),
+            "a leap day"
+        );
+    }
+
+    /// The inputs issue 12 found accepted or panicking with the hand-written parser.
+    #[test]
+    fn refuses_impossible_times_and_durations() {
         for bad in [
             "tomorrow",
             "2026-13-01T00:00:00Z",
             "2026-12-01T17:00:00",
             "+soon",
-            "2026-12-01T17:00:00+0100",
+            "+-5m",
+            "2026-02-31T00:00:00Z",
+            "2027-02-29T00:00:00Z",
+            "2026-+1-01T00:00:00Z",
+            "2026-12-01T17:00:00+99:00",
+            "2026-12-01T17:00:00+\u{661}\u{662}:00",
+            "2026-12-01T17:00:00+01:\u{e9}",
+            "2026-12-01T17:00:00\u{e9}",
+            "1969-12-31T23:59:59Z",
+            "",
         ] {
             assert!(
-                matches!(parse_start_ms(bad, 0), Err(ScheduleError::Start(_))),
-                "{bad}"
+                matches!(parse_start(bad), Err(ScheduleError::Start { .. })),
+                "{bad:?}: {:?}",
+                parse_start(bad)
+            );
+        }
+        for bad in [
+            "3 fortnights",
+            "90",
+            "-5m",
+            "1y",
+            "2mo",
+            "366d",
+            "",
+            "5m\u{e9}",
+        ] {
+            assert!(
+                matches!(parse_duration_ms(bad), Err(ScheduleError::Duration { .. })),
+                "{bad:?}: {:?}",
+                parse_duration_ms(bad)
             );
         }
         assert_eq!(
-            parse_start_ms("tomorrow", 0).expect_err("bad").to_string(),
-            "bad start \"tomorrow\"; accepted: now, +DURATION (e.g. +10m), or an RFC 3339 time (e.g. 2026-12-01T17:00:00Z)"
+            parse_event_duration_ms("0s"),
+            Err(ScheduleError::ZeroDuration("0s".into()))
+        );
+        assert_eq!(parse_event_duration_ms("3h"), Ok(3 * H));
+    }
+
+    #[test]
+    fn errors_name_the_input_and_what_is_accepted() {
+        let e = parse_start("2026-02-31T00:00:00Z")
+            .expect_err("the 31st of February")
+            .to_string();
+        assert!(
+            e.starts_with("bad start \"2026-02-31T00:00:00Z\": ")
+                && e.contains("day")
+                && e.ends_with("accepted: now, +DURATION (e.g. +10m), or an RFC 3339 time with an offset (e.g. 2026-12-01T17:00:00Z, 2026-12-01T18:00:00+01:00)"),
+            "{e}"
+        );
+        let e = parse_duration_ms("3 fortnights")
+            .expect_err("bad")
+            .to_string();
+        assert!(
+            e.starts_with("bad duration \"3 fortnights\": ") && e.contains("accepted: a length"),
+            "{e}"
+        );
+        let e = parse_start("x\n".repeat(30).as_str())
+            .expect_err("bad")
+            .to_string();
+        assert!(!e.contains('\n') && e.contains('…'), "{e}");
+    }
+
+    #[test]
+    fn prints_times_and_durations() {
+        assert_eq!(utc_text(1_796_144_400_250), "2026-12-01 17:00:00 UTC");
+        assert_eq!(utc_text(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc_text(1_835_395_200_000), "2028-02-29 00:00:00 UTC");
+        assert_eq!(utc_text(u64::MAX), format!("{} ms after 1970", u64::MAX));
+        assert_eq!(duration_text(3 * H + 300_000), "3h 5m");
+        assert_eq!(duration_text(0), "0s");
+        for ms in [0, 1_000, 90_000, 3 * H, 1_796_144_400_000] {
+            assert_eq!(
+                parse_start_ms(&utc_text(ms).replace(" UTC", "Z").replacen(' ', "T", 1), 0),
+                Ok(ms)
+            );
+        }
+    }
+
+    /// The fuzz target's properties on its seed corpus (fuzz/seeds/event_time), so they
+    /// hold in every `cargo test`, not only when someone fuzzes.
+    #[test]
+    fn the_fuzz_seeds_print_and_parse_back() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/event_time");
+        let mut seen = (0, 0, 0);
+        for entry in std::fs::read_dir(&dir).expect("fuzz/seeds/event_time") {
+            let path = entry.expect("seed").path();
+            let text = std::fs::read_to_string(&path).expect("seed text");
+            match parse_start(&text) {
+                Ok(Start::At { unix_ms }) => {
+                    seen.0 += 1;
+                    let printed = utc_text(unix_ms).replace(" UTC", "Z").replacen(' ', "T", 1);
+                    assert_eq!(
+                        parse_start(&printed),
+                        Ok(Start::At {
+                            unix_ms: unix_ms - unix_ms % 1000
+                        }),
+                        "{path:?}"
+                    );
+                }
+                Ok(_) => {}
+                Err(_) => seen.1 += 1,
+            }
+            if let Ok(ms) = parse_duration_ms(&text) {
+                seen.2 += 1;
+                assert_eq!(parse_duration_ms(&duration_text(ms)), Ok(ms), "{path:?}");
+                assert_eq!(parse_event_duration_ms(&text).is_ok(), ms > 0, "{path:?}");
+            }
+        }
+        assert!(
+            seen.0 >= 10 && seen.1 >= 10 && seen.2 >= 8,
+            "the seeds reach accepted times, refused starts and durations: {seen:?}"
         );
     }
 }

@@ -6,10 +6,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use powerflex::{
+use powerflex_sim::state::Node;
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
 };
-use powerflex_sim::state::Node;
 
 fn draw_w(nodes: &[Node]) -> f64 {
     nodes
@@ -58,6 +60,9 @@ fn start_ctld(config: &Path, log: &Path) -> Child {
 
 #[test]
 fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     cargo_build(&[
         "-p",
         "powerflex-sim-nvml",
@@ -78,22 +83,19 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let port = free_loopback_port();
     let metrics_port = free_loopback_port();
     let config = base.join("powerflex.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[facility]\ngpu_budget_w = 100000.0\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
-             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-             calibration_caps_w = [700.0, 600.0]\nfailsafe_cap_w = 500.0\n\
-             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 6\nallocation_period_s = 1\nkey_file = \"{k}\"\n\
-             admin_socket = \"{b}/ctld.sock\"\nstate_dir = \"{b}/ctld-state\"\n\
-             metrics_listen = \"127.0.0.1:{metrics_port}\"\n\
-             [agent]\nsocket = \"{b}/%n.sock\"\nstate_dir = \"{b}/state/%n\"\nnvml_library = \"{lib}\"\n",
-            k = key.display(),
-            b = base.display(),
-            lib = profile_dir().join("libpowerflex_sim_nvml.so").display()
-        ),
-    )
-    .expect("config");
+    SiteBuilder::new(100000.0)
+        .h200(&[700.0, 600.0], 500.0)
+        .controller(([127, 0, 0, 1], port).into(), 6, 1)
+        .key_file(&key)
+        .controller_paths(&base.join("ctld.sock"), &base.join("ctld-state"))
+        .controller_metrics(([127, 0, 0, 1], metrics_port).into())
+        .agent_paths(
+            &format!("{}/%n.sock", base.display()),
+            &format!("{}/state/%n", base.display()),
+            &profile_dir().join("libpowerflex_sim_nvml.so"),
+        )
+        .write(&config)
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut procs = Children(Vec::new());
     procs.0.push(start_ctld(&config, &base.join("ctld.log")));
     let admin = base.join("ctld.sock");
@@ -250,7 +252,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         String::from_utf8_lossy(&as_nobody.stderr)
     );
     let bad = ctl_run(&["event", "add", "--reduce", "150%", "--duration", "1h"]);
-    assert_eq!(bad.code, Some(1));
+    assert_eq!(bad.code, Some(2), "a bad value is a usage error");
     assert!(bad.stderr.contains("bad reduction"), "{}", bad.stderr);
     let cancel = ctl_run(&["event", "cancel", "1"]);
     assert_eq!(cancel.code, Some(0), "{}", cancel.stderr);
@@ -335,11 +337,11 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         table.stdout
     );
     let unknown = ctl_run(&["whatif", "--policy", "fastest"]);
-    assert_eq!(unknown.code, Some(1));
+    assert_eq!(unknown.code, Some(2), "a bad value is a usage error");
     assert!(
         unknown
             .stderr
-            .contains("unknown policy \"fastest\"; accepted: optimal, equal"),
+            .contains("possible values: optimal, equal, pfi-proportional"),
         "{}",
         unknown.stderr
     );
@@ -363,7 +365,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     assert!(svg.starts_with("<svg") && svg.contains(">job 77<") && svg.contains("SIMULATED"));
     assert!(svg.matches("<polyline").count() >= 3, "{svg}");
     let png = ctl_run(&["plot", "--out", "x.png"]);
-    assert_eq!(png.code, Some(1));
+    assert_eq!(png.code, Some(2), "a bad value is a usage error");
     assert!(png.stderr.contains("only SVG"), "{}", png.stderr);
 
     // A message sealed with another key is refused and logged.

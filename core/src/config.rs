@@ -50,7 +50,13 @@ const DEFAULT_CALIBRATION_ALLOWANCE_PCT: f64 = 5.0;
 
 /// `powerflex.toml` as written, before validation. Unknown keys at any level are parse
 /// errors.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+///
+/// `Serialize` writes the same file back (a `None` key is left out, so the loader's
+/// default applies): tests and the demo build their site configs from these types, so a
+/// renamed key breaks their build instead of their run. `Default` is an empty, invalid
+/// config (budget 0, no models, no controller address) to fill in with struct update
+/// syntax.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawSiteConfig {
     /// `[facility]`, required.
@@ -72,7 +78,7 @@ pub struct RawSiteConfig {
 }
 
 /// `[facility]`: the site-wide budget and how it is shared.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawFacility {
     /// Facility GPU power budget, watts: the sum of all powerflex-managed GPUs' caps
@@ -97,7 +103,7 @@ pub struct RawFacility {
 }
 
 /// `[tiers]`: what `--power-flex` accepts at this site.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTiers {
     /// Service for jobs submitted without `--power-flex`: a tier name or `none`
@@ -112,7 +118,7 @@ pub struct RawTiers {
 }
 
 /// One `[[tiers.tier]]` entry.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTier {
     /// Name users write: 1 to 32 of `a-z`, `0-9`, `-`, `_`; not `none`.
@@ -123,7 +129,7 @@ pub struct RawTier {
 
 /// `[gpu_models.<NAME>]`: the cap range and grids for one GPU model. All values are per
 /// GPU, in watts.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawGpuModel {
     /// Lowest per-GPU cap powerflex may set, watts; at or above NVML's minimum
@@ -146,7 +152,7 @@ pub struct RawGpuModel {
 }
 
 /// `[controller]`: the site controller.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawController {
     /// Socket address the controller listens on and agents connect to, e.g.
@@ -173,7 +179,7 @@ pub struct RawController {
 }
 
 /// `[agent]`: the node agent `powerflexd`.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawAgent {
     /// Absolute path of the agent's Unix socket; `%n` is the Slurm node name, `%%` a
@@ -209,7 +215,7 @@ pub struct RawAgent {
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
 /// (arXiv 2609.11542; LOO R² 0.52, RMSE 0.24, weak within a job type).
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPredictor {
     /// PFI at a DRAM copy product of 0, dimensionless (default 1.2).
@@ -1167,6 +1173,27 @@ listen = "10.0.0.5:7300"
         assert!(a.node_budget_w.is_none() && EXAMPLE.contains("# node_budget_w = "));
         let p = &raw.predictor;
         assert!(p.pfi_intercept.is_some() && p.pfi_per_dram_copy_product.is_some());
+    }
+
+    /// What tests and the demo write is what the loader reads: serialising a raw config
+    /// and parsing it back gives the same value, for the fully written example and for
+    /// the minimal one (whose unset keys must stay unset, not become zeros or empty
+    /// strings, so the loader's defaults still apply).
+    #[test]
+    fn raw_config_round_trips_through_toml() {
+        for text in [EXAMPLE, MINIMAL] {
+            let raw = RawSiteConfig::from_toml_str(text).unwrap();
+            let written = toml::to_string(&raw).unwrap();
+            assert_eq!(
+                RawSiteConfig::from_toml_str(&written).unwrap(),
+                raw,
+                "{written}"
+            );
+        }
+        let minimal = toml::to_string(&RawSiteConfig::from_toml_str(MINIMAL).unwrap()).unwrap();
+        assert!(!minimal.contains("socket"), "{minimal}");
+        assert!(!minimal.contains("lease_ttl_s"), "{minimal}");
+        assert!(!minimal.contains("tier ="), "{minimal}");
     }
 
     #[test]

@@ -5,15 +5,16 @@
 //! llama70b-pt,700,5520,7450,8,flex2,0.18
 //! llama70b-pt,600,4740,7210,8,flex2,0.18
 //! ```
-//! - `job`: any name without a comma; rows of one job need not be adjacent.
+//! - `job`: any name; rows of one job need not be adjacent.
 //! - `cap_w`: per-GPU power cap, W. The highest cap of a job is its uncapped point.
 //! - `power_w`: the job's summed realised GPU power at that cap, W.
 //! - `throughput`: the job's rate at that cap (tokens/s or steps/s; one unit per job).
 //! - `gpus`, `tier`, `dram_copy_product`: optional; when present, one value per job.
 //!
 //! Columns may come in any order; other columns are ignored. Blank lines and lines that
-//! start with `#` are skipped. Fields are plain (no quoting). Every error names the line
-//! and the column.
+//! start with `#` are skipped. Fields follow RFC 4180 (read and written by the `csv`
+//! crate): a field with a comma or a quote is quoted, so a tier such as
+//! `"max-slowdown=15%,x"` round-trips. Every error names the line and the column.
 
 use crate::curve::OperatingPoint;
 use crate::units::Watts;
@@ -81,6 +82,8 @@ pub enum CurvesError {
     TooManyRows { max: usize },
     #[error("the curves file has a header but no rows")]
     NoRows,
+    #[error("line {line}: not readable as CSV: {message}; expected comma-separated fields, quoted with \" when they hold a comma or a quote")]
+    Csv { line: usize, message: String },
 }
 
 struct Columns {
@@ -94,8 +97,7 @@ struct Columns {
     count: usize,
 }
 
-fn parse_header(line_no: usize, line: &str) -> Result<Columns, CurvesError> {
-    let names: Vec<&str> = line.split(',').map(str::trim).collect();
+fn parse_header(line_no: usize, names: &[&str]) -> Result<Columns, CurvesError> {
     for (i, name) in names.iter().enumerate() {
         if names[..i].contains(name) {
             return Err(CurvesError::DuplicateColumn {
@@ -147,28 +149,56 @@ fn printable(text: &str) -> String {
     out
 }
 
+/// The data rows of a curves file with their line numbers: comments (`#`, also after
+/// leading blanks, as before quoting was supported) and blank lines skipped.
+fn rows(text: &str) -> impl Iterator<Item = Result<(usize, csv::StringRecord), CurvesError>> + '_ {
+    let reader = csv::ReaderBuilder::new()
+        .has_headers(false)
+        // Field counts are checked against the header here, with the line in the message.
+        .flexible(true)
+        .trim(csv::Trim::All)
+        .from_reader(text.as_bytes());
+    reader
+        .into_records()
+        .map(|row| {
+            row.map(|r| {
+                let line = r.position().map_or(0, |p| p.line() as usize);
+                (line, r)
+            })
+            .map_err(|e| CurvesError::Csv {
+                line: e.position().map_or(0, |p| p.line() as usize),
+                message: e.to_string(),
+            })
+        })
+        .filter(|row| match row {
+            Ok((_, r)) => {
+                let first = r.get(0).unwrap_or("");
+                !(first.starts_with('#') || (r.len() == 1 && first.is_empty()))
+            }
+            Err(_) => true,
+        })
+}
+
 /// Parses a curves file. Jobs come back in order of first appearance.
 pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
     // A byte-order mark from a spreadsheet export is not part of the first column's name.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    let mut lines = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| (i + 1, l.trim()))
-        .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'));
-    let (header_line, header) = lines.next().ok_or(CurvesError::Empty)?;
-    let cols = parse_header(header_line, header)?;
+    let mut lines = rows(text);
+    let (header_line, header) = lines.next().ok_or(CurvesError::Empty)??;
+    let names: Vec<&str> = header.iter().collect();
+    let cols = parse_header(header_line, &names)?;
     let mut jobs: Vec<JobCurveRecord> = Vec::new();
     let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     // Caps seen per job (bit patterns): duplicate detection in constant time per row.
     let mut seen_caps: Vec<std::collections::HashSet<u64>> = Vec::new();
     let mut rows = 0usize;
-    for (line, text) in lines {
+    for row in lines {
+        let (line, record) = row?;
         rows += 1;
         if rows > MAX_ROWS {
             return Err(CurvesError::TooManyRows { max: MAX_ROWS });
         }
-        let fields: Vec<&str> = text.split(',').map(str::trim).collect();
+        let fields: Vec<&str> = record.iter().collect();
         if fields.len() != cols.count {
             return Err(CurvesError::FieldCount {
                 line,
@@ -294,25 +324,45 @@ fn check_same<T: PartialEq + std::fmt::Debug>(
     Ok(())
 }
 
-/// Writes records back as a curves file (with every optional column).
+/// Writes records back as a curves file (with every optional column), quoting any field
+/// that needs it.
 pub fn write_curves(records: &[JobCurveRecord]) -> String {
-    let mut out = String::from("job,cap_w,power_w,throughput,gpus,tier,dram_copy_product\n");
+    let mut out = csv::Writer::from_writer(Vec::new());
+    let mut row = |fields: [&str; 7]| {
+        // Writing to memory cannot fail, and every row has the header's seven fields.
+        out.write_record(fields)
+            .expect("a csv writer into memory does not fail");
+    };
+    row([
+        "job",
+        "cap_w",
+        "power_w",
+        "throughput",
+        "gpus",
+        "tier",
+        "dram_copy_product",
+    ]);
     for r in records {
+        let gpus = r.gpus.map_or(String::new(), |g| g.to_string());
+        let dram = r
+            .dram_copy_product
+            .map_or(String::new(), |d| format!("{d:.3}"));
         for p in &r.points {
-            out.push_str(&format!(
-                "{},{},{},{},{},{},{}\n",
-                r.job,
-                p.cap_w.0,
-                p.power_w.0,
-                p.throughput,
-                r.gpus.map_or(String::new(), |g| g.to_string()),
-                r.tier.clone().unwrap_or_default(),
-                r.dram_copy_product
-                    .map_or(String::new(), |d| format!("{d:.3}")),
-            ));
+            row([
+                &r.job,
+                &p.cap_w.0.to_string(),
+                &p.power_w.0.to_string(),
+                &p.throughput.to_string(),
+                &gpus,
+                r.tier.as_deref().unwrap_or(""),
+                &dram,
+            ]);
         }
     }
-    out
+    let bytes = out
+        .into_inner()
+        .expect("a csv writer into memory does not fail");
+    String::from_utf8(bytes).expect("csv writes the UTF-8 it was given")
 }
 
 #[cfg(test)]
@@ -428,6 +478,49 @@ a,300,2400,600,8
             err.to_string(),
             "line 2, column power_w: \"NaN\" is not a positive number"
         );
+    }
+
+    /// The README: the `tier` column takes any --power-flex value, a comma included.
+    #[test]
+    fn quoted_fields_round_trip() {
+        let text = "job,cap_w,power_w,throughput,gpus,tier\n\
+            \"llama, 70b\",700,5600,1000,8,\"max-slowdown=15%,notify\"\n\
+            \"llama, 70b\",500,4000,900,8,\"max-slowdown=15%,notify\"\n\
+            \"say \"\"hi\"\"\",700,700,10,1,flex2\n\
+            \"say \"\"hi\"\"\",300,300,5,1,flex2\n";
+        let jobs = parse_curves(text).expect("parse");
+        assert_eq!(jobs[0].job, "llama, 70b");
+        assert_eq!(jobs[0].tier.as_deref(), Some("max-slowdown=15%,notify"));
+        assert_eq!(jobs[1].job, "say \"hi\"");
+        let written = write_curves(&jobs);
+        assert!(written.contains("\"max-slowdown=15%,notify\""), "{written}");
+        assert_eq!(parse_curves(&written).expect("reparse"), jobs);
+    }
+
+    /// Extra columns after the known ones (as in the Zeus NSDI'23 export) are ignored,
+    /// indented comments and blank lines skipped, and lines counted as in the file.
+    #[test]
+    fn extra_columns_comments_and_line_numbers() {
+        let text = "# exported\n\
+            job,cap_w,power_w,throughput,gpus,gpu,max_power_w,throughput_unit,workload\n\
+            \n\
+            z|RTX6000|a,100,96.6,174.4,1,RTX6000,260,epochs/hour,cifar100/shufflenetv2\n   \n\
+            \x20 # a note\n\
+            z|RTX6000|a,260,250.0,300.0,1,RTX6000,260,epochs/hour,cifar100/shufflenetv2\n\
+            z|RTX6000|a,lots,250.0,300.0,1,RTX6000,260,epochs/hour,cifar100/shufflenetv2\n";
+        assert_eq!(
+            parse_curves(text),
+            Err(CurvesError::BadValue {
+                line: 8,
+                column: "cap_w",
+                message: "\"lots\" is not a positive number".into(),
+            })
+        );
+        let good: String = text.lines().take(7).map(|l| format!("{l}\n")).collect();
+        let jobs = parse_curves(&good).expect("parse");
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].points.len(), 2);
+        assert_eq!(jobs[0].gpus, Some(1));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //!   Slurm node name, since `slurmd -N` nodes share a host), safe for concurrent readers and
 //!   writers in different processes (atomic rename; `flock` around read-modify-write);
 //! - [`models`]: device models (H200 SXM, H100 SXM) with NVML's units and limits;
+//! - [`steplog`]: the CSV step log of `powerflex-simjob`, read by the demo;
 //! - [`profiles`]: the workload library — one profile per job of the paper's table, fitted
 //!   to its PFI, plus a compute-bound and a memory-bound synthetic one;
 
@@ -19,6 +20,7 @@
 pub mod models;
 pub mod profiles;
 pub mod state;
+pub mod steplog;
 
 /// Errors of the simulator. Each maps to the NVML return code a real driver would give.
 #[derive(Debug, thiserror::Error)]

@@ -229,11 +229,6 @@ fn refuses_to_start_with_a_clear_message() {
     type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
     let cases: Vec<Case> = vec![
         (
-            vec!["--profile", "nope"],
-            vec![("SLURM_JOB_GPUS", "0")],
-            "unknown workload profile \"nope\"",
-        ),
-        (
             vec!["--profile", "synthetic-compute-bound"],
             vec![],
             "no GPUs",
@@ -248,11 +243,6 @@ fn refuses_to_start_with_a_clear_message() {
             vec![("SLURM_JOB_GPUS", "zero")],
             "neither an index nor",
         ),
-        (
-            vec!["--profile", "synthetic-compute-bound", "--time-scale", "0"],
-            vec![("SLURM_JOB_GPUS", "0")],
-            "--time-scale",
-        ),
     ];
     for (args, env, message) in cases {
         let mut cmd = simjob();
@@ -261,6 +251,8 @@ fn refuses_to_start_with_a_clear_message() {
             cmd.env(k, v);
         }
         let out = cmd.output().expect("run");
+        // Bad values on the command line exit 2 (the test below); these are refusals of
+        // well-formed input.
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(message), "{args:?}: {stderr}");
@@ -272,4 +264,46 @@ fn refuses_to_start_with_a_clear_message() {
         .output()
         .expect("run");
     assert!(String::from_utf8_lossy(&out.stderr).contains("POWERFLEX_SIM_DIR is not set"));
+}
+
+/// Every value is parsed by clap: a malformed one exits 2, names the flag and what is
+/// accepted, and no GPU is claimed (there is no node to claim from).
+#[test]
+fn malformed_values_exit_2_naming_what_is_accepted() {
+    for (args, flag, accepted) in [
+        (vec!["--profile", "nope"], "--profile", "the library has: "),
+        (
+            vec!["--profile", "synthetic-memory-bound", "--time-scale", "0"],
+            "--time-scale",
+            "accepted: a positive number",
+        ),
+        (
+            vec!["--profile", "synthetic-memory-bound", "--step-s", "inf"],
+            "--step-s",
+            "accepted: a positive number",
+        ),
+        (
+            vec!["--profile", "synthetic-memory-bound", "--duration", "NaN"],
+            "--duration",
+            "accepted: a positive number",
+        ),
+        (
+            vec!["--profile", "synthetic-memory-bound", "--gpus", "x,,y"],
+            "--gpus",
+            "neither an index nor a GPU-/MIG- UUID",
+        ),
+    ] {
+        let out = simjob()
+            .args(&args)
+            .env_remove("POWERFLEX_SIM_DIR")
+            .output()
+            .expect("run simjob");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("invalid value") && stderr.contains(flag) && stderr.contains(accepted),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
 }

@@ -21,13 +21,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use serde_json::{json, Value};
 
-use powerflex::slurm::{Cluster, ClusterOptions};
-use powerflex::{profile_dir, repo_root, run, write_site_key, Children};
 use powerflex_core::Watts;
 use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::{ControlOp, ControlRequest, VERSION};
 use powerflex_sim::profiles::Library;
 use powerflex_sim::state::Node;
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::{profile_dir, repo_root, run, write_site_key, Children};
 
 const NODES: u32 = 3;
 const GPUS_PER_NODE: u32 = 8;
@@ -47,19 +48,19 @@ const SLOWDOWN_TOLERANCE: f64 = 0.03;
 )]
 struct Cli {
     /// The grid event's cut, as a share of the cluster's measured draw before it.
-    #[arg(long, default_value_t = 0.30, value_name = "FRACTION")]
+    #[arg(long, default_value = "0.3", value_name = "FRACTION", value_parser = cut_share)]
     cut: f64,
     /// How long the budget takes to step down at the start, and back up at the end, s.
-    #[arg(long, default_value_t = 10.0, value_name = "S")]
+    #[arg(long, default_value = "10", value_name = "S", value_parser = ramp_s)]
     ramp_s: f64,
     /// How long the event holds at its full cut, s.
-    #[arg(long, default_value_t = 60.0, value_name = "S")]
+    #[arg(long, default_value = "60", value_name = "S", value_parser = hold_s)]
     hold_s: f64,
     /// Simulated seconds per real second for the training jobs.
-    #[arg(long, default_value_t = 20.0, value_name = "X")]
+    #[arg(long, default_value = "20", value_name = "X", value_parser = time_scale)]
     time_scale: f64,
     /// Where the plot, the jobs' step logs, the daemons' logs and the summary go
-    /// [default: <repo>/target/powerflex-demo].
+    /// [default: REPO/target/powerflex-demo].
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
 }
@@ -158,6 +159,42 @@ impl Progress {
         println!("[{:>2}:{:02}] {}", s / 60, s % 60, message.as_ref());
         let _ = std::io::stdout().flush();
     }
+}
+
+/// A number in a range, or a message naming the range (clap exits 2 with it).
+fn ranged(text: &str, ok: impl Fn(f64) -> bool, accepted: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && ok(v) => Ok(v),
+        _ => Err(format!("accepted: {accepted}")),
+    }
+}
+
+fn cut_share(text: &str) -> Result<f64, String> {
+    ranged(
+        text,
+        |v| v > 0.0 && v < 0.9,
+        "a share of the draw between 0 and 0.9, e.g. 0.3",
+    )
+}
+
+fn ramp_s(text: &str) -> Result<f64, String> {
+    ranged(text, |v| v >= 1.0, "at least 1 second")
+}
+
+fn hold_s(text: &str) -> Result<f64, String> {
+    ranged(
+        text,
+        |v| v >= 15.0,
+        "at least 15 seconds (the measurement window)",
+    )
+}
+
+fn time_scale(text: &str) -> Result<f64, String> {
+    ranged(
+        text,
+        |v| v >= 1.0,
+        "at least 1 simulated second per real second",
+    )
 }
 
 fn main() -> ExitCode {
@@ -306,21 +343,19 @@ fn wait_for<T>(
     }
 }
 
-/// The steps a simulated job's rank logged (lines `true,step,tokens,elapsed_s,
-/// tokens_per_s,cap_min_w,cap_max_w,unix_ms`).
+/// The steps a simulated job's rank logged (`powerflex_sim::steplog`); a log not yet
+/// written or not readable counts as no steps, as before.
 fn read_steps(path: &Path) -> Vec<Step> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Vec::new();
     };
-    text.lines()
-        .filter(|l| l.starts_with("true,"))
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(',').collect();
-            Some(Step {
-                tokens: f.get(2)?.parse().ok()?,
-                cap_w: f.get(5)?.parse().ok()?,
-                unix_ms: f.get(7)?.parse().ok()?,
-            })
+    powerflex_sim::steplog::read_steps(&text)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| Step {
+            tokens: s.tokens,
+            cap_w: f64::from(s.cap_min_w),
+            unix_ms: s.unix_ms,
         })
         .collect()
 }
@@ -433,15 +468,6 @@ fn terminate(child: &mut Child) {
 }
 
 fn run_demo(cli: &Cli) -> Result<bool, String> {
-    if !(cli.cut > 0.0 && cli.cut < 0.9) {
-        return Err(format!(
-            "--cut {} is out of range: give a share of the draw between 0 and 0.9, e.g. 0.3",
-            cli.cut
-        ));
-    }
-    if !(cli.ramp_s >= 1.0 && cli.hold_s >= 15.0 && cli.time_scale >= 1.0) {
-        return Err("--ramp-s must be at least 1, --hold-s at least 15 (the measurement window), --time-scale at least 1".into());
-    }
     check_root()?;
     let ctld_bin = artifact("powerflex-ctld")?;
     let agent_bin = artifact("powerflexd")?;
@@ -476,29 +502,28 @@ fn run_demo(cli: &Cli) -> Result<bool, String> {
         .port();
     let site = out.join("powerflex.toml");
     let budget_w = f64::from(NODES * GPUS_PER_NODE) * DEFAULT_CAP_W;
-    let grid: Vec<String> = CALIBRATION_CAPS_W
-        .iter()
-        .map(|c| format!("{c:.1}"))
-        .collect();
-    std::fs::write(
-        &site,
-        format!(
-            "# powerflex demo site (written by powerflex-demo): 3 nodes x 8 SIMULATED H200.\n\
-             # Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).\n\
-             [facility]\ngpu_budget_w = {budget_w:.1}\npolicy = \"optimal\"\n[tiers]\ndefault = \"none\"\n\
-             [gpu_models.H200]\nmin_cap_w = 200.0\nmax_cap_w = 700.0\ncap_step_w = 10.0\n\
-             calibration_caps_w = [{grid}]\nfailsafe_cap_w = 500.0\n\
-             [controller]\nlisten = \"127.0.0.1:{port}\"\nlease_ttl_s = 10\nallocation_period_s = 1\n\
-             key_file = \"{key}\"\nadmin_socket = \"{run}/ctld.sock\"\nstate_dir = \"{run}/ctld\"\n\
-             [agent]\nsocket = \"{run}/agent/%n.sock\"\nstate_dir = \"{run}/state/%n\"\nnvml_library = \"{nvml}\"\n\
-             calibration_warmup_s = 2.0\ncalibration_settle_s = 2.0\ncalibration_hold_s = 5.0\n",
-            grid = grid.join(", "),
-            key = key.display(),
-            run = run_dir.display(),
-            nvml = nvml.display()
-        ),
-    )
-    .map_err(|e| format!("{}: {e}", site.display()))?;
+    SiteBuilder::new(budget_w)
+        .header(
+            "powerflex demo site (written by powerflex-demo): 3 nodes x 8 SIMULATED H200.\n\
+             Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).\n\
+             The demo's jobs are the site's own simulated jobs, so it trusts their token\n\
+             counts and maximises total tokens/s (the default objective is relative speed).",
+        )
+        // Its results are judged in total tokens/s against equal-weight: the allocation
+        // must maximise the same thing.
+        .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
+        .h200(&CALIBRATION_CAPS_W, 500.0)
+        .controller(([127, 0, 0, 1], port).into(), 10, 1)
+        .key_file(&key)
+        .controller_paths(&run_dir.join("ctld.sock"), &run_dir.join("ctld"))
+        .agent_paths(
+            &format!("{}/agent/%n.sock", run_dir.display()),
+            &format!("{}/state/%n", run_dir.display()),
+            &nvml,
+        )
+        .calibration_s(2.0, 2.0, 5.0)
+        .write(&site)
+        .map_err(|e| e.to_string())?;
 
     println!("powerflex demo — every GPU here is SIMULATED (libpowerflex_sim_nvml.so behind the real NVML API); the training jobs are simulated too.");
     println!("results, logs and the plot go to {}\n", out.display());

@@ -1,8 +1,8 @@
 //! `powerflexctl`: powerflex's admin CLI.
 //!
-//! Exit codes: 0 success; 1 the input was read but rejected (malformed file, invalid
-//! value, refused by the controller), or an I/O error; 2 the command line itself is wrong
-//! (clap's usage errors).
+//! Exit codes: 0 success; 1 the input was read but rejected (malformed file, refused by
+//! the controller), or an I/O error; 2 the command line itself is wrong: every value given
+//! on it is parsed by clap (`value_parser`), so a bad value is a usage error.
 
 use std::process::ExitCode;
 
@@ -10,7 +10,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use powerflex_controller::ctld::{self, AdminOp};
 use powerflex_controller::offline;
-use powerflex_controller::schedule::{parse_duration_ms, parse_reduce, parse_start_ms, Cut};
+use powerflex_controller::schedule::{
+    duration_text, parse_duration_ms, parse_event_duration_ms, parse_reduce, parse_start, utc_text,
+    Cut, Start,
+};
 use powerflex_controller::{read_text, CtlError};
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::SiteConfig;
@@ -45,7 +48,7 @@ enum Format {
 enum Command {
     /// PFI (arXiv 2609.11542 Eq. 1) of every job in a curves file.
     Pfi {
-        /// Curves CSV: job,cap_w,power_w,throughput[,gpus,tier,dram_copy_product];
+        /// Curves CSV: job,cap_w,power_w,throughput, then optionally gpus,tier,dram_copy_product;
         /// cap_w per GPU in W, power_w the job's summed GPU power in W.
         #[arg(long, value_name = "FILE")]
         curves: String,
@@ -63,8 +66,8 @@ enum Command {
         curves: String,
         /// Budget for the summed GPU power of these jobs: watts, or with a unit
         /// (850kW, 1.2MW).
-        #[arg(long, value_name = "W")]
-        budget_w: String,
+        #[arg(long, value_name = "W", value_parser = power)]
+        budget_w: Watts,
         /// Allocation policy [default: the site's, else optimal].
         #[arg(long, value_parser = ["optimal", "equal", "pfi-proportional"])]
         policy: Option<String>,
@@ -87,13 +90,13 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         curves: String,
         /// Fraction of Σ P_max to shed, e.g. 0.3 for a 30 % cut.
-        #[arg(long, value_name = "F")]
+        #[arg(long, value_name = "F", value_parser = open_fraction)]
         cut: f64,
         /// Jobs per workload, drawn with replacement from the file.
-        #[arg(long, default_value_t = 100, value_name = "N")]
+        #[arg(long, default_value_t = 100, value_name = "N", value_parser = at_least_one)]
         jobs_per_workload: usize,
         /// Number of random workloads.
-        #[arg(long, default_value_t = 500, value_name = "N")]
+        #[arg(long, default_value_t = 500, value_name = "N", value_parser = at_least_one)]
         workloads: usize,
         /// Seed of the random draws (same seed, same numbers, on any machine).
         #[arg(long, default_value_t = 1, value_name = "N")]
@@ -101,39 +104,44 @@ enum Command {
         /// Fixed calibration caps as fractions of each job's maximum cap, one window each
         /// (each maps to the nearest measured cap); without it the designed calibration
         /// runs (see --calibration-budget, --expected-cut).
-        #[arg(long, value_delimiter = ',', value_name = "F,F,...")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            value_name = "F,F,...",
+            value_parser = grid_fraction
+        )]
         calibration_grid: Option<Vec<f64>>,
         /// One standard deviation of multiplicative noise on one measurement window's
         /// reading of power and of throughput (0.01 = 1 %).
-        #[arg(long, default_value_t = 0.01, value_name = "F")]
+        #[arg(long, default_value_t = 0.01, value_name = "F", value_parser = noise_fraction)]
         noise: f64,
         /// Score raw throughput (tokens/s) instead of per-job normalised T/T_max.
         #[arg(long)]
         raw: bool,
         /// Cap granularity, W per GPU (default: the spacing of each job's measured caps,
         /// so only measured caps are chosen).
-        #[arg(long, value_name = "W")]
+        #[arg(long, value_name = "W", value_parser = positive_w)]
         cap_step_w: Option<f64>,
         /// Most tokens the designed calibration may cost a job, fraction of its
         /// first-hour tokens.
-        #[arg(long, default_value_t = 0.02, value_name = "F")]
+        #[arg(long, default_value_t = 0.02, value_name = "F", value_parser = budget_fraction)]
         calibration_budget: f64,
         /// The deepest cut the site expects, a fraction; sets how deep the designed
         /// calibration walks [default: the site config's facility.expected_cut_pct, else 0.3].
-        #[arg(long, value_name = "F")]
+        #[arg(long, value_name = "F", value_parser = open_fraction)]
         expected_cut: Option<f64>,
         /// Site config (powerflex.toml) to take the expected cut from.
         #[arg(long, value_name = "FILE")]
         site: Option<String>,
         /// Length of one calibration measurement window, s (--noise is per window).
-        #[arg(long, default_value_t = 30.0, value_name = "S")]
+        #[arg(long, default_value_t = 30.0, value_name = "S", value_parser = positive_s)]
         window_s: f64,
         /// Standard deviations by which the optimal caps' expected gain must beat its
         /// uncertainty before the allocator leaves the equal split.
-        #[arg(long, default_value_t = 1.0, value_name = "Z")]
+        #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
         gain_z: f64,
         /// Standard deviations of the summed-power error kept below the budget.
-        #[arg(long, default_value_t = 1.0, value_name = "Z")]
+        #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
         power_z: f64,
         /// Multi-event mode: run this many grid events after calibration, learning from
         /// each event's steady stretches and small cap probes; reports gap recovered per
@@ -141,7 +149,7 @@ enum Command {
         #[arg(long, default_value_t = 0, value_name = "N")]
         events: usize,
         /// How long each event holds its caps, s.
-        #[arg(long, default_value_t = 3600.0, value_name = "S")]
+        #[arg(long, default_value_t = 3600.0, value_name = "S", value_parser = positive_s)]
         event_hold_s: f64,
         /// Suppress the progress line on stderr.
         #[arg(long, short)]
@@ -187,11 +195,11 @@ enum Command {
     /// nothing is applied. `whatif --policy equal` is the equal-weight baseline.
     Whatif {
         /// optimal, equal or pfi-proportional.
-        #[arg(long, default_value = "equal")]
+        #[arg(long, default_value = "equal", value_parser = ["optimal", "equal", "pfi-proportional"])]
         policy: String,
         /// Budget to split, e.g. 11kW [default: the budget in force, events included].
-        #[arg(long)]
-        budget: Option<String>,
+        #[arg(long, value_parser = power)]
+        budget: Option<Watts>,
         #[command(flatten)]
         ctld: CtldArgs,
         #[arg(long, value_enum, default_value = "table")]
@@ -213,7 +221,7 @@ enum Command {
     /// in-memory history: one sample per allocation period, the last 8,640).
     Plot {
         /// Where to write the picture; must end in .svg.
-        #[arg(long, value_name = "FILE.svg")]
+        #[arg(long, value_name = "FILE.svg", value_parser = svg_path)]
         out: String,
         /// Title printed at the top.
         #[arg(
@@ -237,7 +245,7 @@ enum Command {
         paper: String,
         /// Multiplicative measurement noise on each point (0.005 = 0.5 %); 0 reproduces
         /// the paper's PFIs exactly.
-        #[arg(long, default_value_t = 0.0, value_name = "F")]
+        #[arg(long, default_value_t = 0.0, value_name = "F", value_parser = noise_fraction)]
         noise: f64,
         /// Seed of the noise.
         #[arg(long, default_value_t = 1, value_name = "N")]
@@ -260,7 +268,8 @@ struct CtldArgs {
 enum BudgetAction {
     /// Set the budget: watts, or with a unit (850kW, 1.2MW).
     Set {
-        budget: String,
+        #[arg(value_parser = power)]
+        budget: Watts,
         #[command(flatten)]
         ctld: CtldArgs,
     },
@@ -271,20 +280,25 @@ enum EventAction {
     /// Schedule a grid event: --reduce 30% or --target 600kW, from --start for --duration.
     Add {
         /// Cut this share of the budget, e.g. 30%.
-        #[arg(long, conflicts_with = "target", required_unless_present = "target")]
-        reduce: Option<String>,
+        #[arg(
+            long,
+            conflicts_with = "target",
+            required_unless_present = "target",
+            value_parser = parse_reduce
+        )]
+        reduce: Option<f64>,
         /// Bring the budget to this power, e.g. 600kW.
-        #[arg(long)]
-        target: Option<String>,
-        /// now, +DURATION (+10m) or an RFC 3339 time.
-        #[arg(long, default_value = "now")]
-        start: String,
-        /// How long the event lasts: 90s, 5m, 3h, 1d.
-        #[arg(long)]
-        duration: String,
+        #[arg(long, value_parser = power)]
+        target: Option<Watts>,
+        /// now, +DURATION (+10m) or an RFC 3339 time with an offset (2026-12-01T17:00:00Z).
+        #[arg(long, default_value = "now", value_parser = parse_start)]
+        start: Start,
+        /// How long the event lasts: 90s, 5m, 3h, 1h30m, 1d (more than 0).
+        #[arg(long, value_name = "DURATION", value_parser = parse_event_duration_ms)]
+        duration: u64,
         /// Time over which caps step down after the start and back up before the end.
-        #[arg(long, default_value = "0s")]
-        ramp: String,
+        #[arg(long, default_value = "0s", value_name = "DURATION", value_parser = parse_duration_ms)]
+        ramp: u64,
         #[command(flatten)]
         ctld: CtldArgs,
     },
@@ -301,6 +315,105 @@ enum EventAction {
         #[command(flatten)]
         ctld: CtldArgs,
     },
+}
+
+/// A power on the command line: `850kW`, `1.2MW`, `700W` or bare watts.
+fn power(text: &str) -> Result<Watts, String> {
+    Watts::parse(text).map_err(|e| e.to_string())
+}
+
+/// A number, or a message naming the flag's accepted range.
+fn number(text: &str, accepted: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err(format!(
+            "\"{}\" is not a number; accepted: {accepted}",
+            text.escape_default()
+        )),
+    }
+}
+
+fn in_range(text: &str, accepted: &str, ok: impl Fn(f64) -> bool) -> Result<f64, String> {
+    let v = number(text, accepted)?;
+    if ok(v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is out of range; accepted: {accepted}"))
+    }
+}
+
+/// `--cut`: a share of the power strictly between 0 and 1.
+fn open_fraction(text: &str) -> Result<f64, String> {
+    in_range(text, "a fraction strictly between 0 and 1, e.g. 0.3", |v| {
+        v > 0.0 && v < 1.0
+    })
+}
+
+/// One `--calibration-grid` entry: a fraction of the maximum cap.
+fn grid_fraction(text: &str) -> Result<f64, String> {
+    in_range(text, "fractions in (0, 1], e.g. 1.0,0.8,0.6,0.4", |v| {
+        v > 0.0 && v <= 1.0
+    })
+}
+
+/// `--noise`: one standard deviation of multiplicative noise.
+fn noise_fraction(text: &str) -> Result<f64, String> {
+    in_range(text, "a fraction in [0, 0.5), e.g. 0.01", |v| {
+        (0.0..0.5).contains(&v)
+    })
+}
+
+/// `--cap-step-w`: watts per GPU above 0.
+fn positive_w(text: &str) -> Result<f64, String> {
+    in_range(text, "a positive number of watts, e.g. 1 or 5", |v| v > 0.0)
+}
+
+/// `--calibration-budget`: a fraction of first-hour tokens.
+fn budget_fraction(text: &str) -> Result<f64, String> {
+    in_range(text, "a fraction in (0, 0.5], e.g. 0.02", |v| {
+        v > 0.0 && v <= 0.5
+    })
+}
+
+/// `--window-s`, `--event-hold-s`: seconds above 0.
+fn positive_s(text: &str) -> Result<f64, String> {
+    in_range(text, "a positive number of seconds, e.g. 30", |v| v > 0.0)
+}
+
+/// `--power-z`, `--gain-z`: standard deviations, 0 or more.
+fn z_score(text: &str) -> Result<f64, String> {
+    in_range(
+        text,
+        "a non-negative number of standard deviations, e.g. 1",
+        |v| v >= 0.0,
+    )
+}
+
+/// A count of at least one.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "\"{}\" is not a whole number of at least 1",
+            text.escape_default()
+        )),
+    }
+}
+
+/// `plot --out`: only SVG is written.
+fn svg_path(text: &str) -> Result<String, String> {
+    let extension = std::path::Path::new(text)
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    if extension.as_deref() == Some("svg") {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "\"{}\" does not end in .svg; only SVG is written (open it in a browser or convert it with rsvg-convert)",
+            text.escape_default()
+        ))
+    }
 }
 
 fn admin_socket(args: &CtldArgs) -> Result<std::path::PathBuf, CtlError> {
@@ -542,20 +655,15 @@ fn list_events(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
     match format {
         Format::Json => json(&status["events"]),
         Format::Table => {
-            let mut t = powerflex_controller::table::Table::new([
-                "id",
-                "cut",
-                "start (unix ms)",
-                "duration",
-                "ramp",
-            ]);
+            let mut t =
+                powerflex_controller::table::Table::new(["id", "cut", "start", "duration", "ramp"]);
             for e in status["events"].as_array().into_iter().flatten() {
                 t.row([
                     e["id"].to_string(),
                     e["cut"].to_string(),
-                    e["start_ms"].to_string(),
-                    format!("{} s", e["duration_ms"].as_u64().unwrap_or(0) / 1000),
-                    format!("{} s", e["ramp_ms"].as_u64().unwrap_or(0) / 1000),
+                    e["start_ms"].as_u64().map_or("-".into(), utc_text),
+                    e["duration_ms"].as_u64().map_or("-".into(), duration_text),
+                    e["ramp_ms"].as_u64().map_or("-".into(), duration_text),
                 ]);
             }
             Ok(t.render())
@@ -608,8 +716,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             gpu_model,
             format,
         } => {
-            let budget =
-                Watts::parse(&budget_w).map_err(|e| CtlError::Usage(format!("--budget-w: {e}")))?;
+            let budget = budget_w;
             let policy = policy.as_deref().and_then(Policy::from_name);
             let setup = match site {
                 Some(path) => {
@@ -804,10 +911,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             ctld: args,
             format,
         } => {
-            let budget_w = budget
-                .map(|b| Watts::parse(&b).map_err(|e| CtlError::Usage(format!("budget: {e}"))))
-                .transpose()?
-                .map(|w| w.0);
+            let budget_w = budget.map(|w| w.0);
             let decision = admin(&args, AdminOp::WhatIf { policy, budget_w })?.unwrap_or_default();
             match format {
                 Format::Json => json(&decision),
@@ -817,7 +921,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
         Command::Budget {
             action: BudgetAction::Set { budget, ctld: args },
         } => {
-            let w = Watts::parse(&budget).map_err(|e| CtlError::Usage(format!("budget: {e}")))?;
+            let w = budget;
             admin(&args, AdminOp::BudgetSet { budget_w: w.0 })?;
             Ok(format!("budget set to {w}\n"))
         }
@@ -831,23 +935,14 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 ctld: args,
             } => {
                 let cut = match (reduce, target) {
-                    (Some(r), _) => Cut::Reduce {
-                        fraction: parse_reduce(&r).map_err(|e| CtlError::Usage(e.to_string()))?,
-                    },
-                    (None, Some(t)) => Cut::Target {
-                        budget_w: Watts::parse(&t)
-                            .map_err(|e| CtlError::Usage(format!("--target: {e}")))?,
-                    },
+                    (Some(fraction), _) => Cut::Reduce { fraction },
+                    (None, Some(budget_w)) => Cut::Target { budget_w },
                     (None, None) => {
                         return Err(CtlError::Usage("give --reduce or --target".into()))
                     }
                 };
-                let start_ms =
-                    parse_start_ms(&start, now_ms()).map_err(|e| CtlError::Usage(e.to_string()))?;
-                let duration_ms = parse_duration_ms(&duration)
-                    .map_err(|e| CtlError::Usage(format!("--duration: {e}")))?;
-                let ramp_ms = parse_duration_ms(&ramp)
-                    .map_err(|e| CtlError::Usage(format!("--ramp: {e}")))?;
+                let start_ms = start.resolve(now_ms());
+                let (duration_ms, ramp_ms) = (duration, ramp);
                 let reply = admin(
                     &args,
                     AdminOp::EventAdd {
@@ -872,15 +967,6 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             title,
             ctld: args,
         } => {
-            let extension = std::path::Path::new(&out)
-                .extension()
-                .and_then(|e| e.to_str())
-                .map(str::to_ascii_lowercase);
-            if extension.as_deref() != Some("svg") {
-                return Err(CtlError::Usage(format!(
-                    "--out {out}: only SVG is written (name the file *.svg); open it in a browser or convert it with rsvg-convert"
-                )));
-            }
             let history = admin(&args, AdminOp::History)?.unwrap_or_default();
             let samples: Vec<ctld::Sample> = serde_json::from_value(history).map_err(|e| {
                 CtlError::Usage(format!("the controller's history is not understood: {e}"))
@@ -900,11 +986,6 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             ))
         }
         Command::SynthCurves { paper, noise, seed } => {
-            if !(noise.is_finite() && (0.0..0.5).contains(&noise)) {
-                return Err(CtlError::Usage(format!(
-                    "--noise must be a fraction in [0, 0.5), e.g. 0.005 (got {noise})"
-                )));
-            }
             let text = read_text(&paper, MAX_INPUT_BYTES)?;
             offline::synth_curves(&text, noise, seed).map_err(|source| CtlError::Input {
                 path: paper,

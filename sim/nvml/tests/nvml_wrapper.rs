@@ -12,6 +12,7 @@ use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use powerflex_sim::state::{Node, Workload};
+use powerflex_testbed::needs::{can_run, Need};
 
 /// GPUs of the shared in-process node; each test owns one so they can run in parallel.
 const READ_GPU: u32 = 0;
@@ -124,6 +125,9 @@ fn reads_every_value_the_agent_reads() {
 
 #[test]
 fn sets_limits_as_root_within_the_constraints() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let nvml = nvml();
     let mut d = nvml.device_by_index(SET_GPU).expect("device");
     d.set_power_management_limit(450_000).expect("root may set");
@@ -147,6 +151,9 @@ fn sets_limits_as_root_within_the_constraints() {
 
 #[test]
 fn non_root_gets_no_permission() {
+    if !can_run(&[Need::Root, Need::Program("setpriv")]) {
+        return;
+    }
     let (dir, node) = shared();
     let got = common::run_probe(
         Some(dir),
@@ -179,6 +186,9 @@ fn energy_counter_advances_with_time() {
 
 #[test]
 fn a_busy_gpu_never_draws_above_its_enforced_limit() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
     let (_, node) = shared();
     let library = powerflex_sim::profiles::Library::builtin().expect("library");
     let profile = library.find("qwen3-30b-a3b-moe-ft-8g").expect("profile");

@@ -36,7 +36,7 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         dir: PathBuf,
         /// Device model: H200 or H100.
-        #[arg(long, default_value = "H200")]
+        #[arg(long, default_value = "H200", value_parser = device_model)]
         model: String,
         /// Number of GPUs.
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -83,6 +83,17 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
+}
+
+/// `--model`: a known device model, checked by clap so a typo exits 2.
+fn device_model(key: &str) -> Result<String, String> {
+    match powerflex_sim::models::find(key) {
+        Some(m) => Ok(m.key.to_string()),
+        None => Err(format!(
+            "unknown device model; accepted: {}",
+            powerflex_sim::models::known_names()
+        )),
+    }
 }
 
 fn main() -> ExitCode {

@@ -30,6 +30,7 @@ use powerflex_daemon::signals::stop_signal_cell;
 use powerflex_proto::{ProgressReport, PROGRESS_ENV, VERSION};
 use powerflex_sim::profiles::{Library, Profile};
 use powerflex_sim::state::{dir_from_env, Node, Workload};
+use powerflex_sim::steplog::{StepLogWriter, StepRow};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -40,32 +41,70 @@ use powerflex_sim::state::{dir_from_env, Node, Workload};
 #[command(group(clap::ArgGroup::new("length").args(["duration", "steps"])))]
 struct Cli {
     /// Workload profile from the library (`powerflex-sim profiles` lists them).
-    #[arg(long)]
-    profile: String,
+    #[arg(long, value_parser = builtin_profile)]
+    profile: Profile,
     /// Stop after this many simulated seconds.
-    #[arg(long, value_name = "S")]
+    #[arg(long, value_name = "S", value_parser = positive_s)]
     duration: Option<f64>,
     /// Stop after this many steps [default: run until SIGTERM].
     #[arg(long, value_name = "N")]
     steps: Option<u64>,
     /// Simulated seconds per real second.
-    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    #[arg(long, default_value = "1", value_name = "X", value_parser = positive_scale)]
     time_scale: f64,
     /// Simulated seconds one step takes uncapped.
-    #[arg(long, default_value_t = 1.0, value_name = "S")]
+    #[arg(long, default_value = "1", value_name = "S", value_parser = positive_s)]
     step_s: f64,
     /// Node state directory [default: $POWERFLEX_SIM_DIR, %n = $SLURMD_NODENAME].
     #[arg(long, value_name = "DIR")]
     sim_dir: Option<PathBuf>,
     /// GPUs to use, indices or UUIDs [default: $SLURM_JOB_GPUS, else $CUDA_VISIBLE_DEVICES].
-    #[arg(long, value_name = "LIST")]
-    gpus: Option<String>,
-    /// Job id [default: $SLURM_JOB_ID, else local-<pid>].
+    #[arg(long, value_name = "LIST", value_parser = gpu_list)]
+    gpus: Option<GpuList>,
+    /// Job id [default: $SLURM_JOB_ID, else local-PID].
     #[arg(long, value_name = "ID")]
     job_id: Option<String>,
     /// Write the per-step CSV here instead of stdout.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
+}
+
+/// `--gpus`, parsed (a newtype: clap would read a bare `Vec` as a repeated flag).
+#[derive(Debug, Clone)]
+struct GpuList(Vec<GpuRef>);
+
+fn gpu_list(text: &str) -> Result<GpuList, String> {
+    parse_gpu_list(text).map(GpuList).map_err(|e| e.to_string())
+}
+
+/// A profile of the built-in library; an unknown name lists the known ones.
+fn builtin_profile(name: &str) -> Result<Profile, String> {
+    let library = Library::builtin().map_err(|e| e.to_string())?;
+    library.find(name).cloned().map_err(|e| e.to_string())
+}
+
+fn positive(text: &str, accepted: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!(
+            "\"{}\" is not accepted; accepted: {accepted}",
+            text.escape_default()
+        )),
+    }
+}
+
+fn positive_s(text: &str) -> Result<f64, String> {
+    positive(
+        text,
+        "a positive number of simulated seconds, e.g. 1 or 0.5",
+    )
+}
+
+fn positive_scale(text: &str) -> Result<f64, String> {
+    positive(
+        text,
+        "a positive number of simulated seconds per real second, e.g. 20",
+    )
 }
 
 /// Releases the job's GPUs however `main` ends.
@@ -83,10 +122,10 @@ impl Drop for Claim<'_> {
 
 /// Wall-clock time of a step's end, ms since the Unix epoch: lines up the steps of a
 /// job's ranks on different nodes with each other and with events outside the job.
-fn unix_ms() -> u128 {
+fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Best-effort progress reporting: never blocks the job for long, never fails it.
@@ -152,30 +191,14 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), String> {
-    if !(cli.time_scale.is_finite() && cli.time_scale > 0.0) {
-        return Err(format!(
-            "--time-scale must be a positive number (got {})",
-            cli.time_scale
-        ));
-    }
-    if !(cli.step_s.is_finite() && cli.step_s > 0.0) {
-        return Err(format!(
-            "--step-s must be a positive number of seconds (got {})",
-            cli.step_s
-        ));
-    }
-    let library = Library::builtin().map_err(|e| e.to_string())?;
-    let profile: Profile = library
-        .find(&cli.profile)
-        .map_err(|e| e.to_string())?
-        .clone();
+    let profile = &cli.profile;
     let dir = match &cli.sim_dir {
         Some(d) => d.clone(),
         None => dir_from_env().map_err(|e| e.to_string())?,
     };
     let node = Node::open(&dir).map_err(|e| e.to_string())?;
     let refs = match &cli.gpus {
-        Some(list) => parse_gpu_list(list).map_err(|e| format!("--gpus: {e}"))?,
+        Some(GpuList(list)) => list.clone(),
         None => job_gpus_from_env(|name| std::env::var(name).ok()).map_err(|e| e.to_string())?,
     };
     if refs.is_empty() {
@@ -202,7 +225,7 @@ fn run(cli: Cli) -> Result<(), String> {
     node.claim(&gpus, &workload).map_err(|e| e.to_string())?;
     let _claim = Claim { node: &node };
 
-    let mut out: Box<dyn Write> = match &cli.csv {
+    let out: Box<dyn Write> = match &cli.csv {
         Some(path) => Box::new(
             std::fs::File::create(path)
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))?,
@@ -210,9 +233,8 @@ fn run(cli: Cli) -> Result<(), String> {
         None => Box::new(std::io::stdout()),
     };
     let tokens_per_step = profile.tokens_per_s_per_gpu * gpus.len() as f64 * cli.step_s;
-    let _ = writeln!(
-        out,
-        "# powerflex-simjob: SIMULATED training job {job_id}, profile {} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
+    let comment = format!(
+        "powerflex-simjob: SIMULATED training job {job_id}, profile {} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
         profile.name,
         gpus.len(),
         node.model().key,
@@ -220,11 +242,7 @@ fn run(cli: Cli) -> Result<(), String> {
         node.info().node,
         cli.time_scale
     );
-    let _ = writeln!(
-        out,
-        "simulated,step,tokens,elapsed_s,tokens_per_s,cap_min_w,cap_max_w,unix_ms"
-    );
-    let _ = out.flush();
+    let mut log = StepLogWriter::new(out, &comment).map_err(|e| e.to_string())?;
 
     let mut reporter = Reporter::from_env();
     let (mut step, mut tokens, mut elapsed_sim) = (0u64, 0u64, 0.0f64);
@@ -269,13 +287,18 @@ fn run(cli: Cli) -> Result<(), String> {
         step += 1;
         tokens += tokens_per_step.round() as u64;
         elapsed_sim += step_sim;
-        let _ = writeln!(
-            out,
-            "true,{step},{tokens},{elapsed_sim:.3},{:.1},{cap_min:.0},{cap_max:.0},{}",
-            tokens_per_step / step_sim,
-            unix_ms()
-        );
-        let _ = out.flush();
+        // A log that cannot be written (full disk, closed pipe) must not stop training,
+        // as a real job's logging would not: the progress report still goes out.
+        let _ = log.step(&StepRow {
+            simulated: true,
+            step,
+            tokens,
+            elapsed_s: (elapsed_sim * 1000.0).round() / 1000.0,
+            tokens_per_s: (tokens_per_step / step_sim * 10.0).round() / 10.0,
+            cap_min_w: cap_min.round() as u32,
+            cap_max_w: cap_max.round() as u32,
+            unix_ms: unix_ms(),
+        });
         reporter.send(&ProgressReport {
             v: VERSION,
             job_id: job_id.clone(),

@@ -7,11 +7,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub use powerflex::profile_dir;
+pub use powerflex_testbed::profile_dir;
 
 /// The simulated NVML library (built, with the probe example, for this test run).
 pub fn library() -> PathBuf {
-    powerflex::cargo_build(&["-p", "powerflex-sim-nvml", "--lib", "--examples"]);
+    powerflex_testbed::cargo_build(&["-p", "powerflex-sim-nvml", "--lib", "--examples"]);
     let lib = profile_dir().join("libpowerflex_sim_nvml.so");
     assert!(lib.is_file(), "{} missing", lib.display());
     lib

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The developer's loop: format check, clippy with warnings as errors, and the pure unit
+# tests of every crate (their lib and bin tests: no running Slurm, no root, no daemons;
+# building the plugin needs libslurm-dev's spank.h and libclang all the same). Under
+# two minutes on a 2-core machine once built. The whole suite, with the whole-system
+# tests on a local Slurm cluster, is scripts/test.sh.
+#
+#   scripts/quick.sh            check
+#   scripts/quick.sh --fix      run cargo fmt first instead of only checking it
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/steps.sh
+
+if [[ ${1:-} == --fix ]]; then
+    run_step "cargo fmt" cargo fmt --all
+else
+    run_step "cargo fmt --check" cargo fmt --all -- --check
+fi
+run_step "cargo clippy (warnings are errors)" \
+    cargo clippy --workspace --all-targets --quiet -- -D warnings
+run_step "unit tests (every crate's lib and bins)" \
+    cargo test --workspace --lib --bins --quiet
+if command -v cargo-machete >/dev/null 2>&1; then
+    run_step "unused dependencies (cargo machete)" cargo machete
+fi
+steps_summary
