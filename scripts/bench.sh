@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates BENCHMARKS.md: every benchmark, run now on this machine, side by side
 # where it is a comparison. As root on Debian 12 (the srun benchmark starts a local
-# Slurm cluster); takes about 3 minutes on a 2-core VM after the build.
+# Slurm cluster); takes about 9 minutes on a 2-core VM after the build (6 of them the
+# offline evaluation, scripts/bench-offline.sh).
 #
 #   scripts/bench.sh            # writes BENCHMARKS.md
 #   scripts/bench.sh OUT.md     # writes OUT.md instead
@@ -57,11 +58,8 @@ section "srun launch overhead of the SPANK plugin (ratio to no plugin)" \
 section "Agent: calibration time and token cost per tier; RSS and CPU per GPU count" \
     "cargo bench -p powerflex-agent --bench agent" \
     cargo bench --quiet -p powerflex-agent --bench agent
-for cut in 0.1 0.2 0.3 0.4; do
-    section "Offline evaluation at a ${cut} cut, every policy (SIMULATED curves fitted to the paper's PFIs)" \
-        "powerflexctl evaluate --curves data/curves/paper_h200_synthetic.csv --cut ${cut}" \
-        target/release/powerflexctl evaluate --quiet --curves data/curves/paper_h200_synthetic.csv --cut "$cut"
-done
+step "offline evaluation (scripts/bench-offline.sh)"
+scripts/bench-offline.sh target/release/powerflexctl >>"$tmp"
 mv "$tmp" "$out"
 trap - EXIT
 step "wrote $out"

@@ -20,8 +20,13 @@ echo "== PFI of the paper's 29 H200 workloads (SIMULATED curves fitted to the pa
 
 for cut in 0.1 0.2 0.3 0.4; do
     echo
-    echo "== grid event: cut ${cut} of the site's uncapped GPU power (500 random 100-job workloads)"
+    echo "== grid event: cut ${cut} of the site's uncapped GPU power (500 random 100-job workloads, SIMULATED curves)"
     "$ctl" evaluate --curves "$curves" --cut "$cut"
+done
+for cut in 0.1 0.2 0.3; do
+    echo
+    echo "== grid event: cut ${cut} on REAL measured curves (Zeus NSDI'23: 120 V100/RTX6000 training jobs)"
+    "$ctl" evaluate --curves data/curves/zeus_nsdi23_dev.csv --cut "$cut"
 done
 
 echo

@@ -86,52 +86,69 @@ pub fn render_evaluate(report: &EvaluateReport) -> String {
         "Σ T/T_max per workload"
     };
     let mut out = format!(
-        "cut {:.0}% of Σ P_max, {} workloads × {} jobs, noise {:.1}%, seed {} ({unit})\n",
+        "cut {:.0}% of Σ P_max, {} workloads × {} jobs, noise {:.1}% per window, {} calibration, seed {} ({unit})\n",
         report.cut * 100.0,
         report.workloads,
         report.jobs_per_workload,
         report.noise * 100.0,
+        report.calibration,
         report.seed
     );
     let mut t = Table::new([
         "policy",
         "throughput",
         "vs equal",
-        "gap recovered",
+        "gap (attainable)",
+        "gap (power space)",
         "power/budget",
         "violations",
     ]);
-    let rows: [(&str, f64, Option<f64>, f64, usize); 4] = [
+    let pct = |g: Option<f64>| g.map_or("-".to_string(), |g| format!("{:.1}%", g * 100.0));
+    /// policy, throughput, gap vs attainable, gap vs power space, power/budget, violations
+    type Row<'a> = (&'a str, f64, Option<f64>, Option<f64>, f64, Option<usize>);
+    let rows: [Row<'_>; 5] = [
         (
             "equal",
             report.equal,
             Some(0.0),
+            Some(0.0),
             report.power_over_budget.equal,
-            report.budget_violations.equal,
+            Some(report.budget_violations.equal),
         ),
         (
             "pfi_proportional",
             report.pfi_proportional,
             report.gap_recovered.pfi_proportional,
+            report.gap_recovered_vs_power_space.pfi_proportional,
             report.power_over_budget.pfi_proportional,
-            report.budget_violations.pfi_proportional,
+            Some(report.budget_violations.pfi_proportional),
         ),
         (
             "optimal_calibrated",
             report.optimal_calibrated,
             report.gap_recovered.optimal_calibrated,
+            report.gap_recovered_vs_power_space.optimal_calibrated,
             report.power_over_budget.optimal_calibrated,
-            report.budget_violations.optimal_calibrated,
+            Some(report.budget_violations.optimal_calibrated),
         ),
         (
-            "oracle",
+            "oracle (attainable)",
             report.oracle,
             Some(1.0),
+            report.gap_recovered_vs_power_space.oracle,
             report.power_over_budget.oracle,
-            report.budget_violations.oracle,
+            Some(report.budget_violations.oracle),
+        ),
+        (
+            "power-space optimum",
+            report.power_space_optimum,
+            None,
+            Some(1.0),
+            f64::NAN,
+            None,
         ),
     ];
-    for (name, value, gap, power, violations) in rows {
+    for (name, value, gap, gap_space, power, violations) in rows {
         let vs_equal = if report.equal > 0.0 {
             format!("{:+.2}%", (value / report.equal - 1.0) * 100.0)
         } else {
@@ -141,17 +158,62 @@ pub fn render_evaluate(report: &EvaluateReport) -> String {
             name.to_string(),
             format!("{value:.3}"),
             vs_equal,
-            gap.map_or("-".to_string(), |g| format!("{:.1}%", g * 100.0)),
-            format!("{:.4}", power),
-            violations.to_string(),
+            pct(gap),
+            pct(gap_space),
+            if power.is_finite() {
+                format!("{power:.4}")
+            } else {
+                "-".to_string()
+            },
+            violations.map_or("-".to_string(), |v| v.to_string()),
         ]);
     }
     out.push_str(&t.render());
+    let c = &report.calibration_cost;
+    out.push_str(&format!(
+        "calibration: {:.2} capped levels, {:.0} s per job; token cost {:.2}% of first-hour tokens on average, {:.2}% at most{}\n",
+        c.mean_levels,
+        c.mean_seconds,
+        c.mean_fraction * 100.0,
+        c.max_fraction * 100.0,
+        c.budget_fraction
+            .map_or(String::new(), |b| format!(" (budget {:.1}%)", b * 100.0))
+    ));
+    if report.kept_equal_workloads > 0 {
+        out.push_str(&format!(
+            "{} workload(s) kept the equal split: the optimal caps' expected gain was within its uncertainty\n",
+            report.kept_equal_workloads
+        ));
+    }
     if report.infeasible_workloads > 0 {
         out.push_str(&format!(
             "{} workload(s) infeasible (budget below every job at its lowest cap), left out of the means\n",
             report.infeasible_workloads
         ));
+    }
+    if !report.events.is_empty() {
+        let mut e = Table::new([
+            "event",
+            "optimal_calibrated",
+            "gap (attainable)",
+            "violations",
+            "kept equal",
+            "probe cost",
+        ]);
+        for row in &report.events {
+            e.row([
+                row.event.to_string(),
+                format!("{:.3}", row.optimal_calibrated),
+                pct(row.gap_recovered),
+                row.budget_violations.to_string(),
+                row.kept_equal.to_string(),
+                format!("{:.3}%", row.probe_cost_fraction * 100.0),
+            ]);
+        }
+        out.push_str(
+            "\nlearning over events (each event's caps from everything measured before it):\n",
+        );
+        out.push_str(&e.render());
     }
     out
 }

@@ -86,6 +86,10 @@ pub struct RawFacility {
     pub gpu_budget_w: f64,
     /// Allocation policy: `optimal` (default), `equal` or `pfi-proportional`.
     pub policy: Option<String>,
+    /// The deepest grid-event cut the site expects, percent of the uncapped draw
+    /// (default 30, accepted above 0 and below 95): calibration walks each job as deep as
+    /// such a cut can push it.
+    pub expected_cut_pct: Option<f64>,
     /// What the budget bounds: `metered` (default; the GPUs' measured draw) or `hard`
     /// (the sum of caps × GPUs, trusting no curve: for breaker limits).
     pub budget_mode: Option<String>,
@@ -243,6 +247,8 @@ pub struct FacilityConfig {
     /// Facility GPU power budget, above 0.
     pub gpu_budget_w: Watts,
     pub policy: Policy,
+    /// The deepest cut the site expects, a fraction (0.3 = 30 %).
+    pub expected_cut: f64,
     pub budget_mode: BudgetMode,
     pub objective: Objective,
 }
@@ -624,6 +630,18 @@ fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
         None => Policy::Optimal,
         Some(name) => Policy::from_name(&name).ok_or(ConfigError::UnknownPolicy { value: name })?,
     };
+    let key = "facility.expected_cut_pct";
+    let expected_pct = finite(
+        key,
+        raw.expected_cut_pct.unwrap_or(DEFAULT_EXPECTED_CUT_PCT),
+    )?;
+    if !(expected_pct > 0.0 && expected_pct < 95.0) {
+        return Err(ConfigError::OutOfRange {
+            key: key.into(),
+            value: expected_pct.to_string(),
+            accepted: "above 0 and below 95 percent".into(),
+        });
+    }
     let margin_pct = finite(
         "facility.metered_margin_pct",
         raw.metered_margin_pct
@@ -682,8 +700,13 @@ fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
         policy,
         budget_mode,
         objective,
+        expected_cut: expected_pct / 100.0,
     })
 }
+
+/// Default `facility.expected_cut_pct`: the deepest cut in the paper's and the field
+/// demo's grid events (arXiv 2507.00909 shed 25 % for three hours).
+pub const DEFAULT_EXPECTED_CUT_PCT: f64 = 30.0;
 
 fn validate_tiers(raw: RawTiers) -> Result<TiersConfig, ConfigError> {
     let allow = raw.allow_max_slowdown.unwrap_or(true);
@@ -1182,6 +1205,7 @@ listen = "10.0.0.5:7300"
                 facility: FacilityConfig {
                     gpu_budget_w: Watts(120_000.0),
                     policy: Policy::Optimal,
+                    expected_cut: 0.3,
                     budget_mode: BudgetMode::Metered { margin: 0.01 },
                     objective: Objective::RelativeSpeed,
                 },
@@ -1683,6 +1707,17 @@ failsafe_cap_w = 300
                     key: "agent.calibration_allowance_pct".into(),
                     value: "51".into(),
                     accepted: "0 to 50 percent".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 120000\nexpected_cut_pct = 95",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.expected_cut_pct".into(),
+                    value: "95".into(),
+                    accepted: "above 0 and below 95 percent".into(),
                 },
             ),
             (

@@ -68,6 +68,20 @@ pub struct CapCurve {
     /// Knots below this cap are extrapolated, not read; `None` = all knots were read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     extrapolated_below_w: Option<Watts>,
+    /// One standard deviation of each knot's estimate, in knot order; empty when the
+    /// curve carries no per-point uncertainty (exact curves, priors, older estimates).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    knot_sigma: Vec<KnotSigma>,
+}
+
+/// The standard error of one knot: how far its power and throughput may be from the
+/// truth, from the spread of the measurement windows behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KnotSigma {
+    /// One standard deviation of the summed power, W.
+    pub power_w: f64,
+    /// One standard deviation of the throughput, in the job's throughput unit.
+    pub throughput: f64,
 }
 
 impl CapCurve {
@@ -105,6 +119,7 @@ impl CapCurve {
             source,
             relative_uncertainty,
             extrapolated_below_w: None,
+            knot_sigma: Vec::new(),
         })
     }
 
@@ -192,6 +207,57 @@ impl CapCurve {
         }
     }
 
+    /// Per-knot standard errors, in knot order (empty when unknown).
+    pub fn knot_sigma(&self) -> &[KnotSigma] {
+        &self.knot_sigma
+    }
+
+    /// Standard error of power and throughput at `cap`, interpolated between knots the
+    /// way the values are; `None` when the curve carries no per-point uncertainty.
+    pub fn sigma_at(&self, cap: Watts) -> Option<KnotSigma> {
+        if self.knot_sigma.len() != self.knots.len() {
+            return None;
+        }
+        let c = cap.0;
+        let n = self.knots.len();
+        if c <= self.knots[0].cap_w.0 {
+            return Some(self.knot_sigma[0]);
+        }
+        if c >= self.knots[n - 1].cap_w.0 {
+            return Some(self.knot_sigma[n - 1]);
+        }
+        let hi = self.knots.partition_point(|k| k.cap_w.0 < c);
+        let (a, b) = (self.knots[hi - 1].cap_w.0, self.knots[hi].cap_w.0);
+        let f = (c - a) / (b - a);
+        let (sa, sb) = (self.knot_sigma[hi - 1], self.knot_sigma[hi]);
+        Some(KnotSigma {
+            power_w: sa.power_w + f * (sb.power_w - sa.power_w),
+            throughput: sa.throughput + f * (sb.throughput - sa.throughput),
+        })
+    }
+
+    /// This curve with every knot's power raised by `z` of its standard errors: what an
+    /// optimiser should plan with when it picks among noisy curves, because it favours
+    /// exactly the jobs whose noise flatters their savings. Unchanged without per-knot
+    /// uncertainty or for a `z` that is not a positive number.
+    pub fn with_power_margin(&self, z: f64) -> CapCurve {
+        if self.knot_sigma.len() != self.knots.len() || !(z.is_finite() && z > 0.0) {
+            return self.clone();
+        }
+        let mut out = self.clone();
+        for (k, s) in out.knots.iter_mut().zip(&self.knot_sigma) {
+            k.power_w = Watts(k.power_w.0 + z * s.power_w);
+        }
+        // Raising each knot by its own error can break monotonicity in the cap.
+        for i in (0..out.knots.len().saturating_sub(1)).rev() {
+            let above = out.knots[i + 1].power_w.0;
+            if out.knots[i].power_w.0 > above {
+                out.knots[i].power_w = Watts(above);
+            }
+        }
+        out
+    }
+
     /// The PFI of the knots (Eq. 1).
     pub fn pfi(&self) -> Option<f64> {
         crate::pfi::pfi(&self.knots)
@@ -224,6 +290,8 @@ struct CapCurveWire {
     relative_uncertainty: f64,
     #[serde(default)]
     extrapolated_below_w: Option<Watts>,
+    #[serde(default)]
+    knot_sigma: Vec<KnotSigma>,
 }
 
 impl TryFrom<CapCurveWire> for CapCurve {
@@ -232,6 +300,19 @@ impl TryFrom<CapCurveWire> for CapCurve {
     fn try_from(wire: CapCurveWire) -> Result<CapCurve, CurveError> {
         let mut curve = CapCurve::with_source(&wire.knots, wire.source, wire.relative_uncertainty)?;
         curve.extrapolated_below_w = wire.extrapolated_below_w.filter(|w| w.0.is_finite());
+        let usable = |x: f64| x.is_finite() && x >= 0.0;
+        if wire.knot_sigma.len() == curve.knots.len()
+            && wire
+                .knot_sigma
+                .iter()
+                .all(|s| usable(s.power_w) && usable(s.throughput))
+        {
+            // Knots were sorted by cap; the wire lists sigmas in the wire's knot order.
+            let mut paired: Vec<(OperatingPoint, KnotSigma)> =
+                wire.knots.iter().copied().zip(wire.knot_sigma).collect();
+            paired.sort_by(|a, b| a.0.cap_w.0.total_cmp(&b.0.cap_w.0));
+            curve.knot_sigma = paired.into_iter().map(|(_, s)| s).collect();
+        }
         Ok(curve)
     }
 }
@@ -290,6 +371,100 @@ pub fn estimate_curve(
     relative_noise: f64,
 ) -> Result<CapCurve, CurveError> {
     finish_curve(average_readings(observations)?, relative_noise)
+}
+
+/// Estimates a curve from measurement windows — one reading per window, several per cap —
+/// keeping the shape the data support and carrying each point's uncertainty.
+///
+/// - Each cap's point is the mean of its windows.
+/// - Its standard error comes from the spread of the windows: the relative variance is
+///   pooled over all of the job's caps (a cap read twice says little about its own
+///   spread) and blended with `prior_noise` (one window's relative standard deviation as
+///   the measuring side believes it) weighted as two degrees of freedom, so one or two
+///   unlucky windows neither claim certainty nor panic the allocator.
+/// - Power and throughput are each made non-decreasing in the cap by weighted isotonic
+///   regression (pool-adjacent-violators, weights = windows / variance), because a lower
+///   cap cannot make a job faster or draw more: a rise is noise. Nothing else is imposed:
+///   no concavity (real curves have knees), no smoothing across caps (real curves have
+///   flat tops), so with enough windows the estimate converges to the measured curve.
+///
+/// The curve spans only the caps read; below the lowest one it is flat (see
+/// [`CapCurve::at`]), so no policy banks savings that were never measured.
+pub fn estimate_from_windows(
+    windows: &[OperatingPoint],
+    prior_noise: f64,
+) -> Result<CapCurve, CurveError> {
+    if windows.is_empty() {
+        return Err(CurveError::Empty);
+    }
+    for p in windows {
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        if !(ok(p.cap_w.0) && ok(p.power_w.0) && ok(p.throughput)) {
+            return Err(CurveError::NotPositive { cap_w: p.cap_w.0 });
+        }
+    }
+    let prior = if prior_noise.is_finite() && prior_noise > 0.0 {
+        prior_noise
+    } else {
+        0.0
+    };
+    let mut sorted = windows.to_vec();
+    sorted.sort_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0));
+    // Groups of windows at one cap: (cap, readings).
+    let mut groups: Vec<(f64, Vec<OperatingPoint>)> = Vec::new();
+    for p in sorted {
+        match groups.last_mut() {
+            Some((cap, members)) if (*cap - p.cap_w.0).abs() < 1e-9 => members.push(p),
+            _ => groups.push((p.cap_w.0, vec![p])),
+        }
+    }
+    let mean = |xs: &[OperatingPoint], f: fn(&OperatingPoint) -> f64| {
+        xs.iter().map(f).sum::<f64>() / xs.len() as f64
+    };
+    let power_of: fn(&OperatingPoint) -> f64 = |p| p.power_w.0;
+    let rate_of: fn(&OperatingPoint) -> f64 = |p| p.throughput;
+    let (mut ss_p, mut ss_t, mut dof) = (0.0, 0.0, 0.0);
+    let mut means = Vec::with_capacity(groups.len());
+    for (cap, members) in &groups {
+        let (mp, mt) = (mean(members, power_of), mean(members, rate_of));
+        for m in members {
+            ss_p += ((m.power_w.0 - mp) / mp).powi(2);
+            ss_t += ((m.throughput - mt) / mt).powi(2);
+        }
+        dof += (members.len() - 1) as f64;
+        means.push((*cap, mp, mt, members.len() as f64));
+    }
+    const PRIOR_DOF: f64 = 2.0;
+    let pooled = |ss: f64| ((ss + PRIOR_DOF * prior * prior) / (dof + PRIOR_DOF)).sqrt();
+    let (rel_p, rel_t) = (pooled(ss_p), pooled(ss_t));
+    let weights: Vec<f64> = means.iter().map(|m| m.3).collect();
+    let power = isotonic_non_decreasing(&means.iter().map(|m| m.1).collect::<Vec<_>>(), &weights);
+    let rate = isotonic_non_decreasing(&means.iter().map(|m| m.2).collect::<Vec<_>>(), &weights);
+    let knots: Vec<OperatingPoint> = means
+        .iter()
+        .zip(power.iter().zip(&rate))
+        .map(|(m, (&p, &t))| OperatingPoint {
+            cap_w: Watts(m.0),
+            power_w: Watts(p),
+            throughput: t,
+        })
+        .collect();
+    let knot_sigma = means
+        .iter()
+        .zip(power.iter().zip(&rate))
+        .map(|(m, (&p, &t))| KnotSigma {
+            power_w: rel_p * p / m.3.sqrt(),
+            throughput: rel_t * t / m.3.sqrt(),
+        })
+        .collect();
+    let windows_per_cap = weights.iter().sum::<f64>() / weights.len() as f64;
+    let mut curve = CapCurve::with_source(
+        &knots,
+        CurveSource::Estimated,
+        rel_t / windows_per_cap.sqrt(),
+    )?;
+    curve.knot_sigma = knot_sigma;
+    Ok(curve)
 }
 
 /// Calibration readings with repeated caps averaged, sorted by cap.
@@ -472,6 +647,7 @@ fn densify(
     out.push(knots[n - 1]);
     CapCurve {
         knots: out,
+        knot_sigma: Vec::new(),
         ..curve
     }
 }
@@ -845,6 +1021,7 @@ fn fallback_curve(obs: &[OperatingPoint]) -> CapCurve {
         source: CurveSource::Prior,
         relative_uncertainty: 1.0,
         extrapolated_below_w: None,
+        knot_sigma: Vec::new(),
     }
 }
 
@@ -917,6 +1094,55 @@ mod tests {
         ];
         let curve = estimate_curve(&obs, 0.01).expect("curve");
         assert!((curve.at(Watts(400.0)).throughput - 60.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn windows_estimate_keeps_knees_and_carries_uncertainty() {
+        // A knee at 500 W and a rise at 600 W that is noise (faster at a lower cap).
+        let truth = [
+            (300.0, 55.0),
+            (400.0, 60.0),
+            (500.0, 98.0),
+            (600.0, 101.0),
+            (700.0, 100.0),
+        ];
+        let windows = |n: usize| -> Vec<OperatingPoint> {
+            truth
+                .iter()
+                .flat_map(|&(c, t)| {
+                    (0..n).map(move |i| {
+                        let wiggle = if i % 2 == 0 { 1.01 } else { 0.99 };
+                        pt(c, c * wiggle, t * wiggle)
+                    })
+                })
+                .collect()
+        };
+        let few = estimate_from_windows(&windows(2), 0.01).expect("curve");
+        let many = estimate_from_windows(&windows(8), 0.01).expect("curve");
+        let t: Vec<f64> = few.knots().iter().map(|k| k.throughput).collect();
+        assert!(t.windows(2).all(|w| w[0] <= w[1]), "monotone: {t:?}");
+        assert!((t[1] - 60.0).abs() < 1e-9, "the knee is kept: {t:?}");
+        assert!(
+            (t[3] - 100.5).abs() < 1e-9 && (t[4] - 100.5).abs() < 1e-9,
+            "{t:?}"
+        );
+        let (s_few, s_many) = (
+            few.sigma_at(Watts(500.0)).expect("sigma"),
+            many.sigma_at(Watts(500.0)).expect("sigma"),
+        );
+        assert!(
+            s_many.throughput < 0.6 * s_few.throughput,
+            "{s_few:?} {s_many:?}"
+        );
+        assert!(s_few.power_w > 0.0);
+        // The margin raises power by its errors and keeps it monotone.
+        let raised = few.with_power_margin(1.0);
+        for (r, k) in raised.knots().iter().zip(few.knots()) {
+            assert!(r.power_w.0 >= k.power_w.0 - 1e-9);
+        }
+        // Serialised and back, the uncertainty travels with the knots.
+        let text = serde_json::to_string(&few).expect("json");
+        assert_eq!(serde_json::from_str::<CapCurve>(&text).expect("back"), few);
     }
 
     #[test]

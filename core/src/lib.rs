@@ -12,6 +12,7 @@
 //! job reports (tokens/s or steps/s) and is only ever compared with itself.
 
 pub mod allocate;
+pub mod calibration_design;
 pub mod config;
 pub mod curve;
 pub mod curves_csv;

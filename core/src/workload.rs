@@ -130,6 +130,115 @@ impl Physics {
     }
 }
 
+/// A job's per-GPU curve given as a measured table rather than as [`Physics`]: power and
+/// relative throughput at each measured cap, linearly interpolated between them (and flat
+/// outside), so real shapes — knees, flat tops, non-monotone power — run through the
+/// simulator and the whole stack unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeasuredTable {
+    /// Per-GPU caps, W, ascending.
+    pub cap_w: Vec<f64>,
+    /// Per-GPU realised power at each cap, W.
+    pub power_w: Vec<f64>,
+    /// Throughput at each cap relative to the highest cap's.
+    pub relative_throughput: Vec<f64>,
+}
+
+impl MeasuredTable {
+    /// A table from a job's measured points (summed over `gpus` GPUs, caps unique),
+    /// mapped onto a GPU whose caps run from `min_cap_w` to `max_cap_w`: caps map affinely
+    /// from the job's measured range, and power keeps its ratio to the cap (a job drawing
+    /// 80 % of its cap draws 80 % of the mapped cap). `None` for fewer than two points or
+    /// a non-positive value.
+    pub fn scaled(
+        points: &[OperatingPoint],
+        gpus: u32,
+        min_cap_w: f64,
+        max_cap_w: f64,
+    ) -> Option<MeasuredTable> {
+        let mut pts = points.to_vec();
+        pts.sort_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0));
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        if pts.len() < 2
+            || gpus == 0
+            || !pts
+                .iter()
+                .all(|p| ok(p.cap_w.0) && ok(p.power_w.0) && ok(p.throughput))
+        {
+            return None;
+        }
+        let (lo, hi) = (pts[0].cap_w.0, pts[pts.len() - 1].cap_w.0);
+        let t_top = pts[pts.len() - 1].throughput;
+        let map = |c: f64| min_cap_w + (c - lo) / (hi - lo) * (max_cap_w - min_cap_w);
+        Some(MeasuredTable {
+            cap_w: pts.iter().map(|p| map(p.cap_w.0)).collect(),
+            power_w: pts
+                .iter()
+                .map(|p| p.power_w.0 / f64::from(gpus) / p.cap_w.0 * map(p.cap_w.0))
+                .collect(),
+            relative_throughput: pts.iter().map(|p| p.throughput / t_top).collect(),
+        })
+    }
+
+    /// Whether the columns line up and every value is usable.
+    pub fn is_valid(&self) -> bool {
+        let n = self.cap_w.len();
+        n >= 1
+            && self.power_w.len() == n
+            && self.relative_throughput.len() == n
+            && self.cap_w.windows(2).all(|w| w[0] < w[1])
+            && self
+                .cap_w
+                .iter()
+                .chain(&self.power_w)
+                .chain(&self.relative_throughput)
+                .all(|x| x.is_finite() && *x > 0.0)
+    }
+
+    /// Power and relative throughput under per-GPU cap `cap`; the clock comes from
+    /// `physics` (a fit of the table's PFI), which only feeds telemetry.
+    pub fn at_cap(&self, cap: Watts, physics: &Physics) -> GpuState {
+        let n = self.cap_w.len();
+        let c = cap.0;
+        let (power, relative) = if n == 0 {
+            (physics.at_cap(cap).power_w.0, 1.0)
+        } else if c <= self.cap_w[0] {
+            (self.power_w[0], self.relative_throughput[0])
+        } else if c >= self.cap_w[n - 1] {
+            (self.power_w[n - 1], self.relative_throughput[n - 1])
+        } else {
+            let hi = self.cap_w.partition_point(|&k| k < c);
+            let f = (c - self.cap_w[hi - 1]) / (self.cap_w[hi] - self.cap_w[hi - 1]);
+            let lerp = |v: &[f64]| v[hi - 1] + f * (v[hi] - v[hi - 1]);
+            (lerp(&self.power_w), lerp(&self.relative_throughput))
+        };
+        let top = self.cap_w.last().copied().unwrap_or(c);
+        GpuState {
+            // Never above the cap: the GPU enforces it, whatever the table says.
+            power_w: Watts(power.min(c)),
+            relative_throughput: relative,
+            sm_clock_fraction: physics.at_cap(cap).sm_clock_fraction,
+            cap_binding: c < top,
+        }
+    }
+
+    /// The table's operating points on `caps_w` for `gpus` GPUs.
+    pub fn curve(&self, caps_w: &[f64], gpus: u32, physics: &Physics) -> Vec<OperatingPoint> {
+        caps_w
+            .iter()
+            .map(|&c| {
+                let s = self.at_cap(Watts(c), physics);
+                OperatingPoint {
+                    cap_w: Watts(c),
+                    power_w: s.power_w * f64::from(gpus),
+                    throughput: s.relative_throughput,
+                }
+            })
+            .collect()
+    }
+}
+
 /// The paper's full H200 cap grid, W per GPU.
 pub const H200_GRID_6: [f64; 6] = [200.0, 300.0, 400.0, 500.0, 600.0, 700.0];
 /// The paper's 4-cap grid, W per GPU.

@@ -19,7 +19,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use powerflex_core::workload::Physics;
+use powerflex_core::workload::{MeasuredTable, Physics};
 use powerflex_core::Watts;
 use powerflex_daemon::fsx::{self, AtomicWrite};
 use powerflex_daemon::os::FileLock;
@@ -88,6 +88,10 @@ pub struct Workload {
     pub pid: u32,
     pub profile: String,
     pub physics: Physics,
+    /// A measured table that decides power and throughput instead of `physics` (which then
+    /// only feeds clock telemetry); absent for physics profiles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table: Option<MeasuredTable>,
     pub memory_used_bytes: u64,
 }
 
@@ -184,9 +188,11 @@ impl GpuState {
         match self.running() {
             None => (model.idle_mw.min(self.power_limit_mw), None),
             Some(w) => {
-                let state = w
-                    .physics
-                    .at_cap(Watts(f64::from(self.power_limit_mw) / 1000.0));
+                let cap = Watts(f64::from(self.power_limit_mw) / 1000.0);
+                let state = match &w.table {
+                    Some(table) => table.at_cap(cap, &w.physics),
+                    None => w.physics.at_cap(cap),
+                };
                 let mw = (state.power_w.0 * 1000.0).round() as u32;
                 (mw.min(self.power_limit_mw), Some(state))
             }
@@ -605,6 +611,7 @@ mod tests {
             pid: std::process::id(),
             profile: "test".into(),
             physics: physics(),
+            table: None,
             memory_used_bytes: 100 << 30,
         };
         node.claim(&[0], &workload).expect("claim");
@@ -652,6 +659,7 @@ mod tests {
             pid: u32::MAX - 1, // no such process
             profile: "test".into(),
             physics: physics(),
+            table: None,
             memory_used_bytes: 1,
         };
         node.claim(&[0], &w).expect("claim");

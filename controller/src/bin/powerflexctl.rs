@@ -103,26 +103,56 @@ enum Command {
         /// Seed of the random draws (same seed, same numbers, on any machine).
         #[arg(long, default_value_t = 1, value_name = "N")]
         seed: u64,
-        /// Calibration caps as fractions of each job's maximum cap; each maps to the
-        /// nearest measured cap.
+        /// Fixed calibration caps as fractions of each job's maximum cap, one window each
+        /// (each maps to the nearest measured cap); without it the designed calibration
+        /// runs (see --calibration-budget, --expected-cut).
         #[arg(
             long,
-            default_value = "1.0,0.8,0.6,0.4",
             value_delimiter = ',',
             value_name = "F,F,...",
             value_parser = grid_fraction
         )]
-        calibration_grid: Vec<f64>,
-        /// One standard deviation of multiplicative noise on each calibration reading of
-        /// power and throughput (0.01 = 1 %).
+        calibration_grid: Option<Vec<f64>>,
+        /// One standard deviation of multiplicative noise on one measurement window's
+        /// reading of power and of throughput (0.01 = 1 %).
         #[arg(long, default_value_t = 0.01, value_name = "F", value_parser = noise_fraction)]
         noise: f64,
         /// Score raw throughput (tokens/s) instead of per-job normalised T/T_max.
         #[arg(long)]
         raw: bool,
-        /// Cap granularity, W per GPU.
-        #[arg(long, default_value_t = 1.0, value_name = "W", value_parser = positive_w)]
-        cap_step_w: f64,
+        /// Cap granularity, W per GPU (default: the spacing of each job's measured caps,
+        /// so only measured caps are chosen).
+        #[arg(long, value_name = "W", value_parser = positive_w)]
+        cap_step_w: Option<f64>,
+        /// Most tokens the designed calibration may cost a job, fraction of its
+        /// first-hour tokens.
+        #[arg(long, default_value_t = 0.02, value_name = "F", value_parser = budget_fraction)]
+        calibration_budget: f64,
+        /// The deepest cut the site expects, a fraction; sets how deep the designed
+        /// calibration walks [default: the site config's facility.expected_cut_pct, else 0.3].
+        #[arg(long, value_name = "F", value_parser = open_fraction)]
+        expected_cut: Option<f64>,
+        /// Site config (powerflex.toml) to take the expected cut from.
+        #[arg(long, value_name = "FILE")]
+        site: Option<String>,
+        /// Length of one calibration measurement window, s (--noise is per window).
+        #[arg(long, default_value_t = 30.0, value_name = "S", value_parser = positive_s)]
+        window_s: f64,
+        /// Standard deviations by which the optimal caps' expected gain must beat its
+        /// uncertainty before the allocator leaves the equal split.
+        #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
+        gain_z: f64,
+        /// Standard deviations of the summed-power error kept below the budget.
+        #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
+        power_z: f64,
+        /// Multi-event mode: run this many grid events after calibration, learning from
+        /// each event's steady stretches and small cap probes; reports gap recovered per
+        /// event.
+        #[arg(long, default_value_t = 0, value_name = "N")]
+        events: usize,
+        /// How long each event holds its caps, s.
+        #[arg(long, default_value_t = 3600.0, value_name = "S", value_parser = positive_s)]
+        event_hold_s: f64,
         /// Suppress the progress line on stderr.
         #[arg(long, short)]
         quiet: bool,
@@ -340,6 +370,27 @@ fn positive_w(text: &str) -> Result<f64, String> {
     in_range(text, "a positive number of watts, e.g. 1 or 5", |v| v > 0.0)
 }
 
+/// `--calibration-budget`: a fraction of first-hour tokens.
+fn budget_fraction(text: &str) -> Result<f64, String> {
+    in_range(text, "a fraction in (0, 0.5], e.g. 0.02", |v| {
+        v > 0.0 && v <= 0.5
+    })
+}
+
+/// `--window-s`, `--event-hold-s`: seconds above 0.
+fn positive_s(text: &str) -> Result<f64, String> {
+    in_range(text, "a positive number of seconds, e.g. 30", |v| v > 0.0)
+}
+
+/// `--power-z`, `--gain-z`: standard deviations, 0 or more.
+fn z_score(text: &str) -> Result<f64, String> {
+    in_range(
+        text,
+        "a non-negative number of standard deviations, e.g. 1",
+        |v| v >= 0.0,
+    )
+}
+
 /// A count of at least one.
 fn at_least_one(text: &str) -> Result<usize, String> {
     match text.trim().parse::<usize>() {
@@ -500,19 +551,50 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             noise,
             raw,
             cap_step_w,
+            calibration_budget,
+            expected_cut,
+            window_s,
+            gain_z,
+            power_z,
+            events,
+            event_hold_s,
+            site,
             quiet,
             format,
         } => {
             let records = load_curves(&curves)?;
+            let expected_cut = match (expected_cut, site) {
+                (Some(cut), _) => cut,
+                (None, Some(path)) => {
+                    let text = read_text(&path, MAX_INPUT_BYTES)?;
+                    SiteConfig::from_toml_str(&text)
+                        .map_err(|e| CtlError::Input {
+                            path: path.clone(),
+                            source: e.into(),
+                        })?
+                        .facility
+                        .expected_cut
+                }
+                (None, None) => powerflex_core::config::DEFAULT_EXPECTED_CUT_PCT / 100.0,
+            };
             let params = EvaluateParams {
                 cut,
                 jobs_per_workload,
                 workloads,
                 seed,
                 calibration_grid,
+                design: powerflex_core::calibration_design::DesignParams {
+                    budget_fraction: calibration_budget,
+                    expected_cut,
+                    window_s,
+                    ..Default::default()
+                },
                 noise,
                 raw,
                 cap_step_w,
+                caution: powerflex_core::allocate::Caution { power_z, gain_z },
+                events,
+                event_hold_s,
             };
             let started = std::time::Instant::now();
             let mut last_shown = std::time::Instant::now();

@@ -199,6 +199,7 @@ fn a_busy_gpu_never_draws_above_its_enforced_limit() {
             pid: std::process::id(),
             profile: profile.name.clone(),
             physics: profile.physics,
+            table: None,
             memory_used_bytes: 100 << 30,
         },
     )

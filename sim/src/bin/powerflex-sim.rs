@@ -76,6 +76,9 @@ enum Command {
         /// Write the regenerated library to FILE.
         #[arg(long, value_name = "FILE", requires = "paper")]
         write: Option<PathBuf>,
+        /// Real measured curves (a curves CSV) to add table profiles from, scaled to H200.
+        #[arg(long, value_name = "FILE", requires = "paper")]
+        real: Option<PathBuf>,
         /// Output: a table for people, JSON for scripts.
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
@@ -190,13 +193,21 @@ fn run(cli: Cli) -> Result<String, Box<dyn std::error::Error>> {
         Command::Profiles {
             paper,
             write,
+            real,
             format,
         } => {
             let library = match (&paper, &write) {
                 (Some(paper), Some(write)) => {
                     let text = std::fs::read_to_string(paper)
                         .map_err(|e| format!("cannot read {}: {e}", paper.display()))?;
-                    let library = Library::from_paper(&text)?;
+                    let library = match &real {
+                        Some(real) => {
+                            let curves = std::fs::read_to_string(real)
+                                .map_err(|e| format!("cannot read {}: {e}", real.display()))?;
+                            Library::generate(&text, &curves)?
+                        }
+                        None => Library::from_paper(&text)?,
+                    };
                     std::fs::write(write, library.to_toml()?)
                         .map_err(|e| format!("cannot write {}: {e}", write.display()))?;
                     library

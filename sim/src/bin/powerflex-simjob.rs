@@ -219,6 +219,7 @@ fn run(cli: Cli) -> Result<(), String> {
         pid: std::process::id(),
         profile: profile.name.clone(),
         physics: profile.physics,
+        table: profile.table.clone(),
         memory_used_bytes: (node.model().memory_bytes as f64 * profile.memory_used_fraction) as u64,
     };
     node.claim(&gpus, &workload).map_err(|e| e.to_string())?;
