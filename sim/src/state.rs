@@ -93,6 +93,11 @@ pub struct Workload {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub table: Option<MeasuredTable>,
     pub memory_used_bytes: u64,
+    /// The job holds the GPU but runs nothing on it (a phase of data loading, setup or
+    /// waiting): it draws the idle power, like an idle GPU, yet stays claimed so the job
+    /// keeps it and NVML lists its process.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idle: bool,
 }
 
 /// One GPU's stored state, `gpu<i>.json`.
@@ -183,9 +188,14 @@ impl GpuState {
         self.workload.as_ref().filter(|w| is_alive(w.pid))
     }
 
+    /// The running workload when it puts load on the GPU (not in an idle phase).
+    fn loaded(&self) -> Option<&Workload> {
+        self.running().filter(|w| !w.idle)
+    }
+
     /// Noise-free draw, mW, and the physics state behind it.
     fn steady(&self, model: &DeviceModel) -> (u32, Option<powerflex_core::workload::GpuState>) {
-        match self.running() {
+        match self.loaded() {
             None => (model.idle_mw.min(self.power_limit_mw), None),
             Some(w) => {
                 let cap = Watts(f64::from(self.power_limit_mw) / 1000.0);
@@ -222,7 +232,7 @@ impl GpuState {
         let noisy = (f64::from(steady_mw) * (1.0 + POWER_NOISE * unit)).round() as u32;
         let power_mw = noisy.min(self.power_limit_mw);
         let running = self.running();
-        let (sm, gpu_util, mem_util, capped, relative) = match (running, physics) {
+        let (sm, gpu_util, mem_util, capped, relative) = match (self.loaded(), physics) {
             (Some(w), Some(p)) => {
                 let m = w.physics.memory_bound_fraction;
                 let s = p.sm_clock_fraction;
@@ -250,7 +260,7 @@ impl GpuState {
             memory_used_bytes: running.map_or(512 * 1024 * 1024, |w| w.memory_used_bytes),
             temperature_c: (30.0 + 0.075 * f64::from(power_mw) / 1000.0).round() as u32,
             power_capped: capped,
-            busy: running.is_some(),
+            busy: self.loaded().is_some(),
             job_id: running.map(|w| w.job_id.clone()),
             relative_throughput: relative,
         }
@@ -613,6 +623,7 @@ mod tests {
             physics: physics(),
             table: None,
             memory_used_bytes: 100 << 30,
+            idle: false,
         };
         node.claim(&[0], &workload).expect("claim");
         let (_, uncapped) = node.reading(0).expect("reading");
@@ -633,6 +644,34 @@ mod tests {
         let (_, idle) = node.reading(0).expect("reading");
         assert!(!idle.busy);
         assert_eq!(idle.steady_power_mw, 75_000);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_idle_phase_holds_the_gpu_at_idle_power_and_a_new_claim_switches_the_load() {
+        let dir = scratch("phase");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        let mut w = Workload {
+            job_id: "7".into(),
+            pid: std::process::id(),
+            profile: "idle".into(),
+            physics: physics(),
+            table: None,
+            memory_used_bytes: 1,
+            idle: true,
+        };
+        node.claim(&[0], &w).expect("claim idle");
+        let (gpu, idle) = node.reading(0).expect("reading");
+        assert!(!idle.busy, "{idle:?}");
+        assert_eq!(idle.steady_power_mw, 75_000);
+        assert_eq!(idle.job_id.as_deref(), Some("7"), "the job keeps its GPU");
+        assert!(gpu.running().is_some());
+        // The same process claims again with load: the phase changes in place.
+        w.idle = false;
+        node.claim(&[0], &w).expect("claim loaded");
+        let (_, loaded) = node.reading(0).expect("reading");
+        assert!(loaded.busy);
+        assert_eq!(loaded.steady_power_mw, 680_000, "{loaded:?}");
         let _ = fs::remove_dir_all(&dir);
     }
 
@@ -661,6 +700,7 @@ mod tests {
             physics: physics(),
             table: None,
             memory_used_bytes: 1,
+            idle: false,
         };
         node.claim(&[0], &w).expect("claim");
         assert!(!node.reading(0).expect("reading").1.busy);

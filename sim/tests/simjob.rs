@@ -292,6 +292,26 @@ fn malformed_values_exit_2_naming_what_is_accepted() {
             "--gpus",
             "neither an index nor a GPU-/MIG- UUID",
         ),
+        (
+            vec!["--phases", "idle:60,synthetic-memory-bound"],
+            "--phases",
+            "accepted: a comma list of LOAD:SECONDS",
+        ),
+        (
+            vec!["--phases", "idle:60,synthetic-memory-bound:-5"],
+            "--phases",
+            "accepted: a comma list of LOAD:SECONDS",
+        ),
+        (
+            vec!["--phases", "idle:60,nope:5"],
+            "--phases",
+            "the library has: ",
+        ),
+        (
+            vec!["--phases", "idle:60"],
+            "--phases",
+            "has no training phase",
+        ),
     ] {
         let out = simjob()
             .args(&args)
@@ -306,4 +326,106 @@ fn malformed_values_exit_2_naming_what_is_accepted() {
         );
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
+}
+
+/// The GPUs' draw and the job's progress follow its phases: idle (claimed, idle power, no
+/// steps), then a training profile at its power, and the job ends after the last phase.
+#[test]
+fn phases_switch_the_gpu_workload_at_each_boundary() {
+    let dir = scratch("phases").join("n1");
+    let node = Node::init(&dir, "n1", "H200", 2, true).expect("node");
+    // 10 s scale: idle for 3 simulated s (0.3 s), then train for 20 (2 s).
+    let child = simjob()
+        .args([
+            "--phases",
+            "idle:3,synthetic-memory-bound:20",
+            "--time-scale",
+            "10",
+        ])
+        .env("POWERFLEX_SIM_DIR", &dir)
+        .env("SLURM_JOB_GPUS", "0,1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.gpu(0).expect("gpu").running().is_none() {
+        assert!(Instant::now() < deadline, "the job never claimed its GPUs");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (_, idle) = node.reading(0).expect("reading");
+    assert!(
+        !idle.busy && idle.power_mw <= 76_000 && idle.job_id.is_some(),
+        "idle phase: claimed at idle power {idle:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let loaded = loop {
+        let (_, r) = node.reading(1).expect("reading");
+        if r.busy {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the training phase never began");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        loaded.power_mw > 400_000,
+        "training phase draws: {loaded:?}"
+    );
+    let out = child.wait_with_output().expect("wait");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = csv_rows(&String::from_utf8_lossy(&out.stdout));
+    // Uncapped steps of 1 simulated s from 3 s to 23 s: the first ends at 4 s.
+    assert!((19..=20).contains(&rows.len()), "{} steps", rows.len());
+    let first_end_s: f64 = rows[0][3].parse().expect("elapsed_s");
+    assert!(
+        (first_end_s - 4.0).abs() < 1e-6,
+        "first step ends at {first_end_s}"
+    );
+    assert!(
+        node.gpu(0).expect("gpu").workload.is_none(),
+        "released at the end"
+    );
+}
+
+/// A process stopped for a while (a starved job) catches up: its steps follow the
+/// simulated time that passed, so the job's rate is what the caps allow.
+#[test]
+fn a_stalled_job_catches_up_with_simulated_time() {
+    let dir = scratch("stall").join("n1");
+    let _node = Node::init(&dir, "n1", "H200", 1, true).expect("node");
+    let child = simjob()
+        .args([
+            "--profile",
+            "synthetic-memory-bound",
+            "--duration",
+            "40",
+            "--time-scale",
+            "10",
+        ])
+        .env("POWERFLEX_SIM_DIR", &dir)
+        .env("SLURM_JOB_GPUS", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    std::thread::sleep(Duration::from_millis(500));
+    // Our own child, by its PID: stopped for 1.5 s = 15 simulated seconds.
+    kill(child.id(), Signal::STOP).expect("SIGSTOP");
+    std::thread::sleep(Duration::from_millis(1500));
+    kill(child.id(), Signal::CONT).expect("SIGCONT");
+    let out = child.wait_with_output().expect("wait");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = csv_rows(&String::from_utf8_lossy(&out.stdout));
+    // Uncapped 1 s steps for 40 simulated s: 40 steps, stall or not.
+    assert_eq!(rows.len(), 40, "steps after a stall");
+    let last_s: f64 = rows[39][3].parse().expect("elapsed_s");
+    assert!((last_s - 40.0).abs() < 1e-6, "{last_s}");
 }

@@ -201,6 +201,7 @@ fn a_busy_gpu_never_draws_above_its_enforced_limit() {
             physics: profile.physics,
             table: None,
             memory_used_bytes: 100 << 30,
+            idle: false,
         },
     )
     .expect("claim");

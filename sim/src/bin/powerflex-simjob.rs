@@ -10,6 +10,16 @@
 //! and the wall-clock end of the step in Unix ms), reports progress to the node agent when `POWERFLEX_PROGRESS` names a socket
 //! (no agent, no error), and releases its GPUs on exit, SIGTERM and SIGINT.
 //!
+//! `--phases idle:60,PROFILE:600` runs the job in phases of simulated seconds, one after
+//! the other, and ends after the last: `idle` holds the GPUs at idle power with no
+//! progress (setup, data loading), a profile name trains with that profile. The GPUs'
+//! workload is switched in the simulated state at each boundary, so NVML's power and
+//! clocks follow, as they would when a real job changes what it runs.
+//!
+//! Steps are paced against elapsed simulated time, not slept one after the other: after a
+//! stall (a starved process on a loaded machine) the steps the caps allowed in the
+//! meantime complete at once, so the reported rate is the caps' rate, not the scheduler's.
+//!
 //! `--time-scale X` runs X simulated seconds per real second: the demo's hour of training
 //! takes minutes. Throughput in its output is per simulated second.
 //!
@@ -38,11 +48,16 @@ use powerflex_sim::steplog::{StepLogWriter, StepRow};
     version,
     about = "A SIMULATED training job on simulated GPUs, paced by their power caps"
 )]
-#[command(group(clap::ArgGroup::new("length").args(["duration", "steps"])))]
+#[command(group(clap::ArgGroup::new("length").args(["duration", "steps", "phases"])))]
+#[command(group(clap::ArgGroup::new("work").args(["profile", "phases"]).required(true)))]
 struct Cli {
     /// Workload profile from the library (`powerflex-sim profiles` lists them).
     #[arg(long, value_parser = builtin_profile)]
-    profile: Profile,
+    profile: Option<Profile>,
+    /// Phases, `LOAD:SECONDS,...` in simulated seconds; LOAD is `idle` or a profile. The
+    /// job ends after the last phase.
+    #[arg(long, value_name = "PHASES", value_parser = phase_list)]
+    phases: Option<Phases>,
     /// Stop after this many simulated seconds.
     #[arg(long, value_name = "S", value_parser = positive_s)]
     duration: Option<f64>,
@@ -75,6 +90,68 @@ struct GpuList(Vec<GpuRef>);
 
 fn gpu_list(text: &str) -> Result<GpuList, String> {
     parse_gpu_list(text).map(GpuList).map_err(|e| e.to_string())
+}
+
+/// What a phase runs on the job's GPUs.
+#[derive(Debug, Clone)]
+enum Load {
+    /// GPUs held, nothing running: idle power, no steps.
+    Idle,
+    Train(Profile),
+}
+
+#[derive(Debug, Clone)]
+struct Phase {
+    load: Load,
+    /// Simulated seconds.
+    length_s: f64,
+}
+
+/// `--phases`, parsed (a newtype, as for `--gpus`).
+#[derive(Debug, Clone)]
+struct Phases(Vec<Phase>);
+
+const PHASES_ACCEPTED: &str =
+    "a comma list of LOAD:SECONDS, LOAD `idle` or a profile name, SECONDS a positive number of simulated seconds, e.g. idle:60,qwen3-30b-a3b-moe-ft-8g:600";
+
+fn phase_list(text: &str) -> Result<Phases, String> {
+    let library = Library::builtin().map_err(|e| e.to_string())?;
+    let phases = text
+        .split(',')
+        .map(|item| {
+            let bad = |why: String| {
+                format!(
+                    "phase \"{}\" is not accepted ({why}); accepted: {PHASES_ACCEPTED}",
+                    item.escape_default()
+                )
+            };
+            let (load, length) = item
+                .trim()
+                .rsplit_once(':')
+                .ok_or_else(|| bad("no `:SECONDS`".into()))?;
+            let length_s = match length.trim().parse::<f64>() {
+                Ok(v) if v.is_finite() && v > 0.0 => v,
+                _ => return Err(bad(format!("length \"{}\"", length.escape_default()))),
+            };
+            let load = match load.trim() {
+                "idle" => Load::Idle,
+                name => Load::Train(
+                    library
+                        .find(name)
+                        .cloned()
+                        .map_err(|e| bad(e.to_string()))?,
+                ),
+            };
+            Ok(Phase { load, length_s })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if !phases.iter().any(|p| matches!(p.load, Load::Train(_))) {
+        return Err(format!(
+            "\"{}\" has no training phase; accepted: {PHASES_ACCEPTED}",
+            text.escape_default()
+        ));
+    }
+    Ok(Phases(phases))
 }
 
 /// A profile of the built-in library; an unknown name lists the known ones.
@@ -190,8 +267,49 @@ fn main() -> ExitCode {
     }
 }
 
+/// The job's phases: `--phases`, or one training phase with no end.
+fn phases_of(cli: &Cli) -> Result<Vec<Phase>, String> {
+    match (&cli.phases, &cli.profile) {
+        (Some(Phases(phases)), _) => Ok(phases.clone()),
+        (None, Some(profile)) => Ok(vec![Phase {
+            load: Load::Train(profile.clone()),
+            length_s: f64::INFINITY,
+        }]),
+        (None, None) => Err("no work: pass --profile or --phases".into()),
+    }
+}
+
+/// The workload a phase puts on the GPUs. An idle phase is claimed with the physics of the
+/// job's first training profile (unused while idle: only the claim and the idle draw count).
+fn workload_of(load: &Load, first_profile: &Profile, job_id: &str, node: &Node) -> Workload {
+    let (profile, idle) = match load {
+        Load::Idle => (first_profile, true),
+        Load::Train(p) => (p, false),
+    };
+    Workload {
+        job_id: job_id.to_string(),
+        pid: std::process::id(),
+        profile: if idle {
+            "idle".into()
+        } else {
+            profile.name.clone()
+        },
+        physics: profile.physics,
+        table: profile.table.clone(),
+        memory_used_bytes: (node.model().memory_bytes as f64 * profile.memory_used_fraction) as u64,
+        idle,
+    }
+}
+
 fn run(cli: Cli) -> Result<(), String> {
-    let profile = &cli.profile;
+    let phases = phases_of(&cli)?;
+    let first_profile = phases
+        .iter()
+        .find_map(|p| match &p.load {
+            Load::Train(profile) => Some(profile.clone()),
+            Load::Idle => None,
+        })
+        .ok_or("no training phase")?;
     let dir = match &cli.sim_dir {
         Some(d) => d.clone(),
         None => dir_from_env().map_err(|e| e.to_string())?,
@@ -214,15 +332,11 @@ fn run(cli: Cli) -> Result<(), String> {
     // SIGTERM/SIGINT end the job after the step in progress, with its GPUs released.
     let stop_signal = stop_signal_cell().map_err(|e| e.to_string())?;
     let stopped = || stop_signal.load(Ordering::SeqCst) != 0;
-    let workload = Workload {
-        job_id: job_id.clone(),
-        pid: std::process::id(),
-        profile: profile.name.clone(),
-        physics: profile.physics,
-        table: profile.table.clone(),
-        memory_used_bytes: (node.model().memory_bytes as f64 * profile.memory_used_fraction) as u64,
-    };
-    node.claim(&gpus, &workload).map_err(|e| e.to_string())?;
+    node.claim(
+        &gpus,
+        &workload_of(&phases[0].load, &first_profile, &job_id, &node),
+    )
+    .map_err(|e| e.to_string())?;
     let _claim = Claim { node: &node };
 
     let out: Box<dyn Write> = match &cli.csv {
@@ -232,10 +346,23 @@ fn run(cli: Cli) -> Result<(), String> {
         ),
         None => Box::new(std::io::stdout()),
     };
-    let tokens_per_step = profile.tokens_per_s_per_gpu * gpus.len() as f64 * cli.step_s;
+    let plan = phases
+        .iter()
+        .map(|p| {
+            let name = match &p.load {
+                Load::Idle => "idle",
+                Load::Train(profile) => profile.name.as_str(),
+            };
+            if p.length_s.is_finite() {
+                format!("{name}:{}", p.length_s)
+            } else {
+                name.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",");
     let comment = format!(
-        "powerflex-simjob: SIMULATED training job {job_id}, profile {} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
-        profile.name,
+        "powerflex-simjob: SIMULATED training job {job_id}, profile {plan} on {} simulated {} GPU(s) {:?} of node {}, time scale {}",
         gpus.len(),
         node.model().key,
         gpus,
@@ -245,66 +372,94 @@ fn run(cli: Cli) -> Result<(), String> {
     let mut log = StepLogWriter::new(out, &comment).map_err(|e| e.to_string())?;
 
     let mut reporter = Reporter::from_env();
-    let (mut step, mut tokens, mut elapsed_sim) = (0u64, 0u64, 0.0f64);
-    let mut step_end = Instant::now();
-    loop {
-        if stopped()
-            || cli.steps.is_some_and(|n| step >= n)
-            || cli.duration.is_some_and(|d| elapsed_sim >= d)
-        {
-            break;
-        }
-        // Caps now; the slowest GPU sets the pace of the whole step.
-        let mut slowest = 1.0f64;
-        let (mut cap_min, mut cap_max) = (f64::MAX, 0.0f64);
-        for &g in &gpus {
-            let gpu = node.gpu(g).map_err(|e| e.to_string())?;
-            let cap_w = f64::from(gpu.power_limit_mw) / 1000.0;
-            cap_min = cap_min.min(cap_w);
-            cap_max = cap_max.max(cap_w);
-            slowest = slowest.min(profile.physics.at_cap(Watts(cap_w)).relative_throughput);
-        }
-        let step_sim = cli.step_s / slowest.max(1e-3);
-        // Steps end on a schedule, not "sleep after the last one": the time spent on
-        // bookkeeping and the scheduler's lateness do not accumulate, so the job's rate
-        // is the physics' rate even on a loaded machine.
-        let step_real = Duration::from_secs_f64(step_sim / cli.time_scale);
-        step_end = step_end.max(Instant::now() - step_real) + step_real;
-        while Instant::now() < step_end {
-            if stopped() {
-                break;
+    let (mut step, mut tokens) = (0u64, 0u64);
+    // Two clocks in simulated seconds since the start: `now_s` is the wall clock scaled;
+    // `done_s` is how far the job's work has been accounted (steps completed, idle time
+    // passed). Steps complete whenever `done_s` can advance by a whole step without
+    // passing `now_s`, so a stalled process catches up instead of losing the time.
+    let start = Instant::now();
+    let sim_now_s = || start.elapsed().as_secs_f64() * cli.time_scale;
+    let (mut phase_i, mut phase_start_s, mut done_s) = (0usize, 0.0f64, 0.0f64);
+    let finished = |step: u64, done_s: f64| {
+        cli.steps.is_some_and(|n| step >= n) || cli.duration.is_some_and(|d| done_s >= d)
+    };
+    'job: while !stopped() && !finished(step, done_s) {
+        let phase = &phases[phase_i];
+        let phase_end_s = phase_start_s + phase.length_s;
+        let now_s = sim_now_s();
+        let horizon_s = now_s.min(phase_end_s);
+        let mut next_s = phase_end_s;
+        match &phase.load {
+            Load::Idle => done_s = horizon_s,
+            Load::Train(profile) => {
+                // Caps now; the slowest GPU sets the pace of the whole step.
+                let mut slowest = 1.0f64;
+                let (mut cap_min, mut cap_max) = (f64::MAX, 0.0f64);
+                for &g in &gpus {
+                    let gpu = node.gpu(g).map_err(|e| e.to_string())?;
+                    let cap_w = f64::from(gpu.power_limit_mw) / 1000.0;
+                    cap_min = cap_min.min(cap_w);
+                    cap_max = cap_max.max(cap_w);
+                    let at_cap = match &profile.table {
+                        Some(table) => table.at_cap(Watts(cap_w), &profile.physics),
+                        None => profile.physics.at_cap(Watts(cap_w)),
+                    };
+                    slowest = slowest.min(at_cap.relative_throughput);
+                }
+                let step_sim = cli.step_s / slowest.max(1e-3);
+                let tokens_per_step = profile.tokens_per_s_per_gpu * gpus.len() as f64 * cli.step_s;
+                let mut progressed = false;
+                while done_s + step_sim <= horizon_s {
+                    done_s += step_sim;
+                    step += 1;
+                    tokens += tokens_per_step.round() as u64;
+                    progressed = true;
+                    // A log that cannot be written (full disk, closed pipe) must not stop
+                    // training, as a real job's logging would not.
+                    let _ = log.step(&StepRow {
+                        simulated: true,
+                        step,
+                        tokens,
+                        elapsed_s: (done_s * 1000.0).round() / 1000.0,
+                        tokens_per_s: (tokens_per_step / step_sim * 10.0).round() / 10.0,
+                        cap_min_w: cap_min.round() as u32,
+                        cap_max_w: cap_max.round() as u32,
+                        unix_ms: unix_ms(),
+                    });
+                    if finished(step, done_s) || stopped() {
+                        break;
+                    }
+                }
+                if progressed {
+                    reporter.send(&ProgressReport {
+                        v: VERSION,
+                        job_id: job_id.clone(),
+                        tokens,
+                        steps: step,
+                    });
+                }
+                next_s = next_s.min(done_s + step_sim);
             }
-            // saturating: the deadline may pass between the check above and this line.
-            std::thread::sleep(
-                step_end
-                    .saturating_duration_since(Instant::now())
-                    .min(Duration::from_millis(50)),
-            );
         }
-        if stopped() {
-            break; // an interrupted step did not complete
+        if now_s >= phase_end_s {
+            // A step cut by the phase's end is lost, as a real job's would be.
+            phase_i += 1;
+            if phase_i == phases.len() {
+                break 'job;
+            }
+            phase_start_s = phase_end_s;
+            done_s = phase_end_s;
+            node.claim(
+                &gpus,
+                &workload_of(&phases[phase_i].load, &first_profile, &job_id, &node),
+            )
+            .map_err(|e| e.to_string())?;
+            continue;
         }
-        step += 1;
-        tokens += tokens_per_step.round() as u64;
-        elapsed_sim += step_sim;
-        // A log that cannot be written (full disk, closed pipe) must not stop training,
-        // as a real job's logging would not: the progress report still goes out.
-        let _ = log.step(&StepRow {
-            simulated: true,
-            step,
-            tokens,
-            elapsed_s: (elapsed_sim * 1000.0).round() / 1000.0,
-            tokens_per_s: (tokens_per_step / step_sim * 10.0).round() / 10.0,
-            cap_min_w: cap_min.round() as u32,
-            cap_max_w: cap_max.round() as u32,
-            unix_ms: unix_ms(),
-        });
-        reporter.send(&ProgressReport {
-            v: VERSION,
-            job_id: job_id.clone(),
-            tokens,
-            steps: step,
-        });
+        // Wake at the next step's end or the phase's end, at most 50 ms from now so a
+        // stop signal is seen promptly.
+        let wait = Duration::from_secs_f64(((next_s - sim_now_s()) / cli.time_scale).max(0.0));
+        std::thread::sleep(wait.min(Duration::from_millis(50)));
     }
     let signal = stop_signal.load(Ordering::SeqCst);
     if signal != 0 {
