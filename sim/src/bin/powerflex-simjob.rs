@@ -97,7 +97,7 @@ fn gpu_list(text: &str) -> Result<GpuList, String> {
 enum Load {
     /// GPUs held, nothing running: idle power, no steps.
     Idle,
-    Train(Profile),
+    Train(Box<Profile>),
 }
 
 #[derive(Debug, Clone)]
@@ -135,12 +135,12 @@ fn phase_list(text: &str) -> Result<Phases, String> {
             };
             let load = match load.trim() {
                 "idle" => Load::Idle,
-                name => Load::Train(
+                name => Load::Train(Box::new(
                     library
                         .find(name)
                         .cloned()
                         .map_err(|e| bad(e.to_string()))?,
-                ),
+                )),
             };
             Ok(Phase { load, length_s })
         })
@@ -272,7 +272,7 @@ fn phases_of(cli: &Cli) -> Result<Vec<Phase>, String> {
     match (&cli.phases, &cli.profile) {
         (Some(Phases(phases)), _) => Ok(phases.clone()),
         (None, Some(profile)) => Ok(vec![Phase {
-            load: Load::Train(profile.clone()),
+            load: Load::Train(Box::new(profile.clone())),
             length_s: f64::INFINITY,
         }]),
         (None, None) => Err("no work: pass --profile or --phases".into()),
@@ -284,7 +284,7 @@ fn phases_of(cli: &Cli) -> Result<Vec<Phase>, String> {
 fn workload_of(load: &Load, first_profile: &Profile, job_id: &str, node: &Node) -> Workload {
     let (profile, idle) = match load {
         Load::Idle => (first_profile, true),
-        Load::Train(p) => (p, false),
+        Load::Train(p) => (p.as_ref(), false),
     };
     Workload {
         job_id: job_id.to_string(),
@@ -306,7 +306,7 @@ fn run(cli: Cli) -> Result<(), String> {
     let first_profile = phases
         .iter()
         .find_map(|p| match &p.load {
-            Load::Train(profile) => Some(profile.clone()),
+            Load::Train(profile) => Some(profile.as_ref().clone()),
             Load::Idle => None,
         })
         .ok_or("no training phase")?;
