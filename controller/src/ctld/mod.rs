@@ -23,7 +23,7 @@ pub mod status;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
 
 use powerflex_core::Watts;
+use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
 
@@ -99,7 +100,17 @@ pub fn run(
     let (tx, rx) = bounded::<Inbound>(4096);
     let link = TcpListener::bind(options.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
-    link.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Where to connect to wake the blocked accept at shutdown: the bound address, with
+    // a wildcard one replaced by loopback.
+    let mut link_wake = link
+        .local_addr()
+        .map_err(|e| format!("cannot read the address of {}: {e}", options.listen))?;
+    if link_wake.ip().is_unspecified() {
+        link_wake.set_ip(match link_wake {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
     if let Some(parent) = options.admin_socket.parent() {
         std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
     }
@@ -110,19 +121,26 @@ pub fn run(
         &options.admin_socket,
         std::fs::Permissions::from_mode(0o666),
     );
-    admin.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let acceptors = [
-        link::spawn(link, tx.clone(), options.key.clone(), shutdown.clone()),
-        admin::spawn(admin, tx.clone(), shutdown.clone()),
-    ];
-    drop(tx);
-
     let metrics_text: Arc<Mutex<String>> = Arc::new(Mutex::new(String::new()));
-    if let Some(addr) = options.metrics_listen {
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-        metrics::serve(listener, metrics_text.clone(), shutdown.clone());
-    }
+    let metrics_server = match options.metrics_listen {
+        None => None,
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+            let text = metrics_text.clone();
+            Some(
+                MetricsServer::spawn(listener, HttpOptions::default(), move || {
+                    text.lock().unwrap_or_else(PoisonError::into_inner).clone()
+                })
+                .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?,
+            )
+        }
+    };
+    let link_acceptor = link::spawn(link, tx.clone(), options.key.clone(), shutdown.clone())
+        .map_err(|e| format!("cannot start the agent link acceptor: {e}"))?;
+    let admin_acceptor = admin::spawn(admin, tx.clone(), shutdown.clone())
+        .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
+    drop(tx);
     let annotator = annotate::spawn_annotator();
     let mut writers: BTreeMap<String, Sender<String>> = BTreeMap::new();
     let mut seq = unix_ms();
@@ -206,8 +224,15 @@ pub fn run(
             recv(check) -> _ => {}
         }
     }
-    for t in acceptors {
+    // The acceptors block in accept(): a connection to each wakes it to see the shutdown.
+    shutdown.store(true, Ordering::SeqCst);
+    let _ = std::net::TcpStream::connect_timeout(&link_wake, Duration::from_secs(1));
+    let _ = UnixStream::connect(&options.admin_socket);
+    for t in [link_acceptor, admin_acceptor] {
         let _ = t.join();
+    }
+    if let Some(server) = metrics_server {
+        server.stop();
     }
     let _ = std::fs::remove_file(&options.admin_socket);
     Ok(())
