@@ -237,3 +237,87 @@ pub fn run(
     let _ = std::fs::remove_file(&options.admin_socket);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_core::allocate::Policy;
+    use powerflex_core::config::{BudgetMode, Objective};
+    use powerflex_core::flex::TierTable;
+
+    fn free_port() -> std::net::SocketAddr {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+    }
+
+    /// The acceptors block in accept() (no polling): `run` must still end promptly when
+    /// asked, having woken them, and serve every socket until then.
+    #[test]
+    fn serves_admin_link_and_metrics_then_stops_promptly() {
+        let dir = std::env::temp_dir().join(format!("pf-ctld-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = free_port();
+        let options = CtldOptions {
+            listen: free_port(),
+            admin_socket: dir.join("ctld.sock"),
+            state_dir: dir.join("state"),
+            key: b"site key for tests".to_vec(),
+            base_budget: Watts(3200.0),
+            period: Duration::from_secs(10),
+            lease_ttl_s: 30.0,
+            site: SiteSettings {
+                tiers: TierTable::default_table(),
+                policy: Policy::Optimal,
+                cap_step: Watts(10.0),
+                failsafe_cap: Watts(500.0),
+                default_pfi: 1.3,
+                budget_mode: BudgetMode::Hard,
+                objective: Objective::Tokens,
+            },
+            metrics_listen: Some(metrics),
+        };
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let (_reload_tx, reloads) = bounded::<Reload>(1);
+        let (done_tx, done_rx) = bounded(1);
+        let (opts, stop) = (options.clone(), shutdown.clone());
+        std::thread::spawn(move || {
+            let _ = done_tx.send(run(opts, stop, reloads));
+        });
+
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let reply = loop {
+            match request(&options.admin_socket, &AdminOp::Status) {
+                Ok(reply) => break reply,
+                Err(e) if std::time::Instant::now() > deadline => panic!("no controller: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        assert!(reply.ok, "{reply:?}");
+        assert_eq!(reply.status.expect("status").budget_w, 3200.0);
+        // The link accepts (a line that is not a message is refused, the socket stays up).
+        let mut agent = std::net::TcpStream::connect(options.listen).expect("link");
+        std::io::Write::write_all(&mut agent, b"not a message\n").expect("send");
+        // Metrics from the shared responder and catalog.
+        let mut scrape = std::net::TcpStream::connect(metrics).expect("metrics");
+        std::io::Write::write_all(&mut scrape, b"GET /metrics HTTP/1.0\r\n\r\n").expect("send");
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut scrape, &mut text).expect("scrape");
+        assert!(text.contains("\npowerflex_budget_watts 3200\n"), "{text}");
+
+        let asked = std::time::Instant::now();
+        shutdown.store(true, Ordering::SeqCst);
+        let result = done_rx
+            .recv_timeout(Duration::from_secs(3))
+            .expect("run ends within 3 s of shutdown (acceptors woken)");
+        assert_eq!(result, Ok(()));
+        assert!(asked.elapsed() < Duration::from_secs(3));
+        assert!(
+            !options.admin_socket.exists(),
+            "socket removed on the way out"
+        );
+        assert!(std::net::TcpStream::connect(options.listen).is_err());
+        assert!(std::net::TcpStream::connect(metrics).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
