@@ -278,6 +278,7 @@ mod tests {
                 objective: Objective::Tokens,
             },
             metrics_listen: Some(metrics),
+            lease_rollout: Default::default(),
         };
         let shutdown = Arc::new(AtomicBool::new(false));
         let (_reload_tx, reloads) = bounded::<Reload>(1);
