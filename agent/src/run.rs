@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, select, tick, Receiver};
 use powerflex_core::Watts;
+use powerflex_daemon::os::FileLock;
 use powerflex_proto::{ControlOp, ControlReply};
 use tracing::{error, info, info_span, warn};
 
@@ -44,6 +45,9 @@ pub enum AgentError {
     Gpu(#[from] crate::backend::GpuError),
     #[error("{0}")]
     Plumbing(#[from] powerflex_daemon::DaemonError),
+    /// Another agent holds the node's instance lock.
+    #[error("another powerflexd{} holds {lock}; one agent runs per node: stop it first (systemctl stop powerflexd), or give this one another agent.state_dir and sockets", match .pid { Some(pid) => format!(" (pid {pid})"), None => String::new() })]
+    AlreadyRunning { lock: String, pid: Option<u32> },
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -73,6 +77,28 @@ fn bind_unix(path: &Path, what: &'static str) -> Result<UnixListener, AgentError
     // Anyone may connect; who may do what is checked per request (SO_PEERCRED).
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(io)?;
     Ok(listener)
+}
+
+/// The lock file in the state directory that one running agent holds.
+pub const INSTANCE_LOCK_FILE: &str = "powerflexd.lock";
+
+/// Takes the node's instance lock (`flock`, released by the kernel if the agent dies) and
+/// records this agent's pid in it; refuses when another agent holds it.
+fn lock_instance(state_dir: &Path) -> Result<FileLock, AgentError> {
+    std::fs::create_dir_all(state_dir).map_err(|source| AgentError::Io {
+        what: "cannot create the state directory",
+        path: state_dir.display().to_string(),
+        source,
+    })?;
+    let path = state_dir.join(INSTANCE_LOCK_FILE);
+    let Some(lock) = FileLock::try_acquire(&path)? else {
+        return Err(AgentError::AlreadyRunning {
+            lock: path.display().to_string(),
+            pid: FileLock::holder_pid(&path),
+        });
+    };
+    lock.record_pid(&path)?;
+    Ok(lock)
 }
 
 fn persisted(agent: &Agent) -> PersistedState {
@@ -202,6 +228,9 @@ pub fn run(
     let clock = Instant::now();
     let now = || clock.elapsed().as_secs_f64();
 
+    // Before anything else touches the GPUs, the state or the sockets: a second agent
+    // would unlink the first one's live sockets and fight it over the caps.
+    let _instance = lock_instance(&options.state_dir)?;
     let identities = backend.discover()?;
     let saved = match persist::load(&options.state_dir) {
         Ok(state) => state,

@@ -673,3 +673,58 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     assert!(log.contains("lease for another node refused"), "{log}");
     let _ = std::fs::remove_dir_all(&keydir);
 }
+
+#[test]
+fn a_second_agent_on_the_node_refuses_to_start_and_the_first_keeps_its_socket() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    let mut f = Fixture::new("instance-lock", None, 3600);
+    let first_pid = f.agent.as_ref().expect("first agent").id();
+    let reply = f.register("501", &["0", "1"], "flex1,calibrate=off");
+    assert!(reply.ok, "{reply:?}");
+
+    let second = Command::new(env!("CARGO_BIN_EXE_powerflexd"))
+        .args([
+            "--config",
+            f.config.to_str().expect("utf-8"),
+            "--node",
+            "n1",
+        ])
+        .env("POWERFLEX_SIM_DIR", f.node.dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start a second powerflexd");
+    let second_pid = second.id();
+    // It must give up at once; if it does not, it is stopped by its PID, not left running.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(second.wait_with_output());
+    });
+    let out = match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(out) => out.expect("second agent's output"),
+        Err(_) => {
+            let _ = kill(second_pid, Signal::KILL);
+            panic!("the second agent did not exit within 20 s");
+        }
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("another powerflexd (pid {first_pid}) holds"))
+            && stderr.contains("powerflexd.lock"),
+        "{stderr}"
+    );
+
+    // The first agent's socket is still there and still its own: it answers, and knows
+    // the job registered before the second one tried.
+    assert!(f.socket().exists());
+    assert!(f.job_status("501").is_some(), "{:?}", f.status());
+
+    // The lock dies with its holder: after a clean stop a new agent starts.
+    let status = f.signal_agent(Signal::TERM).expect("agent exit");
+    assert!(status.success());
+    f.start_agent();
+    assert!(f.request(ControlOp::Status).ok);
+}

@@ -347,9 +347,12 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
     assert!(metrics.contains("powerflex_budget_watts 3200"), "{metrics}");
     assert!(
-        metrics.contains("powerflex_job_cap_watts{job=\"77\""),
+        metrics.contains("powerflex_job_granted_cap_watts{job=\"77\"}"),
         "{metrics}"
     );
+    // The agent's name for the cap it applied carries {node,job,tier}: the controller's
+    // grant must not reuse it with another label set.
+    assert!(!metrics.contains("powerflex_job_cap_watts"), "{metrics}");
     assert!(http_get(metrics_port, "/nope").starts_with("HTTP/1.1 404"));
 
     // The plot: an SVG of the history since the restart (kept in memory) with the job's caps.

@@ -85,6 +85,32 @@ impl FileLock {
     }
 }
 
+impl FileLock {
+    /// Writes this process's pid into the lock file (replacing what a previous holder
+    /// wrote), so a process that finds the lock taken can name the holder
+    /// ([`FileLock::holder_pid`]). The lock, not the pid, decides who holds it: a stale
+    /// pid left by a crashed holder never keeps anyone out.
+    pub fn record_pid(&self, path: &Path) -> Result<(), DaemonError> {
+        use std::os::unix::fs::FileExt;
+        let pid = format!("{}\n", std::process::id());
+        self.file
+            .set_len(0)
+            .and_then(|()| self.file.write_all_at(pid.as_bytes(), 0))
+            .map_err(DaemonError::io("cannot record the pid in", path.display()))
+    }
+
+    /// The pid the holder of the lock file at `path` recorded, if it did and it reads as
+    /// one.
+    pub fn holder_pid(path: &Path) -> Option<u32> {
+        std::fs::read_to_string(path)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+            .filter(|pid| *pid > 0)
+    }
+}
+
 impl Drop for FileLock {
     fn drop(&mut self) {
         // Closing the descriptor releases it too; unlocking first says so explicitly and
@@ -161,5 +187,19 @@ mod tests {
         assert!(FileLock::try_acquire(&path).expect("try").is_none());
         drop(held);
         assert!(FileLock::try_acquire(&path).expect("try").is_some());
+    }
+
+    #[test]
+    fn the_holder_pid_is_recorded_and_read_back() {
+        let dir = crate::fsx::tests::scratch("lock-pid");
+        let path = dir.join("agent.lock");
+        assert_eq!(FileLock::holder_pid(&path), None, "no file yet");
+        // A longer pid left by a previous holder is replaced, not overwritten in part.
+        std::fs::write(&path, "123456789\n").expect("stale");
+        let held = FileLock::try_acquire(&path).expect("try").expect("free");
+        held.record_pid(&path).expect("record");
+        assert_eq!(FileLock::holder_pid(&path), Some(std::process::id()));
+        std::fs::write(&path, "not a pid").expect("garbage");
+        assert_eq!(FileLock::holder_pid(&path), None);
     }
 }

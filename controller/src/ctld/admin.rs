@@ -2,7 +2,7 @@
 //! and grid events (root only, by `SO_PEERCRED`). One request line, one reply line, in
 //! the versioned protocol of `powerflex_proto::admin`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,44 +11,54 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Sender};
+use tracing::warn;
+
+use powerflex_daemon::lines;
 
 use powerflex_proto::admin::{AdminOp, AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
 use super::Inbound;
 
-/// Accepts admin connections until `shutdown`, one thread per connection.
+/// Accepts admin connections until `shutdown`, one thread per connection. The accept
+/// blocks; [`super::run`] wakes it at shutdown by connecting to the socket itself.
 pub(crate) fn spawn(
     admin: UnixListener,
     tx: Sender<Inbound>,
     shutdown: Arc<AtomicBool>,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        while !shutdown.load(Ordering::SeqCst) {
-            match admin.accept() {
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("admin-accept".into())
+        .spawn(move || loop {
+            let accepted = admin.accept();
+            if shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            match accepted {
                 Ok((stream, _)) => {
                     let tx = tx.clone();
                     std::thread::spawn(move || serve_admin(stream, &tx));
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(20))
+                Err(e) => {
+                    // Out of descriptors and the like: say so, and do not spin on it.
+                    warn!(error = %e, "admin socket accept failed");
+                    std::thread::sleep(Duration::from_millis(100));
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
             }
-        }
-    })
+        })
 }
 
 fn serve_admin(mut stream: UnixStream, tx: &Sender<Inbound>) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
     let uid = powerflex_daemon::os::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
-    let mut line = String::new();
-    let reply = match stream.try_clone().map(BufReader::new).and_then(|r| {
-        r.take(MAX_ADMIN_REQUEST_BYTES as u64 + 1)
-            .read_line(&mut line)
-    }) {
-        Err(e) => AdminReply::error(e.to_string()),
-        Ok(_) => match AdminRequest::from_line(&line) {
+    let read = stream.try_clone().map_err(|e| e.to_string()).and_then(|s| {
+        lines::read_line(&mut BufReader::new(s), MAX_ADMIN_REQUEST_BYTES)
+            .map_err(|e| format!("admin request: {e}"))
+    });
+    let reply = match read {
+        Err(e) => AdminReply::error(e),
+        Ok(None) => return,
+        Ok(Some(line)) => match AdminRequest::from_line(&line) {
             Err(e) => AdminReply::error(e.to_string()),
             Ok(request) => {
                 let (reply_tx, reply_rx) = bounded(1);
@@ -75,6 +85,9 @@ fn serve_admin(mut stream: UnixStream, tx: &Sender<Inbound>) {
     let _ = stream.write_all(reply.to_line().as_bytes());
 }
 
+/// Largest reply `powerflexctl` reads, bytes: a status of a large site is a few MiB.
+const MAX_ADMIN_REPLY_BYTES: usize = 16 * 1024 * 1024;
+
 /// Sends one admin request to the controller at `socket` and returns its reply.
 pub fn request(socket: &Path, op: &AdminOp) -> Result<AdminReply, String> {
     let mut stream = UnixStream::connect(socket)
@@ -85,16 +98,14 @@ pub fn request(socket: &Path, op: &AdminOp) -> Result<AdminReply, String> {
         .write_all(line.as_bytes())
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
-    let mut reply = String::new();
-    BufReader::new(stream)
-        .take(16 * 1024 * 1024)
-        .read_line(&mut reply)
+    let reply = lines::read_line(&mut BufReader::new(stream), MAX_ADMIN_REPLY_BYTES)
         .map_err(|e| {
             format!(
                 "no answer from powerflex-ctld after {:.1} s: {e}",
                 started.elapsed().as_secs_f64()
             )
-        })?;
+        })?
+        .ok_or("powerflex-ctld closed the connection without answering")?;
     serde_json::from_str(reply.trim_end())
         .map_err(|e| format!("bad answer from powerflex-ctld: {e}"))
 }

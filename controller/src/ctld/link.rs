@@ -3,7 +3,7 @@
 //! (`powerflex_proto::link`). Leases go back over the same connection.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -12,23 +12,31 @@ use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::Deserialize;
-use tracing::warn;
+use tracing::{debug, warn};
 
+use powerflex_daemon::{lines, DaemonError};
 use powerflex_proto::link::{Body, Envelope, MAX_LINK_LINE_BYTES};
 
 use super::{unix_ms, Inbound};
 
-/// Accepts agent connections until `shutdown`, one thread per connection.
+/// Accepts agent connections until `shutdown`, one thread per connection. The accept
+/// blocks (an agent's hello is served the moment it arrives); [`super::run`] wakes it at
+/// shutdown by connecting to the listener itself.
 pub(crate) fn spawn(
     link: TcpListener,
     tx: Sender<Inbound>,
     key: Vec<u8>,
     shutdown: Arc<AtomicBool>,
-) -> JoinHandle<()> {
+) -> std::io::Result<JoinHandle<()>> {
     let last_seq: Arc<Mutex<BTreeMap<String, u64>>> = Arc::new(Mutex::new(BTreeMap::new()));
-    std::thread::spawn(move || {
-        while !shutdown.load(Ordering::SeqCst) {
-            match link.accept() {
+    std::thread::Builder::new()
+        .name("link-accept".into())
+        .spawn(move || loop {
+            let accepted = link.accept();
+            if shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            match accepted {
                 Ok((stream, peer)) => {
                     let (tx, key, last_seq, shutdown) =
                         (tx.clone(), key.clone(), last_seq.clone(), shutdown.clone());
@@ -36,16 +44,13 @@ pub(crate) fn spawn(
                         serve_agent(stream, peer, &tx, &key, &last_seq, &shutdown)
                     });
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
                 Err(e) => {
+                    // Out of descriptors and the like: say so, and do not spin on it.
                     warn!(error = %e, "agent link accept failed");
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
-        }
-    })
+        })
 }
 
 /// The sender a message claims, read before its MAC is checked (to find its last
@@ -79,18 +84,18 @@ fn serve_agent(
     let mut reader = BufReader::new(stream);
     let mut node: Option<String> = None;
     while !shutdown.load(Ordering::SeqCst) {
-        let mut line = String::new();
-        match (&mut reader)
-            .take(MAX_LINK_LINE_BYTES as u64 + 1)
-            .read_line(&mut line)
-        {
-            Ok(0) | Err(_) => return,
-            Ok(_) if line.len() > MAX_LINK_LINE_BYTES => {
-                warn!(%peer, "oversized message from an agent; connection closed");
+        let line = match lines::read_line(&mut reader, MAX_LINK_LINE_BYTES) {
+            Ok(Some(line)) => line,
+            Ok(None) => return,
+            Err(e @ DaemonError::LineTooLong { .. }) => {
+                warn!(%peer, error = %e, "oversized message from an agent; connection closed");
                 return;
             }
-            Ok(_) => {}
-        }
+            Err(e) => {
+                debug!(%peer, error = %e, "agent connection ended");
+                return;
+            }
+        };
         let claimed = serde_json::from_str::<Claimed>(&line)
             .map(|c| c.from)
             .unwrap_or_default();

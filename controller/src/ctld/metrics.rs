@@ -1,13 +1,10 @@
-//! The controller's Prometheus metrics: rendered by the core after each allocation,
-//! served as plain text over loopback HTTP.
-
-use std::io::{Read, Write};
-use std::net::TcpListener;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+//! The controller's Prometheus metrics: rendered by the core after each allocation from
+//! the shared [`powerflex_daemon::prom::catalog`] (so a name carries one label set in
+//! both daemons, and label values are escaped), served by
+//! [`powerflex_daemon::http::MetricsServer`].
 
 use powerflex_core::Watts;
+use powerflex_daemon::prom::{catalog, TextWriter};
 
 use crate::site::Decision;
 
@@ -23,97 +20,101 @@ pub struct MetricsInput<'a> {
     pub event_active: bool,
 }
 
-/// Renders the metrics text (Prometheus exposition format 0.0.4).
-pub fn render(m: &MetricsInput<'_>) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, rows: Vec<(String, f64)>| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for (labels, v) in rows {
-            let _ = writeln!(out, "{name}{labels} {v}");
-        }
-    };
-    gauge(
-        "powerflex_budget_watts",
-        "Facility GPU budget in force, W.",
-        vec![(String::new(), m.budget.0)],
-    );
-    gauge(
-        "powerflex_base_budget_watts",
-        "Facility GPU budget without grid events, W.",
-        vec![(String::new(), m.base.0)],
-    );
-    gauge(
-        "powerflex_draw_watts",
-        "Summed GPU draw reported by live agents, W.",
-        vec![(String::new(), m.draw_w)],
-    );
-    gauge(
-        "powerflex_event_active",
-        "1 while a grid event cuts the budget.",
-        vec![(String::new(), if m.event_active { 1.0 } else { 0.0 })],
-    );
-    gauge(
-        "powerflex_node_live",
-        "1 when the node's agent reported within its lease.",
-        m.nodes
-            .iter()
-            .map(|(n, live)| (format!("{{node=\"{n}\"}}"), if *live { 1.0 } else { 0.0 }))
-            .collect(),
-    );
-    if let Some(a) = &m.decision.allocation {
-        gauge(
-            "powerflex_job_cap_watts",
-            "Per-GPU cap granted to the job, W.",
-            a.jobs
-                .iter()
-                .map(|j| (format!("{{job=\"{}\"}}", j.id), j.cap_w.0))
-                .collect(),
-        );
-        gauge(
-            "powerflex_floors_broken",
-            "Jobs whose tier bound the budget cannot hold.",
-            vec![(String::new(), a.broken_floors().count() as f64)],
-        );
-        gauge(
-            "powerflex_over_budget_watts",
-            "Shortfall with every job at its lowest cap, W.",
-            vec![(String::new(), a.over_budget_w.0)],
-        );
+fn flag(on: bool) -> f64 {
+    if on {
+        1.0
+    } else {
+        0.0
     }
-    out
 }
 
-/// Serves the latest `text` on `/metrics` (and `/`) until `shutdown`.
-pub fn serve(listener: TcpListener, text: Arc<Mutex<String>>, shutdown: Arc<AtomicBool>) {
-    let _ = listener.set_nonblocking(true);
-    std::thread::spawn(move || {
-        while !shutdown.load(Ordering::SeqCst) {
-            match listener.accept() {
-                Ok((mut stream, _)) => {
-                    let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-                    let mut request = [0u8; 1024];
-                    let read = stream.read(&mut request).unwrap_or(0);
-                    let line = String::from_utf8_lossy(&request[..read]);
-                    let path = line.split_whitespace().nth(1).unwrap_or("");
-                    // Scrapers ask for /metrics; "/" too, for a person with curl.
-                    let (status, body) = if path == "/metrics" || path == "/" {
-                        (
-                            "200 OK",
-                            text.lock().unwrap_or_else(PoisonError::into_inner).clone(),
-                        )
-                    } else {
-                        ("404 Not Found", "try /metrics\n".to_string())
-                    };
-                    let _ = write!(
-                        stream,
-                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
+/// Renders the metrics text (Prometheus exposition format 0.0.4).
+pub fn render(m: &MetricsInput<'_>) -> String {
+    let mut w = TextWriter::new();
+    w.family(&catalog::BUDGET_WATTS, [([], m.budget.0)])
+        .family(&catalog::BASE_BUDGET_WATTS, [([], m.base.0)])
+        .family(&catalog::DRAW_WATTS, [([], m.draw_w)])
+        .family(&catalog::EVENT_ACTIVE, [([], flag(m.event_active))])
+        .family(
+            &catalog::NODE_LIVE,
+            m.nodes.iter().map(|(node, live)| ([*node], flag(*live))),
+        );
+    if let Some(a) = &m.decision.allocation {
+        w.family(
+            &catalog::JOB_GRANTED_CAP_WATTS,
+            a.jobs.iter().map(|j| ([j.id.as_str()], j.cap_w.0)),
+        )
+        .family(
+            &catalog::FLOORS_BROKEN,
+            [([], a.broken_floors().count() as f64)],
+        )
+        .family(&catalog::OVER_BUDGET_WATTS, [([], a.over_budget_w.0)]);
+    }
+    w.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_core::allocate::{Allocation, FloorStatus, JobAllocation, Policy};
+    use powerflex_proto::status::Objective;
+
+    #[test]
+    fn renders_the_catalog_names_with_escaped_labels() {
+        let job = |id: &str, cap_w: f64| JobAllocation {
+            id: id.into(),
+            cap_w: Watts(cap_w),
+            power_w: Watts(cap_w * 4.0),
+            throughput: 1.0,
+            slowdown: 0.0,
+            max_slowdown: None,
+            floor: FloorStatus::None,
+        };
+        let decision = Decision {
+            leases: Default::default(),
+            budget_w: 3200.0,
+            reserved_w: 0.0,
+            allocation: Some(Allocation {
+                policy: Policy::Optimal,
+                budget_w: Watts(3200.0),
+                jobs: vec![job("77", 450.0), job("x\"}\nevil", 300.0)],
+                total_power_w: Watts(3000.0),
+                objective: 2.0,
+                over_budget_w: Watts(0.0),
+            }),
+            rejected: vec![],
+            drifted: vec![],
+            start_cap_w: 300.0,
+            objective: Objective::TokensPerS,
+        };
+        let text = render(&MetricsInput {
+            decision: &decision,
+            base: Watts(4000.0),
+            budget: Watts(3200.0),
+            draw_w: 2950.5,
+            nodes: vec![("n1", true), ("n\\2", false)],
+            event_active: true,
+        });
+        for line in [
+            "powerflex_budget_watts 3200",
+            "powerflex_base_budget_watts 4000",
+            "powerflex_draw_watts 2950.5",
+            "powerflex_event_active 1",
+            "powerflex_node_live{node=\"n1\"} 1",
+            "powerflex_node_live{node=\"n\\\\2\"} 0",
+            "powerflex_job_granted_cap_watts{job=\"77\"} 450",
+            "powerflex_job_granted_cap_watts{job=\"x\\\"}\\nevil\"} 300",
+            "powerflex_floors_broken 0",
+            "powerflex_over_budget_watts 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
-    });
+        // Every sample line belongs to a family the catalog declares (a hostile job id
+        // stays inside its own line).
+        let names: Vec<&str> = catalog::all().iter().map(|(n, _, _)| *n).collect();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap_or("");
+            assert!(names.contains(&name), "{line}");
+        }
+    }
 }

@@ -23,7 +23,7 @@ pub mod status;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
 
 use powerflex_core::Watts;
+use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
 
@@ -101,7 +102,17 @@ pub fn run(
     let (tx, rx) = bounded::<Inbound>(4096);
     let link = TcpListener::bind(options.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
-    link.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Where to connect to wake the blocked accept at shutdown: the bound address, with
+    // a wildcard one replaced by loopback.
+    let mut link_wake = link
+        .local_addr()
+        .map_err(|e| format!("cannot read the address of {}: {e}", options.listen))?;
+    if link_wake.ip().is_unspecified() {
+        link_wake.set_ip(match link_wake {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
     if let Some(parent) = options.admin_socket.parent() {
         std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
     }
@@ -112,19 +123,26 @@ pub fn run(
         &options.admin_socket,
         std::fs::Permissions::from_mode(0o666),
     );
-    admin.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let acceptors = [
-        link::spawn(link, tx.clone(), options.key.clone(), shutdown.clone()),
-        admin::spawn(admin, tx.clone(), shutdown.clone()),
-    ];
-    drop(tx);
-
     let metrics_text: Arc<Mutex<String>> = Arc::new(Mutex::new(String::new()));
-    if let Some(addr) = options.metrics_listen {
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-        metrics::serve(listener, metrics_text.clone(), shutdown.clone());
-    }
+    let metrics_server = match options.metrics_listen {
+        None => None,
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+            let text = metrics_text.clone();
+            Some(
+                MetricsServer::spawn(listener, HttpOptions::default(), move || {
+                    text.lock().unwrap_or_else(PoisonError::into_inner).clone()
+                })
+                .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?,
+            )
+        }
+    };
+    let link_acceptor = link::spawn(link, tx.clone(), options.key.clone(), shutdown.clone())
+        .map_err(|e| format!("cannot start the agent link acceptor: {e}"))?;
+    let admin_acceptor = admin::spawn(admin, tx.clone(), shutdown.clone())
+        .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
+    drop(tx);
     let annotator = annotate::spawn_annotator();
     let mut writers: BTreeMap<String, Sender<String>> = BTreeMap::new();
     let mut seq = unix_ms();
@@ -208,9 +226,101 @@ pub fn run(
             recv(check) -> _ => {}
         }
     }
-    for t in acceptors {
+    // The acceptors block in accept(): a connection to each wakes it to see the shutdown.
+    shutdown.store(true, Ordering::SeqCst);
+    let _ = std::net::TcpStream::connect_timeout(&link_wake, Duration::from_secs(1));
+    let _ = UnixStream::connect(&options.admin_socket);
+    for t in [link_acceptor, admin_acceptor] {
         let _ = t.join();
+    }
+    if let Some(server) = metrics_server {
+        server.stop();
     }
     let _ = std::fs::remove_file(&options.admin_socket);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_core::allocate::Policy;
+    use powerflex_core::config::{BudgetMode, Objective};
+    use powerflex_core::flex::TierTable;
+
+    fn free_port() -> std::net::SocketAddr {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+    }
+
+    /// The acceptors block in accept() (no polling): `run` must still end promptly when
+    /// asked, having woken them, and serve every socket until then.
+    #[test]
+    fn serves_admin_link_and_metrics_then_stops_promptly() {
+        let dir = std::env::temp_dir().join(format!("pf-ctld-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = free_port();
+        let options = CtldOptions {
+            listen: free_port(),
+            admin_socket: dir.join("ctld.sock"),
+            state_dir: dir.join("state"),
+            key: b"site key for tests".to_vec(),
+            base_budget: Watts(3200.0),
+            period: Duration::from_secs(10),
+            lease_ttl_s: 30.0,
+            site: SiteSettings {
+                tiers: TierTable::default_table(),
+                policy: Policy::Optimal,
+                cap_step: Watts(10.0),
+                failsafe_cap: Watts(500.0),
+                default_pfi: 1.3,
+                budget_mode: BudgetMode::Hard,
+                objective: Objective::Tokens,
+            },
+            metrics_listen: Some(metrics),
+            lease_rollout: Default::default(),
+        };
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let (_reload_tx, reloads) = bounded::<Reload>(1);
+        let (done_tx, done_rx) = bounded(1);
+        let (opts, stop) = (options.clone(), shutdown.clone());
+        std::thread::spawn(move || {
+            let _ = done_tx.send(run(opts, stop, reloads));
+        });
+
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let reply = loop {
+            match request(&options.admin_socket, &AdminOp::Status) {
+                Ok(reply) => break reply,
+                Err(e) if std::time::Instant::now() > deadline => panic!("no controller: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        assert!(reply.ok, "{reply:?}");
+        assert_eq!(reply.status.expect("status").budget_w, 3200.0);
+        // The link accepts (a line that is not a message is refused, the socket stays up).
+        let mut agent = std::net::TcpStream::connect(options.listen).expect("link");
+        std::io::Write::write_all(&mut agent, b"not a message\n").expect("send");
+        // Metrics from the shared responder and catalog.
+        let mut scrape = std::net::TcpStream::connect(metrics).expect("metrics");
+        std::io::Write::write_all(&mut scrape, b"GET /metrics HTTP/1.0\r\n\r\n").expect("send");
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut scrape, &mut text).expect("scrape");
+        assert!(text.contains("\npowerflex_budget_watts 3200\n"), "{text}");
+
+        let asked = std::time::Instant::now();
+        shutdown.store(true, Ordering::SeqCst);
+        let result = done_rx
+            .recv_timeout(Duration::from_secs(3))
+            .expect("run ends within 3 s of shutdown (acceptors woken)");
+        assert_eq!(result, Ok(()));
+        assert!(asked.elapsed() < Duration::from_secs(3));
+        assert!(
+            !options.admin_socket.exists(),
+            "socket removed on the way out"
+        );
+        assert!(std::net::TcpStream::connect(options.listen).is_err());
+        assert!(std::net::TcpStream::connect(metrics).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -2,13 +2,13 @@
 //! replaces kept beside it: a restart that finds the file corrupt falls back on that one.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tracing::{error, warn};
 
 use powerflex_core::Watts;
+use powerflex_daemon::fsx::{self, AtomicWrite};
 use powerflex_proto::link::GpuInfo;
 
 use crate::schedule::Event;
@@ -83,28 +83,38 @@ pub fn load(dir: &Path) -> Loaded {
     }
 }
 
-/// Saves `state` in `dir`; a failure is logged, and the controller carries on with the
-/// state in memory.
+/// Saves `state` in `dir` (mode 0600, fsynced: budgets and events must survive a power
+/// loss); a failure is logged, and the controller carries on with the state in memory.
 pub fn save(dir: &Path, state: &CtldState) {
-    let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(dir)?;
-        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&serde_json::to_vec_pretty(state).unwrap_or_default())?;
-        f.sync_all()?;
-        // Keep the state being replaced: the file in place is never missing, and a
-        // restart that finds it corrupt falls back on the one before.
-        let current = dir.join(STATE_FILE);
-        if current.exists() {
-            let previous = dir.join(PREVIOUS_STATE_FILE);
-            let _ = std::fs::remove_file(&previous);
-            std::fs::hard_link(&current, &previous)?;
-        }
-        std::fs::rename(&tmp, current)
-    };
-    if let Err(e) = write() {
-        error!(error = %e, "cannot persist controller state");
+    if let Err(e) = try_save(dir, state) {
+        error!(error = %e, dir = %dir.display(), "cannot persist controller state");
     }
+}
+
+fn try_save(dir: &Path, state: &CtldState) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let bytes = serde_json::to_vec_pretty(state)
+        .map_err(|e| format!("cannot encode the controller state: {e}"))?;
+    // Keep the state being replaced: a restart that finds the new file corrupt falls
+    // back on the one before. The hard link leaves the current file in place, so the
+    // state file is never missing.
+    let current = dir.join(STATE_FILE);
+    if current.exists() {
+        let previous = dir.join(PREVIOUS_STATE_FILE);
+        match std::fs::remove_file(&previous) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot remove {}: {e}", previous.display())),
+        }
+        std::fs::hard_link(&current, &previous).map_err(|e| {
+            format!(
+                "cannot keep {} as {}: {e}",
+                current.display(),
+                previous.display()
+            )
+        })?;
+    }
+    fsx::write_atomic(&current, &bytes, AtomicWrite::durable()).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -167,6 +177,37 @@ mod tests {
         let loaded = load(&dir);
         assert!(loaded.lost);
         assert_eq!(loaded.state, CtldState::default());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn saved_state_is_private_and_keeps_the_copy_it_replaced() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("mode");
+        save(&dir, &with_budget(1000.0));
+        assert!(
+            !dir.join(PREVIOUS_STATE_FILE).exists(),
+            "nothing to keep at the first save"
+        );
+        save(&dir, &with_budget(2000.0));
+        for name in [STATE_FILE, PREVIOUS_STATE_FILE] {
+            let mode = std::fs::metadata(dir.join(name))
+                .expect("saved")
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{name}: {mode:o}");
+        }
+        let previous: CtldState = serde_json::from_slice(
+            &std::fs::read(dir.join(PREVIOUS_STATE_FILE)).expect("previous"),
+        )
+        .expect("json");
+        assert_eq!(previous, with_budget(1000.0));
+        // No temporary file is left behind.
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
