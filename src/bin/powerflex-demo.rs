@@ -1027,8 +1027,9 @@ fn over_budget(samples: &[(f64, f64)], budget_w: f64) -> (f64, f64) {
         .windows(2)
         .filter(|w| w[0].1 > budget_w * (1.0 + DRAW_TOLERANCE))
         .map(|w| w[1].0 - w[0].0)
-        .sum();
-    (peak, seconds)
+        .sum::<f64>();
+    // An empty sum is -0.0; the summary says 0.
+    (peak, seconds + 0.0)
 }
 
 /// Phase 7: the tables, the plot and `summary.json`; true when every promise held.
