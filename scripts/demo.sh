@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # powerflex's main job, end to end on one machine: a local Slurm cluster (slurmctld and
 # three `slurmd -N` nodes with 8 SIMULATED H200 GPUs each, as gres), the power_flex.so SPANK
-# plugin, a powerflexd agent per node and powerflex-ctld. Six simulated training jobs of
-# different tiers calibrate, a 30 % grid event ramps in, holds and ends, and the result is
-# compared with the equal-weight split of the same budget. Everything started is stopped
+# plugin, a powerflexd agent per node and powerflex-ctld. Seven simulated training jobs of
+# different tiers (two on real measured curves) calibrate, a 30 % grid event ramps in,
+# holds (one job changes phase in the middle) and ends, and the result is compared with
+# the equal-weight split of the same budget. Everything started is stopped
 # by PID at the end and every simulated GPU is left at its default cap.
 #
 # Run as root on Debian 12. Installs what is missing (apt), builds the workspace (release),

@@ -4,7 +4,11 @@
 //! within the budget, no GPU capped without a live job on it, no node drained.
 //!
 //! Every process it starts is stopped by PID when the stack is dropped (the agents and
-//! the controller first, then the cluster).
+//! the controller first, then the cluster), or gracefully by [`Stack::shutdown`].
+//!
+//! Two faces: the `try_*` methods return [`StackError`] (the demo reports it and exits
+//! 1); the plain ones panic with the same message (the tests' `assert` style), as thin
+//! wrappers over them.
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -16,7 +20,7 @@ use powerflex_proto::status::{AgentStatus, CtldStatus, NodeStatus};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::Node;
 
-use crate::site::{edit_site_file, SiteBuilder};
+use crate::site::{edit_site_file, SiteBuilder, SiteError};
 use crate::slurm::{Cluster, ClusterOptions};
 use crate::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key,
@@ -32,6 +36,16 @@ pub struct StackOptions {
     pub lease_ttl_s: u64,
     /// Extra environment for one node's agent: (node index, name, value).
     pub agent_env: Vec<(usize, String, String)>,
+    /// Changes to the site config after the stack's own settings (the demo's grid,
+    /// objective and header); a plain `fn` so the options stay `Clone` and `Debug`.
+    pub site: Option<fn(SiteBuilder) -> SiteBuilder>,
+    /// How often each agent samples its GPUs, ms.
+    pub sample_interval_ms: u64,
+    /// Build the plugin and the simulated NVML first (tests: yes; the demo runs what was
+    /// built and only checks that it is there).
+    pub build: bool,
+    /// Where the daemons' logs go [default: the stack's base directory].
+    pub log_dir: Option<PathBuf>,
 }
 
 impl Default for StackOptions {
@@ -42,7 +56,81 @@ impl Default for StackOptions {
             budget_w: 5600.0,
             lease_ttl_s: 10,
             agent_env: Vec::new(),
+            site: None,
+            sample_interval_ms: 250,
+            build: true,
+            log_dir: None,
         }
+    }
+}
+
+/// Why the stack could not be started or asked something.
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    #[error("{path} is missing: build the workspace first (`cargo build --release`; scripts/demo.sh does)")]
+    MissingArtifact { path: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("site config: {0}")]
+    Site(#[from] SiteError),
+    #[error("simulated node {node}: {message}")]
+    Sim { node: String, message: String },
+    #[error("cannot start {daemon}: {source}")]
+    Spawn {
+        daemon: &'static str,
+        source: std::io::Error,
+    },
+    #[error("timed out after {timeout_s} s waiting for {what}")]
+    Timeout { what: String, timeout_s: u64 },
+    #[error("powerflexctl {args}: {message}")]
+    Ctl { args: String, message: String },
+    #[error("agent {node}: {message}")]
+    Agent { node: String, message: String },
+}
+
+fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> StackError + '_ {
+    move |source| StackError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Polls `check` every 100 ms until it yields a value, or fails after `timeout`.
+fn poll<T>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> Option<T>,
+) -> Result<T, StackError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check() {
+            return Ok(v);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(StackError::Timeout {
+                what: what.to_string(),
+                timeout_s: timeout.as_secs(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A workspace artifact from this profile: built first when `build`, else only checked.
+fn artifact(name: &str, build: bool) -> Result<PathBuf, StackError> {
+    if build {
+        return Ok(binary(name));
+    }
+    let path = profile_dir().join(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(StackError::MissingArtifact {
+            path: path.display().to_string(),
+        })
     }
 }
 
@@ -51,6 +139,10 @@ impl Default for StackOptions {
 pub struct Stack {
     ctld: Option<Child>,
     agents: Vec<Option<Child>>,
+    ctld_bin: PathBuf,
+    agent_bin: PathBuf,
+    sample_interval_ms: u64,
+    log_dir: PathBuf,
     pub cluster: Cluster,
     /// Sockets, site config, logs, simulated GPU state.
     pub base: PathBuf,
@@ -70,17 +162,32 @@ pub const DEFAULT_CAP_W: f64 = 700.0;
 
 impl Stack {
     /// Starts the cluster (named `name`), the controller and one agent per node, and
-    /// returns once every agent is live at the controller.
+    /// returns once every agent is live at the controller. Panics on failure.
     pub fn start(name: &str, options: StackOptions) -> Stack {
-        cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
-        let (ctl, simjob) = (binary("powerflexctl"), binary("powerflex-simjob"));
+        Stack::try_start(name, options).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Stack::start`], failing with what went wrong. (The cluster itself still panics
+    /// with its daemons' log tails when Slurm does not come up: see `Cluster::start`.)
+    pub fn try_start(name: &str, options: StackOptions) -> Result<Stack, StackError> {
+        if options.build {
+            cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
+        }
+        let ctl = artifact("powerflexctl", options.build)?;
+        let simjob = artifact("powerflex-simjob", options.build)?;
+        let ctld_bin = artifact("powerflex-ctld", options.build)?;
+        let agent_bin = artifact("powerflexd", options.build)?;
+        let plugin = artifact("libpower_flex.so", false)?;
+        let nvml = artifact("libpowerflex_sim_nvml.so", false)?;
         let base = std::env::temp_dir().join(format!("pf-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
-        std::fs::create_dir_all(base.join("agent")).expect("stack dir");
+        std::fs::create_dir_all(base.join("agent")).map_err(io(&base))?;
+        let log_dir = options.log_dir.clone().unwrap_or_else(|| base.clone());
+        std::fs::create_dir_all(&log_dir).map_err(io(&log_dir))?;
         let key = base.join("site.key");
         write_site_key(&key, "fault-test site key, loopback only\n");
         let site = base.join("powerflex.toml");
-        SiteBuilder::new(options.budget_w)
+        let builder = SiteBuilder::new(options.budget_w)
             .h200(&[700.0, 500.0, 300.0], 300.0)
             .controller(
                 ([127, 0, 0, 1], free_loopback_port()).into(),
@@ -92,11 +199,14 @@ impl Stack {
             .agent_paths(
                 &format!("{}/agent/%n.sock", base.display()),
                 &format!("{}/state/%n", base.display()),
-                &profile_dir().join("libpowerflex_sim_nvml.so"),
+                &nvml,
             )
-            .calibration_s(1.0, 1.0, 2.0)
-            .write(&site)
-            .unwrap_or_else(|e| panic!("{e}"));
+            .calibration_s(1.0, 1.0, 2.0);
+        let builder = match options.site {
+            Some(edit) => edit(builder),
+            None => builder,
+        };
+        builder.write(&site)?;
         let cluster = Cluster::start(
             name,
             ClusterOptions {
@@ -105,30 +215,35 @@ impl Stack {
                 cpus_per_node: 8,
                 plugstack: Some(format!(
                     "optional {} site={} socket={}/agent/%n.sock timeout_ms=500\n",
-                    profile_dir().join("libpower_flex.so").display(),
+                    plugin.display(),
                     site.display(),
                     base.display()
                 )),
                 ..ClusterOptions::default()
             },
         );
-        let sims = cluster
-            .node_names()
-            .iter()
-            .map(|node| {
-                Node::init(
-                    &base.join("sim").join(node),
-                    node,
-                    "H200",
-                    options.gpus_per_node,
-                    true,
-                )
-                .expect("simulated node")
-            })
-            .collect();
+        let mut sims = Vec::new();
+        for node in cluster.node_names() {
+            let sim = Node::init(
+                &base.join("sim").join(node),
+                node,
+                "H200",
+                options.gpus_per_node,
+                true,
+            )
+            .map_err(|e| StackError::Sim {
+                node: node.clone(),
+                message: e.to_string(),
+            })?;
+            sims.push(sim);
+        }
         let mut stack = Stack {
             ctld: None,
             agents: Vec::new(),
+            ctld_bin,
+            agent_bin,
+            sample_interval_ms: options.sample_interval_ms,
+            log_dir,
             cluster,
             socket: base.join("ctld.sock"),
             base,
@@ -140,32 +255,41 @@ impl Stack {
             agent_env: options.agent_env.clone(),
             restarts: 0,
         };
-        stack.start_ctld();
+        stack.try_start_ctld()?;
         for i in 0..stack.sims.len() {
-            let agent = stack.spawn_agent(i);
+            let agent = stack.spawn_agent(i)?;
             stack.agents.push(Some(agent));
         }
-        stack.wait_live(options.nodes as usize);
-        stack
+        stack.wait_live(options.nodes as usize)?;
+        Ok(stack)
     }
 
-    fn log(&mut self, name: &str) -> std::fs::File {
+    fn log(&mut self, name: &str) -> Result<std::fs::File, StackError> {
         self.restarts += 1;
-        std::fs::File::create(self.base.join(format!("{name}-{}.log", self.restarts)))
-            .expect("log file")
+        let path = self.log_dir.join(format!("{name}-{}.log", self.restarts));
+        std::fs::File::create(&path).map_err(io(&path))
     }
 
-    /// Starts the controller (again).
+    /// Starts the controller (again). Panics on failure.
     pub fn start_ctld(&mut self) {
-        let log = self.log("ctld");
-        let mut command = Command::new(binary("powerflex-ctld"));
+        self.try_start_ctld().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Starts the controller (again) and waits for its admin socket.
+    pub fn try_start_ctld(&mut self) -> Result<(), StackError> {
+        let log = self.log("ctld")?;
+        let mut command = Command::new(&self.ctld_bin);
         command
             .args(["--config", &self.site.to_string_lossy()])
             .envs(self.cluster.env())
             .stderr(log);
-        self.ctld = Some(command.spawn().expect("powerflex-ctld"));
+        let child = command.spawn().map_err(|source| StackError::Spawn {
+            daemon: "powerflex-ctld",
+            source,
+        })?;
+        self.ctld = Some(child);
         let socket = self.socket.clone();
-        wait_until(
+        poll(
             "the controller's admin socket",
             Duration::from_secs(20),
             || {
@@ -173,7 +297,7 @@ impl Stack {
                     .ok()
                     .map(|_| ())
             },
-        );
+        )
     }
 
     /// kill -9 the controller.
@@ -199,14 +323,33 @@ impl Stack {
 
     /// The agent's own status on node `i` (its control socket), if it answers.
     pub fn agent_status(&self, i: usize) -> Option<AgentStatus> {
+        self.try_agent_status(i).ok()
+    }
+
+    /// The agent's own status on node `i`, or why it did not answer.
+    pub fn try_agent_status(&self, i: usize) -> Result<AgentStatus, StackError> {
         use std::io::{BufRead, Write};
-        let mut stream = std::os::unix::net::UnixStream::connect(self.agent_socket(i)).ok()?;
-        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        let failed = |message: String| StackError::Agent {
+            node: self.cluster.node_names()[i].clone(),
+            message,
+        };
+        let mut stream = std::os::unix::net::UnixStream::connect(self.agent_socket(i))
+            .map_err(|e| failed(e.to_string()))?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| failed(e.to_string()))?;
         let request = ControlRequest::new(ControlOp::Status).to_line();
-        stream.write_all(request.as_bytes()).ok()?;
+        stream
+            .write_all(request.as_bytes())
+            .map_err(|e| failed(e.to_string()))?;
         let mut line = String::new();
-        std::io::BufReader::new(stream).read_line(&mut line).ok()?;
-        ControlReply::from_line(&line).ok()?.status
+        std::io::BufReader::new(stream)
+            .read_line(&mut line)
+            .map_err(|e| failed(e.to_string()))?;
+        ControlReply::from_line(&line)
+            .map_err(|e| failed(e.to_string()))?
+            .status
+            .ok_or_else(|| failed("no status in the reply".to_string()))
     }
 
     /// Rewrites the site config through its types (see [`edit_site_file`]): the edit may
@@ -215,12 +358,13 @@ impl Stack {
         edit_site_file(&self.site, edit).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    fn spawn_agent(&mut self, i: usize) -> Child {
+    fn spawn_agent(&mut self, i: usize) -> Result<Child, StackError> {
         let node = self.cluster.node_names()[i].clone();
-        let log = self.log(&format!("agent-{node}"));
-        Command::new(binary("powerflexd"))
+        let log = self.log(&format!("agent-{node}"))?;
+        let interval_ms = self.sample_interval_ms.to_string();
+        Command::new(&self.agent_bin)
             .args(["--config", &self.site.to_string_lossy(), "--node", &node])
-            .args(["--sample-interval-ms", "250"])
+            .args(["--sample-interval-ms", &interval_ms])
             .env("POWERFLEX_SIM_DIR", self.sims[i].dir())
             .envs(
                 self.agent_env
@@ -230,7 +374,10 @@ impl Stack {
             )
             .stderr(log)
             .spawn()
-            .expect("powerflexd")
+            .map_err(|source| StackError::Spawn {
+                daemon: "powerflexd",
+                source,
+            })
     }
 
     /// The agent's control socket on node `i`.
@@ -250,7 +397,7 @@ impl Stack {
 
     /// Starts the agent of node `i` (again) and waits for its control socket.
     pub fn start_agent(&mut self, i: usize) {
-        let agent = self.spawn_agent(i);
+        let agent = self.spawn_agent(i).unwrap_or_else(|e| panic!("{e}"));
         self.agents[i] = Some(agent);
         let socket = self.agent_socket(i);
         wait_until("the agent's socket", Duration::from_secs(20), || {
@@ -273,8 +420,8 @@ impl Stack {
             .join("agent-state.json")
     }
 
-    fn wait_live(&self, nodes: usize) {
-        wait_until(
+    fn wait_live(&self, nodes: usize) -> Result<(), StackError> {
+        poll(
             "every agent live at the controller",
             Duration::from_secs(30),
             || {
@@ -282,19 +429,48 @@ impl Stack {
                 let live = listed.iter().filter(|n| n.live).count();
                 (live == nodes).then_some(())
             },
-        );
+        )
     }
 
     /// `powerflexctl ARGS --format json --socket …`, parsed as `T` (e.g. `CtldStatus` for
     /// `status`, `Vec<SiteJobStatus>` for `jobs`); `None` if it fails.
     pub fn ctl_json<T: serde::de::DeserializeOwned>(&self, args: &[&str]) -> Option<T> {
+        self.try_ctl_json(args).ok()
+    }
+
+    /// [`Stack::ctl_json`], failing with what `powerflexctl` said.
+    pub fn try_ctl_json<T: serde::de::DeserializeOwned>(
+        &self,
+        args: &[&str],
+    ) -> Result<T, StackError> {
         let socket = self.socket.to_string_lossy();
         let mut all = args.to_vec();
         all.extend(["--format", "json", "--socket", &socket]);
+        let failed = |message: String| StackError::Ctl {
+            args: args.join(" "),
+            message,
+        };
         let out = run(&self.ctl, &all);
-        (out.code == Some(0))
-            .then(|| serde_json::from_str(&out.stdout).ok())
-            .flatten()
+        if out.code != Some(0) {
+            return Err(failed(out.stderr.trim().to_string()));
+        }
+        serde_json::from_str(&out.stdout).map_err(|e| failed(format!("not JSON ({e})")))
+    }
+
+    /// `powerflexctl ARGS --socket …` for its effect (e.g. `event add`); fails with what
+    /// it said when it exits non-zero. Returns its standard output.
+    pub fn try_ctl(&self, args: &[&str]) -> Result<String, StackError> {
+        let socket = self.socket.to_string_lossy();
+        let mut all = args.to_vec();
+        all.extend(["--socket", &socket]);
+        let out = run(&self.ctl, &all);
+        if out.code != Some(0) {
+            return Err(StackError::Ctl {
+                args: args.join(" "),
+                message: out.stderr.trim().to_string(),
+            });
+        }
+        Ok(out.stdout)
     }
 
     /// Submits a simulated training job: `nodes` × `gpus` GPUs, `--power-flex=flex`,
@@ -332,24 +508,42 @@ impl Stack {
 
     /// Summed draw of every simulated GPU, W.
     pub fn draw_w(&self) -> f64 {
-        self.sims
-            .iter()
-            .flat_map(|n| {
-                (0..self.gpus_per_node)
-                    .map(move |g| f64::from(n.reading(g).expect("reading").1.power_mw) / 1000.0)
-            })
-            .sum()
+        self.try_draw_w().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Summed draw of every simulated GPU (the meter), W, or which GPU could not be read.
+    pub fn try_draw_w(&self) -> Result<f64, StackError> {
+        let mut sum = 0.0;
+        for (node, sim) in self.cluster.node_names().iter().zip(&self.sims) {
+            for g in 0..self.gpus_per_node {
+                let (_, reading) = sim.reading(g).map_err(|e| StackError::Sim {
+                    node: node.clone(),
+                    message: format!("GPU {g}: {e}"),
+                })?;
+                sum += f64::from(reading.power_mw) / 1000.0;
+            }
+        }
+        Ok(sum)
     }
 
     /// Every simulated GPU's cap, W, node by node.
     pub fn caps_w(&self) -> Vec<f64> {
-        self.sims
-            .iter()
-            .flat_map(|n| {
-                (0..self.gpus_per_node)
-                    .map(move |g| f64::from(n.gpu(g).expect("gpu").power_limit_mw) / 1000.0)
-            })
-            .collect()
+        self.try_caps_w().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Every simulated GPU's cap, W, node by node, or which GPU could not be read.
+    pub fn try_caps_w(&self) -> Result<Vec<f64>, StackError> {
+        let mut caps = Vec::new();
+        for (node, sim) in self.cluster.node_names().iter().zip(&self.sims) {
+            for g in 0..self.gpus_per_node {
+                let gpu = sim.gpu(g).map_err(|e| StackError::Sim {
+                    node: node.clone(),
+                    message: format!("GPU {g}: {e}"),
+                })?;
+                caps.push(f64::from(gpu.power_limit_mw) / 1000.0);
+            }
+        }
+        Ok(caps)
     }
 
     /// GPUs below their default cap with no live job on them: `(node, gpu, cap W)`.
@@ -487,6 +681,30 @@ impl std::fmt::Display for DrawWatch {
             self.over_s,
             self.longest_over_s
         )
+    }
+}
+
+impl Stack {
+    /// Stops the stack as an admin would: SIGTERM by PID to every agent (each restores
+    /// its GPUs' default caps on it) and to the controller, SIGKILL after 10 s for any
+    /// that has not exited, then Slurm.
+    pub fn shutdown(&mut self) {
+        let children = self.agents.iter_mut().flatten().chain(self.ctld.as_mut());
+        for child in children {
+            let _ = kill(child.id(), Signal::TERM);
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.agents.clear();
+        self.ctld = None;
+        self.cluster.stop();
     }
 }
 

@@ -1,7 +1,8 @@
 //! The README's first command, shortened: `powerflex-demo` with a 20 s event hold runs the
 //! whole system on a local Slurm cluster with SIMULATED GPUs and must finish with every
 //! promise kept. Its summary is checked here, not only its exit code: the measured PFIs,
-//! the comparison with equal-weight, the plot, and every GPU back at its default cap.
+//! the comparison with equal-weight, the plot, the jobs on real curves, the job that changes
+//! phase during the event, and every GPU back at its default cap.
 
 use std::process::Command;
 
@@ -60,7 +61,7 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
     .expect("summary is JSON");
     assert_eq!(summary["simulated"], true);
     let jobs = summary["jobs"].as_array().expect("jobs");
-    assert_eq!(jobs.len(), 6, "{summary}");
+    assert_eq!(jobs.len(), 7, "{summary}");
     for job in jobs {
         let id = &job["job"];
         assert_eq!(job["within_bound"], true, "job {id}: {job}");
@@ -75,6 +76,12 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
             job["pfi_measured"].as_f64().expect("measured PFI"),
             job["pfi_true"].as_f64().expect("true PFI"),
         );
+        // A real curve's flat top makes its PFI ill-conditioned (throughput losses near
+        // zero divide), so it is reported, not held to the smooth profiles' 5 %.
+        if job["real"] == true {
+            assert!(measured.is_finite() && measured > 0.0, "{job}");
+            continue;
+        }
         assert!(
             (measured - truth).abs() <= 0.05 * truth,
             "job {id}: measured PFI {measured}, true {truth}"
@@ -97,6 +104,41 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
     // Never worse than equal-weight on the same curves and budget.
     assert!(
         f("tokens_per_s_optimal_true") >= f("tokens_per_s_equal") * 0.999,
+        "{cluster}"
+    );
+    // Issue 15: at least two jobs run on real measured curves, and the summary says which.
+    let real: Vec<&serde_json::Value> = jobs.iter().filter(|j| j["real"] == true).collect();
+    assert!(real.len() >= 2, "{summary}");
+    let listed = cluster["real_jobs"].as_array().expect("real_jobs");
+    assert_eq!(listed.len(), real.len(), "{cluster}");
+    for job in &real {
+        assert_eq!(job["curve_source"], "real", "{job}");
+        assert!(listed.contains(&job["job"]), "{cluster}");
+    }
+    // Issue 13: one job changes phase during the event; two allocation periods later the
+    // metered draw is within the event's budget, and the second phase really ran.
+    let changes = cluster["phase_changes"].as_array().expect("phase_changes");
+    assert!(!changes.is_empty(), "{cluster}");
+    for change in changes {
+        assert!(
+            change["samples_after"].as_u64().expect("samples") >= 5,
+            "{change}"
+        );
+        assert!(
+            change["draw_max_after_two_periods_w"]
+                .as_f64()
+                .expect("draw")
+                <= f("event_budget_w") * 1.01,
+            "{change}"
+        );
+        assert!(
+            change["second_phase_tokens"].as_u64().expect("tokens") > 0,
+            "{change}"
+        );
+    }
+    // The plot is drawn from the caps the GPUs enforced, sampled through the whole run.
+    assert!(
+        cluster["plot_samples"].as_u64().expect("samples") >= 20,
         "{cluster}"
     );
     assert_eq!(cluster["caps_restored_at_job_end"], true, "{cluster}");
