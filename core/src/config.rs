@@ -176,6 +176,10 @@ pub struct RawController {
     /// Optional socket address for the controller's unauthenticated Prometheus metrics;
     /// must be loopback, e.g. `127.0.0.1:9465`. Absent: no metrics listener.
     pub metrics_listen: Option<String>,
+    /// How a new allocation reaches the nodes: `two-step` (default; decreases first,
+    /// increases once the nodes confirm the decreases, read back) or `at-once` (every
+    /// node at once, as before: a node may raise before another has lowered).
+    pub lease_rollout: Option<String>,
 }
 
 /// `[agent]`: the node agent `powerflexd`.
@@ -352,6 +356,32 @@ pub struct ControllerConfig {
     pub state_dir: PathBuf,
     /// Loopback only.
     pub metrics_listen: Option<SocketAddr>,
+    pub lease_rollout: LeaseRollout,
+}
+
+/// How the controller sends a new allocation to the nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LeaseRollout {
+    /// Decreases first; increases only after every node whose caps fell confirms it
+    /// (caps read back through NVML), or after a timeout that counts the node at the
+    /// most it may draw. No reallocation overshoots.
+    #[default]
+    TwoStep,
+    /// Every node at once: during a reallocation one node may raise before another has
+    /// lowered. Kept to measure what the two steps buy.
+    AtOnce,
+}
+
+impl LeaseRollout {
+    pub const NAMES: [&'static str; 2] = ["two-step", "at-once"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            LeaseRollout::TwoStep => "two-step",
+            LeaseRollout::AtOnce => "at-once",
+        }
+    }
 }
 
 impl ControllerConfig {
@@ -919,6 +949,21 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
             Some(addr)
         }
     };
+    let lease_rollout = match raw.lease_rollout.as_deref() {
+        None | Some("two-step") => LeaseRollout::TwoStep,
+        Some("at-once") => LeaseRollout::AtOnce,
+        Some(other) => {
+            return Err(ConfigError::OutOfRange {
+                key: "controller.lease_rollout".into(),
+                value: format!("\"{}\"", other.escape_default()),
+                accepted: LeaseRollout::NAMES
+                    .iter()
+                    .map(|n| format!("\"{n}\""))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        }
+    };
     Ok(ControllerConfig {
         listen,
         lease_ttl_s,
@@ -927,6 +972,7 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
         admin_socket,
         state_dir,
         metrics_listen,
+        lease_rollout,
     })
 }
 
@@ -1234,6 +1280,7 @@ listen = "10.0.0.5:7300"
                     admin_socket: PathBuf::from("/run/powerflex/ctld.sock"),
                     state_dir: PathBuf::from("/var/lib/powerflex/ctld"),
                     metrics_listen: None,
+                    lease_rollout: LeaseRollout::TwoStep,
                 },
                 agent: AgentConfig {
                     socket: "/run/powerflex/%n.sock".into(),

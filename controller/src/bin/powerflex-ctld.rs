@@ -64,6 +64,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         period: Duration::from_secs(site.controller.allocation_period_s),
         lease_ttl_s: site.controller.lease_ttl_s as f64,
         metrics_listen: site.controller.metrics_listen,
+        lease_rollout: site.controller.lease_rollout,
         site: SiteSettings {
             tiers: site.tiers.table.clone(),
             policy: site.facility.policy,

@@ -18,8 +18,15 @@ use powerflex_proto::status::{CtldStatus, HistorySample};
 use super::metrics::MetricsInput;
 use super::state::{CtldState, Loaded};
 use super::{annotate, metrics, status, CtldOptions, Reload};
+use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
 use crate::site::{decide, Decision, NodeView};
+use powerflex_core::config::LeaseRollout;
+
+/// Least time a node gets to confirm its decreases before it counts at its most, ms: an
+/// agent applies a lease at once and reports within tens of milliseconds, but a busy host
+/// or link can take longer than a short allocation period.
+const MIN_CONFIRM_MS: u64 = 2_000;
 
 /// Samples kept: an hour at a 1 s period, a day at the default 10 s... within memory.
 pub const HISTORY: usize = 8640;
@@ -100,6 +107,11 @@ pub struct Core {
     config_error: Option<String>,
     allocate_now: bool,
     dirty: bool,
+    /// Decreases before increases (see [`crate::rollout`]).
+    rollout: Rollout,
+    /// Leases the rollout released since the last step (increases whose decreases were
+    /// confirmed by the reports just handled).
+    released: Vec<LeaseOut>,
 }
 
 impl Core {
@@ -167,6 +179,8 @@ impl Core {
             config_error: None,
             allocate_now: true,
             dirty: false,
+            rollout: Rollout::new(),
+            released: Vec::new(),
         }
     }
 
@@ -200,6 +214,11 @@ impl Core {
         if self.allocate_now {
             self.allocate_now = false;
             self.allocate(now_ms, &mut out);
+        }
+        // Increases released by this step's confirmations go out with the leases.
+        for released in std::mem::take(&mut self.released) {
+            let lease = self.lease_for(&released.node, released.caps);
+            out.leases.insert(released.node, lease);
         }
         if std::mem::take(&mut self.dirty) {
             out.persist = Some(self.state.clone());
@@ -269,9 +288,27 @@ impl Core {
             .iter()
             .map(|j| &j.job_id)
             .ne(jobs.iter().map(|j| &j.job_id));
+        // The caps in force on the node, as its agent read them back: they confirm the
+        // decreases a rollout waits for.
+        let in_force: BTreeMap<String, f64> = jobs
+            .iter()
+            .filter_map(|j| {
+                j.cap_w
+                    .filter(|c| c.is_finite())
+                    .map(|c| (j.job_id.clone(), c))
+            })
+            .collect();
         s.view.jobs = jobs;
         s.view.power_w = power_w;
         s.last_seen_ms = now_ms;
+        let released = self.rollout.confirmed(node, &in_force);
+        if !released.is_empty() {
+            info!(
+                nodes = released.len(),
+                "decreases confirmed; sending the held increases"
+            );
+        }
+        self.released.extend(released);
         // An agent reports right after its hello; the first report after a restart
         // completes what the controller knows of the node.
         let first = self.awaiting.remove(node);
@@ -421,6 +458,27 @@ impl Core {
         }
     }
 
+    /// A node's lease with `caps`: the last decision's start cap and the node's jobs to
+    /// walk again.
+    fn lease_for(&self, _node: &str, caps: BTreeMap<String, f64>) -> Lease {
+        let (start_cap_w, recalibrate) = match &self.last {
+            Some(d) => (
+                d.start_cap_w,
+                d.drifted
+                    .iter()
+                    .filter(|x| caps.contains_key(&x.job))
+                    .map(|x| x.job.clone())
+                    .collect(),
+            ),
+            None => (self.options.site.failsafe_cap.0, Vec::new()),
+        };
+        Lease {
+            caps,
+            start_cap_w,
+            recalibrate,
+        }
+    }
+
     fn allocate(&mut self, now_ms: u64, out: &mut Output) {
         let ttl_ms = (self.options.lease_ttl_s * 1000.0) as u64;
         for s in self.sessions.values_mut() {
@@ -444,7 +502,22 @@ impl Core {
         }
         let base = self.state.budget_w.unwrap_or(self.options.base_budget);
         let budget = effective_budget(base, &self.state.events, now_ms);
-        let views: Vec<NodeView> = self.sessions.values().map(|s| s.view.clone()).collect();
+        // A node that has not confirmed the decreases it was sent within a period is
+        // counted at the most it may draw (as a silent node) until it does.
+        let confirm_ms = (self.options.period.as_millis() as u64).max(MIN_CONFIRM_MS);
+        let stalled = self.rollout.stalled(now_ms, confirm_ms);
+        if !stalled.is_empty() {
+            warn!(nodes = ?stalled, "decreases not confirmed in time; counting those nodes at the most they may draw");
+        }
+        let views: Vec<NodeView> = self
+            .sessions
+            .values()
+            .map(|s| {
+                let mut view = s.view.clone();
+                view.live &= !stalled.contains(&view.node);
+                view
+            })
+            .collect();
         let decision = decide(&views, budget, &self.options.site);
         if let Some(a) = &decision.allocation {
             if a.over_budget_w.0 > 0.0 || a.broken_floors().next().is_some() {
@@ -456,24 +529,36 @@ impl Core {
                 );
             }
         }
-        out.leases = decision
-            .leases
-            .iter()
-            .map(|(node, caps)| {
-                let recalibrate = decision
-                    .drifted
-                    .iter()
-                    .filter(|d| caps.contains_key(&d.job))
-                    .map(|d| d.job.clone())
-                    .collect();
-                let lease = Lease {
+        let sends: Vec<LeaseOut> = match self.options.lease_rollout {
+            LeaseRollout::TwoStep => {
+                let sends = self
+                    .rollout
+                    .begin(&decision.leases, decision.start_cap_w, now_ms);
+                if self.rollout.holding_increases() {
+                    info!("increases held until the decreases are confirmed");
+                }
+                sends
+            }
+            LeaseRollout::AtOnce => decision
+                .leases
+                .iter()
+                .map(|(node, caps)| LeaseOut {
+                    node: node.clone(),
                     caps: caps.clone(),
-                    start_cap_w: decision.start_cap_w,
-                    recalibrate,
-                };
-                (node.clone(), lease)
+                })
+                .collect(),
+        };
+        self.last = Some(decision);
+        out.leases = sends
+            .into_iter()
+            .map(|l| {
+                let lease = self.lease_for(&l.node, l.caps);
+                (l.node, lease)
             })
             .collect();
+        let Some(decision) = self.last.take() else {
+            return;
+        };
         out.annotations = annotate::changes(
             &decision,
             self.sessions.values().flat_map(|s| s.view.jobs.iter()),
@@ -547,6 +632,7 @@ mod tests {
                 objective: Objective::Tokens,
             },
             metrics_listen: None,
+            lease_rollout: LeaseRollout::TwoStep,
         }
     }
 
@@ -1051,5 +1137,134 @@ mod tests {
         assert!(history
             .iter()
             .all(|s| s.caps.contains_key("101") && s.budget_w == 10_000.0));
+    }
+
+    /// A report of one 4-GPU job at `cap_w` (read back), drawing what its curve says.
+    fn at_cap(node: &str, id: &str, tier: &str, cap_w: f64) -> Input {
+        let mut j = job(id, None);
+        j.tier = tier.into();
+        j.cap_w = Some(cap_w);
+        j.power_w = Some(cap_w * 4.0);
+        Input::Report {
+            node: node.into(),
+            power_w: cap_w * 4.0,
+            jobs: vec![j],
+        }
+    }
+
+    fn cap(out: &Output, node: &str, job: &str) -> Option<f64> {
+        out.leases.get(node).and_then(|l| l.caps.get(job)).copied()
+    }
+
+    /// Issue 13: leases went to every node at once, so one node could raise its caps
+    /// before another had lowered its own, and the site overshot at every reallocation.
+    #[test]
+    fn a_reallocation_lowers_first_and_raises_once_the_lowering_is_confirmed() {
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 4000.0 }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex3", 500.0),
+                hello("n2"),
+                at_cap("n2", "102", "flex3", 500.0),
+            ],
+        );
+        // Both jobs settle at their caps and confirm them.
+        let t = T0 + 1000;
+        let out = core.step(t, vec![Input::Tick]);
+        let (c1, c2) = (
+            cap(&out, "n1", "101").expect("n1"),
+            cap(&out, "n2", "102").expect("n2"),
+        );
+        let out = core.step(
+            t + 100,
+            vec![
+                at_cap("n1", "101", "flex3", c1),
+                at_cap("n2", "102", "flex3", c2),
+            ],
+        );
+        assert!(
+            out.leases.is_empty(),
+            "nothing held, nothing released: {out:?}"
+        );
+        // Job 102 becomes unmovable (flex0): 101 must give it its watts.
+        let out = core.step(t + 200, vec![at_cap("n2", "102", "flex0", c2), Input::Tick]);
+        let lowered = cap(&out, "n1", "101").expect("n1 lowered at once");
+        assert!(lowered < c1, "{out:?}");
+        assert_eq!(
+            cap(&out, "n2", "102"),
+            Some(c2),
+            "n2's rise is held: {out:?}"
+        );
+        // n1 still reports its old cap: nothing moves.
+        let out = core.step(t + 300, vec![at_cap("n1", "101", "flex3", c1)]);
+        assert!(out.leases.is_empty(), "{out:?}");
+        // n1 confirms: n2's increase goes out.
+        let out = core.step(t + 400, vec![at_cap("n1", "101", "flex3", lowered)]);
+        let raised = cap(&out, "n2", "102").expect("released");
+        assert!(raised > c2, "{out:?}");
+        assert!(lowered * 4.0 + raised * 4.0 <= 4000.0 + 1e-6);
+    }
+
+    #[test]
+    fn a_node_that_does_not_confirm_is_counted_at_its_most() {
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 6000.0 }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex3", 600.0),
+                hello("n2"),
+                at_cap("n2", "102", "flex3", 600.0),
+            ],
+        );
+        let out = core.step(
+            T0 + 100,
+            vec![admin(AdminOp::BudgetSet { budget_w: 3000.0 }, 0)],
+        );
+        assert!(cap(&out, "n1", "101").is_some_and(|c| c < 600.0));
+        // n2 confirms; n1 keeps reporting 600 W past the confirmation time.
+        let c2 = cap(&out, "n2", "102").expect("n2");
+        core.step(T0 + 200, vec![at_cap("n2", "102", "flex3", c2)]);
+        let late = T0 + 100 + 10_000 + 1;
+        let out = core.step(late, vec![at_cap("n1", "101", "flex3", 600.0), Input::Tick]);
+        // n1 is counted as silent, at its GPUs' defaults: no lease for it, and n2 is cut
+        // to what is left.
+        assert!(!out.leases.contains_key("n1"), "{out:?}");
+        assert!(core
+            .last
+            .as_ref()
+            .is_some_and(|d| d.reserved_w >= 8.0 * 700.0));
+    }
+
+    #[test]
+    fn at_once_sends_every_lease_immediately() {
+        let mut core = Core::new(
+            CtldOptions {
+                lease_rollout: LeaseRollout::AtOnce,
+                ..options()
+            },
+            Loaded::default(),
+            T0,
+        );
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 4000.0 }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex3", 500.0),
+                hello("n2"),
+                at_cap("n2", "102", "flex0", 500.0),
+            ],
+        );
+        let out = core.step(T0 + 100, vec![Input::Tick]);
+        assert_eq!(
+            cap(&out, "n2", "102"),
+            Some(700.0),
+            "raised without waiting: {out:?}"
+        );
     }
 }

@@ -53,6 +53,8 @@ pub struct CtldOptions {
     pub site: SiteSettings,
     /// Loopback address for Prometheus metrics, if any.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// How new allocations reach the nodes (decreases first, or all at once).
+    pub lease_rollout: powerflex_core::config::LeaseRollout,
 }
 
 /// A re-read site config (on SIGHUP): the new options, or why the file was refused.
