@@ -209,7 +209,7 @@ fn start_ctld(dir: &Path, port: u16, mode: &str, rollout: Option<&str>) -> Child
     let config = dir.join("powerflex.toml");
     let budget_w = (NODES * GPUS_PER_NODE) as f64 * BUDGET_PER_GPU_W;
     let mode = mode.to_string();
-    let _ = rollout;
+    let rollout = rollout.map(str::to_string);
     SiteBuilder::new(budget_w)
         .gpu_model(
             "H200",
@@ -230,6 +230,7 @@ fn start_ctld(dir: &Path, port: u16, mode: &str, rollout: Option<&str>) -> Child
         .controller_paths(&dir.join("ctld.sock"), &dir.join("state"))
         .edit(|raw| {
             raw.facility.budget_mode = Some(mode);
+            raw.controller.lease_rollout = rollout;
         })
         .write(&config)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -299,6 +300,8 @@ struct Figures {
     realloc: Vec<(f64, f64, f64, f64)>,
     /// Per reallocation: the overshoot of Σ caps in force × GPUs over the budget.
     realloc_caps: Vec<(f64, f64, f64, f64)>,
+    /// Per reallocation: seconds from the change until its last cap took effect.
+    settled_s: Vec<Option<f64>>,
     max_budget_over_after_2_periods: f64,
 }
 
@@ -449,14 +452,23 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
     let window_to = now_s();
 
     let mut swaps = Vec::new();
+    let mut settled = Vec::new();
     for _ in 0..REALLOCATIONS {
         let at = now_s();
+        let changed = Instant::now();
         for n in &nodes {
             let mut job = n.job();
             job.curvature = 1.2 - job.curvature;
         }
         std::thread::sleep(PER_REALLOCATION);
         swaps.push((at, now_s()));
+        // When the last cap of this reallocation took effect: what two-step costs.
+        let last_change = nodes
+            .iter()
+            .map(|n| n.job().cap_since)
+            .filter(|t| *t > changed)
+            .max();
+        settled.push(last_change.map(|t| (t - changed).as_secs_f64()));
     }
 
     let phase_at = now_s();
@@ -526,6 +538,7 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
             .map(|(at, to)| overshoot(&cap_sums, *at, *to, budget_w))
             .collect(),
         max_budget_over_after_2_periods: late_over,
+        settled_s: settled,
     }
 }
 
@@ -543,8 +556,13 @@ fn back_within(seconds: f64) -> String {
 fn main() {
     // Built before the first run, so no cargo build falls inside a measurement.
     binary("powerflex-ctld");
-    let configurations: [(&str, &str, Option<&str>); 2] =
-        [("metered", "at-once", None), ("hard", "at-once", None)];
+    // Each mode before (at once) and after decrease-before-increase (two-step, the default).
+    let configurations: [(&str, &str, Option<&str>); 4] = [
+        ("metered", "at-once", Some("at-once")),
+        ("metered", "two-step", Some("two-step")),
+        ("hard", "at-once", Some("at-once")),
+        ("hard", "two-step", Some("two-step")),
+    ];
     let mut rows = Vec::new();
     for (mode, rollout, key) in configurations {
         eprintln!("{mode} budget, {rollout} rollout: {NODES} harness nodes ...");
@@ -590,6 +608,17 @@ fn main() {
             mean_max(&f.realloc_caps, |o| o.1, ""),
             f.max_budget_over_after_2_periods
         );
+    }
+    println!("\nHow long each reallocation took, from the curves' change until its last cap was in force (it includes the wait for the next allocation period, up to {ALLOCATION_PERIOD_S} s):\n");
+    println!("| budget mode | rollout | per reallocation, s |");
+    println!("| --- | --- | --- |");
+    for f in &rows {
+        let times: Vec<String> = f
+            .settled_s
+            .iter()
+            .map(|t| t.map_or("no cap moved".to_string(), |t| format!("{t:.2}")))
+            .collect();
+        println!("| {} | {} | {} |", f.mode, f.rollout, times.join(", "));
     }
     println!("\nIn metered mode Σ caps × GPUs sits above the budget by design (jobs draw below their caps); only the draw is bounded there.");
 }
