@@ -24,8 +24,8 @@
 //!    690 W. Time from the change until the draw is back within the budget for good,
 //!    peak and integral of the overshoot.
 //!
-//! Run: `cargo bench -p powerflex-controller --bench metered` (SIMULATED site, about a
-//! minute per configuration).
+//! Run: `cargo bench -p powerflex-controller --bench metered` (SIMULATED site; about
+//! 40 s for each of the four configurations, two budget modes × two rollouts).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -40,8 +40,8 @@ use rand::{Rng, SeedableRng};
 
 use powerflex_core::config::RawGpuModel;
 use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
-use powerflex_testbed::binary;
 use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::{binary, Children};
 
 const NODES: usize = 100;
 const GPUS_PER_NODE: usize = 8;
@@ -317,13 +317,13 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("port");
-    let mut ctld = start_ctld(&dir, port, mode, rollout_key);
+    // Killed by PID and reaped when `run` returns or panics.
+    let mut children = Children(vec![start_ctld(&dir, port, mode, rollout_key)]);
     let admin = dir.join("ctld.sock");
     let started = Instant::now();
     while !admin.exists() {
-        if started.elapsed() > Duration::from_secs(30) || ctld.try_wait().ok().flatten().is_some() {
-            let _ = ctld.kill();
-            let _ = ctld.wait();
+        let exited = children.0[0].try_wait().ok().flatten().is_some();
+        if started.elapsed() > Duration::from_secs(30) || exited {
             panic!("ctld did not start; see {}", dir.join("ctld.log").display());
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -481,8 +481,7 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
     running.store(false, Ordering::SeqCst);
     let _ = agents.join();
     let _ = sampler.join();
-    let _ = ctld.kill();
-    let _ = ctld.wait();
+    drop(children);
     let log = std::fs::read_to_string(dir.join("ctld.log")).unwrap_or_default();
     let errors = log.lines().filter(|l| l.contains("ERROR")).count();
     if errors > 0 {
