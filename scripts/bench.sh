@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates BENCHMARKS.md: every benchmark, run now on this machine, side by side
 # where it is a comparison. As root on Debian 12 (the srun benchmark starts a local
-# Slurm cluster); takes about 9 minutes on a 2-core VM after the build (6 of them the
+# Slurm cluster); takes about 10 minutes on a 2-core VM after the build (6 of them the
 # offline evaluation, scripts/bench-offline.sh).
 #
 #   scripts/bench.sh            # writes BENCHMARKS.md
@@ -52,6 +52,9 @@ section "Allocation time vs job count (every policy, one run)" \
 section "Grid event to caps vs node count (up to 1,000 simulated nodes)" \
     "cargo bench -p powerflex-controller --bench event_to_caps" \
     cargo bench --quiet -p powerflex-controller --bench event_to_caps
+section "Budget against the meter: use, phase change, reallocation overshoot (100 simulated nodes, both modes)" \
+    "cargo bench -p powerflex-controller --bench metered" \
+    cargo bench --quiet -p powerflex-controller --bench metered
 section "srun launch overhead of the SPANK plugin (ratio to no plugin)" \
     "cargo bench -p powerflex-testbed --bench srun_latency" \
     cargo bench --quiet -p powerflex-testbed --bench srun_latency

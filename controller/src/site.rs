@@ -227,7 +227,18 @@ fn power_as_budgeted(curve: &CapCurve, job: &SiteJob, mode: BudgetMode) -> CapCu
                 }
                 _ => 1.0,
             };
-            curve.map_power(|cap, power| Watts((power.0 * ratio).min(cap.0 * gpus)))
+            // A job drawing more than its curve says has a shape the curve no longer
+            // knows (it was walked in a lighter phase): one ratio taken at a low cap then
+            // predicts too little at the higher ones, and the job is raised, goes over,
+            // is cut and raised again. Until it is walked again, budget each cap at least
+            // at the measured draw scaled by the cap, the most a cap-bound GPU adds.
+            let per_cap_w = match job.cap_now_w {
+                Some(c) if ratio > 1.0 && c > 0.0 => job.power_w / c,
+                _ => 0.0,
+            };
+            curve.map_power(|cap, power| {
+                Watts((power.0 * ratio).max(per_cap_w * cap.0).min(cap.0 * gpus))
+            })
         }
     }
 }
@@ -1100,6 +1111,48 @@ mod tests {
             "over the budget after two periods: {after:?}"
         );
         assert!(after[after.len() - 1] >= 0.97 * 4000.0, "{after:?}");
+    }
+
+    /// Issue 13, found by `benches/metered.rs`: a job walked while light (a flat curve,
+    /// 300 W per GPU at every cap) that turns heavy. Scaling the flat curve by one ratio
+    /// measured at a low cap predicted the same draw at every higher cap, so the job was
+    /// raised, went over, was cut and raised again, every other period, for good.
+    #[test]
+    fn a_job_walked_while_light_that_turns_heavy_settles_within_the_budget() {
+        let light_points: Vec<[f64; 3]> = [700.0, 500.0, 300.0]
+            .iter()
+            .map(|&c: &f64| {
+                [
+                    c,
+                    (0.97 * c).min(300.0) * 4.0,
+                    // Inelastic: the allocator cuts it before the flex3 job.
+                    1000.0 * (1.0 - (1.0 - c / 700.0) / 10.0),
+                ]
+            })
+            .collect();
+        let jobs = [
+            Truth {
+                id: "1",
+                tier: "flex2",
+                gpus: 4,
+                points: light_points,
+                draw_per_gpu: Box::new(|cap| 0.97 * cap),
+            },
+            flex3_at_its_cap(),
+        ];
+        let mut caps = BTreeMap::new();
+        let (draws, _) = closed_loop(
+            &jobs,
+            4000.0,
+            BudgetMode::Metered { margin: 0.01 },
+            10,
+            &mut caps,
+        );
+        assert!(
+            draws[2..].iter().all(|&d| d <= 4000.0),
+            "over the budget later than two periods: {draws:?} {caps:?}"
+        );
+        assert!(draws[draws.len() - 1] >= 0.97 * 4000.0, "{draws:?}");
     }
 
     /// A draw sampled right after a cap rose still shows the lower cap: taken as the job's
