@@ -1184,13 +1184,32 @@ fn report(
     // The draw is judged from the end of the settle to just before the ramp back, except
     // for two allocation periods after each phase change: the controller learns of the
     // new load from the agents' next reports and has those two periods to correct it
-    // (issue 13's guarantee). That transient is reported on its own.
+    // (issue 13's guarantee). That transient is reported on its own. A phase change
+    // starts when the job's new load does — its second step's first logged step, not
+    // the scancel of the first: between the two the job draws little, and metered mode
+    // rightly lends those watts to others until the new load shows.
     let settle_window = 2.0 * ALLOCATION_PERIOD_S;
+    let load_at_s: Vec<f64> = during
+        .changes
+        .iter()
+        .map(|c| {
+            let first_step_ms = step_logs(&demo.jobs_dir, c.job)
+                .iter()
+                .filter(|p| p.to_string_lossy().ends_with("-1.csv"))
+                .filter_map(|p| read_steps(p).first().map(|s| s.unix_ms))
+                .min();
+            match first_step_ms {
+                Some(ms) if ms > c.at_ms => c.at_s + (ms - c.at_ms) as f64 / 1000.0,
+                _ => c.at_s,
+            }
+        })
+        .collect();
     let in_transient = |t: f64| {
         during
             .changes
             .iter()
-            .any(|c| t >= c.at_s && t < c.at_s + settle_window)
+            .zip(&load_at_s)
+            .any(|(c, &load)| t >= c.at_s && t < load + settle_window)
     };
     let judged: Vec<(f64, f64)> = during
         .draw
@@ -1203,18 +1222,18 @@ fn report(
     let draw_ok = max_draw <= target_w * (1.0 + DRAW_TOLERANCE);
     let mut phase_summary = Vec::new();
     let mut phases_ok = true;
-    for c in &during.changes {
+    for (c, &load) in during.changes.iter().zip(&load_at_s) {
         let transient: Vec<(f64, f64)> = during
             .draw
             .iter()
             .copied()
-            .filter(|&(t, _)| t >= c.at_s && t < c.at_s + settle_window)
+            .filter(|&(t, _)| t >= c.at_s && t < load + settle_window)
             .collect();
         let after: Vec<(f64, f64)> = during
             .draw
             .iter()
             .copied()
-            .filter(|&(t, _)| t >= c.at_s + settle_window)
+            .filter(|&(t, _)| t >= load + settle_window)
             .collect();
         let (transient_peak, transient_over_s) = over_budget(&transient, target_w);
         let (after_max, after_over_s) = over_budget(&after, target_w);
@@ -1229,7 +1248,7 @@ fn report(
             && second_tokens > 0;
         phases_ok &= ok;
         phase_summary.push(json!({
-            "job": c.job, "from": c.from, "to": c.to, "at_s": c.at_s,
+            "job": c.job, "from": c.from, "to": c.to, "at_s": c.at_s, "load_at_s": load,
             "transient_peak_w": transient_peak, "transient_over_s": transient_over_s,
             "draw_max_after_two_periods_w": after_max, "samples_after": after.len(),
             "over_after_two_periods_s": after_over_s,
