@@ -344,7 +344,6 @@ fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
 }
 
 #[test]
-#[ignore = "known broken (issue 13): on the local cluster the agent never ends a job whose end message was lost; it kept the job and its caps for 90 s against a 30 s grace (run with --ignored)"]
 fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {
     if !can_run(&[Need::Root, Need::Slurm]) {
         return;

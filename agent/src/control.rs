@@ -393,10 +393,13 @@ impl Agent {
         known
     }
 
-    /// The cluster of the step daemon that registered `job_id` (see [`Job::cluster`]).
-    pub fn set_job_cluster(&mut self, job_id: &str, cluster: Option<String>) {
+    /// The cluster of the step daemon that registered `job_id` (see [`Job::cluster`]),
+    /// seen at `now`: a registration from a live step daemon is a sighting of the job, so
+    /// a job that ends before the next scan of the host's processes is still ended by it.
+    pub fn set_job_cluster(&mut self, job_id: &str, cluster: Option<String>, now: f64) {
         if let Some(job) = self.jobs.get_mut(job_id) {
             job.cluster = Some(cluster);
+            job.seen_alive_at = Some(now);
         }
     }
 
@@ -1360,8 +1363,8 @@ mod tests {
             .expect("registered");
         a.register(0.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
             .expect("registered");
-        a.set_job_cluster("7", None);
-        a.set_job_cluster("8", None);
+        a.set_job_cluster("7", None, 0.0);
+        a.set_job_cluster("8", None, 0.0);
         let key = |id: &str| (id.to_string(), None);
         let both = BTreeSet::from([
             key("7"),
@@ -1381,8 +1384,8 @@ mod tests {
             a.gpus[0].job.is_none(),
             "its GPU is free and goes back to its default"
         );
-        // A job never seen with a step daemon (registered before the first scan) is left
-        // to its epilog.
+        // A job registered by something other than a step daemon (its cluster unknown)
+        // is left to its end message.
         a.register(
             40.0,
             "9",
@@ -1395,6 +1398,22 @@ mod tests {
         .expect("registered");
         assert!(a.jobs_alive(500.0, &only_8).is_empty());
         assert!(a.jobs.contains_key("9"));
+        // A job registered by its step daemon is seen alive then: one that ends before
+        // the next scan of the host's processes (found on the local cluster: a job
+        // cancelled a second after it started) is still ended after the grace.
+        a.register(
+            600.0,
+            "10",
+            "0",
+            0,
+            "n1",
+            &["3".into()],
+            "flex3,calibrate=off",
+        )
+        .expect("registered");
+        a.set_job_cluster("10", None, 600.0);
+        assert!(a.jobs_alive(620.0, &only_8).is_empty(), "within the grace");
+        assert_eq!(a.jobs_alive(631.0, &only_8), vec!["10".to_string()]);
     }
 
     /// Issue 14: a step Slurm gave no GPUs, with GPU variables the user exported, took
@@ -1404,7 +1423,7 @@ mod tests {
         let mut a = agent(None);
         a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex0")
             .expect("registered");
-        a.set_job_cluster("7", None);
+        a.set_job_cluster("7", None, 0.0);
         a.jobs_alive(
             1.0,
             &BTreeSet::from([("7".to_string(), None), ("66".to_string(), None)]),
@@ -1436,7 +1455,7 @@ mod tests {
             "flex3",
         )
         .expect("registered");
-        a.set_job_cluster("66", None);
+        a.set_job_cluster("66", None, 0.0);
         // NVML: GPU 0 runs a process of job 7 (not registered: an unmanaged job), GPU 1
         // a process of 66 itself.
         let used = BTreeMap::from([

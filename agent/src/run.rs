@@ -323,7 +323,7 @@ pub fn run(
             &job.flex,
         ) {
             Ok(_) => {
-                agent.set_job_cluster(&job.job_id, job.cluster.clone());
+                agent.set_job_cluster(&job.job_id, job.cluster.clone(), now());
                 info!(job_id = %job.job_id, gpus = ?job.gpus, tier = %job.flex, "job running on this node's GPUs without a record; managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
@@ -543,7 +543,7 @@ fn handle(
                             if let Some(cluster) =
                                 crate::procs::stepd_cluster(Path::new("/proc"), peer.pid)
                             {
-                                agent.set_job_cluster(&job_id, cluster);
+                                agent.set_job_cluster(&job_id, cluster, now);
                             }
                             info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
                             // Cap the job's GPUs before answering: slurmstepd starts the
