@@ -53,7 +53,7 @@ pub fn render_nodes(nodes: &[NodeStatus]) -> String {
 
 pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
     let mut t = Table::new([
-        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound",
+        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound", "curve",
     ]);
     for j in jobs {
         t.row([
@@ -66,9 +66,23 @@ pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
             whole(j.throughput),
             whole(j.uncapped_throughput),
             bound(j.floor.as_ref()),
+            drift_text(j.drift.as_ref()),
         ]);
     }
     t.render()
+}
+
+/// `ok`, or how far the job's draw and throughput left its curve (`drifted: power ×1.30`).
+fn drift_text(drift: Option<&powerflex_proto::status::DriftView>) -> String {
+    let Some(d) = drift else {
+        return "ok".into();
+    };
+    let ratio = |name: &str, r: Option<f64>| r.map(|r| format!(" {name} x{r:.2}"));
+    format!(
+        "drifted:{}{}",
+        ratio("power", d.power_ratio).unwrap_or_default(),
+        ratio("speed", d.throughput_ratio).unwrap_or_default()
+    )
 }
 
 /// One job's calibrated points per node, with the slowdown against its uncapped point.
@@ -259,6 +273,7 @@ mod tests {
                 "n1".to_string(),
                 vec![[700.0, 2600.0, 2000.0], [400.0, 1500.0, 1500.0]],
             )]),
+            drift: None,
         }
     }
 
@@ -366,7 +381,8 @@ mod tests {
                 "2000",
                 "BROKEN",
                 "by",
-                "4.2%"
+                "4.2%",
+                "ok",
             ]
         );
         let none: Vec<&str> = jobs
@@ -375,7 +391,7 @@ mod tests {
             .expect("103")
             .split_whitespace()
             .collect();
-        assert_eq!(none[5..], ["-", "1234", "2000", "-"]);
+        assert_eq!(none[5..], ["-", "1234", "2000", "-", "ok"]);
         let nodes = render_nodes(&s.nodes);
         let row: Vec<&str> = nodes
             .lines()
@@ -483,5 +499,18 @@ mod tests {
                 "1m"
             ]
         );
+    }
+
+    #[test]
+    fn a_drifted_job_says_how_far_it_left_its_curve() {
+        let mut j = job("7", "flex3", Some(400.0), None);
+        j.drift = Some(powerflex_proto::status::DriftView {
+            job: "7".into(),
+            cap_w: 400.0,
+            power_ratio: Some(1.3),
+            throughput_ratio: None,
+        });
+        let text = render_jobs(&[j]);
+        assert!(text.contains("drifted: power x1.30"), "{text}");
     }
 }

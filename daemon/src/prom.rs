@@ -149,6 +149,18 @@ pub mod catalog {
         help: "Per-GPU cap the controller grants the job on all its nodes, W.",
         labels: ["job"],
     };
+    pub const JOB_DRIFTED: Family<1> = Family {
+        name: "powerflex_job_drifted",
+        kind: Kind::Gauge,
+        help: "1 while the job's measured draw or throughput is outside its curve's band.",
+        labels: ["job"],
+    };
+    pub const REPORTS_REJECTED: Family<0> = Family {
+        name: "powerflex_reports_rejected",
+        kind: Kind::Gauge,
+        help: "Agent reports (jobs or whole nodes) left out of the last allocation because their values cannot be true.",
+        labels: [],
+    };
     pub const FLOORS_BROKEN: Family<0> = Family {
         name: "powerflex_floors_broken",
         kind: Kind::Gauge,
@@ -185,6 +197,8 @@ pub mod catalog {
             e(EVENT_ACTIVE),
             e(NODE_LIVE),
             e(JOB_GRANTED_CAP_WATTS),
+            e(JOB_DRIFTED),
+            e(REPORTS_REJECTED),
             e(FLOORS_BROKEN),
             e(OVER_BUDGET_WATTS),
         ]

@@ -145,6 +145,10 @@ pub struct SiteJobStatus {
     pub power_w: f64,
     /// Per node: calibrated points [per-GPU cap W, job power W, throughput].
     pub points: BTreeMap<String, Vec<[f64; 3]>>,
+    /// The job's measured draw or throughput left its curve's band at the last
+    /// allocation: its curve is being corrected and it is walked again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift: Option<DriftView>,
 }
 
 /// One allocation period, for `powerflexctl plot`.

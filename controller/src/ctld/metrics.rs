@@ -38,11 +38,22 @@ pub fn render(m: &MetricsInput<'_>) -> String {
         .family(
             &catalog::NODE_LIVE,
             m.nodes.iter().map(|(node, live)| ([*node], flag(*live))),
+        )
+        .family(
+            &catalog::REPORTS_REJECTED,
+            [([], m.decision.rejected.len() as f64)],
         );
     if let Some(a) = &m.decision.allocation {
         w.family(
             &catalog::JOB_GRANTED_CAP_WATTS,
             a.jobs.iter().map(|j| ([j.id.as_str()], j.cap_w.0)),
+        )
+        .family(
+            &catalog::JOB_DRIFTED,
+            a.jobs.iter().map(|j| {
+                let drifted = m.decision.drifted.iter().any(|d| d.job == j.id);
+                ([j.id.as_str()], flag(drifted))
+            }),
         )
         .family(
             &catalog::FLOORS_BROKEN,

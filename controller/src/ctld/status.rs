@@ -47,6 +47,14 @@ pub fn build(
                     uncapped_throughput: j.points.first().map(|p| p[2]),
                     power_w: 0.0,
                     points: BTreeMap::new(),
+                    drift: last
+                        .and_then(|d| d.drifted.iter().find(|x| x.job == j.job_id))
+                        .map(|x| DriftView {
+                            job: x.job.clone(),
+                            cap_w: x.cap_w,
+                            power_ratio: x.power_ratio,
+                            throughput_ratio: x.throughput_ratio,
+                        }),
                 });
             entry.nodes.push(s.view.node.clone());
             entry.gpus += j.gpus;
