@@ -526,6 +526,29 @@ impl Stack {
         Ok(sum)
     }
 
+    /// Whether Slurm says job `id` is RUNNING.
+    pub fn running(&self, id: u32) -> bool {
+        self.cluster.job_state(id).as_deref() == Some("RUNNING")
+    }
+
+    /// Ends `jobs` (scancel), waits for them to finish, then for every GPU to be back at
+    /// its default cap within `restore_within`, and checks that no node was drained.
+    pub fn ends_clean(&self, jobs: &[u32], restore_within: Duration) {
+        for id in jobs {
+            self.cluster.run("scancel", &[&id.to_string()]);
+        }
+        for &id in jobs {
+            self.cluster.wait_job_done(id, Duration::from_secs(60));
+        }
+        crate::wait_until("every GPU back at its default cap", restore_within, || {
+            self.caps_w()
+                .iter()
+                .all(|&c| c == DEFAULT_CAP_W)
+                .then_some(())
+        });
+        self.cluster.assert_no_node_drained();
+    }
+
     /// Every simulated GPU's cap, W, node by node.
     pub fn caps_w(&self) -> Vec<f64> {
         self.try_caps_w().unwrap_or_else(|e| panic!("{e}"))

@@ -30,10 +30,6 @@ const SETTLE: Duration = PERIOD
     .saturating_mul(2)
     .saturating_add(Duration::from_millis(250));
 
-fn running(stack: &Stack, id: u32) -> bool {
-    stack.cluster.job_state(id).as_deref() == Some("RUNNING")
-}
-
 fn set_budget(stack: &Stack, budget_w: f64) {
     let set = powerflex_testbed::run(
         &stack.ctl,
@@ -62,35 +58,13 @@ fn granted(stack: &Stack, ids: &[u32]) -> Option<Vec<SiteJobStatus>> {
 /// Waits until the jobs `ids` run and the controller has granted each a cap.
 fn start_all(stack: &Stack, ids: &[u32]) {
     wait_until("the jobs run", Duration::from_secs(60), || {
-        ids.iter().all(|&id| running(stack, id)).then_some(())
+        ids.iter().all(|&id| stack.running(id)).then_some(())
     });
     wait_until(
         "a cap granted to every job",
         Duration::from_secs(30),
         || granted(stack, ids).map(|_| ()),
     );
-}
-
-/// Ends the jobs; every GPU back at its default, no node drained.
-fn ends_clean(stack: &Stack, jobs: &[u32]) {
-    for id in jobs {
-        stack.cluster.run("scancel", &[&id.to_string()]);
-    }
-    for &id in jobs {
-        stack.cluster.wait_job_done(id, Duration::from_secs(60));
-    }
-    wait_until(
-        "every GPU back at its default cap",
-        Duration::from_secs(60),
-        || {
-            stack
-                .caps_w()
-                .iter()
-                .all(|&c| c == DEFAULT_CAP_W)
-                .then_some(())
-        },
-    );
-    stack.cluster.assert_no_node_drained();
 }
 
 /// Whether every GPU of node `i` holds a job whose workload loads it (not idle).
@@ -174,7 +148,7 @@ fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget(
         "the budget is used once the job trains: {watch}"
     );
     stack.assert_draw_within(budget_w, Duration::from_secs(3), "training, settled");
-    ends_clean(&stack, &[a, b]);
+    stack.ends_clean(&[a, b], Duration::from_secs(60));
 }
 
 #[test]
@@ -221,7 +195,7 @@ fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods(
         watch.over_s
     );
     stack.assert_draw_within(budget_w, Duration::from_secs(3), "heavy phase, settled");
-    ends_clean(&stack, &[a, b]);
+    stack.ends_clean(&[a, b], Duration::from_secs(60));
 }
 
 #[test]
@@ -272,12 +246,12 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     let failsafe = stack.agent_status(0).map(|s| s.failsafe);
     assert_eq!(failsafe, Some(true), "the agent says its lease ran out");
     assert!(
-        running(&stack, a) && running(&stack, b),
+        stack.running(a) && stack.running(b),
         "powerflex kills no job"
     );
     stack.start_ctld();
     stack.assert_draw_within(cut_w, Duration::from_secs(5), "controller back");
-    ends_clean(&stack, &[a, b]);
+    stack.ends_clean(&[a, b], Duration::from_secs(60));
 }
 
 #[test]
@@ -340,7 +314,7 @@ fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
         status.cap_mismatches,
         watch.overshoot_w.max(0.0)
     );
-    ends_clean(&stack, &[a, b]);
+    stack.ends_clean(&[a, b], Duration::from_secs(60));
 }
 
 #[test]
@@ -401,8 +375,8 @@ fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {
         ended.elapsed().as_secs_f64()
     );
     stack.assert_draw_within(budget_w, Duration::from_secs(3), "after the missed epilog");
-    assert!(running(&stack, b), "powerflex kills no job");
-    ends_clean(&stack, &[b]);
+    assert!(stack.running(b), "powerflex kills no job");
+    stack.ends_clean(&[b], Duration::from_secs(60));
 }
 
 /// A fake agent on the controller's link: signs with the site key, as a compromised or
@@ -582,5 +556,5 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
         log.contains("agent message refused"),
         "the NaN report refused and logged"
     );
-    ends_clean(&stack, &[a, b]);
+    stack.ends_clean(&[a, b], Duration::from_secs(60));
 }

@@ -73,35 +73,9 @@ fn allocated_within(stack: &Stack, budget_w: f64) -> bool {
 fn start_job(stack: &Stack) -> u32 {
     let job = stack.submit("flex3,calibrate=off", 2, 4, PROFILE);
     wait_until("the job runs", Duration::from_secs(30), || {
-        running(stack, job).then_some(())
+        stack.running(job).then_some(())
     });
     job
-}
-
-fn running(stack: &Stack, id: u32) -> bool {
-    stack.cluster.job_state(id).as_deref() == Some("RUNNING")
-}
-
-/// After the jobs end: every GPU back at its default, no node drained.
-fn ends_clean(stack: &Stack, jobs: &[u32]) {
-    for id in jobs {
-        stack.cluster.run("scancel", &[&id.to_string()]);
-    }
-    for &id in jobs {
-        stack.cluster.wait_job_done(id, Duration::from_secs(60));
-    }
-    wait_until(
-        "every GPU back at its default cap",
-        Duration::from_secs(30),
-        || {
-            stack
-                .caps_w()
-                .iter()
-                .all(|&c| c == DEFAULT_CAP_W)
-                .then_some(())
-        },
-    );
-    stack.cluster.assert_no_node_drained();
 }
 
 #[test]
@@ -116,13 +90,10 @@ fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
     stack.cluster.restart_slurmd("n1");
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(4), "after slurmd restarted");
     assert_eq!(stack.caps_w(), caps, "caps untouched by the slurmd restart");
-    assert!(
-        running(&stack, job),
-        "the job survives its slurmd's restart"
-    );
+    assert!(stack.running(job), "the job survives its slurmd's restart");
     assert!(stack.capped_without_a_job().is_empty());
     // The job's end still reaches the agent through the new slurmd (job epilog).
-    ends_clean(&stack, &[job]);
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
 #[test]
@@ -134,7 +105,7 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
     let victim = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
     let other = stack.submit("flex3,calibrate=off", 1, 4, PROFILE);
     wait_until("both jobs run", Duration::from_secs(30), || {
-        (running(&stack, victim) && running(&stack, other)).then_some(())
+        (stack.running(victim) && stack.running(other)).then_some(())
     });
     capped(&stack);
     // kill -9 the victim's training process (found through the GPUs it holds).
@@ -161,8 +132,8 @@ fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
         || stack.capped_without_a_job().is_empty().then_some(()),
     );
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(3), "after the job died");
-    assert!(running(&stack, other), "powerflex kills no job");
-    ends_clean(&stack, &[other]);
+    assert!(stack.running(other), "powerflex kills no job");
+    stack.ends_clean(&[other], Duration::from_secs(30));
 }
 
 #[test]
@@ -198,9 +169,9 @@ fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
             (j.nodes.len() == 2).then_some(())
         },
     );
-    assert!(running(&stack, job));
+    assert!(stack.running(job));
     assert!(stack.capped_without_a_job().is_empty());
-    ends_clean(&stack, &[job]);
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
 /// The stack's fail-safe cap (src/stack.rs writes it into the site config), W.
@@ -235,7 +206,7 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
                 .then_some(())
         },
     );
-    assert!(running(&stack, job), "powerflex kills no job");
+    assert!(stack.running(job), "powerflex kills no job");
     // The controller back: leases again, the budget split again.
     stack.start_ctld();
     wait_until("caps from a fresh lease", Duration::from_secs(30), || {
@@ -246,7 +217,7 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
             .then_some(())
     });
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(3), "controller back");
-    ends_clean(&stack, &[job]);
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
 #[test]
@@ -285,8 +256,8 @@ fn nvml_errors_on_one_gpu_leave_the_others_managed_and_the_budget_held() {
         assert_eq!(n1_live, Some(true), "the agent carries on with {kind}");
         n1.set_fault(1, None).expect("clear");
     }
-    assert!(running(&stack, job), "powerflex kills no job");
-    ends_clean(&stack, &[job]);
+    assert!(stack.running(job), "powerflex kills no job");
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
 #[test]
@@ -305,7 +276,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
     wait_until(
         "the job capped within the config's budget",
         Duration::from_secs(30),
-        || (running(&stack, job) && allocated(&stack)).then_some(()),
+        || (stack.running(job) && allocated(&stack)).then_some(()),
     );
     // A valid edit takes effect on SIGHUP.
     stack.edit_site(|site| site.facility.gpu_budget_w = 2500.0);
@@ -345,7 +316,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         table.stdout
     );
     stack.assert_draw_within(2500.0, Duration::from_secs(3), "after the refused reload");
-    assert!(running(&stack, job), "powerflex kills no job");
+    assert!(stack.running(job), "powerflex kills no job");
     // Fixed: accepted, the report cleared.
     stack.edit_site(|site| site.facility.gpu_budget_w = 2600.0);
     stack.reload_ctld();
@@ -353,7 +324,7 @@ fn an_invalid_site_config_reload_is_refused_and_the_config_in_force_stays() {
         let s: CtldStatus = stack.ctl_json(&["status"])?;
         (s.budget_w == 2600.0 && s.config_error.is_none()).then_some(())
     });
-    ends_clean(&stack, &[job]);
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
 #[test]
@@ -384,7 +355,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     wait_until(
         "the job capped within the budget",
         Duration::from_secs(30),
-        || (running(&stack, job) && allocated(&stack)).then_some(()),
+        || (stack.running(job) && allocated(&stack)).then_some(()),
     );
     let live = |node: &str| -> Option<bool> {
         let nodes: Vec<NodeStatus> = stack.ctl_json(&["nodes"])?;
@@ -396,7 +367,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
         // leases to n1: n1 falls silent, then to its fail-safe cap; the budget holds.
         stack.assert_draw_within(BUDGET_W, Duration::from_secs(8), &format!("clock {jump} s"));
         assert_eq!(live("n1"), Some(false), "n1's stale messages are refused");
-        assert!(running(&stack, job), "powerflex kills no job");
+        assert!(stack.running(job), "powerflex kills no job");
         std::fs::write(&offset, "+0\n").expect("jump back");
         wait_until(
             "n1 live again after its clock is back",
@@ -405,7 +376,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
         );
         stack.assert_draw_within(BUDGET_W, Duration::from_secs(2), "clock back");
     }
-    ends_clean(&stack, &[job]);
+    stack.ends_clean(&[job], Duration::from_secs(30));
     let _ = std::fs::remove_file(&offset);
 }
 
@@ -460,8 +431,8 @@ fn a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy() {
         Duration::from_secs(4),
         "after the restart on the previous state",
     );
-    assert!(running(&stack, job), "powerflex kills no job");
-    ends_clean(&stack, &[job]);
+    assert!(stack.running(job), "powerflex kills no job");
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
 #[test]
@@ -481,7 +452,7 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
     wait_until(
         "the job capped within the budget",
         Duration::from_secs(30),
-        || (running(&stack, job) && allocated(&stack)).then_some(()),
+        || (stack.running(job) && allocated(&stack)).then_some(()),
     );
     // An invalid edit: refused by both agents, reported, nothing changes.
     stack.edit_site(|site| h200(site).failsafe_cap_w = 9000.0);
@@ -523,6 +494,6 @@ fn an_agent_reload_applies_a_valid_failsafe_and_refuses_an_invalid_one() {
         Duration::from_secs(20),
         || stack.caps_w().iter().all(|&c| c == 250.0).then_some(()),
     );
-    assert!(running(&stack, job), "powerflex kills no job");
-    ends_clean(&stack, &[job]);
+    assert!(stack.running(job), "powerflex kills no job");
+    stack.ends_clean(&[job], Duration::from_secs(30));
 }

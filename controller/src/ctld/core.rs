@@ -217,7 +217,7 @@ impl Core {
         }
         // Increases released by this step's confirmations go out with the leases.
         for released in std::mem::take(&mut self.released) {
-            let lease = self.lease_for(&released.node, released.caps);
+            let lease = self.lease_for(self.last.as_ref(), released.caps);
             out.leases.insert(released.node, lease);
         }
         if std::mem::take(&mut self.dirty) {
@@ -458,10 +458,10 @@ impl Core {
         }
     }
 
-    /// A node's lease with `caps`: the last decision's start cap and the node's jobs to
-    /// walk again.
-    fn lease_for(&self, _node: &str, caps: BTreeMap<String, f64>) -> Lease {
-        let (start_cap_w, recalibrate) = match &self.last {
+    /// A node's lease with `caps`: `decision`'s start cap and the node's jobs to walk
+    /// again (before any decision: the fail-safe cap, nothing to walk).
+    fn lease_for(&self, decision: Option<&Decision>, caps: BTreeMap<String, f64>) -> Lease {
+        let (start_cap_w, recalibrate) = match decision {
             Some(d) => (
                 d.start_cap_w,
                 d.drifted
@@ -548,17 +548,13 @@ impl Core {
                 })
                 .collect(),
         };
-        self.last = Some(decision);
         out.leases = sends
             .into_iter()
             .map(|l| {
-                let lease = self.lease_for(&l.node, l.caps);
+                let lease = self.lease_for(Some(&decision), l.caps);
                 (l.node, lease)
             })
             .collect();
-        let Some(decision) = self.last.take() else {
-            return;
-        };
         out.annotations = annotate::changes(
             &decision,
             self.sessions.values().flat_map(|s| s.view.jobs.iter()),
