@@ -291,7 +291,7 @@ impl Stack {
         let socket = self.socket.clone();
         poll(
             "the controller's admin socket",
-            Duration::from_secs(20),
+            Duration::from_secs(90),
             || {
                 std::os::unix::net::UnixStream::connect(&socket)
                     .ok()
@@ -400,7 +400,7 @@ impl Stack {
         let agent = self.spawn_agent(i).unwrap_or_else(|e| panic!("{e}"));
         self.agents[i] = Some(agent);
         let socket = self.agent_socket(i);
-        wait_until("the agent's socket", Duration::from_secs(20), || {
+        wait_until("the agent's socket", Duration::from_secs(90), || {
             std::os::unix::net::UnixStream::connect(&socket)
                 .ok()
                 .map(|_| ())
