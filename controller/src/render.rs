@@ -168,6 +168,16 @@ pub fn render_status(s: &CtldStatus) -> String {
     if let Some(e) = &s.active_event {
         out.push_str(&format!("active event {}: {}\n", e.id, cut_text(e)));
     }
+    // Only when it differs: ahead of a step down, or a rise held to the ramp-rate limit.
+    if let Some(a) = s
+        .allocated_budget_w
+        .filter(|a| (a - s.budget_w).abs() >= 0.5)
+    {
+        out.push_str(&format!(
+            "caps set for {} (ahead of a step down, or a rise held to max_ramp_w_per_s)\n",
+            watts(a)
+        ));
+    }
     if let Some(e) = &s.config_error {
         out.push_str(&format!(
             "SITE CONFIG RELOAD REFUSED (the previous config stays in force): {e}\n"
@@ -288,6 +298,7 @@ mod tests {
         CtldStatus {
             base_budget_w: 10_000.0,
             budget_w: 7_000.0,
+            allocated_budget_w: Some(7_000.0),
             draw_w: 6_500.0,
             headroom_w: 500.0,
             active_event: Some(event.clone()),

@@ -1,16 +1,16 @@
 //! Grid events and the facility budget they leave, as pure functions of time.
 //!
 //! An event either reduces the budget by a fraction (`--reduce 30%`) or sets it to a target
-//! (`--target 600kW`), from `start` for `duration`. With a ramp, the cut grows linearly over
-//! the ramp after the start and shrinks the same way before the end, so caps move in steps
-//! of one allocation period instead of all at once. Overlapping events: the deepest cut at
-//! each instant wins. Times are Unix milliseconds; the controller passes its clock in.
+//! (`--target 600kW`), from `start` for `duration`. With a ramp, the cut grows in steps of
+//! [`RAMP_STEP_MS`] over the ramp after the start and shrinks the same way before the end
+//! (the stepped budget, [`Event::depth`]). Overlapping events: the deepest cut at each
+//! instant wins. Times are Unix milliseconds; the controller passes its clock in.
 
 use powerflex_core::Watts;
 
 // The event types are the admin protocol's: `powerflexctl` sends them, the controller
 // keeps them and `status` shows them.
-pub use powerflex_proto::admin::{Cut, Event};
+pub use powerflex_proto::admin::{Cut, Event, RAMP_STEP_MS};
 
 /// The budget at `now`: `base` less the deepest cut of any event in force.
 pub fn effective_budget(base: Watts, events: &[Event], now: u64) -> Watts {
@@ -19,6 +19,24 @@ pub fn effective_budget(base: Watts, events: &[Event], now: u64) -> Watts {
         .map(|e| e.cut_w(base.0, now))
         .fold(0.0, f64::max);
     Watts((base.0 - cut).max(0.0))
+}
+
+/// The lowest budget in force at any instant of `[from_ms, to_ms]`: what caps set at
+/// `from_ms` must already meet so that no step of a ramp in that window finds the site
+/// above it. Exact: the stepped budget only changes at the events' steps.
+pub fn lowest_budget(base: Watts, events: &[Event], from_ms: u64, to_ms: u64) -> Watts {
+    events
+        .iter()
+        .flat_map(|e| e.changes_in(from_ms, to_ms))
+        .chain(std::iter::once(from_ms))
+        .map(|t| effective_budget(base, events, t))
+        .fold(effective_budget(base, events, from_ms), |a, b| {
+            if b.0 < a.0 {
+                b
+            } else {
+                a
+            }
+        })
 }
 
 /// The event in force with the deepest cut at `now`, if any.
@@ -214,6 +232,36 @@ mod tests {
         );
         assert_eq!(at(13 * H), 850_000.0, "over");
         assert!(e.pending(12 * H) && !e.pending(13 * H));
+    }
+
+    #[test]
+    fn the_lowest_budget_ahead_is_the_next_steps() {
+        let base = Watts(10_000.0);
+        // 30 % over a 10 s ramp from t = 100 s, for 60 s: 300 W per 1 s step.
+        let e = event(1, Cut::Reduce { fraction: 0.3 }, 100_000, 60_000, 10_000);
+        let events = std::slice::from_ref(&e);
+        let low = |from: u64, to: u64| lowest_budget(base, events, from, to).0;
+        assert_eq!(low(0, 99_999), 10_000.0, "nothing ahead");
+        assert_eq!(
+            low(98_000, 101_000),
+            9_700.0,
+            "the first step, 1 s after the start"
+        );
+        assert_eq!(low(100_500, 103_500), 9_100.0, "three steps ahead");
+        assert_eq!(low(100_000, 200_000), 7_000.0, "the whole cut");
+        assert_eq!(low(148_000, 150_900), 7_000.0, "the ramp back is not early");
+        assert_eq!(low(165_000, 168_000), 10_000.0, "over");
+        // Brute force over a fine grid agrees everywhere.
+        for from in (90_000..175_000).step_by(250) {
+            for len in [0, 999, 1_000, 3_000, 12_000] {
+                let brute = (from..=from + len)
+                    .step_by(50)
+                    .chain(std::iter::once(from + len))
+                    .map(|t| effective_budget(base, events, t).0)
+                    .fold(f64::MAX, f64::min);
+                assert_eq!(low(from, from + len), brute, "{from} +{len}");
+            }
+        }
     }
 
     #[test]

@@ -100,6 +100,10 @@ pub struct RawFacility {
     /// throughput over its own uncapped throughput, so what a job reports about its scale
     /// buys it nothing) or `tokens` (the site's total tokens/s, as the jobs report them).
     pub objective: Option<String>,
+    /// The fastest the budget the controller allocates may rise, watts per second, when an
+    /// event ends, a ramp-up steps or the budget is raised: it bounds the rebound when
+    /// every capped job speeds up at once. Optional (default: no limit); above 0.
+    pub max_ramp_w_per_s: Option<f64>,
 }
 
 /// `[tiers]`: what `--power-flex` accepts at this site.
@@ -255,6 +259,8 @@ pub struct FacilityConfig {
     pub expected_cut: f64,
     pub budget_mode: BudgetMode,
     pub objective: Objective,
+    /// The fastest the allocated budget may rise, W/s (`None`: no limit).
+    pub max_ramp_w_per_s: Option<f64>,
 }
 
 /// What the allocation maximises.
@@ -725,11 +731,26 @@ fn validate_facility(raw: RawFacility) -> Result<FacilityConfig, ConfigError> {
             })
         }
     };
+    let max_ramp_w_per_s = match raw.max_ramp_w_per_s {
+        None => None,
+        Some(rate) => {
+            let rate = finite("facility.max_ramp_w_per_s", rate)?;
+            if rate <= 0.0 {
+                return Err(ConfigError::OutOfRange {
+                    key: "facility.max_ramp_w_per_s".into(),
+                    value: rate.to_string(),
+                    accepted: "watts per second above 0 (leave it out for no limit)".into(),
+                });
+            }
+            Some(rate)
+        }
+    };
     Ok(FacilityConfig {
         gpu_budget_w,
         policy,
         budget_mode,
         objective,
+        max_ramp_w_per_s,
         expected_cut: expected_pct / 100.0,
     })
 }
@@ -1252,6 +1273,7 @@ listen = "10.0.0.5:7300"
                     gpu_budget_w: Watts(120_000.0),
                     policy: Policy::Optimal,
                     expected_cut: 0.3,
+                    max_ramp_w_per_s: None,
                     budget_mode: BudgetMode::Metered { margin: 0.01 },
                     objective: Objective::RelativeSpeed,
                 },
@@ -1441,6 +1463,38 @@ failsafe_cap_w = 300
                     key: "facility.budget_mode".into(),
                     value: "\"soft\"".into(),
                     accepted: "\"metered\", \"hard\"".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\nmax_ramp_w_per_s = 0",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.max_ramp_w_per_s".into(),
+                    value: "0".into(),
+                    accepted: "watts per second above 0 (leave it out for no limit)".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\nmax_ramp_w_per_s = -5.5",
+                ),
+                ConfigError::OutOfRange {
+                    key: "facility.max_ramp_w_per_s".into(),
+                    value: "-5.5".into(),
+                    accepted: "watts per second above 0 (leave it out for no limit)".into(),
+                },
+            ),
+            (
+                edited(
+                    "gpu_budget_w = 120000",
+                    "gpu_budget_w = 1\nmax_ramp_w_per_s = nan",
+                ),
+                ConfigError::NotFinite {
+                    key: "facility.max_ramp_w_per_s".into(),
+                    value: f64::NAN,
                 },
             ),
             (

@@ -116,6 +116,18 @@ pub mod catalog {
         help: "Facility GPU budget in force, W.",
         labels: [],
     };
+    pub const ALLOCATED_BUDGET_WATTS: Family<0> = Family {
+        name: "powerflex_allocated_budget_watts",
+        kind: Kind::Gauge,
+        help: "Budget the last allocation was made for: the lowest step until its caps may be replaced, and a rise held to max_ramp_w_per_s, W.",
+        labels: [],
+    };
+    pub const JOB_PREEMPTED: Family<2> = Family {
+        name: "powerflex_job_preempted",
+        kind: Kind::Gauge,
+        help: "1 while the controller holds the job suspended or requeued because caps at every floor could not meet the budget.",
+        labels: ["job", "how"],
+    };
     pub const BASE_BUDGET_WATTS: Family<0> = Family {
         name: "powerflex_base_budget_watts",
         kind: Kind::Gauge,
@@ -192,6 +204,8 @@ pub mod catalog {
             e(AGENT_FAILSAFE),
             e(PROGRESS_REJECTED_TOTAL),
             e(BUDGET_WATTS),
+            e(ALLOCATED_BUDGET_WATTS),
+            e(JOB_PREEMPTED),
             e(BASE_BUDGET_WATTS),
             e(DRAW_WATTS),
             e(EVENT_ACTIVE),

@@ -30,6 +30,10 @@ pub enum Cut {
     Target { budget_w: f64 },
 }
 
+/// How long each step of an event's ramp holds, ms: the budget in force moves in steps
+/// of this length during a ramp (see [`Event::depth`]).
+pub const RAMP_STEP_MS: u64 = 1000;
+
 /// A scheduled grid event. Times are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -47,7 +51,11 @@ impl Event {
         self.start_ms.saturating_add(self.duration_ms)
     }
 
-    /// How much of the cut applies at `now_ms` (0 to 1).
+    /// How much of the cut applies at `now_ms` (0 to 1): the stepped ramp. The cut grows
+    /// in steps of [`RAMP_STEP_MS`] after the start (the first step one step after it)
+    /// and shrinks the same way before the end (the last step ends at the end), so the
+    /// budget in force is a staircase the grid, the controller and a meter can all check
+    /// against, never above the linear ramp during the ramp-down.
     pub fn depth(&self, now_ms: u64) -> f64 {
         if now_ms < self.start_ms || now_ms >= self.end_ms() {
             return 0.0;
@@ -56,9 +64,41 @@ impl Event {
             return 1.0;
         }
         let ramp = self.ramp_ms as f64;
-        let since_start = (now_ms - self.start_ms) as f64;
-        let until_end = (self.end_ms() - now_ms) as f64;
-        (since_start / ramp).min(until_end / ramp).min(1.0)
+        let steps_in = (now_ms - self.start_ms) / RAMP_STEP_MS;
+        let steps_out = (self.end_ms() - now_ms).div_ceil(RAMP_STEP_MS);
+        let depth_in = (steps_in.saturating_mul(RAMP_STEP_MS)) as f64 / ramp;
+        let depth_out = (steps_out.saturating_mul(RAMP_STEP_MS)) as f64 / ramp;
+        depth_in.min(depth_out).min(1.0)
+    }
+
+    /// The times in `(from_ms, to_ms]` at which this event's depth may change: the
+    /// start, each step of the ramps and the end. Between two of them the budget it leaves
+    /// is constant, so the lowest budget over a window is found at these and `from_ms`.
+    pub fn changes_in(&self, from_ms: u64, to_ms: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        let steps = self.ramp_ms.div_ceil(RAMP_STEP_MS);
+        let mut push = |t: u64| {
+            if t > from_ms && t <= to_ms {
+                out.push(t);
+            }
+        };
+        push(self.start_ms);
+        push(self.end_ms());
+        if steps == 0 {
+            return out;
+        }
+        // Only the steps inside the window: a ramp may be hours of 1 s steps.
+        let lo = from_ms.saturating_sub(self.start_ms) / RAMP_STEP_MS;
+        let hi = (to_ms.saturating_sub(self.start_ms) / RAMP_STEP_MS).min(steps);
+        for k in lo..=hi {
+            push(self.start_ms.saturating_add(k * RAMP_STEP_MS));
+        }
+        let lo = self.end_ms().saturating_sub(to_ms) / RAMP_STEP_MS;
+        let hi = (self.end_ms().saturating_sub(from_ms) / RAMP_STEP_MS + 1).min(steps);
+        for k in lo..=hi {
+            push(self.end_ms().saturating_sub(k * RAMP_STEP_MS));
+        }
+        out
     }
 
     /// Watts this event removes from `base_w` at `now_ms`.
@@ -326,6 +366,34 @@ mod tests {
         assert_eq!(e.cut_w(1000.0, 5000), 500.0);
         assert_eq!(e.cut_w(1000.0, 10_000), 250.0);
         assert!(e.pending(10_999) && !e.pending(11_000));
+        // Stepped: the first step one step after the start, held for a whole step, the
+        // last one ending at the end.
+        assert_eq!(e.cut_w(1000.0, 1000), 0.0);
+        assert_eq!(e.cut_w(1000.0, 1999), 0.0);
+        assert_eq!(e.cut_w(1000.0, 2999), 250.0);
+        assert_eq!(e.cut_w(1000.0, 3000), 500.0);
+        assert_eq!(e.cut_w(1000.0, 8999), 500.0);
+        assert_eq!(e.cut_w(1000.0, 9000), 500.0);
+        assert_eq!(
+            e.cut_w(1000.0, 9999),
+            500.0,
+            "the cut lifts one step late, not early"
+        );
+        assert_eq!(e.cut_w(1000.0, 10_999), 250.0);
+        assert_eq!(e.cut_w(1000.0, 11_000), 0.0);
+        let mut changes = e.changes_in(0, 20_000);
+        changes.sort_unstable();
+        changes.dedup();
+        assert_eq!(changes, [1000, 2000, 3000, 9000, 10_000, 11_000]);
+        assert_eq!(e.changes_in(2000, 9500), [3000, 9000]);
+        // Between two changes the cut is constant.
+        for w in changes.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            assert!(
+                (a..b).all(|t| e.cut_w(1000.0, t) == e.cut_w(1000.0, a)),
+                "{a}..{b}"
+            );
+        }
         let target = Event {
             cut: Cut::Target { budget_w: 1200.0 },
             ramp_ms: 0,

@@ -92,8 +92,13 @@ impl FloorView {
 pub struct CtldStatus {
     /// The budget without grid events (site config, or `budget set`), W.
     pub base_budget_w: f64,
-    /// The budget in force now, W.
+    /// The budget in force now (the stepped budget during a ramp), W.
     pub budget_w: f64,
+    /// The budget the last allocation was made for: the lowest step before its caps may
+    /// be replaced, a rise held to the site's ramp-rate limit, W (none before the first
+    /// allocation).
+    #[serde(default)]
+    pub allocated_budget_w: Option<f64>,
     /// Summed GPU draw reported by live agents, W.
     pub draw_w: f64,
     pub headroom_w: f64,

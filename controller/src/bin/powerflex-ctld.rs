@@ -65,6 +65,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         lease_ttl_s: site.controller.lease_ttl_s as f64,
         metrics_listen: site.controller.metrics_listen,
         lease_rollout: site.controller.lease_rollout,
+        max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
         site: SiteSettings {
             tiers: site.tiers.table.clone(),
             policy: site.facility.policy,

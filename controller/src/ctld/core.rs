@@ -18,6 +18,7 @@ use powerflex_proto::status::{CtldStatus, HistorySample};
 use super::metrics::MetricsInput;
 use super::state::{CtldState, Loaded};
 use super::{annotate, metrics, status, CtldOptions, Reload};
+use crate::ramp::{look_ahead_ms, Ramp, RampPlan};
 use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
 use crate::site::{decide, Decision, NodeView};
@@ -53,7 +54,8 @@ pub enum Input {
     /// An admin request from a caller with this uid (from the socket's peer credentials).
     Admin { op: AdminOp, uid: u32 },
     /// The site config was re-read.
-    Reload(Reload),
+    /// (Boxed: a config is large and rare, reports are small and frequent.)
+    Reload(Box<Reload>),
     /// The allocation period elapsed.
     Tick,
 }
@@ -112,6 +114,10 @@ pub struct Core {
     /// Leases the rollout released since the last step (increases whose decreases were
     /// confirmed by the reports just handled).
     released: Vec<LeaseOut>,
+    /// Allocations made ahead of ramp-downs and held back on ramp-ups (see [`crate::ramp`]).
+    ramp: Ramp,
+    /// The last allocation's ramp plan.
+    last_plan: Option<RampPlan>,
 }
 
 impl Core {
@@ -181,6 +187,8 @@ impl Core {
             dirty: false,
             rollout: Rollout::new(),
             released: Vec::new(),
+            ramp: Ramp::new(),
+            last_plan: None,
         }
     }
 
@@ -207,7 +215,7 @@ impl Core {
                     }
                     out.replies.push((index, reply));
                 }
-                Input::Reload(reload) => self.reload(reload),
+                Input::Reload(reload) => self.reload(*reload),
                 Input::Tick => self.allocate_now = true,
             }
         }
@@ -501,10 +509,29 @@ impl Core {
             self.dirty = true;
         }
         let base = self.state.budget_w.unwrap_or(self.options.base_budget);
-        let budget = effective_budget(base, &self.state.events, now_ms);
         // A node that has not confirmed the decreases it was sent within a period is
         // counted at the most it may draw (as a silent node) until it does.
-        let confirm_ms = (self.options.period.as_millis() as u64).max(MIN_CONFIRM_MS);
+        let period_ms = self.options.period.as_millis() as u64;
+        let confirm_ms = period_ms.max(MIN_CONFIRM_MS);
+        // Caps are set for the lowest step until the next allocation's caps are
+        // confirmed, so each step down finds them already in force.
+        let plan = self.ramp.plan(
+            base,
+            &self.state.events,
+            now_ms,
+            look_ahead_ms(period_ms, confirm_ms),
+            self.options.max_ramp_w_per_s,
+        );
+        if plan.rate_limited {
+            info!(
+                allocate_w = plan.allocate_w,
+                in_force_w = plan.in_force_w,
+                "budget rise held to the ramp-rate limit"
+            );
+        }
+        let in_force = Watts(plan.in_force_w);
+        let budget = Watts(plan.allocate_w);
+        self.last_plan = Some(plan);
         let stalled = self.rollout.stalled(now_ms, confirm_ms);
         if !stalled.is_empty() {
             warn!(nodes = ?stalled, "decreases not confirmed in time; counting those nodes at the most they may draw");
@@ -568,7 +595,7 @@ impl Core {
             .unwrap_or_default();
         self.history.push_back(HistorySample {
             t_ms: now_ms,
-            budget_w: budget.0,
+            budget_w: in_force.0,
             draw_w: draw,
             caps,
             simulated: self
@@ -582,7 +609,8 @@ impl Core {
         out.metrics = Some(metrics::render(&MetricsInput {
             decision: &decision,
             base,
-            budget,
+            budget: in_force,
+            allocated: budget,
             draw_w: draw,
             nodes: self
                 .sessions
@@ -629,6 +657,7 @@ mod tests {
             },
             metrics_listen: None,
             lease_rollout: LeaseRollout::TwoStep,
+            max_ramp_w_per_s: None,
         }
     }
 
@@ -1029,7 +1058,7 @@ mod tests {
         new.listen = "127.0.0.1:7100".parse().expect("addr");
         new.key = b"another key".to_vec();
         new.period = Duration::from_secs(1);
-        let out = core.step(T0 + 1, vec![Input::Reload(Ok(new))]);
+        let out = core.step(T0 + 1, vec![Input::Reload(Box::new(Ok(new)))]);
         assert!(out.metrics.is_some(), "reallocated at once");
         assert_eq!(out.lease_ttl_s, 60.0);
         assert_eq!(core.status(T0 + 1).base_budget_w, 8000.0);
@@ -1043,7 +1072,7 @@ mod tests {
         );
         let mut again = options();
         again.base_budget = Watts(7000.0);
-        core.step(T0 + 3, vec![Input::Reload(Ok(again))]);
+        core.step(T0 + 3, vec![Input::Reload(Box::new(Ok(again)))]);
         assert_eq!(core.status(T0 + 3).budget_w, 9000.0);
     }
 
@@ -1052,7 +1081,9 @@ mod tests {
         let mut core = running();
         let out = core.step(
             T0 + 1,
-            vec![Input::Reload(Err("powerflex.toml: bad key".into()))],
+            vec![Input::Reload(Box::new(Err(
+                "powerflex.toml: bad key".into()
+            )))],
         );
         assert!(
             out.metrics.is_none(),
@@ -1072,7 +1103,7 @@ mod tests {
                 .and_then(|s| s.config_error.as_deref()),
             Some("powerflex.toml: bad key")
         );
-        core.step(T0 + 3, vec![Input::Reload(Ok(options()))]);
+        core.step(T0 + 3, vec![Input::Reload(Box::new(Ok(options())))]);
         assert_eq!(core.status(T0 + 3).config_error, None);
     }
 
@@ -1202,6 +1233,75 @@ mod tests {
         let raised = cap(&out, "n2", "102").expect("released");
         assert!(raised > c2, "{out:?}");
         assert!(lowered * 4.0 + raised * 4.0 <= 4000.0 + 1e-6);
+    }
+
+    /// Issue 16: caps went down when a ramp's step took effect, so the meter sat above
+    /// each new step until the agents had applied them. Now each allocation is made for
+    /// the lowest step before the next one's caps are confirmed, and the rise after the
+    /// event is held to the ramp-rate limit.
+    #[test]
+    fn ramps_are_met_ahead_going_down_and_held_to_the_rate_going_up() {
+        let mut core = Core::new(
+            CtldOptions {
+                max_ramp_w_per_s: Some(50.0),
+                ..options()
+            },
+            Loaded::default(),
+            T0,
+        );
+        let sum = |out: &Output| -> f64 {
+            out.leases
+                .values()
+                .flat_map(|l| l.caps.values())
+                .map(|c| c * 4.0)
+                .sum()
+        };
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 5600.0 }, 0),
+                admin(
+                    AdminOp::EventAdd {
+                        cut: Cut::Reduce { fraction: 0.3 },
+                        start_ms: T0 + 20_000,
+                        duration_ms: 60_000,
+                        ramp_ms: 10_000,
+                    },
+                    0,
+                ),
+                hello("n1"),
+                at_cap("n1", "101", "flex3", 700.0),
+                hello("n2"),
+                at_cap("n2", "102", "flex3", 700.0),
+            ],
+        );
+        // 5 s in, a 10 s period and 10 s to confirm: the allocation looks to 25 s, half
+        // way down the ramp (5 steps of 168 W), while the budget in force is untouched.
+        let out = core.step(T0 + 5_000, vec![Input::Tick]);
+        let status = core.status(T0 + 5_000);
+        assert_eq!(status.budget_w, 5600.0);
+        assert_eq!(status.allocated_budget_w, Some(4760.0));
+        assert!(sum(&out) <= 4760.0 + 1e-6, "{out:?}");
+        assert_eq!(core.history().last().map(|h| h.budget_w), Some(5600.0));
+        // Through the event, every allocation is at or below every step it serves.
+        let mut t = T0 + 5_000;
+        while t < T0 + 80_000 {
+            t += 10_000;
+            core.step(t, vec![Input::Tick]);
+            let allocated = core.status(t).allocated_budget_w.expect("allocated");
+            for at in (t..t + 20_000).step_by(100) {
+                assert!(allocated <= core.status(at).budget_w, "{t} {at}");
+            }
+        }
+        // The full cut (3920 W) was allocated last at 65 s; from there 50 W/s, slower
+        // than the event's own ramp back: 4420 W at 75 s, 4920 W at 85 s, after the end.
+        let at_end = core.status(t).allocated_budget_w.expect("allocated");
+        assert_eq!((t - T0, at_end), (85_000, 4920.0));
+        assert_eq!(core.status(t).budget_w, 5600.0);
+        core.step(t + 10_000, vec![Input::Tick]);
+        assert_eq!(core.status(t + 10_000).allocated_budget_w, Some(5420.0));
+        core.step(t + 20_000, vec![Input::Tick]);
+        assert_eq!(core.status(t + 20_000).allocated_budget_w, Some(5600.0));
     }
 
     #[test]

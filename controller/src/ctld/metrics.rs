@@ -13,7 +13,10 @@ use crate::site::Decision;
 pub struct MetricsInput<'a> {
     pub decision: &'a Decision,
     pub base: Watts,
+    /// The budget in force.
     pub budget: Watts,
+    /// What the allocation was made for (see [`crate::ramp`]).
+    pub allocated: Watts,
     pub draw_w: f64,
     /// Node → live.
     pub nodes: Vec<(&'a str, bool)>,
@@ -32,6 +35,7 @@ fn flag(on: bool) -> f64 {
 pub fn render(m: &MetricsInput<'_>) -> String {
     let mut w = TextWriter::new();
     w.family(&catalog::BUDGET_WATTS, [([], m.budget.0)])
+        .family(&catalog::ALLOCATED_BUDGET_WATTS, [([], m.allocated.0)])
         .family(&catalog::BASE_BUDGET_WATTS, [([], m.base.0)])
         .family(&catalog::DRAW_WATTS, [([], m.draw_w)])
         .family(&catalog::EVENT_ACTIVE, [([], flag(m.event_active))])
@@ -102,12 +106,14 @@ mod tests {
             decision: &decision,
             base: Watts(4000.0),
             budget: Watts(3200.0),
+            allocated: Watts(3100.0),
             draw_w: 2950.5,
             nodes: vec![("n1", true), ("n\\2", false)],
             event_active: true,
         });
         for line in [
             "powerflex_budget_watts 3200",
+            "powerflex_allocated_budget_watts 3100",
             "powerflex_base_budget_watts 4000",
             "powerflex_draw_watts 2950.5",
             "powerflex_event_active 1",

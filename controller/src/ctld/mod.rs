@@ -56,6 +56,9 @@ pub struct CtldOptions {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// How new allocations reach the nodes (decreases first, or all at once).
     pub lease_rollout: powerflex_core::config::LeaseRollout,
+    /// The fastest the allocated budget may rise, W/s (`None`: no limit; see
+    /// [`crate::ramp`]).
+    pub max_ramp_w_per_s: Option<f64>,
 }
 
 /// A re-read site config (on SIGHUP): the new options, or why the file was refused.
@@ -215,7 +218,7 @@ pub fn run(
             }
             recv(reloads) -> reload => {
                 if let Ok(reload) = reload {
-                    inputs.push(Input::Reload(reload));
+                    inputs.push(Input::Reload(Box::new(reload)));
                     waiting.push(None);
                 }
             }
@@ -279,6 +282,7 @@ mod tests {
             },
             metrics_listen: Some(metrics),
             lease_rollout: Default::default(),
+            max_ramp_w_per_s: None,
         };
         let shutdown = Arc::new(AtomicBool::new(false));
         let (_reload_tx, reloads) = bounded::<Reload>(1);

@@ -65,6 +65,7 @@ pub fn build(
     CtldStatus {
         base_budget_w: base.0,
         budget_w: budget.0,
+        allocated_budget_w: last.map(|d| d.budget_w),
         draw_w: draw,
         headroom_w: budget.0 - draw,
         active_event: active_event(base, &state.events, now_ms).cloned(),
