@@ -145,6 +145,19 @@ fn is_alive(pid: u32) -> bool {
     pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// Whether process `pid` is stopped (SIGSTOP, as `scontrol suspend` sends): the state
+/// letter in `/proc/PID/stat`, after the command name's closing parenthesis (a name may
+/// itself contain one).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let rest = stat.get(stat.rfind(')')? + 1..)?;
+            rest.split_whitespace().next().map(|s| s == "T" || s == "t")
+        })
+        .unwrap_or(false)
+}
+
 /// A cheap, stable hash (FNV-1a), for identities and reading noise.
 fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -188,9 +201,11 @@ impl GpuState {
         self.workload.as_ref().filter(|w| is_alive(w.pid))
     }
 
-    /// The running workload when it puts load on the GPU (not in an idle phase).
+    /// The running workload when it puts load on the GPU: not in an idle phase, and not
+    /// stopped (a job Slurm suspended with `scontrol suspend` gets SIGSTOP, launches no
+    /// kernels, and its GPUs fall to idle draw while it keeps them).
     fn loaded(&self) -> Option<&Workload> {
-        self.running().filter(|w| !w.idle)
+        self.running().filter(|w| !w.idle && !is_stopped(w.pid))
     }
 
     /// Noise-free draw, mW, and the physics state behind it.
@@ -672,6 +687,55 @@ mod tests {
         let (_, loaded) = node.reading(0).expect("reading");
         assert!(loaded.busy);
         assert_eq!(loaded.steady_power_mw, 680_000, "{loaded:?}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// `scontrol suspend` stops a job's processes: its GPUs fall to idle draw and stay
+    /// its own; resumed, the load is back.
+    #[test]
+    fn a_stopped_job_draws_idle_power_and_keeps_its_gpu() {
+        use std::process::Command;
+        let dir = scratch("stopped");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        let mut child = Command::new("sleep").arg("60").spawn().expect("sleep");
+        let pid = child.id();
+        let w = Workload {
+            job_id: "9".into(),
+            pid,
+            profile: "test".into(),
+            physics: physics(),
+            table: None,
+            memory_used_bytes: 1,
+            idle: false,
+        };
+        node.claim(&[0], &w).expect("claim");
+        assert!(node.reading(0).expect("reading").1.busy);
+        let signal = |sig: &str| {
+            let ok = Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .status()
+                .expect("kill");
+            assert!(ok.success());
+        };
+        signal("-STOP");
+        // The kernel marks the process stopped once the signal is delivered.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !is_stopped(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let (gpu, stopped) = node.reading(0).expect("reading");
+        assert!(!stopped.busy, "{stopped:?}");
+        assert_eq!(stopped.steady_power_mw, 75_000);
+        assert_eq!(stopped.job_id.as_deref(), Some("9"), "still the job's GPU");
+        assert!(gpu.running().is_some());
+        signal("-CONT");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while is_stopped(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(node.reading(0).expect("reading").1.busy, "resumed");
+        let _ = child.kill();
+        let _ = child.wait();
         let _ = fs::remove_dir_all(&dir);
     }
 
