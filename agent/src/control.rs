@@ -285,6 +285,7 @@ impl Agent {
             FlexRequest {
                 service: self.settings.default_service.clone(),
                 calibrate: Calibrate::Auto,
+                preempt: None,
             }
         } else {
             parse_power_flex(flex, &self.settings.tiers).map_err(|e| e.to_string())?

@@ -410,6 +410,7 @@ pub fn allocate_curves(
         let tier = powerflex_core::flex::FlexRequest {
             service: service.clone(),
             calibrate: powerflex_core::flex::Calibrate::Auto,
+            preempt: None,
         }
         .to_string();
         let top = r.points.last().copied();

@@ -26,7 +26,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::allocate::Policy;
-use crate::flex::{FlexError, Service, Tier, TierTable, UNMANAGED};
+use crate::flex::{FlexError, Preempt, Service, Tier, TierTable, UNMANAGED};
 use crate::units::{SlowdownFraction, Watts};
 
 /// Accepted range of `controller.lease_ttl_s`, in seconds.
@@ -115,6 +115,11 @@ pub struct RawTiers {
     pub default: Option<String>,
     /// Whether users may write `max-slowdown=N%` in place of a tier (default `true`).
     pub allow_max_slowdown: Option<bool>,
+    /// `[tiers.preempt]`: per tier, what the controller may do to its jobs that do not
+    /// say (`preempt=`) when caps at every floor cannot meet the budget: `never`
+    /// (default), `suspend` or `requeue`. Not `suspend`/`requeue` for a tier allowing no
+    /// slowdown (flex0).
+    pub preempt: Option<BTreeMap<String, String>>,
     /// `[[tiers.tier]]` entries. Absent: the default tiers flex0/1/2/3 (0/10/25/50 %).
     /// Present but empty (`tier = []`): no named tiers, which needs
     /// `allow_max_slowdown = true`.
@@ -772,6 +777,35 @@ fn validate_tiers(raw: RawTiers) -> Result<TiersConfig, ConfigError> {
         ),
     }
     .map_err(ConfigError::Tiers)?;
+    let mut table = table;
+    for (name, value) in raw.preempt.unwrap_or_default() {
+        let key = format!("tiers.preempt.{}", name.escape_default());
+        let Some(preempt) = Preempt::from_name(&value) else {
+            return Err(ConfigError::OutOfRange {
+                key,
+                value: format!("\"{}\"", value.escape_default()),
+                accepted: "\"never\", \"suspend\", \"requeue\"".into(),
+            });
+        };
+        let Some(bound) = table.lookup(&name).map(|t| t.max_slowdown) else {
+            return Err(ConfigError::OutOfRange {
+                key,
+                value: format!("\"{}\"", value.escape_default()),
+                accepted: format!(
+                    "only the site's tiers: {}",
+                    table.names().collect::<Vec<_>>().join(", ")
+                ),
+            });
+        };
+        if bound.0 <= 0.0 && preempt != Preempt::Never {
+            return Err(ConfigError::OutOfRange {
+                key,
+                value: format!("\"{value}\""),
+                accepted: "\"never\" for a tier that allows no slowdown (its jobs are never suspended or requeued)".into(),
+            });
+        }
+        table.set_preempt(&name, preempt);
+    }
     let default = match raw.default.as_deref() {
         None | Some(UNMANAGED) => Service::Unmanaged,
         Some(name) => match table.lookup(name) {
@@ -1463,6 +1497,30 @@ failsafe_cap_w = 300
                     key: "facility.budget_mode".into(),
                     value: "\"soft\"".into(),
                     accepted: "\"metered\", \"hard\"".into(),
+                },
+            ),
+            (
+                format!("{MINIMAL}\n[tiers.preempt]\nflex3 = \"pause\"\n"),
+                ConfigError::OutOfRange {
+                    key: "tiers.preempt.flex3".into(),
+                    value: "\"pause\"".into(),
+                    accepted: "\"never\", \"suspend\", \"requeue\"".into(),
+                },
+            ),
+            (
+                format!("{MINIMAL}\n[tiers.preempt]\nflex9 = \"suspend\"\n"),
+                ConfigError::OutOfRange {
+                    key: "tiers.preempt.flex9".into(),
+                    value: "\"suspend\"".into(),
+                    accepted: "only the site's tiers: flex0, flex1, flex2, flex3".into(),
+                },
+            ),
+            (
+                format!("{MINIMAL}\n[tiers.preempt]\nflex0 = \"suspend\"\n"),
+                ConfigError::OutOfRange {
+                    key: "tiers.preempt.flex0".into(),
+                    value: "\"suspend\"".into(),
+                    accepted: "\"never\" for a tier that allows no slowdown (its jobs are never suspended or requeued)".into(),
                 },
             ),
             (

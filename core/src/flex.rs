@@ -26,6 +26,11 @@
 //! - `calibrate=auto|off` (default `auto`): `off` skips the calibration walk, so
 //!   powerflex relies on the predictor prior and telemetry at the granted caps.
 //! - `max-slowdown=N%`: the explicit bound above, in place of a tier.
+//! - `preempt=never|suspend|requeue` (default: the site's setting for the tier, else
+//!   `never`): when caps at every job's floor cannot meet the budget (a grid event deeper
+//!   than caps reach), the controller may suspend (`scontrol suspend`) or requeue the job
+//!   until the event ends. Not accepted for a tier that allows no slowdown (`flex0`):
+//!   such jobs are never suspended.
 //!
 //! The whole value is at most [`MAX_VALUE_BYTES`] bytes of ASCII letters, digits and
 //! `- _ . % = ,`; anything else (spaces, control or non-ASCII characters) is rejected
@@ -59,8 +64,11 @@ pub const MAX_SLOWDOWN_KEY: &str = "max-slowdown";
 /// The key that turns calibration on or off.
 pub const CALIBRATE_KEY: &str = "calibrate";
 
+/// The key that lets the controller suspend or requeue the job in a deep cut.
+pub const PREEMPT_KEY: &str = "preempt";
+
 /// Words a site may not use as tier names: they already mean something in the grammar.
-pub const RESERVED_NAMES: [&str; 3] = [UNMANAGED, MAX_SLOWDOWN_KEY, CALIBRATE_KEY];
+pub const RESERVED_NAMES: [&str; 4] = [UNMANAGED, MAX_SLOWDOWN_KEY, CALIBRATE_KEY, PREEMPT_KEY];
 
 /// Shown in every percentage error.
 const PERCENT_ACCEPTED: &str = "a percentage from 0 to 100 with at most two decimals, e.g. 15%";
@@ -76,6 +84,9 @@ pub struct Tier {
     pub name: String,
     /// Largest tolerated slowdown, as a fraction of uncapped throughput (0 to 1).
     pub max_slowdown: SlowdownFraction,
+    /// What the controller may do to the tier's jobs in a deep cut when they do not say
+    /// (`preempt=`): the site's default, `never` unless the site config says otherwise.
+    pub preempt: Preempt,
 }
 
 impl Tier {
@@ -84,6 +95,7 @@ impl Tier {
         Tier {
             name: name.into(),
             max_slowdown: SlowdownFraction(max_slowdown_pct / 100.0),
+            preempt: Preempt::Never,
         }
     }
 }
@@ -167,6 +179,30 @@ impl TierTable {
         &self.tiers
     }
 
+    /// Sets the site's default `preempt` for tier `name`; false when there is no such
+    /// tier. (The config validates the value against the tier's bound.)
+    pub fn set_preempt(&mut self, name: &str, preempt: Preempt) -> bool {
+        match self.tiers.iter_mut().find(|t| t.name == name) {
+            Some(tier) => {
+                tier.preempt = preempt;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// What the controller may do to `request`'s job in a deep cut: its own `preempt=`,
+    /// else its tier's default; `never` for flex0-like bounds of 0 and unmanaged jobs.
+    pub fn preempt_for(&self, request: &FlexRequest) -> Preempt {
+        let site_default = match &request.service {
+            Service::Bounded { tier, .. } => {
+                self.lookup(tier).map_or(Preempt::Never, |t| t.preempt)
+            }
+            Service::Unmanaged => Preempt::Never,
+        };
+        request.preempt_or(site_default)
+    }
+
     /// Whether users may write `max-slowdown=N%` in place of a tier.
     pub fn allows_max_slowdown(&self) -> bool {
         self.allow_max_slowdown
@@ -191,9 +227,9 @@ impl TierTable {
     /// The keys a user may write, for messages: `calibrate, max-slowdown` or `calibrate`.
     pub fn accepted_keys(&self) -> &'static str {
         if self.allow_max_slowdown {
-            "calibrate, max-slowdown"
+            "calibrate, preempt, max-slowdown"
         } else {
-            "calibrate"
+            "calibrate, preempt"
         }
     }
 }
@@ -263,6 +299,50 @@ impl fmt::Display for Calibrate {
     }
 }
 
+/// What the controller may do to a job when caps at every floor cannot meet the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
+pub enum Preempt {
+    /// Capped only, never stopped (the default).
+    #[default]
+    Never,
+    /// Suspended (`scontrol suspend`) and resumed when the budget allows: the job keeps
+    /// its GPUs and memory, which fall to idle draw.
+    Suspend,
+    /// Requeued (`scontrol requeue`): it loses its progress since its last checkpoint
+    /// and frees its GPUs; Slurm starts it again when it can.
+    Requeue,
+}
+
+impl Preempt {
+    /// Accepted values, as users write them.
+    pub const NAMES: [&'static str; 3] = ["never", "suspend", "requeue"];
+
+    /// The value as users write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preempt::Never => "never",
+            Preempt::Suspend => "suspend",
+            Preempt::Requeue => "requeue",
+        }
+    }
+
+    /// Parses a value users write, if it is one of [`Preempt::NAMES`].
+    pub fn from_name(name: &str) -> Option<Preempt> {
+        match name {
+            "never" => Some(Preempt::Never),
+            "suspend" => Some(Preempt::Suspend),
+            "requeue" => Some(Preempt::Requeue),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Preempt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A parsed `--power-flex` value.
 ///
 /// [`parse_power_flex`] never returns `Unmanaged` with `Calibrate::Off` (`none` takes no
@@ -272,6 +352,20 @@ impl fmt::Display for Calibrate {
 pub struct FlexRequest {
     pub service: Service,
     pub calibrate: Calibrate,
+    /// `preempt=`, if the user gave it; `None`: the site's setting for the tier.
+    pub preempt: Option<Preempt>,
+}
+
+impl FlexRequest {
+    /// What the controller may do to this job in a deep cut: the user's `preempt=`, else
+    /// `site_default` (the tier's setting); never anything for an unmanaged job or a bound
+    /// of 0 (flex0), whatever either says.
+    pub fn preempt_or(&self, site_default: Preempt) -> Preempt {
+        match self.service.max_slowdown() {
+            Some(bound) if bound.0 > 0.0 => self.preempt.unwrap_or(site_default),
+            _ => Preempt::Never,
+        }
+    }
 }
 
 impl fmt::Display for FlexRequest {
@@ -286,6 +380,9 @@ impl fmt::Display for FlexRequest {
         }
         if self.calibrate != Calibrate::default() {
             write!(f, ",{CALIBRATE_KEY}={}", self.calibrate)?;
+        }
+        if let Some(preempt) = self.preempt {
+            write!(f, ",{PREEMPT_KEY}={preempt}")?;
         }
         Ok(())
     }
@@ -373,6 +470,17 @@ pub enum FlexError {
     )]
     BadCalibrate { value: String },
     #[error(
+        "bad preempt value \"{}\" in --power-flex; accepted: never, suspend, requeue",
+        .value.escape_default()
+    )]
+    BadPreempt { value: String },
+    #[error(
+        "preempt={} does not apply to \"{}\", which allows no slowdown: such jobs are never \
+         suspended or requeued; drop preempt= or choose a tier that allows slowdown",
+        .preempt, .tier.escape_default()
+    )]
+    PreemptWithoutSlowdown { tier: String, preempt: Preempt },
+    #[error(
         "bad max-slowdown \"{}\" in --power-flex; accepted: {PERCENT_ACCEPTED}",
         .text.escape_default()
     )]
@@ -418,7 +526,7 @@ pub enum FlexError {
     )]
     InvalidTierName { name: String },
     #[error(
-        "tier name \"{}\" is reserved; choose a name other than none, max-slowdown, calibrate",
+        "tier name \"{}\" is reserved; choose a name other than none, max-slowdown, calibrate, preempt",
         .name.escape_default()
     )]
     ReservedTierName { name: String },
@@ -440,6 +548,7 @@ fn display_pct(pct: &f64) -> f64 {
 fn key_values(key: &str) -> &'static str {
     match key {
         MAX_SLOWDOWN_KEY => PERCENT_ACCEPTED,
+        PREEMPT_KEY => "never, suspend, requeue (e.g. preempt=suspend)",
         _ => "auto, off (e.g. calibrate=off)",
     }
 }
@@ -473,6 +582,7 @@ pub fn parse_power_flex(value: &str, table: &TierTable) -> Result<FlexRequest, F
 
     let mut service: Option<Service> = None;
     let mut calibrate: Option<Calibrate> = None;
+    let mut preempt: Option<Preempt> = None;
     let mut keys_seen: Vec<&str> = Vec::new();
 
     for (index, item) in value.split(',').enumerate() {
@@ -483,7 +593,10 @@ pub fn parse_power_flex(value: &str, table: &TierTable) -> Result<FlexRequest, F
         }
         let Some((key, val)) = item.split_once('=') else {
             // A bare word: the service, or a key written without its value.
-            if item == CALIBRATE_KEY || (item == MAX_SLOWDOWN_KEY && table.allow_max_slowdown) {
+            if item == CALIBRATE_KEY
+                || item == PREEMPT_KEY
+                || (item == MAX_SLOWDOWN_KEY && table.allow_max_slowdown)
+            {
                 return Err(FlexError::MissingEquals {
                     key: item.to_string(),
                 });
@@ -525,6 +638,7 @@ pub fn parse_power_flex(value: &str, table: &TierTable) -> Result<FlexRequest, F
         }
         let key = match key {
             CALIBRATE_KEY => CALIBRATE_KEY,
+            PREEMPT_KEY => PREEMPT_KEY,
             MAX_SLOWDOWN_KEY if table.allow_max_slowdown => MAX_SLOWDOWN_KEY,
             MAX_SLOWDOWN_KEY => {
                 return Err(FlexError::MaxSlowdownNotAllowed {
@@ -549,7 +663,13 @@ pub fn parse_power_flex(value: &str, table: &TierTable) -> Result<FlexRequest, F
                 key: key.to_string(),
             });
         }
-        if key == CALIBRATE_KEY {
+        if key == PREEMPT_KEY {
+            preempt = Some(
+                Preempt::from_name(val).ok_or_else(|| FlexError::BadPreempt {
+                    value: val.to_string(),
+                })?,
+            );
+        } else if key == CALIBRATE_KEY {
             calibrate = Some(match val {
                 "auto" => Calibrate::Auto,
                 "off" => Calibrate::Off,
@@ -588,9 +708,20 @@ pub fn parse_power_flex(value: &str, table: &TierTable) -> Result<FlexRequest, F
             });
         }
     }
+    if let (Some(p @ (Preempt::Suspend | Preempt::Requeue)), Some(bound)) =
+        (preempt, service.max_slowdown())
+    {
+        if bound.0 <= 0.0 {
+            return Err(FlexError::PreemptWithoutSlowdown {
+                tier: service_word(&service),
+                preempt: p,
+            });
+        }
+    }
     Ok(FlexRequest {
         service,
         calibrate: calibrate.unwrap_or_default(),
+        preempt,
     })
 }
 
@@ -770,7 +901,11 @@ mod tests {
         for (input, service, calibrate) in cases {
             assert_eq!(
                 parse_power_flex(input, &table),
-                Ok(FlexRequest { service, calibrate }),
+                Ok(FlexRequest {
+                    service,
+                    calibrate,
+                    preempt: None
+                }),
                 "input {input:?}"
             );
         }
@@ -853,7 +988,7 @@ mod tests {
                 &open,
                 FlexError::EmptyKey {
                     item: "=off".into(),
-                    accepted_keys: "calibrate, max-slowdown",
+                    accepted_keys: "calibrate, preempt, max-slowdown",
                 },
             ),
             (
@@ -889,7 +1024,7 @@ mod tests {
                 &open,
                 FlexError::UnknownKey {
                     key: "foo".into(),
-                    accepted_keys: "calibrate, max-slowdown",
+                    accepted_keys: "calibrate, preempt, max-slowdown",
                 },
             ),
             (
@@ -897,7 +1032,7 @@ mod tests {
                 &strict,
                 FlexError::UnknownKey {
                     key: "foo".into(),
-                    accepted_keys: "calibrate",
+                    accepted_keys: "calibrate, preempt",
                 },
             ),
             (
@@ -1084,7 +1219,7 @@ mod tests {
                 &open,
                 FlexError::ExpectedKeyValue {
                     item: "off".into(),
-                    accepted_keys: "calibrate, max-slowdown",
+                    accepted_keys: "calibrate, preempt, max-slowdown",
                 },
             ),
         ];
@@ -1124,7 +1259,7 @@ mod tests {
         );
         assert_eq!(
             message("flex1,foo=1", &open),
-            "unknown key \"foo\" in --power-flex; accepted keys: calibrate, max-slowdown"
+            "unknown key \"foo\" in --power-flex; accepted keys: calibrate, preempt, max-slowdown"
         );
         assert_eq!(
             message("flex1,calibrate=maybe", &open),
@@ -1303,26 +1438,141 @@ mod tests {
         let table = TierTable::default_table();
         let tiers = table.tiers().to_vec();
         let calibrate = prop_oneof![Just(Calibrate::Auto), Just(Calibrate::Off)];
-        let named =
-            (0..tiers.len(), calibrate.clone()).prop_map(move |(i, calibrate)| FlexRequest {
+        let preempt = prop_oneof![
+            Just(None),
+            Just(Some(Preempt::Never)),
+            Just(Some(Preempt::Suspend)),
+            Just(Some(Preempt::Requeue)),
+        ];
+        // A bound of 0 takes no suspend or requeue.
+        let fit = |bound: SlowdownFraction, preempt: Option<Preempt>| {
+            if bound.0 > 0.0 {
+                preempt
+            } else {
+                preempt.filter(|p| *p == Preempt::Never)
+            }
+        };
+        let named = (0..tiers.len(), calibrate.clone(), preempt.clone()).prop_map(
+            move |(i, calibrate, preempt)| FlexRequest {
                 service: Service::Bounded {
                     tier: tiers[i].name.clone(),
                     max_slowdown: tiers[i].max_slowdown,
                 },
                 calibrate,
-            });
-        let explicit = (0u32..=10_000, calibrate).prop_map(|(bp, calibrate)| FlexRequest {
-            service: Service::Bounded {
-                tier: MAX_SLOWDOWN_KEY.to_string(),
-                max_slowdown: SlowdownFraction(f64::from(bp) / 10_000.0),
+                preempt: fit(tiers[i].max_slowdown, preempt),
             },
-            calibrate,
-        });
+        );
+        let explicit =
+            (0u32..=10_000, calibrate, preempt).prop_map(move |(bp, calibrate, preempt)| {
+                let bound = SlowdownFraction(f64::from(bp) / 10_000.0);
+                FlexRequest {
+                    service: Service::Bounded {
+                        tier: MAX_SLOWDOWN_KEY.to_string(),
+                        max_slowdown: bound,
+                    },
+                    calibrate,
+                    preempt: fit(bound, preempt),
+                }
+            });
         let none = Just(FlexRequest {
             service: Service::Unmanaged,
             calibrate: Calibrate::Auto,
+            preempt: None,
         });
         prop_oneof![named, explicit, none]
+    }
+
+    #[test]
+    fn preempt_is_parsed_checked_and_defaulted() {
+        let table = TierTable::default_table();
+        let r = parse_power_flex("flex3,preempt=suspend", &table).expect("ok");
+        assert_eq!(r.preempt, Some(Preempt::Suspend));
+        assert_eq!(r.to_string(), "flex3,preempt=suspend");
+        assert_eq!(r.preempt_or(Preempt::Never), Preempt::Suspend);
+        let r = parse_power_flex("preempt=requeue,calibrate=off,flex2", &table).expect("ok");
+        assert_eq!(r.to_string(), "flex2,calibrate=off,preempt=requeue");
+        let r = parse_power_flex("flex2", &table).expect("ok");
+        assert_eq!(
+            r.preempt_or(Preempt::Suspend),
+            Preempt::Suspend,
+            "site default"
+        );
+        let r = parse_power_flex("flex2,preempt=never", &table).expect("ok");
+        assert_eq!(
+            r.preempt_or(Preempt::Suspend),
+            Preempt::Never,
+            "the user's word wins"
+        );
+        let mut site = table.clone();
+        assert!(
+            site.set_preempt("flex2", Preempt::Requeue)
+                && !site.set_preempt("flex9", Preempt::Suspend)
+        );
+        let r = parse_power_flex("flex2", &site).expect("ok");
+        assert_eq!(site.preempt_for(&r), Preempt::Requeue);
+        let r = parse_power_flex("flex2,preempt=suspend", &site).expect("ok");
+        assert_eq!(site.preempt_for(&r), Preempt::Suspend);
+        let r = parse_power_flex("flex3", &site).expect("ok");
+        assert_eq!(site.preempt_for(&r), Preempt::Never);
+        let r = parse_power_flex("flex0", &table).expect("ok");
+        assert_eq!(
+            r.preempt_or(Preempt::Suspend),
+            Preempt::Never,
+            "flex0 is never suspended, whatever the site says"
+        );
+        assert_eq!(
+            parse_power_flex("flex0,preempt=never", &table).map(|r| r.preempt),
+            Ok(Some(Preempt::Never))
+        );
+        assert_eq!(
+            parse_power_flex("flex0,preempt=suspend", &table),
+            Err(FlexError::PreemptWithoutSlowdown {
+                tier: "flex0".into(),
+                preempt: Preempt::Suspend
+            })
+        );
+        assert_eq!(
+            parse_power_flex("max-slowdown=0%,preempt=requeue", &table),
+            Err(FlexError::PreemptWithoutSlowdown {
+                tier: "max-slowdown".into(),
+                preempt: Preempt::Requeue
+            })
+        );
+        assert_eq!(
+            parse_power_flex("flex3,preempt=kill", &table),
+            Err(FlexError::BadPreempt {
+                value: "kill".into()
+            })
+        );
+        assert_eq!(
+            parse_power_flex("flex3,preempt", &table),
+            Err(FlexError::MissingEquals {
+                key: "preempt".into()
+            })
+        );
+        assert_eq!(
+            parse_power_flex("none,preempt=suspend", &table),
+            Err(FlexError::KeyWithNone {
+                key: "preempt".into()
+            })
+        );
+        assert_eq!(
+            parse_power_flex("flex3,preempt=suspend,preempt=never", &table),
+            Err(FlexError::DuplicateKey {
+                key: "preempt".into()
+            })
+        );
+        let e = parse_power_flex("flex0,preempt=suspend", &table)
+            .expect_err("flex0")
+            .to_string();
+        assert!(
+            e.contains("preempt=suspend does not apply to \"flex0\"") && e.contains("never"),
+            "{e}"
+        );
+        let e = parse_power_flex("flex3,preempt=kill", &table)
+            .expect_err("kill")
+            .to_string();
+        assert!(e.ends_with("accepted: never, suspend, requeue"), "{e}");
     }
 
     proptest! {

@@ -54,9 +54,9 @@ pub static plugin_type: [u8; 6] = *b"spank\0";
 pub static plugin_version: c_uint = ffi::SLURM_VERSION_NUMBER;
 
 const OPTION_NAME: &CStr = c"power-flex";
-const OPTION_ARGINFO: &CStr = c"TIER[,calibrate=auto|off]";
+const OPTION_ARGINFO: &CStr = c"TIER[,calibrate=auto|off][,preempt=never|suspend|requeue]";
 const OPTION_USAGE: &CStr =
-    c"powerflex: slowdown this job accepts when the site cuts GPU power: flex0 (none), flex1 (10%), flex2 (25%), flex3 (50%), max-slowdown=N%, or none";
+    c"powerflex: slowdown this job accepts when the site cuts GPU power: flex0 (none), flex1 (10%), flex2 (25%), flex3 (50%), max-slowdown=N%, or none; preempt=suspend|requeue lets a deep grid cut pause the job";
 
 /// What the plugin keeps between callbacks of one process.
 #[derive(Debug, Default)]

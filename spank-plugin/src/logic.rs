@@ -350,6 +350,11 @@ mod tests {
         assert_eq!(default, Service::Unmanaged);
         assert!(validate("flex2", &table).is_ok());
         assert!(validate("flex3,calibrate=off", &table).is_ok());
+        assert!(validate("flex3,preempt=suspend", &table).is_ok());
+        assert_eq!(
+            validate("flex0,preempt=suspend", &table).expect_err("flex0"),
+            "preempt=suspend does not apply to \"flex0\", which allows no slowdown: such jobs are never suspended or requeued; drop preempt= or choose a tier that allows slowdown"
+        );
         assert_eq!(
             validate("flex9", &table).expect_err("bad"),
             "unknown tier \"flex9\"; this site offers: flex0, flex1, flex2, flex3, none, or max-slowdown=N%"
