@@ -11,6 +11,7 @@
 pub mod ctld;
 pub mod offline;
 pub mod plot;
+pub mod preempt;
 pub mod ramp;
 pub mod render;
 pub mod rollout;

@@ -253,8 +253,26 @@ fn start_cap_w(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> f6
     settings.failsafe_cap.0.min(budget.0 / gpus as f64).max(0.0)
 }
 
+/// Jobs held out of the allocation (suspended or requeued in a cut deeper than caps
+/// reach, [`crate::preempt`]), each with the draw to count it at: `Some(w)` (an estimate,
+/// while the job is being stopped), or `None`: what it draws now, at most its lowest cap
+/// on every GPU (`hard` mode: that cap on every GPU, trusting no meter). Their leases
+/// hold them at their lowest cap, so a job resumed before the next allocation starts
+/// there.
+pub type Held = BTreeMap<String, Option<f64>>;
+
 /// Splits `budget` across the managed jobs of every live node.
 pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Decision {
+    decide_holding(nodes, budget, settings, &Held::new())
+}
+
+/// [`decide`], with the jobs in `held` left out of the allocation and counted as it says.
+pub fn decide_holding(
+    nodes: &[NodeView],
+    budget: Watts,
+    settings: &SiteSettings,
+    held: &Held,
+) -> Decision {
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
     let mut reserved = 0.0;
     let mut rejected: Vec<Rejected> = Vec::new();
@@ -412,6 +430,9 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
         if job.gpus == 0 || job.max_cap == f64::MAX || job.max_cap <= 0.0 {
             continue;
         }
+        if held.contains_key(id.as_str()) {
+            continue;
+        }
         if job.min_cap > job.max_cap {
             // Its nodes' GPUs share no limit: one cap everywhere cannot be set.
             for node in &job.nodes {
@@ -512,6 +533,15 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
     // A managed job the allocation does not steer (no usable range or curve) still
     // draws: pay for it before the others.
     for (id, job) in &jobs {
+        if let Some(count) = held.get(id.as_str()) {
+            let lowest_w = job.min_cap * f64::from(job.gpus);
+            reserved += match (count, settings.budget_mode) {
+                (Some(w), _) => *w,
+                (None, BudgetMode::Hard) => lowest_w,
+                (None, BudgetMode::Metered { .. }) => job.power_w.min(lowest_w),
+            };
+            continue;
+        }
         if !specs.iter().any(|s| &s.id == id) {
             reserved += match settings.budget_mode {
                 BudgetMode::Hard => job.default_w,
@@ -528,6 +558,16 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
     let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| n.live) {
         leases.entry(node.node.clone()).or_default();
+    }
+    for id in held.keys() {
+        if let Some(job) = jobs.get(id) {
+            for node in &job.nodes {
+                leases
+                    .entry(node.clone())
+                    .or_default()
+                    .insert(id.clone(), job.min_cap);
+            }
+        }
     }
     if let Some(a) = &allocation {
         for decided in &a.jobs {

@@ -300,7 +300,19 @@ impl fmt::Display for Calibrate {
 }
 
 /// What the controller may do to a job when caps at every floor cannot meet the budget.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum Preempt {
     /// Capped only, never stopped (the default).
     #[default]

@@ -1,0 +1,527 @@
+//! Cuts deeper than caps: which jobs to suspend or requeue, and when to give them back.
+//! Pure; the controller's core calls [`plan`] in place of [`crate::site::decide`] and hands
+//! the [`Action`]s to a thread that runs `scontrol`.
+//!
+//! Caps stop at the GPUs' minimum (200 W on an H200) and at each tier's floor. When a grid
+//! event asks for less than that, the allocation alone reports floors broken and the site
+//! stays over. Jobs that allow it (`--power-flex=flex3,preempt=suspend|requeue`, or the
+//! site's `[tiers.preempt]` default for their tier) are then held out:
+//!
+//! - **Which**: lowest tier first (the order tiers give way in), within a tier the job
+//!   drawing most first; a job with a bound of 0 (flex0) never. Greedy until the
+//!   allocation holds every floor within the budget, then any job the later ones made
+//!   unnecessary is given back: only as many as the budget needs.
+//! - **How they count**: a suspended job keeps its GPUs, which fall to idle draw; until
+//!   its agent has had time to report that, it counts at an estimate of idle draw
+//!   ([`SUSPENDED_SHARE_OF_DEFAULT`] of its GPUs' default limit), then at what it draws
+//!   (at most its lowest cap, which its lease holds it to). A requeued job draws nothing.
+//! - **When back**: every allocation tries to resume the held jobs, highest tier first,
+//!   each only if the allocation still holds every floor with it back at a budget
+//!   [`RESUME_MARGIN`] lower (so measurement noise does not suspend and resume the same
+//!   job in turn). Requeued jobs are released once no cut is in force or ahead: their
+//!   draw is unknown until they run again.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use powerflex_core::flex::{give_way_order, parse_power_flex, Preempt};
+use powerflex_core::units::SlowdownFraction;
+use powerflex_core::Watts;
+
+use crate::site::{decide_holding, Decision, Held, NodeView, SiteSettings};
+
+/// An idle GPU's draw as a share of its default limit, for a job just suspended: an
+/// idle H100/H200 draws 60-100 W of 700 W (the simulator: 75 W); 15 % is 105 W.
+pub const SUSPENDED_SHARE_OF_DEFAULT: f64 = 0.15;
+
+/// How long a suspended job counts at the estimate before its reported draw is believed,
+/// ms: `scontrol suspend` stops it within a second and the agent reports within one
+/// sample; a few seconds covers a busy host.
+pub const STOP_GRACE_MS: u64 = 5_000;
+
+/// A held job comes back only if every floor still holds at this much less budget.
+pub const RESUME_MARGIN: f64 = 0.02;
+
+/// A job the controller holds out of the allocation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Preempted {
+    /// `suspend` or `requeue`.
+    pub how: Preempt,
+    /// When it was held, Unix ms.
+    pub since_ms: u64,
+}
+
+/// What to ask Slurm to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// `scontrol suspend`: stopped, its GPUs kept.
+    Suspend { job: String },
+    /// `scontrol resume`.
+    Resume { job: String },
+    /// `scontrol requeuehold`: back to the queue, held there until released.
+    Requeue { job: String },
+    /// `scontrol release`: the requeued job may start again.
+    Release { job: String },
+}
+
+impl Action {
+    /// The `scontrol` arguments.
+    pub fn scontrol_args(&self) -> [&str; 2] {
+        match self {
+            Action::Suspend { job } => ["suspend", job],
+            Action::Resume { job } => ["resume", job],
+            Action::Requeue { job } => ["requeuehold", job],
+            Action::Release { job } => ["release", job],
+        }
+    }
+
+    pub fn job(&self) -> &str {
+        self.scontrol_args()[1]
+    }
+}
+
+/// The allocation and who is held out of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub decision: Decision,
+    pub held: BTreeMap<String, Preempted>,
+    pub actions: Vec<Action>,
+}
+
+/// A managed job as the planner sees it, across its nodes.
+#[derive(Debug, Clone)]
+struct Candidate {
+    id: String,
+    bound: SlowdownFraction,
+    preempt: Preempt,
+    power_w: f64,
+    /// Estimated draw once suspended, W.
+    idle_w: f64,
+}
+
+fn candidates(nodes: &[NodeView], settings: &SiteSettings) -> BTreeMap<String, Candidate> {
+    let mut out: BTreeMap<String, Candidate> = BTreeMap::new();
+    for node in nodes.iter().filter(|n| n.live) {
+        let default_w = node.gpus.iter().map(|g| g.default_w).fold(0.0, f64::max);
+        for report in &node.jobs {
+            let Ok(request) = parse_power_flex(&report.tier, &settings.tiers) else {
+                continue;
+            };
+            let Some(bound) = request.service.max_slowdown() else {
+                continue;
+            };
+            let c = out.entry(report.job_id.clone()).or_insert(Candidate {
+                id: report.job_id.clone(),
+                bound,
+                preempt: settings.tiers.preempt_for(&request),
+                power_w: 0.0,
+                idle_w: 0.0,
+            });
+            c.power_w += report.power_w.unwrap_or(0.0).max(0.0);
+            c.idle_w += f64::from(report.gpus) * default_w * SUSPENDED_SHARE_OF_DEFAULT;
+        }
+    }
+    out
+}
+
+/// Whether `d` leaves the site short: some floor broken, or over the budget with every
+/// job at its lowest cap.
+pub fn short(d: &Decision) -> bool {
+    d.allocation
+        .as_ref()
+        .is_some_and(|a| a.over_budget_w.0 > 0.0 || a.broken_floors().next().is_some())
+}
+
+/// What each held job counts at (see [`Held`]).
+fn counted(
+    held: &BTreeMap<String, Preempted>,
+    jobs: &BTreeMap<String, Candidate>,
+    now_ms: u64,
+) -> Held {
+    held.iter()
+        .map(|(id, p)| {
+            let count = match (p.how, jobs.get(id)) {
+                // Requeued: it runs nowhere (a node still reporting it counts its draw).
+                (Preempt::Requeue, _) => None,
+                (_, Some(c)) if now_ms.saturating_sub(p.since_ms) < STOP_GRACE_MS => Some(c.idle_w),
+                _ => None,
+            };
+            (id.clone(), count)
+        })
+        .collect()
+}
+
+/// Allocates `budget` with as few jobs held out as every floor needs. `held` is who is
+/// held now; `cut_ahead` whether any event cuts the budget now or within the look-ahead
+/// (requeued jobs wait for none).
+pub fn plan(
+    nodes: &[NodeView],
+    budget: Watts,
+    settings: &SiteSettings,
+    held: &BTreeMap<String, Preempted>,
+    cut_ahead: bool,
+    now_ms: u64,
+) -> Plan {
+    let jobs = candidates(nodes, settings);
+    let mut now_held = held.clone();
+    // A suspended job no node reports has ended (cancelled while suspended).
+    now_held.retain(|id, p| {
+        p.how == Preempt::Requeue
+            || jobs.contains_key(id)
+            || now_ms.saturating_sub(p.since_ms) < STOP_GRACE_MS
+    });
+    // A job given back is allocated on its curve, not on the idle draw it reported while
+    // suspended (in metered mode that draw would scale its curve down and buy it a cap
+    // it would overshoot at once).
+    let decide = |now_held: &BTreeMap<String, Preempted>, budget: Watts| {
+        let resumed = |id: &str| held.contains_key(id) && !now_held.contains_key(id);
+        let views: Vec<NodeView> = nodes
+            .iter()
+            .map(|n| {
+                let mut n = n.clone();
+                for j in n.jobs.iter_mut().filter(|j| resumed(&j.job_id)) {
+                    j.power_w = None;
+                    j.power_cap_steady_s = Some(0.0);
+                }
+                n
+            })
+            .collect();
+        decide_holding(&views, budget, settings, &counted(now_held, &jobs, now_ms))
+    };
+    let mut decision = decide(&now_held, budget);
+    if short(&decision) {
+        // Lowest tier first; within a tier, the job drawing most frees most.
+        let mut order: Vec<&Candidate> = jobs
+            .values()
+            .filter(|c| c.preempt != Preempt::Never && c.bound.0 > 0.0)
+            .filter(|c| !now_held.contains_key(&c.id))
+            .collect();
+        order.sort_by(|a, b| {
+            give_way_order(a.bound, b.bound)
+                .then(b.power_w.total_cmp(&a.power_w))
+                .then(a.id.cmp(&b.id))
+        });
+        let mut added: Vec<String> = Vec::new();
+        for c in order {
+            now_held.insert(
+                c.id.clone(),
+                Preempted {
+                    how: c.preempt,
+                    since_ms: now_ms,
+                },
+            );
+            added.push(c.id.clone());
+            decision = decide(&now_held, budget);
+            if !short(&decision) {
+                break;
+            }
+        }
+        // Give back any the later, larger ones made unnecessary.
+        if !short(&decision) {
+            for id in added.iter().rev().skip(1) {
+                let Some(p) = now_held.remove(id) else {
+                    continue;
+                };
+                let without = decide(&now_held, budget);
+                if short(&without) {
+                    now_held.insert(id.clone(), p);
+                } else {
+                    decision = without;
+                }
+            }
+        }
+    } else {
+        // Give back, highest tier first (the reverse of giving way), what fits.
+        let mut back: Vec<(String, Preempted)> = now_held
+            .iter()
+            .filter(|(_, p)| p.how == Preempt::Suspend)
+            .filter(|(id, _)| jobs.contains_key(*id))
+            .map(|(id, p)| (id.clone(), p.clone()))
+            .collect();
+        back.sort_by(|(a, pa), (b, pb)| {
+            let bound = |id: &String| jobs.get(id).map_or(SlowdownFraction(1.0), |c| c.bound);
+            give_way_order(bound(b), bound(a))
+                .then(pb.since_ms.cmp(&pa.since_ms))
+                .then(a.cmp(b))
+        });
+        for (id, p) in back {
+            now_held.remove(&id);
+            let fits = !short(&decide(&now_held, Watts(budget.0 * (1.0 - RESUME_MARGIN))));
+            if fits {
+                decision = decide(&now_held, budget);
+            } else {
+                now_held.insert(id, p);
+            }
+        }
+        if !cut_ahead {
+            now_held.retain(|_, p| p.how != Preempt::Requeue);
+        }
+        if now_held.len() != held.len() {
+            decision = decide(&now_held, budget);
+        }
+    }
+    let mut actions = Vec::new();
+    for (id, p) in &now_held {
+        if !held.contains_key(id) {
+            actions.push(match p.how {
+                Preempt::Requeue => Action::Requeue { job: id.clone() },
+                _ => Action::Suspend { job: id.clone() },
+            });
+        }
+    }
+    for (id, p) in held {
+        if !now_held.contains_key(id) && (jobs.contains_key(id) || p.how == Preempt::Requeue) {
+            actions.push(match p.how {
+                Preempt::Requeue => Action::Release { job: id.clone() },
+                _ => Action::Resume { job: id.clone() },
+            });
+        }
+    }
+    Plan {
+        decision,
+        held: now_held,
+        actions,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_core::allocate::Policy;
+    use powerflex_core::config::{BudgetMode, Objective};
+    use powerflex_core::flex::TierTable;
+    use powerflex_proto::link::{GpuInfo, JobReport};
+    use powerflex_proto::status::ThroughputUnit;
+
+    const T0: u64 = 1_800_000_000_000;
+
+    fn settings() -> SiteSettings {
+        let mut tiers = TierTable::default_table();
+        tiers.set_preempt("flex2", Preempt::Requeue);
+        SiteSettings {
+            tiers,
+            policy: Policy::Optimal,
+            cap_step: Watts(10.0),
+            failsafe_cap: Watts(500.0),
+            default_pfi: 1.3,
+            budget_mode: BudgetMode::Metered { margin: 0.0 },
+            objective: Objective::RelativeSpeed,
+        }
+    }
+
+    /// A 4-GPU job at `cap_w` drawing `per_gpu_w` per GPU, with a measured curve.
+    fn job(id: &str, tier: &str, cap_w: f64, per_gpu_w: f64) -> JobReport {
+        JobReport {
+            job_id: id.into(),
+            tier: tier.into(),
+            gpus: 4,
+            cap_w: Some(cap_w),
+            power_w: Some(per_gpu_w * 4.0),
+            throughput: Some(1000.0),
+            throughput_unit: Some(ThroughputUnit::Tokens),
+            pfi: Some(1.3),
+            pfi_source: None,
+            points: [700.0, 500.0, 300.0, 200.0]
+                .iter()
+                .map(|&c| [c, c * 4.0, 1000.0 * (1.0 - (1.0 - c / 700.0) / 2.0)])
+                .collect(),
+            gpu_uuids: Vec::new(),
+            power_cap_w: Some(cap_w),
+            power_cap_steady_s: Some(10.0),
+            calibrating: false,
+        }
+    }
+
+    fn node(name: &str, jobs: Vec<JobReport>) -> NodeView {
+        NodeView {
+            node: name.into(),
+            gpus: (0..4)
+                .map(|i| GpuInfo {
+                    uuid: format!("{name}-{i}"),
+                    name: "NVIDIA H200".into(),
+                    min_w: 200.0,
+                    max_w: 700.0,
+                    default_w: 700.0,
+                })
+                .collect(),
+            power_w: jobs.iter().filter_map(|j| j.power_w).sum(),
+            jobs,
+            live: true,
+        }
+    }
+
+    /// flex0, flex1, flex3 (suspend allowed by the job), flex3 (not allowed), one node each.
+    fn site() -> Vec<NodeView> {
+        vec![
+            node("n1", vec![job("10", "flex0", 700.0, 700.0)]),
+            node("n2", vec![job("11", "flex1", 700.0, 700.0)]),
+            node("n3", vec![job("13", "flex3,preempt=suspend", 700.0, 700.0)]),
+            node("n4", vec![job("14", "flex3", 700.0, 700.0)]),
+        ]
+    }
+
+    fn ids(held: &BTreeMap<String, Preempted>) -> Vec<&str> {
+        held.keys().map(String::as_str).collect()
+    }
+
+    #[test]
+    fn caps_alone_when_they_reach() {
+        let p = plan(
+            &site(),
+            Watts(8000.0),
+            &settings(),
+            &BTreeMap::new(),
+            true,
+            T0,
+        );
+        assert!(p.held.is_empty() && p.actions.is_empty());
+        assert!(!short(&p.decision));
+    }
+
+    /// Floors: flex0 2800 W, flex1 at its 10 % bound 2240 W (560 W per GPU), flex3 at the
+    /// 200 W minimum 800 W each: 6640 W. At 6400 W one flex3 job must stop, the one that
+    /// allows it; suspended, it counts at 4 x 105 W until its agent reports.
+    #[test]
+    fn one_suspension_when_one_is_needed_and_never_flex0() {
+        let settings = settings();
+        let p = plan(
+            &site(),
+            Watts(6400.0),
+            &settings,
+            &BTreeMap::new(),
+            true,
+            T0,
+        );
+        assert_eq!(ids(&p.held), ["13"], "{:?}", p.decision.allocation);
+        assert_eq!(p.actions, [Action::Suspend { job: "13".into() }]);
+        assert!(!short(&p.decision), "{:?}", p.decision.allocation);
+        assert_eq!(
+            p.decision.leases["n3"].get("13"),
+            Some(&200.0),
+            "held at its lowest cap"
+        );
+        assert_eq!(
+            p.decision.leases["n1"].get("10"),
+            Some(&700.0),
+            "flex0 untouched"
+        );
+        // Deeper than anything can reach: still only the job that allows it, and flex0
+        // is never held.
+        let p = plan(
+            &site(),
+            Watts(3000.0),
+            &settings,
+            &BTreeMap::new(),
+            true,
+            T0,
+        );
+        assert_eq!(ids(&p.held), ["13"]);
+        assert!(short(&p.decision));
+    }
+
+    #[test]
+    fn the_suspended_job_counts_at_its_draw_after_the_grace_and_comes_back_when_it_fits() {
+        let settings = settings();
+        let first = plan(
+            &site(),
+            Watts(6400.0),
+            &settings,
+            &BTreeMap::new(),
+            true,
+            T0,
+        );
+        // Suspended: its agent reports it at idle draw, at its lowest cap.
+        let mut nodes = site();
+        nodes[2] = node("n3", vec![job("13", "flex3,preempt=suspend", 200.0, 75.0)]);
+        let t = T0 + STOP_GRACE_MS + 1;
+        let held = plan(&nodes, Watts(6400.0), &settings, &first.held, true, t);
+        assert_eq!(ids(&held.held), ["13"], "still needed");
+        assert!(held.actions.is_empty());
+        assert!(!short(&held.decision));
+        // The event ends: it resumes.
+        let back = plan(
+            &nodes,
+            Watts(11_200.0),
+            &settings,
+            &held.held,
+            false,
+            t + 1000,
+        );
+        assert!(back.held.is_empty());
+        assert_eq!(back.actions, [Action::Resume { job: "13".into() }]);
+        // A budget where it fits only without the margin (6640 W of 6700 W): it stays held.
+        let edge = plan(&nodes, Watts(6700.0), &settings, &held.held, true, t + 1000);
+        assert_eq!(ids(&edge.held), ["13"], "{:?}", edge.decision.allocation);
+    }
+
+    #[test]
+    fn lowest_tier_first_and_only_as_many_as_needed() {
+        let settings = settings();
+        let nodes = vec![
+            node("n1", vec![job("20", "flex2", 700.0, 700.0)]), // requeue: the site's flex2 default
+            node("n2", vec![job("21", "flex3,preempt=suspend", 700.0, 700.0)]),
+            node("n3", vec![job("22", "flex3,preempt=suspend", 700.0, 700.0)]),
+            node("n4", vec![job("23", "flex0", 700.0, 700.0)]),
+        ];
+        // Floors: flex2 1400 W (350 W per GPU), flex3 800 W each, flex0 2800 W: 5800 W.
+        let p = plan(&nodes, Watts(5500.0), &settings, &BTreeMap::new(), true, T0);
+        assert_eq!(p.held.len(), 1, "{:?}", p.held);
+        assert!(
+            ["21", "22"].contains(&ids(&p.held)[0]),
+            "a flex3 job before the flex2 one"
+        );
+        // Much deeper: both flex3 jobs, then the flex2 one, requeued.
+        let p = plan(&nodes, Watts(3200.0), &settings, &BTreeMap::new(), true, T0);
+        assert_eq!(ids(&p.held), ["20", "21", "22"]);
+        assert!(p.actions.contains(&Action::Requeue { job: "20".into() }));
+        // Requeued jobs are released only once no cut is in force or ahead.
+        let mut gone = nodes.clone();
+        gone[0] = node("n1", vec![]);
+        let later = plan(
+            &gone,
+            Watts(11_200.0),
+            &settings,
+            &p.held,
+            true,
+            T0 + 60_000,
+        );
+        assert!(later.held.contains_key("20"));
+        let over = plan(
+            &gone,
+            Watts(11_200.0),
+            &settings,
+            &later.held,
+            false,
+            T0 + 70_000,
+        );
+        assert!(over.held.is_empty(), "{:?}", over.held);
+        assert!(over.actions.contains(&Action::Release { job: "20".into() }));
+    }
+
+    #[test]
+    fn a_suspended_job_that_ended_is_forgotten() {
+        let settings = settings();
+        let first = plan(
+            &site(),
+            Watts(6000.0),
+            &settings,
+            &BTreeMap::new(),
+            true,
+            T0,
+        );
+        let mut nodes = site();
+        nodes[2] = node("n3", vec![]);
+        let p = plan(
+            &nodes,
+            Watts(6000.0),
+            &settings,
+            &first.held,
+            true,
+            T0 + STOP_GRACE_MS,
+        );
+        assert!(p.held.is_empty());
+        assert!(p.actions.is_empty(), "nothing to resume: {:?}", p.actions);
+    }
+}
