@@ -200,6 +200,29 @@ pub fn render_status(s: &CtldStatus) -> String {
             broken.join(", ")
         ));
     }
+    if !s.preempted.is_empty() {
+        let held: Vec<String> = s
+            .preempted
+            .iter()
+            .map(|p| {
+                let how = if p.how == "requeue" {
+                    "requeued"
+                } else {
+                    "suspended"
+                };
+                format!(
+                    "{} {how} since {}",
+                    p.job,
+                    crate::schedule::utc_text(p.since_ms)
+                )
+            })
+            .collect();
+        out.push_str(&format!(
+            "HELD OUT ({} jobs; caps at every floor could not meet the budget): {}\n",
+            held.len(),
+            held.join(", ")
+        ));
+    }
     if let Some(short) = s.over_budget_w.filter(|&w| w > 0.0) {
         out.push_str(&format!(
             "SHORT {}: every managed job is at its lowest cap\n",
@@ -299,6 +322,7 @@ mod tests {
             base_budget_w: 10_000.0,
             budget_w: 7_000.0,
             allocated_budget_w: Some(7_000.0),
+            preempted: Vec::new(),
             draw_w: 6_500.0,
             headroom_w: 500.0,
             active_event: Some(event.clone()),

@@ -113,6 +113,22 @@ pub struct CtldStatus {
     /// Why the last site config reload was refused; none once one is accepted.
     #[serde(default)]
     pub config_error: Option<String>,
+    /// Jobs held out of the allocation because caps at every floor could not meet the
+    /// budget (a grid event deeper than caps reach).
+    #[serde(default)]
+    pub preempted: Vec<PreemptedView>,
+}
+
+/// A job the controller holds suspended or requeued.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreemptedView {
+    pub job: String,
+    /// `suspend` (stopped, GPUs kept at idle draw) or `requeue` (back in the queue, held
+    /// until the cut is over).
+    pub how: String,
+    /// Since when, Unix ms.
+    pub since_ms: u64,
 }
 
 /// One node as the controller sees it.

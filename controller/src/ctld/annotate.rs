@@ -1,6 +1,8 @@
 //! `scontrol` annotations: each managed job's tier, PFI and cap in its `AdminComment`, so
-//! admins see them in `scontrol show job`. The core decides what changed ([`changes`]);
-//! one thread runs `scontrol` for each change ([`spawn_annotator`]).
+//! admins see them in `scontrol show job` (and, for a job held out of a deep cut, why it
+//! is suspended or requeued). The core decides what changed ([`changes`]); one thread
+//! runs `scontrol` for each change ([`spawn_annotator`]), another runs the suspensions,
+//! resumptions, requeues and releases the core asks for ([`spawn_preemptor`]).
 
 use std::collections::BTreeMap;
 
@@ -9,12 +11,14 @@ use tracing::info;
 
 use powerflex_proto::link::JobReport;
 
+use crate::preempt::{Action, Preempted};
 use crate::site::Decision;
 
 /// The annotations `decision` calls for that differ from those already made (`done`,
 /// job → text, updated in place; jobs no longer allocated are forgotten). Pure.
 pub fn changes<'a>(
     decision: &Decision,
+    held: &'a BTreeMap<String, Preempted>,
     reports: impl Iterator<Item = &'a JobReport> + Clone,
     done: &mut BTreeMap<String, String>,
 ) -> Vec<(String, String)> {
@@ -23,6 +27,25 @@ pub fn changes<'a>(
     };
     let mut out = Vec::new();
     let mut live: Vec<&str> = Vec::new();
+    for (id, p) in held {
+        let tier = reports
+            .clone()
+            .find(|j| &j.job_id == id)
+            .map_or("-", |r| r.tier.as_str());
+        // What the user reads in `scontrol show job`: held, why, and until when.
+        let how = match p.how {
+            powerflex_core::flex::Preempt::Requeue => "requeued",
+            _ => "suspended",
+        };
+        let text = format!(
+            "powerflex;tier={tier};{how}:grid-cut-deeper-than-every-cap-floor;back-when-the-cut-ends"
+        );
+        live.push(id);
+        if done.get(id) != Some(&text) {
+            done.insert(id.clone(), text.clone());
+            out.push((id.clone(), text));
+        }
+    }
     for job in &allocation.jobs {
         let report = reports.clone().find(|j| j.job_id == job.id);
         let tier = report.map_or("-", |r| r.tier.as_str());
@@ -39,6 +62,37 @@ pub fn changes<'a>(
     }
     done.retain(|id, _| live.contains(&id.as_str()));
     out
+}
+
+/// Runs `scontrol suspend|resume|requeuehold|release JOB` for each queued action, logging
+/// each outcome. A failure leaves the job as it was; the core counts a held job at what
+/// it draws (at most its lowest cap, which its lease holds it to), so a suspension that
+/// did not happen costs the budget nothing, only the other jobs' watts.
+pub fn spawn_preemptor() -> Sender<Action> {
+    let (tx, rx) = unbounded::<Action>();
+    std::thread::spawn(move || {
+        for action in &rx {
+            let args = action.scontrol_args();
+            match std::process::Command::new("scontrol")
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .output()
+            {
+                Ok(out) if out.status.success() => {
+                    info!(job_id = %action.job(), action = args[0], "scontrol done");
+                }
+                Ok(out) => {
+                    let stderr = String::from_utf8_lossy(&out.stderr);
+                    tracing::error!(job_id = %action.job(), action = args[0], error = %stderr.trim(), "scontrol refused");
+                }
+                Err(e) => {
+                    tracing::error!(job_id = %action.job(), action = args[0], error = %e, "cannot run scontrol");
+                }
+            }
+        }
+    });
+    tx
 }
 
 /// Runs `scontrol update JobId=N AdminComment=...` for each queued job, so admins see

@@ -18,6 +18,7 @@ use powerflex_proto::status::{CtldStatus, HistorySample};
 use super::metrics::MetricsInput;
 use super::state::{CtldState, Loaded};
 use super::{annotate, metrics, status, CtldOptions, Reload};
+use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, Ramp, RampPlan};
 use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
@@ -87,6 +88,9 @@ pub struct Output {
     pub annotations: Vec<(String, String)>,
     /// The metrics text after an allocation.
     pub metrics: Option<String>,
+    /// Suspensions, resumptions, requeues and releases for cuts deeper than caps reach,
+    /// to run after the leases went out.
+    pub preempt: Vec<Action>,
 }
 
 /// The controller's state machine.
@@ -545,7 +549,29 @@ impl Core {
                 view
             })
             .collect();
-        let decision = decide(&views, budget, &self.options.site);
+        // Caps first; where caps at every floor cannot meet the budget, jobs that allow
+        // it are held out (crate::preempt), and given back once they fit again.
+        let cut_ahead = plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5;
+        let preempt::Plan {
+            decision,
+            held,
+            actions,
+        } = preempt::plan(
+            &views,
+            budget,
+            &self.options.site,
+            &self.state.preempted,
+            cut_ahead,
+            now_ms,
+        );
+        for action in &actions {
+            warn!(job_id = %action.job(), action = action.scontrol_args()[0], budget_w = budget.0, "deep cut: caps at every floor cannot meet the budget");
+        }
+        if held != self.state.preempted {
+            self.state.preempted = held;
+            self.dirty = true;
+        }
+        out.preempt = actions;
         if let Some(a) = &decision.allocation {
             if a.over_budget_w.0 > 0.0 || a.broken_floors().next().is_some() {
                 error!(
@@ -584,6 +610,7 @@ impl Core {
             .collect();
         out.annotations = annotate::changes(
             &decision,
+            &self.state.preempted,
             self.sessions.values().flat_map(|s| s.view.jobs.iter()),
             &mut self.annotations,
         );
@@ -618,6 +645,7 @@ impl Core {
                 .map(|(n, s)| (n.as_str(), s.view.live))
                 .collect(),
             event_active: active_event(base, &self.state.events, now_ms).is_some(),
+            preempted: &self.state.preempted,
         }));
         self.last = Some(decision);
     }
@@ -1302,6 +1330,94 @@ mod tests {
         assert_eq!(core.status(t + 10_000).allocated_budget_w, Some(5420.0));
         core.step(t + 20_000, vec![Input::Tick]);
         assert_eq!(core.status(t + 20_000).allocated_budget_w, Some(5600.0));
+    }
+
+    /// Issue 16: a cut below every floor at the GPUs' minimum: the flex3 job that allows
+    /// it is suspended ahead of the start (flex0 never), saved, annotated, exported, and
+    /// resumed when the event is over.
+    #[test]
+    fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 5600.0 }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex0", 700.0),
+                hello("n2"),
+                at_cap("n2", "102", "flex3,preempt=suspend", 700.0),
+            ],
+        );
+        // Announced 4.5 s ahead: the allocation the change triggers already suspends.
+        let out = core.step(
+            T0 + 500,
+            vec![admin(
+                AdminOp::EventAdd {
+                    cut: Cut::Target { budget_w: 3300.0 },
+                    start_ms: T0 + 5_000,
+                    duration_ms: 30_000,
+                    ramp_ms: 0,
+                },
+                0,
+            )],
+        );
+        assert_eq!(
+            out.preempt,
+            [Action::Suspend { job: "102".into() }],
+            "{out:?}"
+        );
+        assert_eq!(core.status(T0 + 500).budget_w, 5600.0, "not started yet");
+        assert_eq!(cap(&out, "n1", "101"), Some(700.0), "flex0 untouched");
+        assert_eq!(
+            cap(&out, "n2", "102"),
+            Some(200.0),
+            "held at its lowest cap"
+        );
+        let saved = out.persist.expect("saved");
+        assert!(saved.preempted.contains_key("102"));
+        assert!(out
+            .annotations
+            .iter()
+            .any(|(job, text)| job == "102" && text.contains("suspended:grid-cut")));
+        assert!(out
+            .metrics
+            .as_deref()
+            .is_some_and(|m| m.contains("powerflex_job_preempted{job=\"102\",how=\"suspend\"} 1")));
+        let status = core.status(T0 + 500);
+        assert_eq!(status.preempted.len(), 1);
+        // Suspended: the job draws idle power at its lowest cap; nothing more to do.
+        let mut idle = job("102", None);
+        idle.tier = "flex3,preempt=suspend".into();
+        idle.cap_w = Some(200.0);
+        idle.power_cap_w = Some(200.0);
+        idle.power_w = Some(300.0);
+        let out = core.step(
+            T0 + 10_000,
+            vec![
+                Input::Report {
+                    node: "n2".into(),
+                    power_w: 300.0,
+                    jobs: vec![idle.clone()],
+                },
+                Input::Tick,
+            ],
+        );
+        assert!(out.preempt.is_empty(), "{out:?}");
+        // Over at 35 s: resumed.
+        let out = core.step(
+            T0 + 36_000,
+            vec![
+                at_cap("n1", "101", "flex0", 700.0),
+                Input::Report {
+                    node: "n2".into(),
+                    power_w: 300.0,
+                    jobs: vec![idle],
+                },
+                Input::Tick,
+            ],
+        );
+        assert_eq!(out.preempt, [Action::Resume { job: "102".into() }]);
+        assert!(core.state().preempted.is_empty());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 use powerflex_core::Watts;
 use powerflex_daemon::prom::{catalog, TextWriter};
 
+use crate::preempt::Preempted;
 use crate::site::Decision;
 
 /// What the metrics show of one allocation.
@@ -21,6 +22,8 @@ pub struct MetricsInput<'a> {
     /// Node → live.
     pub nodes: Vec<(&'a str, bool)>,
     pub event_active: bool,
+    /// Jobs held out of a deep cut.
+    pub preempted: &'a std::collections::BTreeMap<String, Preempted>,
 }
 
 fn flag(on: bool) -> f64 {
@@ -42,6 +45,12 @@ pub fn render(m: &MetricsInput<'_>) -> String {
         .family(
             &catalog::NODE_LIVE,
             m.nodes.iter().map(|(node, live)| ([*node], flag(*live))),
+        )
+        .family(
+            &catalog::JOB_PREEMPTED,
+            m.preempted
+                .iter()
+                .map(|(job, p)| ([job.as_str(), p.how.name()], 1.0)),
         )
         .family(
             &catalog::REPORTS_REJECTED,
@@ -110,6 +119,15 @@ mod tests {
             draw_w: 2950.5,
             nodes: vec![("n1", true), ("n\\2", false)],
             event_active: true,
+            preempted: &[(
+                "78".to_string(),
+                Preempted {
+                    how: powerflex_core::flex::Preempt::Suspend,
+                    since_ms: 1,
+                },
+            )]
+            .into_iter()
+            .collect(),
         });
         for line in [
             "powerflex_budget_watts 3200",
@@ -122,6 +140,7 @@ mod tests {
             "powerflex_job_granted_cap_watts{job=\"77\"} 450",
             "powerflex_job_granted_cap_watts{job=\"x\\\"}\\nevil\"} 300",
             "powerflex_floors_broken 0",
+            "powerflex_job_preempted{job=\"78\",how=\"suspend\"} 1",
             "powerflex_over_budget_watts 0",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");

@@ -147,6 +147,7 @@ pub fn run(
         .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
     drop(tx);
     let annotator = annotate::spawn_annotator();
+    let preemptor = annotate::spawn_preemptor();
     let mut writers: BTreeMap<String, Sender<String>> = BTreeMap::new();
     let mut seq = unix_ms();
     let ticker = tick(options.period);
@@ -183,6 +184,10 @@ pub fn run(
         }
         for annotation in out.annotations {
             let _ = annotator.send(annotation);
+        }
+        // After the leases: a job suspended is already held at its lowest cap.
+        for action in out.preempt {
+            let _ = preemptor.send(action);
         }
         if let Some(text) = out.metrics {
             *metrics_text.lock().unwrap_or_else(PoisonError::into_inner) = text;

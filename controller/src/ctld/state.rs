@@ -11,6 +11,7 @@ use powerflex_core::Watts;
 use powerflex_daemon::fsx::{self, AtomicWrite};
 use powerflex_proto::link::GpuInfo;
 
+use crate::preempt::Preempted;
 use crate::schedule::Event;
 
 /// What survives a restart.
@@ -27,6 +28,10 @@ pub struct CtldState {
     /// old leases still hold their caps, and the site would go over budget.
     #[serde(default)]
     pub nodes: BTreeMap<String, Vec<GpuInfo>>,
+    /// Jobs suspended or requeued for a cut deeper than caps reach: a restarted
+    /// controller still resumes or releases them when the cut is over.
+    #[serde(default)]
+    pub preempted: BTreeMap<String, Preempted>,
 }
 
 /// The state as loaded at start.

@@ -7,7 +7,7 @@ use powerflex_core::allocate::{Allocation, FloorStatus};
 use powerflex_core::Watts;
 use powerflex_proto::status::{
     AllocationView, CtldStatus, DecisionView, DriftView, FloorView, JobAllocationView, NodeStatus,
-    RejectedView, SiteJobStatus,
+    PreemptedView, RejectedView, SiteJobStatus,
 };
 
 use super::core::Session;
@@ -66,6 +66,15 @@ pub fn build(
         base_budget_w: base.0,
         budget_w: budget.0,
         allocated_budget_w: last.map(|d| d.budget_w),
+        preempted: state
+            .preempted
+            .iter()
+            .map(|(job, p)| PreemptedView {
+                job: job.clone(),
+                how: p.how.name().to_string(),
+                since_ms: p.since_ms,
+            })
+            .collect(),
         draw_w: draw,
         headroom_w: budget.0 - draw,
         active_event: active_event(base, &state.events, now_ms).cloned(),
