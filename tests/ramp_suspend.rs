@@ -28,6 +28,8 @@ const HEAVY: &str = "synthetic-compute-bound";
 const RATE_W_PER_S: f64 = 100.0;
 /// The stack's allocation period, s.
 const PERIOD_S: f64 = 1.0;
+/// One cap step (10 W, the stack's H200 model) on each of the first test's 8 GPUs, W.
+const CAP_STEPS_W: f64 = 80.0;
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -45,15 +47,19 @@ fn start_all(stack: &Stack, ids: &[u32]) {
     wait_until("the jobs run", Duration::from_secs(90), || {
         ids.iter().all(|&id| stack.running(id)).then_some(())
     });
-    wait_until("a cap granted to every job", Duration::from_secs(60), || {
-        let jobs: Vec<SiteJobStatus> = stack.ctl_json(&["jobs"])?;
-        ids.iter()
-            .all(|id| {
-                jobs.iter()
-                    .any(|j| j.job == id.to_string() && j.cap_w.is_some())
-            })
-            .then_some(())
-    });
+    wait_until(
+        "a cap granted to every job",
+        Duration::from_secs(60),
+        || {
+            let jobs: Vec<SiteJobStatus> = stack.ctl_json(&["jobs"])?;
+            ids.iter()
+                .all(|id| {
+                    jobs.iter()
+                        .any(|j| j.job == id.to_string() && j.cap_w.is_some())
+                })
+                .then_some(())
+        },
+    );
 }
 
 fn add_event(stack: &Stack, args: &[&str]) -> Event {
@@ -119,7 +125,10 @@ fn sample(stack: &Stack, base_w: f64, events: &[Event], duration: Duration) -> V
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let checked = checker.join().expect("status checker");
-        assert!(checked >= 10, "the reported budget was checked {checked} times");
+        assert!(
+            checked >= 10,
+            "the reported budget was checked {checked} times"
+        );
     });
     samples
 }
@@ -154,9 +163,11 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
     let a = stack.submit("flex3,calibrate=off", 1, 4, HEAVY);
     let b = stack.submit("flex3,calibrate=off", 1, 4, HEAVY);
     start_all(&stack, &[a, b]);
-    wait_until("both jobs loading their GPUs", Duration::from_secs(30), || {
-        (stack.draw_w() > 5000.0).then_some(())
-    });
+    wait_until(
+        "both jobs loading their GPUs",
+        Duration::from_secs(30),
+        || (stack.draw_w() > 5000.0).then_some(()),
+    );
     let event = add_event(
         &stack,
         &[
@@ -205,11 +216,16 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
     );
     // The rebound: the rise of the draw over any window of w seconds after the end. The
     // allocated budget rises at most RATE·(w + one period) over w (it may have climbed
-    // for up to a period before the window), and two readings may differ by up to 1 %
-    // of the draw by the meter's noise alone.
-    let after: Vec<&Sample> = samples.iter().filter(|s| s.t_ms >= end_ms - 10_000).collect();
+    // for up to a period before the window); caps move in 10 W steps, so the sum of the
+    // eight GPUs' caps may sit up to 80 W below that budget at one end of the window and
+    // at it at the other; and two readings may differ by up to 1 % of the draw by the
+    // meter's noise alone.
+    let after: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.t_ms >= end_ms - 10_000)
+        .collect();
     let mut peak_rate = 0.0f64;
-    let mut worst = (0.0f64, 0.0f64);
+    let mut worst: Option<(f64, f64, f64)> = None;
     for (i, s) in after.iter().enumerate() {
         for later in &after[i + 1..] {
             let w_s = (later.t_ms - s.t_ms) as f64 / 1000.0;
@@ -218,21 +234,39 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
             }
             let rise = later.draw_w - s.draw_w;
             peak_rate = peak_rate.max(rise / w_s);
-            let allowed = RATE_W_PER_S * (w_s + PERIOD_S) + 0.01 * later.draw_w;
-            if rise - allowed > worst.0 - worst.1 {
-                worst = (rise, allowed);
+            let allowed = RATE_W_PER_S * (w_s + PERIOD_S) + CAP_STEPS_W + 0.01 * later.draw_w;
+            if worst.is_none_or(|(r, a, _)| rise - allowed > r - a) {
+                worst = Some((rise, allowed, w_s));
             }
-            assert!(
-                rise <= allowed,
-                "the draw rose {rise:.0} W in {w_s:.2} s, over the {allowed:.0} W the {RATE_W_PER_S} W/s limit allows"
-            );
         }
     }
-    let settled = after.last().map_or(0.0, |s| s.draw_w);
+    let series: Vec<String> = after
+        .iter()
+        .step_by(10)
+        .map(|s| {
+            format!(
+                "{:+.1}s {:.0}",
+                (s.t_ms as f64 - end_ms as f64) / 1000.0,
+                s.draw_w
+            )
+        })
+        .collect();
+    println!("draw around the end of the event: {}", series.join(", "));
     println!(
-        "rebound: highest rise over any window of at least 1 s {peak_rate:.0} W/s against a {RATE_W_PER_S} W/s limit; back to {settled:.0} W"
+        "rebound: highest rise over any window of at least 1 s {peak_rate:.0} W/s against a {RATE_W_PER_S} W/s limit; closest to the bound: {worst:?} (rise, allowed, window s)"
     );
-    assert!(settled > base_w * 0.9, "the jobs got their watts back: {settled} W");
+    if let Some((rise, allowed, w_s)) = worst {
+        assert!(
+            rise <= allowed,
+            "the draw rose {rise:.0} W in {w_s:.2} s, over the {allowed:.0} W the {RATE_W_PER_S} W/s limit allows"
+        );
+    }
+    let settled = after.last().map_or(0.0, |s| s.draw_w);
+    println!("rebound: back to {settled:.0} W");
+    assert!(
+        settled > base_w * 0.9,
+        "the jobs got their watts back: {settled} W"
+    );
     stack.ends_clean(&[a, b], Duration::from_secs(30));
 }
 
@@ -258,9 +292,11 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
     let pausable = stack.submit("flex3,calibrate=off,preempt=suspend", 1, 4, HEAVY);
     let steady = stack.submit("flex3,calibrate=off", 1, 4, HEAVY);
     start_all(&stack, &[flex0, pausable, steady]);
-    wait_until("every job loading its GPUs", Duration::from_secs(30), || {
-        (stack.draw_w() > 7500.0).then_some(())
-    });
+    wait_until(
+        "every job loading its GPUs",
+        Duration::from_secs(30),
+        || (stack.draw_w() > 7500.0).then_some(()),
+    );
     // Floors: flex0 4 x 690 W, each flex3 job at the 200 W minimum, 4 x 200 W: 4360 W.
     // With one flex3 job suspended (4 GPUs at 75 W idle): 3860 W. 4100 W needs exactly
     // one suspension.
@@ -277,16 +313,21 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
         ],
     );
     let end_ms = event.start_ms + event.duration_ms;
-    wait_until("the pausable job suspended", Duration::from_secs(10), || {
-        (stack.cluster.job_state(pausable).as_deref() == Some("SUSPENDED")).then_some(())
-    });
+    wait_until(
+        "the pausable job suspended",
+        Duration::from_secs(10),
+        || (stack.cluster.job_state(pausable).as_deref() == Some("SUSPENDED")).then_some(()),
+    );
     assert!(
         unix_ms() < event.start_ms,
         "suspended before the event starts"
     );
     let s = status(&stack).expect("status");
     assert_eq!(
-        s.preempted.iter().map(|p| p.job.as_str()).collect::<Vec<_>>(),
+        s.preempted
+            .iter()
+            .map(|p| p.job.as_str())
+            .collect::<Vec<_>>(),
         [pausable.to_string().as_str()],
         "{:?}",
         s.preempted
@@ -319,7 +360,10 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
         });
         let samples = sample(&stack, base_w, std::slice::from_ref(&event), until_end);
         let over = over(&samples);
-        let in_event: Vec<&Sample> = samples.iter().filter(|s| s.t_ms >= event.start_ms).collect();
+        let in_event: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| s.t_ms >= event.start_ms)
+            .collect();
         let highest = in_event.iter().map(|s| s.draw_w).fold(0.0, f64::max);
         println!(
             "deep cut to {target_w} W: {} samples, {} over the budget; highest draw in the event {highest:.0} W",
@@ -340,7 +384,9 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
         stack.running(pausable).then_some(())
     });
     wait_until("nothing held", Duration::from_secs(10), || {
-        status(&stack).is_some_and(|s| s.preempted.is_empty()).then_some(())
+        status(&stack)
+            .is_some_and(|s| s.preempted.is_empty())
+            .then_some(())
     });
     println!(
         "resumed {:.1} s after the end of the event",
