@@ -297,9 +297,10 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
         Duration::from_secs(30),
         || (stack.draw_w() > 7500.0).then_some(()),
     );
-    // Floors: flex0 4 x 690 W, each flex3 job at the 200 W minimum, 4 x 200 W: 4360 W.
-    // With one flex3 job suspended (4 GPUs at 75 W idle): 3860 W. 4100 W needs exactly
-    // one suspension.
+    // The least caps can do with flex0 untouched: flex0 4 x 690 W, each flex3 job at the
+    // GPUs' 200 W minimum (below its tier's floor), 4 x 200 W: 4360 W. With one flex3 job
+    // suspended (4 GPUs at 75 W idle): 3860 W. At 4100 W one suspension is needed, and
+    // only one job allows it.
     let target_w = 4100.0;
     let event = add_event(
         &stack,
