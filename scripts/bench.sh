@@ -58,6 +58,9 @@ section "Budget against the meter: use, phase change, reallocation overshoot (10
 section "srun launch overhead of the SPANK plugin (ratio to no plugin)" \
     "cargo bench -p powerflex-testbed --bench srun_latency" \
     cargo bench --quiet -p powerflex-testbed --bench srun_latency
+section "Grid ramps against the stepped budget, the rebound, and the deepest cut held with flex0 untouched" \
+    "cargo bench -p powerflex-testbed --bench grid_ramps" \
+    cargo bench --quiet -p powerflex-testbed --bench grid_ramps
 section "Agent: calibration time and token cost per tier; RSS and CPU per GPU count" \
     "cargo bench -p powerflex-agent --bench agent" \
     cargo bench --quiet -p powerflex-agent --bench agent
