@@ -6,10 +6,11 @@
 //!    for `no_signal_s` the job gets the telemetry prior instead.)
 //! 2. **Walk**: hold each cap of the site's grid, from the top: `settle_s` for the job to
 //!    feel the new cap, then `hold_s` of measurement. The rate at a level comes from the
-//!    job's own reports — counts between the first and last report in the window, with
-//!    intervals slower than 0.8× the median dropped (evaluations, checkpoints), which is
-//!    exact for steady steps and robust to pauses; power is the mean of the job's summed
-//!    GPU power over the window.
+//!    job's own reports — counts over time between the first and last report in the
+//!    window, with bursts of late-read reports folded back and intervals slower than half
+//!    the median dropped (evaluations, checkpoints), which is exact for steady steps,
+//!    unbiased by late reports and robust to pauses; power is the mean of the job's
+//!    summed GPU power over the window.
 //! 3. **Bounded**: before stepping down, the next level's slowdown is predicted from the
 //!    last two; the walk stops when the measured or predicted slowdown exceeds the tier's
 //!    bound plus `allowance`, and when the grid ends.
@@ -120,6 +121,15 @@ impl ProgressLog {
     }
 
     /// Robust rate over `[from, to]` (see the module docs) and its relative standard error.
+    ///
+    /// The rate is pooled (counts over time), so a report that arrives late only moves
+    /// time from one interval to the next and biases nothing. Two things are taken out:
+    /// - reports that arrive in a burst (the agent was descheduled and read a queue of
+    ///   them at once) are folded into the interval before them, where their counts were
+    ///   earned;
+    /// - pauses: intervals slower than half the median rate (evaluations, checkpoints).
+    ///   Dropping only the slow side of ordinary jitter would bias the rate upward, so
+    ///   the threshold is far below what a late report produces.
     pub fn rate(&self, from: f64, to: f64) -> Option<(f64, f64)> {
         let inside: Vec<(f64, f64)> = self
             .reports
@@ -130,13 +140,29 @@ impl ProgressLog {
         if inside.len() < 3 {
             return None;
         }
-        let intervals: Vec<(f64, f64)> = inside
+        let mut gaps: Vec<f64> = inside
             .windows(2)
-            .filter_map(|w| {
-                let dt = w[1].0 - w[0].0;
-                (dt > 0.0).then_some((dt, w[1].1 - w[0].1))
-            })
+            .map(|w| w[1].0 - w[0].0)
+            .filter(|dt| *dt > 0.0)
             .collect();
+        if gaps.is_empty() {
+            return None;
+        }
+        gaps.sort_by(f64::total_cmp);
+        let burst_s = 0.25 * gaps[gaps.len() / 2];
+        let mut intervals: Vec<(f64, f64)> = Vec::with_capacity(inside.len());
+        let mut anchor = inside[0];
+        for &report in &inside[1..] {
+            let dt = report.0 - anchor.0;
+            if dt > burst_s {
+                intervals.push((dt, report.1 - anchor.1));
+                anchor = report;
+            } else if let Some(last) = intervals.last_mut() {
+                // A burst: its counts belong to the interval that ended at the anchor.
+                last.1 += report.1 - anchor.1;
+                anchor.1 = report.1;
+            }
+        }
         if intervals.is_empty() {
             return None;
         }
@@ -145,7 +171,7 @@ impl ProgressLog {
         let median = rates[rates.len() / 2];
         let kept: Vec<&(f64, f64)> = intervals
             .iter()
-            .filter(|(dt, dc)| dc / dt >= 0.8 * median)
+            .filter(|(dt, dc)| dc / dt >= 0.5 * median)
             .collect();
         let time: f64 = kept.iter().map(|(dt, _)| dt).sum();
         let count: f64 = kept.iter().map(|(_, dc)| dc).sum();
@@ -153,13 +179,14 @@ impl ProgressLog {
             return None;
         }
         let rate = count / time;
-        // Spread of per-interval rates, as a standard error of the pooled rate.
+        // Spread of per-interval rates, weighted by their time, as a standard error of
+        // the pooled rate.
         let n = kept.len() as f64;
         let var = kept
             .iter()
-            .map(|(dt, dc)| (dc / dt - rate).powi(2))
+            .map(|(dt, dc)| dt * (dc / dt - rate).powi(2))
             .sum::<f64>()
-            / n.max(1.0);
+            / time;
         Some((rate, (var.sqrt() / rate) / n.sqrt()))
     }
 
@@ -619,6 +646,56 @@ mod tests {
         }
         let (rate, _) = log.rate(0.0, 10.0).expect("rate");
         assert!((rate - 1000.0).abs() < 1.0, "{rate}");
+    }
+
+    /// Steps every 0.25 s of 100 tokens (400 tokens/s); `late(k)` is how late step k's
+    /// report reaches the agent, s.
+    fn steady_log(late: impl Fn(u32) -> f64) -> ProgressLog {
+        let mut log = ProgressLog::default();
+        for k in 1..=40 {
+            log.record(f64::from(k) * 0.25 + late(k), f64::from(k) * 100.0);
+        }
+        log
+    }
+
+    #[test]
+    fn late_reports_do_not_bias_the_rate() {
+        // Every third report 100 ms late (a loaded machine): its interval reads 28 %
+        // slow and the next one 67 % fast; the pooled rate is exact.
+        let log = steady_log(|k| if k % 3 == 0 { 0.1 } else { 0.0 });
+        let (rate, _) = log.rate(0.0, 11.0).expect("rate");
+        assert!((rate - 400.0).abs() < 0.5, "{rate}");
+    }
+
+    #[test]
+    fn a_burst_of_reports_read_at_once_counts_where_it_was_earned() {
+        // The agent is descheduled from 4.1 s to 6.0 s and reads the queued reports of
+        // steps 17..=24 at 6.0 s (each 1 µs apart).
+        let log = steady_log(|k| {
+            if (17..=24).contains(&k) {
+                6.0 + f64::from(k) * 1e-6 - f64::from(k) * 0.25
+            } else {
+                0.0
+            }
+        });
+        let (rate, _) = log.rate(0.0, 11.0).expect("rate");
+        assert!((rate - 400.0).abs() / 400.0 < 0.01, "{rate}");
+    }
+
+    #[test]
+    fn a_job_that_stalls_and_catches_up_is_measured_at_its_rate() {
+        // The job itself is descheduled from 3.0 s to 4.6 s, then completes the steps it
+        // owes and reports once.
+        let mut log = ProgressLog::default();
+        for k in 1..=40u32 {
+            let t = f64::from(k) * 0.25;
+            if (3.0..4.6).contains(&t) {
+                continue;
+            }
+            log.record(t, f64::from(k) * 100.0);
+        }
+        let (rate, _) = log.rate(0.0, 11.0).expect("rate");
+        assert!((rate - 400.0).abs() / 400.0 < 0.01, "{rate}");
     }
 
     #[test]
