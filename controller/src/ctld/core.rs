@@ -22,7 +22,7 @@ use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, Ramp, RampPlan};
 use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
-use crate::site::{decide, Decision, NodeView};
+use crate::site::{decide_holding, Decision, NodeView};
 use powerflex_core::config::LeaseRollout;
 
 /// Least time a node gets to confirm its decreases before it counts at its most, ms: an
@@ -462,8 +462,18 @@ impl Core {
                     policy,
                     ..self.options.site.clone()
                 };
+                // Jobs held out of a deep cut stay out: another policy would not resume
+                // them by itself.
+                let held: crate::site::Held = self
+                    .state
+                    .preempted
+                    .keys()
+                    .map(|job| (job.clone(), None))
+                    .collect();
                 AdminReply {
-                    what_if: Some(status::decision_view(&decide(&views, budget, &settings))),
+                    what_if: Some(status::decision_view(&decide_holding(
+                        &views, budget, &settings, &held,
+                    ))),
                     ..AdminReply::ok()
                 }
             }
