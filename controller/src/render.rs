@@ -287,7 +287,9 @@ pub fn render_events(events: &[Event]) -> String {
 mod tests {
     use super::*;
     use powerflex_proto::admin::Cut;
-    use powerflex_proto::status::{AllocationView, JobAllocationView, Objective, PfiSource};
+    use powerflex_proto::status::{
+        AllocationView, JobAllocationView, Objective, PfiSource, PreemptedView,
+    };
 
     fn job(id: &str, tier: &str, cap_w: Option<f64>, floor: Option<FloorView>) -> SiteJobStatus {
         SiteJobStatus {
@@ -376,6 +378,32 @@ mod tests {
             .find(|l| l.starts_with("flex0 "))
             .expect("flex0 row");
         assert!(flex0.contains(" - "), "no cap yet: {flex0}");
+        assert!(
+            !text.contains("caps set for") && !text.contains("HELD OUT"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn status_names_caps_set_ahead_and_jobs_held_out() {
+        let mut s = status();
+        s.allocated_budget_w = Some(6_500.0);
+        s.preempted = vec![PreemptedView {
+            job: "104".into(),
+            how: "suspend".into(),
+            since_ms: 1_796_144_400_000,
+        }];
+        let text = render_status(&s);
+        assert!(
+            text.contains(
+                "caps set for 6500 W (ahead of a step down, or a rise held to max_ramp_w_per_s)\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("HELD OUT (1 jobs; caps at every floor could not meet the budget): 104 suspended since 2026-12-01 17:00:00 UTC\n"),
+            "{text}"
+        );
     }
 
     #[test]
