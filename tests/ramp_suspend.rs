@@ -395,3 +395,106 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
     );
     stack.ends_clean(&[flex0, pausable, steady], Duration::from_secs(30));
 }
+
+/// The same deep cut with a job that allows requeueing instead: it goes back to the queue,
+/// held there (its GPUs freed), the budget holds, and it is released and runs again when
+/// the event is over.
+#[test]
+fn a_cut_deeper_than_caps_requeues_the_job_that_allows_it_and_releases_it_after() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    let base_w = 8400.0;
+    let stack = Stack::start(
+        "rs-requeue",
+        StackOptions {
+            nodes: 3,
+            budget_w: base_w,
+            ..StackOptions::default()
+        },
+    );
+    let flex0 = stack.submit("flex0,calibrate=off", 1, 4, HEAVY);
+    let requeueable = stack.submit("flex3,calibrate=off,preempt=requeue", 1, 4, HEAVY);
+    let steady = stack.submit("flex3,calibrate=off", 1, 4, HEAVY);
+    start_all(&stack, &[flex0, requeueable, steady]);
+    wait_until(
+        "every job loading its GPUs",
+        Duration::from_secs(30),
+        || (stack.draw_w() > 7500.0).then_some(()),
+    );
+    // As in the suspension test: 4360 W with every flex3 GPU at 200 W; 4100 W needs one
+    // job out, and only one allows it.
+    let target_w = 4100.0;
+    let event = add_event(
+        &stack,
+        &[
+            "--target",
+            &format!("{target_w}W"),
+            "--start",
+            "+6s",
+            "--duration",
+            "25s",
+        ],
+    );
+    let end_ms = event.start_ms + event.duration_ms;
+    // Slurm shows a job requeued held as REQUEUE_HOLD, then PENDING with priority 0.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut info = String::new();
+    while Instant::now() < deadline {
+        info = stack.cluster.job_info(requeueable);
+        let state = stack.cluster.job_state(requeueable).unwrap_or_default();
+        if ["PENDING", "REQUEUE_HOLD", "REQUEUED"].contains(&state.as_str()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    println!("requeued: {info}");
+    assert!(
+        !stack.running(requeueable) && info.contains("Priority=0"),
+        "requeued and held: {info}"
+    );
+    assert!(
+        unix_ms() < event.start_ms,
+        "requeued before the event starts"
+    );
+    let s = status(&stack).expect("status");
+    assert_eq!(
+        s.preempted
+            .iter()
+            .map(|p| (p.job.as_str(), p.how.as_str()))
+            .collect::<Vec<_>>(),
+        [(requeueable.to_string().as_str(), "requeue")]
+    );
+    let until_end = Duration::from_millis(end_ms.saturating_sub(unix_ms()));
+    let samples = sample(&stack, base_w, std::slice::from_ref(&event), until_end);
+    let over = over(&samples);
+    println!(
+        "requeue, deep cut to {target_w} W: {} samples, {} over the budget",
+        samples.len(),
+        over.len()
+    );
+    assert!(over.is_empty(), "{:?}", &over[..over.len().min(5)]);
+    assert!(stack.running(flex0) && stack.running(steady));
+    assert!(
+        !stack.running(requeueable),
+        "held through the event: {}",
+        stack.cluster.job_info(requeueable)
+    );
+    wait_until("released at the end", Duration::from_secs(10), || {
+        status(&stack)
+            .is_some_and(|s| s.preempted.is_empty())
+            .then_some(())
+    });
+    // Released at the end; Slurm itself delays a requeued batch job's next start (its
+    // EligibleTime, about two minutes after the requeue here) and then schedules it.
+    wait_until(
+        "the requeued job running again",
+        Duration::from_secs(240),
+        || stack.running(requeueable).then_some(()),
+    );
+    println!(
+        "running again {:.1} s after the end of the event",
+        unix_ms().saturating_sub(end_ms) as f64 / 1000.0
+    );
+    stack.ends_clean(&[flex0, requeueable, steady], Duration::from_secs(30));
+}

@@ -142,10 +142,11 @@ fn counted(
 ) -> Held {
     held.iter()
         .map(|(id, p)| {
-            let count = match (p.how, jobs.get(id)) {
-                // Requeued: it runs nowhere (a node still reporting it counts its draw).
-                (Preempt::Requeue, _) => None,
-                (_, Some(c)) if now_ms.saturating_sub(p.since_ms) < STOP_GRACE_MS => Some(c.idle_w),
+            // Just stopped (suspended, or requeued and being ended by Slurm): its GPUs at
+            // idle draw. Later, what it draws (a requeued job no node reports counts
+            // nothing: its idle GPUs are in its node's draw).
+            let count = match jobs.get(id) {
+                Some(c) if now_ms.saturating_sub(p.since_ms) < STOP_GRACE_MS => Some(c.idle_w),
                 _ => None,
             };
             (id.clone(), count)

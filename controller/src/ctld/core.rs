@@ -575,7 +575,25 @@ impl Core {
             now_ms,
         );
         for action in &actions {
-            warn!(job_id = %action.job(), action = action.scontrol_args()[0], budget_w = budget.0, "deep cut: caps at every floor cannot meet the budget");
+            let [what, job_id] = action.scontrol_args();
+            match action {
+                Action::Suspend { .. } | Action::Requeue { .. } => {
+                    warn!(
+                        job_id,
+                        action = what,
+                        budget_w = budget.0,
+                        "deep cut: caps at every floor cannot meet the budget; holding the job out"
+                    );
+                }
+                Action::Resume { .. } | Action::Release { .. } => {
+                    info!(
+                        job_id,
+                        action = what,
+                        budget_w = budget.0,
+                        "the budget holds every floor again; giving the job back"
+                    );
+                }
+            }
         }
         if held != self.state.preempted {
             self.state.preempted = held;
