@@ -485,11 +485,11 @@ fn a_cut_deeper_than_caps_requeues_the_job_that_allows_it_and_releases_it_after(
             .is_some_and(|s| s.preempted.is_empty())
             .then_some(())
     });
-    // Released at the end; Slurm itself delays a requeued batch job's next start (its
-    // EligibleTime, about two minutes after the requeue here) and then schedules it.
+    // Released at the end, its start brought forward over Slurm's requeue delay (about
+    // two minutes after the requeue otherwise); then the scheduler starts it.
     wait_until(
         "the requeued job running again",
-        Duration::from_secs(240),
+        Duration::from_secs(120),
         || stack.running(requeueable).then_some(()),
     );
     println!(

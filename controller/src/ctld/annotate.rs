@@ -81,6 +81,19 @@ pub fn spawn_preemptor() -> Sender<Action> {
             {
                 Ok(out) if out.status.success() => {
                     info!(job_id = %action.job(), action = args[0], "scontrol done");
+                    // Slurm holds a requeued batch job back for a while after the requeue
+                    // (its EligibleTime); the cut that requeued it is over, so it may
+                    // start as soon as the scheduler finds it room.
+                    if let Action::Release { job } = &action {
+                        let now = std::process::Command::new("scontrol")
+                            .args(["update", &format!("JobId={job}"), "StartTime=now"])
+                            .stdout(std::process::Stdio::null())
+                            .stderr(std::process::Stdio::null())
+                            .status();
+                        if !now.is_ok_and(|s| s.success()) {
+                            info!(job_id = %job, "could not bring the released job's start forward; Slurm starts it after its requeue delay");
+                        }
+                    }
                 }
                 Ok(out) => {
                     let stderr = String::from_utf8_lossy(&out.stderr);
