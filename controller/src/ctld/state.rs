@@ -139,6 +139,27 @@ mod tests {
         }
     }
 
+    /// A restarted controller must still know whom it holds out of a deep cut, and a
+    /// state file written before that existed must still load.
+    #[test]
+    fn the_held_jobs_survive_a_restart_and_old_files_load() {
+        let dir = temp_dir("held");
+        let mut state = with_budget(1000.0);
+        state.preempted.insert(
+            "42".into(),
+            Preempted {
+                how: powerflex_core::flex::Preempt::Requeue,
+                since_ms: 1_800_000_000_000,
+            },
+        );
+        save(&dir, &state);
+        assert_eq!(load(&dir).state, state);
+        let old = r#"{"budget_w":1000.0,"events":[],"next_event_id":0}"#;
+        let parsed: CtldState = serde_json::from_str(old).expect("an old state file");
+        assert!(parsed.preempted.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn no_file_is_a_fresh_start_not_a_loss() {
         let dir = temp_dir("fresh");
