@@ -8,12 +8,17 @@
 //!
 //! - **Loop**: every `allocation_period_s`, the budget in force ([`crate::schedule`]) is
 //!   split across every live node's jobs ([`crate::site`]) and each node gets its lease.
+//! - **Bounds** ([`bounds`], [`link::LinkLimits`]): the link carries unauthenticated
+//!   peers through the handshake in one thread with a cap and a deadline, the admin socket
+//!   admits a few connections per user with one deadline per request, the metrics server
+//!   has a fixed pool; every refusal is counted in `powerflex_refusals_total{reason}`.
 //! - **State** (budget override, events, next event id, known nodes) is saved atomically
 //!   on change; after a restart the controller resumes its events, and agents keep the
 //!   caps of their unexpired leases meanwhile — nobody goes over budget in between.
 
 pub mod admin;
 pub mod annotate;
+pub mod bounds;
 pub mod core;
 pub mod link;
 pub mod metrics;
@@ -34,7 +39,7 @@ use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
-use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_proto::link::{Body, GpuInfo, JobReport};
 
 pub use self::admin::request;
 pub use self::core::{Core, Input, Lease, Output};
@@ -73,8 +78,8 @@ pub(crate) enum Inbound {
     Hello {
         node: String,
         gpus: Vec<GpuInfo>,
-        /// Lines to this agent's connection.
-        writer: Sender<String>,
+        /// Messages to this agent's session (sealed there).
+        writer: Sender<Body>,
     },
     Report {
         node: String,
@@ -88,15 +93,33 @@ pub(crate) enum Inbound {
     },
 }
 
-/// Runs the controller until `shutdown`. `reloads` brings re-read site configs: a valid
-/// one replaces the budget, policy, tiers and lease settings at once (the listen
-/// addresses, sockets, state directory, key and period need a restart); a refused one
-/// leaves the config in force and is reported by `status` until a valid one arrives.
+/// How many connections the controller serves at once, and for how long.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bounds {
+    pub link: link::LinkLimits,
+    pub admin: bounds::AdminLimits,
+}
+
+/// [`run_bounded`] with the default [`Bounds`].
 pub fn run(
     options: CtldOptions,
     shutdown: Arc<AtomicBool>,
     reloads: Receiver<Reload>,
 ) -> Result<(), String> {
+    run_bounded(options, Bounds::default(), shutdown, reloads)
+}
+
+/// Runs the controller until `shutdown`. `reloads` brings re-read site configs: a valid
+/// one replaces the budget, policy, tiers and lease settings at once (the listen
+/// addresses, sockets, state directory, key and period need a restart); a refused one
+/// leaves the config in force and is reported by `status` until a valid one arrives.
+pub fn run_bounded(
+    options: CtldOptions,
+    limits: Bounds,
+    shutdown: Arc<AtomicBool>,
+    reloads: Receiver<Reload>,
+) -> Result<(), String> {
+    let refusals = Arc::new(bounds::Refusals::default());
     let loaded = state::load(&options.state_dir);
     let mut core = Core::new(options.clone(), loaded, unix_ms());
     let (tx, rx) = bounded::<Inbound>(4096);
@@ -129,23 +152,46 @@ pub fn run(
         Some(addr) => {
             let listener = TcpListener::bind(addr)
                 .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-            let text = metrics_text.clone();
+            let (text, counts) = (metrics_text.clone(), refusals.clone());
+            let bad_requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let bad = bad_requests.clone();
             Some(
-                MetricsServer::spawn(listener, HttpOptions::default(), move || {
-                    text.lock().unwrap_or_else(PoisonError::into_inner).clone()
-                })
+                MetricsServer::spawn_counted(
+                    listener,
+                    HttpOptions::default(),
+                    bad_requests,
+                    move || {
+                        let mut out = text.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                        out.push_str(
+                            &counts.render(&[("metrics_bad_request", bad.load(Ordering::Relaxed))]),
+                        );
+                        out
+                    },
+                )
                 .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?,
             )
         }
     };
-    let link_acceptor = link::spawn(link, tx.clone(), options.key.clone(), shutdown.clone())
-        .map_err(|e| format!("cannot start the agent link acceptor: {e}"))?;
-    let admin_acceptor = admin::spawn(admin, tx.clone(), shutdown.clone())
-        .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
+    let link_acceptor = link::spawn(
+        link,
+        tx.clone(),
+        options.key.clone(),
+        limits.link,
+        refusals.clone(),
+        shutdown.clone(),
+    )
+    .map_err(|e| format!("cannot start the agent link: {e}"))?;
+    let admin_acceptor = admin::spawn(
+        admin,
+        tx.clone(),
+        limits.admin,
+        refusals.clone(),
+        shutdown.clone(),
+    )
+    .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
     drop(tx);
     let annotator = annotate::spawn_annotator();
-    let mut writers: BTreeMap<String, Sender<String>> = BTreeMap::new();
-    let mut seq = unix_ms();
+    let mut writers: BTreeMap<String, Sender<Body>> = BTreeMap::new();
     let ticker = tick(options.period);
     let check = tick(Duration::from_millis(100));
     // The first step allocates at once (or starts the hold after a restart).
@@ -166,17 +212,14 @@ pub fn run(
             let Some(writer) = writers.get(&node) else {
                 continue;
             };
-            seq = seq.max(unix_ms()) + 1;
-            let body = Body::Lease {
+            // Sealed by the node's session, under its session key.
+            let _ = writer.try_send(Body::Lease {
                 node,
                 caps: lease.caps,
                 ttl_s: out.lease_ttl_s,
                 start_cap_w: Some(lease.start_cap_w),
                 recalibrate: lease.recalibrate,
-            };
-            if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
-                let _ = writer.try_send(e.to_line());
-            }
+            });
         }
         for annotation in out.annotations {
             let _ = annotator.send(annotation);
