@@ -255,6 +255,14 @@ impl Stack {
             agent_env: options.agent_env.clone(),
             restarts: 0,
         };
+        // Each node gets its own link key, made from the site key as a site makes it.
+        let names: Vec<&str> = stack
+            .cluster
+            .node_names()
+            .iter()
+            .map(String::as_str)
+            .collect();
+        crate::write_node_keys(&stack.ctl, &stack.site, &names);
         stack.try_start_ctld()?;
         for i in 0..stack.sims.len() {
             let agent = stack.spawn_agent(i)?;

@@ -1216,6 +1216,34 @@ mod tests {
         });
     }
 
+    /// The fuzz seeds `v2_*` were made by an independent implementation (Python's hmac
+    /// and hashlib, HKDF written from RFC 5869): the derivations and the framing here
+    /// must agree with it byte for byte.
+    #[test]
+    fn frames_made_by_another_implementation_open() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/controller_link");
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).expect(name);
+        const SITE: &[u8] = b"fuzzing site key";
+        const AT: u64 = 1_800_000_000_000;
+        let key = node_key(SITE, "n1").expect("key");
+        let (hs, open) = AgentHandshake::start(&key, "n1", [1; 16], AT).expect("open");
+        assert_eq!(open, read("v2_open"));
+        let (mut ctld, challenge) =
+            controller_accept(SITE, &read("v2_open"), [2; 16], AT).expect("accept");
+        assert_eq!(challenge, read("v2_challenge"));
+        let mut agent = hs.finish(&read("v2_challenge"), AT).expect("challenge");
+        assert_eq!(
+            ctld.open(&read("v2_hello"), AT),
+            Ok(Body::Hello { gpus: Vec::new() })
+        );
+        assert!(matches!(
+            ctld.open(&read("v2_report"), AT),
+            Ok(Body::Report { .. })
+        ));
+        assert_eq!(agent.open(&read("v2_lease"), AT), Ok(lease("n1", 450.0)));
+    }
+
     #[test]
     fn arbitrary_lines_never_panic() {
         use proptest::prelude::*;
