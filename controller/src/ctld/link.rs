@@ -324,7 +324,13 @@ fn start_session(
     shared: &Arc<Shared>,
 ) {
     let node = session.peer().to_string();
-    if shared.live.load(Ordering::SeqCst) >= shared.limits.max_sessions {
+    // A node's new session replaces its old one, so it never counts against the cap.
+    let replacing = shared
+        .current
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains_key(&node);
+    if !replacing && shared.live.load(Ordering::SeqCst) >= shared.limits.max_sessions {
         shared.refusals.count("session_cap");
         warn!(peer = %p.peer, %node, max_sessions = shared.limits.max_sessions, "agent session refused: the controller serves this many at once");
         return;

@@ -366,4 +366,164 @@ mod tests {
         assert!(std::net::TcpStream::connect(metrics).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// One handshake as `node` on the link at `addr`: the session and the stream, or
+    /// why the controller would not have it.
+    fn handshake(
+        addr: std::net::SocketAddr,
+        site_key: &[u8],
+        node: &str,
+    ) -> Result<(std::net::TcpStream, powerflex_proto::link::Session), String> {
+        use powerflex_proto::link::{fresh_nonce, node_key, AgentHandshake};
+        use std::io::{BufRead, Write};
+        let mut stream = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        let key = node_key(site_key, node).map_err(|e| e.to_string())?;
+        let (hs, open) = AgentHandshake::start(
+            &key,
+            node,
+            fresh_nonce().map_err(|e| e.to_string())?,
+            unix_ms(),
+        )
+        .map_err(|e| e.to_string())?;
+        stream
+            .write_all(open.as_bytes())
+            .map_err(|e| e.to_string())?;
+        let mut challenge = String::new();
+        std::io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?)
+            .read_line(&mut challenge)
+            .map_err(|e| e.to_string())?;
+        let mut session = hs
+            .finish(&challenge, unix_ms())
+            .map_err(|e| e.to_string())?;
+        let hello = session
+            .seal(&Body::Hello { gpus: Vec::new() }, unix_ms())
+            .map_err(|e| e.to_string())?;
+        stream
+            .write_all(hello.as_bytes())
+            .map_err(|e| e.to_string())?;
+        Ok((stream, session))
+    }
+
+    /// Whether the controller ends `stream` within `within` (reads to end of stream).
+    fn closed_within(stream: &mut std::net::TcpStream, within: Duration) -> bool {
+        use std::io::Read;
+        let _ = stream.set_read_timeout(Some(within));
+        let mut buf = [0u8; 4096];
+        let until = std::time::Instant::now() + within;
+        loop {
+            match stream.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) if std::time::Instant::now() < until => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                _ => return false,
+            }
+        }
+    }
+
+    fn threads_now() -> usize {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("Threads:"))
+                    .and_then(|n| n.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// The link's bounds, in process with tight limits: a flood of idle connections costs
+    /// no thread and cannot keep an agent out; idle ones are closed at the deadline; one
+    /// session per node (a newer one replaces it), sessions capped; every refusal counted.
+    #[test]
+    fn the_link_bounds_unauthenticated_peers_and_sessions() {
+        let dir = std::env::temp_dir().join(format!("pf-ctld-bounds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = free_port();
+        let options = CtldOptions {
+            listen: free_port(),
+            admin_socket: dir.join("ctld.sock"),
+            state_dir: dir.join("state"),
+            key: b"site key for the bounds test".to_vec(),
+            base_budget: Watts(3200.0),
+            period: Duration::from_secs(10),
+            lease_ttl_s: 30.0,
+            site: SiteSettings {
+                tiers: TierTable::default_table(),
+                policy: Policy::Optimal,
+                cap_step: Watts(10.0),
+                failsafe_cap: Watts(500.0),
+                default_pfi: 1.3,
+                budget_mode: BudgetMode::Hard,
+                objective: Objective::Tokens,
+            },
+            metrics_listen: Some(metrics),
+            lease_rollout: Default::default(),
+        };
+        let bounds = Bounds {
+            link: link::LinkLimits {
+                max_pending: 8,
+                handshake_timeout: Duration::from_millis(500),
+                max_sessions: 2,
+                idle_timeout: Duration::from_secs(30),
+            },
+            admin: bounds::AdminLimits::default(),
+        };
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let (_reload_tx, reloads) = bounded::<Reload>(1);
+        let (opts, stop) = (options.clone(), shutdown.clone());
+        let ctld = std::thread::spawn(move || run_bounded(opts, bounds, stop, reloads));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while request(&options.admin_socket, &AdminOp::Status).is_err() {
+            assert!(std::time::Instant::now() < deadline, "no controller");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let threads_before = threads_now();
+        let flood: Vec<std::net::TcpStream> = (0..200)
+            .filter_map(|_| std::net::TcpStream::connect(options.listen).ok())
+            .collect();
+        assert_eq!(flood.len(), 200);
+        // An agent still gets in, past the full handshake table.
+        let (mut n1, _) =
+            handshake(options.listen, &options.key, "n1").expect("n1 during the flood");
+        assert!(
+            threads_now() <= threads_before + 2,
+            "only n1's two session threads"
+        );
+        let (_n2, _) = handshake(options.listen, &options.key, "n2").expect("n2");
+        // A third node is over the session cap: closed after its hello.
+        let (mut n3, _) = handshake(options.listen, &options.key, "n3").expect("n3's handshake");
+        assert!(closed_within(&mut n3, Duration::from_secs(5)), "n3 refused");
+        // n1 again: the new session replaces the old one, which is closed.
+        let (_n1_again, _) = handshake(options.listen, &options.key, "n1").expect("n1 again");
+        assert!(
+            closed_within(&mut n1, Duration::from_secs(5)),
+            "old n1 session ended"
+        );
+        // The idle flood is closed at the deadline, whatever was not evicted before.
+        let mut last = flood.into_iter().last().expect("one");
+        assert!(
+            closed_within(&mut last, Duration::from_secs(5)),
+            "idle peer closed"
+        );
+        let mut scrape = std::net::TcpStream::connect(metrics).expect("metrics");
+        std::io::Write::write_all(&mut scrape, b"GET /metrics HTTP/1.0\r\n\r\n").expect("send");
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut scrape, &mut text).expect("scrape");
+        let count = |reason: &str| -> u64 {
+            let prefix = format!("powerflex_refusals_total{{reason=\"{reason}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        assert!(count("pending_cap") >= 190, "{text}");
+        assert!(count("handshake_timeout") >= 1, "{text}");
+        assert_eq!(count("session_cap"), 1, "{text}");
+        shutdown.store(true, Ordering::SeqCst);
+        assert_eq!(ctld.join().expect("ctld"), Ok(()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
