@@ -508,7 +508,7 @@ fn a_connection_flood_leaves_agents_connected_and_leases_flowing_with_bounded_th
         let Ok(mut s) = TcpStream::connect_timeout(&upstream, Duration::from_millis(500)) else {
             continue;
         };
-        if i >= IDLE && i < IDLE + 200 {
+        if (IDLE..IDLE + 200).contains(&i) {
             let _ = s.write_all(b"pf2 n1 controller 1 ");
         } else if i >= IDLE + 200 {
             let _ = s.write_all(&vec![b'x'; 120 * 1024]);

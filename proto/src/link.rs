@@ -939,7 +939,7 @@ mod tests {
             a,
             node_key(b"another site key!!", "n1").expect("other site")
         );
-        // A node's key is not the site key of some other derivation: deriving "from" it
+        // Root on a node holds its key: deriving from that key (as if it were a site key)
         // gives neither its neighbour's key nor its own.
         assert_ne!(node_key(&a, "n2").expect("from a"), b);
         for bad in ["", "controller", "n 1", "n1\n", "../n1", &"x".repeat(65)] {
