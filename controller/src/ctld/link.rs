@@ -99,7 +99,18 @@ pub(crate) fn spawn(
     });
     std::thread::Builder::new()
         .name("link-handshake".into())
-        .spawn(move || handshakes(&link, &site_key, &shared))
+        .spawn(move || {
+            handshakes(&link, &site_key, &shared);
+            // Shutting down: end the sessions too (their readers block in read).
+            for (_, (_, stream)) in shared
+                .current
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+            {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        })
 }
 
 /// Where a connection is in the handshake.
