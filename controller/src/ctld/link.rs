@@ -260,7 +260,8 @@ fn advance(p: &mut Pending, site_key: &[u8], shared: &Shared) -> Next {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(_) => return Next::Close,
         }
-        if p.buf.len() > MAX_HANDSHAKE_LINE_BYTES * 2 {
+        // Lines are taken out below; past one whole frame's worth, stop reading.
+        if p.buf.len() > MAX_HANDSHAKE_LINE_BYTES {
             break;
         }
     }

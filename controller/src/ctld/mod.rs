@@ -503,9 +503,11 @@ mod tests {
             "old n1 session ended"
         );
         // The idle flood is closed at the deadline, whatever was not evicted before.
-        let mut last = flood.into_iter().last().expect("one");
+        // (The others stay open: a peer that leaves by itself is no refusal.)
+        let mut flood = flood;
+        let last = flood.last_mut().expect("one");
         assert!(
-            closed_within(&mut last, Duration::from_secs(5)),
+            closed_within(last, Duration::from_secs(5)),
             "idle peer closed"
         );
         let mut scrape = std::net::TcpStream::connect(metrics).expect("metrics");
@@ -519,8 +521,14 @@ mod tests {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0)
         };
-        assert!(count("pending_cap") >= 190, "{text}");
-        assert!(count("handshake_timeout") >= 1, "{text}");
+        // Every flood connection lost its place to a newer one or met the deadline
+        // (which of the two depends on how fast this machine accepts).
+        assert!(
+            count("pending_cap") + count("handshake_timeout") >= 200,
+            "{text}"
+        );
+        assert!(count("pending_cap") >= 100, "{text}");
+        drop(flood);
         assert_eq!(count("session_cap"), 1, "{text}");
         shutdown.store(true, Ordering::SeqCst);
         assert_eq!(ctld.join().expect("ctld"), Ok(()));
