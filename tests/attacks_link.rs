@@ -132,6 +132,15 @@ fn move_ctld(stack: &mut Stack, metrics: SocketAddr) -> (SocketAddr, Child) {
     raw.controller.metrics_listen = Some(metrics.to_string());
     let moved = stack.base.join("powerflex-ctld-moved.toml");
     std::fs::write(&moved, toml::to_string(&raw).expect("toml")).expect("moved config");
+    let child = spawn_moved_ctld(stack);
+    assert_ne!(agents_addr, upstream);
+    (upstream, child)
+}
+
+/// Starts the controller with the moved config [`move_ctld`] wrote (again, after a
+/// restart: its log starts over) and waits for its admin socket.
+fn spawn_moved_ctld(stack: &Stack) -> Child {
+    let moved = stack.base.join("powerflex-ctld-moved.toml");
     let child = Command::new(powerflex_testbed::profile_dir().join("powerflex-ctld"))
         .args(["--config", &moved.to_string_lossy()])
         .envs(stack.cluster.env())
@@ -148,8 +157,7 @@ fn move_ctld(stack: &mut Stack, metrics: SocketAddr) -> (SocketAddr, Child) {
                 .map(|_| ())
         },
     );
-    assert_ne!(agents_addr, upstream);
-    (upstream, child)
+    child
 }
 
 /// What the proxy does with a new agent connection.
@@ -709,6 +717,49 @@ fn replayed_misrouted_and_foreign_leases_are_refused_and_v1_peers_told_why() {
     assert!(
         agent_log.matches("fails authentication").count() > refused_before,
         "the agent says why it refused the replay:\n{agent_log}"
+    );
+
+    // 2b. The same after the controller restarts (kill -9, by PID): its new nonces make
+    // every frame of its previous life useless.
+    let mut old = guard.0.pop().expect("the moved controller");
+    let _ = old.kill();
+    let _ = old.wait();
+    let _ = std::fs::remove_file(&stack.socket);
+    guard.0.push(spawn_moved_ctld(&stack));
+    let before_restart = proxy.sent_to(&n1).len();
+    wait_until(
+        "node 0 leased by the restarted controller",
+        Duration::from_secs(90),
+        || {
+            (live_nodes(&stack).len() == 2 && proxy.sent_to(&n1).len() > before_restart + 1)
+                .then_some(())
+        },
+    );
+    steady_cap(
+        &stack,
+        0,
+        high,
+        "node 0 settled after the controller's restart",
+    );
+    let refused_before = stack
+        .logs(&format!("agent-{n1}"))
+        .matches("fails authentication")
+        .count();
+    proxy.inject(&n1, &captured);
+    never_at(
+        &stack,
+        0,
+        high,
+        Duration::from_millis(2500),
+        "after the replay across a restart",
+    );
+    assert!(
+        stack
+            .logs(&format!("agent-{n1}"))
+            .matches("fails authentication")
+            .count()
+            > refused_before,
+        "the agent refused the lease from the controller's previous life"
     );
 
     // 3. A lease for node 0 delivered to node 1: refused, node 1's caps unchanged.
