@@ -3,6 +3,7 @@
 //! built binaries and the project's data are, how to run a binary and capture what it
 //! says, a guard that ends the processes it started by PID.
 
+pub mod link_peer;
 pub mod needs;
 pub mod site;
 pub mod slurm;
@@ -142,6 +143,36 @@ pub fn free_loopback_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or_else(|e| panic!("cannot find a free loopback port: {e}"))
+}
+
+/// Writes each node's own link key where the site config `site` puts it
+/// (`agent.key_file`), with `powerflexctl` at `ctl` (`link-key`: the deploy step a site
+/// runs, derived from the site key). Panics on failure.
+pub fn write_node_keys(ctl: &Path, site: &Path, nodes: &[&str]) {
+    let text = std::fs::read_to_string(site).unwrap_or_else(|e| panic!("{}: {e}", site.display()));
+    let config = powerflex_core::config::SiteConfig::from_toml_str(&text)
+        .unwrap_or_else(|e| panic!("{}: {e}", site.display()));
+    for node in nodes {
+        let out = config.agent.key_file(node);
+        let ran = run(
+            ctl,
+            &[
+                "link-key",
+                "--site",
+                &site.display().to_string(),
+                "--node",
+                node,
+                "--out",
+                &out.display().to_string(),
+            ],
+        );
+        assert_eq!(
+            ran.code,
+            Some(0),
+            "powerflexctl link-key for {node}: {}",
+            ran.stderr
+        );
+    }
 }
 
 /// Writes a site key readable by root only, as powerflexd and powerflex-ctld demand.

@@ -122,9 +122,12 @@ impl SiteBuilder {
         self
     }
 
-    /// Where the site key is (the controller and every agent read it).
+    /// Where the site key is (the controller reads it), and the nodes' own link keys
+    /// beside it, `node-%n.key` (see [`crate::write_node_keys`]).
     pub fn key_file(mut self, path: &Path) -> SiteBuilder {
         self.raw.controller.key_file = Some(path_text(path));
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        self.raw.agent.key_file = Some(path_text(&dir.join("node-%n.key")));
         self
     }
 
@@ -264,6 +267,7 @@ mod tests {
             (10, 1)
         );
         assert_eq!(c.controller.key_file, dir.join("site.key"));
+        assert_eq!(c.agent.key_file("n1"), dir.join("node-n1.key"));
         assert_eq!(c.controller.admin_socket, dir.join("ctld.sock"));
         assert_eq!(c.controller.state_dir, dir.join("ctld"));
         assert_eq!(c.controller.metrics_listen.map(|a| a.port()), Some(9465));

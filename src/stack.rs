@@ -255,6 +255,14 @@ impl Stack {
             agent_env: options.agent_env.clone(),
             restarts: 0,
         };
+        // Each node gets its own link key, made from the site key as a site makes it.
+        let names: Vec<&str> = stack
+            .cluster
+            .node_names()
+            .iter()
+            .map(String::as_str)
+            .collect();
+        crate::write_node_keys(&stack.ctl, &stack.site, &names);
         stack.try_start_ctld()?;
         for i in 0..stack.sims.len() {
             let agent = stack.spawn_agent(i)?;
@@ -298,6 +306,34 @@ impl Stack {
                     .map(|_| ())
             },
         )
+    }
+
+    /// The controller's process id, while the stack runs it.
+    pub fn ctld_pid(&self) -> Option<u32> {
+        self.ctld.as_ref().map(Child::id)
+    }
+
+    /// Everything this stack's daemons logged so far whose log name starts with `prefix`
+    /// (`ctld`, `agent-<node>`), across restarts, oldest first.
+    pub fn logs(&self, prefix: &str) -> String {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.log_dir)
+            .map(|dir| {
+                dir.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| {
+                        p.extension().is_some_and(|x| x == "log")
+                            && p.file_name()
+                                .and_then(|n| n.to_str())
+                                .is_some_and(|n| n.starts_with(prefix))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+        files
+            .iter()
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .collect()
     }
 
     /// kill -9 the controller.

@@ -5,12 +5,12 @@
 //! that cannot be true. Each samples the metered draw every 50 ms
 //! ([`Stack::watch_draw`]) and prints the highest overshoot and the seconds over budget.
 
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use powerflex_core::config::RawSiteConfig;
-use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_proto::link::{Body, JobReport};
 use powerflex_proto::status::{AgentStatus, DecisionView, SiteJobStatus};
+use powerflex_testbed::link_peer::{h200s, LinkPeer};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex_testbed::wait_until;
@@ -379,60 +379,34 @@ fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {
     stack.ends_clean(&[b], Duration::from_secs(60));
 }
 
-/// A fake agent on the controller's link: signs with the site key, as a compromised or
-/// broken agent could.
-struct FakeAgent {
-    stream: std::net::TcpStream,
-    key: Vec<u8>,
-    node: String,
-    seq: u64,
-}
+/// A fake agent on the controller's link: a real link v2 session under the key the
+/// controller derives for its node, as root on a compromised or broken node has.
+struct FakeAgent(LinkPeer);
 
 impl FakeAgent {
     fn connect(stack: &Stack, node: &str) -> FakeAgent {
         let text = std::fs::read_to_string(&stack.site).expect("site config");
         let raw = RawSiteConfig::from_toml_str(&text).expect("site config parses");
-        let stream = std::net::TcpStream::connect(raw.controller.listen.as_str())
-            .expect("the controller's link");
+        let addr = raw
+            .controller
+            .listen
+            .parse()
+            .expect("the controller's link address");
         let key = std::fs::read(stack.base.join("site.key")).expect("site key");
-        let mut agent = FakeAgent {
-            stream,
-            key: key.trim_ascii().to_vec(),
-            node: node.into(),
-            seq: 0,
-        };
-        let gpus = (0..4)
-            .map(|g| GpuInfo {
-                uuid: format!("GPU-{node}-{g}"),
-                name: "NVIDIA H200".into(),
-                min_w: 200.0,
-                max_w: 700.0,
-                default_w: 700.0,
-            })
-            .collect();
-        agent.send(Body::Hello { gpus });
-        agent
-    }
-
-    fn send(&mut self, body: Body) {
-        self.seq += 1;
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_millis() as u64;
-        let line = Envelope::seal(&self.key, &self.node, self.seq, now_ms, body)
-            .expect("seal")
-            .to_line();
-        self.stream.write_all(line.as_bytes()).expect("send");
+        let peer = LinkPeer::connect(addr, key.trim_ascii(), node, h200s(node, 4))
+            .unwrap_or_else(|e| panic!("{node} on the link: {e}"));
+        FakeAgent(peer)
     }
 
     fn report(&mut self, jobs: Vec<JobReport>, power_w: f64) {
-        self.send(Body::Report {
-            jobs,
-            power_w,
-            failsafe: false,
-            cap_mismatches: 0,
-        });
+        self.0
+            .send(&Body::Report {
+                jobs,
+                power_w,
+                failsafe: false,
+                cap_mismatches: 0,
+            })
+            .expect("send");
     }
 }
 

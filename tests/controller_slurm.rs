@@ -10,7 +10,8 @@ use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{
-    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,
+    write_site_key, Children,
 };
 
 #[test]
@@ -57,6 +58,8 @@ fn the_controller_caps_slurm_jobs_across_nodes_and_annotates_them() {
             ..ClusterOptions::default()
         },
     );
+    let names: Vec<&str> = cluster.node_names().iter().map(String::as_str).collect();
+    write_node_keys(&ctl, &site, &names);
     let mut procs = Children(Vec::new());
     let mut ctld_cmd = Command::new(&ctld);
     ctld_cmd

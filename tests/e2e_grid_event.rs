@@ -16,7 +16,8 @@ use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{
-    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,
+    write_site_key, Children,
 };
 
 const GPUS_PER_NODE: u32 = 8;
@@ -91,6 +92,8 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             ..ClusterOptions::default()
         },
     );
+    let names: Vec<&str> = cluster.node_names().iter().map(String::as_str).collect();
+    write_node_keys(&ctl, &site, &names);
     let mut procs = Children(Vec::new());
     let start_ctld = |log: &str| {
         let mut cmd = Command::new(&ctld);

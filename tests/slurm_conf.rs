@@ -182,3 +182,85 @@ fn slurm_and_gres_snippets_declare_the_same_gpus_the_plugin_reads() {
         .expect("plugstack.conf");
     assert!(plugstack.contains("/etc/slurm/plugstack.conf"));
 }
+
+/// The key distribution the example config and README describe: the site key on the
+/// controller's host, `powerflexctl link-key` writing each node's own key (root, 0600)
+/// for `agent.key_file`; the agent's unit reads that file.
+#[test]
+fn link_key_writes_each_nodes_own_key_from_the_example_site_config() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("pf-link-key-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let example =
+        std::fs::read_to_string(repo_root().join("slurm-conf/powerflex.toml")).expect("site");
+    assert!(example.contains("key_file = \"/etc/slurm/powerflex.key\""));
+    assert!(example.contains("key_file = \"/etc/powerflex/node.key\""));
+    let unit =
+        std::fs::read_to_string(repo_root().join("slurm-conf/powerflexd.service")).expect("unit");
+    assert!(unit.contains("agent.key_file"), "{unit}");
+    let site_key = dir.join("powerflex.key");
+    let config = dir.join("powerflex.toml");
+    std::fs::write(
+        &config,
+        example.replace("/etc/slurm/powerflex.key", &site_key.display().to_string()),
+    )
+    .expect("config");
+    std::fs::write(&site_key, "0123456789abcdef0123456789abcdef\n").expect("key");
+    let ctl = binary("powerflexctl");
+    let link_key = |node: &str, out: &std::path::Path| {
+        run(
+            &ctl,
+            &[
+                "link-key",
+                "--site",
+                config.to_str().expect("utf-8"),
+                "--node",
+                node,
+                "--out",
+                out.to_str().expect("utf-8"),
+            ],
+        )
+    };
+    // A site key others can read is refused, naming what is accepted.
+    std::fs::set_permissions(&site_key, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let open = link_key("gpu001", &dir.join("gpu001.key"));
+    assert_eq!(open.code, Some(1), "{}", open.stderr);
+    assert!(
+        open.stderr.contains("accepted: 600 or stricter"),
+        "{}",
+        open.stderr
+    );
+    std::fs::set_permissions(&site_key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let mut keys = Vec::new();
+    for node in ["gpu001", "gpu002"] {
+        let out = dir.join(format!("{node}.key"));
+        let made = link_key(node, &out);
+        assert_eq!(made.code, Some(0), "{}", made.stderr);
+        assert!(made.stdout.contains("agent.key_file"), "{}", made.stdout);
+        let mode = std::fs::metadata(&out).expect("key").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // What the agent reads is the key the controller derives for that node.
+        let read = powerflex_daemon::fsx::read_key_file(&out).expect("a valid key file");
+        assert_eq!(
+            read,
+            powerflex_proto::link::node_key(b"0123456789abcdef0123456789abcdef", node)
+                .expect("derived")
+        );
+        keys.push(read);
+    }
+    assert_ne!(keys[0], keys[1], "each node its own key");
+    let bad = link_key("gpu 1", &dir.join("bad.key"));
+    assert_eq!(
+        bad.code,
+        Some(2),
+        "a bad node name is a usage error: {}",
+        bad.stderr
+    );
+    assert!(
+        bad.stderr.contains("accepted: 1-64 ASCII letters"),
+        "{}",
+        bad.stderr
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,12 +1,15 @@
-//! The agent's side of the controller link (protocol: `powerflex_proto::link`).
+//! The agent's side of the controller link (protocol: `powerflex_proto::link`, v2).
 //!
-//! One thread keeps a TCP connection to the controller: it says hello (the node's GPUs),
-//! reports the node's jobs every allocation period, and hands every authenticated lease
-//! to the control loop. A reader thread per connection turns lines into leases. On any
-//! failure the connection is dropped and re-made with exponential backoff (1 s to 30 s);
-//! meanwhile the caps already granted hold until their lease runs out, then the control
-//! loop applies the fail-safe cap. Messages that fail authentication, are replayed or
-//! stale are logged and ignored.
+//! One thread keeps a TCP connection to the controller. On each connection it runs the
+//! handshake with this node's own key (its nonce, the controller's challenge, a session
+//! key of both), then says hello (the node's GPUs), reports the node's jobs every
+//! allocation period, and hands every authenticated lease for this node from the
+//! controller to the control loop. A reader thread per connection turns bytes into
+//! lines. On any failure the connection is dropped and re-made with exponential backoff
+//! (1 s to 30 s); meanwhile the caps already granted hold until their lease runs out,
+//! then the control loop applies the fail-safe cap. Frames that fail authentication
+//! (forged, or recorded on an earlier connection), are replayed, stale, or name another
+//! node are logged and ignored.
 
 use std::collections::BTreeMap;
 use std::io::{BufReader, Write};
@@ -19,7 +22,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crossbeam_channel::{unbounded, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::lines::read_line;
-use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport, MAX_LINK_LINE_BYTES};
+use powerflex_proto::link::{
+    fresh_nonce, AgentHandshake, Body, GpuInfo, JobReport, LinkError, Session,
+    MAX_HANDSHAKE_LINE_BYTES, MAX_LINK_LINE_BYTES,
+};
 use tracing::{info, warn};
 
 use crate::server::{Inbound, SnapshotCell};
@@ -28,7 +34,8 @@ use crate::server::{Inbound, SnapshotCell};
 #[derive(Debug, Clone)]
 pub struct LinkOptions {
     pub controller: SocketAddr,
-    /// The site key (contents of `controller.key_file`).
+    /// This node's own link key (contents of `agent.key_file`, made by `powerflexctl
+    /// link-key` from the site key).
     pub key: Vec<u8>,
     pub node: String,
     pub report_period: Duration,
@@ -42,15 +49,8 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Sender sequence: starts at the start time in ms, so it rises across restarts.
-struct Sequence(u64);
-
-impl Sequence {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.max(unix_ms()) + 1;
-        self.0
-    }
-}
+/// Longest wait for the controller's challenge after the agent's open.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn leases_applied(snapshot: &SnapshotCell) -> u64 {
     snapshot.read().map(|s| s.leases_applied).unwrap_or(0)
@@ -132,14 +132,13 @@ pub fn spawn(
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name("controller-link".into()).spawn(move || {
-        let mut seq = Sequence(unix_ms());
         let mut backoff = Duration::from_secs(1);
         while !shutdown.load(Ordering::SeqCst) {
             match TcpStream::connect_timeout(&options.controller, Duration::from_secs(2)) {
                 Ok(stream) => {
                     info!(controller = %options.controller, "connected to the controller");
                     backoff = Duration::from_secs(1);
-                    serve(stream, &options, &mut seq, &snapshot, &tx, &shutdown);
+                    serve(stream, &options, &snapshot, &tx, &shutdown);
                     warn!(controller = %options.controller, "controller link lost; caps hold until their lease ends");
                 }
                 Err(e) => warn!(controller = %options.controller, error = %e, retry_s = backoff.as_secs(), "cannot reach the controller"),
@@ -153,17 +152,78 @@ pub fn spawn(
     })
 }
 
-fn send(stream: &mut TcpStream, options: &LinkOptions, seq: &mut Sequence, body: Body) -> bool {
-    match Envelope::seal(&options.key, &options.node, seq.next(), unix_ms(), body) {
-        Ok(e) => stream.write_all(e.to_line().as_bytes()).is_ok(),
-        Err(_) => false,
+fn send(stream: &mut TcpStream, session: &mut Session, body: &Body) -> bool {
+    match session.seal(body, unix_ms()) {
+        Ok(line) => stream.write_all(line.as_bytes()).is_ok(),
+        Err(e) => {
+            warn!(error = %e, kind = body.kind(), "cannot seal a message to the controller");
+            false
+        }
+    }
+}
+
+/// Runs the agent's half of the handshake on a fresh connection: sends this node's
+/// open, waits up to [`HANDSHAKE_TIMEOUT`] for the controller's challenge. Every failure
+/// is logged with what to check.
+fn handshake(
+    stream: &mut TcpStream,
+    reader: &mut BufReader<TcpStream>,
+    options: &LinkOptions,
+) -> Option<Session> {
+    let nonce = match fresh_nonce() {
+        Ok(n) => n,
+        Err(e) => {
+            warn!(error = %e, "no link handshake");
+            return None;
+        }
+    };
+    let (state, open) = match AgentHandshake::start(&options.key, &options.node, nonce, unix_ms()) {
+        Ok(started) => started,
+        Err(e) => {
+            warn!(error = %e, node = %options.node, "no link handshake");
+            return None;
+        }
+    };
+    if stream.write_all(open.as_bytes()).is_err() {
+        return None;
+    }
+    let _ = reader.get_ref().set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let line = match read_line(reader, MAX_HANDSHAKE_LINE_BYTES) {
+        Ok(Some(line)) => line,
+        Ok(None) => {
+            warn!(
+                node = %options.node,
+                "the controller closed the link during the handshake: check that agent.key_file holds this node's key (powerflexctl link-key --node {}) and that the controller speaks link version 2",
+                options.node
+            );
+            return None;
+        }
+        Err(e) => {
+            warn!(
+                error = %e,
+                timeout_s = HANDSHAKE_TIMEOUT.as_secs(),
+                "no link version 2 challenge from the controller in time (a version 1 controller never answers); this agent accepts link version 2 only"
+            );
+            return None;
+        }
+    };
+    let _ = reader.get_ref().set_read_timeout(None);
+    match state.finish(&line, unix_ms()) {
+        Ok(session) => Some(session),
+        Err(e @ LinkError::Version { .. }) => {
+            warn!(error = %e, "the controller speaks another link version; refused");
+            None
+        }
+        Err(e) => {
+            warn!(error = %e, "controller challenge refused");
+            None
+        }
     }
 }
 
 fn serve(
     mut stream: TcpStream,
     options: &LinkOptions,
-    seq: &mut Sequence,
     snapshot: &SnapshotCell,
     tx: &Sender<Inbound>,
     shutdown: &AtomicBool,
@@ -172,9 +232,14 @@ fn serve(
     let Ok(read_half) = stream.try_clone() else {
         return;
     };
+    let mut reader = BufReader::new(read_half);
+    let Some(mut session) = handshake(&mut stream, &mut reader, options) else {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return;
+    };
+    info!(node = %options.node, "link v2 session with the controller established");
     let (lines_tx, lines_rx) = unbounded::<String>();
     let reader = std::thread::spawn(move || {
-        let mut reader = BufReader::new(read_half);
         // A line longer than the limit ends the connection rather than memory.
         while let Ok(Some(line)) = read_line(&mut reader, MAX_LINK_LINE_BYTES) {
             if lines_tx.send(line).is_err() {
@@ -184,9 +249,8 @@ fn serve(
     });
     if !send(
         &mut stream,
-        options,
-        seq,
-        Body::Hello {
+        &mut session,
+        &Body::Hello {
             gpus: options.gpus.clone(),
         },
     ) {
@@ -194,7 +258,6 @@ fn serve(
         let _ = reader.join();
         return;
     }
-    let mut last_seq = 0u64;
     let mut next_report = Instant::now();
     let mut leases_reported = leases_applied(snapshot);
     while !shutdown.load(Ordering::SeqCst) {
@@ -207,22 +270,20 @@ fn serve(
         }
         if Instant::now() >= next_report {
             next_report = Instant::now() + options.report_period;
-            if !send(&mut stream, options, seq, report(snapshot)) {
+            if !send(&mut stream, &mut session, &report(snapshot)) {
                 break;
             }
         }
         match lines_rx.recv_timeout(Duration::from_millis(20)) {
-            Ok(line) => match Envelope::open(&options.key, &line, last_seq, unix_ms()) {
-                Ok(envelope) => {
-                    last_seq = envelope.seq;
-                    if let Body::Lease {
+            Ok(line) => match session.open(&line, unix_ms()) {
+                Ok(body) => match body {
+                    Body::Lease {
                         node,
                         caps,
                         ttl_s,
                         start_cap_w,
                         recalibrate,
-                    } = envelope.body
-                    {
+                    } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
                         if node != options.node {
@@ -238,8 +299,12 @@ fn serve(
                             recalibrate,
                         });
                     }
-                }
-                Err(e) => warn!(error = %e, "controller message refused"),
+                    other => warn!(
+                        kind = other.kind(),
+                        "unexpected message from the controller ignored"
+                    ),
+                },
+                Err(e) => warn!(error = %e, reason = e.reason(), "controller message refused"),
             },
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,

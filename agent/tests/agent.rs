@@ -571,94 +571,125 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     if !can_run(&[Need::Root]) {
         return;
     }
-    use powerflex_proto::link::{Body, Envelope};
+    use powerflex_proto::link::{controller_accept, fresh_nonce, node_key, Body, Session};
     use std::os::unix::fs::PermissionsExt;
-    let key = b"0123456789abcdef0123456789abcdef".to_vec();
+    let site_key = b"0123456789abcdef0123456789abcdef".to_vec();
     let keydir = std::env::temp_dir().join(format!("pf-agent-key-{}", std::process::id()));
     std::fs::create_dir_all(&keydir).expect("dir");
+    // The site key stays with the controller (this test); the node holds its own key,
+    // where the builder's config puts it.
     let key_file = keydir.join("powerflex.key");
-    std::fs::write(&key_file, &key).expect("key");
-    std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let node_key_file = keydir.join("node-n1.key");
+    std::fs::write(&node_key_file, node_key(&site_key, "n1").expect("n1 key")).expect("key");
+    std::fs::set_permissions(&node_key_file, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("controller port");
     let port = listener.local_addr().expect("addr").port();
     let f = Fixture::with_controller("link", None, 3600, Some((port, &key_file)));
     assert!(f.register("801", &["0", "1"], "flex2,calibrate=off").ok);
-
-    // The agent connects and says hello, authenticated with the site key.
-    let (stream, _) = listener.accept().expect("agent connects");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    let mut lines = BufReader::new(stream.try_clone().expect("clone")).lines();
     let now_ms = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .expect("clock")
             .as_millis() as u64
     };
-    let hello = Envelope::open(
-        &key,
-        &lines.next().expect("hello").expect("line"),
-        0,
-        now_ms(),
-    )
-    .expect("authentic hello");
-    assert_eq!(hello.from, "n1");
-    let Body::Hello { gpus } = hello.body else {
-        panic!("expected hello, got {:?}", hello.body)
+
+    // The agent connects and opens the handshake with its node key; the test controller
+    // answers the challenge; hello follows under the session key.
+    let accept = |listener: &std::net::TcpListener| -> (
+        std::net::TcpStream,
+        std::io::Lines<BufReader<std::net::TcpStream>>,
+        Session,
+    ) {
+        let (mut stream, _) = listener.accept().expect("agent connects");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut lines = BufReader::new(stream.try_clone().expect("clone")).lines();
+        let open = lines.next().expect("open").expect("line");
+        let (session, challenge) =
+            controller_accept(&site_key, &open, fresh_nonce().expect("nonce"), now_ms())
+                .expect("an open sealed with n1's key");
+        stream.write_all(challenge.as_bytes()).expect("challenge");
+        (stream, lines, session)
+    };
+    let (stream, mut lines, mut session) = accept(&listener);
+    let hello = session
+        .open(&lines.next().expect("hello").expect("line"), now_ms())
+        .expect("authentic hello");
+    let Body::Hello { gpus } = hello else {
+        panic!("expected hello, got {hello:?}")
     };
     assert_eq!(gpus.len(), 8);
     // Reports follow, carrying the job.
-    let report = wait_until("a report with job 801", Duration::from_secs(10), || {
-        let e = Envelope::open(&key, &lines.next()?.ok()?, 0, now_ms()).ok()?;
-        match e.body {
+    let report = wait_until(
+        "a report with job 801",
+        Duration::from_secs(10),
+        || match session.open(&lines.next()?.ok()?, now_ms()).ok()? {
             Body::Report { jobs, .. } if jobs.iter().any(|j| j.job_id == "801") => Some(jobs),
             _ => None,
-        }
-    });
+        },
+    );
     assert_eq!(
         report.iter().find(|j| j.job_id == "801").expect("job").tier,
         "flex2,calibrate=off"
     );
 
     let mut to_agent = stream;
-    let lease_for = |node: &str, seq: u64, cap: f64, ttl_s: f64, key: &[u8]| {
-        Envelope::seal(
-            key,
-            "controller",
-            seq,
-            now_ms(),
-            Body::Lease {
-                node: node.to_string(),
-                caps: [("801".to_string(), cap)].into(),
-                ttl_s,
-                start_cap_w: None,
-                recalibrate: Vec::new(),
-            },
-        )
-        .expect("seal")
-        .to_line()
+    let lease_body = |node: &str, cap: f64, ttl_s: f64| Body::Lease {
+        node: node.to_string(),
+        caps: [("801".to_string(), cap)].into(),
+        ttl_s,
+        start_cap_w: None,
+        recalibrate: Vec::new(),
     };
-    let lease = |seq: u64, cap: f64, ttl_s: f64, key: &[u8]| lease_for("n1", seq, cap, ttl_s, key);
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
-    let first = lease(100, 600.0, 4.0, &key);
+    let first = session
+        .seal(&lease_body("n1", 600.0, 4.0), now_ms())
+        .expect("seal");
     to_agent.write_all(first.as_bytes()).expect("send lease");
     wait_until(
         "the leased cap on both GPUs",
         Duration::from_secs(10),
         || (f.limit_w(0) == 600.0 && f.limit_w(1) == 600.0).then_some(()),
     );
-    // A forged lease (wrong key) changes nothing; nor does an authentic lease for
-    // another node.
+    // A forged lease (a session under another key) changes nothing; nor does an
+    // authentic lease naming another node.
+    let other_site = b"not the site key at all, no no no";
+    let (_, other_open) = powerflex_proto::link::AgentHandshake::start(
+        &node_key(other_site, "n1").expect("key"),
+        "n1",
+        fresh_nonce().expect("nonce"),
+        now_ms(),
+    )
+    .expect("open");
+    let (mut forged, _) = controller_accept(
+        other_site,
+        &other_open,
+        fresh_nonce().expect("nonce"),
+        now_ms(),
+    )
+    .expect("another site's session");
     to_agent
-        .write_all(lease(101, 300.0, 4.0, b"not the site key at all, no").as_bytes())
+        .write_all(
+            forged
+                .seal(&lease_body("n1", 300.0, 4.0), now_ms())
+                .expect("seal")
+                .as_bytes(),
+        )
         .expect("send forged");
     to_agent
-        .write_all(lease_for("n2", 102, 300.0, 4.0, &key).as_bytes())
+        .write_all(
+            session
+                .seal(&lease_body("n2", 300.0, 4.0), now_ms())
+                .expect("seal")
+                .as_bytes(),
+        )
         .expect("send misrouted");
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(f.limit_w(0), 600.0, "forged and misrouted leases ignored");
-    // The lease runs out: fail-safe cap. Replaying the old lease does not revive it.
+    // The lease runs out: fail-safe cap. Replaying the old lease on its own connection
+    // does not revive it.
     wait_until(
         "the fail-safe cap after the lease",
         Duration::from_secs(15),
@@ -667,6 +698,19 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     to_agent.write_all(first.as_bytes()).expect("replay");
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(f.limit_w(0), 500.0, "replayed lease refused");
+    // Nor after a reconnect: the agent's next connection has a new session key.
+    drop(to_agent);
+    drop(lines);
+    let (mut again, _lines2, _session2) = accept(&listener);
+    again
+        .write_all(first.as_bytes())
+        .expect("replay after reconnect");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(
+        f.limit_w(0),
+        500.0,
+        "a lease from the last connection refused"
+    );
     let log = f.log();
     assert!(log.contains("fails authentication"), "{log}");
     assert!(log.contains("replayed"), "{log}");

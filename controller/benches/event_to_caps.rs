@@ -15,7 +15,7 @@
 //!
 //! Run: `cargo bench -p powerflex-controller --bench event_to_caps` (SIMULATED site).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -28,8 +28,9 @@ use powerflex_core::allocate::Policy;
 use powerflex_core::config::RawGpuModel;
 use powerflex_core::flex::TierTable;
 use powerflex_core::Watts;
-use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
 use powerflex_testbed::binary;
+use powerflex_testbed::link_peer::LinkPeer;
 use powerflex_testbed::site::SiteBuilder;
 
 /// Site sizes measured, nodes.
@@ -90,11 +91,10 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
     }
 }
 
-/// One harness node: its connection, its sequence number, and the last lease it got.
+/// One harness node: its connection and session, and the last lease it got.
 struct HarnessNode {
-    name: String,
-    writer: Mutex<TcpStream>,
-    seq: AtomicU64,
+    /// The connection and the session that seals on it.
+    writer: Mutex<(TcpStream, Session)>,
     /// f64 bits of the cap in the last lease.
     cap_bits: AtomicU64,
     /// Nanoseconds since the benchmark's epoch at which the last lease arrived.
@@ -103,15 +103,10 @@ struct HarnessNode {
 
 impl HarnessNode {
     fn send(&self, body: Body) {
-        let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
-        let line = Envelope::seal(KEY, &self.name, seq, unix_ms(), body)
-            .expect("seal")
-            .to_line();
-        let _ = self
-            .writer
-            .lock()
-            .expect("writer")
-            .write_all(line.as_bytes());
+        let mut writer = self.writer.lock().expect("writer");
+        let (stream, session) = &mut *writer;
+        let line = session.seal(&body, unix_ms()).expect("seal");
+        let _ = stream.write_all(line.as_bytes());
     }
     fn cap_w(&self) -> f64 {
         f64::from_bits(self.cap_bits.load(Ordering::SeqCst))
@@ -251,12 +246,18 @@ fn event_to_caps(node_count: usize) -> Vec<(Duration, Duration)> {
     );
     let nodes: Vec<Arc<HarnessNode>> = (0..node_count)
         .map(|i| {
-            let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect ctld");
-            let reader = stream.try_clone().expect("clone");
+            let name = format!("bench{i:04}");
+            let (stream, reader, session) = LinkPeer::connect(
+                ([127, 0, 0, 1], port).into(),
+                KEY,
+                &name,
+                (0..GPUS_PER_NODE).map(|g| gpu_info(i, g)).collect(),
+            )
+            .expect("a link session with the controller")
+            .into_parts();
+            let mut opener = session.clone();
             let node = Arc::new(HarnessNode {
-                name: format!("bench{i:04}"),
-                writer: Mutex::new(stream),
-                seq: AtomicU64::new(0),
+                writer: Mutex::new((stream, session)),
                 cap_bits: AtomicU64::new(MAX_CAP_W.to_bits()),
                 lease_at_ns: AtomicU64::new(0),
             });
@@ -264,12 +265,12 @@ fn event_to_caps(node_count: usize) -> Vec<(Duration, Duration)> {
             std::thread::Builder::new()
                 .stack_size(64 * 1024)
                 .spawn(move || {
-                    for line in BufReader::new(reader).lines() {
+                    for line in reader.lines() {
                         let Ok(line) = line else { return };
-                        let Ok(envelope) = Envelope::open(KEY, &line, 0, unix_ms()) else {
+                        let Ok(body) = opener.open(&line, unix_ms()) else {
                             continue;
                         };
-                        if let Body::Lease { caps, .. } = envelope.body {
+                        if let Body::Lease { caps, .. } = body {
                             if let Some(&cap) = caps.get(&job) {
                                 reading.cap_bits.store(cap.to_bits(), Ordering::SeqCst);
                                 reading
@@ -280,9 +281,6 @@ fn event_to_caps(node_count: usize) -> Vec<(Duration, Duration)> {
                     }
                 })
                 .expect("reader thread");
-            node.send(Body::Hello {
-                gpus: (0..GPUS_PER_NODE).map(|g| gpu_info(i, g)).collect(),
-            });
             node.report(i);
             node
         })

@@ -27,11 +27,11 @@
 //! Run: `cargo bench -p powerflex-controller --bench metered` (SIMULATED site; about
 //! 40 s for each of the four configurations, two budget modes × two rollouts).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -39,7 +39,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use powerflex_core::config::RawGpuModel;
-use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
+use powerflex_testbed::link_peer::LinkPeer;
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::{binary, Children};
 
@@ -150,10 +151,9 @@ impl Job {
 
 /// One harness node: its connection and its job.
 struct Node {
-    name: String,
     job_id: String,
-    writer: Mutex<TcpStream>,
-    seq: AtomicU64,
+    /// The connection and the session that seals on it.
+    writer: Mutex<(TcpStream, Session)>,
     job: Mutex<Job>,
 }
 
@@ -162,15 +162,10 @@ impl Node {
         self.job.lock().unwrap_or_else(PoisonError::into_inner)
     }
     fn send(&self, body: Body) {
-        let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
-        let line = Envelope::seal(KEY, &self.name, seq, unix_ms(), body)
-            .expect("seal")
-            .to_line();
-        let _ = self
-            .writer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .write_all(line.as_bytes());
+        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let (stream, session) = &mut *writer;
+        let line = session.seal(&body, unix_ms()).expect("seal");
+        let _ = stream.write_all(line.as_bytes());
     }
     fn report(&self) {
         let (report, power_w) = {
@@ -333,13 +328,19 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
     let mut rng = StdRng::seed_from_u64(13);
     let nodes: Vec<Arc<Node>> = (0..NODES)
         .map(|i| {
-            let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect ctld");
-            let reader = stream.try_clone().expect("clone");
+            let name = format!("metered{i:03}");
+            let (stream, reader, session) = LinkPeer::connect(
+                ([127, 0, 0, 1], port).into(),
+                KEY,
+                &name,
+                (0..GPUS_PER_NODE).map(|g| gpu_info(i, g)).collect(),
+            )
+            .expect("a link session with the controller")
+            .into_parts();
+            let mut opener = session.clone();
             let node = Arc::new(Node {
-                name: format!("metered{i:03}"),
                 job_id: format!("{}", 200_000 + i),
-                writer: Mutex::new(stream),
-                seq: AtomicU64::new(0),
+                writer: Mutex::new((stream, session)),
                 job: Mutex::new(initial_job(i, &mut rng, epoch)),
             });
             let reading = node.clone();
@@ -347,14 +348,14 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
             std::thread::Builder::new()
                 .stack_size(128 * 1024)
                 .spawn(move || {
-                    for line in BufReader::new(reader).lines() {
+                    for line in reader.lines() {
                         let Ok(line) = line else { return };
-                        let Ok(envelope) = Envelope::open(KEY, &line, 0, unix_ms()) else {
+                        let Ok(body) = opener.open(&line, unix_ms()) else {
                             continue;
                         };
                         if let Body::Lease {
                             caps, start_cap_w, ..
-                        } = envelope.body
+                        } = body
                         {
                             // As the agent does: a job the lease does not name runs at
                             // min(start cap, fail-safe).
@@ -368,9 +369,6 @@ fn run(mode: &'static str, rollout: &'static str, rollout_key: Option<&str>) -> 
                     }
                 })
                 .expect("reader thread");
-            node.send(Body::Hello {
-                gpus: (0..GPUS_PER_NODE).map(|g| gpu_info(i, g)).collect(),
-            });
             node.report();
             node
         })

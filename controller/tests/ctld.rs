@@ -11,7 +11,8 @@ use powerflex_sim::state::Node;
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::{
-    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key, Children,
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,
+    write_site_key, Children,
 };
 
 fn draw_w(nodes: &[Node]) -> f64 {
@@ -97,6 +98,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         )
         .write(&config)
         .unwrap_or_else(|e| panic!("{e}"));
+    write_node_keys(&binary("powerflexctl"), &config, &["n1", "n2"]);
     let mut procs = Children(Vec::new());
     procs.0.push(start_ctld(&config, &base.join("ctld.log")));
     let admin = base.join("ctld.sock");
@@ -367,28 +369,17 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     assert_eq!(png.code, Some(2), "a bad value is a usage error");
     assert!(png.stderr.contains("only SVG"), "{}", png.stderr);
 
-    // A message sealed with another key is refused and logged.
-    use std::io::Write as _;
-    let forged = powerflex_proto::link::Envelope::seal(
-        b"not the site key at all, no no",
+    // A handshake sealed with another key is refused and logged.
+    use std::io::{BufRead as _, Write as _};
+    let wrong_key = powerflex_testbed::link_peer::LinkPeer::connect_with_key(
+        ([127, 0, 0, 1], port).into(),
+        b"not the node key at all, no no no",
         "n1",
-        u64::MAX / 2,
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_millis() as u64,
-        powerflex_proto::link::Body::Report {
-            jobs: vec![],
-            power_w: 0.0,
-            failsafe: false,
-            cap_mismatches: 0,
-        },
-    )
-    .expect("seal");
-    let mut raw = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    raw.write_all(forged.to_line().as_bytes()).expect("send");
+        Vec::new(),
+    );
+    assert!(wrong_key.is_err(), "a wrong key gets no session");
     wait_until(
-        "the forged message in the log",
+        "the forged handshake in the log",
         Duration::from_secs(10),
         || {
             std::fs::read_to_string(base.join("ctld2.log"))
@@ -398,36 +389,53 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         },
     );
 
-    // A correctly signed message sent twice: the copy is a replay. An unsigned one
-    // fails authentication. Both are refused and logged, and the connection stays usable.
+    // A correctly sealed frame sent twice on its session: the copy is a replay, refused
+    // and logged, and the session ends.
     let key_bytes = std::fs::read(&key).expect("key");
-    let hello = powerflex_proto::link::Envelope::seal(
+    let mut ghost = powerflex_testbed::link_peer::LinkPeer::connect(
+        ([127, 0, 0, 1], port).into(),
         key_bytes.trim_ascii(),
         "ghost",
-        5,
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_millis() as u64,
-        powerflex_proto::link::Body::Hello { gpus: vec![] },
+        Vec::new(),
     )
-    .expect("seal");
-    raw.write_all(hello.to_line().as_bytes()).expect("send");
-    raw.write_all(hello.to_line().as_bytes()).expect("replay");
-    let mut unsigned = hello.clone();
-    unsigned.seq = 6;
-    unsigned.mac = String::new();
-    raw.write_all(unsigned.to_line().as_bytes()).expect("send");
-    wait_until(
-        "the replay and the unsigned message in the log",
-        Duration::from_secs(10),
-        || {
-            let log = std::fs::read_to_string(base.join("ctld2.log")).ok()?;
-            (log.contains("message from ghost replayed")
-                && log.contains("message from ghost fails authentication"))
-            .then_some(())
-        },
+    .expect("a session under the derived key");
+    let report = ghost
+        .session
+        .seal(
+            &powerflex_proto::link::Body::Report {
+                jobs: vec![],
+                power_w: 0.0,
+                failsafe: false,
+                cap_mismatches: 0,
+            },
+            powerflex_testbed::link_peer::unix_ms(),
+        )
+        .expect("seal");
+    ghost.stream.write_all(report.as_bytes()).expect("send");
+    ghost.stream.write_all(report.as_bytes()).expect("replay");
+    wait_until("the replay in the log", Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(base.join("ctld2.log")).ok()?;
+        log.contains("message from ghost replayed").then_some(())
+    });
+
+    // A version 1 agent's hello: refused in words it reads, and logged.
+    let mut v1 = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    v1.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    v1.write_all(b"{\"v\":1,\"from\":\"n9\",\"seq\":1,\"ts_ms\":1,\"body\":{\"type\":\"hello\",\"gpus\":[]},\"mac\":\"00\"}\n")
+        .expect("send");
+    let mut answer = String::new();
+    std::io::BufReader::new(v1)
+        .read_line(&mut answer)
+        .expect("an answer");
+    assert!(
+        answer.contains("link version 1 refused; accepted: version 2"),
+        "{answer}"
     );
+    wait_until("the v1 refusal in the log", Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(base.join("ctld2.log")).ok()?;
+        log.contains("link version 1 refused").then_some(())
+    });
 
     // An agent that disappears: after its lease it counts at its fail-safe cap and the
     // rest of the budget goes to the live node.

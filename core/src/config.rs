@@ -42,6 +42,8 @@ const DEFAULT_LEASE_TTL_S: u64 = 60;
 const DEFAULT_ALLOCATION_PERIOD_S: u64 = 10;
 const DEFAULT_KEY_FILE: &str = "/etc/slurm/powerflex.key";
 const DEFAULT_AGENT_SOCKET: &str = "/run/powerflex/%n.sock";
+/// Default path of a node's own link key (see `powerflexctl link-key`).
+pub const DEFAULT_AGENT_KEY_FILE: &str = "/etc/powerflex/node.key";
 const DEFAULT_CALIBRATION_ALLOWANCE_PCT: f64 = 5.0;
 
 // ---------------------------------------------------------------------------------------
@@ -173,8 +175,9 @@ pub struct RawController {
     pub lease_ttl_s: Option<u64>,
     /// Seconds between allocations (and lease renewals), 1 to 600 (default 10).
     pub allocation_period_s: Option<u64>,
-    /// Absolute path of the root-only site key that authenticates agent and admin
-    /// traffic (default `/etc/slurm/powerflex.key`).
+    /// Absolute path of the root-only site key, on the controller's host only: the
+    /// controller derives each node's link key from it (default
+    /// `/etc/slurm/powerflex.key`). Nodes hold their own key, `agent.key_file`.
     pub key_file: Option<String>,
     /// Absolute path of the controller's admin socket, where `powerflexctl` talks to it
     /// (default `/run/powerflex/ctld.sock`).
@@ -213,6 +216,11 @@ pub struct RawAgent {
     /// Directory for the agent's persisted state (saved default caps, live jobs and
     /// their curves); `%n` is the node name (default `/var/lib/powerflex/%n`).
     pub state_dir: Option<String>,
+    /// Absolute path of this node's own link key (root-owned, mode 0600), made with
+    /// `powerflexctl link-key --node <name>` on the controller's host; `%n` is the node
+    /// name (default `/etc/powerflex/node.key`). Keep it on local disk: each node must
+    /// hold only its own key.
+    pub key_file: Option<String>,
     /// Calibration: least time a job reports progress before its walk starts, seconds
     /// (0.5 to 3600, default 60).
     pub calibration_warmup_s: Option<f64>,
@@ -419,6 +427,9 @@ pub struct AgentConfig {
     pub node_budget_w: Option<Watts>,
     /// State directory pattern: absolute, `%n` = node name.
     pub state_dir: String,
+    /// This node's link key file pattern: absolute, `%n` = node name. Expand it with
+    /// [`AgentConfig::key_file`].
+    pub key_file: String,
     pub calibration_warmup_s: f64,
     pub calibration_settle_s: f64,
     pub calibration_hold_s: f64,
@@ -455,6 +466,11 @@ impl AgentConfig {
     /// The socket path on node `node_name`: `%n` replaced by the name, `%%` by `%`.
     pub fn socket_path(&self, node_name: &str) -> PathBuf {
         expand_node(&self.socket, node_name)
+    }
+
+    /// The link key file of node `node_name`.
+    pub fn key_file(&self, node_name: &str) -> PathBuf {
+        expand_node(&self.key_file, node_name)
     }
 }
 
@@ -1087,6 +1103,10 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
         .state_dir
         .unwrap_or_else(|| DEFAULT_AGENT_STATE_DIR.to_string());
     path("agent.state_dir", &state_dir, true)?;
+    let key_file = raw
+        .key_file
+        .unwrap_or_else(|| DEFAULT_AGENT_KEY_FILE.to_string());
+    path("agent.key_file", &key_file, true)?;
     let seconds = |key: &str,
                    value: Option<f64>,
                    default: f64,
@@ -1111,6 +1131,7 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
         calibration_allowance: SlowdownFraction(allowance_pct / 100.0),
         node_budget_w,
         state_dir,
+        key_file,
         calibration_warmup_s: seconds(
             "agent.calibration_warmup_s",
             raw.calibration_warmup_s,
@@ -1269,7 +1290,7 @@ listen = "10.0.0.5:7300"
         assert!(c.key_file.is_some());
         let a = &raw.agent;
         assert!(a.socket.is_some() && a.metrics_listen.is_some() && a.nvml_library.is_some());
-        assert!(a.calibration_allowance_pct.is_some());
+        assert!(a.calibration_allowance_pct.is_some() && a.key_file.is_some());
         // Standalone mode is documented but left off: this site runs a controller.
         assert!(a.node_budget_w.is_none() && EXAMPLE.contains("# node_budget_w = "));
         let p = &raw.predictor;
@@ -1345,6 +1366,7 @@ listen = "10.0.0.5:7300"
                     calibration_allowance: SlowdownFraction(0.05),
                     node_budget_w: None,
                     state_dir: "/var/lib/powerflex/%n".into(),
+                    key_file: "/etc/powerflex/node.key".into(),
                     calibration_warmup_s: 60.0,
                     calibration_settle_s: 10.0,
                     calibration_hold_s: 30.0,

@@ -103,21 +103,81 @@ fn write_then_rename(
     Ok(())
 }
 
-/// Shortest accepted site key, bytes (surrounding whitespace ignored).
+/// Shortest accepted key, bytes (surrounding whitespace ignored).
 pub const MIN_KEY_BYTES: usize = 16;
 
-/// Reads the site key: a root-only file (mode 0600 or stricter) of at least
-/// [`MIN_KEY_BYTES`] bytes, surrounding whitespace ignored. Agent and controller must
-/// derive the same key from it.
-pub fn read_site_key(path: &Path) -> Result<Vec<u8>, DaemonError> {
+/// Longest accepted key file, bytes: a key is a line, not a document.
+pub const MAX_KEY_FILE_BYTES: u64 = 4096;
+
+/// Reads a link key file (the controller's site key, or a node's own key): a regular
+/// file, owned by root, mode 0600 or stricter (no group or other bits), of
+/// [`MIN_KEY_BYTES`] to [`MAX_KEY_FILE_BYTES`] bytes, surrounding whitespace ignored.
+///
+/// It is opened with `O_NOFOLLOW | O_NONBLOCK` and checked with `fstat` on the open file
+/// (not the path, which could be swapped in between): a symlink is refused without
+/// following it, and a FIFO or device is refused without blocking on it.
+pub fn read_key_file(path: &Path) -> Result<Vec<u8>, DaemonError> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    use std::io::Read;
     let shown = path.display().to_string();
-    let meta =
-        std::fs::metadata(path).map_err(DaemonError::io("cannot read the site key", &shown))?;
-    let mode = meta.permissions().mode() & 0o777;
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .map_err(|e| {
+        if e == rustix::io::Errno::LOOP {
+            DaemonError::KeyNotRegular {
+                path: shown.clone(),
+                kind: "symbolic link",
+            }
+        } else {
+            DaemonError::Io {
+                what: "cannot open the key file",
+                path: shown.clone(),
+                source: e.into(),
+            }
+        }
+    })?;
+    let stat = rustix::fs::fstat(&fd).map_err(|e| DaemonError::Io {
+        what: "cannot stat the key file",
+        path: shown.clone(),
+        source: e.into(),
+    })?;
+    let kind = match FileType::from_raw_mode(stat.st_mode) {
+        FileType::RegularFile => None,
+        FileType::Directory => Some("directory"),
+        FileType::Symlink => Some("symbolic link"),
+        FileType::Fifo => Some("FIFO"),
+        FileType::Socket => Some("socket"),
+        FileType::CharacterDevice => Some("character device"),
+        FileType::BlockDevice => Some("block device"),
+        FileType::Unknown => Some("file of unknown type"),
+    };
+    if let Some(kind) = kind {
+        return Err(DaemonError::KeyNotRegular { path: shown, kind });
+    }
+    if stat.st_uid != 0 {
+        return Err(DaemonError::KeyOwner {
+            path: shown,
+            uid: stat.st_uid,
+        });
+    }
+    let mode = stat.st_mode & 0o7777;
     if mode & 0o077 != 0 {
         return Err(DaemonError::KeyPermissions { path: shown, mode });
     }
-    let key = std::fs::read(path).map_err(DaemonError::io("cannot read the site key", &shown))?;
+    let mut key = Vec::new();
+    std::fs::File::from(fd)
+        .take(MAX_KEY_FILE_BYTES + 1)
+        .read_to_end(&mut key)
+        .map_err(DaemonError::io("cannot read the key file", &shown))?;
+    if key.len() as u64 > MAX_KEY_FILE_BYTES {
+        return Err(DaemonError::KeyTooLong {
+            path: shown,
+            max_bytes: MAX_KEY_FILE_BYTES,
+        });
+    }
     let key = key.trim_ascii();
     if key.len() < MIN_KEY_BYTES {
         return Err(DaemonError::KeyTooShort {
@@ -126,6 +186,11 @@ pub fn read_site_key(path: &Path) -> Result<Vec<u8>, DaemonError> {
         });
     }
     Ok(key.to_vec())
+}
+
+/// The site key (`controller.key_file`): see [`read_key_file`].
+pub fn read_site_key(path: &Path) -> Result<Vec<u8>, DaemonError> {
+    read_key_file(path)
 }
 
 #[cfg(test)]
@@ -193,20 +258,99 @@ pub(crate) mod tests {
             read_site_key(&path),
             Err(DaemonError::KeyPermissions { mode: 0o644, .. })
         ));
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-        assert_eq!(
-            read_site_key(&path).expect("key"),
-            b"a site key of some length".to_vec()
-        );
-        std::fs::write(&path, b"short\n").expect("key");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).expect("chmod");
         assert!(matches!(
             read_site_key(&path),
-            Err(DaemonError::KeyTooShort { min_bytes: 16, .. })
+            Err(DaemonError::KeyPermissions { mode: 0o640, .. })
         ));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        if rustix::process::geteuid().is_root() {
+            assert_eq!(
+                read_site_key(&path).expect("key"),
+                b"a site key of some length".to_vec()
+            );
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).expect("chmod");
+            assert!(read_site_key(&path).is_ok(), "0400 is stricter than 0600");
+            std::fs::write(&path, b"short\n").expect("key");
+            assert!(matches!(
+                read_site_key(&path),
+                Err(DaemonError::KeyTooShort { min_bytes: 16, .. })
+            ));
+            std::fs::write(&path, vec![b'k'; 5000]).expect("key");
+            assert!(matches!(
+                read_site_key(&path),
+                Err(DaemonError::KeyTooLong { .. })
+            ));
+        }
         let missing = read_site_key(&dir.join("none")).expect_err("missing");
         assert!(
-            missing.to_string().contains("cannot read the site key"),
+            missing.to_string().contains("cannot open the key file"),
             "{missing}"
         );
+    }
+
+    #[test]
+    fn a_key_file_that_is_not_a_private_root_file_is_refused_without_blocking() {
+        let dir = scratch("key-kinds");
+        let real = dir.join("real.key");
+        std::fs::write(&real, b"a site key of some length\n").expect("key");
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        // A symlink to a good key is refused, not followed.
+        let link = dir.join("link.key");
+        std::os::unix::fs::symlink(&real, &link).expect("symlink");
+        let err = read_key_file(&link).expect_err("symlink");
+        assert!(
+            matches!(
+                err,
+                DaemonError::KeyNotRegular {
+                    kind: "symbolic link",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // A FIFO with no writer: a plain open would block forever.
+        let fifo = dir.join("fifo.key");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .expect("mkfifo");
+        let started = std::time::Instant::now();
+        let err = read_key_file(&fifo).expect_err("fifo");
+        assert!(
+            matches!(err, DaemonError::KeyNotRegular { kind: "FIFO", .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("regular file"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        let err = read_key_file(&dir).expect_err("dir");
+        assert!(
+            matches!(
+                err,
+                DaemonError::KeyNotRegular {
+                    kind: "directory",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Owned by someone other than root (only root can give a file away).
+        if rustix::process::geteuid().is_root() {
+            let theirs = dir.join("theirs.key");
+            std::fs::write(&theirs, b"a site key of some length\n").expect("key");
+            std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o600))
+                .expect("chmod");
+            std::os::unix::fs::chown(&theirs, Some(65534), None).expect("chown");
+            let err = read_key_file(&theirs).expect_err("not root's");
+            assert!(
+                matches!(err, DaemonError::KeyOwner { uid: 65534, .. }),
+                "{err}"
+            );
+            assert!(err.to_string().contains("owned by uid 65534"), "{err}");
+        }
     }
 }

@@ -9,7 +9,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -61,6 +61,17 @@ impl MetricsServer {
         options: HttpOptions,
         render: impl Fn() -> String + Send + Sync + 'static,
     ) -> Result<MetricsServer, DaemonError> {
+        MetricsServer::spawn_counted(listener, options, Arc::new(AtomicU64::new(0)), render)
+    }
+
+    /// [`MetricsServer::spawn`], adding one to `refused` for every request answered 400
+    /// (malformed, oversized, or not sent within the timeout), so the daemon can export it.
+    pub fn spawn_counted(
+        listener: TcpListener,
+        options: HttpOptions,
+        refused: Arc<AtomicU64>,
+        render: impl Fn() -> String + Send + Sync + 'static,
+    ) -> Result<MetricsServer, DaemonError> {
         let local_addr = listener.local_addr().map_err(DaemonError::io(
             "cannot read the address of",
             "the metrics listener",
@@ -75,10 +86,10 @@ impl MetricsServer {
             let listener = listener
                 .try_clone()
                 .map_err(DaemonError::io("cannot share", local_addr))?;
-            let (render, stopping) = (render.clone(), stopping.clone());
+            let (render, stopping, refused) = (render.clone(), stopping.clone(), refused.clone());
             let worker = std::thread::Builder::new()
                 .name(format!("metrics-{i}"))
-                .spawn(move || serve(&listener, &*render, &stopping, options.io_timeout))
+                .spawn(move || serve(&listener, &*render, &stopping, &refused, options.io_timeout))
                 .map_err(DaemonError::io("cannot start a thread for", local_addr))?;
             workers.push(worker);
         }
@@ -117,14 +128,24 @@ impl Drop for MetricsServer {
     }
 }
 
-fn serve(listener: &TcpListener, render: &Render, stopping: &AtomicBool, io_timeout: Duration) {
+fn serve(
+    listener: &TcpListener,
+    render: &Render,
+    stopping: &AtomicBool,
+    refused: &AtomicU64,
+    io_timeout: Duration,
+) {
     loop {
         let accepted = listener.accept();
         if stopping.load(Ordering::SeqCst) {
             return;
         }
         match accepted {
-            Ok((stream, _)) => answer(stream, render, io_timeout),
+            Ok((stream, _)) => {
+                if answer(stream, render, io_timeout) == Route::BadRequest {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             Err(e) => {
                 // Out of descriptors and the like: say so, and do not spin on it.
                 warn!(error = %e, "metrics accept failed");
@@ -182,13 +203,13 @@ fn read_head(stream: &mut TcpStream, io_timeout: Duration) -> Option<Vec<u8>> {
     Some(head)
 }
 
-fn answer(mut stream: TcpStream, render: &Render, io_timeout: Duration) {
+fn answer(mut stream: TcpStream, render: &Render, io_timeout: Duration) -> Route {
     let _ = stream.set_write_timeout(Some(io_timeout));
     let route = match read_head(&mut stream, io_timeout) {
         Some(head) => route(&head),
         None => Route::BadRequest,
     };
-    let (status, body) = match route {
+    let (status, body) = match &route {
         Route::Metrics => ("200 OK", render()),
         Route::NotFound => ("404 Not Found", "try /metrics\n".to_string()),
         Route::BadMethod => ("405 Method Not Allowed", "only GET\n".to_string()),
@@ -201,6 +222,7 @@ fn answer(mut stream: TcpStream, render: &Render, io_timeout: Duration) {
     let _ = stream
         .write_all(head.as_bytes())
         .and_then(|()| stream.write_all(body.as_bytes()));
+    route
 }
 
 #[cfg(test)]
@@ -265,6 +287,27 @@ mod tests {
         let mut answer = String::new();
         let _ = flood.read_to_string(&mut answer);
         assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        s.stop();
+    }
+
+    #[test]
+    fn refused_requests_are_counted() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let refused = Arc::new(AtomicU64::new(0));
+        let s =
+            MetricsServer::spawn_counted(listener, HttpOptions::default(), refused.clone(), || {
+                "x 1\n".into()
+            })
+            .expect("spawn");
+        assert!(get(s.local_addr(), b"GET /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.1 200"));
+        assert_eq!(refused.load(Ordering::Relaxed), 0);
+        assert!(get(s.local_addr(), b"\x00garbage\r\n\r\n").starts_with("HTTP/1.1 400"));
+        // The worker counts once the answer is out: wait for it, with a deadline.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while refused.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(refused.load(Ordering::Relaxed), 1);
         s.stop();
     }
 

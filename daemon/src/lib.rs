@@ -8,7 +8,7 @@
 //! | [`prom`] | Prometheus text writer with escaped label values, and the [`prom::catalog`] of every metric family both daemons export (name, type, help, label names) | two writers with diverging label sets |
 //! | [`http`] | `/metrics` responder: a fixed number of worker threads, read/write timeouts | two hand-rolled accept loops |
 //! | [`lines`] | one bounded line read (`\n`-terminated, at most N bytes) | six `take(N).read_line` copies |
-//! | [`fsx`] | atomic file write (temporary file, optional fsync, rename, settable mode) and the site-key reader | three atomic writers; `proto::link::read_site_key` |
+//! | [`fsx`] | atomic file write (temporary file, optional fsync, rename, settable mode) and the key-file reader (root-owned regular 0600 files, opened without following or blocking) | three atomic writers; `proto::link::read_site_key` |
 //! | [`os`] | `kill`, `flock`, `SO_PEERCRED` through `rustix` | `unsafe` libc calls and `kill` run as a subprocess |
 //! | [`trace`] | tracing init from `POWERFLEX_LOG` | two copies in the binaries |
 //!
@@ -56,12 +56,21 @@ pub enum DaemonError {
     /// A line longer than the protocol allows.
     #[error("line exceeds the {limit_bytes}-byte limit")]
     LineTooLong { limit_bytes: usize },
-    /// The site key file is readable by group or others.
-    #[error("the site key {path} is readable by others (mode {mode:o}); chmod 600 it")]
+    /// A key file is open to group or others.
+    #[error("the key file {path} has mode {mode:o}; accepted: 600 or stricter (chmod 600 it)")]
     KeyPermissions { path: String, mode: u32 },
-    /// The site key file holds too little.
-    #[error("the site key {path} is shorter than {min_bytes} bytes (whitespace ignored)")]
+    /// A key file owned by someone other than root.
+    #[error("the key file {path} is owned by uid {uid}; accepted: owned by root (chown root it)")]
+    KeyOwner { path: String, uid: u32 },
+    /// A key path that is not a regular file (a FIFO, a symlink, a directory, ...).
+    #[error("the key file {path} is a {kind}; accepted: a regular file (not a symlink)")]
+    KeyNotRegular { path: String, kind: &'static str },
+    /// A key file holds too little.
+    #[error("the key file {path} is shorter than {min_bytes} bytes (whitespace ignored)")]
     KeyTooShort { path: String, min_bytes: usize },
+    /// A key file holds too much to be a key.
+    #[error("the key file {path} is longer than {max_bytes} bytes; accepted: one key line")]
+    KeyTooLong { path: String, max_bytes: u64 },
     /// A process id that cannot name a single process (0 or above `i32::MAX`).
     #[error("pid {pid} names no single process; accepted: 1..={}", i32::MAX)]
     BadPid { pid: u32 },

@@ -186,6 +186,18 @@ pub mod catalog {
         labels: [],
     };
 
+    /// Connections and messages the controller refused, by reason: on the agent link
+    /// `version`, `mac`, `replay`, `stale`, `wrong_peer`, `malformed`, `oversize`,
+    /// `unexpected`, `pending_cap` (a handshake slot taken back for a newer connection),
+    /// `handshake_timeout`, `session_cap`; on the admin socket `admin_cap`,
+    /// `admin_uid_cap`, `admin_timeout`; on the metrics server `metrics_bad_request`.
+    pub const REFUSALS_TOTAL: Family<1> = Family {
+        name: "powerflex_refusals_total",
+        kind: Kind::Counter,
+        help: "Connections and messages the controller refused, by reason.",
+        labels: ["reason"],
+    };
+
     /// Every family's name and label names, for the consistency test and for docs.
     pub fn all() -> Vec<(&'static str, Kind, Vec<&'static str>)> {
         fn e<const N: usize>(f: Family<N>) -> (&'static str, Kind, Vec<&'static str>) {
@@ -215,6 +227,7 @@ pub mod catalog {
             e(REPORTS_REJECTED),
             e(FLOORS_BROKEN),
             e(OVER_BUDGET_WATTS),
+            e(REFUSALS_TOTAL),
         ]
     }
 }

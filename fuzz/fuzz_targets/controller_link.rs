@@ -1,42 +1,39 @@
-//! Messages on the agent<->controller link: every line a peer could send is opened
-//! (MAC, sequence, staleness) without a panic; whatever opens re-seals to the same MAC
-//! (the controller verifies re-serialised envelopes); and a message sealed from any
-//! sender name and body the fuzzer makes opens again, unless it is over the link's size
-//! limit, which `open` refuses as too long.
+//! Frames on the agent<->controller link (v2): every line a peer could send goes through
+//! the controller's handshake and an established session on both sides without a panic;
+//! whatever opens was sealed under the key it is checked with; and any body the fuzzer
+//! makes, sealed by one side of a session, opens on the other exactly (nothing is
+//! re-serialised), unless it is over the link's size limit, which `seal` refuses.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use powerflex_proto::link::{Body, Envelope, LinkError, MAX_LINK_LINE_BYTES};
-use powerflex_proto::ProtoError;
+use powerflex_proto::link::{
+    controller_accept, node_key, unframe, AgentHandshake, Body, LinkError, MAX_LINK_LINE_BYTES,
+};
 
-const KEY: &[u8] = b"fuzzing key";
+const SITE_KEY: &[u8] = b"fuzzing site key";
 const NOW_MS: u64 = 1_800_000_000_000;
 
 fuzz_target!(|data: &[u8]| {
     let line = String::from_utf8_lossy(data);
-    let _ = Envelope::open(KEY, &line, u64::MAX, NOW_MS);
-    let _ = Envelope::open(b"", &line, 0, 0);
-    if let Ok(opened) = Envelope::open(KEY, &line, 0, NOW_MS) {
-        let resealed = Envelope::seal(
-            KEY,
-            &opened.from,
-            opened.seq,
-            opened.ts_ms,
-            opened.body.clone(),
-        )
-        .expect("reseal");
-        assert_eq!(resealed.mac, opened.mac);
-    }
-    // A body from the input (when it is one), sealed and opened again.
+    // The controller's first look at an unauthenticated peer.
+    let _ = controller_accept(SITE_KEY, &line, [3; 16], NOW_MS);
+    let _ = unframe(&line, MAX_LINK_LINE_BYTES);
+    // A real session, then the input on both sides of it.
+    let key = node_key(SITE_KEY, "n1").expect("node key");
+    let (hs, open) = AgentHandshake::start(&key, "n1", [1; 16], NOW_MS).expect("open");
+    let (mut ctld, challenge) =
+        controller_accept(SITE_KEY, &open, [2; 16], NOW_MS).expect("accept");
+    let mut agent = hs.clone().finish(&challenge, NOW_MS).expect("challenge");
+    let _ = hs.finish(&line, NOW_MS);
+    let _ = ctld.clone().open(&line, NOW_MS);
+    let _ = agent.clone().open(&line, NOW_MS);
+    // A body from the input (when it is one), sealed by the agent and opened by the
+    // controller: the same body, or a refusal to seal it as too large.
     let body = serde_json::from_str::<Body>(&line).unwrap_or(Body::Hello { gpus: Vec::new() });
-    // Sealing does not bound the size (the sender's name is the whole input here), so a
-    // line over the link's limit is refused as too long, and any other opens again.
-    if let Ok(sealed) = Envelope::seal(KEY, &line, 7, NOW_MS, body) {
-        let sealed_line = sealed.to_line();
-        match Envelope::open(KEY, &sealed_line, 6, NOW_MS) {
-            Ok(_) => {}
-            Err(LinkError::Proto(ProtoError::TooLong(len)))
-                if sealed_line.len() > MAX_LINK_LINE_BYTES && len == sealed_line.len() => {}
-            Err(e) => panic!("a sealed message of {} bytes does not open: {e}", sealed_line.len()),
+    match agent.seal(&body, NOW_MS) {
+        Ok(sealed) => assert_eq!(ctld.open(&sealed, NOW_MS).as_ref(), Ok(&body)),
+        Err(LinkError::TooLarge { bytes, limit_bytes }) => {
+            assert!(bytes > limit_bytes && limit_bytes == MAX_LINK_LINE_BYTES)
         }
+        Err(e) => panic!("a body does not seal: {e}"),
     }
 });

@@ -137,12 +137,12 @@ fn start(cli: Cli) -> Result<(), String> {
         &gpu_name,
         progress_address.clone(),
     )?;
-    // Controller mode needs the site key; without it no lease can be trusted, so the
-    // link stays down and the fail-safe cap applies once the first lease would be due.
+    // Controller mode needs this node's link key; without it no lease can be trusted, so
+    // the link stays down and the fail-safe cap applies once the first lease would be due.
     let link = if site.agent.node_budget_w.is_some() {
         None
     } else {
-        match powerflex_daemon::fsx::read_site_key(&site.controller.key_file) {
+        match powerflex_daemon::fsx::read_key_file(&site.agent.key_file(&node)) {
             Ok(key) => Some(LinkOptions {
                 controller: site.controller.listen,
                 key,

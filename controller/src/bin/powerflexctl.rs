@@ -160,6 +160,21 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
+    /// Writes node NAME's own link key, derived from the site key (`controller.key_file`),
+    /// to FILE (root-owned, mode 0600). Run it on the controller's host, as root, once per
+    /// node; copy FILE to the node as its `agent.key_file`. The node can use it for
+    /// itself only.
+    LinkKey {
+        /// Site config naming the site key.
+        #[arg(long, default_value = "/etc/slurm/powerflex.toml", value_name = "FILE")]
+        site: String,
+        /// The node's Slurm name.
+        #[arg(long, value_name = "NAME", value_parser = node_name)]
+        node: String,
+        /// Where to write the node's key.
+        #[arg(long, value_name = "FILE")]
+        out: String,
+    },
     /// The controller's state: budget, draw, headroom, active event, nodes, jobs.
     Status {
         #[command(flatten)]
@@ -317,6 +332,20 @@ enum EventAction {
         #[command(flatten)]
         ctld: CtldArgs,
     },
+}
+
+/// A node name as the link accepts it.
+fn node_name(text: &str) -> Result<String, String> {
+    if powerflex_proto::link::valid_node_name(text) {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "\"{}\" is not a node name; accepted: 1-{} ASCII letters, digits, '.', '_' or '-', not \"{}\"",
+            text.escape_default(),
+            powerflex_proto::link::MAX_NODE_NAME_BYTES,
+            powerflex_proto::link::CONTROLLER
+        ))
+    }
 }
 
 /// A power on the command line: `850kW`, `1.2MW`, `700W` or bare watts.
@@ -740,6 +769,27 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 "wrote {out}: {} samples, {} jobs\n",
                 samples.len(),
                 jobs.len()
+            ))
+        }
+        Command::LinkKey { site, node, out } => {
+            let text = read_text(&site, MAX_INPUT_BYTES)?;
+            let config = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
+                path: site.clone(),
+                source: e.into(),
+            })?;
+            let site_key = powerflex_daemon::fsx::read_site_key(&config.controller.key_file)
+                .map_err(|e| CtlError::Usage(e.to_string()))?;
+            let mut key = powerflex_proto::link::node_key(&site_key, &node)
+                .map_err(|e| CtlError::Usage(e.to_string()))?;
+            key.push(b'\n');
+            powerflex_daemon::fsx::write_atomic(
+                std::path::Path::new(&out),
+                &key,
+                powerflex_daemon::fsx::AtomicWrite::durable().with_mode(0o600),
+            )
+            .map_err(|e| CtlError::Usage(e.to_string()))?;
+            Ok(format!(
+                "wrote node {node}'s link key to {out} (mode 0600); install it on {node} as agent.key_file, owned by root\n"
             ))
         }
         Command::SynthCurves { paper, noise, seed } => {

@@ -1,6 +1,8 @@
 //! The admin socket (Unix): `powerflexctl` reads status (anyone) and changes the budget
 //! and grid events (root only, by `SO_PEERCRED`). One request line, one reply line, in
-//! the versioned protocol of `powerflex_proto::admin`.
+//! the versioned protocol of `powerflex_proto::admin`. Connections are admitted by
+//! [`super::bounds::AdminGate`] (a few per user, a reserve for root); a refused one gets
+//! a reply saying why, and the request must arrive within one deadline.
 
 use std::io::{BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -17,15 +19,20 @@ use powerflex_daemon::lines;
 
 use powerflex_proto::admin::{AdminOp, AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
+use super::bounds::{AdminGate, AdminLimits, DeadlineReader, Refusals};
 use super::Inbound;
 
-/// Accepts admin connections until `shutdown`, one thread per connection. The accept
-/// blocks; [`super::run`] wakes it at shutdown by connecting to the socket itself.
+/// Accepts admin connections until `shutdown`, one thread per admitted connection (so at
+/// most `limits.unprivileged + limits.root`). The accept blocks; [`super::run`] wakes it
+/// at shutdown by connecting to the socket itself.
 pub(crate) fn spawn(
     admin: UnixListener,
     tx: Sender<Inbound>,
+    limits: AdminLimits,
+    refusals: Arc<Refusals>,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
+    let gate = Arc::new(AdminGate::new(limits));
     std::thread::Builder::new()
         .name("admin-accept".into())
         .spawn(move || loop {
@@ -34,9 +41,33 @@ pub(crate) fn spawn(
                 return;
             }
             match accepted {
-                Ok((stream, _)) => {
-                    let tx = tx.clone();
-                    std::thread::spawn(move || serve_admin(stream, &tx));
+                Ok((mut stream, _)) => {
+                    let uid = powerflex_daemon::os::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
+                    let _ = stream.set_write_timeout(Some(limits.io_timeout));
+                    let place = match gate.enter(uid) {
+                        Ok(place) => place,
+                        Err(refusal) => {
+                            // Refused in the acceptor, without a thread: a short reply
+                            // into an empty socket buffer, bounded by the write timeout.
+                            refusals.count(refusal.reason);
+                            let _ = stream
+                                .write_all(AdminReply::error(refusal.message).to_line().as_bytes());
+                            continue;
+                        }
+                    };
+                    let (tx, counts) = (tx.clone(), refusals.clone());
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("admin".into())
+                            .spawn(move || {
+                                // The place is held until the reply is out.
+                                let _place = place;
+                                serve_admin(stream, uid, &tx, &counts, &limits);
+                            });
+                    if let Err(e) = spawned {
+                        refusals.count("admin_cap");
+                        warn!(error = %e, "cannot start an admin thread; connection refused");
+                    }
                 }
                 Err(e) => {
                     // Out of descriptors and the like: say so, and do not spin on it.
@@ -47,16 +78,27 @@ pub(crate) fn spawn(
         })
 }
 
-fn serve_admin(mut stream: UnixStream, tx: &Sender<Inbound>) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
-    let uid = powerflex_daemon::os::peer_of(&stream).map_or(u32::MAX, |p| p.uid);
-    let read = stream.try_clone().map_err(|e| e.to_string()).and_then(|s| {
-        lines::read_line(&mut BufReader::new(s), MAX_ADMIN_REQUEST_BYTES)
-            .map_err(|e| format!("admin request: {e}"))
-    });
+fn serve_admin(
+    mut stream: UnixStream,
+    uid: u32,
+    tx: &Sender<Inbound>,
+    refusals: &Refusals,
+    limits: &AdminLimits,
+) {
+    let _ = stream.set_write_timeout(Some(limits.io_timeout));
+    let read = lines::read_line(
+        &mut BufReader::new(DeadlineReader::new(&stream, limits.io_timeout)),
+        MAX_ADMIN_REQUEST_BYTES,
+    );
     let reply = match read {
-        Err(e) => AdminReply::error(e),
+        Err(e) if e.is_timeout() => {
+            refusals.count("admin_timeout");
+            AdminReply::error(format!(
+                "admin request not received within {} ms",
+                limits.io_timeout.as_millis()
+            ))
+        }
+        Err(e) => AdminReply::error(format!("admin request: {e}")),
         Ok(None) => return,
         Ok(Some(line)) => match AdminRequest::from_line(&line) {
             Err(e) => AdminReply::error(e.to_string()),

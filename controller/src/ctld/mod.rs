@@ -8,12 +8,17 @@
 //!
 //! - **Loop**: every `allocation_period_s`, the budget in force ([`crate::schedule`]) is
 //!   split across every live node's jobs ([`crate::site`]) and each node gets its lease.
+//! - **Bounds** ([`bounds`], [`link::LinkLimits`]): the link carries unauthenticated
+//!   peers through the handshake in one thread with a cap and a deadline, the admin socket
+//!   admits a few connections per user with one deadline per request, the metrics server
+//!   has a fixed pool; every refusal is counted in `powerflex_refusals_total{reason}`.
 //! - **State** (budget override, events, next event id, known nodes) is saved atomically
 //!   on change; after a restart the controller resumes its events, and agents keep the
 //!   caps of their unexpired leases meanwhile — nobody goes over budget in between.
 
 pub mod admin;
 pub mod annotate;
+pub mod bounds;
 pub mod core;
 pub mod link;
 pub mod metrics;
@@ -34,7 +39,7 @@ use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
-use powerflex_proto::link::{Body, Envelope, GpuInfo, JobReport};
+use powerflex_proto::link::{Body, GpuInfo, JobReport};
 
 pub use self::admin::request;
 pub use self::core::{Core, Input, Lease, Output};
@@ -76,8 +81,8 @@ pub(crate) enum Inbound {
     Hello {
         node: String,
         gpus: Vec<GpuInfo>,
-        /// Lines to this agent's connection.
-        writer: Sender<String>,
+        /// Messages to this agent's session (sealed there).
+        writer: Sender<Body>,
     },
     Report {
         node: String,
@@ -91,15 +96,33 @@ pub(crate) enum Inbound {
     },
 }
 
-/// Runs the controller until `shutdown`. `reloads` brings re-read site configs: a valid
-/// one replaces the budget, policy, tiers and lease settings at once (the listen
-/// addresses, sockets, state directory, key and period need a restart); a refused one
-/// leaves the config in force and is reported by `status` until a valid one arrives.
+/// How many connections the controller serves at once, and for how long.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bounds {
+    pub link: link::LinkLimits,
+    pub admin: bounds::AdminLimits,
+}
+
+/// [`run_bounded`] with the default [`Bounds`].
 pub fn run(
     options: CtldOptions,
     shutdown: Arc<AtomicBool>,
     reloads: Receiver<Reload>,
 ) -> Result<(), String> {
+    run_bounded(options, Bounds::default(), shutdown, reloads)
+}
+
+/// Runs the controller until `shutdown`. `reloads` brings re-read site configs: a valid
+/// one replaces the budget, policy, tiers and lease settings at once (the listen
+/// addresses, sockets, state directory, key and period need a restart); a refused one
+/// leaves the config in force and is reported by `status` until a valid one arrives.
+pub fn run_bounded(
+    options: CtldOptions,
+    limits: Bounds,
+    shutdown: Arc<AtomicBool>,
+    reloads: Receiver<Reload>,
+) -> Result<(), String> {
+    let refusals = Arc::new(bounds::Refusals::default());
     let loaded = state::load(&options.state_dir);
     let mut core = Core::new(options.clone(), loaded, unix_ms());
     let (tx, rx) = bounded::<Inbound>(4096);
@@ -132,24 +155,47 @@ pub fn run(
         Some(addr) => {
             let listener = TcpListener::bind(addr)
                 .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-            let text = metrics_text.clone();
+            let (text, counts) = (metrics_text.clone(), refusals.clone());
+            let bad_requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let bad = bad_requests.clone();
             Some(
-                MetricsServer::spawn(listener, HttpOptions::default(), move || {
-                    text.lock().unwrap_or_else(PoisonError::into_inner).clone()
-                })
+                MetricsServer::spawn_counted(
+                    listener,
+                    HttpOptions::default(),
+                    bad_requests,
+                    move || {
+                        let mut out = text.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                        out.push_str(
+                            &counts.render(&[("metrics_bad_request", bad.load(Ordering::Relaxed))]),
+                        );
+                        out
+                    },
+                )
                 .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?,
             )
         }
     };
-    let link_acceptor = link::spawn(link, tx.clone(), options.key.clone(), shutdown.clone())
-        .map_err(|e| format!("cannot start the agent link acceptor: {e}"))?;
-    let admin_acceptor = admin::spawn(admin, tx.clone(), shutdown.clone())
-        .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
+    let link_acceptor = link::spawn(
+        link,
+        tx.clone(),
+        options.key.clone(),
+        limits.link,
+        refusals.clone(),
+        shutdown.clone(),
+    )
+    .map_err(|e| format!("cannot start the agent link: {e}"))?;
+    let admin_acceptor = admin::spawn(
+        admin,
+        tx.clone(),
+        limits.admin,
+        refusals.clone(),
+        shutdown.clone(),
+    )
+    .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
     drop(tx);
     let annotator = annotate::spawn_annotator();
     let preemptor = annotate::spawn_preemptor();
-    let mut writers: BTreeMap<String, Sender<String>> = BTreeMap::new();
-    let mut seq = unix_ms();
+    let mut writers: BTreeMap<String, Sender<Body>> = BTreeMap::new();
     let ticker = tick(options.period);
     let check = tick(Duration::from_millis(100));
     // The first step allocates at once (or starts the hold after a restart).
@@ -170,17 +216,14 @@ pub fn run(
             let Some(writer) = writers.get(&node) else {
                 continue;
             };
-            seq = seq.max(unix_ms()) + 1;
-            let body = Body::Lease {
+            // Sealed by the node's session, under its session key.
+            let _ = writer.try_send(Body::Lease {
                 node,
                 caps: lease.caps,
                 ttl_s: out.lease_ttl_s,
                 start_cap_w: Some(lease.start_cap_w),
                 recalibrate: lease.recalibrate,
-            };
-            if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
-                let _ = writer.try_send(e.to_line());
-            }
+            });
         }
         for annotation in out.annotations {
             let _ = annotator.send(annotation);
@@ -330,6 +373,197 @@ mod tests {
         );
         assert!(std::net::TcpStream::connect(options.listen).is_err());
         assert!(std::net::TcpStream::connect(metrics).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// One handshake as `node` on the link at `addr`: the session and the stream, or
+    /// why the controller would not have it.
+    fn handshake(
+        addr: std::net::SocketAddr,
+        site_key: &[u8],
+        node: &str,
+    ) -> Result<(std::net::TcpStream, powerflex_proto::link::Session), String> {
+        use powerflex_proto::link::{fresh_nonce, node_key, AgentHandshake};
+        use std::io::{BufRead, Write};
+        let mut stream = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        let key = node_key(site_key, node).map_err(|e| e.to_string())?;
+        let (hs, open) = AgentHandshake::start(
+            &key,
+            node,
+            fresh_nonce().map_err(|e| e.to_string())?,
+            unix_ms(),
+        )
+        .map_err(|e| e.to_string())?;
+        stream
+            .write_all(open.as_bytes())
+            .map_err(|e| e.to_string())?;
+        let mut challenge = String::new();
+        std::io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?)
+            .read_line(&mut challenge)
+            .map_err(|e| e.to_string())?;
+        let mut session = hs
+            .finish(&challenge, unix_ms())
+            .map_err(|e| e.to_string())?;
+        let hello = session
+            .seal(&Body::Hello { gpus: Vec::new() }, unix_ms())
+            .map_err(|e| e.to_string())?;
+        stream
+            .write_all(hello.as_bytes())
+            .map_err(|e| e.to_string())?;
+        Ok((stream, session))
+    }
+
+    /// Whether the controller ends `stream` within `within` (reads to end of stream).
+    fn closed_within(stream: &mut std::net::TcpStream, within: Duration) -> bool {
+        use std::io::Read;
+        let _ = stream.set_read_timeout(Some(within));
+        let mut buf = [0u8; 4096];
+        let until = std::time::Instant::now() + within;
+        loop {
+            match stream.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) if std::time::Instant::now() < until => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                _ => return false,
+            }
+        }
+    }
+
+    /// Threads of this process serving agent sessions (named `link-<node>` and
+    /// `link-w-<node>`; the handshake thread is `link-handshake`). By name, since other
+    /// tests run in this process at the same time.
+    fn session_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|tasks| {
+                tasks
+                    .flatten()
+                    .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+                    .filter(|name| {
+                        let name = name.trim_end();
+                        name.starts_with("link-") && name != "link-handshake"
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    /// The link's bounds, in process with tight limits: a flood of idle connections costs
+    /// no thread and cannot keep an agent out; idle ones are closed at the deadline; one
+    /// session per node (a newer one replaces it), sessions capped; every refusal counted.
+    #[test]
+    fn the_link_bounds_unauthenticated_peers_and_sessions() {
+        let dir = std::env::temp_dir().join(format!("pf-ctld-bounds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = free_port();
+        let options = CtldOptions {
+            listen: free_port(),
+            admin_socket: dir.join("ctld.sock"),
+            state_dir: dir.join("state"),
+            key: b"site key for the bounds test".to_vec(),
+            base_budget: Watts(3200.0),
+            period: Duration::from_secs(10),
+            lease_ttl_s: 30.0,
+            site: SiteSettings {
+                tiers: TierTable::default_table(),
+                policy: Policy::Optimal,
+                cap_step: Watts(10.0),
+                failsafe_cap: Watts(500.0),
+                default_pfi: 1.3,
+                budget_mode: BudgetMode::Hard,
+                objective: Objective::Tokens,
+            },
+            metrics_listen: Some(metrics),
+            lease_rollout: Default::default(),
+            max_ramp_w_per_s: None,
+        };
+        let bounds = Bounds {
+            link: link::LinkLimits {
+                max_pending: 8,
+                handshake_timeout: Duration::from_millis(500),
+                max_sessions: 2,
+                idle_timeout: Duration::from_secs(30),
+            },
+            admin: bounds::AdminLimits::default(),
+        };
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let (_reload_tx, reloads) = bounded::<Reload>(1);
+        let (opts, stop) = (options.clone(), shutdown.clone());
+        let ctld = std::thread::spawn(move || run_bounded(opts, bounds, stop, reloads));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while request(&options.admin_socket, &AdminOp::Status).is_err() {
+            assert!(std::time::Instant::now() < deadline, "no controller");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let flood: Vec<std::net::TcpStream> = (0..200)
+            .filter_map(|_| std::net::TcpStream::connect(options.listen).ok())
+            .collect();
+        assert_eq!(flood.len(), 200);
+        // An agent still gets in, past the full handshake table.
+        let (mut n1, _) =
+            handshake(options.listen, &options.key, "n1").expect("n1 during the flood");
+        // n1's two session threads, and none for the 200 flooding peers.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while session_threads() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(session_threads(), 2, "n1's reader and writer only");
+        let (_n2, _) = handshake(options.listen, &options.key, "n2").expect("n2");
+        // A third node is over the session cap: closed after its hello.
+        let (mut n3, _) = handshake(options.listen, &options.key, "n3").expect("n3's handshake");
+        assert!(closed_within(&mut n3, Duration::from_secs(5)), "n3 refused");
+        // n1 again: the new session replaces the old one, which is closed.
+        let (_n1_again, _) = handshake(options.listen, &options.key, "n1").expect("n1 again");
+        assert!(
+            closed_within(&mut n1, Duration::from_secs(5)),
+            "old n1 session ended"
+        );
+        // The idle flood is closed at the deadline, whatever was not evicted before.
+        // (The others stay open: a peer that leaves by itself is no refusal.)
+        let mut flood = flood;
+        let last = flood.last_mut().expect("one");
+        assert!(
+            closed_within(last, Duration::from_secs(5)),
+            "idle peer closed"
+        );
+        let scrape = || {
+            let mut scrape = std::net::TcpStream::connect(metrics).expect("metrics");
+            std::io::Write::write_all(&mut scrape, b"GET /metrics HTTP/1.0\r\n\r\n").expect("send");
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut scrape, &mut text).expect("scrape");
+            text
+        };
+        let count_in = |text: &str, reason: &str| -> u64 {
+            let prefix = format!("powerflex_refusals_total{{reason=\"{reason}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        // Every flood connection loses its place to a newer one or meets the deadline
+        // (which of the two depends on how fast this machine accepts; a connection the
+        // kernel's full backlog held back is accepted, and refused, late).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let text = loop {
+            let text = scrape();
+            let refused = count_in(&text, "pending_cap") + count_in(&text, "handshake_timeout");
+            if refused >= 200 || std::time::Instant::now() > deadline {
+                break text;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let count = |reason: &str| count_in(&text, reason);
+        assert!(
+            count("pending_cap") + count("handshake_timeout") >= 200,
+            "{text}"
+        );
+        assert!(count("pending_cap") >= 100, "{text}");
+        drop(flood);
+        assert_eq!(count("session_cap"), 1, "{text}");
+        shutdown.store(true, Ordering::SeqCst);
+        assert_eq!(ctld.join().expect("ctld"), Ok(()));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
