@@ -1476,4 +1476,38 @@ mod tests {
         assert_eq!(a.snapshot(1.0).gpu_claims_refused, 1);
         assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
     }
+
+    /// Issue 14 item 7: any local user read every job's id, uid, tier and throughput
+    /// from the agent's status.
+    #[test]
+    fn a_user_sees_only_their_own_jobs_and_root_sees_all() {
+        let mut a = agent(Some(Watts(2800.0)));
+        a.register(0.0, "1", "0", 1000, "n1", &["0".into()], "flex1")
+            .expect("job 1");
+        a.register(
+            0.0,
+            "2",
+            "0",
+            1001,
+            "n1",
+            &["1".into(), "2".into()],
+            "flex2",
+        )
+        .expect("job 2");
+        let all = a.snapshot(1.0);
+        let mine = crate::server::seen_by(&all, 1000);
+        assert_eq!(
+            mine.jobs.iter().map(|j| j.job.as_str()).collect::<Vec<_>>(),
+            ["1"]
+        );
+        assert_eq!(mine.gpus.len(), 4, "the node's GPUs stay visible");
+        assert_eq!(mine.gpus[0].job.as_deref(), Some("1"));
+        assert!(
+            mine.gpus[1..].iter().all(|g| g.job.is_none()),
+            "{:?}",
+            mine.gpus
+        );
+        assert!(crate::server::seen_by(&all, 4242).jobs.is_empty());
+        assert_eq!(crate::server::seen_by(&all, 0), all);
+    }
 }

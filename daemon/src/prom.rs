@@ -108,6 +108,19 @@ pub mod catalog {
         help: "Progress reports refused (wrong user, wrong job, malformed).",
         labels: ["node"],
     };
+    pub const AGENT_CONNECTIONS_REFUSED_TOTAL: Family<3> = Family {
+        name: "powerflex_agent_connections_refused_total",
+        kind: Kind::Counter,
+        help: "Connections to the agent's sockets refused (socket control|progress; reason full|per_uid).",
+        labels: ["node", "socket", "reason"],
+    };
+    pub const AGENT_CONNECTIONS_TIMED_OUT_TOTAL: Family<2> = Family {
+        name: "powerflex_agent_connections_timed_out_total",
+        kind: Kind::Counter,
+        help:
+            "Connections to the agent's sockets closed for sending nothing within the idle limit.",
+        labels: ["node", "socket"],
+    };
 
     // --- powerflex-ctld (controller) ---
     pub const BUDGET_WATTS: Family<0> = Family {
@@ -191,6 +204,8 @@ pub mod catalog {
             e(JOB_CALIBRATION_STATE),
             e(AGENT_FAILSAFE),
             e(PROGRESS_REJECTED_TOTAL),
+            e(AGENT_CONNECTIONS_REFUSED_TOTAL),
+            e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL),
             e(BUDGET_WATTS),
             e(BASE_BUDGET_WATTS),
             e(DRAW_WATTS),
