@@ -241,6 +241,13 @@ mod tests {
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));
+        // It names jobs and their owners: root's to read only (issue 14 item 7).
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(state_path(&dir))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
         // A file from an agent that did not save points still loads.
         std::fs::write(
             state_path(&dir),

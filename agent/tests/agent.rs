@@ -833,3 +833,93 @@ fn a_second_agent_on_the_node_refuses_to_start_and_the_first_keeps_its_socket() 
     f.start_agent();
     assert!(f.request(ControlOp::Status).ok);
 }
+
+/// Holds `count` idle connections to `socket` as uid 65534 for `hold_s` seconds; the
+/// returned child prints `held` once they are open.
+fn idle_connections(socket: &Path, count: u32, hold_s: u32) -> Child {
+    let script = "import socket, sys, time\n\
+                  held = []\n\
+                  for _ in range(int(sys.argv[2])):\n\
+                  \x20   s = socket.socket(socket.AF_UNIX)\n\
+                  \x20   s.connect(sys.argv[1])\n\
+                  \x20   held.append(s)\n\
+                  print('held', flush=True)\n\
+                  time.sleep(float(sys.argv[3]))\n";
+    let mut child = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", script])
+        .arg(socket)
+        .args([count.to_string(), hold_s.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("held");
+    assert_eq!(line.trim(), "held");
+    child
+}
+
+/// Issue 14 item 5: one user holding 64 idle connections starved every job's progress,
+/// and refreshing 64 control connections made registrations fail.
+#[test]
+fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
+    if !can_run(&[
+        Need::Root,
+        Need::Program("setpriv"),
+        Need::File("/usr/bin/python3"),
+    ]) {
+        return;
+    }
+    let mut f = Fixture::new("flood", Some(100_000.0), 3600);
+    let progress_socket = f.dir.join("n1.progress");
+    let mut floods = vec![
+        idle_connections(&progress_socket, 64, 30),
+        idle_connections(&f.socket(), 64, 30),
+    ];
+    // Root's registration still gets through, and the job's own report is accepted.
+    let reply = f.register("801", &["0"], "flex2,calibrate=off");
+    assert!(reply.ok, "{reply:?}");
+    let progress = reply.progress.expect("progress");
+    let report = "{\"v\":1,\"job_id\":\"801\",\"tokens\":1000,\"steps\":1}";
+    let said = client_in_job(&f.dir, "801", &[&progress, report], false, &[]);
+    assert!(
+        said.iter().all(|l| !l.contains("\"ok\":false")),
+        "the job's report is served: {said:?}"
+    );
+    // Another unprivileged user is served on both sockets too (uid 65534 holds its share).
+    let status = Command::new("setpriv")
+        .args(["--reuid=65533", "--regid=65533", "--clear-groups"])
+        .arg(profile_dir().join("examples/socket_client"))
+        .arg(f.socket())
+        .arg("{\"v\":1,\"op\":\"status\"}")
+        .output()
+        .expect("client");
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("\"ok\":true"), "{status}");
+    assert!(
+        status.contains("\"jobs\":[]"),
+        "another user sees no one's jobs: {status}"
+    );
+    let metrics = client_http(f.metrics_port);
+    for socket in ["control", "progress"] {
+        let series = format!(
+            "powerflex_agent_connections_refused_total{{node=\"n1\",socket=\"{socket}\",reason=\"per_uid\"}} "
+        );
+        let refused: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} missing: {metrics}"));
+        // 64 tried; 4 (control) or 16 (progress) admitted, some control ones may have
+        // timed out and been replaced meanwhile: most were refused, each counted.
+        assert!(refused >= 40.0, "{series}{refused}");
+    }
+    for child in &mut floods {
+        // The flooding clients this test started, by their Child handles.
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
