@@ -634,6 +634,6 @@ mod tests {
         for l in [CONTROL_LIMITS, PROGRESS_LIMITS] {
             assert!(l.per_uid < l.total - l.reserved_for_root, "{l:?}");
         }
-        assert!(CONTROL_LIMITS.reserved_for_root > 0);
+        const { assert!(CONTROL_LIMITS.reserved_for_root > 0) };
     }
 }

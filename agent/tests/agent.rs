@@ -873,7 +873,7 @@ fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
     ]) {
         return;
     }
-    let mut f = Fixture::new("flood", Some(100_000.0), 3600);
+    let f = Fixture::new("flood", Some(100_000.0), 3600);
     let progress_socket = f.dir.join("n1.progress");
     let mut floods = vec![
         idle_connections(&progress_socket, 64, 30),
