@@ -9,7 +9,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use powerflex_daemon::os::{kill, Signal};
-use powerflex_proto::status::AgentStatus;
+use powerflex_proto::status::{AgentStatus, PfiSource, SiteJobStatus};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::users::TestUser;
@@ -334,4 +334,106 @@ fn users_cannot_claim_gpus_progress_or_slots_with_words() {
     stack.cluster.assert_no_node_drained();
     drop(started);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Submits a simulated training job as `user`: one GPU, `flex`, the simulated job
+/// reporting `report_scale` times the tokens it makes.
+fn submit_sim_as(stack: &Stack, user: &TestUser, flex: &str, report_scale: u32) -> u32 {
+    let wrap = format!(
+        "srun bash -c 'POWERFLEX_SIM_DIR={}/sim/$SLURMD_NODENAME exec {} --profile {SIM_PROFILE} --duration 20000 --time-scale 20 --report-scale {report_scale} > /dev/null'",
+        stack.base.display(),
+        stack.simjob.display()
+    );
+    user.sbatch(
+        &stack.cluster,
+        &[
+            "--gres=gpu:1",
+            &format!("--power-flex={flex}"),
+            "--wrap",
+            &wrap,
+        ],
+    )
+    .expect("sbatch")
+}
+
+const SIM_PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
+
+/// Issue 14: when every job reported tokens, the objective was the raw sum of
+/// self-reported tokens/s, and a job claiming 1000× its tokens took the watts of every
+/// other. Two users run the same workload on one GPU each; one reports 1000× its tokens.
+/// Under the default (relative-speed) objective the liar gets no more power than the
+/// honest job. The simulated jobs run as their users (`sim/` keeps the limits root's).
+#[test]
+fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
+    if !can_run(&[
+        Need::Root,
+        Need::Slurm,
+        Need::Program("runuser"),
+        Need::Program("useradd"),
+    ]) {
+        return;
+    }
+    let alice = TestUser::ensure("pf-alice").expect("user");
+    let bob = TestUser::ensure("pf-bob").expect("user");
+    let stack = Stack::start(
+        "attacks-tok",
+        StackOptions {
+            nodes: 1,
+            gpus_per_node: 2,
+            budget_w: 100_000.0,
+            lease_ttl_s: 30,
+            ..StackOptions::default()
+        },
+    );
+    let honest = submit_sim_as(&stack, &alice, "flex3", 1).to_string();
+    let liar = submit_sim_as(&stack, &bob, "flex3", 1000).to_string();
+    let view = |id: &str| {
+        stack
+            .ctl_json::<Vec<SiteJobStatus>>(&["jobs"])?
+            .into_iter()
+            .find(|j| j.job == id)
+    };
+    for id in [&honest, &liar] {
+        wait_until(
+            &format!("job {id} calibrated"),
+            Duration::from_secs(180),
+            || {
+                let j = view(id)?;
+                (j.pfi_source == Some(PfiSource::Measured) && j.throughput.is_some()).then_some(())
+            },
+        );
+    }
+    let (h, l) = (view(&honest).expect("honest"), view(&liar).expect("liar"));
+    let ratio = l.throughput.unwrap_or(0.0) / h.throughput.unwrap_or(1.0);
+    assert!(ratio > 100.0, "the liar's reports are inflated: {ratio}");
+    // A budget that cuts both: about 450 W per GPU for two ~650 W jobs.
+    let set = powerflex_testbed::run(
+        &stack.ctl,
+        &[
+            "budget",
+            "set",
+            "900W",
+            "--socket",
+            &stack.socket.to_string_lossy(),
+        ],
+    );
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
+    let (h_cap, l_cap) = wait_until(
+        "both jobs capped under the budget",
+        Duration::from_secs(60),
+        || {
+            let (h, l) = (view(&honest)?.cap_w?, view(&liar)?.cap_w?);
+            (h < 700.0 && l < 700.0 && h + l <= 900.0 + 1.0).then_some((h, l))
+        },
+    );
+    eprintln!("caps: honest {h_cap} W, liar {l_cap} W");
+    // Same workload, same tier: the same watts but for the allocation breaking the tie
+    // one way or the other (seen: 400/500 W and 490/410 W, both ways round). A raw-tokens
+    // objective gives the liar 600 W and pushes the honest job to its 300 W floor (seen
+    // with `facility.objective = "tokens"`): the bound lies between the two.
+    assert!(
+        l_cap <= h_cap + 100.0,
+        "the job reporting 1000x its tokens got {l_cap} W, the honest one {h_cap} W"
+    );
+    stack.cluster.assert_no_node_drained();
 }
