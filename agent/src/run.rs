@@ -372,7 +372,7 @@ pub fn run(
         match agent.register(
             now(),
             &job.job_id,
-            "adopted",
+            crate::control::ADOPTED_STEP,
             job.uid,
             &node,
             &job.gpus,
