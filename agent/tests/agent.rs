@@ -923,3 +923,40 @@ fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
         let _ = child.wait();
     }
 }
+
+/// Issue 14 item 2: a registration naming a GPU that another job's processes use (by
+/// NVML's process list and their ancestry) is refused and counted, and the job that
+/// runs there keeps it.
+#[test]
+fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    let mut f = Fixture::new("claim", Some(100_000.0), 3600);
+    let first = f.register("901", &["2"], "flex2,calibrate=off");
+    assert!(first.ok, "{first:?}");
+    f.simjob("901", "2", "synthetic-compute-bound", None);
+    wait_until(
+        "job 901's process on GPU 2",
+        Duration::from_secs(20),
+        || {
+            f.node
+                .gpu(2)
+                .ok()?
+                .workload
+                .filter(|w| w.job_id == "901")
+                .map(|_| ())
+        },
+    );
+    let second = f.register("902", &["2"], "flex0");
+    assert!(!second.ok, "{second:?}");
+    let why = second.error.unwrap_or_default();
+    assert!(
+        why.contains("GPU 2") && why.contains("901"),
+        "names the GPU and the job using it: {why}"
+    );
+    let s = f.status();
+    assert!(s.gpu_claims_refused >= 1);
+    assert_eq!(s.gpus[2].job.as_deref(), Some("901"));
+    assert!(s.jobs.iter().all(|j| j.job != "902"));
+}
