@@ -16,6 +16,8 @@ use crate::slurm::Cluster;
 pub struct TestUser {
     pub name: String,
     pub uid: u32,
+    /// The user's primary group.
+    pub gid: u32,
 }
 
 /// Why a test user could not be made.
@@ -34,8 +36,12 @@ pub enum UserError {
 }
 
 fn uid_of(name: &str) -> Result<Option<u32>, UserError> {
+    id_of(name, "-u")
+}
+
+fn id_of(name: &str, flag: &str) -> Result<Option<u32>, UserError> {
     let out = Command::new("id")
-        .args(["-u", name])
+        .args([flag, name])
         .output()
         .map_err(|source| UserError::Spawn {
             program: "id",
@@ -54,10 +60,11 @@ fn uid_of(name: &str) -> Result<Option<u32>, UserError> {
 impl TestUser {
     /// The user `name` (e.g. `pf-alice`), created if missing.
     pub fn ensure(name: &str) -> Result<TestUser, UserError> {
-        if let Some(uid) = uid_of(name)? {
+        if let (Some(uid), Some(gid)) = (uid_of(name)?, id_of(name, "-g")?) {
             return Ok(TestUser {
                 name: name.to_string(),
                 uid,
+                gid,
             });
         }
         let out = Command::new("useradd")
@@ -81,13 +88,16 @@ impl TestUser {
                 stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
             });
         }
-        let uid = uid_of(name)?.ok_or_else(|| UserError::NoUid {
+        let no_id = || UserError::NoUid {
             name: name.to_string(),
             said: String::new(),
-        })?;
+        };
+        let uid = uid_of(name)?.ok_or_else(no_id)?;
+        let gid = id_of(name, "-g")?.ok_or_else(no_id)?;
         Ok(TestUser {
             name: name.to_string(),
             uid,
+            gid,
         })
     }
 
@@ -97,6 +107,19 @@ impl TestUser {
     pub fn command(&self, cluster: &Cluster, program: &str) -> Command {
         let mut cmd = Command::new("runuser");
         cmd.args(["-u", &self.name, "--", program])
+            .envs(cluster.env())
+            .current_dir("/tmp");
+        cmd
+    }
+
+    /// `program` as this user in the same process (`setpriv` execs it): for processes a
+    /// test keeps running and later ends by the PID it started (`runuser` forks, and
+    /// ending it would leave `program` behind).
+    pub fn exec_command(&self, cluster: &Cluster, program: &str) -> Command {
+        let mut cmd = Command::new("setpriv");
+        cmd.arg(format!("--reuid={}", self.uid))
+            .arg(format!("--regid={}", self.gid))
+            .args(["--clear-groups", "--", program])
             .envs(cluster.env())
             .current_dir("/tmp");
         cmd

@@ -232,7 +232,7 @@ fn users_cannot_claim_gpus_progress_or_slots_with_words() {
     // 4. A forged environment, then an agent restart: bob's `sleep` claiming job 666,
     //    tier flex0 and every GPU is not taken back; alice's job keeps its GPU and tier.
     started.0.push(
-        bob.command(&stack.cluster, "env")
+        bob.exec_command(&stack.cluster, "env")
             .args([
                 "SLURM_JOB_ID=666",
                 "POWERFLEX_TIER=flex0",
@@ -269,7 +269,7 @@ fn users_cannot_claim_gpus_progress_or_slots_with_words() {
     //    and reports.
     let agent_sock = stack.agent_socket(0);
     let mut holder = bob
-        .command(&stack.cluster, PYTHON)
+        .exec_command(&stack.cluster, PYTHON)
         .args(["-c", HOLDER, "64"])
         .arg(&progress)
         .arg(&agent_sock)
@@ -435,5 +435,102 @@ fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
         l_cap <= h_cap + 100.0,
         "the job reporting 1000x its tokens got {l_cap} W, the honest one {h_cap} W"
     );
+    stack.cluster.assert_no_node_drained();
+}
+
+/// Issue 14: on every start the agent adopted any process whose environment held
+/// `SLURM_JOB_ID`, `POWERFLEX_TIER` and a GPU list; a forged `sleep` became job 666 and
+/// took the real job's GPUs. Here the worst case: the state file is lost, so the agent
+/// must take jobs back from what runs on its GPUs, and `pf-bob` runs a simulated job
+/// *on a GPU*, outside Slurm, with every variable forged (`flex0`: uncapped).
+#[test]
+fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
+    if !can_run(&[
+        Need::Root,
+        Need::Slurm,
+        Need::Program("runuser"),
+        Need::Program("useradd"),
+    ]) {
+        return;
+    }
+    let alice = TestUser::ensure("pf-alice").expect("user");
+    let bob = TestUser::ensure("pf-bob").expect("user");
+    let mut stack = Stack::start(
+        "attacks-adopt",
+        StackOptions {
+            nodes: 1,
+            gpus_per_node: 2,
+            budget_w: 100_000.0,
+            lease_ttl_s: 3600,
+            ..StackOptions::default()
+        },
+    );
+    let real = submit_sim_as(&stack, &alice, "flex1", 1).to_string();
+    let real_gpus = wait_until("alice's job registered", Duration::from_secs(60), || {
+        let j = status(&stack).jobs.into_iter().find(|j| j.job == real)?;
+        let on_gpu = stack.sims[0]
+            .gpu(j.gpus[0])
+            .ok()?
+            .workload
+            .is_some_and(|w| w.job_id == real);
+        on_gpu.then_some(j.gpus)
+    });
+    let free = 1 - real_gpus[0];
+    let sim_dir = stack.sims[0].dir().display().to_string();
+    let forged = Started(vec![bob
+        .exec_command(&stack.cluster, "env")
+        .args([
+            "SLURM_JOB_ID=666",
+            "POWERFLEX_TIER=flex0",
+            "SLURMD_NODENAME=n1",
+            &format!("SLURM_STEP_GPUS={free}"),
+            &format!("SLURM_JOB_GPUS={free}"),
+            &format!("POWERFLEX_SIM_DIR={sim_dir}"),
+        ])
+        .arg(&stack.simjob)
+        .args([
+            "--profile",
+            SIM_PROFILE,
+            "--duration",
+            "20000",
+            "--time-scale",
+            "20",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("forged job")]);
+    wait_until(
+        "bob's process on the free GPU",
+        Duration::from_secs(20),
+        || {
+            stack.sims[0]
+                .gpu(free)
+                .ok()?
+                .workload
+                .filter(|w| w.job_id == "666")
+                .map(|_| ())
+        },
+    );
+    stack.kill_agent(0);
+    std::fs::remove_file(stack.agent_state_file(0)).expect("lose the state file");
+    stack.start_agent(0);
+    let s = wait_until(
+        "the restarted agent's status",
+        Duration::from_secs(30),
+        || stack.agent_status(0),
+    );
+    assert!(s.jobs.iter().all(|j| j.job != "666"), "{:?}", s.jobs);
+    assert!(s.gpus[free as usize].job.is_none(), "{:?}", s.gpus);
+    let kept = s
+        .jobs
+        .iter()
+        .find(|j| j.job == real)
+        .expect("alice's job taken back from its processes");
+    assert_eq!(kept.gpus, real_gpus, "the real job keeps its GPU");
+    assert_eq!(
+        kept.tier, "flex3",
+        "the site's most flexible tier, not any variable"
+    );
+    drop(forged);
     stack.cluster.assert_no_node_drained();
 }
