@@ -258,11 +258,18 @@ pub fn on_step_start(
                 .collect()
         })
         .unwrap_or_default();
+    let node = api.node();
+    if !valid_node_name(&node) {
+        api.log_error(&format!(
+            "node name {node:?} is not a Slurm node name (1 to 64 of A-Z a-z 0-9 . _ -); job runs unmanaged"
+        ));
+        return StepStart::Skipped;
+    }
     let step = StepInfo {
         job_id,
         step_id,
         uid,
-        node: api.node(),
+        node,
         gpus,
     };
     if !should_register(&service, &step) {
@@ -323,6 +330,15 @@ pub fn slurm_gpu_var(step_id: u32) -> &'static str {
         BATCH_STEP | INTERACTIVE_STEP => "SLURM_JOB_GPUS",
         _ => "SLURM_STEP_GPUS",
     }
+}
+
+/// Whether `name` may stand for `%n` in the agent's socket path: a Slurm node name,
+/// never a path (no `/`), whatever the environment it was read from held.
+pub fn valid_node_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
 /// Whether a step should be registered at all: managed service, GPUs, not the extern step.
@@ -504,6 +520,15 @@ mod tests {
         let mut f = Fake::default();
         f.env.insert("SLURM_STEP_GPUS".into(), "0,1".into());
         f
+    }
+
+    /// Issue 14: the node name went unsanitised into the agent's socket path.
+    #[test]
+    fn a_node_name_that_is_a_path_registers_nothing() {
+        assert!(valid_node_name("n1") && valid_node_name("gpu-a01.rack_3"));
+        for bad in ["", "../../tmp/x", "n1/x", "n 1", &"n".repeat(65)] {
+            assert!(!valid_node_name(bad), "{bad}");
+        }
     }
 
     /// Issue 14 item 2: where Slurm set no step GPUs, variables the user exported
