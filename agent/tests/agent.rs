@@ -957,6 +957,11 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
     );
     let s = f.status();
     assert!(s.gpu_claims_refused >= 1);
+    assert!(
+        client_http(f.metrics_port)
+            .contains("\npowerflex_gpu_claims_refused_total{node=\"n1\"} 1\n"),
+        "counted in the metrics"
+    );
     assert_eq!(s.gpus[2].job.as_deref(), Some("901"));
     assert!(s.jobs.iter().all(|j| j.job != "902"));
 }

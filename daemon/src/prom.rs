@@ -114,6 +114,13 @@ pub mod catalog {
         help: "Connections to the agent's sockets refused (socket control|progress; reason full|per_uid).",
         labels: ["node", "socket", "reason"],
     };
+    pub const GPU_CLAIMS_REFUSED_TOTAL: Family<1> = Family {
+        name: "powerflex_gpu_claims_refused_total",
+        kind: Kind::Counter,
+        help:
+            "GPU claims refused because other jobs' processes use the GPU (NVML's process lists).",
+        labels: ["node"],
+    };
     pub const AGENT_CONNECTIONS_TIMED_OUT_TOTAL: Family<2> = Family {
         name: "powerflex_agent_connections_timed_out_total",
         kind: Kind::Counter,
@@ -206,6 +213,7 @@ pub mod catalog {
             e(PROGRESS_REJECTED_TOTAL),
             e(AGENT_CONNECTIONS_REFUSED_TOTAL),
             e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL),
+            e(GPU_CLAIMS_REFUSED_TOTAL),
             e(BUDGET_WATTS),
             e(BASE_BUDGET_WATTS),
             e(DRAW_WATTS),
