@@ -337,10 +337,11 @@ fn users_cannot_claim_gpus_progress_or_slots_with_words() {
 }
 
 /// Submits a simulated training job as `user`: one GPU, `flex`, the simulated job
-/// reporting `report_scale` times the tokens it makes.
+/// reporting `report_scale` times the tokens it makes, and claiming `flex0` (uncapped)
+/// in its own environment, as a user may: the agent must never read it.
 fn submit_sim_as(stack: &Stack, user: &TestUser, flex: &str, report_scale: u32) -> u32 {
     let wrap = format!(
-        "srun bash -c 'POWERFLEX_SIM_DIR={}/sim/$SLURMD_NODENAME exec {} --profile {SIM_PROFILE} --duration 20000 --time-scale 20 --report-scale {report_scale} > /dev/null'",
+        "srun bash -c 'POWERFLEX_TIER=flex0 POWERFLEX_SIM_DIR={}/sim/$SLURMD_NODENAME exec {} --profile {SIM_PROFILE} --duration 20000 --time-scale 20 --report-scale {report_scale} > /dev/null'",
         stack.base.display(),
         stack.simjob.display()
     );
@@ -442,7 +443,8 @@ fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
 /// `SLURM_JOB_ID`, `POWERFLEX_TIER` and a GPU list; a forged `sleep` became job 666 and
 /// took the real job's GPUs. Here the worst case: the state file is lost, so the agent
 /// must take jobs back from what runs on its GPUs, and `pf-bob` runs a simulated job
-/// *on a GPU*, outside Slurm, with every variable forged (`flex0`: uncapped).
+/// *on a GPU*, outside Slurm, with every variable forged (`flex0`: uncapped). The real
+/// job is taken back from its processes, under the tier Slurm records for it.
 #[test]
 fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
     if !can_run(&[
@@ -511,6 +513,18 @@ fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
                 .map(|_| ())
         },
     );
+    // Slurm's own record of the job's tier: the controller's AdminComment.
+    wait_until(
+        "the job's tier in its AdminComment",
+        Duration::from_secs(30),
+        || {
+            stack
+                .cluster
+                .job_info(real.parse().ok()?)
+                .contains("AdminComment=powerflex;tier=flex1;")
+                .then_some(())
+        },
+    );
     stack.kill_agent(0);
     std::fs::remove_file(stack.agent_state_file(0)).expect("lose the state file");
     stack.start_agent(0);
@@ -528,8 +542,8 @@ fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
         .expect("alice's job taken back from its processes");
     assert_eq!(kept.gpus, real_gpus, "the real job keeps its GPU");
     assert_eq!(
-        kept.tier, "flex3",
-        "the site's most flexible tier, not any variable"
+        kept.tier, "flex1",
+        "the tier Slurm records (AdminComment), not any variable"
     );
     drop(forged);
     stack.cluster.assert_no_node_drained();

@@ -24,6 +24,7 @@ use crate::backend::GpuBackend;
 use crate::control::{Action, Agent, AgentSettings};
 use crate::persist::{self, PersistedJob, PersistedState};
 use crate::server::{self, Inbound, SnapshotCell};
+use powerflex_core::flex::parse_power_flex;
 
 /// Where the agent listens and keeps its state.
 #[derive(Debug, Clone)]
@@ -365,7 +366,17 @@ pub fn run(
         if agent.jobs.contains_key(&job.job_id) {
             continue;
         }
-        let Some(tier) = adopted_tier.as_deref() else {
+        // Slurm's own record first (the controller's AdminComment, admins' only), then
+        // the site's most flexible tier; never the job's environment.
+        let recorded =
+            persist::slurm_recorded_tier(&job.job_id, &job.cluster, Duration::from_secs(2))
+                .filter(|t| parse_power_flex(t, &agent.settings.tiers).is_ok());
+        let source = if recorded.is_some() {
+            "Slurm's AdminComment"
+        } else {
+            "the site's most flexible tier"
+        };
+        let Some(tier) = recorded.as_deref().or(adopted_tier.as_deref()) else {
             warn!(job_id = %job.job_id, "the site offers no tier to take a running job back under");
             continue;
         };
@@ -380,7 +391,7 @@ pub fn run(
         ) {
             Ok(_) => {
                 agent.set_job_cluster(&job.job_id, job.cluster.clone(), now());
-                warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, "job running on this node's GPUs without a record (state file lost); managing it again under the site's most flexible tier")
+                warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, source, "job running on this node's GPUs without a record (state file lost); managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
