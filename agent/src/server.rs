@@ -355,7 +355,6 @@ fn serve_control(
     stats: &SocketStats,
 ) {
     let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(CONTROL_LIMITS.idle));
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let line = match stream
         .try_clone()
@@ -363,8 +362,15 @@ fn serve_control(
             "cannot read from",
             "the control connection",
         ))
-        .and_then(|r| read_line(&mut BufReader::new(r)))
-    {
+        .and_then(|r| {
+            // The whole request within the idle limit, not each read: a peer trickling
+            // a byte a second would otherwise hold its slot for an hour.
+            let deadline = Instant::now() + CONTROL_LIMITS.idle;
+            read_line(&mut BufReader::new(DeadlineReader {
+                stream: r,
+                deadline,
+            }))
+        }) {
         Ok(Some(line)) => line,
         Ok(None) => return,
         Err(e) if e.is_timeout() => {
@@ -434,6 +440,24 @@ fn serve_control(
         .recv_timeout(IO_TIMEOUT)
         .unwrap_or_else(|_| ControlReply::error("agent did not answer in time"));
     reply(&mut stream, &answer);
+}
+
+/// Reads from a socket until a deadline for all the reads together: each read waits at
+/// most what is left, and none starts after it.
+struct DeadlineReader {
+    stream: UnixStream,
+    deadline: Instant,
+}
+
+impl std::io::Read for DeadlineReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
 }
 
 /// Serves the progress socket until `shutdown`.
@@ -635,5 +659,34 @@ mod tests {
             assert!(l.per_uid < l.total - l.reserved_for_root, "{l:?}");
         }
         const { assert!(CONTROL_LIMITS.reserved_for_root > 0) };
+    }
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::*;
+
+    #[test]
+    fn a_trickling_peer_meets_one_deadline_for_the_whole_line() {
+        let (mut client, server) = UnixStream::pair().expect("pair");
+        let writer = std::thread::spawn(move || {
+            for _ in 0..20 {
+                if client.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(40));
+            }
+        });
+        let started = Instant::now();
+        let mut reader = BufReader::new(DeadlineReader {
+            stream: server,
+            deadline: Instant::now() + Duration::from_millis(300),
+        });
+        let e = read_line(&mut reader).expect_err("no line in time");
+        assert!(e.is_timeout(), "{e}");
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(600), "{took:?}");
+        drop(reader);
+        let _ = writer.join();
     }
 }
