@@ -56,6 +56,24 @@ print("held", flush=True)
 time.sleep(120)
 "#;
 
+/// Queues connections to a socket whose owner does not accept until the kernel takes no
+/// more (its listen backlog is full), prints `queued N`, then holds them.
+const BACKLOG_FILLER: &str = r#"
+import socket, sys, time
+held = []
+for _ in range(4096):
+    s = socket.socket(socket.AF_UNIX)
+    s.setblocking(False)
+    try:
+        s.connect(sys.argv[1])
+    except (BlockingIOError, OSError):
+        s.close()
+        break
+    held.append(s)
+print("queued %d" % len(held), flush=True)
+time.sleep(120)
+"#;
+
 /// A directory every test user may write to (sticky, like /tmp).
 fn shared_dir() -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -302,9 +320,9 @@ fn users_cannot_claim_gpus_progress_or_slots_with_words() {
         "job {next} registered and reported despite the flood: {said}"
     );
 
-    // 6. A stopped agent (SIGSTOP) hangs no launch: an srun's extra time stays within the
-    //    plugin's two exchanges' deadlines (timeout_ms=500 each) plus a margin, and no
-    //    node drains.
+    // 6. A stopped agent (SIGSTOP), then one whose listen backlog is full too, hangs no
+    //    launch: an srun's extra time stays within the plugin's deadlines (timeout_ms=500
+    //    per exchange, two at most) plus a margin, and no node drains.
     let timed = |what: &str| {
         let t = Instant::now();
         let out = alice
@@ -324,13 +342,40 @@ fn users_cannot_claim_gpus_progress_or_slots_with_words() {
     // The agent this stack started, by its PID.
     kill(agent, Signal::STOP).expect("SIGSTOP");
     let stopped = timed("agent stopped");
+    // And with its listen backlog full: bob queues connections until none is taken.
+    let mut filler = bob
+        .exec_command(&stack.cluster, PYTHON)
+        .args(["-c", BACKLOG_FILLER])
+        .arg(&agent_sock)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("filler");
+    let mut queued = String::new();
+    BufReader::new(filler.stdout.take().expect("stdout"))
+        .read_line(&mut queued)
+        .expect("queued");
+    started.0.push(filler);
+    let full = timed("agent stopped, backlog full");
     kill(agent, Signal::CONT).expect("SIGCONT");
-    let extra = stopped.saturating_sub(up);
-    assert!(
-        extra <= Duration::from_millis(2 * 550 + 1000),
-        "srun took {stopped:?} with the agent stopped, {up:?} with it up"
+    eprintln!(
+        "srun: {up:?} with the agent up, {stopped:?} with it stopped, {full:?} with its backlog full ({})",
+        queued.trim()
     );
-    eprintln!("srun: {up:?} with the agent up, {stopped:?} with it stopped");
+    assert!(
+        queued
+            .trim()
+            .strip_prefix("queued ")
+            .and_then(|n| n.parse::<u32>().ok())
+            .is_some_and(|n| n >= 1),
+        "{queued}"
+    );
+    for (what, took) in [("stopped", stopped), ("backlog full", full)] {
+        let extra = took.saturating_sub(up);
+        assert!(
+            extra <= Duration::from_millis(2 * 550 + 1000),
+            "srun took {took:?} with the agent {what}, {up:?} with it up"
+        );
+    }
     stack.cluster.assert_no_node_drained();
     drop(started);
     let _ = std::fs::remove_dir_all(&dir);
