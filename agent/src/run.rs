@@ -351,7 +351,8 @@ pub fn run(
     // Jobs running on this node's GPUs that the state file did not list (it was lost or
     // corrupt): take them back rather than release their caps, which would break the
     // site's budget until the controller caught up. Which job a GPU's process belongs
-    // to comes from its ancestry; the tier from the site (see `persist::adoption_tier`).
+    // to comes from its ancestry; the tier from Slurm's record of the job, else the site
+    // (`persist::slurm_recorded_tier`, `persist::adoption_tier`).
     let node = agent.settings.node.clone();
     let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
         .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
