@@ -8,6 +8,7 @@ pub mod needs;
 pub mod site;
 pub mod slurm;
 pub mod stack;
+pub mod users;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

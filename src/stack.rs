@@ -423,6 +423,11 @@ impl Stack {
             .join(format!("{}.sock", self.cluster.node_names()[i]))
     }
 
+    /// The PID of node `i`'s agent, while it runs (to stop it with SIGSTOP and resume it).
+    pub fn agent_pid(&self, i: usize) -> Option<u32> {
+        self.agents.get(i)?.as_ref().map(Child::id)
+    }
+
     /// kill -9 the agent of node `i`.
     pub fn kill_agent(&mut self, i: usize) {
         if let Some(mut child) = self.agents[i].take() {

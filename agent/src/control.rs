@@ -26,6 +26,10 @@ use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
 use crate::procs::JobKey;
 
+/// The step name a job taken back from its running processes (no record, no
+/// registration) is registered under.
+pub const ADOPTED_STEP: &str = "adopted";
+
 /// Everything the state machine needs from the site config.
 #[derive(Debug, Clone)]
 pub struct AgentSettings {
@@ -328,6 +332,17 @@ impl Agent {
         let settings = self.settings.calibration.clone();
         let bound = request.service.max_slowdown().map(|b| b.0);
         let calibrate = request.calibrate == Calibrate::Auto;
+        // A job taken back after a lost state file runs under the site's most flexible
+        // tier (`persist::adoption_tier`); its next step's registration, from slurmstepd,
+        // carries the tier it was submitted with, and that one holds from then on.
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            let only_adopted = job.steps.len() == 1 && job.steps.contains(ADOPTED_STEP);
+            if only_adopted && job.request != request {
+                job.request = request.clone();
+                job.calibration =
+                    Calibration::new(settings.clone(), bound, calibrate && managed, now);
+            }
+        }
         let job = self.jobs.entry(job_id.to_string()).or_insert_with(|| Job {
             id: job_id.to_string(),
             uid,
@@ -1476,5 +1491,53 @@ mod tests {
         assert_eq!(a.jobs["66"].gpus, vec![1]);
         assert_eq!(a.snapshot(1.0).gpu_claims_refused, 1);
         assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
+    }
+
+    /// Issue 14 item 7: any local user read every job's id, uid, tier and throughput
+    /// from the agent's status.
+    #[test]
+    fn a_user_sees_only_their_own_jobs_and_root_sees_all() {
+        let mut a = agent(Some(Watts(2800.0)));
+        a.register(0.0, "1", "0", 1000, "n1", &["0".into()], "flex1")
+            .expect("job 1");
+        a.register(
+            0.0,
+            "2",
+            "0",
+            1001,
+            "n1",
+            &["1".into(), "2".into()],
+            "flex2",
+        )
+        .expect("job 2");
+        let all = a.snapshot(1.0);
+        let mine = crate::server::seen_by(&all, 1000);
+        assert_eq!(
+            mine.jobs.iter().map(|j| j.job.as_str()).collect::<Vec<_>>(),
+            ["1"]
+        );
+        assert_eq!(mine.gpus.len(), 4, "the node's GPUs stay visible");
+        assert_eq!(mine.gpus[0].job.as_deref(), Some("1"));
+        assert!(
+            mine.gpus[1..].iter().all(|g| g.job.is_none()),
+            "{:?}",
+            mine.gpus
+        );
+        assert!(crate::server::seen_by(&all, 4242).jobs.is_empty());
+        assert_eq!(crate::server::seen_by(&all, 0), all);
+    }
+
+    #[test]
+    fn an_adopted_job_takes_the_tier_its_next_registration_carries() {
+        let mut a = agent(Some(Watts(2800.0)));
+        a.register(0.0, "5", ADOPTED_STEP, 1000, "n1", &["0".into()], "flex3")
+            .expect("adopted");
+        a.register(1.0, "5", "1", 1000, "n1", &["0".into()], "flex1")
+            .expect("next step");
+        assert_eq!(a.jobs["5"].request.to_string(), "flex1");
+        // Once registered by a step, later registrations do not change the tier.
+        a.register(2.0, "5", "2", 1000, "n1", &["0".into()], "flex3")
+            .expect("a later step");
+        assert_eq!(a.jobs["5"].request.to_string(), "flex1");
     }
 }

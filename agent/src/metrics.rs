@@ -9,10 +9,11 @@ use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_daemon::prom::{catalog, TextWriter};
 
 use crate::control::{GpuView, JobView, Snapshot};
-use crate::server::SnapshotCell;
+use crate::server::{ServerStats, SnapshotCell, SocketStats};
 
-/// Renders a snapshot in the Prometheus text format (version 0.0.4).
-pub fn render(s: &Snapshot) -> String {
+/// Renders a snapshot and the sockets' counters in the Prometheus text format (version
+/// 0.0.4). No series carries a uid: who runs which job is not the metrics' to tell.
+pub fn render(s: &Snapshot, sockets: &ServerStats) -> String {
     let node = s.node.as_str();
     let indices: Vec<String> = s.gpus.iter().map(|g| g.index.to_string()).collect();
     let gpus = || s.gpus.iter().zip(&indices);
@@ -58,6 +59,31 @@ pub fn render(s: &Snapshot) -> String {
     .family(
         &catalog::PROGRESS_REJECTED_TOTAL,
         [([node], s.progress_rejected as f64)],
+    )
+    .family(
+        &catalog::GPU_CLAIMS_REFUSED_TOTAL,
+        [([node], s.gpu_claims_refused as f64)],
+    );
+    let load =
+        |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed) as f64;
+    let socks: [(&str, &SocketStats); 2] = [
+        ("control", &sockets.control),
+        ("progress", &sockets.progress),
+    ];
+    w.family(
+        &catalog::AGENT_CONNECTIONS_REFUSED_TOTAL,
+        socks.iter().flat_map(|&(name, st)| {
+            [
+                ([node, name, "full"], load(&st.refused_full)),
+                ([node, name, "per_uid"], load(&st.refused_per_uid)),
+            ]
+        }),
+    )
+    .family(
+        &catalog::AGENT_CONNECTIONS_TIMED_OUT_TOTAL,
+        socks
+            .iter()
+            .map(|&(name, st)| ([node, name], load(&st.timed_out))),
     );
     w.finish()
 }
@@ -66,9 +92,10 @@ pub fn render(s: &Snapshot) -> String {
 pub fn spawn(
     listener: TcpListener,
     snapshot: SnapshotCell,
+    sockets: Arc<ServerStats>,
 ) -> Result<MetricsServer, powerflex_daemon::DaemonError> {
     MetricsServer::spawn(listener, HttpOptions::default(), move || {
         let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
-        snap.map(|s| render(&s)).unwrap_or_default()
+        snap.map(|s| render(&s, &sockets)).unwrap_or_default()
     })
 }

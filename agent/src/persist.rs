@@ -133,61 +133,30 @@ pub fn save(dir: &Path, state: &PersistedState) -> Result<(), PersistError> {
     write_atomic(&state_path(dir), &bytes, how).map_err(PersistError::Write)
 }
 
-/// Whether any process on this host belongs to Slurm job `job_id` (its environment has
-/// `SLURM_JOB_ID=<job_id>`). Used after a restart to tell live jobs from ended ones,
-/// and to check who sends progress. Needs root to read other users' environments.
-pub fn job_has_process(job_id: &str) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .any(|pid| process_job_id(pid).as_deref() == Some(job_id))
-}
-
-/// The `SLURM_JOB_ID` in process `pid`'s environment, if readable.
-pub fn process_job_id(pid: u32) -> Option<String> {
-    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    environ
-        .split(|&b| b == 0)
-        .find_map(|var| var.strip_prefix(b"SLURM_JOB_ID="))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunningJob {
     pub job_id: String,
     /// The cluster of its step daemons (their `SLURM_CONF`).
     pub cluster: Option<String>,
+    /// The owner of its processes, as the kernel records it.
     pub uid: u32,
     /// The GPUs its processes run on, by index (from NVML, not from any variable).
     pub gpus: Vec<String>,
-    /// Its `--power-flex` service as the plugin exported it into its tasks
-    /// (`POWERFLEX_TIER`).
-    pub flex: String,
 }
 
-/// What the agent reads of a process to take its job back: its uid and the
-/// `POWERFLEX_TIER` the plugin put in its environment (absent: an unmanaged job).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProcessFacts {
-    pub uid: u32,
-    pub tier: Option<String>,
-}
-
-/// Managed jobs running on this node's GPUs, for an agent that lost its state file: it
-/// takes them back rather than release their caps and break the site's budget.
+/// Jobs running on this node's GPUs, for an agent that lost its state file: it takes
+/// them back rather than release their caps and break the site's budget.
 ///
-/// Nothing here is taken from what a job's user can write, except the tier the job
-/// was submitted with: the GPUs are the ones NVML lists the job's processes on
-/// (`gpu_pids`), and a process belongs to a job only through its root-owned
-/// `slurmstepd` ancestor (`table`). A process with a forged `SLURM_JOB_ID`, or on no
-/// GPU of this node, takes nothing back. `facts` reads a process's uid and tier.
-pub fn running_managed_jobs(
+/// Nothing here is taken from what a job's user can write: the GPUs are the ones NVML
+/// lists the job's processes on (`gpu_pids`), a process belongs to a job only through
+/// its root-owned `slurmstepd` ancestor (`table`), and `uid_of` reads a process's owner
+/// from the kernel. A process with a forged `SLURM_JOB_ID`, or on no GPU of this node,
+/// takes nothing back. The tier is not read here at all: the job's environment could
+/// name any (see [`adoption_tier`]).
+pub fn running_jobs(
     table: &ProcTable,
     gpu_pids: &BTreeMap<u32, Vec<u32>>,
-    facts: impl Fn(u32) -> Option<ProcessFacts>,
+    uid_of: impl Fn(u32) -> Option<u32>,
 ) -> Vec<RunningJob> {
     let mut jobs: Vec<RunningJob> = Vec::new();
     for (&gpu, pids) in gpu_pids {
@@ -195,49 +164,118 @@ pub fn running_managed_jobs(
             let Some(step) = table.step_of(pid) else {
                 continue;
             };
-            let Some(ProcessFacts {
-                uid,
-                tier: Some(flex),
-            }) = facts(pid)
-            else {
+            let Some(uid) = table.get(pid).map(|p| p.uid).or_else(|| uid_of(pid)) else {
                 continue;
             };
-            let job = match jobs
+            let index = gpu.to_string();
+            match jobs
                 .iter_mut()
                 .find(|j| j.job_id == step.job && j.cluster == step.cluster)
             {
-                Some(j) => j,
-                None => {
-                    jobs.push(RunningJob {
-                        job_id: step.job.clone(),
-                        cluster: step.cluster.clone(),
-                        uid,
-                        gpus: Vec::new(),
-                        flex,
-                    });
-                    let last = jobs.len() - 1;
-                    &mut jobs[last]
-                }
-            };
-            let index = gpu.to_string();
-            if !job.gpus.contains(&index) {
-                job.gpus.push(index);
+                Some(j) if !j.gpus.contains(&index) => j.gpus.push(index),
+                Some(_) => {}
+                None => jobs.push(RunningJob {
+                    job_id: step.job.clone(),
+                    cluster: step.cluster.clone(),
+                    uid,
+                    gpus: vec![index],
+                }),
             }
         }
     }
     jobs
 }
 
-/// [`ProcessFacts`] of `pid` from `/proc` (needs root for other users' processes).
-pub fn process_facts(pid: u32) -> Option<ProcessFacts> {
+/// The service a job taken back without a record runs under when Slurm records none
+/// ([`slurm_recorded_tier`]). Its submission option reached the agent only through the
+/// plugin's registration, which the lost state file held; what its tasks' environment
+/// says (`POWERFLEX_TIER`) the user could have set to anything, `flex0` to run
+/// uncapped. So it is the site's most flexible tier: the
+/// budget (the first promise) holds, and no one gains power by editing variables. A
+/// job that asked for less slowdown may be cut deeper than its tier until it ends: the
+/// price of a lost state file, logged when it happens.
+pub fn adoption_tier(tiers: &powerflex_core::flex::TierTable) -> Option<String> {
+    tiers
+        .tiers()
+        .iter()
+        .max_by(|a, b| a.max_slowdown.0.total_cmp(&b.max_slowdown.0))
+        .map(|t| t.name.clone())
+        .or_else(|| {
+            tiers
+                .allows_max_slowdown()
+                .then(|| "max-slowdown=100%".to_string())
+        })
+}
+
+/// The tier Slurm records for a job: `powerflex-ctld` writes each managed job's tier
+/// into its `AdminComment` (`powerflex;tier=flex2;pfi=1.43;cap=450W`), a field only
+/// Slurm's admins can set. `show_job` is `scontrol show job -o JOB`'s output. `None`
+/// when there is no such comment or it names no tier.
+pub fn tier_from_admin_comment(show_job: &str) -> Option<String> {
+    // A user's own `Comment` may hold spaces and a forged `AdminComment=...`: a line
+    // with more than one such field says nothing.
+    let mut comments = show_job
+        .split_whitespace()
+        .filter_map(|field| field.strip_prefix("AdminComment="));
+    let comment = comments.next()?;
+    if comments.next().is_some() {
+        return None;
+    }
+    let mut parts = comment.split(';');
+    if parts.next() != Some("powerflex") {
+        return None;
+    }
+    parts
+        .find_map(|p| p.strip_prefix("tier="))
+        .filter(|t| !t.is_empty() && *t != "-")
+        .map(str::to_string)
+}
+
+/// Asks Slurm (`scontrol show job -o JOB`, with the job's cluster's `SLURM_CONF`) for
+/// the tier it records for `job_id` ([`tier_from_admin_comment`]), waiting at most
+/// `deadline`: on the agent's start only, for a job the state file did not list.
+pub fn slurm_recorded_tier(
+    job_id: &str,
+    cluster: &Option<String>,
+    deadline: std::time::Duration,
+) -> Option<String> {
+    use std::io::Read;
+    let mut cmd = std::process::Command::new("scontrol");
+    cmd.args(["show", "job", "-o", job_id])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    if let Some(conf) = cluster {
+        cmd.env("SLURM_CONF", conf);
+    }
+    let mut child = cmd.spawn().ok()?;
+    let until = std::time::Instant::now() + deadline;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => break,
+            Ok(None) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            _ => {
+                // scontrol this function started, by its handle: a wedged slurmctld must
+                // not hold the agent's start.
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+    let mut out = String::new();
+    child.stdout.take()?.read_to_string(&mut out).ok()?;
+    tier_from_admin_comment(&out)
+}
+
+/// The uid owning process `pid` (`/proc/PID`'s owner, set by the kernel).
+pub fn process_uid(pid: u32) -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
-    let uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
-    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    let tier = environ
-        .split(|&b| b == 0)
-        .find_map(|var| var.strip_prefix(b"POWERFLEX_TIER="))
-        .map(|v| String::from_utf8_lossy(v).into_owned());
-    Some(ProcessFacts { uid, tier })
+    std::fs::metadata(format!("/proc/{pid}"))
+        .ok()
+        .map(|m| m.uid())
 }
 
 #[cfg(test)]
@@ -267,6 +305,13 @@ mod tests {
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));
+        // It names jobs and their owners: root's to read only (issue 14 item 7).
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(state_path(&dir))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
         // A file from an agent that did not save points still loads.
         std::fs::write(
             state_path(&dir),
@@ -279,15 +324,6 @@ mod tests {
         assert!(matches!(load(&dir), Err(PersistError::Corrupt { .. })));
         assert!(load(&dir).expect("moved aside").is_none());
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn finds_its_own_job_id() {
-        // This test process has no SLURM_JOB_ID (cargo does not set one).
-        assert_eq!(
-            process_job_id(std::process::id()),
-            std::env::var("SLURM_JOB_ID").ok()
-        );
     }
 
     /// Issue 14: the agent adopted any process whose environment held SLURM_JOB_ID,
@@ -331,25 +367,53 @@ mod tests {
             (5, vec![300]),
             (6, vec![401]),
         ]);
-        let facts = |pid: u32| {
-            Some(ProcessFacts {
-                uid: 1000,
-                tier: match pid {
-                    201 => None,
-                    _ => Some("flex2".into()),
-                },
-            })
+        let found = running_jobs(&table, &gpu_pids, |_| None);
+        let job = |id: &str, gpus: &[&str]| RunningJob {
+            job_id: id.into(),
+            cluster: Some("/c/slurm.conf".into()),
+            uid: 1000,
+            gpus: gpus.iter().map(|g| g.to_string()).collect(),
         };
-        let found = running_managed_jobs(&table, &gpu_pids, facts);
+        // Job 902 runs with no POWERFLEX_TIER: whether a job is managed is not the
+        // environment's to say either (deleting the variable would uncap it).
+        assert_eq!(found, vec![job("901", &["1", "3"]), job("902", &["4"])]);
+    }
+
+    #[test]
+    fn slurm_s_admin_comment_names_the_tier() {
+        let line = "JobId=7 JobName=wrap UserId=alice(1001) Comment=powerflex;tier=flex0 \
+                    AdminComment=powerflex;tier=flex2,calibrate=off;pfi=1.43;cap=450W Priority=1";
         assert_eq!(
-            found,
-            vec![RunningJob {
-                job_id: "901".into(),
-                cluster: Some("/c/slurm.conf".into()),
-                uid: 1000,
-                gpus: vec!["1".into(), "3".into()],
-                flex: "flex2".into(),
-            }]
+            tier_from_admin_comment(line).as_deref(),
+            Some("flex2,calibrate=off"),
+            "the admin's field, not the user's Comment"
         );
+        for none in [
+            "JobId=7 AdminComment=(null)",
+            "JobId=7 AdminComment=powerflex;tier=-;pfi=-;cap=300W",
+            "JobId=7 AdminComment=other;tier=flex0",
+            "JobId=7 Comment=powerflex;tier=flex0",
+            "slurm_load_jobs error: Invalid job id specified",
+            "JobId=7 Comment=x AdminComment=powerflex;tier=flex0 AdminComment=(null)",
+        ] {
+            assert_eq!(tier_from_admin_comment(none), None, "{none}");
+        }
+    }
+
+    #[test]
+    fn a_job_taken_back_without_a_record_gets_the_most_flexible_tier() {
+        use powerflex_core::flex::{Tier, TierTable};
+        assert_eq!(
+            adoption_tier(&TierTable::default_table()).as_deref(),
+            Some("flex3")
+        );
+        let site = TierTable::new(
+            vec![Tier::new("gold", 0.0), Tier::new("bronze", 30.0)],
+            false,
+        )
+        .expect("tiers");
+        assert_eq!(adoption_tier(&site).as_deref(), Some("bronze"));
+        let open = TierTable::new(vec![], true).expect("max-slowdown only");
+        assert_eq!(adoption_tier(&open).as_deref(), Some("max-slowdown=100%"));
     }
 }

@@ -128,6 +128,26 @@ impl ProcTable {
         None
     }
 
+    /// Reads only `pid` and its ancestors under `proc_root` (normally `/proc`): enough to
+    /// answer [`ProcTable::step_of`] for `pid` without reading every process on the
+    /// host, on paths (a progress connection, a registration) that must stay cheap.
+    pub fn read_ancestry(proc_root: &Path, pid: u32) -> ProcTable {
+        let mut entries = Vec::new();
+        let mut next = pid;
+        for _ in 0..MAX_DEPTH {
+            let Some(entry) = read_entry(&proc_root.join(next.to_string()), next) else {
+                break;
+            };
+            let (ppid, done) = (entry.ppid, stepd_step(&entry).is_some());
+            entries.push(entry);
+            if done || ppid == 0 || ppid == next {
+                break;
+            }
+            next = ppid;
+        }
+        ProcTable::from_entries(entries)
+    }
+
     /// Jobs with at least one step daemon on this host.
     pub fn live_jobs(&self) -> BTreeSet<JobKey> {
         self.by_pid
@@ -147,6 +167,13 @@ fn stepd_step(entry: &ProcEntry) -> Option<StepId> {
         cluster: entry.slurm_conf.clone(),
         ..s
     })
+}
+
+/// The step process `pid` runs in, from its ancestry under `proc_root` (see
+/// [`ProcTable::step_of`]): what a progress report or a GPU's process is attributed by,
+/// never the process's own environment.
+pub fn step_of_pid(proc_root: &Path, pid: u32) -> Option<StepId> {
+    ProcTable::read_ancestry(proc_root, pid).step_of(pid)
 }
 
 /// The cluster served by process `pid` when it is a root-owned step daemon (the peer of a
@@ -325,5 +352,93 @@ mod tests {
             table.step_of(11).map(|s| s.job_key()),
             Some(("1".to_string(), Some("/a/slurm.conf".to_string())))
         );
+    }
+
+    /// A /proc tree on disk, laid out as the kernel's (stat, status, cmdline, environ,
+    /// the exe link), read by the same code as the real one.
+    struct FakeProc(std::path::PathBuf);
+
+    impl FakeProc {
+        fn new(name: &str) -> FakeProc {
+            let dir = std::env::temp_dir().join(format!("pf-proc-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
+            for exe in ["slurmstepd", "sleep"] {
+                std::fs::write(dir.join("bin").join(exe), b"").expect("exe");
+            }
+            FakeProc(dir)
+        }
+
+        fn add(&self, pid: u32, ppid: u32, uid: u32, exe: &str, argv: &[&str], env: &[&str]) {
+            let d = self.0.join(pid.to_string());
+            std::fs::create_dir_all(&d).expect("mkdir");
+            // comm with a space and a parenthesis, as the kernel allows.
+            let stat = format!("{pid} (x) y) S {ppid} {pid} {pid} 0 -1");
+            std::fs::write(d.join("stat"), stat).expect("stat");
+            let status = format!("Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n");
+            std::fs::write(d.join("status"), status).expect("status");
+            std::fs::write(d.join("cmdline"), argv.join("\0")).expect("cmdline");
+            std::fs::write(d.join("environ"), env.join("\0")).expect("environ");
+            std::os::unix::fs::symlink(self.0.join("bin").join(exe), d.join("exe")).expect("exe");
+        }
+    }
+
+    impl Drop for FakeProc {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// Issue 14: progress was authorised by the sender's own `SLURM_JOB_ID`. A forged
+    /// environment names no job; only the root-owned step daemon above a process does.
+    #[test]
+    fn a_fake_proc_tree_is_attributed_by_ancestry_not_environment() {
+        let fake = FakeProc::new("ancestry");
+        fake.add(1, 0, 0, "sleep", &["/sbin/init"], &[]);
+        fake.add(
+            10,
+            1,
+            0,
+            "slurmstepd",
+            &["slurmstepd: [42.0]"],
+            &["SLURM_CONF=/c/slurm.conf"],
+        );
+        fake.add(
+            11,
+            10,
+            1000,
+            "sleep",
+            &["python", "train.py"],
+            &["SLURM_JOB_ID=42"],
+        );
+        // The same user's process outside any job, claiming job 42 and job 43.
+        fake.add(
+            20,
+            1,
+            1000,
+            "sleep",
+            &["sleep", "1000"],
+            &["SLURM_JOB_ID=42"],
+        );
+        // A user's process in another job of theirs, claiming job 42.
+        fake.add(30, 1, 0, "slurmstepd", &["slurmstepd: [43.batch]"], &[]);
+        fake.add(31, 30, 1000, "sleep", &["bash"], &["SLURM_JOB_ID=42"]);
+        // A user's own "slurmstepd": the right binary name but not root's.
+        fake.add(40, 1, 1000, "slurmstepd", &["slurmstepd: [42.0]"], &[]);
+        fake.add(41, 40, 1000, "sleep", &["x"], &[]);
+        let root = fake.0.as_path();
+        let step = step_of_pid(root, 11).expect("in job 42");
+        assert_eq!(
+            step.job_key(),
+            ("42".to_string(), Some("/c/slurm.conf".to_string()))
+        );
+        assert_eq!(step.step, "0");
+        assert_eq!(step_of_pid(root, 20), None);
+        assert_eq!(step_of_pid(root, 31).map(|s| s.job).as_deref(), Some("43"));
+        assert_eq!(step_of_pid(root, 41), None);
+        assert_eq!(step_of_pid(root, 99), None, "a process that is gone");
+        // Only the chain is read.
+        assert_eq!(ProcTable::read_ancestry(root, 11).by_pid.len(), 2);
+        assert_eq!(ProcTable::read(root).expect("read").by_pid.len(), 8);
     }
 }

@@ -24,6 +24,7 @@ use crate::backend::GpuBackend;
 use crate::control::{Action, Agent, AgentSettings};
 use crate::persist::{self, PersistedJob, PersistedState};
 use crate::server::{self, Inbound, SnapshotCell};
+use powerflex_core::flex::parse_power_flex;
 
 /// Where the agent listens and keeps its state.
 #[derive(Debug, Clone)]
@@ -169,6 +170,46 @@ fn gpu_users(
     used
 }
 
+/// Of the GPUs a registration names, the first on which NVML lists processes of
+/// other jobs (by their ancestry) and none of `job_id`'s: Slurm gives a GPU to one job
+/// at a time, so such a claim was made with words (variables the user exported), not by
+/// Slurm. Processes in no job, and GPUs NVML cannot list, are no evidence either way.
+fn gpus_used_by_others(
+    backend: &mut dyn GpuBackend,
+    agent: &Agent,
+    gpus: &[String],
+    job_id: &str,
+    cluster: &Option<Option<String>>,
+) -> Option<crate::control::GpuClaimRefused> {
+    let refs = powerflex_core::gpus::parse_gpu_list(&gpus.join(",")).ok()?;
+    for r in refs {
+        let Some(gpu) = agent.gpus.iter().position(|g| match &r {
+            powerflex_core::gpus::GpuRef::Index(i) => g.identity.index == *i,
+            powerflex_core::gpus::GpuRef::Uuid(u) => &g.identity.uuid == u,
+        }) else {
+            continue;
+        };
+        let Ok(pids) = backend.running_pids(gpu as u32) else {
+            continue;
+        };
+        let users: std::collections::BTreeSet<crate::procs::JobKey> = pids
+            .into_iter()
+            .filter_map(|pid| crate::procs::step_of_pid(Path::new("/proc"), pid))
+            .map(|s| s.job_key())
+            .collect();
+        let mine =
+            |k: &crate::procs::JobKey| k.0 == job_id && cluster.as_ref().is_none_or(|c| &k.1 == c);
+        if !users.is_empty() && !users.iter().any(mine) {
+            return Some(crate::control::GpuClaimRefused {
+                gpu: gpu as u32,
+                claimed_by: job_id.to_string(),
+                used_by: users.into_iter().map(|(job, _)| job).collect(),
+            });
+        }
+    }
+    None
+}
+
 /// How often the agent looks for jobs whose step daemons are gone, s.
 const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
@@ -257,9 +298,22 @@ pub fn run(
     );
 
     // Reconcile after a crash or restart: jobs still running keep their GPUs; every
-    // other GPU goes back to its saved default on the first tick.
+    // other GPU goes back to its saved default on the first tick. Whether a job still
+    // runs is what the host's step daemons say (root's `slurmstepd [J.*]`), never a
+    // process's own environment.
+    let table = match crate::procs::ProcTable::read(Path::new("/proc")) {
+        Ok(table) => Some(table),
+        Err(e) => {
+            warn!(error = %e, "cannot read /proc to tell running jobs from ended ones");
+            None
+        }
+    };
+    let live = table.as_ref().map(|t| t.live_jobs()).unwrap_or_default();
     for job in saved.map(|s| s.jobs).unwrap_or_default() {
-        if !persist::job_has_process(&job.job_id) {
+        let running = live
+            .iter()
+            .any(|(id, cluster)| id == &job.job_id && (!job.from_stepd || cluster == &job.cluster));
+        if !running {
             info!(job_id = %job.job_id, "job from the previous run has ended; its GPUs return to default");
             continue;
         }
@@ -294,37 +348,51 @@ pub fn run(
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
-    // Managed jobs running on this node's GPUs that the state file did not list (it was
-    // lost or corrupt): take them back rather than release their caps, which would
-    // break the site's budget until the controller caught up.
+    // Jobs running on this node's GPUs that the state file did not list (it was lost or
+    // corrupt): take them back rather than release their caps, which would break the
+    // site's budget until the controller caught up. Which job a GPU's process belongs
+    // to comes from its ancestry; the tier from Slurm's record of the job, else the site
+    // (`persist::slurm_recorded_tier`, `persist::adoption_tier`).
     let node = agent.settings.node.clone();
     let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
         .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
         .filter(|(_, pids)| !pids.is_empty())
         .collect();
-    let running = match crate::procs::ProcTable::read(Path::new("/proc")) {
-        Ok(table) => persist::running_managed_jobs(&table, &gpu_pids, persist::process_facts),
-        Err(e) => {
-            warn!(error = %e, "cannot read /proc to take back running jobs");
-            Vec::new()
-        }
-    };
+    let running = table
+        .as_ref()
+        .map(|t| persist::running_jobs(t, &gpu_pids, persist::process_uid))
+        .unwrap_or_default();
+    let adopted_tier = persist::adoption_tier(&agent.settings.tiers);
     for job in running {
         if agent.jobs.contains_key(&job.job_id) {
             continue;
         }
+        // Slurm's own record first (the controller's AdminComment, admins' only), then
+        // the site's most flexible tier; never the job's environment.
+        let recorded =
+            persist::slurm_recorded_tier(&job.job_id, &job.cluster, Duration::from_secs(2))
+                .filter(|t| parse_power_flex(t, &agent.settings.tiers).is_ok());
+        let source = if recorded.is_some() {
+            "Slurm's AdminComment"
+        } else {
+            "the site's most flexible tier"
+        };
+        let Some(tier) = recorded.as_deref().or(adopted_tier.as_deref()) else {
+            warn!(job_id = %job.job_id, "the site offers no tier to take a running job back under");
+            continue;
+        };
         match agent.register(
             now(),
             &job.job_id,
-            "adopted",
+            crate::control::ADOPTED_STEP,
             job.uid,
             &node,
             &job.gpus,
-            &job.flex,
+            tier,
         ) {
             Ok(_) => {
                 agent.set_job_cluster(&job.job_id, job.cluster.clone(), now());
-                info!(job_id = %job.job_id, gpus = ?job.gpus, tier = %job.flex, "job running on this node's GPUs without a record; managing it again")
+                warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, source, "job running on this node's GPUs without a record (state file lost); managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
@@ -345,23 +413,29 @@ pub fn run(
 
     let snapshot: SnapshotCell = Arc::new(RwLock::new(Arc::new(agent.snapshot(now()))));
     let (tx, rx) = bounded::<Inbound>(1024);
+    let stats = Arc::new(server::ServerStats::default());
     let control = bind_unix(&options.control_socket, "control socket")?;
     let progress = bind_unix(&options.progress_socket, "progress socket")?;
     let mut threads = vec![
-        server::spawn_control(control, tx.clone(), snapshot.clone(), shutdown.clone()).map_err(
+        server::spawn_control(
+            control,
+            tx.clone(),
+            snapshot.clone(),
+            stats.clone(),
+            shutdown.clone(),
+        )
+        .map_err(|source| AgentError::Io {
+            what: "thread for",
+            path: options.control_socket.display().to_string(),
+            source,
+        })?,
+        server::spawn_progress(progress, tx.clone(), stats.clone(), shutdown.clone()).map_err(
             |source| AgentError::Io {
-                what: "thread for",
-                path: options.control_socket.display().to_string(),
-                source,
-            },
-        )?,
-        server::spawn_progress(progress, tx.clone(), shutdown.clone()).map_err(|source| {
-            AgentError::Io {
                 what: "thread for",
                 path: options.progress_socket.display().to_string(),
                 source,
-            }
-        })?,
+            },
+        )?,
     ];
     let mut metrics = None;
     if let Some(addr) = options.metrics_listen {
@@ -370,7 +444,11 @@ pub fn run(
             path: addr.to_string(),
             source,
         })?;
-        metrics = Some(crate::metrics::spawn(listener, snapshot.clone())?);
+        metrics = Some(crate::metrics::spawn(
+            listener,
+            snapshot.clone(),
+            stats.clone(),
+        )?);
     }
     if let Some(mut link) = options.link.clone() {
         link.gpus = agent
@@ -535,14 +613,25 @@ fn handle(
                 } => {
                     let span = info_span!("job", job_id = %job_id);
                     let _e = span.enter();
-                    match agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex) {
+                    // The registering peer is the step's slurmstepd (root): its cluster
+                    // tells this job apart from same-numbered jobs of other clusters.
+                    let cluster = crate::procs::stepd_cluster(Path::new("/proc"), peer.pid);
+                    let in_use = gpus_used_by_others(backend, agent, &gpus, &job_id, &cluster);
+                    let outcome = match in_use {
+                        Some(refusal) => {
+                            agent.gpu_claims_refused += 1;
+                            warn!(step_id = %step_id, gpu = refusal.gpu, used_by = ?refusal.used_by, "GPU claim refused at registration: other jobs' processes run on it");
+                            Err(format!(
+                                "GPU {} runs processes of job {}: a step may register only the GPUs Slurm gave it",
+                                refusal.gpu,
+                                refusal.used_by.join(", ")
+                            ))
+                        }
+                        None => agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex),
+                    };
+                    match outcome {
                         Ok(r) => {
-                            // The registering peer is the step's slurmstepd (root): its
-                            // cluster tells this job apart from same-numbered jobs of
-                            // other clusters on the host.
-                            if let Some(cluster) =
-                                crate::procs::stepd_cluster(Path::new("/proc"), peer.pid)
-                            {
+                            if let Some(cluster) = cluster {
                                 agent.set_job_cluster(&job_id, cluster, now);
                             }
                             info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
@@ -586,16 +675,28 @@ fn handle(
         Inbound::Progress {
             report,
             peer,
+            sender,
             received,
             verdict,
         } => {
             let at = received.saturating_duration_since(clock).as_secs_f64();
-            let owner = agent.jobs.get(&report.job_id).map(|j| j.uid);
-            let outcome = match owner {
+            let job = agent
+                .jobs
+                .get(&report.job_id)
+                .map(|j| (j.uid, j.cluster.clone()));
+            let outcome = match job {
                 None => Err(format!("no job {} on this node", report.job_id)),
-                Some(uid) if uid != peer.uid && peer.uid != 0 => Err(format!(
+                Some((uid, _)) if uid != peer.uid && peer.uid != 0 => Err(format!(
                     "uid {} may not report for job {} (owned by uid {uid})",
                     peer.uid, report.job_id
+                )),
+                // Same id, another cluster on this host (the test clusters): not this job.
+                Some((_, Some(cluster))) if cluster != sender.cluster => Err(format!(
+                    "process {} runs in job {} of another Slurm cluster ({}) than this node's job {}",
+                    peer.pid,
+                    sender.job,
+                    sender.cluster.as_deref().unwrap_or("the default config"),
+                    report.job_id
                 )),
                 Some(_) => agent.progress(at, &report.job_id, report.tokens, report.steps),
             };

@@ -4,25 +4,34 @@
 //! never waits on (or delays) the control loop.
 //!
 //! - **Control socket** (`agent.socket`): register / end-step / end-job from root only
-//!   (slurmstepd, the epilog); status from anyone. One request, one reply.
+//!   (slurmstepd, the epilog); status from anyone, and a non-root reader sees only their
+//!   own jobs. One request, one reply.
 //! - **Progress socket** (beside it, `*.progress`): a training job's reports, one JSON
-//!   line each. A report is accepted only from a process whose environment carries the
-//!   reported job's `SLURM_JOB_ID` (read from `/proc/<pid>/environ`) and whose uid is the
-//!   job owner's (checked by the control loop, which knows the owner). A refused report
-//!   gets one error line and the connection is closed.
+//!   line each. A report is accepted only from a process that descends from the reported
+//!   job's root-owned `slurmstepd` ([`crate::procs`]; never from the sender's own
+//!   environment) and whose uid is the job owner's (checked by the control loop, which
+//!   knows the owner). A refused report gets one error line and the connection is closed.
+//!
+//! Both sockets admit connections through [`Admission`]: a cap on all connections, a cap
+//! per uid, and (on the control socket) slots only root may take, so one user holding
+//! idle connections cannot starve other jobs' progress or slurmstepd's registrations. A
+//! connection that sends nothing for its socket's idle limit is closed. Every refusal
+//! and every idle close is counted ([`ServerStats`], exported as metrics).
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Sender};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest, ProgressReport, MAX_LINE_BYTES};
 use tracing::{debug, warn};
 
-use crate::persist::process_job_id;
+use crate::procs::{step_of_pid, StepId};
 
 pub use powerflex_daemon::os::{peer_of, Peer};
 use powerflex_daemon::{lines, DaemonError};
@@ -38,6 +47,9 @@ pub enum Inbound {
     Progress {
         report: ProgressReport,
         peer: Peer,
+        /// The step the sending process runs in, from its ancestry (its root-owned
+        /// `slurmstepd`), never from its environment.
+        sender: StepId,
         /// When the line arrived: the loop may handle it later, and throughput is
         /// measured between arrivals.
         received: std::time::Instant,
@@ -60,8 +72,6 @@ pub enum Inbound {
 /// held only to swap or clone an `Arc`, never while work is done.
 pub type SnapshotCell = Arc<RwLock<Arc<crate::control::Snapshot>>>;
 
-/// Most connections served at once per socket; more are refused, not queued.
-const MAX_CONNECTIONS: usize = 64;
 /// How long a client may take to send its line, and the loop to answer it.
 const IO_TIMEOUT: Duration = Duration::from_millis(1000);
 
@@ -74,20 +84,221 @@ fn reply(stream: &mut UnixStream, r: &ControlReply) {
     let _ = stream.write_all(r.to_line().as_bytes());
 }
 
-struct Slot(Arc<AtomicUsize>);
+/// The status `uid` may see (need-to-know): root sees everything; anyone else sees
+/// the node's GPUs and counters, and of the jobs only their own (another user's job
+/// ids, tiers and throughput are not theirs to know; the GPU rows keep the power a
+/// GPU draws but not whose job runs on it).
+pub fn seen_by(status: &crate::control::Snapshot, uid: u32) -> crate::control::Snapshot {
+    let mut seen = status.clone();
+    if uid == 0 {
+        return seen;
+    }
+    seen.jobs.retain(|j| j.uid == uid);
+    for gpu in &mut seen.gpus {
+        if gpu
+            .job
+            .as_ref()
+            .is_some_and(|id| !seen.jobs.iter().any(|j| &j.job == id))
+        {
+            gpu.job = None;
+        }
+    }
+    seen
+}
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+/// Who may hold how many connections to one socket at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Connections served at once; more are refused, not queued.
+    pub total: usize,
+    /// Connections one non-root uid may hold at once.
+    pub per_uid: usize,
+    /// Of `total`, slots only root may take (slurmstepd's registrations, the epilog).
+    pub reserved_for_root: usize,
+    /// A connection that sends no complete line for this long is closed.
+    pub idle: Duration,
+}
+
+/// The control socket: one request per connection. Registrations come from root and
+/// must never wait behind users' status requests, so half the slots are root's.
+pub const CONTROL_LIMITS: ConnLimits = ConnLimits {
+    total: 64,
+    per_uid: 4,
+    reserved_for_root: 32,
+    idle: IO_TIMEOUT,
+};
+
+/// The progress socket: long-lived connections, usually one per job (rank 0), at most
+/// one per GPU. 16 per uid covers a user with two 8-GPU jobs on one node reporting from
+/// every rank; 256 in all covers 16 such users. A job whose steps take longer than the
+/// idle limit reconnects at its next report (the client library does).
+pub const PROGRESS_LIMITS: ConnLimits = ConnLimits {
+    total: 256,
+    per_uid: 16,
+    reserved_for_root: 0,
+    idle: Duration::from_secs(300),
+};
+
+/// Why a connection was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Every slot open to this peer is taken.
+    Full,
+    /// This uid holds `per_uid` connections already.
+    UidFull,
+}
+
+impl Refusal {
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Full => "full",
+            Refusal::UidFull => "per_uid",
+        }
     }
 }
 
-fn take_slot(active: &Arc<AtomicUsize>) -> Option<Slot> {
-    if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-        active.fetch_sub(1, Ordering::SeqCst);
-        return None;
+/// The connections a socket holds, by uid. Pure: the acceptor asks it before serving a
+/// connection and tells it when the connection ends.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Admission {
+    by_uid: BTreeMap<u32, usize>,
+    total: usize,
+}
+
+impl Admission {
+    /// Admits a connection from `uid`, or says why not. Root may take any free slot;
+    /// others only those not reserved for root, and at most `per_uid` of them.
+    pub fn admit(&mut self, limits: &ConnLimits, uid: u32) -> Result<(), Refusal> {
+        if self.total >= limits.total {
+            return Err(Refusal::Full);
+        }
+        if uid != 0 {
+            let non_root = self.total - self.by_uid.get(&0).copied().unwrap_or(0);
+            if non_root >= limits.total.saturating_sub(limits.reserved_for_root) {
+                return Err(Refusal::Full);
+            }
+            if self.by_uid.get(&uid).copied().unwrap_or(0) >= limits.per_uid {
+                return Err(Refusal::UidFull);
+            }
+        }
+        *self.by_uid.entry(uid).or_insert(0) += 1;
+        self.total += 1;
+        Ok(())
     }
-    Some(Slot(active.clone()))
+
+    /// A connection from `uid` ended.
+    pub fn release(&mut self, uid: u32) {
+        if let Some(n) = self.by_uid.get_mut(&uid) {
+            *n -= 1;
+            self.total -= 1;
+            if *n == 0 {
+                self.by_uid.remove(&uid);
+            }
+        }
+    }
+
+    pub fn held_by(&self, uid: u32) -> usize {
+        self.by_uid.get(&uid).copied().unwrap_or(0)
+    }
+}
+
+/// Connection refusals and idle closes of one socket, for the metrics.
+#[derive(Debug, Default)]
+pub struct SocketStats {
+    pub refused_full: AtomicU64,
+    pub refused_per_uid: AtomicU64,
+    /// Connections closed for sending nothing within the idle limit.
+    pub timed_out: AtomicU64,
+}
+
+impl SocketStats {
+    fn refused(&self, why: Refusal) {
+        match why {
+            Refusal::Full => &self.refused_full,
+            Refusal::UidFull => &self.refused_per_uid,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Both sockets' counters, shared by the acceptors and the metrics server.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub control: SocketStats,
+    pub progress: SocketStats,
+}
+
+/// A socket's admission state and counters, shared by its acceptor and connections.
+struct Gate {
+    limits: ConnLimits,
+    admission: Mutex<Admission>,
+}
+
+/// One admitted connection: released when dropped.
+struct Permit {
+    gate: Arc<Gate>,
+    uid: u32,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.gate
+            .admission
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .release(self.uid);
+    }
+}
+
+impl Gate {
+    fn new(limits: ConnLimits) -> Arc<Gate> {
+        Arc::new(Gate {
+            limits,
+            admission: Mutex::new(Admission::default()),
+        })
+    }
+
+    fn admit(self: &Arc<Gate>, uid: u32) -> Result<Permit, Refusal> {
+        self.admission
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .admit(&self.limits, uid)?;
+        Ok(Permit {
+            gate: Arc::clone(self),
+            uid,
+        })
+    }
+}
+
+/// Identifies an accepted connection's peer and admits it, or refuses it (counted,
+/// logged at debug: a flood must not flood the log too).
+fn admit(
+    stream: &UnixStream,
+    gate: &Arc<Gate>,
+    stats: &SocketStats,
+    socket: &'static str,
+) -> Result<(Peer, Permit), String> {
+    let peer = peer_of(stream).map_err(|e| format!("cannot identify the peer: {e}"))?;
+    match gate.admit(peer.uid) {
+        Ok(permit) => Ok((peer, permit)),
+        Err(why) => {
+            stats.refused(why);
+            debug!(
+                socket,
+                pid = peer.pid,
+                uid = peer.uid,
+                reason = why.label(),
+                "connection refused"
+            );
+            Err(match why {
+                Refusal::Full => "agent busy: too many connections".to_string(),
+                Refusal::UidFull => format!(
+                    "agent busy: uid {} holds {} connections to this socket, the most one user may",
+                    peer.uid, gate.limits.per_uid
+                ),
+            })
+        }
+    }
 }
 
 /// Serves the control socket until `shutdown`.
@@ -95,12 +306,13 @@ pub fn spawn_control(
     listener: UnixListener,
     tx: Sender<Inbound>,
     snapshot: SnapshotCell,
+    stats: Arc<ServerStats>,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     // A blocking accept: a request is served the moment it arrives (a polling accept
     // added up to 10 ms to every srun). `run` wakes it at shutdown by connecting.
     listener.set_nonblocking(false)?;
-    let active = Arc::new(AtomicUsize::new(0));
+    let gate = Gate::new(CONTROL_LIMITS);
     std::thread::Builder::new()
         .name("control-accept".into())
         .spawn(move || {
@@ -108,19 +320,22 @@ pub fn spawn_control(
                 match listener.accept() {
                     Ok(_) if shutdown.load(Ordering::SeqCst) => break,
                     Ok((mut stream, _)) => {
-                        let Some(slot) = take_slot(&active) else {
-                            reply(
-                                &mut stream,
-                                &ControlReply::error("agent busy: too many connections"),
-                            );
-                            continue;
+                        let (peer, permit) = match admit(&stream, &gate, &stats.control, "control")
+                        {
+                            Ok(admitted) => admitted,
+                            Err(why) => {
+                                // Never block the acceptor on a refused peer.
+                                let _ = stream.set_nonblocking(true);
+                                reply(&mut stream, &ControlReply::error(why));
+                                continue;
+                            }
                         };
-                        let (tx, snapshot) = (tx.clone(), snapshot.clone());
+                        let (tx, snapshot, stats) = (tx.clone(), snapshot.clone(), stats.clone());
                         let _ = std::thread::Builder::new()
                             .name("control-conn".into())
                             .spawn(move || {
-                                let _slot = slot;
-                                serve_control(stream, &tx, &snapshot);
+                                let _permit = permit;
+                                serve_control(stream, peer, &tx, &snapshot, &stats.control);
                             });
                     }
                     Err(e) => {
@@ -132,30 +347,41 @@ pub fn spawn_control(
         })
 }
 
-fn serve_control(mut stream: UnixStream, tx: &Sender<Inbound>, snapshot: &SnapshotCell) {
+fn serve_control(
+    mut stream: UnixStream,
+    peer: Peer,
+    tx: &Sender<Inbound>,
+    snapshot: &SnapshotCell,
+    stats: &SocketStats,
+) {
     let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
-    let peer = match peer_of(&stream) {
-        Ok(p) => p,
-        Err(e) => {
-            reply(
-                &mut stream,
-                &ControlReply::error(format!("cannot identify the peer: {e}")),
-            );
-            return;
-        }
-    };
     let line = match stream
         .try_clone()
         .map_err(DaemonError::io_on(
             "cannot read from",
             "the control connection",
         ))
-        .and_then(|r| read_line(&mut BufReader::new(r)))
-    {
+        .and_then(|r| {
+            // The whole request within the idle limit, not each read: a peer trickling
+            // a byte a second would otherwise hold its slot for an hour.
+            let deadline = Instant::now() + CONTROL_LIMITS.idle;
+            read_line(&mut BufReader::new(DeadlineReader {
+                stream: r,
+                deadline,
+            }))
+        }) {
         Ok(Some(line)) => line,
         Ok(None) => return,
+        Err(e) if e.is_timeout() => {
+            stats.timed_out.fetch_add(1, Ordering::Relaxed);
+            debug!(
+                pid = peer.pid,
+                uid = peer.uid,
+                "control connection sent no request in time"
+            );
+            return;
+        }
         Err(e) => {
             warn!(pid = peer.pid, uid = peer.uid, error = %e, "control request refused");
             reply(&mut stream, &ControlReply::error(e.to_string()));
@@ -172,7 +398,8 @@ fn serve_control(mut stream: UnixStream, tx: &Sender<Inbound>, snapshot: &Snapsh
     };
     if request.op == ControlOp::Status {
         let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
-        let status = snap.map(|s| (*s).clone());
+        // Need-to-know: a user sees their own jobs only; root (admins, tests) sees all.
+        let status = snap.map(|s| seen_by(&s, peer.uid));
         reply(
             &mut stream,
             &ControlReply {
@@ -215,31 +442,56 @@ fn serve_control(mut stream: UnixStream, tx: &Sender<Inbound>, snapshot: &Snapsh
     reply(&mut stream, &answer);
 }
 
+/// Reads from a socket until a deadline for all the reads together: each read waits at
+/// most what is left, and none starts after it.
+struct DeadlineReader {
+    stream: UnixStream,
+    deadline: Instant,
+}
+
+impl std::io::Read for DeadlineReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
 /// Serves the progress socket until `shutdown`.
 pub fn spawn_progress(
     listener: UnixListener,
     tx: Sender<Inbound>,
+    stats: Arc<ServerStats>,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     // Blocking, as the control socket's; woken at shutdown the same way.
     listener.set_nonblocking(false)?;
-    let active = Arc::new(AtomicUsize::new(0));
+    let gate = Gate::new(PROGRESS_LIMITS);
     std::thread::Builder::new()
         .name("progress-accept".into())
         .spawn(move || {
             while !shutdown.load(Ordering::SeqCst) {
                 match listener.accept() {
                     Ok(_) if shutdown.load(Ordering::SeqCst) => break,
-                    Ok((stream, _)) => {
-                        let Some(slot) = take_slot(&active) else {
-                            continue;
-                        };
-                        let (tx, shutdown) = (tx.clone(), shutdown.clone());
+                    Ok((mut stream, _)) => {
+                        let (peer, permit) =
+                            match admit(&stream, &gate, &stats.progress, "progress") {
+                                Ok(admitted) => admitted,
+                                Err(why) => {
+                                    let _ = stream.set_nonblocking(true);
+                                    write_error(&mut stream, &why);
+                                    continue;
+                                }
+                            };
+                        let (tx, shutdown, stats) = (tx.clone(), shutdown.clone(), stats.clone());
                         let _ = std::thread::Builder::new()
                             .name("progress-conn".into())
                             .spawn(move || {
-                                let _slot = slot;
-                                serve_progress(stream, &tx, &shutdown);
+                                let _permit = permit;
+                                serve_progress(stream, peer, &tx, &stats.progress, &shutdown);
                             });
                     }
                     Err(e) => {
@@ -261,43 +513,66 @@ fn refuse(stream: &mut UnixStream, tx: &Sender<Inbound>, peer: Peer, reason: Str
     let _ = tx.try_send(Inbound::ProgressRefused { reason, peer });
 }
 
-fn serve_progress(mut stream: UnixStream, tx: &Sender<Inbound>, shutdown: &AtomicBool) {
+fn serve_progress(
+    mut stream: UnixStream,
+    peer: Peer,
+    tx: &Sender<Inbound>,
+    stats: &SocketStats,
+    shutdown: &AtomicBool,
+) {
     let _ = stream.set_nonblocking(false);
+    // Short reads, so shutdown and the idle limit are noticed within a second.
     let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
-    let Ok(peer) = peer_of(&stream) else { return };
     let Ok(read_half) = stream.try_clone() else {
         return;
     };
     let mut reader = BufReader::new(read_half);
-    // The job this connection's process belongs to, read once.
-    let process_job = process_job_id(peer.pid);
+    // The step this connection's process runs in, from its ancestry, read once: the
+    // kernel keeps a process's parent chain, the process cannot rewrite it.
+    let sender = step_of_pid(Path::new("/proc"), peer.pid);
+    let mut last_line = Instant::now();
     while !shutdown.load(Ordering::SeqCst) {
         let line = match read_line(&mut reader) {
             Ok(Some(line)) => line,
             Ok(None) => return,
-            Err(e) if e.is_timeout() => continue,
+            Err(e) if e.is_timeout() => {
+                if last_line.elapsed() >= PROGRESS_LIMITS.idle {
+                    stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                    debug!(
+                        pid = peer.pid,
+                        uid = peer.uid,
+                        "idle progress connection closed"
+                    );
+                    return;
+                }
+                continue;
+            }
             Err(e) => return refuse(&mut stream, tx, peer, e.to_string()),
         };
-        let received = std::time::Instant::now();
+        let received = Instant::now();
+        last_line = received;
         let report = match ProgressReport::from_line(&line) {
             Ok(r) => r,
             Err(e) => return refuse(&mut stream, tx, peer, e.to_string()),
         };
-        if process_job.as_deref() != Some(report.job_id.as_str()) {
+        let Some(sender) = sender.clone().filter(|s| s.job == report.job_id) else {
             let reason = format!(
-                "process {} belongs to job {}, not job {}",
+                "process {} runs in {}, not in job {}: a report counts only from the job's own processes (descendants of its slurmstepd)",
                 peer.pid,
-                process_job.as_deref().unwrap_or("(none)"),
+                sender
+                    .as_ref()
+                    .map_or("no Slurm job".to_string(), |s| format!("job {}", s.job)),
                 report.job_id
             );
             return refuse(&mut stream, tx, peer, reason);
-        }
+        };
         let (verdict_tx, verdict_rx) = bounded(1);
         if tx
             .try_send(Inbound::Progress {
                 report,
                 peer,
+                sender,
                 received,
                 verdict: verdict_tx,
             })
@@ -310,5 +585,108 @@ fn serve_progress(mut stream: UnixStream, tx: &Sender<Inbound>, shutdown: &Atomi
             // The loop refused (and counted) it.
             return write_error(&mut stream, &reason);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: ConnLimits = ConnLimits {
+        total: 8,
+        per_uid: 3,
+        reserved_for_root: 4,
+        idle: Duration::from_secs(1),
+    };
+
+    /// Issue 14: one user holding 64 idle connections starved every job's progress, and
+    /// refreshing them starved slurmstepd's registrations.
+    #[test]
+    fn one_user_cannot_take_the_slots_of_others_or_of_root() {
+        let mut a = Admission::default();
+        for _ in 0..3 {
+            assert_eq!(a.admit(&LIMITS, 1000), Ok(()));
+        }
+        assert_eq!(a.admit(&LIMITS, 1000), Err(Refusal::UidFull));
+        assert_eq!(a.held_by(1000), 3);
+        // Another user gets the last non-reserved slot, then the reserve is root's.
+        assert_eq!(a.admit(&LIMITS, 1001), Ok(()));
+        assert_eq!(a.admit(&LIMITS, 1002), Err(Refusal::Full));
+        for _ in 0..4 {
+            assert_eq!(a.admit(&LIMITS, 0), Ok(()));
+        }
+        assert_eq!(
+            a.admit(&LIMITS, 0),
+            Err(Refusal::Full),
+            "the cap holds for root too"
+        );
+        a.release(1000);
+        assert_eq!(
+            a.admit(&LIMITS, 1002),
+            Ok(()),
+            "a freed open slot is anyone's"
+        );
+        assert_eq!(a.admit(&LIMITS, 0), Err(Refusal::Full), "socket full");
+        a.release(0);
+        assert_eq!(
+            a.admit(&LIMITS, 1003),
+            Err(Refusal::Full),
+            "a freed reserved slot stays root's"
+        );
+        assert_eq!(a.admit(&LIMITS, 0), Ok(()));
+        // Releasing what was never admitted changes nothing.
+        let before = a.clone();
+        a.release(4242);
+        assert_eq!(a, before);
+    }
+
+    #[test]
+    fn root_may_use_non_reserved_slots_too() {
+        let mut a = Admission::default();
+        for _ in 0..8 {
+            assert_eq!(a.admit(&LIMITS, 0), Ok(()));
+        }
+        assert_eq!(a.admit(&LIMITS, 1000), Err(Refusal::Full));
+        for _ in 0..8 {
+            a.release(0);
+        }
+        assert_eq!(a, Admission::default());
+    }
+
+    #[test]
+    fn shipped_limits_leave_room_for_others() {
+        for l in [CONTROL_LIMITS, PROGRESS_LIMITS] {
+            assert!(l.per_uid < l.total - l.reserved_for_root, "{l:?}");
+        }
+        const { assert!(CONTROL_LIMITS.reserved_for_root > 0) };
+    }
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::*;
+
+    #[test]
+    fn a_trickling_peer_meets_one_deadline_for_the_whole_line() {
+        let (mut client, server) = UnixStream::pair().expect("pair");
+        let writer = std::thread::spawn(move || {
+            for _ in 0..20 {
+                if client.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(40));
+            }
+        });
+        let started = Instant::now();
+        let mut reader = BufReader::new(DeadlineReader {
+            stream: server,
+            deadline: Instant::now() + Duration::from_millis(300),
+        });
+        let e = read_line(&mut reader).expect_err("no line in time");
+        assert!(e.is_timeout(), "{e}");
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(600), "{took:?}");
+        drop(reader);
+        let _ = writer.join();
     }
 }

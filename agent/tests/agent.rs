@@ -3,6 +3,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -45,8 +46,46 @@ struct Fixture {
     node: Node,
     config: PathBuf,
     agent: Option<Child>,
-    jobs: Vec<Child>,
+    /// Stand-in step daemons this fixture started, and the job process under each.
+    jobs: Vec<(Child, u32)>,
     metrics_port: u16,
+}
+
+/// Quotes `s` for sh.
+fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// A stand-in for Slurm's step daemon of `job`: a root-owned process whose executable is
+/// named `slurmstepd` (a copy of /bin/sh) and whose title is `slurmstepd: [JOB.0]`, so
+/// the agent attributes its children to the job by ancestry as it does under Slurm.
+/// It runs `argv` as its child with `env`; `script_tail` follows the command in the
+/// shell script it reads from stdin.
+fn in_step(dir: &Path, job: &str, argv: &[&str], env: &[(&str, &str)], script_tail: &str) -> Child {
+    let exe = dir.join("bin/slurmstepd");
+    if !exe.exists() {
+        std::fs::create_dir_all(dir.join("bin")).expect("bin dir");
+        std::fs::copy("/bin/sh", &exe).expect("copy /bin/sh");
+    }
+    let mut cmd = Command::new(&exe);
+    cmd.arg0(format!("slurmstepd: [{job}.0]"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .env_remove("SLURM_JOB_ID");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("stand-in slurmstepd");
+    let line: Vec<String> = argv.iter().map(|a| sh_quote(a)).collect();
+    let script = format!("{} {script_tail}\n", line.join(" "));
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(script.as_bytes())
+        .expect("script");
+    child
 }
 
 impl Fixture {
@@ -168,23 +207,54 @@ impl Fixture {
         f64::from(self.node.gpu(gpu).expect("gpu").power_limit_mw) / 1000.0
     }
 
+    /// Starts a simulated job process under a stand-in step daemon of `job`; returns
+    /// the step daemon's PID (killing it ends the job as far as the agent can tell).
     fn simjob(&mut self, job: &str, gpus: &str, profile: &str, progress: Option<&str>) -> u32 {
-        let mut cmd = Command::new(profile_dir().join("powerflex-simjob"));
-        cmd.args(["--profile", profile, "--time-scale", "20"])
-            .env("POWERFLEX_SIM_DIR", self.node.dir())
-            .env("SLURM_JOB_ID", job)
-            .env("SLURM_JOB_GPUS", gpus)
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        match progress {
-            Some(p) => cmd.env("POWERFLEX_PROGRESS", p),
-            None => cmd.env_remove("POWERFLEX_PROGRESS"),
-        };
-        let child = cmd.spawn().expect("simjob");
+        let simjob = profile_dir().join("powerflex-simjob");
+        let sim_dir = self.node.dir().display().to_string();
+        let mut env = vec![
+            ("POWERFLEX_SIM_DIR", sim_dir.as_str()),
+            ("SLURM_JOB_ID", job),
+            ("SLURM_JOB_GPUS", gpus),
+        ];
+        if let Some(p) = progress {
+            env.push(("POWERFLEX_PROGRESS", p));
+        }
+        let argv = [
+            simjob.to_str().expect("utf-8"),
+            "--profile",
+            profile,
+            "--time-scale",
+            "20",
+        ];
+        let mut child = in_step(
+            &self.dir,
+            job,
+            &argv,
+            &env,
+            "</dev/null >/dev/null & echo $!; wait $!",
+        );
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut first)
+            .expect("job pid");
+        let job_pid: u32 = first.trim().parse().expect("job pid");
         let pid = child.id();
-        self.jobs.push(child);
+        self.jobs.push((child, job_pid));
         pid
+    }
+
+    /// Ends the job whose stand-in step daemon is `stepd`: both processes, by PID.
+    fn end_job_processes(&mut self, stepd: u32) {
+        let (mut ended, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.jobs)
+            .into_iter()
+            .partition(|(c, _)| c.id() == stepd);
+        for (child, job_pid) in &mut ended {
+            let _ = kill(*job_pid, Signal::KILL);
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.jobs = kept;
     }
 
     fn signal_agent(&mut self, signal: Signal) -> Option<std::process::ExitStatus> {
@@ -198,11 +268,43 @@ impl Fixture {
 impl Drop for Fixture {
     fn drop(&mut self) {
         let _ = self.signal_agent(Signal::KILL);
-        for job in &mut self.jobs {
-            let _ = job.kill();
-            let _ = job.wait();
+        for (child, job_pid) in &mut self.jobs {
+            // The job process and its stand-in step daemon this fixture started, by PID.
+            let _ = kill(*job_pid, Signal::KILL);
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
+}
+
+/// Runs the socket client under a stand-in step daemon of `job`.
+fn client_in_job(
+    dir: &Path,
+    job: &str,
+    args: &[&str],
+    as_nobody: bool,
+    env: &[(&str, &str)],
+) -> Vec<String> {
+    let probe = profile_dir().join("examples/socket_client");
+    let probe = probe.to_str().expect("utf-8");
+    let mut argv: Vec<&str> = Vec::new();
+    if as_nobody {
+        argv.extend([
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ]);
+    }
+    argv.push(probe);
+    argv.extend(args);
+    let out = in_step(dir, job, &argv, env, "</dev/null; exit $?")
+        .wait_with_output()
+        .expect("client");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
 }
 
 fn client(args: &[&str], as_nobody: bool, env: &[(&str, &str)]) -> Vec<String> {
@@ -363,15 +465,8 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
         || (f.limit_w(2) < 700.0 && f.limit_w(4) < 700.0).then_some(()),
     );
     f.signal_agent(Signal::KILL);
-    // The simulated job this test started, by its PID.
-    kill(doomed, Signal::KILL).expect("kill the job");
-    let jobs = std::mem::take(&mut f.jobs);
-    let (mut dead, alive): (Vec<Child>, Vec<Child>) =
-        jobs.into_iter().partition(|c| c.id() == doomed);
-    for c in &mut dead {
-        let _ = c.wait();
-    }
-    f.jobs = alive;
+    // The simulated job and its step daemon this test started, by PID.
+    f.end_job_processes(doomed);
     assert!(
         f.limit_w(4) < 700.0,
         "a crashed agent leaves its caps behind"
@@ -422,11 +517,20 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
     let progress = reply.progress.expect("progress");
     f.simjob("401", "5", "synthetic-compute-bound", Some(&progress));
     let forged = "{\"v\":1,\"job_id\":\"401\",\"tokens\":999999999,\"steps\":1}";
-    // Another job's process.
-    let other_job = client(&[&progress, forged], false, &[("SLURM_JOB_ID", "999")]);
-    assert!(other_job[0].contains("belongs to job 999"), "{other_job:?}");
-    // The right job id in the environment, the wrong user.
-    let other_uid = client(&[&progress, forged], true, &[("SLURM_JOB_ID", "401")]);
+    // Issue 14: a process outside any job, its environment naming job 401.
+    let no_job = client(&[&progress, forged], false, &[("SLURM_JOB_ID", "401")]);
+    assert!(no_job[0].contains("runs in no Slurm job"), "{no_job:?}");
+    // Another job's process, its environment naming job 401.
+    let other_job = client_in_job(
+        &f.dir,
+        "999",
+        &[&progress, forged],
+        false,
+        &[("SLURM_JOB_ID", "401")],
+    );
+    assert!(other_job[0].contains("runs in job 999"), "{other_job:?}");
+    // A process of job 401 (by ancestry), the wrong user.
+    let other_uid = client_in_job(&f.dir, "401", &[&progress, forged], true, &[]);
     assert!(
         other_uid
             .first()
@@ -434,8 +538,8 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
         "{other_uid:?}"
     );
     // The counter is published with the agent's next tick.
-    wait_until("both refusals counted", Duration::from_secs(5), || {
-        (f.status().progress_rejected >= 2).then_some(())
+    wait_until("the refusals counted", Duration::from_secs(5), || {
+        (f.status().progress_rejected >= 3).then_some(())
     });
 
     // Malformed and oversized requests get an error and the agent keeps serving.
@@ -533,17 +637,18 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
                   \x20   for _ in range(40):\n\
                   \x20       time.sleep(0.05)\n\
                   \x20       r.add(tokens=1000, steps=1)\n";
-    let out = Command::new("python3")
-        .args(["-c", script, helper_dir.to_str().expect("utf-8")])
-        .env("POWERFLEX_PROGRESS", &progress)
-        .env("SLURM_JOB_ID", "701")
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // Run as the job's process: under (a stand-in for) its step daemon.
+    let out = in_step(
+        &f.dir,
+        "701",
+        &["python3", "-c", script, helper_dir.to_str().expect("utf-8")],
+        &[("POWERFLEX_PROGRESS", &progress), ("SLURM_JOB_ID", "701")],
+        "</dev/null; echo exit=$?",
+    )
+    .wait_with_output()
+    .expect("python3");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("exit=0"), "{said}");
     assert_eq!(f.status().progress_rejected, 0, "every report accepted");
     let throughput = wait_until(
         "the job's throughput in status",
@@ -771,4 +876,136 @@ fn a_second_agent_on_the_node_refuses_to_start_and_the_first_keeps_its_socket() 
     assert!(status.success());
     f.start_agent();
     assert!(f.request(ControlOp::Status).ok);
+}
+
+/// Holds `count` idle connections to `socket` as uid 65534 for `hold_s` seconds; the
+/// returned child prints `held` once they are open.
+fn idle_connections(socket: &Path, count: u32, hold_s: u32) -> Child {
+    let script = "import socket, sys, time\n\
+                  held = []\n\
+                  for _ in range(int(sys.argv[2])):\n\
+                  \x20   s = socket.socket(socket.AF_UNIX)\n\
+                  \x20   s.connect(sys.argv[1])\n\
+                  \x20   held.append(s)\n\
+                  print('held', flush=True)\n\
+                  time.sleep(float(sys.argv[3]))\n";
+    let mut child = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", script])
+        .arg(socket)
+        .args([count.to_string(), hold_s.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("held");
+    assert_eq!(line.trim(), "held");
+    child
+}
+
+/// Issue 14 item 5: one user holding 64 idle connections starved every job's progress,
+/// and refreshing 64 control connections made registrations fail.
+#[test]
+fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
+    if !can_run(&[
+        Need::Root,
+        Need::Program("setpriv"),
+        Need::File("/usr/bin/python3"),
+    ]) {
+        return;
+    }
+    let f = Fixture::new("flood", Some(100_000.0), 3600);
+    let progress_socket = f.dir.join("n1.progress");
+    let mut floods = vec![
+        idle_connections(&progress_socket, 64, 30),
+        idle_connections(&f.socket(), 64, 30),
+    ];
+    // Root's registration still gets through, and the job's own report is accepted.
+    let reply = f.register("801", &["0"], "flex2,calibrate=off");
+    assert!(reply.ok, "{reply:?}");
+    let progress = reply.progress.expect("progress");
+    let report = "{\"v\":1,\"job_id\":\"801\",\"tokens\":1000,\"steps\":1}";
+    let said = client_in_job(&f.dir, "801", &[&progress, report], false, &[]);
+    assert!(
+        said.iter().all(|l| !l.contains("\"ok\":false")),
+        "the job's report is served: {said:?}"
+    );
+    // Another unprivileged user is served on both sockets too (uid 65534 holds its share).
+    let status = Command::new("setpriv")
+        .args(["--reuid=65533", "--regid=65533", "--clear-groups"])
+        .arg(profile_dir().join("examples/socket_client"))
+        .arg(f.socket())
+        .arg("{\"v\":1,\"op\":\"status\"}")
+        .output()
+        .expect("client");
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("\"ok\":true"), "{status}");
+    assert!(
+        status.contains("\"jobs\":[]"),
+        "another user sees no one's jobs: {status}"
+    );
+    let metrics = client_http(f.metrics_port);
+    for socket in ["control", "progress"] {
+        let series = format!(
+            "powerflex_agent_connections_refused_total{{node=\"n1\",socket=\"{socket}\",reason=\"per_uid\"}} "
+        );
+        let refused: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} missing: {metrics}"));
+        // 64 tried; 4 (control) or 16 (progress) admitted, some control ones may have
+        // timed out and been replaced meanwhile: most were refused, each counted.
+        assert!(refused >= 40.0, "{series}{refused}");
+    }
+    for child in &mut floods {
+        // The flooding clients this test started, by their Child handles.
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// Issue 14 item 2: a registration naming a GPU that another job's processes use (by
+/// NVML's process list and their ancestry) is refused and counted, and the job that
+/// runs there keeps it.
+#[test]
+fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    let mut f = Fixture::new("claim", Some(100_000.0), 3600);
+    let first = f.register("901", &["2"], "flex2,calibrate=off");
+    assert!(first.ok, "{first:?}");
+    f.simjob("901", "2", "synthetic-compute-bound", None);
+    wait_until(
+        "job 901's process on GPU 2",
+        Duration::from_secs(20),
+        || {
+            f.node
+                .gpu(2)
+                .ok()?
+                .workload
+                .filter(|w| w.job_id == "901")
+                .map(|_| ())
+        },
+    );
+    let second = f.register("902", &["2"], "flex0");
+    assert!(!second.ok, "{second:?}");
+    let why = second.error.unwrap_or_default();
+    assert!(
+        why.contains("GPU 2") && why.contains("901"),
+        "names the GPU and the job using it: {why}"
+    );
+    let s = f.status();
+    assert!(s.gpu_claims_refused >= 1);
+    assert!(
+        client_http(f.metrics_port)
+            .contains("\npowerflex_gpu_claims_refused_total{node=\"n1\"} 1\n"),
+        "counted in the metrics"
+    );
+    assert_eq!(s.gpus[2].job.as_deref(), Some("901"));
+    assert!(s.jobs.iter().all(|j| j.job != "902"));
 }

@@ -294,23 +294,36 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let events = ctl_run(&["events", "--format", "json"]);
     assert_eq!(events.stdout.trim(), "[]", "the cancelled event is gone");
 
-    // What equal-weight would do at half the budget, on the same curves: read-only, for
-    // everyone, and nothing changes on the GPUs.
-    let whatif = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(&ctl)
-        .args([
-            "whatif", "--policy", "equal", "--budget", "1.6kW", "--format", "json",
-        ])
-        .args(["--socket", &socket])
-        .output()
-        .expect("setpriv");
+    // Need-to-know (issue 14): a non-root caller sees the site but no job, and no what-if
+    // (it shows every job's curve and cap).
+    let as_nobody = |args: &[&str]| {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&ctl)
+            .args(args)
+            .args(["--socket", &socket])
+            .output()
+            .expect("setpriv")
+    };
+    let whatif = as_nobody(&["whatif", "--policy", "equal", "--format", "json"]);
+    assert_eq!(whatif.status.code(), Some(1));
     assert!(
-        whatif.status.success(),
+        String::from_utf8_lossy(&whatif.stderr).contains("root only"),
         "{}",
         String::from_utf8_lossy(&whatif.stderr)
     );
-    let decision: DecisionView = serde_json::from_slice(&whatif.stdout).expect("json");
+    let status = as_nobody(&["status", "--format", "json"]);
+    let seen: CtldStatus = serde_json::from_slice(&status.stdout).expect("json");
+    assert!(seen.jobs.is_empty(), "{seen:?}");
+    assert!(!seen.nodes.is_empty() && seen.budget_w > 0.0, "{seen:?}");
+
+    // What equal-weight would do at half the budget, on the same curves: read-only, and
+    // nothing changes on the GPUs.
+    let whatif = ctl_run(&[
+        "whatif", "--policy", "equal", "--budget", "1.6kW", "--format", "json",
+    ]);
+    assert_eq!(whatif.code, Some(0), "{}", whatif.stderr);
+    let decision: DecisionView = serde_json::from_str(&whatif.stdout).expect("json");
     let allocation = decision.allocation.as_ref().expect("an allocation");
     assert_eq!(allocation.policy, "equal", "{decision:?}");
     assert_eq!(decision.budget_w, 1600.0, "{decision:?}");

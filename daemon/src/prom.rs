@@ -108,6 +108,26 @@ pub mod catalog {
         help: "Progress reports refused (wrong user, wrong job, malformed).",
         labels: ["node"],
     };
+    pub const AGENT_CONNECTIONS_REFUSED_TOTAL: Family<3> = Family {
+        name: "powerflex_agent_connections_refused_total",
+        kind: Kind::Counter,
+        help: "Connections to the agent's sockets refused (socket control|progress; reason full|per_uid).",
+        labels: ["node", "socket", "reason"],
+    };
+    pub const GPU_CLAIMS_REFUSED_TOTAL: Family<1> = Family {
+        name: "powerflex_gpu_claims_refused_total",
+        kind: Kind::Counter,
+        help:
+            "GPU claims refused because other jobs' processes use the GPU (NVML's process lists).",
+        labels: ["node"],
+    };
+    pub const AGENT_CONNECTIONS_TIMED_OUT_TOTAL: Family<2> = Family {
+        name: "powerflex_agent_connections_timed_out_total",
+        kind: Kind::Counter,
+        help:
+            "Connections to the agent's sockets closed for sending nothing within the idle limit.",
+        labels: ["node", "socket"],
+    };
 
     // --- powerflex-ctld (controller) ---
     pub const BUDGET_WATTS: Family<0> = Family {
@@ -215,6 +235,9 @@ pub mod catalog {
             e(JOB_CALIBRATION_STATE),
             e(AGENT_FAILSAFE),
             e(PROGRESS_REJECTED_TOTAL),
+            e(AGENT_CONNECTIONS_REFUSED_TOTAL),
+            e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL),
+            e(GPU_CLAIMS_REFUSED_TOTAL),
             e(BUDGET_WATTS),
             e(ALLOCATED_BUDGET_WATTS),
             e(JOB_PREEMPTED),

@@ -2,16 +2,24 @@
 //! agent setting caps, the simulated job reading them, a test sampling power — sees the
 //! same GPUs.
 //!
-//! Layout of a node's state directory:
+//! Layout of a node's state directory (root's, mode 0755):
 //! - `node.json` — node name, device model, GPU count, creation time (the "driver load");
-//! - `gpu<i>.json` — one GPU: identity, power limit, energy checkpoint, the workload
-//!   running on it, an injected fault;
-//! - `gpu<i>.lock` — `flock` target serialising read-modify-write of that GPU.
+//! - `gpu<i>.limit` — the GPU's power limit, mW: written only by root (through
+//!   `nvmlDeviceSetPowerManagementLimit`), in a directory only root may write, as on real
+//!   hardware where NVML refuses a non-root limit write;
+//! - `shared/` (mode 0777) — what simulated jobs, which run as their users, must write:
+//!   - `gpu<i>.json` — identity, energy checkpoint, the workload running on it, an
+//!     injected fault (its `power_limit_mw` is a copy; `gpu<i>.limit` is what counts);
+//!   - `gpu<i>.lock` (mode 0666) — `flock` target serialising read-modify-write.
 //!
-//! Readers never lock: writers replace `gpu<i>.json` by `rename(2)`, so a reader sees the
-//! old or the new file whole. Power is not stored but computed at read time from the
-//! limit and the workload; energy is stored as a checkpoint (mJ at a time) advanced at
-//! every change of what the GPU draws, and read as checkpoint + power × elapsed time.
+//! A user can therefore edit another job's simulated workload or energy counter (a
+//! simulation artefact: a real GPU's process list and counters are the driver's), but not
+//! a power limit.
+//!
+//! Readers never lock: writers replace files by `rename(2)`, so a reader sees the old or
+//! the new file whole. Power is not stored but computed at read time from the limit and
+//! the workload; energy is stored as a checkpoint (mJ at a time) advanced at every change
+//! of what the GPU draws, and read as checkpoint + power × elapsed time.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -307,6 +315,19 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SimError> {
     fsx::write_atomic(path, bytes, AtomicWrite::fast().with_mode(0o644)).map_err(SimError::from)
 }
 
+/// The subdirectory simulated jobs (their users) write: see the module docs.
+pub const SHARED_DIR: &str = "shared";
+
+/// Writes a GPU's limit file: root's, world-readable.
+fn write_limit(path: &Path, limit_mw: u32) -> Result<(), SimError> {
+    write_atomic(path, format!("{limit_mw}\n").as_bytes())
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), SimError> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(path))
+}
+
 /// Resolves the state directory from the environment: `POWERFLEX_SIM_DIR`, with `%n`
 /// replaced by `SLURMD_NODENAME`.
 pub fn dir_from_env() -> Result<PathBuf, SimError> {
@@ -337,19 +358,26 @@ impl Node {
                 path: dir.display().to_string(),
             });
         }
-        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let shared = dir.join(SHARED_DIR);
+        fs::create_dir_all(&shared).map_err(io_err(&shared))?;
         if force {
             // A re-made node starts clean: drop GPUs beyond the new count too.
-            if let Ok(entries) = fs::read_dir(dir) {
-                for entry in entries.flatten() {
-                    let name = entry.file_name();
-                    let name = name.to_string_lossy();
-                    if name.starts_with("gpu") && name.ends_with(".json") {
-                        let _ = fs::remove_file(entry.path());
+            for d in [dir, shared.as_path()] {
+                if let Ok(entries) = fs::read_dir(d) {
+                    for entry in entries.flatten() {
+                        let name = entry.file_name();
+                        let name = name.to_string_lossy();
+                        if name.starts_with("gpu")
+                            && (name.ends_with(".json") || name.ends_with(".limit"))
+                        {
+                            let _ = fs::remove_file(entry.path());
+                        }
                     }
                 }
             }
         }
+        set_mode(dir, 0o755)?;
+        set_mode(&shared, 0o777)?;
         let now = now_ms();
         let info = NodeInfo {
             simulated: true,
@@ -360,8 +388,12 @@ impl Node {
         };
         for index in 0..gpu_count {
             let gpu = GpuState::new(node, index, model, now);
-            let path = dir.join(format!("gpu{index}.json"));
+            let path = shared.join(format!("gpu{index}.json"));
             write_atomic(&path, &to_json(&gpu, &path)?)?;
+            write_limit(&dir.join(format!("gpu{index}.limit")), gpu.power_limit_mw)?;
+            let lock = shared.join(format!("gpu{index}.lock"));
+            drop(FileLock::acquire(&lock)?);
+            set_mode(&lock, 0o666)?;
         }
         write_atomic(&info_path, &to_json(&info, &info_path)?)?;
         Ok(Node {
@@ -419,17 +451,28 @@ impl Node {
                 count: self.info.gpu_count,
             });
         }
-        Ok(self.dir.join(format!("gpu{index}.json")))
+        Ok(self.dir.join(SHARED_DIR).join(format!("gpu{index}.json")))
     }
 
-    /// Reads one GPU's stored state.
+    fn limit_path(&self, index: u32) -> PathBuf {
+        self.dir.join(format!("gpu{index}.limit"))
+    }
+
+    /// Reads one GPU's stored state, with the limit from root's `gpu<i>.limit`.
     pub fn gpu(&self, index: u32) -> Result<GpuState, SimError> {
         let path = self.gpu_path(index)?;
         let bytes = fs::read(&path).map_err(io_err(&path))?;
-        serde_json::from_slice(&bytes).map_err(|e| SimError::Corrupt {
+        let mut gpu: GpuState = serde_json::from_slice(&bytes).map_err(|e| SimError::Corrupt {
             path: path.display().to_string(),
             message: e.to_string(),
-        })
+        })?;
+        let limit = self.limit_path(index);
+        let text = fs::read_to_string(&limit).map_err(io_err(&limit))?;
+        gpu.power_limit_mw = text.trim().parse().map_err(|_| SimError::Corrupt {
+            path: limit.display().to_string(),
+            message: format!("not a limit in mW: {:?}", text.trim()),
+        })?;
+        Ok(gpu)
     }
 
     /// The index of the GPU with `uuid`.
@@ -457,7 +500,7 @@ impl Node {
         change: impl FnOnce(&mut GpuState) -> Result<T, SimError>,
     ) -> Result<T, SimError> {
         let path = self.gpu_path(index)?;
-        let _lock = FileLock::acquire(&self.dir.join(format!("gpu{index}.lock")))?;
+        let _lock = FileLock::acquire(&self.dir.join(SHARED_DIR).join(format!("gpu{index}.lock")))?;
         let mut gpu = self.gpu(index)?;
         gpu.checkpoint(self.model, now_ms());
         let result = change(&mut gpu)?;
@@ -488,7 +531,10 @@ impl Node {
                 max_mw,
             });
         }
+        let limit = self.limit_path(index);
         self.update(index, |gpu| {
+            // Under the GPU's lock, after the energy checkpoint at the old limit.
+            write_limit(&limit, limit_mw)?;
             gpu.power_limit_mw = limit_mw;
             Ok(())
         })
@@ -826,5 +872,40 @@ mod tests {
         fn sm_clock_fraction_ok(&self, uncapped_mhz: u32) -> bool {
             self.sm_clock_mhz < uncapped_mhz
         }
+    }
+
+    /// Issue 14: simulated jobs run as their users and must write the GPU files, but
+    /// the simulated GPUs must not become a way around NVML's root-only limit write.
+    #[test]
+    fn what_jobs_write_never_sets_a_limit() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch("limits");
+        let node = Node::init(&dir, "n1", "H200", 2, true).expect("init");
+        let mode = |p: &Path| fs::metadata(p).expect("meta").permissions().mode() & 0o7777;
+        assert_eq!(mode(&dir), 0o755, "only root writes the node directory");
+        assert_eq!(mode(&dir.join(SHARED_DIR)), 0o777);
+        assert_eq!(mode(&dir.join(SHARED_DIR).join("gpu0.lock")), 0o666);
+        // A job's write of the shared file, limit field included, changes no limit.
+        node.update(0, |gpu| {
+            gpu.power_limit_mw = 1;
+            Ok(())
+        })
+        .expect("a job's write");
+        assert_eq!(node.gpu(0).expect("gpu").power_limit_mw, 700_000);
+        assert!(
+            matches!(
+                node.set_power_limit(0, 450_000, 1000),
+                Err(SimError::NoPermission)
+            ),
+            "a user's NVML call"
+        );
+        node.set_power_limit(0, 450_000, 0).expect("root's");
+        assert_eq!(node.gpu(0).expect("gpu").power_limit_mw, 450_000);
+        assert_eq!(
+            fs::read_to_string(dir.join("gpu0.limit")).expect("limit"),
+            "450000\n"
+        );
+        assert_eq!(node.gpu(1).expect("gpu").power_limit_mw, 700_000);
+        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -249,7 +249,8 @@ pub fn on_step_start(
         api.log_error("cannot read the job id, step id or uid; job runs unmanaged");
         return StepStart::Skipped;
     };
-    let gpus: Vec<String> = powerflex_core::gpus::gpu_env_value(|name| api.getenv(name))
+    let gpus: Vec<String> = api
+        .getenv(slurm_gpu_var(step_id))
         .map(|g| {
             g.split(',')
                 .map(str::to_string)
@@ -257,11 +258,18 @@ pub fn on_step_start(
                 .collect()
         })
         .unwrap_or_default();
+    let node = api.node();
+    if !valid_node_name(&node) {
+        api.log_error(&format!(
+            "node name {node:?} is not a Slurm node name (1 to 64 of A-Z a-z 0-9 . _ -); job runs unmanaged"
+        ));
+        return StepStart::Skipped;
+    }
     let step = StepInfo {
         job_id,
         step_id,
         uid,
-        node: api.node(),
+        node,
         gpus,
     };
     if !should_register(&service, &step) {
@@ -300,6 +308,37 @@ pub fn on_step_start(
             )
         }
     }
+}
+
+/// The variable that holds a step's GPUs on this node as slurmstepd itself wrote it.
+///
+/// slurmstepd (Slurm 22.05, `stepd_step_rec_create` and its batch twin) builds the step's
+/// environment from the user's and then has the GPU gres plugin write the GPUs over
+/// it, before any SPANK callback runs: `SLURM_STEP_GPUS` for a step launched by srun,
+/// `SLURM_JOB_GPUS` for the batch and interactive steps. A step given no GPUs has the
+/// variable *removed* (the gres plugins unset it "since this means GRES is not
+/// allocated"), so a value the user exported does not survive into the plugin's view.
+/// The other variables do not have that guarantee: `SLURM_JOB_GPUS` in an srun step is
+/// the submitting side's (the batch node's GPUs, or whatever the user exported), and
+/// `CUDA_VISIBLE_DEVICES` is written only where gres.conf asks for it and is
+/// renumbered inside a device cgroup. So the plugin reads exactly one variable per step
+/// kind, and nothing else; the agent then checks the claim against NVML's process
+/// lists. This holds on nodes where `GresTypes` includes `gpu` (every GPU node Slurm
+/// schedules GPUs on).
+pub fn slurm_gpu_var(step_id: u32) -> &'static str {
+    match step_id {
+        BATCH_STEP | INTERACTIVE_STEP => "SLURM_JOB_GPUS",
+        _ => "SLURM_STEP_GPUS",
+    }
+}
+
+/// Whether `name` may stand for `%n` in the agent's socket path: a Slurm node name,
+/// never a path (no `/`), whatever the environment it was read from held.
+pub fn valid_node_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
 /// Whether a step should be registered at all: managed service, GPUs, not the extern step.
@@ -484,8 +523,51 @@ mod tests {
 
     fn with_gpus() -> Fake {
         let mut f = Fake::default();
-        f.env.insert("SLURM_JOB_GPUS".into(), "0,1".into());
+        f.env.insert("SLURM_STEP_GPUS".into(), "0,1".into());
         f
+    }
+
+    /// Issue 14: the node name went unsanitised into the agent's socket path.
+    #[test]
+    fn a_node_name_that_is_a_path_registers_nothing() {
+        assert!(valid_node_name("n1") && valid_node_name("gpu-a01.rack_3"));
+        for bad in ["", "../../tmp/x", "n1/x", "n 1", &"n".repeat(65)] {
+            assert!(!valid_node_name(bad), "{bad}");
+        }
+    }
+
+    /// Issue 14 item 2: where Slurm set no step GPUs, variables the user exported
+    /// (`SLURM_JOB_GPUS` in an srun step, `CUDA_VISIBLE_DEVICES`) claimed the node's GPUs.
+    #[test]
+    fn gpus_come_only_from_the_variable_slurmstepd_writes_for_the_step_kind() {
+        let never =
+            |_: &str, _: &str, _: &ControlRequest, _: Duration| -> Result<ControlReply, String> {
+                panic!("must not contact the agent")
+            };
+        let mut forged = Fake::default();
+        forged.env.insert("SLURM_JOB_GPUS".into(), "0,1,2,3".into());
+        forged
+            .env
+            .insert("CUDA_VISIBLE_DEVICES".into(), "0,1,2,3".into());
+        assert_eq!(
+            on_step_start(&mut forged, &Args::default(), Some("flex1"), never),
+            StepStart::Skipped,
+            "an srun step without SLURM_STEP_GPUS has no GPUs"
+        );
+        let mut batch = Fake {
+            step: Some(BATCH_STEP),
+            ..Fake::default()
+        };
+        batch.env.insert("SLURM_JOB_GPUS".into(), "2".into());
+        batch.env.insert("SLURM_STEP_GPUS".into(), "0,1".into());
+        let mut line = String::new();
+        on_step_start(&mut batch, &Args::default(), Some("flex1"), |_, _, r, _| {
+            line = r.to_line();
+            Ok(ControlReply::ok())
+        });
+        assert!(line.contains("\"gpus\":[\"2\"]"), "{line}");
+        assert_eq!(slurm_gpu_var(INTERACTIVE_STEP), "SLURM_JOB_GPUS");
+        assert_eq!(slurm_gpu_var(3), "SLURM_STEP_GPUS");
     }
 
     #[test]

@@ -82,6 +82,10 @@ struct Cli {
     /// Write the per-step CSV here instead of stdout.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
+    /// Report this many times the tokens the job makes: a lying job, for the attack tests
+    /// (issue 14: inflated tokens must buy no watts).
+    #[arg(long, default_value = "1", value_name = "X", value_parser = positive_factor)]
+    report_scale: f64,
 }
 
 /// `--gpus`, parsed (a newtype: clap would read a bare `Vec` as a repeated flag).
@@ -182,6 +186,10 @@ fn positive_scale(text: &str) -> Result<f64, String> {
         text,
         "a positive number of simulated seconds per real second, e.g. 20",
     )
+}
+
+fn positive_factor(text: &str) -> Result<f64, String> {
+    positive(text, "a positive factor, e.g. 1000")
 }
 
 /// Releases the job's GPUs however `main` ends.
@@ -434,7 +442,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     reporter.send(&ProgressReport {
                         v: VERSION,
                         job_id: job_id.clone(),
-                        tokens,
+                        tokens: (tokens as f64 * cli.report_scale) as u64,
                         steps: step,
                     });
                 }
