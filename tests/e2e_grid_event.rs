@@ -74,6 +74,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             &profile_dir().join("libpowerflex_sim_nvml.so"),
         )
         .calibration_s(2.0, 2.0, 5.0)
+        .calibration_budget_pct(0.2)
         .write(&site)
         .unwrap_or_else(|e| panic!("{e}"));
     let cluster = Cluster::start(
