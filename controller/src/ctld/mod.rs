@@ -15,6 +15,7 @@
 pub mod admin;
 pub mod annotate;
 pub mod core;
+pub mod learning;
 pub mod link;
 pub mod metrics;
 pub mod state;
@@ -173,6 +174,7 @@ pub fn run(
                 ttl_s: out.lease_ttl_s,
                 start_cap_w: Some(lease.start_cap_w),
                 recalibrate: lease.recalibrate,
+                learn: lease.learn,
             };
             if let Ok(e) = Envelope::seal(&options.key, "controller", seq, unix_ms(), body) {
                 let _ = writer.try_send(e.to_line());
