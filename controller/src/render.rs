@@ -53,7 +53,17 @@ pub fn render_nodes(nodes: &[NodeStatus]) -> String {
 
 pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
     let mut t = Table::new([
-        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound", "curve",
+        "job",
+        "tier",
+        "nodes",
+        "gpus",
+        "PFI",
+        "cap",
+        "now",
+        "uncapped",
+        "bound",
+        "curve",
+        "calibration",
     ]);
     for j in jobs {
         t.row([
@@ -67,6 +77,9 @@ pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
             whole(j.uncapped_throughput),
             bound(j.floor.as_ref()),
             drift_text(j.drift.as_ref()),
+            // The walk's (and probes') token cost, % of the job's first-hour tokens.
+            j.calibration_cost_pct
+                .map_or("-".into(), |p| format!("{p:.2}%")),
         ]);
     }
     t.render()
@@ -438,6 +451,7 @@ mod tests {
                 "by",
                 "4.2%",
                 "ok",
+                "-",
             ]
         );
         let none: Vec<&str> = jobs
@@ -446,7 +460,12 @@ mod tests {
             .expect("103")
             .split_whitespace()
             .collect();
-        assert_eq!(none[5..], ["-", "1234", "2000", "-", "ok"]);
+        assert_eq!(none[5..], ["-", "1234", "2000", "-", "ok", "-"]);
+        let mut calibrated = s.jobs[0].clone();
+        calibrated.calibration_cost_pct = Some(1.5);
+        let text = render_jobs(&[calibrated]);
+        let row = text.lines().nth(1).expect("row");
+        assert!(row.trim_end().ends_with("1.50%"), "{row}");
         let nodes = render_nodes(&s.nodes);
         let row: Vec<&str> = nodes
             .lines()
