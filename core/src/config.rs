@@ -1252,7 +1252,7 @@ listen = "10.0.0.5:7300"
         assert!(c.key_file.is_some());
         let a = &raw.agent;
         assert!(a.socket.is_some() && a.metrics_listen.is_some() && a.nvml_library.is_some());
-        assert!(a.calibration_allowance_pct.is_some());
+        assert!(a.calibration_allowance_pct.is_some() && a.calibration_budget_pct.is_some());
         // Standalone mode is documented but left off: this site runs a controller.
         assert!(a.node_budget_w.is_none() && EXAMPLE.contains("# node_budget_w = "));
         let p = &raw.predictor;
@@ -1934,10 +1934,6 @@ failsafe_cap_w = 300
             (edited("min_cap_w = 200", ""), "min_cap_w"),
             (edited("max_cap_w = 700", ""), "max_cap_w"),
             (edited("cap_step_w = 10", ""), "cap_step_w"),
-            (
-                edited("calibration_caps_w = [700, 600, 500, 400]", ""),
-                "calibration_caps_w",
-            ),
             (edited("failsafe_cap_w = 500", ""), "failsafe_cap_w"),
             (edited("listen = \"10.0.0.5:7300\"", ""), "listen"),
             (plus("[[tiers.tier]]\nname = \"a\""), "max_slowdown_pct"),
@@ -1954,6 +1950,22 @@ failsafe_cap_w = 300
                 "{field}: {message}"
             );
         }
+    }
+
+    /// Without `calibration_caps_w` the design chooses among every cap step; with it,
+    /// the site's caps are the candidates (existing configs keep their grid).
+    #[test]
+    fn the_calibration_grid_is_the_sites_list_or_every_cap_step() {
+        let listed = SiteConfig::from_toml_str(MINIMAL).expect("minimal");
+        assert_eq!(
+            listed.gpu_models[0].calibration_grid(),
+            [700.0, 600.0, 500.0, 400.0].map(Watts).to_vec()
+        );
+        let text = MINIMAL.replace("calibration_caps_w = [700, 600, 500, 400]", "");
+        let stepped = SiteConfig::from_toml_str(&text).expect("no list");
+        let grid = stepped.gpu_models[0].calibration_grid();
+        assert_eq!(grid.len(), 51, "700 W down to 200 W in 10 W steps");
+        assert_eq!((grid[0], grid[50]), (Watts(700.0), Watts(200.0)));
     }
 
     #[test]
