@@ -524,7 +524,7 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
         .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
         .h200(&CALIBRATION_CAPS_W, 500.0)
         .calibration_s(2.0, 2.0, 5.0)
-        .calibration_budget_pct(0.2)
+        .calibration_budget_pct(0.05)
 }
 
 /// Phase 1: the cluster and the stack up — slurmctld and the slurmd nodes with the SPANK
