@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
+use powerflex_core::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
 use powerflex_core::gpus::{parse_gpu_list, GpuRef};
@@ -713,7 +713,21 @@ impl Agent {
             });
         }
         let managed_budget = Watts((budget.0 - outside).max(0.0));
-        if let Ok(a) = allocate(&specs, managed_budget, self.settings.policy) {
+        // The controller's rule: the optimal policy leaves the equal split only where the
+        // curves' uncertainty allows (no power margin: each period's readings correct it).
+        let allocation = match self.settings.policy {
+            Policy::Optimal => allocate_cautious(
+                &specs,
+                managed_budget,
+                Caution {
+                    power_z: 0.0,
+                    ..Caution::default()
+                },
+            )
+            .map(|c| c.allocation),
+            policy => allocate(&specs, managed_budget, policy),
+        };
+        if let Ok(a) = allocation {
             for decided in a.jobs {
                 if let Some(job) = self.jobs.get_mut(&decided.id) {
                     job.granted = Some(decided.cap_w);
