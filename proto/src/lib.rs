@@ -330,7 +330,7 @@ mod control_tests {
         let reply = ControlReply::error("nope");
         assert_eq!(ControlReply::from_line(&reply.to_line()), Ok(reply));
         // A busy node's status outgrows a request line; a reply may, up to its own limit.
-        let long = ControlReply::error(&"x".repeat(3 * MAX_LINE_BYTES));
+        let long = ControlReply::error("x".repeat(3 * MAX_LINE_BYTES));
         assert_eq!(ControlReply::from_line(&long.to_line()), Ok(long));
         let huge = "x".repeat(MAX_REPLY_BYTES + 1);
         assert_eq!(
