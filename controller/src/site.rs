@@ -562,7 +562,12 @@ pub fn decide(nodes: &[NodeView], budget: Watts, settings: &SiteSettings) -> Dec
                 ..Caution::default()
             },
         )
-        .map(|c| c.allocation)
+        // Still the optimal policy when the rule kept the equal split's caps: that is
+        // what optimal means on curves this uncertain.
+        .map(|c| Allocation {
+            policy: Policy::Optimal,
+            ..c.allocation
+        })
         .ok(),
         policy => allocate(&specs, managed_budget, policy).ok(),
     };
