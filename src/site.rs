@@ -170,6 +170,14 @@ impl SiteBuilder {
         self
     }
 
+    /// The calibration design's token budget, percent of a job's first-hour tokens. A
+    /// test bed's short windows make many windows affordable at the default 2 %; a
+    /// smaller budget keeps the walk to a window or two per cap, so it ends in seconds.
+    pub fn calibration_budget_pct(mut self, pct: f64) -> SiteBuilder {
+        self.raw.agent.calibration_budget_pct = Some(pct);
+        self
+    }
+
     /// Any other key: the raw config, to change in place.
     pub fn edit(mut self, edit: impl FnOnce(&mut RawSiteConfig)) -> SiteBuilder {
         edit(&mut self.raw);

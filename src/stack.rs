@@ -201,7 +201,8 @@ impl Stack {
                 &format!("{}/state/%n", base.display()),
                 &nvml,
             )
-            .calibration_s(1.0, 1.0, 2.0);
+            .calibration_s(1.0, 1.0, 2.0)
+            .calibration_budget_pct(0.2);
         let builder = match options.site {
             Some(edit) => edit(builder),
             None => builder,

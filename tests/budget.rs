@@ -426,6 +426,8 @@ fn job_report(id: &str, gpus: u32, power_w: f64) -> JobReport {
         power_cap_w: None,
         power_cap_steady_s: None,
         calibrating: false,
+        curve: Vec::new(),
+        calibration_cost_pct: None,
     }
 }
 

@@ -75,6 +75,9 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             &profile_dir().join("libpowerflex_sim_nvml.so"),
         )
         .calibration_s(2.0, 2.0, 5.0)
+        // A small design budget: cheap levels would otherwise buy up to 12 windows each,
+        // and the walk would outlast the test's jobs.
+        .calibration_budget_pct(0.05)
         .write(&site)
         .unwrap_or_else(|e| panic!("{e}"));
     let cluster = Cluster::start(

@@ -65,6 +65,7 @@ fn start_agent(dir: &Path, bin: &Path, interval_ms: u32, gpus: u32, procs: &mut 
             &bin.join("libpowerflex_sim_nvml.so"),
         )
         .calibration_s(2.0, 2.0, 6.0)
+        .calibration_budget_pct(0.05)
         .edit(|raw| raw.agent.node_budget_w = Some(1000000.0))
         .write(&config)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -151,7 +152,7 @@ fn main() {
     std::fs::create_dir_all(&dir).expect("dir");
     let library = Library::builtin().expect("library");
 
-    println!("== calibration on SIMULATED H200s (warm-up 2 s, settle 2 s, hold 6 s per level; jobs at time scale 20)");
+    println!("== calibration on SIMULATED H200s (warm-up 2 s, settle 2 s, 6 s windows, design budget 0.05 % of first-hour tokens; jobs at time scale 20)");
     let mut procs = Procs(Vec::new());
     start_agent(&dir, &bin, 250, 8, &mut procs);
     let jobs = [

@@ -1,36 +1,53 @@
-//! Early-step calibration of one job's power–throughput curve: a pure state machine the
-//! control loop drives with the time, the job's progress and its GPUs' power.
+//! Calibration of one job's power–throughput curve, and its refinement in operation: a
+//! pure state machine the control loop drives with the time, the job's progress and its
+//! GPUs' power.
 //!
 //! 1. **Warm-up**: wait for progress reports, then for steady state — the job's rate over
 //!    the last few one-second windows varies by less than `steady_cv`. (Without reports
 //!    for `no_signal_s` the job gets the telemetry prior instead.)
-//! 2. **Walk**: hold each cap of the site's grid, from the top: `settle_s` for the job to
-//!    feel the new cap, then `hold_s` of measurement. The rate at a level comes from the
-//!    job's own reports — counts over time between the first and last report in the
-//!    window, with bursts of late-read reports folded back and intervals slower than half
-//!    the median dropped (evaluations, checkpoints), which is exact for steady steps,
-//!    unbiased by late reports and robust to pauses; power is the mean of the job's
-//!    summed GPU power over the window.
-//! 3. **Bounded**: before stepping down, the next level's slowdown is predicted from the
-//!    last two; the walk stops when the measured or predicted slowdown exceeds the tier's
-//!    bound plus `allowance`, and when the grid ends.
-//! 4. **Result**: the measured points, their PFI (Eq. 1), a fitted curve, how long it
-//!    took and the tokens it cost the job (uncapped rate minus level rate, over each
-//!    level's time).
+//! 2. **Walk**: the calibration design of `powerflex_core::calibration_design` — the
+//!    same one `powerflexctl evaluate` scores — decides which caps of the site's grid to
+//!    visit, how many windows of `hold_s` to read at each and when to stop: at the depth
+//!    the site's `expected_cut_pct` can push a job to, when its token budget (2 % of the
+//!    job's first-hour tokens by default) is spent, or before a cap where the measured
+//!    or predicted slowdown exceeds the tier's bound plus `allowance`. A new cap gets
+//!    `settle_s` before its first window. The rate in a window comes from the job's own
+//!    reports ([`ProgressLog::rate`]); power is the mean of the job's summed GPU power.
+//! 3. **Result**: every window is a reading; the curve is the offline estimator
+//!    (`estimate_from_windows`: monotone, no forced concavity, a standard error per
+//!    point), its PFI (Eq. 1), how long the walk took and the tokens it cost the job
+//!    (uncapped rate minus the window's rate, over the window and its settle time),
+//!    also as a fraction of first-hour tokens. A curve the GPUs' clocks contradict
+//!    ([`implausible`]) is not believed.
+//! 4. **Learning in operation**: after the walk, every steady stretch at one cap (after
+//!    `settle_s`, with reports) is cut into windows that join the curve, so each event's
+//!    hold refines the points the allocator decides on. While an event holds a job below
+//!    its uncapped cap, a **probe** may hold it one step lower for one window (never
+//!    above its grant, so never costing the budget; within its tier bound on the curve;
+//!    priced against the same token budget), so the curve's slope below the grant is
+//!    learned too: re-reading only the caps a job is given teaches the allocator nothing
+//!    new about where to move it.
 
 use std::collections::VecDeque;
 
-use powerflex_core::curve::{estimate_curve, CapCurve, OperatingPoint};
-use powerflex_core::pfi::pfi;
+use powerflex_core::calibration_design::{DesignParams, DesignWalk, FIRST_HOUR_S};
+use powerflex_core::curve::{estimate_from_windows, CapCurve, OperatingPoint};
 use powerflex_core::Watts;
 
 /// Knobs of the walk (from the site config's `[agent]` section).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CalibrationSettings {
-    /// Per-GPU caps to visit, descending, the first being the uncapped setting.
+    /// Per-GPU caps the design may visit, descending, the first being the uncapped
+    /// setting: the site's `calibration_caps_w` when set, else every cap step of the GPU.
     pub grid: Vec<Watts>,
+    /// Time a job gets to feel a new cap before it is measured, s.
     pub settle_s: f64,
+    /// One measurement window, s.
     pub hold_s: f64,
+    /// Most token cost of the walk, a fraction of the job's first-hour tokens.
+    pub budget_fraction: f64,
+    /// The deepest site-wide cut the site expects (`facility.expected_cut_pct`), fraction.
+    pub expected_cut: f64,
     /// Least time between the first report and the first level.
     pub warmup_s: f64,
     /// Coefficient of variation of 1 s rates below which the job is steady.
@@ -228,23 +245,75 @@ impl ProgressLog {
 pub enum Phase {
     /// Waiting for reports and steady state.
     Warmup,
-    /// Holding grid level `level` since `since` (agent seconds).
-    Level { level: usize, since: f64 },
-    /// Finished: the curve is measured.
+    /// The design holds the job at `cap` since `since` (agent seconds); the window under
+    /// way started at `window_from` (after the settle time, for a new cap).
+    Walking {
+        cap: Watts,
+        since: f64,
+        window_from: f64,
+    },
+    /// Finished: the curve is measured (and refined by learning in operation).
     Done,
     /// Not calibrated, and why (calibrate=off, flex0, no progress signal).
     Skipped(String),
 }
 
-/// One measured level.
+/// One measurement window: a steady stretch of `hold_s` at one cap.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Window {
+    pub cap: Watts,
+    /// Mean of the job's summed GPU power over the window.
+    pub power: Watts,
+    pub throughput: f64,
+    /// Standard error of the window's rate, relative (from its reports' spread).
+    pub relative_noise: f64,
+    /// Mean SM clock over the window, MHz, where the GPUs gave it.
+    pub sm_clock_mhz: Option<f64>,
+    /// Read by learning in operation (not by the calibration walk).
+    pub learned: bool,
+}
+
+/// The windows at one cap, pooled.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Level {
     pub cap: Watts,
     pub power: Watts,
     pub throughput: f64,
     pub relative_noise: f64,
-    /// Mean SM clock over the level's measurement, MHz, where the GPUs gave it.
+    /// Mean SM clock over the level's windows, MHz, where the GPUs gave it.
     pub sm_clock_mhz: Option<f64>,
+    /// Windows behind it.
+    pub windows: usize,
+}
+
+/// Most windows kept per cap: the newest, so a long job's curve follows the job and its
+/// memory stays bounded.
+pub const MAX_WINDOWS_PER_CAP: usize = 48;
+
+/// Windows at the grant between two probes, and windows a probe cap needs before it is
+/// known well enough to stop probing it.
+const PROBE_AFTER_WINDOWS: usize = 2;
+const PROBE_WINDOWS: usize = 4;
+
+/// A steady stretch at one cap being cut into windows (learning in operation).
+#[derive(Debug, Clone, PartialEq)]
+struct Stretch {
+    cap: Watts,
+    window_from: f64,
+    power_sum: f64,
+    power_samples: u32,
+    clock_sum: f64,
+    clock_samples: u32,
+    /// Windows this stretch has produced.
+    windows: usize,
+}
+
+/// A probe under way: the job held at `cap`, one step below its grant, since `since`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Probe {
+    cap: Watts,
+    granted: Watts,
+    since: f64,
 }
 
 /// The calibration of one job.
@@ -254,23 +323,34 @@ pub struct Calibration {
     /// The tier's bound (fraction); `None` = no bound.
     pub bound: Option<f64>,
     pub phase: Phase,
-    pub levels: Vec<Level>,
+    /// Every window read, walk and operation, at most [`MAX_WINDOWS_PER_CAP`] per cap.
+    pub windows: Vec<Window>,
     pub registered_at: f64,
     pub started_at: Option<f64>,
     pub finished_at: Option<f64>,
-    /// Tokens (or steps) the walk cost the job against running uncapped (every walk).
+    /// Tokens (or steps) the walks cost the job against running uncapped (every walk),
+    /// and probes since.
     pub cost: f64,
+    /// Uncapped throughput the cost is priced against (the walk's top windows).
+    pub top_throughput: f64,
     /// The curve of the walk before the one under way, reported until the new one ends.
-    pub previous: Vec<Level>,
+    pub previous: Vec<Window>,
     /// Walks started again because the job's measurements left its curve.
     pub rewalks: u32,
     /// Why the job's reported curve was not believed, when it was not (flagged to the
     /// admin in status and reports).
     pub implausible: Option<String>,
+    design: Option<DesignWalk>,
     power_sum: f64,
     power_samples: u32,
     clock_sum: f64,
     clock_samples: u32,
+    /// Token cost already booked up to this time (the walk books per window).
+    booked_to: f64,
+    stretch: Option<Stretch>,
+    probe: Option<Probe>,
+    /// Tokens the probes cost (part of `cost`).
+    pub probe_cost: f64,
 }
 
 impl Calibration {
@@ -295,31 +375,58 @@ impl Calibration {
             settings,
             bound,
             phase,
-            levels: Vec::new(),
+            windows: Vec::new(),
             registered_at: now,
             started_at: None,
             finished_at: None,
             cost: 0.0,
+            top_throughput: 0.0,
             previous: Vec::new(),
             rewalks: 0,
             implausible: None,
+            design: None,
             power_sum: 0.0,
             power_samples: 0,
             clock_sum: 0.0,
             clock_samples: 0,
+            booked_to: now,
+            stretch: None,
+            probe: None,
+            probe_cost: 0.0,
         }
     }
 
-    /// The cap the walk wants on the job's GPUs now, if any.
+    /// The design's knobs for this job: the site's, with the job's tier bound (plus the
+    /// calibration allowance) as the most loss the walk may read or predict.
+    pub fn design_params(&self) -> DesignParams {
+        DesignParams {
+            window_s: self.settings.hold_s,
+            settle_s: self.settings.settle_s,
+            budget_fraction: self.settings.budget_fraction,
+            expected_cut: self.settings.expected_cut,
+            max_loss: self
+                .bound
+                .map(|b| (b + self.settings.allowance).clamp(0.0, 1.0)),
+            ..DesignParams::default()
+        }
+    }
+
+    /// The cap the walk (or a probe) wants on the job's GPUs now, if any.
     pub fn cap(&self) -> Option<Watts> {
         match self.phase {
-            Phase::Level { level, .. } => self.settings.grid.get(level).copied(),
+            Phase::Walking { cap, .. } => Some(cap),
+            Phase::Done => self.probe.map(|p| p.cap),
             _ => None,
         }
     }
 
     pub fn is_active(&self) -> bool {
-        matches!(self.phase, Phase::Warmup | Phase::Level { .. })
+        matches!(self.phase, Phase::Warmup | Phase::Walking { .. })
+    }
+
+    /// Whether a probe holds the job below its grant now.
+    pub fn probing(&self) -> bool {
+        self.probe.is_some()
     }
 
     /// Advances the walk. `job_power` is the job's summed GPU power now, when known.
@@ -345,22 +452,24 @@ impl Calibration {
                     .sqrt();
                 if mean > 0.0 && sd / mean < self.settings.steady_cv {
                     self.started_at = Some(now);
-                    self.enter(0, now);
+                    self.start_design(now, None);
                 }
             }
-            Phase::Level { level, since } => {
-                let measure_from = since + self.settings.settle_s;
-                let measure_to = measure_from + self.settings.hold_s;
-                if now >= measure_from {
+            Phase::Walking {
+                cap,
+                since,
+                window_from,
+            } => {
+                if now >= window_from {
                     if let Some(p) = job_power {
                         self.power_sum += p.0;
                         self.power_samples += 1;
                     }
                 }
-                if now < measure_to {
+                if now < window_from + self.settings.hold_s {
                     return;
                 }
-                let Some((rate, noise)) = log.rate(measure_from, now) else {
+                let Some((rate, noise)) = log.rate(window_from, now) else {
                     // No reports in the window: the job paused; hold longer.
                     if now - since > 10.0 * (self.settings.settle_s + self.settings.hold_s) {
                         self.finish(now);
@@ -372,75 +481,133 @@ impl Calibration {
                 } else {
                     Watts(0.0)
                 };
-                let cap = self.settings.grid[level];
                 let sm_clock_mhz = (self.clock_samples > 0)
                     .then(|| self.clock_sum / f64::from(self.clock_samples));
-                self.levels.push(Level {
+                let Some(design) = self.design.as_mut() else {
+                    return self.finish(now);
+                };
+                design.record(OperatingPoint {
+                    cap_w: cap,
+                    power_w: power,
+                    throughput: rate,
+                });
+                self.top_throughput = design.top_throughput();
+                // Tokens lost against uncapped since the last booking (the settle
+                // time of a new cap included).
+                if self.top_throughput > 0.0 {
+                    self.cost +=
+                        (self.top_throughput - rate).max(0.0) * (now - self.booked_to.max(since));
+                }
+                self.booked_to = now;
+                self.push_window(Window {
                     cap,
                     power,
                     throughput: rate,
                     relative_noise: noise,
                     sm_clock_mhz,
+                    learned: false,
                 });
-                let top = self.levels[0].throughput;
-                let slowdown = |t: f64| if top > 0.0 { 1.0 - t / top } else { 0.0 };
-                if level > 0 {
-                    self.cost += (top - rate).max(0.0) * (now - since);
-                }
-                let limit = self.bound.unwrap_or(1.0) + self.settings.allowance;
-                let measured = slowdown(rate);
-                let next = level + 1;
-                let predicted = match (self.levels.len() >= 2, self.settings.grid.get(next)) {
-                    (true, Some(next_cap)) => {
-                        let (a, b) = (
-                            self.levels[self.levels.len() - 2],
-                            self.levels[self.levels.len() - 1],
-                        );
-                        let per_watt =
-                            (a.throughput - b.throughput) / (a.cap.0 - b.cap.0).max(1e-9);
-                        slowdown(b.throughput - per_watt * (b.cap.0 - next_cap.0))
-                    }
-                    _ => measured,
-                };
-                if next >= self.settings.grid.len() || measured > limit || predicted > limit {
-                    self.finish(now);
-                } else {
-                    self.enter(next, now);
-                }
+                self.follow_design(now);
             }
             Phase::Done | Phase::Skipped(_) => {}
         }
     }
 
-    /// The budget holds the job's GPUs at `granted`, below the level being measured: that
-    /// level cannot be measured now. The walk moves on to the highest grid level at or
-    /// below the grant and goes down from there (a job capped from the start is walked
-    /// from its granted cap down, instead of waiting forever for a level the budget does
-    /// not allow); its settle and hold start afresh, so no point is recorded at a cap
-    /// other than the one it is labelled with. With the grant below every level left,
-    /// the walk ends with what it has measured.
-    pub fn held_below_level(&mut self, now: f64, granted: Watts) {
-        let Phase::Level { level, .. } = self.phase else {
-            return;
-        };
-        let next = self
+    /// Starts a design over the site's grid (only caps at or below `ceiling`, when the
+    /// budget holds the job there).
+    fn start_design(&mut self, now: f64, ceiling: Option<Watts>) {
+        let grid: Vec<Watts> = self
             .settings
             .grid
             .iter()
-            .enumerate()
-            .skip(level + 1)
-            .find(|(_, cap)| cap.0 <= granted.0 + 0.5)
-            .map(|(i, _)| i);
-        match next {
-            Some(i) => self.enter(i, now),
-            None => self.finish(now),
+            .copied()
+            .filter(|c| ceiling.is_none_or(|top| c.0 <= top.0 + 0.5))
+            .collect();
+        self.design = DesignWalk::new(&grid, &self.design_params()).ok();
+        self.booked_to = now;
+        self.follow_design(now);
+    }
+
+    /// Holds the cap the design wants next, or ends the walk.
+    fn follow_design(&mut self, now: f64) {
+        let next = self.design.as_ref().and_then(DesignWalk::current);
+        match (next, &self.phase) {
+            (None, _) => self.finish(now),
+            (Some(cap), Phase::Walking { cap: held, .. }) if (cap.0 - held.0).abs() < 0.5 => {
+                let since = match self.phase {
+                    Phase::Walking { since, .. } => since,
+                    _ => now,
+                };
+                self.phase = Phase::Walking {
+                    cap,
+                    since,
+                    window_from: now,
+                };
+                self.reset_window();
+            }
+            (Some(cap), _) => {
+                self.phase = Phase::Walking {
+                    cap,
+                    since: now,
+                    window_from: now + self.settings.settle_s,
+                };
+                self.reset_window();
+            }
+        }
+    }
+
+    fn reset_window(&mut self) {
+        self.power_sum = 0.0;
+        self.power_samples = 0;
+        self.clock_sum = 0.0;
+        self.clock_samples = 0;
+    }
+
+    /// Adds a window, dropping the oldest at its cap beyond [`MAX_WINDOWS_PER_CAP`].
+    fn push_window(&mut self, window: Window) {
+        self.windows.push(window);
+        let same = |w: &Window| (w.cap.0 - window.cap.0).abs() < 0.5;
+        if self.windows.iter().filter(|w| same(w)).count() > MAX_WINDOWS_PER_CAP {
+            if let Some(i) = self.windows.iter().position(same) {
+                self.windows.remove(i);
+            }
+        }
+    }
+
+    /// The budget holds the job's GPUs at `granted`, below the cap the walk holds: that
+    /// cap cannot be measured now. The design goes on below the grant (a job capped from
+    /// the start is walked from its granted cap down, instead of waiting forever for a
+    /// level the budget does not allow); the window under way is dropped, so no reading
+    /// is labelled with a cap other than the one it was taken at. Under the top windows,
+    /// the design starts again from the grant. With the grant below every cap left, the
+    /// walk ends with what it has measured.
+    pub fn held_below_level(&mut self, now: f64, granted: Watts) {
+        let Phase::Walking { cap, .. } = self.phase else {
+            return;
+        };
+        if granted.0 >= cap.0 - 0.5 {
+            return;
+        }
+        let in_top = self
+            .design
+            .as_ref()
+            .is_some_and(|d| d.top_throughput() <= 0.0);
+        self.phase = Phase::Warmup;
+        if in_top {
+            self.start_design(now, Some(granted));
+        } else if let Some(design) = self.design.as_mut() {
+            design.hold_at_most(granted);
+            self.follow_design(now);
+        } else {
+            self.finish(now);
         }
     }
 
     /// The controller found the job's measurements outside its curve's band: walk it
     /// again, when the last walk finished at least [`MIN_REWALK_INTERVAL_S`] ago and fewer
     /// than [`MAX_REWALKS`] walks were repeated (each costs the job tokens). The finished
-    /// curve stays in use until the new walk ends. Returns whether a walk started.
+    /// curve stays in use until the new walk ends; the windows behind it are dropped
+    /// then, since the job has changed. Returns whether a walk started.
     pub fn rewalk(&mut self, now: f64) -> bool {
         let rested = self
             .finished_at
@@ -448,74 +615,92 @@ impl Calibration {
         if self.phase != Phase::Done || !rested || self.rewalks >= MAX_REWALKS {
             return false;
         }
-        self.previous = std::mem::take(&mut self.levels);
+        self.previous = std::mem::take(&mut self.windows);
         self.rewalks += 1;
         self.registered_at = now;
         self.started_at = None;
         self.finished_at = None;
+        self.design = None;
+        self.stretch = None;
+        self.probe = None;
         self.phase = Phase::Warmup;
         true
     }
 
-    /// The points to plan on: this walk's once done, else the previous walk's while a
+    /// The windows to plan on: this walk's once done, else the previous walk's while a
     /// repeated walk is under way, else what this walk has measured so far.
-    pub fn best_levels(&self) -> &[Level] {
+    fn best_windows(&self) -> &[Window] {
         if self.phase != Phase::Done && !self.previous.is_empty() {
             &self.previous
         } else {
-            &self.levels
+            &self.windows
         }
+    }
+
+    /// The points to plan on, one per cap (see `best_windows`), highest cap first.
+    pub fn best_levels(&self) -> Vec<Level> {
+        pool(self.best_windows())
+    }
+
+    /// The levels of this walk (and what operation has added), highest cap first.
+    pub fn levels(&self) -> Vec<Level> {
+        pool(&self.windows)
     }
 
     /// Takes the curve measured by a previous run of the agent (points of per-GPU cap W,
     /// job power W, throughput): a restarted agent does not walk the job again, and the
     /// curve is not replaced by a new walk's first point. Fewer than two valid points
-    /// change nothing.
+    /// change nothing. Each point counts as one window (their windows were not saved).
     pub fn restore(&mut self, points: &[[f64; 3]]) {
-        let levels: Vec<Level> = points
+        let windows: Vec<Window> = points
             .iter()
             .filter(|p| p.iter().all(|x| x.is_finite() && *x > 0.0))
-            .map(|p| Level {
+            .map(|p| Window {
                 cap: Watts(p[0]),
                 power: Watts(p[1]),
                 throughput: p[2],
                 relative_noise: RESTORED_NOISE,
                 sm_clock_mhz: None,
+                learned: false,
             })
             .collect();
-        if levels.len() >= 2 {
-            self.levels = levels;
+        if windows.len() >= 2 {
+            self.top_throughput = windows
+                .iter()
+                .max_by(|a, b| a.cap.0.total_cmp(&b.cap.0))
+                .map_or(0.0, |w| w.throughput);
+            self.windows = windows;
             self.phase = Phase::Done;
         }
     }
 
-    fn enter(&mut self, level: usize, now: f64) {
-        self.phase = Phase::Level { level, since: now };
-        self.power_sum = 0.0;
-        self.power_samples = 0;
-        self.clock_sum = 0.0;
-        self.clock_samples = 0;
-    }
-
-    /// The job's mean SM clock at `now`, MHz: kept over each level's measurement window,
-    /// to check the job's reported slowdown against what the cap did to its GPUs.
+    /// The job's mean SM clock at `now`, MHz: kept over each window, to check the job's
+    /// reported slowdown against what the cap did to its GPUs.
     pub fn observe_clock(&mut self, now: f64, sm_clock_mhz: f64) {
-        if let Phase::Level { since, .. } = self.phase {
-            if now >= since + self.settings.settle_s
-                && sm_clock_mhz.is_finite()
-                && sm_clock_mhz > 0.0
-            {
+        if !(sm_clock_mhz.is_finite() && sm_clock_mhz > 0.0) {
+            return;
+        }
+        if let Phase::Walking { window_from, .. } = self.phase {
+            if now >= window_from {
                 self.clock_sum += sm_clock_mhz;
                 self.clock_samples += 1;
+            }
+        }
+        if let Some(s) = self.stretch.as_mut() {
+            if now >= s.window_from {
+                s.clock_sum += sm_clock_mhz;
+                s.clock_samples += 1;
             }
         }
     }
 
     fn finish(&mut self, now: f64) {
         self.finished_at = Some(now);
-        self.phase = if self.levels.len() < 2 {
+        self.design = None;
+        let levels = self.levels();
+        self.phase = if levels.len() < 2 {
             Phase::Skipped("too few levels measured".into())
-        } else if let Some(why) = implausible(&self.levels) {
+        } else if let Some(why) = implausible(&levels) {
             // The job's own reports say it slowed more than its GPUs did: its curve is
             // words, not a measurement. Plan on the telemetry prior, and say why.
             self.implausible = Some(why.clone());
@@ -525,9 +710,165 @@ impl Calibration {
         };
     }
 
-    /// The measured points (per-GPU cap, summed power, throughput).
+    /// Learning in operation: once the walk is done, every steady stretch at one cap is
+    /// cut into windows of `hold_s` that join the job's curve. `held` is the cap the
+    /// job's GPUs read back and since when it has held (agent seconds); the first
+    /// `settle_s` of a stretch are not read. A window needs the job's reports (three or
+    /// more) and its power; one without them is skipped, not guessed.
+    pub fn observe_operation(
+        &mut self,
+        now: f64,
+        log: &ProgressLog,
+        job_power: Option<Watts>,
+        held: Option<(Watts, f64)>,
+    ) {
+        if self.phase != Phase::Done {
+            self.stretch = None;
+            return;
+        }
+        let Some((cap, held_since)) = held else {
+            self.stretch = None;
+            return;
+        };
+        let fresh = self
+            .stretch
+            .as_ref()
+            .is_none_or(|s| (s.cap.0 - cap.0).abs() > 0.5);
+        if fresh {
+            self.stretch = Some(Stretch {
+                cap,
+                window_from: held_since + self.settings.settle_s,
+                power_sum: 0.0,
+                power_samples: 0,
+                clock_sum: 0.0,
+                clock_samples: 0,
+                windows: 0,
+            });
+        }
+        let hold_s = self.settings.hold_s;
+        let Some(s) = self.stretch.as_mut() else {
+            return;
+        };
+        if now < s.window_from {
+            return;
+        }
+        if let Some(p) = job_power {
+            s.power_sum += p.0;
+            s.power_samples += 1;
+        }
+        if now < s.window_from + hold_s {
+            return;
+        }
+        let window = log
+            .rate(s.window_from, now)
+            .filter(|_| s.power_samples > 0)
+            .map(|(rate, noise)| Window {
+                cap,
+                power: Watts(s.power_sum / f64::from(s.power_samples)),
+                throughput: rate,
+                relative_noise: noise,
+                sm_clock_mhz: (s.clock_samples > 0)
+                    .then(|| s.clock_sum / f64::from(s.clock_samples)),
+                learned: true,
+            });
+        s.window_from = now;
+        s.power_sum = 0.0;
+        s.power_samples = 0;
+        s.clock_sum = 0.0;
+        s.clock_samples = 0;
+        if let Some(w) = window {
+            s.windows += 1;
+            self.push_window(w);
+            if self.probe.is_some_and(|p| (p.cap.0 - cap.0).abs() < 0.5) {
+                self.end_probe(now);
+            }
+        }
+    }
+
+    /// Decides whether to probe now, while the budget holds the job at `granted` below
+    /// its uncapped cap (an event's hold): one window `step` below the grant, to learn
+    /// the slope of the curve where the allocator decides. Only when the walk is done,
+    /// the job has held the grant for [`PROBE_AFTER_WINDOWS`] windows, the probe cap is
+    /// at or above `min_cap`, the curve predicts the job within its tier bound there,
+    /// that cap has fewer than [`PROBE_WINDOWS`] windows, and the probes so far cost less
+    /// than the design's token budget over the job's life (a fraction of its tokens so
+    /// far). Lowering a cap below the grant never costs the budget anything.
+    pub fn consider_probe(&mut self, now: f64, granted: Watts, step: Watts, min_cap: Watts) {
+        if self.phase != Phase::Done || self.probe.is_some() || step.0 <= 0.0 {
+            return;
+        }
+        let Some(curve) = self.curve() else {
+            return;
+        };
+        let top = curve.uncapped();
+        if granted.0 >= top.cap_w.0 - 0.5 || top.throughput <= 0.0 {
+            return;
+        }
+        let settled = self
+            .stretch
+            .as_ref()
+            .is_some_and(|s| (s.cap.0 - granted.0).abs() < 0.5 && s.windows >= PROBE_AFTER_WINDOWS);
+        let cap = Watts(granted.0 - step.0);
+        if !settled || cap.0 < min_cap.0 - 0.5 {
+            return;
+        }
+        let loss = 1.0 - curve.at(cap).throughput / top.throughput;
+        if self.bound.is_some_and(|b| loss > b) {
+            return;
+        }
+        let known = self
+            .windows
+            .iter()
+            .filter(|w| (w.cap.0 - cap.0).abs() < 0.5)
+            .count();
+        let age_s = now - self.started_at.unwrap_or(self.registered_at);
+        let allowance = self.settings.budget_fraction * age_s * self.top_throughput;
+        if known >= PROBE_WINDOWS || self.probe_cost >= allowance {
+            return;
+        }
+        self.probe = Some(Probe {
+            cap,
+            granted,
+            since: now,
+        });
+        tracing::debug!(
+            cap_w = cap.0,
+            granted_w = granted.0,
+            "probing one step below the grant"
+        );
+    }
+
+    /// Ends the probe: its cost is booked at the curve's loss between the grant and the
+    /// probe cap over the time held there.
+    fn end_probe(&mut self, now: f64) {
+        let Some(probe) = self.probe.take() else {
+            return;
+        };
+        if let Some(curve) = self.curve() {
+            let lost = (curve.at(probe.granted).throughput - curve.at(probe.cap).throughput)
+                .max(0.0)
+                * (now - probe.since);
+            self.probe_cost += lost;
+            self.cost += lost;
+        }
+    }
+
+    /// A probe whose cap was not held, or that found no window (the job paused, the
+    /// grant moved), ends after three windows' time; a grant that moved ends it at once.
+    pub fn check_probe(&mut self, now: f64, granted: Option<Watts>) {
+        let Some(probe) = self.probe else {
+            return;
+        };
+        let moved = granted.is_none_or(|g| (g.0 - probe.granted.0).abs() > 0.5);
+        let stale = now - probe.since > 3.0 * (self.settings.settle_s + self.settings.hold_s);
+        if moved || stale {
+            self.end_probe(now);
+        }
+    }
+
+    /// The measured points (per-GPU cap, summed power, throughput): the curve's knots.
     pub fn points(&self) -> Vec<OperatingPoint> {
-        self.levels
+        self.levels()
             .iter()
             .map(|l| OperatingPoint {
                 cap_w: l.cap,
@@ -540,28 +881,86 @@ impl Calibration {
     /// PFI of the measured points (Eq. 1), once done.
     pub fn pfi(&self) -> Option<f64> {
         (self.phase == Phase::Done)
-            .then(|| pfi(&self.points()))
+            .then(|| self.curve().and_then(|c| c.pfi()))
             .flatten()
     }
 
-    /// The fitted curve, once done.
+    /// The estimated curve with per-point uncertainty, once done: the estimator
+    /// `powerflexctl evaluate` uses ([`estimate_from_windows`]) over every window.
     pub fn curve(&self) -> Option<CapCurve> {
         if self.phase != Phase::Done {
             return None;
         }
-        let noise = self
-            .levels
-            .iter()
-            .map(|l| l.relative_noise)
-            .fold(0.0, f64::max)
-            .max(0.002);
-        estimate_curve(&self.points(), noise).ok()
+        curve_of(&self.windows)
+    }
+
+    /// The curve to plan on and report: this walk's once done, else the previous one's
+    /// while a repeated walk is under way.
+    pub fn best_curve(&self) -> Option<CapCurve> {
+        if self.phase == Phase::Done {
+            self.curve()
+        } else {
+            curve_of(&self.previous)
+        }
     }
 
     /// Seconds from the start of the walk to its end.
     pub fn duration_s(&self) -> Option<f64> {
         Some(self.finished_at? - self.started_at?)
     }
+
+    /// The cost as a fraction of the job's first-hour tokens (uncapped throughput ×
+    /// 3600 s), once the uncapped throughput is known.
+    pub fn cost_fraction(&self) -> Option<f64> {
+        (self.top_throughput > 0.0).then(|| self.cost / (FIRST_HOUR_S * self.top_throughput))
+    }
+}
+
+/// The curve of `windows` by [`estimate_from_windows`], the windows' own spread as the
+/// prior noise of one window (at least 0.2 %).
+fn curve_of(windows: &[Window]) -> Option<CapCurve> {
+    if windows.is_empty() {
+        return None;
+    }
+    let prior =
+        (windows.iter().map(|w| w.relative_noise).sum::<f64>() / windows.len() as f64).max(0.002);
+    let readings: Vec<OperatingPoint> = windows
+        .iter()
+        .map(|w| OperatingPoint {
+            cap_w: w.cap,
+            power_w: w.power,
+            throughput: w.throughput,
+        })
+        .collect();
+    let curve = estimate_from_windows(&readings, prior).ok()?;
+    (curve.knots().len() >= 2).then_some(curve)
+}
+
+/// Windows pooled per cap, highest cap first.
+fn pool(windows: &[Window]) -> Vec<Level> {
+    let mut levels: Vec<Level> = Vec::new();
+    let mut caps: Vec<f64> = windows.iter().map(|w| w.cap.0).collect();
+    caps.sort_by(|a, b| b.total_cmp(a));
+    caps.dedup_by(|a, b| (*a - *b).abs() < 0.5);
+    for cap in caps {
+        let at: Vec<&Window> = windows
+            .iter()
+            .filter(|w| (w.cap.0 - cap).abs() < 0.5)
+            .collect();
+        let n = at.len() as f64;
+        let mean = |f: &dyn Fn(&Window) -> f64| at.iter().map(|w| f(w)).sum::<f64>() / n;
+        let clocks: Vec<f64> = at.iter().filter_map(|w| w.sm_clock_mhz).collect();
+        levels.push(Level {
+            cap: Watts(cap),
+            power: Watts(mean(&|w| w.power.0)),
+            throughput: mean(&|w| w.throughput),
+            relative_noise: mean(&|w| w.relative_noise) / n.sqrt(),
+            sm_clock_mhz: (!clocks.is_empty())
+                .then(|| clocks.iter().sum::<f64>() / clocks.len() as f64),
+            windows: at.len(),
+        });
+    }
+    levels
 }
 
 #[cfg(test)]
@@ -579,6 +978,8 @@ mod tests {
             steady_cv: 0.05,
             allowance: 0.05,
             no_signal_s: 30.0,
+            budget_fraction: 0.02,
+            expected_cut: 0.3,
         }
     }
 
@@ -594,7 +995,7 @@ mod tests {
         let mut log = ProgressLog::default();
         let (mut t, mut count) = (0.0f64, 0.0f64);
         let mut next_tick = 1.0;
-        while t < 400.0 && cal.is_active() {
+        while t < 3000.0 && cal.is_active() {
             let cap = cal.cap().map_or(700.0, |c| c.0);
             t += 0.1;
             count += 1000.0 * speed(cap) * 0.1;
@@ -612,13 +1013,21 @@ mod tests {
         let cal = run(Some(0.50));
         assert_eq!(cal.phase, Phase::Done);
         assert_eq!(
-            cal.levels.len(),
+            cal.levels().len(),
             6,
-            "flex3 + 5 % allows the whole grid here"
+            "flex3 + 5 % allows the whole grid down to the depth a 30 % cut reaches"
         );
         let pfi = cal.pfi().expect("pfi");
         assert!((pfi - 2.0).abs() < 0.02, "pfi {pfi}");
         assert!(cal.cost > 0.0);
+        let fraction = cal.cost_fraction().expect("priced");
+        assert!(
+            fraction <= 0.02,
+            "the walk cost {fraction} of first-hour tokens"
+        );
+        // Shallow caps are cheap and read more often than deep ones.
+        let levels = cal.levels();
+        assert!(levels[1].windows > levels[5].windows, "{levels:?}");
         assert!(cal.duration_s().expect("duration") > 6.0 * 7.0 - 1.0);
         assert!(cal.curve().is_some());
     }
@@ -628,10 +1037,11 @@ mod tests {
         // flex1: 10 % + 5 % allowance; slowdown reaches 7.1 % at 600 W... 21 % at 400 W.
         let cal = run(Some(0.10));
         assert_eq!(cal.phase, Phase::Done);
-        let deepest = cal.levels.last().expect("levels").cap.0;
+        let levels = cal.levels();
+        let deepest = levels.last().expect("levels").cap.0;
         assert!(deepest >= 500.0, "walked down to {deepest} W");
-        for l in &cal.levels {
-            assert!(1.0 - l.throughput / cal.levels[0].throughput <= 0.15 + 0.01);
+        for l in &levels {
+            assert!(1.0 - l.throughput / levels[0].throughput <= 0.15 + 0.01);
         }
     }
 
@@ -745,13 +1155,15 @@ mod tests {
     #[test]
     fn a_level_held_below_its_cap_moves_to_the_grant_and_starts_afresh() {
         let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
-        cal.enter(0, 10.0);
+        cal.start_design(10.0, None);
+        assert_eq!(cal.cap(), Some(Watts(700.0)));
         cal.held_below_level(25.0, Watts(600.0));
         assert_eq!(
             cal.phase,
-            Phase::Level {
-                level: 1,
-                since: 25.0
+            Phase::Walking {
+                cap: Watts(600.0),
+                since: 25.0,
+                window_from: 27.0
             }
         );
     }
@@ -765,7 +1177,7 @@ mod tests {
         let granted = 450.0;
         let (mut t, mut count) = (0.0f64, 0.0f64);
         let mut next_tick = 1.0;
-        while t < 400.0 && cal.is_active() {
+        while t < 3000.0 && cal.is_active() {
             let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
             t += 0.1;
             count += 1000.0 * speed(cap) * 0.1;
@@ -778,20 +1190,21 @@ mod tests {
                 next_tick += 1.0;
             }
         }
-        assert_eq!(cal.phase, Phase::Done, "{:?}", cal.levels);
+        assert_eq!(cal.phase, Phase::Done, "{:?}", cal.levels());
+        let levels = cal.levels();
         assert_eq!(
-            cal.levels[0].cap,
+            levels[0].cap,
             Watts(400.0),
             "the first level at or below the grant"
         );
-        assert!(cal.levels.iter().all(|l| l.cap.0 <= granted));
-        assert!(cal.levels.len() >= 2);
+        assert!(levels.iter().all(|l| l.cap.0 <= granted));
+        assert!(levels.len() >= 2);
     }
 
     #[test]
     fn a_grant_below_every_level_left_ends_the_walk() {
         let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
-        cal.enter(0, 10.0);
+        cal.start_design(10.0, None);
         cal.held_below_level(11.0, Watts(150.0));
         assert!(!cal.is_active());
         assert!(
@@ -822,15 +1235,11 @@ mod tests {
         let mut cal = run(Some(0.5));
         assert_eq!(cal.phase, Phase::Done);
         let done_at = cal.finished_at.expect("finished");
-        let levels = cal.levels.clone();
+        let levels = cal.levels();
         assert!(!cal.rewalk(done_at + 10.0), "too soon after the last walk");
         assert!(cal.rewalk(done_at + MIN_REWALK_INTERVAL_S));
         assert_eq!(cal.phase, Phase::Warmup);
-        assert_eq!(
-            cal.best_levels(),
-            levels.as_slice(),
-            "the old curve while walking"
-        );
+        assert_eq!(cal.best_levels(), levels, "the old curve while walking");
         assert!(
             !cal.rewalk(done_at + 2.0 * MIN_REWALK_INTERVAL_S),
             "only a finished walk is repeated"
@@ -851,6 +1260,7 @@ mod tests {
             throughput,
             relative_noise: 0.005,
             sm_clock_mhz: Some(clock),
+            windows: 1,
         };
         // Honest: throughput falls less than the clock (a memory-bound job).
         let honest = [
@@ -883,7 +1293,7 @@ mod tests {
         let mut log = ProgressLog::default();
         let (mut t, mut count) = (0.0f64, 0.0f64);
         let mut next_tick = 1.0;
-        while t < 400.0 && cal.is_active() {
+        while t < 3000.0 && cal.is_active() {
             let cap = cal.cap().map_or(700.0, |c| c.0);
             t += 0.1;
             // The job claims to lose 2 % of its speed per 10 W of cap.
@@ -903,5 +1313,158 @@ mod tests {
         );
         assert!(cal.implausible.is_some());
         assert!(cal.curve().is_none() && cal.pfi().is_none());
+    }
+
+    /// Runs a finished calibration on in operation from `t` for `seconds`: the budget
+    /// holds the job at `granted` (the lease's cap; the probe may go lower), the job
+    /// reports every 0.1 s at its rate with 1 % jitter per report, the GPUs read back the
+    /// cap written (after one tick). Returns the time reached.
+    fn operate(
+        cal: &mut Calibration,
+        log: &mut ProgressLog,
+        t0: f64,
+        seconds: f64,
+        granted: f64,
+        may_probe: bool,
+    ) -> f64 {
+        let mut t = t0;
+        let mut count = log.last().map_or(0.0, |l| l.1);
+        let mut held: Option<(Watts, f64)> = None;
+        let mut next_tick = t0 + 1.0;
+        let mut k = 0u64;
+        while t < t0 + seconds {
+            let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
+            t += 0.1;
+            k += 1;
+            let jitter = 1.0 + 0.01 * ((k * 7919 % 13) as f64 / 6.0 - 1.0);
+            count += 1000.0 * speed(cap) * 0.1 * jitter;
+            log.record(t, count);
+            if t >= next_tick {
+                next_tick += 1.0;
+                // The GPUs read back the cap written at the last tick.
+                if held.is_none_or(|(c, _)| (c.0 - cap).abs() > 0.5) {
+                    held = Some((Watts(cap), t));
+                }
+                cal.observe_operation(t, log, Some(Watts(8.0 * cap)), held);
+                cal.check_probe(t, Some(Watts(granted)));
+                if may_probe {
+                    cal.consider_probe(t, Watts(granted), Watts(25.0), Watts(200.0));
+                }
+                assert!(
+                    cal.cap().is_none_or(|c| c.0 <= granted),
+                    "a probe never raises a job above its grant"
+                );
+            }
+        }
+        t
+    }
+
+    #[test]
+    fn steady_stretches_after_the_walk_refine_the_curve() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let t = operate_walk(&mut cal, &mut log);
+        assert_eq!(cal.phase, Phase::Done);
+        let before = cal.curve().expect("curve");
+        let windows_at = |cal: &Calibration, cap: f64| {
+            cal.windows
+                .iter()
+                .filter(|w| (w.cap.0 - cap).abs() < 0.5)
+                .count()
+        };
+        let n_before = windows_at(&cal, 500.0);
+        let sigma_before = before.sigma_at(Watts(500.0)).expect("sigma").throughput;
+        // An event holds the job at 500 W for ten minutes.
+        operate(&mut cal, &mut log, t, 600.0, 500.0, false);
+        let after = cal.curve().expect("curve");
+        let n_after = windows_at(&cal, 500.0);
+        let sigma_after = after.sigma_at(Watts(500.0)).expect("sigma").throughput;
+        assert!(
+            n_after > n_before,
+            "windows at 500 W: {n_before} -> {n_after}"
+        );
+        assert!(
+            sigma_after < 0.7 * sigma_before,
+            "sigma at 500 W: {sigma_before} -> {sigma_after}"
+        );
+        assert!(cal.windows.iter().any(|w| w.learned));
+        // The point stays where the job runs.
+        let truth = 1000.0 * speed(500.0);
+        let at = after.at(Watts(500.0)).throughput;
+        assert!((at - truth).abs() / truth < 0.01, "{at} vs {truth}");
+        // Bounded memory: the newest MAX_WINDOWS_PER_CAP per cap.
+        assert_eq!(n_after, MAX_WINDOWS_PER_CAP);
+    }
+
+    /// Walks a fresh calibration to its end on a fake clock; returns the time reached.
+    fn operate_walk(cal: &mut Calibration, log: &mut ProgressLog) -> f64 {
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        while t < 3000.0 && cal.is_active() {
+            let cap = cal.cap().map_or(700.0, |c| c.0);
+            t += 0.1;
+            count += 1000.0 * speed(cap) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                cal.tick(t, log, Some(Watts(8.0 * cap)));
+                next_tick += 1.0;
+            }
+        }
+        t
+    }
+
+    #[test]
+    fn an_events_hold_probes_one_step_below_the_grant_within_budget_and_bound() {
+        // A coarse grid: the walk never reads 475 W.
+        let mut s = settings();
+        s.grid = [700.0, 500.0, 300.0].map(Watts).to_vec();
+        let mut cal = Calibration::new(s, Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let t = operate_walk(&mut cal, &mut log);
+        assert_eq!(cal.phase, Phase::Done);
+        assert!(cal
+            .curve()
+            .expect("curve")
+            .knots()
+            .iter()
+            .all(|k| k.cap_w.0 != 475.0));
+        let t = operate(&mut cal, &mut log, t, 900.0, 500.0, true);
+        let probed = cal
+            .windows
+            .iter()
+            .filter(|w| (w.cap.0 - 475.0).abs() < 0.5)
+            .count();
+        assert!(
+            (1..=PROBE_WINDOWS).contains(&probed),
+            "windows at the probe cap: {probed}"
+        );
+        let curve = cal.curve().expect("curve");
+        assert!(
+            curve.knots().iter().any(|k| k.cap_w.0 == 475.0),
+            "a new point"
+        );
+        let truth = 1000.0 * speed(475.0);
+        let at = curve.at(Watts(475.0)).throughput;
+        assert!((at - truth).abs() / truth < 0.01, "{at} vs {truth}");
+        assert!(cal.probe_cost > 0.0);
+        let age = t - cal.started_at.expect("started");
+        assert!(
+            cal.probe_cost <= 0.02 * age * cal.top_throughput + 1000.0 * 0.05 * 40.0,
+            "probes stay within the token budget (one probe's overshoot at most)"
+        );
+        // Uncapped (no event): no probe.
+        let mut idle = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        let t = operate_walk(&mut idle, &mut log);
+        operate(&mut idle, &mut log, t, 300.0, 700.0, true);
+        assert_eq!(idle.probe_cost, 0.0);
+        // A probe the tier bound forbids: flex1 at a grant where one step more breaks it.
+        let mut tight = Calibration::new(settings(), Some(0.10), true, 0.0);
+        let mut log = ProgressLog::default();
+        let t = operate_walk(&mut tight, &mut log);
+        assert_eq!(tight.phase, Phase::Done, "{:?}", tight.phase);
+        // 560 W loses exactly 10 %; 535 W would lose 11.8 %.
+        operate(&mut tight, &mut log, t, 300.0, 560.0, true);
+        assert!(tight.windows.iter().all(|w| (w.cap.0 - 535.0).abs() > 0.5));
     }
 }

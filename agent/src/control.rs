@@ -15,12 +15,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
+use powerflex_core::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
 use powerflex_core::gpus::{parse_gpu_list, GpuRef};
 use powerflex_core::Watts;
-use powerflex_proto::status::{AgentMode, CalibrationState, PfiSource, ThroughputUnit};
+use powerflex_proto::status::{AgentMode, CalibrationState, CurvePoint, PfiSource, ThroughputUnit};
 
 use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
@@ -118,13 +118,40 @@ impl Job {
     /// The calibrated points, [per-GPU cap W, job power W, throughput]: this run's walk,
     /// or the previous run's when this one has not walked.
     pub fn curve_points(&self) -> Vec<[f64; 3]> {
-        let levels = self.calibration.best_levels();
-        if levels.is_empty() {
+        let curve = self.curve();
+        if curve.is_empty() {
             return self.restored_points.clone();
         }
-        levels
+        curve
             .iter()
-            .map(|l| [l.cap.0, l.power.0, l.throughput])
+            .map(|p| [p.cap_w, p.power_w, p.throughput])
+            .collect()
+    }
+
+    /// The estimated curve, highest cap first, with each point's standard errors and
+    /// windows (see [`Calibration::best_curve`]).
+    pub fn curve(&self) -> Vec<CurvePoint> {
+        let Some(curve) = self.calibration.best_curve() else {
+            return Vec::new();
+        };
+        let levels = self.calibration.best_levels();
+        let sigma = curve.knot_sigma();
+        curve
+            .knots()
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, k)| CurvePoint {
+                cap_w: k.cap_w.0,
+                power_w: k.power_w.0,
+                throughput: k.throughput,
+                power_sigma_w: sigma.get(i).map_or(0.0, |s| s.power_w),
+                throughput_sigma: sigma.get(i).map_or(0.0, |s| s.throughput),
+                windows: levels
+                    .iter()
+                    .find(|l| (l.cap.0 - k.cap_w.0).abs() < 0.5)
+                    .map_or(0, |l| l.windows as u32),
+            })
             .collect()
     }
 }
@@ -194,6 +221,9 @@ pub struct Agent {
     pub leases_applied: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
     pub gpu_claims_refused: u64,
+    /// Jobs the controller's last lease lets this agent probe (they run on this node
+    /// alone); none in standalone mode, where a job's other nodes are unknown.
+    pub learn: BTreeSet<String>,
 }
 
 impl Agent {
@@ -260,6 +290,7 @@ impl Agent {
             cap_mismatches: 0,
             leases_applied: 0,
             gpu_claims_refused: 0,
+            learn: BTreeSet::new(),
         }
     }
 
@@ -634,7 +665,7 @@ impl Agent {
 
     /// The curve the allocator uses for `job`: measured, else a prior from its PFI.
     fn curve_for(&self, job: &Job) -> Option<CapCurve> {
-        if let Some(c) = job.calibration.curve() {
+        if let Some(c) = job.calibration.best_curve() {
             return Some(c);
         }
         let first = self.gpus.get(*job.gpus.first()? as usize)?;
@@ -698,7 +729,21 @@ impl Agent {
             });
         }
         let managed_budget = Watts((budget.0 - outside).max(0.0));
-        if let Ok(a) = allocate(&specs, managed_budget, self.settings.policy) {
+        // The controller's rule: the optimal policy leaves the equal split only where the
+        // curves' uncertainty allows (no power margin: each period's readings correct it).
+        let allocation = match self.settings.policy {
+            Policy::Optimal => allocate_cautious(
+                &specs,
+                managed_budget,
+                Caution {
+                    power_z: 0.0,
+                    ..Caution::default()
+                },
+            )
+            .map(|c| c.allocation),
+            policy => allocate(&specs, managed_budget, policy),
+        };
+        if let Ok(a) = allocation {
             for decided in a.jobs {
                 if let Some(job) = self.jobs.get_mut(&decided.id) {
                     job.granted = Some(decided.cap_w);
@@ -786,9 +831,32 @@ impl Agent {
                     _ => None,
                 }
             });
+            // The cap the job's GPUs read back, and since when it has held on all of them.
+            let held = self.jobs.get(id).and_then(|j| {
+                let cap = self.job_sampled_cap(j)?;
+                let since = j
+                    .gpus
+                    .iter()
+                    .map(|&g| self.gpus[g as usize].cap_since)
+                    .try_fold(f64::NEG_INFINITY, |late, s| s.map(|s| late.max(s)))?;
+                Some((cap, since))
+            });
+            let granted = self.jobs.get(id).and_then(|j| self.granted_cap(now, j));
+            let probe_floor = self.jobs.get(id).and_then(|j| {
+                let first = self.gpus.get(*j.gpus.first()? as usize)?;
+                Some(first.identity.min_cap)
+            });
+            let may_probe = self.controller_mode() && self.learn.contains(id);
+            let step = self.settings.cap_step;
             if let Some(job) = self.jobs.get_mut(id) {
                 if let Some(granted) = held_below {
                     job.calibration.held_below_level(now, granted);
+                }
+                job.calibration
+                    .observe_operation(now, &job.log, power, held);
+                job.calibration.check_probe(now, granted);
+                if let (true, Some(granted), Some(floor)) = (may_probe, granted, probe_floor) {
+                    job.calibration.consider_probe(now, granted, step, floor);
                 }
                 let before = job.calibration.phase.clone();
                 if let Some(mhz) = sm_clock {
@@ -895,7 +963,7 @@ impl Agent {
                     let cal = &j.calibration;
                     let (state, reason) = match &cal.phase {
                         Phase::Warmup => (CalibrationState::Warmup, None),
-                        Phase::Level { .. } => (CalibrationState::Walking, None),
+                        Phase::Walking { .. } => (CalibrationState::Walking, None),
                         Phase::Done => (CalibrationState::Done, None),
                         Phase::Skipped(why) => (CalibrationState::Skipped, Some(why.clone())),
                     };
@@ -923,6 +991,9 @@ impl Agent {
                         calibration_level_w: cal.cap().map(|w| w.0),
                         calibration_s: cal.duration_s(),
                         calibration_cost: cal.cost,
+                        calibration_cost_pct: cal.cost_fraction().map(|f| 100.0 * f),
+                        curve: j.curve(),
+                        learned_windows: cal.windows.iter().filter(|w| w.learned).count() as u32,
                         pfi: cal.pfi().or(j.restored_pfi),
                         pfi_source: if cal.pfi().is_some() || j.restored_pfi.is_some() {
                             Some(PfiSource::Measured)
@@ -943,7 +1014,9 @@ impl Agent {
                         }),
                         power_w: self.job_power(j).map(|w| w.0),
                         power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
-                        calibrating: cal.is_active(),
+                        // A probe holds the job below its grant: its draw and speed
+                        // there are not a drift from its curve at the grant.
+                        calibrating: cal.is_active() || cal.probing(),
                         curve_implausible: cal.implausible.clone(),
                         power_cap_steady_s: j
                             .gpus
@@ -997,6 +1070,8 @@ mod tests {
                 steady_cv: 0.05,
                 allowance: 0.05,
                 no_signal_s: 10.0,
+                budget_fraction: 0.02,
+                expected_cut: 0.3,
             },
             cap_step: Watts(10.0),
             failsafe_cap: Watts(500.0),

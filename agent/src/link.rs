@@ -115,6 +115,8 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     power_cap_w: j.power_cap_w,
                     power_cap_steady_s: j.power_cap_steady_s,
                     calibrating: j.calibrating,
+                    curve: j.curve.clone(),
+                    calibration_cost_pct: j.calibration_cost_pct,
                 }
             })
             .collect(),
@@ -283,6 +285,7 @@ fn serve(
                         ttl_s,
                         start_cap_w,
                         recalibrate,
+                        learn,
                     } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
@@ -297,6 +300,7 @@ fn serve(
                             ttl_s,
                             start_cap: start_cap_w.map(Watts),
                             recalibrate,
+                            learn,
                         });
                     }
                     other => warn!(

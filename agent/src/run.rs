@@ -711,6 +711,7 @@ fn handle(
             ttl_s,
             start_cap,
             recalibrate,
+            learn,
         } => {
             for job_id in agent.recalibrate(now, &recalibrate) {
                 info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
@@ -722,6 +723,7 @@ fn handle(
                 "lease from the controller"
             );
             agent.set_lease(now, caps, ttl_s, start_cap);
+            agent.learn = learn.into_iter().collect();
             // Apply it now rather than at the next tick, and read the written limits
             // back: the controller holds other nodes' increases until this node's
             // decreases are confirmed, so the confirmation should not wait a period.

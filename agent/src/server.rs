@@ -65,6 +65,8 @@ pub enum Inbound {
         start_cap: Option<powerflex_core::Watts>,
         /// Jobs to walk again (their measurements left their curves).
         recalibrate: Vec<String>,
+        /// Jobs that may be probed to learn their curves (on this node alone).
+        learn: Vec<String>,
     },
 }
 

@@ -122,6 +122,7 @@ impl Fixture {
             )
             .agent_metrics(([127, 0, 0, 1], metrics_port).into())
             .calibration_s(1.0, 1.0, 3.0)
+            .calibration_budget_pct(0.2)
             .edit(|raw| {
                 raw.agent.calibration_allowance_pct = Some(5.0);
                 raw.agent.node_budget_w = node_budget_w;
@@ -747,6 +748,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         ttl_s,
         start_cap_w: None,
         recalibrate: Vec::new(),
+        learn: Vec::new(),
     };
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
     let first = session

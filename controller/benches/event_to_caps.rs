@@ -88,6 +88,8 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         power_cap_w: Some(cap_w),
         power_cap_steady_s: Some(10.0),
         calibrating: false,
+        curve: Vec::new(),
+        calibration_cost_pct: None,
     }
 }
 

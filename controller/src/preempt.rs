@@ -332,6 +332,8 @@ mod tests {
             power_cap_w: Some(cap_w),
             power_cap_steady_s: Some(10.0),
             calibrating: false,
+            curve: Vec::new(),
+            calibration_cost_pct: None,
         }
     }
 

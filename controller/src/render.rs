@@ -53,7 +53,17 @@ pub fn render_nodes(nodes: &[NodeStatus]) -> String {
 
 pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
     let mut t = Table::new([
-        "job", "tier", "nodes", "gpus", "PFI", "cap", "now", "uncapped", "bound", "curve",
+        "job",
+        "tier",
+        "nodes",
+        "gpus",
+        "PFI",
+        "cap",
+        "now",
+        "uncapped",
+        "bound",
+        "curve",
+        "calibration",
     ]);
     for j in jobs {
         t.row([
@@ -67,6 +77,9 @@ pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
             whole(j.uncapped_throughput),
             bound(j.floor.as_ref()),
             drift_text(j.drift.as_ref()),
+            // The walk's (and probes') token cost, % of the job's first-hour tokens.
+            j.calibration_cost_pct
+                .map_or("-".into(), |p| format!("{p:.2}%")),
         ]);
     }
     t.render()
@@ -85,7 +98,10 @@ fn drift_text(drift: Option<&powerflex_proto::status::DriftView>) -> String {
     )
 }
 
-/// One job's calibrated points per node, with the slowdown against its uncapped point.
+/// One job's curve per node — each point with its standard error and the windows behind
+/// it, and the slowdown against the uncapped point — then how the curve improved over
+/// successive events (learning in operation). Nodes whose agent sent no uncertainty show
+/// their points alone.
 pub fn render_job_report(job: &SiteJobStatus) -> String {
     let mut out = format!(
         "job {}: tier {}, PFI {} ({}), cap {}\n",
@@ -95,8 +111,43 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
         job.pfi_source.map_or("not measured", |s| s.name()),
         cap(job.cap_w),
     );
-    let mut t = Table::new(["node", "cap", "power", "throughput", "slowdown"]);
+    if let Some(pct) = job.calibration_cost_pct {
+        out.push_str(&format!(
+            "calibration cost: {pct:.2} % of the job's first-hour tokens\n"
+        ));
+    }
+    let slowdown = |top: f64, t: f64| {
+        if top > 0.0 {
+            format!("{:.1}%", (1.0 - t / top) * 100.0)
+        } else {
+            "-".into()
+        }
+    };
+    let mut t = Table::new([
+        "node",
+        "cap",
+        "power",
+        "throughput",
+        "±",
+        "slowdown",
+        "windows",
+    ]);
     for (node, points) in &job.points {
+        if let Some(curve) = job.curve.get(node) {
+            let top = curve.first().map_or(0.0, |p| p.throughput);
+            for p in curve {
+                t.row([
+                    node.clone(),
+                    format!("{:.0} W", p.cap_w),
+                    watts(p.power_w),
+                    format!("{:.1}", p.throughput),
+                    format!("{:.1}", p.throughput_sigma),
+                    slowdown(top, p.throughput),
+                    p.windows.to_string(),
+                ]);
+            }
+            continue;
+        }
         let top = points.first().map_or(0.0, |p| p[2]);
         for &[cap_w, power_w, throughput] in points {
             t.row([
@@ -104,15 +155,27 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
                 format!("{cap_w:.0} W"),
                 watts(power_w),
                 format!("{throughput:.1}"),
-                if top > 0.0 {
-                    format!("{:.1}%", (1.0 - throughput / top) * 100.0)
-                } else {
-                    "-".into()
-                },
+                "-".into(),
+                slowdown(top, throughput),
+                "-".into(),
             ]);
         }
     }
     out.push_str(&t.render());
+    if !job.curve_history.is_empty() {
+        out.push_str("curve over events (learning in operation):\n");
+        let mut h = Table::new(["after", "node", "points", "windows", "mean ±"]);
+        for s in &job.curve_history {
+            h.row([
+                s.after.clone(),
+                s.node.clone(),
+                s.points.len().to_string(),
+                s.windows().to_string(),
+                format!("{:.2}%", 100.0 * s.mean_relative_sigma()),
+            ]);
+        }
+        out.push_str(&h.render());
+    }
     out
 }
 
@@ -288,7 +351,8 @@ mod tests {
     use super::*;
     use powerflex_proto::admin::Cut;
     use powerflex_proto::status::{
-        AllocationView, JobAllocationView, Objective, PfiSource, PreemptedView,
+        AllocationView, CurvePoint, CurveSnapshot, JobAllocationView, Objective, PfiSource,
+        PreemptedView,
     };
 
     fn job(id: &str, tier: &str, cap_w: Option<f64>, floor: Option<FloorView>) -> SiteJobStatus {
@@ -308,6 +372,9 @@ mod tests {
                 "n1".to_string(),
                 vec![[700.0, 2600.0, 2000.0], [400.0, 1500.0, 1500.0]],
             )]),
+            curve: BTreeMap::new(),
+            curve_history: Vec::new(),
+            calibration_cost_pct: None,
             drift: None,
         }
     }
@@ -446,6 +513,7 @@ mod tests {
                 "by",
                 "4.2%",
                 "ok",
+                "-",
             ]
         );
         let none: Vec<&str> = jobs
@@ -454,7 +522,12 @@ mod tests {
             .expect("103")
             .split_whitespace()
             .collect();
-        assert_eq!(none[5..], ["-", "1234", "2000", "-", "ok"]);
+        assert_eq!(none[5..], ["-", "1234", "2000", "-", "ok", "-"]);
+        let mut calibrated = s.jobs[0].clone();
+        calibrated.calibration_cost_pct = Some(1.5);
+        let text = render_jobs(&[calibrated]);
+        let row = text.lines().nth(1).expect("row");
+        assert!(row.trim_end().ends_with("1.50%"), "{row}");
         let nodes = render_nodes(&s.nodes);
         let row: Vec<&str> = nodes
             .lines()
@@ -477,14 +550,79 @@ mod tests {
             .skip(2)
             .map(|l| l.split_whitespace().collect())
             .collect();
-        assert_eq!(rows[0], ["n1", "700", "W", "2600", "W", "2000.0", "0.0%"]);
-        assert_eq!(rows[1], ["n1", "400", "W", "1500", "W", "1500.0", "25.0%"]);
+        assert_eq!(
+            rows[0],
+            ["n1", "700", "W", "2600", "W", "2000.0", "-", "0.0%", "-"]
+        );
+        assert_eq!(
+            rows[1],
+            ["n1", "400", "W", "1500", "W", "1500.0", "-", "25.0%", "-"]
+        );
         let mut unmeasured = job("104", "flex1", None, None);
         unmeasured.pfi = None;
         unmeasured.pfi_source = None;
         let text = render_job_report(&unmeasured);
         assert!(
             text.starts_with("job 104: tier flex1, PFI - (not measured), cap -\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_job_report_shows_uncertainty_windows_and_the_curve_over_events() {
+        let point = |cap_w: f64, throughput: f64, sigma: f64, windows: u32| CurvePoint {
+            cap_w,
+            power_w: cap_w * 4.0,
+            throughput,
+            power_sigma_w: 1.0,
+            throughput_sigma: sigma,
+            windows,
+        };
+        let mut j = job("101", "flex2", Some(450.0), None);
+        j.calibration_cost_pct = Some(1.234);
+        j.curve.insert(
+            "n1".into(),
+            vec![point(700.0, 2000.0, 4.0, 8), point(450.0, 1700.0, 2.5, 40)],
+        );
+        j.curve_history = vec![
+            CurveSnapshot {
+                t_ms: 1,
+                after: "calibrated".into(),
+                node: "n1".into(),
+                points: vec![point(700.0, 2000.0, 4.0, 8), point(500.0, 1800.0, 16.0, 2)],
+            },
+            CurveSnapshot {
+                t_ms: 2,
+                after: "event 3".into(),
+                node: "n1".into(),
+                points: vec![
+                    point(700.0, 2000.0, 4.0, 8),
+                    point(500.0, 1800.0, 16.0, 2),
+                    point(450.0, 1700.0, 2.5, 40),
+                ],
+            },
+        ];
+        let text = render_job_report(&j);
+        assert!(
+            text.contains("calibration cost: 1.23 % of the job's first-hour tokens"),
+            "{text}"
+        );
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert!(
+            rows.contains(&vec![
+                "n1", "450", "W", "1800", "W", "1700.0", "2.5", "15.0%", "40"
+            ]),
+            "{text}"
+        );
+        assert!(
+            rows.contains(&vec!["calibrated", "n1", "2", "10", "0.50%"]),
+            "{text}"
+        );
+        assert!(
+            rows.contains(&vec!["event", "3", "n1", "3", "50", "0.38%"]),
             "{text}"
         );
     }

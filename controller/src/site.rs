@@ -21,9 +21,13 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use powerflex_core::allocate::{allocate, validate_spec, Allocation, CapLimits, JobSpec, Policy};
+use powerflex_core::allocate::{
+    allocate, allocate_cautious, validate_spec, Allocation, CapLimits, Caution, JobSpec, Policy,
+};
 use powerflex_core::config::{BudgetMode, Objective};
-use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, OperatingPoint};
+use powerflex_core::curve::{
+    estimate_population, CapCurve, JobReadings, KnotSigma, OperatingPoint,
+};
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
 use powerflex_proto::link::{
@@ -101,6 +105,9 @@ struct SiteJob {
     counts_tokens: bool,
     /// cap → (summed power, summed throughput, nodes that measured it).
     points: BTreeMap<u64, (f64, f64, usize)>,
+    /// cap → (summed variance of power W², of throughput, nodes that said): the
+    /// agents' standard errors of the same points (their windows' spread).
+    sigma: BTreeMap<u64, (f64, f64, usize)>,
     min_cap: f64,
     max_cap: f64,
     /// Per-GPU cap in force on the job's GPUs as the agents read it back (the highest
@@ -400,6 +407,19 @@ pub fn decide_holding(
             }
             job.min_cap = job.min_cap.max(min_cap);
             job.max_cap = job.max_cap.min(max_cap);
+            for p in &report.curve {
+                let ok = |x: f64| x.is_finite() && x >= 0.0;
+                if !(ok(p.power_sigma_w) && ok(p.throughput_sigma)) {
+                    continue;
+                }
+                let entry = job
+                    .sigma
+                    .entry(p.cap_w.round() as u64)
+                    .or_insert((0.0, 0.0, 0));
+                entry.0 += p.power_sigma_w.powi(2);
+                entry.1 += p.throughput_sigma.powi(2);
+                entry.2 += 1;
+            }
             for p in &report.points {
                 let entry = job
                     .points
@@ -469,7 +489,12 @@ pub fn decide_holding(
     for (_, job, _) in &steerable {
         let nodes = job.nodes.len();
         let has_points = job.points.values().filter(|(_, _, n)| *n == nodes).count() >= 2;
-        let curve = if has_points { measured.next() } else { None }.or_else(|| {
+        let curve = if has_points {
+            measured.next().map(|c| with_measured_sigma(c, job))
+        } else {
+            None
+        }
+        .or_else(|| {
             CapCurve::from_pfi_prior(
                 Watts(job.max_cap * f64::from(job.gpus)),
                 job.throughput.unwrap_or(1.0),
@@ -554,7 +579,28 @@ pub fn decide_holding(
         BudgetMode::Metered { margin } => budget.0 * (1.0 - margin.clamp(0.0, 1.0)),
     };
     let managed_budget = Watts((usable - reserved).max(0.0));
-    let allocation = allocate(&specs, managed_budget, settings.policy).ok();
+    // The optimal policy leans to the equal split as far as the curves' uncertainty
+    // warrants: the rule `powerflexctl evaluate` scores (see `allocate_cautious`), with
+    // no power margin here, since the metered loop corrects each job's power by its
+    // draw every period and the budget's metered margin covers the rest.
+    let allocation = match settings.policy {
+        Policy::Optimal => allocate_cautious(
+            &specs,
+            managed_budget,
+            Caution {
+                power_z: 0.0,
+                ..Caution::default()
+            },
+        )
+        // Still the optimal policy when the rule kept the equal split's caps: that is
+        // what optimal means on curves this uncertain.
+        .map(|c| Allocation {
+            policy: Policy::Optimal,
+            ..c.allocation
+        })
+        .ok(),
+        policy => allocate(&specs, managed_budget, policy).ok(),
+    };
     let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| n.live) {
         leases.entry(node.node.clone()).or_default();
@@ -599,6 +645,56 @@ pub fn decide_holding(
     }
 }
 
+/// `curve` with per-knot standard errors from what every node of `job` measured (their
+/// variances add, as their powers and throughputs do). Between measured caps the error
+/// is interpolated; a knot below the lowest measured cap (extrapolated) gets twice the
+/// lowest one's; above the highest, the highest one's. A job whose agents sent no
+/// uncertainty (older agents) keeps the curve's relative uncertainty.
+fn with_measured_sigma(curve: CapCurve, job: &SiteJob) -> CapCurve {
+    let nodes = job.nodes.len();
+    let measured: Vec<(f64, KnotSigma)> = job
+        .sigma
+        .iter()
+        .filter(|(_, (_, _, n))| *n == nodes)
+        .map(|(&cap, &(vp, vt, _))| {
+            (
+                cap as f64,
+                KnotSigma {
+                    power_w: vp.sqrt(),
+                    throughput: vt.sqrt(),
+                },
+            )
+        })
+        .collect();
+    let (Some(&(lo_cap, lo)), Some(&(_, hi))) = (measured.first(), measured.last()) else {
+        return curve;
+    };
+    curve.with_knot_sigma(|cap| {
+        let c = cap.0;
+        if c < lo_cap - 0.5 {
+            return KnotSigma {
+                power_w: 2.0 * lo.power_w,
+                throughput: 2.0 * lo.throughput,
+            };
+        }
+        let above = measured.partition_point(|(m, _)| *m < c - 0.5);
+        match (
+            above.checked_sub(1).map(|i| measured[i]),
+            measured.get(above),
+        ) {
+            (_, Some(&(m, s))) if (m - c).abs() <= 0.5 => s,
+            (Some((a, sa)), Some(&(b, sb))) => {
+                let f = (c - a) / (b - a);
+                KnotSigma {
+                    power_w: sa.power_w + f * (sb.power_w - sa.power_w),
+                    throughput: sa.throughput + f * (sb.throughput - sa.throughput),
+                }
+            }
+            _ => hi,
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -630,6 +726,8 @@ mod tests {
             power_cap_w: None,
             power_cap_steady_s: Some(10.0),
             calibrating: false,
+            curve: Vec::new(),
+            calibration_cost_pct: None,
         }
     }
 

@@ -19,8 +19,11 @@
 //!   time included, against the job's first-hour tokens `3600 s · T_max`; the default
 //!   budget is 2 %.
 //!
-//! Pure: the measurement is a closure (the agent's window, or the evaluation's noisy
-//! draw from a true curve), so the same design runs offline and in the node agent.
+//! Pure: [`DesignWalk`] is a state machine fed one window's reading at a time, so the
+//! same design runs in the node agent (its own measurement windows, on its clock) and
+//! offline ([`run_design`], a closure drawing from a true curve). A tier bound
+//! (`max_loss`) and a budget that holds the job below a level
+//! ([`DesignWalk::hold_at_most`]) stop or reroute the walk.
 
 use crate::curve::OperatingPoint;
 use crate::units::Watts;
@@ -47,6 +50,9 @@ pub struct DesignParams {
     /// steps) every cap would cost a settle and a window; levels are then spread evenly
     /// over the depth and the allocator interpolates between them.
     pub max_levels: usize,
+    /// The most loss (1 − T/T_max) the walk may read or predict at a level: the job's
+    /// tier bound plus the site's calibration allowance. `None` = no bound (offline).
+    pub max_loss: Option<f64>,
 }
 
 impl Default for DesignParams {
@@ -60,6 +66,7 @@ impl Default for DesignParams {
             top_windows: 8,
             max_windows_per_cap: 12,
             max_levels: 8,
+            max_loss: None,
         }
     }
 }
@@ -79,6 +86,8 @@ pub enum DesignError {
     BadDepth(f64),
     #[error("calibration needs at least one window at the top and per cap")]
     NoWindows,
+    #[error("calibration's most loss must be a fraction in [0, 1], e.g. 0.15 (got {0})")]
+    BadMaxLoss(f64),
     #[error("calibration needs the job's cap grid, highest cap first")]
     EmptyGrid,
 }
@@ -103,6 +112,11 @@ impl DesignParams {
         }
         if !(self.depth_factor.is_finite() && self.depth_factor >= 1.0) {
             return Err(DesignError::BadDepth(self.depth_factor));
+        }
+        if let Some(m) = self.max_loss {
+            if !(m.is_finite() && (0.0..=1.0).contains(&m)) {
+                return Err(DesignError::BadMaxLoss(m));
+            }
         }
         if self.top_windows == 0 || self.max_windows_per_cap == 0 || self.max_levels == 0 {
             return Err(DesignError::NoWindows);
@@ -137,121 +151,387 @@ pub const FIRST_HOUR_S: f64 = 3600.0;
 
 /// Runs the design over `grid` (a job's allowed caps, highest first: the uncapped cap,
 /// then every cap the site's step allows, descending). `measure(cap)` holds the job at
-/// `cap` for one window and returns what was read.
+/// `cap` for one window and returns what was read. The offline driver of [`DesignWalk`].
 pub fn run_design(
     grid: &[Watts],
     params: &DesignParams,
     measure: &mut dyn FnMut(Watts) -> OperatingPoint,
 ) -> Result<DesignOutcome, DesignError> {
-    params.validate()?;
-    let (&top, rest) = grid.split_first().ok_or(DesignError::EmptyGrid)?;
-    let mut readings = Vec::new();
-    for _ in 0..params.top_windows {
-        readings.push(measure(top));
+    let mut walk = DesignWalk::new(grid, params)?;
+    while let Some(cap) = walk.current() {
+        let reading = measure(cap);
+        walk.record(reading);
     }
-    let mean = |xs: &[OperatingPoint]| {
-        let n = xs.len().max(1) as f64;
-        (
-            xs.iter().map(|p| p.power_w.0).sum::<f64>() / n,
-            xs.iter().map(|p| p.throughput).sum::<f64>() / n,
-        )
-    };
-    let (p_top, t_top) = mean(&readings);
-    let mut levels = vec![Level {
-        cap_w: top,
-        windows: params.top_windows,
-        seconds: params.top_windows as f64 * params.window_s,
-    }];
-    // In T_max-seconds. The design prices its spending with its own noisy readings; it
-    // keeps COST_RESERVE of the budget back so that the true cost stays inside it.
-    let budget_s = (1.0 - COST_RESERVE) * params.budget_fraction * FIRST_HOUR_S;
-    let depth = (params.depth_factor * params.expected_cut).min(0.95);
-    let stop_power = (1.0 - depth) * p_top;
-    let mut spent = 0.0;
-    // (cap, loss) of the levels read so far, the top one first.
-    let mut seen: Vec<(f64, f64)> = vec![(top.0, 0.0)];
-    let caps = levels_to_visit(rest, top, depth, params.max_levels);
-    for (i, &cap) in caps.iter().enumerate() {
+    Ok(walk.outcome())
+}
+
+/// The design as a state machine, one window at a time: [`DesignWalk::current`] says
+/// which cap the next window is read at (`None` once the design is done) and
+/// [`DesignWalk::record`] takes that window's reading. The node agent drives it with its
+/// own measurement windows; [`run_design`] drives it with a closure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DesignWalk {
+    params: DesignParams,
+    top: Watts,
+    /// Capped levels to visit, descending.
+    caps: Vec<Watts>,
+    readings: Vec<OperatingPoint>,
+    levels: Vec<Level>,
+    /// (cap, loss) of the levels read so far, the top one first.
+    seen: Vec<(f64, f64)>,
+    p_top: f64,
+    t_top: f64,
+    /// Token budget in T_max-seconds.
+    budget_s: f64,
+    depth: f64,
+    spent: f64,
+    /// No window above this cap any more (the budget holds the job below it).
+    ceiling: Option<Watts>,
+    stage: Stage,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Stage {
+    /// Reading the uncapped windows.
+    Top,
+    /// Reading windows at `caps[index]`.
+    Level {
+        index: usize,
+        target: usize,
+        windows: usize,
+        start: usize,
+        power: f64,
+        loss: f64,
+    },
+    /// Re-reading level `levels[order[at]]` for `left` more windows.
+    TopUp {
+        order: Vec<usize>,
+        at: usize,
+        left: usize,
+        loss: f64,
+        spread: f64,
+        /// Readings before this level's top-up windows.
+        start: usize,
+    },
+    Done,
+}
+
+impl DesignWalk {
+    /// A design over `grid` (highest cap first; see [`run_design`]).
+    pub fn new(grid: &[Watts], params: &DesignParams) -> Result<DesignWalk, DesignError> {
+        params.validate()?;
+        let (&top, rest) = grid.split_first().ok_or(DesignError::EmptyGrid)?;
+        let depth = (params.depth_factor * params.expected_cut).min(0.95);
+        Ok(DesignWalk {
+            params: params.clone(),
+            top,
+            caps: levels_to_visit(rest, top, depth, params.max_levels),
+            readings: Vec::new(),
+            levels: Vec::new(),
+            seen: vec![(top.0, 0.0)],
+            p_top: 0.0,
+            t_top: 0.0,
+            // The design prices its spending with its own noisy readings; it keeps
+            // COST_RESERVE of the budget back so that the true cost stays inside it.
+            budget_s: (1.0 - COST_RESERVE) * params.budget_fraction * FIRST_HOUR_S,
+            depth,
+            spent: 0.0,
+            ceiling: None,
+            stage: Stage::Top,
+        })
+    }
+
+    /// The cap the next window is read at; `None` once the design is done.
+    pub fn current(&self) -> Option<Watts> {
+        match &self.stage {
+            Stage::Top => Some(self.top),
+            Stage::Level { index, .. } => Some(self.caps[*index]),
+            Stage::TopUp { order, at, .. } => Some(self.levels[order[*at]].cap_w),
+            Stage::Done => None,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.stage == Stage::Done
+    }
+
+    /// Every window read so far, in order.
+    pub fn readings(&self) -> &[OperatingPoint] {
+        &self.readings
+    }
+
+    /// The uncapped throughput as read (0 before the top windows are in).
+    pub fn top_throughput(&self) -> f64 {
+        self.t_top
+    }
+
+    /// What the design has done so far (all of it once done).
+    pub fn outcome(&self) -> DesignOutcome {
+        DesignOutcome {
+            readings: self.readings.clone(),
+            levels: self.levels.clone(),
+            estimated_cost_fraction: self.spent / FIRST_HOUR_S,
+        }
+    }
+
+    /// The budget now holds the job at or below `cap`: no further window above it. A
+    /// level above it ends with the windows it has (a partial window is the caller's to
+    /// drop) and the walk goes on below it. The top windows cannot be read under a
+    /// ceiling below the top; the caller starts a new design from the ceiling instead.
+    pub fn hold_at_most(&mut self, cap: Watts) {
+        self.ceiling = Some(self.ceiling.map_or(cap, |c| Watts(c.0.min(cap.0))));
+        match &self.stage {
+            Stage::Level { index, .. } if self.caps[*index].0 > cap.0 + 0.5 => self.end_level(),
+            Stage::TopUp { order, at, .. } if self.levels[order[*at]].cap_w.0 > cap.0 + 0.5 => {
+                self.next_top_up()
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether a cap is allowed under the ceiling.
+    fn allowed(&self, cap: Watts) -> bool {
+        self.ceiling.is_none_or(|c| cap.0 <= c.0 + 0.5)
+    }
+
+    /// Takes the reading of the window at [`DesignWalk::current`].
+    pub fn record(&mut self, reading: OperatingPoint) {
+        self.readings.push(reading);
+        match &mut self.stage {
+            Stage::Top => {
+                if self.readings.len() >= self.params.top_windows {
+                    let (p, t) = mean(&self.readings);
+                    self.p_top = p;
+                    self.t_top = t;
+                    self.levels.push(Level {
+                        cap_w: self.top,
+                        windows: self.params.top_windows,
+                        seconds: self.params.top_windows as f64 * self.params.window_s,
+                    });
+                    self.enter_level(0);
+                }
+            }
+            Stage::Level {
+                target,
+                windows,
+                start,
+                power,
+                loss,
+                ..
+            } => {
+                *windows += 1;
+                let (mp, mt) = mean(&self.readings[*start..]);
+                *power = mp;
+                *loss = if self.t_top > 0.0 {
+                    (1.0 - mt / self.t_top).max(0.0)
+                } else {
+                    0.0
+                };
+                let next_cost =
+                    *loss * (self.params.settle_s + (*windows + 1) as f64 * self.params.window_s);
+                let over_bound = self.params.max_loss.is_some_and(|m| *loss > m);
+                if *windows >= *target || self.spent + next_cost > self.budget_s || over_bound {
+                    self.end_level();
+                }
+            }
+            Stage::TopUp { left, .. } => {
+                *left -= 1;
+                if *left == 0 {
+                    self.end_top_up_level();
+                    self.next_top_up();
+                }
+            }
+            Stage::Done => {}
+        }
+    }
+
+    /// Plans and enters capped level `index` (or ends the walk there).
+    fn enter_level(&mut self, mut index: usize) {
+        while index < self.caps.len() && !self.allowed(self.caps[index]) {
+            index += 1;
+        }
+        if index >= self.caps.len() {
+            return self.start_top_up();
+        }
+        let top = self.top.0;
         // The caps still to visit, down to the one the depth is predicted to reach, each
         // with its predicted loss; plan windows for all of them, spend on this one.
-        let deepest = caps[i..]
+        let deepest = self.caps[index..]
             .iter()
-            .position(|c| c.0 <= (1.0 - depth) * top.0)
-            .map_or(caps.len(), |j| i + j + 1);
-        let planned: Vec<f64> = caps[i..deepest]
+            .position(|c| c.0 <= (1.0 - self.depth) * top)
+            .map_or(self.caps.len(), |j| index + j + 1);
+        let planned: Vec<f64> = self.caps[index..deepest]
             .iter()
-            .map(|c| predicted_loss(&seen, c.0, top.0))
+            .map(|c| predicted_loss(&self.seen, c.0, top))
             .collect();
         let unit: Vec<f64> = planned.iter().map(|l| l.max(MIN_LOSS)).collect();
-        let settle_cost: f64 = planned.iter().map(|l| l * params.settle_s).sum();
-        let remaining = budget_s - spent;
+        let settle_cost: f64 = planned.iter().map(|l| l * self.params.settle_s).sum();
+        let remaining = self.budget_s - self.spent;
         let sqrt_sum: f64 = unit.iter().map(|u| u.sqrt()).sum();
-        let k = (remaining - settle_cost).max(0.0) / (params.window_s * sqrt_sum);
-        let target = ((k / unit[0].sqrt()).floor() as usize).clamp(1, params.max_windows_per_cap);
+        let k = (remaining - settle_cost).max(0.0) / (self.params.window_s * sqrt_sum);
+        let target =
+            ((k / unit[0].sqrt()).floor() as usize).clamp(1, self.params.max_windows_per_cap);
         // This cap must still fit: settle plus one window at the predicted loss (the
-        // budget's reserve covers a prediction that falls short).
-        if planned[0] * (params.settle_s + params.window_s) > remaining {
-            break;
+        // budget's reserve covers a prediction that falls short); and a tier's bound
+        // must not be predicted to break there.
+        let fits = planned[0] * (self.params.settle_s + self.params.window_s) <= remaining;
+        let within = self.params.max_loss.is_none_or(|m| planned[0] <= m);
+        if !(fits && within) {
+            return self.start_top_up();
         }
-        // Windows one at a time: each is paid for at the loss measured so far here, and
-        // the level ends early when the next window would overspend.
-        let start = readings.len();
-        let mut windows = 0;
-        let (mut p, mut loss) = (p_top, planned[0]);
-        while windows < target {
-            let next_cost = loss * (params.settle_s + (windows + 1) as f64 * params.window_s);
-            if windows > 0 && spent + next_cost > budget_s {
-                break;
-            }
-            readings.push(measure(cap));
-            windows += 1;
-            let (mp, mt) = mean(&readings[start..]);
-            p = mp;
-            loss = (1.0 - mt / t_top).max(0.0);
+        self.stage = Stage::Level {
+            index,
+            target,
+            windows: 0,
+            start: self.readings.len(),
+            power: self.p_top,
+            loss: planned[0],
+        };
+    }
+
+    /// Closes the level under way and moves on (or ends the walk at the depth).
+    fn end_level(&mut self) {
+        let Stage::Level {
+            index,
+            windows,
+            power,
+            loss,
+            ..
+        } = self.stage
+        else {
+            return;
+        };
+        if windows == 0 {
+            return self.enter_level(index + 1);
         }
-        let seconds = params.settle_s + windows as f64 * params.window_s;
-        spent += loss * seconds;
-        levels.push(Level {
+        let cap = self.caps[index];
+        let seconds = self.params.settle_s + windows as f64 * self.params.window_s;
+        self.spent += loss * seconds;
+        self.levels.push(Level {
             cap_w: cap,
             windows,
             seconds,
         });
-        seen.push((cap.0, loss));
-        if p <= stop_power {
-            break;
+        self.seen.push((cap.0, loss));
+        let stop_power = (1.0 - self.depth) * self.p_top;
+        let over_bound = self.params.max_loss.is_some_and(|m| loss > m);
+        if power <= stop_power || over_bound {
+            self.start_top_up();
+        } else {
+            self.enter_level(index + 1);
         }
     }
-    // Top-up: what the walk left of the budget buys more windows where they are
-    // cheapest — the shallow levels, where most decisions land and where differences
-    // between caps are small next to the noise. Each revisit pays a settle again.
-    // A level's loss is a difference of two noisy means; the top-up spends the last of
-    // the budget, so it prices each level two standard errors above its reading.
-    let spread = relative_spread(&readings);
-    let mut order: Vec<usize> = (1..levels.len()).collect();
-    order.sort_by(|&a, &b| seen[a].1.total_cmp(&seen[b].1));
-    for i in order {
-        let n = levels[i].windows.max(1) as f64;
-        let margin = 2.0 * spread * (1.0 / n + 1.0 / params.top_windows as f64).sqrt();
-        let (cap, loss) = (levels[i].cap_w, seen[i].1.max(MIN_LOSS) + margin);
-        let room = params.max_windows_per_cap.saturating_sub(levels[i].windows);
-        let affordable = ((budget_s - spent) / loss - params.settle_s) / params.window_s;
-        let extra = room.min(affordable.max(0.0).floor() as usize);
-        if extra == 0 {
-            continue;
-        }
-        for _ in 0..extra {
-            readings.push(measure(cap));
-        }
-        let seconds = params.settle_s + extra as f64 * params.window_s;
-        spent += loss * seconds;
-        levels[i].windows += extra;
-        levels[i].seconds += seconds;
+
+    /// Top-up: what the walk left of the budget buys more windows where they are
+    /// cheapest — the shallow levels, where most decisions land and where differences
+    /// between caps are small next to the noise. Each revisit pays a settle again.
+    fn start_top_up(&mut self) {
+        let mut order: Vec<usize> = (1..self.levels.len()).collect();
+        order.sort_by(|&a, &b| self.seen[a].1.total_cmp(&self.seen[b].1));
+        self.stage = Stage::TopUp {
+            order,
+            at: 0,
+            left: 0,
+            loss: 0.0,
+            spread: relative_spread(&self.readings),
+            start: self.readings.len(),
+        };
+        self.plan_top_up();
     }
-    Ok(DesignOutcome {
-        readings,
-        levels,
-        estimated_cost_fraction: spent / FIRST_HOUR_S,
-    })
+
+    /// Plans the top-up level at the current position, skipping levels that buy nothing.
+    fn plan_top_up(&mut self) {
+        loop {
+            let Stage::TopUp {
+                order, at, spread, ..
+            } = &self.stage
+            else {
+                return;
+            };
+            let (at, spread) = (*at, *spread);
+            let Some(&i) = order.get(at) else {
+                self.stage = Stage::Done;
+                return;
+            };
+            // A level's loss is a difference of two noisy means; the top-up spends the
+            // last of the budget, so it prices each level two standard errors above
+            // its reading.
+            let n = self.levels[i].windows.max(1) as f64;
+            let margin = 2.0 * spread * (1.0 / n + 1.0 / self.params.top_windows as f64).sqrt();
+            let (cap, loss) = (self.levels[i].cap_w, self.seen[i].1.max(MIN_LOSS) + margin);
+            let room = self
+                .params
+                .max_windows_per_cap
+                .saturating_sub(self.levels[i].windows);
+            let affordable =
+                ((self.budget_s - self.spent) / loss - self.params.settle_s) / self.params.window_s;
+            let extra = room.min(affordable.max(0.0).floor() as usize);
+            let over_bound = self.params.max_loss.is_some_and(|m| self.seen[i].1 > m);
+            let readings = self.readings.len();
+            if let Stage::TopUp {
+                at: a,
+                left,
+                loss: l,
+                start,
+                ..
+            } = &mut self.stage
+            {
+                if extra == 0 || over_bound || !self.ceiling.is_none_or(|c| cap.0 <= c.0 + 0.5) {
+                    *a += 1;
+                    continue;
+                }
+                *left = extra;
+                *l = loss;
+                *start = readings;
+            }
+            return;
+        }
+    }
+
+    /// Books the top-up level just read (or cut short).
+    fn end_top_up_level(&mut self) {
+        let Stage::TopUp {
+            ref order,
+            at,
+            loss,
+            start,
+            ..
+        } = self.stage
+        else {
+            return;
+        };
+        let i = order[at];
+        let read = self.readings.len() - start;
+        if read == 0 {
+            return;
+        }
+        let seconds = self.params.settle_s + read as f64 * self.params.window_s;
+        self.spent += loss * seconds;
+        self.levels[i].windows += read;
+        self.levels[i].seconds += seconds;
+    }
+
+    /// Moves to the next top-up level (booking the one under way when it was cut short).
+    fn next_top_up(&mut self) {
+        if let Stage::TopUp { left, .. } = &self.stage {
+            if *left > 0 {
+                self.end_top_up_level();
+            }
+        }
+        if let Stage::TopUp { at, left, .. } = &mut self.stage {
+            *at += 1;
+            *left = 0;
+        }
+        self.plan_top_up();
+    }
+}
+
+fn mean(xs: &[OperatingPoint]) -> (f64, f64) {
+    let n = xs.len().max(1) as f64;
+    (
+        xs.iter().map(|p| p.power_w.0).sum::<f64>() / n,
+        xs.iter().map(|p| p.throughput).sum::<f64>() / n,
+    )
 }
 
 /// The capped levels of `grid` (below `top`, descending) the walk will visit: all of
@@ -448,5 +728,43 @@ mod tests {
             run_design(&[], &DesignParams::default(), &mut truth),
             Err(DesignError::EmptyGrid)
         );
+    }
+
+    #[test]
+    fn a_bound_stops_the_walk_before_a_level_predicted_to_break_it() {
+        let params = DesignParams {
+            max_loss: Some(0.15),
+            ..Default::default()
+        };
+        let out = run_design(&grid(250.0, 100.0, 25.0), &params, &mut truth).expect("design");
+        for l in &out.levels {
+            let loss = 1.0 - truth(l.cap_w).throughput / 100.0;
+            assert!(loss <= 0.15 + 1e-9, "{:?} loses {loss}", l.cap_w);
+        }
+        assert!(out.levels.len() >= 3, "{:?}", out.levels);
+    }
+
+    #[test]
+    fn a_ceiling_ends_the_level_above_it_and_the_walk_goes_on_below() {
+        let mut walk =
+            DesignWalk::new(&grid(250.0, 100.0, 25.0), &DesignParams::default()).expect("walk");
+        while walk.current() == Some(Watts(250.0)) {
+            walk.record(truth(Watts(250.0)));
+        }
+        assert_eq!(walk.current(), Some(Watts(225.0)));
+        walk.record(truth(Watts(225.0)));
+        walk.hold_at_most(Watts(180.0));
+        assert_eq!(
+            walk.current(),
+            Some(Watts(175.0)),
+            "225 and 200 are above it"
+        );
+        while let Some(cap) = walk.current() {
+            assert!(cap.0 <= 180.0, "{cap:?} read above the ceiling");
+            walk.record(truth(cap));
+        }
+        let out = walk.outcome();
+        assert_eq!(out.levels[1].cap_w, Watts(225.0), "the window read counts");
+        assert!(out.levels.iter().skip(2).all(|l| l.cap_w.0 <= 180.0));
     }
 }

@@ -152,9 +152,13 @@ pub struct RawGpuModel {
     /// Cap granularity, watts, above 0: allocated caps are multiples of this step above
     /// `min_cap_w`.
     pub cap_step_w: f64,
-    /// Per-GPU caps the calibration walk visits, watts, strictly descending, starting at
-    /// `max_cap_w` (the uncapped point) with at least one cap below it, all within
-    /// `min_cap_w..=max_cap_w`.
+    /// Per-GPU caps the calibration design may visit, watts, strictly descending,
+    /// starting at `max_cap_w` (the uncapped point) with at least one cap below it, all
+    /// within `min_cap_w..=max_cap_w`. Optional: absent or empty, the design chooses
+    /// among every `cap_step_w` from `max_cap_w` down to `min_cap_w`. When given, these
+    /// caps win as the candidates; the design still decides which of them to visit, how
+    /// many windows to read at each and when to stop.
+    #[serde(default)]
     pub calibration_caps_w: Vec<f64>,
     /// Per-GPU cap the agent applies when its controller lease expires, watts, within
     /// `min_cap_w..=max_cap_w`. Choose it so that every GPU at this cap fits the facility
@@ -229,6 +233,9 @@ pub struct RawAgent {
     pub calibration_settle_s: Option<f64>,
     /// Calibration: measurement time at each cap, seconds (1 to 3600, default 30).
     pub calibration_hold_s: Option<f64>,
+    /// Calibration: most token cost of a job's walk (and of its probes over its life),
+    /// percent of the job's first-hour tokens, above 0 and at most 50 (default 2).
+    pub calibration_budget_pct: Option<f64>,
     /// A job whose step daemons (root-owned `slurmstepd`) have all been gone from the
     /// node this long is ended without its epilog, seconds (5 to 3600, default 30).
     pub job_end_grace_s: Option<f64>,
@@ -354,9 +361,28 @@ pub struct GpuModelConfig {
     pub min_cap_w: Watts,
     pub max_cap_w: Watts,
     pub cap_step_w: Watts,
-    /// Strictly descending, starting at `max_cap_w`, at least two entries.
+    /// Strictly descending, starting at `max_cap_w`, at least two entries; or empty:
+    /// the design chooses among every cap step (see [`GpuModelConfig::calibration_grid`]).
     pub calibration_caps_w: Vec<Watts>,
     pub failsafe_cap_w: Watts,
+}
+
+impl GpuModelConfig {
+    /// The caps the calibration design chooses among, highest (uncapped) first:
+    /// `calibration_caps_w` when the site lists them, else `max_cap_w` and every
+    /// `cap_step_w` below it down to `min_cap_w`.
+    pub fn calibration_grid(&self) -> Vec<Watts> {
+        if !self.calibration_caps_w.is_empty() {
+            return self.calibration_caps_w.clone();
+        }
+        let mut caps = vec![self.max_cap_w];
+        let mut cap = self.max_cap_w.0 - self.cap_step_w.0;
+        while cap >= self.min_cap_w.0 - 1e-9 && self.cap_step_w.0 > 0.0 {
+            caps.push(Watts(cap));
+            cap -= self.cap_step_w.0;
+        }
+        caps
+    }
 }
 
 /// Validated `[controller]`.
@@ -433,6 +459,8 @@ pub struct AgentConfig {
     pub calibration_warmup_s: f64,
     pub calibration_settle_s: f64,
     pub calibration_hold_s: f64,
+    /// Most token cost of a walk, fraction of the job's first-hour tokens.
+    pub calibration_budget: f64,
     pub job_end_grace_s: f64,
 }
 
@@ -896,13 +924,13 @@ fn validate_gpu_model(name: String, raw: RawGpuModel) -> Result<GpuModelConfig, 
     for (index, cap) in caps.iter().enumerate() {
         finite(&format!("{}[{index}]", key("calibration_caps_w")), *cap)?;
     }
-    if caps.len() < 2 {
+    if caps.len() == 1 {
         return Err(ConfigError::CalibrationCapsTooFew {
             model,
             count: caps.len(),
         });
     }
-    if caps.first() != Some(&max.0) {
+    if !caps.is_empty() && caps.first() != Some(&max.0) {
         return Err(ConfigError::CalibrationCapsMustStartAtMax {
             model,
             first: caps.first().copied().unwrap_or(f64::NAN),
@@ -1095,6 +1123,15 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
             accepted: "0 to 50 percent".into(),
         });
     }
+    let key = "agent.calibration_budget_pct";
+    let budget_pct = finite(key, raw.calibration_budget_pct.unwrap_or(2.0))?;
+    if !(budget_pct > 0.0 && budget_pct <= 50.0) {
+        return Err(ConfigError::OutOfRange {
+            key: key.into(),
+            value: budget_pct.to_string(),
+            accepted: "above 0 and at most 50 percent of a job's first-hour tokens".into(),
+        });
+    }
     let node_budget_w = match raw.node_budget_w {
         None => None,
         Some(w) => Some(positive_watts("agent.node_budget_w", w)?),
@@ -1153,6 +1190,7 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
             1.0,
             3600.0,
         )?,
+        calibration_budget: budget_pct / 100.0,
         job_end_grace_s: seconds(
             "agent.job_end_grace_s",
             raw.job_end_grace_s,
@@ -1291,6 +1329,7 @@ listen = "10.0.0.5:7300"
         let a = &raw.agent;
         assert!(a.socket.is_some() && a.metrics_listen.is_some() && a.nvml_library.is_some());
         assert!(a.calibration_allowance_pct.is_some() && a.key_file.is_some());
+        assert!(a.calibration_budget_pct.is_some());
         // Standalone mode is documented but left off: this site runs a controller.
         assert!(a.node_budget_w.is_none() && EXAMPLE.contains("# node_budget_w = "));
         let p = &raw.predictor;
@@ -1370,6 +1409,7 @@ listen = "10.0.0.5:7300"
                     calibration_warmup_s: 60.0,
                     calibration_settle_s: 10.0,
                     calibration_hold_s: 30.0,
+                    calibration_budget: 0.02,
                     job_end_grace_s: 30.0,
                 },
                 predictor: PredictorConfig {
@@ -1716,13 +1756,6 @@ failsafe_cap_w = 300
                 },
             ),
             (
-                edited("[700, 600, 500, 400]", "[]"),
-                ConfigError::CalibrationCapsTooFew {
-                    model: "H200".into(),
-                    count: 0,
-                },
-            ),
-            (
                 edited("[700, 600, 500, 400]", "[600, 500]"),
                 ConfigError::CalibrationCapsMustStartAtMax {
                     model: "H200".into(),
@@ -2036,10 +2069,6 @@ failsafe_cap_w = 300
             (edited("min_cap_w = 200", ""), "min_cap_w"),
             (edited("max_cap_w = 700", ""), "max_cap_w"),
             (edited("cap_step_w = 10", ""), "cap_step_w"),
-            (
-                edited("calibration_caps_w = [700, 600, 500, 400]", ""),
-                "calibration_caps_w",
-            ),
             (edited("failsafe_cap_w = 500", ""), "failsafe_cap_w"),
             (edited("listen = \"10.0.0.5:7300\"", ""), "listen"),
             (plus("[[tiers.tier]]\nname = \"a\""), "max_slowdown_pct"),
@@ -2056,6 +2085,22 @@ failsafe_cap_w = 300
                 "{field}: {message}"
             );
         }
+    }
+
+    /// Without `calibration_caps_w` the design chooses among every cap step; with it,
+    /// the site's caps are the candidates (existing configs keep their grid).
+    #[test]
+    fn the_calibration_grid_is_the_sites_list_or_every_cap_step() {
+        let listed = SiteConfig::from_toml_str(MINIMAL).expect("minimal");
+        assert_eq!(
+            listed.gpu_models[0].calibration_grid(),
+            [700.0, 600.0, 500.0, 400.0].map(Watts).to_vec()
+        );
+        let text = MINIMAL.replace("calibration_caps_w = [700, 600, 500, 400]", "");
+        let stepped = SiteConfig::from_toml_str(&text).expect("no list");
+        let grid = stepped.gpu_models[0].calibration_grid();
+        assert_eq!(grid.len(), 51, "700 W down to 200 W in 10 W steps");
+        assert_eq!((grid[0], grid[50]), (Watts(700.0), Watts(200.0)));
     }
 
     #[test]

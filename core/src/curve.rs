@@ -263,6 +263,15 @@ impl CapCurve {
         crate::pfi::pfi(&self.knots)
     }
 
+    /// This curve with each knot's standard errors from `sigma(cap)`: for a curve shaped
+    /// here from points whose uncertainty was measured elsewhere (the node agents'
+    /// windows), so that [`crate::allocate::allocate_cautious`] can weigh it.
+    pub fn with_knot_sigma(&self, sigma: impl Fn(Watts) -> KnotSigma) -> CapCurve {
+        let mut curve = self.clone();
+        curve.knot_sigma = self.knots.iter().map(|k| sigma(k.cap_w)).collect();
+        curve
+    }
+
     /// The same curve with each knot's power replaced by `power(cap_w, power_w)` (kept
     /// above 1 mW), throughput, source and uncertainty unchanged: the controller's
     /// correction of a job's power by what it measures, or the bound `cap × GPUs` the

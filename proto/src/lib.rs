@@ -22,6 +22,12 @@ pub const PROGRESS_ENV: &str = "POWERFLEX_PROGRESS";
 /// Longest accepted line, bytes (newline included).
 pub const MAX_LINE_BYTES: usize = 4096;
 
+/// Longest accepted agent reply, bytes: a node's status lists every GPU and every job
+/// with its curve (points, their uncertainty and windows), which outgrows a request line
+/// on a busy node. Replies come from the root-owned agent, requests from anyone, so
+/// only requests keep the small limit.
+pub const MAX_REPLY_BYTES: usize = 64 * MAX_LINE_BYTES;
+
 /// Version of the line protocol this crate speaks.
 pub const VERSION: u32 = 1;
 
@@ -44,6 +50,8 @@ pub struct ProgressReport {
 pub enum ProtoError {
     #[error("message of {0} bytes exceeds the {MAX_LINE_BYTES}-byte limit")]
     TooLong(usize),
+    #[error("reply of {0} bytes exceeds the {MAX_REPLY_BYTES}-byte limit")]
+    ReplyTooLong(usize),
     #[error("malformed message: {0}")]
     Malformed(String),
     #[error("unsupported protocol version {0}; this agent speaks version {VERSION}")]
@@ -227,8 +235,8 @@ impl ControlReply {
     }
 
     pub fn from_line(line: &str) -> Result<ControlReply, ProtoError> {
-        if line.len() > MAX_LINE_BYTES {
-            return Err(ProtoError::TooLong(line.len()));
+        if line.len() > MAX_REPLY_BYTES {
+            return Err(ProtoError::ReplyTooLong(line.len()));
         }
         serde_json::from_str(line.trim_end()).map_err(|e| ProtoError::Malformed(e.to_string()))
     }
@@ -321,6 +329,14 @@ mod control_tests {
         );
         let reply = ControlReply::error("nope");
         assert_eq!(ControlReply::from_line(&reply.to_line()), Ok(reply));
+        // A busy node's status outgrows a request line; a reply may, up to its own limit.
+        let long = ControlReply::error("x".repeat(3 * MAX_LINE_BYTES));
+        assert_eq!(ControlReply::from_line(&long.to_line()), Ok(long));
+        let huge = "x".repeat(MAX_REPLY_BYTES + 1);
+        assert_eq!(
+            ControlReply::from_line(&huge),
+            Err(ProtoError::ReplyTooLong(MAX_REPLY_BYTES + 1))
+        );
     }
 }
 

@@ -130,6 +130,13 @@ pub struct JobReport {
     /// its points are not yet a whole curve).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub calibrating: bool,
+    /// The estimated curve with per-point uncertainty, highest cap first (`points` are
+    /// its values): the controller plans with how well each point is known.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve: Vec<crate::status::CurvePoint>,
+    /// Calibration's token cost, percent of the job's first-hour tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_cost_pct: Option<f64>,
 }
 
 /// What a message says.
@@ -171,6 +178,12 @@ pub enum Body {
         /// walks them again, at most as often as its rate limit allows.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         recalibrate: Vec<String>,
+        /// Jobs the agent may hold one cap step below their cap for a window, to learn
+        /// their curve there: jobs on this node only (a probe on one node of a job
+        /// spanning several would slow the job everywhere and mislabel the others'
+        /// windows), while an event holds them below uncapped.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        learn: Vec<String>,
     },
 }
 
@@ -915,6 +928,7 @@ mod tests {
             ttl_s: 30.0,
             start_cap_w: Some(300.0),
             recalibrate: Vec::new(),
+            learn: Vec::new(),
         }
     }
 
@@ -1153,6 +1167,7 @@ mod tests {
             ttl_s: 30.0,
             start_cap_w: None,
             recalibrate: Vec::new(),
+            learn: Vec::new(),
         };
         assert!(matches!(
             ctld.seal(&huge, NOW),
@@ -1206,6 +1221,8 @@ mod tests {
                     power_cap_w: Some(cap),
                     power_cap_steady_s: Some(t / 1e3),
                     calibrating: t > 5e5,
+                    curve: Vec::new(),
+                    calibration_cost_pct: None,
                 }],
                 power_w: power * 0.97,
                 failsafe: false,
@@ -1282,6 +1299,8 @@ mod tests {
             power_cap_w: Some(500.0),
             power_cap_steady_s: Some(3.0),
             calibrating: false,
+            curve: Vec::new(),
+            calibration_cost_pct: None,
         }
     }
 

@@ -166,10 +166,70 @@ pub struct SiteJobStatus {
     pub power_w: f64,
     /// Per node: calibrated points [per-GPU cap W, job power W, throughput].
     pub points: BTreeMap<String, Vec<[f64; 3]>>,
+    /// Per node: the job's estimated curve with each point's uncertainty and windows.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub curve: BTreeMap<String, Vec<CurvePoint>>,
+    /// The curve as it stood after calibration and after each grid event since, oldest
+    /// first: how learning in operation refined it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve_history: Vec<CurveSnapshot>,
+    /// What calibration (walk and probes) cost the job, percent of its first-hour
+    /// tokens, on the first node that says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_cost_pct: Option<f64>,
     /// The job's measured draw or throughput left its curve's band at the last
     /// allocation: its curve is being corrected and it is walked again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift: Option<DriftView>,
+}
+
+/// One point of a job's estimated curve: the mean of its measurement windows at one cap,
+/// made monotone in the cap, with one standard error of each value.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurvePoint {
+    /// Per-GPU cap, W.
+    pub cap_w: f64,
+    /// The job's summed GPU power on the node, W.
+    pub power_w: f64,
+    /// Throughput, in the job's unit per second.
+    pub throughput: f64,
+    /// One standard error of `power_w`, W.
+    pub power_sigma_w: f64,
+    /// One standard error of `throughput`, in its unit.
+    pub throughput_sigma: f64,
+    /// Measurement windows behind the point (calibration walk and operation).
+    pub windows: u32,
+}
+
+/// A job's curve at one moment, for `powerflexctl report`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurveSnapshot {
+    /// Controller time, ms since the Unix epoch.
+    pub t_ms: u64,
+    /// What the snapshot follows: `calibrated`, or `event <id>` (after its hold).
+    pub after: String,
+    /// The node whose curve it is (the job's first node).
+    pub node: String,
+    pub points: Vec<CurvePoint>,
+}
+
+impl CurveSnapshot {
+    /// Measurement windows behind the whole curve.
+    pub fn windows(&self) -> u32 {
+        self.points.iter().map(|p| p.windows).sum()
+    }
+
+    /// Mean standard error of the throughput over the points, as a fraction of the
+    /// highest point's throughput (0 without points).
+    pub fn mean_relative_sigma(&self) -> f64 {
+        let top = self.points.iter().map(|p| p.throughput).fold(0.0, f64::max);
+        if self.points.is_empty() || top <= 0.0 {
+            return 0.0;
+        }
+        self.points.iter().map(|p| p.throughput_sigma).sum::<f64>() / self.points.len() as f64 / top
+    }
 }
 
 /// One allocation period, for `powerflexctl plot`.
@@ -343,8 +403,18 @@ pub struct AgentJobStatus {
     pub calibration_level_w: Option<f64>,
     /// How long the walk took, seconds.
     pub calibration_s: Option<f64>,
-    /// Tokens (or steps) the walk cost against running uncapped.
+    /// Tokens (or steps) the walk (and probes since) cost against running uncapped.
     pub calibration_cost: f64,
+    /// The same, percent of the job's first-hour tokens (uncapped rate × 3600 s); the
+    /// design keeps the walk within 2 % by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_cost_pct: Option<f64>,
+    /// The estimated curve, highest cap first, with per-point uncertainty and windows.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve: Vec<CurvePoint>,
+    /// Windows learned in operation (after the walk) behind the curve.
+    #[serde(default)]
+    pub learned_windows: u32,
     pub pfi: Option<f64>,
     pub pfi_source: Option<PfiSource>,
     pub prior_pfi: Option<f64>,

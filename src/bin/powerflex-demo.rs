@@ -514,7 +514,8 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
     builder
         .header(
             "powerflex demo site (written by powerflex-demo): 3 nodes x 8 SIMULATED H200.\n\
-             Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s).\n\
+             Calibration is shortened for the demo (site defaults: settle 10 s, hold 30 s,\n\
+             budget 2 % of first-hour tokens).\n\
              The demo's jobs are the site's own simulated jobs, so it trusts their token\n\
              counts and maximises total tokens/s (the default objective is relative speed).",
         )
@@ -523,6 +524,7 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
         .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
         .h200(&CALIBRATION_CAPS_W, 500.0)
         .calibration_s(2.0, 2.0, 5.0)
+        .calibration_budget_pct(0.05)
 }
 
 /// Phase 1: the cluster and the stack up — slurmctld and the slurmd nodes with the SPANK

@@ -91,9 +91,11 @@ fn settings_from(
         tiers: site.tiers.table.clone(),
         default_service: site.tiers.default.clone(),
         calibration: CalibrationSettings {
-            grid: model.calibration_caps_w.clone(),
+            grid: model.calibration_grid(),
             settle_s: site.agent.calibration_settle_s,
             hold_s: site.agent.calibration_hold_s,
+            budget_fraction: site.agent.calibration_budget,
+            expected_cut: site.facility.expected_cut,
             warmup_s: site.agent.calibration_warmup_s,
             steady_cv: 0.05,
             allowance: site.agent.calibration_allowance.0,

@@ -13,11 +13,11 @@ use powerflex_core::allocate::Policy;
 use powerflex_core::Watts;
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{GpuInfo, JobReport};
-use powerflex_proto::status::{CtldStatus, HistorySample};
+use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
 use super::metrics::MetricsInput;
 use super::state::{CtldState, Loaded};
-use super::{annotate, metrics, status, CtldOptions, Reload};
+use super::{annotate, learning, metrics, status, CtldOptions, Reload};
 use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, Ramp, RampPlan};
 use crate::rollout::{LeaseOut, Rollout};
@@ -70,6 +70,9 @@ pub struct Lease {
     pub start_cap_w: f64,
     /// The node's jobs whose measurements left their curves: to be walked again.
     pub recalibrate: Vec<String>,
+    /// The node's jobs that run on it alone: the agent may probe their curves (see
+    /// `powerflex_proto::link::Body::Lease`).
+    pub learn: Vec<String>,
 }
 
 /// What one [`Core::step`] asks the I/O edge to do, in this order: persist, reply, lease,
@@ -122,6 +125,12 @@ pub struct Core {
     ramp: Ramp,
     /// The last allocation's ramp plan.
     last_plan: Option<RampPlan>,
+    /// Per job: its curve after calibration and after each event since (see
+    /// [`learning::record`]).
+    curve_history: BTreeMap<String, Vec<CurveSnapshot>>,
+    /// The event in force at the last allocation: when it ends, every job's curve is
+    /// snapshotted.
+    last_event: Option<u64>,
 }
 
 impl Core {
@@ -193,6 +202,8 @@ impl Core {
             released: Vec::new(),
             ramp: Ramp::new(),
             last_plan: None,
+            curve_history: BTreeMap::new(),
+            last_event: None,
         }
     }
 
@@ -247,6 +258,7 @@ impl Core {
             &self.sessions,
             self.last.as_ref(),
             self.config_error.as_deref(),
+            &self.curve_history,
             now_ms,
         )
     }
@@ -494,10 +506,23 @@ impl Core {
             ),
             None => (self.options.site.failsafe_cap.0, Vec::new()),
         };
+        // A job reported by one node only: a probe there slows no other node's windows.
+        let learn = caps
+            .keys()
+            .filter(|job| {
+                self.sessions
+                    .values()
+                    .filter(|s| s.view.jobs.iter().any(|j| &j.job_id == *job))
+                    .count()
+                    == 1
+            })
+            .cloned()
+            .collect();
         Lease {
             caps,
             start_cap_w,
             recalibrate,
+            learn,
         }
     }
 
@@ -661,6 +686,14 @@ impl Core {
         while self.history.len() > HISTORY {
             self.history.pop_front();
         }
+        let event = active_event(base, &self.state.events, now_ms).map(|e| e.id);
+        learning::record(
+            &mut self.curve_history,
+            &self.sessions,
+            self.last_event.filter(|e| event != Some(*e)),
+            now_ms,
+        );
+        self.last_event = event;
         out.metrics = Some(metrics::render(&MetricsInput {
             decision: &decision,
             base,
@@ -753,6 +786,8 @@ mod tests {
             power_cap_w: None,
             power_cap_steady_s: Some(10.0),
             calibrating: false,
+            curve: Vec::new(),
+            calibration_cost_pct: None,
         }
     }
 

@@ -20,6 +20,7 @@ pub mod admin;
 pub mod annotate;
 pub mod bounds;
 pub mod core;
+pub mod learning;
 pub mod link;
 pub mod metrics;
 pub mod state;
@@ -223,6 +224,7 @@ pub fn run_bounded(
                 ttl_s: out.lease_ttl_s,
                 start_cap_w: Some(lease.start_cap_w),
                 recalibrate: lease.recalibrate,
+                learn: lease.learn,
             });
         }
         for annotation in out.annotations {

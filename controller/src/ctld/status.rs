@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use powerflex_core::allocate::{Allocation, FloorStatus};
 use powerflex_core::Watts;
 use powerflex_proto::status::{
-    AllocationView, CtldStatus, DecisionView, DriftView, FloorView, JobAllocationView, NodeStatus,
-    PreemptedView, RejectedView, SiteJobStatus,
+    AllocationView, CtldStatus, CurveSnapshot, DecisionView, DriftView, FloorView,
+    JobAllocationView, NodeStatus, PreemptedView, RejectedView, SiteJobStatus,
 };
 
 use super::core::Session;
@@ -22,6 +22,7 @@ pub fn build(
     sessions: &BTreeMap<String, Session>,
     last: Option<&Decision>,
     config_error: Option<&str>,
+    curve_history: &BTreeMap<String, Vec<CurveSnapshot>>,
     now_ms: u64,
 ) -> CtldStatus {
     let base = state.budget_w.unwrap_or(base_budget);
@@ -47,6 +48,9 @@ pub fn build(
                     uncapped_throughput: j.points.first().map(|p| p[2]),
                     power_w: 0.0,
                     points: BTreeMap::new(),
+                    curve: BTreeMap::new(),
+                    curve_history: curve_history.get(&j.job_id).cloned().unwrap_or_default(),
+                    calibration_cost_pct: None,
                     drift: last
                         .and_then(|d| d.drifted.iter().find(|x| x.job == j.job_id))
                         .map(|x| DriftView {
@@ -60,6 +64,10 @@ pub fn build(
             entry.gpus += j.gpus;
             entry.power_w += j.power_w.unwrap_or(0.0);
             entry.points.insert(s.view.node.clone(), j.points.clone());
+            if !j.curve.is_empty() {
+                entry.curve.insert(s.view.node.clone(), j.curve.clone());
+            }
+            entry.calibration_cost_pct = entry.calibration_cost_pct.or(j.calibration_cost_pct);
         }
     }
     CtldStatus {
