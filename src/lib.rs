@@ -7,6 +7,7 @@ pub mod needs;
 pub mod site;
 pub mod slurm;
 pub mod stack;
+pub mod vtn;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

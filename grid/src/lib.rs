@@ -492,3 +492,97 @@ impl Ven {
         sent
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("powerflex-grid-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn write(path: &Path, text: &str, mode: u32) {
+        std::fs::write(path, text).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn credentials_must_be_a_private_regular_file_with_one_kind_of_secret() {
+        let dir = scratch("creds");
+        let path = dir.join("c.toml");
+        write(&path, "bearer_token = \"abc\"\n", 0o600);
+        let as_root = powerflex_daemon::os::current_uid() == 0;
+        match read_credentials(&path) {
+            Ok(Credentials::Bearer(t)) => assert!(as_root && t == "abc"),
+            Err(e) => assert!(!as_root && e.to_string().contains("owned by root"), "{e}"),
+            Ok(other) => panic!("{other:?}"),
+        }
+        write(&path, "bearer_token = \"abc\"\n", 0o644);
+        let e = read_credentials(&path)
+            .expect_err("world-readable")
+            .to_string();
+        assert!(e.contains("accepted"), "{e}");
+        let link = dir.join("link.toml");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let e = read_credentials(&link).expect_err("symlink").to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        if as_root {
+            write(&path, "client_id = \"ven\"\nclient_secret = \"s\"\n", 0o600);
+            assert!(matches!(
+                read_credentials(&path),
+                Ok(Credentials::Client { .. })
+            ));
+            for bad in [
+                "bearer_token = \"a\"\nclient_id = \"b\"\nclient_secret = \"c\"\n",
+                "client_id = \"b\"\n",
+                "bearer_token = \"  \"\n",
+                "token = \"a\"\n",
+            ] {
+                write(&path, bad, 0o600);
+                let e = read_credentials(&path).expect_err(bad).to_string();
+                assert!(e.contains("c.toml"), "{e}");
+            }
+            // The secret never shows in debug output.
+            write(&path, "bearer_token = \"top-secret\"\n", 0o600);
+            let shown = format!("{:?}", read_credentials(&path).unwrap());
+            assert!(!shown.contains("top-secret"), "{shown}");
+        }
+    }
+
+    #[test]
+    fn the_ledger_is_saved_atomically_private_and_read_back() {
+        let dir = scratch("ledger");
+        let path = dir.join("openadr-ledger.json");
+        assert_eq!(load_ledger(&path).unwrap(), Ledger::new(), "first start");
+        let mut ledger = Ledger::new();
+        map::record(
+            &mut ledger,
+            &Action::Add {
+                vtn_id: "e1".into(),
+                program: "p".into(),
+                request: map::Request {
+                    cut: powerflex_proto::admin::Cut::Reduce { fraction: 0.3 },
+                    start_ms: 1,
+                    duration_ms: 10,
+                    ramp_ms: 2,
+                },
+            },
+            Some(7),
+        );
+        save_ledger(&path, &ledger).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(load_ledger(&path).unwrap(), ledger);
+        std::fs::write(&path, "{\"v\":9,\"events\":{}}").unwrap();
+        let e = load_ledger(&path).expect_err("version").to_string();
+        assert!(e.contains("version 9") && e.contains("version 1"), "{e}");
+        std::fs::write(&path, "not json").unwrap();
+        assert!(load_ledger(&path).is_err());
+    }
+}

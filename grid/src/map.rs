@@ -152,10 +152,12 @@ fn payload_cut(
             let levels = mapping.simple_level_cuts.len();
             let level = match value {
                 Value::Integer(i) => *i,
-                other => return Err(format!(
+                other => {
+                    return Err(format!(
                     "interval {index}: SIMPLE level {other:?} is not an integer; accepted: 0 to {}",
                     levels - 1
-                )),
+                ))
+                }
             };
             let fraction = usize::try_from(level)
                 .ok()
@@ -378,11 +380,17 @@ pub struct Entry {
 pub const LEDGER_VERSION: u32 = 1;
 
 /// Every VTN event the VEN has acted on, by VTN event id.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Ledger {
     pub v: u32,
     pub events: BTreeMap<String, Entry>,
+}
+
+impl Default for Ledger {
+    fn default() -> Ledger {
+        Ledger::new()
+    }
 }
 
 impl Ledger {
