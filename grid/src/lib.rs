@@ -435,6 +435,12 @@ impl Ven {
     ) -> usize {
         let interval_ms = self.config.report_interval_s * 1000;
         let mut sent = 0;
+        // A controller that has not heard from every node (just restarted, a node
+        // silent) does not know the site's draw: report nothing rather than a number
+        // that is too low; the report goes out once it knows.
+        if !map::draw_known(status.nodes.iter().map(|n| n.live)) {
+            return 0;
+        }
         for vtn_id in map::reports_due(&self.ledger, now, interval_ms) {
             let Some(client) = clients.iter().find(|c| c.id().as_str() == vtn_id) else {
                 continue;

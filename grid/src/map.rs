@@ -608,6 +608,19 @@ pub fn reports_due(ledger: &Ledger, now_ms: u64, interval_ms: u64) -> Vec<String
         .collect()
 }
 
+/// Whether the controller's summed draw covers the site: at least one node, every node
+/// live (reported within its lease).
+pub fn draw_known(live: impl IntoIterator<Item = bool>) -> bool {
+    let mut any = false;
+    for l in live {
+        if !l {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -1023,6 +1036,16 @@ mod tests {
         assert!(reports_due(&ledger, T0 + 9_999, 10_000).is_empty());
         assert_eq!(reports_due(&ledger, T0 + 10_000, 10_000).len(), 1);
         assert!(reports_due(&ledger, T0 + 3_600_000, 10_000).is_empty());
+    }
+
+    #[test]
+    fn the_draw_is_known_only_with_every_node_live() {
+        assert!(draw_known([true, true]));
+        assert!(!draw_known([true, false]));
+        assert!(
+            !draw_known([]),
+            "a controller that knows no node knows no draw"
+        );
     }
 
     #[test]
