@@ -6,10 +6,11 @@
 //!    for `no_signal_s` the job gets the telemetry prior instead.)
 //! 2. **Walk**: hold each cap of the site's grid, from the top: `settle_s` for the job to
 //!    feel the new cap, then `hold_s` of measurement. The rate at a level comes from the
-//!    job's own reports — counts between the first and last report in the window, with
-//!    intervals slower than 0.8× the median dropped (evaluations, checkpoints), which is
-//!    exact for steady steps and robust to pauses; power is the mean of the job's summed
-//!    GPU power over the window.
+//!    job's own reports — counts over time between the first and last report in the
+//!    window, with bursts of late-read reports folded back and intervals slower than half
+//!    the median dropped (evaluations, checkpoints), which is exact for steady steps,
+//!    unbiased by late reports and robust to pauses; power is the mean of the job's
+//!    summed GPU power over the window.
 //! 3. **Bounded**: before stepping down, the next level's slowdown is predicted from the
 //!    last two; the walk stops when the measured or predicted slowdown exceeds the tier's
 //!    bound plus `allowance`, and when the grid ends.
@@ -120,6 +121,15 @@ impl ProgressLog {
     }
 
     /// Robust rate over `[from, to]` (see the module docs) and its relative standard error.
+    ///
+    /// The rate is pooled (counts over time), so a report that arrives late only moves
+    /// time from one interval to the next and biases nothing. Two things are taken out:
+    /// - reports that arrive in a burst (the agent was descheduled and read a queue of
+    ///   them at once) are folded into the interval before them, where their counts were
+    ///   earned;
+    /// - pauses: intervals slower than half the median rate (evaluations, checkpoints).
+    ///   Dropping only the slow side of ordinary jitter would bias the rate upward, so
+    ///   the threshold is far below what a late report produces.
     pub fn rate(&self, from: f64, to: f64) -> Option<(f64, f64)> {
         let inside: Vec<(f64, f64)> = self
             .reports
@@ -130,13 +140,29 @@ impl ProgressLog {
         if inside.len() < 3 {
             return None;
         }
-        let intervals: Vec<(f64, f64)> = inside
+        let mut gaps: Vec<f64> = inside
             .windows(2)
-            .filter_map(|w| {
-                let dt = w[1].0 - w[0].0;
-                (dt > 0.0).then_some((dt, w[1].1 - w[0].1))
-            })
+            .map(|w| w[1].0 - w[0].0)
+            .filter(|dt| *dt > 0.0)
             .collect();
+        if gaps.is_empty() {
+            return None;
+        }
+        gaps.sort_by(f64::total_cmp);
+        let burst_s = 0.25 * gaps[gaps.len() / 2];
+        let mut intervals: Vec<(f64, f64)> = Vec::with_capacity(inside.len());
+        let mut anchor = inside[0];
+        for &report in &inside[1..] {
+            let dt = report.0 - anchor.0;
+            if dt > burst_s {
+                intervals.push((dt, report.1 - anchor.1));
+                anchor = report;
+            } else if let Some(last) = intervals.last_mut() {
+                // A burst: its counts belong to the interval that ended at the anchor.
+                last.1 += report.1 - anchor.1;
+                anchor.1 = report.1;
+            }
+        }
         if intervals.is_empty() {
             return None;
         }
@@ -145,22 +171,44 @@ impl ProgressLog {
         let median = rates[rates.len() / 2];
         let kept: Vec<&(f64, f64)> = intervals
             .iter()
-            .filter(|(dt, dc)| dc / dt >= 0.8 * median)
+            .filter(|(dt, dc)| dc / dt >= 0.5 * median)
             .collect();
         let time: f64 = kept.iter().map(|(dt, _)| dt).sum();
         let count: f64 = kept.iter().map(|(_, dc)| dc).sum();
         if time <= 0.0 || count <= 0.0 {
             return None;
         }
-        let rate = count / time;
-        // Spread of per-interval rates, as a standard error of the pooled rate.
-        let n = kept.len() as f64;
-        let var = kept
+        // The kept intervals laid end to end (pauses cut out) give points of (count,
+        // time). Counts are exact and arrival times carry the jitter, so time is
+        // regressed on count: every report's timing contributes, where the pooled
+        // count / time would rest on the first and last report alone. With fewer than
+        // three intervals the pooled rate is all there is.
+        if kept.len() < 3 {
+            return Some((count / time, 1.0 / (kept.len() as f64).sqrt()));
+        }
+        let mut points = Vec::with_capacity(kept.len() + 1);
+        let (mut c, mut t) = (0.0, 0.0);
+        points.push((c, t));
+        for (dt, dc) in &kept {
+            c += dc;
+            t += dt;
+            points.push((c, t));
+        }
+        let n = points.len() as f64;
+        let mean_c = points.iter().map(|p| p.0).sum::<f64>() / n;
+        let mean_t = points.iter().map(|p| p.1).sum::<f64>() / n;
+        let scc: f64 = points.iter().map(|p| (p.0 - mean_c).powi(2)).sum();
+        let sct: f64 = points.iter().map(|p| (p.0 - mean_c) * (p.1 - mean_t)).sum();
+        if scc <= 0.0 || sct <= 0.0 {
+            return Some((count / time, 1.0));
+        }
+        let seconds_per_count = sct / scc;
+        let residual: f64 = points
             .iter()
-            .map(|(dt, dc)| (dc / dt - rate).powi(2))
-            .sum::<f64>()
-            / n.max(1.0);
-        Some((rate, (var.sqrt() / rate) / n.sqrt()))
+            .map(|p| (p.1 - mean_t - seconds_per_count * (p.0 - mean_c)).powi(2))
+            .sum();
+        let slope_se = (residual / (n - 2.0) / scc).sqrt();
+        Some((1.0 / seconds_per_count, slope_se / seconds_per_count))
     }
 
     /// Rates over consecutive `window_s` windows ending at `now` (oldest first).
@@ -619,6 +667,79 @@ mod tests {
         }
         let (rate, _) = log.rate(0.0, 10.0).expect("rate");
         assert!((rate - 1000.0).abs() < 1.0, "{rate}");
+    }
+
+    /// Steps every 0.25 s of 100 tokens (400 tokens/s); `late(k)` is how late step k's
+    /// report reaches the agent, s.
+    fn steady_log(late: impl Fn(u32) -> f64) -> ProgressLog {
+        let mut log = ProgressLog::default();
+        for k in 1..=40 {
+            log.record(f64::from(k) * 0.25 + late(k), f64::from(k) * 100.0);
+        }
+        log
+    }
+
+    #[test]
+    fn late_reports_do_not_bias_the_rate() {
+        // Every third report 100 ms late (a loaded machine): its interval reads 28 %
+        // slow and the next one 67 % fast; the pooled rate is exact.
+        let log = steady_log(|k| if k % 3 == 0 { 0.1 } else { 0.0 });
+        let (rate, _) = log.rate(0.0, 11.0).expect("rate");
+        assert!((rate - 400.0).abs() < 0.5, "{rate}");
+    }
+
+    #[test]
+    fn jittered_arrivals_are_averaged_not_left_to_the_window_ends() {
+        // Steps every 50 ms (a job at time scale 20), each report 0–40 ms late at random,
+        // and the window's last report the latest: the first-to-last rate would be 0.8 %
+        // low, more than a 600 W level's whole slowdown on a flat curve.
+        let mut seed = 12345u64;
+        let mut log = ProgressLog::default();
+        for k in 0..=100u32 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let late = if k == 100 {
+                0.04
+            } else {
+                (seed >> 11) as f64 / (1u64 << 53) as f64 * 0.04
+            };
+            log.record(f64::from(k) * 0.05 + late, f64::from(k) * 100.0);
+        }
+        let (rate, noise) = log.rate(0.0, 6.0).expect("rate");
+        assert!((rate - 2000.0).abs() / 2000.0 < 0.0025, "{rate}");
+        assert!(noise > 0.0 && noise < 0.005, "{noise}");
+    }
+
+    #[test]
+    fn a_burst_of_reports_read_at_once_counts_where_it_was_earned() {
+        // The agent is descheduled from 4.1 s to 6.0 s and reads the queued reports of
+        // steps 17..=24 at 6.0 s (each 1 µs apart).
+        let log = steady_log(|k| {
+            if (17..=24).contains(&k) {
+                6.0 + f64::from(k) * 1e-6 - f64::from(k) * 0.25
+            } else {
+                0.0
+            }
+        });
+        let (rate, _) = log.rate(0.0, 11.0).expect("rate");
+        assert!((rate - 400.0).abs() / 400.0 < 0.01, "{rate}");
+    }
+
+    #[test]
+    fn a_job_that_stalls_and_catches_up_is_measured_at_its_rate() {
+        // The job itself is descheduled from 3.0 s to 4.6 s, then completes the steps it
+        // owes and reports once.
+        let mut log = ProgressLog::default();
+        for k in 1..=40u32 {
+            let t = f64::from(k) * 0.25;
+            if (3.0..4.6).contains(&t) {
+                continue;
+            }
+            log.record(t, f64::from(k) * 100.0);
+        }
+        let (rate, _) = log.rate(0.0, 11.0).expect("rate");
+        assert!((rate - 400.0).abs() / 400.0 < 0.01, "{rate}");
     }
 
     #[test]
