@@ -5,9 +5,10 @@
 //! while an event is in force.
 //!
 //! - [`map`]: pure: VTN event → powerflex event request, reconciliation, report timing.
-//! - [`run`]: the I/O around it: the VTN through `openleadr-client` (LF Energy
-//!   OpenLEADR; the protocol is not written here), the controller's admin socket, the
-//!   ledger file that remembers which VTN event is which powerflex event.
+//! - [`Ven`], with [`Vtn`], [`Ctld`] and the ledger functions: the I/O around it: the
+//!   VTN through `openleadr-client` (LF Energy OpenLEADR; the protocol is not written
+//!   here), the controller's admin socket, the ledger file that remembers which VTN
+//!   event is which powerflex event.
 //!
 //! The async runtime lives in this crate only (the VTN client is async); the controller
 //! stays free of it. Polling is the baseline; the VTN's subscriptions (webhooks, MQTT)
