@@ -501,17 +501,7 @@ pub fn reconcile(now_ms: u64, view: &VtnView, ledger: &Ledger, ctld: &[PfEvent])
             Meaning::Nothing { .. } => {
                 if let Some(e) = entry {
                     // Over, or changed to cut nothing: what was applied goes.
-                    for id in e.pf_id.iter().chain(e.superseded.iter()) {
-                        if at_ctld(*id) {
-                            actions.push(Action::Cancel {
-                                vtn_id: vtn_id.clone(),
-                                pf_id: *id,
-                            });
-                        }
-                    }
-                    actions.push(Action::Forget {
-                        vtn_id: vtn_id.clone(),
-                    });
+                    withdraw(vtn_id, e, ctld, &claimed, &mut adopted, &mut actions);
                 }
             }
             // A malformed update leaves the last valid instruction in force.
@@ -534,19 +524,44 @@ pub fn reconcile(now_ms: u64, view: &VtnView, ledger: &Ledger, ctld: &[PfEvent])
         if view.events.contains_key(vtn_id) || !view.programs_read.contains(&e.program) {
             continue;
         }
-        for id in e.pf_id.iter().chain(e.superseded.iter()) {
-            if at_ctld(*id) {
-                actions.push(Action::Cancel {
-                    vtn_id: vtn_id.clone(),
-                    pf_id: *id,
-                });
-            }
-        }
-        actions.push(Action::Forget {
-            vtn_id: vtn_id.clone(),
-        });
+        withdraw(vtn_id, e, ctld, &claimed, &mut adopted, &mut actions);
     }
     actions
+}
+
+/// Cancels what `e` put at the controller and forgets it. A pending entry (sent, id not
+/// heard) cancels the unclaimed controller event that matches it, if there is one.
+fn withdraw(
+    vtn_id: &str,
+    e: &Entry,
+    ctld: &[PfEvent],
+    claimed: &BTreeSet<u64>,
+    adopted: &mut BTreeSet<u64>,
+    actions: &mut Vec<Action>,
+) {
+    let pending = e.pf_id.is_none().then(|| {
+        ctld.iter()
+            .find(|c| e.request.matches(c) && !claimed.contains(&c.id) && !adopted.contains(&c.id))
+            .map(|c| c.id)
+    });
+    let ids = e
+        .pf_id
+        .iter()
+        .chain(e.superseded.iter())
+        .copied()
+        .chain(pending.flatten());
+    for id in ids {
+        if ctld.iter().any(|c| c.id == id) {
+            adopted.insert(id);
+            actions.push(Action::Cancel {
+                vtn_id: vtn_id.to_string(),
+                pf_id: id,
+            });
+        }
+    }
+    actions.push(Action::Forget {
+        vtn_id: vtn_id.to_string(),
+    });
 }
 
 /// Records that `action` was carried out (`pf_id`: the id the controller gave an
@@ -1000,6 +1015,30 @@ mod tests {
         let v = view(&[("b", Meaning::Apply(request(0.1, T0)))]);
         let actions = reconcile(T0, &v, &ledger, &[]);
         assert!(matches!(actions.as_slice(), [Action::Add { .. }]));
+    }
+
+    #[test]
+    fn an_event_deleted_while_its_add_was_pending_is_cancelled_too() {
+        let mut ledger = Ledger::new();
+        record(&mut ledger, &actions_add("a", request(0.3, T0)), None);
+        // The controller got it (id 5) before the VEN died; then the VTN deleted it.
+        let ctld = vec![PfEvent {
+            id: 5,
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: T0,
+            duration_ms: 3_600_000,
+            ramp_ms: 60_000,
+        }];
+        assert_eq!(
+            reconcile(T0, &view(&[]), &ledger, &ctld),
+            vec![
+                Action::Cancel {
+                    vtn_id: "a".into(),
+                    pf_id: 5
+                },
+                Action::Forget { vtn_id: "a".into() }
+            ]
+        );
     }
 
     fn actions_add(id: &str, request: Request) -> Action {
