@@ -391,6 +391,8 @@ impl Drop for VtnBed {
         if let Some(mut p) = self.pg.take() {
             stop(&mut p, powerflex_daemon::os::Signal::INT);
         }
+        // The database files (~40 MB) go; the logs stay for a failed test's reader.
+        let _ = std::fs::remove_dir_all(self.dir.join("pg").join("data"));
     }
 }
 
