@@ -25,7 +25,8 @@
 #   openleadr-vtn  LF Energy OpenLEADR's OpenADR 3 VTN, 0.2.8, `cargo install --debug`
 #                  WITHOUT --locked (its lock file pins a webpki-roots the registry no
 #                  longer serves). Debug, because a test VTN needs no optimiser: measured
-#                  on this shared 2-core machine, 3 min 47 s debug against 22 min release;
+#                  on this shared 2-core machine (under different loads), 3 min 47 s debug
+#                  against 22 min release;
 #                  the whole-system test passes on either
 #   pgserver       PyPI wheel carrying PostgreSQL 16.2 binaries (Debian 12 ships 15, on
 #                  which one of the VTN's migrations fails), unpacked with pip --target
