@@ -64,6 +64,15 @@ section "Grid ramps against the stepped budget, the rebound, and the deepest cut
 section "Agent: calibration time and token cost per tier; RSS and CPU per GPU count" \
     "cargo bench -p powerflex-agent --bench agent" \
     cargo bench --quiet -p powerflex-agent --bench agent
+# The whole-system OpenADR test measures it against the real VTN (src/vtn.rs); its BENCH
+# lines are the figures. Only the lines: the test's other output is its own business.
+openadr_bench() {
+    cargo test --quiet --release --test grid_openadr -- --nocapture 2>&1 | grep '^BENCH openadr' \
+        || echo "the OpenADR test did not run or did not pass (scripts/install-deps.sh installs the VTN)"
+}
+section "OpenADR: VTN publishing an event to the caps in force (real openleadr-vtn, local Slurm, 2 nodes x 4 GPUs)" \
+    "cargo test --release --test grid_openadr -- --nocapture | grep '^BENCH openadr'" \
+    openadr_bench
 step "offline evaluation (scripts/bench-offline.sh)"
 scripts/bench-offline.sh target/release/powerflexctl >>"$tmp"
 mv "$tmp" "$out"

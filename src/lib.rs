@@ -9,6 +9,7 @@ pub mod site;
 pub mod slurm;
 pub mod stack;
 pub mod users;
+pub mod vtn;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

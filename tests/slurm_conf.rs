@@ -143,6 +143,36 @@ fn powerflex_ctld_unit_starts_the_controller_with_flags_it_accepts() {
     );
 }
 
+#[test]
+fn powerflex_grid_unit_starts_the_ven_with_flags_it_accepts() {
+    let unit = std::fs::read_to_string(repo_root().join("slurm-conf/powerflex-grid.service"))
+        .expect("unit");
+    let keys = service_keys(&unit);
+    let exec = keys
+        .iter()
+        .find(|(k, _)| k == "ExecStart")
+        .map(|(_, v)| v.clone())
+        .expect("ExecStart");
+    let words: Vec<&str> = exec.split_whitespace().collect();
+    assert!(words[0].ends_with("/powerflex-grid"), "{exec}");
+    assert_eq!(words[1..], ["--config", "/etc/slurm/powerflex.toml"]);
+    let grid = binary("powerflex-grid");
+    let out = run(&grid, &["--config", "/nonexistent/powerflex.toml"]);
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("/nonexistent/powerflex.toml"),
+        "{}",
+        out.stderr
+    );
+    // The state directory agrees with the example site config's [grid.openadr].
+    let site =
+        std::fs::read_to_string(repo_root().join("slurm-conf/powerflex.toml")).expect("site");
+    assert!(
+        site.contains("state_dir = \"/var/lib/powerflex/grid\"")
+            && unit.contains("StateDirectory=powerflex/grid")
+    );
+}
+
 /// Non-comment lines of a Slurm config file.
 fn config_lines(file: &str) -> Vec<String> {
     std::fs::read_to_string(repo_root().join("slurm-conf").join(file))

@@ -15,8 +15,9 @@
 //!
 //! Sections: `[facility]` (budget and policy), `[tiers]` (what `--power-flex` accepts),
 //! `[gpu_models.<NAME>]` (per-GPU cap ranges, calibration grid, fail-safe cap),
-//! `[controller]`, `[agent]` and `[predictor]`. `slurm-conf/powerflex.toml` is a complete,
-//! commented example.
+//! `[controller]`, `[agent]`, `[predictor]` and `[grid.openadr]` (the utility's OpenADR
+//! server, for `powerflex-grid`). `slurm-conf/powerflex.toml` is a complete, commented
+//! example.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -77,6 +78,9 @@ pub struct RawSiteConfig {
     /// `[predictor]`, optional.
     #[serde(default)]
     pub predictor: RawPredictor,
+    /// `[grid]`, optional: where grid events come from besides `powerflexctl event add`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid: Option<RawGrid>,
 }
 
 /// `[facility]`: the site-wide budget and how it is shared.
@@ -267,6 +271,7 @@ pub struct SiteConfig {
     pub controller: ControllerConfig,
     pub agent: AgentConfig,
     pub predictor: PredictorConfig,
+    pub grid: GridConfig,
 }
 
 /// Validated `[facility]`.
@@ -705,6 +710,7 @@ impl RawSiteConfig {
             controller: validate_controller(self.controller)?,
             agent: validate_agent(self.agent)?,
             predictor: validate_predictor(self.predictor)?,
+            grid: validate_grid(self.grid)?,
         })
     }
 }
@@ -1216,6 +1222,288 @@ fn validate_predictor(raw: RawPredictor) -> Result<PredictorConfig, ConfigError>
     })
 }
 
+// ---------------------------------------------------------------------------------------
+// [grid.openadr]: the utility's OpenADR 3 server, followed by `powerflex-grid`.
+// ---------------------------------------------------------------------------------------
+
+/// `[grid]`: sources of grid events besides `powerflexctl event add`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGrid {
+    /// `[grid.openadr]`: the utility's OpenADR 3 VTN, followed by `powerflex-grid`.
+    pub openadr: Option<RawOpenAdr>,
+}
+
+/// `[grid.openadr]` as written.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOpenAdr {
+    /// Base URL of the VTN's OpenADR 3 API, e.g. `https://vtn.utility.example/openadr3/`.
+    /// `https`, or plain `http` to a loopback address only (a test VTN or a local proxy).
+    pub vtn_url: String,
+    /// Absolute path of the VEN's credentials (a TOML file with `bearer_token`, or
+    /// `client_id` and `client_secret` for an OAuth token URL): a regular file owned by
+    /// root, mode 0600. Required.
+    pub credentials_file: String,
+    /// `https` (or loopback `http`) URL of the OAuth 2 token endpoint, used only with
+    /// `client_id`/`client_secret` credentials (default: `<vtn_url>/auth/token`).
+    pub oauth_token_url: Option<String>,
+    /// Name this site registers under at the VTN, 1 to 128 printable ascii characters
+    /// (default `powerflex`).
+    pub ven_name: Option<String>,
+    /// Names of the VTN programs whose events this site follows, at least one.
+    pub programs: Vec<String>,
+    /// Seconds between two polls of the VTN's events, 1 to 300 (default 10).
+    pub poll_interval_s: Option<u64>,
+    /// Seconds between two reports of the metered GPU draw during an event, 1 to 3600
+    /// (default 60).
+    pub report_interval_s: Option<u64>,
+    /// Absolute directory for the VEN's state: which VTN event is which powerflex event
+    /// (default `/var/lib/powerflex/grid`).
+    pub state_dir: Option<String>,
+    /// Cut for each level of a `SIMPLE` event, percent of the base budget, index = level
+    /// (default `[0, 10, 20, 30]`: levels 0 to 3). Each 0 to 95, never decreasing.
+    pub simple_levels_pct: Option<Vec<f64>>,
+    /// Site load besides the managed GPUs, kW, subtracted from an `IMPORT_CAPACITY_LIMIT`
+    /// to give the GPU budget target (default 0, accepted 0 to 1,000,000).
+    pub other_load_kw: Option<f64>,
+    /// Longest event applied, seconds (default 86400; accepted 60 to 604800). A longer
+    /// one is refused, not truncated.
+    pub max_event_duration_s: Option<u64>,
+}
+
+/// Validated `[grid]`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GridConfig {
+    pub openadr: Option<OpenAdrConfig>,
+}
+
+/// Validated `[grid.openadr]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenAdrConfig {
+    /// `https://…`, or `http://` to a loopback host; ends with `/`.
+    pub vtn_url: String,
+    pub credentials_file: PathBuf,
+    pub oauth_token_url: Option<String>,
+    pub ven_name: String,
+    /// At least one, no duplicates.
+    pub programs: Vec<String>,
+    pub poll_interval_s: u64,
+    pub report_interval_s: u64,
+    pub state_dir: PathBuf,
+    /// Cut fraction (0 to 0.95) per `SIMPLE` level, index = level.
+    pub simple_level_cuts: Vec<f64>,
+    pub other_load_kw: f64,
+    pub max_event_duration_s: u64,
+}
+
+/// Accepted range of `grid.openadr.poll_interval_s`, seconds.
+pub const OPENADR_POLL_RANGE_S: std::ops::RangeInclusive<u64> = 1..=300;
+/// Accepted range of `grid.openadr.report_interval_s`, seconds.
+pub const OPENADR_REPORT_RANGE_S: std::ops::RangeInclusive<u64> = 1..=3600;
+/// Accepted range of `grid.openadr.max_event_duration_s`, seconds.
+pub const OPENADR_MAX_EVENT_RANGE_S: std::ops::RangeInclusive<u64> = 60..=604_800;
+/// Default `grid.openadr.state_dir`.
+pub const DEFAULT_OPENADR_STATE_DIR: &str = "/var/lib/powerflex/grid";
+
+fn out_of_range(key: &str, value: impl std::fmt::Display, accepted: &str) -> ConfigError {
+    ConfigError::OutOfRange {
+        key: key.to_string(),
+        value: value.to_string(),
+        accepted: accepted.to_string(),
+    }
+}
+
+/// A name the VTN stores: 1 to 128 printable ascii characters.
+fn vtn_name(key: &str, name: &str) -> Result<String, ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.bytes().all(|b| (0x20..=0x7e).contains(&b))
+        && name.trim() == name;
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(out_of_range(
+            key,
+            format!("\"{}\"", name.escape_default()),
+            "1 to 128 printable ascii characters without leading or trailing spaces",
+        ))
+    }
+}
+
+/// An `https` URL, or `http` to a loopback host (127.0.0.0/8, `[::1]`, `localhost`):
+/// credentials and grid instructions never cross a network in clear text. Returned with
+/// a trailing `/` so relative API paths join under it.
+fn vtn_http_url(key: &str, text: &str) -> Result<String, ConfigError> {
+    const ACCEPTED: &str = "an https:// url, or http:// to a loopback host (127.0.0.1, [::1], localhost), e.g. https://vtn.example.org/openadr3/";
+    let bad = || out_of_range(key, format!("\"{}\"", text.escape_default()), ACCEPTED);
+    if text.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(bad());
+    }
+    let (tls, rest) = if let Some(rest) = text.strip_prefix("https://") {
+        (true, rest)
+    } else if let Some(rest) = text.strip_prefix("http://") {
+        (false, rest)
+    } else {
+        return Err(bad());
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.is_empty() || authority.contains('@') {
+        return Err(bad());
+    }
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        v6.split(']').next().unwrap_or_default()
+    } else {
+        authority.split(':').next().unwrap_or_default()
+    };
+    if host.is_empty() {
+        return Err(bad());
+    }
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !tls && !loopback {
+        return Err(bad());
+    }
+    let mut url = text.to_string();
+    if !url.ends_with('/') {
+        url.push('/');
+    }
+    Ok(url)
+}
+
+fn validate_grid(raw: Option<RawGrid>) -> Result<GridConfig, ConfigError> {
+    let Some(openadr) = raw.and_then(|g| g.openadr) else {
+        return Ok(GridConfig::default());
+    };
+    Ok(GridConfig {
+        openadr: Some(validate_openadr(openadr)?),
+    })
+}
+
+fn validate_openadr(raw: RawOpenAdr) -> Result<OpenAdrConfig, ConfigError> {
+    let vtn_url = vtn_http_url("grid.openadr.vtn_url", &raw.vtn_url)?;
+    let credentials_file = path("grid.openadr.credentials_file", &raw.credentials_file, true)?;
+    let oauth_token_url = raw
+        .oauth_token_url
+        .as_deref()
+        .map(|u| vtn_http_url("grid.openadr.oauth_token_url", u))
+        .transpose()?
+        .map(|u| u.trim_end_matches('/').to_string());
+    let ven_name = vtn_name(
+        "grid.openadr.ven_name",
+        raw.ven_name.as_deref().unwrap_or("powerflex"),
+    )?;
+    if raw.programs.is_empty() {
+        return Err(out_of_range(
+            "grid.openadr.programs",
+            "[]",
+            "at least one program name, e.g. [\"gpu-demand-response\"]",
+        ));
+    }
+    let mut programs: Vec<String> = Vec::with_capacity(raw.programs.len());
+    for name in &raw.programs {
+        let name = vtn_name("grid.openadr.programs", name)?;
+        if programs.contains(&name) {
+            return Err(out_of_range(
+                "grid.openadr.programs",
+                format!("\"{}\" twice", name.escape_default()),
+                "each program once",
+            ));
+        }
+        programs.push(name);
+    }
+    let poll_interval_s = raw.poll_interval_s.unwrap_or(10);
+    if !OPENADR_POLL_RANGE_S.contains(&poll_interval_s) {
+        return Err(out_of_range(
+            "grid.openadr.poll_interval_s",
+            poll_interval_s,
+            "1 to 300 seconds",
+        ));
+    }
+    let report_interval_s = raw.report_interval_s.unwrap_or(60);
+    if !OPENADR_REPORT_RANGE_S.contains(&report_interval_s) {
+        return Err(out_of_range(
+            "grid.openadr.report_interval_s",
+            report_interval_s,
+            "1 to 3600 seconds",
+        ));
+    }
+    let state_dir = path(
+        "grid.openadr.state_dir",
+        raw.state_dir
+            .as_deref()
+            .unwrap_or(DEFAULT_OPENADR_STATE_DIR),
+        true,
+    )?;
+    let levels = raw
+        .simple_levels_pct
+        .unwrap_or_else(|| vec![0.0, 10.0, 20.0, 30.0]);
+    let key = "grid.openadr.simple_levels_pct";
+    if levels.is_empty() || levels.len() > 16 {
+        return Err(out_of_range(
+            key,
+            format!("{} levels", levels.len()),
+            "1 to 16 levels, e.g. [0, 10, 20, 30]",
+        ));
+    }
+    let mut simple_level_cuts = Vec::with_capacity(levels.len());
+    for (level, &pct) in levels.iter().enumerate() {
+        let pct = finite(key, pct)?;
+        if !(0.0..=95.0).contains(&pct) {
+            return Err(out_of_range(
+                key,
+                format!("{pct} at level {level}"),
+                "0 to 95 percent per level",
+            ));
+        }
+        if simple_level_cuts
+            .last()
+            .is_some_and(|&prev| pct / 100.0 < prev)
+        {
+            return Err(out_of_range(
+                key,
+                format!("{pct} at level {level}, below the level before"),
+                "cuts that never decrease with the level",
+            ));
+        }
+        simple_level_cuts.push(pct / 100.0);
+    }
+    let other_load_kw = finite(
+        "grid.openadr.other_load_kw",
+        raw.other_load_kw.unwrap_or(0.0),
+    )?;
+    if !(0.0..=1_000_000.0).contains(&other_load_kw) {
+        return Err(out_of_range(
+            "grid.openadr.other_load_kw",
+            other_load_kw,
+            "0 to 1000000 kW",
+        ));
+    }
+    let max_event_duration_s = raw.max_event_duration_s.unwrap_or(86_400);
+    if !OPENADR_MAX_EVENT_RANGE_S.contains(&max_event_duration_s) {
+        return Err(out_of_range(
+            "grid.openadr.max_event_duration_s",
+            max_event_duration_s,
+            "60 to 604800 seconds",
+        ));
+    }
+    Ok(OpenAdrConfig {
+        vtn_url,
+        credentials_file,
+        oauth_token_url,
+        ven_name,
+        programs,
+        poll_interval_s,
+        report_interval_s,
+        state_dir,
+        simple_level_cuts,
+        other_load_kw,
+        max_event_duration_s,
+    })
+}
+
 fn finite(key: &str, value: f64) -> Result<f64, ConfigError> {
     if value.is_finite() {
         Ok(value)
@@ -1308,6 +1596,106 @@ listen = "10.0.0.5:7300"
         }
     }
 
+    const OPENADR: &str = r#"
+[grid.openadr]
+vtn_url = "https://vtn.example.org/openadr3"
+credentials_file = "/etc/slurm/powerflex-openadr.toml"
+programs = ["gpu-dr"]
+"#;
+
+    #[test]
+    fn openadr_section_gets_defaults_and_a_trailing_slash() {
+        let config = SiteConfig::from_toml_str(&plus(OPENADR)).unwrap();
+        let o = config.grid.openadr.unwrap();
+        assert_eq!(o.vtn_url, "https://vtn.example.org/openadr3/");
+        assert_eq!(o.ven_name, "powerflex");
+        assert_eq!(o.programs, vec!["gpu-dr".to_string()]);
+        assert_eq!((o.poll_interval_s, o.report_interval_s), (10, 60));
+        assert_eq!(o.simple_level_cuts, vec![0.0, 0.1, 0.2, 0.3]);
+        assert_eq!(o.state_dir, PathBuf::from(DEFAULT_OPENADR_STATE_DIR));
+        assert_eq!(o.max_event_duration_s, 86_400);
+        assert!(o.oauth_token_url.is_none());
+        // Without the section there is no VEN to run.
+        assert!(SiteConfig::from_toml_str(MINIMAL)
+            .unwrap()
+            .grid
+            .openadr
+            .is_none());
+    }
+
+    #[test]
+    fn openadr_values_out_of_range_name_the_key_and_what_is_accepted() {
+        let cases: [(&str, &str, &str); 12] = [
+            (
+                "https://vtn.example.org/openadr3",
+                "http://10.0.0.9:8080/",
+                "grid.openadr.vtn_url",
+            ),
+            (
+                "https://vtn.example.org/openadr3",
+                "ftp://vtn.example.org/",
+                "grid.openadr.vtn_url",
+            ),
+            (
+                "https://vtn.example.org/openadr3",
+                "https://",
+                "grid.openadr.vtn_url",
+            ),
+            (
+                "https://vtn.example.org/openadr3",
+                "https://user@vtn/",
+                "grid.openadr.vtn_url",
+            ),
+            (
+                "/etc/slurm/powerflex-openadr.toml",
+                "openadr.toml",
+                "grid.openadr.credentials_file",
+            ),
+            ("[\"gpu-dr\"]", "[]", "grid.openadr.programs"),
+            ("[\"gpu-dr\"]", "[\"a\", \"a\"]", "grid.openadr.programs"),
+            ("[\"gpu-dr\"]", "[\" padded\"]", "grid.openadr.programs"),
+            (
+                "[\"gpu-dr\"]",
+                "[\"gpu-dr\"]\npoll_interval_s = 0",
+                "grid.openadr.poll_interval_s",
+            ),
+            (
+                "[\"gpu-dr\"]",
+                "[\"gpu-dr\"]\nsimple_levels_pct = [0, 30, 20]",
+                "grid.openadr.simple_levels_pct",
+            ),
+            (
+                "[\"gpu-dr\"]",
+                "[\"gpu-dr\"]\nsimple_levels_pct = [0, 99]",
+                "grid.openadr.simple_levels_pct",
+            ),
+            (
+                "[\"gpu-dr\"]",
+                "[\"gpu-dr\"]\nmax_event_duration_s = 10",
+                "grid.openadr.max_event_duration_s",
+            ),
+        ];
+        for (old, new, key) in cases {
+            let text = plus(&OPENADR.replacen(old, new, 1));
+            let err = SiteConfig::from_toml_str(&text).expect_err(new);
+            let message = err.to_string();
+            assert!(message.contains(key), "{new}: {message}");
+            assert!(message.contains("accepted"), "{new}: {message}");
+        }
+        // Plain http is fine to a loopback VTN (tests, a local TLS-terminating proxy).
+        for url in [
+            "http://127.0.0.1:8080",
+            "http://[::1]:8080/",
+            "http://localhost/x/",
+        ] {
+            let text = plus(&OPENADR.replacen("https://vtn.example.org/openadr3", url, 1));
+            assert!(SiteConfig::from_toml_str(&text).is_ok(), "{url}");
+        }
+        // A typo in a key is a parse error naming it.
+        let typo = plus(&OPENADR.replacen("programs", "program", 1));
+        assert!(parse_error(&typo).contains("program"), "{typo}");
+    }
+
     #[test]
     fn example_config_parses_and_validates() {
         let config = SiteConfig::from_toml_str(EXAMPLE).unwrap();
@@ -1334,6 +1722,10 @@ listen = "10.0.0.5:7300"
         assert!(a.node_budget_w.is_none() && EXAMPLE.contains("# node_budget_w = "));
         let p = &raw.predictor;
         assert!(p.pfi_intercept.is_some() && p.pfi_per_dram_copy_product.is_some());
+        let o = raw.grid.and_then(|g| g.openadr).unwrap();
+        assert!(o.poll_interval_s.is_some() && o.report_interval_s.is_some());
+        assert!(o.simple_levels_pct.is_some() && o.state_dir.is_some());
+        assert!(config.grid.openadr.is_some());
     }
 
     /// What tests and the demo write is what the loader reads: serialising a raw config
@@ -1416,6 +1808,7 @@ listen = "10.0.0.5:7300"
                     pfi_intercept: 1.2,
                     pfi_per_dram_copy_product: 1.5,
                 },
+                grid: GridConfig { openadr: None },
             }
         );
         assert_eq!(config.controller.lease_ttl(), Duration::from_secs(60));

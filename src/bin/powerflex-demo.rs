@@ -480,7 +480,7 @@ impl Demo {
         loop {
             // Every other poll: a walk's level holds 5 s, so 2 s samples still draw each
             // level, at half the load on the agents and on the machine.
-            if polls % 2 == 0 {
+            if polls.is_multiple_of(2) {
                 self.meter.sample(&self.stack)?;
             }
             polls += 1;

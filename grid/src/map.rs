@@ -1,0 +1,1097 @@
+//! Pure mapping from OpenADR 3 events to powerflex grid events, and the reconciliation
+//! that keeps the controller's events equal to what the VTN asks for. No I/O, no clock:
+//! `now_ms` is passed in, so every rule here is a table-driven test.
+//!
+//! One VTN event becomes at most one powerflex event:
+//! - its intervals are resolved to absolute times (an interval's own `intervalPeriod`, or
+//!   the event's, intervals following one another);
+//! - each interval carries one payload powerflex acts on: `SIMPLE` (a level, mapped to a
+//!   cut of the base budget through `simple_levels_pct`) or `IMPORT_CAPACITY_LIMIT` (kW,
+//!   minus the site's other load, becomes a `--target` budget);
+//! - leading and trailing intervals with no cut are dropped; the rest must be contiguous;
+//! - the deepest interval sets the cut; shallower intervals before the first deepest one
+//!   and after the last are the ramp, and powerflex ramps linearly over the shorter of the
+//!   two (its ramps are symmetric);
+//! - anything malformed or out of range is refused with a reason and never applied.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use openleadr_wire::event::{EventType, EventValuesMap};
+use openleadr_wire::values_map::Value;
+use openleadr_wire::{Event, Unit};
+use powerflex_core::config::OpenAdrConfig;
+use powerflex_proto::admin::{Cut, Event as PfEvent};
+use serde::{Deserialize, Serialize};
+
+/// What the mapping needs from the site config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mapping {
+    /// Cut fraction per `SIMPLE` level, index = level.
+    pub simple_level_cuts: Vec<f64>,
+    /// Subtracted from an import capacity limit, kW.
+    pub other_load_kw: f64,
+    pub max_event_duration_ms: u64,
+}
+
+impl Mapping {
+    pub fn from_config(config: &OpenAdrConfig) -> Mapping {
+        Mapping {
+            simple_level_cuts: config.simple_level_cuts.clone(),
+            other_load_kw: config.other_load_kw,
+            max_event_duration_ms: config.max_event_duration_s.saturating_mul(1000),
+        }
+    }
+}
+
+/// The powerflex event a VTN event asks for: the fields of `event-add`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    pub cut: Cut,
+    pub start_ms: u64,
+    pub duration_ms: u64,
+    pub ramp_ms: u64,
+}
+
+impl Request {
+    pub fn end_ms(&self) -> u64 {
+        self.start_ms.saturating_add(self.duration_ms)
+    }
+
+    /// Whether a controller event is this request (the controller stores exactly what
+    /// it was sent).
+    pub fn matches(&self, event: &PfEvent) -> bool {
+        event.cut == self.cut
+            && event.start_ms == self.start_ms
+            && event.duration_ms == self.duration_ms
+            && event.ramp_ms == self.ramp_ms
+    }
+
+    /// In force (ramping or held) at `now_ms`.
+    pub fn in_force(&self, now_ms: u64) -> bool {
+        self.start_ms <= now_ms && now_ms < self.end_ms()
+    }
+}
+
+/// What a VTN event means for the site.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Meaning {
+    /// Apply this powerflex event.
+    Apply(Request),
+    /// Nothing to do: the event is over, or it cuts nothing.
+    Nothing { why: &'static str },
+    /// Malformed or out of range: logged with the reason, never applied.
+    Refused(String),
+}
+
+/// The payload kinds powerflex acts on.
+const ACCEPTED_TYPES: &str = "SIMPLE (level), IMPORT_CAPACITY_LIMIT (kW)";
+
+fn ms_of(t: chrono::DateTime<chrono::Utc>) -> Option<u64> {
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// One interval, resolved.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    start_ms: u64,
+    end_ms: u64,
+    cut: Cut,
+}
+
+/// How deep a cut is, for ordering cuts of one kind: larger is deeper.
+fn depth(cut: Cut) -> f64 {
+    match cut {
+        Cut::Reduce { fraction } => fraction,
+        Cut::Target { budget_w } => -budget_w,
+    }
+}
+
+fn cuts_nothing(cut: Cut) -> bool {
+    matches!(cut, Cut::Reduce { fraction } if fraction <= 0.0)
+}
+
+/// What one interval's payloads ask for.
+fn payload_cut(
+    index: usize,
+    payloads: &[EventValuesMap],
+    kw_units: bool,
+    mapping: &Mapping,
+) -> Result<Cut, String> {
+    let acted: Vec<&EventValuesMap> = payloads
+        .iter()
+        .filter(|p| {
+            matches!(
+                p.value_type,
+                EventType::Simple | EventType::ImportCapacityLimit
+            )
+        })
+        .collect();
+    let payload = match acted.as_slice() {
+        [one] => *one,
+        [] => {
+            return Err(format!(
+                "interval {index} carries no payload powerflex acts on; accepted: {ACCEPTED_TYPES}"
+            ))
+        }
+        _ => {
+            return Err(format!(
+                "interval {index} carries {} payloads powerflex acts on; accepted: exactly one of {ACCEPTED_TYPES}",
+                acted.len()
+            ))
+        }
+    };
+    let [value] = payload.values.as_slice() else {
+        return Err(format!(
+            "interval {index}: {} values in one payload; accepted: exactly one",
+            payload.values.len()
+        ));
+    };
+    match payload.value_type {
+        EventType::Simple => {
+            let levels = mapping.simple_level_cuts.len();
+            let level = match value {
+                Value::Integer(i) => *i,
+                other => {
+                    return Err(format!(
+                    "interval {index}: SIMPLE level {other:?} is not an integer; accepted: 0 to {}",
+                    levels - 1
+                ))
+                }
+            };
+            let fraction = usize::try_from(level)
+                .ok()
+                .and_then(|l| mapping.simple_level_cuts.get(l))
+                .ok_or_else(|| {
+                    format!(
+                        "interval {index}: SIMPLE level {level} is out of range; accepted: 0 to {} (grid.openadr.simple_levels_pct)",
+                        levels - 1
+                    )
+                })?;
+            Ok(Cut::Reduce {
+                fraction: *fraction,
+            })
+        }
+        _ => {
+            if !kw_units {
+                return Err(format!(
+                    "interval {index}: IMPORT_CAPACITY_LIMIT in units other than KW; accepted: KW"
+                ));
+            }
+            let kw = match value {
+                Value::Number(n) => *n,
+                Value::Integer(i) => *i as f64,
+                other => {
+                    return Err(format!(
+                        "interval {index}: import capacity limit {other:?} is not a number; accepted: kW above the site's other load ({} kW)",
+                        mapping.other_load_kw
+                    ))
+                }
+            };
+            let gpu_kw = kw - mapping.other_load_kw;
+            if !kw.is_finite() || gpu_kw <= 0.0 || kw > 1e7 {
+                return Err(format!(
+                    "interval {index}: import capacity limit {kw} kW is out of range; accepted: above the site's other load ({} kW) and at most 10000000 kW",
+                    mapping.other_load_kw
+                ));
+            }
+            Ok(Cut::Target {
+                budget_w: gpu_kw * 1000.0,
+            })
+        }
+    }
+}
+
+/// What `event` asks of the site at `now_ms`.
+pub fn interpret(event: &Event, mapping: &Mapping, now_ms: u64) -> Meaning {
+    match spans(event, mapping) {
+        Err(reason) => Meaning::Refused(reason),
+        Ok(spans) => shape(&spans, mapping, now_ms),
+    }
+}
+
+fn spans(event: &Event, mapping: &Mapping) -> Result<Vec<Span>, String> {
+    let content = &event.content;
+    let intervals = match content.intervals.as_deref() {
+        Some(list) if !list.is_empty() => list,
+        _ => return Err("the event has no intervals; accepted: at least one".into()),
+    };
+    // IMPORT_CAPACITY_LIMIT values are kW unless the event says otherwise.
+    let kw_units = content
+        .payload_descriptors
+        .iter()
+        .flatten()
+        .filter(|d| d.payload_type == EventType::ImportCapacityLimit)
+        .all(|d| d.units.as_ref().is_none_or(|u| *u == Unit::KW));
+    // "Now" in OpenADR is the zero date; read it as the time the VTN last changed the
+    // event, which every poll sees the same, so a re-read is not a new event.
+    let anchor = event.modification_date_time;
+    let resolve = |t: chrono::DateTime<chrono::Utc>| {
+        if chrono::Datelike::year(&t) == 1 {
+            anchor
+        } else {
+            t
+        }
+    };
+    let default = content.interval_period.as_ref();
+    let mut cursor: Option<chrono::DateTime<chrono::Utc>> = default.map(|p| resolve(p.start));
+    let mut out = Vec::with_capacity(intervals.len());
+    for (index, interval) in intervals.iter().enumerate() {
+        let own = interval.interval_period.as_ref();
+        let start = match (own, cursor) {
+            (Some(p), _) => resolve(p.start),
+            (None, Some(c)) => c,
+            (None, None) => {
+                return Err(format!(
+                    "interval {index} has no start (no intervalPeriod on it or on the event); accepted: an intervalPeriod with a start"
+                ))
+            }
+        };
+        let duration = own
+            .and_then(|p| p.duration.as_ref())
+            .or_else(|| default.and_then(|p| p.duration.as_ref()))
+            .or(content.duration.as_ref())
+            .ok_or_else(|| {
+                format!(
+                    "interval {index} has no duration; accepted: an ISO 8601 duration such as PT1H"
+                )
+            })?;
+        let length = duration.to_chrono_at_datetime(start);
+        let length_ms = u64::try_from(length.num_milliseconds()).unwrap_or(0);
+        if length_ms == 0 {
+            return Err(format!(
+                "interval {index} lasts {duration}; accepted: a positive duration"
+            ));
+        }
+        if length_ms > mapping.max_event_duration_ms {
+            return Err(format!(
+                "interval {index} lasts {duration}, longer than grid.openadr.max_event_duration_s ({} s)",
+                mapping.max_event_duration_ms / 1000
+            ));
+        }
+        let start_ms = ms_of(start).ok_or_else(|| {
+            format!("interval {index} starts before 1970 ({start}); accepted: a real date")
+        })?;
+        let cut = payload_cut(index, &interval.payloads, kw_units, mapping)?;
+        let end_ms = start_ms.saturating_add(length_ms);
+        cursor = Some(start + length);
+        out.push(Span {
+            start_ms,
+            end_ms,
+            cut,
+        });
+    }
+    Ok(out)
+}
+
+fn shape(spans: &[Span], mapping: &Mapping, now_ms: u64) -> Meaning {
+    let mut spans: Vec<Span> = spans.to_vec();
+    spans.sort_by_key(|s| s.start_ms);
+    let kinds: BTreeSet<bool> = spans
+        .iter()
+        .map(|s| matches!(s.cut, Cut::Reduce { .. }))
+        .collect();
+    if kinds.len() > 1 {
+        return Meaning::Refused(
+            "the event mixes SIMPLE levels and IMPORT_CAPACITY_LIMIT; accepted: one kind per event"
+                .into(),
+        );
+    }
+    for pair in spans.windows(2) {
+        if pair[1].start_ms != pair[0].end_ms {
+            return Meaning::Refused(format!(
+                "intervals are not contiguous (one ends at {} ms, the next starts at {} ms); accepted: each interval starting where the one before ends",
+                pair[0].end_ms, pair[1].start_ms
+            ));
+        }
+    }
+    // Announcement or wind-down intervals that cut nothing are not part of the event.
+    let first = spans.iter().position(|s| !cuts_nothing(s.cut));
+    let last = spans.iter().rposition(|s| !cuts_nothing(s.cut));
+    let (Some(first), Some(last)) = (first, last) else {
+        return Meaning::Nothing {
+            why: "every interval cuts nothing",
+        };
+    };
+    let spans = &spans[first..=last];
+    let deepest = spans
+        .iter()
+        .map(|s| s.cut)
+        .max_by(|a, b| depth(*a).total_cmp(&depth(*b)))
+        .unwrap_or(spans[0].cut);
+    let first_deep = spans
+        .iter()
+        .position(|s| s.cut == deepest)
+        .unwrap_or_default();
+    let last_deep = spans
+        .iter()
+        .rposition(|s| s.cut == deepest)
+        .unwrap_or_default();
+    let start_ms = spans[0].start_ms;
+    let end_ms = spans[spans.len() - 1].end_ms;
+    let lead_ms = spans[first_deep].start_ms - start_ms;
+    let trail_ms = end_ms - spans[last_deep].end_ms;
+    let duration_ms = end_ms - start_ms;
+    if duration_ms > mapping.max_event_duration_ms {
+        return Meaning::Refused(format!(
+            "the event lasts {} s, longer than grid.openadr.max_event_duration_s ({} s)",
+            duration_ms / 1000,
+            mapping.max_event_duration_ms / 1000
+        ));
+    }
+    if end_ms <= now_ms {
+        return Meaning::Nothing {
+            why: "the event is over",
+        };
+    }
+    Meaning::Apply(Request {
+        cut: deepest,
+        start_ms,
+        duration_ms,
+        ramp_ms: lead_ms.min(trail_ms),
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The ledger: which VTN event is which powerflex event, persisted by the binary.
+// ---------------------------------------------------------------------------------------
+
+/// One VTN event the VEN has acted on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    /// The VTN program the event belongs to (by name, as configured).
+    pub program: String,
+    /// What was sent to the controller for it.
+    pub request: Request,
+    /// The controller's event id; `None` between sending `event-add` and hearing the id
+    /// (after a crash there, the event is found by its fields, never added twice).
+    pub pf_id: Option<u64>,
+    /// Controller events of earlier versions of this VTN event, still to cancel (the new
+    /// version is added first, so the cut never lapses: the deepest event wins).
+    #[serde(default)]
+    pub superseded: Vec<u64>,
+    /// When the last report for this event was sent, Unix ms.
+    #[serde(default)]
+    pub reported_ms: Option<u64>,
+}
+
+/// Version of the ledger file.
+pub const LEDGER_VERSION: u32 = 1;
+
+/// Every VTN event the VEN has acted on, by VTN event id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ledger {
+    pub v: u32,
+    pub events: BTreeMap<String, Entry>,
+}
+
+impl Default for Ledger {
+    fn default() -> Ledger {
+        Ledger::new()
+    }
+}
+
+impl Ledger {
+    pub fn new() -> Ledger {
+        Ledger {
+            v: LEDGER_VERSION,
+            events: BTreeMap::new(),
+        }
+    }
+
+    /// Controller event ids the ledger accounts for.
+    fn claimed(&self) -> BTreeSet<u64> {
+        self.events
+            .values()
+            .flat_map(|e| e.pf_id.into_iter().chain(e.superseded.iter().copied()))
+            .collect()
+    }
+}
+
+/// One step toward the VTN's wishes. The binary executes them in order and records each
+/// in the ledger (persisted) before the next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Send `event-add`; first record `request` as pending on `vtn_id` (moving its current
+    /// controller event, if any, to `superseded`).
+    Add {
+        vtn_id: String,
+        program: String,
+        request: Request,
+    },
+    /// A pending entry's event is at the controller already (sent before a crash): take
+    /// its id.
+    Adopt { vtn_id: String, pf_id: u64 },
+    /// Send `event-cancel` for `pf_id` (an earlier version, or a deleted VTN event), then
+    /// drop it from the ledger; a controller that no longer has it is fine.
+    Cancel { vtn_id: String, pf_id: u64 },
+    /// Drop the entry: its VTN event is gone or over and nothing is left to cancel.
+    Forget { vtn_id: String },
+}
+
+/// The VTN's view this round, for the programs that could be read.
+#[derive(Debug, Clone, Default)]
+pub struct VtnView {
+    /// Programs whose event lists were read completely this round. Entries of other
+    /// programs are left alone: a VTN that failed to answer has not cancelled anything.
+    pub programs_read: BTreeSet<String>,
+    /// Per VTN event id: its program and what it means now.
+    pub events: BTreeMap<String, (String, Meaning)>,
+}
+
+/// The actions that make the controller's events match the VTN's view.
+///
+/// Idempotent: run again on the state the actions produce, it returns nothing. Ordering
+/// is by VTN event id, adds before cancels of the same id.
+pub fn reconcile(now_ms: u64, view: &VtnView, ledger: &Ledger, ctld: &[PfEvent]) -> Vec<Action> {
+    let at_ctld = |id: u64| ctld.iter().any(|e| e.id == id);
+    let claimed = ledger.claimed();
+    let mut adopted: BTreeSet<u64> = BTreeSet::new();
+    let mut actions = Vec::new();
+    for (vtn_id, (program, meaning)) in &view.events {
+        let entry = ledger.events.get(vtn_id);
+        match meaning {
+            Meaning::Apply(request) => {
+                let add = Action::Add {
+                    vtn_id: vtn_id.clone(),
+                    program: program.clone(),
+                    request: *request,
+                };
+                match entry {
+                    None => actions.push(add),
+                    Some(e) if e.pf_id.is_none() => {
+                        // Sent before a crash? Look for it by its fields.
+                        let found = ctld.iter().find(|c| {
+                            e.request.matches(c)
+                                && !claimed.contains(&c.id)
+                                && !adopted.contains(&c.id)
+                        });
+                        match found {
+                            Some(c) => {
+                                adopted.insert(c.id);
+                                actions.push(Action::Adopt {
+                                    vtn_id: vtn_id.clone(),
+                                    pf_id: c.id,
+                                });
+                            }
+                            None if e.request.end_ms() <= now_ms => {}
+                            None => actions.push(add),
+                        }
+                    }
+                    Some(e) => {
+                        let same = e.request == *request;
+                        let lost =
+                            e.pf_id.is_some_and(|id| !at_ctld(id)) && request.end_ms() > now_ms;
+                        if !same || lost {
+                            actions.push(add);
+                        }
+                        // The earlier version goes once the new one is in (the deepest
+                        // event wins at the controller, so the overlap cuts no less).
+                        if let Some(old) = e.pf_id.filter(|&id| !same && at_ctld(id)) {
+                            actions.push(Action::Cancel {
+                                vtn_id: vtn_id.clone(),
+                                pf_id: old,
+                            });
+                        }
+                    }
+                }
+            }
+            Meaning::Nothing { .. } => {
+                if let Some(e) = entry {
+                    // Over, or changed to cut nothing: what was applied goes.
+                    withdraw(vtn_id, e, ctld, &claimed, &mut adopted, &mut actions);
+                }
+            }
+            // A malformed update leaves the last valid instruction in force.
+            Meaning::Refused(_) => {}
+        }
+        if let Some(e) = entry {
+            for id in &e.superseded {
+                let cancel = Action::Cancel {
+                    vtn_id: vtn_id.clone(),
+                    pf_id: *id,
+                };
+                if !actions.contains(&cancel) {
+                    actions.push(cancel);
+                }
+            }
+        }
+    }
+    // Deleted at the VTN (the OpenADR way to cancel an event).
+    for (vtn_id, e) in &ledger.events {
+        if view.events.contains_key(vtn_id) || !view.programs_read.contains(&e.program) {
+            continue;
+        }
+        withdraw(vtn_id, e, ctld, &claimed, &mut adopted, &mut actions);
+    }
+    actions
+}
+
+/// Cancels what `e` put at the controller and forgets it. A pending entry (sent, id not
+/// heard) cancels the unclaimed controller event that matches it, if there is one.
+fn withdraw(
+    vtn_id: &str,
+    e: &Entry,
+    ctld: &[PfEvent],
+    claimed: &BTreeSet<u64>,
+    adopted: &mut BTreeSet<u64>,
+    actions: &mut Vec<Action>,
+) {
+    let pending = e.pf_id.is_none().then(|| {
+        ctld.iter()
+            .find(|c| e.request.matches(c) && !claimed.contains(&c.id) && !adopted.contains(&c.id))
+            .map(|c| c.id)
+    });
+    let ids = e
+        .pf_id
+        .iter()
+        .chain(e.superseded.iter())
+        .copied()
+        .chain(pending.flatten());
+    for id in ids {
+        if ctld.iter().any(|c| c.id == id) {
+            adopted.insert(id);
+            actions.push(Action::Cancel {
+                vtn_id: vtn_id.to_string(),
+                pf_id: id,
+            });
+        }
+    }
+    actions.push(Action::Forget {
+        vtn_id: vtn_id.to_string(),
+    });
+}
+
+/// Records that `action` was carried out (`pf_id`: the id the controller gave an
+/// `Add`). The binary persists the ledger after each call.
+pub fn record(ledger: &mut Ledger, action: &Action, pf_id: Option<u64>) {
+    match action {
+        Action::Add {
+            vtn_id,
+            program,
+            request,
+        } => {
+            let entry = ledger.events.entry(vtn_id.clone()).or_insert(Entry {
+                program: program.clone(),
+                request: *request,
+                pf_id: None,
+                superseded: Vec::new(),
+                reported_ms: None,
+            });
+            if let Some(old) = entry.pf_id.take() {
+                if Some(old) != pf_id && !entry.superseded.contains(&old) {
+                    entry.superseded.push(old);
+                }
+            }
+            entry.request = *request;
+            entry.program = program.clone();
+            entry.pf_id = pf_id;
+        }
+        Action::Adopt { vtn_id, pf_id } => {
+            if let Some(e) = ledger.events.get_mut(vtn_id) {
+                e.pf_id = Some(*pf_id);
+            }
+        }
+        Action::Cancel { vtn_id, pf_id } => {
+            if let Some(e) = ledger.events.get_mut(vtn_id) {
+                e.superseded.retain(|id| id != pf_id);
+                if e.pf_id == Some(*pf_id) {
+                    e.pf_id = None;
+                }
+            }
+        }
+        Action::Forget { vtn_id } => {
+            ledger.events.remove(vtn_id);
+        }
+    }
+}
+
+/// VTN events due a report at `now_ms`: in force, and never reported or last reported at
+/// least `interval_ms` ago.
+pub fn reports_due(ledger: &Ledger, now_ms: u64, interval_ms: u64) -> Vec<String> {
+    ledger
+        .events
+        .iter()
+        .filter(|(_, e)| e.pf_id.is_some() && e.request.in_force(now_ms))
+        .filter(|(_, e)| {
+            e.reported_ms
+                .is_none_or(|last| now_ms.saturating_sub(last) >= interval_ms)
+        })
+        .map(|(id, _)| id.clone())
+        .collect()
+}
+
+/// Whether the controller's summed draw covers the site: at least one node, every node
+/// live (reported within its lease).
+pub fn draw_known(live: impl IntoIterator<Item = bool>) -> bool {
+    let mut any = false;
+    for l in live {
+        if !l {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    const T0: u64 = 1_800_000_000_000; // 2027-01-15T08:00:00Z
+
+    fn mapping() -> Mapping {
+        Mapping {
+            simple_level_cuts: vec![0.0, 0.1, 0.2, 0.3],
+            other_load_kw: 40.0,
+            max_event_duration_ms: 86_400_000,
+        }
+    }
+
+    fn iso(ms: u64) -> String {
+        chrono::DateTime::from_timestamp_millis(ms as i64)
+            .unwrap()
+            .to_rfc3339()
+    }
+
+    /// A VTN event as the VTN serves it, from JSON: `intervals` is the JSON array.
+    fn event(id: &str, period: &str, intervals: &str) -> Event {
+        let text = format!(
+            r#"{{"id":"{id}","createdDateTime":"{c}","modificationDateTime":"{c}",
+                "objectType":"EVENT","programID":"p1","priority":null,
+                {period}
+                "intervals":{intervals}}}"#,
+            c = iso(T0 - 60_000)
+        );
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    }
+
+    fn simple(level: i64) -> String {
+        format!(r#"[{{"type":"SIMPLE","values":[{level}]}}]"#)
+    }
+
+    fn period(start_ms: u64, duration: &str) -> String {
+        format!(
+            r#""intervalPeriod":{{"start":"{}","duration":"{duration}"}},"#,
+            iso(start_ms)
+        )
+    }
+
+    #[test]
+    fn one_simple_interval_is_a_stepped_cut() {
+        let e = event(
+            "e1",
+            &period(T0, "PT1H"),
+            &format!(r#"[{{"id":0,"payloads":{}}}]"#, simple(3)),
+        );
+        assert_eq!(
+            interpret(&e, &mapping(), T0),
+            Meaning::Apply(Request {
+                cut: Cut::Reduce { fraction: 0.3 },
+                start_ms: T0,
+                duration_ms: 3_600_000,
+                ramp_ms: 0,
+            })
+        );
+    }
+
+    #[test]
+    fn shallower_intervals_either_side_are_the_ramp() {
+        // Announcement at level 0, ramp-in 10 min at level 1, 1 h at level 3, ramp-out
+        // 5 min at level 2: sequential intervals under the event's period.
+        let intervals = format!(
+            r#"[{{"id":0,"payloads":{l0}}},
+                {{"id":1,"intervalPeriod":{{"start":"{a}","duration":"PT10M"}},"payloads":{l1}}},
+                {{"id":2,"intervalPeriod":{{"start":"{b}","duration":"PT1H"}},"payloads":{l3}}},
+                {{"id":3,"intervalPeriod":{{"start":"{c}","duration":"PT5M"}},"payloads":{l2}}}]"#,
+            l0 = simple(0),
+            l1 = simple(1),
+            l3 = simple(3),
+            l2 = simple(2),
+            a = iso(T0 + 900_000),
+            b = iso(T0 + 1_500_000),
+            c = iso(T0 + 5_100_000),
+        );
+        let e = event("e2", &period(T0, "PT15M"), &intervals);
+        assert_eq!(
+            interpret(&e, &mapping(), T0),
+            Meaning::Apply(Request {
+                cut: Cut::Reduce { fraction: 0.3 },
+                start_ms: T0 + 900_000,
+                duration_ms: 75 * 60_000,
+                ramp_ms: 5 * 60_000,
+            })
+        );
+    }
+
+    #[test]
+    fn intervals_without_their_own_period_follow_one_another() {
+        let intervals = format!(
+            r#"[{{"id":0,"payloads":{}}},{{"id":1,"payloads":{}}},{{"id":2,"payloads":{}}}]"#,
+            simple(1),
+            simple(2),
+            simple(1)
+        );
+        let e = event("e3", &period(T0, "PT10M"), &intervals);
+        assert_eq!(
+            interpret(&e, &mapping(), T0),
+            Meaning::Apply(Request {
+                cut: Cut::Reduce { fraction: 0.2 },
+                start_ms: T0,
+                duration_ms: 1_800_000,
+                ramp_ms: 600_000,
+            })
+        );
+    }
+
+    #[test]
+    fn an_import_capacity_limit_becomes_a_target_net_of_other_load() {
+        let e = event(
+            "e4",
+            &period(T0, "PT2H"),
+            r#"[{"id":0,"payloads":[{"type":"IMPORT_CAPACITY_LIMIT","values":[52.5]}]}]"#,
+        );
+        assert_eq!(
+            interpret(&e, &mapping(), T0),
+            Meaning::Apply(Request {
+                cut: Cut::Target { budget_w: 12_500.0 },
+                start_ms: T0,
+                duration_ms: 7_200_000,
+                ramp_ms: 0,
+            })
+        );
+    }
+
+    #[test]
+    fn the_zero_date_means_when_the_vtn_last_changed_the_event() {
+        let e = event(
+            "e5",
+            r#""intervalPeriod":{"start":"0001-01-01T00:00:00Z","duration":"PT30M"},"#,
+            &format!(r#"[{{"id":0,"payloads":{}}}]"#, simple(2)),
+        );
+        let Meaning::Apply(r) = interpret(&e, &mapping(), T0) else {
+            panic!("applied")
+        };
+        assert_eq!(r.start_ms, T0 - 60_000);
+        // Read again later: the same request, so nothing new is sent.
+        assert_eq!(interpret(&e, &mapping(), T0 + 5000), Meaning::Apply(r));
+    }
+
+    #[test]
+    fn over_or_empty_events_do_nothing() {
+        let e = event(
+            "e6",
+            &period(T0 - 7_200_000, "PT1H"),
+            &format!(r#"[{{"id":0,"payloads":{}}}]"#, simple(3)),
+        );
+        assert!(matches!(
+            interpret(&e, &mapping(), T0),
+            Meaning::Nothing { .. }
+        ));
+        let e = event(
+            "e7",
+            &period(T0, "PT1H"),
+            &format!(r#"[{{"id":0,"payloads":{}}}]"#, simple(0)),
+        );
+        assert!(matches!(
+            interpret(&e, &mapping(), T0),
+            Meaning::Nothing { .. }
+        ));
+    }
+
+    #[test]
+    fn malformed_and_out_of_range_events_are_refused_with_a_reason() {
+        let one = |payloads: &str| format!(r#"[{{"id":0,"payloads":{payloads}}}]"#);
+        let cases: Vec<(String, String, &str)> = vec![
+            (
+                period(T0, "PT1H"),
+                one(&simple(7)),
+                "level 7 is out of range",
+            ),
+            (period(T0, "PT1H"), one(&simple(-1)), "out of range"),
+            (
+                period(T0, "PT1H"),
+                one(r#"[{"type":"SIMPLE","values":[1,2]}]"#),
+                "2 values",
+            ),
+            (
+                period(T0, "PT1H"),
+                one(r#"[{"type":"PRICE","values":[0.5]}]"#),
+                "no payload powerflex acts on",
+            ),
+            (
+                period(T0, "PT1H"),
+                one(r#"[{"type":"IMPORT_CAPACITY_LIMIT","values":[-5.0]}]"#),
+                "-5 kW is out of range",
+            ),
+            (
+                period(T0, "PT1H"),
+                one(r#"[{"type":"IMPORT_CAPACITY_LIMIT","values":[30.0]}]"#),
+                "above the site's other load",
+            ),
+            (
+                period(T0, "PT1H"),
+                one(
+                    r#"[{"type":"SIMPLE","values":[1]},{"type":"IMPORT_CAPACITY_LIMIT","values":[90.0]}]"#,
+                ),
+                "2 payloads",
+            ),
+            (period(T0, "P9999Y"), one(&simple(1)), "longer than"),
+            (period(T0, "PT0S"), one(&simple(1)), "positive duration"),
+            (String::new(), one(&simple(1)), "no start"),
+            (period(T0, "PT1H"), "[]".into(), "no intervals"),
+            (
+                period(T0, "PT1H"),
+                format!(
+                    r#"[{{"id":0,"payloads":{}}},{{"id":1,"intervalPeriod":{{"start":"{}","duration":"PT1H"}},"payloads":{}}}]"#,
+                    simple(1),
+                    iso(T0 + 7_200_000),
+                    simple(2)
+                ),
+                "not contiguous",
+            ),
+            (
+                period(T0, "PT1H"),
+                format!(
+                    r#"[{{"id":0,"payloads":{}}},{{"id":1,"payloads":[{{"type":"IMPORT_CAPACITY_LIMIT","values":[90.0]}}]}}]"#,
+                    simple(1)
+                ),
+                "mixes",
+            ),
+        ];
+        for (p, intervals, needle) in cases {
+            let e = event("bad", &p, &intervals);
+            match interpret(&e, &mapping(), T0) {
+                Meaning::Refused(reason) => {
+                    assert!(reason.contains(needle), "{intervals}: {reason}");
+                    assert!(
+                        reason.contains("accepted") || reason.contains("max_event_duration_s"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("{intervals}: expected a refusal, got {other:?}"),
+            }
+        }
+        // Units other than kW for a capacity limit.
+        let mut e = event(
+            "w",
+            &period(T0, "PT1H"),
+            &one(r#"[{"type":"IMPORT_CAPACITY_LIMIT","values":[90.0]}]"#),
+        );
+        e.content.payload_descriptors = Some(vec![openleadr_wire::event::EventPayloadDescriptor {
+            payload_type: EventType::ImportCapacityLimit,
+            units: Some(Unit::KVA),
+            currency: None,
+        }]);
+        assert!(matches!(interpret(&e, &mapping(), T0), Meaning::Refused(r) if r.contains("KW")));
+    }
+
+    fn request(fraction: f64, start_ms: u64) -> Request {
+        Request {
+            cut: Cut::Reduce { fraction },
+            start_ms,
+            duration_ms: 3_600_000,
+            ramp_ms: 60_000,
+        }
+    }
+
+    fn view(events: &[(&str, Meaning)]) -> VtnView {
+        VtnView {
+            programs_read: ["p".to_string()].into(),
+            events: events
+                .iter()
+                .map(|(id, m)| (id.to_string(), ("p".to_string(), m.clone())))
+                .collect(),
+        }
+    }
+
+    /// Plays the actions against a fake controller; returns its events.
+    fn execute(
+        ledger: &mut Ledger,
+        ctld: &mut Vec<PfEvent>,
+        next_id: &mut u64,
+        actions: &[Action],
+    ) {
+        for a in actions {
+            match a {
+                Action::Add { request, .. } => {
+                    *next_id += 1;
+                    ctld.push(PfEvent {
+                        id: *next_id,
+                        cut: request.cut,
+                        start_ms: request.start_ms,
+                        duration_ms: request.duration_ms,
+                        ramp_ms: request.ramp_ms,
+                    });
+                    record(ledger, a, Some(*next_id));
+                }
+                Action::Cancel { pf_id, .. } => {
+                    ctld.retain(|e| e.id != *pf_id);
+                    record(ledger, a, None);
+                }
+                _ => record(ledger, a, None),
+            }
+        }
+    }
+
+    #[test]
+    fn updates_and_cancellations_are_idempotent() {
+        let (mut ledger, mut ctld, mut next) = (Ledger::new(), Vec::new(), 0);
+        let v1 = view(&[("a", Meaning::Apply(request(0.3, T0)))]);
+        let actions = reconcile(T0, &v1, &ledger, &ctld);
+        assert!(matches!(actions.as_slice(), [Action::Add { .. }]));
+        execute(&mut ledger, &mut ctld, &mut next, &actions);
+        // Polled again: nothing to do, however often.
+        for _ in 0..3 {
+            assert_eq!(reconcile(T0 + 1000, &v1, &ledger, &ctld), vec![]);
+        }
+        // Modified at the VTN: the new version is added before the old is cancelled.
+        let v2 = view(&[("a", Meaning::Apply(request(0.2, T0)))]);
+        let actions = reconcile(T0 + 2000, &v2, &ledger, &ctld);
+        assert!(
+            matches!(
+                actions.as_slice(),
+                [Action::Add { .. }, Action::Cancel { pf_id: 1, .. }]
+            ),
+            "{actions:?}"
+        );
+        execute(&mut ledger, &mut ctld, &mut next, &actions);
+        assert_eq!(ctld.len(), 1);
+        assert!(request(0.2, T0).matches(&ctld[0]));
+        assert_eq!(reconcile(T0 + 3000, &v2, &ledger, &ctld), vec![]);
+        // A malformed update leaves the last valid version in force.
+        let bad = view(&[("a", Meaning::Refused("nonsense".into()))]);
+        assert_eq!(reconcile(T0 + 4000, &bad, &ledger, &ctld), vec![]);
+        // Deleted at the VTN: cancelled, then forgotten; then nothing more.
+        let gone = view(&[]);
+        let actions = reconcile(T0 + 5000, &gone, &ledger, &ctld);
+        assert_eq!(
+            actions,
+            vec![
+                Action::Cancel {
+                    vtn_id: "a".into(),
+                    pf_id: 2
+                },
+                Action::Forget { vtn_id: "a".into() }
+            ]
+        );
+        execute(&mut ledger, &mut ctld, &mut next, &actions);
+        assert!(ctld.is_empty() && ledger.events.is_empty());
+        assert_eq!(reconcile(T0 + 6000, &gone, &ledger, &ctld), vec![]);
+    }
+
+    #[test]
+    fn a_crash_between_add_and_its_id_adopts_the_event_rather_than_adding_it_again() {
+        let (mut ledger, mut ctld, mut next) = (Ledger::new(), Vec::new(), 0);
+        let v = view(&[("a", Meaning::Apply(request(0.3, T0)))]);
+        let actions = reconcile(T0, &v, &ledger, &ctld);
+        // The ledger recorded the add as pending, the controller got it, then the VEN died.
+        record(&mut ledger, &actions[0], None);
+        next += 1;
+        ctld.push(PfEvent {
+            id: next,
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: T0,
+            duration_ms: 3_600_000,
+            ramp_ms: 60_000,
+        });
+        let actions = reconcile(T0 + 1000, &v, &ledger, &ctld);
+        assert_eq!(
+            actions,
+            vec![Action::Adopt {
+                vtn_id: "a".into(),
+                pf_id: 1
+            }]
+        );
+        execute(&mut ledger, &mut ctld, &mut next, &actions);
+        assert_eq!(reconcile(T0 + 2000, &v, &ledger, &ctld), vec![]);
+        assert_eq!(ctld.len(), 1);
+        // The crash came before the controller heard it: it is sent again, once.
+        let mut ledger = Ledger::new();
+        record(&mut ledger, &actions_add("b", request(0.1, T0)), None);
+        let v = view(&[("b", Meaning::Apply(request(0.1, T0)))]);
+        let actions = reconcile(T0, &v, &ledger, &[]);
+        assert!(matches!(actions.as_slice(), [Action::Add { .. }]));
+    }
+
+    #[test]
+    fn an_event_deleted_while_its_add_was_pending_is_cancelled_too() {
+        let mut ledger = Ledger::new();
+        record(&mut ledger, &actions_add("a", request(0.3, T0)), None);
+        // The controller got it (id 5) before the VEN died; then the VTN deleted it.
+        let ctld = vec![PfEvent {
+            id: 5,
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: T0,
+            duration_ms: 3_600_000,
+            ramp_ms: 60_000,
+        }];
+        assert_eq!(
+            reconcile(T0, &view(&[]), &ledger, &ctld),
+            vec![
+                Action::Cancel {
+                    vtn_id: "a".into(),
+                    pf_id: 5
+                },
+                Action::Forget { vtn_id: "a".into() }
+            ]
+        );
+    }
+
+    fn actions_add(id: &str, request: Request) -> Action {
+        Action::Add {
+            vtn_id: id.into(),
+            program: "p".into(),
+            request,
+        }
+    }
+
+    #[test]
+    fn an_event_the_controller_lost_is_added_again_and_unread_programs_are_left_alone() {
+        let (mut ledger, mut ctld, mut next) = (Ledger::new(), Vec::new(), 0);
+        let v = view(&[("a", Meaning::Apply(request(0.3, T0)))]);
+        let actions = reconcile(T0, &v, &ledger, &ctld);
+        execute(&mut ledger, &mut ctld, &mut next, &actions);
+        ctld.clear(); // a controller restarted without its state
+        let actions = reconcile(T0 + 1000, &v, &ledger, &ctld);
+        assert!(matches!(actions.as_slice(), [Action::Add { .. }]));
+        execute(&mut ledger, &mut ctld, &mut next, &actions);
+        assert_eq!(ledger.events["a"].pf_id, Some(2));
+        // The VTN did not answer for program "p": its events are not cancelled.
+        let silent = VtnView::default();
+        assert_eq!(reconcile(T0 + 2000, &silent, &ledger, &ctld), vec![]);
+    }
+
+    #[test]
+    fn reports_are_due_in_force_at_the_interval() {
+        let mut ledger = Ledger::new();
+        record(&mut ledger, &actions_add("a", request(0.3, T0)), Some(1));
+        assert!(reports_due(&ledger, T0 - 1, 10_000).is_empty());
+        assert_eq!(reports_due(&ledger, T0, 10_000), vec!["a".to_string()]);
+        ledger.events.get_mut("a").unwrap().reported_ms = Some(T0);
+        assert!(reports_due(&ledger, T0 + 9_999, 10_000).is_empty());
+        assert_eq!(reports_due(&ledger, T0 + 10_000, 10_000).len(), 1);
+        assert!(reports_due(&ledger, T0 + 3_600_000, 10_000).is_empty());
+    }
+
+    #[test]
+    fn the_draw_is_known_only_with_every_node_live() {
+        assert!(draw_known([true, true]));
+        assert!(!draw_known([true, false]));
+        assert!(
+            !draw_known([]),
+            "a controller that knows no node knows no draw"
+        );
+    }
+
+    #[test]
+    fn the_ledger_round_trips_as_json() {
+        let mut ledger = Ledger::new();
+        record(&mut ledger, &actions_add("a", request(0.3, T0)), Some(4));
+        let text = serde_json::to_string(&ledger).unwrap();
+        assert_eq!(serde_json::from_str::<Ledger>(&text).unwrap(), ledger);
+    }
+}

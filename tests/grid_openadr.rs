@@ -1,0 +1,436 @@
+//! Grid events from a real OpenADR 3 VTN (LF Energy's openleadr-vtn on PostgreSQL 16,
+//! both started here and stopped by PID) reach a real local Slurm cluster running the
+//! powerflex stack through `powerflex-grid`, the site's VEN. The test plays the utility
+//! through the VTN's HTTP API:
+//! - a step event: the time from publishing it to the caps in force is measured, then it
+//!   is deleted (OpenADR's cancellation) and the budget comes back;
+//! - a 30 % event with a ramp: budget and metered draw follow; it is modified to 20 %;
+//!   the VEN is killed and restarted, the VTN and the controller are restarted: no event
+//!   is duplicated or lost;
+//! - nonsense events (a level off the scale, a negative capacity limit) are refused and
+//!   change nothing;
+//! - the VEN's reports of the metered draw arrive at the VTN.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use powerflex_core::config::{RawGrid, RawOpenAdr};
+use powerflex_proto::admin::{Cut, Event as PfEvent};
+use powerflex_proto::status::CtldStatus;
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W};
+use powerflex_testbed::vtn::{self, event_request, Payload, Step, VtnBed, VEN_SCOPES};
+use powerflex_testbed::{binary, wait_until};
+
+const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
+const PROGRAM: &str = "gpu-dr";
+/// SIMPLE levels 0 to 3 → cuts of 0, 10, 20, 30 % of the base budget.
+const LEVELS_PCT: [f64; 4] = [0.0, 10.0, 20.0, 30.0];
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+}
+
+fn status(stack: &Stack) -> CtldStatus {
+    stack
+        .ctl_json::<CtldStatus>(&["status"])
+        .expect("the controller's status")
+}
+
+/// The controller's grid events, each as (id, cut).
+fn events(stack: &Stack) -> Vec<PfEvent> {
+    status(stack).events
+}
+
+fn start_ven(grid: &Path, site: &Path, log: &Path) -> Child {
+    Command::new(grid)
+        .args(["--config", &site.to_string_lossy()])
+        .env("POWERFLEX_LOG", "info")
+        .stderr(std::fs::File::create(log).expect("ven log"))
+        .spawn()
+        .expect("powerflex-grid")
+}
+
+/// Kills the VEN (by PID) and reaps it.
+fn kill(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The VEN, stopped by PID when the test ends however it ends.
+struct VenGuard(Option<Child>);
+
+impl Drop for VenGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            kill(c);
+        }
+    }
+}
+
+fn reduce_fraction(e: &PfEvent) -> Option<f64> {
+    match e.cut {
+        Cut::Reduce { fraction } => Some(fraction),
+        Cut::Target { .. } => None,
+    }
+}
+
+#[test]
+fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
+    if !can_run(&[Need::Root, Need::Slurm, Need::Program("setpriv")]) {
+        return;
+    }
+    if let Err(e) = vtn::available() {
+        assert!(
+            std::env::var("CI").ok().as_deref() != Some("true"),
+            "CI must run every test: {e}"
+        );
+        eprintln!("SKIPPED grid_openadr: {e}");
+        return;
+    }
+    let grid_bin = binary("powerflex-grid");
+    let started = Instant::now();
+    let mut stack = Stack::start("grid", StackOptions::default());
+    let bed_dir = stack.base.join("vtn");
+    let mut bed = VtnBed::start(&bed_dir).unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "stack and VTN up in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let utility = bed.utility();
+    let program = utility.create_program(PROGRAM).expect("create the program");
+    let program_id = program.id.to_string();
+
+    // The VEN's credentials (root-owned, 0600) and the site's [grid.openadr].
+    let creds = stack.base.join("openadr-credentials.toml");
+    powerflex_testbed::write_site_key(
+        &creds,
+        &format!(
+            "bearer_token = \"{}\"\n",
+            bed.token("powerflex-ven", VEN_SCOPES)
+        ),
+    );
+    let state_dir: PathBuf = stack.base.join("grid-state");
+    let (url, creds_s, state_s) = (
+        bed.url(),
+        creds.to_string_lossy().into_owned(),
+        state_dir.to_string_lossy().into_owned(),
+    );
+    stack.edit_site(move |raw| {
+        raw.grid = Some(RawGrid {
+            openadr: Some(RawOpenAdr {
+                vtn_url: url,
+                credentials_file: creds_s,
+                ven_name: Some("powerflex-test-site".into()),
+                programs: vec![PROGRAM.into()],
+                poll_interval_s: Some(1),
+                report_interval_s: Some(2),
+                state_dir: Some(state_s),
+                simple_levels_pct: Some(LEVELS_PCT.to_vec()),
+                ..RawOpenAdr::default()
+            }),
+        })
+    });
+    let base = stack.base.clone();
+    let ven_log = |n: u32| base.join(format!("grid-{n}.log"));
+    let mut ven = VenGuard(Some(start_ven(&grid_bin, &stack.site, &ven_log(1))));
+
+    // Two 4-GPU training jobs, ~5 kW together against the 5.6 kW base budget.
+    let jobs = [
+        stack.submit("flex3,calibrate=off", 1, 4, PROFILE),
+        stack.submit("flex3,calibrate=off", 1, 4, PROFILE),
+    ];
+    wait_until("both jobs run", Duration::from_secs(60), || {
+        jobs.iter().all(|&j| stack.running(j)).then_some(())
+    });
+    let base_w = status(&stack).base_budget_w;
+    wait_until("the jobs drawing power", Duration::from_secs(60), || {
+        (stack.draw_w() > 0.6 * base_w).then_some(())
+    });
+    println!("base budget {base_w:.0} W, draw {:.0} W", stack.draw_w());
+
+    // 1. A step event at level 2 (20 %) from now, five times: publish → caps in force,
+    //    then called off while in force. openleadr-vtn 0.2.8 refuses to delete an event
+    //    that has reports (a foreign key), so the utility sets it to level 0 (no cut).
+    let target_w = base_w * 0.8;
+    let (mut to_ctld_s, mut to_caps_s) = (Vec::new(), Vec::new());
+    for round in 0..5 {
+        let start_ms = now_ms();
+        let step_at = |level: i64| {
+            event_request(
+                &program_id,
+                &format!("step-{round}"),
+                &[Step {
+                    start_ms,
+                    duration_s: 600,
+                    payload: Payload::Simple(level),
+                }],
+            )
+        };
+        let published = Instant::now();
+        let step = utility
+            .create_event(&step_at(2))
+            .expect("publish the step event");
+        let at_ctld = wait_until(
+            "the step event at the controller",
+            Duration::from_secs(30),
+            || {
+                events(&stack)
+                    .iter()
+                    .any(|e| reduce_fraction(e) == Some(0.2))
+                    .then(|| published.elapsed())
+            },
+        );
+        let in_force = wait_until(
+            "the step event's caps in force",
+            Duration::from_secs(60),
+            || {
+                let s = status(&stack);
+                let capped = stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W);
+                ((s.budget_w - target_w).abs() < 1.0 && capped && stack.draw_w() <= target_w * 1.01)
+                    .then(|| published.elapsed())
+            },
+        );
+        to_ctld_s.push(at_ctld.as_secs_f64());
+        to_caps_s.push(in_force.as_secs_f64());
+        utility
+            .update_event(&step.id.to_string(), &step_at(0))
+            .expect("call off the step event");
+        wait_until(
+            "the step event cancelled at the controller",
+            Duration::from_secs(30),
+            || {
+                let s = status(&stack);
+                (s.events.is_empty() && (s.budget_w - base_w).abs() < 1.0).then_some(())
+            },
+        );
+        // Back at the jobs' uncapped draw before the next round.
+        wait_until("the draw back up", Duration::from_secs(30), || {
+            (stack.draw_w() > target_w * 1.05).then_some(())
+        });
+    }
+    let summary = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    let ((ctld_med, ctld_max), (caps_med, caps_max)) =
+        (summary(&mut to_ctld_s), summary(&mut to_caps_s));
+    println!(
+        "BENCH openadr step event, 5 rounds, poll_interval_s = 1: publish→controller event median {ctld_med:.2} s, max {ctld_max:.2} s; publish→caps in force (every GPU capped, draw within {target_w:.0} W) median {caps_med:.2} s, max {caps_max:.2} s"
+    );
+    assert!(
+        caps_max < 10.0,
+        "caps in force {caps_max:.1} s after publishing, with a 1 s poll"
+    );
+
+    // Announced for later, then deleted (OpenADR's cancellation) before it starts.
+    let later = utility
+        .create_event(&event_request(
+            &program_id,
+            "later",
+            &[Step {
+                start_ms: now_ms() + 3_600_000,
+                duration_s: 1800,
+                payload: Payload::Simple(1),
+            }],
+        ))
+        .expect("publish the later event");
+    wait_until(
+        "the later event at the controller",
+        Duration::from_secs(30),
+        || (events(&stack).len() == 1).then_some(()),
+    );
+    utility
+        .delete_event(&later.id.to_string())
+        .expect("delete the later event");
+    wait_until(
+        "the later event cancelled at the controller",
+        Duration::from_secs(30),
+        || events(&stack).is_empty().then_some(()),
+    );
+
+    // 2. A 30 % event with a 10 s ramp either side: level 1 (10 %) for 10 s, level 3
+    //    for 120 s, level 1 for 10 s.
+    let t0 = now_ms() + 3000;
+    let ramped = |hold_level: i64, hold_s: u64| {
+        event_request(
+            &program_id,
+            "ramped",
+            &[
+                Step {
+                    start_ms: t0,
+                    duration_s: 10,
+                    payload: Payload::Simple(1),
+                },
+                Step {
+                    start_ms: t0 + 10_000,
+                    duration_s: hold_s,
+                    payload: Payload::Simple(hold_level),
+                },
+                Step {
+                    start_ms: t0 + 10_000 + hold_s * 1000,
+                    duration_s: 10,
+                    payload: Payload::Simple(1),
+                },
+            ],
+        )
+    };
+    let big = utility
+        .create_event(&ramped(3, 120))
+        .expect("publish the 30 % event");
+    let big_id = big.id.to_string();
+    let first = wait_until(
+        "the 30 % event at the controller",
+        Duration::from_secs(30),
+        || {
+            let ev = events(&stack);
+            (ev.len() == 1).then(|| ev[0].clone())
+        },
+    );
+    assert_eq!(first.cut, Cut::Reduce { fraction: 0.3 });
+    assert_eq!(first.ramp_ms, 10_000, "{first:?}");
+    assert_eq!(first.start_ms, t0, "{first:?}");
+    assert_eq!(first.duration_ms, 140_000, "{first:?}");
+    let cut_w = base_w * 0.7;
+    wait_until(
+        "the 30 % budget in force and the draw within it",
+        Duration::from_secs(60),
+        || {
+            let s = status(&stack);
+            ((s.budget_w - cut_w).abs() < 1.0 && stack.draw_w() <= cut_w * 1.01).then_some(())
+        },
+    );
+    stack.assert_draw_settles(
+        cut_w,
+        Duration::from_secs(5),
+        Duration::from_secs(2),
+        "held at 30 %",
+    );
+
+    // 3. The VEN is killed mid-event and restarted: the same event, once.
+    kill(ven.0.as_mut().expect("ven"));
+    ven.0 = Some(start_ven(&grid_bin, &stack.site, &ven_log(2)));
+    std::thread::sleep(Duration::from_secs(4)); // several polls of the restarted VEN
+    let after = events(&stack);
+    assert_eq!(after, vec![first.clone()], "after the VEN's restart");
+
+    // 4. Modified at the VTN: 20 % instead of 30 %, held longer.
+    utility
+        .update_event(&big_id, &ramped(2, 150))
+        .expect("modify the event");
+    let second = wait_until(
+        "the modified event replacing the first",
+        Duration::from_secs(30),
+        || {
+            let ev = events(&stack);
+            (ev.len() == 1 && ev[0].id != first.id).then(|| ev[0].clone())
+        },
+    );
+    assert_eq!(second.cut, Cut::Reduce { fraction: 0.2 });
+    assert_eq!(second.duration_ms, 170_000);
+    wait_until("the 20 % budget in force", Duration::from_secs(30), || {
+        ((status(&stack).budget_w - base_w * 0.8).abs() < 1.0).then_some(())
+    });
+
+    // 5. The VTN and the controller restart: still that one event.
+    bed.restart_vtn().unwrap_or_else(|e| panic!("{e}"));
+    stack.kill_ctld();
+    stack.start_ctld();
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(events(&stack), vec![second.clone()], "after the restarts");
+
+    // 6. Nonsense: a level off the scale, a negative capacity limit. Refused, never
+    //    applied.
+    let nonsense = [
+        event_request(
+            &program_id,
+            "level-99",
+            &[Step {
+                start_ms: now_ms(),
+                duration_s: 60,
+                payload: Payload::Simple(99),
+            }],
+        ),
+        event_request(
+            &program_id,
+            "negative-kw",
+            &[Step {
+                start_ms: now_ms(),
+                duration_s: 60,
+                payload: Payload::ImportCapacityLimitKw(-5.0),
+            }],
+        ),
+    ];
+    for e in &nonsense {
+        utility.create_event(e).expect("the VTN stores nonsense");
+    }
+    wait_until("the VEN refusing both", Duration::from_secs(30), || {
+        let log = std::fs::read_to_string(ven_log(2)).unwrap_or_default();
+        (log.contains("SIMPLE level 99 is out of range") && log.contains("-5 kW is out of range"))
+            .then_some(())
+    });
+    assert_eq!(events(&stack), vec![second.clone()], "after nonsense");
+
+    // 7. Reports of the metered draw arrived for the event in force.
+    let reports = wait_until("reports at the VTN", Duration::from_secs(30), || {
+        let r = utility.reports(&big_id).ok()?;
+        (r.len() >= 2).then_some(r)
+    });
+    let mut demand_kw = Vec::new();
+    for r in &reports {
+        assert_eq!(r.content.client_name, "powerflex-test-site");
+        for res in &r.content.resources {
+            for interval in &res.intervals {
+                for p in &interval.payloads {
+                    if p.value_type.0 == "DEMAND" {
+                        for v in &p.values {
+                            if let openleadr_wire::values_map::Value::Number(kw) = v {
+                                demand_kw.push(*kw);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(!demand_kw.is_empty(), "{reports:?}");
+    assert!(
+        demand_kw
+            .iter()
+            .all(|&kw| kw > 0.0 && kw * 1000.0 <= base_w * 1.01),
+        "{demand_kw:?}"
+    );
+    println!("{} reports, DEMAND {:?} kW", reports.len(), demand_kw);
+
+    // 8. Called off (level 0 throughout; it has reports, so the VTN will not delete
+    //    it): cancelled, and the budget is back.
+    utility
+        .update_event(
+            &big_id,
+            &event_request(
+                &program_id,
+                "ramped",
+                &[Step {
+                    start_ms: t0,
+                    duration_s: 170,
+                    payload: Payload::Simple(0),
+                }],
+            ),
+        )
+        .expect("call off the event");
+    wait_until(
+        "the event cancelled and the base budget back",
+        Duration::from_secs(30),
+        || {
+            let s = status(&stack);
+            (s.events.is_empty() && (s.budget_w - base_w).abs() < 1.0).then_some(())
+        },
+    );
+    drop(ven);
+    stack.ends_clean(&jobs, Duration::from_secs(30));
+    println!("whole test {:.1} s", started.elapsed().as_secs_f64());
+}
