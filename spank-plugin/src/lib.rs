@@ -7,7 +7,7 @@
 //! - **Remote** (slurmstepd, root): in `slurm_spank_init_post_opt` — root, before tasks are
 //!   forked, after options are known — registers the step with the node's agent and puts
 //!   `POWERFLEX_TIER` and `POWERFLEX_PROGRESS` into the tasks' environment; in
-//!   `slurm_spank_exit` ends the step.
+//!   `slurm_spank_exit` sends the agent a notice that the step ended (no answer awaited).
 //! - **Extern step's end** (root, every node, with `PrologFlags=Contain`): tells the agent
 //!   the job ended, so its GPUs return to default even if every step crashed. Without the
 //!   extern step, the agent finds the job's end itself (its step daemons gone). The plugin
@@ -15,7 +15,7 @@
 //!   for every job on every node, the largest part of the plugin's launch cost.
 //!
 //! Rules: every entry point runs its body under `catch_unwind` and returns the fail-open
-//! code on a panic; one socket exchange per callback with a hard timeout; no threads, no
+//! code on a panic; one socket exchange per launch with a hard timeout, notices at the end; no threads, no
 //! NVML, no `unwrap`; global state in a `Mutex` locked with
 //! `unwrap_or_else(PoisonError::into_inner)`; logs with a fixed `"%s"` format. Only a bad
 //! `--power-flex` value at submission returns an error.
@@ -359,8 +359,10 @@ pub unsafe extern "C" fn slurm_spank_exit(
             let request = ControlRequest::new(ControlOp::EndJob {
                 job_id: job_id.to_string(),
             });
-            // The agent may be down (or the job never managed): nothing to undo then.
-            if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
+            // The agent may be down (or the job never managed): nothing to undo then. A
+            // notice, not an exchange: a stopped agent must not hold the job's end (srun
+            // waits for the extern step), and the agent finds the end itself regardless.
+            if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
                 log_info(&e);
             }
             return 0;
@@ -370,7 +372,7 @@ pub unsafe extern "C" fn slurm_spank_exit(
         };
         let node = node_name(sp);
         let request = ControlRequest::new(ControlOp::EndStep { job_id, step_id });
-        if let Err(e) = logic::exchange(&args.socket, &node, &request, args.timeout) {
+        if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
             log_error(&e);
         }
         0

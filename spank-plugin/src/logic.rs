@@ -122,6 +122,26 @@ pub fn exchange(
     ControlReply::from_line(&line).map_err(|e| format!("bad answer from the powerflex agent: {e}"))
 }
 
+/// Longest a step's end may wait on the agent, s: the notice is sent, not answered (the
+/// agent also finds a job's end from its processes), so only a full backlog can cost time.
+pub const NOTICE_BUDGET: Duration = Duration::from_millis(20);
+
+/// Sends a notice (`EndStep`, `EndJob`) without waiting for the answer, within
+/// `budget.min(NOTICE_BUDGET)`.
+pub fn notify(
+    socket: &str,
+    node: &str,
+    request: &ControlRequest,
+    budget: Duration,
+) -> Result<(), String> {
+    let path = expand_node(socket, node);
+    crate::wire::send_within(
+        &path,
+        request.to_line().as_bytes(),
+        budget.min(NOTICE_BUDGET),
+    )
+}
+
 /// Expands a Slurm hostlist (`n[1-3,5],gpu[01-02],login`) into names, in order.
 /// Returns `None` for a malformed list or one longer than 65,536 names.
 pub fn expand_hostlist(list: &str) -> Option<Vec<String>> {

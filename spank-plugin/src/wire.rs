@@ -35,6 +35,20 @@ pub fn exchange_within(
         .map_err(|e| format!("no answer from the powerflex agent at {shown}: {e}"))
 }
 
+/// Sends `line` to the Unix socket at `path` without waiting for an answer, all before
+/// `budget` has passed: for notices (a step or job ended) whose answer changes nothing the
+/// plugin does. The line is small enough to sit in the socket's buffer, so an agent that
+/// is stopped but listening gets it when it runs again, and one whose backlog is full
+/// costs at most `budget`.
+pub fn send_within(path: &Path, line: &[u8], budget: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + budget;
+    let shown = path.display();
+    let mut stream = connect_before(path, deadline)
+        .map_err(|e| format!("cannot reach the powerflex agent at {shown}: {e}"))?;
+    write_before(&mut stream, line, deadline)
+        .map_err(|e| format!("cannot send to the powerflex agent at {shown}: {e}"))
+}
+
 fn timed_out() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed")
 }
@@ -304,6 +318,20 @@ mod tests {
             started.elapsed()
         );
         server.join().expect("server");
+    }
+
+    /// A stopped agent (listening, not accepting) still gets a notice: it waits in the
+    /// socket's buffer until the agent runs again, and the sender does not wait for it.
+    #[test]
+    fn a_notice_to_a_stopped_agent_is_delivered_when_it_runs_again() {
+        let path = socket_path("notice");
+        let listener = UnixListener::bind(&path).expect("bind");
+        send_within(&path, b"end job 7\n", Duration::from_millis(20)).expect("sent");
+        // The agent "resumes" only now, after the sender has gone.
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut got = String::new();
+        s.read_to_string(&mut got).expect("read");
+        assert_eq!(got, "end job 7\n");
     }
 
     #[test]
