@@ -15,8 +15,8 @@
 //!   for every job on every node, the largest part of the plugin's launch cost.
 //!
 //! Rules: every entry point runs its body under `catch_unwind` and returns the fail-open
-//! code on a panic; one socket exchange per launch with a hard timeout, notices at the end; no threads, no
-//! NVML, no `unwrap`; global state in a `Mutex` locked with
+//! code on a panic; one socket exchange per launch with a hard timeout, notices at the
+//! end; no threads, no NVML, no `unwrap`; global state in a `Mutex` locked with
 //! `unwrap_or_else(PoisonError::into_inner)`; logs with a fixed `"%s"` format. Only a bad
 //! `--power-flex` value at submission returns an error.
 
