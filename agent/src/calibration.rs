@@ -292,8 +292,8 @@ pub const MAX_WINDOWS_PER_CAP: usize = 48;
 
 /// Windows at the grant between two probes, and windows a probe cap needs before it is
 /// known well enough to stop probing it.
-const PROBE_AFTER_WINDOWS: usize = 2;
-const PROBE_WINDOWS: usize = 4;
+pub const PROBE_AFTER_WINDOWS: usize = 2;
+pub const PROBE_WINDOWS: usize = 4;
 
 /// A steady stretch at one cap being cut into windows (learning in operation).
 #[derive(Debug, Clone, PartialEq)]
