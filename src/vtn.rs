@@ -30,8 +30,9 @@ use crate::free_loopback_port;
 pub const VTN_VERSION: &str = "0.2.8";
 /// Version of the `pgserver` wheel whose PostgreSQL the bed runs.
 pub const PGSERVER_VERSION: &str = "0.1.4";
-/// The unprivileged user PostgreSQL runs as (Debian's `postgresql-common` creates it).
-pub const PG_USER: &str = "postgres";
+/// The unprivileged user PostgreSQL runs as: made by the test bed when missing (initdb and
+/// postgres refuse root), so a machine without Debian's PostgreSQL packages needs none.
+pub const PG_USER: &str = "pf-postgres";
 
 /// Scopes a utility's business logic holds at the VTN.
 pub const UTILITY_SCOPES: &str = "read_all write_programs write_events write_vens_bl";
@@ -100,22 +101,11 @@ pub fn available() -> Result<(), VtnError> {
 }
 
 fn user_ids(name: &str) -> Result<(u32, u32), VtnError> {
-    let out = Command::new("id")
-        .args(["-u", name])
-        .output()
-        .map_err(failed("id"))?;
-    let gid = Command::new("id")
-        .args(["-g", name])
-        .output()
-        .map_err(failed("id"))?;
-    let parse = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).trim().parse().ok();
-    match (out.status.success(), parse(&out), parse(&gid)) {
-        (true, Some(u), Some(g)) => Ok((u, g)),
-        _ => Err(VtnError::Missing {
-            what: "the unprivileged user for PostgreSQL",
-            path: format!("user {name} (apt-get install postgresql-common creates it)"),
-        }),
-    }
+    let user = crate::users::TestUser::ensure(name).map_err(|e| VtnError::Missing {
+        what: "the unprivileged user for PostgreSQL",
+        path: format!("user {name} (the test bed creates it with useradd, as root): {e}"),
+    })?;
+    Ok((user.uid, user.gid))
 }
 
 /// A command run as `user` (uid, gid) through util-linux's setpriv, which execs: the
