@@ -171,6 +171,13 @@ fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods(
         "flex0,calibrate=off",
         &format!("--phases {LIGHT}:100,{HEAVY}:20000 --time-scale 4"),
     );
+    // Slurm says RUNNING, and the controller grants a cap, once the step is registered:
+    // before the simulated job has claimed its GPUs.
+    wait_until(
+        "the light phase trains on n1",
+        Duration::from_secs(30),
+        || node_busy(&stack, 0).then_some(()),
+    );
     let light = stack.sims[0].reading(0).expect("reading").1;
     assert!(
         light.busy && light.power_mw < 580_000,
