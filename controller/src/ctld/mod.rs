@@ -306,18 +306,18 @@ mod tests {
             .expect("free port")
     }
 
-    /// The acceptors block in accept() (no polling): `run` must still end promptly when
-    /// asked, having woken them, and serve every socket until then.
-    #[test]
-    fn serves_admin_link_and_metrics_then_stops_promptly() {
-        let dir = std::env::temp_dir().join(format!("pf-ctld-run-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let metrics = free_port();
-        let options = CtldOptions {
+    /// A controller on free loopback ports with its files under `dir`: 3200 W, a 10 s
+    /// period, hard budget, the default tiers.
+    fn test_options(
+        dir: &std::path::Path,
+        key: &[u8],
+        metrics: std::net::SocketAddr,
+    ) -> CtldOptions {
+        CtldOptions {
             listen: free_port(),
             admin_socket: dir.join("ctld.sock"),
             state_dir: dir.join("state"),
-            key: b"site key for tests".to_vec(),
+            key: key.to_vec(),
             base_budget: Watts(3200.0),
             period: Duration::from_secs(10),
             lease_ttl_s: 30.0,
@@ -333,7 +333,17 @@ mod tests {
             metrics_listen: Some(metrics),
             lease_rollout: Default::default(),
             max_ramp_w_per_s: None,
-        };
+        }
+    }
+
+    /// The acceptors block in accept() (no polling): `run` must still end promptly when
+    /// asked, having woken them, and serve every socket until then.
+    #[test]
+    fn serves_admin_link_and_metrics_then_stops_promptly() {
+        let dir = std::env::temp_dir().join(format!("pf-ctld-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = free_port();
+        let options = test_options(&dir, b"site key for tests", metrics);
         let shutdown = Arc::new(AtomicBool::new(false));
         let (_reload_tx, reloads) = bounded::<Reload>(1);
         let (done_tx, done_rx) = bounded(1);
@@ -460,27 +470,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pf-ctld-bounds-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let metrics = free_port();
-        let options = CtldOptions {
-            listen: free_port(),
-            admin_socket: dir.join("ctld.sock"),
-            state_dir: dir.join("state"),
-            key: b"site key for the bounds test".to_vec(),
-            base_budget: Watts(3200.0),
-            period: Duration::from_secs(10),
-            lease_ttl_s: 30.0,
-            site: SiteSettings {
-                tiers: TierTable::default_table(),
-                policy: Policy::Optimal,
-                cap_step: Watts(10.0),
-                failsafe_cap: Watts(500.0),
-                default_pfi: 1.3,
-                budget_mode: BudgetMode::Hard,
-                objective: Objective::Tokens,
-            },
-            metrics_listen: Some(metrics),
-            lease_rollout: Default::default(),
-            max_ramp_w_per_s: None,
-        };
+        let options = test_options(&dir, b"site key for the bounds test", metrics);
         let bounds = Bounds {
             link: link::LinkLimits {
                 max_pending: 8,
