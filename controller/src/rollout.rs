@@ -128,8 +128,17 @@ impl Rollout {
     /// NVML). Jobs at or below what was sent confirm it. Returns the leases that may go
     /// out now (the held increases, once nothing is unconfirmed).
     pub fn confirmed(&mut self, node: &str, caps_in_force: &Caps) -> Vec<LeaseOut> {
+        self.confirm(node, caps_in_force);
+        self.release()
+    }
+
+    /// [`Self::confirmed`] without releasing anything: the caller releases with
+    /// [`Self::release_ready`] once it has seen everything it received together, so an
+    /// increase decided on older reports never goes out past a newer one (or over the
+    /// leases of an allocation made from it).
+    pub fn confirm(&mut self, node: &str, caps_in_force: &Caps) {
         let (Some(sent), Some(bound)) = (self.sent.get(node), self.may_run_at.get_mut(node)) else {
-            return Vec::new();
+            return;
         };
         let mut all = true;
         for (job, &cap) in sent {
@@ -148,7 +157,18 @@ impl Rollout {
         if all {
             self.unconfirmed.remove(node);
         }
+    }
+
+    /// The held increases, once every decrease they wait for is confirmed.
+    pub fn release_ready(&mut self) -> Vec<LeaseOut> {
         self.release()
+    }
+
+    /// Drops the increases held for confirmation: the reports they were decided on no
+    /// longer hold (a job's draw rose since), so they must not go out. The decreases
+    /// already sent stay in force and are still confirmed as usual.
+    pub fn drop_held(&mut self) {
+        self.pending.clear();
     }
 
     /// Nodes whose lowered caps have gone unconfirmed for `timeout_ms` at `now_ms`. The

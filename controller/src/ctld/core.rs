@@ -30,6 +30,37 @@ use powerflex_core::config::LeaseRollout;
 /// or link can take longer than a short allocation period.
 const MIN_CONFIRM_MS: u64 = 2_000;
 
+/// How much a job's draw must rise between two reports of a node, under a cap that did
+/// not rise and had held long enough for the draw to show it, to count as a new load: a
+/// fraction of the earlier draw (the drift band; NVML's noise is about 1 %), and at
+/// least [`DRAW_ROSE_MIN_W`] per GPU.
+const DRAW_ROSE_FRACTION: f64 = 0.10;
+const DRAW_ROSE_MIN_W: f64 = 10.0;
+/// How long the cap must have held for a rising draw to be the job's and not the cap's, s
+/// (the site's rule for a settled draw).
+const DRAW_ROSE_CAP_HELD_S: f64 = 1.0;
+
+/// Whether a job's draw rose from `old` to `new` (two reports of one node) under a cap
+/// that did not rise: the job's load grew, not its cap.
+fn draw_rose(old: &JobReport, new: &JobReport) -> bool {
+    let (Some(from), Some(to)) = (old.power_w, new.power_w) else {
+        return false;
+    };
+    let cap = |r: &JobReport| r.power_cap_w.or(r.cap_w);
+    let cap_not_raised = match (cap(old), cap(new)) {
+        (Some(a), Some(b)) => b <= a + 0.5,
+        _ => false,
+    };
+    let settled = new
+        .power_cap_steady_s
+        .is_some_and(|s| s >= DRAW_ROSE_CAP_HELD_S);
+    let gpus = f64::from(new.gpus.max(1));
+    cap_not_raised
+        && settled
+        && to > from * (1.0 + DRAW_ROSE_FRACTION)
+        && to - from > DRAW_ROSE_MIN_W * gpus
+}
+
 /// Samples kept: an hour at a 1 s period, a day at the default 10 s... within memory.
 pub const HISTORY: usize = 8640;
 
@@ -118,9 +149,6 @@ pub struct Core {
     dirty: bool,
     /// Decreases before increases (see [`crate::rollout`]).
     rollout: Rollout,
-    /// Leases the rollout released since the last step (increases whose decreases were
-    /// confirmed by the reports just handled).
-    released: Vec<LeaseOut>,
     /// Allocations made ahead of ramp-downs and held back on ramp-ups (see [`crate::ramp`]).
     ramp: Ramp,
     /// The last allocation's ramp plan.
@@ -199,7 +227,6 @@ impl Core {
             allocate_now: true,
             dirty: false,
             rollout: Rollout::new(),
-            released: Vec::new(),
             ramp: Ramp::new(),
             last_plan: None,
             curve_history: BTreeMap::new(),
@@ -238,8 +265,18 @@ impl Core {
             self.allocate_now = false;
             self.allocate(now_ms, &mut out);
         }
-        // Increases released by this step's confirmations go out with the leases.
-        for released in std::mem::take(&mut self.released) {
+        // Increases released by this step's confirmations go out with the leases. Only
+        // now, after the whole batch: an allocation made in this step has replaced the
+        // increases it found held (its own leases already carry what may rise), and an
+        // increase released before it would overwrite a newer lease with an older one.
+        let released = self.rollout.release_ready();
+        if !released.is_empty() {
+            info!(
+                nodes = released.len(),
+                "decreases confirmed; sending the held increases"
+            );
+        }
+        for released in released {
             let lease = self.lease_for(self.last.as_ref(), released.caps);
             out.leases.insert(released.node, lease);
         }
@@ -322,17 +359,30 @@ impl Core {
                     .map(|c| (j.job_id.clone(), c))
             })
             .collect();
+        // A job whose draw rose under a cap that did not rise (a new phase, a new step
+        // after an idle gap) makes every increase held for confirmation stale: it was
+        // decided when that job drew less, and released now it would raise caps on
+        // watts the job has just taken back. Budget first: drop them and allocate at
+        // once on what the node says now.
+        let rose = jobs.iter().find_map(|new| {
+            let old = s.view.jobs.iter().find(|o| o.job_id == new.job_id)?;
+            draw_rose(old, new).then(|| (new.job_id.clone(), old.power_w, new.power_w))
+        });
         s.view.jobs = jobs;
         s.view.power_w = power_w;
         s.last_seen_ms = now_ms;
-        let released = self.rollout.confirmed(node, &in_force);
-        if !released.is_empty() {
+        self.rollout.confirm(node, &in_force);
+        if let Some((job_id, from_w, to_w)) = rose {
             info!(
-                nodes = released.len(),
-                "decreases confirmed; sending the held increases"
+                node,
+                job_id,
+                from_w,
+                to_w,
+                "a job's draw rose under an unchanged cap; held increases dropped, allocating now"
             );
+            self.rollout.drop_held();
+            self.allocate_now = true;
         }
-        self.released.extend(released);
         // An agent reports right after its hello; the first report after a restart
         // completes what the controller knows of the node.
         let first = self.awaiting.remove(node);
@@ -1540,6 +1590,138 @@ mod tests {
             cap(&out, "n2", "102"),
             Some(700.0),
             "raised without waiting: {out:?}"
+        );
+    }
+
+    /// A report of a 4-GPU job on a prior (no walked curve) at `cap_w`, its cap held 10 s,
+    /// drawing `per_gpu_w` per GPU.
+    fn on_prior(node: &str, id: &str, tier: &str, cap_w: f64, per_gpu_w: f64) -> Input {
+        let mut j = job(id, None);
+        j.tier = tier.into();
+        j.points = Vec::new();
+        j.cap_w = Some(cap_w);
+        j.power_cap_w = Some(cap_w);
+        j.power_w = Some(per_gpu_w * 4.0);
+        // Few tokens for its watts: the allocator holds it low while it may.
+        j.throughput = Some(10.0);
+        Input::Report {
+            node: node.into(),
+            power_w: per_gpu_w * 4.0,
+            jobs: vec![j],
+        }
+    }
+
+    /// The demo's overshoot after a phase change, the rollout's part: an increase held
+    /// for a decrease's confirmation went out when the decrease was confirmed, although
+    /// the raised job's draw had risen since the allocation that decided it. Budget
+    /// first: a job whose draw rose is never raised on the reports from before the rise,
+    /// and a confirmation never sends an older lease over a newer allocation's.
+    #[test]
+    fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rises() {
+        let budget = 4000.0;
+        let mut core = fresh();
+        // Job 102 runs light (at most 300 W per GPU) on a prior, and buys few tokens
+        // with its watts: it is held low, the rest goes to job 101.
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: budget }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex3", 500.0),
+                hello("n2"),
+                on_prior("n2", "102", "flex3", 500.0, 300.0),
+            ],
+        );
+        let mut t = T0 + 1000;
+        let out = core.step(t, vec![Input::Tick]);
+        let c1 = cap(&out, "n1", "101").expect("n1");
+        let c2 = cap(&out, "n2", "102").expect("n2");
+        assert!(c2 < 700.0, "102 must start capped: {out:?}");
+        core.step(
+            t + 100,
+            vec![
+                at_cap("n1", "101", "flex3", c1),
+                on_prior("n2", "102", "flex3", c2, 300.0_f64.min(c2)),
+            ],
+        );
+        // 102 becomes unmovable (flex0): 101 is lowered at once, 102's rise held.
+        t += 1000;
+        let out = core.step(
+            t,
+            vec![
+                on_prior("n2", "102", "flex0", c2, 300.0_f64.min(c2)),
+                Input::Tick,
+            ],
+        );
+        let lowered = cap(&out, "n1", "101").expect("n1 lowered");
+        assert!(lowered < c1, "{out:?}");
+        assert_eq!(cap(&out, "n2", "102"), Some(c2), "held: {out:?}");
+        // Before n1 confirms, 102's load comes: it draws its cap under the cap it had.
+        let out = core.step(t + 300, vec![on_prior("n2", "102", "flex0", c2, c2)]);
+        assert!(
+            out.metrics.is_some(),
+            "a rise under an unchanged cap is allocated at once: {out:?}"
+        );
+        let relowered = cap(&out, "n1", "101").expect("n1 lowered again");
+        // n1 confirms the first decrease. The increase decided while 102 was light must
+        // not go out: at 700 W it draws 2.8 kW, and 101 is not yet down to make room.
+        let out = core.step(t + 400, vec![at_cap("n1", "101", "flex3", lowered)]);
+        if let Some(c) = cap(&out, "n2", "102") {
+            assert!(
+                lowered * 4.0 + c * 4.0 <= budget + 1e-6,
+                "102 raised to {c} W with 101 still at {lowered} W: {out:?}"
+            );
+        }
+        // Once 101 confirms the second decrease, 102 gets its full cap, within the budget.
+        let out = core.step(t + 500, vec![at_cap("n1", "101", "flex3", relowered)]);
+        let raised = cap(&out, "n2", "102").expect("released");
+        assert_eq!(raised, 700.0, "flex0: {out:?}");
+        assert!(relowered * 4.0 + raised * 4.0 <= budget + 1e-6, "{out:?}");
+    }
+
+    /// An allocation and a confirmation in one batch: the leases of the allocation go
+    /// out, not the increase the confirmation would have released from the one before.
+    #[test]
+    fn a_confirmation_in_the_same_batch_as_an_allocation_does_not_send_the_older_lease() {
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 4000.0 }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex3", 500.0),
+                hello("n2"),
+                at_cap("n2", "102", "flex3", 500.0),
+            ],
+        );
+        let t = T0 + 1000;
+        let out = core.step(t, vec![Input::Tick]);
+        let (c1, c2) = (
+            cap(&out, "n1", "101").expect("n1"),
+            cap(&out, "n2", "102").expect("n2"),
+        );
+        core.step(
+            t + 100,
+            vec![
+                at_cap("n1", "101", "flex3", c1),
+                at_cap("n2", "102", "flex3", c2),
+            ],
+        );
+        let out = core.step(t + 200, vec![at_cap("n2", "102", "flex0", c2), Input::Tick]);
+        let lowered = cap(&out, "n1", "101").expect("n1 lowered");
+        // n1 confirms in the same batch as a cut to 3 kW.
+        let out = core.step(
+            t + 300,
+            vec![
+                at_cap("n1", "101", "flex3", lowered),
+                admin(AdminOp::BudgetSet { budget_w: 3000.0 }, 0),
+            ],
+        );
+        let n1 = cap(&out, "n1", "101").unwrap_or(lowered);
+        let n2 = cap(&out, "n2", "102").unwrap_or(c2);
+        assert!(
+            n1 * 4.0 + n2 * 4.0 <= 3000.0 + 1e-6,
+            "{n1} W and {n2} W sent under a 3 kW budget: {out:?}"
         );
     }
 }
