@@ -10,7 +10,7 @@
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
 #   faketime       libfaketime, to jump one agent's wall clock in the fault tests
-#   valgrind       watches the plugin inside srun (tests/spank_plugin.rs)
+#   valgrind       watches the plugin inside srun and slurmstepd (tests/spank_plugin.rs)
 #
 # and, from crates.io with `cargo install --locked` (built from source, once per
 # machine; measured on a 2-core machine: cargo-deny 3 min 53 s, cargo-machete 1 min 10 s):
