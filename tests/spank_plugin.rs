@@ -461,20 +461,42 @@ impl StepdUnderValgrind {
             || {
                 let logs = self.logs();
                 logs.iter()
-                    .all(|(pid, log)| log.contains("ERROR SUMMARY:") || !under_memcheck(*pid))
+                    .all(|(pid, log)| log.contains("ERROR SUMMARY:") || !self.watching(*pid))
                     .then_some(logs)
             },
         )
     }
-}
 
-/// Whether `pid` is alive and still memcheck (not yet exec'd into a task).
-fn under_memcheck(pid: u32) -> bool {
-    powerflex_testbed::slurm::pid_alive(pid)
-        && std::fs::read_link(format!("/proc/{pid}/exe"))
+    /// Whether `pid` is alive and still memcheck writing into this test's logs (not yet
+    /// exec'd into a task, not a reused PID).
+    fn watching(&self, pid: u32) -> bool {
+        let memcheck = std::fs::read_link(format!("/proc/{pid}/exe"))
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-            .is_some_and(|name| name.starts_with("memcheck"))
+            .is_some_and(|name| name.starts_with("memcheck"));
+        let logs_here = format!("--log-file={}/", self.logs.display());
+        powerflex_testbed::slurm::pid_alive(pid)
+            && memcheck
+            && std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                cmdline
+                    .split(|b| *b == 0)
+                    .any(|arg| arg.starts_with(logs_here.as_bytes()))
+            })
+    }
+}
+
+impl Drop for StepdUnderValgrind {
+    /// A step daemon under memcheck is not found by the cluster's own clean-up (its
+    /// command is `memcheck-amd64-linux`, not `slurm…`): whatever is still running once
+    /// the cluster has stopped (a test that failed midway) is killed by the PID its log
+    /// is named after.
+    fn drop(&mut self) {
+        for (pid, _) in self.logs() {
+            if self.watching(pid) {
+                let _ = powerflex_daemon::os::kill(pid, powerflex_daemon::os::Signal::KILL);
+            }
+        }
+    }
 }
 
 /// What memcheck reports that the test judges.
