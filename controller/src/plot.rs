@@ -352,10 +352,14 @@ pub fn render_svg_marked(
     Ok(out)
 }
 
+/// Labels closer than this, px, would overprint: the later one moves right.
+const MARK_LABEL_GAP: f64 = 11.0;
+
 /// Bands first (translucent, so the lines stay readable), then the instants' lines.
 fn draw_marks(out: &mut String, axis: &Axis, last_ms: u64, marks: &[Mark]) {
     let (top, bottom) = (TOP_PANEL.0, BOTTOM_PANEL.1);
     let visible = |t: u64| t >= axis.t0_ms && t <= last_ms;
+    let mut label_xs: Vec<f64> = Vec::new();
     for m in marks {
         let x = axis.x(m.from_ms.clamp(axis.t0_ms, last_ms));
         match m.to_ms {
@@ -381,10 +385,14 @@ fn draw_marks(out: &mut String, axis: &Axis, last_ms: u64, marks: &[Mark]) {
             _ => continue,
         }
         let ty = top + 6.0;
+        let mut tx = x + 3.0;
+        while label_xs.iter().any(|&o| (o - tx).abs() < MARK_LABEL_GAP) {
+            tx += MARK_LABEL_GAP;
+        }
+        label_xs.push(tx);
         let _ = writeln!(
             out,
             r##"<text x="{tx:.1}" y="{ty}" font-size="10" fill="#333" transform="rotate(90 {tx:.1} {ty})">{label}</text>"##,
-            tx = x + 3.0,
             label = escape(&m.label)
         );
     }
@@ -460,6 +468,22 @@ mod tests {
         assert_eq!(
             render_svg(&samples, "t"),
             render_svg_marked(&samples, "t", &[])
+        );
+        // Two instants at one time: the second label moves right instead of overprinting.
+        let same = [mark(4_000, None, "a"), mark(4_000, None, "b")];
+        let svg = render_svg_marked(&samples, "t", &same).expect("svg");
+        let label_x = |label: &str| -> f64 {
+            let end = svg.find(&format!(">{label}</text>")).expect("label");
+            let start = svg[..end].rfind("<text x=\"").expect("text") + 9;
+            svg[start..]
+                .split('"')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .expect("x")
+        };
+        assert!(
+            (label_x("b") - label_x("a") - MARK_LABEL_GAP).abs() < 0.05,
+            "{svg}"
         );
     }
 
