@@ -1116,6 +1116,8 @@ struct Openadr {
     /// running again (Unix ms); every job the controller held out during the event.
     suspended_ms: Option<u64>,
     slurm_suspended: bool,
+    /// The job's Slurm comment while suspended (why, for its user).
+    comment: String,
     resumed_ms: Option<u64>,
     held: Vec<String>,
     /// Lowest cap the flex0 job's GPUs enforced from publication to the end, W.
@@ -1395,6 +1397,7 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
         caps_ms: None,
         suspended_ms: None,
         slurm_suspended: false,
+        comment: String::new(),
         resumed_ms: None,
         held: Vec::new(),
         flex0_min_cap_w: None,
@@ -1463,21 +1466,33 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
             let held_now = status.preempted.iter().any(|p| p.job == job_id);
             if held_now && o.suspended_ms.is_none() {
                 o.suspended_ms = Some(now);
-                let comment = demo.stack.cluster.job_info(pausable.id);
-                let why = comment
-                    .split_whitespace()
-                    .find_map(|f| f.strip_prefix("Comment="))
-                    .unwrap_or("")
-                    .to_string();
                 demo.progress.say(format!(
-                    "      job {job_id} suspended by the controller ({:.1} s after publication{}; its comment: {why})",
+                    "      job {job_id} suspended by the controller ({:.1} s after publication{})",
                     (now - published_ms) as f64 / 1000.0,
-                    if now < start_ms { ", before the start" } else { "" }
+                    if now < start_ms {
+                        ", before the start"
+                    } else {
+                        ""
+                    }
                 ));
             }
-            if o.suspended_ms.is_some() && !o.slurm_suspended {
-                o.slurm_suspended =
-                    demo.stack.cluster.job_state(pausable.id).as_deref() == Some("SUSPENDED");
+            // What Slurm shows: the state, and the comment the controller writes for the
+            // user (a moment after the suspension).
+            if o.suspended_ms.is_some() && (!o.slurm_suspended || o.comment.is_empty()) {
+                let info = demo.stack.cluster.job_info(pausable.id);
+                let field = |key: &str| {
+                    info.split_whitespace()
+                        .find_map(|f| f.strip_prefix(key))
+                        .unwrap_or("")
+                        .to_string()
+                };
+                if field("JobState=") == "SUSPENDED" {
+                    o.slurm_suspended = true;
+                    let comment = field("Comment=");
+                    if comment != "(null)" {
+                        o.comment = comment;
+                    }
+                }
             }
             if o.suspended_ms.is_some()
                 && o.resumed_ms.is_none()
@@ -2025,9 +2040,9 @@ fn report(
         grid.job,
         after_pub(grid.suspended_ms),
         if grid.slurm_suspended {
-            " (Slurm: SUSPENDED)"
+            format!(" (Slurm: SUSPENDED, comment \"{}\")", grid.comment)
         } else {
-            " (NO SUSPENDED STATE SEEN IN SLURM)"
+            " (NO SUSPENDED STATE SEEN IN SLURM)".to_string()
         },
         grid.held,
         if grid.held == [grid.job.to_string()] {
@@ -2114,7 +2129,7 @@ fn report(
             "at_ctld_after_publish_s": grid.s_after_publish(grid.at_ctld_ms),
             "caps_in_force_after_publish_s": grid.s_after_publish(grid.caps_ms),
             "suspended_after_publish_s": grid.s_after_publish(grid.suspended_ms),
-            "slurm_suspended": grid.slurm_suspended, "held": grid.held,
+            "slurm_suspended": grid.slurm_suspended, "slurm_comment": grid.comment, "held": grid.held,
             "resumed_after_end_s": grid.resumed_ms.map(|t| (t as f64 - grid.end_ms as f64) / 1000.0),
             "flex0_min_cap_w": grid.flex0_min_cap_w,
             "draw_max_w": grid.draw_max_w(), "draw_samples": grid.in_force().len(),
