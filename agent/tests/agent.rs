@@ -344,13 +344,17 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
     let progress = reply.progress.expect("progress address for a managed job");
     let profile = "qwen3-30b-a3b-moe-ft-8g";
     f.simjob("101", "0,1", profile, Some(&progress));
-    // Calibration walks the grid: caps on the job's GPUs go below 700 W meanwhile.
+    // Calibration walks the grid: caps on the job's GPUs go below 700 W meanwhile, one
+    // cap for the whole job. (The agent writes the GPUs one after the other, so a read
+    // between the two writes sees them differ for a moment: wait for both.)
     wait_until(
-        "a calibration level below 700 W",
+        "one calibration level below 700 W on both of the job's GPUs",
         Duration::from_secs(60),
-        || (f.limit_w(0) < 700.0).then_some(()),
+        || {
+            let (a, b) = (f.limit_w(0), f.limit_w(1));
+            (a < 700.0 && a == b).then_some(())
+        },
     );
-    assert_eq!(f.limit_w(0), f.limit_w(1), "one cap for the whole job");
     assert_eq!(f.limit_w(2), 700.0, "GPUs of no job untouched");
     let done = wait_until("calibration to finish", Duration::from_secs(120), || {
         f.job_status("101")
