@@ -117,6 +117,10 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     calibrating: j.calibrating,
                     curve: j.curve.clone(),
                     calibration_cost_pct: j.calibration_cost_pct,
+                    // Slurm's job uid from the root slurmstepd's registration (or the
+                    // kernel's owner of the job's processes, for a job taken back):
+                    // the controller shows the job to this user and root only.
+                    owner_uid: Some(j.uid),
                 }
             })
             .collect(),

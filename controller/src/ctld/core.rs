@@ -16,6 +16,7 @@ use powerflex_proto::link::{GpuInfo, JobReport};
 use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
 use super::metrics::MetricsInput;
+use super::owners::{self, Owners};
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
 use crate::preempt::{self, Action};
@@ -131,6 +132,9 @@ pub struct Core {
     /// The event in force at the last allocation: when it ends, every job's curve is
     /// snapshotted.
     last_event: Option<u64>,
+    /// Who owns the jobs reported now and within the history: a non-root admin caller
+    /// reads only their own (see [`owners::need_to_know`]).
+    owners: Owners,
 }
 
 impl Core {
@@ -204,6 +208,7 @@ impl Core {
             last_plan: None,
             curve_history: BTreeMap::new(),
             last_event: None,
+            owners: Owners::default(),
         }
     }
 
@@ -224,7 +229,9 @@ impl Core {
                 } => self.report(&node, jobs, power_w, now_ms),
                 Input::Admin { op, uid } => {
                     let changes = op.changes_state();
-                    let reply = self.admin(op, uid, now_ms);
+                    let reply = owners::need_to_know(self.admin(op, uid, now_ms), uid, |job| {
+                        self.owners.of(job)
+                    });
                     if reply.ok && changes {
                         self.allocate_now = true;
                     }
@@ -384,6 +391,13 @@ impl Core {
     fn admin(&mut self, op: AdminOp, uid: u32, now_ms: u64) -> AdminReply {
         if op.changes_state() && uid != 0 {
             return AdminReply::error("only root may change the budget or grid events");
+        }
+        if matches!(op, AdminOp::WhatIf { .. }) && uid != 0 {
+            // Every job's curve and cap, and a whole allocation's work: not computed
+            // only to be withheld.
+            return AdminReply::error(
+                "what-if shows every job's curve and cap: root only (run powerflexctl as root)",
+            );
         }
         match op {
             AdminOp::Status => AdminReply {
@@ -668,6 +682,18 @@ impl Core {
             &mut self.annotations,
         );
         let draw = status::live_draw_w(&self.sessions);
+        // The owners of the jobs this sample names, remembered while the history holds it
+        // (and while a job is held out, for the status).
+        self.owners.observe(
+            self.sessions.values().flat_map(|s| s.view.jobs.iter()),
+            now_ms,
+        );
+        let window_ms = (HISTORY as u64).saturating_mul(self.options.period.as_millis() as u64);
+        let preempted = &self.state.preempted;
+        self.owners
+            .forget_before(now_ms.saturating_sub(window_ms), |job| {
+                preempted.contains_key(job)
+            });
         let caps: BTreeMap<String, f64> = decision
             .allocation
             .as_ref()
@@ -788,6 +814,7 @@ mod tests {
             calibrating: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
+            owner_uid: None,
         }
     }
 
@@ -1010,7 +1037,7 @@ mod tests {
                     policy: "optimal".into(),
                     budget_w: None,
                 },
-                1000,
+                0,
             )],
         );
         let d = reply(&out).what_if.as_ref().expect("decision");
@@ -1186,13 +1213,21 @@ mod tests {
             Some("powerflex.toml: bad key")
         );
         assert_eq!(status.base_budget_w, 10_000.0);
-        let out = core.step(T0 + 2, vec![admin(AdminOp::Status, 1000)]);
-        assert_eq!(
+        let error_for = |core: &mut Core, uid| {
+            let out = core.step(T0 + 2, vec![admin(AdminOp::Status, uid)]);
             reply(&out)
                 .status
                 .as_ref()
-                .and_then(|s| s.config_error.as_deref()),
+                .and_then(|s| s.config_error.clone())
+        };
+        assert_eq!(
+            error_for(&mut core, 0).as_deref(),
             Some("powerflex.toml: bad key")
+        );
+        // Anyone learns that a reload was refused; only root reads the config's words.
+        assert_eq!(
+            error_for(&mut core, 1000).as_deref(),
+            Some(owners::CONFIG_ERROR_FOR_USERS)
         );
         core.step(T0 + 3, vec![Input::Reload(Box::new(Ok(options())))]);
         assert_eq!(core.status(T0 + 3).config_error, None);
@@ -1210,7 +1245,7 @@ mod tests {
                     policy: "equal".into(),
                     budget_w: Some(3000.0),
                 },
-                1000,
+                0,
             )],
         );
         let d = reply(&out).what_if.as_ref().expect("decision");
@@ -1238,6 +1273,20 @@ mod tests {
             e.contains("\"greedy\"") && e.contains("optimal, equal, pfi-proportional"),
             "{e}"
         );
+        // Every job's curve and cap: root's only, refused before it is computed.
+        let out = core.step(
+            T0 + 3,
+            vec![admin(
+                AdminOp::WhatIf {
+                    policy: "equal".into(),
+                    budget_w: None,
+                },
+                1000,
+            )],
+        );
+        assert!(reply(&out).what_if.is_none());
+        let e = reply(&out).error.clone().expect("refused");
+        assert!(e.contains("root only"), "{e}");
     }
 
     #[test]
@@ -1246,7 +1295,7 @@ mod tests {
         for i in 1..=3 {
             core.step(T0 + i * 5_000, vec![Input::Tick]);
         }
-        let out = core.step(T0 + 15_001, vec![admin(AdminOp::History, 1000)]);
+        let out = core.step(T0 + 15_001, vec![admin(AdminOp::History, 0)]);
         let history = reply(&out).history.as_ref().expect("history");
         assert_eq!(
             history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
@@ -1255,6 +1304,78 @@ mod tests {
         assert!(history
             .iter()
             .all(|s| s.caps.contains_key("101") && s.budget_w == 10_000.0));
+    }
+
+    /// Issue 14, need-to-know: the owners the agents report decide what a non-root admin
+    /// caller reads — in the status, the history, and after the job has left.
+    #[test]
+    fn a_user_reads_only_their_own_jobs_and_root_reads_all() {
+        const ALICE: u32 = 1001;
+        const BOB: u32 = 1002;
+        let owned = |id: &str, uid: Option<u32>| {
+            let mut j = job(id, None);
+            j.owner_uid = uid;
+            j
+        };
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                hello("n1"),
+                report(
+                    "n1",
+                    vec![owned("101", Some(ALICE)), owned("102", Some(BOB))],
+                ),
+                hello("n2"),
+                // An agent from before owners were reported.
+                report("n2", vec![owned("103", None)]),
+            ],
+        );
+        let jobs_for = |core: &mut Core, t: u64, uid: u32| -> Vec<String> {
+            let out = core.step(t, vec![admin(AdminOp::Status, uid)]);
+            let status = reply(&out).status.clone().expect("status");
+            assert_eq!(status.jobs_of_uid, (uid != 0).then_some(uid));
+            assert_eq!(status.nodes.len(), 2, "every caller sees the nodes");
+            status.jobs.into_iter().map(|j| j.job).collect()
+        };
+        assert_eq!(jobs_for(&mut core, T0 + 1, 0), ["101", "102", "103"]);
+        assert_eq!(jobs_for(&mut core, T0 + 1, ALICE), ["101"]);
+        assert_eq!(jobs_for(&mut core, T0 + 1, BOB), ["102"]);
+        assert!(jobs_for(&mut core, T0 + 1, 1003).is_empty());
+        let caps_for = |core: &mut Core, t: u64, uid: u32| -> Vec<String> {
+            let out = core.step(t, vec![admin(AdminOp::History, uid)]);
+            let history = reply(&out).history.clone().expect("history");
+            let mut jobs: Vec<String> = history
+                .into_iter()
+                .flat_map(|s| s.caps.into_keys())
+                .collect();
+            jobs.sort();
+            jobs.dedup();
+            jobs
+        };
+        assert_eq!(caps_for(&mut core, T0 + 1, ALICE), ["101"]);
+        assert_eq!(caps_for(&mut core, T0 + 1, 0), ["101", "102", "103"]);
+        // Alice's job ends: it leaves the status, and she still reads its caps in the
+        // history; bob still cannot.
+        core.step(
+            T0 + 10_000,
+            vec![report("n1", vec![owned("102", Some(BOB))]), Input::Tick],
+        );
+        assert!(jobs_for(&mut core, T0 + 10_001, ALICE).is_empty());
+        assert_eq!(caps_for(&mut core, T0 + 10_001, ALICE), ["101"]);
+        assert_eq!(caps_for(&mut core, T0 + 10_001, BOB), ["102"]);
+        // Two nodes naming different owners for one job: nobody's but root's.
+        core.step(
+            T0 + 20_000,
+            vec![
+                report("n1", vec![owned("104", Some(ALICE))]),
+                report("n2", vec![owned("104", Some(BOB))]),
+                Input::Tick,
+            ],
+        );
+        assert!(jobs_for(&mut core, T0 + 20_001, ALICE).is_empty());
+        assert!(jobs_for(&mut core, T0 + 20_001, BOB).is_empty());
+        assert_eq!(jobs_for(&mut core, T0 + 20_001, 0), ["104"]);
     }
 
     /// A report of one 4-GPU job at `cap_w` (read back), drawing what its curve says.

@@ -23,6 +23,7 @@ pub mod core;
 pub mod learning;
 pub mod link;
 pub mod metrics;
+pub mod owners;
 pub mod state;
 pub mod status;
 
