@@ -21,29 +21,41 @@ pub fn profile_dir() -> PathBuf {
     PathBuf::from(env!("POWERFLEX_PROFILE_DIR"))
 }
 
-/// Runs `cargo build <args>` once per test process (per distinct `args`), in the profile
-/// the tests were built with, with the cargo that runs the tests.
+/// Makes sure the artifacts `args` name (`cargo build` arguments) are built and current,
+/// once per test process, in the profile the tests were built with, with the cargo that
+/// runs the tests.
 ///
 /// `cargo test` compiles other packages' binaries only as unit-test harnesses (and their
 /// cdylibs and examples not at all), so the real artifacts in the profile directory may
-/// be stale or missing; when they are current this costs a fraction of a second.
+/// be stale or missing. In the dev profile this builds the whole workspace, every target
+/// (a superset of `args`): that is the feature set the test command's build step
+/// (`cargo build --workspace --all-targets`) used, so after it this is a freshness check
+/// of a second or two. Building only `args` would resolve features for that subset of the
+/// workspace and rebuild shared dependencies, and the binaries under test, with another
+/// feature set, once per distinct subset (minutes of a CI run). Other profiles (the
+/// benches') build `args` only.
 pub fn cargo_build(args: &[&str]) {
     static BUILT: OnceLock<Mutex<HashSet<Vec<String>>>> = OnceLock::new();
     let built = BUILT.get_or_init(|| Mutex::new(HashSet::new()));
     let mut built = built.lock().unwrap_or_else(PoisonError::into_inner);
-    let key: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    if built.contains(&key) {
-        return;
-    }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
         Some("debug") | None => "dev".to_string(),
         Some(other) => other.to_string(),
     };
+    let build_args: &[&str] = if profile == "dev" {
+        &["--workspace", "--all-targets"]
+    } else {
+        args
+    };
+    let key: Vec<String> = build_args.iter().map(|a| a.to_string()).collect();
+    if built.contains(&key) {
+        return;
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(repo_root())
         .args(["build", "--quiet", "--profile", &profile])
-        .args(args)
+        .args(build_args)
         .status()
         .unwrap_or_else(|e| panic!("cannot run cargo build {args:?}: {e}"));
     assert!(status.success(), "cargo build {args:?} failed");

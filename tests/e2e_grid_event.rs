@@ -272,22 +272,54 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         ],
     );
     assert_eq!(add.code, Some(0), "{}", add.stderr);
-    // After the ramp plus the time for caps to reach the GPUs.
+    // After the ramp plus the time for caps to reach the GPUs, the draw is within the
+    // budget at every 50 ms sample. A job placed below its lowest measured cap sits on an
+    // extrapolated curve until its first learned window there (settle + hold) corrects
+    // it: the tier bounds are judged once every job's cap has held for longer than the
+    // 10 s over which the controller reports throughput.
     std::thread::sleep(Duration::from_secs(7));
-    let mut worst = 0.0f64;
     let flex0 = jobs[0].0;
-    for _ in 0..20 {
-        let draw = draw_w(&sims);
-        worst = worst.max(draw);
+    let mut worst = 0.0f64;
+    let mut samples = 0u32;
+    let mut sample_draw_for = |span: Duration, worst: &mut f64| {
+        let until = Instant::now() + span;
+        while Instant::now() < until {
+            let draw = draw_w(&sims);
+            *worst = worst.max(draw);
+            samples += 1;
+            assert!(
+                draw <= target_w * 1.01,
+                "draw {draw:.0} W over the {target_w:.0} W budget (uncapped {before_w:.0} W)"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let event_started = Instant::now() - Duration::from_secs(7);
+    let caps_now = || -> Vec<Option<f64>> {
+        jobs.iter()
+            .map(|&(id, _, _)| job_view(&ctl, &socket, id).and_then(|j| j.cap_w))
+            .collect()
+    };
+    let first_caps = caps_now();
+    let (mut settled_caps, mut settled_since) = (first_caps.clone(), Instant::now());
+    while settled_since.elapsed() < Duration::from_secs(12) {
         assert!(
-            draw <= target_w * 1.01,
-            "draw {draw:.0} W over the {target_w:.0} W budget (uncapped {before_w:.0} W)"
+            event_started.elapsed() < Duration::from_secs(90),
+            "the caps did not settle within 90 s of the event: {settled_caps:?}"
         );
-        std::thread::sleep(Duration::from_millis(500));
+        sample_draw_for(Duration::from_secs(1), &mut worst);
+        let caps = caps_now();
+        if caps != settled_caps {
+            (settled_caps, settled_since) = (caps, Instant::now());
+        }
     }
-    eprintln!("event: uncapped {before_w:.0} W, budget {target_w:.0} W, highest draw {worst:.0} W");
+    eprintln!(
+        "event: uncapped {before_w:.0} W, budget {target_w:.0} W, highest draw {worst:.0} W \
+         in {samples} samples at 50 ms; caps {first_caps:?} W at the ramp's end, settled at \
+         {settled_caps:?} W {:.0} s into the event",
+        (settled_since - event_started).as_secs_f64()
+    );
     // Slowdowns within bounds: throughput now against the job's uncapped throughput.
-    std::thread::sleep(Duration::from_secs(3));
     for (&(id, tier, bound), &uncapped) in jobs.iter().zip(&uncapped) {
         let j = job_view(&ctl, &socket, id).unwrap_or_else(|| {
             let all = run(&ctl, &["jobs", "--socket", &socket]);

@@ -728,9 +728,11 @@ fn fit_power_model(r: &Readings) -> Option<PowerModel> {
 /// their savings; the less noise left in power, the less budget that bias can eat.
 ///
 /// Below its lowest reading a job's curve is extended to `min_cap_w` (when lower): power
-/// from the fitted model, throughput pessimistically (see `extend_down`). The curve
-/// marks where the extrapolation starts; the allocator goes there only when the budget
-/// cannot be met above it.
+/// from the fitted model, throughput by the lower of two guesses (see `extend_down`). It
+/// is a guess, not a bound: a GPU whose throughput reaches zero well above its idle draw
+/// (a knee) does worse. The curve marks where the extrapolation starts; the allocator goes
+/// there only when the budget cannot be met above it, and the job's first learned window
+/// there replaces the guess.
 /// Throughput and the rest follow [`estimate_curve`].
 pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<CapCurve> {
     // A noise level that is not a number is treated as none: no pooling, no shrinkage.
@@ -835,8 +837,9 @@ fn extend_down(r: &mut Readings, model: Option<PowerModel>, min_cap: f64) {
         Some(_) => p_lo,
         None => p_lo * min_cap / c_lo,
     };
-    // The lower of two guesses: throughput in proportion to power (a lower bound where
-    // the curve is concave), and the lowest measured segment continued (lower where the
+    // The lower of two guesses: throughput in proportion to power (a lower bound only
+    // where the curve is concave all the way down to zero power, which a knee above the
+    // idle draw breaks), and the lowest measured segment continued (lower where the
     // curve already bends down, as throughput collapses at deep caps).
     let proportional = t_lo * power / p_lo;
     let continued = if r.caps.len() >= 2 && r.power[1] > p_lo {
