@@ -474,8 +474,16 @@ fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
         }
         rows.into_iter().map(|r| r.job).collect()
     };
-    assert_eq!(jobs_as(&alice), [honest.clone()], "alice sees her job only");
-    assert_eq!(jobs_as(&bob), [liar.clone()], "bob sees his job only");
+    assert_eq!(
+        jobs_as(&alice),
+        std::slice::from_ref(&honest),
+        "alice sees her job only"
+    );
+    assert_eq!(
+        jobs_as(&bob),
+        std::slice::from_ref(&liar),
+        "bob sees his job only"
+    );
     let all: Vec<String> = stack
         .ctl_json::<Vec<SiteJobStatus>>(&["jobs"])
         .expect("jobs as root")
