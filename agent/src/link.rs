@@ -290,6 +290,7 @@ fn serve(
                         start_cap_w,
                         recalibrate,
                         learn,
+                        next_event_in_s,
                     } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
@@ -305,6 +306,7 @@ fn serve(
                             start_cap: start_cap_w.map(Watts),
                             recalibrate,
                             learn,
+                            next_event_in_s,
                         });
                     }
                     other => warn!(

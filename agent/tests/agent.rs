@@ -762,6 +762,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         start_cap_w: None,
         recalibrate: Vec::new(),
         learn: Vec::new(),
+        next_event_in_s: None,
     };
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
     let first = session

@@ -192,6 +192,13 @@ pub enum Body {
         /// windows), while an event holds them below uncapped.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         learn: Vec<String>,
+        /// Seconds from the controller's send to the start of the next announced grid
+        /// event, when one is scheduled: a job still calibrating compresses its walk to
+        /// have its curve measured before the cut (pre-positioning, issue 16). An older
+        /// agent refuses a lease with this field: upgrade agents before announcing
+        /// events to them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        next_event_in_s: Option<f64>,
     },
 }
 
@@ -937,6 +944,7 @@ mod tests {
             start_cap_w: Some(300.0),
             recalibrate: Vec::new(),
             learn: Vec::new(),
+            next_event_in_s: None,
         }
     }
 
@@ -1176,6 +1184,7 @@ mod tests {
             start_cap_w: None,
             recalibrate: Vec::new(),
             learn: Vec::new(),
+            next_event_in_s: None,
         };
         assert!(matches!(
             ctld.seal(&huge, NOW),

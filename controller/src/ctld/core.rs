@@ -74,6 +74,9 @@ pub struct Lease {
     /// The node's jobs that run on it alone: the agent may probe their curves (see
     /// `powerflex_proto::link::Body::Lease`).
     pub learn: Vec<String>,
+    /// Seconds to the start of the next announced event, if one is scheduled: jobs
+    /// still calibrating finish their walks before it (pre-positioning).
+    pub next_event_in_s: Option<f64>,
 }
 
 /// What one [`Core::step`] asks the I/O edge to do, in this order: persist, reply, lease,
@@ -247,7 +250,7 @@ impl Core {
         }
         // Increases released by this step's confirmations go out with the leases.
         for released in std::mem::take(&mut self.released) {
-            let lease = self.lease_for(self.last.as_ref(), released.caps);
+            let lease = self.lease_for(self.last.as_ref(), released.caps, now_ms);
             out.leases.insert(released.node, lease);
         }
         if std::mem::take(&mut self.dirty) {
@@ -508,7 +511,12 @@ impl Core {
 
     /// A node's lease with `caps`: `decision`'s start cap and the node's jobs to walk
     /// again (before any decision: the fail-safe cap, nothing to walk).
-    fn lease_for(&self, decision: Option<&Decision>, caps: BTreeMap<String, f64>) -> Lease {
+    fn lease_for(
+        &self,
+        decision: Option<&Decision>,
+        caps: BTreeMap<String, f64>,
+        now_ms: u64,
+    ) -> Lease {
         let (start_cap_w, recalibrate) = match decision {
             Some(d) => (
                 d.start_cap_w,
@@ -537,6 +545,7 @@ impl Core {
             start_cap_w,
             recalibrate,
             learn,
+            next_event_in_s: next_event_in_s(&self.state.events, now_ms),
         }
     }
 
@@ -671,7 +680,7 @@ impl Core {
         out.leases = sends
             .into_iter()
             .map(|l| {
-                let lease = self.lease_for(Some(&decision), l.caps);
+                let lease = self.lease_for(Some(&decision), l.caps, now_ms);
                 (l.node, lease)
             })
             .collect();
@@ -736,6 +745,15 @@ impl Core {
         }));
         self.last = Some(decision);
     }
+}
+
+/// Seconds from `now_ms` to the start of the next event not yet started, if any.
+fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
+    events
+        .iter()
+        .filter(|e| e.start_ms > now_ms)
+        .map(|e| (e.start_ms - now_ms) as f64 / 1000.0)
+        .min_by(f64::total_cmp)
 }
 
 #[cfg(test)]
@@ -942,6 +960,37 @@ mod tests {
             core.state().events.iter().map(|e| e.id).collect::<Vec<_>>(),
             [2]
         );
+    }
+
+    /// Pre-positioning (issue 16): every lease names the start of the next announced
+    /// event, so that walks end before it; none once it has started, or with none.
+    #[test]
+    fn leases_announce_the_next_event_s_start() {
+        let mut core = running();
+        let out = core.step(T0 + 10_000, vec![Input::Tick]);
+        assert!(out.leases.values().all(|l| l.next_event_in_s.is_none()));
+        let add = |start_ms| AdminOp::EventAdd {
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms,
+            duration_ms: 600_000,
+            ramp_ms: 0,
+        };
+        let out = core.step(
+            T0 + 20_000,
+            vec![
+                admin(add(T0 + 920_000), 0),
+                admin(add(T0 + 320_000), 0),
+                Input::Tick,
+            ],
+        );
+        assert!(!out.leases.is_empty());
+        for lease in out.leases.values() {
+            assert_eq!(lease.next_event_in_s, Some(300.0), "the nearer one");
+        }
+        let out = core.step(T0 + 330_000, vec![Input::Tick]);
+        for lease in out.leases.values() {
+            assert_eq!(lease.next_event_in_s, Some(590.0), "the first has started");
+        }
     }
 
     #[test]

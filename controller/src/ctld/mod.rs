@@ -226,6 +226,7 @@ pub fn run_bounded(
                 start_cap_w: Some(lease.start_cap_w),
                 recalibrate: lease.recalibrate,
                 learn: lease.learn,
+                next_event_in_s: lease.next_event_in_s,
             });
         }
         for annotation in out.annotations {
