@@ -762,7 +762,9 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         start_cap_w: None,
         recalibrate: Vec::new(),
         learn: Vec::new(),
-        next_event_in_s: None,
+        // An event announced ten minutes ahead: the lease still applies (job 801 does
+        // not calibrate, so nothing else changes).
+        next_event_in_s: Some(600.0),
     };
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
     let first = session

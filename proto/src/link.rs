@@ -1324,6 +1324,31 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_may_announce_the_next_event_and_an_older_one_reads_as_none() {
+        let plain = lease("n1", 450.0);
+        let text = serde_json::to_string(&plain).expect("json");
+        assert!(!text.contains("next_event_in_s"), "{text}");
+        let mut announced = plain.clone();
+        if let Body::Lease {
+            next_event_in_s, ..
+        } = &mut announced
+        {
+            *next_event_in_s = Some(600.0);
+        }
+        let (mut agent, mut ctld) = connect("n1", [1; 16], [2; 16]);
+        let line = ctld.seal(&announced, NOW).expect("seal");
+        assert_eq!(agent.open(&line, NOW).expect("open"), announced);
+        let back: Body = serde_json::from_str(&text).expect("parse");
+        assert!(matches!(
+            back,
+            Body::Lease {
+                next_event_in_s: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
     fn a_report_carries_its_owner_and_one_without_reads_as_unknown() {
         let mut owned = job("7", 1);
         owned.owner_uid = Some(1001);
