@@ -3,8 +3,10 @@
 //! GPUs' power.
 //!
 //! 1. **Warm-up**: wait for progress reports, then for steady state — the job's rate over
-//!    the last few one-second windows varies by less than `steady_cv`. (Without reports
-//!    for `no_signal_s` the job gets the telemetry prior instead.)
+//!    the last five windows (1 s, or three of the job's report intervals when it reports
+//!    less often) varies by less than `steady_cv`. (Without reports for `no_signal_s` the
+//!    job gets the telemetry prior instead.) What it still waits for is kept in
+//!    [`Calibration::waiting`], for status and the agent's log.
 //! 2. **Walk**: the calibration design of `powerflex_core::calibration_design` — the
 //!    same one `powerflexctl evaluate` scores — decides which caps of the site's grid to
 //!    visit, how many windows of `hold_s` to read at each and when to stop: at the depth
@@ -28,7 +30,7 @@
 //!    learned too: re-reading only the caps a job is given teaches the allocator nothing
 //!    new about where to move it.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use powerflex_core::calibration_design::{DesignParams, DesignWalk, FIRST_HOUR_S};
 use powerflex_core::curve::{estimate_from_windows, CapCurve, OperatingPoint};
@@ -59,10 +61,41 @@ pub struct CalibrationSettings {
 }
 
 /// The job's cumulative progress as reported, with the agent's receive times.
+///
+/// Several processes of one job may report to one node's agent (every rank of a job,
+/// a step and its successor, or a rank whose address was inherited from another step):
+/// each reporter's count is its own cumulative counter, and interleaving two of them in
+/// one series made the count go backwards at every switch. Each reporter is followed on
+/// its own; the log holds the sum of their progress since each was first heard, so it
+/// only goes forward whoever reports.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ProgressLog {
+    /// (receive time, progress of every reporter since it was first heard).
     reports: VecDeque<(f64, f64)>,
+    /// Per reporter (the sending process): its last count and when it was heard.
+    sources: BTreeMap<u32, (f64, f64)>,
+    /// Times a reporter's count went backwards (it restarted its counter).
+    pub restarts: u64,
 }
+
+/// What a report did to the log (for the agent's logs and status).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Recorded {
+    /// The log's first report.
+    First,
+    /// A known reporter went forward (or stayed).
+    Forward,
+    /// A reporter not heard before while another was: its progress counts from here.
+    NewReporter { reporters: usize },
+    /// A known reporter's count went backwards (its counter restarted): its progress
+    /// counts again from this report; the log keeps everything before.
+    Restarted { from: f64, to: f64 },
+}
+
+/// Reporters not heard for this long are forgotten (a step that ended), s.
+const SOURCE_FORGET_S: f64 = 600.0;
+/// Most reporters followed per job on one node (the progress socket admits 16 per uid).
+const MAX_SOURCES: usize = 64;
 
 /// Relative noise assumed for points restored from a previous run (their own noise was
 /// not saved): the paper's repeat-run noise of ~0.5 %, doubled for the agent's short holds.
@@ -107,26 +140,98 @@ pub const MIN_REWALK_INTERVAL_S: f64 = 600.0;
 /// Most repeated walks per job.
 pub const MAX_REWALKS: u32 = 3;
 
+/// Windows whose rates must agree for warm-up to end, and the report gaps the window
+/// length is taken from.
+const STEADY_WINDOWS: usize = 5;
+const STEADY_GAPS: usize = 20;
+
 /// Reports kept per job: enough for any window the walk looks at.
 const MAX_REPORTS: usize = 20_000;
 
 impl ProgressLog {
-    /// Records a cumulative count (tokens, or steps for jobs that count only steps) at `t`.
-    /// Counts that go backwards (a restarted job) restart the log.
-    pub fn record(&mut self, t: f64, count: f64) {
-        if let Some(&(_, last)) = self.reports.back() {
-            if count < last {
-                self.reports.clear();
+    /// Records a cumulative count (tokens, or steps for jobs that count only steps) at `t`
+    /// from the job's only reporter.
+    pub fn record(&mut self, t: f64, count: f64) -> Recorded {
+        self.record_from(t, 0, count)
+    }
+
+    /// Records a cumulative count from reporter `source` (the sending process) at `t`.
+    /// A reporter's first report and a count that went backwards (its counter restarted)
+    /// only set where its progress counts from; the log never goes backwards and is
+    /// never cleared, so a second reporter cannot keep the job from ever looking steady.
+    pub fn record_from(&mut self, t: f64, source: u32, count: f64) -> Recorded {
+        let total = self.reports.back().map(|r| r.1);
+        let outcome = match (total, self.sources.get(&source).copied()) {
+            (None, _) => Recorded::First,
+            (Some(_), Some((last, _))) if count >= last => Recorded::Forward,
+            (Some(_), Some((last, _))) => {
+                self.restarts += 1;
+                Recorded::Restarted {
+                    from: last,
+                    to: count,
+                }
+            }
+            (Some(_), None) => Recorded::NewReporter {
+                reporters: self.sources.len() + 1,
+            },
+        };
+        let next = match (outcome, total) {
+            (Recorded::Forward, Some(total)) => {
+                let last = self.sources.get(&source).map_or(count, |s| s.0);
+                total + (count - last)
+            }
+            (_, Some(total)) => total,
+            (_, None) => count,
+        };
+        self.sources.insert(source, (count, t));
+        if self.sources.len() > MAX_SOURCES {
+            self.sources
+                .retain(|_, (_, heard)| t - *heard < SOURCE_FORGET_S);
+            while self.sources.len() > MAX_SOURCES {
+                let oldest = self
+                    .sources
+                    .iter()
+                    .min_by(|a, b| a.1 .1.total_cmp(&b.1 .1))
+                    .map(|(k, _)| *k);
+                match oldest {
+                    Some(k) => self.sources.remove(&k),
+                    None => break,
+                };
             }
         }
-        self.reports.push_back((t, count));
+        self.reports.push_back((t, next));
         if self.reports.len() > MAX_REPORTS {
             self.reports.pop_front();
         }
+        outcome
+    }
+
+    /// Reporters heard within the last `within_s` before `now`.
+    pub fn reporters(&self, now: f64, within_s: f64) -> usize {
+        self.sources
+            .values()
+            .filter(|(_, heard)| now - heard <= within_s)
+            .count()
     }
 
     pub fn is_empty(&self) -> bool {
         self.reports.is_empty()
+    }
+
+    /// Median time between the last `n` + 1 reports (gaps of zero left out), s.
+    pub fn median_gap(&self, n: usize) -> Option<f64> {
+        let skip = self.reports.len().saturating_sub(n + 1);
+        let recent: Vec<f64> = self.reports.iter().skip(skip).map(|r| r.0).collect();
+        let mut gaps: Vec<f64> = recent
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .filter(|g| *g > 0.0)
+            .collect();
+        if gaps.is_empty() {
+            return None;
+        }
+        gaps.sort_by(f64::total_cmp);
+        Some(gaps[gaps.len() / 2])
     }
 
     pub fn first_time(&self) -> Option<f64> {
@@ -351,6 +456,8 @@ pub struct Calibration {
     probe: Option<Probe>,
     /// Tokens the probes cost (part of `cost`).
     pub probe_cost: f64,
+    /// In warm-up: what it waits for (status shows it; the agent logs it now and then).
+    pub waiting: Option<String>,
     /// When the next announced grid event starts (agent seconds): a walk is compressed
     /// to end before it ([`Calibration::finish_by`]).
     deadline: Option<f64>,
@@ -396,6 +503,7 @@ impl Calibration {
             stretch: None,
             probe: None,
             probe_cost: 0.0,
+            waiting: None,
             deadline: None,
         }
     }
@@ -440,14 +548,31 @@ impl Calibration {
                 let Some(first) = log.first_time() else {
                     if now - self.registered_at >= self.settings.no_signal_s {
                         self.phase = Phase::Skipped("no progress reports: telemetry prior".into());
+                    } else {
+                        self.waiting = Some("no progress report yet".into());
                     }
                     return;
                 };
                 if now - first < self.settings.warmup_s {
+                    self.waiting = Some(format!(
+                        "warming up: {:.0} s of reports, {:.0} s needed",
+                        now - first,
+                        self.settings.warmup_s
+                    ));
                     return;
                 }
-                let rates = log.window_rates(now, 1.0, 5);
-                if rates.len() < 5 {
+                // Windows long enough for three reports of the job's own cadence: a job
+                // whose steps take longer than a third of a second never had three
+                // reports in a 1 s window, and waited here forever.
+                let window_s = log
+                    .median_gap(STEADY_GAPS)
+                    .map_or(1.0, |gap| (3.0 * gap).max(1.0));
+                let rates = log.window_rates(now, window_s, STEADY_WINDOWS);
+                if rates.len() < STEADY_WINDOWS {
+                    self.waiting = Some(format!(
+                        "waiting for steady progress: a rate in {} of the last {STEADY_WINDOWS} windows of {window_s:.1} s (each needs three reports)",
+                        rates.len()
+                    ));
                     return;
                 }
                 let mean = rates.iter().sum::<f64>() / rates.len() as f64;
@@ -455,8 +580,15 @@ impl Calibration {
                     / rates.len() as f64)
                     .sqrt();
                 if mean > 0.0 && sd / mean < self.settings.steady_cv {
+                    self.waiting = None;
                     self.started_at = Some(now);
                     self.start_design(now, None);
+                } else {
+                    self.waiting = Some(format!(
+                        "waiting for steady progress: the rate varies {:.1} % over the last {STEADY_WINDOWS} windows of {window_s:.1} s (steady below {:.1} %)",
+                        if mean > 0.0 { 100.0 * sd / mean } else { f64::INFINITY },
+                        100.0 * self.settings.steady_cv
+                    ));
                 }
             }
             Phase::Walking {
@@ -1126,6 +1258,60 @@ mod tests {
             cal.phase,
             Phase::Skipped("no progress reports: telemetry prior".into())
         );
+    }
+
+    /// A job whose steps take 0.8 s (one report each) had at most two reports in a 1 s
+    /// window, so warm-up never found five rates and never ended.
+    #[test]
+    fn a_job_reporting_slower_than_three_times_a_second_leaves_warm_up() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        for k in 1..=100u32 {
+            let t = f64::from(k) * 0.8;
+            log.record(t, f64::from(k) * 1000.0);
+            cal.tick(t, &log, Some(Watts(5600.0)));
+            if cal.started_at.is_some() {
+                break;
+            }
+        }
+        let started = cal.started_at.expect("warm-up ended");
+        assert!(started < 30.0, "after {started} s");
+    }
+
+    #[test]
+    fn each_reporter_counts_from_its_first_report_and_a_restart_keeps_the_log() {
+        let mut log = ProgressLog::default();
+        assert_eq!(log.record_from(0.0, 1, 500.0), Recorded::First);
+        assert_eq!(
+            log.record_from(0.01, 2, 400.0),
+            Recorded::NewReporter { reporters: 2 }
+        );
+        // Two ranks at 1000 a second each, the second 100 behind: the log adds them.
+        for k in 1..=50 {
+            let t = f64::from(k) * 0.1;
+            assert_eq!(
+                log.record_from(t, 1, 500.0 + 100.0 * f64::from(k)),
+                Recorded::Forward
+            );
+            assert_eq!(
+                log.record_from(t + 0.01, 2, 400.0 + 100.0 * f64::from(k)),
+                Recorded::Forward
+            );
+        }
+        let (rate, _) = log.rate(0.0, 5.1).expect("rate");
+        assert!((rate - 2000.0).abs() / 2000.0 < 0.02, "{rate}");
+        // Rank 2 restarts its counter: the log goes on from where it was.
+        let before = log.last().expect("last").1;
+        assert_eq!(
+            log.record_from(5.2, 2, 10.0),
+            Recorded::Restarted {
+                from: 5400.0,
+                to: 10.0
+            }
+        );
+        assert_eq!(log.last().expect("last").1, before);
+        assert_eq!(log.first_time(), Some(0.0), "nothing was cleared");
+        assert_eq!(log.restarts, 1);
     }
 
     #[test]

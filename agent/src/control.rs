@@ -23,7 +23,7 @@ use powerflex_core::Watts;
 use powerflex_proto::status::{AgentMode, CalibrationState, CurvePoint, PfiSource, ThroughputUnit};
 
 use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
-use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
+use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog, Recorded};
 use crate::procs::JobKey;
 
 /// The step name a job taken back from its running processes (no record, no
@@ -56,6 +56,11 @@ pub struct AgentSettings {
     /// long is ended, epilog or not, s.
     pub job_end_grace_s: f64,
 }
+
+/// A job still in calibration warm-up this long after registration is logged with
+/// why, at most every [`WARMUP_LOG_EVERY_S`], s.
+pub const WARMUP_LOG_AFTER_S: f64 = 30.0;
+pub const WARMUP_LOG_EVERY_S: f64 = 30.0;
 
 /// What the control loop must do.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,6 +117,8 @@ pub struct Job {
     /// `None` while unknown (registered by something other than a step daemon), and then
     /// the job is never judged by the step daemons seen on the host.
     pub cluster: Option<Option<String>>,
+    /// When the agent last logged why the job is still warming up (agent seconds).
+    pub warmup_logged_at: Option<f64>,
 }
 
 impl Job {
@@ -390,6 +397,7 @@ impl Agent {
             counts_tokens: None,
             seen_alive_at: None,
             cluster: None,
+            warmup_logged_at: None,
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -515,11 +523,13 @@ impl Agent {
         refused
     }
 
-    /// A progress report from a verified process of `job_id`.
+    /// A progress report from a verified process of `job_id`; `source` is the sending
+    /// process (each reporter's counter is followed on its own, see [`ProgressLog`]).
     pub fn progress(
         &mut self,
         now: f64,
         job_id: &str,
+        source: u32,
         tokens: u64,
         steps: u64,
     ) -> Result<(), String> {
@@ -532,7 +542,30 @@ impl Agent {
         } else {
             steps as f64
         };
-        job.log.record(now, count);
+        match job.log.record_from(now, source, count) {
+            Recorded::First | Recorded::Forward => {}
+            Recorded::NewReporter { reporters } => tracing::info!(
+                job_id,
+                pid = source,
+                reporters,
+                "another process reports this job's progress; each reporter's progress counts from its first report"
+            ),
+            // Rate-limited: a reporter that keeps resetting its counter must not flood
+            // the log.
+            Recorded::Restarted { from, to }
+                if job.log.restarts <= 3 || job.log.restarts.is_power_of_two() =>
+            {
+                tracing::warn!(
+                    job_id,
+                    pid = source,
+                    from,
+                    to,
+                    restarts = job.log.restarts,
+                    "a reporter's progress count went backwards (its counter restarted); its progress counts again from here"
+                )
+            }
+            Recorded::Restarted { .. } => {}
+        }
         job.counts_tokens = Some(tokens > 0);
         Ok(())
     }
@@ -877,6 +910,24 @@ impl Agent {
                 if job.calibration.phase != before {
                     changed = true;
                 }
+                // A warm-up that lasts says why, now and then: one that never ended
+                // (issue: the demo's job 3) left nothing in the log to tell why.
+                if job.calibration.phase == Phase::Warmup
+                    && now - job.calibration.registered_at >= WARMUP_LOG_AFTER_S
+                    && job
+                        .warmup_logged_at
+                        .is_none_or(|t| now - t >= WARMUP_LOG_EVERY_S)
+                {
+                    job.warmup_logged_at = Some(now);
+                    tracing::info!(
+                        job_id = %job.id,
+                        waited_s = now - job.calibration.registered_at,
+                        reporters = job.log.reporters(now, 10.0),
+                        counter_restarts = job.log.restarts,
+                        why = job.calibration.waiting.as_deref().unwrap_or("-"),
+                        "calibration still warming up"
+                    );
+                }
                 // No progress signal: the paper's telemetry predictor as a prior. NVML has
                 // no DRAM-active counter, so its memory utilisation (the memory-copy
                 // share) stands in for both factors of the DRAM copy product.
@@ -973,7 +1024,7 @@ impl Agent {
                 .map(|j| {
                     let cal = &j.calibration;
                     let (state, reason) = match &cal.phase {
-                        Phase::Warmup => (CalibrationState::Warmup, None),
+                        Phase::Warmup => (CalibrationState::Warmup, cal.waiting.clone()),
                         Phase::Walking { .. } => (CalibrationState::Walking, None),
                         Phase::Done => (CalibrationState::Done, None),
                         Phase::Skipped(why) => (CalibrationState::Skipped, Some(why.clone())),
@@ -1625,5 +1676,111 @@ mod tests {
         a.register(2.0, "5", "2", 1000, "n1", &["0".into()], "flex3")
             .expect("a later step");
         assert_eq!(a.jobs["5"].request.to_string(), "flex1");
+    }
+
+    /// Drives job "3" (flex3, GPUs 0-3) on a fake clock: two ranks report every 50 ms,
+    /// each its own cumulative tokens (40 000 a step, a step every 50 ms), the second
+    /// `lag_steps` steps behind the first and heard 10 ms after it. Returns the phase and
+    /// the warm-up note after `seconds`.
+    fn two_reporters(lag_steps: u64, seconds: f64) -> (Phase, Option<String>, Agent) {
+        let mut a = agent(None);
+        a.register(
+            0.0,
+            "3",
+            "batch",
+            0,
+            "n1",
+            &["0".into(), "1".into(), "2".into(), "3".into()],
+            "flex3",
+        )
+        .expect("batch step");
+        a.register(
+            0.1,
+            "3",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into(), "2".into(), "3".into()],
+            "flex3",
+        )
+        .expect("step 0");
+        a.set_lease(
+            0.1,
+            BTreeMap::from([("3".to_string(), Watts(700.0))]),
+            3600.0,
+            None,
+        );
+        let mut next_tick = 0.5;
+        for k in 0..(seconds / 0.05) as u64 {
+            let t = 0.2 + k as f64 * 0.05;
+            a.progress(t, "3", 4101, 40_000 * (k + lag_steps), k + lag_steps)
+                .expect("rank 0");
+            if k >= lag_steps {
+                a.progress(t + 0.01, "3", 4202, 40_000 * (k - lag_steps), k - lag_steps)
+                    .expect("rank 1");
+            }
+            if t >= next_tick {
+                a.tick(t);
+                next_tick += 0.5;
+            }
+        }
+        let job = &a.jobs["3"];
+        (
+            job.calibration.phase.clone(),
+            job.calibration.waiting.clone(),
+            a,
+        )
+    }
+
+    /// The demo's job 3 stayed in warm-up on n2 for its whole 240 s wait: a second rank's
+    /// reports, one step behind the first, reached the same agent, and every switch
+    /// between the two made the count go backwards, which cleared the log, so it never
+    /// held the five steady seconds warm-up waits for.
+    #[test]
+    fn two_ranks_reporting_to_one_agent_do_not_keep_the_job_in_warm_up() {
+        for lag_steps in [1, 3, 0] {
+            let (phase, waiting, a) = two_reporters(lag_steps, 60.0);
+            let cal = &a.jobs["3"].calibration;
+            assert!(
+                cal.started_at.is_some_and(|t| t < 10.0),
+                "lag {lag_steps}: the walk never started; {phase:?}: {waiting:?}"
+            );
+            assert_eq!(a.jobs["3"].log.reporters(60.0, 10.0), 2);
+            assert_eq!(a.jobs["3"].log.restarts, 0, "no counter went backwards");
+        }
+    }
+
+    /// A warm-up that has not ended says why, in status.
+    #[test]
+    fn a_job_in_warm_up_says_what_it_waits_for() {
+        let mut a = agent(None);
+        a.register(0.0, "9", "0", 0, "n1", &["0".into()], "flex3")
+            .expect("registered");
+        a.tick(1.0);
+        let note = |a: &Agent| {
+            a.snapshot(0.0)
+                .jobs
+                .iter()
+                .find(|j| j.job == "9")
+                .and_then(|j| j.calibration_note.clone())
+                .unwrap_or_default()
+        };
+        assert_eq!(note(&a), "no progress report yet");
+        // Reports every 50 ms whose rate halves and doubles every 1.5 s: never steady.
+        let mut count = 0u64;
+        for k in 0..200u64 {
+            let t = 1.0 + k as f64 * 0.05;
+            count += if (k / 30) % 2 == 0 { 100 } else { 50 };
+            a.progress(t, "9", 77, count, k).expect("report");
+            if k % 10 == 0 {
+                a.tick(t);
+            }
+        }
+        assert_eq!(a.jobs["9"].calibration.phase, Phase::Warmup);
+        let why = note(&a);
+        assert!(
+            why.starts_with("waiting for steady progress: the rate varies"),
+            "{why}"
+        );
     }
 }

@@ -698,7 +698,7 @@ fn handle(
                     sender.cluster.as_deref().unwrap_or("the default config"),
                     report.job_id
                 )),
-                Some(_) => agent.progress(at, &report.job_id, report.tokens, report.steps),
+                Some(_) => agent.progress(at, &report.job_id, peer.pid, report.tokens, report.steps),
             };
             if let Err(e) = &outcome {
                 agent.progress_rejected += 1;
