@@ -696,7 +696,17 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("controller port");
     let port = listener.local_addr().expect("addr").port();
     let f = Fixture::with_controller("link", None, 3600, Some((port, &key_file)));
-    assert!(f.register("801", &["0", "1"], "flex2,calibrate=off").ok);
+    // Registered as slurmstepd does (root, on the control socket), for a job of uid 4242:
+    // the reports carry that uid as the job's owner.
+    let registered = f.request(ControlOp::Register {
+        job_id: "801".into(),
+        step_id: "0".into(),
+        uid: 4242,
+        node: "n1".into(),
+        gpus: vec!["0".into(), "1".into()],
+        flex: "flex2,calibrate=off".into(),
+    });
+    assert!(registered.ok, "{registered:?}");
     let now_ms = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -740,9 +750,12 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
             _ => None,
         },
     );
+    let reported = report.iter().find(|j| j.job_id == "801").expect("job");
+    assert_eq!(reported.tier, "flex2,calibrate=off");
     assert_eq!(
-        report.iter().find(|j| j.job_id == "801").expect("job").tier,
-        "flex2,calibrate=off"
+        reported.owner_uid,
+        Some(4242),
+        "the owner is the uid slurmstepd registered the job with"
     );
 
     let mut to_agent = stream;
@@ -753,6 +766,9 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         start_cap_w: None,
         recalibrate: Vec::new(),
         learn: Vec::new(),
+        // An event announced ten minutes ahead: the lease still applies (job 801 does
+        // not calibrate, so nothing else changes).
+        next_event_in_s: Some(600.0),
     };
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
     let first = session
