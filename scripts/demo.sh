@@ -4,11 +4,15 @@
 # plugin, a powerflexd agent per node and powerflex-ctld. Seven simulated training jobs of
 # different tiers (two on real measured curves) calibrate, a 30 % grid event ramps in,
 # holds (one job changes phase in the middle) and ends, and the result is compared with
-# the equal-weight split of the same budget. Everything started is stopped
+# the equal-weight split of the same budget. A second, deeper event then comes from a local
+# OpenADR 3 VTN the demo starts (openleadr-vtn on PostgreSQL 16, installed into
+# /var/cache/powerflex by scripts/install-deps.sh) through powerflex-grid, the site's VEN,
+# and one flex3 job is suspended for it and resumed after. Everything started is stopped
 # by PID at the end and every simulated GPU is left at its default cap.
 #
-# Run as root on Debian 12. Installs what is missing (apt), builds the workspace (release),
-# then runs powerflex-demo (about 3 minutes). Options pass through:
+# Run as root on Debian 12. Installs what is missing (apt, pip, cargo install: on a fresh
+# machine the VTN's build takes about 4 minutes, once), builds the workspace (release),
+# then runs powerflex-demo. Options pass through:
 #   scripts/demo.sh --cut 0.4 --hold-s 120      (see: target/release/powerflex-demo --help)
 # The offline replay of the paper's experiment is scripts/offline-demo.sh.
 set -euo pipefail

@@ -10,7 +10,7 @@
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
 #   faketime       libfaketime, to jump one agent's wall clock in the fault tests
-#   valgrind       watches the plugin inside srun (tests/spank_plugin.rs)
+#   valgrind       watches the plugin inside srun and slurmstepd (tests/spank_plugin.rs)
 #
 # and, from crates.io with `cargo install --locked` (built from source, once per
 # machine; measured on a 2-core machine: cargo-deny 3 min 53 s, cargo-machete 1 min 10 s):
@@ -97,6 +97,12 @@ powerflex_install_openadr() {
         cargo install --quiet --debug --version "$POWERFLEX_VTN_VERSION" --root "$vtn_root" openleadr-vtn
     fi
     if [[ ! -x "$pg_root/pgserver/pginstall/bin/postgres" ]]; then
+        # pip may be missing where nvidia-ml-py came from elsewhere (the check above then
+        # installed no pip); the demo and the VTN test both need this wheel.
+        if ! python3 -m pip --version >/dev/null 2>&1; then
+            echo "powerflex: installing python3-pip (apt-get)" >&2
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+        fi
         echo "powerflex: installing pgserver $POWERFLEX_PGSERVER_VERSION (PostgreSQL 16) into $pg_root (pip)" >&2
         python3 -m pip install --quiet --disable-pip-version-check --no-deps \
             --target "$pg_root" "pgserver==$POWERFLEX_PGSERVER_VERSION"

@@ -87,6 +87,10 @@ pub struct ClusterOptions {
     pub epilog: Option<PathBuf>,
     /// Extra lines appended to `slurm.conf` before the node lines (e.g. `KillWait=5`).
     pub extra_conf: Vec<String>,
+    /// The program every `slurmd` runs as its `slurmstepd` (`slurmd -d PATH`), e.g. a
+    /// script that runs the installed one under valgrind; `None` runs the installed one.
+    /// Nothing outside the test's own files changes: slurmd takes the path per daemon.
+    pub slurmstepd: Option<PathBuf>,
 }
 
 impl Default for ClusterOptions {
@@ -100,6 +104,7 @@ impl Default for ClusterOptions {
             prolog: None,
             epilog: None,
             extra_conf: Vec::new(),
+            slurmstepd: None,
         }
     }
 }
@@ -115,6 +120,8 @@ pub struct Cluster {
     stopped: bool,
     /// Environment for each node's slurmd (`%n` already replaced), kept for restarts.
     node_env: Vec<(String, Vec<(String, String)>)>,
+    /// `ClusterOptions::slurmstepd`, kept for restarts.
+    slurmstepd: Option<PathBuf>,
     _turn: Turn,
 }
 
@@ -156,6 +163,7 @@ impl Cluster {
             pids: Vec::new(),
             stopped: false,
             node_env: Vec::new(),
+            slurmstepd: options.slurmstepd.clone(),
             _turn: turn,
         };
         // From here on a panic drops `cluster`, which stops whatever already started.
@@ -395,8 +403,9 @@ impl Cluster {
             .find(|(n, _)| n == node)
             .map(|(_, env)| env.clone())
             .unwrap_or_default();
-        let conf = self.conf.display().to_string();
-        self.spawn_daemon(node, "slurmd", &["-N", node, "-f", &conf], &env);
+        let args = self.slurmd_args(node);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.spawn_daemon(node, "slurmd", &args, &env);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             let responding = self
@@ -527,7 +536,9 @@ impl Cluster {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.replace("%n", &node)))
                 .collect();
-            self.spawn_daemon(&node, "slurmd", &["-N", &node, "-f", &conf], &env);
+            let args = self.slurmd_args(&node);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            self.spawn_daemon(&node, "slurmd", &args, &env);
             self.node_env.push((node.clone(), env));
         }
         let deadline = Instant::now() + START_TIMEOUT;
@@ -551,6 +562,22 @@ impl Cluster {
             }
             thread::sleep(POLL);
         }
+    }
+
+    /// `slurmd`'s arguments for `node`: its name, the cluster's config and, when set, the
+    /// program to run as slurmstepd.
+    fn slurmd_args(&self, node: &str) -> Vec<String> {
+        let mut args = vec![
+            "-N".to_string(),
+            node.to_string(),
+            "-f".to_string(),
+            self.conf.display().to_string(),
+        ];
+        if let Some(stepd) = &self.slurmstepd {
+            args.push("-d".to_string());
+            args.push(stepd.display().to_string());
+        }
+        args
     }
 
     /// Starts a daemon (which forks into the background) and records the PID from its

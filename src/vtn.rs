@@ -401,6 +401,48 @@ fn random_bytes(n: usize) -> Result<Vec<u8>, VtnError> {
     Ok(bytes)
 }
 
+/// `powerflex-grid`, the site's VEN, running with the site config `site` (its
+/// `[grid.openadr]` names the bed), stderr to `log`. Stopped by PID when dropped: SIGTERM
+/// (it leaves its poll loop), SIGKILL after 10 s.
+#[derive(Debug)]
+pub struct VenProcess {
+    child: Option<Child>,
+}
+
+impl VenProcess {
+    pub fn start(grid: &Path, site: &Path, log: &Path) -> Result<VenProcess, VtnError> {
+        let child = Command::new(grid)
+            .arg("--config")
+            .arg(site)
+            .env("POWERFLEX_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).map_err(failed(format!("{}", log.display())))?)
+            .spawn()
+            .map_err(failed(format!("{}", grid.display())))?;
+        Ok(VenProcess { child: Some(child) })
+    }
+
+    /// Whether it is still running (it exits 2 on a bad config or credentials).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Stops it by PID (SIGTERM, then SIGKILL after 10 s).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            stop(&mut c, powerflex_daemon::os::Signal::TERM);
+        }
+    }
+}
+
+impl Drop for VenProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// The test playing the utility: programs and events through the VTN's HTTP API.
 #[derive(Debug)]
 pub struct Utility {

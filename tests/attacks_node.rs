@@ -411,6 +411,7 @@ const SIM_PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
 /// other. Two users run the same workload on one GPU each; one reports 1000× its tokens.
 /// Under the default (relative-speed) objective the liar gets no more power than the
 /// honest job. The simulated jobs run as their users (`sim/` keeps the limits root's).
+/// On the way, each user's `powerflexctl jobs` lists only their own job.
 #[test]
 fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
     if !can_run(&[
@@ -451,6 +452,48 @@ fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
             },
         );
     }
+    // Need-to-know at the controller: each user's `powerflexctl` lists their own job
+    // only (the owner comes from slurmstepd's registration, through the link); root
+    // lists both.
+    let jobs_as = |user: &TestUser| -> Vec<String> {
+        let out = user
+            .command(&stack.cluster, &stack.ctl.to_string_lossy())
+            .args(["jobs", "--format", "json", "--socket"])
+            .arg(&stack.socket)
+            .output()
+            .expect("powerflexctl as a user");
+        assert!(
+            out.status.success(),
+            "powerflexctl jobs as {}: {}",
+            user.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Vec<SiteJobStatus> = serde_json::from_slice(&out.stdout).expect("json");
+        for r in &rows {
+            assert_eq!(r.owner_uid, Some(user.uid), "{r:?}");
+        }
+        rows.into_iter().map(|r| r.job).collect()
+    };
+    assert_eq!(
+        jobs_as(&alice),
+        std::slice::from_ref(&honest),
+        "alice sees her job only"
+    );
+    assert_eq!(
+        jobs_as(&bob),
+        std::slice::from_ref(&liar),
+        "bob sees his job only"
+    );
+    let all: Vec<String> = stack
+        .ctl_json::<Vec<SiteJobStatus>>(&["jobs"])
+        .expect("jobs as root")
+        .into_iter()
+        .map(|j| j.job)
+        .collect();
+    assert!(
+        all.contains(&honest) && all.contains(&liar),
+        "root sees both: {all:?}"
+    );
     let (h, l) = (view(&honest).expect("honest"), view(&liar).expect("liar"));
     let ratio = l.throughput.unwrap_or(0.0) / h.throughput.unwrap_or(1.0);
     assert!(ratio > 100.0, "the liar's reports are inflated: {ratio}");

@@ -435,6 +435,7 @@ fn job_report(id: &str, gpus: u32, power_w: f64) -> JobReport {
         calibrating: false,
         curve: Vec::new(),
         calibration_cost_pct: None,
+        owner_uid: None,
     }
 }
 

@@ -458,6 +458,9 @@ pub struct Calibration {
     pub probe_cost: f64,
     /// In warm-up: what it waits for (status shows it; the agent logs it now and then).
     pub waiting: Option<String>,
+    /// When the next announced grid event starts (agent seconds): a walk is compressed
+    /// to end before it ([`Calibration::finish_by`]).
+    deadline: Option<f64>,
 }
 
 impl Calibration {
@@ -501,6 +504,7 @@ impl Calibration {
             probe: None,
             probe_cost: 0.0,
             waiting: None,
+            deadline: None,
         }
     }
 
@@ -656,8 +660,32 @@ impl Calibration {
             .filter(|c| ceiling.is_none_or(|top| c.0 <= top.0 + 0.5))
             .collect();
         self.design = DesignWalk::new(&grid, &self.design_params()).ok();
+        if let (Some(design), Some(deadline)) =
+            (self.design.as_mut(), self.deadline.filter(|d| *d > now))
+        {
+            design.finish_within(deadline - now - self.settings.hold_s);
+        }
         self.booked_to = now;
         self.follow_design(now);
+    }
+
+    /// An announced grid event starts at `deadline` (agent seconds): the walk under way,
+    /// or the one still to start, is compressed to end a window before it, so that the
+    /// job's curve is measured before the cut (issue 16, pre-positioning; see
+    /// `DesignWalk::finish_within`). When the compressed design moves on from the level
+    /// held, the window under way is dropped, so no reading is labelled with a cap other
+    /// than the one it was taken at.
+    pub fn finish_by(&mut self, now: f64, deadline: f64) {
+        self.deadline = Some(deadline);
+        let Some(design) = self.design.as_mut() else {
+            return;
+        };
+        design.finish_within(deadline - now - self.settings.hold_s);
+        if let Phase::Walking { cap, .. } = self.phase {
+            if design.current().is_none_or(|c| (c.0 - cap.0).abs() >= 0.5) {
+                self.follow_design(now);
+            }
+        }
     }
 
     /// Holds the cap the design wants next, or ends the walk.
@@ -1138,6 +1166,43 @@ mod tests {
             }
         }
         cal
+    }
+
+    /// Pre-positioning (issue 16): an event announced to start at 60 s (agent clock),
+    /// told to the walk in the middle of it, as a lease would; the walk ends before the
+    /// event with a curve, where the full design would still be walking.
+    #[test]
+    fn an_announced_event_ends_the_walk_before_its_start() {
+        let full = run(Some(0.50));
+        let full_end = full.started_at.expect("started") + full.duration_s().expect("walked");
+        let start = 60.0;
+        assert!(full_end > start, "the full walk ends at {full_end} s");
+        let mut cal = Calibration::new(settings(), Some(0.50), true, 0.0);
+        let mut log = ProgressLog::default();
+        let (mut t, mut count) = (0.0f64, 0.0f64);
+        let mut next_tick = 1.0;
+        let mut last_walk_s = 0.0;
+        while t < 3000.0 && cal.is_active() {
+            let cap = cal.cap().map_or(700.0, |c| c.0);
+            t += 0.1;
+            count += 1000.0 * speed(cap) * 0.1;
+            log.record(t, count);
+            if t >= next_tick {
+                if (next_tick - 30.0).abs() < 1e-6 {
+                    cal.finish_by(t, start);
+                }
+                cal.tick(t, &log, Some(Watts(8.0 * cap * 0.985)));
+                if cal.cap().is_some() {
+                    last_walk_s = t;
+                }
+                next_tick += 1.0;
+            }
+        }
+        assert_eq!(cal.phase, Phase::Done);
+        assert!(last_walk_s < start, "walked until {last_walk_s} s");
+        let levels = cal.levels();
+        assert!(levels.len() >= 3, "a curve, not a point: {levels:?}");
+        assert!(cal.curve().is_some());
     }
 
     #[test]

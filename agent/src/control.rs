@@ -595,6 +595,17 @@ impl Agent {
         });
     }
 
+    /// The controller announces a grid event starting `in_s` seconds from now: every
+    /// job's calibration walk ends before it (see [`Calibration::finish_by`]).
+    pub fn event_ahead(&mut self, now: f64, in_s: f64) {
+        if !(in_s.is_finite() && in_s >= 0.0) {
+            return;
+        }
+        for job in self.jobs.values_mut() {
+            job.calibration.finish_by(now, now + in_s);
+        }
+    }
+
     /// The controller found these jobs' measurements outside their curves: walk each of
     /// them again where its calibration allows (see [`Calibration::rewalk`]). Returns the
     /// jobs whose walk started.

@@ -117,6 +117,10 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     calibrating: j.calibrating,
                     curve: j.curve.clone(),
                     calibration_cost_pct: j.calibration_cost_pct,
+                    // Slurm's job uid from the root slurmstepd's registration (or the
+                    // kernel's owner of the job's processes, for a job taken back):
+                    // the controller shows the job to this user and root only.
+                    owner_uid: Some(j.uid),
                 }
             })
             .collect(),
@@ -286,6 +290,7 @@ fn serve(
                         start_cap_w,
                         recalibrate,
                         learn,
+                        next_event_in_s,
                     } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
@@ -301,6 +306,7 @@ fn serve(
                             start_cap: start_cap_w.map(Watts),
                             recalibrate,
                             learn,
+                            next_event_in_s,
                         });
                     }
                     other => warn!(

@@ -712,9 +712,14 @@ fn handle(
             start_cap,
             recalibrate,
             learn,
+            next_event_in_s,
         } => {
             for job_id in agent.recalibrate(now, &recalibrate) {
                 info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
+            }
+            if let Some(in_s) = next_event_in_s {
+                // Walks end before an announced event (pre-positioning, issue 16).
+                agent.event_ahead(now, in_s);
             }
             info!(
                 jobs = caps.len(),

@@ -67,6 +67,8 @@ pub enum Inbound {
         recalibrate: Vec<String>,
         /// Jobs that may be probed to learn their curves (on this node alone).
         learn: Vec<String>,
+        /// Seconds to the next announced grid event's start, if one is scheduled.
+        next_event_in_s: Option<f64>,
     },
 }
 

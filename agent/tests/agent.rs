@@ -344,13 +344,17 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
     let progress = reply.progress.expect("progress address for a managed job");
     let profile = "qwen3-30b-a3b-moe-ft-8g";
     f.simjob("101", "0,1", profile, Some(&progress));
-    // Calibration walks the grid: caps on the job's GPUs go below 700 W meanwhile.
+    // Calibration walks the grid: caps on the job's GPUs go below 700 W meanwhile, one
+    // cap for the whole job. (The agent writes the GPUs one after the other, so a read
+    // between the two writes sees them differ for a moment: wait for both.)
     wait_until(
-        "a calibration level below 700 W",
+        "one calibration level below 700 W on both of the job's GPUs",
         Duration::from_secs(60),
-        || (f.limit_w(0) < 700.0).then_some(()),
+        || {
+            let (a, b) = (f.limit_w(0), f.limit_w(1));
+            (a < 700.0 && a == b).then_some(())
+        },
     );
-    assert_eq!(f.limit_w(0), f.limit_w(1), "one cap for the whole job");
     assert_eq!(f.limit_w(2), 700.0, "GPUs of no job untouched");
     let done = wait_until("calibration to finish", Duration::from_secs(120), || {
         f.job_status("101")
@@ -692,7 +696,17 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("controller port");
     let port = listener.local_addr().expect("addr").port();
     let f = Fixture::with_controller("link", None, 3600, Some((port, &key_file)));
-    assert!(f.register("801", &["0", "1"], "flex2,calibrate=off").ok);
+    // Registered as slurmstepd does (root, on the control socket), for a job of uid 4242:
+    // the reports carry that uid as the job's owner.
+    let registered = f.request(ControlOp::Register {
+        job_id: "801".into(),
+        step_id: "0".into(),
+        uid: 4242,
+        node: "n1".into(),
+        gpus: vec!["0".into(), "1".into()],
+        flex: "flex2,calibrate=off".into(),
+    });
+    assert!(registered.ok, "{registered:?}");
     let now_ms = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -736,9 +750,12 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
             _ => None,
         },
     );
+    let reported = report.iter().find(|j| j.job_id == "801").expect("job");
+    assert_eq!(reported.tier, "flex2,calibrate=off");
     assert_eq!(
-        report.iter().find(|j| j.job_id == "801").expect("job").tier,
-        "flex2,calibrate=off"
+        reported.owner_uid,
+        Some(4242),
+        "the owner is the uid slurmstepd registered the job with"
     );
 
     let mut to_agent = stream;
@@ -749,6 +766,9 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         start_cap_w: None,
         recalibrate: Vec::new(),
         learn: Vec::new(),
+        // An event announced ten minutes ahead: the lease still applies (job 801 does
+        // not calibrate, so nothing else changes).
+        next_event_in_s: Some(600.0),
     };
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
     let first = session

@@ -90,6 +90,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         calibrating: false,
         curve: Vec::new(),
         calibration_cost_pct: None,
+        owner_uid: None,
     }
 }
 

@@ -147,6 +147,7 @@ impl Job {
             calibrating: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
+            owner_uid: None,
         }
     }
 }

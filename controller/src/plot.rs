@@ -184,8 +184,30 @@ fn legend_entry(out: &mut String, y: f64, colour: &str, dash: Option<&str>, labe
     );
 }
 
+/// Something that happened, drawn across both panels on the time axis: a dashed line at
+/// `from_ms`, or a shaded band from `from_ms` to `to_ms`; its label reads down from the
+/// top of the power panel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    /// Unix ms.
+    pub from_ms: u64,
+    /// Unix ms; `None` for an instant.
+    pub to_ms: Option<u64>,
+    pub label: String,
+}
+
 /// Renders the samples (oldest first) as a standalone SVG document.
 pub fn render_svg(samples: &[Sample], title: &str) -> Result<String, NoSamples> {
+    render_svg_marked(samples, title, &[])
+}
+
+/// [`render_svg`] with `marks` drawn over it (marks outside the samples' span are left
+/// out: the axis is the samples').
+pub fn render_svg_marked(
+    samples: &[Sample],
+    title: &str,
+    marks: &[Mark],
+) -> Result<String, NoSamples> {
     let (Some(first), Some(last)) = (samples.first(), samples.last()) else {
         return Err(NoSamples);
     };
@@ -318,6 +340,7 @@ pub fn render_svg(samples: &[Sample], title: &str) -> Result<String, NoSamples> 
             y = (BOTTOM_PANEL.0 + BOTTOM_PANEL.1) / 2.0
         );
     }
+    draw_marks(&mut out, &axis, last.t_ms, marks);
     let _ = writeln!(
         out,
         r#"<text x="{x}" y="{y}" font-size="12" text-anchor="middle">seconds since {t0}</text>"#,
@@ -327,6 +350,52 @@ pub fn render_svg(samples: &[Sample], title: &str) -> Result<String, NoSamples> 
     );
     out.push_str("</svg>\n");
     Ok(out)
+}
+
+/// Labels closer than this, px, would overprint: the later one moves right.
+const MARK_LABEL_GAP: f64 = 11.0;
+
+/// Bands first (translucent, so the lines stay readable), then the instants' lines.
+fn draw_marks(out: &mut String, axis: &Axis, last_ms: u64, marks: &[Mark]) {
+    let (top, bottom) = (TOP_PANEL.0, BOTTOM_PANEL.1);
+    let visible = |t: u64| t >= axis.t0_ms && t <= last_ms;
+    let mut label_xs: Vec<f64> = Vec::new();
+    for m in marks {
+        let x = axis.x(m.from_ms.clamp(axis.t0_ms, last_ms));
+        match m.to_ms {
+            Some(to)
+                if visible(m.from_ms)
+                    || visible(to)
+                    || (m.from_ms < axis.t0_ms && to > last_ms) =>
+            {
+                let x2 = axis.x(to.clamp(axis.t0_ms, last_ms));
+                let _ = writeln!(
+                    out,
+                    r##"<rect x="{x:.1}" y="{top}" width="{w:.1}" height="{h}" fill="#ff7f0e" fill-opacity="0.12"/>"##,
+                    w = (x2 - x).max(1.0),
+                    h = bottom - top
+                );
+            }
+            None if visible(m.from_ms) => {
+                let _ = writeln!(
+                    out,
+                    r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom}" stroke="#555" stroke-width="1" stroke-dasharray="2 3"/>"##
+                );
+            }
+            _ => continue,
+        }
+        let ty = top + 6.0;
+        let mut tx = x + 3.0;
+        while label_xs.iter().any(|&o| (o - tx).abs() < MARK_LABEL_GAP) {
+            tx += MARK_LABEL_GAP;
+        }
+        label_xs.push(tx);
+        let _ = writeln!(
+            out,
+            r##"<text x="{tx:.1}" y="{ty}" font-size="10" fill="#333" transform="rotate(90 {tx:.1} {ty})">{label}</text>"##,
+            label = escape(&m.label)
+        );
+    }
 }
 
 #[cfg(test)]
@@ -367,6 +436,55 @@ mod tests {
         // The budget staircase starts at the left edge at 4 kW of a 4.32 kW axis.
         let top = y_of(4000.0, (0.0, 4000.0 * 1.08), TOP_PANEL);
         assert!(svg.contains(&format!("{LEFT:.1},{top:.1}")), "{svg}");
+    }
+
+    #[test]
+    fn marks_draw_a_band_and_a_line_inside_the_span_only() {
+        let samples = [
+            sample(1_000, 4000.0, 3500.0, &[]),
+            sample(9_000, 2000.0, 1900.0, &[]),
+        ];
+        let mark = |from_ms, to_ms, label: &str| Mark {
+            from_ms,
+            to_ms,
+            label: label.into(),
+        };
+        let marks = [
+            mark(3_000, Some(6_000), "event <in force>"),
+            mark(4_000, None, "job 3 suspended"),
+            mark(20_000, None, "after the samples"),
+        ];
+        let svg = render_svg_marked(&samples, "t", &marks).expect("svg");
+        assert_eq!(svg.matches("fill-opacity=\"0.12\"").count(), 1);
+        assert_eq!(svg.matches("stroke-dasharray=\"2 3\"").count(), 1);
+        assert!(svg.contains(">event &lt;in force&gt;<") && svg.contains(">job 3 suspended<"));
+        assert!(
+            !svg.contains("after the samples"),
+            "outside the axis: left out"
+        );
+        // The band spans 3 s to 6 s of an 8 s axis.
+        let x = |s: f64| LEFT + s / 8.0 * (WIDTH - LEFT - RIGHT);
+        assert!(svg.contains(&format!("<rect x=\"{:.1}\"", x(2.0))), "{svg}");
+        assert_eq!(
+            render_svg(&samples, "t"),
+            render_svg_marked(&samples, "t", &[])
+        );
+        // Two instants at one time: the second label moves right instead of overprinting.
+        let same = [mark(4_000, None, "a"), mark(4_000, None, "b")];
+        let svg = render_svg_marked(&samples, "t", &same).expect("svg");
+        let label_x = |label: &str| -> f64 {
+            let end = svg.find(&format!(">{label}</text>")).expect("label");
+            let start = svg[..end].rfind("<text x=\"").expect("text") + 9;
+            svg[start..]
+                .split('"')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .expect("x")
+        };
+        assert!(
+            (label_x("b") - label_x("a") - MARK_LABEL_GAP).abs() < 0.05,
+            "{svg}"
+        );
     }
 
     #[test]

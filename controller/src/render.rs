@@ -328,8 +328,16 @@ pub fn render_status(s: &CtldStatus) -> String {
     }
     out.push_str(&render_nodes(&s.nodes));
     out.push('\n');
+    if let Some(uid) = s.jobs_of_uid {
+        out.push_str(&format!("{}\n", only_yours(uid)));
+    }
     out.push_str(&render_jobs(&s.jobs));
     out
+}
+
+/// What a non-root caller is told about the job rows they read (issue 14, need-to-know).
+pub fn only_yours(uid: u32) -> String {
+    format!("jobs of uid {uid} only (root sees every job)")
 }
 
 pub fn render_events(events: &[Event]) -> String {
@@ -376,6 +384,7 @@ mod tests {
             curve_history: Vec::new(),
             calibration_cost_pct: None,
             drift: None,
+            owner_uid: Some(1000),
         }
     }
 
@@ -416,6 +425,7 @@ mod tests {
                 job("103", "flex0", None, None),
             ],
             config_error: None,
+            jobs_of_uid: None,
         }
     }
 
@@ -469,6 +479,18 @@ mod tests {
         );
         assert!(
             text.contains("HELD OUT (1 jobs; caps at every floor could not meet the budget): 104 suspended since 2026-12-01 17:00:00 UTC\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_user_s_status_says_it_lists_their_jobs_only() {
+        let mut s = status();
+        assert!(!render_status(&s).contains("only"), "root: no note");
+        s.jobs_of_uid = Some(1000);
+        let text = render_status(&s);
+        assert!(
+            text.contains("jobs of uid 1000 only (root sees every job)\n"),
             "{text}"
         );
     }

@@ -740,6 +740,7 @@ mod tests {
             calibrating: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
+            owner_uid: None,
         }
     }
 

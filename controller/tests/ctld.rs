@@ -132,7 +132,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         });
         let client = profile_dir().join("examples/socket_client");
         let reg = format!(
-            "{{\"v\":1,\"op\":\"register\",\"job_id\":\"77\",\"step_id\":\"0\",\"uid\":0,\"node\":\"{name}\",\"gpus\":[\"0\",\"1\",\"2\",\"3\"],\"flex\":\"flex3,calibrate=off\"}}"
+            "{{\"v\":1,\"op\":\"register\",\"job_id\":\"77\",\"step_id\":\"0\",\"uid\":65534,\"node\":\"{name}\",\"gpus\":[\"0\",\"1\",\"2\",\"3\"],\"flex\":\"flex3,calibrate=off\"}}"
         );
         let out = Command::new(&client)
             .args([sock.to_str().expect("utf-8"), &reg])
@@ -294,17 +294,23 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let events = ctl_run(&["events", "--format", "json"]);
     assert_eq!(events.stdout.trim(), "[]", "the cancelled event is gone");
 
-    // Need-to-know (issue 14): a non-root caller sees the site but no job, and no what-if
+    // Need-to-know (issue 14): job 77 was registered (by root, as slurmstepd does) for
+    // uid 65534. A non-root caller sees the site and only their own jobs, and no what-if
     // (it shows every job's curve and cap).
-    let as_nobody = |args: &[&str]| {
+    let as_uid = |uid: u32, args: &[&str]| {
         Command::new("setpriv")
-            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .args([
+                &format!("--reuid={uid}"),
+                &format!("--regid={uid}"),
+                "--clear-groups",
+            ])
             .arg(&ctl)
             .args(args)
             .args(["--socket", &socket])
             .output()
             .expect("setpriv")
     };
+    let as_nobody = |args: &[&str]| as_uid(65534, args);
     let whatif = as_nobody(&["whatif", "--policy", "equal", "--format", "json"]);
     assert_eq!(whatif.status.code(), Some(1));
     assert!(
@@ -314,8 +320,32 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     );
     let status = as_nobody(&["status", "--format", "json"]);
     let seen: CtldStatus = serde_json::from_slice(&status.stdout).expect("json");
-    assert!(seen.jobs.is_empty(), "{seen:?}");
+    let ids: Vec<&str> = seen.jobs.iter().map(|j| j.job.as_str()).collect();
+    assert_eq!(ids, ["77"], "the owner sees their job");
+    assert_eq!(seen.jobs[0].owner_uid, Some(65534));
+    assert_eq!(seen.jobs_of_uid, Some(65534));
     assert!(!seen.nodes.is_empty() && seen.budget_w > 0.0, "{seen:?}");
+    let report = as_nobody(&["report", "--job", "77"]);
+    assert!(
+        String::from_utf8_lossy(&report.stdout).starts_with("job 77: tier flex3"),
+        "{}",
+        String::from_utf8_lossy(&report.stderr)
+    );
+    let other = as_uid(65533, &["status", "--format", "json"]);
+    let seen: CtldStatus = serde_json::from_slice(&other.stdout).expect("json");
+    assert!(seen.jobs.is_empty(), "another user sees no job: {seen:?}");
+    assert_eq!(
+        seen.nodes.iter().map(|n| n.jobs).sum::<u32>(),
+        2,
+        "node counts stay"
+    );
+    let report = as_uid(65533, &["report", "--job", "77"]);
+    assert_eq!(report.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&report.stderr).contains("no job 77 of uid 65533"),
+        "{}",
+        String::from_utf8_lossy(&report.stderr)
+    );
 
     // What equal-weight would do at half the budget, on the same curves: read-only, and
     // nothing changes on the GPUs.

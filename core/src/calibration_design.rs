@@ -187,6 +187,9 @@ pub struct DesignWalk {
     spent: f64,
     /// No window above this cap any more (the budget holds the job below it).
     ceiling: Option<Watts>,
+    /// Walk time left before a deadline (an announced grid event's start), s: the design
+    /// is compressed to end by then (see [`DesignWalk::finish_within`]). None: no deadline.
+    time_left_s: Option<f64>,
     stage: Stage,
 }
 
@@ -237,6 +240,7 @@ impl DesignWalk {
             depth,
             spent: 0.0,
             ceiling: None,
+            time_left_s: None,
             stage: Stage::Top,
         })
     }
@@ -274,6 +278,100 @@ impl DesignWalk {
         }
     }
 
+    /// The walk must end within `seconds` of walk time from now: an announced grid event
+    /// starts then, and the allocation wants the job's curve before it. The rest of the
+    /// design is compressed to fit, never below one window per level: fewer uncapped
+    /// windows (at least one), fewer windows per capped level, no top-up; when even one
+    /// window per level does not fit, fewer levels, spread down to the deepest one the
+    /// design would reach (the depth the site's cuts may push the job to is what the
+    /// event needs). No window starts after the deadline: what is not read by then is
+    /// left out. A later call replaces the deadline. A design that fits is unchanged.
+    pub fn finish_within(&mut self, seconds: f64) {
+        self.time_left_s = Some(if seconds.is_finite() {
+            seconds.max(0.0)
+        } else {
+            0.0
+        });
+        match &mut self.stage {
+            Stage::Top => {
+                let no_window = self.time_left_s.unwrap_or(0.0) < self.params.window_s;
+                if self.readings.is_empty() && no_window {
+                    // Not one uncapped window before the deadline: no curve to make.
+                    self.stage = Stage::Done;
+                } else if !self.readings.is_empty() && self.readings.len() >= self.top_target() {
+                    self.end_top();
+                }
+            }
+            Stage::Level {
+                index,
+                target,
+                windows,
+                ..
+            } => {
+                // This level and the ones still planned below it share what is left
+                // (this level's settle is paid).
+                let left = self.time_left_s.unwrap_or(0.0);
+                let top = self.top.0;
+                let n = self.caps[*index..]
+                    .iter()
+                    .position(|c| c.0 <= (1.0 - self.depth) * top)
+                    .map_or(self.caps.len() - *index, |j| j + 1);
+                let later_settles = (n - 1) as f64 * self.params.settle_s;
+                let each = ((left - later_settles) / (n as f64 * self.params.window_s)).floor();
+                let fit_here = (left / self.params.window_s).floor() as usize;
+                *target = (*target)
+                    .min((each.max(0.0) as usize).max(1))
+                    .min(*windows + fit_here);
+                if *windows >= *target {
+                    self.end_level();
+                }
+            }
+            Stage::TopUp { left, .. } => {
+                let fit = (self.time_left_s.unwrap_or(0.0) / self.params.window_s).floor() as usize;
+                if fit < *left {
+                    *left = fit;
+                    if fit == 0 {
+                        self.next_top_up();
+                    }
+                }
+            }
+            Stage::Done => {}
+        }
+    }
+
+    /// Uncapped windows to read: all of them without a deadline; under one, what leaves
+    /// one window and a settle for each capped level still planned (at least one).
+    fn top_target(&self) -> usize {
+        let Some(left) = self.time_left_s else {
+            return self.params.top_windows;
+        };
+        let top = self.top.0;
+        let levels = self
+            .caps
+            .iter()
+            .position(|c| c.0 <= (1.0 - self.depth) * top)
+            .map_or(self.caps.len(), |j| j + 1);
+        let for_levels = levels as f64 * (self.params.settle_s + self.params.window_s);
+        let spare = ((left - for_levels) / self.params.window_s)
+            .floor()
+            .max(0.0) as usize;
+        (self.readings.len() + spare).clamp(1, self.params.top_windows)
+    }
+
+    /// The uncapped windows are in: the top point is set and the walk goes down.
+    fn end_top(&mut self) {
+        let (p, t) = mean(&self.readings);
+        self.p_top = p;
+        self.t_top = t;
+        let windows = self.readings.len();
+        self.levels.push(Level {
+            cap_w: self.top,
+            windows,
+            seconds: windows as f64 * self.params.window_s,
+        });
+        self.enter_level(0);
+    }
+
     /// The budget now holds the job at or below `cap`: no further window above it. A
     /// level above it ends with the windows it has (a partial window is the caller's to
     /// drop) and the walk goes on below it. The top windows cannot be read under a
@@ -297,18 +395,13 @@ impl DesignWalk {
     /// Takes the reading of the window at [`DesignWalk::current`].
     pub fn record(&mut self, reading: OperatingPoint) {
         self.readings.push(reading);
+        if let Some(left) = &mut self.time_left_s {
+            *left -= self.params.window_s;
+        }
         match &mut self.stage {
             Stage::Top => {
-                if self.readings.len() >= self.params.top_windows {
-                    let (p, t) = mean(&self.readings);
-                    self.p_top = p;
-                    self.t_top = t;
-                    self.levels.push(Level {
-                        cap_w: self.top,
-                        windows: self.params.top_windows,
-                        seconds: self.params.top_windows as f64 * self.params.window_s,
-                    });
-                    self.enter_level(0);
+                if self.readings.len() >= self.top_target() {
+                    self.end_top();
                 }
             }
             Stage::Level {
@@ -330,7 +423,14 @@ impl DesignWalk {
                 let next_cost =
                     *loss * (self.params.settle_s + (*windows + 1) as f64 * self.params.window_s);
                 let over_bound = self.params.max_loss.is_some_and(|m| *loss > m);
-                if *windows >= *target || self.spent + next_cost > self.budget_s || over_bound {
+                let out_of_time = self
+                    .time_left_s
+                    .is_some_and(|left| left < self.params.window_s);
+                if *windows >= *target
+                    || self.spent + next_cost > self.budget_s
+                    || over_bound
+                    || out_of_time
+                {
                     self.end_level();
                 }
             }
@@ -378,6 +478,45 @@ impl DesignWalk {
         let within = self.params.max_loss.is_none_or(|m| planned[0] <= m);
         if !(fits && within) {
             return self.start_top_up();
+        }
+        let mut target = target;
+        if let Some(left) = self.time_left_s {
+            let per_level = self.params.settle_s + self.params.window_s;
+            let n = deepest - index;
+            if left < per_level {
+                return self.start_top_up();
+            }
+            let each = ((left - n as f64 * self.params.settle_s)
+                / (n as f64 * self.params.window_s))
+                .floor();
+            if each >= 1.0 {
+                target = target.min(each as usize);
+            } else {
+                // Not one window per level: fewer levels, spread evenly down to the
+                // deepest planned one.
+                let m = ((left / per_level).floor() as usize).clamp(1, n);
+                let picked: Vec<Watts> = (1..=m)
+                    .map(|k| self.caps[index + (k * n).div_ceil(m) - 1])
+                    .collect();
+                self.caps.splice(index..deepest, picked);
+                target = 1;
+                // The first level kept may be deeper than the one priced above.
+                let loss = predicted_loss(&self.seen, self.caps[index].0, top);
+                if self.params.max_loss.is_some_and(|m| loss > m) {
+                    return self.start_top_up();
+                }
+                self.time_left_s = Some(left - self.params.settle_s);
+                self.stage = Stage::Level {
+                    index,
+                    target,
+                    windows: 0,
+                    start: self.readings.len(),
+                    power: self.p_top,
+                    loss,
+                };
+                return;
+            }
+            self.time_left_s = Some(left - self.params.settle_s);
         }
         self.stage = Stage::Level {
             index,
@@ -465,7 +604,12 @@ impl DesignWalk {
                 .saturating_sub(self.levels[i].windows);
             let affordable =
                 ((self.budget_s - self.spent) / loss - self.params.settle_s) / self.params.window_s;
-            let extra = room.min(affordable.max(0.0).floor() as usize);
+            let mut extra = room.min(affordable.max(0.0).floor() as usize);
+            if let Some(time) = self.time_left_s {
+                // Under a deadline a revisit pays its settle out of the time left too.
+                let fit = ((time - self.params.settle_s) / self.params.window_s).floor();
+                extra = extra.min(fit.max(0.0) as usize);
+            }
             let over_bound = self.params.max_loss.is_some_and(|m| self.seen[i].1 > m);
             let readings = self.readings.len();
             if let Stage::TopUp {
@@ -483,6 +627,9 @@ impl DesignWalk {
                 *left = extra;
                 *l = loss;
                 *start = readings;
+            }
+            if let Some(time) = &mut self.time_left_s {
+                *time -= self.params.settle_s;
             }
             return;
         }
@@ -766,5 +913,163 @@ mod tests {
         let out = walk.outcome();
         assert_eq!(out.levels[1].cap_w, Watts(225.0), "the window read counts");
         assert!(out.levels.iter().skip(2).all(|l| l.cap_w.0 <= 180.0));
+    }
+
+    /// A dense job on an H200 (700 W down to 200 W in 10 W steps): throughput falls 0.77×
+    /// as fast as the cap below 700 W (PFI ≈ 1.3, the paper's dense median), power = cap.
+    fn h200_grid() -> Vec<Watts> {
+        grid(700.0, 200.0, 10.0)
+    }
+
+    fn dense(cap: Watts) -> OperatingPoint {
+        OperatingPoint {
+            cap_w: cap,
+            power_w: cap,
+            throughput: 1000.0 * (1.0 - 0.77 * (1.0 - cap.0 / 700.0)),
+        }
+    }
+
+    /// Drives a walk on a fake clock: each window is `window_s`, each capped level's
+    /// first window follows a settle (the uncapped one does not: the job is uncapped
+    /// already). `deadline` is set after `after` windows, `seconds` from then. Returns
+    /// the outcome and the walk time from the deadline's setting to the end.
+    fn walk_on_clock(
+        params: &DesignParams,
+        deadline: Option<(usize, f64)>,
+    ) -> (DesignOutcome, f64, f64) {
+        let mut walk = DesignWalk::new(&h200_grid(), params).expect("walk");
+        let (mut t, mut since) = (0.0, 0.0);
+        let mut last = Some(Watts(700.0));
+        let mut read = 0;
+        loop {
+            if let Some((after, seconds)) = deadline {
+                if read == after {
+                    since = t;
+                    walk.finish_within(seconds);
+                }
+            }
+            let Some(cap) = walk.current() else { break };
+            if last != Some(cap) {
+                t += params.settle_s;
+                last = Some(cap);
+            }
+            t += params.window_s;
+            walk.record(dense(cap));
+            read += 1;
+        }
+        (walk.outcome(), t, t - since)
+    }
+
+    #[test]
+    fn a_deadline_that_fits_changes_nothing() {
+        let params = DesignParams::default();
+        let (free, full_s, _) = walk_on_clock(&params, None);
+        let (roomy, _, _) = walk_on_clock(&params, Some((0, full_s + 60.0)));
+        assert_eq!(roomy.levels, free.levels);
+        assert!(free.levels.len() >= 4, "{:?}", free.levels);
+    }
+
+    #[test]
+    fn a_tight_deadline_compresses_the_walk_and_keeps_its_depth() {
+        let params = DesignParams::default();
+        let (free, full_s, _) = walk_on_clock(&params, None);
+        let deepest = free.levels.last().expect("levels").cap_w;
+        for share in [0.7, 0.5, 0.35] {
+            let deadline_s = share * full_s;
+            let (out, _, used_s) = walk_on_clock(&params, Some((0, deadline_s)));
+            assert!(used_s <= deadline_s + 1e-9, "{used_s} s for {deadline_s} s");
+            // Fewer windows cost fewer tokens: the budget reaches at least as deep.
+            let reached = out.levels.last().expect("levels").cap_w;
+            assert!(
+                reached.0 <= deepest.0,
+                "the depth is kept at {share}: {:?}",
+                out.levels
+            );
+            assert!(out.levels.iter().all(|l| l.windows >= 1));
+            // The time is planned for every level down to the design's depth, which the
+            // token budget may stop short of: a curve of a few levels, not a point.
+            assert!(out.levels.len() >= 4, "at {share}: {:?}", out.levels);
+            assert!(out.readings.len() < free.readings.len());
+        }
+    }
+
+    #[test]
+    fn without_room_for_a_window_per_level_fewer_levels_reach_the_depth() {
+        let params = DesignParams::default();
+        let (free, _, _) = walk_on_clock(&params, None);
+        let deepest = free.levels.last().expect("levels").cap_w;
+        // One uncapped window and three capped levels' worth.
+        let deadline_s = params.window_s + 3.0 * (params.settle_s + params.window_s);
+        let (out, _, used_s) = walk_on_clock(&params, Some((0, deadline_s)));
+        assert!(used_s <= deadline_s + 1e-9, "{used_s} s for {deadline_s} s");
+        assert_eq!(out.levels[0].windows, 1, "{:?}", out.levels);
+        assert_eq!(out.levels.len(), 1 + 3, "{:?}", out.levels);
+        assert!(
+            out.levels.last().expect("levels").cap_w.0 <= deepest.0,
+            "{:?}",
+            out.levels
+        );
+        // Spread over the depth, not the three shallowest.
+        assert!(
+            out.levels[1].cap_w.0 < free.levels[1].cap_w.0,
+            "{:?}",
+            out.levels
+        );
+    }
+
+    #[test]
+    fn a_deadline_set_mid_walk_holds_and_no_time_ends_the_walk() {
+        let params = DesignParams::default();
+        let (free, _, _) = walk_on_clock(&params, None);
+        // After the uncapped windows and two at the first level.
+        let after = params.top_windows + 2;
+        let deadline_s = 4.0 * (params.settle_s + params.window_s);
+        let (out, _, used_s) = walk_on_clock(&params, Some((after, deadline_s)));
+        assert!(used_s <= deadline_s + 1e-9, "{used_s} s for {deadline_s} s");
+        let (reached, deepest) = (
+            out.levels.last().expect("levels").cap_w,
+            free.levels.last().expect("levels").cap_w,
+        );
+        assert!(reached.0 <= deepest.0, "{:?}", out.levels);
+        let (ended, _, used_s) = walk_on_clock(&params, Some((after, 0.0)));
+        assert_eq!(used_s, 0.0, "nothing read after a deadline of now");
+        assert_eq!(ended.readings.len(), after);
+        assert_eq!(
+            ended.levels.len(),
+            2,
+            "the level under way keeps its windows"
+        );
+    }
+
+    /// The measured effect (issue 16, pre-positioning): jobs start every minute over the
+    /// hour before an announced event; each warms up for 60 s, then walks. Without the
+    /// deadline a job is calibrated by the start only if its whole design fits; with it,
+    /// the design is compressed to end by the start. A job counts as calibrated with its
+    /// walk done and at least two capped levels read (a curve, not a point).
+    #[test]
+    fn announced_events_find_more_jobs_calibrated_by_their_start() {
+        let params = DesignParams::default();
+        let warmup_s = 60.0;
+        let (_, full_s, _) = walk_on_clock(&params, None);
+        let (mut before, mut after, mut jobs) = (0, 0, 0);
+        let mut windows_after = Vec::new();
+        for lead_min in 1..=60 {
+            let walk_s = f64::from(lead_min) * 60.0 - warmup_s;
+            jobs += 1;
+            if full_s <= walk_s {
+                before += 1;
+            }
+            let (out, _, used_s) = walk_on_clock(&params, Some((0, walk_s)));
+            assert!(used_s <= walk_s + 1e-9);
+            if out.levels.len() >= 3 {
+                after += 1;
+                windows_after.push(out.readings.len());
+            }
+        }
+        eprintln!(
+            "design walk {full_s:.0} s: calibrated by the event's start {before}/{jobs} jobs without the deadline, {after}/{jobs} with it (fewest windows {:?})",
+            windows_after.iter().min()
+        );
+        assert!(after > before, "{after} vs {before}");
     }
 }

@@ -137,6 +137,14 @@ pub struct JobReport {
     /// Calibration's token cost, percent of the job's first-hour tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration_cost_pct: Option<f64>,
+    /// The job's owner, a Unix uid, as the agent learnt it from a source the user cannot
+    /// write: the registration from the step's root `slurmstepd` (Slurm's job uid), or
+    /// the kernel's owner of the job's processes when the agent took the job back after
+    /// a restart. Never from the job's environment or its progress reports. The
+    /// controller shows a non-root admin caller only the jobs they own; none (an agent
+    /// from before this field) means unknown, and such a job is shown to root only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_uid: Option<u32>,
 }
 
 /// What a message says.
@@ -184,6 +192,13 @@ pub enum Body {
         /// windows), while an event holds them below uncapped.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         learn: Vec<String>,
+        /// Seconds from the controller's send to the start of the next announced grid
+        /// event, when one is scheduled: a job still calibrating compresses its walk to
+        /// have its curve measured before the cut (pre-positioning, issue 16). An older
+        /// agent refuses a lease with this field: upgrade agents before announcing
+        /// events to them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        next_event_in_s: Option<f64>,
     },
 }
 
@@ -929,6 +944,7 @@ mod tests {
             start_cap_w: Some(300.0),
             recalibrate: Vec::new(),
             learn: Vec::new(),
+            next_event_in_s: None,
         }
     }
 
@@ -1168,6 +1184,7 @@ mod tests {
             start_cap_w: None,
             recalibrate: Vec::new(),
             learn: Vec::new(),
+            next_event_in_s: None,
         };
         assert!(matches!(
             ctld.seal(&huge, NOW),
@@ -1223,6 +1240,7 @@ mod tests {
                     calibrating: t > 5e5,
                     curve: Vec::new(),
                     calibration_cost_pct: None,
+                    owner_uid: Some(1000),
                 }],
                 power_w: power * 0.97,
                 failsafe: false,
@@ -1301,7 +1319,50 @@ mod tests {
             calibrating: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
+            owner_uid: None,
         }
+    }
+
+    #[test]
+    fn a_lease_may_announce_the_next_event_and_an_older_one_reads_as_none() {
+        let plain = lease("n1", 450.0);
+        let text = serde_json::to_string(&plain).expect("json");
+        assert!(!text.contains("next_event_in_s"), "{text}");
+        let mut announced = plain.clone();
+        if let Body::Lease {
+            next_event_in_s, ..
+        } = &mut announced
+        {
+            *next_event_in_s = Some(600.0);
+        }
+        let (mut agent, mut ctld) = connect("n1", [1; 16], [2; 16]);
+        let line = ctld.seal(&announced, NOW).expect("seal");
+        assert_eq!(agent.open(&line, NOW).expect("open"), announced);
+        let back: Body = serde_json::from_str(&text).expect("parse");
+        assert!(matches!(
+            back,
+            Body::Lease {
+                next_event_in_s: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_report_carries_its_owner_and_one_without_reads_as_unknown() {
+        let mut owned = job("7", 1);
+        owned.owner_uid = Some(1001);
+        let text = serde_json::to_string(&owned).expect("json");
+        assert!(text.contains("\"owner_uid\":1001"), "{text}");
+        let back: JobReport = serde_json::from_str(&text).expect("parse");
+        assert_eq!(back.owner_uid, Some(1001));
+        // An agent from before the field: the owner is unknown, not root's or anyone's.
+        let old = serde_json::to_string(&job("7", 1)).expect("json");
+        assert!(!old.contains("owner_uid"), "{old}");
+        let back: JobReport = serde_json::from_str(&old).expect("parse");
+        assert_eq!(back.owner_uid, None);
+        let wrong = serde_json::from_str::<JobReport>(&text.replace("1001", "\"bob\""));
+        assert!(wrong.is_err(), "a uid is a number");
     }
 
     #[test]

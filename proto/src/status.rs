@@ -117,6 +117,11 @@ pub struct CtldStatus {
     /// budget (a grid event deeper than caps reach).
     #[serde(default)]
     pub preempted: Vec<PreemptedView>,
+    /// Set when the caller was not root: `jobs` and `preempted` list only this uid's
+    /// jobs (need-to-know, issue 14); the site's figures and the per-node job counts
+    /// stay. None: the caller sees every job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jobs_of_uid: Option<u32>,
 }
 
 /// A job the controller holds suspended or requeued.
@@ -181,6 +186,10 @@ pub struct SiteJobStatus {
     /// allocation: its curve is being corrected and it is walked again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift: Option<DriftView>,
+    /// The job's owner (Unix uid) as every node running it reports it; none when a node
+    /// does not say (an older agent) or two nodes disagree: then only root sees the job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_uid: Option<u32>,
 }
 
 /// One point of a job's estimated curve: the mean of its measurement windows at one cap,

@@ -38,6 +38,7 @@ mod ffi {
 pub mod logic;
 mod wire;
 
+use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int, c_uint, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, PoisonError};
@@ -82,6 +83,32 @@ static STATE: Mutex<State> = Mutex::new(State {
 fn state() -> std::sync::MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// Frees what the plugin holds, last thing in `slurm_spank_exit`: Slurm unloads the
+/// plugin right after that callback, in every context, and memory that only the
+/// plugin's statics point to would then stay allocated and unreachable until the process
+/// exits (valgrind's "definitely lost" in slurmstepd, `tests/spank_plugin.rs`).
+fn release_state() {
+    *state() = State::default();
+}
+
+/// `--power-flex`, as registered with Slurm. A static rather than a leaked allocation for
+/// the same reason: it lives exactly as long as the plugin. Slurm 22.05 copies it at
+/// registration; older releases kept the pointer, which a static also satisfies.
+struct OptionTable(UnsafeCell<ffi::spank_option>);
+
+// SAFETY: nothing writes the option after it is built (Slurm only reads it), so sharing
+// it between threads is sound; the cell only makes the `*mut` Slurm's API takes honest.
+unsafe impl Sync for OptionTable {}
+
+static OPTION: OptionTable = OptionTable(UnsafeCell::new(ffi::spank_option {
+    name: OPTION_NAME.as_ptr().cast_mut(),
+    arginfo: OPTION_ARGINFO.as_ptr().cast_mut(),
+    usage: OPTION_USAGE.as_ptr().cast_mut(),
+    has_arg: 1,
+    val: 0,
+    cb: Some(on_option),
+}));
 
 /// Logs through Slurm with a fixed format: user text is never a format string.
 fn log_error(message: &str) {
@@ -238,16 +265,9 @@ pub unsafe extern "C" fn slurm_spank_init(
                 }
             }
         }
-        let option = Box::leak(Box::new(ffi::spank_option {
-            name: OPTION_NAME.as_ptr().cast_mut(),
-            arginfo: OPTION_ARGINFO.as_ptr().cast_mut(),
-            usage: OPTION_USAGE.as_ptr().cast_mut(),
-            has_arg: 1,
-            val: 0,
-            cb: Some(on_option),
-        }));
-        // SAFETY: `option` lives for the rest of the process (leaked on purpose).
-        let rc = unsafe { ffi::spank_option_register(sp, option) };
+        // SAFETY: OPTION is valid for as long as the plugin is loaded, and Slurm only
+        // reads it.
+        let rc = unsafe { ffi::spank_option_register(sp, OPTION.0.get()) };
         if rc != ffi::ESPANK_SUCCESS {
             log_error("cannot register --power-flex");
         }
@@ -332,7 +352,8 @@ pub unsafe extern "C" fn slurm_spank_task_init(
     })
 }
 
-/// Remote context: the step is over.
+/// The last callback in every context. Remote: the step is over, tell the agent. Then
+/// free the plugin's state, since Slurm unloads the plugin next.
 #[no_mangle]
 pub unsafe extern "C" fn slurm_spank_exit(
     sp: ffi::spank_t,
@@ -340,41 +361,47 @@ pub unsafe extern "C" fn slurm_spank_exit(
     _av: *mut *mut c_char,
 ) -> c_int {
     guarded(0, || {
-        if context() != ffi::spank_context_S_CTX_REMOTE {
-            return 0;
+        if context() == ffi::spank_context_S_CTX_REMOTE {
+            step_ended(sp);
         }
-        let (args, registered) = {
-            let st = state();
-            (st.args.clone().unwrap_or_default(), st.registered.clone())
-        };
-        // The extern step (PrologFlags=Contain) lives from the job's allocation to its
-        // end on every node of the job: its end is the job's end there. This is the
-        // job-end signal; exporting slurm_spank_job_epilog instead made Slurm exec
-        // `slurmstepd spank epilog` for every job, on every node.
-        if item_u32(sp, ffi::spank_item_S_JOB_STEPID) == Some(logic::EXTERN_STEP) {
-            let Some(job_id) = item_u32(sp, ffi::spank_item_S_JOB_ID) else {
-                return 0;
-            };
-            let node = node_name(sp);
-            let request = ControlRequest::new(ControlOp::EndJob {
-                job_id: job_id.to_string(),
-            });
-            // The agent may be down (or the job never managed): nothing to undo then. A
-            // notice, not an exchange: a stopped agent must not hold the job's end (srun
-            // waits for the extern step), and the agent finds the end itself regardless.
-            if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
-                log_info(&e);
-            }
-            return 0;
-        }
-        let Some((job_id, step_id)) = registered else {
-            return 0;
-        };
-        let node = node_name(sp);
-        let request = ControlRequest::new(ControlOp::EndStep { job_id, step_id });
-        if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
-            log_error(&e);
-        }
+        release_state();
         0
     })
+}
+
+/// Remote context, the step is over: a notice to the agent (of the step's end, or of the
+/// job's when this is the extern step).
+fn step_ended(sp: ffi::spank_t) {
+    let (args, registered) = {
+        let st = state();
+        (st.args.clone().unwrap_or_default(), st.registered.clone())
+    };
+    // The extern step (PrologFlags=Contain) lives from the job's allocation to its
+    // end on every node of the job: its end is the job's end there. This is the
+    // job-end signal; exporting slurm_spank_job_epilog instead made Slurm exec
+    // `slurmstepd spank epilog` for every job, on every node.
+    if item_u32(sp, ffi::spank_item_S_JOB_STEPID) == Some(logic::EXTERN_STEP) {
+        let Some(job_id) = item_u32(sp, ffi::spank_item_S_JOB_ID) else {
+            return;
+        };
+        let node = node_name(sp);
+        let request = ControlRequest::new(ControlOp::EndJob {
+            job_id: job_id.to_string(),
+        });
+        // The agent may be down (or the job never managed): nothing to undo then. A
+        // notice, not an exchange: a stopped agent must not hold the job's end (srun
+        // waits for the extern step), and the agent finds the end itself regardless.
+        if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
+            log_info(&e);
+        }
+        return;
+    }
+    let Some((job_id, step_id)) = registered else {
+        return;
+    };
+    let node = node_name(sp);
+    let request = ControlRequest::new(ControlOp::EndStep { job_id, step_id });
+    if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
+        log_error(&e);
+    }
 }

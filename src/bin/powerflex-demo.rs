@@ -4,7 +4,13 @@
 //! Seven simulated training jobs with different tiers and workloads (dense pretraining,
 //! MoE fine-tuning, two whose curves are REAL measurements; single- and multi-node)
 //! calibrate, then a 30 % grid event ramps in, holds and ends; in the middle of the hold
-//! one job changes phase (its light first step ends and a heavier one starts). The demo
+//! one job changes phase (its light first step ends and a heavier one starts). A second,
+//! deeper event then arrives the way a utility sends one: the demo plays the utility at a
+//! real OpenADR 3 VTN (LF Energy's openleadr-vtn on PostgreSQL 16, started in the
+//! background while the jobs calibrate) and the site's VEN, `powerflex-grid`, brings it to
+//! the controller; it is deeper than caps at every tier's floor reach with flex0
+//! untouched, so the one job that allows it (flex3, `preempt=suspend`) is suspended for
+//! it and resumed after. The demo
 //! prints each job's measured against its true PFI, its caps and tokens/s before and
 //! during the event, and the cluster's tokens/s against the equal-weight split of the
 //! same budget on the same curves; it plots the metered draw and the caps the GPUs
@@ -12,8 +18,8 @@
 //! started by PID, and checks that every simulated GPU is back at its default cap.
 //!
 //! The run is a sequence of phases, each a function returning `Result`: [`start`]
-//! (cluster and stack up), [`submit`], [`calibrate`], [`steady_state`], [`event`],
-//! [`teardown`], [`report`].
+//! (cluster and stack up, the VTN starting in the background), [`submit`], [`calibrate`],
+//! [`steady_state`], [`event`], [`openadr_event`], [`teardown`], [`report`].
 //!
 //! Run as root after `cargo build --release` (scripts/demo.sh does both). Exit codes: 0
 //! the event was met and every promise held; 1 something failed or a promise broke (the
@@ -28,14 +34,18 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use serde_json::json;
 
+use powerflex_controller::plot::Mark;
+use powerflex_core::config::{RawGrid, RawOpenAdr, SiteConfig};
 use powerflex_core::Watts;
+use powerflex_proto::admin::Cut;
 use powerflex_proto::status::{
     AgentJobStatus, CtldStatus, DecisionView, HistorySample, PfiSource, SiteJobStatus,
 };
 use powerflex_sim::profiles::{Library, Profile};
-use powerflex_testbed::repo_root;
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site::{edit_site_file, SiteBuilder};
 use powerflex_testbed::stack::{Stack, StackError, StackOptions};
+use powerflex_testbed::vtn::{self, event_request, Payload, VenProcess, VtnBed, VtnError};
+use powerflex_testbed::{profile_dir, repo_root, write_site_key};
 
 const NODES: u32 = 3;
 const GPUS_PER_NODE: u32 = 8;
@@ -51,6 +61,11 @@ const ALLOCATION_PERIOD_S: f64 = 1.0;
 /// How often the event phase reads the meter, s: fine enough to see a reallocation's
 /// transient, which lasts about one agent sample (500 ms).
 const EVENT_SAMPLE_S: f64 = 0.2;
+/// The VTN program the demo's utility publishes in and the site follows.
+const OPENADR_PROGRAM: &str = "powerflex-demo-dr";
+/// How far ahead of its start the OpenADR event is published, s: time for the VEN's poll
+/// (1 s), the controller's suspension ahead of the start and the caps to follow.
+const OPENADR_LEAD_S: u64 = 8;
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -71,6 +86,9 @@ struct Cli {
     /// Simulated seconds per real second for the training jobs.
     #[arg(long, default_value = "20", value_name = "X", value_parser = time_scale)]
     time_scale: f64,
+    /// How long the second event, the one from the OpenADR VTN, lasts, s.
+    #[arg(long, default_value = "20", value_name = "S", value_parser = openadr_s)]
+    openadr_s: u64,
     /// Where the plot, the jobs' step logs, the daemons' logs and the summary go
     /// [default: REPO/target/powerflex-demo].
     #[arg(long, value_name = "DIR")]
@@ -91,12 +109,26 @@ struct Spec {
     /// A second, heavier phase the demo switches the job to in the middle of the event
     /// (a second `srun` step of the same job; the first is cancelled).
     then: Option<&'static str>,
+    /// Submitted with `preempt=suspend`: the controller may suspend it in a cut deeper
+    /// than caps reach.
+    suspend: bool,
+}
+
+impl Spec {
+    /// The `--power-flex` value.
+    fn power_flex(&self) -> String {
+        if self.suspend {
+            format!("{},preempt=suspend", self.tier)
+        } else {
+            self.tier.to_string()
+        }
+    }
 }
 
 /// The jobs: every tier, dense and MoE, two real measured curves, single- and multi-node,
 /// 24 GPUs in all. A 30 % cut is within reach of every tier's bound here (the loose tiers
 /// hold the flexible share), so the demo shows the promise kept rather than the give-way
-/// order.
+/// order. The second event is deeper than every floor: one flex3 job allows suspension.
 const MIX: [Spec; 7] = [
     Spec {
         tier: "flex0",
@@ -106,6 +138,7 @@ const MIX: [Spec; 7] = [
         profile: "llama-3.1-70b-dense-pt-8g-compile",
         kind: "dense pretraining",
         then: None,
+        suspend: false,
     },
     Spec {
         tier: "flex1",
@@ -115,6 +148,7 @@ const MIX: [Spec; 7] = [
         profile: "gpt-oss-20b-moe-ft-8g-seq4096-bs8",
         kind: "MoE fine-tuning",
         then: None,
+        suspend: false,
     },
     Spec {
         tier: "flex3",
@@ -124,6 +158,9 @@ const MIX: [Spec; 7] = [
         profile: "qwen3-30b-a3b-moe-ft-16g",
         kind: "MoE fine-tuning",
         then: None,
+        // The lowest tier, and the only job that allows suspension: the OpenADR event's
+        // depth is chosen so that it must be suspended.
+        suspend: true,
     },
     Spec {
         tier: "flex2",
@@ -133,6 +170,7 @@ const MIX: [Spec; 7] = [
         profile: "gemma-4-26b-a4b-moe-ft-8g",
         kind: "MoE fine-tuning, then dense pretraining",
         then: Some("llama-3.1-70b-dense-pt-16g"),
+        suspend: false,
     },
     Spec {
         tier: "flex1",
@@ -142,6 +180,7 @@ const MIX: [Spec; 7] = [
         profile: "qwen3-32b-dense-pt-8g-compile",
         kind: "dense pretraining",
         then: None,
+        suspend: false,
     },
     Spec {
         tier: "flex2",
@@ -151,6 +190,7 @@ const MIX: [Spec; 7] = [
         profile: "real-rtx6000-squad-bert-base-uncased-bs16-adamw",
         kind: "real curve (Zeus, BERT)",
         then: None,
+        suspend: false,
     },
     Spec {
         tier: "flex3",
@@ -160,6 +200,7 @@ const MIX: [Spec; 7] = [
         profile: "real-v100-cifar100-shufflenetv2-bs2048-adam",
         kind: "real curve (Zeus, ShuffleNet)",
         then: None,
+        suspend: false,
     },
 ];
 
@@ -246,6 +287,13 @@ fn hold_s(text: &str) -> std::result::Result<f64, String> {
         |v| v >= 15.0,
         "at least 15 seconds (the measurement window)",
     )
+}
+
+fn openadr_s(text: &str) -> std::result::Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(v) if (10..=3600).contains(&v) => Ok(v),
+        _ => Err("accepted: whole seconds from 10 to 3600".into()),
+    }
 }
 
 fn time_scale(text: &str) -> std::result::Result<f64, String> {
@@ -415,6 +463,8 @@ struct Meter {
     /// `powerflexctl` process, and on this 2-core machine the jobs' measured throughput
     /// feels every extra process).
     ask_budget: bool,
+    /// The controller's status from the last sample that asked for it.
+    status: Option<CtldStatus>,
 }
 
 impl Meter {
@@ -425,6 +475,7 @@ impl Meter {
         if self.ask_budget {
             if let Ok(status) = stack.try_ctl_json::<CtldStatus>(&["status"]) {
                 self.budget_w = status.budget_w;
+                self.status = Some(status);
             }
         }
         let mut caps: BTreeMap<String, f64> = BTreeMap::new();
@@ -452,8 +503,54 @@ impl Meter {
 }
 
 /// The running demo: the stack, where results go, and what has been recorded so far.
+/// The OpenADR test bed (PostgreSQL 16 and the VTN), started in a thread while the jobs
+/// calibrate (initdb and the VTN's migrations take tens of seconds on 2 cores) and joined
+/// when the OpenADR event needs it. Dropping it waits for a start still under way, so
+/// whatever the thread started is stopped by PID however the demo ends.
+#[derive(Debug, Default)]
+struct VtnStart {
+    starting: Option<std::thread::JoinHandle<std::result::Result<VtnBed, VtnError>>>,
+    bed: Option<VtnBed>,
+    began: Option<Instant>,
+}
+
+impl VtnStart {
+    fn begin(dir: PathBuf) -> VtnStart {
+        VtnStart {
+            starting: Some(std::thread::spawn(move || VtnBed::start(&dir))),
+            bed: None,
+            began: Some(Instant::now()),
+        }
+    }
+
+    /// The running bed, waiting for its start if need be.
+    fn ready(&mut self) -> Result<&VtnBed> {
+        if let Some(handle) = self.starting.take() {
+            let bed = handle
+                .join()
+                .map_err(|_| "the thread starting the VTN panicked")?
+                .map_err(|e| format!("the OpenADR VTN did not start: {e}"))?;
+            self.bed = Some(bed);
+        }
+        self.bed
+            .as_ref()
+            .ok_or_else(|| "the OpenADR VTN was not started".into())
+    }
+}
+
+impl Drop for VtnStart {
+    fn drop(&mut self) {
+        if let Some(handle) = self.starting.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Field order is drop order: the VEN, then the VTN, then the stack.
 #[derive(Debug)]
 struct Demo {
+    ven: Option<VenProcess>,
+    vtn: VtnStart,
     cli: Cli,
     progress: Progress,
     out: PathBuf,
@@ -461,6 +558,8 @@ struct Demo {
     library: Library,
     stack: Stack,
     meter: Meter,
+    /// What the plot marks: the events, the suspension and the resume.
+    marks: Vec<Mark>,
 }
 
 impl Demo {
@@ -531,6 +630,15 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
 /// plugin, the simulated GPUs, the controller and one agent per node, all live.
 fn start(cli: &Cli, progress: Progress) -> Result<Demo> {
     check_root()?;
+    // Before anything starts: the second event needs the OpenADR test bed and the VEN.
+    vtn::available().map_err(|e| format!("the OpenADR test bed: {e}"))?;
+    let grid = profile_dir().join("powerflex-grid");
+    if !grid.is_file() {
+        return Err(StackError::MissingArtifact {
+            path: grid.display().to_string(),
+        }
+        .into());
+    }
     let library = Library::builtin().map_err(|e| e.to_string())?;
     let out = cli
         .out
@@ -546,7 +654,7 @@ fn start(cli: &Cli, progress: Progress) -> Result<Demo> {
     println!("powerflex demo — every GPU here is SIMULATED (libpowerflex_sim_nvml.so behind the real NVML API); the training jobs are simulated too.");
     println!("results, logs and the plot go to {}\n", out.display());
     progress.say(format!(
-        "[1/7] starting a local Slurm cluster (slurmctld + {NODES} slurmd, {GPUS_PER_NODE} simulated H200 each, the power_flex.so SPANK plugin), powerflex-ctld and one powerflexd per node"
+        "[1/8] starting a local Slurm cluster (slurmctld + {NODES} slurmd, {GPUS_PER_NODE} simulated H200 each, the power_flex.so SPANK plugin), powerflex-ctld and one powerflexd per node"
     ));
     let stack = Stack::try_start(
         "demo",
@@ -564,11 +672,15 @@ fn start(cli: &Cli, progress: Progress) -> Result<Demo> {
         },
     )?;
     let _ = std::fs::copy(&stack.site, out.join("powerflex.toml"));
+    progress.say("      starting an OpenADR 3 VTN (openleadr-vtn on PostgreSQL 16, loopback) in the background for the second event");
+    let vtn = VtnStart::begin(stack.base.join("vtn"));
     let meter = Meter {
         budget_w: f64::from(NODES * GPUS_PER_NODE) * DEFAULT_CAP_W,
         ..Meter::default()
     };
     Ok(Demo {
+        ven: None,
+        vtn,
         cli: cli.clone(),
         progress,
         out,
@@ -576,6 +688,7 @@ fn start(cli: &Cli, progress: Progress) -> Result<Demo> {
         library,
         stack,
         meter,
+        marks: Vec::new(),
     })
 }
 
@@ -596,7 +709,7 @@ fn srun_line(demo: &Demo, profile: &str) -> String {
 /// Phase 2: a refused tier, then the mix, submitted with `sbatch --power-flex`, running.
 fn submit(demo: &mut Demo) -> Result<Vec<Job>> {
     demo.progress.say(
-        "[2/7] submitting training jobs (powerflex-simjob, SIMULATED) with sbatch --power-flex",
+        "[2/8] submitting training jobs (powerflex-simjob, SIMULATED) with sbatch --power-flex",
     );
     match demo
         .stack
@@ -636,7 +749,7 @@ fn submit(demo: &mut Demo) -> Result<Vec<Job>> {
                 &[
                     &format!("-N{}", spec.nodes),
                     &format!("--gres=gpu:{}", spec.gpus_per_node),
-                    &format!("--power-flex={}", spec.tier),
+                    &format!("--power-flex={}", spec.power_flex()),
                     &format!("--job-name={}", spec.profile),
                     "--output",
                     &output.to_string_lossy(),
@@ -651,7 +764,11 @@ fn submit(demo: &mut Demo) -> Result<Vec<Job>> {
             .map_or(String::new(), |t| format!(", then {t} during the event"));
         demo.progress.say(format!(
             "      job {id}: --power-flex={} {} ({}, {source} curve){then}, {} node(s) x {} GPU(s)",
-            spec.tier, spec.profile, spec.kind, spec.nodes, spec.gpus_per_node
+            spec.power_flex(),
+            spec.profile,
+            spec.kind,
+            spec.nodes,
+            spec.gpus_per_node
         ));
         jobs.push(Job { spec, id });
     }
@@ -693,7 +810,7 @@ struct Calibration {
 /// each measured curve and every GPU is back at its default cap.
 fn calibrate(demo: &mut Demo, jobs: &[Job]) -> Result<Calibration> {
     let started = Instant::now();
-    demo.progress.say("[3/7] calibrating: each capped job walks its tier's caps (700 W down) while it trains; flex0 is never capped");
+    demo.progress.say("[3/8] calibrating: each capped job walks its tier's caps (700 W down) while it trains; flex0 is never capped");
     let walking = |stack: &Stack| -> String {
         let mut parts = Vec::new();
         for (i, node) in stack.cluster.node_names().iter().enumerate() {
@@ -777,7 +894,7 @@ struct Before {
 /// below the draw measured here.
 fn steady_state(demo: &mut Demo) -> Result<Before> {
     demo.progress
-        .say("[4/7] steady state before the event: measuring every job's tokens/s for 10 s");
+        .say("[4/8] steady state before the event: measuring every job's tokens/s for 10 s");
     demo.meter.sample(&demo.stack)?;
     std::thread::sleep(Duration::from_secs(2));
     let from_ms = unix_ms();
@@ -819,6 +936,9 @@ struct During {
     draw: Vec<(f64, f64)>,
     /// Seconds into the event the judged window starts.
     from_s: f64,
+    /// The event's start and end, Unix ms.
+    start_ms: u64,
+    end_ms: u64,
     changes: Vec<PhaseChange>,
     whatif: (DecisionView, DecisionView),
     jobs: Vec<SiteJobStatus>,
@@ -831,7 +951,7 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
     let cli = demo.cli.clone();
     let duration_s = cli.ramp_s * 2.0 + cli.hold_s;
     demo.progress.say(format!(
-        "[5/7] grid event: {:.0} % below the draw of {} -> budget {}, ramp {:.0} s, hold {:.0} s, ramp back {:.0} s",
+        "[5/8] grid event (powerflexctl event add): {:.0} % below the draw of {} -> budget {}, ramp {:.0} s, hold {:.0} s, ramp back {:.0} s",
         cli.cut * 100.0,
         Watts(before.draw_w),
         Watts(before.target_w),
@@ -945,7 +1065,15 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
             )
         },
     )?;
+    let end_ms = event_start_ms + (duration_s * 1000.0) as u64;
+    demo.marks.push(Mark {
+        from_ms: event_start_ms,
+        to_ms: Some(end_ms),
+        label: format!("event 1 (powerflexctl): {}", Watts(before.target_w)),
+    });
     Ok(During {
+        start_ms: event_start_ms,
+        end_ms,
         from_ms: event_start_ms + (from_s * 1000.0) as u64,
         to_ms: event_start_ms + (to_s * 1000.0) as u64,
         draw,
@@ -954,6 +1082,516 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
         whatif: whatif.ok_or("the event ended before the what-if snapshot")?,
         jobs: during_jobs,
     })
+}
+
+/// What the OpenADR event showed (all on SIMULATED GPUs).
+#[derive(Debug)]
+struct Openadr {
+    /// The VTN's id for the event, and the site's VEN name.
+    vtn_event_id: String,
+    ven_name: String,
+    /// The lowest budget at which caps hold every tier's floor (flex0 at its default),
+    /// from the controller's own allocation, W.
+    floors_w: f64,
+    /// The job that allows suspension, its draw at its floor and its estimated idle
+    /// draw once suspended (the controller's estimate), W.
+    job: u32,
+    job_at_floor_w: f64,
+    job_idle_w: f64,
+    /// The event's GPU budget (its import capacity limit, in W), start and end (Unix ms).
+    target_w: f64,
+    published_ms: u64,
+    start_ms: u64,
+    end_ms: u64,
+    /// When the controller had the event (Unix ms), its id there and its budget.
+    at_ctld_ms: Option<u64>,
+    ctld_event_id: Option<u64>,
+    ctld_target_w: Option<f64>,
+    /// The controller event the VEN's ledger maps the VTN's event to.
+    ledger_event_id: Option<u64>,
+    /// The first sample with the allocation made for the event's budget and the metered
+    /// draw within it, Unix ms.
+    caps_ms: Option<u64>,
+    /// When the controller held the job out, when Slurm showed it SUSPENDED, when it was
+    /// running again (Unix ms); every job the controller held out during the event.
+    suspended_ms: Option<u64>,
+    slurm_suspended: bool,
+    /// The job's Slurm comment while suspended (why, for its user).
+    comment: String,
+    resumed_ms: Option<u64>,
+    held: Vec<String>,
+    /// Lowest cap the flex0 job's GPUs enforced from publication to the end, W.
+    flex0_min_cap_w: Option<f64>,
+    /// Metered draw every ~200 ms: (Unix ms, W).
+    draw: Vec<(u64, f64)>,
+    /// Reports the VEN sent to the VTN for the event, and their DEMAND values (kW).
+    reports: usize,
+    report_demand_kw: Vec<f64>,
+}
+
+impl Openadr {
+    fn s_after_publish(&self, t_ms: Option<u64>) -> Option<f64> {
+        t_ms.map(|t| (t as f64 - self.published_ms as f64) / 1000.0)
+    }
+
+    /// The samples from the event's start to its end: these are held to its budget.
+    fn in_force(&self) -> Vec<(u64, f64)> {
+        self.draw
+            .iter()
+            .copied()
+            .filter(|&(t, _)| t >= self.start_ms && t < self.end_ms)
+            .collect()
+    }
+
+    fn draw_max_w(&self) -> f64 {
+        self.in_force().iter().map(|s| s.1).fold(0.0, f64::max)
+    }
+
+    fn draw_ok(&self) -> bool {
+        !self.in_force().is_empty() && self.draw_max_w() <= self.target_w * (1.0 + DRAW_TOLERANCE)
+    }
+
+    fn through_ven(&self) -> bool {
+        self.ctld_event_id.is_some()
+            && self.ledger_event_id == self.ctld_event_id
+            && self
+                .ctld_target_w
+                .is_some_and(|w| (w - self.target_w).abs() < 0.5)
+    }
+
+    /// Every promise of the OpenADR event.
+    fn ok(&self) -> bool {
+        self.through_ven()
+            && self.caps_ms.is_some()
+            && self.draw_ok()
+            && self.suspended_ms.is_some()
+            && self.slurm_suspended
+            && self.held == [self.job.to_string()]
+            && self.resumed_ms.is_some()
+            && self.flex0_min_cap_w.is_some_and(|c| c >= DEFAULT_CAP_W)
+            && self.reports > 0
+    }
+}
+
+/// Whether the controller's allocation at some budget leaves the site short: a tier's
+/// floor broken, or over the budget with every job at its lowest cap (what makes the
+/// controller suspend jobs: `powerflex_controller::preempt::short`).
+fn short(d: &DecisionView) -> bool {
+    d.allocation
+        .as_ref()
+        .is_some_and(|a| a.over_budget_w > 0.0 || a.jobs.iter().any(|j| j.floor.is_broken()))
+}
+
+/// The lowest budget at which the controller's own allocation (`whatif --policy optimal`,
+/// on its measured curves and the jobs' reports now) holds every floor, to 10 W by
+/// bisection, and the allocation there.
+fn floors_budget(stack: &Stack, base_w: f64) -> Result<(f64, DecisionView)> {
+    let whatif = |w: f64| -> Result<DecisionView> {
+        Ok(stack.try_ctl_json(&[
+            "whatif",
+            "--policy",
+            "optimal",
+            "--budget",
+            &format!("{w:.0}W"),
+        ])?)
+    };
+    let (mut lo, mut hi) = (0.0, base_w);
+    let mut at_hi = whatif(hi)?;
+    if short(&at_hi) {
+        return Err(format!("even the base budget {} breaks a floor", Watts(base_w)).into());
+    }
+    while hi - lo > 10.0 {
+        let mid = ((lo + hi) / 2.0).round();
+        let d = whatif(mid)?;
+        if short(&d) {
+            lo = mid;
+        } else {
+            hi = mid;
+            at_hi = d;
+        }
+    }
+    Ok((hi, at_hi))
+}
+
+/// Phase 6: the second event, through OpenADR. The demo plays the utility at the VTN
+/// (a program, then an event with an import capacity limit), the site's VEN
+/// (`powerflex-grid`) brings it to the controller. Its depth comes from the running jobs'
+/// floors: half-way between the least caps can hold with every floor kept and what
+/// suspending the one job that allows it frees, so caps alone cannot hold it and one
+/// suspension is enough. The meter is read every 200 ms until the job has resumed and
+/// every GPU is back at its default cap; then the VEN and the VTN are stopped by PID.
+fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
+    let waited = Instant::now();
+    demo.progress.say(
+        "[6/8] grid event through OpenADR: the demo plays the utility at a local OpenADR 3 VTN; the site's VEN (powerflex-grid) follows it",
+    );
+    let began = demo.vtn.began.map_or(0.0, |b| b.elapsed().as_secs_f64());
+    let bed = demo.vtn.ready()?;
+    demo.progress.say(format!(
+        "      VTN up at {} (started {began:.0} s ago in the background; waited {:.0} s for it here)",
+        bed.url(),
+        waited.elapsed().as_secs_f64()
+    ));
+    let utility = bed.utility();
+    let program = utility
+        .create_program(OPENADR_PROGRAM)
+        .map_err(|e| format!("create the VTN program: {e}"))?;
+    let program_id = program.id.to_string();
+    // The VEN's credentials (root-only, as it demands) and the site's [grid.openadr].
+    let creds = demo.stack.base.join("openadr-credentials.toml");
+    write_site_key(
+        &creds,
+        &format!(
+            "bearer_token = \"{}\"\n",
+            bed.token("powerflex-demo-site", vtn::VEN_SCOPES)
+        ),
+    );
+    let ven_name = "powerflex-demo-site".to_string();
+    let (url, creds_s, state_s, name) = (
+        bed.url(),
+        creds.to_string_lossy().into_owned(),
+        demo.stack
+            .base
+            .join("grid-state")
+            .to_string_lossy()
+            .into_owned(),
+        ven_name.clone(),
+    );
+    edit_site_file(&demo.stack.site, move |raw| {
+        raw.grid = Some(RawGrid {
+            openadr: Some(RawOpenAdr {
+                vtn_url: url,
+                credentials_file: creds_s,
+                ven_name: Some(name),
+                programs: vec![OPENADR_PROGRAM.into()],
+                poll_interval_s: Some(1),
+                report_interval_s: Some(2),
+                state_dir: Some(state_s),
+                ..RawOpenAdr::default()
+            }),
+        })
+    })
+    .map_err(|e| format!("[grid.openadr] in the site config: {e}"))?;
+    let _ = std::fs::copy(&demo.stack.site, demo.out.join("powerflex.toml"));
+    let site = SiteConfig::from_toml_str(
+        &std::fs::read_to_string(&demo.stack.site).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| format!("the site config: {e}"))?;
+    let openadr = site
+        .grid
+        .openadr
+        .ok_or("the site config has no [grid.openadr]")?;
+    let ledger_path = powerflex_grid::ledger_path(&openadr);
+    let ven_log = demo.out.join("grid.log");
+    demo.ven = Some(
+        VenProcess::start(
+            &profile_dir().join("powerflex-grid"),
+            &demo.stack.site,
+            &ven_log,
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    let registered = Instant::now();
+    loop {
+        let log = std::fs::read_to_string(&ven_log).unwrap_or_default();
+        if log.contains("registered at the vtn") {
+            break;
+        }
+        if !demo.ven.as_mut().is_some_and(VenProcess::running)
+            || registered.elapsed() > Duration::from_secs(60)
+        {
+            return Err(format!(
+                "powerflex-grid did not register at the VTN; its log ({}):\n{log}",
+                ven_log.display()
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    demo.progress.say(format!(
+        "      powerflex-grid registered at the VTN as \"{ven_name}\", following program \"{OPENADR_PROGRAM}\" (poll every 1 s, reports every 2 s)"
+    ));
+
+    // The depth, from the floors of the jobs running now.
+    let status: CtldStatus = demo.stack.try_ctl_json(&["status"])?;
+    let (floors_w, at_floors) = floors_budget(&demo.stack, status.base_budget_w)?;
+    let pausable = jobs
+        .iter()
+        .filter(|j| j.spec.suspend)
+        .max_by(|a, b| a.spec.bound.total_cmp(&b.spec.bound))
+        .ok_or("no job allows suspension")?;
+    let job_at_floor_w = at_floors
+        .allocation
+        .as_ref()
+        .and_then(|a| a.jobs.iter().find(|j| j.id == pausable.id.to_string()))
+        .map(|j| j.power_w)
+        .ok_or(format!("job {} is not in the allocation", pausable.id))?;
+    let job_idle_w = f64::from(pausable.spec.nodes * pausable.spec.gpus_per_node)
+        * DEFAULT_CAP_W
+        * powerflex_controller::preempt::SUSPENDED_SHARE_OF_DEFAULT;
+    let freed_w = job_at_floor_w - job_idle_w;
+    if freed_w < 100.0 {
+        return Err(format!(
+            "suspending job {} would free only {} (at its floor {}, suspended ~{}): no depth needs exactly one suspension",
+            pausable.id,
+            Watts(freed_w),
+            Watts(job_at_floor_w),
+            Watts(job_idle_w)
+        )
+        .into());
+    }
+    let target_w = (floors_w - freed_w / 2.0).floor();
+    demo.progress.say(format!(
+        "      depth from the floors: caps hold every tier's floor (flex0 at {DEFAULT_CAP_W:.0} W) down to {}; job {} ({}) draws {} at its floor and ~{} suspended; limit {} needs exactly that one suspension",
+        Watts(floors_w),
+        pausable.id,
+        pausable.spec.power_flex(),
+        Watts(job_at_floor_w),
+        Watts(job_idle_w),
+        Watts(target_w)
+    ));
+
+    // The utility publishes: one interval, an import capacity limit in kW, starting
+    // OPENADR_LEAD_S from now.
+    let duration_s = demo.cli.openadr_s;
+    let published_ms = unix_ms();
+    let start_ms = published_ms + OPENADR_LEAD_S * 1000;
+    let end_ms = start_ms + duration_s * 1000;
+    let event = utility
+        .create_event(&event_request(
+            &program_id,
+            "powerflex-demo-limit",
+            &[vtn::Step {
+                start_ms,
+                duration_s,
+                payload: Payload::ImportCapacityLimitKw(target_w / 1000.0),
+            }],
+        ))
+        .map_err(|e| format!("publish the OpenADR event: {e}"))?;
+    let vtn_event_id = event.id.to_string();
+    demo.progress.say(format!(
+        "      VTN published event {vtn_event_id}: IMPORT_CAPACITY_LIMIT {:.3} kW from {OPENADR_LEAD_S} s from now for {duration_s} s",
+        target_w / 1000.0
+    ));
+    let flex0: Vec<String> = jobs
+        .iter()
+        .filter(|j| j.spec.tier == "flex0")
+        .map(|j| j.id.to_string())
+        .collect();
+    let samples_before = demo.meter.samples.len();
+    let mut o = Openadr {
+        vtn_event_id,
+        ven_name,
+        floors_w,
+        job: pausable.id,
+        job_at_floor_w,
+        job_idle_w,
+        target_w,
+        published_ms,
+        start_ms,
+        end_ms,
+        at_ctld_ms: None,
+        ctld_event_id: None,
+        ctld_target_w: None,
+        ledger_event_id: None,
+        caps_ms: None,
+        suspended_ms: None,
+        slurm_suspended: false,
+        comment: String::new(),
+        resumed_ms: None,
+        held: Vec::new(),
+        flex0_min_cap_w: None,
+        draw: Vec::new(),
+        reports: 0,
+        report_demand_kw: Vec::new(),
+    };
+    let deadline_ms = end_ms + 90_000;
+    let mut last_sample = Instant::now() - Duration::from_secs(60);
+    let mut last_said = Instant::now();
+    let job_id = pausable.id.to_string();
+    loop {
+        let now = unix_ms();
+        let draw_w = demo.stack.try_draw_w()?;
+        o.draw.push((now, draw_w));
+        if last_sample.elapsed() >= Duration::from_secs(1) {
+            last_sample = Instant::now();
+            demo.meter.sample(&demo.stack)?;
+            let Some(status) = demo.meter.status.clone() else {
+                std::thread::sleep(Duration::from_secs_f64(EVENT_SAMPLE_S));
+                continue;
+            };
+            if o.ctld_event_id.is_none() {
+                if let Some(e) = status.events.iter().find(|e| {
+                    matches!(e.cut, Cut::Target { budget_w } if (budget_w - target_w).abs() < 0.5)
+                }) {
+                    o.at_ctld_ms = Some(now);
+                    o.ctld_event_id = Some(e.id);
+                    if let Cut::Target { budget_w } = e.cut {
+                        o.ctld_target_w = Some(budget_w);
+                    }
+                    demo.progress.say(format!(
+                        "      the controller has it as event {} ({:.1} s after publication)",
+                        e.id,
+                        (now - published_ms) as f64 / 1000.0
+                    ));
+                }
+            }
+            // The VEN's own record of which controller event is the VTN's (read while the
+            // event is on: once it is over, the VEN forgets it).
+            if o.ledger_event_id.is_none() && o.ctld_event_id.is_some() {
+                if let Ok(ledger) = powerflex_grid::load_ledger(&ledger_path) {
+                    o.ledger_event_id = ledger.events.get(&o.vtn_event_id).and_then(|e| e.pf_id);
+                }
+            }
+            if o.caps_ms.is_none()
+                && o.ctld_event_id.is_some()
+                && status
+                    .allocated_budget_w
+                    .is_some_and(|b| b <= target_w + 1.0)
+                && draw_w <= target_w
+            {
+                o.caps_ms = Some(now);
+                demo.progress.say(format!(
+                    "      caps in force for {} ({:.1} s after publication; draw {})",
+                    Watts(target_w),
+                    (now - published_ms) as f64 / 1000.0,
+                    Watts(draw_w)
+                ));
+            }
+            for p in &status.preempted {
+                if !o.held.contains(&p.job) {
+                    o.held.push(p.job.clone());
+                }
+            }
+            let held_now = status.preempted.iter().any(|p| p.job == job_id);
+            if held_now && o.suspended_ms.is_none() {
+                o.suspended_ms = Some(now);
+                demo.progress.say(format!(
+                    "      job {job_id} suspended by the controller ({:.1} s after publication{})",
+                    (now - published_ms) as f64 / 1000.0,
+                    if now < start_ms {
+                        ", before the start"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            // What Slurm shows: the state, and the comment the controller writes for the
+            // user (a moment after the suspension).
+            if o.suspended_ms.is_some() && (!o.slurm_suspended || o.comment.is_empty()) {
+                let info = demo.stack.cluster.job_info(pausable.id);
+                let field = |key: &str| {
+                    info.split_whitespace()
+                        .find_map(|f| f.strip_prefix(key))
+                        .unwrap_or("")
+                        .to_string()
+                };
+                if field("JobState=") == "SUSPENDED" {
+                    o.slurm_suspended = true;
+                    let comment = field("Comment=");
+                    if comment != "(null)" {
+                        o.comment = comment;
+                    }
+                }
+            }
+            if o.suspended_ms.is_some()
+                && o.resumed_ms.is_none()
+                && !held_now
+                && now >= end_ms
+                && demo.stack.cluster.job_state(pausable.id).as_deref() == Some("RUNNING")
+            {
+                o.resumed_ms = Some(now);
+                demo.progress.say(format!(
+                    "      job {job_id} resumed {:.1} s after the event's end",
+                    (now - end_ms) as f64 / 1000.0
+                ));
+            }
+            let over = now >= end_ms
+                && status.active_event.is_none()
+                && (o.suspended_ms.is_none() || o.resumed_ms.is_some())
+                && demo.stack.try_caps_w()?.iter().all(|&c| c >= DEFAULT_CAP_W);
+            if over || now >= deadline_ms {
+                break;
+            }
+            if last_said.elapsed() >= Duration::from_secs(10) {
+                last_said = Instant::now();
+                let phase = if now < start_ms {
+                    "announced"
+                } else if now < end_ms {
+                    "in force"
+                } else {
+                    "over, jobs coming back"
+                };
+                demo.progress.say(format!(
+                    "      OpenADR event {phase}: budget {}, draw {} (SIMULATED GPUs)",
+                    Watts(status.budget_w),
+                    Watts(draw_w)
+                ));
+            }
+        }
+        std::thread::sleep(Duration::from_secs_f64(EVENT_SAMPLE_S));
+    }
+    o.flex0_min_cap_w = demo.meter.samples[samples_before..]
+        .iter()
+        .filter(|s| s.t_ms >= published_ms && s.t_ms < end_ms)
+        .flat_map(|s| flex0.iter().filter_map(|j| s.caps.get(j).copied()))
+        .reduce(f64::min);
+    // The VEN reported the metered draw to the VTN while the event was on.
+    let reports = utility
+        .reports(&o.vtn_event_id)
+        .map_err(|e| format!("read the reports at the VTN: {e}"))?;
+    o.reports = reports
+        .iter()
+        .filter(|r| r.content.client_name == o.ven_name)
+        .count();
+    for r in &reports {
+        for res in &r.content.resources {
+            for interval in &res.intervals {
+                for p in interval
+                    .payloads
+                    .iter()
+                    .filter(|p| p.value_type.0 == "DEMAND")
+                {
+                    for v in &p.values {
+                        if let openleadr_wire::values_map::Value::Number(kw) = v {
+                            o.report_demand_kw.push(*kw);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if let Some(mut ven) = demo.ven.take() {
+        ven.stop();
+    }
+    demo.vtn = VtnStart::default();
+    demo.progress.say(format!(
+        "      {} reports of the metered draw reached the VTN; powerflex-grid and the VTN stopped (SIGTERM, by PID)",
+        o.reports
+    ));
+    let mut mark = |from_ms: u64, to_ms: Option<u64>, label: String| {
+        demo.marks.push(Mark {
+            from_ms,
+            to_ms,
+            label,
+        })
+    };
+    mark(published_ms, None, "VTN published (OpenADR)".into());
+    mark(
+        start_ms,
+        Some(end_ms),
+        format!("event 2 (OpenADR): {}", Watts(target_w)),
+    );
+    if let Some(t) = o.caps_ms {
+        mark(t, None, "caps in force".into());
+    }
+    if let Some(t) = o.suspended_ms {
+        mark(t, None, format!("job {} suspended", o.job));
+    }
+    if let Some(t) = o.resumed_ms {
+        mark(t, None, format!("job {} resumed", o.job));
+    }
+    Ok(o)
 }
 
 /// How the stack was left.
@@ -966,7 +1604,7 @@ struct Teardown {
 /// Phase 6: scancel every job, wait for the agents to restore the caps, then SIGTERM the
 /// agents and the controller by PID and stop Slurm; every GPU must be at its default.
 fn teardown(demo: &mut Demo, jobs: &[Job]) -> Result<Teardown> {
-    demo.progress.say("[6/7] stopping: scancel every job, then the agents and the controller (SIGTERM, by PID), then Slurm");
+    demo.progress.say("[7/8] stopping: scancel every job, then the agents and the controller (SIGTERM, by PID), then Slurm");
     for job in jobs {
         demo.stack.cluster.run("scancel", &[&job.id.to_string()]);
     }
@@ -1007,8 +1645,9 @@ fn run_demo(cli: &Cli) -> Result<bool> {
     let calibration = calibrate(&mut demo, &jobs)?;
     let before = steady_state(&mut demo)?;
     let during = event(&mut demo, &jobs, &before)?;
+    let grid = openadr_event(&mut demo, &jobs)?;
     let down = teardown(&mut demo, &jobs)?;
-    let ok = report(&demo, &jobs, &calibration, &before, &during, &down)?;
+    let ok = report(&demo, &jobs, &calibration, &before, &during, &grid, &down)?;
     let _ = std::fs::remove_dir_all(&demo.stack.base);
     Ok(ok)
 }
@@ -1041,14 +1680,16 @@ fn report(
     calibration: &Calibration,
     before: &Before,
     during: &During,
+    grid: &Openadr,
     down: &Teardown,
 ) -> Result<bool> {
     let cli = &demo.cli;
     let target_w = before.target_w;
     let plot = demo.out.join("powerflex-demo.svg");
-    let svg = powerflex_controller::plot::render_svg(
+    let svg = powerflex_controller::plot::render_svg_marked(
         &demo.meter.samples,
         "powerflex demo (SIMULATED GPUs): budget, metered draw and the caps the GPUs enforced",
+        &demo.marks,
     )
     .map_err(|e| e.to_string())?;
     std::fs::write(&plot, svg).map_err(|e| format!("{}: {e}", plot.display()))?;
@@ -1175,6 +1816,7 @@ fn report(
             "curve_source": profile.source, "real": profile.source == "real",
             "phase_change_to": change.map(|c| c.to),
             "nodes": job.spec.nodes, "gpus_per_node": job.spec.gpus_per_node,
+            "power_flex": job.spec.power_flex(),
             "bound": job.spec.bound, "pfi_true": true_pfi, "pfi_measured": measured_pfi,
             "caps_walked_w": walked, "cap_before_w": [b_lo, b_hi], "cap_during_w": [d_lo, d_hi],
             "tokens_per_s_before": tps_before, "tokens_per_s_during": tps_during, "slowdown": slowdown,
@@ -1361,6 +2003,84 @@ fn report(
         "  calibration                     every curve measured {:.0} s after the jobs started",
         calibration.wall_s
     );
+    let after_pub = |t: Option<u64>| {
+        grid.s_after_publish(t).map_or("never".to_string(), |s| {
+            format!("{s:.1} s after publication")
+        })
+    };
+    println!("\n== grid event 2, through OpenADR (SIMULATED GPUs; the demo plays the utility at a local VTN)");
+    println!(
+        "  depth from the floors            caps hold every floor down to {}; job {} draws {} at its floor, ~{} suspended -> limit {}",
+        Watts(grid.floors_w),
+        grid.job,
+        Watts(grid.job_at_floor_w),
+        Watts(grid.job_idle_w),
+        Watts(grid.target_w)
+    );
+    println!(
+        "  VTN published                    event {} (IMPORT_CAPACITY_LIMIT {:.3} kW, {} s ahead, {} s long)",
+        grid.vtn_event_id,
+        grid.target_w / 1000.0,
+        OPENADR_LEAD_S,
+        (grid.end_ms - grid.start_ms) / 1000
+    );
+    println!(
+        "  at the controller                {}: event {}, mapped by powerflex-grid's ledger to {}: {}",
+        after_pub(grid.at_ctld_ms),
+        grid.ctld_event_id.map_or("none".into(), |i| i.to_string()),
+        grid.ledger_event_id.map_or("none".into(), |i| i.to_string()),
+        if grid.through_ven() { "through the VEN" } else { "NOT THROUGH THE VEN" }
+    );
+    println!(
+        "  caps in force                    {}",
+        after_pub(grid.caps_ms)
+    );
+    println!(
+        "  job {} suspended                 {}{}; held out during the event: {:?}{}",
+        grid.job,
+        after_pub(grid.suspended_ms),
+        if grid.slurm_suspended {
+            format!(" (Slurm: SUSPENDED, comment \"{}\")", grid.comment)
+        } else {
+            " (NO SUSPENDED STATE SEEN IN SLURM)".to_string()
+        },
+        grid.held,
+        if grid.held == [grid.job.to_string()] {
+            ""
+        } else {
+            " NOT EXACTLY THAT JOB"
+        }
+    );
+    println!(
+        "  job {} resumed                   {}",
+        grid.job,
+        grid.resumed_ms.map_or("NEVER".to_string(), |t| format!(
+            "{:.1} s after the event's end",
+            (t as f64 - grid.end_ms as f64) / 1000.0
+        ))
+    );
+    println!(
+        "  draw while in force              highest {} against {} over {} samples ({:.1} s apart): {}",
+        Watts(grid.draw_max_w()),
+        Watts(grid.target_w),
+        grid.in_force().len(),
+        EVENT_SAMPLE_S,
+        if grid.draw_ok() { "within the budget" } else { "OVER THE BUDGET" }
+    );
+    println!(
+        "  flex0                            lowest cap {}: {}",
+        grid.flex0_min_cap_w
+            .map_or("?".into(), |c| format!("{c:.0} W")),
+        if grid.flex0_min_cap_w.is_some_and(|c| c >= DEFAULT_CAP_W) {
+            "untouched"
+        } else {
+            "CAPPED"
+        }
+    );
+    println!(
+        "  reports at the VTN               {} (DEMAND kW: {:?})",
+        grid.reports, grid.report_demand_kw
+    );
     println!(
         "\nplot (budget and metered draw over time; per-job caps as the GPUs enforced them, read back by the agents): {}",
         plot.display()
@@ -1385,6 +2105,7 @@ fn report(
         "cluster": {
             "gpus": NODES * GPUS_PER_NODE, "nodes": NODES, "budget_w": budget_w,
             "draw_before_w": before.draw_w, "event_budget_w": target_w, "cut": cli.cut,
+            "event_start_ms": during.start_ms, "event_end_ms": during.end_ms,
             "draw_during_mean_w": mean_draw, "draw_during_max_w": max_draw,
             "draw_samples": judged.len(), "draw_sample_interval_s": EVENT_SAMPLE_S,
             "seconds_over_budget": seconds_over,
@@ -1398,6 +2119,26 @@ fn report(
         // The meter during the event, every ~200 ms: [s into the event, W].
         "draw_event": during.draw.iter().map(|&(t, w)| [t, w]).collect::<Vec<_>>(),
         "whatif": { "equal": equal, "optimal": optimal },
+        "openadr": {
+            "vtn_event_id": grid.vtn_event_id, "ven_name": grid.ven_name, "program": OPENADR_PROGRAM,
+            "floors_w": grid.floors_w, "job": grid.job, "job_at_floor_w": grid.job_at_floor_w,
+            "job_idle_estimate_w": grid.job_idle_w, "target_w": grid.target_w,
+            "published_ms": grid.published_ms, "start_ms": grid.start_ms, "end_ms": grid.end_ms,
+            "ctld_event_id": grid.ctld_event_id, "ctld_target_w": grid.ctld_target_w,
+            "ledger_event_id": grid.ledger_event_id, "through_ven": grid.through_ven(),
+            "at_ctld_after_publish_s": grid.s_after_publish(grid.at_ctld_ms),
+            "caps_in_force_after_publish_s": grid.s_after_publish(grid.caps_ms),
+            "suspended_after_publish_s": grid.s_after_publish(grid.suspended_ms),
+            "slurm_suspended": grid.slurm_suspended, "slurm_comment": grid.comment, "held": grid.held,
+            "resumed_after_end_s": grid.resumed_ms.map(|t| (t as f64 - grid.end_ms as f64) / 1000.0),
+            "flex0_min_cap_w": grid.flex0_min_cap_w,
+            "draw_max_w": grid.draw_max_w(), "draw_samples": grid.in_force().len(),
+            "within_budget": grid.draw_ok(),
+            "reports": grid.reports, "report_demand_kw": grid.report_demand_kw,
+            "ok": grid.ok(),
+            // The meter from publication on: [Unix ms, W].
+            "draw": grid.draw.iter().map(|&(t, w)| json!([t, w])).collect::<Vec<_>>(),
+        },
         "controller_jobs_during": during.jobs,
     });
     let summary_path = demo.out.join("summary.json");
@@ -1410,11 +2151,12 @@ fn report(
     let ok = promises_held
         && draw_ok
         && phases_ok
+        && grid.ok()
         && !during.changes.is_empty()
         && down.restored_by_agents
         && down.all_default;
     if ok {
-        println!("\nevery tier's promise held, the draw stayed within the event's budget (through the phase change too), and every GPU is back at its default cap.");
+        println!("\nevery tier's promise held, the draw stayed within both events' budgets (through the phase change too), the OpenADR event arrived through the VEN and suspended and resumed exactly the job that allows it, flex0 was never capped, and every GPU is back at its default cap.");
     } else {
         println!(
             "\nFAILED: see the lines marked BROKEN, OVER or NO above; the daemons' logs are in {}",

@@ -659,7 +659,14 @@ fn run(cli: Cli) -> Result<String, CtlError> {
         Command::Jobs { ctld: args, format } => {
             let status = status(&args)?;
             match format {
-                Format::Table => Ok(render::render_jobs(&status.jobs)),
+                Format::Table => Ok(match status.jobs_of_uid {
+                    Some(uid) => format!(
+                        "{}\n{}",
+                        render::only_yours(uid),
+                        render::render_jobs(&status.jobs)
+                    ),
+                    None => render::render_jobs(&status.jobs),
+                }),
                 Format::Json => json(&status.jobs),
             }
         }
@@ -675,12 +682,19 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             ctld: args,
             format,
         } => {
-            let found = status(&args)?
+            let status = status(&args)?;
+            let filtered = status.jobs_of_uid;
+            let found = status
                 .jobs
                 .into_iter()
                 .find(|j| j.job == job)
                 .ok_or_else(|| {
-                    CtlError::Usage(format!("no job {job} is known to the controller"))
+                    CtlError::Usage(match filtered {
+                        Some(uid) => format!(
+                            "no job {job} of uid {uid} is known to the controller (a non-root user reads only their own jobs; root reads every job)"
+                        ),
+                        None => format!("no job {job} is known to the controller"),
+                    })
                 })?;
             match format {
                 Format::Json => json(&found),

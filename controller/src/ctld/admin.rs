@@ -1,6 +1,7 @@
-//! The admin socket (Unix): `powerflexctl` reads status (anyone) and changes the budget
-//! and grid events (root only, by `SO_PEERCRED`). One request line, one reply line, in
-//! the versioned protocol of `powerflex_proto::admin`. Connections are admitted by
+//! The admin socket (Unix): `powerflexctl` reads status (anyone; a non-root caller reads
+//! the site and their own jobs, see [`super::owners`]) and changes the budget and grid
+//! events (root only, by `SO_PEERCRED`). One request line, one reply line, in the
+//! versioned protocol of `powerflex_proto::admin`. Connections are admitted by
 //! [`super::bounds::AdminGate`] (a few per user, a reserve for root); a refused one gets
 //! a reply saying why, and the request must arrive within one deadline.
 
@@ -124,34 +125,9 @@ fn serve_admin(
             }
         },
     };
-    let reply = need_to_know(reply, uid);
+    // What a non-root caller may read was decided in the core, which knows the jobs'
+    // owners (`super::owners::need_to_know`).
     let _ = stream.write_all(reply.to_line().as_bytes());
-}
-
-/// What a caller with `uid` may read of `reply` (issue 14, need-to-know). Root sees
-/// everything. The controller does not know who owns a job (the link carries no uids,
-/// and must not need to), so it cannot show a user their own jobs only: a non-root
-/// caller sees the site (budget, draw, events, nodes) and no job rows, no per-job caps
-/// in the history, and no what-if decisions (every job's curve and cap). A user reads
-/// their own jobs from their node agent's status, which filters by the same peer uid.
-pub fn need_to_know(mut reply: AdminReply, uid: u32) -> AdminReply {
-    if uid == 0 {
-        return reply;
-    }
-    if let Some(status) = &mut reply.status {
-        status.jobs.clear();
-    }
-    if let Some(history) = &mut reply.history {
-        for sample in history.iter_mut() {
-            sample.caps.clear();
-        }
-    }
-    if reply.what_if.is_some() {
-        return AdminReply::error(
-            "what-if shows every job's curve and cap: root only (run powerflexctl as root)",
-        );
-    }
-    reply
 }
 
 /// Largest reply `powerflexctl` reads, bytes: a status of a large site is a few MiB.
@@ -177,30 +153,4 @@ pub fn request(socket: &Path, op: &AdminOp) -> Result<AdminReply, String> {
         .ok_or("powerflex-ctld closed the connection without answering")?;
     serde_json::from_str(reply.trim_end())
         .map_err(|e| format!("bad answer from powerflex-ctld: {e}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use powerflex_proto::status::HistorySample;
-
-    #[test]
-    fn a_non_root_caller_reads_the_site_but_no_job() {
-        let sample = HistorySample {
-            t_ms: 1,
-            budget_w: 1000.0,
-            draw_w: 900.0,
-            caps: [("42".to_string(), 500.0)].into(),
-            simulated: false,
-        };
-        let reply = AdminReply {
-            history: Some(vec![sample]),
-            ..AdminReply::ok()
-        };
-        let seen = need_to_know(reply.clone(), 1000);
-        let history = seen.history.expect("history");
-        assert!(history[0].caps.is_empty());
-        assert_eq!(history[0].draw_w, 900.0, "site totals stay");
-        assert_eq!(need_to_know(reply.clone(), 0), reply, "root sees all");
-    }
 }

@@ -16,6 +16,7 @@ use powerflex_proto::link::{GpuInfo, JobReport};
 use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
 use super::metrics::MetricsInput;
+use super::owners::{self, Owners};
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
 use crate::preempt::{self, Action};
@@ -104,6 +105,9 @@ pub struct Lease {
     /// The node's jobs that run on it alone: the agent may probe their curves (see
     /// `powerflex_proto::link::Body::Lease`).
     pub learn: Vec<String>,
+    /// Seconds to the start of the next announced event, if one is scheduled: jobs
+    /// still calibrating finish their walks before it (pre-positioning).
+    pub next_event_in_s: Option<f64>,
 }
 
 /// What one [`Core::step`] asks the I/O edge to do, in this order: persist, reply, lease,
@@ -159,6 +163,9 @@ pub struct Core {
     /// The event in force at the last allocation: when it ends, every job's curve is
     /// snapshotted.
     last_event: Option<u64>,
+    /// Who owns the jobs reported now and within the history: a non-root admin caller
+    /// reads only their own (see [`owners::need_to_know`]).
+    owners: Owners,
 }
 
 impl Core {
@@ -231,6 +238,7 @@ impl Core {
             last_plan: None,
             curve_history: BTreeMap::new(),
             last_event: None,
+            owners: Owners::default(),
         }
     }
 
@@ -251,7 +259,9 @@ impl Core {
                 } => self.report(&node, jobs, power_w, now_ms),
                 Input::Admin { op, uid } => {
                     let changes = op.changes_state();
-                    let reply = self.admin(op, uid, now_ms);
+                    let reply = owners::need_to_know(self.admin(op, uid, now_ms), uid, |job| {
+                        self.owners.of(job)
+                    });
                     if reply.ok && changes {
                         self.allocate_now = true;
                     }
@@ -277,7 +287,7 @@ impl Core {
             );
         }
         for released in released {
-            let lease = self.lease_for(self.last.as_ref(), released.caps);
+            let lease = self.lease_for(self.last.as_ref(), released.caps, now_ms);
             out.leases.insert(released.node, lease);
         }
         if std::mem::take(&mut self.dirty) {
@@ -435,6 +445,13 @@ impl Core {
         if op.changes_state() && uid != 0 {
             return AdminReply::error("only root may change the budget or grid events");
         }
+        if matches!(op, AdminOp::WhatIf { .. }) && uid != 0 {
+            // Every job's curve and cap, and a whole allocation's work: not computed
+            // only to be withheld.
+            return AdminReply::error(
+                "what-if shows every job's curve and cap: root only (run powerflexctl as root)",
+            );
+        }
         match op {
             AdminOp::Status => AdminReply {
                 status: Some(self.status(now_ms)),
@@ -544,7 +561,12 @@ impl Core {
 
     /// A node's lease with `caps`: `decision`'s start cap and the node's jobs to walk
     /// again (before any decision: the fail-safe cap, nothing to walk).
-    fn lease_for(&self, decision: Option<&Decision>, caps: BTreeMap<String, f64>) -> Lease {
+    fn lease_for(
+        &self,
+        decision: Option<&Decision>,
+        caps: BTreeMap<String, f64>,
+        now_ms: u64,
+    ) -> Lease {
         let (start_cap_w, recalibrate) = match decision {
             Some(d) => (
                 d.start_cap_w,
@@ -573,6 +595,7 @@ impl Core {
             start_cap_w,
             recalibrate,
             learn,
+            next_event_in_s: next_event_in_s(&self.state.events, now_ms),
         }
     }
 
@@ -707,7 +730,7 @@ impl Core {
         out.leases = sends
             .into_iter()
             .map(|l| {
-                let lease = self.lease_for(Some(&decision), l.caps);
+                let lease = self.lease_for(Some(&decision), l.caps, now_ms);
                 (l.node, lease)
             })
             .collect();
@@ -718,6 +741,18 @@ impl Core {
             &mut self.annotations,
         );
         let draw = status::live_draw_w(&self.sessions);
+        // The owners of the jobs this sample names, remembered while the history holds it
+        // (and while a job is held out, for the status).
+        self.owners.observe(
+            self.sessions.values().flat_map(|s| s.view.jobs.iter()),
+            now_ms,
+        );
+        let window_ms = (HISTORY as u64).saturating_mul(self.options.period.as_millis() as u64);
+        let preempted = &self.state.preempted;
+        self.owners
+            .forget_before(now_ms.saturating_sub(window_ms), |job| {
+                preempted.contains_key(job)
+            });
         let caps: BTreeMap<String, f64> = decision
             .allocation
             .as_ref()
@@ -760,6 +795,15 @@ impl Core {
         }));
         self.last = Some(decision);
     }
+}
+
+/// Seconds from `now_ms` to the start of the next event not yet started, if any.
+fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
+    events
+        .iter()
+        .filter(|e| e.start_ms > now_ms)
+        .map(|e| (e.start_ms - now_ms) as f64 / 1000.0)
+        .min_by(f64::total_cmp)
 }
 
 #[cfg(test)]
@@ -838,6 +882,7 @@ mod tests {
             calibrating: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
+            owner_uid: None,
         }
     }
 
@@ -967,6 +1012,37 @@ mod tests {
         );
     }
 
+    /// Pre-positioning (issue 16): every lease names the start of the next announced
+    /// event, so that walks end before it; none once it has started, or with none.
+    #[test]
+    fn leases_announce_the_next_event_s_start() {
+        let mut core = running();
+        let out = core.step(T0 + 10_000, vec![Input::Tick]);
+        assert!(out.leases.values().all(|l| l.next_event_in_s.is_none()));
+        let add = |start_ms| AdminOp::EventAdd {
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms,
+            duration_ms: 600_000,
+            ramp_ms: 0,
+        };
+        let out = core.step(
+            T0 + 20_000,
+            vec![
+                admin(add(T0 + 920_000), 0),
+                admin(add(T0 + 320_000), 0),
+                Input::Tick,
+            ],
+        );
+        assert!(!out.leases.is_empty());
+        for lease in out.leases.values() {
+            assert_eq!(lease.next_event_in_s, Some(300.0), "the nearer one");
+        }
+        let out = core.step(T0 + 330_000, vec![Input::Tick]);
+        for lease in out.leases.values() {
+            assert_eq!(lease.next_event_in_s, Some(590.0), "the first has started");
+        }
+    }
+
     #[test]
     fn after_state_loss_nothing_is_allocated_for_one_lease() {
         let lost = Loaded {
@@ -1060,7 +1136,7 @@ mod tests {
                     policy: "optimal".into(),
                     budget_w: None,
                 },
-                1000,
+                0,
             )],
         );
         let d = reply(&out).what_if.as_ref().expect("decision");
@@ -1236,13 +1312,21 @@ mod tests {
             Some("powerflex.toml: bad key")
         );
         assert_eq!(status.base_budget_w, 10_000.0);
-        let out = core.step(T0 + 2, vec![admin(AdminOp::Status, 1000)]);
-        assert_eq!(
+        let error_for = |core: &mut Core, uid| {
+            let out = core.step(T0 + 2, vec![admin(AdminOp::Status, uid)]);
             reply(&out)
                 .status
                 .as_ref()
-                .and_then(|s| s.config_error.as_deref()),
+                .and_then(|s| s.config_error.clone())
+        };
+        assert_eq!(
+            error_for(&mut core, 0).as_deref(),
             Some("powerflex.toml: bad key")
+        );
+        // Anyone learns that a reload was refused; only root reads the config's words.
+        assert_eq!(
+            error_for(&mut core, 1000).as_deref(),
+            Some(owners::CONFIG_ERROR_FOR_USERS)
         );
         core.step(T0 + 3, vec![Input::Reload(Box::new(Ok(options())))]);
         assert_eq!(core.status(T0 + 3).config_error, None);
@@ -1260,7 +1344,7 @@ mod tests {
                     policy: "equal".into(),
                     budget_w: Some(3000.0),
                 },
-                1000,
+                0,
             )],
         );
         let d = reply(&out).what_if.as_ref().expect("decision");
@@ -1288,6 +1372,20 @@ mod tests {
             e.contains("\"greedy\"") && e.contains("optimal, equal, pfi-proportional"),
             "{e}"
         );
+        // Every job's curve and cap: root's only, refused before it is computed.
+        let out = core.step(
+            T0 + 3,
+            vec![admin(
+                AdminOp::WhatIf {
+                    policy: "equal".into(),
+                    budget_w: None,
+                },
+                1000,
+            )],
+        );
+        assert!(reply(&out).what_if.is_none());
+        let e = reply(&out).error.clone().expect("refused");
+        assert!(e.contains("root only"), "{e}");
     }
 
     #[test]
@@ -1296,7 +1394,7 @@ mod tests {
         for i in 1..=3 {
             core.step(T0 + i * 5_000, vec![Input::Tick]);
         }
-        let out = core.step(T0 + 15_001, vec![admin(AdminOp::History, 1000)]);
+        let out = core.step(T0 + 15_001, vec![admin(AdminOp::History, 0)]);
         let history = reply(&out).history.as_ref().expect("history");
         assert_eq!(
             history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
@@ -1305,6 +1403,78 @@ mod tests {
         assert!(history
             .iter()
             .all(|s| s.caps.contains_key("101") && s.budget_w == 10_000.0));
+    }
+
+    /// Issue 14, need-to-know: the owners the agents report decide what a non-root admin
+    /// caller reads — in the status, the history, and after the job has left.
+    #[test]
+    fn a_user_reads_only_their_own_jobs_and_root_reads_all() {
+        const ALICE: u32 = 1001;
+        const BOB: u32 = 1002;
+        let owned = |id: &str, uid: Option<u32>| {
+            let mut j = job(id, None);
+            j.owner_uid = uid;
+            j
+        };
+        let mut core = fresh();
+        core.step(
+            T0,
+            vec![
+                hello("n1"),
+                report(
+                    "n1",
+                    vec![owned("101", Some(ALICE)), owned("102", Some(BOB))],
+                ),
+                hello("n2"),
+                // An agent from before owners were reported.
+                report("n2", vec![owned("103", None)]),
+            ],
+        );
+        let jobs_for = |core: &mut Core, t: u64, uid: u32| -> Vec<String> {
+            let out = core.step(t, vec![admin(AdminOp::Status, uid)]);
+            let status = reply(&out).status.clone().expect("status");
+            assert_eq!(status.jobs_of_uid, (uid != 0).then_some(uid));
+            assert_eq!(status.nodes.len(), 2, "every caller sees the nodes");
+            status.jobs.into_iter().map(|j| j.job).collect()
+        };
+        assert_eq!(jobs_for(&mut core, T0 + 1, 0), ["101", "102", "103"]);
+        assert_eq!(jobs_for(&mut core, T0 + 1, ALICE), ["101"]);
+        assert_eq!(jobs_for(&mut core, T0 + 1, BOB), ["102"]);
+        assert!(jobs_for(&mut core, T0 + 1, 1003).is_empty());
+        let caps_for = |core: &mut Core, t: u64, uid: u32| -> Vec<String> {
+            let out = core.step(t, vec![admin(AdminOp::History, uid)]);
+            let history = reply(&out).history.clone().expect("history");
+            let mut jobs: Vec<String> = history
+                .into_iter()
+                .flat_map(|s| s.caps.into_keys())
+                .collect();
+            jobs.sort();
+            jobs.dedup();
+            jobs
+        };
+        assert_eq!(caps_for(&mut core, T0 + 1, ALICE), ["101"]);
+        assert_eq!(caps_for(&mut core, T0 + 1, 0), ["101", "102", "103"]);
+        // Alice's job ends: it leaves the status, and she still reads its caps in the
+        // history; bob still cannot.
+        core.step(
+            T0 + 10_000,
+            vec![report("n1", vec![owned("102", Some(BOB))]), Input::Tick],
+        );
+        assert!(jobs_for(&mut core, T0 + 10_001, ALICE).is_empty());
+        assert_eq!(caps_for(&mut core, T0 + 10_001, ALICE), ["101"]);
+        assert_eq!(caps_for(&mut core, T0 + 10_001, BOB), ["102"]);
+        // Two nodes naming different owners for one job: nobody's but root's.
+        core.step(
+            T0 + 20_000,
+            vec![
+                report("n1", vec![owned("104", Some(ALICE))]),
+                report("n2", vec![owned("104", Some(BOB))]),
+                Input::Tick,
+            ],
+        );
+        assert!(jobs_for(&mut core, T0 + 20_001, ALICE).is_empty());
+        assert!(jobs_for(&mut core, T0 + 20_001, BOB).is_empty());
+        assert_eq!(jobs_for(&mut core, T0 + 20_001, 0), ["104"]);
     }
 
     /// A report of one 4-GPU job at `cap_w` (read back), drawing what its curve says.

@@ -94,6 +94,7 @@ mod tests {
             calibrating,
             curve,
             calibration_cost_pct: None,
+            owner_uid: None,
         };
         let view = NodeView {
             node: "n1".into(),

@@ -23,6 +23,7 @@ pub mod core;
 pub mod learning;
 pub mod link;
 pub mod metrics;
+pub mod owners;
 pub mod state;
 pub mod status;
 
@@ -225,6 +226,7 @@ pub fn run_bounded(
                 start_cap_w: Some(lease.start_cap_w),
                 recalibrate: lease.recalibrate,
                 learn: lease.learn,
+                next_event_in_s: lease.next_event_in_s,
             });
         }
         for annotation in out.annotations {

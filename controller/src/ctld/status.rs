@@ -59,7 +59,13 @@ pub fn build(
                             power_ratio: x.power_ratio,
                             throughput_ratio: x.throughput_ratio,
                         }),
+                    owner_uid: j.owner_uid,
                 });
+            // Every node running the job must name the same owner (see
+            // [`super::owners::agreed`]): else nobody but root sees it.
+            if entry.owner_uid != j.owner_uid {
+                entry.owner_uid = None;
+            }
             entry.nodes.push(s.view.node.clone());
             entry.gpus += j.gpus;
             entry.power_w += j.power_w.unwrap_or(0.0);
@@ -101,6 +107,7 @@ pub fn build(
             .collect(),
         jobs: jobs.into_values().collect(),
         config_error: config_error.map(str::to_string),
+        jobs_of_uid: None,
     }
 }
 
