@@ -1830,8 +1830,9 @@ fn report(
     // new load from the agents' next reports and has those two periods to correct it
     // (issue 13's guarantee). That transient is reported on its own. A phase change
     // starts when the job's new load does — its second step's first logged step, not
-    // the scancel of the first: between the two the job draws little, and metered mode
-    // rightly lends those watts to others until the new load shows.
+    // the scancel of the first: between the two the job draws little (metered mode keeps
+    // budgeting a walked job at its curve then, so its watts are not lent out and taken
+    // back in a hurry when the new load starts).
     let settle_window = 2.0 * ALLOCATION_PERIOD_S;
     let load_at_s: Vec<f64> = during
         .changes
