@@ -22,6 +22,8 @@ use powerflex_testbed::{
 
 const GPUS_PER_NODE: u32 = 8;
 const DEFAULT_CAP_MW: u32 = 700_000;
+/// The site's cap step (`SiteBuilder`'s H200 model), W.
+const CAP_STEP_W: f64 = 10.0;
 
 fn draw_w(sims: &[Node]) -> f64 {
     sims.iter()
@@ -275,8 +277,8 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
     // After the ramp plus the time for caps to reach the GPUs, the draw is within the
     // budget at every 50 ms sample. A job placed below its lowest measured cap sits on an
     // extrapolated curve until its first learned window there (settle + hold) corrects
-    // it: the tier bounds are judged once every job's cap has held for longer than the
-    // 10 s over which the controller reports throughput.
+    // it: the tier bounds are judged once every job's cap has held (within one cap step)
+    // for longer than the 10 s over which the controller reports throughput.
     std::thread::sleep(Duration::from_secs(7));
     let flex0 = jobs[0].0;
     let mut worst = 0.0f64;
@@ -308,8 +310,18 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             "the caps did not settle within 90 s of the event: {settled_caps:?}"
         );
         sample_draw_for(Duration::from_secs(1), &mut worst);
+        // Within one cap step: metered mode hands the last step of headroom back and
+        // forth between jobs as their measured draws move (seen: 400 <-> 410 W each
+        // second for minutes), which is no unsettled allocation.
         let caps = caps_now();
-        if caps != settled_caps {
+        let moved = caps
+            .iter()
+            .zip(&settled_caps)
+            .any(|(now, then)| match (now, then) {
+                (Some(a), Some(b)) => (a - b).abs() > CAP_STEP_W + 1e-6,
+                (a, b) => a.is_some() != b.is_some(),
+            });
+        if moved {
             (settled_caps, settled_since) = (caps, Instant::now());
         }
     }
