@@ -425,17 +425,7 @@ fn job_report(id: &str, gpus: u32, power_w: f64) -> JobReport {
         cap_w: Some(700.0),
         power_w: Some(power_w),
         throughput: Some(1000.0),
-        throughput_unit: None,
-        pfi: None,
-        pfi_source: None,
-        points: Vec::new(),
-        gpu_uuids: Vec::new(),
-        power_cap_w: None,
-        power_cap_steady_s: None,
-        calibrating: false,
-        curve: Vec::new(),
-        calibration_cost_pct: None,
-        owner_uid: None,
+        ..JobReport::default()
     }
 }
 

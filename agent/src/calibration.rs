@@ -1151,6 +1151,16 @@ mod tests {
     /// Drives a calibration with a fake clock: the job reports every 0.1 s at the rate
     /// its current cap allows; power follows the cap.
     fn run(bound: Option<f64>) -> Calibration {
+        run_with(bound, |_, _, _| {}, |_, _| {})
+    }
+
+    /// [`run`] with hooks on each one-second tick: `before` the calibration's tick (given
+    /// the tick's slot and the clock) and `after` it (given the clock).
+    fn run_with(
+        bound: Option<f64>,
+        mut before: impl FnMut(f64, f64, &mut Calibration),
+        mut after: impl FnMut(f64, &Calibration),
+    ) -> Calibration {
         let mut cal = Calibration::new(settings(), bound, true, 0.0);
         let mut log = ProgressLog::default();
         let (mut t, mut count) = (0.0f64, 0.0f64);
@@ -1161,7 +1171,9 @@ mod tests {
             count += 1000.0 * speed(cap) * 0.1;
             log.record(t, count);
             if t >= next_tick {
+                before(next_tick, t, &mut cal);
                 cal.tick(t, &log, Some(Watts(8.0 * cap * 0.985)));
+                after(t, &cal);
                 next_tick += 1.0;
             }
         }
@@ -1177,27 +1189,20 @@ mod tests {
         let full_end = full.started_at.expect("started") + full.duration_s().expect("walked");
         let start = 60.0;
         assert!(full_end > start, "the full walk ends at {full_end} s");
-        let mut cal = Calibration::new(settings(), Some(0.50), true, 0.0);
-        let mut log = ProgressLog::default();
-        let (mut t, mut count) = (0.0f64, 0.0f64);
-        let mut next_tick = 1.0;
         let mut last_walk_s = 0.0;
-        while t < 3000.0 && cal.is_active() {
-            let cap = cal.cap().map_or(700.0, |c| c.0);
-            t += 0.1;
-            count += 1000.0 * speed(cap) * 0.1;
-            log.record(t, count);
-            if t >= next_tick {
-                if (next_tick - 30.0).abs() < 1e-6 {
+        let cal = run_with(
+            Some(0.50),
+            |slot, t, cal| {
+                if (slot - 30.0).abs() < 1e-6 {
                     cal.finish_by(t, start);
                 }
-                cal.tick(t, &log, Some(Watts(8.0 * cap * 0.985)));
+            },
+            |t, cal| {
                 if cal.cap().is_some() {
                     last_walk_s = t;
                 }
-                next_tick += 1.0;
-            }
-        }
+            },
+        );
         assert_eq!(cal.phase, Phase::Done);
         assert!(last_walk_s < start, "walked until {last_walk_s} s");
         let levels = cal.levels();

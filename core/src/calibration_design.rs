@@ -479,7 +479,7 @@ impl DesignWalk {
         if !(fits && within) {
             return self.start_top_up();
         }
-        let mut target = target;
+        let (mut target, mut loss) = (target, planned[0]);
         if let Some(left) = self.time_left_s {
             let per_level = self.params.settle_s + self.params.window_s;
             let n = deepest - index;
@@ -501,20 +501,10 @@ impl DesignWalk {
                 self.caps.splice(index..deepest, picked);
                 target = 1;
                 // The first level kept may be deeper than the one priced above.
-                let loss = predicted_loss(&self.seen, self.caps[index].0, top);
+                loss = predicted_loss(&self.seen, self.caps[index].0, top);
                 if self.params.max_loss.is_some_and(|m| loss > m) {
                     return self.start_top_up();
                 }
-                self.time_left_s = Some(left - self.params.settle_s);
-                self.stage = Stage::Level {
-                    index,
-                    target,
-                    windows: 0,
-                    start: self.readings.len(),
-                    power: self.p_top,
-                    loss,
-                };
-                return;
             }
             self.time_left_s = Some(left - self.params.settle_s);
         }
@@ -524,7 +514,7 @@ impl DesignWalk {
             windows: 0,
             start: self.readings.len(),
             power: self.p_top,
-            loss: planned[0],
+            loss,
         };
     }
 

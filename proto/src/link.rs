@@ -94,8 +94,9 @@ pub struct GpuInfo {
     pub default_w: f64,
 }
 
-/// A job as the agent reports it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A job as the agent reports it. `Default` is for building reports field by field
+/// (tests, harnesses): an empty job id and tier are refused by the controller.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobReport {
     pub job_id: String,

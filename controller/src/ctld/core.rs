@@ -1499,16 +1499,7 @@ mod tests {
     #[test]
     fn a_reallocation_lowers_first_and_raises_once_the_lowering_is_confirmed() {
         let mut core = fresh();
-        core.step(
-            T0,
-            vec![
-                admin(AdminOp::BudgetSet { budget_w: 4000.0 }, 0),
-                hello("n1"),
-                at_cap("n1", "101", "flex3", 500.0),
-                hello("n2"),
-                at_cap("n2", "102", "flex3", 500.0),
-            ],
-        );
+        two_jobs_at_500_w(&mut core, "flex3");
         // Both jobs settle at their caps and confirm them.
         let t = T0 + 1000;
         let out = core.step(t, vec![Input::Tick]);
@@ -1745,6 +1736,18 @@ mod tests {
             Loaded::default(),
             T0,
         );
+        two_jobs_at_500_w(&mut core, "flex0");
+        let out = core.step(T0 + 100, vec![Input::Tick]);
+        assert_eq!(
+            cap(&out, "n2", "102"),
+            Some(700.0),
+            "raised without waiting: {out:?}"
+        );
+    }
+
+    /// At T0: a 4 kW budget and two nodes, each with one job at 500 W: n1's job 101
+    /// (flex3) and n2's job 102 (`tier_of_102`).
+    fn two_jobs_at_500_w(core: &mut Core, tier_of_102: &str) {
         core.step(
             T0,
             vec![
@@ -1752,14 +1755,8 @@ mod tests {
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 500.0),
                 hello("n2"),
-                at_cap("n2", "102", "flex0", 500.0),
+                at_cap("n2", "102", tier_of_102, 500.0),
             ],
-        );
-        let out = core.step(T0 + 100, vec![Input::Tick]);
-        assert_eq!(
-            cap(&out, "n2", "102"),
-            Some(700.0),
-            "raised without waiting: {out:?}"
         );
     }
 
@@ -1854,16 +1851,7 @@ mod tests {
     #[test]
     fn a_confirmation_in_the_same_batch_as_an_allocation_does_not_send_the_older_lease() {
         let mut core = fresh();
-        core.step(
-            T0,
-            vec![
-                admin(AdminOp::BudgetSet { budget_w: 4000.0 }, 0),
-                hello("n1"),
-                at_cap("n1", "101", "flex3", 500.0),
-                hello("n2"),
-                at_cap("n2", "102", "flex3", 500.0),
-            ],
-        );
+        two_jobs_at_500_w(&mut core, "flex3");
         let t = T0 + 1000;
         let out = core.step(t, vec![Input::Tick]);
         let (c1, c2) = (

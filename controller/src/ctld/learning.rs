@@ -84,17 +84,9 @@ mod tests {
             cap_w: Some(700.0),
             power_w: Some(2800.0),
             throughput: Some(700.0),
-            throughput_unit: None,
-            pfi: None,
-            pfi_source: None,
-            points: Vec::new(),
-            gpu_uuids: Vec::new(),
-            power_cap_w: None,
-            power_cap_steady_s: None,
             calibrating,
             curve,
-            calibration_cost_pct: None,
-            owner_uid: None,
+            ..JobReport::default()
         };
         let view = NodeView {
             node: "n1".into(),

@@ -139,20 +139,8 @@ mod tests {
             job_id: job.into(),
             tier: "flex2".into(),
             gpus: 1,
-            cap_w: None,
-            power_w: None,
-            throughput: None,
-            throughput_unit: None,
-            pfi: None,
-            pfi_source: None,
-            points: Vec::new(),
-            gpu_uuids: Vec::new(),
-            power_cap_w: None,
-            power_cap_steady_s: None,
-            calibrating: false,
-            curve: Vec::new(),
-            calibration_cost_pct: None,
             owner_uid,
+            ..JobReport::default()
         }
     }
 
