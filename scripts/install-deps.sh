@@ -12,8 +12,10 @@
 #   faketime       libfaketime, to jump one agent's wall clock in the fault tests
 #   valgrind       watches the plugin inside srun and slurmstepd (tests/spank_plugin.rs)
 #
-# and, from crates.io with `cargo install --locked` (built from source, once per
-# machine; measured on a 2-core machine: cargo-deny 3 min 53 s, cargo-machete 1 min 10 s):
+# and, for the test suite only (powerflex_install_test_tools, which scripts/test.sh
+# calls and scripts/demo.sh does not), from crates.io with `cargo install --locked`
+# (built from source, once per machine; measured on a 2-core machine: cargo-deny
+# 3 min 53 s, cargo-machete 1 min 10 s):
 #   cargo-deny     licences, bans and sources of every dependency (deny.toml)
 #   cargo-machete  dependencies declared but not used
 #
@@ -75,7 +77,13 @@ powerflex_install_deps() {
             return 1
         fi
     fi
-    # Pinned, so CI checks with the tools these configs were written for.
+    powerflex_install_openadr
+}
+
+# The checkers only the test suite runs. Pinned, so CI checks with the tools these
+# configs were written for.
+powerflex_install_test_tools() {
+    command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
     local tool
     for tool in cargo-deny@0.20.2 cargo-machete@0.9.2; do
         if ! command -v "${tool%@*}" >/dev/null 2>&1; then
@@ -83,7 +91,6 @@ powerflex_install_deps() {
             cargo install --quiet --locked "$tool"
         fi
     done
-    powerflex_install_openadr
 }
 
 # The OpenADR test bed: a VTN and PostgreSQL >= 16, cached under $POWERFLEX_CACHE.
@@ -113,4 +120,5 @@ powerflex_install_openadr() {
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     powerflex_install_deps
+    powerflex_install_test_tools
 fi

@@ -12,7 +12,40 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/steps.sh
 source scripts/install-deps.sh
+
+# The fuzz smoke run in the background, in a session of its own: its PID (and process
+# group) in target/fuzz-smoke.pid, its status in target/fuzz-smoke.status once it ends.
+# If the suite stops early, the EXIT trap ends that group, so nothing outlives the suite.
+start_fuzz_smoke() {
+    local log=$1
+    rm -f target/fuzz-smoke.status
+    setsid bash -c 'nice -n 19 bash scripts/fuzz.sh 5 >"$1" 2>&1; echo $? >target/fuzz-smoke.status' \
+        fuzz-smoke "$log" &
+    echo $! >target/fuzz-smoke.pid
+}
+
+stop_fuzz_smoke() {
+    local pid
+    pid=$(cat target/fuzz-smoke.pid 2>/dev/null) || return 0
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "stopping the fuzz smoke run (process group $pid)" >&2
+        kill -TERM -- "-$pid" 2>/dev/null || true
+    fi
+}
+trap stop_fuzz_smoke EXIT
+
+wait_fuzz_smoke() {
+    local log=$1 pid
+    pid=$(cat target/fuzz-smoke.pid)
+    while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+    cat "$log" >&2
+    [[ -f target/fuzz-smoke.status ]] && return "$(cat target/fuzz-smoke.status)"
+    echo "the fuzz smoke run left no status" >&2
+    return 1
+}
 run_step "install what is missing (scripts/install-deps.sh)" powerflex_install_deps
+run_step "install the test suite's checkers (cargo-deny, cargo-machete; once per machine)" \
+    powerflex_install_test_tools
 # The installer ran in a subshell: find cargo here too when it is not on PATH.
 command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
 
@@ -26,7 +59,18 @@ run_step "locked crates within the MSRV (scripts/msrv-deps.sh)" bash scripts/msr
 run_step "cargo doc (warnings are errors)" \
     env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 run_step "cargo build" cargo build --workspace --all-targets --quiet
-run_step "cargo test" cargo test --workspace --quiet
+run_step "doc tests" cargo test --workspace --doc --quiet
+# The fuzz smoke run builds every target with AddressSanitizer (minutes of CPU) while
+# the test lanes mostly wait on simulated time: it runs beside them, niced so the tests'
+# daemons keep the CPU they need, and its log is printed once the tests are done.
+fuzz_log=target/fuzz-smoke.log
+mkdir -p target
+run_step "fuzz smoke run started beside the tests (log: $fuzz_log)" start_fuzz_smoke "$fuzz_log"
+# Every test binary (unit, integration, whole-system) in parallel lanes; what runs at
+# once shares no cluster, directory or port (src/lanes.rs). POWERFLEX_TEST_LANES sets
+# how many.
+run_step "cargo test in ${POWERFLEX_TEST_LANES:-3} lanes (powerflex-test-lanes)" \
+    cargo run --quiet --bin powerflex-test-lanes -- --lanes "${POWERFLEX_TEST_LANES:-3}" -- --workspace
 run_step "fuzz smoke run: every parser target for 5 s (scripts/fuzz.sh; longer runs: scripts/fuzz.sh 600)" \
-    bash scripts/fuzz.sh 5
+    wait_fuzz_smoke "$fuzz_log"
 steps_summary

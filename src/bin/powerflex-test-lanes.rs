@@ -1,0 +1,330 @@
+//! `powerflex-test-lanes`: builds the workspace's test binaries and runs them in parallel
+//! lanes (the `cargo test` step of `scripts/test.sh`). See `powerflex_testbed::lanes` for
+//! why and how; this file is the I/O edge: cargo, processes, logs and the clock.
+//!
+//! Each binary runs where `cargo test` would run it (its package's directory, with
+//! cargo's `CARGO*` variables), in a process group of its own, its output in a log file
+//! under `--log-dir`. A finished binary prints one line (and its whole log when it
+//! failed); every `--progress-s` the runner says what is still running. A binary past
+//! `--timeout-s` is killed with its process group (the daemons its tests started are in
+//! it). The last line is `tests: N passed, N failed, N skipped`; the exit status is 0
+//! only when every binary passed.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{BufReader, Read as _};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use powerflex_testbed::lanes::{schedule, test_binaries, Hints, TestBinary, TestCounts};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "powerflex-test-lanes",
+    about = "Build the workspace's tests and run their binaries in parallel lanes"
+)]
+struct Args {
+    /// How many test binaries run at once.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=32))]
+    lanes: u16,
+    /// A binary still running after this many seconds is killed (with its process group)
+    /// and counts as failed.
+    #[arg(long, default_value_t = 1500)]
+    timeout_s: u64,
+    /// How often to print what is still running, in seconds.
+    #[arg(long, default_value_t = 60)]
+    progress_s: u64,
+    /// Expected seconds per binary (`<package> <kind> <target> <seconds>` lines): the
+    /// longest start first. Missing file: cargo's order.
+    #[arg(long, default_value = ".ci/test-times.tsv")]
+    hints: PathBuf,
+    /// Where each binary's log and this run's times (`times.tsv`) go.
+    #[arg(long, default_value = "target/test-lanes")]
+    log_dir: PathBuf,
+    /// Extra arguments for `cargo test --no-run` (e.g. `--workspace`).
+    #[arg(last = true)]
+    cargo_args: Vec<String>,
+}
+
+/// How one binary ended.
+#[derive(Debug)]
+struct Finished {
+    label: String,
+    took: Duration,
+    passed: bool,
+    counts: TestCounts,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(message) => {
+            eprintln!("powerflex-test-lanes: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<bool, String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    eprintln!("powerflex-test-lanes: building the test binaries (cargo test --no-run)");
+    let built = Command::new(&cargo)
+        .args([
+            "test",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ])
+        .args(&args.cargo_args)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !built.status.success() {
+        return Err(format!("cargo test --no-run failed ({})", built.status));
+    }
+    let binaries = test_binaries(built.stdout.as_slice()).map_err(|e| e.to_string())?;
+    if binaries.is_empty() {
+        return Err("cargo built no test binary".to_string());
+    }
+    let hints = match std::fs::read_to_string(&args.hints) {
+        Ok(text) => {
+            Hints::parse(&args.hints.display().to_string(), &text).map_err(|e| e.to_string())?
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Hints::default(),
+        Err(e) => return Err(format!("cannot read {}: {e}", args.hints.display())),
+    };
+    std::fs::create_dir_all(&args.log_dir)
+        .map_err(|e| format!("cannot create {}: {e}", args.log_dir.display()))?;
+    let log_dir = std::fs::canonicalize(&args.log_dir)
+        .map_err(|e| format!("{}: {e}", args.log_dir.display()))?;
+    let profile_dir = powerflex_testbed::profile_dir();
+    let queue: VecDeque<TestBinary> = schedule(binaries, &hints).into();
+    let total = queue.len();
+    let lanes = usize::from(args.lanes).min(total);
+    eprintln!(
+        "powerflex-test-lanes: {total} test binaries in {lanes} lanes (logs in {})",
+        log_dir.display()
+    );
+
+    let queue = Arc::new(Mutex::new(queue));
+    let running: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let finished: Arc<Mutex<Vec<Finished>>> = Arc::default();
+    let started = Instant::now();
+    let timeout = Duration::from_secs(args.timeout_s);
+    let workers: Vec<_> = (0..lanes)
+        .map(|_| {
+            let (queue, running, finished) = (queue.clone(), running.clone(), finished.clone());
+            let (log_dir, profile_dir, cargo) =
+                (log_dir.clone(), profile_dir.clone(), cargo.clone());
+            thread::spawn(move || loop {
+                let Some(binary) = queue
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .pop_front()
+                else {
+                    return;
+                };
+                let label = binary.label();
+                running
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((label.clone(), Instant::now()));
+                let done = run_one(&binary, &log_dir, &profile_dir, &cargo, timeout);
+                running
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .retain(|(l, _)| *l != label);
+                finished
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(done);
+            })
+        })
+        .collect();
+
+    let progress = Duration::from_secs(args.progress_s.max(1));
+    let mut next_progress = Instant::now() + progress;
+    while workers.iter().any(|w| !w.is_finished()) {
+        thread::sleep(Duration::from_millis(200));
+        if Instant::now() >= next_progress {
+            next_progress += progress;
+            let now = Instant::now();
+            let still: Vec<String> = running
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|(label, since)| format!("{label} ({} s)", (now - *since).as_secs()))
+                .collect();
+            let queued = queue.lock().unwrap_or_else(PoisonError::into_inner).len();
+            let done = finished
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .len();
+            eprintln!(
+                "powerflex-test-lanes: {} s: {done}/{total} done, {queued} queued; running: {}",
+                started.elapsed().as_secs(),
+                still.join(", ")
+            );
+        }
+    }
+    for w in workers {
+        w.join()
+            .map_err(|_| "a lane's thread panicked".to_string())?;
+    }
+
+    let finished = std::mem::take(&mut *finished.lock().unwrap_or_else(PoisonError::into_inner));
+    let times: Vec<(String, Duration)> =
+        finished.iter().map(|f| (f.label.clone(), f.took)).collect();
+    let times_path = log_dir.join("times.tsv");
+    if let Err(e) = std::fs::write(&times_path, Hints::render(&times)) {
+        eprintln!(
+            "powerflex-test-lanes: cannot write {}: {e}",
+            times_path.display()
+        );
+    }
+    let mut counts = TestCounts::default();
+    let mut failed = Vec::new();
+    for f in &finished {
+        counts.add(f.counts);
+        if !f.passed {
+            failed.push(f.label.clone());
+        }
+    }
+    let busy: Duration = times.iter().map(|(_, t)| *t).sum();
+    eprintln!(
+        "powerflex-test-lanes: {total} binaries in {:.1} s wall, {:.1} s of binary time \
+         ({lanes} lanes); times in {}",
+        started.elapsed().as_secs_f64(),
+        busy.as_secs_f64(),
+        times_path.display()
+    );
+    if !failed.is_empty() {
+        eprintln!("powerflex-test-lanes: FAILED: {}", failed.join(", "));
+    }
+    println!(
+        "tests: {} passed, {} failed, {} skipped",
+        counts.passed, counts.failed, counts.ignored
+    );
+    Ok(failed.is_empty())
+}
+
+/// Runs one test binary to its end (or its timeout) and prints how it went.
+fn run_one(
+    binary: &TestBinary,
+    log_dir: &Path,
+    profile_dir: &Path,
+    cargo: &std::ffi::OsStr,
+    timeout: Duration,
+) -> Finished {
+    let label = binary.label();
+    let log_path = log_dir.join(format!("{}.log", label.replace(' ', "-")));
+    let started = Instant::now();
+    let outcome = spawn_and_wait(binary, &log_path, profile_dir, cargo, timeout);
+    let took = started.elapsed();
+    let output = read_log(&log_path);
+    let counts = TestCounts::from_output(&output);
+    let (passed, why) = match outcome {
+        Ok(status) if status.success() && counts.failed == 0 => (true, String::new()),
+        Ok(status) => (false, format!("exit {status}")),
+        Err(why) => (false, why),
+    };
+    let line = format!(
+        "{} {:>7.1} s  {label}  ({} passed, {} failed, {} ignored){}",
+        if passed { "PASS" } else { "FAIL" },
+        took.as_secs_f64(),
+        counts.passed,
+        counts.failed,
+        counts.ignored,
+        if why.is_empty() {
+            String::new()
+        } else {
+            format!(": {why}")
+        }
+    );
+    if passed {
+        eprintln!("{line}");
+    } else {
+        // One write, so a failure's log is not interleaved with another lane's lines.
+        eprintln!(
+            "{line}\n---- {label}: {} ----\n{output}\n---- end of {label} ----",
+            log_path.display()
+        );
+    }
+    Finished {
+        label,
+        took,
+        passed,
+        counts,
+    }
+}
+
+fn spawn_and_wait(
+    binary: &TestBinary,
+    log_path: &Path,
+    profile_dir: &Path,
+    cargo: &std::ffi::OsStr,
+    timeout: Duration,
+) -> Result<std::process::ExitStatus, String> {
+    use std::os::unix::process::CommandExt as _;
+    let log = File::create(log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", log_path.display()))?;
+    // As `cargo test` runs a test binary: in its package's directory, with the package's
+    // CARGO_* variables and the profile's library directories on the loader's path.
+    let mut library_path = format!(
+        "{}:{}",
+        profile_dir.join("deps").display(),
+        profile_dir.display()
+    );
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        library_path.push(':');
+        library_path.push_str(&old.to_string_lossy());
+    }
+    let mut child = Command::new(&binary.executable)
+        .current_dir(&binary.package_dir)
+        .env("CARGO", cargo)
+        .env("CARGO_MANIFEST_DIR", &binary.package_dir)
+        .env("CARGO_PKG_NAME", &binary.package)
+        .env("LD_LIBRARY_PATH", library_path)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log_err)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", binary.executable.display()))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Ok(status),
+            Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(100)),
+            Ok(None) => {
+                // The group is the one this runner made for the binary (its PID): the
+                // binary and every daemon its tests started, none found by name.
+                let group = rustix::process::Pid::from_child(&child);
+                let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+                let _ = child.wait();
+                return Err(format!(
+                    "killed after {} s (--timeout-s)",
+                    timeout.as_secs()
+                ));
+            }
+            Err(e) => return Err(format!("cannot wait for the binary: {e}")),
+        }
+    }
+}
+
+fn read_log(path: &Path) -> String {
+    let mut text = String::new();
+    if let Ok(file) = File::open(path) {
+        let mut bytes = Vec::new();
+        let _ = BufReader::new(file).read_to_end(&mut bytes);
+        text = String::from_utf8_lossy(&bytes).into_owned();
+    }
+    text
+}
