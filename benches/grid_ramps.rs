@@ -13,7 +13,8 @@
 //! cap, following a cap at once (a real GPU takes a few hundred ms). Run:
 //! `cargo bench -p powerflex-testbed --bench grid_ramps` (root; needs slurm-wlm).
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use powerflex_daemon::clock::unix_ms;
+use std::time::{Duration, Instant};
 
 use powerflex_controller::schedule::{effective_budget, Event};
 use powerflex_core::Watts;
@@ -24,13 +25,6 @@ use powerflex_testbed::wait_until;
 
 const HEAVY: &str = "synthetic-compute-bound";
 const RATE_W_PER_S: f64 = 100.0;
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 fn ctl(stack: &Stack, args: &[&str]) {
     let socket = stack.socket.to_string_lossy().to_string();

@@ -5,19 +5,14 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use powerflex_proto::link::{
     fresh_nonce, node_key, AgentHandshake, Body, GpuInfo, LinkError, Session, MAX_LINK_LINE_BYTES,
 };
 
-/// Unix time, ms.
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+/// Unix time, ms (the daemons' one clock reading).
+pub use powerflex_daemon::clock::unix_ms;
 
 /// `n` simulated H200s named after `node`, as an agent announces them.
 pub fn h200s(node: &str, n: usize) -> Vec<GpuInfo> {

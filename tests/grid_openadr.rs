@@ -11,6 +11,7 @@
 //!   change nothing;
 //! - the VEN's reports of the metered draw arrive at the VTN.
 
+use powerflex_daemon::clock::unix_ms;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -27,13 +28,6 @@ const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
 const PROGRAM: &str = "gpu-dr";
 /// SIMPLE levels 0 to 3 → cuts of 0, 10, 20, 30 % of the base budget.
 const LEVELS_PCT: [f64; 4] = [0.0, 10.0, 20.0, 30.0];
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_millis() as u64
-}
 
 fn status(stack: &Stack) -> CtldStatus {
     stack
@@ -159,7 +153,7 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
     let target_w = base_w * 0.8;
     let (mut to_ctld_s, mut to_caps_s) = (Vec::new(), Vec::new());
     for round in 0..5 {
-        let start_ms = now_ms();
+        let start_ms = unix_ms();
         let step_at = |level: i64| {
             event_request(
                 &program_id,
@@ -233,7 +227,7 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
             &program_id,
             "later",
             &[Step {
-                start_ms: now_ms() + 3_600_000,
+                start_ms: unix_ms() + 3_600_000,
                 duration_s: 1800,
                 payload: Payload::Simple(1),
             }],
@@ -255,7 +249,7 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
 
     // 2. A 30 % event with a 10 s ramp either side: level 1 (10 %) for 10 s, level 3
     //    for 120 s, level 1 for 10 s.
-    let t0 = now_ms() + 3000;
+    let t0 = unix_ms() + 3000;
     let ramped = |hold_level: i64, hold_s: u64| {
         event_request(
             &program_id,
@@ -350,7 +344,7 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
             &program_id,
             "level-99",
             &[Step {
-                start_ms: now_ms(),
+                start_ms: unix_ms(),
                 duration_s: 60,
                 payload: Payload::Simple(99),
             }],
@@ -359,7 +353,7 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
             &program_id,
             "negative-kw",
             &[Step {
-                start_ms: now_ms(),
+                start_ms: unix_ms(),
                 duration_s: 60,
                 payload: Payload::ImportCapacityLimitKw(-5.0),
             }],

@@ -12,7 +12,8 @@
 //! controller uses, and checked against the `budget_w` its status reports while the test
 //! runs.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use powerflex_daemon::clock::unix_ms;
+use std::time::{Duration, Instant};
 
 use powerflex_controller::schedule::{effective_budget, Event};
 use powerflex_core::Watts;
@@ -30,13 +31,6 @@ const RATE_W_PER_S: f64 = 100.0;
 const PERIOD_S: f64 = 1.0;
 /// One cap step (10 W, the stack's H200 model) on each of the first test's 8 GPUs, W.
 const CAP_STEPS_W: f64 = 80.0;
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 fn status(stack: &Stack) -> Option<CtldStatus> {
     stack.ctl_json(&["status"])

@@ -11,13 +11,14 @@
 //! (forged, or recorded on an earlier connection), are replayed, stale, or name another
 //! node are logged and ignored.
 
+use powerflex_daemon::clock::unix_ms;
 use std::collections::BTreeMap;
 use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Sender};
 use powerflex_core::Watts;
@@ -40,13 +41,6 @@ pub struct LinkOptions {
     pub node: String,
     pub report_period: Duration,
     pub gpus: Vec<GpuInfo>,
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// Longest wait for the controller's challenge after the agent's open.

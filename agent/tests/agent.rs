@@ -707,12 +707,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         flex: "flex2,calibrate=off".into(),
     });
     assert!(registered.ok, "{registered:?}");
-    let now_ms = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_millis() as u64
-    };
+    let now_ms = powerflex_daemon::clock::unix_ms;
 
     // The agent connects and opens the handshake with its node key; the test controller
     // answers the challenge; hello follows under the session key.

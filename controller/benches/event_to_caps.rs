@@ -15,13 +15,14 @@
 //!
 //! Run: `cargo bench -p powerflex-controller --bench event_to_caps` (SIMULATED site).
 
+use powerflex_daemon::clock::unix_ms;
 use std::io::{BufRead, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use powerflex_controller::site::{decide, NodeView, SiteSettings};
 use powerflex_core::allocate::Policy;
@@ -46,13 +47,6 @@ const KEY: &[u8] = b"benchmark site key, loopback only";
 /// The harness's GPUs draw this share of their cap (busy training; the curve points say the same).
 const DRAW_PER_CAP: f64 = 0.97;
 const TIERS: [&str; 4] = ["flex0", "flex1", "flex2", "flex3"];
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 fn gpu_info(node: usize, gpu: usize) -> GpuInfo {
     GpuInfo {

@@ -27,13 +27,14 @@
 //! Run: `cargo bench -p powerflex-controller --bench metered` (SIMULATED site; about
 //! 40 s for each of the four configurations, two budget modes × two rollouts).
 
+use powerflex_daemon::clock::unix_ms;
 use std::io::{BufRead, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -76,13 +77,6 @@ const AFTER_CHANGE: Duration = Duration::from_secs(6);
 /// ticks and on the nodes' delays, so one is not enough.
 const REALLOCATIONS: usize = 4;
 const PER_REALLOCATION: Duration = Duration::from_secs(3);
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 fn gpu_info(node: usize, gpu: usize) -> GpuInfo {
     GpuInfo {

@@ -407,23 +407,6 @@ fn calibrate(
                 .iter()
                 .map(|l| loss(l.cap_w) * l.seconds)
                 .sum();
-            if std::env::var("PFDEBUG").is_ok() {
-                eprintln!(
-                    "DEBUG {} true {:.4} {:?} grid {:?}",
-                    job.name,
-                    cost / FIRST_HOUR_S,
-                    outcome
-                        .levels
-                        .iter()
-                        .map(|l| (
-                            l.cap_w.0,
-                            l.windows,
-                            (loss(l.cap_w) * 1000.0).round() / 1000.0
-                        ))
-                        .collect::<Vec<_>>(),
-                    job.grid.iter().map(|c| c.0).collect::<Vec<_>>()
-                );
-            }
             Ok(Calibrated {
                 readings: outcome.readings,
                 cost_fraction: cost / FIRST_HOUR_S,

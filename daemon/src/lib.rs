@@ -8,6 +8,7 @@
 //! | [`prom`] | Prometheus text writer with escaped label values, and the [`prom::catalog`] of every metric family both daemons export (name, type, help, label names) | two writers with diverging label sets |
 //! | [`http`] | `/metrics` responder: a fixed number of worker threads, read/write timeouts | two hand-rolled accept loops |
 //! | [`lines`] | one bounded line read (`\n`-terminated, at most N bytes) | six `take(N).read_line` copies |
+//! | [`clock`] | wall-clock ms since the Unix epoch, the one reading every process exchanges | fourteen `unix_ms`/`now_ms` copies |
 //! | [`fsx`] | atomic file write (temporary file, optional fsync, rename, settable mode) and the key-file reader (root-owned regular 0600 files, opened without following or blocking) | three atomic writers; `proto::link::read_site_key` |
 //! | [`os`] | `kill`, `flock`, `SO_PEERCRED` through `rustix` | `unsafe` libc calls and `kill` run as a subprocess |
 //! | [`trace`] | tracing init from `POWERFLEX_LOG` | two copies in the binaries |
@@ -33,6 +34,7 @@
 //!
 //! No `unsafe` here: system calls go through `rustix` and `signal-hook`.
 
+pub mod clock;
 pub mod fsx;
 pub mod http;
 pub mod lines;

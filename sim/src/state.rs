@@ -23,7 +23,6 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -42,12 +41,7 @@ pub const STATE_DIR_ENV: &str = "POWERFLEX_SIM_DIR";
 pub const POWER_NOISE: f64 = 0.005;
 
 /// Wall-clock milliseconds since the Unix epoch (shared by every process on the host).
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use powerflex_daemon::clock::unix_ms;
 
 /// A node's description, `node.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -378,7 +372,7 @@ impl Node {
         }
         set_mode(dir, 0o755)?;
         set_mode(&shared, 0o777)?;
-        let now = now_ms();
+        let now = unix_ms();
         let info = NodeInfo {
             simulated: true,
             node: node.to_string(),
@@ -488,7 +482,7 @@ impl Node {
     /// What GPU `index` reports now.
     pub fn reading(&self, index: u32) -> Result<(GpuState, GpuReading), SimError> {
         let gpu = self.gpu(index)?;
-        let reading = gpu.reading(self.model, now_ms());
+        let reading = gpu.reading(self.model, unix_ms());
         Ok((gpu, reading))
     }
 
@@ -502,7 +496,7 @@ impl Node {
         let path = self.gpu_path(index)?;
         let _lock = FileLock::acquire(&self.dir.join(SHARED_DIR).join(format!("gpu{index}.lock")))?;
         let mut gpu = self.gpu(index)?;
-        gpu.checkpoint(self.model, now_ms());
+        gpu.checkpoint(self.model, unix_ms());
         let result = change(&mut gpu)?;
         write_atomic(&path, &to_json(&gpu, &path)?)?;
         Ok(result)

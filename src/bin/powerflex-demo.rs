@@ -25,11 +25,12 @@
 //! the event was met and every promise held; 1 something failed or a promise broke (the
 //! output says which); 2 usage error.
 
+use powerflex_daemon::clock::unix_ms;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use serde_json::json;
@@ -314,12 +315,6 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The demo starts slurmd and sets GPU power limits: root only. `/proc/self` belongs to

@@ -118,7 +118,7 @@ fn device_state(device: nvmlDevice_t) -> Result<(Node, GpuState), Code> {
 
 fn reading(device: nvmlDevice_t) -> Result<(Node, GpuState, GpuReading), Code> {
     let (node, gpu) = device_state(device)?;
-    let r = gpu.reading(node.model(), powerflex_sim::state::now_ms());
+    let r = gpu.reading(node.model(), powerflex_sim::state::unix_ms());
     Ok((node, gpu, r))
 }
 

@@ -26,6 +26,7 @@
 //! Exit codes: 0 finished (or stopped by SIGTERM/SIGINT); 1 could not start (no GPUs, no
 //! simulated node, unknown profile, GPUs held by another job); 2 usage error.
 
+use powerflex_daemon::clock::unix_ms;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -203,14 +204,6 @@ impl Drop for Claim<'_> {
             eprintln!("powerflex-simjob: could not release the simulated GPUs: {e}");
         }
     }
-}
-
-/// Wall-clock time of a step's end, ms since the Unix epoch: lines up the steps of a
-/// job's ranks on different nodes with each other and with events outside the job.
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Best-effort progress reporting: never blocks the job for long, never fails it.
