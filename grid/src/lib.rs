@@ -16,6 +16,7 @@
 
 pub mod map;
 
+use powerflex_daemon::clock::unix_ms;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -184,10 +185,10 @@ impl Ctld {
         // The admin client is blocking (one line each way, 10 s timeout): keep it off the
         // runtime's worker.
         let reply =
-            tokio::task::spawn_blocking(move || powerflex_controller::ctld::request(&socket, &op))
+            tokio::task::spawn_blocking(move || powerflex_admin_client::request(&socket, &op))
                 .await
                 .map_err(|e| GridError::Ctld(e.to_string()))?
-                .map_err(GridError::Ctld)?;
+                .map_err(|e| GridError::Ctld(e.to_string()))?;
         if reply.ok {
             Ok(reply)
         } else {
@@ -329,13 +330,6 @@ pub struct Ven {
     refused: std::collections::BTreeMap<String, String>,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 impl Ven {
     pub fn new(config: OpenAdrConfig, vtn: Vtn, ctld: Ctld) -> Result<Ven, GridError> {
         std::fs::create_dir_all(&config.state_dir).map_err(|e| GridError::Ledger {
@@ -358,7 +352,7 @@ impl Ven {
     /// One poll: read the VTN and the controller, reconcile, report. Either side being
     /// unreachable ends the round early with nothing changed.
     pub async fn round(&mut self) -> Result<Round, GridError> {
-        let now = now_ms();
+        let now = unix_ms();
         let (view, clients) = self.vtn.read(&self.config, &self.mapping, now).await?;
         let mut round = Round::default();
         for (vtn_id, (program, meaning)) in &view.events {

@@ -4,11 +4,11 @@
 //! the controller), or an I/O error; 2 the command line itself is wrong: every value given
 //! on it is parsed by clap (`value_parser`), so a bad value is a usage error.
 
+use powerflex_daemon::clock::unix_ms;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use powerflex_controller::ctld;
 use powerflex_controller::offline;
 use powerflex_controller::render;
 use powerflex_controller::schedule::{
@@ -460,7 +460,8 @@ fn admin_socket(args: &CtldArgs) -> Result<std::path::PathBuf, CtlError> {
 }
 
 fn admin(args: &CtldArgs, op: AdminOp) -> Result<AdminReply, CtlError> {
-    let reply = ctld::request(&admin_socket(args)?, &op).map_err(CtlError::Usage)?;
+    let reply = powerflex_admin_client::request(&admin_socket(args)?, &op)
+        .map_err(|e| CtlError::Usage(e.to_string()))?;
     if reply.ok {
         Ok(reply)
     } else {
@@ -482,13 +483,6 @@ fn missing(what: &str) -> CtlError {
     CtlError::Usage(format!(
         "the controller's answer carries no {what}; is powerflex-ctld the same version as powerflexctl?"
     ))
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn list_events(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
@@ -741,7 +735,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         return Err(CtlError::Usage("give --reduce or --target".into()))
                     }
                 };
-                let start_ms = start.resolve(now_ms());
+                let start_ms = start.resolve(unix_ms());
                 let (duration_ms, ramp_ms) = (duration, ramp);
                 let id = admin(
                     &args,

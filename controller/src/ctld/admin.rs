@@ -7,18 +7,17 @@
 
 use std::io::{BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 use tracing::warn;
 
 use powerflex_daemon::lines;
 
-use powerflex_proto::admin::{AdminOp, AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
+use powerflex_proto::admin::{AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
 use super::bounds::{AdminGate, AdminLimits, DeadlineReader, Refusals};
 use super::Inbound;
@@ -128,29 +127,4 @@ fn serve_admin(
     // What a non-root caller may read was decided in the core, which knows the jobs'
     // owners (`super::owners::need_to_know`).
     let _ = stream.write_all(reply.to_line().as_bytes());
-}
-
-/// Largest reply `powerflexctl` reads, bytes: a status of a large site is a few MiB.
-const MAX_ADMIN_REPLY_BYTES: usize = 16 * 1024 * 1024;
-
-/// Sends one admin request to the controller at `socket` and returns its reply.
-pub fn request(socket: &Path, op: &AdminOp) -> Result<AdminReply, String> {
-    let mut stream = UnixStream::connect(socket)
-        .map_err(|e| format!("cannot reach powerflex-ctld at {}: {e}", socket.display()))?;
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let line = AdminRequest::new(op.clone()).to_line();
-    stream
-        .write_all(line.as_bytes())
-        .map_err(|e| e.to_string())?;
-    let started = Instant::now();
-    let reply = lines::read_line(&mut BufReader::new(stream), MAX_ADMIN_REPLY_BYTES)
-        .map_err(|e| {
-            format!(
-                "no answer from powerflex-ctld after {:.1} s: {e}",
-                started.elapsed().as_secs_f64()
-            )
-        })?
-        .ok_or("powerflex-ctld closed the connection without answering")?;
-    serde_json::from_str(reply.trim_end())
-        .map_err(|e| format!("bad answer from powerflex-ctld: {e}"))
 }

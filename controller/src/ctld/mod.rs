@@ -34,7 +34,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
 
@@ -43,7 +43,6 @@ use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, GpuInfo, JobReport};
 
-pub use self::admin::request;
 pub use self::core::{Core, Input, Lease, Output};
 pub use self::state::CtldState;
 use crate::site::SiteSettings;
@@ -71,12 +70,7 @@ pub struct CtldOptions {
 /// A re-read site config (on SIGHUP): the new options, or why the file was refused.
 pub type Reload = Result<CtldOptions, String>;
 
-pub(crate) fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub(crate) use powerflex_daemon::clock::unix_ms;
 
 /// What the link and admin threads hand the loop.
 pub(crate) enum Inbound {
@@ -298,6 +292,7 @@ pub fn run_bounded(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use powerflex_admin_client::request;
     use powerflex_core::allocate::Policy;
     use powerflex_core::config::{BudgetMode, Objective};
     use powerflex_core::flex::TierTable;
