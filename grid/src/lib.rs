@@ -28,7 +28,7 @@ use openleadr_wire::ven::VenVenRequest;
 use openleadr_wire::{Event, Unit};
 use powerflex_core::config::OpenAdrConfig;
 use powerflex_daemon::fsx::{write_atomic, AtomicWrite};
-use powerflex_proto::admin::{AdminOp, AdminReply};
+use powerflex_proto::admin::{AdminOp, AdminReply, Refusal};
 use powerflex_proto::status::CtldStatus;
 use serde::Deserialize;
 use tracing::{info, warn};
@@ -52,6 +52,13 @@ pub enum GridError {
     Vtn(String),
     #[error("controller: {0}")]
     Ctld(String),
+    /// The controller answered and refused; `refusal` says which, when it is one a
+    /// client may act on.
+    #[error("controller refused: {message}")]
+    CtldRefused {
+        refusal: Option<Refusal>,
+        message: String,
+    },
 }
 
 /// What the credentials file holds: a bearer token the utility issued, or OAuth 2 client
@@ -192,9 +199,10 @@ impl Ctld {
         if reply.ok {
             Ok(reply)
         } else {
-            Err(GridError::Ctld(
-                reply.error.unwrap_or_else(|| "refused".into()),
-            ))
+            Err(GridError::CtldRefused {
+                refusal: reply.refusal,
+                message: reply.error.unwrap_or_else(|| "refused".into()),
+            })
         }
     }
 
@@ -408,7 +416,10 @@ impl Ven {
                 match self.ctld.ask(AdminOp::EventCancel { id: *pf_id }).await {
                     Ok(_) => info!(vtn_event = %vtn_id, event = pf_id, "grid event cancelled"),
                     // Already gone (ended, or cancelled by an admin): the goal is met.
-                    Err(GridError::Ctld(m)) if m.starts_with("no event") => {}
+                    Err(GridError::CtldRefused {
+                        refusal: Some(Refusal::NoSuchEvent),
+                        ..
+                    }) => {}
                     Err(e) => return Err(e),
                 }
                 map::record(&mut self.ledger, action, None);

@@ -217,6 +217,17 @@ impl AdminRequest {
     }
 }
 
+/// Why the controller refused a request, for a client that acts on the reason; `error`
+/// says it for people. Only refusals a client tells apart have a variant: a client
+/// must never match the `error` text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Refusal {
+    /// `event-cancel` named an event the controller does not hold (it ended, was
+    /// cancelled already, or was never added).
+    NoSuchEvent,
+}
+
 /// The controller's answer. Exactly one of the payload fields is set on success, the one
 /// the operation asks for; `budget-set` and `event-cancel` carry none.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -227,6 +238,10 @@ pub struct AdminReply {
     /// What went wrong, when `ok` is false.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Which refusal it was, when a client may act on it (absent from every other reply,
+    /// so a success reply reads as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<Refusal>,
     /// For `status`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<CtldStatus>,
@@ -247,6 +262,7 @@ impl AdminReply {
             v: ADMIN_VERSION,
             ok: true,
             error: None,
+            refusal: None,
             status: None,
             history: None,
             event_id: None,
@@ -259,6 +275,14 @@ impl AdminReply {
             ok: false,
             error: Some(message.into()),
             ..AdminReply::ok()
+        }
+    }
+
+    /// A refusal a client can tell apart by `refusal`, with `message` for people.
+    pub fn refused(refusal: Refusal, message: impl Into<String>) -> AdminReply {
+        AdminReply {
+            refusal: Some(refusal),
+            ..AdminReply::error(message)
         }
     }
 
@@ -287,6 +311,17 @@ mod tests {
         assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
         assert!(line.starts_with("{\"v\":1,\"op\":\"event-add\""), "{line}");
         assert_eq!(AdminRequest::from_line(&line), Ok(request));
+    }
+
+    #[test]
+    fn a_typed_refusal_round_trips_and_other_replies_do_not_carry_one() {
+        let refused = AdminReply::refused(Refusal::NoSuchEvent, "no event 7");
+        let line = refused.to_line();
+        assert!(line.contains("\"refusal\":\"no-such-event\""), "{line}");
+        let back: AdminReply = serde_json::from_str(line.trim_end()).expect("parses");
+        assert_eq!(back, refused);
+        assert!(!AdminReply::ok().to_line().contains("refusal"));
+        assert!(!AdminReply::error("x").to_line().contains("refusal"));
     }
 
     #[test]

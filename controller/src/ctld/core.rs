@@ -11,7 +11,7 @@ use tracing::{error, info, warn};
 
 use powerflex_core::allocate::Policy;
 use powerflex_core::Watts;
-use powerflex_proto::admin::{AdminOp, AdminReply};
+use powerflex_proto::admin::{AdminOp, AdminReply, Refusal};
 use powerflex_proto::link::{GpuInfo, JobReport};
 use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
@@ -510,7 +510,7 @@ impl Core {
                 let before = self.state.events.len();
                 self.state.events.retain(|e| e.id != id);
                 if self.state.events.len() == before {
-                    return AdminReply::error(format!("no event {id}"));
+                    return AdminReply::refused(Refusal::NoSuchEvent, format!("no event {id}"));
                 }
                 info!(id, "grid event cancelled");
                 self.dirty = true;
@@ -1004,6 +1004,7 @@ mod tests {
         assert_eq!(core.status(T0 + 1).budget_w, 7000.0, "30 % off at once");
         let out = core.step(T0 + 2, vec![admin(AdminOp::EventCancel { id: 7 }, 0)]);
         assert_eq!(reply(&out).error.as_deref(), Some("no event 7"));
+        assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchEvent));
         let out = core.step(T0 + 2, vec![admin(AdminOp::EventCancel { id: 1 }, 0)]);
         assert!(reply(&out).ok);
         assert_eq!(
