@@ -69,8 +69,10 @@ run_step "fuzz smoke run started beside the tests (log: $fuzz_log)" start_fuzz_s
 # Every test binary (unit, integration, whole-system) in parallel lanes; what runs at
 # once shares no cluster, directory or port (src/lanes.rs). POWERFLEX_TEST_LANES sets
 # how many.
+# The runner the build step just built, run directly, so nothing of `cargo run`'s
+# environment reaches the cargo it starts (see powerflex_testbed::cargo_command).
 run_step "cargo test in ${POWERFLEX_TEST_LANES:-3} lanes (powerflex-test-lanes)" \
-    cargo run --quiet --bin powerflex-test-lanes -- --lanes "${POWERFLEX_TEST_LANES:-3}" -- --workspace
+    target/debug/powerflex-test-lanes --lanes "${POWERFLEX_TEST_LANES:-3}" -- --workspace
 run_step "fuzz smoke run: every parser target for 5 s (scripts/fuzz.sh; longer runs: scripts/fuzz.sh 600)" \
     wait_fuzz_smoke "$fuzz_log"
 steps_summary

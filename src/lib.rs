@@ -52,8 +52,7 @@ pub fn cargo_build(args: &[&str]) {
     if built.contains(&key) {
         return;
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
+    let status = cargo_command()
         .current_dir(repo_root())
         .args(["build", "--quiet", "--profile", &profile])
         .args(build_args)
@@ -61,6 +60,37 @@ pub fn cargo_build(args: &[&str]) {
         .unwrap_or_else(|e| panic!("cannot run cargo build {args:?}: {e}"));
     assert!(status.success(), "cargo build {args:?} failed");
     built.insert(key);
+}
+
+/// The package variables cargo sets for a crate it builds, runs or tests.
+const CARGO_PACKAGE_VARIABLES: &[&str] = &[
+    "CARGO_PKG_",
+    "CARGO_MANIFEST_",
+    "CARGO_CRATE_",
+    "CARGO_BIN_",
+    "CARGO_PRIMARY_PACKAGE",
+    "CARGO_TARGET_TMPDIR",
+];
+
+/// The cargo that runs the tests (`CARGO`, else `cargo` on the PATH), without the package
+/// variables cargo gave this process. Build scripts such as ring's declare
+/// `rerun-if-env-changed=CARGO_MANIFEST_DIR` and `CARGO_PKG_NAME`; a cargo started from a
+/// test (or from `cargo run`) inherits that test's values, so without this each package's
+/// tests rebuilt those crates, and the next package's tests rebuilt them back (80 s of
+/// ring, rustls and sqlx in one clean-clone run). Without them the nested cargo sees what
+/// the suite's build step saw.
+pub fn cargo_command() -> Command {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut command = Command::new(cargo);
+    for (name, _) in std::env::vars_os() {
+        let Some(text) = name.to_str() else {
+            continue;
+        };
+        if CARGO_PACKAGE_VARIABLES.iter().any(|p| text.starts_with(p)) {
+            command.env_remove(&name);
+        }
+    }
+    command
 }
 
 /// Path of a workspace binary, built fresh for this test run (see [`cargo_build`]).
@@ -196,4 +226,35 @@ pub fn write_site_key(path: &Path, key: &str) {
     std::fs::write(path, key).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Under `cargo test` this process holds its package's variables; the cargo a test
+    /// starts must not inherit them (see [`cargo_command`]), and must keep the rest.
+    #[test]
+    fn a_nested_cargo_gets_none_of_the_package_variables() {
+        assert!(
+            std::env::var_os("CARGO_PKG_NAME").is_some(),
+            "cargo test sets CARGO_PKG_NAME for a test process"
+        );
+        let command = cargo_command();
+        let removed: Vec<String> = command
+            .get_envs()
+            .filter(|(_, value)| value.is_none())
+            .map(|(name, _)| name.to_string_lossy().into_owned())
+            .collect();
+        for must_go in ["CARGO_PKG_NAME", "CARGO_MANIFEST_DIR"] {
+            assert!(
+                removed.iter().any(|n| n == must_go),
+                "{must_go}: {removed:?}"
+            );
+        }
+        assert!(
+            removed.iter().all(|n| n != "PATH" && n != "CARGO_HOME"),
+            "{removed:?}"
+        );
+    }
 }

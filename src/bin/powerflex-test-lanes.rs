@@ -74,7 +74,7 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Result<bool, String> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     eprintln!("powerflex-test-lanes: building the test binaries (cargo test --no-run)");
-    let built = Command::new(&cargo)
+    let built = powerflex_testbed::cargo_command()
         .args([
             "test",
             "--no-run",
