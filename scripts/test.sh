@@ -13,35 +13,46 @@ cd "$(dirname "$0")/.."
 source scripts/steps.sh
 source scripts/install-deps.sh
 
-# The fuzz smoke run in the background, in a session of its own: its PID (and process
-# group) in target/fuzz-smoke.pid, its status in target/fuzz-smoke.status once it ends.
-# If the suite stops early, the EXIT trap ends that group, so nothing outlives the suite.
+# The fuzz smoke run in the background, in a session of its own (its process group),
+# with no terminal or CI pipe held open: its PID in target/fuzz-smoke.pid, its status
+# written atomically to target/fuzz-smoke.status when it ends. If the suite stops early,
+# the EXIT trap ends that group and prints the tail of its log.
+rm -f target/fuzz-smoke.pid target/fuzz-smoke.status
 start_fuzz_smoke() {
     local log=$1
-    rm -f target/fuzz-smoke.status
-    setsid bash -c 'nice -n 19 bash scripts/fuzz.sh 5 >"$1" 2>&1; echo $? >target/fuzz-smoke.status' \
-        fuzz-smoke "$log" &
+    setsid bash -c 'nice -n 19 bash scripts/fuzz.sh 5 >"$1" 2>&1; echo $? >target/fuzz-smoke.status.tmp && mv target/fuzz-smoke.status.tmp target/fuzz-smoke.status' \
+        fuzz-smoke "$log" </dev/null >/dev/null 2>&1 &
     echo $! >target/fuzz-smoke.pid
 }
 
 stop_fuzz_smoke() {
     local pid
     pid=$(cat target/fuzz-smoke.pid 2>/dev/null) || return 0
-    if kill -0 "$pid" 2>/dev/null; then
-        echo "stopping the fuzz smoke run (process group $pid)" >&2
+    if [[ ! -f target/fuzz-smoke.status ]] && kill -0 "$pid" 2>/dev/null; then
+        echo "stopping the fuzz smoke run (process group $pid); its log so far:" >&2
         kill -TERM -- "-$pid" 2>/dev/null || true
+        tail -20 target/fuzz-smoke.log >&2 2>/dev/null || true
     fi
 }
 trap stop_fuzz_smoke EXIT
 
+# Waits for the status file, not the PID: the job was orphaned, and a PID that stays a
+# zombie (or is reused) must not hold the suite. A job gone without a status failed.
 wait_fuzz_smoke() {
     local log=$1 pid
     pid=$(cat target/fuzz-smoke.pid)
-    while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+    while [[ ! -f target/fuzz-smoke.status ]]; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            sleep 1
+            [[ -f target/fuzz-smoke.status ]] && break
+            cat "$log" >&2
+            echo "the fuzz smoke run ended without a status" >&2
+            return 1
+        fi
+        sleep 1
+    done
     cat "$log" >&2
-    [[ -f target/fuzz-smoke.status ]] && return "$(cat target/fuzz-smoke.status)"
-    echo "the fuzz smoke run left no status" >&2
-    return 1
+    return "$(cat target/fuzz-smoke.status)"
 }
 run_step "install what is missing (scripts/install-deps.sh)" powerflex_install_deps
 run_step "install the test suite's checkers (cargo-deny, cargo-machete; once per machine)" \

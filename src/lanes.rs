@@ -5,8 +5,12 @@
 //! whole-system binaries that start a real Slurm cluster and then wait on simulated time
 //! with the CPUs nearly idle (load average under 1), so running several binaries at once
 //! cuts the wall time without starving any of them. Inside one binary the tests still
-//! share the process's cluster turn ([`crate::slurm`]); across binaries every cluster has
-//! its own name, directory and fresh ports, so lanes share no state.
+//! share the process's cluster turn ([`crate::slurm`]). Across binaries every cluster has
+//! its own name (unique by the tests' convention, not by a lock), its own scratch
+//! directory, and ports the kernel handed out fresh (bound to port 0 and released, so
+//! another process could take one in between, as another test of the same binary could
+//! before). Test users are created under a machine-wide lock; nested `cargo build`
+//! freshness checks take turns on the target directory's lock.
 //!
 //! Why not cargo-nextest: it runs every test in a process of its own, which would drop
 //! the per-process cluster turn (every Slurm test of a binary at once) and start each

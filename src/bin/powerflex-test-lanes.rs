@@ -6,11 +6,16 @@
 //! cargo's `CARGO*` variables), in a process group of its own, its output in a log file
 //! under `--log-dir`. A finished binary prints one line (and its whole log when it
 //! failed); every `--progress-s` the runner says what is still running. A binary past
-//! `--timeout-s` is killed with its process group (the daemons its tests started are in
-//! it). The last line is `tests: N passed, N failed, N skipped`; the exit status is 0
-//! only when every binary passed.
+//! `--timeout-s` is killed with its process group, and so is every process still carrying
+//! its marker (`POWERFLEX_TEST_LANE` in the environment: the Slurm daemons its tests
+//! started leave the group with `setsid`, but keep the variable). Marked processes left
+//! when a binary ends are killed and reported too. SIGTERM or SIGINT ends every running
+//! binary the same way before the runner exits. A binary passes only when it exits 0,
+//! printed at least one libtest `test result:` line and counted no failure. The last line
+//! is `tests: N passed, N failed, N skipped`; the exit status is 0 only when every binary
+//! passed.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::{BufReader, Read as _};
 use std::path::{Path, PathBuf};
@@ -49,6 +54,21 @@ struct Args {
     #[arg(last = true)]
     cargo_args: Vec<String>,
 }
+
+/// The environment variable that marks every process a test binary starts.
+const MARKER_VAR: &str = "POWERFLEX_TEST_LANE";
+
+/// A binary in a lane now.
+#[derive(Debug)]
+struct Running {
+    label: String,
+    since: Instant,
+    /// Its PID, which is also its process group's id, once it has started.
+    pid: Option<u32>,
+}
+
+/// The running binaries, by marker value.
+type RunningSet = Arc<Mutex<BTreeMap<String, Running>>>;
 
 /// How one binary ended.
 #[derive(Debug)]
@@ -112,7 +132,8 @@ fn run(args: &Args) -> Result<bool, String> {
     );
 
     let queue = Arc::new(Mutex::new(queue));
-    let running: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let running: RunningSet = Arc::default();
+    let stop_signal = powerflex_daemon::signals::stop_signal_cell().map_err(|e| e.to_string())?;
     let finished: Arc<Mutex<Vec<Finished>>> = Arc::default();
     let started = Instant::now();
     let timeout = Duration::from_secs(args.timeout_s);
@@ -129,16 +150,7 @@ fn run(args: &Args) -> Result<bool, String> {
                 else {
                     return;
                 };
-                let label = binary.label();
-                running
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push((label.clone(), Instant::now()));
-                let done = run_one(&binary, &log_dir, &profile_dir, &cargo, timeout);
-                running
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .retain(|(l, _)| *l != label);
+                let done = run_one(&binary, &log_dir, &profile_dir, &cargo, timeout, &running);
                 finished
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -151,14 +163,25 @@ fn run(args: &Args) -> Result<bool, String> {
     let mut next_progress = Instant::now() + progress;
     while workers.iter().any(|w| !w.is_finished()) {
         thread::sleep(Duration::from_millis(200));
+        let signal = stop_signal.load(std::sync::atomic::Ordering::SeqCst);
+        if signal != 0 {
+            // No new binary starts; every running one ends with what it started.
+            queue.lock().unwrap_or_else(PoisonError::into_inner).clear();
+            let running = running.lock().unwrap_or_else(PoisonError::into_inner);
+            for (marker, r) in running.iter() {
+                eprintln!("powerflex-test-lanes: signal {signal}: ending {}", r.label);
+                end_binary(r.pid, marker);
+            }
+            return Err(format!("stopped by signal {signal}"));
+        }
         if Instant::now() >= next_progress {
             next_progress += progress;
             let now = Instant::now();
             let still: Vec<String> = running
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .iter()
-                .map(|(label, since)| format!("{label} ({} s)", (now - *since).as_secs()))
+                .values()
+                .map(|r| format!("{} ({} s)", r.label, (now - r.since).as_secs()))
                 .collect();
             let queued = queue.lock().unwrap_or_else(PoisonError::into_inner).len();
             let done = finished
@@ -220,19 +243,57 @@ fn run_one(
     profile_dir: &Path,
     cargo: &std::ffi::OsStr,
     timeout: Duration,
+    running: &RunningSet,
 ) -> Finished {
     let label = binary.label();
     let log_path = log_dir.join(format!("{}.log", label.replace(' ', "-")));
+    let marker = format!("{}-{}", std::process::id(), label.replace(' ', "-"));
+    running
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(
+            marker.clone(),
+            Running {
+                label: label.clone(),
+                since: Instant::now(),
+                pid: None,
+            },
+        );
     let started = Instant::now();
-    let outcome = spawn_and_wait(binary, &log_path, profile_dir, cargo, timeout);
+    let outcome = spawn_and_wait(
+        binary,
+        &log_path,
+        profile_dir,
+        cargo,
+        timeout,
+        &marker,
+        running,
+    );
     let took = started.elapsed();
+    // Whatever the binary left running carries its marker: a test that stops its
+    // daemons leaves none.
+    let leftovers = kill_marked(&marker);
+    running
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&marker);
     let output = read_log(&log_path);
     let counts = TestCounts::from_output(&output);
-    let (passed, why) = match outcome {
-        Ok(status) if status.success() && counts.failed == 0 => (true, String::new()),
-        Ok(status) => (false, format!("exit {status}")),
+    let (passed, mut why) = match outcome {
+        Ok(status) if !status.success() => (false, status.to_string()),
+        Ok(_) if counts.failed > 0 => (false, format!("{} failed", counts.failed)),
+        Ok(_) if counts.results == 0 => (false, "no libtest `test result:` line".to_string()),
+        Ok(_) => (true, String::new()),
         Err(why) => (false, why),
     };
+    if !leftovers.is_empty() {
+        let note = format!("killed processes it left running: {leftovers:?}");
+        why = if why.is_empty() {
+            note
+        } else {
+            format!("{why}; {note}")
+        };
+    }
     let line = format!(
         "{} {:>7.1} s  {label}  ({} passed, {} failed, {} ignored){}",
         if passed { "PASS" } else { "FAIL" },
@@ -269,6 +330,8 @@ fn spawn_and_wait(
     profile_dir: &Path,
     cargo: &std::ffi::OsStr,
     timeout: Duration,
+    marker: &str,
+    running: &RunningSet,
 ) -> Result<std::process::ExitStatus, String> {
     use std::os::unix::process::CommandExt as _;
     let log = File::create(log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
@@ -282,7 +345,8 @@ fn spawn_and_wait(
         profile_dir.join("deps").display(),
         profile_dir.display()
     );
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+    // An empty entry would put the working directory on the loader's path.
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
         library_path.push(':');
         library_path.push_str(&old.to_string_lossy());
     }
@@ -292,22 +356,27 @@ fn spawn_and_wait(
         .env("CARGO_MANIFEST_DIR", &binary.package_dir)
         .env("CARGO_PKG_NAME", &binary.package)
         .env("LD_LIBRARY_PATH", library_path)
+        .env(MARKER_VAR, marker)
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log_err)
         .process_group(0)
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", binary.executable.display()))?;
+    if let Some(r) = running
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get_mut(marker)
+    {
+        r.pid = Some(child.id());
+    }
     let deadline = Instant::now() + timeout;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => return Ok(status),
             Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(100)),
             Ok(None) => {
-                // The group is the one this runner made for the binary (its PID): the
-                // binary and every daemon its tests started, none found by name.
-                let group = rustix::process::Pid::from_child(&child);
-                let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+                end_binary(Some(child.id()), marker);
                 let _ = child.wait();
                 return Err(format!(
                     "killed after {} s (--timeout-s)",
@@ -319,6 +388,56 @@ fn spawn_and_wait(
     }
 }
 
+/// Ends a binary and what it started: SIGKILL to the process group this runner made
+/// for it (its PID), then to every process carrying its marker. Nothing found by name.
+fn end_binary(pid: Option<u32>, marker: &str) {
+    if let Some(group) = pid
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+    }
+    kill_marked(marker);
+}
+
+/// SIGKILLs every process (but this one) whose environment holds `MARKER_VAR=marker`;
+/// their PIDs. Only processes this runner's binaries started carry it. (`slurmstepd`
+/// rewrites its environment and is not found this way; the test bed reaps those by
+/// cluster directory when a cluster of that name next starts.)
+fn kill_marked(marker: &str) -> Vec<u32> {
+    let wanted = format!("{MARKER_VAR}={marker}");
+    let me = std::process::id();
+    let mut killed = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return killed;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes()) {
+            if let Some(p) = i32::try_from(pid)
+                .ok()
+                .and_then(rustix::process::Pid::from_raw)
+            {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+                killed.push(pid);
+            }
+        }
+    }
+    killed
+}
+
 fn read_log(path: &Path) -> String {
     let mut text = String::new();
     if let Ok(file) = File::open(path) {
@@ -327,4 +446,34 @@ fn read_log(path: &Path) -> String {
         text = String::from_utf8_lossy(&bytes).into_owned();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process that left the binary's process group (as slurmd does with `setsid`) is
+    /// still found by its marker and ended.
+    #[test]
+    fn a_marked_process_outside_the_group_is_found_and_killed() {
+        let marker = format!("selftest-{}", std::process::id());
+        let mut child = Command::new("setsid")
+            .args(["sleep", "60"])
+            .env(MARKER_VAR, &marker)
+            .spawn()
+            .expect("setsid sleep");
+        // setsid execs sleep in place (the child is not a group leader), so the PID is
+        // sleep's; wait until its environment is readable.
+        let environ = format!("/proc/{}/environ", child.id());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !std::fs::read(&environ).is_ok_and(|e| !e.is_empty()) {
+            assert!(Instant::now() < deadline, "sleep did not start");
+            thread::sleep(Duration::from_millis(20));
+        }
+        let killed = kill_marked(&marker);
+        assert_eq!(killed, vec![child.id()]);
+        let status = child.wait().expect("reaped");
+        assert!(!status.success(), "{status}");
+        assert!(kill_marked(&marker).is_empty(), "nothing left to kill");
+    }
 }
