@@ -22,7 +22,7 @@ mod tests {
     #[test]
     fn reads_after_the_project_began_and_never_goes_back_in_one_process() {
         // 2026-11-29, the first commit: a clock reading earlier is broken, not early.
-        const PROJECT_BEGAN_MS: u64 = 1_764_374_400_000;
+        const PROJECT_BEGAN_MS: u64 = 1_795_910_400_000;
         let a = unix_ms();
         let b = unix_ms();
         assert!(a > PROJECT_BEGAN_MS, "{a}");

@@ -6,8 +6,11 @@
 //! {"v":1,"op":"budget-set","budget_w":6000.0}
 //! {"v":1,"op":"event-add","cut":{"reduce":{"fraction":0.3}},"start_ms":1800000000000,"duration_ms":3600000,"ramp_ms":60000}
 //! ```
-//! Replies: `{"v":1,"ok":true,...}` or `{"v":1,"ok":false,"error":"..."}`. A request with
+//! Replies: `{"v":1,"ok":true,...}` or `{"v":1,"ok":false,"error":"...","refusal":"..."}`
+//! (`refusal` only where a client may act on the reason, see [`Refusal`]). A request with
 //! another `v` is refused with a message naming the version this controller speaks.
+//! Requests deny unknown fields (a typo must not be ignored); replies accept them, so a
+//! field a newer controller adds does not break an older client.
 
 use serde::{Deserialize, Serialize};
 
@@ -229,9 +232,9 @@ pub enum Refusal {
 }
 
 /// The controller's answer. Exactly one of the payload fields is set on success, the one
-/// the operation asks for; `budget-set` and `event-cancel` carry none.
+/// the operation asks for; `budget-set` and `event-cancel` carry none. Unknown fields
+/// are ignored (see the module docs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct AdminReply {
     pub v: u32,
     pub ok: bool,
@@ -322,6 +325,10 @@ mod tests {
         assert_eq!(back, refused);
         assert!(!AdminReply::ok().to_line().contains("refusal"));
         assert!(!AdminReply::error("x").to_line().contains("refusal"));
+        // A field a newer controller adds does not break this client.
+        let newer: AdminReply =
+            serde_json::from_str(r#"{"v":1,"ok":true,"a_later_field":3}"#).expect("parses");
+        assert_eq!(newer, AdminReply::ok());
     }
 
     #[test]
