@@ -285,14 +285,15 @@ mod tests {
 
     #[test]
     fn test_executables_are_read_from_cargos_messages_once_each() {
+        let agent_lib = artifact(
+            "path+file:///w/agent#powerflex-agent@0.1.0",
+            "/w/agent/Cargo.toml",
+            "lib",
+            "powerflex_agent",
+            "/w/target/debug/deps/powerflex_agent-1",
+        );
         let lines = [
-            artifact(
-                "path+file:///w/agent#powerflex-agent@0.1.0",
-                "/w/agent/Cargo.toml",
-                "lib",
-                "powerflex_agent",
-                "/w/target/debug/deps/powerflex_agent-1",
-            ),
+            agent_lib.clone(),
             // A library built for linking, not a test: no executable, profile.test false.
             serde_json::json!({
                 "reason": "compiler-artifact",
@@ -312,13 +313,8 @@ mod tests {
                 "demo",
                 "/w/target/debug/deps/demo-2",
             ),
-            artifact(
-                "path+file:///w/agent#powerflex-agent@0.1.0",
-                "/w/agent/Cargo.toml",
-                "lib",
-                "powerflex_agent",
-                "/w/target/debug/deps/powerflex_agent-1",
-            ),
+            // The same artifact again (cargo reports a unit once per build it appears in).
+            agent_lib,
         ]
         .join("\n");
         let found = test_binaries(lines.as_bytes()).expect("parsed");

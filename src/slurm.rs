@@ -792,33 +792,36 @@ fn reap_leftovers(dir: &Path) {
 /// with its process title, but keeps the node's log open and runs in `dir/log`.
 fn kill_marked(dir: &Path) -> Vec<u32> {
     let marker = format!("{MARKER_VAR}={}", dir.display());
-    let me = std::process::id();
     let mut killed = Vec::new();
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return killed;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid == me || !pid_alive(pid) {
-            continue;
-        }
-        let marked = fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
-            environ
-                .split(|b| *b == 0)
-                .any(|var| var == marker.as_bytes())
-        });
-        if marked || (is_slurm_program(pid) && uses_dir(pid, dir)) {
+    for pid in other_live_pids() {
+        if environ_holds(pid, &marker) || (is_slurm_program(pid) && uses_dir(pid, dir)) {
             signal(pid, Signal::KILL);
             killed.push(pid);
         }
     }
     killed
+}
+
+/// Every live process on the machine but this one (from `/proc`).
+pub fn other_live_pids() -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me && pid_alive(pid))
+        .collect()
+}
+
+/// Whether `pid`'s environment holds the entry `NAME=value` exactly.
+pub fn environ_holds(pid: u32, entry: &str) -> bool {
+    fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
+        environ
+            .split(|b| *b == 0)
+            .any(|var| var == entry.as_bytes())
+    })
 }
 
 fn is_slurm_program(pid: u32) -> bool {

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use powerflex_testbed::lanes::{schedule, test_binaries, Hints, TestBinary, TestCounts};
+use powerflex_testbed::slurm;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -406,36 +407,14 @@ fn end_binary(pid: Option<u32>, marker: &str) {
 /// cluster directory when a cluster of that name next starts.)
 fn kill_marked(marker: &str) -> Vec<u32> {
     let wanted = format!("{MARKER_VAR}={marker}");
-    let me = std::process::id();
-    let mut killed = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return killed;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes()) {
-            if let Some(p) = i32::try_from(pid)
-                .ok()
-                .and_then(rustix::process::Pid::from_raw)
-            {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-                killed.push(pid);
-            }
-        }
+    let marked: Vec<u32> = slurm::other_live_pids()
+        .into_iter()
+        .filter(|&pid| slurm::environ_holds(pid, &wanted))
+        .collect();
+    for &pid in &marked {
+        let _ = powerflex_daemon::os::kill(pid, powerflex_daemon::os::Signal::KILL);
     }
-    killed
+    marked
 }
 
 fn read_log(path: &Path) -> String {
