@@ -212,6 +212,7 @@ fn site_settings() -> SiteSettings {
         default_pfi: 0.8,
         budget_mode: powerflex_core::config::BudgetMode::default(),
         objective: powerflex_core::config::Objective::Tokens,
+        tier_bounds: powerflex_controller::site::TierBounds::Honoured,
     }
 }
 

@@ -309,6 +309,7 @@ mod tests {
             default_pfi: 1.3,
             budget_mode: BudgetMode::Metered { margin: 0.0 },
             objective: Objective::RelativeSpeed,
+            tier_bounds: crate::site::TierBounds::Honoured,
         }
     }
 

@@ -62,6 +62,59 @@ pub struct SiteSettings {
     pub budget_mode: BudgetMode,
     /// What the allocation maximises.
     pub objective: Objective,
+    /// Whether the tiers' slowdown bounds constrain the allocation. Only a what-if asks
+    /// for [`TierBounds::Ignored`]: the paper's baselines cut every job alike, whatever
+    /// its tier, and the comparison counts the bounds they break.
+    pub tier_bounds: TierBounds,
+}
+
+/// Whether an allocation honours the tiers' bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TierBounds {
+    /// Every managed job's cap keeps its tier's slowdown bound (the controller's rule).
+    #[default]
+    Honoured,
+    /// Bounds left out, as the paper's equal-weight and PFI-proportional rules do.
+    Ignored,
+}
+
+impl SiteSettings {
+    /// The settings a validated site config gives the allocation: what `powerflex-ctld`
+    /// runs with and what `powerflexctl allocate --site` plans with, so both decide
+    /// alike. `gpu_model` picks the model whose cap step and fail-safe apply (the first
+    /// when `None`).
+    pub fn from_site(
+        site: &powerflex_core::config::SiteConfig,
+        gpu_model: Option<&str>,
+    ) -> Result<SiteSettings, String> {
+        let names: Vec<&str> = site.gpu_models.iter().map(|m| m.name.as_str()).collect();
+        let model = match gpu_model {
+            Some(name) => site
+                .gpu_models
+                .iter()
+                .find(|m| m.name.eq_ignore_ascii_case(name))
+                .ok_or_else(|| {
+                    format!(
+                        "GPU model \"{name}\" is not in the site config; it has: {}",
+                        names.join(", ")
+                    )
+                })?,
+            None => site
+                .gpu_models
+                .first()
+                .ok_or("the site config has no GPU model")?,
+        };
+        Ok(SiteSettings {
+            tiers: site.tiers.table.clone(),
+            policy: site.facility.policy,
+            cap_step: model.cap_step_w,
+            failsafe_cap: model.failsafe_cap_w,
+            default_pfi: site.predictor.pfi_intercept,
+            budget_mode: site.facility.budget_mode,
+            objective: site.facility.objective,
+            tier_bounds: TierBounds::Honoured,
+        })
+    }
 }
 
 /// The outcome of one allocation.
@@ -541,7 +594,10 @@ pub fn decide_holding(
                 1.0 / curve.uncapped().throughput.max(1e-9)
             },
             curve,
-            max_slowdown: request.service.max_slowdown(),
+            max_slowdown: match settings.tier_bounds {
+                TierBounds::Honoured => request.service.max_slowdown(),
+                TierBounds::Ignored => None,
+            },
             limits: CapLimits {
                 min_w: Watts(job.min_cap),
                 max_w: Watts(job.max_cap),
@@ -753,6 +809,7 @@ mod tests {
             default_pfi: 1.3,
             budget_mode: BudgetMode::Metered { margin: 0.0 },
             objective: Objective::Tokens,
+            tier_bounds: TierBounds::Honoured,
         }
     }
 
@@ -788,6 +845,38 @@ mod tests {
         assert_eq!(c1, c2, "one cap on all the job's GPUs");
         assert!(c1 * 8.0 <= 4000.0 + 1e-6, "8 GPUs at {c1} W within 4 kW");
         assert_eq!(d.reserved_w, 0.0);
+    }
+
+    #[test]
+    fn a_what_if_that_ignores_tiers_cuts_a_flex0_job_like_the_others() {
+        let node = NodeView {
+            node: "n1".into(),
+            gpus: (0..4).map(gpu).collect(),
+            jobs: vec![
+                report("1", "flex0", 2, 1400.0, points(2.0)),
+                report("2", "flex3", 2, 1400.0, points(2.0)),
+            ],
+            power_w: 2800.0,
+            live: true,
+        };
+        let equal = |tier_bounds| SiteSettings {
+            policy: Policy::Equal,
+            budget_mode: BudgetMode::Hard,
+            tier_bounds,
+            ..settings()
+        };
+        let honoured = decide(
+            std::slice::from_ref(&node),
+            Watts(2000.0),
+            &equal(TierBounds::Honoured),
+        );
+        assert_eq!(honoured.leases["n1"]["1"], 700.0, "flex0 keeps its floor");
+        let ignored = decide(&[node], Watts(2000.0), &equal(TierBounds::Ignored));
+        let (c1, c2) = (ignored.leases["n1"]["1"], ignored.leases["n1"]["2"]);
+        assert_eq!(c1, c2, "the same curve, the same cut, whatever the tier");
+        assert!(c1 < 700.0 && (c1 + c2) * 2.0 <= 2000.0 + 1e-6, "{c1} {c2}");
+        let allocation = ignored.allocation.expect("an allocation");
+        assert!(allocation.jobs.iter().all(|j| j.max_slowdown.is_none()));
     }
 
     #[test]
@@ -1404,6 +1493,7 @@ mod tests {
         ];
         let relative = SiteSettings {
             objective: Objective::RelativeSpeed,
+            tier_bounds: TierBounds::Honoured,
             ..settings()
         };
         let d = decide(&nodes, Watts(4000.0), &relative);
@@ -1469,6 +1559,7 @@ mod tests {
         };
         let settings = SiteSettings {
             objective: Objective::RelativeSpeed,
+            tier_bounds: TierBounds::Honoured,
             ..settings()
         };
         let on_curve = |cap: f64| moe.at_cap(Watts(cap)).power_w.0;

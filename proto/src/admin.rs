@@ -144,6 +144,10 @@ pub enum AdminOp {
         policy: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         budget_w: Option<f64>,
+        /// Leave the tiers' slowdown bounds out, as the paper's baselines do (every job
+        /// cut alike); the reply's floors then say nothing of the tiers.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        ignore_tiers: bool,
     },
 }
 
@@ -387,7 +391,8 @@ mod tests {
         assert!(!AdminOp::History.changes_state());
         assert!(!AdminOp::WhatIf {
             policy: "equal".into(),
-            budget_w: None
+            budget_w: None,
+            ignore_tiers: true,
         }
         .changes_state());
         assert!(AdminOp::BudgetSet { budget_w: 1.0 }.changes_state());

@@ -51,10 +51,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", config.display()))?;
     let key = powerflex_daemon::fsx::read_site_key(&site.controller.key_file)
         .map_err(|e| e.to_string())?;
-    let model = site
-        .gpu_models
-        .first()
-        .ok_or("the site config has no GPU model")?;
+    let settings = SiteSettings::from_site(&site, None)?;
     Ok(CtldOptions {
         listen: site.controller.listen,
         admin_socket: site.controller.admin_socket.clone(),
@@ -66,15 +63,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         metrics_listen: site.controller.metrics_listen,
         lease_rollout: site.controller.lease_rollout,
         max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
-        site: SiteSettings {
-            tiers: site.tiers.table.clone(),
-            policy: site.facility.policy,
-            cap_step: model.cap_step_w,
-            failsafe_cap: model.failsafe_cap_w,
-            default_pfi: site.predictor.pfi_intercept,
-            budget_mode: site.facility.budget_mode,
-            objective: site.facility.objective,
-        },
+        site: settings,
     })
 }
 

@@ -209,7 +209,8 @@ enum Command {
     },
     /// What another policy would decide now, on the controller's own curves and views:
     /// per-job cap, expected power, throughput and slowdown, and the totals. Read-only;
-    /// nothing is applied. `whatif --policy equal` is the equal-weight baseline.
+    /// nothing is applied. `whatif --policy equal` is the tier-aware equal split;
+    /// `whatif --policy equal --ignore-tiers` is the paper's equal-weight baseline.
     Whatif {
         /// optimal, equal or pfi-proportional.
         #[arg(long, default_value = "equal", value_parser = ["optimal", "equal", "pfi-proportional"])]
@@ -217,6 +218,11 @@ enum Command {
         /// Budget to split, e.g. 11kW [default: the budget in force, events included].
         #[arg(long, value_parser = power)]
         budget: Option<Watts>,
+        /// Leave the tiers' slowdown bounds out, as the paper's baselines do: every job
+        /// is cut by the policy's rule alone, whatever its tier (the floors shown then
+        /// say nothing of the tiers).
+        #[arg(long)]
+        ignore_tiers: bool,
         #[command(flatten)]
         ctld: CtldArgs,
         #[arg(long, value_enum, default_value = "table")]
@@ -698,11 +704,17 @@ fn run(cli: Cli) -> Result<String, CtlError> {
         Command::Whatif {
             policy,
             budget,
+            ignore_tiers,
             ctld: args,
             format,
         } => {
             let budget_w = budget.map(|w| w.0);
-            let decision = admin(&args, AdminOp::WhatIf { policy, budget_w })?
+            let op = AdminOp::WhatIf {
+                policy,
+                budget_w,
+                ignore_tiers,
+            };
+            let decision = admin(&args, op)?
                 .what_if
                 .ok_or_else(|| missing("decision"))?;
             match format {

@@ -516,7 +516,11 @@ impl Core {
                 self.dirty = true;
                 AdminReply::ok()
             }
-            AdminOp::WhatIf { policy, budget_w } => {
+            AdminOp::WhatIf {
+                policy,
+                budget_w,
+                ignore_tiers,
+            } => {
                 let Some(policy) = Policy::from_name(&policy) else {
                     return AdminReply::error(format!(
                         "unknown policy {policy:?}; accepted: {}",
@@ -539,6 +543,11 @@ impl Core {
                 let views: Vec<NodeView> = self.sessions.values().map(|s| s.view.clone()).collect();
                 let settings = crate::site::SiteSettings {
                     policy,
+                    tier_bounds: if ignore_tiers {
+                        crate::site::TierBounds::Ignored
+                    } else {
+                        crate::site::TierBounds::Honoured
+                    },
                     ..self.options.site.clone()
                 };
                 // Jobs held out of a deep cut stay out: another policy would not resume
@@ -837,6 +846,7 @@ mod tests {
                 default_pfi: 1.3,
                 budget_mode: BudgetMode::Metered { margin: 0.0 },
                 objective: Objective::Tokens,
+                tier_bounds: crate::site::TierBounds::Honoured,
             },
             metrics_listen: None,
             lease_rollout: LeaseRollout::TwoStep,
@@ -1136,6 +1146,7 @@ mod tests {
                 AdminOp::WhatIf {
                     policy: "optimal".into(),
                     budget_w: None,
+                    ignore_tiers: false,
                 },
                 0,
             )],
@@ -1344,6 +1355,7 @@ mod tests {
                 AdminOp::WhatIf {
                     policy: "equal".into(),
                     budget_w: Some(3000.0),
+                    ignore_tiers: false,
                 },
                 0,
             )],
@@ -1364,6 +1376,7 @@ mod tests {
                 AdminOp::WhatIf {
                     policy: "greedy".into(),
                     budget_w: None,
+                    ignore_tiers: false,
                 },
                 0,
             )],
@@ -1380,6 +1393,7 @@ mod tests {
                 AdminOp::WhatIf {
                     policy: "equal".into(),
                     budget_w: None,
+                    ignore_tiers: false,
                 },
                 1000,
             )],

@@ -326,6 +326,7 @@ mod tests {
                 default_pfi: 1.3,
                 budget_mode: BudgetMode::Hard,
                 objective: Objective::Tokens,
+                tier_bounds: crate::site::TierBounds::Honoured,
             },
             metrics_listen: Some(metrics),
             lease_rollout: Default::default(),
