@@ -10,6 +10,7 @@ use powerflex_core::pfi::pfi_on_grid;
 use powerflex_core::rng::SplitMix64;
 use powerflex_core::workload::{parse_paper_table, synthetic_record, H200_GRID_4};
 
+use crate::site::{decide, NodeView, SiteSettings, TierBounds};
 use crate::table::Table;
 
 /// One job's row in `powerflexctl pfi`.
@@ -247,66 +248,83 @@ pub fn record_curve(record: &JobCurveRecord) -> Result<CapCurve, powerflex_core:
 }
 
 /// Where `allocate` takes tiers, limits and the policy from.
+/// What `powerflexctl allocate` plans with: the controller's own allocation settings, the
+/// service of jobs without a tier, the GPUs' cap limits and the noise it assumes.
 #[derive(Debug, Clone)]
 pub struct AllocateSetup {
-    pub tiers: powerflex_core::flex::TierTable,
+    /// The settings the controller would allocate with (tiers, policy, cap step, budget
+    /// mode, objective): the decision is `site::decide`'s, the controller's own.
+    pub settings: SiteSettings,
     /// Service for jobs whose `tier` cell is empty.
     pub default_service: powerflex_core::flex::Service,
-    /// Per-GPU cap limits; `None` = each job's own measured cap range, 1 W steps.
+    /// Per-GPU cap limits; `None` = each job's own measured cap range.
     pub limits: Option<powerflex_core::allocate::CapLimits>,
-    pub policy: powerflex_core::allocate::Policy,
+    /// One standard error of a reading, as a fraction of its value, for points the file
+    /// gives no `power_sigma_w`/`throughput_sigma` for.
+    pub noise: f64,
 }
+
+/// The noise `allocate` assumes per reading without `--noise` or uncertainty columns:
+/// the controller's own assumption for one measurement window (1 %).
+pub const DEFAULT_ALLOCATE_NOISE: f64 = 0.01;
 
 impl AllocateSetup {
     /// Without a site file: the default tiers, unmanaged when no tier is given, each job's
-    /// measured cap range, `policy`.
+    /// measured cap range in 1 W steps, `policy`, the budget on the jobs' expected draw
+    /// (metered, no margin) and total throughput as the objective.
     pub fn defaults(policy: powerflex_core::allocate::Policy) -> AllocateSetup {
+        use powerflex_core::config::{BudgetMode, Objective};
         AllocateSetup {
-            tiers: powerflex_core::flex::TierTable::default_table(),
+            settings: SiteSettings {
+                tiers: powerflex_core::flex::TierTable::default_table(),
+                policy,
+                cap_step: powerflex_core::Watts(1.0),
+                // Reached only by a job without a curve, which a curves file cannot hold.
+                failsafe_cap: powerflex_core::Watts(powerflex_core::curves_csv::MAX_CAP_W),
+                default_pfi: powerflex_core::config::PredictorConfig::default().pfi_intercept,
+                budget_mode: BudgetMode::Metered { margin: 0.0 },
+                objective: Objective::Tokens,
+                tier_bounds: TierBounds::Honoured,
+            },
             default_service: powerflex_core::flex::Service::Unmanaged,
             limits: None,
-            policy,
+            noise: DEFAULT_ALLOCATE_NOISE,
         }
     }
 
-    /// From a validated site config; `gpu_model` picks the cap limits when the site has
-    /// several models.
+    /// From a validated site config: the controller's settings for `gpu_model` (needed
+    /// when the site has several), its default tier and the model's cap limits.
     pub fn from_site(
         site: &powerflex_core::config::SiteConfig,
         gpu_model: Option<&str>,
         policy: Option<powerflex_core::allocate::Policy>,
     ) -> Result<AllocateSetup, crate::CtlError> {
         let names: Vec<&str> = site.gpu_models.iter().map(|m| m.name.as_str()).collect();
-        let model = match gpu_model {
-            Some(name) => site
-                .gpu_models
-                .iter()
-                .find(|m| m.name.eq_ignore_ascii_case(name))
-                .ok_or_else(|| {
-                    crate::CtlError::Usage(format!(
-                        "--gpu-model \"{name}\" is not in the site config; it has: {}",
-                        names.join(", ")
-                    ))
-                })?,
-            None => match site.gpu_models.as_slice() {
-                [only] => only,
-                _ => {
-                    return Err(crate::CtlError::Usage(format!(
-                        "the site config has several GPU models ({}); choose one with --gpu-model",
-                        names.join(", ")
-                    )))
-                }
-            },
-        };
+        if gpu_model.is_none() && site.gpu_models.len() > 1 {
+            return Err(crate::CtlError::Usage(format!(
+                "the site config has several GPU models ({}); choose one with --gpu-model",
+                names.join(", ")
+            )));
+        }
+        let mut settings = SiteSettings::from_site(site, gpu_model)
+            .map_err(|e| crate::CtlError::Usage(format!("--gpu-model: {e}")))?;
+        if let Some(policy) = policy {
+            settings.policy = policy;
+        }
+        let model = site
+            .gpu_models
+            .iter()
+            .find(|m| gpu_model.is_none_or(|name| m.name.eq_ignore_ascii_case(name)))
+            .ok_or_else(|| crate::CtlError::Usage("the site config has no GPU model".into()))?;
         Ok(AllocateSetup {
-            tiers: site.tiers.table.clone(),
+            settings,
             default_service: site.tiers.default.clone(),
             limits: Some(powerflex_core::allocate::CapLimits {
                 min_w: model.min_cap_w,
                 max_w: model.max_cap_w,
                 step_w: model.cap_step_w,
             }),
-            policy: policy.unwrap_or(site.facility.policy),
+            noise: DEFAULT_ALLOCATE_NOISE,
         })
     }
 }
@@ -341,8 +359,11 @@ pub struct AllocateRow {
 pub struct AllocateReport {
     pub policy: String,
     pub budget_w: f64,
-    /// Power of the unmanaged jobs, taken off the budget first, W.
+    /// Power of the unmanaged jobs, taken off the budget first (as the controller
+    /// reserves it in the site's budget mode), W.
     pub unmanaged_power_w: f64,
+    /// The relative standard error assumed for points the file gives no uncertainty for.
+    pub noise: f64,
     pub total_power_w: f64,
     pub total_throughput: f64,
     pub uncapped_throughput: f64,
@@ -353,20 +374,119 @@ pub struct AllocateReport {
     pub jobs: Vec<AllocateRow>,
 }
 
-/// Allocates `budget_w` across the jobs of a curves file.
+/// How many GPUs a job without a `gpus` cell has: the fewest whose caps can draw its
+/// highest measured power (a reading may run 10 % over its cap while the limit settles).
+fn gpus_of(record: &JobCurveRecord) -> u32 {
+    record.gpus.unwrap_or_else(|| {
+        let top = record.points.last();
+        let (cap, power) = top.map_or((1.0, 0.0), |p| (p.cap_w.0, p.power_w.0));
+        ((power / (1.1 * cap)).ceil() as u32).clamp(1, powerflex_core::curves_csv::MAX_JOB_GPUS)
+    })
+}
+
+/// The views the controller would hold if each job of the file ran alone on nodes of its
+/// own (at most [`MAX_GPUS_PER_NODE`] GPUs each, the job's power, throughput and variance
+/// shared by GPU count), uncapped, with the file's points as its measured curve. Job ids
+/// are `j<index>` (a file's names need not be valid Slurm ids).
+fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup) -> Vec<NodeView> {
+    use powerflex_proto::link::{GpuInfo, JobReport, MAX_GPUS_PER_NODE};
+    use powerflex_proto::status::{CurvePoint, ThroughputUnit};
+    let mut views = Vec::new();
+    for (index, (r, tier)) in records.iter().zip(tiers).enumerate() {
+        let (lowest, top) = match (r.points.first(), r.points.last()) {
+            (Some(lo), Some(hi)) => (lo, hi),
+            _ => continue,
+        };
+        let (min_w, max_w) = setup
+            .limits
+            .map_or((lowest.cap_w.0, top.cap_w.0), |l| (l.min_w.0, l.max_w.0));
+        let gpus = gpus_of(r);
+        let mut left = gpus;
+        let mut part = 0;
+        while left > 0 {
+            let here = left.min(MAX_GPUS_PER_NODE as u32);
+            left -= here;
+            let share = f64::from(here) / f64::from(gpus);
+            let sigma_share = share.sqrt();
+            let sigma = |i: usize, p: &powerflex_core::curve::OperatingPoint| {
+                r.sigma.get(i).map_or(
+                    (setup.noise * p.power_w.0, setup.noise * p.throughput),
+                    |s| (s.power_w, s.throughput),
+                )
+            };
+            let curve: Vec<CurvePoint> = r
+                .points
+                .iter()
+                .enumerate()
+                .rev()
+                .map(|(i, p)| {
+                    let (sp, st) = sigma(i, p);
+                    CurvePoint {
+                        cap_w: p.cap_w.0,
+                        power_w: p.power_w.0 * share,
+                        throughput: p.throughput * share,
+                        power_sigma_w: sp * sigma_share,
+                        throughput_sigma: st * sigma_share,
+                        windows: 1,
+                    }
+                })
+                .collect();
+            let node = format!("offline-{index}-{part}");
+            views.push(NodeView {
+                gpus: (0..here)
+                    .map(|g| GpuInfo {
+                        uuid: format!("{node}-gpu{g}"),
+                        name: "from the curves file".into(),
+                        min_w,
+                        max_w,
+                        default_w: max_w,
+                    })
+                    .collect(),
+                jobs: vec![JobReport {
+                    job_id: format!("j{index}"),
+                    tier: tier.clone(),
+                    gpus: here,
+                    cap_w: Some(max_w),
+                    power_w: Some(top.power_w.0 * share),
+                    throughput: Some(top.throughput * share),
+                    throughput_unit: Some(ThroughputUnit::Tokens),
+                    points: r
+                        .points
+                        .iter()
+                        .map(|p| [p.cap_w.0, p.power_w.0 * share, p.throughput * share])
+                        .collect(),
+                    power_cap_w: Some(max_w),
+                    power_cap_steady_s: Some(f64::from(u32::MAX)),
+                    curve,
+                    ..JobReport::default()
+                }],
+                power_w: top.power_w.0 * share,
+                live: true,
+                node,
+            });
+            part += 1;
+        }
+    }
+    views
+}
+
+/// Allocates `budget_w` across the jobs of a curves file, the way the controller would:
+/// `site::decide` on views of the jobs running uncapped with the file's points as their
+/// measured curves (the same estimator, the same cautious rule, the same budget
+/// accounting), with the points' uncertainty from the file or `setup.noise`.
 pub fn allocate_curves(
     records: &[JobCurveRecord],
     budget: powerflex_core::Watts,
     setup: &AllocateSetup,
 ) -> Result<AllocateReport, crate::CtlError> {
-    use powerflex_core::allocate::{allocate, CapLimits, FloorStatus, JobSpec};
-    use powerflex_core::flex::{parse_power_flex, Service};
+    use powerflex_core::allocate::FloorStatus;
+    use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service};
 
     let mut services = Vec::with_capacity(records.len());
     for r in records {
         let service = match &r.tier {
             Some(text) => {
-                parse_power_flex(text, &setup.tiers)
+                parse_power_flex(text, &setup.settings.tiers)
                     .map_err(|source| crate::CtlError::BadTier {
                         job: r.job.clone(),
                         source,
@@ -377,54 +497,87 @@ pub fn allocate_curves(
         };
         services.push(service);
     }
-    let mut specs = Vec::new();
-    let mut unmanaged_power = 0.0;
-    for (r, service) in records.iter().zip(&services) {
-        let curve = CapCurve::from_points(&r.points).map_err(powerflex_core::Error::from)?;
-        let limits = setup.limits.unwrap_or(CapLimits {
-            min_w: curve.lowest().cap_w,
-            max_w: curve.uncapped().cap_w,
-            step_w: powerflex_core::Watts(1.0),
-        });
-        match service {
-            Service::Unmanaged => {
-                unmanaged_power += curve.at(limits.max_w).power_w.0;
+    let tiers: Vec<String> = services
+        .iter()
+        .map(|service| {
+            FlexRequest {
+                service: service.clone(),
+                calibrate: Calibrate::Auto,
+                preempt: None,
             }
-            Service::Bounded { max_slowdown, .. } => specs.push(JobSpec {
-                id: r.job.clone(),
-                gpus: r.gpus.unwrap_or(1),
-                curve,
-                max_slowdown: Some(*max_slowdown),
-                limits,
-                throughput_weight: 1.0,
-            }),
-        }
+            .to_string()
+        })
+        .collect();
+    let views = views_of(records, &tiers, setup);
+    let decision = decide(&views, budget, &setup.settings);
+    if let Some(refused) = decision.rejected.first() {
+        let job = refused
+            .job
+            .as_deref()
+            .and_then(|id| id.strip_prefix('j'))
+            .and_then(|i| i.parse::<usize>().ok())
+            .and_then(|i| records.get(i))
+            .map_or_else(|| refused.node.clone(), |r| r.job.clone());
+        return Err(crate::CtlError::Usage(format!(
+            "job \"{job}\" cannot be planned: {}",
+            refused.reason
+        )));
     }
-    let managed_budget = powerflex_core::Watts((budget.0 - unmanaged_power).max(0.0));
-    let allocation =
-        allocate(&specs, managed_budget, setup.policy).map_err(powerflex_core::Error::from)?;
-    let mut by_id = allocation.jobs.iter().zip(&specs);
+    let allocated: std::collections::BTreeMap<&str, &powerflex_core::allocate::JobAllocation> =
+        decision
+            .allocation
+            .iter()
+            .flat_map(|a| a.jobs.iter())
+            .map(|j| (j.id.as_str(), j))
+            .collect();
     let mut rows = Vec::with_capacity(records.len());
-    let (mut total_power, mut total_t, mut uncapped_t) = (unmanaged_power, 0.0, 0.0);
-    for (r, service) in records.iter().zip(&services) {
-        let tier = powerflex_core::flex::FlexRequest {
-            service: service.clone(),
-            calibrate: powerflex_core::flex::Calibrate::Auto,
-            preempt: None,
-        }
-        .to_string();
+    let (mut total_power, mut total_t, mut uncapped_t) = (decision.reserved_w, 0.0, 0.0);
+    for (index, ((r, service), tier)) in records.iter().zip(&services).zip(tiers).enumerate() {
         let top = r.points.last().copied();
-        let t_top = top.map_or(0.0, |p| p.throughput);
-        uncapped_t += t_top;
-        match service {
-            Service::Unmanaged => {
-                total_t += t_top;
+        let (top_cap, top_power, t_top) =
+            top.map_or((0.0, 0.0, 0.0), |p| (p.cap_w.0, p.power_w.0, p.throughput));
+        let id = format!("j{index}");
+        match (service, allocated.get(id.as_str())) {
+            (Service::Bounded { .. }, Some(a)) => {
+                total_power += a.power_w.0;
+                total_t += a.throughput;
+                // The slowdown is against the estimated curve's uncapped throughput.
+                let uncapped = if a.slowdown < 1.0 {
+                    a.throughput / (1.0 - a.slowdown)
+                } else {
+                    t_top
+                };
+                uncapped_t += uncapped;
+                let (floor, excess) = match a.floor {
+                    FloorStatus::None => ("none", None),
+                    FloorStatus::Held => ("held", None),
+                    FloorStatus::Broken { excess } => ("broken", Some(excess)),
+                };
                 rows.push(AllocateRow {
                     job: r.job.clone(),
                     tier,
-                    gpus: r.gpus,
-                    cap_w: top.map_or(0.0, |p| p.cap_w.0),
-                    power_w: top.map_or(0.0, |p| p.power_w.0),
+                    gpus: Some(gpus_of(r)),
+                    cap_w: a.cap_w.0,
+                    power_w: a.power_w.0,
+                    throughput: a.throughput,
+                    uncapped_throughput: uncapped,
+                    slowdown: a.slowdown,
+                    max_slowdown: a.max_slowdown.map(|b| b.0),
+                    floor,
+                    floor_excess: excess,
+                });
+            }
+            _ => {
+                // Unmanaged (or nothing the controller would steer): it runs uncapped and
+                // its power came off the budget first (`reserved_w`).
+                total_t += t_top;
+                uncapped_t += t_top;
+                rows.push(AllocateRow {
+                    job: r.job.clone(),
+                    tier,
+                    gpus: Some(gpus_of(r)),
+                    cap_w: top_cap,
+                    power_w: top_power,
                     throughput: t_top,
                     uncapped_throughput: t_top,
                     slowdown: 0.0,
@@ -433,38 +586,18 @@ pub fn allocate_curves(
                     floor_excess: None,
                 });
             }
-            Service::Bounded { .. } => {
-                let Some((a, spec)) = by_id.next() else {
-                    continue;
-                };
-                total_power += a.power_w.0;
-                total_t += a.throughput;
-                let (floor, excess) = match a.floor {
-                    FloorStatus::None => ("none", None),
-                    FloorStatus::Held => ("held", None),
-                    FloorStatus::Broken { excess } => ("broken", Some(excess)),
-                };
-                rows.push(AllocateRow {
-                    job: a.id.clone(),
-                    tier,
-                    gpus: r.gpus,
-                    cap_w: a.cap_w.0,
-                    power_w: a.power_w.0,
-                    throughput: a.throughput,
-                    uncapped_throughput: spec.curve.at(spec.limits.max_w).throughput,
-                    slowdown: a.slowdown,
-                    max_slowdown: a.max_slowdown.map(|b| b.0),
-                    floor,
-                    floor_excess: excess,
-                });
-            }
         }
     }
-    let over_budget = allocation.over_budget_w.0 + (unmanaged_power - budget.0).max(0.0);
+    let over_budget = decision
+        .allocation
+        .as_ref()
+        .map_or(0.0, |a| a.over_budget_w.0)
+        + (decision.reserved_w - budget.0).max(0.0);
     Ok(AllocateReport {
-        policy: setup.policy.name().to_string(),
+        policy: setup.settings.policy.name().to_string(),
         budget_w: budget.0,
-        unmanaged_power_w: unmanaged_power,
+        unmanaged_power_w: decision.reserved_w,
+        noise: setup.noise,
         total_power_w: total_power,
         total_throughput: total_t,
         uncapped_throughput: uncapped_t,

@@ -1,15 +1,23 @@
 //! The curves CSV: a site's measured power–throughput points, one row per job and cap.
 //!
 //! ```text
-//! job,cap_w,power_w,throughput[,gpus][,tier][,dram_copy_product]
+//! job,cap_w,power_w,throughput[,gpus][,tier][,dram_copy_product][,power_sigma_w,throughput_sigma]
 //! llama70b-pt,700,5520,7450,8,flex2,0.18
 //! llama70b-pt,600,4740,7210,8,flex2,0.18
 //! ```
 //! - `job`: any name; rows of one job need not be adjacent.
-//! - `cap_w`: per-GPU power cap, W. The highest cap of a job is its uncapped point.
-//! - `power_w`: the job's summed realised GPU power at that cap, W.
-//! - `throughput`: the job's rate at that cap (tokens/s or steps/s; one unit per job).
-//! - `gpus`, `tier`, `dram_copy_product`: optional; when present, one value per job.
+//! - `cap_w`: per-GPU power cap, W, above 0 and at most [`MAX_CAP_W`]. The highest cap of
+//!   a job is its uncapped point.
+//! - `power_w`: the job's summed realised GPU power at that cap, W, at most
+//!   [`MAX_CAP_W`] per GPU of the job.
+//! - `throughput`: the job's rate at that cap (tokens/s or steps/s; one unit per job),
+//!   at most [`MAX_THROUGHPUT`].
+//! - `gpus`, `tier`, `dram_copy_product`: optional; when present, one value per job;
+//!   `gpus` from 1 to [`MAX_JOB_GPUS`].
+//! - `power_sigma_w`, `throughput_sigma`: optional, together: one standard error of the
+//!   row's power (W) and throughput (its unit), ≥ 0 — how well the point is known, as
+//!   the agents report it. `powerflexctl allocate` plans with them the way the
+//!   controller does; without them it assumes its `--noise`.
 //!
 //! Columns may come in any order; other columns are ignored. Blank lines and lines that
 //! start with `#` are skipped. Fields follow RFC 4180 (read and written by the `csv`
@@ -22,6 +30,22 @@ use crate::units::Watts;
 /// The most rows a curves file may hold: well above any site, low enough that a stray
 /// multi-gigabyte file is refused instead of exhausting memory.
 pub const MAX_ROWS: usize = 2_000_000;
+/// The highest per-GPU cap a file may name, W: the largest accelerators today are near
+/// 1.5 kW, and the controller believes no GPU limit above this either.
+pub const MAX_CAP_W: f64 = 5_000.0;
+/// The most GPUs one job may have: ten times a 10,000-node site of 8-GPU nodes is far
+/// beyond any job today, and a value past it is a typo, not a job.
+pub const MAX_JOB_GPUS: u32 = 800_000;
+/// The highest throughput a row may give, per second: above any real training rate
+/// (10^15 tokens/s), low enough that sums over a file stay finite.
+pub const MAX_THROUGHPUT: f64 = 1e15;
+
+/// One standard error of a point, as the agents report it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PointSigma {
+    pub power_w: f64,
+    pub throughput: f64,
+}
 
 /// One job's measured curve and what the file says about it.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +56,9 @@ pub struct JobCurveRecord {
     pub dram_copy_product: Option<f64>,
     /// Points sorted by cap, caps unique.
     pub points: Vec<OperatingPoint>,
+    /// Each point's standard error, in the order of `points`, when the file gives them
+    /// (`power_sigma_w`, `throughput_sigma`); empty otherwise.
+    pub sigma: Vec<PointSigma>,
 }
 
 impl JobCurveRecord {
@@ -46,7 +73,7 @@ impl JobCurveRecord {
 pub enum CurvesError {
     #[error("the curves file is empty; expected a header such as job,cap_w,power_w,throughput")]
     Empty,
-    #[error("line {line}: header lacks column \"{column}\"; required: job, cap_w, power_w, throughput (optional: gpus, tier, dram_copy_product)")]
+    #[error("line {line}: header lacks column \"{column}\"; required: job, cap_w, power_w, throughput (optional: gpus, tier, dram_copy_product, and power_sigma_w with throughput_sigma)")]
     MissingColumn { line: usize, column: &'static str },
     #[error("line {line}: column \"{column}\" appears twice in the header")]
     DuplicateColumn { line: usize, column: String },
@@ -94,6 +121,8 @@ struct Columns {
     gpus: Option<usize>,
     tier: Option<usize>,
     dram: Option<usize>,
+    /// `power_sigma_w` and `throughput_sigma`, which come together.
+    sigma: Option<(usize, usize)>,
     count: usize,
 }
 
@@ -113,6 +142,22 @@ fn parse_header(line_no: usize, names: &[&str]) -> Result<Columns, CurvesError> 
             column: name,
         })
     };
+    let sigma = match (find("power_sigma_w"), find("throughput_sigma")) {
+        (Some(p), Some(t)) => Some((p, t)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(CurvesError::MissingColumn {
+                line: line_no,
+                column: "throughput_sigma",
+            })
+        }
+        (None, Some(_)) => {
+            return Err(CurvesError::MissingColumn {
+                line: line_no,
+                column: "power_sigma_w",
+            })
+        }
+    };
     Ok(Columns {
         job: need("job")?,
         cap: need("cap_w")?,
@@ -121,6 +166,7 @@ fn parse_header(line_no: usize, names: &[&str]) -> Result<Columns, CurvesError> 
         gpus: find("gpus"),
         tier: find("tier"),
         dram: find("dram_copy_product"),
+        sigma,
         count: names.len(),
     })
 }
@@ -132,6 +178,43 @@ fn positive(line: usize, column: &'static str, text: &str) -> Result<f64, Curves
             line,
             column,
             message: format!("\"{}\" is not a positive number", printable(text)),
+        }),
+    }
+}
+
+/// A positive number no larger than `max`, which the message states with `unit`.
+fn positive_at_most(
+    line: usize,
+    column: &'static str,
+    text: &str,
+    max: f64,
+    unit: &str,
+) -> Result<f64, CurvesError> {
+    let v = positive(line, column, text)?;
+    if v > max {
+        return Err(CurvesError::BadValue {
+            line,
+            column,
+            message: format!(
+                "{} is implausible; accepted: above 0 and at most {max}{unit}",
+                printable(text)
+            ),
+        });
+    }
+    Ok(v)
+}
+
+/// A standard error: finite and ≥ 0.
+fn non_negative(line: usize, column: &'static str, text: &str) -> Result<f64, CurvesError> {
+    match text.parse::<f64>() {
+        Ok(v) if (0.0..=MAX_THROUGHPUT).contains(&v) => Ok(v),
+        _ => Err(CurvesError::BadValue {
+            line,
+            column,
+            message: format!(
+                "\"{}\" is not a standard error; accepted: a number from 0 to {MAX_THROUGHPUT}",
+                printable(text)
+            ),
         }),
     }
 }
@@ -214,23 +297,52 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
                 message: "empty job name".to_string(),
             });
         }
-        let point = OperatingPoint {
-            cap_w: Watts(positive(line, "cap_w", fields[cols.cap])?),
-            power_w: Watts(positive(line, "power_w", fields[cols.power])?),
-            throughput: positive(line, "throughput", fields[cols.throughput])?,
-        };
         let gpus = match cols.gpus.map(|i| fields[i]).filter(|s| !s.is_empty()) {
             None => None,
             Some(s) => match s.parse::<u32>() {
-                Ok(g) if g > 0 => Some(g),
+                Ok(g) if (1..=MAX_JOB_GPUS).contains(&g) => Some(g),
                 _ => {
                     return Err(CurvesError::BadValue {
                         line,
                         column: "gpus",
-                        message: format!("\"{}\" is not a whole number of GPUs ≥ 1", printable(s)),
+                        message: format!(
+                            "\"{}\" is not a number of GPUs; accepted: a whole number from 1 to {MAX_JOB_GPUS}",
+                            printable(s)
+                        ),
                     })
                 }
             },
+        };
+        let max_power_w = MAX_CAP_W * f64::from(gpus.unwrap_or(MAX_JOB_GPUS));
+        let point = OperatingPoint {
+            cap_w: Watts(positive_at_most(
+                line,
+                "cap_w",
+                fields[cols.cap],
+                MAX_CAP_W,
+                " W per GPU",
+            )?),
+            power_w: Watts(positive_at_most(
+                line,
+                "power_w",
+                fields[cols.power],
+                max_power_w,
+                " W for the job's GPUs",
+            )?),
+            throughput: positive_at_most(
+                line,
+                "throughput",
+                fields[cols.throughput],
+                MAX_THROUGHPUT,
+                " per second",
+            )?,
+        };
+        let sigma = match cols.sigma {
+            None => None,
+            Some((p, t)) => Some(PointSigma {
+                power_w: non_negative(line, "power_sigma_w", fields[p])?,
+                throughput: non_negative(line, "throughput_sigma", fields[t])?,
+            }),
         };
         let tier = cols
             .tier
@@ -261,6 +373,7 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
                     tier: tier.clone(),
                     dram_copy_product: dram,
                     points: Vec::new(),
+                    sigma: Vec::new(),
                 });
                 jobs.len() - 1
             }
@@ -283,6 +396,9 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
             });
         }
         record.points.push(point);
+        if let Some(sigma) = sigma {
+            record.sigma.push(sigma);
+        }
     }
     if jobs.is_empty() {
         return Err(CurvesError::NoRows);
@@ -294,9 +410,19 @@ pub fn parse_curves(text: &str) -> Result<Vec<JobCurveRecord>, CurvesError> {
                 points: record.points.len(),
             });
         }
-        record
-            .points
-            .sort_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0));
+        if record.sigma.is_empty() {
+            record
+                .points
+                .sort_by(|a, b| a.cap_w.0.total_cmp(&b.cap_w.0));
+        } else {
+            let mut pairs: Vec<(OperatingPoint, PointSigma)> = record
+                .points
+                .drain(..)
+                .zip(record.sigma.drain(..))
+                .collect();
+            pairs.sort_by(|a, b| a.0.cap_w.0.total_cmp(&b.0.cap_w.0));
+            (record.points, record.sigma) = pairs.into_iter().unzip();
+        }
     }
     Ok(jobs)
 }
@@ -328,12 +454,14 @@ fn check_same<T: PartialEq + std::fmt::Debug>(
 /// that needs it.
 pub fn write_curves(records: &[JobCurveRecord]) -> String {
     let mut out = csv::Writer::from_writer(Vec::new());
-    let mut row = |fields: [&str; 7]| {
-        // Writing to memory cannot fail, and every row has the header's seven fields.
+    // The standard-error columns only when every job has them (they come together).
+    let with_sigma = !records.is_empty() && records.iter().all(|r| r.sigma.len() == r.points.len());
+    let mut row = |fields: &[&str]| {
+        // Writing to memory cannot fail, and every row has the header's fields.
         out.write_record(fields)
             .expect("a csv writer into memory does not fail");
     };
-    row([
+    let mut header = vec![
         "job",
         "cap_w",
         "power_w",
@@ -341,22 +469,40 @@ pub fn write_curves(records: &[JobCurveRecord]) -> String {
         "gpus",
         "tier",
         "dram_copy_product",
-    ]);
+    ];
+    if with_sigma {
+        header.extend(["power_sigma_w", "throughput_sigma"]);
+    }
+    row(&header);
     for r in records {
         let gpus = r.gpus.map_or(String::new(), |g| g.to_string());
         let dram = r
             .dram_copy_product
             .map_or(String::new(), |d| format!("{d:.3}"));
-        for p in &r.points {
-            row([
-                &r.job,
-                &p.cap_w.0.to_string(),
-                &p.power_w.0.to_string(),
-                &p.throughput.to_string(),
+        for (i, p) in r.points.iter().enumerate() {
+            let (cap, power, throughput) = (
+                p.cap_w.0.to_string(),
+                p.power_w.0.to_string(),
+                p.throughput.to_string(),
+            );
+            let mut fields = vec![
+                r.job.as_str(),
+                &cap,
+                &power,
+                &throughput,
                 &gpus,
                 r.tier.as_deref().unwrap_or(""),
                 &dram,
-            ]);
+            ];
+            let sigma = r
+                .sigma
+                .get(i)
+                .map(|s| (s.power_w.to_string(), s.throughput.to_string()));
+            if let (true, Some((sp, st))) = (with_sigma, &sigma) {
+                fields.push(sp);
+                fields.push(st);
+            }
+            row(&fields);
         }
     }
     let bytes = out
@@ -395,6 +541,74 @@ a,300,2400,600,8
         let jobs = parse_curves(GOOD).expect("parse");
         let again = parse_curves(&write_curves(&jobs)).expect("reparse");
         assert_eq!(jobs, again);
+    }
+
+    #[test]
+    fn uncertainty_columns_follow_their_points_through_sorting_and_writing() {
+        let text = "job,cap_w,power_w,throughput,power_sigma_w,throughput_sigma\n\
+                    a,300,2400,600,24,9\n\
+                    a,700,5600,1000,56,4\n\
+                    a,500,4000,900,40,6\n";
+        let jobs = parse_curves(text).expect("parse");
+        let caps: Vec<f64> = jobs[0].points.iter().map(|p| p.cap_w.0).collect();
+        assert_eq!(caps, [300.0, 500.0, 700.0]);
+        let sigma_t: Vec<f64> = jobs[0].sigma.iter().map(|s| s.throughput).collect();
+        assert_eq!(sigma_t, [9.0, 6.0, 4.0], "each σ stays with its cap");
+        assert_eq!(parse_curves(&write_curves(&jobs)).expect("reparse"), jobs);
+        // One of the pair alone is refused, naming the other.
+        let half = "job,cap_w,power_w,throughput,power_sigma_w\na,700,5600,1000,5\n";
+        assert_eq!(
+            parse_curves(half),
+            Err(CurvesError::MissingColumn {
+                line: 1,
+                column: "throughput_sigma"
+            })
+        );
+    }
+
+    #[test]
+    fn implausible_values_are_refused_with_the_accepted_range() {
+        let head = "job,cap_w,power_w,throughput,gpus\n";
+        let cases = [
+            (
+                "a,1e308,5600,1000,8\na,500,4000,900,8\n",
+                "cap_w",
+                "at most 5000 W per GPU",
+            ),
+            ("a,700,5600,1000,4000000000\n", "gpus", "from 1 to 800000"),
+            (
+                "a,700,56000,1000,8\na,500,4000,900,8\n",
+                "power_w",
+                "at most 40000 W",
+            ),
+            (
+                "a,700,5600,1e300,8\na,500,4000,900,8\n",
+                "throughput",
+                "at most 1000000000000000",
+            ),
+        ];
+        for (rows, column, accepted) in cases {
+            match parse_curves(&format!("{head}{rows}")) {
+                Err(CurvesError::BadValue {
+                    line: 2,
+                    column: c,
+                    message,
+                }) => {
+                    assert_eq!(c, column, "{message}");
+                    assert!(message.contains(accepted), "{message}");
+                }
+                other => panic!("{rows}: {other:?}"),
+            }
+        }
+        let sigma =
+            "job,cap_w,power_w,throughput,power_sigma_w,throughput_sigma\na,700,5600,1000,-1,2\n";
+        assert!(matches!(
+            parse_curves(sigma),
+            Err(CurvesError::BadValue {
+                column: "power_sigma_w",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -826,6 +826,7 @@ mod tests {
             tier: None,
             dram_copy_product: None,
             points: curve.knots().to_vec(),
+            sigma: Vec::new(),
         }
     }
 
@@ -954,6 +955,7 @@ mod tests {
             tier: None,
             dram_copy_product: None,
             points,
+            sigma: Vec::new(),
         }
     }
 

@@ -571,5 +571,6 @@ pub fn synthetic_record(
         // DRAM activity × copy utilisation rises with the memory-bound share; synthetic.
         dram_copy_product: Some((0.05 + 0.6 * physics.memory_bound_fraction).min(1.0)),
         points,
+        sigma: Vec::new(),
     }
 }

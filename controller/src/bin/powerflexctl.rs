@@ -58,9 +58,11 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
-    /// Split a GPU power budget across the jobs of a curves file: cap, power, throughput,
-    /// slowdown and tier per job, and totals. Jobs whose tier is `none` stay uncapped and
-    /// their power comes off the budget first.
+    /// Split a GPU power budget across the jobs of a curves file the way the controller
+    /// would (the same estimator, cautious rule and budget accounting, on the file's
+    /// points as measured curves): cap, power, throughput, slowdown and tier per job, and
+    /// totals. Jobs whose tier is `none` stay uncapped and their power comes off the
+    /// budget first.
     Allocate {
         /// Curves CSV (see `pfi --help`); the optional `tier` column takes any
         /// --power-flex value (flex2, max-slowdown=15%, none).
@@ -81,6 +83,12 @@ enum Command {
         /// Which [gpu_models.NAME] of the site config limits the caps, when it has several.
         #[arg(long, value_name = "NAME", requires = "site")]
         gpu_model: Option<String>,
+        /// One standard error of each point's power and throughput, as a fraction of the
+        /// value (0.01 = 1 %, the controller's assumption for one measurement window), for
+        /// points the file gives no power_sigma_w/throughput_sigma columns for. The plan is
+        /// the controller's: it leans to the equal split as far as this uncertainty says.
+        #[arg(long, default_value_t = 0.01, value_name = "F", value_parser = noise_fraction)]
+        noise: f64,
         /// Output: a table for people, JSON for scripts.
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
@@ -542,6 +550,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             policy,
             site,
             gpu_model,
+            noise,
             format,
         } => {
             let budget = budget_w;
@@ -557,6 +566,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 }
                 None => offline::AllocateSetup::defaults(policy.unwrap_or(Policy::Optimal)),
             };
+            let setup = offline::AllocateSetup { noise, ..setup };
             let report = offline::allocate_curves(&load_curves(&curves)?, budget, &setup)?;
             if !report.floors_broken.is_empty() || report.over_budget_w > 0.0 {
                 eprintln!(
