@@ -29,7 +29,7 @@ use powerflex_core::flex::{give_way_order, parse_power_flex, Preempt};
 use powerflex_core::units::SlowdownFraction;
 use powerflex_core::Watts;
 
-use crate::site::{decide_holding, Decision, Held, NodeView, SiteSettings};
+use crate::site::{decide_steady, Decision, Held, NodeView, SiteSettings};
 
 /// An idle GPU's draw as a share of its default limit, for a job just suspended: an
 /// idle H100/H200 draws 60-100 W of 700 W (the simulator: 75 W); 15 % is 105 W.
@@ -156,13 +156,15 @@ fn counted(
 
 /// Allocates `budget` with as few jobs held out as every floor needs. `held` is who is
 /// held now; `cut_ahead` whether any event cuts the budget now or within the look-ahead
-/// (requeued jobs wait for none).
+/// (requeued jobs wait for none); `in_force` the caps of the last allocation, which stay
+/// while they are as good (see [`decide_steady`]).
 pub fn plan(
     nodes: &[NodeView],
     budget: Watts,
     settings: &SiteSettings,
     held: &BTreeMap<String, Preempted>,
     cut_ahead: bool,
+    in_force: &BTreeMap<String, f64>,
     now_ms: u64,
 ) -> Plan {
     let jobs = candidates(nodes, settings);
@@ -189,7 +191,13 @@ pub fn plan(
                 n
             })
             .collect();
-        decide_holding(&views, budget, settings, &counted(now_held, &jobs, now_ms))
+        decide_steady(
+            &views,
+            budget,
+            settings,
+            &counted(now_held, &jobs, now_ms),
+            in_force,
+        )
     };
     let mut decision = decide(&now_held, budget);
     if short(&decision) {
@@ -379,6 +387,7 @@ mod tests {
             &settings(),
             &BTreeMap::new(),
             true,
+            &BTreeMap::new(),
             T0,
         );
         assert!(p.held.is_empty() && p.actions.is_empty());
@@ -397,6 +406,7 @@ mod tests {
             &settings,
             &BTreeMap::new(),
             true,
+            &BTreeMap::new(),
             T0,
         );
         assert_eq!(ids(&p.held), ["13"], "{:?}", p.decision.allocation);
@@ -420,6 +430,7 @@ mod tests {
             &settings,
             &BTreeMap::new(),
             true,
+            &BTreeMap::new(),
             T0,
         );
         assert_eq!(ids(&p.held), ["13"]);
@@ -435,13 +446,22 @@ mod tests {
             &settings,
             &BTreeMap::new(),
             true,
+            &BTreeMap::new(),
             T0,
         );
         // Suspended: its agent reports it at idle draw, at its lowest cap.
         let mut nodes = site();
         nodes[2] = node("n3", vec![job("13", "flex3,preempt=suspend", 200.0, 75.0)]);
         let t = T0 + STOP_GRACE_MS + 1;
-        let held = plan(&nodes, Watts(6400.0), &settings, &first.held, true, t);
+        let held = plan(
+            &nodes,
+            Watts(6400.0),
+            &settings,
+            &first.held,
+            true,
+            &BTreeMap::new(),
+            t,
+        );
         assert_eq!(ids(&held.held), ["13"], "still needed");
         assert!(held.actions.is_empty());
         assert!(!short(&held.decision));
@@ -452,12 +472,21 @@ mod tests {
             &settings,
             &held.held,
             false,
+            &BTreeMap::new(),
             t + 1000,
         );
         assert!(back.held.is_empty());
         assert_eq!(back.actions, [Action::Resume { job: "13".into() }]);
         // A budget where it fits only without the margin (6640 W of 6700 W): it stays held.
-        let edge = plan(&nodes, Watts(6700.0), &settings, &held.held, true, t + 1000);
+        let edge = plan(
+            &nodes,
+            Watts(6700.0),
+            &settings,
+            &held.held,
+            true,
+            &BTreeMap::new(),
+            t + 1000,
+        );
         assert_eq!(ids(&edge.held), ["13"], "{:?}", edge.decision.allocation);
     }
 
@@ -471,14 +500,30 @@ mod tests {
             node("n4", vec![job("23", "flex0", 700.0, 700.0)]),
         ];
         // Floors: flex2 1400 W (350 W per GPU), flex3 800 W each, flex0 2800 W: 5800 W.
-        let p = plan(&nodes, Watts(5500.0), &settings, &BTreeMap::new(), true, T0);
+        let p = plan(
+            &nodes,
+            Watts(5500.0),
+            &settings,
+            &BTreeMap::new(),
+            true,
+            &BTreeMap::new(),
+            T0,
+        );
         assert_eq!(p.held.len(), 1, "{:?}", p.held);
         assert!(
             ["21", "22"].contains(&ids(&p.held)[0]),
             "a flex3 job before the flex2 one"
         );
         // Much deeper: both flex3 jobs, then the flex2 one, requeued.
-        let p = plan(&nodes, Watts(3200.0), &settings, &BTreeMap::new(), true, T0);
+        let p = plan(
+            &nodes,
+            Watts(3200.0),
+            &settings,
+            &BTreeMap::new(),
+            true,
+            &BTreeMap::new(),
+            T0,
+        );
         assert_eq!(ids(&p.held), ["20", "21", "22"]);
         assert!(p.actions.contains(&Action::Requeue { job: "20".into() }));
         // Requeued jobs are released only once no cut is in force or ahead.
@@ -490,6 +535,7 @@ mod tests {
             &settings,
             &p.held,
             true,
+            &BTreeMap::new(),
             T0 + 60_000,
         );
         assert!(later.held.contains_key("20"));
@@ -499,6 +545,7 @@ mod tests {
             &settings,
             &later.held,
             false,
+            &BTreeMap::new(),
             T0 + 70_000,
         );
         assert!(over.held.is_empty(), "{:?}", over.held);
@@ -514,6 +561,7 @@ mod tests {
             &settings,
             &BTreeMap::new(),
             true,
+            &BTreeMap::new(),
             T0,
         );
         let mut nodes = site();
@@ -524,6 +572,7 @@ mod tests {
             &settings,
             &first.held,
             true,
+            &BTreeMap::new(),
             T0 + STOP_GRACE_MS,
         );
         assert!(p.held.is_empty());

@@ -221,6 +221,8 @@ pub enum AllocationError {
     BadWeight { job: String, weight: f64 },
     #[error("job {job}: slowdown bound {bound} is outside 0–100 %")]
     BadBound { job: String, bound: f64 },
+    #[error("{caps} caps for {jobs} jobs; one cap per job is needed")]
+    CapsPerJob { jobs: usize, caps: usize },
 }
 
 /// The budget to plan with when job power comes from noisy estimates: `budget` less `z`
@@ -304,16 +306,6 @@ pub fn allocate_cautious(
     budget: Watts,
     caution: Caution,
 ) -> Result<CautiousAllocation, AllocationError> {
-    let sigma = |job: &JobSpec, cap: Watts| {
-        job.curve.sigma_at(cap).map_or_else(
-            || {
-                let u = job.curve.relative_uncertainty();
-                let top = job.curve.uncapped();
-                (u * top.power_w.0, u * top.throughput)
-            },
-            |s| (s.power_w, s.throughput),
-        )
-    };
     let usable = |z: f64| if z.is_finite() && z > 0.0 { z } else { 0.0 };
     let (power_z, gain_z) = (usable(caution.power_z), usable(caution.gain_z));
     // Each job planned at its power plus `power_z / 2` standard errors (the optimiser's
@@ -330,7 +322,7 @@ pub fn allocate_cautious(
     let power_sigma = |a: &Allocation| {
         jobs.iter()
             .zip(&a.jobs)
-            .map(|(j, ja)| sigma(j, ja.cap_w).0.powi(2))
+            .map(|(j, ja)| point_sigma(j, ja.cap_w).0.powi(2))
             .sum::<f64>()
             .sqrt()
     };
@@ -339,16 +331,7 @@ pub fn allocate_cautious(
     let optimal = allocate(jobs, planned, Policy::Optimal)?;
     let equal = allocate(jobs, planned, Policy::Equal)?;
     let expected_gain = optimal.objective - equal.objective;
-    let gain_sigma = jobs
-        .iter()
-        .zip(optimal.jobs.iter().zip(&equal.jobs))
-        .filter(|(_, (o, e))| o.cap_w != e.cap_w)
-        .map(|(j, (o, e))| {
-            let w2 = j.throughput_weight.powi(2);
-            w2 * (sigma(j, o.cap_w).1.powi(2) + sigma(j, e.cap_w).1.powi(2))
-        })
-        .sum::<f64>()
-        .sqrt();
+    let gain_sigma = difference_sigma(jobs, &optimal, &equal);
     let kept_equal = expected_gain <= gain_z * gain_sigma;
     Ok(CautiousAllocation {
         allocation: if kept_equal { equal } else { optimal },
@@ -357,6 +340,34 @@ pub fn allocate_cautious(
         gain_sigma,
         kept_equal,
     })
+}
+
+/// One standard error of a job's (power W, throughput) at `cap` on its curve: the
+/// curve's per-point uncertainty, or its `relative_uncertainty` × its uncapped values.
+fn point_sigma(job: &JobSpec, cap: Watts) -> (f64, f64) {
+    job.curve.sigma_at(cap).map_or_else(
+        || {
+            let u = job.curve.relative_uncertainty();
+            let top = job.curve.uncapped();
+            (u * top.power_w.0, u * top.throughput)
+        },
+        |s| (s.power_w, s.throughput),
+    )
+}
+
+/// One standard deviation of `a.objective − b.objective` (two allocations of the same
+/// `jobs`, in order): `√Σⱼ wⱼ²(σTⱼ(c_a)² + σTⱼ(c_b)²)` over the jobs whose caps differ.
+/// A difference smaller than this is what the curves' noise alone would show.
+pub fn difference_sigma(jobs: &[JobSpec], a: &Allocation, b: &Allocation) -> f64 {
+    jobs.iter()
+        .zip(a.jobs.iter().zip(&b.jobs))
+        .filter(|(_, (x, y))| x.cap_w != y.cap_w)
+        .map(|(j, (x, y))| {
+            let w2 = j.throughput_weight.powi(2);
+            w2 * (point_sigma(j, x.cap_w).1.powi(2) + point_sigma(j, y.cap_w).1.powi(2))
+        })
+        .sum::<f64>()
+        .sqrt()
 }
 
 /// A job prepared for allocation: its cap range and the floor its tier sets.
@@ -460,6 +471,45 @@ pub fn allocate(
         budget,
         policy,
         bounds.over_budget_w,
+    ))
+}
+
+/// The allocation `caps_w` (one per job, in order) would be on the jobs' curves: power,
+/// throughput, slowdown and floor per job, as [`allocate`] reports its own. Each cap is
+/// held to the job's limits. For judging caps already in force against a new decision.
+pub fn allocation_at(
+    jobs: &[JobSpec],
+    caps_w: &[Watts],
+    budget: Watts,
+    policy: Policy,
+) -> Result<Allocation, AllocationError> {
+    if !budget.0.is_finite() || budget.0 < 0.0 {
+        return Err(AllocationError::BadBudget { budget_w: budget.0 });
+    }
+    let prepared = jobs
+        .iter()
+        .map(|j| prepare(j, true))
+        .collect::<Result<Vec<_>, _>>()?;
+    let caps: Vec<f64> = prepared
+        .iter()
+        .zip(caps_w)
+        .map(|(p, c)| {
+            let limits = &p.spec.limits;
+            c.0.clamp(limits.min_w.0, limits.max_w.0)
+        })
+        .collect();
+    if caps.len() != prepared.len() {
+        return Err(AllocationError::CapsPerJob {
+            jobs: prepared.len(),
+            caps: caps_w.len(),
+        });
+    }
+    Ok(build_allocation(
+        &prepared,
+        &caps,
+        budget,
+        policy,
+        Watts(0.0),
     ))
 }
 

@@ -669,6 +669,14 @@ impl Core {
         // Caps first; where caps at every floor cannot meet the budget, jobs that allow
         // it are held out (crate::preempt), and given back once they fit again.
         let cut_ahead = plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5;
+        // The caps in force stay while a new decision would buy too little to be worth a
+        // change (site::decide_steady).
+        let caps_in_force: BTreeMap<String, f64> = self
+            .last
+            .as_ref()
+            .and_then(|d| d.allocation.as_ref())
+            .map(|a| a.jobs.iter().map(|j| (j.id.clone(), j.cap_w.0)).collect())
+            .unwrap_or_default();
         let preempt::Plan {
             decision,
             held,
@@ -679,6 +687,7 @@ impl Core {
             &self.options.site,
             &self.state.preempted,
             cut_ahead,
+            &caps_in_force,
             now_ms,
         );
         for action in &actions {
@@ -822,7 +831,7 @@ mod tests {
     use powerflex_core::config::{BudgetMode, Objective};
     use powerflex_core::flex::TierTable;
     use powerflex_proto::admin::Cut;
-    use powerflex_proto::status::ThroughputUnit;
+    use powerflex_proto::status::{CurvePoint, ThroughputUnit};
     use std::time::Duration;
 
     /// A fake clock's start: an ordinary Unix time in ms.
@@ -1401,6 +1410,145 @@ mod tests {
         assert!(reply(&out).what_if.is_none());
         let e = reply(&out).error.clone().expect("refused");
         assert!(e.contains("root only"), "{e}");
+    }
+
+    /// Issue 24: under a constant budget and steady jobs, caps settle. Four jobs whose
+    /// throughput falls almost alike with the cap (a flat optimum: which one gives the
+    /// watts barely matters) report curves that move by 1 % noise every period, as
+    /// learned windows move an agent's estimate. The fresh decision (what `whatif` shows) swings caps; the caps sent
+    /// change at most once per job per minute.
+    #[test]
+    fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
+        // Leases at once: these reports confirm no lease, and the subject is the decision.
+        let at_once = CtldOptions {
+            lease_rollout: LeaseRollout::AtOnce,
+            ..options()
+        };
+        let mut core = Core::new(at_once, Loaded::default(), T0);
+        let mut rng = powerflex_core::rng::SplitMix64::new(7);
+        // (node, job, the share of its speed it loses from 700 W down to 0 W).
+        let placement = [
+            ("n1", "101", 0.50),
+            ("n1", "102", 0.52),
+            ("n2", "103", 0.48),
+            ("n2", "104", 0.51),
+        ];
+        let mut caps: BTreeMap<String, f64> = BTreeMap::new();
+        let reports = |caps: &BTreeMap<String, f64>,
+                           rng: &mut powerflex_core::rng::SplitMix64| {
+            let mut by_node: BTreeMap<&str, Vec<JobReport>> = BTreeMap::new();
+            for (node, id, loss) in placement {
+                let cap = caps.get(id).copied().unwrap_or(700.0);
+                let mut j = job(id, None);
+                j.tier = "flex3".into();
+                j.cap_w = Some(cap);
+                j.power_cap_w = Some(cap);
+                j.power_w = Some(4.0 * cap);
+                // What it runs at now: its curve at the cap in force.
+                j.throughput = Some(1000.0 * (1.0 - loss * (1.0 - cap / 700.0)));
+                for p in &mut j.points {
+                    p[2] =
+                        1000.0 * (1.0 - loss * (1.0 - p[0] / 700.0)) * (1.0 + 0.01 * rng.normal());
+                }
+                // Its standard errors, as the agent states them: the noise they carry.
+                j.curve = j
+                    .points
+                    .iter()
+                    .rev()
+                    .map(|p| CurvePoint {
+                        cap_w: p[0],
+                        power_w: p[1],
+                        throughput: p[2],
+                        power_sigma_w: 0.01 * p[1],
+                        throughput_sigma: 0.01 * p[2],
+                        windows: 40,
+                    })
+                    .collect();
+                by_node.entry(node).or_default().push(j);
+            }
+            by_node
+                .into_iter()
+                .map(|(node, jobs)| {
+                    let power_w = jobs.iter().filter_map(|j| j.power_w).sum();
+                    Input::Report {
+                        node: node.into(),
+                        power_w,
+                        jobs,
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut first = vec![hello("n1"), hello("n2")];
+        first.extend(reports(&caps, &mut rng));
+        first.push(admin(AdminOp::BudgetSet { budget_w: 8000.0 }, 0));
+        core.step(T0, first);
+        let period_ms = options().period.as_millis() as u64;
+        let periods = 60u64;
+        let (mut sent_changes, mut fresh_changes) = (0usize, 0usize);
+        let mut last_fresh: Option<BTreeMap<String, f64>> = None;
+        let mut last_sent: Option<BTreeMap<String, f64>> = None;
+        for i in 1..=periods {
+            let now = T0 + i * period_ms;
+            let mut inputs = reports(&caps, &mut rng);
+            inputs.push(Input::Tick);
+            core.step(now, inputs);
+            let sent: BTreeMap<String, f64> = core
+                .last
+                .as_ref()
+                .and_then(|d| d.allocation.as_ref())
+                .expect("an allocation")
+                .jobs
+                .iter()
+                .map(|j| (j.id.clone(), j.cap_w.0))
+                .collect();
+            let out = core.step(
+                now + 1,
+                vec![admin(
+                    AdminOp::WhatIf {
+                        policy: "optimal".into(),
+                        budget_w: None,
+                        ignore_tiers: false,
+                    },
+                    0,
+                )],
+            );
+            let fresh: BTreeMap<String, f64> = reply(&out)
+                .what_if
+                .as_ref()
+                .and_then(|d| d.allocation.as_ref())
+                .expect("a decision")
+                .jobs
+                .iter()
+                .map(|j| (j.id.clone(), j.cap_w))
+                .collect();
+            let changed = |a: &BTreeMap<String, f64>, b: &BTreeMap<String, f64>| {
+                a.iter().filter(|(k, v)| b.get(*k) != Some(v)).count()
+            };
+            // The first two periods take the cut; count from then on.
+            if i > 2 {
+                if let Some(prev) = &last_sent {
+                    sent_changes += changed(&sent, prev);
+                }
+                if let Some(prev) = &last_fresh {
+                    fresh_changes += changed(&fresh, prev);
+                }
+            }
+            let planned: f64 = sent.values().map(|c| 4.0 * c).sum();
+            assert!(planned <= 8000.0 + 1e-6, "period {i}: {sent:?}");
+            caps = sent.clone();
+            last_sent = Some(sent);
+            last_fresh = Some(fresh);
+        }
+        let minutes = (periods - 2) as f64 * period_ms as f64 / 60_000.0;
+        let per_job_minute = |n: usize| n as f64 / placement.len() as f64 / minutes;
+        assert!(
+            per_job_minute(sent_changes) <= 1.0,
+            "{sent_changes} cap changes sent in {minutes:.1} min"
+        );
+        assert!(
+            fresh_changes > 3 * sent_changes.max(1),
+            "the noise alone swings the fresh decision ({fresh_changes} changes) far more than the caps sent ({sent_changes})"
+        );
     }
 
     #[test]
