@@ -76,7 +76,13 @@ pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
             whole(j.throughput),
             whole(j.uncapped_throughput),
             bound(j.floor.as_ref()),
-            drift_text(j.drift.as_ref()),
+            match j.below_measured_w {
+                Some(lowest) => format!(
+                    "{}; guess below {lowest:.0} W",
+                    drift_text(j.drift.as_ref())
+                ),
+                None => drift_text(j.drift.as_ref()),
+            },
             // The walk's (and probes') token cost, % of the job's first-hour tokens.
             j.calibration_cost_pct
                 .map_or("-".into(), |p| format!("{p:.2}%")),
@@ -114,6 +120,11 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
     if let Some(pct) = job.calibration_cost_pct {
         out.push_str(&format!(
             "calibration cost: {pct:.2} % of the job's first-hour tokens\n"
+        ));
+    }
+    if let Some(lowest) = job.below_measured_w {
+        out.push_str(&format!(
+            "ON THE GUESS: its cap is below its lowest measured cap ({lowest:.0} W); the curve there is extrapolated until the agent's first window at the new cap\n"
         ));
     }
     let slowdown = |top: f64, t: f64| {
@@ -286,6 +297,21 @@ pub fn render_status(s: &CtldStatus) -> String {
             held.join(", ")
         ));
     }
+    let guessed: Vec<String> = s
+        .jobs
+        .iter()
+        .filter_map(|j| {
+            let lowest = j.below_measured_w?;
+            Some(format!("{} ({} < {lowest:.0} W)", j.job, cap(j.cap_w)))
+        })
+        .collect();
+    if !guessed.is_empty() {
+        out.push_str(&format!(
+            "ON THE GUESS ({} jobs; capped below their lowest measured cap, where the curve is extrapolated until a window there lands): {}\n",
+            guessed.len(),
+            guessed.join(", ")
+        ));
+    }
     if let Some(short) = s.over_budget_w.filter(|&w| w > 0.0) {
         out.push_str(&format!(
             "SHORT {}: every managed job is at its lowest cap\n",
@@ -385,6 +411,7 @@ mod tests {
             calibration_cost_pct: None,
             drift: None,
             owner_uid: Some(1000),
+            below_measured_w: None,
         }
     }
 
@@ -459,6 +486,21 @@ mod tests {
             !text.contains("caps set for") && !text.contains("HELD OUT"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn jobs_capped_below_their_measured_caps_are_named_as_running_on_the_guess() {
+        let mut s = status();
+        s.jobs[1].below_measured_w = Some(400.0);
+        let text = render_status(&s);
+        assert!(
+            text.contains("ON THE GUESS (1 jobs; capped below their lowest measured cap, where the curve is extrapolated until a window there lands): 102 (300 W < 400 W)"),
+            "{text}"
+        );
+        assert!(!render_status(&status()).contains("ON THE GUESS"));
+        assert!(render_jobs(&s.jobs).contains("guess below 400 W"));
+        assert!(render_job_report(&s.jobs[1])
+            .contains("ON THE GUESS: its cap is below its lowest measured cap (400 W)"));
     }
 
     #[test]

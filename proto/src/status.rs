@@ -190,6 +190,11 @@ pub struct SiteJobStatus {
     /// does not say (an older agent) or two nodes disagree: then only root sees the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner_uid: Option<u32>,
+    /// The job's lowest measured cap, W, when its granted cap is below it: there its curve
+    /// is a guess (extrapolated from the points above) until the agent's first window at
+    /// the new cap replaces it. None when the job runs on measured territory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub below_measured_w: Option<f64>,
 }
 
 /// One point of a job's estimated curve: the mean of its measurement windows at one cap,

@@ -1434,8 +1434,7 @@ mod tests {
             ("n2", "104", 0.51),
         ];
         let mut caps: BTreeMap<String, f64> = BTreeMap::new();
-        let reports = |caps: &BTreeMap<String, f64>,
-                           rng: &mut powerflex_core::rng::SplitMix64| {
+        let reports = |caps: &BTreeMap<String, f64>, rng: &mut powerflex_core::rng::SplitMix64| {
             let mut by_node: BTreeMap<&str, Vec<JobReport>> = BTreeMap::new();
             for (node, id, loss) in placement {
                 let cap = caps.get(id).copied().unwrap_or(700.0);

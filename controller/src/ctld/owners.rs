@@ -163,6 +163,7 @@ mod tests {
             calibration_cost_pct: None,
             drift: None,
             owner_uid,
+            below_measured_w: None,
         }
     }
 

@@ -60,6 +60,7 @@ pub fn build(
                             throughput_ratio: x.throughput_ratio,
                         }),
                     owner_uid: j.owner_uid,
+                    below_measured_w: None,
                 });
             // Every node running the job must name the same owner (see
             // [`super::owners::agreed`]): else nobody but root sees it.
@@ -75,6 +76,9 @@ pub fn build(
             }
             entry.calibration_cost_pct = entry.calibration_cost_pct.or(j.calibration_cost_pct);
         }
+    }
+    for job in jobs.values_mut() {
+        job.below_measured_w = below_measured_w(job);
     }
     CtldStatus {
         base_budget_w: base.0,
@@ -179,5 +183,70 @@ pub fn decision_view(d: &Decision) -> DecisionView {
             .collect(),
         start_cap_w: d.start_cap_w,
         objective: d.objective,
+    }
+}
+
+/// The job's lowest measured cap, when its granted cap lies below it (by more than
+/// rounding): the caps every node of the job measured are its measured territory.
+fn below_measured_w(job: &SiteJobStatus) -> Option<f64> {
+    let cap = job.cap_w?;
+    let lowest = job
+        .points
+        .values()
+        .map(|points| points.iter().map(|p| p[0]).fold(f64::INFINITY, f64::min))
+        .fold(f64::NEG_INFINITY, f64::max);
+    (lowest.is_finite() && cap < lowest - 0.5).then_some(lowest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(cap_w: Option<f64>, points: &[(&str, &[f64])]) -> SiteJobStatus {
+        SiteJobStatus {
+            job: "7".into(),
+            tier: "flex3".into(),
+            nodes: points.iter().map(|(n, _)| n.to_string()).collect(),
+            gpus: 8,
+            pfi: None,
+            pfi_source: None,
+            cap_w,
+            floor: None,
+            throughput: None,
+            uncapped_throughput: None,
+            power_w: 0.0,
+            points: points
+                .iter()
+                .map(|(n, caps)| {
+                    (
+                        n.to_string(),
+                        caps.iter().map(|&c| [c, 4.0 * c, 1.0]).collect(),
+                    )
+                })
+                .collect(),
+            curve: BTreeMap::new(),
+            curve_history: Vec::new(),
+            calibration_cost_pct: None,
+            drift: None,
+            owner_uid: None,
+            below_measured_w: None,
+        }
+    }
+
+    #[test]
+    fn a_cap_below_what_every_node_measured_is_on_the_guess() {
+        // n2 walked only down to 600 W: the job's measured territory ends there.
+        let walked = [
+            ("n1", &[700.0, 500.0, 300.0][..]),
+            ("n2", &[700.0, 600.0][..]),
+        ];
+        assert_eq!(below_measured_w(&job(Some(330.0), &walked)), Some(600.0));
+        assert_eq!(below_measured_w(&job(Some(600.0), &walked)), None);
+        assert_eq!(below_measured_w(&job(None, &walked)), None, "no grant yet");
+        assert_eq!(
+            below_measured_w(&job(Some(330.0), &[])),
+            None,
+            "no points: a prior"
+        );
     }
 }
