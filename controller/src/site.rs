@@ -348,7 +348,22 @@ fn keep_steady(
     // could show.
     let gain = fresh.objective - kept.objective;
     let noise = STEADY_Z * powerflex_core::allocate::difference_sigma(specs, &fresh, &kept);
-    if feasible && fits && holds && gain <= (STEADY_GAIN * fresh.objective.abs()).max(noise) {
+    // Only a budget that binds is worth holding caps for: when the fresh decision caps
+    // no job, every job runs uncapped, and caps that leave a share of the budget unused
+    // (it rose) give it back.
+    let binding = fresh
+        .jobs
+        .iter()
+        .zip(specs)
+        .any(|(j, s)| j.cap_w.0 < s.limits.max_w.0 - 0.5);
+    let uses_budget = kept.total_power_w.0 >= fresh.total_power_w.0 - STEADY_GAIN * budget.0;
+    if feasible
+        && fits
+        && holds
+        && binding
+        && uses_budget
+        && gain <= (STEADY_GAIN * fresh.objective.abs()).max(noise)
+    {
         kept
     } else {
         fresh
@@ -944,6 +959,50 @@ mod tests {
         assert!(c1 < 700.0 && (c1 + c2) * 2.0 <= 2000.0 + 1e-6, "{c1} {c2}");
         let allocation = ignored.allocation.expect("an allocation");
         assert!(allocation.jobs.iter().all(|j| j.max_slowdown.is_none()));
+    }
+
+    #[test]
+    fn caps_in_force_give_way_when_the_budget_no_longer_binds_or_rises() {
+        // Flat tops: capped at 600 W a job keeps 99.8 % of its speed, so the gain of
+        // uncapping either is below the steady rule's threshold.
+        let flat_top = || {
+            vec![
+                [700.0, 2800.0, 1000.0],
+                [600.0, 2400.0, 998.0],
+                [300.0, 1200.0, 700.0],
+            ]
+        };
+        let node = NodeView {
+            node: "n1".into(),
+            gpus: (0..8).map(gpu).collect(),
+            jobs: vec![
+                report("1", "flex3", 4, 2800.0, flat_top()),
+                report("2", "flex3", 4, 2800.0, flat_top()),
+            ],
+            power_w: 5600.0,
+            live: true,
+        };
+        let hard = SiteSettings {
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        };
+        let in_force: BTreeMap<String, f64> =
+            [("1".to_string(), 600.0), ("2".to_string(), 600.0)].into();
+        // Room for every GPU uncapped: nobody stays capped.
+        let d = decide_steady(
+            std::slice::from_ref(&node),
+            Watts(6000.0),
+            &hard,
+            &Held::new(),
+            &in_force,
+        );
+        assert_eq!(d.leases["n1"]["1"], 700.0, "{d:?}");
+        assert_eq!(d.leases["n1"]["2"], 700.0, "{d:?}");
+        // A budget that rose well past what the caps in force use: it is used.
+        let d = decide_steady(&[node], Watts(5500.0), &hard, &Held::new(), &in_force);
+        let planned = 4.0 * (d.leases["n1"]["1"] + d.leases["n1"]["2"]);
+        assert!(planned > 4.0 * (600.0 + 600.0) + 400.0, "{d:?}");
+        assert!(planned <= 5500.0 + 1e-6, "{d:?}");
     }
 
     /// Issue 24 item 5: a job walked only down to 600 W is placed on its extrapolated
