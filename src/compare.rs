@@ -8,8 +8,10 @@
 //! most any allocation could keep.
 //!
 //! The paper's headline figure is the share of the equal→oracle gap a policy recovers:
-//! `(T_policy − T_equal) / (T_oracle − T_equal)`, with the paper's equal-weight cut
-//! (tiers ignored) as the zero.
+//! `(T_policy − T_equal) / (T_oracle − T_equal)`. On a site with tiers the zero is the
+//! equal split within the tiers: the paper's equal-weight cut ignores them and may keep
+//! more tokens than any allocation that holds them (by cutting a flex0 job), so a share
+//! measured from it says nothing of what holding the promises costs.
 
 use std::collections::BTreeMap;
 

@@ -160,6 +160,12 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
         assert_eq!(broken("oracle"), 0, "{c}");
         assert!(tokens("oracle") >= tokens("tier-equal") * 0.999, "{c}");
         assert!(row("oracle")["gap_recovered_pct"] == 100.0, "{c}");
+        // A policy that breaks a bound gets no share of the tier-holding gap.
+        for key in ["paper-equal", "paper-pfi"] {
+            if broken(key) > 0 {
+                assert!(row(key)["gap_recovered_pct"].is_null(), "{key}: {c}");
+            }
+        }
         // Rounded for people: no float with a long tail in the file.
         assert!(!c.to_string().contains("99999999"), "{c}");
     }
