@@ -3,8 +3,9 @@
 # three `slurmd -N` nodes with 8 SIMULATED H200 GPUs each, as gres), the power_flex.so SPANK
 # plugin, a powerflexd agent per node and powerflex-ctld. Seven simulated training jobs of
 # different tiers (two on real measured curves) calibrate, a 30 % grid event ramps in,
-# holds (one job changes phase in the middle) and ends, and the result is compared with
-# the equal-weight split of the same budget. A second, deeper event then comes from a local
+# holds (one job changes phase in the middle) and ends, and what the allocator bought is
+# compared with the paper's baselines (equal-weight and PFI-proportional, tiers ignored),
+# the equal split within the tiers and the oracle, on the jobs' true curves. A second, deeper event then comes from a local
 # OpenADR 3 VTN the demo starts (openleadr-vtn on PostgreSQL 16, installed into
 # /var/cache/powerflex by scripts/install-deps.sh) through powerflex-grid, the site's VEN,
 # and one flex3 job is suspended for it and resumed after. Everything started is stopped

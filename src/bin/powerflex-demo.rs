@@ -12,8 +12,10 @@
 //! untouched, so the one job that allows it (flex3, `preempt=suspend`) is suspended for
 //! it and resumed after. The demo
 //! prints each job's measured against its true PFI, its caps and tokens/s before and
-//! during the event, and the cluster's tokens/s against the equal-weight split of the
-//! same budget on the same curves; it plots the metered draw and the caps the GPUs
+//! during the event, and, at three moments (event 1's hold, its budget asked again after
+//! it, event 2 in force), what every policy would decide (the paper's equal-weight and
+//! PFI-proportional rules with tiers ignored, the equal split within the tiers,
+//! powerflex) scored on the profiles' true curves beside the oracle; it plots the metered draw and the caps the GPUs
 //! enforced (read back by the agents, calibration walks included), stops everything it
 //! started by PID, and checks that every simulated GPU is back at its default cap.
 //!
@@ -74,7 +76,7 @@ const OPENADR_LEAD_S: u64 = 8;
 #[command(
     name = "powerflex-demo",
     version,
-    about = "powerflex end to end on a local Slurm cluster with SIMULATED GPUs: calibration, a grid event, the result against equal-weight"
+    about = "powerflex end to end on a local Slurm cluster with SIMULATED GPUs: calibration, a grid event, the result against the paper's baselines"
 )]
 struct Cli {
     /// The grid event's cut, as a share of the cluster's measured draw before it.
