@@ -418,9 +418,7 @@ pub fn allocate(
     budget: Watts,
     policy: Policy,
 ) -> Result<Allocation, AllocationError> {
-    if !budget.0.is_finite() || budget.0 < 0.0 {
-        return Err(AllocationError::BadBudget { budget_w: budget.0 });
-    }
+    check_budget(budget)?;
     // Measured territory first: caps below a curve's lowest reading are extrapolated, and
     // are used only when the budget cannot pay every floor without them — a tier's
     // promise outranks the preference for measured caps.
@@ -483,9 +481,7 @@ pub fn allocation_at(
     budget: Watts,
     policy: Policy,
 ) -> Result<Allocation, AllocationError> {
-    if !budget.0.is_finite() || budget.0 < 0.0 {
-        return Err(AllocationError::BadBudget { budget_w: budget.0 });
-    }
+    check_budget(budget)?;
     let prepared = jobs
         .iter()
         .map(|j| prepare(j, true))
@@ -511,6 +507,14 @@ pub fn allocation_at(
         policy,
         Watts(0.0),
     ))
+}
+
+/// A budget is a finite, non-negative number of watts.
+fn check_budget(budget: Watts) -> Result<(), AllocationError> {
+    if !budget.0.is_finite() || budget.0 < 0.0 {
+        return Err(AllocationError::BadBudget { budget_w: budget.0 });
+    }
+    Ok(())
 }
 
 /// Checks one job's spec as [`allocate`] will: its limits, GPUs, weight and bound. A
@@ -1048,6 +1052,30 @@ mod tests {
             },
             throughput_weight: 1.0,
         }
+    }
+
+    #[test]
+    fn allocation_at_scores_given_caps_within_limits_and_wants_one_per_job() {
+        let jobs = vec![job("a", 4, 2.0, Some(0.5)), job("b", 4, 1.2, Some(0.0))];
+        let at = allocation_at(
+            &jobs,
+            &[Watts(150.0), Watts(700.0)],
+            Watts(4000.0),
+            Policy::Optimal,
+        )
+        .expect("allocation");
+        assert_eq!(at.jobs[0].cap_w, Watts(200.0), "held to the job's minimum");
+        assert_eq!(at.jobs[1].floor, FloorStatus::Held);
+        let by_hand: f64 = at.jobs.iter().map(|j| j.power_w.0).sum();
+        assert!((at.total_power_w.0 - by_hand).abs() < 1e-9);
+        assert_eq!(
+            allocation_at(&jobs, &[Watts(500.0)], Watts(4000.0), Policy::Optimal),
+            Err(AllocationError::CapsPerJob { jobs: 2, caps: 1 })
+        );
+        assert!(matches!(
+            allocation_at(&jobs, &[Watts(500.0); 2], Watts(f64::NAN), Policy::Optimal),
+            Err(AllocationError::BadBudget { .. })
+        ));
     }
 
     #[test]
