@@ -244,13 +244,28 @@ fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> {
     let predicted = curve.at(Watts(cap));
     let power_ratio = (job.power_steady && job.power_from_every_node && predicted.power_w.0 > 0.0)
         .then(|| job.power_w / predicted.power_w.0);
+    let throughput_band = DRIFT_BAND.max(3.0 * curve.relative_uncertainty());
     let throughput_ratio = match job.throughput {
         Some(t) if job.cap_steady_s >= THROUGHPUT_WINDOW_S && predicted.throughput > 0.0 => {
             Some(t / predicted.throughput)
         }
-        _ => None,
+        // The cap moved within the rate's window, so the rate mixes caps: still, a rate
+        // beyond what the curve gives at any cap the job may have is drift (a new phase
+        // does not wait for a steady cap; in the demo the caps moved every few seconds
+        // and a job ran its heavier phase on its lighter phase's curve to the end).
+        Some(t) => {
+            let slowest = curve.at(Watts(job.min_cap)).throughput;
+            let fastest = curve.at(Watts(job.max_cap)).throughput;
+            if slowest > 0.0 && t < slowest * (1.0 - throughput_band) {
+                Some(t / slowest)
+            } else if fastest > 0.0 && t > fastest * (1.0 + throughput_band) {
+                Some(t / fastest)
+            } else {
+                None
+            }
+        }
+        None => None,
     };
-    let throughput_band = DRIFT_BAND.max(3.0 * curve.relative_uncertainty());
     let out = power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND)
         || throughput_ratio.is_some_and(|r| (r - 1.0).abs() > throughput_band);
     out.then(|| Drift {
@@ -1675,6 +1690,44 @@ mod tests {
             &settings(),
         );
         assert!(d.drifted.is_empty());
+    }
+
+    /// Issue 24 (seen in the demo): a job that changed phase ran its heavier, slower
+    /// phase on its lighter phase's curve to the end, because its cap moved every few
+    /// seconds and throughput was compared with the curve only after 10 s at one cap.
+    #[test]
+    fn a_speed_no_cap_of_the_curve_explains_is_drift_even_while_the_cap_moves() {
+        let at = |throughput: f64| {
+            let mut r = report("7", "flex3", 4, 2000.0, points(4.0));
+            r.cap_w = Some(500.0);
+            r.throughput = Some(throughput);
+            // The cap changed 2 s ago: the rate mixes caps.
+            r.power_cap_steady_s = Some(2.0);
+            decide(
+                &[node("n1", (0..4).map(gpu).collect(), vec![r])],
+                Watts(9000.0),
+                &settings(),
+            )
+        };
+        // 200 W (the GPUs' minimum) gives ~571 on the curve, 700 W gives 1000.
+        assert!(
+            at(800.0).drifted.is_empty(),
+            "a rate between two caps' is no drift"
+        );
+        assert!(
+            at(560.0).drifted.is_empty(),
+            "within the band of the slowest cap"
+        );
+        let slower = at(100.0);
+        assert_eq!(
+            slower.drifted.len(),
+            1,
+            "a tenth of the curve: {:?}",
+            slower.drifted
+        );
+        assert!(slower.drifted[0].throughput_ratio.is_some_and(|r| r < 0.3));
+        let faster = at(1500.0);
+        assert_eq!(faster.drifted.len(), 1, "{:?}", faster.drifted);
     }
 
     /// Issue 14: with the raw sum of self-reported tokens/s as the objective, a job
