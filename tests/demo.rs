@@ -154,11 +154,14 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
         ] {
             assert!(tokens(key) > 0.0, "{key}: {c}");
         }
-        // The tier-respecting policies hold every bound on the true curves; the oracle
-        // keeps at least as much as the equal split within the tiers.
-        assert_eq!(broken("tier-equal"), 0, "{c}");
+        // The oracle holds every bound on the true curves by construction, and keeps at
+        // least as much as the equal split within the tiers where that split holds them
+        // too (the controller's policies decide on its measured curves, so on the true
+        // ones they may break a bound: a job whose new phase is not yet measured, say).
         assert_eq!(broken("oracle"), 0, "{c}");
-        assert!(tokens("oracle") >= tokens("tier-equal") * 0.999, "{c}");
+        if broken("tier-equal") == 0 {
+            assert!(tokens("oracle") >= tokens("tier-equal") * 0.999, "{c}");
+        }
         assert!(row("oracle")["gap_recovered_pct"] == 100.0, "{c}");
         // A policy that breaks a bound gets no share of the tier-holding gap.
         for key in ["paper-equal", "paper-pfi"] {
