@@ -113,6 +113,7 @@ fn main() -> Result<(), String> {
             steady_cv: 0.2,
             allowance: 0.05,
             no_signal_s: 600.0,
+            rewalk_after_s: powerflex_agent::calibration::DEFAULT_REWALK_AFTER_S,
             budget_fraction: 0.02,
             expected_cut: 0.3,
         };

@@ -58,6 +58,9 @@ pub struct CalibrationSettings {
     pub allowance: f64,
     /// Without a report for this long after registration: use the telemetry prior.
     pub no_signal_s: f64,
+    /// Least time from a walk's end to walking the job again, s
+    /// (`agent.calibration_rewalk_after_s`).
+    pub rewalk_after_s: f64,
 }
 
 /// The job's cumulative progress as reported, with the agent's receive times.
@@ -135,8 +138,9 @@ pub fn implausible(levels: &[Level]) -> Option<String> {
     None
 }
 
-/// Least time between the end of a walk and a repeated one, s.
-pub const MIN_REWALK_INTERVAL_S: f64 = 600.0;
+/// Least time between the end of a walk and a repeated one, s: the site default of
+/// `agent.calibration_rewalk_after_s`.
+pub const DEFAULT_REWALK_AFTER_S: f64 = 600.0;
 /// Most repeated walks per job.
 pub const MAX_REWALKS: u32 = 3;
 
@@ -764,14 +768,14 @@ impl Calibration {
     }
 
     /// The controller found the job's measurements outside its curve's band: walk it
-    /// again, when the last walk finished at least [`MIN_REWALK_INTERVAL_S`] ago and fewer
+    /// again, when the last walk finished at least `settings.rewalk_after_s` ago and fewer
     /// than [`MAX_REWALKS`] walks were repeated (each costs the job tokens). The finished
     /// curve stays in use until the new walk ends; the windows behind it are dropped
     /// then, since the job has changed. Returns whether a walk started.
     pub fn rewalk(&mut self, now: f64) -> bool {
         let rested = self
             .finished_at
-            .is_none_or(|t| now - t >= MIN_REWALK_INTERVAL_S);
+            .is_none_or(|t| now - t >= self.settings.rewalk_after_s);
         if self.phase != Phase::Done || !rested || self.rewalks >= MAX_REWALKS {
             return false;
         }
@@ -1138,6 +1142,7 @@ mod tests {
             steady_cv: 0.05,
             allowance: 0.05,
             no_signal_s: 30.0,
+            rewalk_after_s: DEFAULT_REWALK_AFTER_S,
             budget_fraction: 0.02,
             expected_cut: 0.3,
         }
@@ -1493,11 +1498,11 @@ mod tests {
         let done_at = cal.finished_at.expect("finished");
         let levels = cal.levels();
         assert!(!cal.rewalk(done_at + 10.0), "too soon after the last walk");
-        assert!(cal.rewalk(done_at + MIN_REWALK_INTERVAL_S));
+        assert!(cal.rewalk(done_at + DEFAULT_REWALK_AFTER_S));
         assert_eq!(cal.phase, Phase::Warmup);
         assert_eq!(cal.best_levels(), levels, "the old curve while walking");
         assert!(
-            !cal.rewalk(done_at + 2.0 * MIN_REWALK_INTERVAL_S),
+            !cal.rewalk(done_at + 2.0 * DEFAULT_REWALK_AFTER_S),
             "only a finished walk is repeated"
         );
         cal.rewalks = MAX_REWALKS;

@@ -1132,6 +1132,7 @@ mod tests {
                 steady_cv: 0.05,
                 allowance: 0.05,
                 no_signal_s: 10.0,
+                rewalk_after_s: crate::calibration::DEFAULT_REWALK_AFTER_S,
                 budget_fraction: 0.02,
                 expected_cut: 0.3,
             },

@@ -243,6 +243,10 @@ pub struct RawAgent {
     /// A job whose step daemons (root-owned `slurmstepd`) have all been gone from the
     /// node this long is ended without its epilog, seconds (5 to 3600, default 30).
     pub job_end_grace_s: Option<f64>,
+    /// Least time from the end of a job's walk to walking it again when its measurements
+    /// leave its curve (a new phase), seconds (10 to 86400, default 600): each walk costs
+    /// the job tokens, and a job is walked again at most three times.
+    pub calibration_rewalk_after_s: Option<f64>,
 }
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
@@ -467,6 +471,7 @@ pub struct AgentConfig {
     /// Most token cost of a walk, fraction of the job's first-hour tokens.
     pub calibration_budget: f64,
     pub job_end_grace_s: f64,
+    pub calibration_rewalk_after_s: f64,
 }
 
 /// Default state directory of the agent.
@@ -1204,6 +1209,13 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
             5.0,
             3600.0,
         )?,
+        calibration_rewalk_after_s: seconds(
+            "agent.calibration_rewalk_after_s",
+            raw.calibration_rewalk_after_s,
+            600.0,
+            10.0,
+            86_400.0,
+        )?,
     })
 }
 
@@ -1750,6 +1762,25 @@ programs = ["gpu-dr"]
     }
 
     #[test]
+    fn the_rewalk_interval_is_a_site_setting_within_its_range() {
+        let site = SiteConfig::from_toml_str(&plus("[agent]\ncalibration_rewalk_after_s = 30\n"))
+            .expect("valid");
+        assert_eq!(site.agent.calibration_rewalk_after_s, 30.0);
+        let minimal = SiteConfig::from_toml_str(MINIMAL).expect("valid");
+        assert_eq!(
+            minimal.agent.calibration_rewalk_after_s, 600.0,
+            "the default"
+        );
+        let err = SiteConfig::from_toml_str(&plus("[agent]\ncalibration_rewalk_after_s = 5\n"))
+            .expect_err("below the range");
+        let text = err.to_string();
+        assert!(
+            text.contains("agent.calibration_rewalk_after_s") && text.contains("10"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn minimal_config_gets_defaults() {
         let config = SiteConfig::from_toml_str(MINIMAL).unwrap();
         assert_eq!(
@@ -1803,6 +1834,7 @@ programs = ["gpu-dr"]
                     calibration_hold_s: 30.0,
                     calibration_budget: 0.02,
                     job_end_grace_s: 30.0,
+                    calibration_rewalk_after_s: 600.0,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,

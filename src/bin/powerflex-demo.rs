@@ -622,7 +622,12 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
         )
         // Its results are judged in total tokens/s against equal-weight: the allocation
         // must maximise the same thing.
-        .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
+        .edit(|raw| {
+            raw.facility.objective = Some("tokens".to_string());
+            // The demo's time runs 20x: a job that changes phase is walked again 30 s
+            // after its walk ended, not the site default of 10 min.
+            raw.agent.calibration_rewalk_after_s = Some(30.0);
+        })
         .h200(&CALIBRATION_CAPS_W, 500.0)
         .calibration_s(2.0, 2.0, 5.0)
         .calibration_budget_pct(0.05)

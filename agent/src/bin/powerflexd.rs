@@ -100,6 +100,7 @@ fn settings_from(
             steady_cv: 0.05,
             allowance: site.agent.calibration_allowance.0,
             no_signal_s: site.agent.calibration_warmup_s * 2.0,
+            rewalk_after_s: site.agent.calibration_rewalk_after_s,
         },
         cap_step: model.cap_step_w,
         failsafe_cap: model.failsafe_cap_w,
