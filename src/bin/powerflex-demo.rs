@@ -623,10 +623,9 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
         )
         // Its results are judged in total tokens/s against equal-weight: the allocation
         // must maximise the same thing.
-        // The phase-changed job is not walked again within the demo (the site default
-        // waits 10 min after a walk): a walk started during a cut starts at the grant and
-        // judges slowdown against it, not against the uncapped speed (a known fault; see
-        // BENCHMARKS.md), which breaks the job's bound on its true curve.
+        // The phase-changed job is not walked again within the demo: the site default
+        // waits 10 min after a walk, and a repeated walk also waits until the job's grant
+        // is uncapped (one started during a cut would judge slowdown against the grant).
         .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
         .h200(&CALIBRATION_CAPS_W, 500.0)
         .calibration_s(2.0, 2.0, 5.0)
