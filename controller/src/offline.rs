@@ -306,16 +306,12 @@ impl AllocateSetup {
                 names.join(", ")
             )));
         }
-        let mut settings = SiteSettings::from_site(site, gpu_model)
-            .map_err(|e| crate::CtlError::Usage(format!("--gpu-model: {e}")))?;
+        let usage = |e: String| crate::CtlError::Usage(format!("--gpu-model: {e}"));
+        let mut settings = SiteSettings::from_site(site, gpu_model).map_err(usage)?;
         if let Some(policy) = policy {
             settings.policy = policy;
         }
-        let model = site
-            .gpu_models
-            .iter()
-            .find(|m| gpu_model.is_none_or(|name| m.name.eq_ignore_ascii_case(name)))
-            .ok_or_else(|| crate::CtlError::Usage("the site config has no GPU model".into()))?;
+        let model = crate::site::site_gpu_model(site, gpu_model).map_err(usage)?;
         Ok(AllocateSetup {
             settings,
             default_service: site.tiers.default.clone(),
@@ -401,6 +397,13 @@ fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup)
             .limits
             .map_or((lowest.cap_w.0, top.cap_w.0), |l| (l.min_w.0, l.max_w.0));
         let gpus = gpus_of(r);
+        // Each point's standard errors: the file's, else `noise` of its values.
+        let sigma = |i: usize, p: &powerflex_core::curve::OperatingPoint| {
+            r.sigma.get(i).map_or(
+                (setup.noise * p.power_w.0, setup.noise * p.throughput),
+                |s| (s.power_w, s.throughput),
+            )
+        };
         let mut left = gpus;
         let mut part = 0;
         while left > 0 {
@@ -408,12 +411,6 @@ fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup)
             left -= here;
             let share = f64::from(here) / f64::from(gpus);
             let sigma_share = share.sqrt();
-            let sigma = |i: usize, p: &powerflex_core::curve::OperatingPoint| {
-                r.sigma.get(i).map_or(
-                    (setup.noise * p.power_w.0, setup.noise * p.throughput),
-                    |s| (s.power_w, s.throughput),
-                )
-            };
             let curve: Vec<CurvePoint> = r
                 .points
                 .iter()

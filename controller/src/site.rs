@@ -87,23 +87,7 @@ impl SiteSettings {
         site: &powerflex_core::config::SiteConfig,
         gpu_model: Option<&str>,
     ) -> Result<SiteSettings, String> {
-        let names: Vec<&str> = site.gpu_models.iter().map(|m| m.name.as_str()).collect();
-        let model = match gpu_model {
-            Some(name) => site
-                .gpu_models
-                .iter()
-                .find(|m| m.name.eq_ignore_ascii_case(name))
-                .ok_or_else(|| {
-                    format!(
-                        "GPU model \"{name}\" is not in the site config; it has: {}",
-                        names.join(", ")
-                    )
-                })?,
-            None => site
-                .gpu_models
-                .first()
-                .ok_or("the site config has no GPU model")?,
-        };
+        let model = site_gpu_model(site, gpu_model)?;
         Ok(SiteSettings {
             tiers: site.tiers.table.clone(),
             policy: site.facility.policy,
@@ -114,6 +98,30 @@ impl SiteSettings {
             objective: site.facility.objective,
             tier_bounds: TierBounds::Honoured,
         })
+    }
+}
+
+/// The site's GPU model named `gpu_model` (any case), or its first when `None`.
+pub fn site_gpu_model<'a>(
+    site: &'a powerflex_core::config::SiteConfig,
+    gpu_model: Option<&str>,
+) -> Result<&'a powerflex_core::config::GpuModelConfig, String> {
+    match gpu_model {
+        Some(name) => site
+            .gpu_models
+            .iter()
+            .find(|m| m.name.eq_ignore_ascii_case(name))
+            .ok_or_else(|| {
+                let names: Vec<&str> = site.gpu_models.iter().map(|m| m.name.as_str()).collect();
+                format!(
+                    "GPU model \"{name}\" is not in the site config; it has: {}",
+                    names.join(", ")
+                )
+            }),
+        None => site
+            .gpu_models
+            .first()
+            .ok_or_else(|| "the site config has no GPU model".to_string()),
     }
 }
 
