@@ -318,6 +318,38 @@ fn allocate_uses_the_site_config() {
     assert_eq!(r["policy"], "optimal");
 }
 
+/// A file of jobs each claiming as many GPUs as a row may name is refused before
+/// allocate builds a view per GPU (it would cost gigabytes): exit 1 with the bound.
+#[test]
+fn allocate_refuses_more_gpus_than_it_plans_for() {
+    let dir = scratch_dir("allocate-gpus");
+    let curves = dir.join("huge.csv");
+    let mut text = String::from("job,cap_w,power_w,throughput,gpus,tier\n");
+    for j in 0..20 {
+        text.push_str(&format!(
+            "j{j},700,500000000,1000,800000,flex3\nj{j},300,200000000,500,800000,flex3\n"
+        ));
+    }
+    std::fs::write(&curves, text).expect("write");
+    let out = run(
+        &ctl(),
+        &[
+            "allocate",
+            "--curves",
+            curves.to_str().expect("utf-8"),
+            "--budget-w",
+            "1MW",
+        ],
+    );
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("the file's jobs have 16000000 GPUs in all; allocate plans at most 160000"),
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
 fn bad_input_gets_a_clear_error_and_a_non_zero_exit() {
     let dir = scratch_dir("bad-input");

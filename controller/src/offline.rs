@@ -370,6 +370,12 @@ pub struct AllocateReport {
     pub jobs: Vec<AllocateRow>,
 }
 
+/// Most GPUs `allocate` plans for across a whole file: twice the 10,000-node × 8-GPU site
+/// the controller is sized for. It builds one view per GPU, as the controller holds, so a
+/// file of many jobs each claiming the most GPUs a row may name would otherwise cost
+/// gigabytes before the first decision.
+pub const MAX_ALLOCATE_GPUS: u64 = 160_000;
+
 /// How many GPUs a job without a `gpus` cell has: the fewest whose caps can draw its
 /// highest measured power (a reading may run 10 % over its cap while the limit settles).
 fn gpus_of(record: &JobCurveRecord) -> u32 {
@@ -493,6 +499,12 @@ pub fn allocate_curves(
             None => setup.default_service.clone(),
         };
         services.push(service);
+    }
+    let total_gpus: u64 = records.iter().map(|r| u64::from(gpus_of(r))).sum();
+    if total_gpus > MAX_ALLOCATE_GPUS {
+        return Err(crate::CtlError::Usage(format!(
+            "the file's jobs have {total_gpus} GPUs in all; allocate plans at most {MAX_ALLOCATE_GPUS} (a `gpus` cell, or a job's highest power over its highest cap, counts them)"
+        )));
     }
     let tiers: Vec<String> = services
         .iter()
