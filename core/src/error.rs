@@ -8,6 +8,7 @@ use crate::curves_csv::CurvesError;
 use crate::evaluate::EvaluateError;
 use crate::flex::FlexError;
 use crate::gpus::GpuListError;
+use crate::slurm_record::SlurmRecordError;
 use crate::units::PowerParseError;
 use crate::workload::PaperTableError;
 
@@ -33,4 +34,6 @@ pub enum Error {
     PaperTable(#[from] PaperTableError),
     #[error(transparent)]
     GpuList(#[from] GpuListError),
+    #[error(transparent)]
+    SlurmRecord(#[from] SlurmRecordError),
 }

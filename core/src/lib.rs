@@ -22,6 +22,7 @@ pub mod flex;
 pub mod gpus;
 pub mod pfi;
 pub mod rng;
+pub mod slurm_record;
 pub mod units;
 pub mod workload;
 

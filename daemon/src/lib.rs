@@ -10,6 +10,7 @@
 //! | [`lines`] | one bounded line read (`\n`-terminated, at most N bytes) | six `take(N).read_line` copies |
 //! | [`clock`] | wall-clock ms since the Unix epoch, the one reading every process exchanges | fourteen `unix_ms`/`now_ms` copies |
 //! | [`fsx`] | atomic file write (temporary file, optional fsync, rename, settable mode) and the key-file reader (root-owned regular 0600 files, opened without following or blocking) | three atomic writers; `proto::link::read_site_key` |
+//! | [`command`] | a site command (`squeue`, `scontrol`) with a deadline and a bound on its output | a wait-then-read copy that a big output deadlocks |
 //! | [`os`] | `kill`, `flock`, `SO_PEERCRED` through `rustix` | `unsafe` libc calls and `kill` run as a subprocess |
 //! | [`trace`] | tracing init from `POWERFLEX_LOG` | two copies in the binaries |
 //!
@@ -35,6 +36,7 @@
 //! No `unsafe` here: system calls go through `rustix` and `signal-hook`.
 
 pub mod clock;
+pub mod command;
 pub mod fsx;
 pub mod http;
 pub mod lines;
@@ -79,6 +81,9 @@ pub enum DaemonError {
     /// A signal number the system does not name.
     #[error("signal {signal} is not a named signal; accepted: e.g. 1 (HUP), 9 (KILL), 15 (TERM)")]
     BadSignal { signal: i32 },
+    /// A site command (`squeue`, `scontrol`) gave no usable output.
+    #[error("{program}: {why}")]
+    Command { program: String, why: String },
 }
 
 impl DaemonError {

@@ -192,18 +192,19 @@ fn item_u32(sp: ffi::spank_t, item: ffi::spank_item) -> Option<u32> {
 /// This node's Slurm name in remote context. The job's environment carries the name of
 /// the node the job was *submitted* from (`SLURMD_NODENAME` of the batch host, say), so
 /// the name is taken from the step's node list at this node's relative id instead —
-/// essential when several `slurmd -N` nodes share one host.
+/// essential when several `slurmd -N` nodes share one host. The list must hold exactly
+/// the step's node count (`S_JOB_NNODES`, slurmstepd's own item), and its expansion stops
+/// there ([`logic::node_in_list`]), so a crafted list costs root's slurmstepd nothing.
 fn node_name(sp: ffi::spank_t) -> String {
     let id = item_u32(sp, ffi::spank_item_S_JOB_NODEID);
+    let nnodes = item_u32(sp, ffi::spank_item_S_JOB_NNODES);
     for var in [
         c"SLURM_STEP_NODELIST",
         c"SLURM_JOB_NODELIST",
         c"SLURM_NODELIST",
     ] {
-        if let (Some(id), Some(list)) = (id, getenv(sp, var)) {
-            if let Some(name) =
-                logic::expand_hostlist(&list).and_then(|l| l.get(id as usize).cloned())
-            {
+        if let (Some(id), Some(nnodes), Some(list)) = (id, nnodes, getenv(sp, var)) {
+            if let Some(name) = logic::node_in_list(&list, id, nnodes) {
                 return name;
             }
         }

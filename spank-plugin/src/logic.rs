@@ -142,50 +142,18 @@ pub fn notify(
     )
 }
 
-/// Expands a Slurm hostlist (`n[1-3,5],gpu[01-02],login`) into names, in order.
-/// Returns `None` for a malformed list or one longer than 65,536 names.
-pub fn expand_hostlist(list: &str) -> Option<Vec<String>> {
-    let mut names = Vec::new();
-    let mut rest = list.trim();
-    while !rest.is_empty() {
-        // The next element ends at a comma outside brackets.
-        let mut depth = 0;
-        let end = rest
-            .char_indices()
-            .find(|&(_, c)| {
-                match c {
-                    '[' => depth += 1,
-                    ']' => depth -= 1,
-                    _ => {}
-                }
-                c == ',' && depth == 0
-            })
-            .map_or(rest.len(), |(i, _)| i);
-        let element = &rest[..end];
-        rest = rest[end..].trim_start_matches(',');
-        match element.split_once('[') {
-            None if !element.is_empty() => names.push(element.to_string()),
-            None => {}
-            Some((prefix, tail)) => {
-                let (ranges, suffix) = tail.split_once(']')?;
-                for range in ranges.split(',') {
-                    let (lo, hi) = range.split_once('-').unwrap_or((range, range));
-                    let width = lo.len();
-                    let (lo, hi): (u64, u64) = (lo.parse().ok()?, hi.parse().ok()?);
-                    if hi < lo || hi - lo > 65_536 {
-                        return None;
-                    }
-                    for n in lo..=hi {
-                        names.push(format!("{prefix}{n:0width$}{suffix}"));
-                    }
-                }
-            }
-        }
-        if names.len() > 65_536 {
-            return None;
-        }
+/// This node's name in a step's node list: the `node_id`-th name of `list`, where the
+/// list must hold exactly `nnodes` names (both items come from slurmstepd's own record
+/// of the step, the list from the step's environment). The expansion stops at `nnodes`
+/// names, so a crafted list costs no more than the step's real size; a list of another
+/// length says nothing.
+pub fn node_in_list(list: &str, node_id: u32, nnodes: u32) -> Option<String> {
+    let max = (nnodes as usize).min(powerflex_core::slurm_record::MAX_HOSTLIST_NAMES);
+    let names = powerflex_core::slurm_record::expand_hostlist(list, max)?;
+    if names.len() != nnodes as usize {
+        return None;
     }
-    Some(names)
+    names.into_iter().nth(node_id as usize)
 }
 
 /// What the remote (slurmstepd) side knows about the step.
@@ -485,24 +453,19 @@ mod tests {
     }
 
     #[test]
-    fn hostlists_expand_like_slurm() {
+    fn the_node_name_is_the_step_s_own_entry_of_a_list_of_the_step_s_size() {
+        assert_eq!(node_in_list("n[1-3]", 1, 3).as_deref(), Some("n2"));
         assert_eq!(
-            expand_hostlist("n[1-3]"),
-            Some(vec!["n1".into(), "n2".into(), "n3".into()])
+            node_in_list("gpu[01-02,07],login", 3, 4).as_deref(),
+            Some("login")
         );
-        assert_eq!(
-            expand_hostlist("gpu[01-02,07],login"),
-            Some(vec![
-                "gpu01".into(),
-                "gpu02".into(),
-                "gpu07".into(),
-                "login".into()
-            ])
-        );
-        assert_eq!(expand_hostlist("n1"), Some(vec!["n1".into()]));
-        assert_eq!(expand_hostlist("n[3-1]"), None);
-        assert_eq!(expand_hostlist("n[1-"), None);
-        assert_eq!(expand_hostlist(""), Some(vec![]));
+        // A list longer or shorter than the step is not the step's.
+        assert_eq!(node_in_list("n[1-3]", 1, 2), None);
+        assert_eq!(node_in_list("n[1-3]", 1, 4), None);
+        assert_eq!(node_in_list("n[3-1]", 0, 1), None);
+        // A crafted list is cut off at the step's size, not expanded to the end.
+        let crafted = format!("n[{}]", ["0-60000"; 1000].join(","));
+        assert_eq!(node_in_list(&crafted, 0, 2), None);
     }
 
     use std::collections::BTreeMap;
