@@ -87,6 +87,12 @@ pub struct GpuSlot {
     pub cap_since: Option<f64>,
     /// The job using it.
     pub job: Option<String>,
+    /// The most this GPU may be set to while a managed job uses it, until the
+    /// controller's first current lease of this run: the limit it read back at the
+    /// agent's start (controller mode). A restart or an upgrade never raises a running
+    /// job's cap the previous run left (fail-static), whatever the state file says; only
+    /// a lease decided now may.
+    pub start_ceiling: Option<Watts>,
 }
 
 /// One job on this node.
@@ -231,6 +237,9 @@ pub struct Agent {
     /// Jobs the controller's last lease lets this agent probe (they run on this node
     /// alone); none in standalone mode, where a job's other nodes are unknown.
     pub learn: BTreeSet<String>,
+    /// Controller mode, since the start: no current lease yet, so the limits read back
+    /// at start bound every cap ([`GpuSlot::start_ceiling`]).
+    awaiting_current_lease: bool,
 }
 
 impl Agent {
@@ -270,6 +279,7 @@ impl Agent {
         saved: &BTreeMap<String, Watts>,
         now: f64,
     ) -> Agent {
+        let settings_controller_mode = settings.node_budget.is_none();
         let gpus = gpus
             .into_iter()
             .map(|identity| GpuSlot {
@@ -283,6 +293,7 @@ impl Agent {
                 last: None,
                 cap_since: None,
                 job: None,
+                start_ceiling: None,
             })
             .collect();
         Agent {
@@ -298,6 +309,7 @@ impl Agent {
             leases_applied: 0,
             gpu_claims_refused: 0,
             learn: BTreeSet::new(),
+            awaiting_current_lease: settings_controller_mode,
         }
     }
 
@@ -588,6 +600,14 @@ impl Agent {
             0.0
         };
         let valid = |w: &Watts| w.0.is_finite() && w.0 >= 0.0;
+        if ttl > 0.0 {
+            // A current lease decides the caps from now on: the limits read back at
+            // start no longer bound them.
+            self.awaiting_current_lease = false;
+            for slot in &mut self.gpus {
+                slot.start_ceiling = None;
+            }
+        }
         self.lease = Some(Lease {
             caps: caps.into_iter().filter(|(_, w)| valid(w)).collect(),
             expires_at: now + ttl,
@@ -659,6 +679,9 @@ impl Agent {
                     slot.cap_since = Some(now);
                 }
                 slot.last = Some(s);
+                if self.awaiting_current_lease && slot.start_ceiling.is_none() {
+                    slot.start_ceiling = Some(s.cap);
+                }
                 let mismatch = match slot.applied {
                     Some(written)
                         if slot.degraded.is_none() && (written.0 - s.cap.0).abs() > 0.5 =>
@@ -981,6 +1004,15 @@ impl Agent {
                     }
                 }
             };
+            // Until a current lease arrives, no job's GPU rises above what it read back
+            // at start: the previous run's cap holds through a restart. A GPU of no job
+            // goes back to its default, as at any job's end.
+            let desired = match (slot.start_ceiling, job) {
+                (Some(ceiling), Some(job)) if self.awaiting_current_lease && job.managed() => {
+                    Watts(desired.0.min(ceiling.0))
+                }
+                _ => desired,
+            };
             let desired = clamp(desired, &slot.identity);
             if slot.applied.is_none_or(|a| (a.0 - desired.0).abs() > 0.5) {
                 actions.push(Action::SetCap {
@@ -995,11 +1027,24 @@ impl Agent {
         actions
     }
 
-    /// Cap writes that put every healthy GPU back to its saved default (shutdown).
-    pub fn restore_all(&self) -> Vec<Action> {
+    /// Cap writes for a stop (fail-static): every healthy GPU without a managed job goes
+    /// back to its saved default; the GPUs of running managed jobs keep the cap in force,
+    /// so a `systemctl restart` or an upgrade during a cut never over-draws the site (as a
+    /// BMC keeps its last limit through an outage). The next agent takes them over from
+    /// the state file and the limits it reads back. With `release_jobs` (decommissioning:
+    /// `powerflexd --release-on-exit`), every GPU goes back to its default.
+    pub fn stop_actions(&self, release_jobs: bool) -> Vec<Action> {
         self.gpus
             .iter()
             .filter(|g| g.degraded.is_none())
+            .filter(|g| {
+                release_jobs
+                    || !g
+                        .job
+                        .as_ref()
+                        .and_then(|j| self.jobs.get(j))
+                        .is_some_and(Job::managed)
+            })
             .map(|g| Action::SetCap {
                 gpu: g.identity.index,
                 cap: clamp(g.saved_default, &g.identity),
@@ -1229,6 +1274,82 @@ mod tests {
             .register(0.0, "9", "0", 0, "n1", &["0".into()], "")
             .expect("default service");
         assert_eq!((none.tier.as_str(), none.progress), ("none", None));
+    }
+
+    fn sample_at(cap_w: f64) -> Result<GpuSample, GpuError> {
+        Ok(GpuSample {
+            power: Watts(cap_w - 20.0),
+            cap: Watts(cap_w),
+            energy_mj: 0,
+            gpu_util_pct: 100,
+            memory_util_pct: 40,
+            sm_clock_mhz: 1980,
+        })
+    }
+
+    /// Issue 21: a restart during a cut below the fail-safe wrote the fail-safe over the
+    /// lower caps the previous run left; a stop restored every GPU, running jobs' too.
+    #[test]
+    fn a_restart_raises_no_running_job_s_cap_until_a_current_lease_and_a_stop_keeps_them() {
+        let mut a = Agent::new(
+            settings(None),
+            (0..4).map(gpu).collect(),
+            &BTreeMap::new(),
+            0.0,
+        );
+        // The previous run left GPUs 0 and 1 (job 7's) at 300 W, GPU 2 at 400 W with no
+        // job left on it, GPU 3 at its default.
+        for (g, cap) in [(0, 300.0), (1, 300.0), (2, 400.0), (3, 700.0)] {
+            a.sampled(0.0, g, sample_at(cap));
+        }
+        a.register(
+            0.0,
+            "7",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex2,calibrate=off",
+        )
+        .expect("restored");
+        // Past the lease TTL with no lease: the fail-safe (500 W) would raise job 7.
+        let set = caps(&a.tick(40.0));
+        assert!(
+            !set.iter().any(|&(g, _)| g < 2),
+            "job 7 kept at 300 W: {set:?}"
+        );
+        assert!(
+            set.contains(&(2, 700.0)),
+            "a GPU of no job goes back to default: {set:?}"
+        );
+        // The previous run's lease, expired: still no raise.
+        a.set_lease(
+            41.0,
+            BTreeMap::from([("7".to_string(), Watts(600.0))]),
+            0.0,
+            None,
+        );
+        assert!(!caps(&a.tick(42.0)).iter().any(|&(g, _)| g < 2));
+        // A stop now leaves job 7's GPUs alone and puts the others back.
+        let stop = caps(&a.stop_actions(false));
+        assert_eq!(stop, vec![(2, 700.0), (3, 700.0)]);
+        assert_eq!(
+            caps(&a.stop_actions(true)).len(),
+            4,
+            "--release-on-exit: all"
+        );
+        // A current lease decides: job 7 may rise.
+        a.set_lease(
+            43.0,
+            BTreeMap::from([("7".to_string(), Watts(600.0))]),
+            30.0,
+            None,
+        );
+        let set = caps(&a.tick(44.0));
+        assert!(
+            set.contains(&(0, 600.0)) && set.contains(&(1, 600.0)),
+            "{set:?}"
+        );
     }
 
     /// Issue 24 (seen in the demo): a job walked again during a cut walked from its grant

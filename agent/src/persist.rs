@@ -186,88 +186,53 @@ pub fn running_jobs(
     jobs
 }
 
-/// The service a job taken back without a record runs under when Slurm records none
-/// ([`slurm_recorded_tier`]). Its submission option reached the agent only through the
-/// plugin's registration, which the lost state file held; what its tasks' environment
-/// says (`POWERFLEX_TIER`) the user could have set to anything, `flex0` to run
-/// uncapped. So it is the site's most flexible tier: the
-/// budget (the first promise) holds, and no one gains power by editing variables. A
-/// job that asked for less slowdown may be cut deeper than its tier until it ends: the
-/// price of a lost state file, logged when it happens.
-pub fn adoption_tier(tiers: &powerflex_core::flex::TierTable) -> Option<String> {
-    tiers
-        .tiers()
-        .iter()
-        .max_by(|a, b| a.max_slowdown.0.total_cmp(&b.max_slowdown.0))
-        .map(|t| t.name.clone())
-        .or_else(|| {
-            tiers
-                .allows_max_slowdown()
-                .then(|| "max-slowdown=100%".to_string())
-        })
-}
-
-/// The tier Slurm records for a job: `powerflex-ctld` writes each managed job's tier
-/// into its `AdminComment` (`powerflex;tier=flex2;pfi=1.43;cap=450W`), a field only
-/// Slurm's admins can set. `show_job` is `scontrol show job -o JOB`'s output. `None`
-/// when there is no such comment or it names no tier.
-pub fn tier_from_admin_comment(show_job: &str) -> Option<String> {
-    // A user's own `Comment` may hold spaces and a forged `AdminComment=...`: a line
-    // with more than one such field says nothing.
-    let mut comments = show_job
-        .split_whitespace()
-        .filter_map(|field| field.strip_prefix("AdminComment="));
-    let comment = comments.next()?;
-    if comments.next().is_some() {
-        return None;
-    }
-    let mut parts = comment.split(';');
-    if parts.next() != Some("powerflex") {
-        return None;
-    }
-    parts
-        .find_map(|p| p.strip_prefix("tier="))
-        .filter(|t| !t.is_empty() && *t != "-")
-        .map(str::to_string)
-}
-
-/// Asks Slurm (`scontrol show job -o JOB`, with the job's cluster's `SLURM_CONF`) for
-/// the tier it records for `job_id` ([`tier_from_admin_comment`]), waiting at most
-/// `deadline`: on the agent's start only, for a job the state file did not list.
+/// The tier Slurm records for a job running on `node`, from `squeue --json` (run with the
+/// job's cluster's `SLURM_CONF`, waiting at most `deadline`): `powerflex-ctld` writes
+/// each managed job's tier into its `AdminComment`
+/// (`powerflex;tier=flex2;pfi=1.43;cap=450W`), a field only Slurm's admins can set.
+/// Read from the JSON, where the job's name and comment are strings of their own: the
+/// `key=value` line of `scontrol show job -o` is split on spaces, and a job named
+/// `x AdminComment=powerflex;tier=none` would have forged it. `None` when Slurm cannot
+/// be asked in time, does not place the job on `node`, or records no powerflex tier:
+/// the agent then does not take the job back (its GPUs keep the limit they read back,
+/// and the controller counts them at their default), so a lost state file never makes
+/// a job more flexible than Slurm's record of it.
 pub fn slurm_recorded_tier(
     job_id: &str,
+    node: &str,
     cluster: &Option<String>,
     deadline: std::time::Duration,
 ) -> Option<String> {
-    use std::io::Read;
-    let mut cmd = std::process::Command::new("scontrol");
-    cmd.args(["show", "job", "-o", job_id])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null());
-    if let Some(conf) = cluster {
-        cmd.env("SLURM_CONF", conf);
-    }
-    let mut child = cmd.spawn().ok()?;
-    let until = std::time::Instant::now() + deadline;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) if status.success() => break,
-            Ok(None) if std::time::Instant::now() < until => {
-                std::thread::sleep(std::time::Duration::from_millis(20))
-            }
-            _ => {
-                // scontrol this function started, by its handle: a wedged slurmctld must
-                // not hold the agent's start.
-                let _ = child.kill();
-                let _ = child.wait();
-                return None;
-            }
+    use powerflex_core::slurm_record::{self, MAX_SLURM_OUTPUT_BYTES};
+    let envs: Vec<(&str, &str)> = cluster
+        .as_deref()
+        .map(|conf| vec![("SLURM_CONF", conf)])
+        .unwrap_or_default();
+    let out = match powerflex_daemon::command::output_within(
+        "squeue",
+        &["--json"],
+        &envs,
+        deadline,
+        MAX_SLURM_OUTPUT_BYTES,
+    ) {
+        Ok(out) => out,
+        Err(e) => {
+            tracing::warn!(job_id, error = %e, "cannot read Slurm's record of the job");
+            return None;
         }
+    };
+    let jobs = match slurm_record::parse_squeue_json(&out) {
+        Ok(jobs) => jobs,
+        Err(e) => {
+            tracing::warn!(job_id, error = %e, "cannot read Slurm's record of the job");
+            return None;
+        }
+    };
+    let job = jobs.get(job_id)?;
+    if !job.state.holds_nodes() || !job.nodes.contains(node) {
+        return None;
     }
-    let mut out = String::new();
-    child.stdout.take()?.read_to_string(&mut out).ok()?;
-    tier_from_admin_comment(&out)
+    slurm_record::tier_from_admin_comment(&job.admin_comment)
 }
 
 /// The uid owning process `pid` (`/proc/PID`'s owner, set by the kernel).
@@ -377,43 +342,5 @@ mod tests {
         // Job 902 runs with no POWERFLEX_TIER: whether a job is managed is not the
         // environment's to say either (deleting the variable would uncap it).
         assert_eq!(found, vec![job("901", &["1", "3"]), job("902", &["4"])]);
-    }
-
-    #[test]
-    fn slurm_s_admin_comment_names_the_tier() {
-        let line = "JobId=7 JobName=wrap UserId=alice(1001) Comment=powerflex;tier=flex0 \
-                    AdminComment=powerflex;tier=flex2,calibrate=off;pfi=1.43;cap=450W Priority=1";
-        assert_eq!(
-            tier_from_admin_comment(line).as_deref(),
-            Some("flex2,calibrate=off"),
-            "the admin's field, not the user's Comment"
-        );
-        for none in [
-            "JobId=7 AdminComment=(null)",
-            "JobId=7 AdminComment=powerflex;tier=-;pfi=-;cap=300W",
-            "JobId=7 AdminComment=other;tier=flex0",
-            "JobId=7 Comment=powerflex;tier=flex0",
-            "slurm_load_jobs error: Invalid job id specified",
-            "JobId=7 Comment=x AdminComment=powerflex;tier=flex0 AdminComment=(null)",
-        ] {
-            assert_eq!(tier_from_admin_comment(none), None, "{none}");
-        }
-    }
-
-    #[test]
-    fn a_job_taken_back_without_a_record_gets_the_most_flexible_tier() {
-        use powerflex_core::flex::{Tier, TierTable};
-        assert_eq!(
-            adoption_tier(&TierTable::default_table()).as_deref(),
-            Some("flex3")
-        );
-        let site = TierTable::new(
-            vec![Tier::new("gold", 0.0), Tier::new("bronze", 30.0)],
-            false,
-        )
-        .expect("tiers");
-        assert_eq!(adoption_tier(&site).as_deref(), Some("bronze"));
-        let open = TierTable::new(vec![], true).expect("max-slowdown only");
-        assert_eq!(adoption_tier(&open).as_deref(), Some("max-slowdown=100%"));
     }
 }

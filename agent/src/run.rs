@@ -37,6 +37,9 @@ pub struct RunOptions {
     pub sample_interval: Duration,
     /// The controller link (controller mode with a readable site key), or none.
     pub link: Option<crate::link::LinkOptions>,
+    /// On exit, every GPU back to its default, the GPUs of running jobs too
+    /// (decommissioning a node). Off: running jobs keep their caps (fail-static).
+    pub release_on_exit: bool,
 }
 
 /// Why the agent could not start or stopped with an error.
@@ -253,7 +256,8 @@ fn execute(
 /// How often a degraded GPU is read to see whether it works again, seconds.
 const DEGRADED_PROBE_S: f64 = 10.0;
 
-/// Runs the agent until `shutdown` is set, then restores every GPU's default cap.
+/// Runs the agent until `shutdown` is set, then puts the GPUs without a running job back
+/// to their defaults (see [`crate::control::Agent::stop_actions`]).
 ///
 /// `reloads` brings re-read site configs (SIGHUP): see [`Agent::reload`]; a refused one
 /// is logged and shown by `status` (`config_error`), and the settings in force stay.
@@ -280,6 +284,8 @@ pub fn run(
             None
         }
     };
+    // No state file, or one set aside as corrupt: what this node managed is unknown.
+    let state_lost = saved.is_none();
     let saved_lease = saved.as_ref().and_then(|s| s.lease.clone());
     let saved_defaults: BTreeMap<String, Watts> = saved
         .as_ref()
@@ -287,6 +293,12 @@ pub fn run(
         .unwrap_or_default();
     let mut agent = Agent::new(settings, identities, &saved_defaults, now());
     agent.clock_origin_unix_s = unix_s() - now();
+    // Read every GPU's limit before anything is written: in controller mode it bounds
+    // the caps until a current lease arrives (fail-static through a restart).
+    for gpu in 0..agent.gpus.len() as u32 {
+        let sample = backend.sample(gpu);
+        agent.sampled(now(), gpu, sample);
+    }
     info!(
         gpus = agent.gpus.len(),
         mode = if agent.settings.node_budget.is_some() {
@@ -348,37 +360,35 @@ pub fn run(
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
-    // Jobs running on this node's GPUs that the state file did not list (it was lost or
-    // corrupt): take them back rather than release their caps, which would break the
-    // site's budget until the controller caught up. Which job a GPU's process belongs
-    // to comes from its ancestry; the tier from Slurm's record of the job, else the site
-    // (`persist::slurm_recorded_tier`, `persist::adoption_tier`).
+    // Jobs running on this node's GPUs that a lost (missing or corrupt) state file no
+    // longer lists: take back those Slurm records as managed, under the tier it records
+    // (the controller's AdminComment, admins' only), rather than release their caps. Never
+    // on a normal restart (a job the saved state does not list was not managed: a `none`
+    // job, or one whose registration failed), never under a tier Slurm does not record,
+    // never from the job's environment. Which job a GPU's process belongs to comes from
+    // its ancestry (`persist::running_jobs`).
     let node = agent.settings.node.clone();
-    let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
-        .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
-        .filter(|(_, pids)| !pids.is_empty())
-        .collect();
-    let running = table
-        .as_ref()
-        .map(|t| persist::running_jobs(t, &gpu_pids, persist::process_uid))
-        .unwrap_or_default();
-    let adopted_tier = persist::adoption_tier(&agent.settings.tiers);
+    let running = if state_lost {
+        let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
+            .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
+            .filter(|(_, pids)| !pids.is_empty())
+            .collect();
+        table
+            .as_ref()
+            .map(|t| persist::running_jobs(t, &gpu_pids, persist::process_uid))
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     for job in running {
         if agent.jobs.contains_key(&job.job_id) {
             continue;
         }
-        // Slurm's own record first (the controller's AdminComment, admins' only), then
-        // the site's most flexible tier; never the job's environment.
         let recorded =
-            persist::slurm_recorded_tier(&job.job_id, &job.cluster, Duration::from_secs(2))
+            persist::slurm_recorded_tier(&job.job_id, &node, &job.cluster, Duration::from_secs(2))
                 .filter(|t| parse_power_flex(t, &agent.settings.tiers).is_ok());
-        let source = if recorded.is_some() {
-            "Slurm's AdminComment"
-        } else {
-            "the site's most flexible tier"
-        };
-        let Some(tier) = recorded.as_deref().or(adopted_tier.as_deref()) else {
-            warn!(job_id = %job.job_id, "the site offers no tier to take a running job back under");
+        let Some(tier) = recorded else {
+            warn!(job_id = %job.job_id, gpus = ?job.gpus, "job running on this node's GPUs without a record, and Slurm records no powerflex tier for it here; not taken back (its GPUs keep the limit they read back)");
             continue;
         };
         match agent.register(
@@ -388,11 +398,11 @@ pub fn run(
             job.uid,
             &node,
             &job.gpus,
-            tier,
+            &tier,
         ) {
             Ok(_) => {
                 agent.set_job_cluster(&job.job_id, job.cluster.clone(), now());
-                warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, source, "job running on this node's GPUs without a record (state file lost); managing it again")
+                warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, source = "Slurm's AdminComment", "job running on this node's GPUs without a record (state file lost); managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
@@ -562,8 +572,15 @@ pub fn run(
             }
         }
     }
-    info!("shutting down: restoring every GPU's default cap");
-    let actions = agent.restore_all();
+    let actions = agent.stop_actions(options.release_on_exit);
+    if options.release_on_exit {
+        info!("shutting down: restoring every GPU's default cap (--release-on-exit)");
+    } else {
+        info!(
+            gpus_released = actions.len(),
+            "shutting down: GPUs without a job back to their defaults; running jobs keep their caps for the next agent"
+        );
+    }
     execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
     save(&options.state_dir, &agent);
     shutdown.store(true, Ordering::SeqCst);

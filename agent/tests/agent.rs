@@ -49,6 +49,8 @@ struct Fixture {
     /// Stand-in step daemons this fixture started, and the job process under each.
     jobs: Vec<(Child, u32)>,
     metrics_port: u16,
+    /// Start the agent with `--release-on-exit`.
+    release_on_exit: bool,
 }
 
 /// Quotes `s` for sh.
@@ -136,6 +138,7 @@ impl Fixture {
             agent: None,
             jobs: Vec::new(),
             metrics_port,
+            release_on_exit: false,
         };
         f.start_agent();
         f
@@ -157,6 +160,7 @@ impl Fixture {
                 "--sample-interval-ms",
                 "200",
             ])
+            .args(self.release_on_exit.then_some("--release-on-exit"))
             .env("POWERFLEX_SIM_DIR", self.node.dir())
             .stdout(Stdio::null())
             .stderr(log)
@@ -416,7 +420,7 @@ fn client_http(port: u16) -> String {
 }
 
 #[test]
-fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
+fn standalone_budget_caps_jobs_and_a_stop_keeps_running_jobs_capped_until_release_on_exit() {
     if !can_run(&[Need::Root]) {
         return;
     }
@@ -445,10 +449,42 @@ fn standalone_budget_caps_jobs_and_sigterm_restores_everything() {
         },
     );
     assert!(total <= 3000.0 * 1.005, "{total}");
+    let before: Vec<f64> = (0..4).map(|g| f.limit_w(g)).collect();
+    let status = f.signal_agent(Signal::TERM).expect("agent exit");
+    assert!(status.success(), "clean exit on SIGTERM");
+    // Fail-static: a stop (a restart, an upgrade) leaves the running job's GPUs at the
+    // caps in force, and only the GPUs of no job at their default.
+    for g in 0..4 {
+        assert_eq!(
+            f.limit_w(g),
+            before[g as usize],
+            "GPU {g} of the running job kept its cap"
+        );
+        assert!(f.limit_w(g) < 700.0);
+    }
+    for g in 4..8 {
+        assert_eq!(f.limit_w(g), 700.0, "GPU {g} of no job back to default");
+    }
+    // The next agent takes the job over (its step daemon still runs) within the budget;
+    // stopped with --release-on-exit (decommissioning), it hands every GPU back.
+    f.release_on_exit = true;
+    f.start_agent();
+    wait_until("the job managed again", Duration::from_secs(20), || {
+        f.status().jobs.iter().any(|j| j.job == "301").then_some(())
+    });
+    let capped: f64 = (0..4).map(|g| f.limit_w(g)).sum();
+    assert!(
+        capped <= 3000.0,
+        "caps within the node budget after the restart: {capped}"
+    );
     let status = f.signal_agent(Signal::TERM).expect("agent exit");
     assert!(status.success(), "clean exit on SIGTERM");
     for g in 0..8 {
-        assert_eq!(f.limit_w(g), 700.0, "GPU {g} restored at shutdown");
+        assert_eq!(
+            f.limit_w(g),
+            700.0,
+            "GPU {g} restored with --release-on-exit"
+        );
     }
 }
 

@@ -27,7 +27,7 @@ use powerflex_daemon::signals::SignalWatcher;
 #[command(
     name = "powerflexd",
     version,
-    about = "powerflex node agent: per-job GPU power caps, calibration, restore on exit"
+    about = "powerflex node agent: per-job GPU power caps, calibration; caps of running jobs kept through restarts"
 )]
 struct Cli {
     /// Site config (powerflex.toml).
@@ -39,6 +39,11 @@ struct Cli {
     /// GPU sampling and cap reconciliation period, milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), value_name = "MS")]
     sample_interval_ms: u64,
+    /// On exit, put every GPU back to its default limit, those of running jobs too (to
+    /// decommission the node). Without it a stop or restart leaves running jobs' GPUs at
+    /// the cap in force, so the budget holds through upgrades.
+    #[arg(long)]
+    release_on_exit: bool,
 }
 
 fn hostname() -> String {
@@ -169,6 +174,7 @@ fn start(cli: Cli) -> Result<(), String> {
         metrics_listen: site.agent.metrics_listen,
         sample_interval: Duration::from_millis(cli.sample_interval_ms),
         link,
+        release_on_exit: cli.release_on_exit,
     };
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
