@@ -122,6 +122,14 @@ impl SiteBuilder {
         self
     }
 
+    /// `controller.job_placement = "reports"`: the controller believes every node about
+    /// what it reports. Only for a controller with no Slurm beside it (harness agents on
+    /// the real link); everything on a real cluster keeps the default, Slurm's record.
+    pub fn placement_from_reports(mut self) -> SiteBuilder {
+        self.raw.controller.job_placement = Some("reports".into());
+        self
+    }
+
     /// Where the site key is (the controller reads it), and the nodes' own link keys
     /// beside it, `node-%n.key` (see [`crate::write_node_keys`]).
     pub fn key_file(mut self, path: &Path) -> SiteBuilder {

@@ -898,3 +898,133 @@ fn replayed_misrouted_and_foreign_leases_are_refused_and_v1_peers_told_why() {
         "powerflex kills no job"
     );
 }
+
+/// Issue 21: root on one GPU node holds that node's link key. It reported another user's
+/// flex0 job, running on another node, as `flex3,preempt=requeue`, announced hundreds of
+/// 5 kW GPUs, and the controller requeued the job about ten times in 25 s and capped its
+/// GPUs to 200 W. Now the controller believes a node only about the jobs Slurm places on
+/// it, and counts a node's GPUs up to its gres.
+#[test]
+fn a_rogue_node_s_key_cannot_reach_a_job_slurm_placed_on_another_node() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    let mut stack = Stack::start(
+        "a-rogue",
+        StackOptions {
+            // Room for every real GPU at its default: only a forged word could cut.
+            budget_w: 6000.0,
+            site: Some(hard_mode),
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex0", 1, 4, HEAVY);
+    let victim = wait_until("the flex0 job managed", Duration::from_secs(60), || {
+        let jobs: Vec<powerflex_proto::status::SiteJobStatus> = stack.ctl_json(&["jobs"])?;
+        let j = jobs.into_iter().find(|j| j.job == job.to_string())?;
+        j.nodes.first().cloned()
+    });
+    let names = stack.cluster.node_names().to_vec();
+    let rogue_index = names
+        .iter()
+        .position(|n| *n != victim)
+        .expect("another node");
+    let rogue = names[rogue_index].clone();
+    let victim_index = names.iter().position(|n| *n == victim).expect("victim");
+    wait_until("the flex0 job uncapped", Duration::from_secs(30), || {
+        node_caps(&stack, victim_index)
+            .iter()
+            .all(|&c| c == 700.0)
+            .then_some(())
+    });
+    // Root on the rogue node: its agent stopped, its own key in hand.
+    stack.kill_agent(rogue_index);
+    let config = site_config(&stack);
+    let key = powerflex_daemon::fsx::read_key_file(&config.agent.key_file(&rogue))
+        .expect("the rogue node's key file");
+    let fake_gpus: Vec<powerflex_proto::link::GpuInfo> = (0..300)
+        .map(|g| powerflex_proto::link::GpuInfo {
+            uuid: format!("GPU-fake-{g}"),
+            name: "NVIDIA H200".into(),
+            min_w: 200.0,
+            max_w: 5000.0,
+            default_w: 5000.0,
+        })
+        .collect();
+    let mut peer = LinkPeer::connect_with_key(link_addr(&stack), &key, &rogue, fake_gpus)
+        .expect("the rogue node's own session");
+    let forged = powerflex_proto::link::JobReport {
+        job_id: job.to_string(),
+        tier: "flex3,preempt=requeue".into(),
+        gpus: 4,
+        cap_w: Some(700.0),
+        power_w: Some(2800.0),
+        throughput: Some(1.0),
+        owner_uid: Some(0),
+        ..Default::default()
+    };
+    // Fifteen seconds of forged reports, twice a second; the victim's GPUs sampled
+    // every 50 ms meanwhile.
+    let until = Instant::now() + Duration::from_secs(15);
+    let mut next_report = Instant::now();
+    let mut lowest_cap = f64::INFINITY;
+    while Instant::now() < until {
+        if Instant::now() >= next_report {
+            peer.send(&Body::Report {
+                jobs: vec![forged.clone()],
+                power_w: 2800.0,
+                failsafe: false,
+                cap_mismatches: 0,
+            })
+            .expect("report sent");
+            next_report += Duration::from_millis(500);
+            // Leases and anything else the controller sends are read and dropped.
+            let _ = peer.recv_line(Duration::from_millis(1));
+        }
+        lowest_cap = lowest_cap.min(
+            node_caps(&stack, victim_index)
+                .into_iter()
+                .fold(f64::INFINITY, f64::min),
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let info = stack.cluster.job_info(job);
+    assert!(stack.running(job), "the victim's job runs on: {info}");
+    assert!(info.contains("Restarts=0"), "never requeued: {info}");
+    assert!(
+        !info.contains("tier=flex3"),
+        "Slurm's record not re-tiered: {info}"
+    );
+    assert_eq!(lowest_cap, 700.0, "the flex0 job's GPUs were never capped");
+    let nodes: Vec<NodeStatus> = stack.ctl_json(&["nodes"]).expect("nodes");
+    let at_rogue = nodes
+        .iter()
+        .find(|n| n.node == rogue)
+        .expect("the rogue node");
+    assert_eq!(
+        at_rogue.gpus, 4,
+        "GPUs bounded by Slurm's gres: {at_rogue:?}"
+    );
+    assert_eq!(at_rogue.refused_gpus, 296, "{at_rogue:?}");
+    assert!(
+        at_rogue.refused_reports >= 20,
+        "every forged report counted: {at_rogue:?}"
+    );
+    assert_eq!(at_rogue.jobs, 0, "{at_rogue:?}");
+    let jobs: Vec<powerflex_proto::status::SiteJobStatus> =
+        stack.ctl_json(&["jobs"]).expect("jobs");
+    let row = jobs
+        .iter()
+        .find(|j| j.job == job.to_string())
+        .expect("the job");
+    assert_eq!(row.tier, "flex0");
+    assert_eq!(row.nodes, std::slice::from_ref(&victim));
+    let ctld_log = stack.logs("ctld");
+    assert!(
+        ctld_log.contains("a node reported a job Slurm does not place on it; refused")
+            && ctld_log.contains(&rogue),
+        "the controller says which node sent it:\n{ctld_log}"
+    );
+    drop(peer);
+    stack.shutdown();
+}

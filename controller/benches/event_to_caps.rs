@@ -127,6 +127,7 @@ fn start_ctld(dir: &Path, port: u16, base_budget_w: f64) -> Child {
         .expect("chmod");
     let config = dir.join("powerflex.toml");
     SiteBuilder::new(base_budget_w)
+        .placement_from_reports()
         .gpu_model(
             "H200",
             RawGpuModel {

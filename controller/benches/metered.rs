@@ -203,6 +203,7 @@ fn start_ctld(dir: &Path, port: u16, mode: &str, rollout: Option<&str>) -> Child
     let mode = mode.to_string();
     let rollout = rollout.map(str::to_string);
     SiteBuilder::new(budget_w)
+        .placement_from_reports()
         .gpu_model(
             "H200",
             RawGpuModel {

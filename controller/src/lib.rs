@@ -4,12 +4,14 @@
 //! [`offline`] implements the commands that work on files alone (`pfi`, `allocate`,
 //! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
 //! at each instant, [`site`] splits that budget across the jobs of every node (one cap
-//! per job everywhere), [`table`] renders human tables and [`render`] the controller's answers in them, [`plot`] draws the controller's history as SVG. The binaries parse
+//! per job everywhere), [`placement`] decides which of a node's words to believe (Slurm's
+//! record of where each job runs), [`table`] renders human tables and [`render`] the controller's answers in them, [`plot`] draws the controller's history as SVG. The binaries parse
 //! arguments, read files, print and choose exit codes; the decisions come from
 //! `powerflex-core`.
 
 pub mod ctld;
 pub mod offline;
+pub mod placement;
 pub mod plot;
 pub mod preempt;
 pub mod ramp;

@@ -318,6 +318,34 @@ pub fn render_status(s: &CtldStatus) -> String {
             Watts(short)
         ));
     }
+    if let Some(slurm) = &s.slurm {
+        match (slurm.read_ms_ago, &slurm.error) {
+            (None, error) => out.push_str(&format!(
+                "SLURM PLACEMENT NOT READ YET: no job is believed until squeue answers{}\n",
+                error.as_ref().map_or(String::new(), |e| format!(" ({e})"))
+            )),
+            (Some(ago), Some(e)) => out.push_str(&format!(
+                "SLURM PLACEMENT STALE: read {:.0} s ago ({} jobs); the latest read failed: {e}\n",
+                ago as f64 / 1000.0,
+                slurm.jobs
+            )),
+            (Some(_), None) => {}
+        }
+    }
+    let refused: Vec<String> = s
+        .nodes
+        .iter()
+        .filter(|n| n.refused_reports > 0 || n.refused_gpus > 0)
+        .map(|n| {
+            format!(
+                "{} ({} job reports Slurm does not place there, {} GPUs beyond its gres)",
+                n.node, n.refused_reports, n.refused_gpus
+            )
+        })
+        .collect();
+    if !refused.is_empty() {
+        out.push_str(&format!("REFUSED from {}\n", refused.join(", ")));
+    }
     // Per tier: how many jobs and GPUs, the cap range, bounds broken.
     let mut tiers: BTreeMap<String, (usize, u64, f64, f64, usize)> = BTreeMap::new();
     for j in &s.jobs {
@@ -440,6 +468,8 @@ mod tests {
                 power_w: 3_250.0,
                 jobs: 2,
                 seen_ms_ago: 400,
+                refused_reports: 0,
+                refused_gpus: 0,
             }],
             jobs: vec![
                 job("101", "flex2", Some(450.0), Some(FloorView::Held)),
@@ -453,6 +483,7 @@ mod tests {
             ],
             config_error: None,
             jobs_of_uid: None,
+            slurm: None,
         }
     }
 

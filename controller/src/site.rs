@@ -227,6 +227,49 @@ pub struct Rejected {
 
 /// The per-GPU cap range `(min_w, max_w)` common to `gpus`, or `None` when their ranges
 /// do not overlap (two GPU models whose limits have nothing in common).
+/// Per job reported by more than one live node, the least flexible of the tiers they
+/// report: the smallest slowdown bound, then the mildest `preempt=` (`none` over any
+/// bound; a tier the site does not know counts for nothing). Every reporting node runs
+/// the job (the placement check), but none of them alone may make it more flexible,
+/// more preemptible or managed at all than the others say.
+pub fn least_flexible_tiers(
+    nodes: &[NodeView],
+    tiers: &powerflex_core::flex::TierTable,
+) -> BTreeMap<String, String> {
+    use powerflex_core::flex::Preempt;
+    // Lower is less flexible: (managed, bound, preempt rank).
+    let rank = |tier: &str| {
+        let request = parse_power_flex(tier, tiers).ok()?;
+        let bound = request.service.max_slowdown().map(|b| b.0);
+        let preempt = match request.preempt {
+            None | Some(Preempt::Never) => 0,
+            Some(Preempt::Suspend) => 1,
+            Some(Preempt::Requeue) => 2,
+        };
+        Some((bound.is_some(), bound.unwrap_or(0.0), preempt))
+    };
+    let mut out: BTreeMap<String, (String, (bool, f64, u8))> = BTreeMap::new();
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    for node in nodes.iter().filter(|n| n.live) {
+        for report in &node.jobs {
+            *seen.entry(&report.job_id).or_default() += 1;
+            let Some(r) = rank(&report.tier) else {
+                continue;
+            };
+            match out.get(&report.job_id) {
+                Some((_, best)) if best.partial_cmp(&r) != Some(std::cmp::Ordering::Greater) => {}
+                _ => {
+                    out.insert(report.job_id.clone(), (report.tier.clone(), r));
+                }
+            }
+        }
+    }
+    out.into_iter()
+        .filter(|(id, _)| seen.get(id.as_str()).is_some_and(|n| *n > 1))
+        .map(|(id, (tier, _))| (id, tier))
+        .collect()
+}
+
 fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64)> {
     let (lo, hi) = gpus.fold((0.0f64, f64::MAX), |(lo, hi), g| {
         (lo.max(g.min_w), hi.min(g.max_w))
@@ -452,6 +495,7 @@ pub fn decide_steady(
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
     let mut reserved = 0.0;
     let mut rejected: Vec<Rejected> = Vec::new();
+    let tier_of = least_flexible_tiers(nodes, &settings.tiers);
     for node in nodes {
         if !node.live {
             reserved += silent_node_reserve_w(&node.gpus);
@@ -484,7 +528,8 @@ pub fn decide_steady(
         let mut node_managed_default_w = 0.0;
         let node_default_w = node.gpus.iter().map(|g| g.default_w).fold(0.0, f64::max);
         for report in &node.jobs {
-            let managed = parse_power_flex(&report.tier, &settings.tiers)
+            let tier = tier_of.get(&report.job_id).unwrap_or(&report.tier);
+            let managed = parse_power_flex(tier, &settings.tiers)
                 .map(|r| r.service.is_managed())
                 .unwrap_or(false);
             if !managed {
@@ -522,7 +567,7 @@ pub fn decide_steady(
             let job = jobs
                 .entry(report.job_id.clone())
                 .or_insert_with(|| SiteJob {
-                    tier: report.tier.clone(),
+                    tier: tier.clone(),
                     min_cap: 0.0,
                     max_cap: f64::MAX,
                     counts_tokens: true,
@@ -1287,6 +1332,56 @@ mod tests {
             decide(&nodes, Watts(4000.0), &settings()).objective,
             Maximised::RelativeSpeed
         );
+    }
+
+    /// Issue 21: the first node to report a job decided its tier and `preempt=`.
+    #[test]
+    fn a_job_on_several_nodes_is_as_flexible_as_its_least_flexible_report() {
+        let views = |a: &str, b: &str| {
+            vec![
+                node(
+                    "n1",
+                    vec![gpu(0)],
+                    vec![report("7", a, 1, 500.0, points(1.0))],
+                ),
+                node(
+                    "n2",
+                    vec![gpu(0)],
+                    vec![report("7", b, 1, 500.0, points(1.0))],
+                ),
+                node(
+                    "n3",
+                    vec![gpu(0)],
+                    vec![report("8", "flex3", 1, 500.0, points(1.0))],
+                ),
+            ]
+        };
+        let tiers = TierTable::default_table();
+        let of = |a: &str, b: &str| least_flexible_tiers(&views(a, b), &tiers).get("7").cloned();
+        assert_eq!(
+            of("flex3,preempt=requeue", "flex1").as_deref(),
+            Some("flex1")
+        );
+        assert_eq!(
+            of("flex1", "flex3,preempt=requeue").as_deref(),
+            Some("flex1")
+        );
+        assert_eq!(
+            of("flex3,preempt=requeue", "flex3,preempt=suspend").as_deref(),
+            Some("flex3,preempt=suspend")
+        );
+        assert_eq!(
+            of("flex2", "none").as_deref(),
+            Some("none"),
+            "unmanaged wins"
+        );
+        assert_eq!(
+            of("gold", "flex2").as_deref(),
+            Some("flex2"),
+            "an unknown tier counts for nothing"
+        );
+        // A job on one node keeps its own tier.
+        assert!(!least_flexible_tiers(&views("flex1", "flex1"), &tiers).contains_key("8"));
     }
 
     fn node(name: &str, gpus: Vec<GpuInfo>, jobs: Vec<JobReport>) -> NodeView {

@@ -112,6 +112,7 @@ fn allocate_on_a_curves_file_decides_what_the_controller_decides() {
     let port = free_loopback_port();
     let config = base.join("powerflex.toml");
     SiteBuilder::new(100_000.0)
+        .placement_from_reports()
         .h200(&[700.0, 600.0, 500.0, 400.0, 300.0], 500.0)
         .controller(([127, 0, 0, 1], port).into(), 30, 1)
         .key_file(&key_path)

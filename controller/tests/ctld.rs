@@ -86,6 +86,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let metrics_port = free_loopback_port();
     let config = base.join("powerflex.toml");
     SiteBuilder::new(100000.0)
+        .placement_from_reports()
         .h200(&[700.0, 600.0], 500.0)
         .controller(([127, 0, 0, 1], port).into(), 6, 1)
         .key_file(&key)

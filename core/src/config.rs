@@ -200,6 +200,19 @@ pub struct RawController {
     /// increases once the nodes confirm the decreases, read back) or `at-once` (every
     /// node at once, as before: a node may raise before another has lowered).
     pub lease_rollout: Option<String>,
+    /// Where the controller learns which jobs run on which node, and whose they are:
+    /// `slurm` (default; `squeue --json` and `sinfo --json` every
+    /// `slurm_poll_s`: a node is believed only about jobs Slurm places on it, each job's
+    /// owner is Slurm's, and a node's GPUs are bounded by its gres) or `reports` (every
+    /// node is believed about what it reports: only for a controller without Slurm, such
+    /// as an evaluation on synthetic agents).
+    pub job_placement: Option<String>,
+    /// Seconds between reads of Slurm's placement, 1 to 300 (default 5). A report that
+    /// names a job Slurm has not placed yet asks for an earlier read.
+    pub slurm_poll_s: Option<u64>,
+    /// Longest wait for `squeue`/`sinfo`, seconds, 1 to 60 (default 5): past it, the
+    /// controller keeps the last placement it read and says so in `status`.
+    pub slurm_timeout_s: Option<u64>,
 }
 
 /// `[agent]`: the node agent `powerflexd`.
@@ -411,6 +424,26 @@ pub struct ControllerConfig {
     /// Loopback only.
     pub metrics_listen: Option<SocketAddr>,
     pub lease_rollout: LeaseRollout,
+    pub job_placement: JobPlacement,
+    /// 1 to 300.
+    pub slurm_poll_s: u64,
+    /// 1 to 60.
+    pub slurm_timeout_s: u64,
+}
+
+/// Where the controller learns which jobs run where (see `controller.job_placement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobPlacement {
+    /// Slurm's own record: a node is believed only about the jobs Slurm places on it.
+    #[default]
+    Slurm,
+    /// Every node's reports, as they come: a controller without Slurm only.
+    Reports,
+}
+
+impl JobPlacement {
+    pub const NAMES: [&'static str; 2] = ["slurm", "reports"];
 }
 
 /// How the controller sends a new allocation to the nodes.
@@ -1074,6 +1107,37 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
             })
         }
     };
+    let job_placement = match raw.job_placement.as_deref() {
+        None | Some("slurm") => JobPlacement::Slurm,
+        Some("reports") => JobPlacement::Reports,
+        Some(other) => {
+            return Err(ConfigError::OutOfRange {
+                key: "controller.job_placement".into(),
+                value: format!("\"{}\"", other.escape_default()),
+                accepted: JobPlacement::NAMES
+                    .iter()
+                    .map(|n| format!("\"{n}\""))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        }
+    };
+    let slurm_poll_s = raw.slurm_poll_s.unwrap_or(5);
+    if !(1..=300).contains(&slurm_poll_s) {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.slurm_poll_s".into(),
+            value: slurm_poll_s.to_string(),
+            accepted: "1 to 300 seconds".into(),
+        });
+    }
+    let slurm_timeout_s = raw.slurm_timeout_s.unwrap_or(5);
+    if !(1..=60).contains(&slurm_timeout_s) {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.slurm_timeout_s".into(),
+            value: slurm_timeout_s.to_string(),
+            accepted: "1 to 60 seconds".into(),
+        });
+    }
     Ok(ControllerConfig {
         listen,
         lease_ttl_s,
@@ -1083,6 +1147,9 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
         state_dir,
         metrics_listen,
         lease_rollout,
+        job_placement,
+        slurm_poll_s,
+        slurm_timeout_s,
     })
 }
 
@@ -1820,6 +1887,9 @@ programs = ["gpu-dr"]
                     state_dir: PathBuf::from("/var/lib/powerflex/ctld"),
                     metrics_listen: None,
                     lease_rollout: LeaseRollout::TwoStep,
+                    job_placement: JobPlacement::Slurm,
+                    slurm_poll_s: 5,
+                    slurm_timeout_s: 5,
                 },
                 agent: AgentConfig {
                     socket: "/run/powerflex/%n.sock".into(),

@@ -149,6 +149,12 @@ pub enum AdminOp {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         ignore_tiers: bool,
     },
+    /// Forget a node the controller knows from an earlier hello (decommissioned,
+    /// renamed, or a name it should never have heard): it no longer counts in the
+    /// budget as a silent node. Refused while the node reports. Root only.
+    ForgetNode {
+        node: String,
+    },
 }
 
 impl AdminOp {
@@ -233,6 +239,10 @@ pub enum Refusal {
     /// `event-cancel` named an event the controller does not hold (it ended, was
     /// cancelled already, or was never added).
     NoSuchEvent,
+    /// `forget-node` named a node the controller does not know.
+    NoSuchNode,
+    /// `forget-node` named a node that is reporting now (stop its agent first).
+    NodeLive,
 }
 
 /// The controller's answer. Exactly one of the payload fields is set on success, the one

@@ -122,6 +122,9 @@ pub struct CtldStatus {
     /// stay. None: the caller sees every job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub jobs_of_uid: Option<u32>,
+    /// Slurm's placement, where the controller believes nodes against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<SlurmPlacementView>,
 }
 
 /// A job the controller holds suspended or requeued.
@@ -145,9 +148,35 @@ pub struct NodeStatus {
     /// Reported within its lease.
     pub live: bool,
     pub power_w: f64,
-    /// Number of jobs it reports.
+    /// Number of jobs it reports that Slurm places on it (the ones believed).
     pub jobs: u32,
     pub seen_ms_ago: u64,
+    /// Job reports refused from this node since the controller started: jobs Slurm does
+    /// not place on it (a misconfigured or rogue node says so here).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub refused_reports: u64,
+    /// GPUs the node announces beyond what Slurm configures for it (not counted).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub refused_gpus: u32,
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Slurm's placement as the controller last read it (`job_placement = "slurm"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlurmPlacementView {
+    /// How long ago it was read, ms; none before the first read.
+    pub read_ms_ago: Option<u64>,
+    /// Jobs Slurm listed then.
+    pub jobs: u32,
+    /// Why the latest read failed (the last good one stays in force).
+    pub error: Option<String>,
 }
 
 /// One job across every node it runs on.

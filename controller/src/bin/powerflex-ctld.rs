@@ -63,6 +63,14 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         metrics_listen: site.controller.metrics_listen,
         lease_rollout: site.controller.lease_rollout,
         max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
+        job_placement: site.controller.job_placement,
+        slurm_poll: Duration::from_secs(site.controller.slurm_poll_s),
+        slurm_timeout: Duration::from_secs(site.controller.slurm_timeout_s),
+        max_gpu_power_w: site
+            .gpu_models
+            .iter()
+            .map(|m| m.max_cap_w.0)
+            .fold(0.0, f64::max),
         site: settings,
     })
 }

@@ -241,6 +241,14 @@ enum Command {
         #[command(subcommand)]
         action: BudgetAction,
     },
+    /// Forget a node the controller knows (decommissioned or renamed): it stops counting
+    /// in the budget as a silent node. Refused while the node reports. Root only.
+    ForgetNode {
+        /// The node's Slurm name, as `powerflexctl status` lists it.
+        node: String,
+        #[command(flatten)]
+        ctld: CtldArgs,
+    },
     /// Scheduled and running grid events (same as `event list`).
     Events {
         #[command(flatten)]
@@ -779,6 +787,10 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             }
         },
         Command::Events { ctld: args, format } => list_events(&args, format),
+        Command::ForgetNode { node, ctld: args } => {
+            admin(&args, AdminOp::ForgetNode { node: node.clone() })?;
+            Ok(format!("node {node} forgotten\n"))
+        }
         Command::Plot {
             out,
             title,

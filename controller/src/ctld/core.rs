@@ -19,12 +19,13 @@ use super::metrics::MetricsInput;
 use super::owners::{self, Owners};
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
+use crate::placement::{bound_gpu_power, Placement, RefusedBecause};
 use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, Ramp, RampPlan};
 use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
 use crate::site::{decide_holding, Decision, NodeView};
-use powerflex_core::config::LeaseRollout;
+use powerflex_core::config::{JobPlacement, LeaseRollout};
 
 /// Least time a node gets to confirm its decreases before it counts at its most, ms: an
 /// agent applies a lease at once and reports within tens of milliseconds, but a busy host
@@ -68,9 +69,19 @@ pub const HISTORY: usize = 8640;
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Session {
+    /// What the controller believes of the node: its jobs and GPUs as far as Slurm's
+    /// placement bears them out (see [`crate::placement`]).
     pub view: NodeView,
     /// When the node last said hello or reported (0: not since this controller started).
     pub last_seen_ms: u64,
+    /// What the node last said, before the placement check: believed again whenever a
+    /// new placement is read.
+    pub reported: Vec<JobReport>,
+    pub announced: Vec<GpuInfo>,
+    /// Job reports refused from this node since the controller started.
+    pub refused_reports: u64,
+    /// GPUs it announces beyond what Slurm configures for it (last hello).
+    pub refused_gpus: u32,
 }
 
 /// One input to [`Core::step`].
@@ -91,6 +102,8 @@ pub enum Input {
     Reload(Box<Reload>),
     /// The allocation period elapsed.
     Tick,
+    /// Slurm's placement was read (`squeue`/`sinfo`), or why it could not be.
+    Placement(Box<Result<Placement, String>>),
 }
 
 /// One node's lease.
@@ -129,6 +142,9 @@ pub struct Output {
     /// Suspensions, resumptions, requeues and releases for cuts deeper than caps reach,
     /// to run after the leases went out.
     pub preempt: Vec<Action>,
+    /// A node reported a job Slurm's last placement does not list: read it again now
+    /// rather than at the next poll.
+    pub refresh_placement: bool,
 }
 
 /// The controller's state machine.
@@ -166,6 +182,11 @@ pub struct Core {
     /// Who owns the jobs reported now and within the history: a non-root admin caller
     /// reads only their own (see [`owners::need_to_know`]).
     owners: Owners,
+    /// Slurm's last placement read (with `job_placement = "slurm"`).
+    placement: Option<Placement>,
+    /// Why the last read of it failed, if it did (the last good one stays in force).
+    placement_error: Option<String>,
+    refresh_placement: bool,
 }
 
 impl Core {
@@ -208,6 +229,10 @@ impl Core {
                     Session {
                         view,
                         last_seen_ms: 0,
+                        reported: Vec::new(),
+                        announced: gpus.clone(),
+                        refused_reports: 0,
+                        refused_gpus: 0,
                     },
                 )
             })
@@ -239,6 +264,9 @@ impl Core {
             curve_history: BTreeMap::new(),
             last_event: None,
             owners: Owners::default(),
+            placement: None,
+            placement_error: None,
+            refresh_placement: false,
         }
     }
 
@@ -269,6 +297,7 @@ impl Core {
                 }
                 Input::Reload(reload) => self.reload(*reload),
                 Input::Tick => self.allocate_now = true,
+                Input::Placement(read) => self.placement_read(*read),
             }
         }
         if self.allocate_now {
@@ -294,12 +323,13 @@ impl Core {
             out.persist = Some(self.state.clone());
         }
         out.lease_ttl_s = self.options.lease_ttl_s;
+        out.refresh_placement = std::mem::take(&mut self.refresh_placement);
         out
     }
 
     /// The status snapshot at `now_ms` (liveness as of the last allocation attempt).
     pub fn status(&self, now_ms: u64) -> CtldStatus {
-        status::build(
+        let mut status = status::build(
             &self.state,
             self.options.base_budget,
             &self.sessions,
@@ -307,7 +337,15 @@ impl Core {
             self.config_error.as_deref(),
             &self.curve_history,
             now_ms,
-        )
+        );
+        status.slurm =
+            self.checked_placement()
+                .map(|p| powerflex_proto::status::SlurmPlacementView {
+                    read_ms_ago: p.map(|p| now_ms.saturating_sub(p.read_at_ms)),
+                    jobs: p.map_or(0, |p| p.jobs.len() as u32),
+                    error: self.placement_error.clone(),
+                });
+        status
     }
 
     pub fn state(&self) -> &CtldState {
@@ -336,29 +374,148 @@ impl Core {
                     live: true,
                 },
                 last_seen_ms: 0,
+                reported: Vec::new(),
+                announced: Vec::new(),
+                refused_reports: 0,
+                refused_gpus: 0,
             });
-        if self.state.nodes.get(&node) != Some(&gpus) {
-            self.state.nodes.insert(node.clone(), gpus.clone());
-            self.dirty = true;
-        }
-        session.view.gpus = gpus;
+        session.announced = gpus;
         session.last_seen_ms = now_ms;
+        self.believe(&node);
         self.allocate_now = true;
     }
 
-    fn report(&mut self, node: &str, jobs: Vec<JobReport>, power_w: f64, now_ms: u64) {
-        // A report before a hello is dropped: the link only forwards reports from a
-        // connection that said hello as this node.
+    /// The placement the node's words are checked against: Slurm's, or none at all
+    /// (`job_placement = "reports"`: every node believed).
+    fn checked_placement(&self) -> Option<Option<&Placement>> {
+        match self.options.job_placement {
+            JobPlacement::Slurm => Some(self.placement.as_ref()),
+            JobPlacement::Reports => None,
+        }
+    }
+
+    /// Recomputes what is believed of `node` from what it last said and the placement;
+    /// whether its set of jobs changed.
+    fn believe(&mut self, node: &str) -> bool {
+        let checked = self.checked_placement().map(|p| p.cloned());
         let Some(s) = self.sessions.get_mut(node) else {
-            return;
+            return false;
         };
-        // Only a change in the set of jobs needs a new allocation before the next tick.
+        let (jobs, gpus, refused_gpus) = match checked {
+            None => (s.reported.clone(), s.announced.clone(), 0),
+            Some(placement) => {
+                let b = Placement::believe(placement.as_ref(), node, &s.reported, &s.announced);
+                (b.jobs, b.gpus, b.gpus_refused)
+            }
+        };
+        let (gpus, clamped) = bound_gpu_power(&gpus, self.options.max_gpu_power_w);
+        if clamped && s.view.gpus != gpus {
+            warn!(
+                node,
+                max_gpu_power_w = self.options.max_gpu_power_w,
+                "a node announced GPUs above the site's largest GPU model; counted at that model's limit"
+            );
+        }
+        if refused_gpus > 0 && s.refused_gpus as usize != refused_gpus {
+            warn!(
+                node,
+                announced = s.announced.len(),
+                believed = gpus.len(),
+                "a node announced more GPUs than Slurm configures for it; the rest are not counted"
+            );
+        }
+        s.refused_gpus = refused_gpus as u32;
         let changed = s
             .view
             .jobs
             .iter()
             .map(|j| &j.job_id)
             .ne(jobs.iter().map(|j| &j.job_id));
+        s.view.jobs = jobs;
+        if s.view.gpus != gpus {
+            s.view.gpus = gpus.clone();
+            if self.state.nodes.get(node) != Some(&gpus) {
+                self.state.nodes.insert(node.to_string(), gpus);
+                self.dirty = true;
+            }
+        } else if !self.state.nodes.contains_key(node) {
+            self.state.nodes.insert(node.to_string(), gpus);
+            self.dirty = true;
+        }
+        changed
+    }
+
+    /// A new read of Slurm's placement: every node believed again against it.
+    fn placement_read(&mut self, read: Result<Placement, String>) {
+        match read {
+            Ok(placement) => {
+                if self.placement_error.take().is_some() {
+                    info!(jobs = placement.jobs.len(), "Slurm's placement read again");
+                }
+                self.placement = Some(placement);
+                let nodes: Vec<String> = self.sessions.keys().cloned().collect();
+                for node in nodes {
+                    self.allocate_now |= self.believe(&node);
+                }
+            }
+            Err(e) => {
+                if self.placement_error.as_deref() != Some(e.as_str()) {
+                    warn!(error = %e, "cannot read Slurm's placement; the last one read stays in force");
+                }
+                self.placement_error = Some(e);
+            }
+        }
+    }
+
+    fn report(&mut self, node: &str, jobs: Vec<JobReport>, power_w: f64, now_ms: u64) {
+        // A report before a hello is dropped: the link only forwards reports from a
+        // connection that said hello as this node.
+        if !self.sessions.contains_key(node) {
+            return;
+        }
+        // What Slurm does not bear out is refused here, counted and logged, and never
+        // reaches the allocation, the annotations, the preemptions or the status.
+        if let Some(placement) = self.checked_placement() {
+            let refused = Placement::believe(placement, node, &jobs, &[]).refused;
+            if !refused.is_empty() {
+                // A job Slurm has not listed yet may just have started: read again now.
+                self.refresh_placement |= refused
+                    .iter()
+                    .any(|(_, why)| *why != RefusedBecause::NotOnThisNode);
+                if let Some(s) = self.sessions.get_mut(node) {
+                    let first = s.refused_reports == 0;
+                    // Before Slurm's first answer nobody is believed: no node's fault.
+                    s.refused_reports += refused
+                        .iter()
+                        .filter(|(_, why)| *why != RefusedBecause::NoPlacementYet)
+                        .count() as u64;
+                    // Logged when a job first appears refused, not at every report.
+                    for (job_id, why) in &refused {
+                        let new = first || !s.reported.iter().any(|r| &r.job_id == job_id);
+                        if *why != RefusedBecause::NoPlacementYet && new {
+                            warn!(
+                                node,
+                                job_id,
+                                why = why.label(),
+                                "a node reported a job Slurm does not place on it; refused"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let Some(s) = self.sessions.get_mut(node) else {
+            return;
+        };
+        let previous = std::mem::take(&mut s.view.jobs);
+        s.reported = jobs;
+        s.view.jobs = previous.clone();
+        // Only a change in the set of jobs needs a new allocation before the next tick.
+        let changed = self.believe(node);
+        let Some(s) = self.sessions.get_mut(node) else {
+            return;
+        };
+        let jobs = &s.view.jobs;
         // The caps in force on the node, as its agent read them back: they confirm the
         // decreases a rollout waits for.
         let in_force: BTreeMap<String, f64> = jobs
@@ -375,10 +532,9 @@ impl Core {
         // watts the job has just taken back. Budget first: drop them and allocate at
         // once on what the node says now.
         let rose = jobs.iter().find_map(|new| {
-            let old = s.view.jobs.iter().find(|o| o.job_id == new.job_id)?;
+            let old = previous.iter().find(|o| o.job_id == new.job_id)?;
             draw_rose(old, new).then(|| (new.job_id.clone(), old.power_w, new.power_w))
         });
-        s.view.jobs = jobs;
         s.view.power_w = power_w;
         s.last_seen_ms = now_ms;
         self.rollout.confirm(node, &in_force);
@@ -412,9 +568,12 @@ impl Core {
                     || new.state_dir != old.state_dir
                     || new.key != old.key
                     || new.period != old.period
-                    || new.metrics_listen != old.metrics_listen;
+                    || new.metrics_listen != old.metrics_listen
+                    || new.job_placement != old.job_placement
+                    || new.slurm_poll != old.slurm_poll
+                    || new.slurm_timeout != old.slurm_timeout;
                 if needs_restart {
-                    warn!("site config reloaded; listen addresses, sockets, state directory, key and allocation period change only on restart");
+                    warn!("site config reloaded; listen addresses, sockets, state directory, key, allocation period and Slurm placement settings change only on restart");
                 }
                 info!(
                     base_budget_w = new.base_budget.0,
@@ -429,6 +588,9 @@ impl Core {
                     key: old.key.clone(),
                     period: old.period,
                     metrics_listen: old.metrics_listen,
+                    job_placement: old.job_placement,
+                    slurm_poll: old.slurm_poll,
+                    slurm_timeout: old.slurm_timeout,
                     ..new
                 };
                 self.config_error = None;
@@ -513,6 +675,36 @@ impl Core {
                     return AdminReply::refused(Refusal::NoSuchEvent, format!("no event {id}"));
                 }
                 info!(id, "grid event cancelled");
+                self.dirty = true;
+                AdminReply::ok()
+            }
+            AdminOp::ForgetNode { node } => {
+                let ttl_ms = (self.options.lease_ttl_s * 1000.0) as u64;
+                let known =
+                    self.state.nodes.contains_key(&node) || self.sessions.contains_key(&node);
+                if !known {
+                    return AdminReply::refused(
+                        Refusal::NoSuchNode,
+                        format!("no node {node:?} is known; `powerflexctl status` lists them"),
+                    );
+                }
+                if let Some(s) = self.sessions.get(&node) {
+                    let ago_ms = now_ms.saturating_sub(s.last_seen_ms);
+                    if s.last_seen_ms > 0 && ago_ms < ttl_ms {
+                        return AdminReply::refused(
+                            Refusal::NodeLive,
+                            format!(
+                                "node {node} reported {:.1} s ago; stop its agent and wait out its lease ({:.0} s) first: forgetting a live node would leave its GPUs out of the budget",
+                                ago_ms as f64 / 1000.0,
+                                self.options.lease_ttl_s
+                            ),
+                        );
+                    }
+                }
+                warn!(node = %node, "node forgotten by an admin");
+                self.sessions.remove(&node);
+                self.awaiting.remove(&node);
+                self.state.nodes.remove(&node);
                 self.dirty = true;
                 AdminReply::ok()
             }
@@ -657,7 +849,7 @@ impl Core {
         if !stalled.is_empty() {
             warn!(nodes = ?stalled, "decreases not confirmed in time; counting those nodes at the most they may draw");
         }
-        let views: Vec<NodeView> = self
+        let mut views: Vec<NodeView> = self
             .sessions
             .values()
             .map(|s| {
@@ -666,6 +858,14 @@ impl Core {
                 view
             })
             .collect();
+        // A job on several nodes is as flexible as the least flexible of them says: the
+        // decision, the preemptions and the annotations all read these views.
+        let tier_of = crate::site::least_flexible_tiers(&views, &self.options.site.tiers);
+        for report in views.iter_mut().flat_map(|v| v.jobs.iter_mut()) {
+            if let Some(tier) = tier_of.get(&report.job_id) {
+                report.tier.clone_from(tier);
+            }
+        }
         // Caps first; where caps at every floor cannot meet the budget, jobs that allow
         // it are held out (crate::preempt), and given back once they fit again.
         let cut_ahead = plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5;
@@ -755,7 +955,7 @@ impl Core {
         out.annotations = annotate::changes(
             &decision,
             &self.state.preempted,
-            self.sessions.values().flat_map(|s| s.view.jobs.iter()),
+            views.iter().flat_map(|v| v.jobs.iter()),
             &mut self.annotations,
         );
         let draw = status::live_draw_w(&self.sessions);
@@ -860,6 +1060,10 @@ mod tests {
             metrics_listen: None,
             lease_rollout: LeaseRollout::TwoStep,
             max_ramp_w_per_s: None,
+            job_placement: JobPlacement::Reports,
+            slurm_poll: Duration::from_secs(5),
+            slurm_timeout: Duration::from_secs(5),
+            max_gpu_power_w: 700.0,
         }
     }
 
@@ -923,6 +1127,179 @@ mod tests {
 
     fn admin(op: AdminOp, uid: u32) -> Input {
         Input::Admin { op, uid }
+    }
+
+    fn slurm_placed(jobs: &[(&str, &[&str], u32)]) -> Input {
+        use powerflex_core::slurm_record::{SlurmJob, SlurmJobState};
+        Input::Placement(Box::new(Ok(Placement {
+            jobs: jobs
+                .iter()
+                .map(|(id, nodes, uid)| {
+                    (
+                        id.to_string(),
+                        SlurmJob {
+                            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+                            uid: *uid,
+                            state: SlurmJobState::OnItsNodes,
+                            admin_comment: String::new(),
+                        },
+                    )
+                })
+                .collect(),
+            node_gpus: [("n1".to_string(), 8), ("n2".to_string(), 8)].into(),
+            read_at_ms: T0,
+        })))
+    }
+
+    /// Issue 21: root on n2 (n2's link key) reported n1's flex0 job as
+    /// `flex3,preempt=requeue` with 5 kW GPUs, and the controller believed it.
+    #[test]
+    fn a_node_is_believed_only_about_the_jobs_slurm_places_on_it() {
+        let mut core = Core::new(
+            CtldOptions {
+                job_placement: JobPlacement::Slurm,
+                ..options()
+            },
+            Loaded::default(),
+            T0,
+        );
+        let mut forged = job("101", None);
+        forged.tier = "flex3,preempt=requeue".into();
+        forged.owner_uid = Some(0);
+        let mut fake_gpus = gpus(8);
+        fake_gpus.extend(gpus(292).into_iter().map(|mut g| {
+            g.uuid.push_str("-fake");
+            g.max_w = 5000.0;
+            g.default_w = 5000.0;
+            g
+        }));
+        // Before Slurm answered: nothing believed, and a read asked for.
+        let out = core.step(
+            T0,
+            vec![
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                Input::Hello {
+                    node: "n2".into(),
+                    gpus: fake_gpus,
+                },
+                report("n2", vec![forged.clone(), job("102", None)]),
+            ],
+        );
+        assert!(out.refresh_placement);
+        assert!(
+            core.status(T0).jobs.is_empty(),
+            "no job believed before Slurm answered"
+        );
+        // Slurm: 101 on n1 (uid 1001), 102 on n2 (uid 1002).
+        let out = core.step(
+            T0 + 100,
+            vec![slurm_placed(&[
+                ("101", &["n1"], 1001),
+                ("102", &["n2"], 1002),
+            ])],
+        );
+        assert!(
+            out.leases.contains_key("n1"),
+            "allocated once Slurm answered: {out:?}"
+        );
+        let status = core.status(T0 + 100);
+        let jobs: Vec<(&str, &[String], Option<u32>, &str)> = status
+            .jobs
+            .iter()
+            .map(|j| {
+                (
+                    j.job.as_str(),
+                    j.nodes.as_slice(),
+                    j.owner_uid,
+                    j.tier.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            jobs,
+            [
+                ("101", &["n1".to_string()][..], Some(1001), "flex2"),
+                ("102", &["n2".to_string()][..], Some(1002), "flex2"),
+            ],
+            "n2's word about 101 is not taken; the owners are Slurm's"
+        );
+        let n2 = status.nodes.iter().find(|n| n.node == "n2").expect("n2");
+        assert_eq!(
+            (n2.gpus, n2.refused_gpus),
+            (8, 292),
+            "GPUs bounded by Slurm's gres"
+        );
+        // n2's lease never names n1's job; nothing is preempted or annotated for it there.
+        let out = core.step(
+            T0 + 200,
+            vec![report("n2", vec![forged, job("102", None)]), Input::Tick],
+        );
+        if let Some(lease) = out.leases.get("n2") {
+            assert!(!lease.caps.contains_key("101"), "{lease:?}");
+        }
+        let n2 = core
+            .status(T0 + 200)
+            .nodes
+            .into_iter()
+            .find(|n| n.node == "n2");
+        assert_eq!(
+            n2.map(|n| n.refused_reports),
+            Some(1),
+            "the forged report, read after Slurm answered, counted on its sender"
+        );
+        assert!(out.preempt.is_empty());
+        assert!(out
+            .annotations
+            .iter()
+            .all(|(job, text)| job != "101" || text.contains("tier=flex2")));
+        // Slurm away: the last placement stays in force, and status says why.
+        core.step(
+            T0 + 300,
+            vec![Input::Placement(Box::new(Err(
+                "squeue: no answer within 5.0 s".into(),
+            )))],
+        );
+        let status = core.status(T0 + 300);
+        assert_eq!(status.jobs.len(), 2);
+        let slurm = status.slurm.expect("placement shown");
+        assert_eq!(slurm.jobs, 2);
+        assert!(slurm.error.is_some_and(|e| e.contains("no answer")));
+        // The job ended in Slurm: no longer believed, even while its node still reports it.
+        core.step(T0 + 400, vec![slurm_placed(&[("102", &["n2"], 1002)])]);
+        let ids: Vec<String> = core
+            .status(T0 + 400)
+            .jobs
+            .into_iter()
+            .map(|j| j.job)
+            .collect();
+        assert_eq!(ids, ["102"]);
+    }
+
+    #[test]
+    fn an_admin_forgets_a_silent_node_but_not_a_live_one() {
+        let mut core = running();
+        let forget = |node: &str| AdminOp::ForgetNode { node: node.into() };
+        let out = core.step(T0 + 10, vec![admin(forget("n1"), 0)]);
+        assert_eq!(reply(&out).refusal, Some(Refusal::NodeLive), "{out:?}");
+        let out = core.step(T0 + 10, vec![admin(forget("n9"), 0)]);
+        assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchNode));
+        let later = T0 + (TTL_S * 1000.0) as u64 + 1_000;
+        let out = core.step(later, vec![admin(forget("n1"), 1000)]);
+        assert!(!reply(&out).ok, "root only");
+        let out = core.step(
+            later,
+            vec![report("n2", vec![job("102", None)]), admin(forget("n1"), 0)],
+        );
+        assert!(reply(&out).ok, "{out:?}");
+        assert!(!out.persist.expect("saved").nodes.contains_key("n1"));
+        let nodes: Vec<String> = core
+            .status(later)
+            .nodes
+            .into_iter()
+            .map(|n| n.node)
+            .collect();
+        assert_eq!(nodes, ["n2"]);
     }
 
     /// Two nodes with one job each, allocated at T0.

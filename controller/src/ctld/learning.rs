@@ -100,6 +100,10 @@ mod tests {
             Session {
                 view,
                 last_seen_ms: 0,
+                reported: Vec::new(),
+                announced: Vec::new(),
+                refused_reports: 0,
+                refused_gpus: 0,
             },
         )]
         .into()

@@ -65,6 +65,14 @@ pub struct CtldOptions {
     /// The fastest the allocated budget may rise, W/s (`None`: no limit; see
     /// [`crate::ramp`]).
     pub max_ramp_w_per_s: Option<f64>,
+    /// Where the controller learns which jobs run where (see [`crate::placement`]).
+    pub job_placement: powerflex_core::config::JobPlacement,
+    /// How often Slurm's placement is read, and the longest wait for it.
+    pub slurm_poll: Duration,
+    pub slurm_timeout: Duration,
+    /// The highest `max_cap_w` of the site's GPU models, W: no announced GPU counts for
+    /// more (see [`crate::placement::bound_gpu_power`]).
+    pub max_gpu_power_w: f64,
 }
 
 /// A re-read site config (on SIGHUP): the new options, or why the file was refused.
@@ -90,6 +98,58 @@ pub(crate) enum Inbound {
         uid: u32,
         reply: Sender<AdminReply>,
     },
+    /// A read of Slurm's placement (see [`spawn_placement_reader`]).
+    Placement(Result<crate::placement::Placement, String>),
+}
+
+/// Reads Slurm's placement (`squeue --json`, `sinfo --json`) every `poll`, and at once
+/// (at most once a second) when the loop asks through the returned sender; each command
+/// waits at most `timeout`. Runs until that sender is dropped. Slurm slow or away: the
+/// error goes to the loop, which keeps the last placement it had.
+fn spawn_placement_reader(
+    to_loop: Sender<Inbound>,
+    poll: Duration,
+    timeout: Duration,
+) -> std::io::Result<Sender<()>> {
+    use powerflex_core::slurm_record::{
+        parse_sinfo_gpus, parse_squeue_json, MAX_SLURM_OUTPUT_BYTES,
+    };
+    let (refresh_tx, refresh_rx) = bounded::<()>(1);
+    std::thread::Builder::new()
+        .name("slurm-placement".into())
+        .spawn(move || loop {
+            let started = std::time::Instant::now();
+            let read = || -> Result<crate::placement::Placement, String> {
+                let run = |program: &str| {
+                    powerflex_daemon::command::output_within(
+                        program,
+                        &["--json"],
+                        &[],
+                        timeout,
+                        MAX_SLURM_OUTPUT_BYTES,
+                    )
+                    .map_err(|e| e.to_string())
+                };
+                let jobs = parse_squeue_json(&run("squeue")?).map_err(|e| e.to_string())?;
+                let node_gpus = parse_sinfo_gpus(&run("sinfo")?).map_err(|e| e.to_string())?;
+                Ok(crate::placement::Placement {
+                    jobs,
+                    node_gpus,
+                    read_at_ms: unix_ms(),
+                })
+            };
+            if to_loop.send(Inbound::Placement(read())).is_err() {
+                return;
+            }
+            // At most one read a second, however often the loop asks.
+            let rest = Duration::from_secs(1).saturating_sub(started.elapsed());
+            std::thread::sleep(rest);
+            match refresh_rx.recv_timeout(poll.saturating_sub(Duration::from_secs(1))) {
+                Ok(()) | Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+            }
+        })?;
+    Ok(refresh_tx)
 }
 
 /// How many connections the controller serves at once, and for how long.
@@ -188,6 +248,13 @@ pub fn run_bounded(
         shutdown.clone(),
     )
     .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
+    let placement_refresh = match options.job_placement {
+        powerflex_core::config::JobPlacement::Slurm => Some(
+            spawn_placement_reader(tx.clone(), options.slurm_poll, options.slurm_timeout)
+                .map_err(|e| format!("cannot start the Slurm placement reader: {e}"))?,
+        ),
+        powerflex_core::config::JobPlacement::Reports => None,
+    };
     drop(tx);
     let annotator = annotate::spawn_annotator();
     let preemptor = annotate::spawn_preemptor();
@@ -233,6 +300,11 @@ pub fn run_bounded(
         if let Some(text) = out.metrics {
             *metrics_text.lock().unwrap_or_else(PoisonError::into_inner) = text;
         }
+        if out.refresh_placement {
+            if let Some(refresh) = &placement_refresh {
+                let _ = refresh.try_send(());
+            }
+        }
         select! {
             recv(rx) -> msg => {
                 let Ok(first) = msg else { break };
@@ -258,6 +330,10 @@ pub fn run_bounded(
                         Inbound::Admin { op, uid, reply } => {
                             inputs.push(Input::Admin { op, uid });
                             waiting.push(Some(reply));
+                        }
+                        Inbound::Placement(read) => {
+                            inputs.push(Input::Placement(Box::new(read)));
+                            waiting.push(None);
                         }
                     }
                 }
@@ -331,6 +407,10 @@ mod tests {
             metrics_listen: Some(metrics),
             lease_rollout: Default::default(),
             max_ramp_w_per_s: None,
+            job_placement: powerflex_core::config::JobPlacement::Reports,
+            slurm_poll: Duration::from_secs(5),
+            slurm_timeout: Duration::from_secs(5),
+            max_gpu_power_w: 700.0,
         }
     }
 

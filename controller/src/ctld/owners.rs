@@ -190,6 +190,8 @@ mod tests {
                     power_w: 6_000.0,
                     jobs: 3,
                     seen_ms_ago: 10,
+                    refused_reports: 0,
+                    refused_gpus: 0,
                 }],
                 jobs: vec![row("1", Some(ALICE)), row("2", Some(BOB)), row("3", None)],
                 config_error: Some("/etc/slurm/powerflex.toml: bad key_file".into()),
@@ -206,6 +208,7 @@ mod tests {
                     },
                 ],
                 jobs_of_uid: None,
+                slurm: None,
             }),
             ..AdminReply::ok()
         }

@@ -107,11 +107,14 @@ pub fn build(
                 power_w: s.view.power_w,
                 jobs: s.view.jobs.len() as u32,
                 seen_ms_ago: now_ms.saturating_sub(s.last_seen_ms),
+                refused_reports: s.refused_reports,
+                refused_gpus: s.refused_gpus,
             })
             .collect(),
         jobs: jobs.into_values().collect(),
         config_error: config_error.map(str::to_string),
         jobs_of_uid: None,
+        slurm: None,
     }
 }
 
