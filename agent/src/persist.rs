@@ -152,7 +152,7 @@ pub struct RunningJob {
 /// its root-owned `slurmstepd` ancestor (`table`), and `uid_of` reads a process's owner
 /// from the kernel. A process with a forged `SLURM_JOB_ID`, or on no GPU of this node,
 /// takes nothing back. The tier is not read here at all: the job's environment could
-/// name any (see [`adoption_tier`]).
+/// name any; it comes from Slurm's record ([`slurm_recorded_tier`]).
 pub fn running_jobs(
     table: &ProcTable,
     gpu_pids: &BTreeMap<u32, Vec<u32>>,

@@ -154,26 +154,64 @@ fn counted(
         .collect()
 }
 
+/// What the planner knows beyond the nodes' views.
+#[derive(Clone, Copy)]
+pub struct Outlook<'a> {
+    /// Whether any event cuts the budget now or within the look-ahead (requeued jobs
+    /// wait for none).
+    pub cut_ahead: bool,
+    /// Whether Slurm still holds a job (running, suspended or pending, not ended), from
+    /// its own record; `None` without Slurm's record (`job_placement = "reports"`).
+    pub in_slurm: Option<&'a dyn Fn(&str) -> bool>,
+}
+
+impl std::fmt::Debug for Outlook<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outlook")
+            .field("cut_ahead", &self.cut_ahead)
+            .field("in_slurm", &self.in_slurm.map(|_| "Slurm's record"))
+            .finish()
+    }
+}
+
+impl Outlook<'_> {
+    /// No Slurm record to consult.
+    pub fn cut(cut_ahead: bool) -> Outlook<'static> {
+        Outlook {
+            cut_ahead,
+            in_slurm: None,
+        }
+    }
+}
+
 /// Allocates `budget` with as few jobs held out as every floor needs. `held` is who is
-/// held now; `cut_ahead` whether any event cuts the budget now or within the look-ahead
-/// (requeued jobs wait for none); `in_force` the caps of the last allocation, which stay
-/// while they are as good (see [`decide_steady`]).
+/// held now; `in_force` the caps of the last allocation, which stay while they are as
+/// good (see [`decide_steady`]).
+///
+/// A held job stays held until it is given back (and the resume or release sent) or
+/// Slurm says it ended: a node silent or slow to report it for one allocation does not
+/// drop it, or the job would stay suspended with no resume ever sent. Without Slurm's
+/// record, a suspended job no live node reports counts as ended once it has had time to
+/// be reported.
 pub fn plan(
     nodes: &[NodeView],
     budget: Watts,
     settings: &SiteSettings,
     held: &BTreeMap<String, Preempted>,
-    cut_ahead: bool,
+    outlook: Outlook,
     in_force: &BTreeMap<String, f64>,
     now_ms: u64,
 ) -> Plan {
+    let cut_ahead = outlook.cut_ahead;
     let jobs = candidates(nodes, settings);
     let mut now_held = held.clone();
-    // A suspended job no node reports has ended (cancelled while suspended).
-    now_held.retain(|id, p| {
-        p.how == Preempt::Requeue
-            || jobs.contains_key(id)
-            || now_ms.saturating_sub(p.since_ms) < STOP_GRACE_MS
+    now_held.retain(|id, p| match outlook.in_slurm {
+        Some(in_slurm) => in_slurm(id),
+        None => {
+            p.how == Preempt::Requeue
+                || jobs.contains_key(id)
+                || now_ms.saturating_sub(p.since_ms) < STOP_GRACE_MS
+        }
     });
     // A job given back is allocated on its curve, not on the idle draw it reported while
     // suspended (in metered mode that draw would scale its curve down and buy it a cap
@@ -386,7 +424,7 @@ mod tests {
             Watts(8000.0),
             &settings(),
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -405,7 +443,7 @@ mod tests {
             Watts(6400.0),
             &settings,
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -429,7 +467,7 @@ mod tests {
             Watts(3000.0),
             &settings,
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -445,7 +483,7 @@ mod tests {
             Watts(6400.0),
             &settings,
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -458,7 +496,7 @@ mod tests {
             Watts(6400.0),
             &settings,
             &first.held,
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             t,
         );
@@ -471,7 +509,7 @@ mod tests {
             Watts(11_200.0),
             &settings,
             &held.held,
-            false,
+            Outlook::cut(false),
             &BTreeMap::new(),
             t + 1000,
         );
@@ -483,7 +521,7 @@ mod tests {
             Watts(6700.0),
             &settings,
             &held.held,
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             t + 1000,
         );
@@ -505,7 +543,7 @@ mod tests {
             Watts(5500.0),
             &settings,
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -520,7 +558,7 @@ mod tests {
             Watts(3200.0),
             &settings,
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -534,7 +572,7 @@ mod tests {
             Watts(11_200.0),
             &settings,
             &p.held,
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0 + 60_000,
         );
@@ -544,7 +582,7 @@ mod tests {
             Watts(11_200.0),
             &settings,
             &later.held,
-            false,
+            Outlook::cut(false),
             &BTreeMap::new(),
             T0 + 70_000,
         );
@@ -560,7 +598,7 @@ mod tests {
             Watts(6000.0),
             &settings,
             &BTreeMap::new(),
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0,
         );
@@ -571,11 +609,82 @@ mod tests {
             Watts(6000.0),
             &settings,
             &first.held,
-            true,
+            Outlook::cut(true),
             &BTreeMap::new(),
             T0 + STOP_GRACE_MS,
         );
         assert!(p.held.is_empty());
         assert!(p.actions.is_empty(), "nothing to resume: {:?}", p.actions);
+    }
+
+    /// Issue 21: a held job was dropped from the held set when its node was silent or
+    /// slow to report it for one allocation, and no resume was ever sent.
+    #[test]
+    fn with_slurm_s_record_a_held_job_stays_held_through_a_silent_node_and_is_resumed() {
+        let settings = settings();
+        let first = plan(
+            &site(),
+            Watts(6400.0),
+            &settings,
+            &BTreeMap::new(),
+            Outlook::cut(true),
+            &BTreeMap::new(),
+            T0,
+        );
+        assert_eq!(ids(&first.held), ["13"]);
+        let alive = |_: &str| true;
+        let slurm = |cut_ahead| Outlook {
+            cut_ahead,
+            in_slurm: Some(&alive),
+        };
+        // n3 silent for several allocations, the cut over meanwhile.
+        let mut nodes = site();
+        nodes[2].live = false;
+        let mut held = first.held.clone();
+        for k in 1..=3 {
+            let p = plan(
+                &nodes,
+                Watts(11_200.0),
+                &settings,
+                &held,
+                slurm(false),
+                &BTreeMap::new(),
+                T0 + k * STOP_GRACE_MS,
+            );
+            assert_eq!(ids(&p.held), ["13"], "still held while n3 is silent");
+            assert!(p.actions.is_empty(), "{:?}", p.actions);
+            held = p.held;
+        }
+        // n3 back (the job suspended, at idle draw): resumed.
+        nodes[2] = node("n3", vec![job("13", "flex3,preempt=suspend", 200.0, 75.0)]);
+        let p = plan(
+            &nodes,
+            Watts(11_200.0),
+            &settings,
+            &held,
+            slurm(false),
+            &BTreeMap::new(),
+            T0 + 5 * STOP_GRACE_MS,
+        );
+        assert!(p.held.is_empty());
+        assert_eq!(p.actions, [Action::Resume { job: "13".into() }]);
+        // Slurm says it ended (cancelled while suspended; its node no longer reports it):
+        // forgotten, nothing sent.
+        let ended = |_: &str| false;
+        nodes[2] = node("n3", vec![]);
+        let p = plan(
+            &nodes,
+            Watts(6400.0),
+            &settings,
+            &held,
+            Outlook {
+                cut_ahead: true,
+                in_slurm: Some(&ended),
+            },
+            &BTreeMap::new(),
+            T0 + 5 * STOP_GRACE_MS,
+        );
+        assert!(p.held.is_empty(), "{:?}", p.held);
+        assert!(p.actions.is_empty(), "{:?}", p.actions);
     }
 }

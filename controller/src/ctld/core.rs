@@ -881,15 +881,34 @@ impl Core {
             decision,
             held,
             actions,
-        } = preempt::plan(
-            &views,
-            budget,
-            &self.options.site,
-            &self.state.preempted,
-            cut_ahead,
-            &caps_in_force,
-            now_ms,
-        );
+        } = {
+            // Slurm's record says when a held job ended; before its first answer, none
+            // has (a held job is never dropped on a node's silence).
+            let placement = self.placement.as_ref();
+            let in_slurm = |job: &str| {
+                placement.is_none_or(|p| {
+                    p.jobs.get(job).is_some_and(|j| {
+                        j.state != powerflex_core::slurm_record::SlurmJobState::Ended
+                    })
+                })
+            };
+            let outlook = preempt::Outlook {
+                cut_ahead,
+                in_slurm: match self.options.job_placement {
+                    JobPlacement::Slurm => Some(&in_slurm),
+                    JobPlacement::Reports => None,
+                },
+            };
+            preempt::plan(
+                &views,
+                budget,
+                &self.options.site,
+                &self.state.preempted,
+                outlook,
+                &caps_in_force,
+                now_ms,
+            )
+        };
         for action in &actions {
             let [what, job_id] = action.scontrol_args();
             match action {
