@@ -437,6 +437,22 @@ impl Stack {
         }
     }
 
+    /// Stops the agent of node `i` as an admin would (`systemctl stop`): SIGTERM by PID,
+    /// then waits for it to exit (SIGKILL after 10 s). Returns how it exited.
+    pub fn stop_agent(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        let mut child = self.agents[i].take()?;
+        let _ = kill(child.id(), Signal::TERM);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        child.wait().ok()
+    }
+
     /// Starts the agent of node `i` (again) and waits for its control socket.
     pub fn start_agent(&mut self, i: usize) {
         let agent = self.spawn_agent(i).unwrap_or_else(|e| panic!("{e}"));
@@ -555,17 +571,7 @@ impl Stack {
 
     /// Summed draw of every simulated GPU (the meter), W, or which GPU could not be read.
     pub fn try_draw_w(&self) -> Result<f64, StackError> {
-        let mut sum = 0.0;
-        for (node, sim) in self.cluster.node_names().iter().zip(&self.sims) {
-            for g in 0..self.gpus_per_node {
-                let (_, reading) = sim.reading(g).map_err(|e| StackError::Sim {
-                    node: node.clone(),
-                    message: format!("GPU {g}: {e}"),
-                })?;
-                sum += f64::from(reading.power_mw) / 1000.0;
-            }
-        }
-        Ok(sum)
+        self.meter().draw_w()
     }
 
     /// Whether Slurm says job `id` is RUNNING.
@@ -638,43 +644,19 @@ impl Stack {
     /// [`SAMPLE_INTERVAL`] for `duration` against `budget_w`. Never panics: the caller
     /// decides what the figures must be.
     pub fn watch_draw(&self, budget_w: f64, duration: Duration) -> DrawWatch {
-        let start = std::time::Instant::now();
-        let mut watch = DrawWatch {
-            budget_w,
-            samples: 0,
-            highest_w: 0.0,
-            overshoot_w: 0.0,
-            over_s: 0.0,
-            longest_over_s: 0.0,
-        };
-        let (mut run_s, mut last) = (0.0f64, start);
-        let mut next = start;
-        while next < start + duration {
-            let draw = self.draw_w();
-            let now = std::time::Instant::now();
-            // A sample stands for the time since the previous one: a late sample (a busy
-            // machine) counts for the whole gap, not for 50 ms.
-            let dt_s = if watch.samples == 0 {
-                SAMPLE_INTERVAL.as_secs_f64()
-            } else {
-                now.duration_since(last).as_secs_f64()
-            };
-            last = now;
-            watch.samples += 1;
-            watch.highest_w = watch.highest_w.max(draw);
-            watch.overshoot_w = watch.overshoot_w.max(draw - budget_w);
-            if draw > budget_w * (1.0 + METER_TOLERANCE) {
-                watch.over_s += dt_s;
-                run_s += dt_s;
-                watch.longest_over_s = watch.longest_over_s.max(run_s);
-            } else {
-                run_s = 0.0;
-            }
-            // On a schedule, so reading the GPUs does not stretch the interval.
-            next = (next + SAMPLE_INTERVAL).max(now);
-            std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
+        let until = std::time::Instant::now() + duration;
+        self.meter()
+            .watch(budget_w, || std::time::Instant::now() < until)
+    }
+
+    /// The stack's meter on its own: it reads the simulated GPUs' files, so a thread can
+    /// sample the draw while the test restarts daemons.
+    pub fn meter(&self) -> Meter {
+        Meter {
+            nodes: self.cluster.node_names().to_vec(),
+            sims: self.sims.clone(),
+            gpus_per_node: self.gpus_per_node,
         }
-        watch
     }
 
     /// Samples the draw every 50 ms for `duration`, prints what it saw, and panics when
@@ -719,6 +701,73 @@ pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(50);
 /// power readings carry ±0.5 % noise.
 pub const METER_TOLERANCE: f64 = 0.01;
 
+/// The metered draw of a stack's simulated GPUs (see [`Stack::meter`]).
+#[derive(Debug, Clone)]
+pub struct Meter {
+    nodes: Vec<String>,
+    sims: Vec<Node>,
+    gpus_per_node: u32,
+}
+
+impl Meter {
+    /// Summed draw of every simulated GPU, W, or which GPU could not be read.
+    pub fn draw_w(&self) -> Result<f64, StackError> {
+        let mut sum = 0.0;
+        for (node, sim) in self.nodes.iter().zip(&self.sims) {
+            for g in 0..self.gpus_per_node {
+                let (_, reading) = sim.reading(g).map_err(|e| StackError::Sim {
+                    node: node.clone(),
+                    message: format!("GPU {g}: {e}"),
+                })?;
+                sum += f64::from(reading.power_mw) / 1000.0;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Samples the draw every [`SAMPLE_INTERVAL`] against `budget_w` while `go_on` says
+    /// so. Panics only when a GPU cannot be read.
+    pub fn watch(&self, budget_w: f64, go_on: impl Fn() -> bool) -> DrawWatch {
+        let start = std::time::Instant::now();
+        let mut watch = DrawWatch {
+            budget_w,
+            samples: 0,
+            highest_w: 0.0,
+            overshoot_w: 0.0,
+            over_s: 0.0,
+            longest_over_s: 0.0,
+        };
+        let (mut run_s, mut last) = (0.0f64, start);
+        let mut next = start;
+        while go_on() {
+            let draw = self.draw_w().unwrap_or_else(|e| panic!("{e}"));
+            let now = std::time::Instant::now();
+            // A sample stands for the time since the previous one: a late sample (a busy
+            // machine) counts for the whole gap, not for 50 ms.
+            let dt_s = if watch.samples == 0 {
+                SAMPLE_INTERVAL.as_secs_f64()
+            } else {
+                now.duration_since(last).as_secs_f64()
+            };
+            last = now;
+            watch.samples += 1;
+            watch.highest_w = watch.highest_w.max(draw);
+            watch.overshoot_w = watch.overshoot_w.max(draw - budget_w);
+            if draw > budget_w * (1.0 + METER_TOLERANCE) {
+                watch.over_s += dt_s;
+                run_s += dt_s;
+                watch.longest_over_s = watch.longest_over_s.max(run_s);
+            } else {
+                run_s = 0.0;
+            }
+            // On a schedule, so reading the GPUs does not stretch the interval.
+            next = (next + SAMPLE_INTERVAL).max(now);
+            std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
+        }
+        watch
+    }
+}
+
 /// What the 50 ms samples of the metered draw showed against a budget.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DrawWatch {
@@ -750,8 +799,8 @@ impl std::fmt::Display for DrawWatch {
 }
 
 impl Stack {
-    /// Stops the stack as an admin would: SIGTERM by PID to every agent (each restores
-    /// its GPUs' default caps on it) and to the controller, SIGKILL after 10 s for any
+    /// Stops the stack as an admin would: SIGTERM by PID to every agent (each puts the
+    /// GPUs of no running job back to their default, fail-static) and to the controller, SIGKILL after 10 s for any
     /// that has not exited, then Slurm.
     pub fn shutdown(&mut self) {
         let children = self.agents.iter_mut().flatten().chain(self.ctld.as_mut());
