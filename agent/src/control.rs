@@ -495,6 +495,47 @@ impl Agent {
         gone
     }
 
+    /// Before a step of `job_id`, registered by a live root `slurmstepd`, claims `gpus`:
+    /// a job that holds one of them but has no step daemon left on the host (`alive`,
+    /// read just now) has ended, its end lost (no `PrologFlags=Contain`, a missed
+    /// epilog). Slurm gave its GPUs to the new job, so it is ended now rather than after
+    /// `job_end_grace_s`, and the new job is not refused as "belongs to running job A"
+    /// (then run unmanaged, and uncapped once A was ended). A holder of unknown cluster
+    /// (registered by something other than a step daemon) is left alone. Returns the jobs
+    /// ended.
+    pub fn hand_over_from_ended_jobs(
+        &mut self,
+        job_id: &str,
+        gpus: &[String],
+        alive: &BTreeSet<JobKey>,
+    ) -> Vec<String> {
+        let Ok(refs) = parse_gpu_list(&gpus.join(",")) else {
+            return Vec::new();
+        };
+        let mut ended = Vec::new();
+        for r in &refs {
+            let Some(slot) = self.gpus.iter().find(|g| match r {
+                GpuRef::Index(i) => g.identity.index == *i,
+                GpuRef::Uuid(u) => &g.identity.uuid == u,
+            }) else {
+                continue;
+            };
+            let Some(holder) = slot.job.as_ref().filter(|h| h.as_str() != job_id) else {
+                continue;
+            };
+            let Some(cluster) = self.jobs.get(holder).and_then(|j| j.cluster.clone()) else {
+                continue;
+            };
+            if !alive.contains(&(holder.clone(), cluster)) && !ended.contains(holder) {
+                ended.push(holder.clone());
+            }
+        }
+        for id in &ended {
+            self.end_job(id);
+        }
+        ended
+    }
+
     /// What NVML says uses each GPU, as jobs (from [`crate::procs`]: the job each running
     /// process belongs to; processes in no job are left out). A GPU registered to a job
     /// none of whose processes use it, while another job's do, was claimed with words
@@ -1743,6 +1784,41 @@ mod tests {
         a.set_job_cluster("10", None, 600.0);
         assert!(a.jobs_alive(620.0, &only_8).is_empty(), "within the grace");
         assert_eq!(a.jobs_alive(631.0, &only_8), vec!["10".to_string()]);
+    }
+
+    /// Issue 21: without `PrologFlags=Contain`, or with the end-of-job notice lost, the
+    /// next job on a GPU was refused as "belongs to running job A", then ran unmanaged.
+    #[test]
+    fn a_gpu_of_a_job_whose_step_daemons_are_gone_goes_to_the_next_job_at_once() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex2")
+            .expect("registered");
+        a.set_job_cluster("7", None, 0.0);
+        // Job 7's step daemons still run: nothing handed over, the claim refused.
+        let both = BTreeSet::from([("7".to_string(), None), ("8".to_string(), None)]);
+        assert!(a
+            .hand_over_from_ended_jobs("8", &["1".into()], &both)
+            .is_empty());
+        assert!(a
+            .register(1.0, "8", "0", 0, "n1", &["1".into()], "flex3")
+            .is_err());
+        // Job 7 gone from the host (its end lost): job 8 takes GPU 1 at once.
+        let only_8 = BTreeSet::from([("8".to_string(), None)]);
+        assert_eq!(
+            a.hand_over_from_ended_jobs("8", &["1".into()], &only_8),
+            ["7"]
+        );
+        a.register(2.0, "8", "0", 0, "n1", &["1".into()], "flex3")
+            .expect("the GPU is job 8's now");
+        assert!(!a.jobs.contains_key("7"));
+        assert_eq!(a.gpus[1].job.as_deref(), Some("8"));
+        assert_eq!(a.gpus[0].job, None, "job 7's other GPU is released too");
+        // A holder registered by something other than a step daemon is left alone.
+        a.register(3.0, "9", "0", 0, "n1", &["2".into()], "flex2")
+            .expect("registered");
+        assert!(a
+            .hand_over_from_ended_jobs("10", &["2".into()], &only_8)
+            .is_empty());
     }
 
     /// Issue 14: a step Slurm gave no GPUs, with GPU variables the user exported, took

@@ -633,6 +633,17 @@ fn handle(
                     // The registering peer is the step's slurmstepd (root): its cluster
                     // tells this job apart from same-numbered jobs of other clusters.
                     let cluster = crate::procs::stepd_cluster(Path::new("/proc"), peer.pid);
+                    // A live step daemon registers: a job holding these GPUs with no step
+                    // daemon left has ended (its end lost), and Slurm moved its GPUs on.
+                    if cluster.is_some() {
+                        if let Ok(table) = crate::procs::ProcTable::read(Path::new("/proc")) {
+                            for ended in
+                                agent.hand_over_from_ended_jobs(&job_id, &gpus, &table.live_jobs())
+                            {
+                                warn!(ended_job = %ended, step_id = %step_id, "a job holding these GPUs has no step daemon left (its end was lost); ended, its GPUs go to this job");
+                            }
+                        }
+                    }
                     let in_use = gpus_used_by_others(backend, agent, &gpus, &job_id, &cluster);
                     let outcome = match in_use {
                         Some(refusal) => {

@@ -35,9 +35,11 @@ pub fn output_within(
     for (k, v) in envs {
         cmd.env(k, v);
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| failed(program, format!("cannot start it: {e}")))?;
+    let mut child = cmd.spawn().map_err(|source| DaemonError::Io {
+        what: "cannot start",
+        path: program.to_string(),
+        source,
+    })?;
     let mut stdout = child
         .stdout
         .take()
@@ -149,6 +151,9 @@ mod tests {
         )
         .expect_err("too big");
         assert!(e.to_string().contains("more than 100 bytes"), "{e}");
-        assert!(output_within("/nonexistent/cmd", &[], &[], Duration::from_secs(1), 10).is_err());
+        assert!(matches!(
+            output_within("/nonexistent/cmd", &[], &[], Duration::from_secs(1), 10),
+            Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound
+        ));
     }
 }

@@ -73,39 +73,36 @@ pub fn spawn_preemptor() -> Sender<Action> {
     std::thread::spawn(move || {
         for action in &rx {
             let args = action.scontrol_args();
-            match std::process::Command::new("scontrol")
-                .args(args)
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::piped())
-                .output()
-            {
-                Ok(out) if out.status.success() => {
+            match scontrol(&args) {
+                Ok(()) => {
                     info!(job_id = %action.job(), action = args[0], "scontrol done");
                     // Slurm holds a requeued batch job back for a while after the requeue
                     // (its EligibleTime); the cut that requeued it is over, so it may
                     // start as soon as the scheduler finds it room.
                     if let Action::Release { job } = &action {
-                        let now = std::process::Command::new("scontrol")
-                            .args(["update", &format!("JobId={job}"), "StartTime=now"])
-                            .stdout(std::process::Stdio::null())
-                            .stderr(std::process::Stdio::null())
-                            .status();
-                        if !now.is_ok_and(|s| s.success()) {
-                            info!(job_id = %job, "could not bring the released job's start forward; Slurm starts it after its requeue delay");
+                        let job_arg = format!("JobId={job}");
+                        if let Err(e) = scontrol(&["update", &job_arg, "StartTime=now"]) {
+                            info!(job_id = %job, error = %e, "could not bring the released job's start forward; Slurm starts it after its requeue delay");
                         }
                     }
                 }
-                Ok(out) => {
-                    let stderr = String::from_utf8_lossy(&out.stderr);
-                    tracing::error!(job_id = %action.job(), action = args[0], error = %stderr.trim(), "scontrol refused");
-                }
                 Err(e) => {
-                    tracing::error!(job_id = %action.job(), action = args[0], error = %e, "cannot run scontrol");
+                    tracing::error!(job_id = %action.job(), action = args[0], error = %e, "scontrol refused or did not answer");
                 }
             }
         }
     });
     tx
+}
+
+/// The longest one `scontrol` call may take: a wedged `slurmctld` must not stall the
+/// queue of preemptions and annotations for ever (the next allocation asks again).
+const SCONTROL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Runs `scontrol ARGS` with [`SCONTROL_DEADLINE`].
+fn scontrol(args: &[&str]) -> Result<(), powerflex_daemon::DaemonError> {
+    powerflex_daemon::command::output_within("scontrol", args, &[], SCONTROL_DEADLINE, 64 * 1024)
+        .map(|_| ())
 }
 
 /// Runs `scontrol update JobId=N AdminComment=...` for each queued job, so admins see
@@ -116,19 +113,14 @@ pub fn spawn_annotator() -> Sender<(String, String)> {
     std::thread::spawn(move || {
         let mut warned = false;
         for (job, text) in &rx {
-            let outcome = std::process::Command::new("scontrol")
-                .args([
-                    "update",
-                    &format!("JobId={job}"),
-                    &format!("AdminComment={text}"),
-                ])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .status();
-            match outcome {
-                Ok(s) if s.success() => {}
+            let job_arg = format!("JobId={job}");
+            let comment = format!("AdminComment={text}");
+            match scontrol(&["update", &job_arg, &comment]) {
+                Ok(()) => {}
                 // No scontrol on this host: stop trying, the queue just drains.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(powerflex_daemon::DaemonError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
                     if !warned {
                         info!(
                             "scontrol is not installed here; Slurm will not show powerflex's caps"
@@ -137,11 +129,11 @@ pub fn spawn_annotator() -> Sender<(String, String)> {
                     for _ in rx.iter() {}
                     return;
                 }
-                Ok(_) | Err(_) if !warned => {
+                Err(e) if !warned => {
                     warned = true;
-                    info!(job_id = %job, "scontrol cannot annotate jobs here; Slurm will not show powerflex's caps");
+                    info!(job_id = %job, error = %e, "scontrol cannot annotate jobs here; Slurm will not show powerflex's caps");
                 }
-                _ => {}
+                Err(_) => {}
             }
         }
     });
