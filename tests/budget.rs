@@ -548,10 +548,11 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
     }
     // Room for the real jobs after the bad nodes are paid for at the most they may draw.
     let budget_w = 6000.0;
-    let stack = Stack::start(
+    let mut stack = Stack::start(
         "b-badrep",
         StackOptions {
             budget_w,
+            nodes: 5,
             ..StackOptions::default()
         },
     );
@@ -560,9 +561,33 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
         "flex3,calibrate=off",
         &format!("--profile {TRAIN} --duration 20000 --time-scale 20"),
     );
-    let mut nan = FakeAgent::connect(&stack, "ghost-nan");
-    let mut negative = FakeAgent::connect(&stack, "ghost-neg");
-    let mut huge = FakeAgent::connect(&stack, "ghost-huge");
+    // Root on n3, n4 and n5: their agents stopped, each node's own key speaking for it
+    // about jobs Slurm does place there (the controller believes a node about nothing
+    // else, see attacks_link.rs): the bad values reach the validation layer.
+    for i in 2..5 {
+        stack.kill_agent(i);
+    }
+    let placed = |node: &str| -> String {
+        let node_flag = format!("--nodelist={node}");
+        stack
+            .cluster
+            .sbatch(
+                &["-N1", &node_flag, "--gres=gpu:2", "--wrap", "sleep 600"],
+                None,
+            )
+            .expect("sbatch")
+            .to_string()
+    };
+    let (neg_job, huge_job) = (placed("n4"), placed("n5"));
+    for job in [&neg_job, &huge_job] {
+        let id: u32 = job.parse().expect("job id");
+        wait_until("the placed job runs", Duration::from_secs(30), || {
+            stack.running(id).then_some(())
+        });
+    }
+    let mut nan = FakeAgent::connect(&stack, "n3");
+    let mut negative = FakeAgent::connect(&stack, "n4");
+    let mut huge = FakeAgent::connect(&stack, "n5");
     // NaN has no JSON form: it goes out as null where a number must be, and the whole
     // message is refused at the link.
     nan.report(vec![job_report("90001", 2, 400.0)], f64::NAN);
@@ -570,14 +595,14 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
     let mut decision: Option<DecisionView> = None;
     while Instant::now() < deadline {
         // Keep the fake nodes live (they must report within their lease).
-        negative.report(vec![job_report("90002", 2, -500.0)], 300.0);
-        huge.report(vec![job_report("90003", u32::MAX, 400.0)], 300.0);
+        negative.report(vec![job_report(&neg_job, 2, -500.0)], 300.0);
+        huge.report(vec![job_report(&huge_job, u32::MAX, 400.0)], 300.0);
         let d: Option<DecisionView> = stack.ctl_json(&["whatif"]);
         let listed = |node: &str| {
             d.as_ref()
                 .is_some_and(|d| d.rejected.iter().any(|r| r.node == node))
         };
-        if listed("ghost-neg") && listed("ghost-huge") {
+        if listed("n4") && listed("n5") {
             decision = d;
             break;
         }
@@ -590,22 +615,22 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
     let negative_job = decision
         .rejected
         .iter()
-        .find(|r| r.node == "ghost-neg")
-        .expect("ghost-neg");
+        .find(|r| r.node == "n4")
+        .expect("n4");
     assert_eq!(
         negative_job.job.as_deref(),
-        Some("90002"),
+        Some(neg_job.as_str()),
         "left out job by job"
     );
     assert!(negative_job.reason.contains("power_w"), "{negative_job:?}");
     let huge_node = decision
         .rejected
         .iter()
-        .find(|r| r.node == "ghost-huge")
-        .expect("ghost-huge");
+        .find(|r| r.node == "n5")
+        .expect("n5");
     assert!(huge_node.reason.contains("GPUs"), "{huge_node:?}");
     assert!(
-        !decision.rejected.iter().any(|r| r.node == "ghost-nan"),
+        !decision.rejected.iter().any(|r| r.node == "n3"),
         "the NaN report never got in: {:?}",
         decision.rejected
     );
@@ -629,8 +654,8 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
             j.job
         );
     }
-    negative.report(vec![job_report("90002", 2, -500.0)], 300.0);
-    huge.report(vec![job_report("90003", u32::MAX, 400.0)], 300.0);
+    negative.report(vec![job_report(&neg_job, 2, -500.0)], 300.0);
+    huge.report(vec![job_report(&huge_job, u32::MAX, 400.0)], 300.0);
     stack.assert_draw_within(budget_w, Duration::from_secs(4), "bad reports on the link");
     let log = std::fs::read_dir(&stack.base)
         .expect("stack dir")
@@ -642,5 +667,8 @@ fn reports_with_nan_negative_power_and_a_huge_gpu_count_hurt_only_their_senders(
         log.contains("agent message refused"),
         "the NaN report refused and logged"
     );
+    for job in [&neg_job, &huge_job] {
+        stack.cluster.run("scancel", &[job]);
+    }
     stack.ends_clean(&[a, b], Duration::from_secs(60));
 }
