@@ -130,6 +130,12 @@ pub struct RawTiers {
     /// Present but empty (`tier = []`): no named tiers, which needs
     /// `allow_max_slowdown = true`.
     pub tier: Option<Vec<RawTier>>,
+    /// Who may run a job unmanaged with `--power-flex=none`: `anyone` (default) or
+    /// `listed` (root and the users of `opt_out_users` only; `default` must then be a
+    /// tier, or every job without the option would opt out).
+    pub opt_out: Option<String>,
+    /// With `opt_out = "listed"`: the user names that may opt out.
+    pub opt_out_users: Option<Vec<String>>,
 }
 
 /// One `[[tiers.tier]]` entry.
@@ -372,6 +378,29 @@ pub struct TiersConfig {
     pub table: TierTable,
     /// Service for jobs submitted without `--power-flex`.
     pub default: Service,
+    /// Who may ask for `--power-flex=none`.
+    pub opt_out: OptOut,
+}
+
+/// Who may run a job unmanaged (`--power-flex=none`): `tiers.opt_out`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum OptOut {
+    /// Anyone (the default).
+    #[default]
+    Anyone,
+    /// Root and these users only.
+    Listed(std::collections::BTreeSet<String>),
+}
+
+impl OptOut {
+    /// Whether the job of `uid` (named `user`, when the name is known) may opt out.
+    pub fn allows(&self, uid: u32, user: Option<&str>) -> bool {
+        uid == 0
+            || match self {
+                OptOut::Anyone => true,
+                OptOut::Listed(users) => user.is_some_and(|u| users.contains(u)),
+            }
+    }
 }
 
 /// Validated `[gpu_models.<NAME>]`. All caps are per GPU.
@@ -596,6 +625,8 @@ pub enum ConfigError {
     Tiers(FlexError),
     #[error("tiers.default \"{}\" is not offered; accepted: {accepted}", .name.escape_default())]
     UnknownDefaultTier { name: String, accepted: String },
+    #[error("tiers.opt_out = \"listed\" with tiers.default = \"none\" lets every job submitted without --power-flex opt out; set tiers.default to one of: {accepted}")]
+    OptOutWithUnmanagedDefault { accepted: String },
     #[error(
         "no gpu models configured; add at least one [gpu_models.<NAME>] section, \
          e.g. [gpu_models.H200]"
@@ -911,7 +942,53 @@ fn validate_tiers(raw: RawTiers) -> Result<TiersConfig, ConfigError> {
             }
         },
     };
-    Ok(TiersConfig { table, default })
+    let users = raw.opt_out_users.unwrap_or_default();
+    for user in &users {
+        let valid = !user.is_empty()
+            && user.len() <= 64
+            && user
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'$'));
+        if !valid {
+            return Err(ConfigError::OutOfRange {
+                key: "tiers.opt_out_users".into(),
+                value: format!("\"{}\"", user.escape_default()),
+                accepted: "user names of 1 to 64 of A-Z a-z 0-9 . _ - $".into(),
+            });
+        }
+    }
+    let opt_out = match raw.opt_out.as_deref() {
+        None | Some("anyone") => {
+            if !users.is_empty() {
+                return Err(ConfigError::OutOfRange {
+                    key: "tiers.opt_out".into(),
+                    value: "\"anyone\"".into(),
+                    accepted: "\"listed\" when tiers.opt_out_users names users (or leave opt_out_users out)".into(),
+                });
+            }
+            OptOut::Anyone
+        }
+        Some("listed") => {
+            if default == Service::Unmanaged {
+                return Err(ConfigError::OptOutWithUnmanagedDefault {
+                    accepted: table.names().collect::<Vec<_>>().join(", "),
+                });
+            }
+            OptOut::Listed(users.into_iter().collect())
+        }
+        Some(other) => {
+            return Err(ConfigError::OutOfRange {
+                key: "tiers.opt_out".into(),
+                value: format!("\"{}\"", other.escape_default()),
+                accepted: "\"anyone\", \"listed\"".into(),
+            })
+        }
+    };
+    Ok(TiersConfig {
+        table,
+        default,
+        opt_out,
+    })
 }
 
 fn validate_gpu_models(
@@ -1847,6 +1924,47 @@ programs = ["gpu-dr"]
         );
     }
 
+    /// Issue 21: the site decides who may opt out with `--power-flex=none`.
+    #[test]
+    fn the_site_decides_who_may_opt_out() {
+        let site = SiteConfig::from_toml_str(&plus(
+            "[tiers]\ndefault = \"flex1\"\nopt_out = \"listed\"\nopt_out_users = [\"svc-infer\"]",
+        ))
+        .expect("valid");
+        let opt_out = &site.tiers.opt_out;
+        assert!(opt_out.allows(0, Some("root")), "root always");
+        assert!(opt_out.allows(1001, Some("svc-infer")));
+        assert!(!opt_out.allows(1002, Some("alice")));
+        assert!(
+            !opt_out.allows(1003, None),
+            "an unknown name is not on the list"
+        );
+        let open = SiteConfig::from_toml_str(MINIMAL).expect("valid");
+        assert_eq!(open.tiers.opt_out, OptOut::Anyone);
+        assert!(open.tiers.opt_out.allows(1002, None));
+        for (extra, want) in [
+            (
+                "[tiers]\nopt_out = \"listed\"",
+                "tiers.opt_out = \"listed\" with tiers.default = \"none\"",
+            ),
+            (
+                "[tiers]\ndefault = \"flex1\"\nopt_out = \"some\"",
+                "accepted: \"anyone\", \"listed\"",
+            ),
+            (
+                "[tiers]\nopt_out_users = [\"bob\"]",
+                "\"listed\" when tiers.opt_out_users names users",
+            ),
+            (
+                "[tiers]\ndefault = \"flex1\"\nopt_out = \"listed\"\nopt_out_users = [\"a b\"]",
+                "user names of 1 to 64",
+            ),
+        ] {
+            let e = SiteConfig::from_toml_str(&plus(extra)).expect_err(extra);
+            assert!(e.to_string().contains(want), "{extra}: {e}");
+        }
+    }
+
     #[test]
     fn minimal_config_gets_defaults() {
         let config = SiteConfig::from_toml_str(MINIMAL).unwrap();
@@ -1862,6 +1980,7 @@ programs = ["gpu-dr"]
                     objective: Objective::RelativeSpeed,
                 },
                 tiers: TiersConfig {
+                    opt_out: OptOut::Anyone,
                     table: TierTable::default_table(),
                     default: Service::Unmanaged,
                 },

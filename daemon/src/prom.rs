@@ -172,6 +172,12 @@ pub mod catalog {
         help: "1 when the node's agent reported within its lease.",
         labels: ["node"],
     };
+    pub const NODE_REPORTS_REFUSED: Family<1> = Family {
+        name: "powerflex_node_reports_refused_total",
+        kind: Kind::Counter,
+        help: "Job reports from this node refused because Slurm does not place the job on it, since the controller started.",
+        labels: ["node"],
+    };
     /// The controller's grant; the agent's applied cap is [`JOB_CAP_WATTS`]. (Before
     /// this catalog the controller exported the grant as `powerflex_job_cap_watts{job}`,
     /// the same name the agent used with `{node,job,tier}`.)
@@ -245,6 +251,7 @@ pub mod catalog {
             e(DRAW_WATTS),
             e(EVENT_ACTIVE),
             e(NODE_LIVE),
+            e(NODE_REPORTS_REFUSED),
             e(JOB_GRANTED_CAP_WATTS),
             e(JOB_DRIFTED),
             e(REPORTS_REJECTED),

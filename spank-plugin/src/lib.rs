@@ -230,9 +230,20 @@ unsafe extern "C" fn on_option(_val: c_int, optarg: *const c_char, remote: c_int
         }
         let args = st.args.clone().unwrap_or_default();
         drop(st);
-        match logic::site_tiers(&args) {
-            Ok((table, _)) => match logic::validate(&value, &table) {
-                Ok(()) => 0,
+        match logic::site_policy(&args) {
+            Ok(policy) => match logic::validate(&value, &policy.table) {
+                Ok(()) if matches!(policy.opt_out, powerflex_core::config::OptOut::Anyone) => 0,
+                Ok(()) => {
+                    // At submission, as the submitting user: told now, not at the start.
+                    let uid = powerflex_uid();
+                    match logic::opt_out_refused(&value, &policy, uid, user_name(uid).as_deref()) {
+                        Some(message) => {
+                            log_error(&message);
+                            -1
+                        }
+                        None => 0,
+                    }
+                }
                 Err(message) => {
                     log_error(&message);
                     -1
@@ -334,6 +345,42 @@ impl logic::Spank for Handle {
     fn log_info(&self, message: &str) {
         log_info(message);
     }
+    fn user_name(&self, uid: u32) -> Option<String> {
+        user_name(uid)
+    }
+}
+
+/// The real uid of this process (the submitting user in sbatch, salloc and srun).
+fn powerflex_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// The user name of `uid` from the system's user database (`getpwuid_r`, reentrant:
+/// slurmstepd has threads). `None` when it has none or the lookup fails.
+fn user_name(uid: u32) -> Option<String> {
+    let mut size = 16 * 1024;
+    while size <= 1024 * 1024 {
+        let mut buf = vec![0 as c_char; size];
+        // SAFETY: `passwd` is plain data; getpwuid_r fills it and `result` and points
+        // its strings into `buf`, which outlives every read below.
+        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call; `buf.len()` is its true size.
+        let rc =
+            unsafe { libc::getpwuid_r(uid, &mut pwd, buf.as_mut_ptr(), buf.len(), &mut result) };
+        if rc == libc::ERANGE {
+            size *= 4;
+            continue;
+        }
+        if rc != 0 || result.is_null() || pwd.pw_name.is_null() {
+            return None;
+        }
+        // SAFETY: on success pw_name is a NUL-terminated string inside `buf`.
+        let name = unsafe { CStr::from_ptr(pwd.pw_name) };
+        return Some(name.to_string_lossy().into_owned());
+    }
+    None
 }
 
 /// In each task (as the user): the one line the job sees when the agent was unreachable.

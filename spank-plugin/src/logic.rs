@@ -70,22 +70,68 @@ pub fn parse_args(args: &[String]) -> Result<Args, String> {
 /// The tiers and default service this site offers: from the site config when `site=`
 /// names one that parses, else the built-in tiers (and `none` as default).
 pub fn site_tiers(args: &Args) -> Result<(TierTable, Service), String> {
-    let (table, mut default) = match &args.site {
+    site_policy(args).map(|p| (p.table, p.default))
+}
+
+/// What the site offers and allows: its tiers, the default service, and who may opt out
+/// (`tiers.opt_out`; without a site config, anyone).
+#[derive(Debug, Clone)]
+pub struct SitePolicy {
+    pub table: TierTable,
+    pub default: Service,
+    pub opt_out: powerflex_core::config::OptOut,
+}
+
+/// [`SitePolicy`] from the plugstack arguments (see [`site_tiers`]).
+pub fn site_policy(args: &Args) -> Result<SitePolicy, String> {
+    let (table, mut default, opt_out) = match &args.site {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
             let site =
                 SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-            (site.tiers.table, site.tiers.default)
+            (site.tiers.table, site.tiers.default, site.tiers.opt_out)
         }
-        None => (TierTable::default_table(), Service::Unmanaged),
+        None => (
+            TierTable::default_table(),
+            Service::Unmanaged,
+            powerflex_core::config::OptOut::Anyone,
+        ),
     };
     if let Some(d) = &args.default {
         default = parse_power_flex(d, &table)
             .map_err(|e| format!("default={d}: {e}"))?
             .service;
     }
-    Ok((table, default))
+    Ok(SitePolicy {
+        table,
+        default,
+        opt_out,
+    })
+}
+
+/// Whether `value` asks to opt out (`none`) where the site does not let `uid` (named
+/// `user`) do so: the message for the user, naming what is accepted.
+pub fn opt_out_refused(
+    value: &str,
+    policy: &SitePolicy,
+    uid: u32,
+    user: Option<&str>,
+) -> Option<String> {
+    let request = parse_power_flex(value, &policy.table).ok()?;
+    if request.service.is_managed() || policy.opt_out.allows(uid, user) {
+        return None;
+    }
+    Some(format!(
+        "--power-flex=none is not open to user {} on this site (tiers.opt_out = \"listed\"); accepted: {}{}",
+        user.map_or_else(|| format!("uid {uid}"), str::to_string),
+        policy.table.names().collect::<Vec<_>>().join(", "),
+        if policy.table.allows_max_slowdown() {
+            ", max-slowdown=N%"
+        } else {
+            ""
+        }
+    ))
 }
 
 /// Validates a `--power-flex` value at submission; `Err` is the message for the user.
@@ -192,6 +238,8 @@ pub trait Spank {
     fn setenv(&mut self, name: &str, value: &str);
     fn log_error(&self, message: &str);
     fn log_info(&self, message: &str);
+    /// The user name of `uid` (the system's user database), if it has one.
+    fn user_name(&self, uid: u32) -> Option<String>;
 }
 
 /// What happened at step start, for the state the other callbacks read.
@@ -213,23 +261,39 @@ pub fn on_step_start(
     flex: Option<&str>,
     send: impl FnOnce(&str, &str, &ControlRequest, Duration) -> Result<ControlReply, String>,
 ) -> StepStart {
-    let (table, default) = match site_tiers(args) {
-        Ok(t) => t,
+    let policy = match site_policy(args) {
+        Ok(p) => p,
         Err(e) => {
             api.log_error(&format!("{e}; job runs unmanaged"));
             return StepStart::Skipped;
         }
     };
-    let (service, flex) = match flex.filter(|f| !f.is_empty()) {
-        Some(f) => match parse_power_flex(f, &table) {
+    let table = &policy.table;
+    let (mut service, mut flex) = match flex.filter(|f| !f.is_empty()) {
+        Some(f) => match parse_power_flex(f, table) {
             Ok(r) => (r.service, f.to_string()),
             Err(e) => {
                 api.log_error(&format!("{e}; job runs unmanaged"));
                 return StepStart::Skipped;
             }
         },
-        None => (default, String::new()),
+        None => (policy.default.clone(), String::new()),
     };
+    // Who may opt out is the site's to say, here in root's slurmstepd as at submission:
+    // a `none` the site does not allow this user runs under the site's default tier.
+    let restricted = matches!(policy.opt_out, powerflex_core::config::OptOut::Listed(_));
+    if restricted && !service.is_managed() && !flex.is_empty() {
+        if let Some(uid) = api.uid() {
+            let user = api.user_name(uid);
+            if let Some(why) = opt_out_refused(&flex, &policy, uid, user.as_deref()) {
+                api.log_error(&format!(
+                    "{why}; the job runs under the site's default tier"
+                ));
+                service = policy.default.clone();
+                flex = String::new();
+            }
+        }
+    }
     if !service.is_managed() {
         return StepStart::Skipped;
     }
@@ -502,12 +566,64 @@ mod tests {
             self.errors.borrow_mut().push(message.into());
         }
         fn log_info(&self, _: &str) {}
+        fn user_name(&self, uid: u32) -> Option<String> {
+            (uid == 1000).then(|| "alice".to_string())
+        }
     }
 
     fn with_gpus() -> Fake {
         let mut f = Fake::default();
         f.env.insert("SLURM_STEP_GPUS".into(), "0,1".into());
         f
+    }
+
+    /// Issue 21: `none` could not be switched off; a user looking for the cheapest tier
+    /// ran uncapped.
+    #[test]
+    fn a_none_the_site_does_not_allow_runs_under_the_default_tier() {
+        let dir = std::env::temp_dir().join(format!("pf-spank-optout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let site = dir.join("powerflex.toml");
+        let text = include_str!("../../slurm-conf/powerflex.toml").replacen(
+            "[tiers]",
+            "[tiers]\nopt_out = \"listed\"\nopt_out_users = [\"svc-infer\"]",
+            1,
+        );
+        let text = text.replacen("default = \"none\"", "default = \"flex2\"", 1);
+        std::fs::write(&site, text).expect("write");
+        let args = Args {
+            site: Some(site.clone()),
+            ..Args::default()
+        };
+        let policy = site_policy(&args).expect("site parses");
+        let refused = opt_out_refused("none", &policy, 1000, Some("alice")).expect("refused");
+        assert!(refused.contains("not open to user alice"), "{refused}");
+        assert!(refused.contains("accepted: flex0"), "{refused}");
+        assert_eq!(
+            opt_out_refused("none", &policy, 1001, Some("svc-infer")),
+            None
+        );
+        assert_eq!(opt_out_refused("none", &policy, 0, None), None, "root");
+        assert_eq!(opt_out_refused("flex1", &policy, 1000, Some("alice")), None);
+        // In slurmstepd: alice's `none` registers under the site's default.
+        let mut fake = with_gpus();
+        let mut sent = None;
+        let outcome = on_step_start(&mut fake, &args, Some("none"), |_, _, r, _| {
+            sent = Some(r.to_line());
+            Ok(ControlReply::ok())
+        });
+        assert!(matches!(outcome, StepStart::Registered(..)), "{outcome:?}");
+        let line = sent.expect("registered");
+        assert!(
+            line.contains("\"flex\":\"\""),
+            "the default tier, not none: {line}"
+        );
+        assert!(fake
+            .errors
+            .borrow()
+            .iter()
+            .any(|e| e.contains("not open to user alice")));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Issue 14: the node name went unsanitised into the agent's socket path.

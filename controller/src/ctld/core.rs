@@ -1027,6 +1027,11 @@ impl Core {
                 .iter()
                 .map(|(n, s)| (n.as_str(), s.view.live))
                 .collect(),
+            refused: self
+                .sessions
+                .iter()
+                .map(|(n, s)| (n.as_str(), s.refused_reports))
+                .collect(),
             event_active: active_event(base, &self.state.events, now_ms).is_some(),
             preempted: &self.state.preempted,
         }));

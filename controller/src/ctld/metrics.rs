@@ -21,6 +21,8 @@ pub struct MetricsInput<'a> {
     pub draw_w: f64,
     /// Node → live.
     pub nodes: Vec<(&'a str, bool)>,
+    /// Per node, the job reports refused since start (Slurm does not place the job there).
+    pub refused: Vec<(&'a str, u64)>,
     pub event_active: bool,
     /// Jobs held out of a deep cut.
     pub preempted: &'a std::collections::BTreeMap<String, Preempted>,
@@ -45,6 +47,10 @@ pub fn render(m: &MetricsInput<'_>) -> String {
         .family(
             &catalog::NODE_LIVE,
             m.nodes.iter().map(|(node, live)| ([*node], flag(*live))),
+        )
+        .family(
+            &catalog::NODE_REPORTS_REFUSED,
+            m.refused.iter().map(|(node, n)| ([*node], *n as f64)),
         )
         .family(
             &catalog::JOB_PREEMPTED,
@@ -118,6 +124,7 @@ mod tests {
             allocated: Watts(3100.0),
             draw_w: 2950.5,
             nodes: vec![("n1", true), ("n\\2", false)],
+            refused: vec![("n1", 0), ("n\\2", 3)],
             event_active: true,
             preempted: &[(
                 "78".to_string(),
@@ -137,6 +144,7 @@ mod tests {
             "powerflex_event_active 1",
             "powerflex_node_live{node=\"n1\"} 1",
             "powerflex_node_live{node=\"n\\\\2\"} 0",
+            "powerflex_node_reports_refused_total{node=\"n\\\\2\"} 3",
             "powerflex_job_granted_cap_watts{job=\"77\"} 450",
             "powerflex_job_granted_cap_watts{job=\"x\\\"}\\nevil\"} 300",
             "powerflex_floors_broken 0",
