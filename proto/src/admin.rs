@@ -119,13 +119,25 @@ impl Event {
     }
 }
 
+/// The most history samples one reply carries: one request's work is bounded whoever
+/// asks (a day at a 10 s period is 8,640 samples, each with every job's cap).
+pub const MAX_HISTORY_SAMPLES: u32 = 2_000;
+
 /// An admin operation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum AdminOp {
     Status,
-    /// The recent budget, draw and caps, one sample per allocation period.
-    History,
+    /// The recent budget, draw and caps, one sample per allocation period: those at or
+    /// after `since_ms` (default: all the controller keeps), evenly thinned to at most
+    /// `max_samples` (default and most: [`MAX_HISTORY_SAMPLES`]), the newest always
+    /// kept. A client pages by asking again from the last `t_ms` it got.
+    History {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since_ms: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_samples: Option<u32>,
+    },
     BudgetSet {
         budget_w: f64,
     },
@@ -163,7 +175,7 @@ impl AdminOp {
     pub fn changes_state(&self) -> bool {
         !matches!(
             self,
-            AdminOp::Status | AdminOp::History | AdminOp::WhatIf { .. }
+            AdminOp::Status | AdminOp::History { .. } | AdminOp::WhatIf { .. }
         )
     }
 }
@@ -398,7 +410,11 @@ mod tests {
     #[test]
     fn only_changes_need_root() {
         assert!(!AdminOp::Status.changes_state());
-        assert!(!AdminOp::History.changes_state());
+        assert!(!AdminOp::History {
+            since_ms: None,
+            max_samples: None
+        }
+        .changes_state());
         assert!(!AdminOp::WhatIf {
             policy: "equal".into(),
             budget_w: None,

@@ -257,7 +257,7 @@ enum Command {
         format: Format,
     },
     /// Draw budget vs draw over time and each job's cap as an SVG (from the controller's
-    /// in-memory history: one sample per allocation period, the last 8,640).
+    /// in-memory history: one sample per allocation period, the last 8,640, thinned evenly to at most 2,000 per request).
     Plot {
         /// Where to write the picture; must end in .svg.
         #[arg(long, value_name = "FILE.svg", value_parser = svg_path)]
@@ -796,9 +796,15 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             title,
             ctld: args,
         } => {
-            let samples = admin(&args, AdminOp::History)?
-                .history
-                .ok_or_else(|| missing("history"))?;
+            let samples = admin(
+                &args,
+                AdminOp::History {
+                    since_ms: None,
+                    max_samples: None,
+                },
+            )?
+            .history
+            .ok_or_else(|| missing("history"))?;
             let svg = powerflex_controller::plot::render_svg(&samples, &title)
                 .map_err(|e| CtlError::Usage(e.to_string()))?;
             std::fs::write(&out, svg).map_err(|source| CtlError::Write {

@@ -619,8 +619,11 @@ impl Core {
                 status: Some(self.status(now_ms)),
                 ..AdminReply::ok()
             },
-            AdminOp::History => AdminReply {
-                history: Some(self.history.iter().cloned().collect()),
+            AdminOp::History {
+                since_ms,
+                max_samples,
+            } => AdminReply {
+                history: Some(history_page(&self.history, since_ms, max_samples)),
                 ..AdminReply::ok()
             },
             AdminOp::BudgetSet { budget_w } => {
@@ -1040,6 +1043,29 @@ impl Core {
 }
 
 /// Seconds from `now_ms` to the start of the next event not yet started, if any.
+/// The samples at or after `since_ms`, evenly thinned to at most `max_samples` (at most
+/// [`powerflex_proto::admin::MAX_HISTORY_SAMPLES`]), the newest always kept: only the
+/// samples sent are cloned, so a request costs the same however long the history.
+fn history_page(
+    history: &VecDeque<HistorySample>,
+    since_ms: Option<u64>,
+    max_samples: Option<u32>,
+) -> Vec<HistorySample> {
+    let max = max_samples
+        .unwrap_or(powerflex_proto::admin::MAX_HISTORY_SAMPLES)
+        .clamp(1, powerflex_proto::admin::MAX_HISTORY_SAMPLES) as usize;
+    let first = since_ms.map_or(0, |t| history.partition_point(|s| s.t_ms < t));
+    let n = history.len() - first;
+    if n <= max {
+        return history.range(first..).cloned().collect();
+    }
+    // `max` indices spread over the range, the last one the newest sample.
+    (0..max)
+        .map(|k| first + (n - 1) - (max - 1 - k) * (n - 1) / (max - 1).max(1))
+        .map(|i| history[i].clone())
+        .collect()
+}
+
 fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
     events
         .iter()
@@ -1324,6 +1350,50 @@ mod tests {
             .map(|n| n.node)
             .collect();
         assert_eq!(nodes, ["n2"]);
+    }
+
+    /// Issue 21: any local user's `history` request cloned the whole history (8,640
+    /// samples x every job's cap) inside the allocation loop.
+    #[test]
+    fn a_history_request_is_bounded_thinned_and_paged() {
+        let sample = |t_ms: u64| HistorySample {
+            t_ms,
+            budget_w: 1.0,
+            draw_w: 1.0,
+            caps: BTreeMap::new(),
+            simulated: true,
+        };
+        let history: VecDeque<HistorySample> = (0..HISTORY as u64).map(sample).collect();
+        let all = history_page(&history, None, None);
+        assert_eq!(
+            all.len(),
+            powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize
+        );
+        assert_eq!(all.first().map(|s| s.t_ms), Some(0));
+        assert_eq!(
+            all.last().map(|s| s.t_ms),
+            Some(HISTORY as u64 - 1),
+            "the newest kept"
+        );
+        assert!(
+            all.windows(2).all(|w| w[0].t_ms < w[1].t_ms),
+            "in order, no repeats"
+        );
+        let asked = history_page(&history, None, Some(1_000_000));
+        assert_eq!(
+            asked.len(),
+            powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize,
+            "bounded whatever is asked"
+        );
+        let page = history_page(&history, Some(8000), None);
+        assert_eq!(page.len(), HISTORY - 8000, "a short page whole");
+        assert_eq!(page[0].t_ms, 8000);
+        let one = history_page(&history, None, Some(1));
+        assert_eq!(
+            one.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
+            [HISTORY as u64 - 1]
+        );
+        assert!(history_page(&history, Some(u64::MAX), None).is_empty());
     }
 
     /// Two nodes with one job each, allocated at T0.
@@ -1957,7 +2027,16 @@ mod tests {
         for i in 1..=3 {
             core.step(T0 + i * 5_000, vec![Input::Tick]);
         }
-        let out = core.step(T0 + 15_001, vec![admin(AdminOp::History, 0)]);
+        let out = core.step(
+            T0 + 15_001,
+            vec![admin(
+                AdminOp::History {
+                    since_ms: None,
+                    max_samples: None,
+                },
+                0,
+            )],
+        );
         let history = reply(&out).history.as_ref().expect("history");
         assert_eq!(
             history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
@@ -2005,7 +2084,16 @@ mod tests {
         assert_eq!(jobs_for(&mut core, T0 + 1, BOB), ["102"]);
         assert!(jobs_for(&mut core, T0 + 1, 1003).is_empty());
         let caps_for = |core: &mut Core, t: u64, uid: u32| -> Vec<String> {
-            let out = core.step(t, vec![admin(AdminOp::History, uid)]);
+            let out = core.step(
+                t,
+                vec![admin(
+                    AdminOp::History {
+                        since_ms: None,
+                        max_samples: None,
+                    },
+                    uid,
+                )],
+            );
             let history = reply(&out).history.clone().expect("history");
             let mut jobs: Vec<String> = history
                 .into_iter()
