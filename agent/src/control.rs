@@ -635,13 +635,37 @@ impl Agent {
         ttl_s: f64,
         start_cap: Option<Watts>,
     ) {
+        self.install_lease(now, caps, ttl_s, start_cap, true);
+    }
+
+    /// The previous run's lease, from the state file: its caps bound the fail-safe and,
+    /// while unexpired, grant what they granted, but it is not a current lease: the
+    /// limits read back at start still bound every cap until the controller speaks.
+    pub fn restore_saved_lease(
+        &mut self,
+        now: f64,
+        caps: BTreeMap<String, Watts>,
+        ttl_s: f64,
+        start_cap: Option<Watts>,
+    ) {
+        self.install_lease(now, caps, ttl_s, start_cap, false);
+    }
+
+    fn install_lease(
+        &mut self,
+        now: f64,
+        caps: BTreeMap<String, Watts>,
+        ttl_s: f64,
+        start_cap: Option<Watts>,
+        current: bool,
+    ) {
         let ttl = if ttl_s.is_finite() && ttl_s > 0.0 {
             ttl_s.min(self.settings.lease_ttl_s)
         } else {
             0.0
         };
         let valid = |w: &Watts| w.0.is_finite() && w.0 >= 0.0;
-        if ttl > 0.0 {
+        if current && ttl > 0.0 {
             // A current lease decides the caps from now on: the limits read back at
             // start no longer bound them.
             self.awaiting_current_lease = false;
@@ -1028,6 +1052,7 @@ impl Agent {
             self.allocate_node_budget(budget);
         }
         let mut actions = Vec::new();
+        let failsafe_now = self.failsafe_active(now);
         for gpu in 0..self.gpus.len() {
             let slot = &self.gpus[gpu];
             if slot.degraded.is_some() {
@@ -1045,13 +1070,19 @@ impl Agent {
                     }
                 }
             };
-            // Until a current lease arrives, no job's GPU rises above what it read back
-            // at start: the previous run's cap holds through a restart. A GPU of no job
-            // goes back to its default, as at any job's end.
-            let desired = match (slot.start_ceiling, job) {
-                (Some(ceiling), Some(job)) if self.awaiting_current_lease && job.managed() => {
-                    Watts(desired.0.min(ceiling.0))
-                }
+            // Until a current lease arrives, no GPU rises above what it read back at start:
+            // the previous run's cap holds through a restart, for the jobs this agent
+            // manages and for any it could not take back (a lost or stale state file).
+            // A GPU of no managed job is released once the lease would have run out
+            // anyway (the fail-safe regime, where idle GPUs are at their default); a
+            // managed job's GPU only by a current lease.
+            let managed = job.is_some_and(|j| j.managed());
+            let held = self.awaiting_current_lease && (managed || !failsafe_now);
+            let desired = match slot.start_ceiling {
+                Some(ceiling) if held => Watts(desired.0.min(ceiling.0)),
+                // Its limit was never read (a transient error at start): unknown, so
+                // not written until it is, rather than written above it.
+                None if held && managed => continue,
                 _ => desired,
             };
             let desired = clamp(desired, &slot.identity);
@@ -1363,7 +1394,7 @@ mod tests {
             set.contains(&(2, 700.0)),
             "a GPU of no job goes back to default: {set:?}"
         );
-        // The previous run's lease, expired: still no raise.
+        // The previous run's lease, expired or not, from the state file: still no raise.
         a.set_lease(
             41.0,
             BTreeMap::from([("7".to_string(), Watts(600.0))]),
@@ -1371,6 +1402,16 @@ mod tests {
             None,
         );
         assert!(!caps(&a.tick(42.0)).iter().any(|&(g, _)| g < 2));
+        a.restore_saved_lease(
+            42.0,
+            BTreeMap::from([("7".to_string(), Watts(600.0))]),
+            20.0,
+            None,
+        );
+        assert!(
+            !caps(&a.tick(42.5)).iter().any(|&(g, _)| g < 2),
+            "a saved lease is not current"
+        );
         // A stop now leaves job 7's GPUs alone and puts the others back.
         let stop = caps(&a.stop_actions(false));
         assert_eq!(stop, vec![(2, 700.0), (3, 700.0)]);

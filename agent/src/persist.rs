@@ -152,7 +152,7 @@ pub struct RunningJob {
 /// its root-owned `slurmstepd` ancestor (`table`), and `uid_of` reads a process's owner
 /// from the kernel. A process with a forged `SLURM_JOB_ID`, or on no GPU of this node,
 /// takes nothing back. The tier is not read here at all: the job's environment could
-/// name any; it comes from Slurm's record ([`slurm_recorded_tier`]).
+/// name any; it comes from Slurm's record ([`recorded_tier`]).
 pub fn running_jobs(
     table: &ProcTable,
     gpu_pids: &BTreeMap<u32, Vec<u32>>,
@@ -186,53 +186,57 @@ pub fn running_jobs(
     jobs
 }
 
-/// The tier Slurm records for a job running on `node`, from `squeue --json` (run with the
-/// job's cluster's `SLURM_CONF`, waiting at most `deadline`): `powerflex-ctld` writes
-/// each managed job's tier into its `AdminComment`
-/// (`powerflex;tier=flex2;pfi=1.43;cap=450W`), a field only Slurm's admins can set.
-/// Read from the JSON, where the job's name and comment are strings of their own: the
-/// `key=value` line of `scontrol show job -o` is split on spaces, and a job named
-/// `x AdminComment=powerflex;tier=none` would have forged it. `None` when Slurm cannot
-/// be asked in time, does not place the job on `node`, or records no powerflex tier:
-/// the agent then does not take the job back (its GPUs keep the limit they read back,
-/// and the controller counts them at their default), so a lost state file never makes
-/// a job more flexible than Slurm's record of it.
-pub fn slurm_recorded_tier(
-    job_id: &str,
-    node: &str,
+/// Slurm's record of every job, from `squeue --json` run with a cluster's `SLURM_CONF`
+/// (`cluster`), waiting at most `deadline`; read once per cluster when the agent takes
+/// jobs back (Slurm 22.05's `squeue --json` ignores job filters). `None` when Slurm
+/// cannot be asked in time or its answer is not understood (logged).
+pub fn slurm_jobs(
     cluster: &Option<String>,
     deadline: std::time::Duration,
-) -> Option<String> {
+) -> Option<powerflex_core::slurm_record::SlurmJobs> {
     use powerflex_core::slurm_record::{self, MAX_SLURM_OUTPUT_BYTES};
     let envs: Vec<(&str, &str)> = cluster
         .as_deref()
         .map(|conf| vec![("SLURM_CONF", conf)])
         .unwrap_or_default();
-    let out = match powerflex_daemon::command::output_within(
+    let read = powerflex_daemon::command::output_within(
         "squeue",
         &["--json"],
         &envs,
         deadline,
         MAX_SLURM_OUTPUT_BYTES,
-    ) {
-        Ok(out) => out,
+    )
+    .map_err(|e| e.to_string())
+    .and_then(|out| slurm_record::parse_squeue_json(&out).map_err(|e| e.to_string()));
+    match read {
+        Ok(jobs) => Some(jobs),
         Err(e) => {
-            tracing::warn!(job_id, error = %e, "cannot read Slurm's record of the job");
-            return None;
+            tracing::warn!(error = %e, "cannot read Slurm's record of the jobs; none is taken back without it");
+            None
         }
-    };
-    let jobs = match slurm_record::parse_squeue_json(&out) {
-        Ok(jobs) => jobs,
-        Err(e) => {
-            tracing::warn!(job_id, error = %e, "cannot read Slurm's record of the job");
-            return None;
-        }
-    };
+    }
+}
+
+/// The tier Slurm records for `job_id` running on `node`: `powerflex-ctld` writes each
+/// managed job's tier into its `AdminComment` (`powerflex;tier=flex2;pfi=1.43;cap=450W`),
+/// a field only Slurm's admins can set, read from `squeue --json` (see [`slurm_jobs`])
+/// where the job's name and comment are strings of their own: the `key=value` line of
+/// `scontrol show job -o` is split on spaces, and a job named
+/// `x AdminComment=powerflex;tier=none` would have forged it. `None` when Slurm does not
+/// place the job on `node` or records no powerflex tier: the agent then does not take
+/// the job back (its GPUs keep the limit they read back until a current lease, and the
+/// controller counts them at their default), so a lost state file never makes a job
+/// more flexible than Slurm's record of it.
+pub fn recorded_tier(
+    jobs: &powerflex_core::slurm_record::SlurmJobs,
+    job_id: &str,
+    node: &str,
+) -> Option<String> {
     let job = jobs.get(job_id)?;
     if !job.state.holds_nodes() || !job.nodes.contains(node) {
         return None;
     }
-    slurm_record::tier_from_admin_comment(&job.admin_comment)
+    powerflex_core::slurm_record::tier_from_admin_comment(&job.admin_comment)
 }
 
 /// The uid owning process `pid` (`/proc/PID`'s owner, set by the kernel).

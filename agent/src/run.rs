@@ -380,13 +380,22 @@ pub fn run(
     } else {
         Vec::new()
     };
+    // One read of Slurm's record per cluster, for every job to take back.
+    let mut slurm_records: BTreeMap<
+        Option<String>,
+        Option<powerflex_core::slurm_record::SlurmJobs>,
+    > = BTreeMap::new();
     for job in running {
         if agent.jobs.contains_key(&job.job_id) {
             continue;
         }
-        let recorded =
-            persist::slurm_recorded_tier(&job.job_id, &node, &job.cluster, Duration::from_secs(2))
-                .filter(|t| parse_power_flex(t, &agent.settings.tiers).is_ok());
+        let record = slurm_records
+            .entry(job.cluster.clone())
+            .or_insert_with(|| persist::slurm_jobs(&job.cluster, Duration::from_secs(5)));
+        let recorded = record
+            .as_ref()
+            .and_then(|jobs| persist::recorded_tier(jobs, &job.job_id, &node))
+            .filter(|t| parse_power_flex(t, &agent.settings.tiers).is_ok());
         let Some(tier) = recorded else {
             warn!(job_id = %job.job_id, gpus = ?job.gpus, "job running on this node's GPUs without a record, and Slurm records no powerflex tier for it here; not taken back (its GPUs keep the limit they read back)");
             continue;
@@ -417,7 +426,7 @@ pub fn run(
             left_s = left_s.max(0.0),
             "resuming the previous run's lease"
         );
-        agent.set_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
+        agent.restore_saved_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
     }
     save(&options.state_dir, &agent);
 

@@ -493,7 +493,10 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
     if !can_run(&[Need::Root]) {
         return;
     }
-    let mut f = Fixture::new("kill9", None, 3600);
+    // A 5 s lease: with no controller here, a restarted agent releases a GPU whose job
+    // ended only once the lease it never got would have run out (fail-static: until a
+    // current lease, nothing rises above what the GPUs read back at start).
+    let mut f = Fixture::new("kill9", None, 5);
     // Job 201 keeps running; job 202's process dies while the agent is down.
     let r1 = f.register("201", &["2"], "flex3");
     let r2 = f.register("202", &["4"], "flex3");
@@ -515,7 +518,7 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
     f.start_agent();
     wait_until(
         "the ended job's GPU back to default",
-        Duration::from_secs(10),
+        Duration::from_secs(20),
         || (f.limit_w(4) == 700.0).then_some(()),
     );
     let status = f.status();

@@ -227,47 +227,57 @@ pub struct Rejected {
 
 /// The per-GPU cap range `(min_w, max_w)` common to `gpus`, or `None` when their ranges
 /// do not overlap (two GPU models whose limits have nothing in common).
-/// Per job reported by more than one live node, the least flexible of the tiers they
-/// report: the smallest slowdown bound, then the mildest `preempt=` (`none` over any
-/// bound; a tier the site does not know counts for nothing). Every reporting node runs
-/// the job (the placement check), but none of them alone may make it more flexible,
-/// more preemptible or managed at all than the others say.
+/// Per job reported by more than one live node, the least flexible of what they report,
+/// part by part: unmanaged (`none`) if any node says so; else the smallest slowdown
+/// bound, with the mildest `preempt=` any node's report allows (each report's own, or
+/// the site's default for its tier). A tier the site does not know counts for nothing.
+/// Every reporting node runs the job (the placement check), but none of them alone may
+/// make it more flexible, more preemptible or managed at all than the others say.
 pub fn least_flexible_tiers(
     nodes: &[NodeView],
     tiers: &powerflex_core::flex::TierTable,
 ) -> BTreeMap<String, String> {
-    use powerflex_core::flex::Preempt;
-    // Lower is less flexible: (managed, bound, preempt rank).
-    let rank = |tier: &str| {
-        let request = parse_power_flex(tier, tiers).ok()?;
-        let bound = request.service.max_slowdown().map(|b| b.0);
-        let preempt = match request.preempt {
-            None | Some(Preempt::Never) => 0,
-            Some(Preempt::Suspend) => 1,
-            Some(Preempt::Requeue) => 2,
-        };
-        Some((bound.is_some(), bound.unwrap_or(0.0), preempt))
+    use powerflex_core::flex::{FlexRequest, Preempt};
+    let rank = |p: Preempt| match p {
+        Preempt::Never => 0,
+        Preempt::Suspend => 1,
+        Preempt::Requeue => 2,
     };
-    let mut out: BTreeMap<String, (String, (bool, f64, u8))> = BTreeMap::new();
+    let mut requests: BTreeMap<&str, Vec<FlexRequest>> = BTreeMap::new();
     let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
     for node in nodes.iter().filter(|n| n.live) {
         for report in &node.jobs {
             *seen.entry(&report.job_id).or_default() += 1;
-            let Some(r) = rank(&report.tier) else {
-                continue;
-            };
-            match out.get(&report.job_id) {
-                Some((_, best)) if best.partial_cmp(&r) != Some(std::cmp::Ordering::Greater) => {}
-                _ => {
-                    out.insert(report.job_id.clone(), (report.tier.clone(), r));
-                }
+            if let Ok(request) = parse_power_flex(&report.tier, tiers) {
+                requests.entry(&report.job_id).or_default().push(request);
             }
         }
     }
-    out.into_iter()
-        .filter(|(id, _)| seen.get(id.as_str()).is_some_and(|n| *n > 1))
-        .map(|(id, (tier, _))| (id, tier))
-        .collect()
+    let mut out = BTreeMap::new();
+    for (id, reqs) in requests {
+        if seen.get(id).is_none_or(|n| *n < 2) {
+            continue;
+        }
+        if reqs.iter().any(|r| !r.service.is_managed()) {
+            out.insert(id.to_string(), "none".to_string());
+            continue;
+        }
+        let bound = |r: &FlexRequest| r.service.max_slowdown().map_or(0.0, |b| b.0);
+        let Some(tightest) = reqs.iter().min_by(|a, b| bound(a).total_cmp(&bound(b))) else {
+            continue;
+        };
+        let mildest = reqs
+            .iter()
+            .map(|r| tiers.preempt_for(r))
+            .min_by_key(|p| rank(*p))
+            .unwrap_or(Preempt::Never);
+        let mut combined = tightest.clone();
+        if tiers.preempt_for(&combined) != mildest && bound(&combined) > 0.0 {
+            combined.preempt = Some(mildest);
+        }
+        out.insert(id.to_string(), combined.to_string());
+    }
+    out
 }
 
 fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64)> {

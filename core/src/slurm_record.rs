@@ -114,9 +114,8 @@ impl SlurmJobState {
     /// From Slurm's state name (`RUNNING`, `SUSPENDED`, ...; flags after a `+` ignored).
     pub fn from_slurm(name: &str) -> SlurmJobState {
         match name.split('+').next().unwrap_or("") {
-            "RUNNING" | "CONFIGURING" | "COMPLETING" | "STAGE_OUT" | "SIGNALING" | "RESIZING" => {
-                SlurmJobState::OnItsNodes
-            }
+            "RUNNING" | "CONFIGURING" | "COMPLETING" | "STAGE_OUT" | "SIGNALING" | "RESIZING"
+            | "STOPPED" => SlurmJobState::OnItsNodes,
             "SUSPENDED" => SlurmJobState::Suspended,
             "PENDING" | "REQUEUED" | "REQUEUE_HOLD" | "REQUEUE_FED" | "RESV_DEL_HOLD"
             | "SPECIAL_EXIT" => SlurmJobState::Pending,
@@ -162,11 +161,33 @@ struct QueueBody {
 struct QueueJob {
     job_id: u64,
     user_id: u32,
-    job_state: String,
+    job_state: JobStateField,
     #[serde(default)]
     nodes: String,
     #[serde(default)]
     admin_comment: String,
+}
+
+/// `job_state`: a string in Slurm 22.05 (`"RUNNING"`), a list of flags in later
+/// releases (`["RUNNING"]`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum JobStateField {
+    One(String),
+    Flags(Vec<String>),
+}
+
+impl JobStateField {
+    fn state(&self) -> SlurmJobState {
+        match self {
+            JobStateField::One(s) => SlurmJobState::from_slurm(s),
+            JobStateField::Flags(flags) => flags
+                .iter()
+                .map(|f| SlurmJobState::from_slurm(f))
+                .find(|s| *s != SlurmJobState::Ended)
+                .unwrap_or(SlurmJobState::Ended),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -218,7 +239,7 @@ pub fn parse_squeue_json(bytes: &[u8]) -> Result<SlurmJobs, SlurmRecordError> {
             SlurmJob {
                 nodes: nodes.into_iter().collect(),
                 uid: job.user_id,
-                state: SlurmJobState::from_slurm(&job.job_state),
+                state: job.job_state.state(),
                 admin_comment: job.admin_comment,
             },
         );
@@ -403,5 +424,14 @@ mod tests {
         );
         assert_eq!(SlurmJobState::from_slurm("COMPLETED"), SlurmJobState::Ended);
         assert_eq!(SlurmJobState::from_slurm("CANCELLED"), SlurmJobState::Ended);
+        assert_eq!(
+            SlurmJobState::from_slurm("STOPPED"),
+            SlurmJobState::OnItsNodes
+        );
+        let later = r#"{"jobs":[{"job_id":5,"user_id":1,"job_state":["RUNNING","COMPLETING"],"nodes":"n1"}]}"#;
+        assert_eq!(
+            parse_squeue_json(later.as_bytes()).expect("a list of flags")["5"].state,
+            SlurmJobState::OnItsNodes
+        );
     }
 }

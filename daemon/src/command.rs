@@ -1,7 +1,9 @@
 //! Running a site command (`squeue`, `sinfo`, `scontrol`) with a deadline: a wedged
 //! `slurmctld` must never hold a daemon's loop or start. The output is read while the
 //! command runs (a big `squeue --json` would otherwise fill the pipe and never exit),
-//! and at most `max_bytes` of it are kept.
+//! and at most `max_bytes` of it are kept. The command runs in a process group of its
+//! own, and the whole group is killed at the deadline: a wrapper's child holding the
+//! pipe open cannot keep the caller waiting.
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -19,7 +21,8 @@ fn failed(program: &str, why: String) -> DaemonError {
 
 /// Runs `program args` with `envs` added, and returns its standard output once it exits
 /// successfully within `deadline`. A command still running at the deadline is killed
-/// (by its own handle) and reaped; one that writes more than `max_bytes` is too.
+/// with its process group and reaped; output beyond `max_bytes` is drained and the call
+/// fails.
 pub fn output_within(
     program: &str,
     args: &[&str],
@@ -35,6 +38,7 @@ pub fn output_within(
     for (k, v) in envs {
         cmd.env(k, v);
     }
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn().map_err(|source| DaemonError::Io {
         what: "cannot start",
         path: program.to_string(),
@@ -79,7 +83,13 @@ pub fn output_within(
         }
     };
     if status.is_err() {
-        // The command this function started, by its handle.
+        // The command this function started, and the group it leads (its pid).
+        if let Some(group) = i32::try_from(child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
         let _ = child.kill();
         let _ = child.wait();
     }
@@ -132,6 +142,21 @@ mod tests {
         let e = output_within("sleep", &["30"], &[], Duration::from_millis(200), 100)
             .expect_err("killed at the deadline");
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // A child of the command holding its stdout dies with the group.
+        let t = Instant::now();
+        let e2 = output_within(
+            "sh",
+            &["-c", "sleep 30 & sleep 30"],
+            &[],
+            Duration::from_millis(200),
+            100,
+        )
+        .expect_err("killed at the deadline");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{:?} {e2}",
+            t.elapsed()
+        );
         assert!(e.to_string().contains("no answer within 0.2 s"), "{e}");
         let e = output_within(
             "sh",

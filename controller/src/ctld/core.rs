@@ -182,8 +182,9 @@ pub struct Core {
     /// Who owns the jobs reported now and within the history: a non-root admin caller
     /// reads only their own (see [`owners::need_to_know`]).
     owners: Owners,
-    /// Slurm's last placement read (with `job_placement = "slurm"`).
-    placement: Option<Placement>,
+    /// Slurm's last placement read (with `job_placement = "slurm"`). Shared, not copied:
+    /// at 10,000 nodes it is megabytes, and every report is checked against it.
+    placement: Option<std::sync::Arc<Placement>>,
     /// Why the last read of it failed, if it did (the last good one stays in force).
     placement_error: Option<String>,
     refresh_placement: bool,
@@ -338,6 +339,14 @@ impl Core {
             &self.curve_history,
             now_ms,
         );
+        // A job on several nodes shows the tier the allocation uses: the least flexible.
+        let views: Vec<NodeView> = self.sessions.values().map(|s| s.view.clone()).collect();
+        let tier_of = crate::site::least_flexible_tiers(&views, &self.options.site.tiers);
+        for job in &mut status.jobs {
+            if let Some(tier) = tier_of.get(&job.job) {
+                job.tier.clone_from(tier);
+            }
+        }
         status.slurm =
             self.checked_placement()
                 .map(|p| powerflex_proto::status::SlurmPlacementView {
@@ -389,7 +398,7 @@ impl Core {
     /// (`job_placement = "reports"`: every node believed).
     fn checked_placement(&self) -> Option<Option<&Placement>> {
         match self.options.job_placement {
-            JobPlacement::Slurm => Some(self.placement.as_ref()),
+            JobPlacement::Slurm => Some(self.placement.as_deref()),
             JobPlacement::Reports => None,
         }
     }
@@ -397,15 +406,29 @@ impl Core {
     /// Recomputes what is believed of `node` from what it last said and the placement;
     /// whether its set of jobs changed.
     fn believe(&mut self, node: &str) -> bool {
-        let checked = self.checked_placement().map(|p| p.cloned());
+        let checked: Option<Option<std::sync::Arc<Placement>>> = match self.options.job_placement {
+            JobPlacement::Slurm => Some(self.placement.clone()),
+            JobPlacement::Reports => None,
+        };
+        // Before Slurm's first answer, a node's GPUs are bounded by what it announced
+        // before (the state file), and nothing is saved: its word alone is not kept.
+        let known_gpus = self.state.nodes.get(node).map(Vec::len);
         let Some(s) = self.sessions.get_mut(node) else {
             return false;
         };
+        let unverified = matches!(checked, Some(None));
         let (jobs, gpus, refused_gpus) = match checked {
             None => (s.reported.clone(), s.announced.clone(), 0),
             Some(placement) => {
-                let b = Placement::believe(placement.as_ref(), node, &s.reported, &s.announced);
-                (b.jobs, b.gpus, b.gpus_refused)
+                let b = Placement::believe(placement.as_deref(), node, &s.reported, &s.announced);
+                let (gpus, refused) = match (unverified, known_gpus) {
+                    (true, Some(known)) => (
+                        b.gpus.into_iter().take(known).collect::<Vec<_>>(),
+                        s.announced.len().saturating_sub(known),
+                    ),
+                    _ => (b.gpus, b.gpus_refused),
+                };
+                (b.jobs, gpus, refused)
             }
         };
         let (gpus, clamped) = bound_gpu_power(&gpus, self.options.max_gpu_power_w);
@@ -432,13 +455,8 @@ impl Core {
             .map(|j| &j.job_id)
             .ne(jobs.iter().map(|j| &j.job_id));
         s.view.jobs = jobs;
-        if s.view.gpus != gpus {
-            s.view.gpus = gpus.clone();
-            if self.state.nodes.get(node) != Some(&gpus) {
-                self.state.nodes.insert(node.to_string(), gpus);
-                self.dirty = true;
-            }
-        } else if !self.state.nodes.contains_key(node) {
+        s.view.gpus = gpus.clone();
+        if !unverified && self.state.nodes.get(node) != Some(&gpus) {
             self.state.nodes.insert(node.to_string(), gpus);
             self.dirty = true;
         }
@@ -452,7 +470,7 @@ impl Core {
                 if self.placement_error.take().is_some() {
                     info!(jobs = placement.jobs.len(), "Slurm's placement read again");
                 }
-                self.placement = Some(placement);
+                self.placement = Some(std::sync::Arc::new(placement));
                 let nodes: Vec<String> = self.sessions.keys().cloned().collect();
                 for node in nodes {
                     self.allocate_now |= self.believe(&node);
@@ -478,10 +496,14 @@ impl Core {
         if let Some(placement) = self.checked_placement() {
             let refused = Placement::believe(placement, node, &jobs, &[]).refused;
             if !refused.is_empty() {
-                // A job Slurm has not listed yet may just have started: read again now.
-                self.refresh_placement |= refused
-                    .iter()
-                    .any(|(_, why)| *why != RefusedBecause::NotOnThisNode);
+                // A job Slurm has not listed yet may just have started: read again now,
+                // once per job newly reported (a node repeating a job Slurm does not
+                // know cannot make the controller read Slurm every second).
+                let previous = self.sessions.get(node).map(|s| &s.reported);
+                self.refresh_placement |= refused.iter().any(|(id, why)| {
+                    *why != RefusedBecause::NotOnThisNode
+                        && !previous.is_some_and(|p| p.iter().any(|r| &r.job_id == id))
+                });
                 if let Some(s) = self.sessions.get_mut(node) {
                     let first = s.refused_reports == 0;
                     // Before Slurm's first answer nobody is believed: no node's fault.
@@ -689,6 +711,12 @@ impl Core {
                     return AdminReply::refused(
                         Refusal::NoSuchNode,
                         format!("no node {node:?} is known; `powerflexctl status` lists them"),
+                    );
+                }
+                if self.awaiting.contains(&node) {
+                    return AdminReply::refused(
+                        Refusal::NodeLive,
+                        format!("node {node} is awaited after the controller's restart (its last lease may still hold its caps); try again once `powerflexctl nodes` shows it silent past a lease ({:.0} s)", self.options.lease_ttl_s),
                     );
                 }
                 if let Some(s) = self.sessions.get(&node) {
