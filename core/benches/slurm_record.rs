@@ -50,39 +50,40 @@ fn sinfo() -> String {
     )
 }
 
+/// Median of five runs of `parse`, ms.
+fn median_ms(mut parse: impl FnMut()) -> f64 {
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            parse();
+            t.elapsed().as_secs_f64() * 1000.0
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[2]
+}
+
 fn main() {
     println!("| reply | bytes | parse, median of 5 |");
     println!("| --- | --- | --- |");
     for jobs in [1_000usize, 10_000, 20_000] {
         let text = squeue(jobs);
-        let mut times: Vec<f64> = (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                let parsed = parse_squeue_json(black_box(text.as_bytes())).expect("parses");
-                assert_eq!(parsed.len(), jobs);
-                t.elapsed().as_secs_f64() * 1000.0
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
+        let ms = median_ms(|| {
+            let parsed = parse_squeue_json(black_box(text.as_bytes())).expect("parses");
+            assert_eq!(parsed.len(), jobs);
+        });
         println!(
-            "| squeue --json, {jobs} jobs on {NODES} nodes | {:.1} MB | {:.0} ms |",
-            text.len() as f64 / 1e6,
-            times[2]
+            "| squeue --json, {jobs} jobs on {NODES} nodes | {:.1} MB | {ms:.0} ms |",
+            text.len() as f64 / 1e6
         );
     }
     let text = sinfo();
-    let mut times: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            let parsed = parse_sinfo_gpus(black_box(text.as_bytes())).expect("parses");
-            assert_eq!(parsed.len(), NODES);
-            t.elapsed().as_secs_f64() * 1000.0
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
+    let ms = median_ms(|| {
+        let parsed = parse_sinfo_gpus(black_box(text.as_bytes())).expect("parses");
+        assert_eq!(parsed.len(), NODES);
+    });
     println!(
-        "| sinfo --json, {NODES} nodes | {:.1} MB | {:.0} ms |",
-        text.len() as f64 / 1e6,
-        times[2]
+        "| sinfo --json, {NODES} nodes | {:.1} MB | {ms:.0} ms |",
+        text.len() as f64 / 1e6
     );
 }
