@@ -1080,9 +1080,11 @@ impl Agent {
             let held = self.awaiting_current_lease && (managed || !failsafe_now);
             let desired = match slot.start_ceiling {
                 Some(ceiling) if held => Watts(desired.0.min(ceiling.0)),
-                // Its limit was never read (a transient error at start): unknown, so
-                // not written until it is, rather than written above it.
-                None if held && managed => continue,
+                // Its limit was never read (a transient error at start): a managed job's
+                // GPU gets no more than the fail-safe (a write that can only lower what
+                // the budget counted); any other GPU is not written until it is read.
+                None if held && managed => Watts(desired.0.min(self.settings.failsafe_cap.0)),
+                None if held => continue,
                 _ => desired,
             };
             let desired = clamp(desired, &slot.identity);
@@ -1431,6 +1433,35 @@ mod tests {
         assert!(
             set.contains(&(0, 600.0)) && set.contains(&(1, 600.0)),
             "{set:?}"
+        );
+    }
+
+    /// A GPU whose limit could not be read at start (a transient NVML error): a managed
+    /// job on it gets no more than the fail-safe until a current lease; a GPU of no job
+    /// is not written until it is read.
+    #[test]
+    fn a_gpu_unread_at_start_is_held_to_the_failsafe_or_left_alone() {
+        let mut a = Agent::new(
+            settings(None),
+            (0..4).map(gpu).collect(),
+            &BTreeMap::new(),
+            0.0,
+        );
+        let transient = |g| GpuError {
+            index: g,
+            class: ErrorClass::Transient,
+            message: "timeout".into(),
+        };
+        for g in 0..4 {
+            a.sampled(0.0, g, Err(transient(g)));
+        }
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex2,calibrate=off")
+            .expect("registered");
+        let set = caps(&a.tick(1.0));
+        assert_eq!(
+            set,
+            vec![(0, 500.0)],
+            "job 7's GPU at the fail-safe, the idle ones untouched"
         );
     }
 

@@ -128,10 +128,11 @@ pub const MAX_HISTORY_SAMPLES: u32 = 2_000;
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum AdminOp {
     Status,
-    /// The recent budget, draw and caps, one sample per allocation period: those at or
-    /// after `since_ms` (default: all the controller keeps), evenly thinned to at most
-    /// `max_samples` (default and most: [`MAX_HISTORY_SAMPLES`]), the newest always
-    /// kept. A client pages by asking again from the last `t_ms` it got.
+    /// The recent budget, draw and caps, one sample per allocation period, after
+    /// `since_ms` (default: all the controller keeps). With `max_samples`: the oldest
+    /// that many (at most [`MAX_HISTORY_SAMPLES`]), a page; a client pages by asking
+    /// again after the last `t_ms` it got. Without: an overview evenly thinned to at most
+    /// [`MAX_HISTORY_SAMPLES`], the newest kept.
     History {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         since_ms: Option<u64>,

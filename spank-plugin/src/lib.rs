@@ -232,7 +232,10 @@ unsafe extern "C" fn on_option(_val: c_int, optarg: *const c_char, remote: c_int
         drop(st);
         match logic::site_policy(&args) {
             Ok(policy) => match logic::validate(&value, &policy.table) {
+                // The user database is asked only when it matters: a `none` where the
+                // site restricts opting out.
                 Ok(()) if matches!(policy.opt_out, powerflex_core::config::OptOut::Anyone) => 0,
+                Ok(()) if logic::opt_out_refused(&value, &policy, u32::MAX, None).is_none() => 0,
                 Ok(()) => {
                     // At submission, as the submitting user: told now, not at the start.
                     let uid = powerflex_uid();

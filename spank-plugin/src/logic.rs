@@ -102,6 +102,11 @@ pub fn site_policy(args: &Args) -> Result<SitePolicy, String> {
         default = parse_power_flex(d, &table)
             .map_err(|e| format!("default={d}: {e}"))?
             .service;
+        if !default.is_managed() && matches!(opt_out, powerflex_core::config::OptOut::Listed(_)) {
+            return Err(format!(
+                "default={d}: the site lets only listed users opt out (tiers.opt_out = \"listed\"), so the default must be a tier"
+            ));
+        }
     }
     Ok(SitePolicy {
         table,
@@ -283,15 +288,16 @@ pub fn on_step_start(
     // a `none` the site does not allow this user runs under the site's default tier.
     let restricted = matches!(policy.opt_out, powerflex_core::config::OptOut::Listed(_));
     if restricted && !service.is_managed() && !flex.is_empty() {
-        if let Some(uid) = api.uid() {
-            let user = api.user_name(uid);
-            if let Some(why) = opt_out_refused(&flex, &policy, uid, user.as_deref()) {
-                api.log_error(&format!(
-                    "{why}; the job runs under the site's default tier"
-                ));
-                service = policy.default.clone();
-                flex = String::new();
-            }
+        // An unknown uid is not on the list: the opt-out is refused (fails closed on
+        // the budget's side; the job still runs, under the default tier).
+        let uid = api.uid().unwrap_or(u32::MAX);
+        let user = api.user_name(uid);
+        if let Some(why) = opt_out_refused(&flex, &policy, uid, user.as_deref()) {
+            api.log_error(&format!(
+                "{why}; the job runs under the site's default tier"
+            ));
+            service = policy.default.clone();
+            flex = String::new();
         }
     }
     if !service.is_managed() {

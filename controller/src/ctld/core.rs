@@ -440,11 +440,16 @@ impl Core {
             );
         }
         if refused_gpus > 0 && s.refused_gpus as usize != refused_gpus {
+            let why = if unverified {
+                "a node announced more GPUs than it had before, while Slurm's placement is not read yet; the rest are not counted"
+            } else {
+                "a node announced more GPUs than Slurm configures for it; the rest are not counted"
+            };
             warn!(
                 node,
                 announced = s.announced.len(),
                 believed = gpus.len(),
-                "a node announced more GPUs than Slurm configures for it; the rest are not counted"
+                "{why}"
             );
         }
         s.refused_gpus = refused_gpus as u32;
@@ -1070,30 +1075,35 @@ impl Core {
     }
 }
 
-/// Seconds from `now_ms` to the start of the next event not yet started, if any.
-/// The samples at or after `since_ms`, evenly thinned to at most `max_samples` (at most
-/// [`powerflex_proto::admin::MAX_HISTORY_SAMPLES`]), the newest always kept: only the
-/// samples sent are cloned, so a request costs the same however long the history.
+/// The history samples after `since_ms` (all when none): with `max_samples`, the oldest
+/// that many of them, a page (ask again after the last `t_ms` for the next); without,
+/// an overview evenly thinned to at most [`powerflex_proto::admin::MAX_HISTORY_SAMPLES`]
+/// with the newest kept. Only the samples sent are cloned, so a request costs the same
+/// however long the history.
 fn history_page(
     history: &VecDeque<HistorySample>,
     since_ms: Option<u64>,
     max_samples: Option<u32>,
 ) -> Vec<HistorySample> {
-    let max = max_samples
-        .unwrap_or(powerflex_proto::admin::MAX_HISTORY_SAMPLES)
-        .clamp(1, powerflex_proto::admin::MAX_HISTORY_SAMPLES) as usize;
-    let first = since_ms.map_or(0, |t| history.partition_point(|s| s.t_ms < t));
+    let most = powerflex_proto::admin::MAX_HISTORY_SAMPLES;
+    let first = since_ms.map_or(0, |t| history.partition_point(|s| s.t_ms <= t));
+    if let Some(page) = max_samples {
+        let page = page.clamp(1, most) as usize;
+        return history.range(first..).take(page).cloned().collect();
+    }
+    let max = most as usize;
     let n = history.len() - first;
     if n <= max {
         return history.range(first..).cloned().collect();
     }
     // `max` indices spread over the range, the last one the newest sample.
     (0..max)
-        .map(|k| first + (n - 1) - (max - 1 - k) * (n - 1) / (max - 1).max(1))
+        .map(|k| first + (n - 1) - (max - 1 - k) * (n - 1) / (max - 1))
         .map(|i| history[i].clone())
         .collect()
 }
 
+/// Seconds from `now_ms` to the start of the next event not yet started, if any.
 fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
     events
         .iter()
@@ -1407,20 +1417,22 @@ mod tests {
             all.windows(2).all(|w| w[0].t_ms < w[1].t_ms),
             "in order, no repeats"
         );
-        let asked = history_page(&history, None, Some(1_000_000));
+        let page = history_page(&history, None, Some(1_000_000));
         assert_eq!(
-            asked.len(),
+            page.len(),
             powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize,
             "bounded whatever is asked"
         );
-        let page = history_page(&history, Some(8000), None);
-        assert_eq!(page.len(), HISTORY - 8000, "a short page whole");
-        assert_eq!(page[0].t_ms, 8000);
+        assert_eq!(page[0].t_ms, 0, "a page starts at the oldest");
+        // Paging: after the last t_ms of a page comes the next, with no sample twice.
+        let next = history_page(&history, page.last().map(|s| s.t_ms), Some(1_000_000));
+        assert_eq!(next[0].t_ms, page.last().map_or(0, |s| s.t_ms) + 1);
+        let tail = history_page(&history, Some(8000), None);
+        assert_eq!(tail.len(), HISTORY - 8001, "a short overview whole");
+        assert_eq!(tail[0].t_ms, 8001);
         let one = history_page(&history, None, Some(1));
-        assert_eq!(
-            one.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
-            [HISTORY as u64 - 1]
-        );
+        assert_eq!(one.iter().map(|s| s.t_ms).collect::<Vec<_>>(), [0]);
+        assert!(history_page(&VecDeque::new(), None, None).is_empty());
         assert!(history_page(&history, Some(u64::MAX), None).is_empty());
     }
 
