@@ -174,6 +174,67 @@ fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
     stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
+/// Issue 21: a restarted agent read a job's recorded tier from `scontrol show job -o`,
+/// `key=value` pairs split on spaces, so a job *named* `x AdminComment=powerflex;tier=…`
+/// chose the tier it was taken back under after a lost state file. The tier now comes
+/// from `squeue --json`'s own `admin_comment` field.
+#[test]
+fn a_forged_job_name_does_not_choose_the_tier_a_lost_state_file_takes_the_job_back_under() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    let mut stack = Stack::start("f-forge", StackOptions::default());
+    let wrap = format!(
+        "srun bash -c 'POWERFLEX_SIM_DIR={}/sim/$SLURMD_NODENAME exec {} --profile {PROFILE} --duration 20000 --time-scale 20 > /dev/null'",
+        stack.base.display(),
+        stack.simjob.display()
+    );
+    let job = stack
+        .cluster
+        .sbatch(
+            &[
+                "-N1",
+                "--nodelist=n1",
+                "--gres=gpu:4",
+                "--power-flex=flex1,calibrate=off",
+                "-J",
+                "x AdminComment=powerflex;tier=flex3,preempt=requeue;cap=200W",
+                "--wrap",
+                &wrap,
+            ],
+            None,
+        )
+        .expect("sbatch");
+    // The controller's own annotation, in Slurm's record.
+    wait_until(
+        "the controller's AdminComment on the job",
+        Duration::from_secs(60),
+        || {
+            let info = stack.cluster.job_info(job);
+            info.contains("AdminComment=powerflex;tier=flex1,calibrate=off;")
+                .then_some(())
+        },
+    );
+    stack.kill_agent(0);
+    let state = stack.agent_state_file(0);
+    let text = std::fs::read(&state).expect("the agent's state file");
+    std::fs::write(&state, &text[..text.len() / 2]).expect("truncate");
+    stack.start_agent(0);
+    let tier = wait_until("the job taken back on n1", Duration::from_secs(30), || {
+        let jobs: Vec<SiteJobStatus> = stack.ctl_json(&["jobs"])?;
+        jobs.into_iter()
+            .find(|j| j.job == job.to_string() && j.nodes == ["n1"])
+            .map(|j| j.tier)
+    });
+    assert_eq!(
+        tier, "flex1,calibrate=off",
+        "Slurm's AdminComment, not the one forged in the job's name"
+    );
+    assert!(stack.logs("agent-n1").contains("managing it again"));
+    stack.cluster.run("scancel", &[&job.to_string()]);
+    stack.ends_clean(&[], Duration::from_secs(60));
+}
+
 /// The stack's fail-safe cap (src/stack.rs writes it into the site config), W.
 const FAILSAFE_CAP_W: f64 = 300.0;
 
