@@ -313,6 +313,14 @@ impl Agent {
         }
     }
 
+    /// The slot of the GPU a registration names, by index or UUID.
+    fn slot_of(&self, gpu: &GpuRef) -> Option<usize> {
+        self.gpus.iter().position(|g| match gpu {
+            GpuRef::Index(i) => g.identity.index == *i,
+            GpuRef::Uuid(u) => &g.identity.uuid == u,
+        })
+    }
+
     fn controller_mode(&self) -> bool {
         self.settings.node_budget.is_none()
     }
@@ -347,11 +355,7 @@ impl Agent {
         let refs = parse_gpu_list(&gpus.join(",")).map_err(|e| e.to_string())?;
         let mut indices = Vec::new();
         for r in &refs {
-            let found = self.gpus.iter().position(|g| match r {
-                GpuRef::Index(i) => g.identity.index == *i,
-                GpuRef::Uuid(u) => &g.identity.uuid == u,
-            });
-            match found {
+            match self.slot_of(r) {
                 Some(i) => indices.push(i as u32),
                 None => return Err(format!("no GPU {r} on node {}", self.settings.node)),
             }
@@ -514,10 +518,7 @@ impl Agent {
         };
         let mut ended = Vec::new();
         for r in &refs {
-            let Some(slot) = self.gpus.iter().find(|g| match r {
-                GpuRef::Index(i) => g.identity.index == *i,
-                GpuRef::Uuid(u) => &g.identity.uuid == u,
-            }) else {
+            let Some(slot) = self.slot_of(r).map(|i| &self.gpus[i]) else {
                 continue;
             };
             let Some(holder) = slot.job.as_ref().filter(|h| h.as_str() != job_id) else {

@@ -225,16 +225,14 @@ pub struct Rejected {
     pub reason: String,
 }
 
-/// The per-GPU cap range `(min_w, max_w)` common to `gpus`, or `None` when their ranges
-/// do not overlap (two GPU models whose limits have nothing in common).
 /// Per job reported by more than one live node, the least flexible of what they report,
 /// part by part: unmanaged (`none`) if any node says so; else the smallest slowdown
 /// bound, with the mildest `preempt=` any node's report allows (each report's own, or
 /// the site's default for its tier). A tier the site does not know counts for nothing.
 /// Every reporting node runs the job (the placement check), but none of them alone may
 /// make it more flexible, more preemptible or managed at all than the others say.
-pub fn least_flexible_tiers(
-    nodes: &[NodeView],
+pub fn least_flexible_tiers<'a>(
+    nodes: impl IntoIterator<Item = &'a NodeView>,
     tiers: &powerflex_core::flex::TierTable,
 ) -> BTreeMap<String, String> {
     use powerflex_core::flex::{FlexRequest, Preempt};
@@ -245,7 +243,7 @@ pub fn least_flexible_tiers(
     };
     let mut requests: BTreeMap<&str, Vec<FlexRequest>> = BTreeMap::new();
     let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
-    for node in nodes.iter().filter(|n| n.live) {
+    for node in nodes.into_iter().filter(|n| n.live) {
         for report in &node.jobs {
             *seen.entry(&report.job_id).or_default() += 1;
             if let Ok(request) = parse_power_flex(&report.tier, tiers) {
@@ -280,6 +278,20 @@ pub fn least_flexible_tiers(
     out
 }
 
+/// Rewrites each report of a job on several nodes to the job's least flexible tier
+/// ([`least_flexible_tiers`]): done once on the views every decision reads (the
+/// allocation, the preemptions, the annotations, `whatif`), not inside each of them.
+pub fn apply_least_flexible_tiers(views: &mut [NodeView], tiers: &powerflex_core::flex::TierTable) {
+    let tier_of = least_flexible_tiers(views.iter(), tiers);
+    for report in views.iter_mut().flat_map(|v| v.jobs.iter_mut()) {
+        if let Some(tier) = tier_of.get(&report.job_id) {
+            report.tier.clone_from(tier);
+        }
+    }
+}
+
+/// The per-GPU cap range `(min_w, max_w)` common to `gpus`, or `None` when their ranges
+/// do not overlap (two GPU models whose limits have nothing in common).
 fn common_range<'a>(gpus: impl Iterator<Item = &'a GpuInfo>) -> Option<(f64, f64)> {
     let (lo, hi) = gpus.fold((0.0f64, f64::MAX), |(lo, hi), g| {
         (lo.max(g.min_w), hi.min(g.max_w))
@@ -505,7 +517,6 @@ pub fn decide_steady(
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
     let mut reserved = 0.0;
     let mut rejected: Vec<Rejected> = Vec::new();
-    let tier_of = least_flexible_tiers(nodes, &settings.tiers);
     for node in nodes {
         if !node.live {
             reserved += silent_node_reserve_w(&node.gpus);
@@ -538,7 +549,7 @@ pub fn decide_steady(
         let mut node_managed_default_w = 0.0;
         let node_default_w = node.gpus.iter().map(|g| g.default_w).fold(0.0, f64::max);
         for report in &node.jobs {
-            let tier = tier_of.get(&report.job_id).unwrap_or(&report.tier);
+            let tier = &report.tier;
             let managed = parse_power_flex(tier, &settings.tiers)
                 .map(|r| r.service.is_managed())
                 .unwrap_or(false);

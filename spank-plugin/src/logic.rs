@@ -67,14 +67,9 @@ pub fn parse_args(args: &[String]) -> Result<Args, String> {
     Ok(out)
 }
 
-/// The tiers and default service this site offers: from the site config when `site=`
-/// names one that parses, else the built-in tiers (and `none` as default).
-pub fn site_tiers(args: &Args) -> Result<(TierTable, Service), String> {
-    site_policy(args).map(|p| (p.table, p.default))
-}
-
 /// What the site offers and allows: its tiers, the default service, and who may opt out
-/// (`tiers.opt_out`; without a site config, anyone).
+/// (`tiers.opt_out`). From the site config when `site=` names one that parses, else the
+/// built-in tiers, `none` as default and anyone may opt out.
 #[derive(Debug, Clone)]
 pub struct SitePolicy {
     pub table: TierTable,
@@ -82,7 +77,7 @@ pub struct SitePolicy {
     pub opt_out: powerflex_core::config::OptOut,
 }
 
-/// [`SitePolicy`] from the plugstack arguments (see [`site_tiers`]).
+/// [`SitePolicy`] from the plugstack arguments.
 pub fn site_policy(args: &Args) -> Result<SitePolicy, String> {
     let (table, mut default, opt_out) = match &args.site {
         Some(path) => {
@@ -443,7 +438,7 @@ mod tests {
 
     #[test]
     fn tiers_from_defaults_and_validation_messages() {
-        let (table, default) = site_tiers(&Args::default()).expect("defaults");
+        let SitePolicy { table, default, .. } = site_policy(&Args::default()).expect("defaults");
         assert_eq!(default, Service::Unmanaged);
         assert!(validate("flex2", &table).is_ok());
         assert!(validate("flex3,calibrate=off", &table).is_ok());
@@ -460,12 +455,12 @@ mod tests {
             default: Some("flex1".into()),
             ..Args::default()
         };
-        assert!(site_tiers(&with_default).expect("ok").1.is_managed());
+        assert!(site_policy(&with_default).expect("ok").default.is_managed());
         let missing = Args {
             site: Some(PathBuf::from("/nonexistent/powerflex.toml")),
             ..Args::default()
         };
-        assert!(site_tiers(&missing)
+        assert!(site_policy(&missing)
             .expect_err("missing")
             .contains("cannot read /nonexistent/powerflex.toml"));
     }
@@ -484,7 +479,7 @@ mod tests {
             line.contains("\"step_id\":\"batch\"") && line.contains("\"job_id\":\"42\""),
             "{line}"
         );
-        let (table, _) = site_tiers(&Args::default()).expect("defaults");
+        let table = site_policy(&Args::default()).expect("defaults").table;
         let flex2 = parse_power_flex("flex2", &table).expect("ok").service;
         assert!(should_register(&flex2, &step));
         assert!(!should_register(&Service::Unmanaged, &step));

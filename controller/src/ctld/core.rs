@@ -340,8 +340,10 @@ impl Core {
             now_ms,
         );
         // A job on several nodes shows the tier the allocation uses: the least flexible.
-        let views: Vec<NodeView> = self.sessions.values().map(|s| s.view.clone()).collect();
-        let tier_of = crate::site::least_flexible_tiers(&views, &self.options.site.tiers);
+        let tier_of = crate::site::least_flexible_tiers(
+            self.sessions.values().map(|s| &s.view),
+            &self.options.site.tiers,
+        );
         for job in &mut status.jobs {
             if let Some(tier) = tier_of.get(&job.job) {
                 job.tier.clone_from(tier);
@@ -350,8 +352,8 @@ impl Core {
         status.slurm =
             self.checked_placement()
                 .map(|p| powerflex_proto::status::SlurmPlacementView {
-                    read_ms_ago: p.map(|p| now_ms.saturating_sub(p.read_at_ms)),
-                    jobs: p.map_or(0, |p| p.jobs.len() as u32),
+                    read_ms_ago: p.as_ref().map(|p| now_ms.saturating_sub(p.read_at_ms)),
+                    jobs: p.as_ref().map_or(0, |p| p.jobs.len() as u32),
                     error: self.placement_error.clone(),
                 });
         status
@@ -395,32 +397,32 @@ impl Core {
     }
 
     /// The placement the node's words are checked against: Slurm's, or none at all
-    /// (`job_placement = "reports"`: every node believed).
-    fn checked_placement(&self) -> Option<Option<&Placement>> {
+    /// (`job_placement = "reports"`: every node believed). A shared handle, so the caller
+    /// may hold it while it changes the sessions.
+    fn checked_placement(&self) -> Option<Option<std::sync::Arc<Placement>>> {
         match self.options.job_placement {
-            JobPlacement::Slurm => Some(self.placement.as_deref()),
+            JobPlacement::Slurm => Some(self.placement.clone()),
             JobPlacement::Reports => None,
         }
     }
 
-    /// Recomputes what is believed of `node` from what it last said and the placement;
-    /// whether its set of jobs changed.
-    fn believe(&mut self, node: &str) -> bool {
-        let checked: Option<Option<std::sync::Arc<Placement>>> = match self.options.job_placement {
-            JobPlacement::Slurm => Some(self.placement.clone()),
-            JobPlacement::Reports => None,
-        };
+    /// Recomputes what is believed of `node` from what it last said and the placement:
+    /// whether its set of jobs changed, and the jobs refused.
+    fn believe(&mut self, node: &str) -> (bool, Vec<(String, RefusedBecause)>) {
+        let checked = self.checked_placement();
         // Before Slurm's first answer, a node's GPUs are bounded by what it announced
         // before (the state file), and nothing is saved: its word alone is not kept.
         let known_gpus = self.state.nodes.get(node).map(Vec::len);
         let Some(s) = self.sessions.get_mut(node) else {
-            return false;
+            return (false, Vec::new());
         };
         let unverified = matches!(checked, Some(None));
+        let mut refused = Vec::new();
         let (jobs, gpus, refused_gpus) = match checked {
             None => (s.reported.clone(), s.announced.clone(), 0),
             Some(placement) => {
                 let b = Placement::believe(placement.as_deref(), node, &s.reported, &s.announced);
+                refused = b.refused;
                 let (gpus, refused) = match (unverified, known_gpus) {
                     (true, Some(known)) => (
                         b.gpus.into_iter().take(known).collect::<Vec<_>>(),
@@ -465,7 +467,7 @@ impl Core {
             self.state.nodes.insert(node.to_string(), gpus);
             self.dirty = true;
         }
-        changed
+        (changed, refused)
     }
 
     /// A new read of Slurm's placement: every node believed again against it.
@@ -478,7 +480,7 @@ impl Core {
                 self.placement = Some(std::sync::Arc::new(placement));
                 let nodes: Vec<String> = self.sessions.keys().cloned().collect();
                 for node in nodes {
-                    self.allocate_now |= self.believe(&node);
+                    self.allocate_now |= self.believe(&node).0;
                 }
             }
             Err(e) => {
@@ -493,52 +495,46 @@ impl Core {
     fn report(&mut self, node: &str, jobs: Vec<JobReport>, power_w: f64, now_ms: u64) {
         // A report before a hello is dropped: the link only forwards reports from a
         // connection that said hello as this node.
-        if !self.sessions.contains_key(node) {
+        let Some(s) = self.sessions.get_mut(node) else {
             return;
-        }
+        };
+        let previous = s.view.jobs.clone();
+        let previously_reported: BTreeSet<String> =
+            s.reported.iter().map(|r| r.job_id.clone()).collect();
+        s.reported = jobs;
         // What Slurm does not bear out is refused here, counted and logged, and never
-        // reaches the allocation, the annotations, the preemptions or the status.
-        if let Some(placement) = self.checked_placement() {
-            let refused = Placement::believe(placement, node, &jobs, &[]).refused;
-            if !refused.is_empty() {
-                // A job Slurm has not listed yet may just have started: read again now,
-                // once per job newly reported (a node repeating a job Slurm does not
-                // know cannot make the controller read Slurm every second).
-                let previous = self.sessions.get(node).map(|s| &s.reported);
-                self.refresh_placement |= refused.iter().any(|(id, why)| {
-                    *why != RefusedBecause::NotOnThisNode
-                        && !previous.is_some_and(|p| p.iter().any(|r| &r.job_id == id))
-                });
-                if let Some(s) = self.sessions.get_mut(node) {
-                    let first = s.refused_reports == 0;
-                    // Before Slurm's first answer nobody is believed: no node's fault.
-                    s.refused_reports += refused
-                        .iter()
-                        .filter(|(_, why)| *why != RefusedBecause::NoPlacementYet)
-                        .count() as u64;
-                    // Logged when a job first appears refused, not at every report.
-                    for (job_id, why) in &refused {
-                        let new = first || !s.reported.iter().any(|r| &r.job_id == job_id);
-                        if *why != RefusedBecause::NoPlacementYet && new {
-                            warn!(
-                                node,
-                                job_id,
-                                why = why.label(),
-                                "a node reported a job Slurm does not place on it; refused"
-                            );
-                        }
+        // reaches the allocation, the annotations, the preemptions or the status. Only a
+        // change in the set of jobs needs a new allocation before the next tick.
+        let (changed, refused) = self.believe(node);
+        if !refused.is_empty() {
+            // A job Slurm has not listed yet may just have started: read again now, once
+            // per job newly reported (a node repeating a job Slurm does not know cannot
+            // make the controller read Slurm every second).
+            self.refresh_placement |= refused.iter().any(|(id, why)| {
+                *why != RefusedBecause::NotOnThisNode && !previously_reported.contains(id)
+            });
+            if let Some(s) = self.sessions.get_mut(node) {
+                let first = s.refused_reports == 0;
+                // Before Slurm's first answer nobody is believed: no node's fault.
+                s.refused_reports += refused
+                    .iter()
+                    .filter(|(_, why)| *why != RefusedBecause::NoPlacementYet)
+                    .count() as u64;
+                // Logged when a job first appears refused, not at every report.
+                for (job_id, why) in &refused {
+                    if *why != RefusedBecause::NoPlacementYet
+                        && (first || !previously_reported.contains(job_id))
+                    {
+                        warn!(
+                            node,
+                            job_id,
+                            why = why.label(),
+                            "a node reported a job Slurm does not place on it; refused"
+                        );
                     }
                 }
             }
         }
-        let Some(s) = self.sessions.get_mut(node) else {
-            return;
-        };
-        let previous = std::mem::take(&mut s.view.jobs);
-        s.reported = jobs;
-        s.view.jobs = previous.clone();
-        // Only a change in the set of jobs needs a new allocation before the next tick.
-        let changed = self.believe(node);
         let Some(s) = self.sessions.get_mut(node) else {
             return;
         };
@@ -768,7 +764,9 @@ impl Core {
                         now_ms,
                     ),
                 };
-                let views: Vec<NodeView> = self.sessions.values().map(|s| s.view.clone()).collect();
+                let mut views: Vec<NodeView> =
+                    self.sessions.values().map(|s| s.view.clone()).collect();
+                crate::site::apply_least_flexible_tiers(&mut views, &self.options.site.tiers);
                 let settings = crate::site::SiteSettings {
                     policy,
                     tier_bounds: if ignore_tiers {
@@ -896,12 +894,7 @@ impl Core {
             .collect();
         // A job on several nodes is as flexible as the least flexible of them says: the
         // decision, the preemptions and the annotations all read these views.
-        let tier_of = crate::site::least_flexible_tiers(&views, &self.options.site.tiers);
-        for report in views.iter_mut().flat_map(|v| v.jobs.iter_mut()) {
-            if let Some(tier) = tier_of.get(&report.job_id) {
-                report.tier.clone_from(tier);
-            }
-        }
+        crate::site::apply_least_flexible_tiers(&mut views, &self.options.site.tiers);
         // Caps first; where caps at every floor cannot meet the budget, jobs that allow
         // it are held out (crate::preempt), and given back once they fit again.
         let cut_ahead = plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5;
