@@ -842,6 +842,15 @@ impl Core {
         if now_ms < self.hold_until_ms {
             return;
         }
+        // Slurm's first answer (a fraction of a second after the start) is awaited as the
+        // known agents are: allocating before it would believe no job and hold every one
+        // at the start cap until it came, while the old leases still hold their caps.
+        let placement_due = self.options.job_placement == JobPlacement::Slurm
+            && self.placement.is_none()
+            && self.placement_error.is_none();
+        if placement_due && now_ms < self.grace_until_ms {
+            return;
+        }
         if !self.awaiting.is_empty() {
             if now_ms < self.grace_until_ms {
                 // Their old leases still hold every cap; nothing is lost by waiting.
@@ -1268,6 +1277,10 @@ mod tests {
             ],
         );
         assert!(out.refresh_placement);
+        assert!(
+            out.leases.is_empty(),
+            "the first allocation waits for Slurm's first answer: {out:?}"
+        );
         assert!(
             core.status(T0).jobs.is_empty(),
             "no job believed before Slurm answered"
