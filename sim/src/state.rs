@@ -114,6 +114,13 @@ pub struct GpuState {
     /// Energy at `checkpoint_unix_ms`, mJ since the node was made.
     pub energy_mj: f64,
     pub checkpoint_unix_ms: u64,
+    /// Whether the GPU was under load at the checkpoint: the counter integrates the draw
+    /// of that state until the next checkpoint, so it never runs backwards when a
+    /// workload's process dies or is stopped without a write (a real counter is
+    /// monotonic). The next reading that sees the load changed checkpoints
+    /// ([`Node::reading`]).
+    #[serde(default)]
+    pub loaded_at_checkpoint: bool,
     pub workload: Option<Workload>,
     pub fault: Option<Fault>,
 }
@@ -193,6 +200,7 @@ impl GpuState {
             power_limit_mw: model.default_limit_mw,
             energy_mj: 0.0,
             checkpoint_unix_ms: now,
+            loaded_at_checkpoint: false,
             workload: None,
             fault: None,
         }
@@ -212,7 +220,16 @@ impl GpuState {
 
     /// Noise-free draw, mW, and the physics state behind it.
     fn steady(&self, model: &DeviceModel) -> (u32, Option<powerflex_core::workload::GpuState>) {
-        match self.loaded() {
+        self.draw_under(model, self.loaded())
+    }
+
+    /// Noise-free draw, mW, with `load` running on the GPU (none: idle).
+    fn draw_under(
+        &self,
+        model: &DeviceModel,
+        load: Option<&Workload>,
+    ) -> (u32, Option<powerflex_core::workload::GpuState>) {
+        match load {
             None => (model.idle_mw.min(self.power_limit_mw), None),
             Some(w) => {
                 let cap = Watts(f64::from(self.power_limit_mw) / 1000.0);
@@ -226,9 +243,25 @@ impl GpuState {
         }
     }
 
+    /// The draw the energy counter integrates since the checkpoint, mW: that of the load
+    /// state recorded there (see [`GpuState::loaded_at_checkpoint`]).
+    fn counted_draw_mw(&self, model: &DeviceModel) -> u32 {
+        let load = self
+            .workload
+            .as_ref()
+            .filter(|w| self.loaded_at_checkpoint && !w.idle);
+        self.draw_under(model, load).0
+    }
+
+    /// Whether the load changed since the checkpoint without a write (a process died or
+    /// was stopped or continued).
+    fn load_changed(&self) -> bool {
+        self.loaded().is_some() != self.loaded_at_checkpoint
+    }
+
     /// Energy at `now`, mJ.
     fn energy_at(&self, model: &DeviceModel, now: u64) -> f64 {
-        let (mw, _) = self.steady(model);
+        let mw = self.counted_draw_mw(model);
         let elapsed = now.saturating_sub(self.checkpoint_unix_ms) as f64;
         self.energy_mj + f64::from(mw) * elapsed / 1000.0
     }
@@ -237,6 +270,7 @@ impl GpuState {
     fn checkpoint(&mut self, model: &DeviceModel, now: u64) {
         self.energy_mj = self.energy_at(model, now);
         self.checkpoint_unix_ms = self.checkpoint_unix_ms.max(now);
+        self.loaded_at_checkpoint = self.loaded().is_some();
     }
 
     /// What the GPU reports at `now`.
@@ -362,7 +396,9 @@ impl Node {
                         let name = entry.file_name();
                         let name = name.to_string_lossy();
                         if name.starts_with("gpu")
-                            && (name.ends_with(".json") || name.ends_with(".limit"))
+                            && (name.ends_with(".json")
+                                || name.ends_with(".limit")
+                                || name.ends_with(".energy.log"))
                         {
                             let _ = fs::remove_file(entry.path());
                         }
@@ -390,11 +426,17 @@ impl Node {
             set_mode(&lock, 0o666)?;
         }
         write_atomic(&info_path, &to_json(&info, &info_path)?)?;
-        Ok(Node {
+        let node = Node {
             dir: dir.to_path_buf(),
             info,
             model,
-        })
+        };
+        for index in 0..gpu_count {
+            node.log_checkpoint(index, &node.gpu(index)?);
+            let log = node.energy_log_path(index);
+            set_mode(&log, 0o666)?;
+        }
+        Ok(node)
     }
 
     /// Opens an existing node.
@@ -481,9 +523,53 @@ impl Node {
 
     /// What GPU `index` reports now.
     pub fn reading(&self, index: u32) -> Result<(GpuState, GpuReading), SimError> {
-        let gpu = self.gpu(index)?;
+        let mut gpu = self.gpu(index)?;
+        if gpu.load_changed() {
+            // The load changed without a write (its process died, or was stopped or
+            // continued): checkpoint now, so the counter integrates the new draw from
+            // here on. A reader that may not write (another user) reads on; the counter
+            // stays monotonic either way.
+            if self.update(index, |_| Ok(())).is_ok() {
+                gpu = self.gpu(index)?;
+            }
+        }
         let reading = gpu.reading(self.model, unix_ms());
         Ok((gpu, reading))
+    }
+
+    fn energy_log_path(&self, index: u32) -> PathBuf {
+        self.dir
+            .join(SHARED_DIR)
+            .join(format!("gpu{index}.energy.log"))
+    }
+
+    /// GPU `index`'s energy counter at `at_unix_ms`, mJ, recomputed from the log of its
+    /// checkpoints (each: time, counter, the draw integrated from there): what the
+    /// counter read or would have read then, for tests that check what an agent
+    /// attributed. `None` before the first logged checkpoint or without a log.
+    pub fn energy_at_unix_ms(&self, index: u32, at_unix_ms: u64) -> Result<Option<f64>, SimError> {
+        let path = self.energy_log_path(index);
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        let mut best: Option<(u64, f64, u32)> = None;
+        for line in text.lines() {
+            let mut fields = line.split_whitespace();
+            let parsed = (|| {
+                let t: u64 = fields.next()?.parse().ok()?;
+                let e: f64 = fields.next()?.parse().ok()?;
+                let mw: u32 = fields.next()?.parse().ok()?;
+                Some((t, e, mw))
+            })();
+            // A line cut short by a crash mid-append is skipped.
+            let Some((t, e, mw)) = parsed else { continue };
+            if t <= at_unix_ms && best.is_none_or(|(bt, _, _)| t >= bt) {
+                best = Some((t, e, mw));
+            }
+        }
+        Ok(best.map(|(t, e, mw)| e + f64::from(mw) * (at_unix_ms - t) as f64 / 1000.0))
     }
 
     /// Changes GPU `index` under its lock: the energy checkpoint is advanced first, so
@@ -498,8 +584,34 @@ impl Node {
         let mut gpu = self.gpu(index)?;
         gpu.checkpoint(self.model, unix_ms());
         let result = change(&mut gpu)?;
+        gpu.loaded_at_checkpoint = gpu.loaded().is_some();
         write_atomic(&path, &to_json(&gpu, &path)?)?;
+        self.log_checkpoint(index, &gpu);
         Ok(result)
+    }
+
+    /// Appends the checkpoint just written to the GPU's energy log (under its lock), so a
+    /// test can recompute the counter at any past instant ([`Node::energy_at_unix_ms`]).
+    /// Best effort: the log is a test aid, never what the counter reads.
+    fn log_checkpoint(&self, index: u32, gpu: &GpuState) {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.energy_log_path(index);
+        let line = format!(
+            "{} {:.3} {}\n",
+            gpu.checkpoint_unix_ms,
+            gpu.energy_mj,
+            gpu.counted_draw_mw(self.model)
+        );
+        // Every simulated job (its user) appends to it, as to the GPU's state file.
+        let opened = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o666)
+            .open(&path);
+        if let Ok(mut file) = opened {
+            let _ = file.write_all(line.as_bytes());
+        }
     }
 
     /// `nvmlDeviceSetPowerManagementLimit`: root only, within the constraints.
@@ -776,6 +888,57 @@ mod tests {
         assert!(node.reading(0).expect("reading").1.busy, "resumed");
         let _ = child.kill();
         let _ = child.wait();
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_counter_never_runs_backwards_when_a_workload_dies_and_its_log_recomputes_it() {
+        let dir = scratch("monotonic");
+        let node = Node::init(&dir, "n1", "H200", 1, false).expect("init");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let workload = Workload {
+            job_id: "7".into(),
+            pid: child.id(),
+            profile: "test".into(),
+            physics: physics(),
+            table: None,
+            memory_used_bytes: 1 << 30,
+            idle: false,
+        };
+        node.claim(&[0], &workload).expect("claim");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let (_, loaded) = node.reading(0).expect("reading");
+        assert!(loaded.busy);
+        child.kill().expect("kill");
+        child.wait().expect("reaped");
+        // Before the fix the counter was recomputed at idle draw over the whole time since
+        // the claim, and fell.
+        let mut last = loaded.energy_mj;
+        for _ in 0..5 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let (_, r) = node.reading(0).expect("reading");
+            assert!(!r.busy);
+            assert!(r.energy_mj >= last, "{} then {}", last, r.energy_mj);
+            last = r.energy_mj;
+        }
+        // The log gives the counter at any instant: at a reading's own time it is what
+        // that reading says, to the millisecond's draw.
+        let now = unix_ms();
+        let (gpu, r) = node.reading(0).expect("reading");
+        let from_log = node
+            .energy_at_unix_ms(0, now)
+            .expect("log")
+            .expect("logged");
+        let slack = f64::from(gpu.counted_draw_mw(node.model())) * 2.0 / 1000.0 + 1.0;
+        assert!(
+            (from_log - r.energy_mj as f64).abs() <= slack,
+            "log {from_log} reading {}",
+            r.energy_mj
+        );
+        assert_eq!(node.energy_at_unix_ms(0, 0).expect("log"), None);
         let _ = fs::remove_dir_all(&dir);
     }
 
