@@ -975,6 +975,8 @@ fn a_rogue_node_s_key_cannot_reach_a_job_slurm_placed_on_another_node() {
                 power_w: 2800.0,
                 failsafe: false,
                 cap_mismatches: 0,
+                ended: Vec::new(),
+                observe_only: false,
             })
             .expect("report sent");
             next_report += Duration::from_millis(500);

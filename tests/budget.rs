@@ -524,6 +524,8 @@ impl FakeAgent {
                 power_w,
                 failsafe: false,
                 cap_mismatches: 0,
+                ended: Vec::new(),
+                observe_only: false,
             })
             .expect("send");
     }

@@ -10,6 +10,9 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use powerflex_core::Watts;
 
+/// How the test bed's simulated GPUs end their names.
+pub const SIMULATED_NAME_SUFFIX: &str = "(simulated)";
+
 /// What a GPU is and which caps it accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuIdentity {
@@ -20,6 +23,9 @@ pub struct GpuIdentity {
     pub max_cap: Watts,
     /// The board's default limit (what "restore" writes back).
     pub default_cap: Watts,
+    /// A simulated GPU (the test bed's, whose names end in "(simulated)"): every figure
+    /// the agent reports from it is labelled simulated.
+    pub simulated: bool,
 }
 
 /// One reading of a GPU.
@@ -28,8 +34,12 @@ pub struct GpuSample {
     pub power: Watts,
     /// The limit in force (enforced limit).
     pub cap: Watts,
-    /// Energy since driver load, mJ.
-    pub energy_mj: u64,
+    /// Energy since driver load, mJ; none on a GPU without the counter (pre-Volta
+    /// boards), whose jobs are then charged power × time.
+    pub energy_mj: Option<u64>,
+    /// Whether the clocks are held back by a power cap or power brake now (NVML's clock
+    /// event reasons); none where NVML cannot say.
+    pub power_throttled: Option<bool>,
     /// Utilisation over the last sample period, percent.
     pub gpu_util_pct: u32,
     pub memory_util_pct: u32,
@@ -133,10 +143,12 @@ impl GpuBackend for NvmlBackend {
             let constraints = d
                 .power_management_limit_constraints()
                 .map_err(|e| err(index, e))?;
+            let name = d.name().map_err(|e| err(index, e))?;
             gpus.push(GpuIdentity {
                 index,
                 uuid: d.uuid().map_err(|e| err(index, e))?,
-                name: d.name().map_err(|e| err(index, e))?,
+                simulated: name.ends_with(SIMULATED_NAME_SUFFIX),
+                name,
                 min_cap: watts(constraints.min_limit),
                 max_cap: watts(constraints.max_limit),
                 default_cap: watts(
@@ -159,7 +171,19 @@ impl GpuBackend for NvmlBackend {
             // The limit as set (what the agent writes and must find again), not the enforced
             // one, which other constraints may lower below it.
             cap: watts(d.power_management_limit().map_err(|e| err(index, e))?),
-            energy_mj: d.total_energy_consumption().map_err(|e| err(index, e))?,
+            // A GPU without the counter (NotSupported) is still read; any other failure
+            // of it is the device's, like the other readings'.
+            energy_mj: match d.total_energy_consumption() {
+                Ok(mj) => Some(mj),
+                Err(NvmlError::NotSupported) => None,
+                Err(e) => return Err(err(index, e)),
+            },
+            power_throttled: d.current_throttle_reasons().ok().map(|r| {
+                r.intersects(
+                    nvml_wrapper::bitmasks::device::ThrottleReasons::SW_POWER_CAP
+                        | nvml_wrapper::bitmasks::device::ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN,
+                )
+            }),
             gpu_util_pct: util.gpu,
             memory_util_pct: util.memory,
             // A GPU without the clock reading still has every other reading.

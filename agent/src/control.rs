@@ -25,6 +25,8 @@ use powerflex_proto::status::{AgentMode, CalibrationState, CurvePoint, PfiSource
 use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog, Recorded};
 use crate::procs::JobKey;
+use crate::usage::{JobUsage, Observation};
+use powerflex_proto::usage::NodeUsage;
 
 /// The step name a job taken back from its running processes (no record, no
 /// registration) is registered under.
@@ -55,7 +57,18 @@ pub struct AgentSettings {
     /// A job seen with step daemons on this host whose daemons have all been gone this
     /// long is ended, epilog or not, s.
     pub job_end_grace_s: f64,
+    /// Write limits (`agent.enforce`, default true). Off (observe mode): the agent
+    /// measures, accounts and reports every job and takes the controller's leases, but
+    /// never writes a limit; the caps it would write are in its status.
+    pub enforce: bool,
 }
+
+/// How long a job's final share is re-sent to the controller after its end, s: every
+/// report in this window carries it, so one lost report or a reconnect loses nothing.
+pub const ENDED_RESEND_S: f64 = 120.0;
+
+/// Most ended shares kept for re-sending (a node ending many jobs at once).
+pub const MAX_ENDED_KEPT: usize = 512;
 
 /// A job still in calibration warm-up this long after registration is logged with
 /// why, at most every [`WARMUP_LOG_EVERY_S`], s.
@@ -93,6 +106,8 @@ pub struct GpuSlot {
     /// job's cap the previous run left (fail-static), whatever the state file says; only
     /// a lease decided now may.
     pub start_ceiling: Option<Watts>,
+    /// Observe mode: the limit the agent would have written.
+    pub would_cap: Option<Watts>,
 }
 
 /// One job on this node.
@@ -125,6 +140,8 @@ pub struct Job {
     pub cluster: Option<Option<String>>,
     /// When the agent last logged why the job is still warming up (agent seconds).
     pub warmup_logged_at: Option<f64>,
+    /// Its energy and what its caps did, on this node.
+    pub usage: JobUsage,
 }
 
 impl Job {
@@ -240,6 +257,13 @@ pub struct Agent {
     /// Controller mode, since the start: no current lease yet, so the limits read back
     /// at start bound every cap ([`GpuSlot::start_ceiling`]).
     awaiting_current_lease: bool,
+    /// The controller's last lease said a grid event is in force.
+    pub event_in_force: bool,
+    /// Final shares of jobs ended here, with when they ended (agent seconds): re-sent to
+    /// the controller for [`ENDED_RESEND_S`].
+    pub ended: Vec<(f64, NodeUsage)>,
+    /// Final shares not yet written to the node's usage log.
+    pending_records: Vec<NodeUsage>,
 }
 
 impl Agent {
@@ -294,6 +318,7 @@ impl Agent {
                 cap_since: None,
                 job: None,
                 start_ceiling: None,
+                would_cap: None,
             })
             .collect();
         Agent {
@@ -310,7 +335,117 @@ impl Agent {
             gpu_claims_refused: 0,
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,
+            event_in_force: false,
+            ended: Vec::new(),
+            pending_records: Vec::new(),
         }
+    }
+
+    /// Unix ms at agent time `now`.
+    fn unix_ms(&self, now: f64) -> u64 {
+        let ms = (self.clock_origin_unix_s + now) * 1000.0;
+        if ms.is_finite() && ms > 0.0 {
+            ms.round() as u64
+        } else {
+            0
+        }
+    }
+
+    /// The job's share on this node now (`ended`: final).
+    pub fn share(&self, job: &Job, ended: bool) -> NodeUsage {
+        let curve = job.calibration.best_curve().or_else(|| {
+            let points: Vec<powerflex_core::curve::OperatingPoint> = job
+                .restored_points
+                .iter()
+                .map(|p| powerflex_core::curve::OperatingPoint {
+                    cap_w: Watts(p[0]),
+                    power_w: Watts(p[1]),
+                    throughput: p[2],
+                })
+                .collect();
+            CapCurve::from_points(&points).ok()
+        });
+        let work = job.counts_tokens.map(|tokens| {
+            (
+                job.usage.work_seen,
+                if tokens {
+                    ThroughputUnit::Tokens
+                } else {
+                    ThroughputUnit::Steps
+                },
+            )
+        });
+        let simulated = job
+            .gpus
+            .iter()
+            .any(|&g| self.gpus[g as usize].identity.simulated)
+            || job.usage.gpus.keys().any(|u| {
+                self.gpus
+                    .iter()
+                    .any(|g| &g.identity.uuid == u && g.identity.simulated)
+            });
+        job.usage.share(
+            &job.id,
+            &self.settings.node,
+            job.uid,
+            &job.request.to_string(),
+            curve.as_ref(),
+            job.request.service.max_slowdown().map(|b| 100.0 * b.0),
+            job.calibration.pfi().or(job.restored_pfi),
+            work,
+            ended,
+            simulated,
+        )
+    }
+
+    /// Ends `job_id` here: its GPUs are freed and its final share kept for the
+    /// controller and the node's usage log.
+    fn finish_job(&mut self, job_id: &str, now: f64) -> bool {
+        let Some(job) = self.jobs.get(job_id) else {
+            return false;
+        };
+        let share = self.share(job, true);
+        self.jobs.remove(job_id);
+        for slot in &mut self.gpus {
+            if slot.job.as_deref() == Some(job_id) {
+                slot.job = None;
+            }
+        }
+        self.ended.retain(|(at, _)| now - *at < ENDED_RESEND_S);
+        if self.ended.len() >= MAX_ENDED_KEPT {
+            self.ended.remove(0);
+        }
+        self.ended.push((now, share.clone()));
+        self.pending_records.push(share);
+        true
+    }
+
+    /// Drops jobs left without GPUs (another job took them all), ending each.
+    fn finish_jobs_without_gpus(&mut self, keep: Option<&str>, now: f64) {
+        let empty: Vec<String> = self
+            .jobs
+            .values()
+            .filter(|j| j.gpus.is_empty() && Some(j.id.as_str()) != keep)
+            .map(|j| j.id.clone())
+            .collect();
+        for id in empty {
+            self.finish_job(&id, now);
+        }
+    }
+
+    /// The final shares of jobs ended since the last call, to append to the node's
+    /// usage log.
+    pub fn take_records(&mut self) -> Vec<NodeUsage> {
+        std::mem::take(&mut self.pending_records)
+    }
+
+    /// The final shares still re-sent to the controller at `now`.
+    pub fn recently_ended(&self, now: f64) -> Vec<NodeUsage> {
+        self.ended
+            .iter()
+            .filter(|(at, _)| now - *at < ENDED_RESEND_S)
+            .map(|(_, s)| s.clone())
+            .collect()
     }
 
     /// The slot of the GPU a registration names, by index or UUID.
@@ -414,6 +549,7 @@ impl Agent {
             seen_alive_at: None,
             cluster: None,
             warmup_logged_at: None,
+            usage: JobUsage::default(),
         });
         job.steps.insert(step_id.to_string());
         for i in indices {
@@ -433,8 +569,7 @@ impl Agent {
             }
             self.gpus[g as usize].job = Some(job_id.to_string());
         }
-        self.jobs
-            .retain(|_, j| !j.gpus.is_empty() || j.id == job_id);
+        self.finish_jobs_without_gpus(Some(job_id), now);
         Ok(Registered {
             tier,
             progress: managed.then(|| self.settings.progress_address.clone()),
@@ -454,14 +589,8 @@ impl Agent {
 
     /// The job ended: its GPUs return to their defaults on the next tick. Ending an
     /// unknown job is not an error (every epilog calls it, calibrated or not).
-    pub fn end_job(&mut self, job_id: &str) -> bool {
-        let known = self.jobs.remove(job_id).is_some();
-        for slot in &mut self.gpus {
-            if slot.job.as_deref() == Some(job_id) {
-                slot.job = None;
-            }
-        }
-        known
+    pub fn end_job(&mut self, job_id: &str, now: f64) -> bool {
+        self.finish_job(job_id, now)
     }
 
     /// The cluster of the step daemon that registered `job_id` (see [`Job::cluster`]),
@@ -494,7 +623,7 @@ impl Agent {
             }
         }
         for id in &gone {
-            self.end_job(id);
+            self.end_job(id, now);
         }
         gone
     }
@@ -509,6 +638,7 @@ impl Agent {
     /// ended.
     pub fn hand_over_from_ended_jobs(
         &mut self,
+        now: f64,
         job_id: &str,
         gpus: &[String],
         alive: &BTreeSet<JobKey>,
@@ -532,7 +662,7 @@ impl Agent {
             }
         }
         for id in &ended {
-            self.end_job(id);
+            self.end_job(id, now);
         }
         ended
     }
@@ -545,6 +675,7 @@ impl Agent {
     /// Returns the refusals, to log and count.
     pub fn check_gpu_use(
         &mut self,
+        now: f64,
         used_by: &BTreeMap<u32, BTreeSet<JobKey>>,
     ) -> Vec<GpuClaimRefused> {
         let mut refused = Vec::new();
@@ -572,7 +703,7 @@ impl Agent {
                 used_by: users.iter().map(|(job, _)| job.clone()).collect(),
             });
         }
-        self.jobs.retain(|_, j| !j.gpus.is_empty());
+        self.finish_jobs_without_gpus(None, now);
         self.gpu_claims_refused += refused.len() as u64;
         refused
     }
@@ -737,6 +868,7 @@ impl Agent {
         gpu: u32,
         result: Result<GpuSample, GpuError>,
     ) -> Option<CapMismatch> {
+        let at_ms = self.unix_ms(now);
         let slot = self.gpus.get_mut(gpu as usize)?;
         match result {
             Ok(s) => {
@@ -745,6 +877,15 @@ impl Agent {
                     slot.cap_since = Some(now);
                 }
                 slot.last = Some(s);
+                if let Some(job) = slot.job.as_ref().and_then(|j| self.jobs.get_mut(j)) {
+                    job.usage.gpu_reading(
+                        &slot.identity.uuid,
+                        slot.identity.index,
+                        at_ms,
+                        s.energy_mj,
+                        s.power,
+                    );
+                }
                 if self.awaiting_current_lease && slot.start_ceiling.is_none() {
                     slot.start_ceiling = Some(s.cap);
                 }
@@ -1049,6 +1190,7 @@ impl Agent {
                 }
             }
         }
+        self.observe_usage(now);
         if let Some(budget) = self.settings.node_budget {
             self.allocate_node_budget(budget);
         }
@@ -1089,6 +1231,11 @@ impl Agent {
                 _ => desired,
             };
             let desired = clamp(desired, &slot.identity);
+            if !self.settings.enforce {
+                // Observe mode: what would be written is shown, never written.
+                self.gpus[gpu].would_cap = Some(desired);
+                continue;
+            }
             if slot.applied.is_none_or(|a| (a.0 - desired.0).abs() > 0.5) {
                 actions.push(Action::SetCap {
                     gpu: gpu as u32,
@@ -1102,6 +1249,44 @@ impl Agent {
         actions
     }
 
+    /// One observation of every job for its accounting (see [`crate::usage`]).
+    fn observe_usage(&mut self, now: f64) {
+        let at_unix_ms = self.unix_ms(now);
+        let ids: Vec<String> = self.jobs.keys().cloned().collect();
+        for id in ids {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            let samples: Vec<(&GpuSlot, Option<GpuSample>)> = job
+                .gpus
+                .iter()
+                .map(|&g| (&self.gpus[g as usize], self.gpus[g as usize].last))
+                .collect();
+            let capped = samples
+                .iter()
+                .any(|(slot, s)| s.is_some_and(|s| s.cap.0 < slot.saved_default.0 - 0.5));
+            let power_throttled = samples
+                .iter()
+                .map(|(_, s)| s.and_then(|s| s.power_throttled))
+                .collect::<Option<Vec<bool>>>()
+                .filter(|v| !v.is_empty())
+                .map(|v| v.iter().any(|t| *t));
+            let observation = Observation {
+                at_unix_ms,
+                power_w: self.job_power(job).map(|w| w.0),
+                cap_w: self.job_sampled_cap(job).map(|w| w.0),
+                capped,
+                in_event: self.event_in_force,
+                power_throttled,
+            };
+            let work = job.log.last().map_or(0.0, |(_, w)| w);
+            if let Some(job) = self.jobs.get_mut(&id) {
+                job.usage.observe(observation);
+                job.usage.work_reported(work);
+            }
+        }
+    }
+
     /// Cap writes for a stop (fail-static): every healthy GPU without a managed job goes
     /// back to its saved default; the GPUs of running managed jobs keep the cap in force,
     /// so a `systemctl restart` or an upgrade during a cut never over-draws the site (as a
@@ -1109,6 +1294,9 @@ impl Agent {
     /// the state file and the limits it reads back. With `release_jobs` (decommissioning:
     /// `powerflexd --release-on-exit`), every GPU goes back to its default.
     pub fn stop_actions(&self, release_jobs: bool) -> Vec<Action> {
+        if !self.settings.enforce {
+            return Vec::new();
+        }
         self.gpus
             .iter()
             .filter(|g| g.degraded.is_none())
@@ -1143,6 +1331,8 @@ impl Agent {
             cap_mismatches: self.cap_mismatches,
             leases_applied: self.leases_applied,
             gpu_claims_refused: self.gpu_claims_refused,
+            enforce: self.settings.enforce,
+            ended: self.recently_ended(now),
             gpus: self
                 .gpus
                 .iter()
@@ -1153,9 +1343,13 @@ impl Agent {
                     default_w: g.saved_default.0,
                     cap_w: g.applied.map(|w| w.0),
                     power_w: g.last.map(|s| s.power.0),
-                    energy_j: g.last.map(|s| s.energy_mj as f64 / 1000.0),
+                    energy_j: g
+                        .last
+                        .and_then(|s| s.energy_mj)
+                        .map(|mj| mj as f64 / 1000.0),
                     job: g.job.clone(),
                     degraded: g.degraded.clone(),
+                    would_cap_w: g.would_cap.map(|w| w.0),
                 })
                 .collect(),
             jobs: self
@@ -1226,6 +1420,7 @@ impl Agent {
                             .map(|&g| self.gpus[g as usize].cap_since.map(|t| now - t))
                             .try_fold(f64::INFINITY, |low, s| s.map(|s| low.min(s)))
                             .filter(|s| s.is_finite()),
+                        usage: Some(self.share(j, false)),
                     }
                 })
                 .collect(),
@@ -1256,6 +1451,7 @@ mod tests {
             min_cap: Watts(200.0),
             max_cap: Watts(700.0),
             default_cap: Watts(700.0),
+            simulated: false,
         }
     }
 
@@ -1285,6 +1481,7 @@ mod tests {
             prior_slope: 1.5,
             progress_address: "/run/powerflex/n1.progress".into(),
             job_end_grace_s: 30.0,
+            enforce: true,
         }
     }
 
@@ -1302,7 +1499,8 @@ mod tests {
                 Ok(GpuSample {
                     power: Watts(650.0),
                     cap: Watts(700.0),
-                    energy_mj: 0,
+                    energy_mj: Some(0),
+                    power_throttled: None,
                     gpu_util_pct: 100,
                     memory_util_pct: 40,
                     sm_clock_mhz: 1980,
@@ -1355,7 +1553,8 @@ mod tests {
         Ok(GpuSample {
             power: Watts(cap_w - 20.0),
             cap: Watts(cap_w),
-            energy_mj: 0,
+            energy_mj: Some(0),
+            power_throttled: None,
             gpu_util_pct: 100,
             memory_util_pct: 40,
             sm_clock_mhz: 1980,
@@ -1500,6 +1699,131 @@ mod tests {
         );
     }
 
+    fn reading(
+        cap_w: f64,
+        power_w: f64,
+        energy_mj: u64,
+        throttled: bool,
+    ) -> Result<GpuSample, GpuError> {
+        Ok(GpuSample {
+            power: Watts(power_w),
+            cap: Watts(cap_w),
+            energy_mj: Some(energy_mj),
+            power_throttled: Some(throttled),
+            gpu_util_pct: 100,
+            memory_util_pct: 40,
+            sm_clock_mhz: 1980,
+        })
+    }
+
+    #[test]
+    fn a_job_is_charged_its_own_gpus_counters_over_its_hold_and_its_end_is_final() {
+        let mut a = agent(None);
+        a.clock_origin_unix_s = 1_000.0;
+        a.register(
+            1.0,
+            "7",
+            "0",
+            1000,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex2",
+        )
+        .expect("7");
+        a.register(1.0, "8", "0", 2000, "n1", &["2".into()], "none")
+            .expect("8");
+        // The readings at registration start each hold.
+        for g in 0..3 {
+            a.sampled(
+                1.0,
+                g,
+                reading(700.0, 650.0, 10_000 * u64::from(g + 1), false),
+            );
+        }
+        a.tick(1.0);
+        a.event_in_force = true;
+        for (t, e) in [(2.0, 500_000u64), (3.0, 1_000_000)] {
+            for g in 0..3 {
+                a.sampled(
+                    t,
+                    g,
+                    reading(500.0, 480.0, 10_000 * u64::from(g + 1) + e, true),
+                );
+            }
+            a.tick(t);
+        }
+        let running = a.snapshot(3.0);
+        let seven = running.jobs.iter().find(|j| j.job == "7").expect("7");
+        let share = seven.usage.as_ref().expect("usage");
+        // GPUs 0 and 1 each advanced 1,000,000 mJ over the hold; GPU 2 is job 8's.
+        assert_eq!(share.energy_mj, 2_000_000);
+        assert_eq!(share.gpus.len(), 2);
+        assert_eq!(
+            (share.from_unix_ms, share.to_unix_ms),
+            (1_001_000, 1_003_000)
+        );
+        assert!(!share.ended);
+        assert_eq!(share.peak_power_w, 1300.0, "two GPUs at 650 W before the cut");
+        // Capped, in an event and throttled from the 2 s observation to the 3 s one.
+        assert_eq!(
+            (share.capped_s, share.event_s, share.power_throttled_s),
+            (1.0, 1.0, 1.0)
+        );
+        assert!(a.end_job("7", 3.5));
+        // Job 7's GPUs read after its end are no longer its.
+        a.sampled(4.0, 0, reading(700.0, 100.0, 9_999_999, false));
+        let ended = a.recently_ended(4.0);
+        assert_eq!(ended.len(), 1);
+        assert!(ended[0].ended && ended[0].energy_mj == 2_000_000 && ended[0].uid == 1000);
+        assert_eq!(a.take_records().len(), 1);
+        assert!(a.take_records().is_empty(), "a record is logged once");
+        assert!(
+            a.recently_ended(4.0 + ENDED_RESEND_S).is_empty(),
+            "re-sent for a while only"
+        );
+        // Job 8 (none) is accounted too.
+        let eight = a.snapshot(4.0);
+        let eight = eight.jobs.iter().find(|j| j.job == "8").expect("8");
+        assert_eq!(eight.usage.as_ref().expect("usage").energy_mj, 1_000_000);
+    }
+
+    #[test]
+    fn observe_mode_writes_no_limit_and_shows_what_it_would_write() {
+        let mut s = settings(None);
+        s.enforce = false;
+        let mut a = Agent::new(s, (0..2).map(gpu).collect(), &BTreeMap::new(), 0.0);
+        for g in 0..2 {
+            a.sampled(0.0, g, reading(700.0, 650.0, 0, false));
+        }
+        a.register(1.0, "7", "0", 0, "n1", &["0".into()], "flex3")
+            .expect("registered");
+        a.set_lease(
+            1.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
+        assert!(caps(&a.tick(1.0)).is_empty(), "no limit written");
+        let snap = a.snapshot(1.0);
+        assert!(!snap.enforce);
+        assert_eq!(snap.gpus[0].would_cap_w, Some(450.0));
+        assert_eq!(snap.gpus[1].would_cap_w, Some(700.0));
+        // Lease expiry, the fail-safe and a stop write nothing either.
+        assert!(caps(&a.tick(100.0)).is_empty());
+        assert!(a.stop_actions(true).is_empty());
+        // One reload switches to enforcing.
+        let mut on = settings(None);
+        on.enforce = true;
+        a.reload(Ok(on)).expect("reload");
+        a.set_lease(
+            101.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(101.0)), vec![(0, 450.0)]);
+    }
+
     #[test]
     fn caps_are_written_once_and_restored_at_job_end() {
         let mut a = agent(None);
@@ -1520,9 +1844,9 @@ mod tests {
             a.cap_written(g, Watts(c));
         }
         assert!(caps(&a.tick(3.0)).is_empty(), "written only on change");
-        assert!(a.end_job("7"));
+        assert!(a.end_job("7", 0.0));
         assert_eq!(caps(&a.tick(4.0)), vec![(0, 700.0), (1, 700.0)]);
-        assert!(!a.end_job("7"), "ending twice is harmless");
+        assert!(!a.end_job("7", 0.0), "ending twice is harmless");
     }
 
     #[test]
@@ -1870,7 +2194,7 @@ mod tests {
         // Job 7's step daemons still run: nothing handed over, the claim refused.
         let both = BTreeSet::from([("7".to_string(), None), ("8".to_string(), None)]);
         assert!(a
-            .hand_over_from_ended_jobs("8", &["1".into()], &both)
+            .hand_over_from_ended_jobs(0.0, "8", &["1".into()], &both)
             .is_empty());
         assert!(a
             .register(1.0, "8", "0", 0, "n1", &["1".into()], "flex3")
@@ -1878,7 +2202,7 @@ mod tests {
         // Job 7 gone from the host (its end lost): job 8 takes GPU 1 at once.
         let only_8 = BTreeSet::from([("8".to_string(), None)]);
         assert_eq!(
-            a.hand_over_from_ended_jobs("8", &["1".into()], &only_8),
+            a.hand_over_from_ended_jobs(0.0, "8", &["1".into()], &only_8),
             ["7"]
         );
         a.register(2.0, "8", "0", 0, "n1", &["1".into()], "flex3")
@@ -1890,7 +2214,7 @@ mod tests {
         a.register(3.0, "9", "0", 0, "n1", &["2".into()], "flex2")
             .expect("registered");
         assert!(a
-            .hand_over_from_ended_jobs("10", &["2".into()], &only_8)
+            .hand_over_from_ended_jobs(0.0, "10", &["2".into()], &only_8)
             .is_empty());
     }
 
@@ -1940,7 +2264,7 @@ mod tests {
             (0, BTreeSet::from([("7".to_string(), None)])),
             (1, BTreeSet::from([("66".to_string(), None)])),
         ]);
-        let refused = a.check_gpu_use(&used);
+        let refused = a.check_gpu_use(0.0, &used);
         assert_eq!(
             refused,
             vec![GpuClaimRefused {

@@ -20,3 +20,4 @@ pub mod persist;
 pub mod procs;
 pub mod run;
 pub mod server;
+pub mod usage;

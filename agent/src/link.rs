@@ -58,6 +58,8 @@ fn report(snapshot: &SnapshotCell) -> Body {
             power_w: 0.0,
             failsafe: false,
             cap_mismatches: 0,
+            ended: Vec::new(),
+            observe_only: false,
         };
     };
     // A GPU the agent cannot read or set right now (degraded, or its last sample failed)
@@ -115,12 +117,22 @@ fn report(snapshot: &SnapshotCell) -> Body {
                     // kernel's owner of the job's processes, for a job taken back):
                     // the controller shows the job to this user and root only.
                     owner_uid: Some(j.uid),
+                    usage: j.usage.clone(),
                 }
             })
             .collect(),
         power_w: node_power_w,
         failsafe: s.failsafe,
         cap_mismatches: s.cap_mismatches,
+        // The newest final shares, while they are re-sent (see `control::ENDED_RESEND_S`).
+        ended: s
+            .ended
+            .iter()
+            .rev()
+            .take(powerflex_proto::link::MAX_ENDED_PER_REPORT)
+            .cloned()
+            .collect(),
+        observe_only: !s.enforce,
     }
 }
 
@@ -285,6 +297,7 @@ fn serve(
                         recalibrate,
                         learn,
                         next_event_in_s,
+                        event_in_force,
                     } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
@@ -301,6 +314,7 @@ fn serve(
                             recalibrate,
                             learn,
                             next_event_in_s,
+                            event_in_force,
                         });
                     }
                     other => warn!(

@@ -40,6 +40,10 @@ pub struct PersistedJob {
     pub from_stepd: bool,
     #[serde(default)]
     pub cluster: Option<String>,
+    /// The job's accounting so far (energy counters at the hold's start, time shares),
+    /// so a restart loses none of it. Absent in files from older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::JobUsage>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -271,6 +275,12 @@ mod tests {
             points: vec![[700.0, 2650.3, 1000.0], [500.0, 1988.7, 912.5]],
             from_stepd: true,
             cluster: Some("/etc/slurm/slurm.conf".into()),
+            usage: Some({
+                let mut u = crate::usage::JobUsage::default();
+                u.gpu_reading("GPU-1", 0, 1_000, Some(12_345), Watts(500.0));
+                u.gpu_reading("GPU-1", 0, 2_000, Some(512_345), Watts(500.0));
+                u
+            }),
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));

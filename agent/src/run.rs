@@ -40,7 +40,17 @@ pub struct RunOptions {
     /// On exit, every GPU back to its default, the GPUs of running jobs too
     /// (decommissioning a node). Off: running jobs keep their caps (fail-static).
     pub release_on_exit: bool,
+    /// Append each job's final share here to `<state_dir>/usage.jsonl`.
+    pub usage_log: bool,
 }
+
+/// The node's log of jobs' final shares, inside the state directory.
+pub const USAGE_LOG_FILE: &str = "usage.jsonl";
+
+/// How often the state (with every job's running accounting) is saved at least, s: an
+/// agent killed without warning loses at most this much of the time-based shares (the
+/// energy counters lose nothing).
+const USAGE_SAVE_INTERVAL_S: f64 = 10.0;
 
 /// Why the agent could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +140,7 @@ fn persisted(agent: &Agent) -> PersistedState {
                 points: j.curve_points(),
                 from_stepd: j.cluster.is_some(),
                 cluster: j.cluster.clone().flatten(),
+                usage: Some(j.usage.clone()),
             })
             .collect(),
         lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
@@ -219,6 +230,53 @@ const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 fn save(state_dir: &Path, agent: &Agent) {
     if let Err(e) = persist::save(state_dir, &persisted(agent)) {
         error!(error = %e, "cannot persist agent state");
+    }
+}
+
+/// Appends the final shares of jobs ended since the last call to the node's usage log,
+/// and logs each.
+fn record_usage(agent: &mut Agent, state_dir: &Path, enabled: bool) {
+    let records = agent.take_records();
+    if records.is_empty() {
+        return;
+    }
+    let log = powerflex_daemon::fsx::JsonLines::new(state_dir.join(USAGE_LOG_FILE));
+    for share in records {
+        info!(
+            job_id = %share.job_id,
+            energy_j = share.energy_mj as f64 / 1000.0,
+            source = share.energy_source.name(),
+            gpus = share.gpus.len(),
+            capped_s = share.capped_s,
+            "job's final share on this node"
+        );
+        if !enabled {
+            continue;
+        }
+        match serde_json::to_string(&share) {
+            Ok(line) => {
+                if let Err(e) = log.append(&line) {
+                    error!(job_id = %share.job_id, error = %e, "cannot append to the usage log");
+                }
+            }
+            Err(e) => error!(job_id = %share.job_id, error = %e, "cannot encode a job's share"),
+        }
+    }
+}
+
+/// Reads the GPUs of `job_id` now, so its accounting starts or ends at this instant.
+fn sample_job_gpus(agent: &mut Agent, backend: &mut dyn GpuBackend, job_id: &str, now: f64) {
+    let gpus: Vec<u32> = agent
+        .jobs
+        .get(job_id)
+        .map(|j| j.gpus.clone())
+        .unwrap_or_default();
+    for gpu in gpus {
+        if agent.gpus[gpu as usize].degraded.is_some() {
+            continue;
+        }
+        let sample = backend.sample(gpu);
+        agent.sampled(now, gpu, sample);
     }
 }
 
@@ -357,6 +415,12 @@ pub fn run(
             }
             // The curve survives the restart: no second walk, no point of one replacing it.
             j.calibration.restore(&job.points);
+            // So does its accounting: the counters ran on, and the next readings charge
+            // the restart's gap to the job.
+            if let Some(mut usage) = job.usage.clone() {
+                usage.resumed();
+                j.usage = usage;
+            }
             info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
         }
     }
@@ -498,6 +562,7 @@ pub fn run(
     let mut next_sample = 0.0;
     let mut next_probe = DEGRADED_PROBE_S;
     let mut next_job_scan = 0.0;
+    let mut next_usage_save = USAGE_SAVE_INTERVAL_S;
     while !shutdown.load(Ordering::SeqCst) {
         select! {
             recv(rx) -> msg => {
@@ -506,6 +571,7 @@ pub fn run(
                 // published with the next tick. Job changes are published right away.
                 let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
                 handle(msg, &mut agent, backend.as_mut(), now(), clock, &options.state_dir);
+                record_usage(&mut agent, &options.state_dir, options.usage_log);
                 if job_change {
                     publish(&snapshot, &agent, now());
                 }
@@ -545,7 +611,7 @@ pub fn run(
                                 warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
                             }
                             let used_by = gpu_users(backend.as_mut(), &agent, &table);
-                            for r in agent.check_gpu_use(&used_by) {
+                            for r in agent.check_gpu_use(t, &used_by) {
                                 warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
                             }
                         }
@@ -577,6 +643,11 @@ pub fn run(
                 }
                 let actions = agent.tick(t);
                 execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
+                record_usage(&mut agent, &options.state_dir, options.usage_log);
+                if t >= next_usage_save && !agent.jobs.is_empty() {
+                    next_usage_save = t + USAGE_SAVE_INTERVAL_S;
+                    save(&options.state_dir, &agent);
+                }
                 publish(&snapshot, &agent, t);
             }
         }
@@ -591,6 +662,7 @@ pub fn run(
         );
     }
     execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
+    record_usage(&mut agent, &options.state_dir, options.usage_log);
     save(&options.state_dir, &agent);
     shutdown.store(true, Ordering::SeqCst);
     // The accept threads block in accept(): a connection wakes each to see the shutdown.
@@ -646,9 +718,12 @@ fn handle(
                     // daemon left has ended (its end lost), and Slurm moved its GPUs on.
                     if cluster.is_some() {
                         if let Ok(table) = crate::procs::ProcTable::read(Path::new("/proc")) {
-                            for ended in
-                                agent.hand_over_from_ended_jobs(&job_id, &gpus, &table.live_jobs())
-                            {
+                            for ended in agent.hand_over_from_ended_jobs(
+                                now,
+                                &job_id,
+                                &gpus,
+                                &table.live_jobs(),
+                            ) {
                                 warn!(ended_job = %ended, step_id = %step_id, "a job holding these GPUs has no step daemon left (its end was lost); ended, its GPUs go to this job");
                             }
                         }
@@ -672,6 +747,8 @@ fn handle(
                                 agent.set_job_cluster(&job_id, cluster, now);
                             }
                             info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
+                            // The job's hold of its GPUs (and its energy) starts now.
+                            sample_job_gpus(agent, backend, &job_id, now);
                             // Cap the job's GPUs before answering: slurmstepd starts the
                             // tasks after this reply, so they never run above the cap
                             // the job is granted (the fail-safe until the controller
@@ -700,7 +777,9 @@ fn handle(
                     Err(e) => ControlReply::error(e),
                 },
                 ControlOp::EndJob { job_id } => {
-                    let known = agent.end_job(&job_id);
+                    // The job's hold (and its energy) ends now.
+                    sample_job_gpus(agent, backend, &job_id, now);
+                    let known = agent.end_job(&job_id, now);
                     info!(job_id = %job_id, known, "job ended; its GPUs return to default");
                     save(state_dir, agent);
                     ControlReply::ok()
@@ -750,7 +829,9 @@ fn handle(
             recalibrate,
             learn,
             next_event_in_s,
+            event_in_force,
         } => {
+            agent.event_in_force = event_in_force;
             for job_id in agent.recalibrate(now, &recalibrate) {
                 info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
             }

@@ -69,6 +69,8 @@ pub enum Inbound {
         learn: Vec<String>,
         /// Seconds to the next announced grid event's start, if one is scheduled.
         next_event_in_s: Option<f64>,
+        /// A grid event is in force.
+        event_in_force: bool,
     },
 }
 

@@ -85,6 +85,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,
+        usage: None,
     }
 }
 
@@ -115,6 +116,8 @@ impl HarnessNode {
             power_w: cap * DRAW_PER_CAP * GPUS_PER_NODE as f64,
             failsafe: false,
             cap_mismatches: 0,
+            ended: Vec::new(),
+            observe_only: false,
         });
     }
 }

@@ -142,6 +142,7 @@ impl Job {
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,
+            usage: None,
         }
     }
 }
@@ -174,6 +175,8 @@ impl Node {
             power_w,
             failsafe: false,
             cap_mismatches: 0,
+            ended: Vec::new(),
+            observe_only: false,
         });
     }
     /// Applies a due lease; true when the cap in force changed.

@@ -151,6 +151,7 @@ mod tests {
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: owner,
+            usage: None,
         }
     }
 

@@ -382,6 +382,7 @@ mod tests {
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,
+            usage: None,
         }
     }
 

@@ -968,6 +968,7 @@ mod tests {
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,
+            usage: None,
         }
     }
 

@@ -156,6 +156,8 @@ fn allocate_on_a_curves_file_decides_what_the_controller_decides() {
                 power_w,
                 failsafe: false,
                 cap_mismatches: 0,
+                ended: Vec::new(),
+                observe_only: false,
             })
             .expect("report");
         }

@@ -451,6 +451,8 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
                 power_w: 0.0,
                 failsafe: false,
                 cap_mismatches: 0,
+                ended: Vec::new(),
+                observe_only: false,
             },
             powerflex_testbed::link_peer::unix_ms(),
         )

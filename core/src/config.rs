@@ -266,6 +266,13 @@ pub struct RawAgent {
     /// leave its curve (a new phase), seconds (10 to 86400, default 600): each walk costs
     /// the job tokens, and a job is walked again at most three times.
     pub calibration_rewalk_after_s: Option<f64>,
+    /// Write power limits (default true). False is observe mode, for a site's first
+    /// week: every job is measured, accounted and reported, the controller computes the
+    /// leases it would send, and no limit is ever written. One reload switches it.
+    pub enforce: Option<bool>,
+    /// Append each job's final share on this node to `<state_dir>/usage.jsonl` (default
+    /// true).
+    pub usage_log: Option<bool>,
 }
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
@@ -534,6 +541,10 @@ pub struct AgentConfig {
     pub calibration_budget: f64,
     pub job_end_grace_s: f64,
     pub calibration_rewalk_after_s: f64,
+    /// [`RawAgent::enforce`].
+    pub enforce: bool,
+    /// [`RawAgent::usage_log`].
+    pub usage_log: bool,
 }
 
 /// Default state directory of the agent.
@@ -1360,6 +1371,8 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
             10.0,
             86_400.0,
         )?,
+        enforce: raw.enforce.unwrap_or(true),
+        usage_log: raw.usage_log.unwrap_or(true),
     })
 }
 
@@ -2024,6 +2037,8 @@ programs = ["gpu-dr"]
                     calibration_budget: 0.02,
                     job_end_grace_s: 30.0,
                     calibration_rewalk_after_s: 600.0,
+                    enforce: true,
+                    usage_log: true,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,

@@ -354,3 +354,163 @@ pub(crate) mod tests {
         }
     }
 }
+
+/// An append-only log of one JSON document per line, rotated by size: when a line
+/// would take `path` past `max_bytes`, `path` becomes `path.1` (`path.1` becomes
+/// `path.2`, …, up to `keep` old files; the oldest is dropped) and a new `path` starts.
+/// Each line is written with one `write(2)` on an `O_APPEND` descriptor and synced, so a
+/// crash leaves at most a torn last line, which readers skip.
+#[derive(Debug, Clone)]
+pub struct JsonLines {
+    pub path: std::path::PathBuf,
+    pub max_bytes: u64,
+    pub keep: u32,
+    /// The files' mode (the accounting log holds users' job figures: 0600 by default).
+    pub mode: u32,
+}
+
+impl JsonLines {
+    pub fn new(path: std::path::PathBuf) -> JsonLines {
+        JsonLines {
+            path,
+            max_bytes: 64 * 1024 * 1024,
+            keep: 8,
+            mode: 0o600,
+        }
+    }
+
+    fn rotated(&self, n: u32) -> std::path::PathBuf {
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(format!(".{n}"));
+        std::path::PathBuf::from(name)
+    }
+
+    /// Appends `line` (without its newline, which is added), rotating first if needed.
+    pub fn append(&self, line: &str) -> Result<(), DaemonError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let shown = self.path.display().to_string();
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(DaemonError::io("cannot create", &shown))?;
+        }
+        let size = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        if size > 0 && size + line.len() as u64 + 1 > self.max_bytes {
+            for n in (1..self.keep).rev() {
+                let _ = std::fs::rename(self.rotated(n), self.rotated(n + 1));
+            }
+            if self.keep > 0 {
+                std::fs::rename(&self.path, self.rotated(1))
+                    .map_err(DaemonError::io("cannot rotate", &shown))?;
+            } else {
+                std::fs::remove_file(&self.path)
+                    .map_err(DaemonError::io("cannot rotate", &shown))?;
+            }
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(self.mode)
+            .open(&self.path)
+            .map_err(DaemonError::io("cannot open", &shown))?;
+        let mut bytes = Vec::with_capacity(line.len() + 2);
+        if ends_torn(&self.path) {
+            // A crash tore the last line: end it, so this one stays whole.
+            bytes.push(b'\n');
+        }
+        bytes.extend_from_slice(line.as_bytes());
+        bytes.push(b'\n');
+        file.write_all(&bytes)
+            .and_then(|()| file.sync_data())
+            .map_err(DaemonError::io("cannot append to", &shown))
+    }
+
+    /// Every whole line of the log, oldest first, across the rotated files (a torn last
+    /// line is left out).
+    pub fn read_all(&self) -> Result<Vec<String>, DaemonError> {
+        let mut lines = Vec::new();
+        for n in (0..=self.keep).rev() {
+            let path = if n == 0 {
+                self.path.clone()
+            } else {
+                self.rotated(n)
+            };
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    return Err(DaemonError::io("cannot read", &path.display().to_string())(
+                        e,
+                    ))
+                }
+            };
+            let whole = text.ends_with('\n');
+            let mut parts: Vec<&str> = text.split('\n').collect();
+            parts.pop();
+            if !whole {
+                // The last piece had no newline: a torn write.
+                parts.push("");
+            }
+            lines.extend(
+                parts
+                    .into_iter()
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_string),
+            );
+        }
+        Ok(lines)
+    }
+}
+
+/// Whether the file at `path` is non-empty and does not end with a newline.
+fn ends_torn(path: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut last = [0u8; 1];
+    f.seek(SeekFrom::End(-1)).is_ok() && f.read_exact(&mut last).is_ok() && last[0] != b'\n'
+}
+
+#[cfg(test)]
+mod json_lines_tests {
+    use super::*;
+
+    #[test]
+    fn a_log_rotates_by_size_and_reads_back_in_order_without_a_torn_line() {
+        let dir = std::env::temp_dir().join(format!("pf-jsonl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let log = JsonLines {
+            path: dir.join("records.jsonl"),
+            max_bytes: 30,
+            keep: 2,
+            mode: 0o600,
+        };
+        for i in 0..10 {
+            log.append(&format!("{{\"n\":{i}}}")).expect("append");
+        }
+        let lines = log.read_all().expect("read");
+        // 8 bytes a line, three lines a file, three files kept.
+        assert_eq!(lines.len(), 7, "{lines:?}");
+        assert_eq!(lines.last().map(String::as_str), Some("{\"n\":9}"));
+        assert_eq!(lines.first().map(String::as_str), Some("{\"n\":3}"));
+        // A torn last line (a crash mid-write) is left out.
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log.path)
+            .expect("open");
+        f.write_all(b"{\"n\":1").expect("torn");
+        assert_eq!(log.read_all().expect("read").len(), 7);
+        // The next line is kept whole beside it.
+        log.append("{\"n\":10}").expect("append");
+        let lines = log.read_all().expect("read");
+        assert_eq!(lines.last().map(String::as_str), Some("{\"n\":10}"));
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&log.path)
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -344,3 +344,4 @@ pub mod admin;
 #[cfg(feature = "link")]
 pub mod link;
 pub mod status;
+pub mod usage;

@@ -146,7 +146,13 @@ pub struct JobReport {
     /// from before this field) means unknown, and such a job is shown to root only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner_uid: Option<u32>,
+    /// The job's energy and what its caps did on this node so far (running totals).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::NodeUsage>,
 }
+
+/// Most final shares one report carries (the newest).
+pub const MAX_ENDED_PER_REPORT: usize = 16;
 
 /// What a message says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -171,6 +177,16 @@ pub enum Body {
         /// and not what it wrote) and wrote again, since the agent started.
         #[serde(default)]
         cap_mismatches: u64,
+        /// Final shares of jobs that ended on the node recently (at most
+        /// [`MAX_ENDED_PER_REPORT`]), re-sent for a while: the controller keeps the first
+        /// of each and ignores repeats. A controller older than this field refuses such
+        /// reports: upgrade controllers before agents.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        ended: Vec<crate::usage::NodeUsage>,
+        /// The agent runs in observe mode (`agent.enforce = false`): it writes no limit,
+        /// and its caps are the GPUs' own.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        observe_only: bool,
     },
     /// Per-job per-GPU caps, W, valid for `ttl_s` from receipt, for node `node` only.
     Lease {
@@ -200,6 +216,10 @@ pub enum Body {
         /// events to them.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         next_event_in_s: Option<f64>,
+        /// A grid event is in force now (for the jobs' accounting of time in events).
+        /// Sent only while true; an agent older than this field refuses such a lease.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        event_in_force: bool,
     },
 }
 
@@ -946,6 +966,7 @@ mod tests {
             recalibrate: Vec::new(),
             learn: Vec::new(),
             next_event_in_s: None,
+            event_in_force: false,
         }
     }
 
@@ -1186,6 +1207,7 @@ mod tests {
             recalibrate: Vec::new(),
             learn: Vec::new(),
             next_event_in_s: None,
+            event_in_force: false,
         };
         assert!(matches!(
             ctld.seal(&huge, NOW),
@@ -1242,10 +1264,13 @@ mod tests {
                     curve: Vec::new(),
                     calibration_cost_pct: None,
                     owner_uid: Some(1000),
+                    usage: None,
                 }],
                 power_w: power * 0.97,
                 failsafe: false,
                 cap_mismatches: 0,
+                ended: Vec::new(),
+                observe_only: false,
             };
             let line = agent.seal(&body, NOW).expect("seal");
             prop_assert_eq!(ctld.open(&line, NOW), Ok(body));
@@ -1321,6 +1346,7 @@ mod tests {
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,
+            usage: None,
         }
     }
 

@@ -410,8 +410,18 @@ pub struct AgentStatus {
     pub leases_applied: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
     pub gpu_claims_refused: u64,
+    /// Whether the agent writes limits; false in observe mode (`agent.enforce = false`).
+    #[serde(default = "enforcing")]
+    pub enforce: bool,
     pub gpus: Vec<AgentGpuStatus>,
     pub jobs: Vec<AgentJobStatus>,
+    /// Final shares of jobs that ended here recently (re-sent to the controller).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ended: Vec<crate::usage::NodeUsage>,
+}
+
+fn enforcing() -> bool {
+    true
 }
 
 /// One GPU on the agent's node.
@@ -428,6 +438,9 @@ pub struct AgentGpuStatus {
     pub job: Option<String>,
     /// Why the GPU is out of service.
     pub degraded: Option<String>,
+    /// Observe mode: the limit the agent would write, W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub would_cap_w: Option<f64>,
 }
 
 /// One job on the agent's node.
@@ -476,6 +489,9 @@ pub struct AgentJobStatus {
     pub curve_implausible: Option<String>,
     /// How long that limit had held when `power_w` was sampled, seconds.
     pub power_cap_steady_s: Option<f64>,
+    /// Its energy and what its caps did on this node so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::NodeUsage>,
 }
 
 #[cfg(test)]

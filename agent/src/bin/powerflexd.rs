@@ -116,6 +116,7 @@ fn settings_from(
         prior_slope: site.predictor.pfi_per_dram_copy_product,
         progress_address,
         job_end_grace_s: site.agent.job_end_grace_s,
+        enforce: site.agent.enforce,
     })
 }
 
@@ -175,6 +176,7 @@ fn start(cli: Cli) -> Result<(), String> {
         sample_interval: Duration::from_millis(cli.sample_interval_ms),
         link,
         release_on_exit: cli.release_on_exit,
+        usage_log: site.agent.usage_log,
     };
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);

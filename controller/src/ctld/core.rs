@@ -121,6 +121,8 @@ pub struct Lease {
     /// Seconds to the start of the next announced event, if one is scheduled: jobs
     /// still calibrating finish their walks before it (pre-positioning).
     pub next_event_in_s: Option<f64>,
+    /// A grid event is in force (the jobs' accounting counts time in events).
+    pub event_in_force: bool,
 }
 
 /// What one [`Core::step`] asks the I/O edge to do, in this order: persist, reply, lease,
@@ -831,6 +833,12 @@ impl Core {
             recalibrate,
             learn,
             next_event_in_s: next_event_in_s(&self.state.events, now_ms),
+            event_in_force: active_event(
+                self.state.budget_w.unwrap_or(self.options.base_budget),
+                &self.state.events,
+                now_ms,
+            )
+            .is_some(),
         }
     }
 
@@ -1196,6 +1204,7 @@ mod tests {
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,
+            usage: None,
         }
     }
 

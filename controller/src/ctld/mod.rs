@@ -288,6 +288,7 @@ pub fn run_bounded(
                 recalibrate: lease.recalibrate,
                 learn: lease.learn,
                 next_event_in_s: lease.next_event_in_s,
+                event_in_force: lease.event_in_force,
             });
         }
         for annotation in out.annotations {

@@ -1,0 +1,405 @@
+//! Per-job energy and what the caps did to the job: one node's share as the agent
+//! measured it ([`NodeUsage`]), and the job's record summed over its nodes at its end
+//! ([`JobEnergyRecord`], versioned: the JSON-lines log and `powerflexctl accounting`
+//! read it).
+//!
+//! Energy comes from each GPU's total-energy counter (`nvmlDeviceGetTotalEnergyConsumption`,
+//! mJ), read when the job's hold of the GPU began and at each sample since: the job is
+//! charged the counter's advance over exactly the time it held the GPU. Only a GPU
+//! without the counter is charged power × time instead, and its share says so
+//! ([`EnergySource::Integrated`]).
+
+use serde::{Deserialize, Serialize};
+
+/// The version of [`JobEnergyRecord`] this crate writes. A reader refuses a record of a
+/// newer version rather than misread it.
+pub const RECORD_VERSION: u32 = 1;
+
+/// Where a figure of energy comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EnergySource {
+    /// Every GPU's hardware energy counter, over the time the job held it.
+    Counter,
+    /// Power readings × time on GPUs without the counter (an approximation).
+    Integrated,
+    /// Counters on some GPUs or spans, power × time on the rest.
+    Mixed,
+}
+
+impl EnergySource {
+    /// The source of a sum of figures from `a` and `b`.
+    pub fn combine(a: EnergySource, b: EnergySource) -> EnergySource {
+        if a == b {
+            a
+        } else {
+            EnergySource::Mixed
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EnergySource::Counter => "counter",
+            EnergySource::Integrated => "integrated",
+            EnergySource::Mixed => "mixed",
+        }
+    }
+}
+
+/// One GPU's hold by a job on one node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuEnergy {
+    pub uuid: String,
+    pub index: u32,
+    /// The first and last reading of the hold, Unix ms.
+    pub from_unix_ms: u64,
+    pub to_unix_ms: u64,
+    /// The energy counter at those readings, mJ, when the GPU has one (across a counter
+    /// reset, the last segment's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counter_from_mj: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counter_to_mj: Option<u64>,
+    /// Energy charged to the job on this GPU, mJ.
+    pub energy_mj: u64,
+    pub source: EnergySource,
+}
+
+/// Time spent at one per-GPU cap.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapTime {
+    /// The per-GPU limit in force, W (rounded to the watt).
+    pub cap_w: f64,
+    pub seconds: f64,
+}
+
+/// One node's share of a job, as its agent measured it: running totals while the job
+/// runs, final once `ended`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeUsage {
+    pub job_id: String,
+    pub node: String,
+    /// The job's owner (Slurm's job uid, from the registration).
+    pub uid: u32,
+    /// The job's service in `--power-flex` form.
+    pub tier: String,
+    pub gpus: Vec<GpuEnergy>,
+    /// The sum over `gpus`, mJ.
+    pub energy_mj: u64,
+    pub energy_source: EnergySource,
+    /// First and last reading of any of the job's GPUs here, Unix ms.
+    pub from_unix_ms: u64,
+    pub to_unix_ms: u64,
+    /// Highest summed draw of the job's GPUs here in one sample, W.
+    pub peak_power_w: f64,
+    /// Time the job was followed sample by sample, s: the base of the shares below (a
+    /// gap, such as an agent restart, counts in energy but not here).
+    pub observed_s: f64,
+    /// Time with a GPU of the job limited below its default, s.
+    pub capped_s: f64,
+    /// Time while the controller said a grid event was in force, s.
+    pub event_s: f64,
+    /// Time with a GPU of the job reporting its clocks held back by a power cap or
+    /// power brake (NVML's clock-event reasons), s, of `throttle_known_s` in which the
+    /// reasons could be read.
+    pub power_throttled_s: f64,
+    pub throttle_known_s: f64,
+    /// Time at each per-GPU cap, highest first (at most [`MAX_CAP_TIMES`]; closer caps
+    /// merged beyond).
+    pub caps: Vec<CapTime>,
+    /// The job's slowdown from its caps, percent of its uncapped throughput: its measured
+    /// curve at the caps it ran at, weighted by time. None without a measured curve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowdown_pct: Option<f64>,
+    /// The tier's bound, percent (none for tiers without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_pct: Option<f64>,
+    /// Whether no cap the job ran at (for more than a sample) slowed it beyond its bound
+    /// on its measured curve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_held: Option<bool>,
+    /// Energy saved against running uncapped for the same work, J: an ESTIMATE from the
+    /// job's measured curve (the uncapped draw over the time the work would have taken
+    /// uncapped, less the curve's draw at the caps held).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_estimate_j: Option<f64>,
+    /// Work reported by the job's processes here over the hold (tokens, else steps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_unit: Option<crate::status::ThroughputUnit>,
+    pub pfi: Option<f64>,
+    /// The job's hold of its GPUs here is over: these are final.
+    pub ended: bool,
+    /// The node's GPUs are simulated.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub simulated: bool,
+}
+
+/// Most [`CapTime`] entries a share keeps.
+pub const MAX_CAP_TIMES: usize = 32;
+
+/// A job's record at its end, summed over its nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobEnergyRecord {
+    /// [`RECORD_VERSION`] when written.
+    pub version: u32,
+    /// Whether any of the job's GPUs is simulated (the test bed's GPUs say so in their
+    /// serial): then every figure here is a simulation's.
+    pub simulated: bool,
+    pub job_id: String,
+    pub uid: u32,
+    pub tier: String,
+    /// When the record was written, Unix ms.
+    pub written_unix_ms: u64,
+    pub from_unix_ms: u64,
+    pub to_unix_ms: u64,
+    pub gpus: u32,
+    pub energy_j: f64,
+    pub energy_kwh: f64,
+    pub energy_source: EnergySource,
+    /// Energy over the job's span, W.
+    pub avg_power_w: f64,
+    /// The sum of each node's peak, W: an upper bound of the job's peak draw (nodes peak
+    /// at different samples).
+    pub peak_power_w: f64,
+    /// Shares of observed time, percent (the highest over the job's nodes for capped,
+    /// events and throttling: any node slowed holds the job back).
+    pub capped_pct: f64,
+    pub event_s: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_throttled_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowdown_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_held: Option<bool>,
+    /// ESTIMATE (see [`NodeUsage::saved_estimate_j`]), summed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_estimate_j: Option<f64>,
+    /// Tokens per joule, where the job reports tokens on every node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_j: Option<f64>,
+    pub pfi: Option<f64>,
+    /// Nodes whose final share never arrived (their agent gone): their last running
+    /// share is used, and the record is then a lower bound.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub incomplete_nodes: Vec<String>,
+    pub nodes: Vec<NodeUsage>,
+}
+
+/// Joules per kilowatt-hour.
+pub const J_PER_KWH: f64 = 3.6e6;
+
+impl JobEnergyRecord {
+    /// The job's record from its nodes' shares. `incomplete_nodes` names shares that
+    /// are not final. None for no shares.
+    pub fn from_shares(
+        shares: Vec<NodeUsage>,
+        incomplete_nodes: Vec<String>,
+        written_unix_ms: u64,
+    ) -> Option<JobEnergyRecord> {
+        let simulated = shares.iter().any(|s| s.simulated);
+        let first = shares.first()?.clone();
+        let energy_mj: u64 = shares.iter().map(|s| s.energy_mj).sum();
+        let energy_j = energy_mj as f64 / 1000.0;
+        let from = shares.iter().map(|s| s.from_unix_ms).min().unwrap_or(0);
+        let to = shares.iter().map(|s| s.to_unix_ms).max().unwrap_or(from);
+        let span_s = to.saturating_sub(from) as f64 / 1000.0;
+        let source = shares
+            .iter()
+            .map(|s| s.energy_source)
+            .reduce(EnergySource::combine)
+            .unwrap_or(EnergySource::Counter);
+        let share = |part: fn(&NodeUsage) -> f64, base: fn(&NodeUsage) -> f64| {
+            shares
+                .iter()
+                .filter(|s| base(s) > 0.0)
+                .map(|s| 100.0 * part(s) / base(s))
+                .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+        };
+        let all_some = |f: fn(&NodeUsage) -> Option<f64>| -> Option<Vec<f64>> {
+            shares.iter().map(f).collect()
+        };
+        let tokens_per_j = match (
+            shares
+                .iter()
+                .all(|s| s.work_unit == Some(crate::status::ThroughputUnit::Tokens)),
+            all_some(|s| s.work),
+        ) {
+            (true, Some(work)) if energy_j > 0.0 => Some(work.iter().sum::<f64>() / energy_j),
+            _ => None,
+        };
+        Some(JobEnergyRecord {
+            version: RECORD_VERSION,
+            simulated,
+            job_id: first.job_id.clone(),
+            uid: first.uid,
+            tier: first.tier.clone(),
+            written_unix_ms,
+            from_unix_ms: from,
+            to_unix_ms: to,
+            gpus: shares.iter().map(|s| s.gpus.len() as u32).sum(),
+            energy_j,
+            energy_kwh: energy_j / J_PER_KWH,
+            energy_source: source,
+            avg_power_w: if span_s > 0.0 { energy_j / span_s } else { 0.0 },
+            peak_power_w: shares.iter().map(|s| s.peak_power_w).sum(),
+            capped_pct: share(|s| s.capped_s, |s| s.observed_s).unwrap_or(0.0),
+            event_s: shares.iter().map(|s| s.event_s).fold(0.0, f64::max),
+            power_throttled_pct: share(|s| s.power_throttled_s, |s| s.throttle_known_s),
+            slowdown_pct: shares
+                .iter()
+                .filter_map(|s| s.slowdown_pct)
+                .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))),
+            bound_pct: first.bound_pct,
+            bound_held: shares
+                .iter()
+                .filter_map(|s| s.bound_held)
+                .reduce(|a, b| a && b),
+            saved_estimate_j: all_some(|s| s.saved_estimate_j).map(|v| v.iter().sum()),
+            tokens_per_j,
+            pfi: shares.iter().find_map(|s| s.pfi),
+            incomplete_nodes,
+            nodes: shares,
+        })
+    }
+
+    /// The line a job's user reads at its end, e.g. "powerflex: 12.4 kWh on 8 GPUs,
+    /// capped 63 % of the time, 4.1 % slower, bound 25 % held".
+    pub fn summary_line(&self) -> String {
+        let mut line = format!(
+            "powerflex: job {} used {} on {} GPU{} ({}), capped {:.0} % of the time",
+            self.job_id,
+            human_energy(self.energy_j),
+            self.gpus,
+            if self.gpus == 1 { "" } else { "s" },
+            self.energy_source.name(),
+            self.capped_pct
+        );
+        if let Some(s) = self.slowdown_pct {
+            line.push_str(&format!(", {s:.1} % slower"));
+        }
+        match (self.bound_pct, self.bound_held) {
+            (Some(b), Some(true)) => line.push_str(&format!(", bound {b:.0} % held")),
+            (Some(b), Some(false)) => line.push_str(&format!(", bound {b:.0} % NOT held")),
+            (Some(b), None) => line.push_str(&format!(", bound {b:.0} % (no measured curve)")),
+            (None, _) => {}
+        }
+        if let Some(saved) = self.saved_estimate_j.filter(|s| *s > 0.0) {
+            line.push_str(&format!(", about {} saved (estimate)", human_energy(saved)));
+        }
+        if !self.incomplete_nodes.is_empty() {
+            line.push_str(&format!(
+                " [incomplete: no final figures from {}]",
+                self.incomplete_nodes.join(",")
+            ));
+        }
+        if self.simulated {
+            line.push_str(" [SIMULATED GPUs]");
+        }
+        line
+    }
+}
+
+/// Energy for people: kWh from 0.1 kWh up, else Wh, else J.
+pub fn human_energy(joules: f64) -> String {
+    if joules >= 0.1 * J_PER_KWH {
+        format!("{:.2} kWh", joules / J_PER_KWH)
+    } else if joules >= 3600.0 {
+        format!("{:.1} Wh", joules / 3600.0)
+    } else {
+        format!("{joules:.0} J")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(node: &str, energy_mj: u64, ended: bool) -> NodeUsage {
+        NodeUsage {
+            job_id: "7".into(),
+            node: node.into(),
+            uid: 1000,
+            tier: "flex2".into(),
+            gpus: vec![GpuEnergy {
+                uuid: format!("GPU-{node}"),
+                index: 0,
+                from_unix_ms: 1_000,
+                to_unix_ms: 11_000,
+                counter_from_mj: Some(5),
+                counter_to_mj: Some(5 + energy_mj),
+                energy_mj,
+                source: EnergySource::Counter,
+            }],
+            energy_mj,
+            energy_source: EnergySource::Counter,
+            from_unix_ms: 1_000,
+            to_unix_ms: 11_000,
+            peak_power_w: 500.0,
+            observed_s: 10.0,
+            capped_s: if node == "n1" { 5.0 } else { 2.0 },
+            event_s: 0.0,
+            power_throttled_s: 1.0,
+            throttle_known_s: 10.0,
+            caps: vec![],
+            slowdown_pct: Some(3.0),
+            bound_pct: Some(25.0),
+            bound_held: Some(true),
+            saved_estimate_j: Some(100.0),
+            work: Some(1e6),
+            work_unit: Some(crate::status::ThroughputUnit::Tokens),
+            pfi: Some(3.0),
+            ended,
+            simulated: node == "n1",
+        }
+    }
+
+    #[test]
+    fn a_record_sums_its_nodes_exactly_and_says_what_it_is() {
+        let r = JobEnergyRecord::from_shares(
+            vec![share("n1", 4_000_123, true), share("n2", 3_000_001, true)],
+            vec![],
+            20_000,
+        )
+        .expect("record");
+        assert_eq!(r.energy_j, 7_000.124);
+        assert_eq!(r.gpus, 2);
+        assert_eq!(r.avg_power_w, 700.0124);
+        assert_eq!(r.capped_pct, 50.0);
+        assert_eq!(r.power_throttled_pct, Some(10.0));
+        assert_eq!(r.saved_estimate_j, Some(200.0));
+        assert_eq!(r.tokens_per_j, Some(2e6 / 7_000.124));
+        let line = r.summary_line();
+        assert!(line.contains("1.9 Wh on 2 GPUs (counter)"), "{line}");
+        assert!(
+            line.contains("capped 50 %") && line.contains("bound 25 % held"),
+            "{line}"
+        );
+        assert!(line.ends_with("[SIMULATED GPUs]"), "{line}");
+        let text = serde_json::to_string(&r).expect("json");
+        let back: JobEnergyRecord = serde_json::from_str(&text).expect("parse");
+        assert_eq!(back, r);
+        assert!(JobEnergyRecord::from_shares(vec![], vec![], 0).is_none());
+    }
+
+    #[test]
+    fn a_node_that_broke_the_bound_marks_the_job() {
+        let mut bad = share("n2", 1, true);
+        bad.bound_held = Some(false);
+        bad.work_unit = Some(crate::status::ThroughputUnit::Steps);
+        let r = JobEnergyRecord::from_shares(vec![share("n1", 1, true), bad], vec!["n2".into()], 0)
+            .expect("record");
+        assert_eq!(r.bound_held, Some(false));
+        assert_eq!(r.tokens_per_j, None, "steps do not make tokens");
+        assert!(r.summary_line().contains("NOT held"));
+        assert!(r.summary_line().contains("incomplete"));
+        assert_eq!(human_energy(12.4 * J_PER_KWH), "12.40 kWh");
+    }
+}
