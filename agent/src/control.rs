@@ -1763,7 +1763,10 @@ mod tests {
             (1_001_000, 1_003_000)
         );
         assert!(!share.ended);
-        assert_eq!(share.peak_power_w, 1300.0, "two GPUs at 650 W before the cut");
+        assert_eq!(
+            share.peak_power_w, 1300.0,
+            "two GPUs at 650 W before the cut"
+        );
         // Capped, in an event and throttled from the 2 s observation to the 3 s one.
         assert_eq!(
             (share.capped_s, share.event_s, share.power_throttled_s),

@@ -298,10 +298,21 @@ pub fn gres_gpus(gres: &str) -> u32 {
     total
 }
 
+/// Where powerflex's segment of an `AdminComment` begins: at its start, or after the
+/// site's own text and the separator `" | "` (the controller keeps what a site wrote).
+pub fn powerflex_segment_start(comment: &str) -> Option<usize> {
+    if comment.starts_with("powerflex;") || comment == "powerflex" {
+        return Some(0);
+    }
+    comment.rfind(" | powerflex;").map(|at| at + 3)
+}
+
 /// The tier the controller recorded for a job in its `AdminComment`
 /// (`powerflex;tier=flex2;pfi=1.43;cap=450W`). `None` when the comment is not one of
-/// powerflex's or names no tier.
+/// powerflex's or names no tier. A site's own text before powerflex's segment
+/// (`project=X | powerflex;tier=…`) is skipped.
 pub fn tier_from_admin_comment(comment: &str) -> Option<String> {
+    let comment = &comment[powerflex_segment_start(comment)?..];
     let mut parts = comment.split(';');
     if parts.next() != Some("powerflex") {
         return None;
@@ -361,6 +372,14 @@ mod tests {
         assert_eq!(one.state, SlurmJobState::OnItsNodes);
         // The forged text sits in the name and comment; the admin comment is empty.
         assert_eq!(tier_from_admin_comment(&one.admin_comment), None);
+        assert_eq!(
+            tier_from_admin_comment("project=X | powerflex;tier=flex3;cap=450W").as_deref(),
+            Some("flex3")
+        );
+        assert_eq!(
+            tier_from_admin_comment("project=powerflex;tier=flex3"),
+            None
+        );
         assert_eq!(jobs["2"].state, SlurmJobState::Pending);
         assert!(jobs["2"].nodes.is_empty());
         assert_eq!(

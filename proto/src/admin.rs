@@ -168,7 +168,26 @@ pub enum AdminOp {
     ForgetNode {
         node: String,
     },
+    /// Jobs' energy records (see [`crate::usage::JobEnergyRecord`]) of jobs that ended
+    /// in `[since_ms, until_ms)`, oldest first, at most [`MAX_RECORDS_PER_REPLY`] (a
+    /// client pages by asking again after the last `to_unix_ms` it got). A user sees
+    /// only their own jobs' records; root all, or one user's with `uid`.
+    Accounting {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since_ms: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        until_ms: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        uid: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tier: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<String>,
+    },
 }
+
+/// Most records one `accounting` reply carries.
+pub const MAX_RECORDS_PER_REPLY: usize = 500;
 
 impl AdminOp {
     /// Whether the operation changes the controller's state (root only, and the
@@ -176,7 +195,10 @@ impl AdminOp {
     pub fn changes_state(&self) -> bool {
         !matches!(
             self,
-            AdminOp::Status | AdminOp::History { .. } | AdminOp::WhatIf { .. }
+            AdminOp::Status
+                | AdminOp::History { .. }
+                | AdminOp::WhatIf { .. }
+                | AdminOp::Accounting { .. }
         )
     }
 }
@@ -284,6 +306,9 @@ pub struct AdminReply {
     /// For `what-if`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub what_if: Option<DecisionView>,
+    /// For `accounting`: oldest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub records: Option<Vec<crate::usage::JobEnergyRecord>>,
 }
 
 impl AdminReply {
@@ -297,6 +322,7 @@ impl AdminReply {
             history: None,
             event_id: None,
             what_if: None,
+            records: None,
         }
     }
 

@@ -15,6 +15,7 @@ use powerflex_proto::admin::{AdminOp, AdminReply, Refusal};
 use powerflex_proto::link::{GpuInfo, JobReport};
 use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
+use super::accounting::{self, Ledger};
 use super::metrics::MetricsInput;
 use super::owners::{self, Owners};
 use super::state::{CtldState, Loaded};
@@ -26,6 +27,7 @@ use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
 use crate::site::{decide_holding, Decision, NodeView};
 use powerflex_core::config::{JobPlacement, LeaseRollout};
+use powerflex_proto::usage::{JobEnergyRecord, NodeUsage};
 
 /// Least time a node gets to confirm its decreases before it counts at its most, ms: an
 /// agent applies a lease at once and reports within tens of milliseconds, but a busy host
@@ -94,6 +96,8 @@ pub enum Input {
         node: String,
         jobs: Vec<JobReport>,
         power_w: f64,
+        /// Final shares of jobs that ended on the node (see [`accounting`]).
+        ended: Vec<NodeUsage>,
     },
     /// An admin request from a caller with this uid (from the socket's peer credentials).
     Admin { op: AdminOp, uid: u32 },
@@ -147,6 +151,9 @@ pub struct Output {
     /// A node reported a job Slurm's last placement does not list: read it again now
     /// rather than at the next poll.
     pub refresh_placement: bool,
+    /// Energy records of jobs that ended, to append to the accounting log (before the
+    /// annotations that show them in Slurm).
+    pub job_records: Vec<JobEnergyRecord>,
 }
 
 /// The controller's state machine.
@@ -190,6 +197,8 @@ pub struct Core {
     /// Why the last read of it failed, if it did (the last good one stays in force).
     placement_error: Option<String>,
     refresh_placement: bool,
+    /// Jobs' energy shares and records (see [`accounting`]).
+    ledger: Ledger,
 }
 
 impl Core {
@@ -270,7 +279,14 @@ impl Core {
             placement: None,
             placement_error: None,
             refresh_placement: false,
+            ledger: Ledger::default(),
         }
+    }
+
+    /// Records read back from the accounting log at start: answered by `accounting`,
+    /// never written again.
+    pub fn load_records(&mut self, records: Vec<JobEnergyRecord>) {
+        self.ledger.load(records);
     }
 
     /// Feeds a batch of inputs received together, then allocates once if any of them
@@ -287,7 +303,13 @@ impl Core {
                     node,
                     jobs,
                     power_w,
-                } => self.report(&node, jobs, power_w, now_ms),
+                    ended,
+                } => {
+                    self.report(&node, jobs, power_w, now_ms);
+                    if self.sessions.contains_key(&node) {
+                        self.ledger.ended(&node, ended, now_ms);
+                    }
+                }
                 Input::Admin { op, uid } => {
                     let changes = op.changes_state();
                     let reply = owners::need_to_know(self.admin(op, uid, now_ms), uid, |job| {
@@ -327,7 +349,38 @@ impl Core {
         }
         out.lease_ttl_s = self.options.lease_ttl_s;
         out.refresh_placement = std::mem::take(&mut self.refresh_placement);
+        self.write_records(now_ms, &mut out);
         out
+    }
+
+    /// The energy records due now, and their annotations (Slurm's `AdminComment`, after
+    /// whatever the site wrote there).
+    fn write_records(&mut self, now_ms: u64, out: &mut Output) {
+        let placement = self.placement.clone();
+        let records = self.ledger.due(now_ms, |job| {
+            placement
+                .as_ref()
+                .and_then(|p| p.jobs.get(job))
+                .map(|j| j.uid)
+        });
+        for record in &records {
+            info!(
+                job_id = %record.job_id,
+                energy_j = record.energy_j,
+                nodes = record.nodes.len(),
+                incomplete = record.incomplete_nodes.len(),
+                "job energy record"
+            );
+            let existing = placement
+                .as_ref()
+                .and_then(|p| p.jobs.get(&record.job_id))
+                .map_or("", |j| j.admin_comment.as_str());
+            out.annotations.push((
+                record.job_id.clone(),
+                accounting::merge_admin_comment(existing, &accounting::ended_annotation(record)),
+            ));
+        }
+        out.job_records = records;
     }
 
     /// The status snapshot at `now_ms` (liveness as of the last allocation attempt).
@@ -537,6 +590,9 @@ impl Core {
                 }
             }
         }
+        if let Some(s) = self.sessions.get(node) {
+            self.ledger.running(node, s.view.jobs.iter(), now_ms);
+        }
         let Some(s) = self.sessions.get_mut(node) else {
             return;
         };
@@ -651,6 +707,31 @@ impl Core {
                 history: Some(history_page(&self.history, since_ms, max_samples)),
                 ..AdminReply::ok()
             },
+            AdminOp::Accounting {
+                since_ms,
+                until_ms,
+                uid: of_uid,
+                tier,
+                job,
+            } => {
+                // A user asks for their own records only (need_to_know filters the rest).
+                let of_uid = if uid == 0 { of_uid } else { Some(uid) };
+                let records: Vec<JobEnergyRecord> = self
+                    .ledger
+                    .recent()
+                    .filter(|r| since_ms.is_none_or(|t| r.to_unix_ms > t))
+                    .filter(|r| until_ms.is_none_or(|t| r.to_unix_ms <= t))
+                    .filter(|r| of_uid.is_none_or(|u| r.uid == u))
+                    .filter(|r| tier.as_ref().is_none_or(|t| &r.tier == t))
+                    .filter(|r| job.as_ref().is_none_or(|j| &r.job_id == j))
+                    .take(powerflex_proto::admin::MAX_RECORDS_PER_REPLY)
+                    .cloned()
+                    .collect();
+                AdminReply {
+                    records: Some(records),
+                    ..AdminReply::ok()
+                }
+            }
             AdminOp::BudgetSet { budget_w } => {
                 if !(budget_w.is_finite() && budget_w > 0.0) {
                     return AdminReply::error(format!(
@@ -1023,6 +1104,14 @@ impl Core {
             views.iter().flat_map(|v| v.jobs.iter()),
             &mut self.annotations,
         );
+        // What a site wrote in a job's AdminComment stays, before powerflex's segment.
+        if let Some(placement) = &self.placement {
+            for (job, text) in &mut out.annotations {
+                if let Some(j) = placement.jobs.get(job.as_str()) {
+                    *text = accounting::merge_admin_comment(&j.admin_comment, text);
+                }
+            }
+        }
         let draw = status::live_draw_w(&self.sessions);
         // The owners of the jobs this sample names, remembered while the history holds it
         // (and while a job is held out, for the status).
@@ -1218,6 +1307,7 @@ mod tests {
 
     fn report(node: &str, jobs: Vec<JobReport>) -> Input {
         Input::Report {
+            ended: Vec::new(),
             node: node.into(),
             power_w: 2800.0 * jobs.len() as f64,
             jobs,
@@ -1248,6 +1338,132 @@ mod tests {
             node_gpus: [("n1".to_string(), 8), ("n2".to_string(), 8)].into(),
             read_at_ms: T0,
         })))
+    }
+
+    fn usage(job: &str, node: &str, energy_mj: u64, ended: bool) -> NodeUsage {
+        NodeUsage {
+            job_id: job.into(),
+            node: node.into(),
+            uid: 0,
+            tier: "flex2".into(),
+            gpus: vec![],
+            energy_mj,
+            energy_source: powerflex_proto::usage::EnergySource::Counter,
+            from_unix_ms: T0,
+            to_unix_ms: T0 + 10_000,
+            peak_power_w: 2800.0,
+            observed_s: 10.0,
+            capped_s: 5.0,
+            event_s: 0.0,
+            power_throttled_s: 0.0,
+            throttle_known_s: 10.0,
+            caps: vec![],
+            slowdown_pct: Some(2.0),
+            bound_pct: Some(25.0),
+            bound_held: Some(true),
+            saved_estimate_j: None,
+            work: None,
+            work_unit: None,
+            pfi: Some(1.5),
+            ended,
+            simulated: true,
+        }
+    }
+
+    /// Issue 23: a two-node job's shares become one record, owned by Slurm's uid, shown
+    /// in its AdminComment after the site's text, and read back by its owner only.
+    #[test]
+    fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
+        const ALICE: u32 = 1001;
+        const BOB: u32 = 1002;
+        let mut core = Core::new(
+            CtldOptions {
+                job_placement: JobPlacement::Slurm,
+                ..options()
+            },
+            Loaded::default(),
+            T0,
+        );
+        let Input::Placement(mut placed) = slurm_placed(&[("101", &["n1", "n2"], ALICE)]) else {
+            unreachable!()
+        };
+        if let Ok(p) = placed.as_mut() {
+            if let Some(j) = p.jobs.get_mut("101") {
+                j.admin_comment = "project=X".into();
+            }
+        }
+        let running = |node: &str, mj: u64| {
+            let mut j = job("101", None);
+            j.owner_uid = Some(ALICE);
+            j.usage = Some(usage("101", node, mj, false));
+            j
+        };
+        core.step(
+            T0,
+            vec![
+                Input::Placement(placed),
+                hello("n1"),
+                hello("n2"),
+                report("n1", vec![running("n1", 100)]),
+                report("n2", vec![running("n2", 200)]),
+                // n3 was never believed for job 101: its word is ignored.
+                hello("n3"),
+            ],
+        );
+        let ended = |node: &str, mj: u64| Input::Report {
+            node: node.into(),
+            jobs: vec![],
+            power_w: 0.0,
+            ended: vec![usage("101", node, mj, true)],
+        };
+        let out = core.step(
+            T0 + 11_000,
+            vec![ended("n1", 4_000_000), ended("n3", 1 << 40)],
+        );
+        assert!(out.job_records.is_empty(), "n2's final share is awaited");
+        let out = core.step(T0 + 12_000, vec![ended("n2", 3_000_000)]);
+        assert_eq!(out.job_records.len(), 1);
+        let r = &out.job_records[0];
+        assert_eq!((r.energy_j, r.uid, r.nodes.len()), (7_000.0, ALICE, 2));
+        let (_, text) = out
+            .annotations
+            .iter()
+            .find(|(j, _)| j == "101")
+            .expect("annotated");
+        assert!(
+            text.starts_with("project=X | powerflex;tier=flex2;"),
+            "{text}"
+        );
+        assert!(
+            text.contains("energy_kwh=0.002") && text.contains("bound=held"),
+            "{text}"
+        );
+        // Re-sent finals write nothing more.
+        let out = core.step(T0 + 13_000, vec![ended("n1", 4_000_000)]);
+        assert!(out.job_records.is_empty());
+        let ask = |uid| {
+            admin(
+                AdminOp::Accounting {
+                    since_ms: None,
+                    until_ms: None,
+                    uid: None,
+                    tier: None,
+                    job: None,
+                },
+                uid,
+            )
+        };
+        let out = core.step(T0 + 14_000, vec![ask(ALICE), ask(BOB), ask(0)]);
+        let counts: Vec<usize> = out
+            .replies
+            .iter()
+            .map(|(_, r)| r.records.as_ref().map_or(usize::MAX, Vec::len))
+            .collect();
+        assert_eq!(
+            counts,
+            vec![1, 0, 1],
+            "alice's own, none of bob's, root all"
+        );
     }
 
     /// Issue 21: root on n2 (n2's link key) reported n1's flex0 job as
@@ -1996,6 +2212,7 @@ mod tests {
                 .map(|(node, jobs)| {
                     let power_w = jobs.iter().filter_map(|j| j.power_w).sum();
                     Input::Report {
+                        ended: Vec::new(),
                         node: node.into(),
                         power_w,
                         jobs,
@@ -2190,6 +2407,7 @@ mod tests {
         j.cap_w = Some(cap_w);
         j.power_w = Some(cap_w * 4.0);
         Input::Report {
+            ended: Vec::new(),
             node: node.into(),
             power_w: cap_w * 4.0,
             jobs: vec![j],
@@ -2375,6 +2593,7 @@ mod tests {
             T0 + 10_000,
             vec![
                 Input::Report {
+                    ended: Vec::new(),
                     node: "n2".into(),
                     power_w: 300.0,
                     jobs: vec![idle.clone()],
@@ -2389,6 +2608,7 @@ mod tests {
             vec![
                 at_cap("n1", "101", "flex0", 700.0),
                 Input::Report {
+                    ended: Vec::new(),
                     node: "n2".into(),
                     power_w: 300.0,
                     jobs: vec![idle],
@@ -2478,6 +2698,7 @@ mod tests {
         // Few tokens for its watts: the allocator holds it low while it may.
         j.throughput = Some(10.0);
         Input::Report {
+            ended: Vec::new(),
             node: node.into(),
             power_w: per_gpu_w * 4.0,
             jobs: vec![j],

@@ -451,11 +451,17 @@ fn serve_session(
             }
         };
         match opener.open(&line, unix_ms()) {
-            Ok(Body::Report { jobs, power_w, .. }) => {
+            Ok(Body::Report {
+                jobs,
+                power_w,
+                ended,
+                ..
+            }) => {
                 let _ = shared.tx.send(Inbound::Report {
                     node: node.clone(),
                     jobs,
                     power_w,
+                    ended,
                 });
             }
             Ok(other) => {

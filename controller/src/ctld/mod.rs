@@ -16,6 +16,7 @@
 //!   on change; after a restart the controller resumes its events, and agents keep the
 //!   caps of their unexpired leases meanwhile — nobody goes over budget in between.
 
+pub mod accounting;
 pub mod admin;
 pub mod annotate;
 pub mod bounds;
@@ -37,6 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
+use tracing::{error, info, warn};
 
 use powerflex_core::Watts;
 use powerflex_daemon::http::{HttpOptions, MetricsServer};
@@ -92,6 +94,7 @@ pub(crate) enum Inbound {
         node: String,
         jobs: Vec<JobReport>,
         power_w: f64,
+        ended: Vec<powerflex_proto::usage::NodeUsage>,
     },
     Admin {
         op: AdminOp,
@@ -181,6 +184,25 @@ pub fn run_bounded(
     let refusals = Arc::new(bounds::Refusals::default());
     let loaded = state::load(&options.state_dir);
     let mut core = Core::new(options.clone(), loaded, unix_ms());
+    let accounting_log = accounting_log(&options.state_dir);
+    match accounting_log.read_all() {
+        Ok(lines) => {
+            let records: Vec<powerflex_proto::usage::JobEnergyRecord> = lines
+                .iter()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            if !records.is_empty() {
+                info!(
+                    records = records.len(),
+                    "job energy records read back from the accounting log"
+                );
+            }
+            core.load_records(records);
+        }
+        Err(e) => {
+            warn!(error = %e, "cannot read the accounting log back; earlier records are not answered")
+        }
+    }
     let (tx, rx) = bounded::<Inbound>(4096);
     let link = TcpListener::bind(options.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
@@ -291,6 +313,19 @@ pub fn run_bounded(
                 event_in_force: lease.event_in_force,
             });
         }
+        // Before the annotations that show them in Slurm: the log is the record.
+        for record in &out.job_records {
+            match serde_json::to_string(record) {
+                Ok(line) => {
+                    if let Err(e) = accounting_log.append(&line) {
+                        error!(job_id = %record.job_id, error = %e, "cannot append a job's energy record");
+                    }
+                }
+                Err(e) => {
+                    error!(job_id = %record.job_id, error = %e, "cannot encode a job's energy record")
+                }
+            }
+        }
         for annotation in out.annotations {
             let _ = annotator.send(annotation);
         }
@@ -324,8 +359,8 @@ pub fn run_bounded(
                             inputs.push(Input::Hello { node, gpus });
                             waiting.push(None);
                         }
-                        Inbound::Report { node, jobs, power_w } => {
-                            inputs.push(Input::Report { node, jobs, power_w });
+                        Inbound::Report { node, jobs, power_w, ended } => {
+                            inputs.push(Input::Report { node, jobs, power_w, ended });
                             waiting.push(None);
                         }
                         Inbound::Admin { op, uid, reply } => {
@@ -364,6 +399,15 @@ pub fn run_bounded(
     }
     let _ = std::fs::remove_file(&options.admin_socket);
     Ok(())
+}
+
+/// The controller's accounting log inside its state directory: one
+/// [`powerflex_proto::usage::JobEnergyRecord`] per line, rotated at 64 MiB, 8 kept,
+/// root's only (it names users' jobs).
+pub const ACCOUNTING_LOG_FILE: &str = "job-energy.jsonl";
+
+fn accounting_log(state_dir: &std::path::Path) -> powerflex_daemon::fsx::JsonLines {
+    powerflex_daemon::fsx::JsonLines::new(state_dir.join(ACCOUNTING_LOG_FILE))
 }
 
 #[cfg(test)]

@@ -118,6 +118,10 @@ pub fn need_to_know(
             sample.caps.retain(|job, _| mine(owner_of(job)));
         }
     }
+    if let Some(records) = &mut reply.records {
+        // Slurm's owner of each ended job, as the record carries it.
+        records.retain(|r| r.uid == uid);
+    }
     if reply.what_if.is_some() {
         return AdminReply::error(
             "what-if shows every job's curve and cap: root only (run powerflexctl as root)",
