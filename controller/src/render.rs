@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use powerflex_core::Watts;
 use powerflex_proto::admin::Event;
 use powerflex_proto::status::{CtldStatus, DecisionView, FloorView, NodeStatus, SiteJobStatus};
+use powerflex_proto::usage::JobEnergyRecord;
 
 use crate::schedule::{duration_text, utc_text};
 use crate::table::Table;
@@ -122,6 +123,14 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
             "calibration cost: {pct:.2} % of the job's first-hour tokens\n"
         ));
     }
+    if let Some(energy_j) = job.energy_j {
+        out.push_str(&format!(
+            "energy so far: {} (GPU energy counters){}\n",
+            powerflex_proto::usage::human_energy(energy_j),
+            job.capped_pct
+                .map_or(String::new(), |p| format!(", capped {p:.0} % of the time"))
+        ));
+    }
     if let Some(lowest) = job.below_measured_w {
         out.push_str(&format!(
             "ON THE GUESS: its cap is below its lowest measured cap ({lowest:.0} W); the curve there is extrapolated until the agent's first window at the new cap\n"
@@ -186,6 +195,165 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
             ]);
         }
         out.push_str(&h.render());
+    }
+    out
+}
+
+/// An ended job's energy record, for people.
+pub fn render_job_record(r: &JobEnergyRecord) -> String {
+    let mut out = format!("{}\n", r.summary_line());
+    out.push_str(&format!(
+        "job {} (uid {}), tier {}, ran {} to {} UTC; {:.0} J ({:.3} kWh), average {:.0} W, peak ≤ {:.0} W{}\n",
+        r.job_id,
+        r.uid,
+        r.tier,
+        utc_text(r.from_unix_ms),
+        utc_text(r.to_unix_ms),
+        r.energy_j,
+        r.energy_kwh,
+        r.avg_power_w,
+        r.peak_power_w,
+        r.tokens_per_j
+            .map_or(String::new(), |t| format!(", {t:.1} tokens/J")),
+    ));
+    let mut t = Table::new([
+        "node",
+        "gpus",
+        "energy",
+        "source",
+        "capped",
+        "in events",
+        "power-throttled",
+        "slower",
+        "bound",
+    ]);
+    for n in &r.nodes {
+        let pct = |part: f64, base: f64| {
+            if base > 0.0 {
+                format!("{:.0}%", 100.0 * part / base)
+            } else {
+                "-".into()
+            }
+        };
+        t.row([
+            n.node.clone(),
+            n.gpus.len().to_string(),
+            powerflex_proto::usage::human_energy(n.energy_mj as f64 / 1000.0),
+            n.energy_source.name().to_string(),
+            pct(n.capped_s, n.observed_s),
+            format!("{:.0}s", n.event_s),
+            pct(n.power_throttled_s, n.throttle_known_s),
+            n.slowdown_pct.map_or("-".into(), |s| format!("{s:.1}%")),
+            match n.bound_held {
+                Some(true) => "held".into(),
+                Some(false) => "BROKEN".into(),
+                None => "-".into(),
+            },
+        ]);
+    }
+    out.push_str(&t.render());
+    if let Some(saved) = r.saved_estimate_j {
+        out.push_str(&format!(
+            "energy saved against uncapped for the same work: {} (ESTIMATE from the job's measured curve)\n",
+            powerflex_proto::usage::human_energy(saved)
+        ));
+    }
+    out
+}
+
+/// Energy records as `sreport` shows usage: one row per job, then totals.
+pub fn render_accounting(records: &[JobEnergyRecord]) -> String {
+    if records.is_empty() {
+        return "no job energy records in that range\n".to_string();
+    }
+    let mut t = Table::new([
+        "job",
+        "uid",
+        "tier",
+        "ended (UTC)",
+        "gpus",
+        "kWh",
+        "avg W",
+        "capped",
+        "slower",
+        "bound",
+        "source",
+    ]);
+    for r in records {
+        t.row([
+            r.job_id.clone(),
+            r.uid.to_string(),
+            r.tier.clone(),
+            utc_text(r.to_unix_ms),
+            r.gpus.to_string(),
+            format!("{:.3}", r.energy_kwh),
+            format!("{:.0}", r.avg_power_w),
+            format!("{:.0}%", r.capped_pct),
+            r.slowdown_pct.map_or("-".into(), |s| format!("{s:.1}%")),
+            match r.bound_held {
+                Some(true) => "held".into(),
+                Some(false) => "BROKEN".into(),
+                None => "-".into(),
+            },
+            r.energy_source.name().to_string(),
+        ]);
+    }
+    let mut out = t.render();
+    let total_j: f64 = records.iter().map(|r| r.energy_j).sum();
+    let mut by_tier: BTreeMap<&str, (usize, f64)> = BTreeMap::new();
+    for r in records {
+        let e = by_tier.entry(r.tier.as_str()).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += r.energy_j;
+    }
+    out.push_str(&format!(
+        "total: {} jobs, {:.3} kWh{}\n",
+        records.len(),
+        total_j / powerflex_proto::usage::J_PER_KWH,
+        if records.iter().any(|r| r.simulated) {
+            " [SIMULATED GPUs]"
+        } else {
+            ""
+        }
+    ));
+    for (tier, (n, j)) in by_tier {
+        out.push_str(&format!(
+            "  tier {tier}: {n} jobs, {:.3} kWh\n",
+            j / powerflex_proto::usage::J_PER_KWH
+        ));
+    }
+    out
+}
+
+/// Energy records as CSV (one row per job; figures in SI units).
+pub fn accounting_csv(records: &[JobEnergyRecord]) -> String {
+    let mut out = String::from(
+        "job_id,uid,tier,from_unix_ms,to_unix_ms,gpus,energy_j,energy_kwh,energy_source,avg_power_w,peak_power_w,capped_pct,event_s,slowdown_pct,bound_pct,bound_held,saved_estimate_j,simulated\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
+    for r in records {
+        // Job ids hold no commas or quotes (validated on entry); a tier's commas become ;.
+        out.push_str(&format!(
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            r.job_id,
+            r.uid,
+            r.tier.replace(',', ";"),
+            r.from_unix_ms,
+            r.to_unix_ms,
+            r.gpus,
+            r.energy_j,
+            r.energy_kwh,
+            r.energy_source.name(),
+            r.avg_power_w,
+            r.peak_power_w,
+            r.capped_pct,
+            r.event_s,
+            opt(r.slowdown_pct),
+            opt(r.bound_pct),
+            r.bound_held.map_or(String::new(), |b| b.to_string()),
+            opt(r.saved_estimate_j),
+            r.simulated
+        ));
     }
     out
 }
@@ -440,6 +608,8 @@ mod tests {
             drift: None,
             owner_uid: Some(1000),
             below_measured_w: None,
+            energy_j: None,
+            capped_pct: None,
         }
     }
 

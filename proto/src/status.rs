@@ -224,6 +224,14 @@ pub struct SiteJobStatus {
     /// the new cap replaces it. None when the job runs on measured territory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub below_measured_w: Option<f64>,
+    /// Energy its GPUs used so far, summed over its nodes' running shares, J (from the
+    /// GPUs' counters; see [`crate::usage`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub energy_j: Option<f64>,
+    /// Time with a GPU of the job capped below its default, percent of the time
+    /// observed (the highest over its nodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capped_pct: Option<f64>,
 }
 
 /// One point of a job's estimated curve: the mean of its measurement windows at one cap,

@@ -46,6 +46,58 @@ enum Format {
     Json,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RecordFormat {
+    /// Aligned human-readable table with totals.
+    Table,
+    /// One JSON array of records (the accounting log's format).
+    Json,
+    /// One row per job, SI units.
+    Csv,
+}
+
+/// `now`, `-DURATION` (that long ago) or an RFC 3339 time, as Unix ms.
+fn parse_when(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if let Some(ago) = t.strip_prefix('-') {
+        let ms = parse_duration_ms(ago).map_err(|e| e.to_string())?;
+        return Ok(unix_ms().saturating_sub(ms));
+    }
+    parse_start(t)
+        .map(|s| s.resolve(unix_ms()))
+        .map_err(|e| format!("{e}; accepted: now, -DURATION (-7d) or an RFC 3339 time"))
+}
+
+/// A user name or uid as a uid (names through the system's user database, `id -u`).
+fn uid_of(user: &str) -> Result<u32, CtlError> {
+    if let Ok(uid) = user.parse::<u32>() {
+        return Ok(uid);
+    }
+    let bad = || CtlError::Usage(format!("no user {user:?}; give a user name or a uid"));
+    if user.is_empty() || user.starts_with('-') {
+        return Err(bad());
+    }
+    let out = std::process::Command::new("id")
+        .arg("-u")
+        .arg(user)
+        .output()
+        .map_err(|_| bad())?;
+    if !out.status.success() {
+        return Err(bad());
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .map_err(|_| bad())
+}
+
+fn records(
+    args: &CtldArgs,
+    op: AdminOp,
+) -> Result<Vec<powerflex_proto::usage::JobEnergyRecord>, CtlError> {
+    admin(args, op)?.records.ok_or_else(|| missing("records"))
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// PFI (arXiv 2609.11542 Eq. 1) of every job in a curves file.
@@ -235,6 +287,27 @@ enum Command {
         ctld: CtldArgs,
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
+    },
+    /// Ended jobs' energy records, like `sreport`: energy, average power, time capped,
+    /// slowdown and bound per job, and totals per tier. A user sees their own jobs only.
+    Accounting {
+        /// Jobs that ended after this: an RFC 3339 time (2026-12-01T00:00:00Z), `now`, or
+        /// -DURATION ago (-7d) [default: every record the controller keeps].
+        #[arg(long, value_parser = parse_when)]
+        since: Option<u64>,
+        /// Jobs that ended at or before this (same forms) [default: now].
+        #[arg(long, value_parser = parse_when)]
+        until: Option<u64>,
+        /// Only this user's jobs (a name or a uid; root only, a user sees their own).
+        #[arg(long)]
+        user: Option<String>,
+        /// Only jobs of this tier, in `--power-flex` form (flex2, none, …).
+        #[arg(long)]
+        tier: Option<String>,
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: RecordFormat,
     },
     /// Change the facility budget (root): `budget set 850kW`.
     Budget {
@@ -702,10 +775,27 @@ fn run(cli: Cli) -> Result<String, CtlError> {
         } => {
             let status = status(&args)?;
             let filtered = status.jobs_of_uid;
-            let found = status
-                .jobs
-                .into_iter()
-                .find(|j| j.job == job)
+            let running = status.jobs.into_iter().find(|j| j.job == job);
+            if running.is_none() {
+                // An ended job: its energy record.
+                let ended = records(
+                    &args,
+                    AdminOp::Accounting {
+                        since_ms: None,
+                        until_ms: None,
+                        uid: None,
+                        tier: None,
+                        job: Some(job.clone()),
+                    },
+                )?;
+                if let Some(record) = ended.last() {
+                    return match format {
+                        Format::Json => json(record),
+                        Format::Table => Ok(render::render_job_record(record)),
+                    };
+                }
+            }
+            let found = running
                 .ok_or_else(|| {
                     CtlError::Usage(match filtered {
                         Some(uid) => format!(
@@ -717,6 +807,43 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             match format {
                 Format::Json => json(&found),
                 Format::Table => Ok(render::render_job_report(&found)),
+            }
+        }
+        Command::Accounting {
+            since,
+            until,
+            user,
+            tier,
+            ctld: args,
+            format,
+        } => {
+            let uid = user.as_deref().map(uid_of).transpose()?;
+            let mut all = Vec::new();
+            let mut since_ms = since;
+            // Paged: each reply holds at most MAX_RECORDS_PER_REPLY, oldest first.
+            loop {
+                let page = records(
+                    &args,
+                    AdminOp::Accounting {
+                        since_ms,
+                        until_ms: until,
+                        uid,
+                        tier: tier.clone(),
+                        job: None,
+                    },
+                )?;
+                let full = page.len() >= powerflex_proto::admin::MAX_RECORDS_PER_REPLY;
+                let last = page.last().map(|r| r.to_unix_ms);
+                all.extend(page);
+                match (full, last) {
+                    (true, Some(t)) if Some(t) != since_ms => since_ms = Some(t),
+                    _ => break,
+                }
+            }
+            match format {
+                RecordFormat::Table => Ok(render::render_accounting(&all)),
+                RecordFormat::Json => json(&all),
+                RecordFormat::Csv => Ok(render::accounting_csv(&all)),
             }
         }
         Command::Whatif {

@@ -2,8 +2,7 @@
 //! reports, final ones after the job's end there) are summed into one
 //! [`JobEnergyRecord`] per job once every node that held it has sent its final share,
 //! or [`FINAL_WAIT_MS`] after the first final share (then naming the nodes still
-//! missing). The I/O edge appends the records to the accounting log and Slurm's
-//! `AdminComment`.
+//! missing). The I/O edge appends the records to the accounting log.
 //!
 //! Only shares of jobs the controller believes on the sending node (Slurm's placement
 //! bears them out) are taken: a running share arrives inside a believed job report, and
@@ -199,30 +198,6 @@ pub fn merge_admin_comment(existing: &str, ours: &str) -> String {
 
 /// What separates a site's own `AdminComment` text from powerflex's segment.
 pub const ADMIN_COMMENT_SEPARATOR: &str = " | ";
-
-/// powerflex's segment for an ended job: its energy and what the caps did.
-pub fn ended_annotation(record: &JobEnergyRecord) -> String {
-    let mut text = format!(
-        "powerflex;tier={};pfi={};energy_kwh={:.3};energy_source={};capped_pct={:.0}",
-        record.tier,
-        record.pfi.map_or("-".to_string(), |p| format!("{p:.2}")),
-        record.energy_kwh,
-        record.energy_source.name(),
-        record.capped_pct
-    );
-    if let Some(s) = record.slowdown_pct {
-        text.push_str(&format!(";slowdown_pct={s:.1}"));
-    }
-    match record.bound_held {
-        Some(true) => text.push_str(";bound=held"),
-        Some(false) => text.push_str(";bound=broken"),
-        None => {}
-    }
-    if record.simulated {
-        text.push_str(";simulated");
-    }
-    text
-}
 
 #[cfg(test)]
 mod tests {

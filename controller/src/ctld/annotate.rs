@@ -52,8 +52,28 @@ pub fn changes<'a>(
         let pfi = report
             .and_then(|r| r.pfi)
             .map_or("-".to_string(), |p| format!("{p:.2}"));
+        // Energy so far over the job's nodes, floored to two significant digits: the text
+        // (and so an `scontrol update`) changes a few dozen times in a job's life, not at
+        // every report. Slurm refuses updates once a job has finished, so this is the
+        // last figure `sacct` shows; the exact one is the controller's record.
+        let energy_mj: u64 = reports
+            .clone()
+            .filter(|j| j.job_id == job.id)
+            .filter_map(|j| j.usage.as_ref().map(|u| u.energy_mj))
+            .sum();
+        let energy = if energy_mj > 0 {
+            format!(
+                ";energy_kwh_so_far={}",
+                floor_two_digits(energy_mj as f64 / 1000.0 / powerflex_proto::usage::J_PER_KWH)
+            )
+        } else {
+            String::new()
+        };
         // No spaces: `scontrol show job` prints key=value pairs separated by spaces.
-        let text = format!("powerflex;tier={tier};pfi={pfi};cap={:.0}W", job.cap_w.0);
+        let text = format!(
+            "powerflex;tier={tier};pfi={pfi};cap={:.0}W{energy}",
+            job.cap_w.0
+        );
         live.push(&job.id);
         if done.get(&job.id) != Some(&text) {
             done.insert(job.id.clone(), text.clone());
@@ -62,6 +82,18 @@ pub fn changes<'a>(
     }
     done.retain(|id, _| live.contains(&id.as_str()));
     out
+}
+
+/// `x` floored to two significant digits, without trailing noise (`0.0012`, `1.2`, `34`).
+fn floor_two_digits(x: f64) -> String {
+    if !(x.is_finite() && x > 0.0) {
+        return "0".to_string();
+    }
+    let exponent = x.log10().floor() as i32 - 1;
+    let scale = 10f64.powi(exponent);
+    let floored = (x / scale).floor() * scale;
+    let decimals = (-exponent).max(0) as usize;
+    format!("{floored:.decimals$}")
 }
 
 /// Runs `scontrol suspend|resume|requeuehold|release JOB` for each queued action, logging

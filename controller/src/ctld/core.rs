@@ -353,8 +353,8 @@ impl Core {
         out
     }
 
-    /// The energy records due now, and their annotations (Slurm's `AdminComment`, after
-    /// whatever the site wrote there).
+    /// The energy records due now. (Not annotated: Slurm refuses `AdminComment` updates
+    /// to a finished job; the running annotation carries the energy so far.)
     fn write_records(&mut self, now_ms: u64, out: &mut Output) {
         let placement = self.placement.clone();
         let records = self.ledger.due(now_ms, |job| {
@@ -371,14 +371,6 @@ impl Core {
                 incomplete = record.incomplete_nodes.len(),
                 "job energy record"
             );
-            let existing = placement
-                .as_ref()
-                .and_then(|p| p.jobs.get(&record.job_id))
-                .map_or("", |j| j.admin_comment.as_str());
-            out.annotations.push((
-                record.job_id.clone(),
-                accounting::merge_admin_comment(existing, &accounting::ended_annotation(record)),
-            ));
         }
         out.job_records = records;
     }
@@ -1370,8 +1362,8 @@ mod tests {
         }
     }
 
-    /// Issue 23: a two-node job's shares become one record, owned by Slurm's uid, shown
-    /// in its AdminComment after the site's text, and read back by its owner only.
+    /// Issue 23: a two-node job's shares become one record, owned by Slurm's uid, and
+    /// read back by its owner only; while it runs its AdminComment keeps the site's text.
     #[test]
     fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
         const ALICE: u32 = 1001;
@@ -1398,18 +1390,28 @@ mod tests {
             j.usage = Some(usage("101", node, mj, false));
             j
         };
-        core.step(
+        let out = core.step(
             T0,
             vec![
                 Input::Placement(placed),
                 hello("n1"),
                 hello("n2"),
-                report("n1", vec![running("n1", 100)]),
-                report("n2", vec![running("n2", 200)]),
+                report("n1", vec![running("n1", 3_600_000)]),
+                report("n2", vec![running("n2", 3_600_000)]),
                 // n3 was never believed for job 101: its word is ignored.
                 hello("n3"),
             ],
         );
+        let (_, text) = out
+            .annotations
+            .iter()
+            .find(|(j, _)| j == "101")
+            .expect("annotated");
+        assert!(
+            text.starts_with("project=X | powerflex;tier=flex2;"),
+            "{text}"
+        );
+        assert!(text.ends_with(";energy_kwh_so_far=0.0020"), "{text}");
         let ended = |node: &str, mj: u64| Input::Report {
             node: node.into(),
             jobs: vec![],
@@ -1425,19 +1427,6 @@ mod tests {
         assert_eq!(out.job_records.len(), 1);
         let r = &out.job_records[0];
         assert_eq!((r.energy_j, r.uid, r.nodes.len()), (7_000.0, ALICE, 2));
-        let (_, text) = out
-            .annotations
-            .iter()
-            .find(|(j, _)| j == "101")
-            .expect("annotated");
-        assert!(
-            text.starts_with("project=X | powerflex;tier=flex2;"),
-            "{text}"
-        );
-        assert!(
-            text.contains("energy_kwh=0.002") && text.contains("bound=held"),
-            "{text}"
-        );
         // Re-sent finals write nothing more.
         let out = core.step(T0 + 13_000, vec![ended("n1", 4_000_000)]);
         assert!(out.job_records.is_empty());

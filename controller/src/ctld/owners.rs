@@ -168,6 +168,8 @@ mod tests {
             drift: None,
             owner_uid,
             below_measured_w: None,
+            energy_j: None,
+            capped_pct: None,
         }
     }
 

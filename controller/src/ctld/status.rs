@@ -61,6 +61,8 @@ pub fn build(
                         }),
                     owner_uid: j.owner_uid,
                     below_measured_w: None,
+                    energy_j: None,
+                    capped_pct: None,
                 });
             // Every node running the job must name the same owner (see
             // [`super::owners::agreed`]): else nobody but root sees it.
@@ -75,6 +77,13 @@ pub fn build(
                 entry.curve.insert(s.view.node.clone(), j.curve.clone());
             }
             entry.calibration_cost_pct = entry.calibration_cost_pct.or(j.calibration_cost_pct);
+            if let Some(u) = &j.usage {
+                entry.energy_j = Some(entry.energy_j.unwrap_or(0.0) + u.energy_mj as f64 / 1000.0);
+                if u.observed_s > 0.0 {
+                    let pct = 100.0 * u.capped_s / u.observed_s;
+                    entry.capped_pct = Some(entry.capped_pct.map_or(pct, |p| p.max(pct)));
+                }
+            }
         }
     }
     for job in jobs.values_mut() {
@@ -233,6 +242,8 @@ mod tests {
             drift: None,
             owner_uid: None,
             below_measured_w: None,
+            energy_j: None,
+            capped_pct: None,
         }
     }
 

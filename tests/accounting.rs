@@ -1,0 +1,351 @@
+//! Issue 23 on a real Slurm cluster: per-job energy from the GPUs' counters. Two users'
+//! jobs share a node (each charged only its own GPUs), one of them spans two nodes
+//! (charged the sum), an agent restarts mid-job (nothing lost), and the records the
+//! controller writes match the simulated GPUs' counters over the time each job held
+//! each GPU. The owner reads their own record, not another user's.
+
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use powerflex_proto::status::SiteJobStatus;
+use powerflex_proto::usage::{EnergySource, JobEnergyRecord, NodeUsage};
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::users::TestUser;
+use powerflex_testbed::{
+    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,
+    write_site_key, Children,
+};
+
+fn spawn_agent(
+    agent: &std::path::Path,
+    site: &std::path::Path,
+    node: &str,
+    sim: &std::path::Path,
+    log: std::fs::File,
+) -> Child {
+    Command::new(agent)
+        .args([
+            "--config",
+            site.to_str().expect("utf-8"),
+            "--node",
+            node,
+            "--sample-interval-ms",
+            "100",
+        ])
+        .env("POWERFLEX_SIM_DIR", sim)
+        .stderr(log)
+        .spawn()
+        .expect("agent")
+}
+
+#[test]
+fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
+    let (agent, ctld, ctl) = (
+        binary("powerflexd"),
+        binary("powerflex-ctld"),
+        binary("powerflexctl"),
+    );
+    let alice = TestUser::ensure("pf-alice").expect("user");
+    let bob = TestUser::ensure("pf-bob").expect("user");
+    let base = std::env::temp_dir().join(format!("pf-accounting-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(base.join("agent")).expect("dir");
+    let key = base.join("site.key");
+    write_site_key(&key, "accounting test site key\n");
+    let port = free_loopback_port();
+    let site = base.join("powerflex.toml");
+    SiteBuilder::new(100000.0)
+        .h200(&[700.0, 600.0], 500.0)
+        .controller(([127, 0, 0, 1], port).into(), 6, 1)
+        .key_file(&key)
+        .controller_paths(&base.join("ctld.sock"), &base.join("ctld"))
+        .agent_paths(
+            &format!("{}/agent/%n.sock", base.display()),
+            &format!("{}/state/%n", base.display()),
+            &profile_dir().join("libpowerflex_sim_nvml.so"),
+        )
+        .write(&site)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let cluster = Cluster::start(
+        "accounting",
+        ClusterOptions {
+            nodes: 2,
+            gpus_per_node: 4,
+            plugstack: Some(format!(
+                "optional {} site={} socket={}/agent/%n.sock timeout_ms=500\n",
+                profile_dir().join("libpower_flex.so").display(),
+                site.display(),
+                base.display()
+            )),
+            ..ClusterOptions::default()
+        },
+    );
+    let names: Vec<String> = cluster.node_names().to_vec();
+    write_node_keys(
+        &ctl,
+        &site,
+        &names.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mut procs = Children(Vec::new());
+    let mut ctld_cmd = Command::new(&ctld);
+    ctld_cmd
+        .args(["--config", site.to_str().expect("utf-8")])
+        .stderr(std::fs::File::create(base.join("ctld.log")).expect("log"));
+    for (k, v) in cluster.env() {
+        ctld_cmd.env(k, v);
+    }
+    procs.0.push(ctld_cmd.spawn().expect("ctld"));
+    let mut sims = Vec::new();
+    let mut agents: Vec<Child> = Vec::new();
+    for node in &names {
+        let sim =
+            powerflex_sim::state::Node::init(&base.join("sim").join(node), node, "H200", 4, true)
+                .expect("sim");
+        let log = std::fs::File::create(base.join(format!("agent-{node}.log"))).expect("log");
+        agents.push(spawn_agent(&agent, &site, node, sim.dir(), log));
+        let sock = base.join("agent").join(format!("{node}.sock"));
+        wait_until("agent socket", Duration::from_secs(20), || {
+            std::os::unix::net::UnixStream::connect(&sock)
+                .is_ok()
+                .then_some(())
+        });
+        sims.push(sim);
+    }
+    let socket = base.join("ctld.sock").to_str().expect("utf-8").to_string();
+    let train = format!(
+        "srun env POWERFLEX_SIM_DIR={}/sim/%n bash -c 'POWERFLEX_SIM_DIR=${{POWERFLEX_SIM_DIR/\\%n/$SLURMD_NODENAME}} {} --profile synthetic-memory-bound --duration 600 --time-scale 20 > /dev/null'",
+        base.display(),
+        profile_dir().join("powerflex-simjob").display()
+    );
+    // Alice's job on both nodes, two GPUs each; Bob's on the first node's other two.
+    let a = alice
+        .sbatch(
+            &cluster,
+            &[
+                "-N2",
+                "--gres=gpu:2",
+                "--power-flex=flex3,calibrate=off",
+                "--wrap",
+                &train,
+            ],
+        )
+        .expect("sbatch a");
+    let b = bob
+        .sbatch(
+            &cluster,
+            &[
+                "-N1",
+                "-w",
+                &names[0],
+                "--gres=gpu:2",
+                "--power-flex=flex2,calibrate=off",
+                "--wrap",
+                &train,
+            ],
+        )
+        .expect("sbatch b");
+    let (a_id, b_id) = (a.to_string(), b.to_string());
+    let both_running = || {
+        let out = run(&ctl, &["jobs", "--format", "json", "--socket", &socket]);
+        let jobs: Vec<SiteJobStatus> = serde_json::from_str(&out.stdout).ok()?;
+        let gpus = |id: &str| jobs.iter().find(|j| j.job == id).map(|j| j.gpus);
+        (gpus(&a_id) == Some(4) && gpus(&b_id) == Some(2)).then_some(())
+    };
+    wait_until(
+        "both jobs at the controller",
+        Duration::from_secs(60),
+        both_running,
+    );
+    // A budget that caps them, so the records have capped time to show.
+    assert_eq!(
+        run(&ctl, &["budget", "set", "2.4kW", "--socket", &socket]).code,
+        Some(0)
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    // The second node's agent restarts mid-job (SIGTERM, as systemctl restart does).
+    let second = &mut agents[1];
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(second.id() as i32).expect("pid"),
+        rustix::process::Signal::TERM,
+    )
+    .expect("term");
+    second.wait().expect("agent exited");
+    let log = std::fs::File::options()
+        .append(true)
+        .open(base.join(format!("agent-{}.log", names[1])))
+        .expect("log");
+    agents[1] = spawn_agent(&agent, &site, &names[1], sims[1].dir(), log);
+    std::thread::sleep(Duration::from_secs(2));
+    wait_until(
+        "both jobs at the controller again",
+        Duration::from_secs(60),
+        both_running,
+    );
+    // While it runs, Slurm shows its energy so far in its AdminComment (Slurm refuses
+    // updates to a finished job: the exact figure is the record's).
+    let comment = wait_until(
+        "the energy in AdminComment",
+        Duration::from_secs(30),
+        || {
+            let info = cluster.job_info(a);
+            info.split_whitespace()
+                .find(|w| {
+                    w.starts_with("AdminComment=powerflex;") && w.contains("energy_kwh_so_far=")
+                })
+                .map(str::to_string)
+        },
+    );
+    assert!(comment.contains("tier=flex3"), "{comment}");
+    std::thread::sleep(Duration::from_secs(1));
+    cluster.run("scancel", &[&a_id, &b_id]);
+    for job in [a, b] {
+        assert!(matches!(
+            cluster.wait_job_done(job, Duration::from_secs(60)).as_str(),
+            "CANCELLED" | "COMPLETED"
+        ));
+    }
+    let log = base.join("ctld").join("job-energy.jsonl");
+    let records: Vec<JobEnergyRecord> =
+        wait_until("both jobs' energy records", Duration::from_secs(90), || {
+            let text = std::fs::read_to_string(&log).ok()?;
+            let records: Vec<JobEnergyRecord> = text
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            (records.len() >= 2).then_some(records)
+        });
+    let record = |id: &str| {
+        records
+            .iter()
+            .find(|r| r.job_id == id)
+            .unwrap_or_else(|| panic!("no record of job {id}: {records:?}"))
+    };
+    let (ra, rb) = (record(&a_id), record(&b_id));
+    assert_eq!((ra.uid, rb.uid), (alice.uid, bob.uid), "Slurm's owners");
+    assert!(ra.simulated && rb.simulated, "labelled simulated");
+    assert!(ra.incomplete_nodes.is_empty() && rb.incomplete_nodes.is_empty());
+    assert_eq!(ra.nodes.len(), 2, "alice's job on both nodes");
+    assert_eq!(rb.nodes.len(), 1);
+    assert!(ra.capped_pct > 0.0, "the budget capped alice's job: {ra:?}");
+    // Each job is charged its own GPUs: job A GPUs 0 and 1 of each node, job B 2 and 3 of
+    // the first; the counter readings are the simulated counters at the readings' times.
+    let mut worst_mj = 0.0f64;
+    let mut check = |share: &NodeUsage, indices: &[u32]| {
+        let sim = &sims[names.iter().position(|n| n == &share.node).expect("node")];
+        let mut held: Vec<u32> = share.gpus.iter().map(|g| g.index).collect();
+        held.sort_unstable();
+        assert_eq!(
+            held, indices,
+            "{} on {}: its own GPUs only",
+            share.job_id, share.node
+        );
+        let mut sum = 0;
+        for g in &share.gpus {
+            assert_eq!(g.uuid, sim.gpu(g.index).expect("gpu").uuid);
+            assert_eq!(g.source, EnergySource::Counter);
+            let (from, to) = (
+                g.counter_from_mj.expect("counter"),
+                g.counter_to_mj.expect("counter"),
+            );
+            assert_eq!(g.energy_mj, to - from, "the counter's advance, exactly");
+            assert!(g.to_unix_ms - g.from_unix_ms >= 5_000, "{g:?}");
+            for (at, read) in [(g.from_unix_ms, from), (g.to_unix_ms, to)] {
+                let truth = sim
+                    .energy_at_unix_ms(g.index, at)
+                    .expect("energy log")
+                    .expect("logged");
+                worst_mj = worst_mj.max((truth - read as f64).abs());
+                // The agent stamps a reading with its own clock, a few ms from the
+                // simulator's: at 700 W a millisecond is 700 mJ.
+                assert!(
+                    (truth - read as f64).abs() <= 700.0 * 25.0,
+                    "GPU {} of job {} on {}: read {read} mJ at {at}, the counter was {truth:.0}",
+                    g.index,
+                    share.job_id,
+                    share.node
+                );
+            }
+            sum += g.energy_mj;
+        }
+        assert_eq!(share.energy_mj, sum);
+        assert!(share.ended);
+    };
+    for share in &ra.nodes {
+        check(share, &[0, 1]);
+    }
+    check(&rb.nodes[0], &[2, 3]);
+    eprintln!(
+        "largest gap between a reading and the simulated counter at its time: {worst_mj:.0} mJ"
+    );
+    let total: u64 = ra.nodes.iter().map(|n| n.energy_mj).sum();
+    assert_eq!(
+        ra.energy_j,
+        total as f64 / 1000.0,
+        "the job's energy is its nodes' sum"
+    );
+    // The restarted node lost nothing: its share spans the restart, from the hold's start.
+    let restarted = ra
+        .nodes
+        .iter()
+        .find(|n| n.node == names[1])
+        .expect("second node");
+    let first = ra
+        .nodes
+        .iter()
+        .find(|n| n.node == names[0])
+        .expect("first node");
+    assert!(
+        restarted.from_unix_ms.abs_diff(first.from_unix_ms) < 3_000,
+        "the share on the restarted node starts with the job, not at the restart: {} vs {}",
+        restarted.from_unix_ms,
+        first.from_unix_ms
+    );
+    // The owner reads her record; not Bob's.
+    let ctl_as = |user: &TestUser, args: &[&str]| {
+        user.command(&cluster, ctl.to_str().expect("utf-8"))
+            .args(args)
+            .args(["--socket", &socket])
+            .output()
+            .expect("powerflexctl")
+    };
+    let mine = ctl_as(&alice, &["report", "--job", &a_id]);
+    let text = String::from_utf8_lossy(&mine.stdout);
+    assert!(
+        mine.status.success(),
+        "{}",
+        String::from_utf8_lossy(&mine.stderr)
+    );
+    assert!(
+        text.contains(&format!("powerflex: job {a_id} used")),
+        "{text}"
+    );
+    let theirs = ctl_as(&alice, &["report", "--job", &b_id]);
+    assert!(!theirs.status.success(), "alice read bob's job");
+    let listed = ctl_as(&alice, &["accounting", "--format", "json"]);
+    let listed: Vec<JobEnergyRecord> = serde_json::from_slice(&listed.stdout).expect("json");
+    assert_eq!(
+        listed.iter().map(|r| r.job_id.as_str()).collect::<Vec<_>>(),
+        [a_id.as_str()]
+    );
+    // Root sees both, in the CSV too.
+    let csv = run(
+        &ctl,
+        &["accounting", "--format", "csv", "--socket", &socket],
+    );
+    assert_eq!(csv.stdout.lines().count(), 3, "{}", csv.stdout);
+    // Each node logged its shares too.
+    let node_log = base.join("state").join(&names[0]).join("usage.jsonl");
+    let text = std::fs::read_to_string(&node_log).expect("node usage log");
+    assert_eq!(text.lines().count(), 2, "{text}");
+    for mut a in agents {
+        let _ = a.kill();
+        let _ = a.wait();
+    }
+    cluster.assert_no_node_drained();
+}
