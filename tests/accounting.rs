@@ -4,129 +4,43 @@
 //! controller writes match the simulated GPUs' counters over the time each job held
 //! each GPU. The owner reads their own record, not another user's.
 
-use std::process::{Child, Command};
 use std::time::Duration;
 
 use powerflex_proto::status::SiteJobStatus;
 use powerflex_proto::usage::{EnergySource, JobEnergyRecord, NodeUsage};
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
-use powerflex_testbed::slurm::{Cluster, ClusterOptions};
+use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::users::TestUser;
-use powerflex_testbed::{
-    binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,
-    write_site_key, Children,
-};
-
-fn spawn_agent(
-    agent: &std::path::Path,
-    site: &std::path::Path,
-    node: &str,
-    sim: &std::path::Path,
-    log: std::fs::File,
-) -> Child {
-    Command::new(agent)
-        .args([
-            "--config",
-            site.to_str().expect("utf-8"),
-            "--node",
-            node,
-            "--sample-interval-ms",
-            "100",
-        ])
-        .env("POWERFLEX_SIM_DIR", sim)
-        .stderr(log)
-        .spawn()
-        .expect("agent")
-}
+use powerflex_testbed::{run, wait_until};
 
 #[test]
 fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only() {
     if !can_run(&[Need::Root, Need::Slurm]) {
         return;
     }
-    cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
-    let (agent, ctld, ctl) = (
-        binary("powerflexd"),
-        binary("powerflex-ctld"),
-        binary("powerflexctl"),
-    );
     let alice = TestUser::ensure("pf-alice").expect("user");
     let bob = TestUser::ensure("pf-bob").expect("user");
-    let base = std::env::temp_dir().join(format!("pf-accounting-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(base.join("agent")).expect("dir");
-    let key = base.join("site.key");
-    write_site_key(&key, "accounting test site key\n");
-    let port = free_loopback_port();
-    let site = base.join("powerflex.toml");
-    SiteBuilder::new(100000.0)
-        .h200(&[700.0, 600.0], 500.0)
-        .controller(([127, 0, 0, 1], port).into(), 6, 1)
-        .key_file(&key)
-        .controller_paths(&base.join("ctld.sock"), &base.join("ctld"))
-        .agent_paths(
-            &format!("{}/agent/%n.sock", base.display()),
-            &format!("{}/state/%n", base.display()),
-            &profile_dir().join("libpowerflex_sim_nvml.so"),
-        )
-        .write(&site)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let cluster = Cluster::start(
+    let mut stack = Stack::start(
         "accounting",
-        ClusterOptions {
-            nodes: 2,
-            gpus_per_node: 4,
-            plugstack: Some(format!(
-                "optional {} site={} socket={}/agent/%n.sock timeout_ms=500\n",
-                profile_dir().join("libpower_flex.so").display(),
-                site.display(),
-                base.display()
-            )),
-            ..ClusterOptions::default()
+        StackOptions {
+            budget_w: 100_000.0,
+            sample_interval_ms: 100,
+            ..StackOptions::default()
         },
     );
-    let names: Vec<String> = cluster.node_names().to_vec();
-    write_node_keys(
-        &ctl,
-        &site,
-        &names.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    let mut procs = Children(Vec::new());
-    let mut ctld_cmd = Command::new(&ctld);
-    ctld_cmd
-        .args(["--config", site.to_str().expect("utf-8")])
-        .stderr(std::fs::File::create(base.join("ctld.log")).expect("log"));
-    for (k, v) in cluster.env() {
-        ctld_cmd.env(k, v);
-    }
-    procs.0.push(ctld_cmd.spawn().expect("ctld"));
-    let mut sims = Vec::new();
-    let mut agents: Vec<Child> = Vec::new();
-    for node in &names {
-        let sim =
-            powerflex_sim::state::Node::init(&base.join("sim").join(node), node, "H200", 4, true)
-                .expect("sim");
-        let log = std::fs::File::create(base.join(format!("agent-{node}.log"))).expect("log");
-        agents.push(spawn_agent(&agent, &site, node, sim.dir(), log));
-        let sock = base.join("agent").join(format!("{node}.sock"));
-        wait_until("agent socket", Duration::from_secs(20), || {
-            std::os::unix::net::UnixStream::connect(&sock)
-                .is_ok()
-                .then_some(())
-        });
-        sims.push(sim);
-    }
-    let socket = base.join("ctld.sock").to_str().expect("utf-8").to_string();
+    let (base, ctl) = (stack.base.clone(), stack.ctl.clone());
+    let socket = stack.socket.to_str().expect("utf-8").to_string();
+    let names: Vec<String> = stack.cluster.node_names().to_vec();
+    let cluster = &stack.cluster;
     let train = format!(
         "srun env POWERFLEX_SIM_DIR={}/sim/%n bash -c 'POWERFLEX_SIM_DIR=${{POWERFLEX_SIM_DIR/\\%n/$SLURMD_NODENAME}} {} --profile synthetic-memory-bound --duration 600 --time-scale 20 > /dev/null'",
         base.display(),
-        profile_dir().join("powerflex-simjob").display()
+        stack.simjob.display()
     );
     // Alice's job on both nodes, two GPUs each; Bob's on the first node's other two.
     let a = alice
         .sbatch(
-            &cluster,
+            cluster,
             &[
                 "-N2",
                 "--gres=gpu:2",
@@ -138,7 +52,7 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
         .expect("sbatch a");
     let b = bob
         .sbatch(
-            &cluster,
+            cluster,
             &[
                 "-N1",
                 "-w",
@@ -169,18 +83,9 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     );
     std::thread::sleep(Duration::from_secs(4));
     // The second node's agent restarts mid-job (SIGTERM, as systemctl restart does).
-    let second = &mut agents[1];
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(second.id() as i32).expect("pid"),
-        rustix::process::Signal::TERM,
-    )
-    .expect("term");
-    second.wait().expect("agent exited");
-    let log = std::fs::File::options()
-        .append(true)
-        .open(base.join(format!("agent-{}.log", names[1])))
-        .expect("log");
-    agents[1] = spawn_agent(&agent, &site, &names[1], sims[1].dir(), log);
+    stack.stop_agent(1);
+    stack.start_agent(1);
+    let cluster = &stack.cluster;
     std::thread::sleep(Duration::from_secs(2));
     wait_until(
         "both jobs at the controller again",
@@ -237,7 +142,7 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     // the first; the counter readings are the simulated counters at the readings' times.
     let mut worst_mj = 0.0f64;
     let mut check = |share: &NodeUsage, indices: &[u32]| {
-        let sim = &sims[names.iter().position(|n| n == &share.node).expect("node")];
+        let sim = &stack.sims[names.iter().position(|n| n == &share.node).expect("node")];
         let mut held: Vec<u32> = share.gpus.iter().map(|g| g.index).collect();
         held.sort_unstable();
         assert_eq!(
@@ -308,7 +213,7 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     );
     // The owner reads her record; not Bob's.
     let ctl_as = |user: &TestUser, args: &[&str]| {
-        user.command(&cluster, ctl.to_str().expect("utf-8"))
+        user.command(cluster, ctl.to_str().expect("utf-8"))
             .args(args)
             .args(["--socket", &socket])
             .output()
@@ -343,9 +248,79 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     let node_log = base.join("state").join(&names[0]).join("usage.jsonl");
     let text = std::fs::read_to_string(&node_log).expect("node usage log");
     assert_eq!(text.lines().count(), 2, "{text}");
-    for mut a in agents {
-        let _ = a.kill();
-        let _ = a.wait();
+    stack.cluster.assert_no_node_drained();
+}
+
+fn observe_only(
+    site: powerflex_testbed::site::SiteBuilder,
+) -> powerflex_testbed::site::SiteBuilder {
+    site.edit(|raw| raw.agent.enforce = Some(false))
+}
+
+/// Observe mode (`agent.enforce = false`): the controller decides caps under a budget
+/// that binds, the agents take its leases and say what they would write, and no
+/// simulated GPU's limit ever leaves its default; the job is still accounted.
+#[test]
+fn observe_mode_writes_no_limit_while_the_controller_shows_what_it_would_do() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
     }
-    cluster.assert_no_node_drained();
+    let stack = Stack::start(
+        "observe",
+        StackOptions {
+            nodes: 1,
+            budget_w: 1_500.0,
+            sample_interval_ms: 100,
+            site: Some(observe_only),
+            ..StackOptions::default()
+        },
+    );
+    let job = stack.submit("flex3,calibrate=off", 1, 4, "synthetic-memory-bound");
+    let id = job.to_string();
+    // The controller caps the job well below its GPUs' 700 W to fit 1.5 kW.
+    let granted = wait_until(
+        "the controller's cap for the job",
+        Duration::from_secs(60),
+        || {
+            let jobs: Vec<SiteJobStatus> = stack.ctl_json(&["jobs"])?;
+            jobs.into_iter()
+                .find(|j| j.job == id)
+                .and_then(|j| j.cap_w)
+                .filter(|c| *c < 500.0)
+        },
+    );
+    let would = wait_until(
+        "the agent's cap it would write",
+        Duration::from_secs(30),
+        || {
+            let status = stack.agent_status(0)?;
+            (!status.enforce).then_some(())?;
+            let caps: Vec<f64> = status.gpus.iter().filter_map(|g| g.would_cap_w).collect();
+            (caps.len() == 4 && caps.iter().all(|c| (c - granted).abs() < 1.0)).then_some(caps)
+        },
+    );
+    // Every 50 ms for 3 s: every limit is still the default.
+    for _ in 0..60 {
+        for g in 0..4 {
+            let limit = stack.sims[0].gpu(g).expect("gpu").power_limit_mw;
+            assert_eq!(
+                limit, 700_000,
+                "GPU {g} written in observe mode (would be {would:?})"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = stack.agent_status(0).expect("status");
+    let usage = status
+        .jobs
+        .iter()
+        .find(|j| j.job == id)
+        .and_then(|j| j.usage.clone())
+        .expect("accounted");
+    assert!(usage.energy_mj > 0 && usage.capped_s == 0.0, "{usage:?}");
+    stack.cluster.run("scancel", &[&id]);
+    stack.cluster.wait_job_done(job, Duration::from_secs(60));
+    for g in 0..4 {
+        assert_eq!(stack.sims[0].gpu(g).expect("gpu").power_limit_mw, 700_000);
+    }
 }
