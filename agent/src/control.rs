@@ -2314,6 +2314,12 @@ mod tests {
         );
         assert!(crate::server::seen_by(&all, 4242).jobs.is_empty());
         assert_eq!(crate::server::seen_by(&all, 0), all);
+        // Ended jobs' final shares are their owners' too.
+        assert!(a.end_job("2", 2.0));
+        let all = a.snapshot(2.0);
+        assert_eq!(all.ended.len(), 1);
+        assert!(crate::server::seen_by(&all, 1000).ended.is_empty());
+        assert_eq!(crate::server::seen_by(&all, 1001).ended.len(), 1);
     }
 
     #[test]

@@ -100,6 +100,7 @@ pub fn seen_by(status: &crate::control::Snapshot, uid: u32) -> crate::control::S
         return seen;
     }
     seen.jobs.retain(|j| j.uid == uid);
+    seen.ended.retain(|u| u.uid == uid);
     for gpu in &mut seen.gpus {
         if gpu
             .job

@@ -55,10 +55,12 @@ pub struct GpuHold {
 
 impl GpuHold {
     fn energy_mj(&self) -> u64 {
-        let open = self
-            .segment
-            .map_or(0, |(first, last)| last.energy_mj - first.energy_mj);
-        self.closed_mj + open + self.integrated_mj.round() as u64
+        let open = self.segment.map_or(0, |(first, last)| {
+            last.energy_mj.saturating_sub(first.energy_mj)
+        });
+        self.closed_mj
+            .saturating_add(open)
+            .saturating_add(self.integrated_mj.round() as u64)
     }
 
     fn source(&self) -> EnergySource {
@@ -168,7 +170,9 @@ impl JobUsage {
                     // The counter went backwards: it was reset (driver reload). What it
                     // counted before stays charged; a new segment starts here.
                     Some((first, last)) => {
-                        hold.closed_mj += last.energy_mj - first.energy_mj;
+                        hold.closed_mj = hold
+                            .closed_mj
+                            .saturating_add(last.energy_mj.saturating_sub(first.energy_mj));
                         let now = CounterReading {
                             at_unix_ms,
                             energy_mj: e,
@@ -181,7 +185,9 @@ impl JobUsage {
                 // No counter in this reading: close the open segment and charge the span
                 // since the last reading at the mean of its two powers.
                 if let Some((first, last)) = hold.segment.take() {
-                    hold.closed_mj += last.energy_mj - first.energy_mj;
+                    hold.closed_mj = hold
+                        .closed_mj
+                        .saturating_add(last.energy_mj.saturating_sub(first.energy_mj));
                 }
                 if let Some((t, p)) = hold.last_power {
                     let dt_s = at_unix_ms.saturating_sub(t) as f64 / 1000.0;
@@ -279,7 +285,9 @@ impl JobUsage {
 
     /// Energy charged so far, mJ.
     pub fn energy_mj(&self) -> u64 {
-        self.gpus.values().map(GpuHold::energy_mj).sum()
+        self.gpus
+            .values()
+            .fold(0u64, |sum, h| sum.saturating_add(h.energy_mj()))
     }
 
     /// The share as the job's record carries it. `curve` is the job's measured curve
@@ -323,7 +331,9 @@ impl JobUsage {
             node: node.to_string(),
             uid,
             tier: tier.to_string(),
-            energy_mj: gpus.iter().map(|g| g.energy_mj).sum(),
+            energy_mj: gpus
+                .iter()
+                .fold(0u64, |sum, g| sum.saturating_add(g.energy_mj)),
             energy_source,
             from_unix_ms: gpus.iter().map(|g| g.from_unix_ms).min().unwrap_or(0),
             to_unix_ms: gpus.iter().map(|g| g.to_unix_ms).max().unwrap_or(0),

@@ -206,7 +206,10 @@ impl JobEnergyRecord {
     ) -> Option<JobEnergyRecord> {
         let simulated = shares.iter().any(|s| s.simulated);
         let first = shares.first()?.clone();
-        let energy_mj: u64 = shares.iter().map(|s| s.energy_mj).sum();
+        // Saturating: a node's figure, however large, never wraps the others' away.
+        let energy_mj = shares
+            .iter()
+            .fold(0u64, |sum, s| sum.saturating_add(s.energy_mj));
         let energy_j = energy_mj as f64 / 1000.0;
         let from = shares.iter().map(|s| s.from_unix_ms).min().unwrap_or(0);
         let to = shares.iter().map(|s| s.to_unix_ms).max().unwrap_or(from);

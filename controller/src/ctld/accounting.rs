@@ -63,8 +63,14 @@ impl Ledger {
             if pending.shares.get(node).is_some_and(|s| s.ended) {
                 continue;
             }
+            // The owner is the believed report's (Slurm's uid, set by the placement
+            // check), never the share's own word; a job of unknown owner is not taken.
+            let Some(owner) = report.owner_uid else {
+                continue;
+            };
             let mut share = share.clone();
             share.node = node.to_string();
+            share.uid = owner;
             share.ended = false;
             pending.shares.insert(node.to_string(), share);
             pending.last_update_ms = now_ms;
@@ -238,6 +244,7 @@ mod tests {
         JobReport {
             job_id: job.into(),
             tier: "flex2".into(),
+            owner_uid: Some(1000),
             usage: Some(share(job, energy_mj, false)),
             ..JobReport::default()
         }
@@ -267,6 +274,25 @@ mod tests {
         l.ended("n2", vec![share("7", 2_000, true)], 4_000);
         assert!(l.due(100_000, |_| None).is_empty());
         assert_eq!(l.recent().count(), 1);
+    }
+
+    #[test]
+    fn the_owner_is_the_believed_report_s_never_the_share_s_word() {
+        let mut l = Ledger::default();
+        let mut forged = report("7", 10);
+        if let Some(u) = forged.usage.as_mut() {
+            u.uid = 0;
+        }
+        l.running("n1", [forged].iter(), 0);
+        let mut unknown = report("8", 10);
+        unknown.owner_uid = None;
+        l.running("n1", [unknown].iter(), 0);
+        let mut forged_final = share("7", 1_000, true);
+        forged_final.uid = 0;
+        l.ended("n1", vec![forged_final, share("8", 1, true)], 1_000);
+        let r = l.due(1_000, |_| None);
+        assert_eq!(r.len(), 1, "a job of unknown owner is not taken");
+        assert_eq!(r[0].uid, 1000);
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub fn changes<'a>(
             .clone()
             .filter(|j| j.job_id == job.id)
             .filter_map(|j| j.usage.as_ref().map(|u| u.energy_mj))
-            .sum();
+            .fold(0u64, u64::saturating_add);
         let energy = if energy_mj > 0 {
             format!(
                 ";energy_kwh_so_far={}",

@@ -84,6 +84,9 @@ pub struct Session {
     pub refused_reports: u64,
     /// GPUs it announces beyond what Slurm configures for it (last hello).
     pub refused_gpus: u32,
+    /// Its agent is in observe mode (last report): its jobs are never suspended or
+    /// requeued, since nothing is enforced there.
+    pub observe_only: bool,
 }
 
 /// One input to [`Core::step`].
@@ -98,6 +101,8 @@ pub enum Input {
         power_w: f64,
         /// Final shares of jobs that ended on the node (see [`accounting`]).
         ended: Vec<NodeUsage>,
+        /// The node's agent writes no limit (`agent.enforce = false`).
+        observe_only: bool,
     },
     /// An admin request from a caller with this uid (from the socket's peer credentials).
     Admin { op: AdminOp, uid: u32 },
@@ -245,6 +250,7 @@ impl Core {
                         announced: gpus.clone(),
                         refused_reports: 0,
                         refused_gpus: 0,
+                        observe_only: false,
                     },
                 )
             })
@@ -304,9 +310,11 @@ impl Core {
                     jobs,
                     power_w,
                     ended,
+                    observe_only,
                 } => {
                     self.report(&node, jobs, power_w, now_ms);
-                    if self.sessions.contains_key(&node) {
+                    if let Some(s) = self.sessions.get_mut(&node) {
+                        s.observe_only = observe_only;
                         self.ledger.ended(&node, ended, now_ms);
                     }
                 }
@@ -436,6 +444,7 @@ impl Core {
                 announced: Vec::new(),
                 refused_reports: 0,
                 refused_gpus: 0,
+                observe_only: false,
             });
         session.announced = gpus;
         session.last_seen_ms = now_ms;
@@ -1028,6 +1037,34 @@ impl Core {
                 now_ms,
             )
         };
+        // Observe mode enforces nothing: a job on an observe-only node is never held out
+        // (what would happen is logged), so a site's first week suspends no one.
+        let observed: BTreeSet<&str> = self
+            .sessions
+            .values()
+            .filter(|s| s.observe_only)
+            .flat_map(|s| s.view.jobs.iter().map(|j| j.job_id.as_str()))
+            .collect();
+        let (held, actions) = if observed.is_empty() {
+            (held, actions)
+        } else {
+            let (kept, skipped): (Vec<Action>, Vec<Action>) = actions
+                .into_iter()
+                .partition(|a| !observed.contains(a.job()));
+            for a in &skipped {
+                let [what, job_id] = a.scontrol_args();
+                info!(
+                    job_id,
+                    action = what,
+                    "observe mode: would hold the job out; not done"
+                );
+            }
+            let held = held
+                .into_iter()
+                .filter(|(job, _)| !observed.contains(job.as_str()))
+                .collect();
+            (held, kept)
+        };
         for action in &actions {
             let [what, job_id] = action.scontrol_args();
             match action {
@@ -1300,6 +1337,7 @@ mod tests {
     fn report(node: &str, jobs: Vec<JobReport>) -> Input {
         Input::Report {
             ended: Vec::new(),
+            observe_only: false,
             node: node.into(),
             power_w: 2800.0 * jobs.len() as f64,
             jobs,
@@ -1417,6 +1455,7 @@ mod tests {
             jobs: vec![],
             power_w: 0.0,
             ended: vec![usage("101", node, mj, true)],
+            observe_only: false,
         };
         let out = core.step(
             T0 + 11_000,
@@ -2202,6 +2241,7 @@ mod tests {
                     let power_w = jobs.iter().filter_map(|j| j.power_w).sum();
                     Input::Report {
                         ended: Vec::new(),
+                        observe_only: false,
                         node: node.into(),
                         power_w,
                         jobs,
@@ -2397,6 +2437,7 @@ mod tests {
         j.power_w = Some(cap_w * 4.0);
         Input::Report {
             ended: Vec::new(),
+            observe_only: false,
             node: node.into(),
             power_w: cap_w * 4.0,
             jobs: vec![j],
@@ -2519,6 +2560,53 @@ mod tests {
         assert_eq!(core.status(t + 20_000).allocated_budget_w, Some(5600.0));
     }
 
+    /// Issue 23: observe mode enforces nothing: the same deep cut holds no job out of a
+    /// node whose agent writes no limit.
+    #[test]
+    fn a_cut_deeper_than_caps_holds_out_no_job_of_an_observe_only_node() {
+        let mut core = fresh();
+        let observing = |input: Input| match input {
+            Input::Report {
+                node,
+                jobs,
+                power_w,
+                ended,
+                ..
+            } => Input::Report {
+                node,
+                jobs,
+                power_w,
+                ended,
+                observe_only: true,
+            },
+            other => other,
+        };
+        core.step(
+            T0,
+            vec![
+                admin(AdminOp::BudgetSet { budget_w: 5600.0 }, 0),
+                hello("n1"),
+                at_cap("n1", "101", "flex0", 700.0),
+                hello("n2"),
+                observing(at_cap("n2", "102", "flex3,preempt=suspend", 700.0)),
+            ],
+        );
+        let out = core.step(
+            T0 + 500,
+            vec![admin(
+                AdminOp::EventAdd {
+                    cut: Cut::Target { budget_w: 3300.0 },
+                    start_ms: T0 + 5_000,
+                    duration_ms: 30_000,
+                    ramp_ms: 0,
+                },
+                0,
+            )],
+        );
+        assert!(out.preempt.is_empty(), "{:?}", out.preempt);
+        assert!(core.status(T0 + 500).preempted.is_empty());
+    }
+
     /// Issue 16: a cut below every floor at the GPUs' minimum: the flex3 job that allows
     /// it is suspended ahead of the start (flex0 never), saved, annotated, exported, and
     /// resumed when the event is over.
@@ -2583,6 +2671,7 @@ mod tests {
             vec![
                 Input::Report {
                     ended: Vec::new(),
+                    observe_only: false,
                     node: "n2".into(),
                     power_w: 300.0,
                     jobs: vec![idle.clone()],
@@ -2598,6 +2687,7 @@ mod tests {
                 at_cap("n1", "101", "flex0", 700.0),
                 Input::Report {
                     ended: Vec::new(),
+                    observe_only: false,
                     node: "n2".into(),
                     power_w: 300.0,
                     jobs: vec![idle],
@@ -2688,6 +2778,7 @@ mod tests {
         j.throughput = Some(10.0);
         Input::Report {
             ended: Vec::new(),
+            observe_only: false,
             node: node.into(),
             power_w: per_gpu_w * 4.0,
             jobs: vec![j],

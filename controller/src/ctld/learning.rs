@@ -104,6 +104,7 @@ mod tests {
                 announced: Vec::new(),
                 refused_reports: 0,
                 refused_gpus: 0,
+                observe_only: false,
             },
         )]
         .into()

@@ -455,6 +455,7 @@ fn serve_session(
                 jobs,
                 power_w,
                 ended,
+                observe_only,
                 ..
             }) => {
                 let _ = shared.tx.send(Inbound::Report {
@@ -462,6 +463,7 @@ fn serve_session(
                     jobs,
                     power_w,
                     ended,
+                    observe_only,
                 });
             }
             Ok(other) => {

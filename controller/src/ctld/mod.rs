@@ -95,6 +95,7 @@ pub(crate) enum Inbound {
         jobs: Vec<JobReport>,
         power_w: f64,
         ended: Vec<powerflex_proto::usage::NodeUsage>,
+        observe_only: bool,
     },
     Admin {
         op: AdminOp,
@@ -359,8 +360,20 @@ pub fn run_bounded(
                             inputs.push(Input::Hello { node, gpus });
                             waiting.push(None);
                         }
-                        Inbound::Report { node, jobs, power_w, ended } => {
-                            inputs.push(Input::Report { node, jobs, power_w, ended });
+                        Inbound::Report {
+                            node,
+                            jobs,
+                            power_w,
+                            ended,
+                            observe_only,
+                        } => {
+                            inputs.push(Input::Report {
+                                node,
+                                jobs,
+                                power_w,
+                                ended,
+                                observe_only,
+                            });
                             waiting.push(None);
                         }
                         Inbound::Admin { op, uid, reply } => {
