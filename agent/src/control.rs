@@ -148,7 +148,11 @@ impl Job {
     /// The calibrated points, [per-GPU cap W, job power W, throughput]: this run's walk,
     /// or the previous run's when this one has not walked.
     pub fn curve_points(&self) -> Vec<[f64; 3]> {
-        let curve = self.curve();
+        self.points_of(&self.curve())
+    }
+
+    /// [`Job::curve_points`] from the curve already built by [`Job::curve`].
+    fn points_of(&self, curve: &[CurvePoint]) -> Vec<[f64; 3]> {
         if curve.is_empty() {
             return self.restored_points.clone();
         }
@@ -161,7 +165,12 @@ impl Job {
     /// The estimated curve, highest cap first, with each point's standard errors and
     /// windows (see [`Calibration::best_curve`]).
     pub fn curve(&self) -> Vec<CurvePoint> {
-        let Some(curve) = self.calibration.best_curve() else {
+        self.curve_of(self.calibration.best_curve().as_ref())
+    }
+
+    /// [`Job::curve`] from the best curve already estimated (it is not cheap).
+    fn curve_of(&self, best: Option<&CapCurve>) -> Vec<CurvePoint> {
+        let Some(curve) = best else {
             return Vec::new();
         };
         let levels = self.calibration.best_levels();
@@ -353,7 +362,12 @@ impl Agent {
 
     /// The job's share on this node now (`ended`: final).
     pub fn share(&self, job: &Job, ended: bool) -> NodeUsage {
-        let curve = job.calibration.best_curve().or_else(|| {
+        self.share_on(job, job.calibration.best_curve(), ended)
+    }
+
+    /// [`Agent::share`] on the job's best curve, already estimated.
+    fn share_on(&self, job: &Job, best: Option<CapCurve>, ended: bool) -> NodeUsage {
+        let curve = best.or_else(|| {
             let points: Vec<powerflex_core::curve::OperatingPoint> = job
                 .restored_points
                 .iter()
@@ -1357,6 +1371,10 @@ impl Agent {
                 .values()
                 .map(|j| {
                     let cal = &j.calibration;
+                    // Estimated once: the curve shown, its points and the accounting's
+                    // all read it.
+                    let best = cal.best_curve();
+                    let curve = j.curve_of(best.as_ref());
                     let (state, reason) = match &cal.phase {
                         Phase::Warmup => (CalibrationState::Warmup, cal.waiting.clone()),
                         Phase::Walking { .. } => (CalibrationState::Walking, None),
@@ -1388,7 +1406,8 @@ impl Agent {
                         calibration_s: cal.duration_s(),
                         calibration_cost: cal.cost,
                         calibration_cost_pct: cal.cost_fraction().map(|f| 100.0 * f),
-                        curve: j.curve(),
+                        points: j.points_of(&curve),
+                        curve,
                         learned_windows: cal.windows.iter().filter(|w| w.learned).count() as u32,
                         pfi: cal.pfi().or(j.restored_pfi),
                         pfi_source: if cal.pfi().is_some() || j.restored_pfi.is_some() {
@@ -1399,7 +1418,6 @@ impl Agent {
                             None
                         },
                         prior_pfi: j.prior.map(|p| p.1),
-                        points: j.curve_points(),
                         throughput: rate,
                         throughput_unit: j.counts_tokens.map(|tokens| {
                             if tokens {
@@ -1420,7 +1438,7 @@ impl Agent {
                             .map(|&g| self.gpus[g as usize].cap_since.map(|t| now - t))
                             .try_fold(f64::INFINITY, |low, s| s.map(|s| low.min(s)))
                             .filter(|s| s.is_finite()),
-                        usage: Some(self.share(j, false)),
+                        usage: Some(self.share_on(j, best, false)),
                     }
                 })
                 .collect(),
