@@ -7,6 +7,7 @@ pub mod compare;
 pub mod lanes;
 pub mod link_peer;
 pub mod needs;
+pub mod pg;
 pub mod site;
 pub mod slurm;
 pub mod stack;

@@ -12,10 +12,9 @@
 //! The VTN binds 0.0.0.0 (its own choice); everything here talks to 127.0.0.1 only.
 
 use std::io::Read;
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use base64::Engine;
 use openleadr_wire::event::EventRequest;
@@ -28,11 +27,8 @@ use crate::free_loopback_port;
 
 /// Version of `openleadr-vtn` the bed runs (scripts/install-deps.sh installs it).
 pub const VTN_VERSION: &str = "0.2.8";
-/// Version of the `pgserver` wheel whose PostgreSQL the bed runs.
-pub const PGSERVER_VERSION: &str = "0.1.4";
-/// The unprivileged user PostgreSQL runs as: made by the test bed when missing (initdb and
-/// postgres refuse root), so a machine without Debian's PostgreSQL packages needs none.
-pub const PG_USER: &str = "pf-postgres";
+pub use crate::pg::{cache_dir, pg_bin_dir, BedError as VtnError, PGSERVER_VERSION, PG_USER};
+use crate::pg::{failed, stop, wait_port, PgBed};
 
 /// Scopes a utility's business logic holds at the VTN.
 pub const UTILITY_SCOPES: &str = "read_all write_programs write_events write_vens_bl";
@@ -40,48 +36,11 @@ pub const UTILITY_SCOPES: &str = "read_all write_programs write_events write_ven
 pub const VEN_SCOPES: &str =
     "read_targets read_ven_objects write_reports_ven write_vens_ven write_subscriptions_ven";
 
-/// Why the bed could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum VtnError {
-    #[error("{what} is missing at {path}: run scripts/install-deps.sh (as root) first")]
-    Missing { what: &'static str, path: String },
-    #[error("{what}: {message}")]
-    Failed { what: String, message: String },
-    #[error("timed out after {timeout_s} s waiting for {what}; its log: {log}")]
-    Timeout {
-        what: &'static str,
-        timeout_s: u64,
-        log: String,
-    },
-}
-
-fn failed(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VtnError {
-    let what = what.into();
-    move |e| VtnError::Failed {
-        what,
-        message: e.to_string(),
-    }
-}
-
-/// The cache the installer fills.
-pub fn cache_dir() -> PathBuf {
-    std::env::var_os("POWERFLEX_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/powerflex"))
-}
-
 /// The installed `openleadr-vtn`.
 pub fn vtn_binary() -> PathBuf {
     cache_dir()
         .join(format!("openleadr-vtn-{VTN_VERSION}"))
         .join("bin/openleadr-vtn")
-}
-
-/// The directory holding PostgreSQL 16's `postgres`, `initdb`, `createdb`.
-pub fn pg_bin_dir() -> PathBuf {
-    cache_dir()
-        .join(format!("pgserver-{PGSERVER_VERSION}"))
-        .join("pgserver/pginstall/bin")
 }
 
 /// Whether the bed can start here: both installed, the PostgreSQL user present, root.
@@ -97,84 +56,14 @@ pub fn available() -> Result<(), VtnError> {
             });
         }
     }
-    user_ids(PG_USER).map(|_| ())
-}
-
-fn user_ids(name: &str) -> Result<(u32, u32), VtnError> {
-    let user = crate::users::TestUser::ensure(name).map_err(|e| VtnError::Missing {
-        what: "the unprivileged user for PostgreSQL",
-        path: format!("user {name} (the test bed creates it with useradd, as root): {e}"),
-    })?;
-    Ok((user.uid, user.gid))
-}
-
-/// A command run as `user` (uid, gid) through util-linux's setpriv, which execs: the
-/// child's PID is the program's own, so it can be stopped by PID.
-fn as_user(ids: (u32, u32), program: &Path) -> Command {
-    let mut cmd = Command::new("setpriv");
-    cmd.arg(format!("--reuid={}", ids.0))
-        .arg(format!("--regid={}", ids.1))
-        .arg("--clear-groups")
-        .arg(program);
-    cmd
-}
-
-fn wait_port(
-    port: u16,
-    child: &mut Child,
-    what: &'static str,
-    log: &Path,
-    timeout: Duration,
-) -> Result<(), VtnError> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        let tail = || {
-            let text = std::fs::read_to_string(log).unwrap_or_default();
-            let start = text.len().saturating_sub(2000);
-            text.get(start..).unwrap_or_default().to_string()
-        };
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(VtnError::Failed {
-                what: format!("{what} exited ({status})"),
-                message: tail(),
-            });
-        }
-        if Instant::now() >= deadline {
-            return Err(VtnError::Timeout {
-                what,
-                timeout_s: timeout.as_secs(),
-                log: tail(),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Stops a child by its PID: `signal` first (a clean shutdown), SIGKILL after 10 s.
-fn stop(child: &mut Child, signal: powerflex_daemon::os::Signal) {
-    if let Ok(Some(_)) = child.try_wait() {
-        return;
-    }
-    let _ = powerflex_daemon::os::kill(child.id(), signal);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
+    crate::pg::available()
 }
 
 /// PostgreSQL and the VTN, running. Dropping it stops the VTN, then the database.
 #[derive(Debug)]
 pub struct VtnBed {
     vtn: Option<Child>,
-    pg: Option<Child>,
+    pg: Option<PgBed>,
     /// Where the database, its socket and the logs live.
     pub dir: PathBuf,
     pub pg_port: u16,
@@ -186,99 +75,16 @@ impl VtnBed {
     /// Starts a fresh database and the VTN in `dir` (created; must be new or empty).
     pub fn start(dir: &Path) -> Result<VtnBed, VtnError> {
         available()?;
-        let ids = user_ids(PG_USER)?;
         let _ = std::fs::remove_dir_all(dir);
-        std::fs::create_dir_all(dir).map_err(failed(format!("mkdir {}", dir.display())))?;
-        // The database user must reach its own directory under the test's.
-        let mut up = Some(dir);
-        while let Some(d) = up {
-            use std::os::unix::fs::PermissionsExt;
-            if let Ok(meta) = std::fs::metadata(d) {
-                let mode = meta.permissions().mode();
-                if mode & 0o001 == 0 {
-                    let _ =
-                        std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode | 0o001));
-                }
-            }
-            up = d.parent().filter(|p| p != &Path::new("/"));
-        }
-        let pg_dir = dir.join("pg");
-        std::fs::create_dir_all(&pg_dir).map_err(failed("mkdir pg"))?;
-        std::os::unix::fs::chown(&pg_dir, Some(ids.0), Some(ids.1)).map_err(failed("chown pg"))?;
-        let data = pg_dir.join("data");
-        let bin = pg_bin_dir();
-        let initdb = as_user(ids, &bin.join("initdb"))
-            .args([
-                "-D",
-                path_str(&data)?,
-                "-U",
-                "openadr",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--no-sync",
-            ])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("initdb.log")).map_err(failed("initdb log"))?)
-            .status()
-            .map_err(failed("initdb"))?;
-        if !initdb.success() {
-            return Err(VtnError::Failed {
-                what: "initdb".into(),
-                message: std::fs::read_to_string(dir.join("initdb.log")).unwrap_or_default(),
-            });
-        }
-        let pg_port = free_loopback_port();
-        let pg_log = dir.join("postgres.log");
-        let mut pg = as_user(ids, &bin.join("postgres"))
-            .args([
-                "-D",
-                path_str(&data)?,
-                "-p",
-                &pg_port.to_string(),
-                "-k",
-                path_str(&pg_dir)?,
-            ])
-            .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&pg_log).map_err(failed("postgres log"))?)
-            .spawn()
-            .map_err(failed("postgres"))?;
+        let pg = PgBed::start(dir, "openadr", "openadr")?;
         let mut bed = VtnBed {
             vtn: None,
-            pg: None,
+            pg_port: pg.port,
+            pg: Some(pg),
             dir: dir.to_path_buf(),
-            pg_port,
             vtn_port: 0,
             secret: Vec::new(),
         };
-        let ready = wait_port(
-            pg_port,
-            &mut pg,
-            "PostgreSQL",
-            &pg_log,
-            Duration::from_secs(60),
-        );
-        bed.pg = Some(pg);
-        ready?;
-        let created = Command::new(bin.join("createdb"))
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &pg_port.to_string(),
-                "-U",
-                "openadr",
-                "openadr",
-            ])
-            .output()
-            .map_err(failed("createdb"))?;
-        if !created.status.success() {
-            return Err(VtnError::Failed {
-                what: "createdb".into(),
-                message: String::from_utf8_lossy(&created.stderr).into_owned(),
-            });
-        }
         bed.secret = random_bytes(32)?;
         bed.vtn_port = free_loopback_port();
         bed.start_vtn()?;
@@ -377,20 +183,9 @@ impl Drop for VtnBed {
         if let Some(mut v) = self.vtn.take() {
             stop(&mut v, powerflex_daemon::os::Signal::TERM);
         }
-        // SIGINT is PostgreSQL's fast shutdown: it ends its sessions and exits cleanly.
-        if let Some(mut p) = self.pg.take() {
-            stop(&mut p, powerflex_daemon::os::Signal::INT);
-        }
-        // The database files (~40 MB) go; the logs stay for a failed test's reader.
-        let _ = std::fs::remove_dir_all(self.dir.join("pg").join("data"));
+        // Then the database (its own drop stops it by PID and removes its data).
+        drop(self.pg.take());
     }
-}
-
-fn path_str(p: &Path) -> Result<&str, VtnError> {
-    p.to_str().ok_or_else(|| VtnError::Failed {
-        what: "path".into(),
-        message: format!("{} is not utf-8", p.display()),
-    })
 }
 
 fn random_bytes(n: usize) -> Result<Vec<u8>, VtnError> {

@@ -171,6 +171,7 @@ mod tests {
             uid,
             state,
             admin_comment: String::new(),
+            account: String::new(),
         };
         Placement {
             jobs: BTreeMap::from([

@@ -328,13 +328,13 @@ pub fn render_accounting(records: &[JobEnergyRecord]) -> String {
 /// Energy records as CSV (one row per job; figures in SI units).
 pub fn accounting_csv(records: &[JobEnergyRecord]) -> String {
     let mut out = String::from(
-        "job_id,uid,tier,from_unix_ms,to_unix_ms,gpus,energy_j,energy_kwh,energy_source,avg_power_w,peak_power_w,capped_pct,event_s,slowdown_pct,bound_pct,bound_held,saved_estimate_j,simulated\n",
+        "job_id,uid,tier,from_unix_ms,to_unix_ms,gpus,energy_j,energy_kwh,energy_source,avg_power_w,peak_power_w,capped_pct,event_s,slowdown_pct,bound_pct,bound_held,saved_estimate_j,simulated,account\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
     for r in records {
         // Job ids hold no commas or quotes (validated on entry); a tier's commas become ;.
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             r.job_id,
             r.uid,
             r.tier.replace(',', ";"),
@@ -352,7 +352,12 @@ pub fn accounting_csv(records: &[JobEnergyRecord]) -> String {
             opt(r.bound_pct),
             r.bound_held.map_or(String::new(), |b| b.to_string()),
             opt(r.saved_estimate_j),
-            r.simulated
+            r.simulated,
+            // Slurm's accounts are plain names; anything that would break a CSV cell goes.
+            r.account
+                .as_deref()
+                .unwrap_or("")
+                .replace([',', '"', '\n', '\r'], "_")
         ));
     }
     out
@@ -397,6 +402,36 @@ pub fn render_whatif(d: &DecisionView) -> String {
         None => out.push_str("no managed jobs to allocate\n"),
     }
     out
+}
+
+/// The accounting database's line in `status`: quiet when it keeps up, loud when not.
+pub fn accounting_db_line(db: &powerflex_proto::status::AccountingDbView) -> String {
+    let dropped = if db.dropped > 0 {
+        format!(
+            "; {} dropped from the queue (in the log, written at the next start)",
+            db.dropped
+        )
+    } else {
+        String::new()
+    };
+    match (&db.error, db.connected) {
+        (None, true) => format!(
+            "accounting database: connected since {} (schema {}), {} records written, {} pending{dropped}\n",
+            utc_text(db.since_unix_ms),
+            db.schema_version.map_or("?".to_string(), |v| v.to_string()),
+            db.written,
+            db.pending
+        ),
+        (None, false) => format!(
+            "accounting database: connecting, {} records pending{dropped}\n",
+            db.pending
+        ),
+        (Some(e), _) => format!(
+            "ACCOUNTING DATABASE UNREACHABLE since {}: {e}; {} records pending (kept in the log, written when it answers){dropped}\n",
+            utc_text(db.since_unix_ms),
+            db.pending
+        ),
+    }
 }
 
 pub fn render_status(s: &CtldStatus) -> String {
@@ -499,6 +534,9 @@ pub fn render_status(s: &CtldStatus) -> String {
             )),
             (Some(_), None) => {}
         }
+    }
+    if let Some(db) = &s.accounting_db {
+        out.push_str(&accounting_db_line(db));
     }
     let refused: Vec<String> = s
         .nodes
@@ -654,6 +692,7 @@ mod tests {
             config_error: None,
             jobs_of_uid: None,
             slurm: None,
+            accounting_db: None,
         }
     }
 

@@ -219,6 +219,24 @@ pub struct RawController {
     /// Longest wait for `squeue`/`sinfo`, seconds, 1 to 60 (default 5): past it, the
     /// controller keeps the last placement it read and says so in `status`.
     pub slurm_timeout_s: Option<u64>,
+    /// `[controller.database]`: a PostgreSQL database the controller also writes each
+    /// ended job's energy record to (its own tables, migrated by the controller). Absent:
+    /// the records live in the JSON-lines log under `state_dir` only.
+    pub database: Option<RawDatabase>,
+}
+
+/// `[controller.database]`: where the controller's PostgreSQL database is.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDatabase {
+    /// A PostgreSQL URL without a password, e.g.
+    /// `postgres://powerflex@db.example.org:5432/powerflex`.
+    pub url: String,
+    /// Absolute path of a root-only file holding the database user's password (its first
+    /// line). Absent: none is sent (trust, peer or certificate authentication).
+    pub password_file: Option<String>,
+    /// Longest wait to connect, and for one statement, seconds, 1 to 60 (default 5).
+    pub timeout_s: Option<u64>,
 }
 
 /// `[agent]`: the node agent `powerflexd`.
@@ -465,6 +483,87 @@ pub struct ControllerConfig {
     pub slurm_poll_s: u64,
     /// 1 to 60.
     pub slurm_timeout_s: u64,
+    /// The accounting database, if the site has one.
+    pub database: Option<DatabaseConfig>,
+}
+
+/// `[controller.database]`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DatabaseConfig {
+    /// `postgres://` or `postgresql://`, without a password.
+    pub url: String,
+    /// Absolute.
+    pub password_file: Option<PathBuf>,
+    /// 1 to 60.
+    pub timeout_s: u64,
+}
+
+/// Longest accepted `controller.database.url`, bytes.
+pub const MAX_DATABASE_URL_BYTES: usize = 1024;
+
+fn validate_database(raw: RawDatabase) -> Result<DatabaseConfig, ConfigError> {
+    let url = raw.url.trim().to_string();
+    let shown = || format!("\"{}\"", url.escape_default());
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"));
+    let Some(rest) = rest.filter(|_| url.len() <= MAX_DATABASE_URL_BYTES) else {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.database.url".into(),
+            value: shown(),
+            accepted: format!(
+                "a PostgreSQL URL of at most {MAX_DATABASE_URL_BYTES} bytes, \
+                 postgres://USER@HOST:PORT/DATABASE"
+            ),
+        });
+    };
+    // A password in the URL would sit in a world-readable config: it goes in a file.
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    if let Some((userinfo, _)) = authority.rsplit_once('@') {
+        if userinfo.contains(':') {
+            return Err(ConfigError::OutOfRange {
+                key: "controller.database.url".into(),
+                value: "a URL with a password".into(),
+                accepted: "a URL without one (postgres://USER@HOST:PORT/DATABASE); put the \
+                           password in a root-only file named by \
+                           controller.database.password_file"
+                    .into(),
+            });
+        }
+    }
+    if rest.contains("password=") {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.database.url".into(),
+            value: "a URL with a password parameter".into(),
+            accepted: "a URL without one; put the password in a root-only file named by \
+                       controller.database.password_file"
+                .into(),
+        });
+    }
+    if url.chars().any(|c| c.is_control() || c == ' ') {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.database.url".into(),
+            value: shown(),
+            accepted: "a URL without spaces or control characters".into(),
+        });
+    }
+    let password_file = match raw.password_file {
+        None => None,
+        Some(p) => Some(path("controller.database.password_file", &p, true)?),
+    };
+    let timeout_s = raw.timeout_s.unwrap_or(5);
+    if !(1..=60).contains(&timeout_s) {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.database.timeout_s".into(),
+            value: timeout_s.to_string(),
+            accepted: "1 to 60 seconds".into(),
+        });
+    }
+    Ok(DatabaseConfig {
+        url,
+        password_file,
+        timeout_s,
+    })
 }
 
 /// Where the controller learns which jobs run where (see `controller.job_placement`).
@@ -1238,6 +1337,7 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
         job_placement,
         slurm_poll_s,
         slurm_timeout_s,
+        database: raw.database.map(validate_database).transpose()?,
     })
 }
 
@@ -1979,6 +2079,65 @@ programs = ["gpu-dr"]
     }
 
     #[test]
+    fn the_accounting_database_is_optional_checked_and_never_holds_a_password() {
+        let site = SiteConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(site.controller.database, None, "no database by default");
+        let with = |table: &str| {
+            SiteConfig::from_toml_str(&plus(&format!("[controller.database]\n{table}")))
+        };
+        let db = with("url = \"postgres://powerflex@db.example.org:5432/powerflex\"\npassword_file = \"/etc/slurm/powerflex-db.password\"")
+            .unwrap()
+            .controller
+            .database
+            .unwrap();
+        assert_eq!(db.url, "postgres://powerflex@db.example.org:5432/powerflex");
+        assert_eq!(db.timeout_s, 5);
+        assert_eq!(
+            db.password_file.as_deref(),
+            Some(std::path::Path::new("/etc/slurm/powerflex-db.password"))
+        );
+        for (table, names) in [
+            (
+                "url = \"mysql://x@h/db\"",
+                "postgres://USER@HOST:PORT/DATABASE",
+            ),
+            ("url = \"postgres://pf:secret@h/db\"", "password_file"),
+            (
+                "url = \"postgres://pf@h/db?password=secret\"",
+                "password_file",
+            ),
+            (
+                "url = \"postgres://pf@h/db\"\ntimeout_s = 0",
+                "1 to 60 seconds",
+            ),
+            (
+                "url = \"postgres://pf@h/db\"\npassword_file = \"relative\"",
+                "absolute",
+            ),
+        ] {
+            let e = with(table).unwrap_err().to_string();
+            assert!(e.contains("controller.database"), "{table}: {e}");
+            assert!(e.contains(names), "{table}: {e}");
+            assert!(
+                !e.contains("secret"),
+                "an error never repeats a password: {e}"
+            );
+        }
+        let long = format!(
+            "url = \"postgres://pf@h/{}\"",
+            "d".repeat(MAX_DATABASE_URL_BYTES)
+        );
+        assert!(with(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 1024 bytes"));
+        assert!(parse_error(&plus(
+            "[controller.database]\nurl = \"postgres://pf@h/db\"\nuser = \"x\""
+        ))
+        .contains("user"));
+    }
+
+    #[test]
     fn minimal_config_gets_defaults() {
         let config = SiteConfig::from_toml_str(MINIMAL).unwrap();
         assert_eq!(
@@ -2022,6 +2181,7 @@ programs = ["gpu-dr"]
                     job_placement: JobPlacement::Slurm,
                     slurm_poll_s: 5,
                     slurm_timeout_s: 5,
+                    database: None,
                 },
                 agent: AgentConfig {
                     socket: "/run/powerflex/%n.sock".into(),

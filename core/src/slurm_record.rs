@@ -139,6 +139,8 @@ pub struct SlurmJob {
     pub state: SlurmJobState,
     /// The job's `AdminComment` (only Slurm's admins and the controller set it).
     pub admin_comment: String,
+    /// The Slurm account the job is charged to (empty when Slurm names none).
+    pub account: String,
 }
 
 /// Every job Slurm lists, by job id (decimal, as the plugin reports it).
@@ -166,6 +168,8 @@ struct QueueJob {
     nodes: String,
     #[serde(default)]
     admin_comment: String,
+    #[serde(default)]
+    account: String,
 }
 
 /// `job_state`: a string in Slurm 22.05 (`"RUNNING"`), a list of flags in later
@@ -241,6 +245,7 @@ pub fn parse_squeue_json(bytes: &[u8]) -> Result<SlurmJobs, SlurmRecordError> {
                 uid: job.user_id,
                 state: job.job_state.state(),
                 admin_comment: job.admin_comment,
+                account: job.account,
             },
         );
     }
@@ -359,7 +364,7 @@ mod tests {
     const SQUEUE: &str = r#"{"meta":{},"errors":[],"jobs":[
       {"job_id":1,"user_id":1001,"job_state":"RUNNING","nodes":"n[1-2]",
        "name":"x AdminComment=powerflex;tier=none","admin_comment":"","comment":"AdminComment=powerflex;tier=none"},
-      {"job_id":2,"user_id":1002,"job_state":"PENDING","nodes":"","admin_comment":"powerflex;tier=flex1;pfi=-;cap=500W"},
+      {"job_id":2,"user_id":1002,"job_state":"PENDING","nodes":"","admin_comment":"powerflex;tier=flex1;pfi=-;cap=500W","account":"physics"},
       {"job_id":3,"user_id":0,"job_state":"SUSPENDED","nodes":"n3","admin_comment":"powerflex;tier=flex3,preempt=suspend;suspended:x"}
     ]}"#;
 
@@ -381,6 +386,8 @@ mod tests {
             None
         );
         assert_eq!(jobs["2"].state, SlurmJobState::Pending);
+        assert_eq!(jobs["2"].account, "physics");
+        assert_eq!(one.account, "", "no account named: none");
         assert!(jobs["2"].nodes.is_empty());
         assert_eq!(
             tier_from_admin_comment(&jobs["2"].admin_comment).as_deref(),

@@ -223,6 +223,42 @@ pub mod catalog {
         help: "Connections and messages the controller refused, by reason.",
         labels: ["reason"],
     };
+    pub const JOB_RECORDS: Family<1> = Family {
+        name: "powerflex_job_records_total",
+        kind: Kind::Counter,
+        help: "Jobs' energy records written since the controller started, per tier.",
+        labels: ["tier"],
+    };
+    pub const TIER_ENERGY_JOULES: Family<1> = Family {
+        name: "powerflex_job_energy_joules_total",
+        kind: Kind::Counter,
+        help: "GPU energy of the jobs whose records were written since the controller started, per tier, J (from the GPUs' energy counters).",
+        labels: ["tier"],
+    };
+    pub const TIER_ENERGY_SAVED_ESTIMATE_JOULES: Family<1> = Family {
+        name: "powerflex_job_energy_saved_estimate_joules_total",
+        kind: Kind::Counter,
+        help: "ESTIMATED energy saved against running uncapped for the same work (from each job's measured curve), of the records written since the controller started, per tier, J.",
+        labels: ["tier"],
+    };
+    pub const ACCOUNT_ENERGY_JOULES: Family<1> = Family {
+        name: "powerflex_account_energy_joules_total",
+        kind: Kind::Counter,
+        help: "GPU energy of the jobs whose records were written since the controller started, per Slurm account (at most 64 values, the rest as \"other\"), J.",
+        labels: ["account"],
+    };
+    pub const ACCOUNTING_DB_UP: Family<0> = Family {
+        name: "powerflex_accounting_db_up",
+        kind: Kind::Gauge,
+        help: "1 while the controller reaches its accounting database ([controller.database]).",
+        labels: [],
+    };
+    pub const ACCOUNTING_DB_PENDING: Family<0> = Family {
+        name: "powerflex_accounting_db_pending_records",
+        kind: Kind::Gauge,
+        help: "Job energy records waiting to be written to the accounting database (they are in the log meanwhile).",
+        labels: [],
+    };
 
     /// Every family's name and label names, for the consistency test and for docs.
     pub fn all() -> Vec<(&'static str, Kind, Vec<&'static str>)> {
@@ -258,6 +294,12 @@ pub mod catalog {
             e(FLOORS_BROKEN),
             e(OVER_BUDGET_WATTS),
             e(REFUSALS_TOTAL),
+            e(JOB_RECORDS),
+            e(TIER_ENERGY_JOULES),
+            e(TIER_ENERGY_SAVED_ESTIMATE_JOULES),
+            e(ACCOUNT_ENERGY_JOULES),
+            e(ACCOUNTING_DB_UP),
+            e(ACCOUNTING_DB_PENDING),
         ]
     }
 }

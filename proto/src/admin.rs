@@ -183,6 +183,9 @@ pub enum AdminOp {
         tier: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         job: Option<String>,
+        /// Slurm's account the jobs were charged to.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        account: Option<String>,
     },
 }
 

@@ -125,6 +125,29 @@ pub struct CtldStatus {
     /// Slurm's placement, where the controller believes nodes against it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slurm: Option<SlurmPlacementView>,
+    /// The accounting database (`[controller.database]`), where the site has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounting_db: Option<AccountingDbView>,
+}
+
+/// The controller's writer of job energy records to PostgreSQL, as it last saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AccountingDbView {
+    /// The last attempt to reach it succeeded.
+    pub connected: bool,
+    /// The schema version in force, once migrated.
+    pub schema_version: Option<i32>,
+    /// Records waiting to be written (they are in the log meanwhile).
+    pub pending: u64,
+    /// Records written since the controller started.
+    pub written: u64,
+    /// Records dropped from the writer's queue while it was behind: they stay in the
+    /// log and are written at the next start.
+    pub dropped: u64,
+    /// Why the last attempt failed.
+    pub error: Option<String>,
+    /// Since when it has been connected, or unreachable, Unix ms.
+    pub since_unix_ms: u64,
 }
 
 /// A job the controller holds suspended or requeued.

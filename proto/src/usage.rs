@@ -153,6 +153,10 @@ pub struct JobEnergyRecord {
     pub simulated: bool,
     pub job_id: String,
     pub uid: u32,
+    /// The Slurm account the job was charged to, from Slurm's record (none when Slurm
+    /// named none, or the controller reads no placement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub account: Option<String>,
     pub tier: String,
     /// When the record was written, Unix ms.
     pub written_unix_ms: u64,
@@ -243,6 +247,7 @@ impl JobEnergyRecord {
             simulated,
             job_id: first.job_id.clone(),
             uid: first.uid,
+            account: None,
             tier: first.tier.clone(),
             written_unix_ms,
             from_unix_ms: from,

@@ -71,6 +71,11 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             .iter()
             .map(|m| m.max_cap_w.0)
             .fold(0.0, f64::max),
+        records_db: site
+            .controller
+            .database
+            .as_ref()
+            .map(powerflex_controller::ctld::records_db::RecordsDbOptions::from_config),
         site: settings,
     })
 }

@@ -304,6 +304,9 @@ enum Command {
         /// Only jobs of this tier, in `--power-flex` form (flex2, none, …).
         #[arg(long)]
         tier: Option<String>,
+        /// Only jobs charged to this Slurm account (as Slurm recorded the job).
+        #[arg(long)]
+        account: Option<String>,
         #[command(flatten)]
         ctld: CtldArgs,
         #[arg(long, value_enum, default_value = "table")]
@@ -786,6 +789,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         uid: None,
                         tier: None,
                         job: Some(job.clone()),
+                        account: None,
                     },
                 )?;
                 if let Some(record) = ended.last() {
@@ -814,6 +818,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             until,
             user,
             tier,
+            account,
             ctld: args,
             format,
         } => {
@@ -829,6 +834,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         until_ms: until,
                         uid,
                         tier: tier.clone(),
+                        account: account.clone(),
                         job: None,
                     },
                 )?;

@@ -16,7 +16,11 @@ use powerflex_proto::link::{GpuInfo, JobReport};
 use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
 use super::accounting::{self, Ledger};
-use super::metrics::MetricsInput;
+use super::metrics::{EnergyTotals, MetricsInput};
+
+/// Most jobs whose Slurm account the core remembers for their records (one per running
+/// accounted job; a bound, not a working limit).
+const MAX_JOB_ACCOUNTS: usize = 200_000;
 use super::owners::{self, Owners};
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
@@ -113,6 +117,8 @@ pub enum Input {
     Tick,
     /// Slurm's placement was read (`squeue`/`sinfo`), or why it could not be.
     Placement(Box<Result<Placement, String>>),
+    /// The accounting database's writer changed state (shown by `status`).
+    AccountingDb(powerflex_proto::status::AccountingDbView),
 }
 
 /// One node's lease.
@@ -204,6 +210,12 @@ pub struct Core {
     refresh_placement: bool,
     /// Jobs' energy shares and records (see [`accounting`]).
     ledger: Ledger,
+    /// The accounting database's writer, as the I/O edge last reported it.
+    accounting_db: Option<powerflex_proto::status::AccountingDbView>,
+    /// The Slurm account of each job with a share in the ledger, for its record.
+    job_accounts: BTreeMap<String, String>,
+    /// Energy of the records written since the controller started, for the metrics.
+    energy_totals: EnergyTotals,
 }
 
 impl Core {
@@ -286,6 +298,9 @@ impl Core {
             placement_error: None,
             refresh_placement: false,
             ledger: Ledger::default(),
+            accounting_db: None,
+            job_accounts: BTreeMap::new(),
+            energy_totals: EnergyTotals::default(),
         }
     }
 
@@ -331,6 +346,7 @@ impl Core {
                 Input::Reload(reload) => self.reload(*reload),
                 Input::Tick => self.allocate_now = true,
                 Input::Placement(read) => self.placement_read(*read),
+                Input::AccountingDb(view) => self.accounting_db = Some(view),
             }
         }
         if self.allocate_now {
@@ -365,12 +381,22 @@ impl Core {
     /// to a finished job; the running annotation carries the energy so far.)
     fn write_records(&mut self, now_ms: u64, out: &mut Output) {
         let placement = self.placement.clone();
-        let records = self.ledger.due(now_ms, |job| {
+        let mut records = self.ledger.due(now_ms, |job| {
             placement
                 .as_ref()
                 .and_then(|p| p.jobs.get(job))
                 .map(|j| j.uid)
         });
+        for record in &mut records {
+            let slurm_account = placement
+                .as_ref()
+                .and_then(|p| p.jobs.get(&record.job_id))
+                .map(|j| j.account.clone())
+                .filter(|a| !a.is_empty());
+            let kept = self.job_accounts.remove(&record.job_id);
+            record.account = slurm_account.or(kept);
+            self.energy_totals.add(record);
+        }
         for record in &records {
             info!(
                 job_id = %record.job_id,
@@ -411,6 +437,7 @@ impl Core {
                     jobs: p.as_ref().map_or(0, |p| p.jobs.len() as u32),
                     error: self.placement_error.clone(),
                 });
+        status.accounting_db.clone_from(&self.accounting_db);
         status
     }
 
@@ -593,6 +620,21 @@ impl Core {
         }
         if let Some(s) = self.sessions.get(node) {
             self.ledger.running(node, s.view.jobs.iter(), now_ms);
+            // Each accounted job's Slurm account, kept past Slurm's forgetting of the job
+            // for its record (only jobs believed here, so at most the running jobs).
+            if let Some(placement) = &self.placement {
+                for job in s.view.jobs.iter().filter(|j| j.usage.is_some()) {
+                    if let Some(slurm) = placement.jobs.get(&job.job_id) {
+                        if !slurm.account.is_empty()
+                            && self.job_accounts.len() < MAX_JOB_ACCOUNTS
+                            && !self.job_accounts.contains_key(&job.job_id)
+                        {
+                            self.job_accounts
+                                .insert(job.job_id.clone(), slurm.account.clone());
+                        }
+                    }
+                }
+            }
         }
         let Some(s) = self.sessions.get_mut(node) else {
             return;
@@ -653,9 +695,10 @@ impl Core {
                     || new.metrics_listen != old.metrics_listen
                     || new.job_placement != old.job_placement
                     || new.slurm_poll != old.slurm_poll
-                    || new.slurm_timeout != old.slurm_timeout;
+                    || new.slurm_timeout != old.slurm_timeout
+                    || new.records_db != old.records_db;
                 if needs_restart {
-                    warn!("site config reloaded; listen addresses, sockets, state directory, key, allocation period and Slurm placement settings change only on restart");
+                    warn!("site config reloaded; listen addresses, sockets, state directory, key, allocation period, Slurm placement and accounting database settings change only on restart");
                 }
                 info!(
                     base_budget_w = new.base_budget.0,
@@ -673,6 +716,7 @@ impl Core {
                     job_placement: old.job_placement,
                     slurm_poll: old.slurm_poll,
                     slurm_timeout: old.slurm_timeout,
+                    records_db: old.records_db.clone(),
                     ..new
                 };
                 self.config_error = None;
@@ -714,6 +758,7 @@ impl Core {
                 uid: of_uid,
                 tier,
                 job,
+                account,
             } => {
                 // A user asks for their own records only (need_to_know filters the rest).
                 let of_uid = if uid == 0 { of_uid } else { Some(uid) };
@@ -725,6 +770,7 @@ impl Core {
                     .filter(|r| of_uid.is_none_or(|u| r.uid == u))
                     .filter(|r| tier.as_ref().is_none_or(|t| &r.tier == t))
                     .filter(|r| job.as_ref().is_none_or(|j| &r.job_id == j))
+                    .filter(|r| account.is_none() || r.account == account)
                     .take(powerflex_proto::admin::MAX_RECORDS_PER_REPLY)
                     .cloned()
                     .collect();
@@ -1198,6 +1244,8 @@ impl Core {
                 .collect(),
             event_active: active_event(base, &self.state.events, now_ms).is_some(),
             preempted: &self.state.preempted,
+            energy: &self.energy_totals,
+            accounting_db: self.accounting_db.as_ref(),
         }));
         self.last = Some(decision);
     }
@@ -1280,6 +1328,7 @@ mod tests {
             slurm_poll: Duration::from_secs(5),
             slurm_timeout: Duration::from_secs(5),
             max_gpu_power_w: 700.0,
+            records_db: None,
         }
     }
 
@@ -1361,6 +1410,7 @@ mod tests {
                             uid: *uid,
                             state: SlurmJobState::OnItsNodes,
                             admin_comment: String::new(),
+                            account: "physics".to_string(),
                         },
                     )
                 })
@@ -1466,6 +1516,7 @@ mod tests {
         assert_eq!(out.job_records.len(), 1);
         let r = &out.job_records[0];
         assert_eq!((r.energy_j, r.uid, r.nodes.len()), (7_000.0, ALICE, 2));
+        assert_eq!(r.account.as_deref(), Some("physics"), "Slurm's account");
         // Re-sent finals write nothing more.
         let out = core.step(T0 + 13_000, vec![ended("n1", 4_000_000)]);
         assert!(out.job_records.is_empty());
@@ -1477,6 +1528,7 @@ mod tests {
                     uid: None,
                     tier: None,
                     job: None,
+                    account: None,
                 },
                 uid,
             )

@@ -6,8 +6,72 @@
 use powerflex_core::Watts;
 use powerflex_daemon::prom::{catalog, TextWriter};
 
+use std::collections::BTreeMap;
+
+use powerflex_proto::status::AccountingDbView;
+use powerflex_proto::usage::JobEnergyRecord;
+
 use crate::preempt::Preempted;
 use crate::site::Decision;
+
+/// Most distinct values of one label in the energy families; the rest are summed under
+/// [`OTHER_LABEL`] (a site with thousands of accounts must not explode the series).
+pub const MAX_LABEL_VALUES: usize = 64;
+/// The label value past [`MAX_LABEL_VALUES`], and for a job without a Slurm account.
+pub const OTHER_LABEL: &str = "other";
+
+/// Energy of the records written since the controller started, per tier and per Slurm
+/// account: Prometheus counters (a restart starts them again, as counters do). No label
+/// names a user.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EnergyTotals {
+    pub by_tier: BTreeMap<String, TierEnergy>,
+    /// Account → J.
+    pub by_account: BTreeMap<String, f64>,
+}
+
+/// One tier's records.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TierEnergy {
+    pub records: u64,
+    pub energy_j: f64,
+    /// The records' saved-energy ESTIMATES, J.
+    pub saved_estimate_j: f64,
+}
+
+/// `key`, or [`OTHER_LABEL`] once `map` holds [`MAX_LABEL_VALUES`] other keys.
+fn bounded_label<V>(map: &BTreeMap<String, V>, key: &str) -> String {
+    if map.contains_key(key) || map.len() < MAX_LABEL_VALUES - 1 {
+        key.to_string()
+    } else {
+        OTHER_LABEL.to_string()
+    }
+}
+
+impl EnergyTotals {
+    pub fn add(&mut self, r: &JobEnergyRecord) {
+        let energy = if r.energy_j.is_finite() {
+            r.energy_j.max(0.0)
+        } else {
+            0.0
+        };
+        let tier = bounded_label(&self.by_tier, &r.tier);
+        let t = self.by_tier.entry(tier).or_default();
+        t.records += 1;
+        t.energy_j += energy;
+        t.saved_estimate_j += r
+            .saved_estimate_j
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .unwrap_or(0.0);
+        let account = r
+            .account
+            .as_deref()
+            .filter(|a| !a.is_empty())
+            .unwrap_or(OTHER_LABEL);
+        let account = bounded_label(&self.by_account, account);
+        *self.by_account.entry(account).or_default() += energy;
+    }
+}
 
 /// What the metrics show of one allocation.
 #[derive(Debug)]
@@ -26,6 +90,10 @@ pub struct MetricsInput<'a> {
     pub event_active: bool,
     /// Jobs held out of a deep cut.
     pub preempted: &'a std::collections::BTreeMap<String, Preempted>,
+    /// Energy of the jobs' records since start.
+    pub energy: &'a EnergyTotals,
+    /// The accounting database's writer, where the site has one.
+    pub accounting_db: Option<&'a AccountingDbView>,
 }
 
 fn flag(on: bool) -> f64 {
@@ -61,7 +129,39 @@ pub fn render(m: &MetricsInput<'_>) -> String {
         .family(
             &catalog::REPORTS_REJECTED,
             [([], m.decision.rejected.len() as f64)],
+        )
+        .family(
+            &catalog::JOB_RECORDS,
+            m.energy
+                .by_tier
+                .iter()
+                .map(|(tier, t)| ([tier.as_str()], t.records as f64)),
+        )
+        .family(
+            &catalog::TIER_ENERGY_JOULES,
+            m.energy
+                .by_tier
+                .iter()
+                .map(|(tier, t)| ([tier.as_str()], t.energy_j)),
+        )
+        .family(
+            &catalog::TIER_ENERGY_SAVED_ESTIMATE_JOULES,
+            m.energy
+                .by_tier
+                .iter()
+                .map(|(tier, t)| ([tier.as_str()], t.saved_estimate_j)),
+        )
+        .family(
+            &catalog::ACCOUNT_ENERGY_JOULES,
+            m.energy
+                .by_account
+                .iter()
+                .map(|(account, j)| ([account.as_str()], *j)),
         );
+    if let Some(db) = m.accounting_db {
+        w.family(&catalog::ACCOUNTING_DB_UP, [([], flag(db.connected))])
+            .family(&catalog::ACCOUNTING_DB_PENDING, [([], db.pending as f64)]);
+    }
     if let Some(a) = &m.decision.allocation {
         w.family(
             &catalog::JOB_GRANTED_CAP_WATTS,
@@ -135,6 +235,8 @@ mod tests {
             )]
             .into_iter()
             .collect(),
+            energy: &EnergyTotals::default(),
+            accounting_db: None,
         });
         for line in [
             "powerflex_budget_watts 3200",
@@ -160,5 +262,109 @@ mod tests {
             let name = line.split(['{', ' ']).next().unwrap_or("");
             assert!(names.contains(&name), "{line}");
         }
+    }
+
+    fn record(tier: &str, account: Option<&str>, energy_j: f64) -> JobEnergyRecord {
+        let mut r = JobEnergyRecord::from_shares(
+            vec![powerflex_proto::usage::NodeUsage {
+                job_id: "1".into(),
+                node: "n1".into(),
+                uid: 1000,
+                tier: tier.into(),
+                gpus: vec![],
+                energy_mj: (energy_j * 1000.0) as u64,
+                energy_source: powerflex_proto::usage::EnergySource::Counter,
+                from_unix_ms: 0,
+                to_unix_ms: 1_000,
+                peak_power_w: 0.0,
+                observed_s: 1.0,
+                capped_s: 0.0,
+                event_s: 0.0,
+                power_throttled_s: 0.0,
+                throttle_known_s: 0.0,
+                caps: vec![],
+                slowdown_pct: None,
+                bound_pct: None,
+                bound_held: None,
+                saved_estimate_j: Some(energy_j / 10.0),
+                work: None,
+                work_unit: None,
+                pfi: None,
+                ended: true,
+                simulated: true,
+            }],
+            vec![],
+            1_000,
+        )
+        .expect("record");
+        r.account = account.map(str::to_string);
+        r
+    }
+
+    #[test]
+    fn energy_per_tier_and_account_is_counted_bounded_and_names_no_user() {
+        let mut totals = EnergyTotals::default();
+        totals.add(&record("flex2", Some("physics"), 1_000.0));
+        totals.add(&record("flex2", Some("physics"), 500.0));
+        totals.add(&record("flex0", None, 250.0));
+        // A site with more accounts than labels: the rest are summed as "other".
+        for i in 0..100 {
+            totals.add(&record("flex1", Some(&format!("acct{i:03}")), 1.0));
+        }
+        assert_eq!(totals.by_tier["flex2"].records, 2);
+        assert_eq!(totals.by_tier["flex2"].energy_j, 1_500.0);
+        assert_eq!(totals.by_tier["flex2"].saved_estimate_j, 150.0);
+        assert!(totals.by_account.len() <= MAX_LABEL_VALUES);
+        assert!(totals.by_account.contains_key("acct000"));
+        assert!(!totals.by_account.contains_key("acct099"), "past the bound");
+        let summed: f64 = totals.by_account.values().sum();
+        assert_eq!(summed, 1_500.0 + 250.0 + 100.0, "nothing lost to the bound");
+        assert!(
+            totals.by_account[OTHER_LABEL] >= 250.0,
+            "no account and overflow"
+        );
+        let decision = Decision {
+            leases: Default::default(),
+            budget_w: 1.0,
+            reserved_w: 0.0,
+            allocation: None,
+            rejected: vec![],
+            drifted: vec![],
+            start_cap_w: 300.0,
+            objective: Objective::TokensPerS,
+        };
+        let db = AccountingDbView {
+            connected: false,
+            schema_version: Some(1),
+            pending: 3,
+            written: 0,
+            dropped: 0,
+            error: Some("down".into()),
+            since_unix_ms: 0,
+        };
+        let text = render(&MetricsInput {
+            decision: &decision,
+            base: Watts(1.0),
+            budget: Watts(1.0),
+            allocated: Watts(1.0),
+            draw_w: 0.0,
+            nodes: vec![],
+            refused: vec![],
+            event_active: false,
+            preempted: &BTreeMap::new(),
+            energy: &totals,
+            accounting_db: Some(&db),
+        });
+        for line in [
+            "powerflex_job_energy_joules_total{tier=\"flex2\"} 1500",
+            "powerflex_job_records_total{tier=\"flex1\"} 100",
+            "powerflex_job_energy_saved_estimate_joules_total{tier=\"flex0\"} 25",
+            "powerflex_account_energy_joules_total{account=\"physics\"} 1500",
+            "powerflex_accounting_db_up 0",
+            "powerflex_accounting_db_pending_records 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+        assert!(!text.contains("uid") && !text.contains("user"), "{text}");
     }
 }

@@ -25,6 +25,7 @@ pub mod learning;
 pub mod link;
 pub mod metrics;
 pub mod owners;
+pub mod records_db;
 pub mod state;
 pub mod status;
 
@@ -75,6 +76,8 @@ pub struct CtldOptions {
     /// The highest `max_cap_w` of the site's GPU models, W: no announced GPU counts for
     /// more (see [`crate::placement::bound_gpu_power`]).
     pub max_gpu_power_w: f64,
+    /// The accounting database, where the site has one (see [`records_db`]).
+    pub records_db: Option<records_db::RecordsDbOptions>,
 }
 
 /// A re-read site config (on SIGHUP): the new options, or why the file was refused.
@@ -186,24 +189,34 @@ pub fn run_bounded(
     let loaded = state::load(&options.state_dir);
     let mut core = Core::new(options.clone(), loaded, unix_ms());
     let accounting_log = accounting_log(&options.state_dir);
+    let mut logged = Vec::new();
     match accounting_log.read_all() {
         Ok(lines) => {
-            let records: Vec<powerflex_proto::usage::JobEnergyRecord> = lines
+            logged = lines
                 .iter()
                 .filter_map(|l| serde_json::from_str(l).ok())
                 .collect();
-            if !records.is_empty() {
+            if !logged.is_empty() {
                 info!(
-                    records = records.len(),
+                    records = logged.len(),
                     "job energy records read back from the accounting log"
                 );
             }
-            core.load_records(records);
         }
         Err(e) => {
             warn!(error = %e, "cannot read the accounting log back; earlier records are not answered")
         }
     }
+    // The database gets what the log holds and it lacks (see `records_db`).
+    let records_db = match &options.records_db {
+        Some(db) => Some(
+            records_db::RecordsDb::spawn(db.clone(), logged.clone())
+                .map_err(|e| format!("cannot start the accounting database writer: {e}"))?,
+        ),
+        None => None,
+    };
+    core.load_records(logged);
+    let mut shown_db_view: Option<powerflex_proto::status::AccountingDbView> = None;
     let (tx, rx) = bounded::<Inbound>(4096);
     let link = TcpListener::bind(options.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
@@ -314,9 +327,10 @@ pub fn run_bounded(
                 event_in_force: lease.event_in_force,
             });
         }
-        // Before the annotations that show them in Slurm: the log is the record.
-        for record in &out.job_records {
-            match serde_json::to_string(record) {
+        // Before the annotations that show them in Slurm: the log is the record (and the
+        // database's journal: it gets each record after the log has it).
+        for record in out.job_records {
+            match serde_json::to_string(&record) {
                 Ok(line) => {
                     if let Err(e) = accounting_log.append(&line) {
                         error!(job_id = %record.job_id, error = %e, "cannot append a job's energy record");
@@ -325,6 +339,17 @@ pub fn run_bounded(
                 Err(e) => {
                     error!(job_id = %record.job_id, error = %e, "cannot encode a job's energy record")
                 }
+            }
+            if let Some(db) = &records_db {
+                db.send(record);
+            }
+        }
+        if let Some(db) = &records_db {
+            let view = db.view();
+            if shown_db_view.as_ref() != Some(&view) {
+                shown_db_view = Some(view.clone());
+                inputs.push(Input::AccountingDb(view));
+                waiting.push(None);
             }
         }
         for annotation in out.annotations {
@@ -411,6 +436,9 @@ pub fn run_bounded(
         server.stop();
     }
     let _ = std::fs::remove_file(&options.admin_socket);
+    if let Some(db) = records_db {
+        db.stop();
+    }
     Ok(())
 }
 
@@ -469,6 +497,7 @@ mod tests {
             slurm_poll: Duration::from_secs(5),
             slurm_timeout: Duration::from_secs(5),
             max_gpu_power_w: 700.0,
+            records_db: None,
         }
     }
 

@@ -112,6 +112,12 @@ pub fn need_to_know(
             status.config_error = Some(CONFIG_ERROR_FOR_USERS.to_string());
         }
         status.jobs_of_uid = Some(uid);
+        // The database's error may name its host and user: the state, not the reason.
+        if let Some(db) = &mut status.accounting_db {
+            if db.error.is_some() {
+                db.error = Some("unreachable (the reason is shown to root)".to_string());
+            }
+        }
     }
     if let Some(history) = &mut reply.history {
         for sample in history.iter_mut() {
@@ -215,6 +221,7 @@ mod tests {
                 ],
                 jobs_of_uid: None,
                 slurm: None,
+                accounting_db: None,
             }),
             ..AdminReply::ok()
         }

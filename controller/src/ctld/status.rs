@@ -124,6 +124,7 @@ pub fn build(
         config_error: config_error.map(str::to_string),
         jobs_of_uid: None,
         slurm: None,
+        accounting_db: None,
     }
 }
 
