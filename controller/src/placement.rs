@@ -171,6 +171,7 @@ mod tests {
             uid,
             state,
             admin_comment: String::new(),
+            start_unix_s: None,
         };
         Placement {
             jobs: BTreeMap::from([
