@@ -2,7 +2,9 @@
 //! jobs share a node (each charged only its own GPUs), one of them spans two nodes
 //! (charged the sum), an agent restarts mid-job (nothing lost), and the records the
 //! controller writes match the simulated GPUs' counters over the time each job held
-//! each GPU. The owner reads their own record, not another user's.
+//! each GPU. The owner reads their own record, not another user's. The first node's agent
+//! is down when both jobs end: at its next start it sends their final shares from its
+//! state file, and drops them once the controller acknowledges the records.
 
 use std::time::Duration;
 
@@ -12,6 +14,13 @@ use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::users::TestUser;
 use powerflex_testbed::{run, wait_until};
+
+/// The part of the agent's state file this test reads.
+#[derive(serde::Deserialize)]
+struct SavedFinals {
+    #[serde(default)]
+    unacked_finals: Vec<serde::de::IgnoredAny>,
+}
 
 #[test]
 fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only() {
@@ -108,6 +117,9 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     );
     assert!(comment.contains("tier=flex3"), "{comment}");
     std::thread::sleep(Duration::from_secs(1));
+    // The first node's agent is down when both jobs end there: their ends never reach it.
+    stack.stop_agent(0);
+    let cluster = &stack.cluster;
     cluster.run("scancel", &[&a_id, &b_id]);
     for job in [a, b] {
         assert!(matches!(
@@ -115,6 +127,10 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
             "CANCELLED" | "COMPLETED"
         ));
     }
+    // At its next start it makes their final shares from its state file and the
+    // counters read then.
+    stack.start_agent(0);
+    let cluster = &stack.cluster;
     let log = base.join("ctld").join("job-energy.jsonl");
     let records: Vec<JobEnergyRecord> =
         wait_until("both jobs' energy records", Duration::from_secs(90), || {
@@ -125,15 +141,21 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
                 .collect();
             (records.len() >= 2).then_some(records)
         });
+    // A run's latest revision is its record.
     let record = |id: &str| {
         records
             .iter()
-            .find(|r| r.job_id == id)
+            .filter(|r| r.job_id == id)
+            .max_by_key(|r| r.revision)
             .unwrap_or_else(|| panic!("no record of job {id}: {records:?}"))
     };
     let (ra, rb) = (record(&a_id), record(&b_id));
     assert_eq!((ra.uid, rb.uid), (alice.uid, bob.uid), "Slurm's owners");
     assert!(ra.simulated && rb.simulated, "labelled simulated");
+    assert!(
+        ra.run_start_unix_ms.is_some() && rb.run_start_unix_ms.is_some(),
+        "each record names its run (Slurm's start)"
+    );
     assert!(ra.incomplete_nodes.is_empty() && rb.incomplete_nodes.is_empty());
     assert_eq!(ra.nodes.len(), 2, "alice's job on both nodes");
     assert_eq!(rb.nodes.len(), 1);
@@ -248,6 +270,17 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     let node_log = base.join("state").join(&names[0]).join("usage.jsonl");
     let text = std::fs::read_to_string(&node_log).expect("node usage log");
     assert_eq!(text.lines().count(), 2, "{text}");
+    // The controller acknowledged both final shares: the agent keeps none.
+    let state = base.join("state").join(&names[0]).join("agent-state.json");
+    wait_until(
+        "the first node's final shares acknowledged",
+        Duration::from_secs(30),
+        || {
+            let text = std::fs::read_to_string(&state).ok()?;
+            let saved: SavedFinals = serde_json::from_str(&text).ok()?;
+            saved.unacked_finals.is_empty().then_some(())
+        },
+    );
     stack.cluster.assert_no_node_drained();
 }
 

@@ -7,7 +7,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use powerflex_agent::usage::{JobUsage, Observation};
+use powerflex_agent::usage::{max_observation_gap_ms, JobUsage, Observation};
 use powerflex_core::curve::{CapCurve, OperatingPoint};
 use powerflex_core::Watts;
 
@@ -28,14 +28,17 @@ fn main() {
                 Watts(700.0),
             );
         }
-        usage.observe(Observation {
-            at_unix_ms: at,
-            power_w: Some(5600.0),
-            cap_w: Some(500.0 + (i % 40) as f64 * 5.0),
-            capped: i % 2 == 0,
-            in_event: false,
-            power_throttled: Some(true),
-        });
+        usage.observe(
+            Observation {
+                at_unix_ms: at,
+                power_w: Some(5600.0),
+                cap_w: Some(500.0 + (i % 40) as f64 * 5.0),
+                capped: i % 2 == 0,
+                in_event: false,
+                power_throttled: Some(true),
+            },
+            max_observation_gap_ms(100),
+        );
     }
     let per_sample_ns = start.elapsed().as_nanos() as f64 / SAMPLES as f64;
     let curve = CapCurve::from_points(&[

@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use powerflex_core::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
 use powerflex_core::curve::CapCurve;
@@ -26,6 +26,7 @@ use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog, Recorded};
 use crate::procs::JobKey;
 use crate::usage::{JobUsage, Observation};
+use powerflex_proto::link::FinalRef;
 use powerflex_proto::usage::NodeUsage;
 
 /// The step name a job taken back from its running processes (no record, no
@@ -63,12 +64,27 @@ pub struct AgentSettings {
     pub enforce: bool,
 }
 
-/// How long a job's final share is re-sent to the controller after its end, s: every
-/// report in this window carries it, so one lost report or a reconnect loses nothing.
-pub const ENDED_RESEND_S: f64 = 120.0;
+/// Longest a final share is kept for the controller while it goes unacknowledged, ms:
+/// a controller acknowledges one once its run's record is written (a minute or so
+/// after the job's end), so a day covers a controller down for hours; past it the share
+/// is dropped with a warning (the node's usage log has it). A controller older than
+/// the acknowledgements never sends one: its agents re-send each share this long.
+pub const UNACKED_FINAL_MAX_AGE_MS: u64 = 24 * 3_600_000;
 
-/// Most ended shares kept for re-sending (a node ending many jobs at once).
+/// Most unacknowledged final shares kept (a node ending many jobs while the controller
+/// is away); beyond, the oldest is dropped with a warning.
 pub const MAX_ENDED_KEPT: usize = 512;
+
+/// A job's final share on this node that the controller has not acknowledged yet:
+/// kept in the state file, re-sent in every report (in turns, see
+/// `powerflex_proto::link::MAX_ENDED_PER_REPORT`) until acknowledged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnackedFinal {
+    /// When the job ended here, Unix ms.
+    pub ended_unix_ms: u64,
+    pub share: NodeUsage,
+}
 
 /// A job still in calibration warm-up this long after registration is logged with
 /// why, at most every [`WARMUP_LOG_EVERY_S`], s.
@@ -210,6 +226,9 @@ pub struct Lease {
     pub start_cap: Option<Watts>,
 }
 
+/// `powerflexd --sample-interval-ms` when not given.
+pub const DEFAULT_SAMPLE_INTERVAL_MS: u64 = 1_000;
+
 /// A job's claim of a GPU that other jobs' processes use and its own do not.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuClaimRefused {
@@ -268,11 +287,15 @@ pub struct Agent {
     awaiting_current_lease: bool,
     /// The controller's last lease said a grid event is in force.
     pub event_in_force: bool,
-    /// Final shares of jobs ended here, with when they ended (agent seconds): re-sent to
-    /// the controller for [`ENDED_RESEND_S`].
-    pub ended: Vec<(f64, NodeUsage)>,
+    /// Final shares of jobs ended here that the controller has not acknowledged, oldest
+    /// first: persisted, and re-sent until acknowledged (see [`UnackedFinal`]).
+    pub unacked: Vec<UnackedFinal>,
     /// Final shares not yet written to the node's usage log.
     pending_records: Vec<NodeUsage>,
+    /// The agent's sample (control) period, ms (`powerflexd --sample-interval-ms`): the
+    /// jobs' time shares count spans of a few periods (see
+    /// [`crate::usage::max_observation_gap_ms`]).
+    pub sample_interval_ms: u64,
 }
 
 impl Agent {
@@ -345,8 +368,9 @@ impl Agent {
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,
             event_in_force: false,
-            ended: Vec::new(),
+            unacked: Vec::new(),
             pending_records: Vec::new(),
+            sample_interval_ms: DEFAULT_SAMPLE_INTERVAL_MS,
         }
     }
 
@@ -425,13 +449,138 @@ impl Agent {
                 slot.job = None;
             }
         }
-        self.ended.retain(|(at, _)| now - *at < ENDED_RESEND_S);
-        if self.ended.len() >= MAX_ENDED_KEPT {
-            self.ended.remove(0);
-        }
-        self.ended.push((now, share.clone()));
-        self.pending_records.push(share);
+        self.keep_final(now, share);
         true
+    }
+
+    /// Keeps `share` (final) for the controller until it acknowledges it, and for the
+    /// node's usage log.
+    fn keep_final(&mut self, now: f64, share: NodeUsage) {
+        let reference = FinalRef::of(&share);
+        self.unacked.retain(|u| FinalRef::of(&u.share) != reference);
+        while self.unacked.len() >= MAX_ENDED_KEPT {
+            let dropped = self.unacked.remove(0);
+            tracing::warn!(
+                job_id = %dropped.share.job_id,
+                kept = MAX_ENDED_KEPT,
+                "too many final shares unacknowledged by the controller; the oldest is dropped (the usage log has it)"
+            );
+        }
+        self.unacked.push(UnackedFinal {
+            ended_unix_ms: self.unix_ms(now),
+            share: share.clone(),
+        });
+        self.pending_records.push(share);
+    }
+
+    /// The controller acknowledged these final shares (their records are written): they
+    /// are no longer re-sent. Returns how many were dropped (then the state is to be
+    /// saved).
+    pub fn acked(&mut self, finals: &[FinalRef]) -> usize {
+        let before = self.unacked.len();
+        self.unacked
+            .retain(|u| !finals.contains(&FinalRef::of(&u.share)));
+        before - self.unacked.len()
+    }
+
+    /// Drops the unacknowledged final shares older than [`UNACKED_FINAL_MAX_AGE_MS`] at
+    /// `now`; returns how many.
+    fn expire_unacked(&mut self, now: f64) -> usize {
+        let now_ms = self.unix_ms(now);
+        let before = self.unacked.len();
+        self.unacked.retain(|u| {
+            let keep = now_ms.saturating_sub(u.ended_unix_ms) < UNACKED_FINAL_MAX_AGE_MS;
+            if !keep {
+                tracing::warn!(
+                    job_id = %u.share.job_id,
+                    max_age_h = UNACKED_FINAL_MAX_AGE_MS / 3_600_000,
+                    "a final share was never acknowledged by the controller; dropped (the usage log has it)"
+                );
+            }
+            keep
+        });
+        before - self.unacked.len()
+    }
+
+    /// A job of the previous run (from the state file) that ended while the agent was
+    /// down: its final share from its persisted hold and a fresh reading of each of its
+    /// GPUs' counters (the readings at start, taken at agent time `read_at`). A GPU that
+    /// now runs another job's processes (`busy`, by UUID) is not read again: the job is
+    /// charged up to its last persisted reading there, never another job's energy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ended_while_down(
+        &mut self,
+        read_at: f64,
+        job_id: &str,
+        uid: u32,
+        flex: &str,
+        points: &[[f64; 3]],
+        pfi: Option<f64>,
+        mut usage: JobUsage,
+        busy: &BTreeSet<String>,
+    ) -> NodeUsage {
+        usage.resumed();
+        let at_ms = self.unix_ms(read_at);
+        let holds: Vec<(String, bool)> = usage
+            .gpus
+            .iter()
+            .map(|(uuid, h)| (uuid.clone(), h.released))
+            .collect();
+        for (uuid, released) in holds {
+            if released || busy.contains(&uuid) {
+                continue;
+            }
+            let Some(slot) = self.gpus.iter().find(|g| g.identity.uuid == uuid) else {
+                continue;
+            };
+            if let Some(sample) = slot.last {
+                usage.gpu_reading(
+                    &uuid,
+                    slot.identity.index,
+                    at_ms,
+                    sample.energy_mj,
+                    sample.power,
+                );
+            }
+        }
+        let request = if flex.trim().is_empty() {
+            None
+        } else {
+            parse_power_flex(flex, &self.settings.tiers).ok()
+        };
+        let curve = CapCurve::from_points(
+            &points
+                .iter()
+                .map(|p| powerflex_core::curve::OperatingPoint {
+                    cap_w: Watts(p[0]),
+                    power_w: Watts(p[1]),
+                    throughput: p[2],
+                })
+                .collect::<Vec<_>>(),
+        )
+        .ok();
+        let simulated = usage.gpus.keys().any(|u| {
+            self.gpus
+                .iter()
+                .any(|g| &g.identity.uuid == u && g.identity.simulated)
+        });
+        let share = usage.share(
+            job_id,
+            &self.settings.node,
+            uid,
+            flex,
+            curve.as_ref(),
+            request
+                .as_ref()
+                .and_then(|r| r.service.max_slowdown())
+                .map(|b| 100.0 * b.0),
+            pfi,
+            None,
+            true,
+            simulated,
+        );
+        self.keep_final(read_at, share.clone());
+        share
     }
 
     /// Drops jobs left without GPUs (another job took them all), ending each.
@@ -453,13 +602,9 @@ impl Agent {
         std::mem::take(&mut self.pending_records)
     }
 
-    /// The final shares still re-sent to the controller at `now`.
-    pub fn recently_ended(&self, now: f64) -> Vec<NodeUsage> {
-        self.ended
-            .iter()
-            .filter(|(at, _)| now - *at < ENDED_RESEND_S)
-            .map(|(_, s)| s.clone())
-            .collect()
+    /// The final shares the controller has not acknowledged, oldest first.
+    pub fn unacked_finals(&self) -> Vec<NodeUsage> {
+        self.unacked.iter().map(|u| u.share.clone()).collect()
     }
 
     /// The slot of the GPU a registration names, by index or UUID.
@@ -576,9 +721,13 @@ impl Agent {
             let slot = &mut self.gpus[g as usize];
             if let Some(other) = slot.job.as_ref().filter(|o| o.as_str() != job_id) {
                 // Slurm gives a GPU to one job at a time: the other job's end was missed.
+                // Its hold of the GPU ends here, so the counter's advance from now is
+                // this job's only.
                 let other = other.clone();
+                let uuid = slot.identity.uuid.clone();
                 if let Some(o) = self.jobs.get_mut(&other) {
                     o.gpus.retain(|x| *x != g);
+                    o.usage.release_gpu(&uuid);
                 }
             }
             self.gpus[g as usize].job = Some(job_id.to_string());
@@ -708,8 +857,12 @@ impl Agent {
                 continue;
             }
             slot.job = None;
+            let uuid = slot.identity.uuid.clone();
             if let Some(job) = self.jobs.get_mut(&claimant) {
                 job.gpus.retain(|g| *g != gpu);
+                // Its hold ends with the claim: were the GPU given back later, the span
+                // in between (another job's) is not charged to it.
+                job.usage.release_gpu(&uuid);
             }
             refused.push(GpuClaimRefused {
                 gpu,
@@ -1257,6 +1410,9 @@ impl Agent {
                 });
             }
         }
+        // Final shares the controller never acknowledged go after a day (the state
+        // file then drops them too).
+        changed |= self.expire_unacked(now) > 0;
         if changed {
             actions.push(Action::Persist);
         }
@@ -1266,6 +1422,7 @@ impl Agent {
     /// One observation of every job for its accounting (see [`crate::usage`]).
     fn observe_usage(&mut self, now: f64) {
         let at_unix_ms = self.unix_ms(now);
+        let max_gap_ms = crate::usage::max_observation_gap_ms(self.sample_interval_ms);
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
         for id in ids {
             let Some(job) = self.jobs.get(&id) else {
@@ -1295,7 +1452,7 @@ impl Agent {
             };
             let work = job.log.last().map_or(0.0, |(_, w)| w);
             if let Some(job) = self.jobs.get_mut(&id) {
-                job.usage.observe(observation);
+                job.usage.observe(observation, max_gap_ms);
                 job.usage.work_reported(work);
             }
         }
@@ -1346,7 +1503,7 @@ impl Agent {
             leases_applied: self.leases_applied,
             gpu_claims_refused: self.gpu_claims_refused,
             enforce: self.settings.enforce,
-            ended: self.recently_ended(now),
+            ended: self.unacked_finals(),
             gpus: self
                 .gpus
                 .iter()
@@ -1793,14 +1950,23 @@ mod tests {
         assert!(a.end_job("7", 3.5));
         // Job 7's GPUs read after its end are no longer its.
         a.sampled(4.0, 0, reading(700.0, 100.0, 9_999_999, false));
-        let ended = a.recently_ended(4.0);
+        let ended = a.unacked_finals();
         assert_eq!(ended.len(), 1);
         assert!(ended[0].ended && ended[0].energy_mj == 2_000_000 && ended[0].uid == 1000);
         assert_eq!(a.take_records().len(), 1);
         assert!(a.take_records().is_empty(), "a record is logged once");
+        // Kept, and re-sent, until the controller acknowledges it: an hour on, still.
+        a.tick(3_604.0);
+        assert_eq!(a.unacked_finals(), ended);
+        assert_eq!(a.acked(&[FinalRef::of(&ended[0])]), 1);
         assert!(
-            a.recently_ended(4.0 + ENDED_RESEND_S).is_empty(),
-            "re-sent for a while only"
+            a.unacked_finals().is_empty(),
+            "acknowledged: no longer sent"
+        );
+        assert_eq!(
+            a.acked(&[FinalRef::of(&ended[0])]),
+            0,
+            "a repeat ack is harmless"
         );
         // Job 8 (none) is accounted too.
         let eight = a.snapshot(4.0);
@@ -2298,6 +2464,130 @@ mod tests {
         assert_eq!(a.jobs["66"].gpus, vec![1]);
         assert_eq!(a.snapshot(1.0).gpu_claims_refused, 1);
         assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
+    }
+
+    /// Review defect 5: final shares are kept until acknowledged (bounded in count and
+    /// age), and a job that ended while the agent was down gets one at the next start.
+    #[test]
+    fn unacknowledged_final_shares_are_bounded_and_a_job_ended_while_down_gets_one() {
+        let mut a = agent(None);
+        a.clock_origin_unix_s = 1_000.0;
+        let mut b = agent(None);
+        b.register(0.0, "1", "0", 1, "n1", &["0".into()], "flex2")
+            .expect("job");
+        let base = b.share(&b.jobs["1"], true);
+        for i in 0..(MAX_ENDED_KEPT + 3) {
+            let mut s = base.clone();
+            s.from_unix_ms = i as u64;
+            a.keep_final(1.0, s);
+        }
+        assert_eq!(a.unacked.len(), MAX_ENDED_KEPT, "the oldest dropped beyond");
+        assert_eq!(a.unacked[0].share.from_unix_ms, 3);
+        let day_s = (UNACKED_FINAL_MAX_AGE_MS / 1000) as f64;
+        a.tick(1.0 + day_s - 1.0);
+        assert_eq!(a.unacked.len(), MAX_ENDED_KEPT, "within a day: kept");
+        let actions = a.tick(1.0 + day_s);
+        assert!(a.unacked.is_empty(), "a day unacknowledged: dropped");
+        assert!(
+            actions.contains(&Action::Persist),
+            "and the state saved without them"
+        );
+
+        // The previous run's job 7 held GPUs 0 and 1; the agent was down when it ended.
+        let mut before = agent(None);
+        before.clock_origin_unix_s = 1_000.0;
+        before
+            .register(
+                0.0,
+                "7",
+                "0",
+                1000,
+                "n1",
+                &["0".into(), "1".into()],
+                "flex2",
+            )
+            .expect("7");
+        before.sampled(1.0, 0, reading(700.0, 600.0, 1_000_000, false));
+        before.sampled(1.0, 1, reading(700.0, 600.0, 2_000_000, false));
+        let usage = before.jobs["7"].usage.clone();
+        // Restarted 100 s later: the counters ran on. GPU 1 now runs another job's
+        // processes: its span is closed at its last persisted reading.
+        let mut a = agent(None);
+        a.clock_origin_unix_s = 1_000.0;
+        a.sampled(101.0, 0, reading(700.0, 100.0, 1_500_000, false));
+        a.sampled(101.0, 1, reading(700.0, 600.0, 9_000_000, false));
+        let busy = BTreeSet::from([a.gpus[1].identity.uuid.clone()]);
+        let share = a.ended_while_down(101.0, "7", 1000, "flex2", &[], None, usage, &busy);
+        assert!(share.ended);
+        assert_eq!(share.energy_mj, 500_000, "GPU 0's advance; none of GPU 1's");
+        assert_eq!(share.to_unix_ms, 1_101_000);
+        assert_eq!(
+            share.bound_pct,
+            Some(25.0),
+            "the tier's bound from its flex"
+        );
+        assert_eq!(a.unacked_finals(), vec![share.clone()]);
+        assert_eq!(a.take_records(), vec![share]);
+    }
+
+    /// Issue 23 review, defect 4: a refused claim kept its hold, and taking the GPU back
+    /// charged the job the counter's advance while another job used it.
+    #[test]
+    fn a_refused_or_stolen_gpu_ends_its_hold_and_a_retake_charges_only_its_own_spans() {
+        let mut a = agent(None);
+        a.clock_origin_unix_s = 1_000.0;
+        a.register(
+            0.0,
+            "66",
+            "0",
+            1000,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex3",
+        )
+        .expect("registered");
+        a.set_job_cluster("66", None, 0.0);
+        for (t, e) in [(0.0, 0u64), (1.0, 100_000)] {
+            a.sampled(t, 0, reading(700.0, 100.0, e, false));
+            a.sampled(t, 1, reading(700.0, 100.0, e, false));
+        }
+        let used = BTreeMap::from([(0, BTreeSet::from([("7".to_string(), None)]))]);
+        assert_eq!(a.check_gpu_use(1.0, &used).len(), 1);
+        // GPU 0 runs job 7's work: its counter runs on, not 66's.
+        a.sampled(5.0, 0, reading(700.0, 600.0, 5_000_000, false));
+        a.sampled(5.0, 1, reading(700.0, 100.0, 500_000, false));
+        // 66 takes GPU 0 back (a new step of it names it, job 7 gone).
+        a.register(6.0, "66", "1", 1000, "n1", &["0".into()], "flex3")
+            .expect("back");
+        a.sampled(6.0, 0, reading(700.0, 100.0, 5_100_000, false));
+        a.sampled(7.0, 0, reading(700.0, 100.0, 5_300_000, false));
+        a.sampled(7.0, 1, reading(700.0, 100.0, 600_000, false));
+        let share = a.share(&a.jobs["66"], false);
+        // GPU 0: 100,000 before the refusal and 200,000 since the retake; GPU 1: 600,000.
+        assert_eq!(share.energy_mj, 100_000 + 200_000 + 600_000);
+        // Another job given a GPU (the holder's end missed) ends the holder's span too.
+        a.register(
+            8.0,
+            "8",
+            "0",
+            1000,
+            "n1",
+            &["2".into(), "3".into()],
+            "flex3",
+        )
+        .expect("8");
+        a.sampled(8.0, 2, reading(700.0, 100.0, 0, false));
+        a.sampled(9.0, 2, reading(700.0, 100.0, 1_000, false));
+        a.register(9.0, "9", "0", 1000, "n1", &["2".into()], "flex3")
+            .expect("9 takes GPU 2");
+        a.sampled(10.0, 2, reading(700.0, 100.0, 50_000, false));
+        a.register(11.0, "8", "1", 1000, "n1", &["2".into()], "flex3")
+            .expect("8 again");
+        a.sampled(11.0, 2, reading(700.0, 100.0, 60_000, false));
+        a.sampled(12.0, 2, reading(700.0, 100.0, 61_000, false));
+        let eight = a.share(&a.jobs["8"], false);
+        let gpu2 = eight.gpus.iter().find(|g| g.index == 2).expect("GPU 2");
+        assert_eq!(gpu2.energy_mj, 1_000 + 1_000, "not job 9's 49,000 mJ");
     }
 
     /// Issue 14 item 7: any local user read every job's id, uid, tier and throughput

@@ -50,7 +50,29 @@ fn leases_applied(snapshot: &SnapshotCell) -> u64 {
     snapshot.read().map(|s| s.leases_applied).unwrap_or(0)
 }
 
-fn report(snapshot: &SnapshotCell) -> Body {
+/// The final shares one report carries: at most
+/// [`powerflex_proto::link::MAX_ENDED_PER_REPORT`] of the unacknowledged ones, in turns
+/// from `turn` (each report the next ones), so a share the controller never takes does
+/// not keep the others out.
+fn finals_in_turn(
+    unacked: &[powerflex_proto::usage::NodeUsage],
+    turn: usize,
+) -> Vec<powerflex_proto::usage::NodeUsage> {
+    let per = powerflex_proto::link::MAX_ENDED_PER_REPORT;
+    if unacked.len() <= per {
+        return unacked.to_vec();
+    }
+    let start = turn.wrapping_mul(per) % unacked.len();
+    unacked
+        .iter()
+        .cycle()
+        .skip(start)
+        .take(per)
+        .cloned()
+        .collect()
+}
+
+fn report(snapshot: &SnapshotCell, turn: usize) -> Body {
     let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
     let Some(s) = snap else {
         return Body::Report {
@@ -124,14 +146,8 @@ fn report(snapshot: &SnapshotCell) -> Body {
         power_w: node_power_w,
         failsafe: s.failsafe,
         cap_mismatches: s.cap_mismatches,
-        // The newest final shares, while they are re-sent (see `control::ENDED_RESEND_S`).
-        ended: s
-            .ended
-            .iter()
-            .rev()
-            .take(powerflex_proto::link::MAX_ENDED_PER_REPORT)
-            .cloned()
-            .collect(),
+        // Unacknowledged final shares, re-sent until the controller acknowledges them.
+        ended: finals_in_turn(&s.ended, turn),
         observe_only: !s.enforce,
     }
 }
@@ -271,6 +287,7 @@ fn serve(
         return;
     }
     let mut next_report = Instant::now();
+    let mut turn: usize = 0;
     let mut leases_reported = leases_applied(snapshot);
     while !shutdown.load(Ordering::SeqCst) {
         // A lease just applied is confirmed at once (the caps read back are in the
@@ -282,7 +299,9 @@ fn serve(
         }
         if Instant::now() >= next_report {
             next_report = Instant::now() + options.report_period;
-            if !send(&mut stream, &mut session, &report(snapshot)) {
+            let body = report(snapshot, turn);
+            turn = turn.wrapping_add(1);
+            if !send(&mut stream, &mut session, &body) {
                 break;
             }
         }
@@ -317,6 +336,18 @@ fn serve(
                             event_in_force,
                         });
                     }
+                    Body::Acked { finals } => {
+                        // Bounded and checked before it reaches the loop: a malformed
+                        // acknowledgement drops nothing.
+                        match powerflex_proto::link::validate_acks(&finals) {
+                            Ok(()) => {
+                                let _ = tx.send(Inbound::Acked { finals });
+                            }
+                            Err(e) => {
+                                warn!(error = %e, "acknowledgement from the controller refused")
+                            }
+                        }
+                    }
                     other => warn!(
                         kind = other.kind(),
                         "unexpected message from the controller ignored"
@@ -330,4 +361,39 @@ fn serve(
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let _ = reader.join();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_proto::link::MAX_ENDED_PER_REPORT;
+    use powerflex_proto::usage::NodeUsage;
+
+    fn share(i: usize) -> NodeUsage {
+        serde_json::from_str(&format!(
+            r#"{{"job_id":"{i}","node":"n1","uid":1,"tier":"flex2","gpus":[],"energy_mj":1,
+            "energy_source":"counter","from_unix_ms":1,"to_unix_ms":2,"peak_power_w":0.0,
+            "observed_s":0.0,"capped_s":0.0,"event_s":0.0,"power_throttled_s":0.0,
+            "throttle_known_s":0.0,"caps":[],"pfi":null,"ended":true}}"#
+        ))
+        .expect("share")
+    }
+
+    #[test]
+    fn every_unacknowledged_share_goes_out_in_turn() {
+        let few: Vec<NodeUsage> = (0..3).map(share).collect();
+        assert_eq!(finals_in_turn(&few, 7), few, "all, when they fit");
+        let many: Vec<NodeUsage> = (0..40).map(share).collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for turn in 0..3 {
+            let sent = finals_in_turn(&many, turn);
+            assert_eq!(sent.len(), MAX_ENDED_PER_REPORT);
+            seen.extend(sent.into_iter().map(|s| s.job_id));
+        }
+        assert_eq!(seen.len(), 40, "three reports carry all forty");
+        assert_eq!(
+            finals_in_turn(&many, usize::MAX).len(),
+            MAX_ENDED_PER_REPORT
+        );
+    }
 }

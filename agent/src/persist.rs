@@ -58,6 +58,10 @@ pub struct PersistedState {
     /// the site over budget). Absent in files from older agents.
     #[serde(default)]
     pub lease: Option<PersistedLease>,
+    /// Final shares of ended jobs the controller has not acknowledged yet, so a restart
+    /// re-sends them rather than losing them. Absent in files from older agents.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unacked_finals: Vec<crate::control::UnackedFinal>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -281,6 +285,14 @@ mod tests {
                 u.gpu_reading("GPU-1", 0, 2_000, Some(512_345), Watts(500.0));
                 u
             }),
+        });
+        // A final share the controller has not acknowledged survives the restart.
+        let share = state.jobs[0].usage.as_ref().expect("usage").share(
+            "6", "n1", 1000, "flex2", None, None, None, None, true, false,
+        );
+        state.unacked_finals.push(crate::control::UnackedFinal {
+            ended_unix_ms: 3_000,
+            share,
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));

@@ -148,6 +148,7 @@ fn persisted(agent: &Agent) -> PersistedState {
             expires_unix_s: agent.clock_origin_unix_s + l.expires_at,
             start_cap_w: l.start_cap.map(|w| w.0),
         }),
+        unacked_finals: agent.unacked.clone(),
     }
 }
 
@@ -234,12 +235,14 @@ fn save(state_dir: &Path, agent: &Agent) {
 }
 
 /// Appends the final shares of jobs ended since the last call to the node's usage log,
-/// and logs each.
+/// logs each, and saves the state, which keeps them until the controller acknowledges
+/// them (a crash right after a job's end loses none).
 fn record_usage(agent: &mut Agent, state_dir: &Path, enabled: bool) {
     let records = agent.take_records();
     if records.is_empty() {
         return;
     }
+    save(state_dir, agent);
     let log = powerflex_daemon::fsx::JsonLines::new(state_dir.join(USAGE_LOG_FILE));
     for share in records {
         info!(
@@ -351,8 +354,12 @@ pub fn run(
         .unwrap_or_default();
     let mut agent = Agent::new(settings, identities, &saved_defaults, now());
     agent.clock_origin_unix_s = unix_s() - now();
+    agent.sample_interval_ms =
+        u64::try_from(options.sample_interval.as_millis()).unwrap_or(u64::MAX);
     // Read every GPU's limit before anything is written: in controller mode it bounds
-    // the caps until a current lease arrives (fail-static through a restart).
+    // the caps until a current lease arrives (fail-static through a restart). These
+    // readings also end the holds of jobs that ended while the agent was down.
+    let first_read_at = now();
     for gpu in 0..agent.gpus.len() as u32 {
         let sample = backend.sample(gpu);
         agent.sampled(now(), gpu, sample);
@@ -379,12 +386,38 @@ pub fn run(
         }
     };
     let live = table.as_ref().map(|t| t.live_jobs()).unwrap_or_default();
-    for job in saved.map(|s| s.jobs).unwrap_or_default() {
+    let (saved_jobs, saved_finals) = saved
+        .map(|s| (s.jobs, s.unacked_finals))
+        .unwrap_or_default();
+    // Final shares the controller had not acknowledged: re-sent from now on.
+    agent.unacked = saved_finals;
+    // GPUs running some job's processes now (by UUID): a job that ended while the agent
+    // was down is not charged what they draw for another.
+    let busy: std::collections::BTreeSet<String> = (0..agent.gpus.len() as u32)
+        .filter(|&g| backend.running_pids(g).is_ok_and(|pids| !pids.is_empty()))
+        .map(|g| agent.gpus[g as usize].identity.uuid.clone())
+        .collect();
+    for job in saved_jobs {
         let running = live
             .iter()
             .any(|(id, cluster)| id == &job.job_id && (!job.from_stepd || cluster == &job.cluster));
         if !running {
             info!(job_id = %job.job_id, "job from the previous run has ended; its GPUs return to default");
+            // Its end was missed: its final share from its persisted hold and the
+            // counters read just now.
+            if let Some(usage) = job.usage.clone() {
+                let share = agent.ended_while_down(
+                    first_read_at,
+                    &job.job_id,
+                    job.uid,
+                    &job.flex,
+                    &job.points,
+                    job.pfi,
+                    usage,
+                    &busy,
+                );
+                info!(job_id = %job.job_id, energy_j = share.energy_mj as f64 / 1000.0, "final share of a job that ended while the agent was down");
+            }
             continue;
         }
         let steps = if job.steps.is_empty() {
@@ -866,6 +899,17 @@ fn handle(
             agent.leases_applied += 1;
             // A restarted agent resumes this lease (see persist::PersistedLease).
             save(state_dir, agent);
+        }
+        Inbound::Acked { finals } => {
+            let dropped = agent.acked(&finals);
+            if dropped > 0 {
+                info!(
+                    acknowledged = dropped,
+                    left = agent.unacked.len(),
+                    "the controller recorded this node's final shares"
+                );
+                save(state_dir, agent);
+            }
         }
         Inbound::ProgressRefused { reason, peer } => {
             agent.progress_rejected += 1;

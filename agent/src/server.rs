@@ -72,6 +72,11 @@ pub enum Inbound {
         /// A grid event is in force.
         event_in_force: bool,
     },
+    /// The controller acknowledged these final shares (checked and bounded by the link):
+    /// their records are written.
+    Acked {
+        finals: Vec<powerflex_proto::link::FinalRef>,
+    },
 }
 
 /// The status snapshot, published by the control loop and read by anyone. The lock is

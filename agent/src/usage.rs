@@ -7,8 +7,13 @@
 //! resets it) closes one segment and opens another; a GPU whose reading has no counter
 //! is charged power × time for that span, and its share says so. Time-based shares
 //! (capped, in events, throttled) count only spans between consecutive observations at
-//! most [`MAX_OBSERVATION_GAP_MS`] apart, so an agent restart charges its gap to the
-//! energy (the counter ran on) but to no share.
+//! most [`max_observation_gap_ms`] apart (a few of the agent's sample periods), so an
+//! agent restart charges its gap to the energy (the counter ran on) but to no share.
+//!
+//! A hold ends when the GPU leaves the job (its claim refused, another job given the
+//! GPU) as well as at the job's end: [`JobUsage::release_gpu`] closes the span, and a
+//! later hold of the same GPU opens a new one from its own first reading, so what the
+//! counter advanced while another job held the GPU is never charged to this one.
 
 use std::collections::BTreeMap;
 
@@ -19,8 +24,25 @@ use powerflex_core::Watts;
 use powerflex_proto::status::ThroughputUnit;
 use powerflex_proto::usage::{CapTime, EnergySource, GpuEnergy, NodeUsage, MAX_CAP_TIMES};
 
-/// Longest span between two observations that still counts toward the time shares, ms.
-pub const MAX_OBSERVATION_GAP_MS: u64 = 5_000;
+/// The shortest gap between two observations that still counts toward the time shares,
+/// ms: at fast sample periods, a busy tick or two (slow NVML reads, a burst of
+/// registrations) must not drop time from the shares.
+pub const MIN_OBSERVATION_GAP_MS: u64 = 5_000;
+
+/// How many sample periods apart two observations may be and still count: a missed tick
+/// or two counts, an agent restart (tens of periods, and [`JobUsage::resumed`] starts
+/// afresh anyway) does not.
+pub const OBSERVATION_GAP_PERIODS: u64 = 3;
+
+/// Longest span between two observations that still counts toward the time shares, ms,
+/// for an agent that samples every `sample_interval_ms`: [`OBSERVATION_GAP_PERIODS`]
+/// periods, at least [`MIN_OBSERVATION_GAP_MS`]. A site sampling every 10 s keeps its
+/// 10 s spans (a fixed 5 s gap would drop every one of them).
+pub fn max_observation_gap_ms(sample_interval_ms: u64) -> u64 {
+    sample_interval_ms
+        .saturating_mul(OBSERVATION_GAP_PERIODS)
+        .max(MIN_OBSERVATION_GAP_MS)
+}
 
 /// A cap that slows the job beyond its bound by less than this (percent points) is
 /// within the curve's own uncertainty, not a broken bound.
@@ -51,6 +73,11 @@ pub struct GpuHold {
     /// The last reading's time and power, for integrating the next span.
     pub last_power: Option<(u64, f64)>,
     pub counted: bool,
+    /// The GPU left the job (a refused claim, another job given it): its span is closed,
+    /// and a later hold starts a new one at its own first reading. Absent in state files
+    /// from older agents (then not released).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub released: bool,
 }
 
 impl GpuHold {
@@ -141,10 +168,18 @@ impl JobUsage {
             integrated_mj: 0.0,
             last_power: None,
             counted: false,
+            released: false,
         });
         if at_unix_ms < hold.to_unix_ms {
             // A reading older than the last (a clock step back): nothing to charge.
             return;
+        }
+        if hold.released {
+            // Held again after a release: a new span from this reading. The segment and
+            // the last power were closed at the release, so neither the counter's advance
+            // nor the power × time between the release and now is charged here.
+            hold.released = false;
+            hold.index = index;
         }
         match energy_mj {
             Some(e) => {
@@ -204,16 +239,32 @@ impl JobUsage {
             .then_some((at_unix_ms, power.0.max(0.0)));
     }
 
+    /// GPU `uuid` left the job (its claim refused, or another job given it): the open
+    /// span is closed with what it charged so far. A later reading while the job holds
+    /// the GPU again opens a new span (see [`JobUsage::gpu_reading`]).
+    pub fn release_gpu(&mut self, uuid: &str) {
+        let Some(hold) = self.gpus.get_mut(uuid) else {
+            return;
+        };
+        if let Some((first, last)) = hold.segment.take() {
+            hold.closed_mj = hold
+                .closed_mj
+                .saturating_add(last.energy_mj.saturating_sub(first.energy_mj));
+        }
+        hold.last_power = None;
+        hold.released = true;
+    }
+
     /// One control period's view of the job. The span from the previous observation to
     /// this one is charged to the previous one's state (the cap and flags in force over
-    /// it).
-    pub fn observe(&mut self, o: Observation) {
+    /// it), when at most `max_gap_ms` long (see [`max_observation_gap_ms`]).
+    pub fn observe(&mut self, o: Observation, max_gap_ms: u64) {
         if let Some(p) = o.power_w.filter(|p| p.is_finite()) {
             self.peak_power_w = self.peak_power_w.max(p);
         }
         if let (Some(last), Some(state)) = (self.last_observed_unix_ms, self.last_state) {
             let gap = o.at_unix_ms.saturating_sub(last);
-            if o.at_unix_ms > last && gap <= MAX_OBSERVATION_GAP_MS {
+            if o.at_unix_ms > last && gap <= max_gap_ms {
                 let dt = gap as f64 / 1000.0;
                 self.observed_s += dt;
                 if state.capped {
@@ -411,6 +462,9 @@ mod tests {
     use super::*;
     use powerflex_core::curve::OperatingPoint;
 
+    /// The gap of an agent sampling every second.
+    const GAP_1S: u64 = 5_000;
+
     fn obs(at: u64, cap: f64, capped: bool) -> Observation {
         Observation {
             at_unix_ms: at,
@@ -471,12 +525,12 @@ mod tests {
     #[test]
     fn shares_count_observed_time_and_skip_gaps() {
         let mut u = JobUsage::default();
-        u.observe(obs(0, 700.0, false));
-        u.observe(obs(1_000, 500.0, true));
-        u.observe(obs(3_000, 500.0, true));
+        u.observe(obs(0, 700.0, false), GAP_1S);
+        u.observe(obs(1_000, 500.0, true), GAP_1S);
+        u.observe(obs(3_000, 500.0, true), GAP_1S);
         // An agent restart: 60 s unobserved.
-        u.observe(obs(63_000, 700.0, false));
-        u.observe(obs(64_000, 700.0, false));
+        u.observe(obs(63_000, 700.0, false), GAP_1S);
+        u.observe(obs(64_000, 700.0, false), GAP_1S);
         assert_eq!(u.observed_s, 4.0);
         assert_eq!(u.capped_s, 2.0);
         assert_eq!(u.event_s, 2.0);
@@ -484,6 +538,53 @@ mod tests {
         assert_eq!(u.peak_power_w, 1400.0);
         assert_eq!(u.cap_seconds.get(&700), Some(&2.0));
         assert_eq!(u.cap_seconds.get(&500), Some(&2.0));
+    }
+
+    #[test]
+    fn the_gap_follows_the_sample_period_so_a_slow_sampling_site_keeps_its_shares() {
+        assert_eq!(max_observation_gap_ms(1_000), GAP_1S);
+        assert_eq!(max_observation_gap_ms(50), MIN_OBSERVATION_GAP_MS);
+        assert_eq!(max_observation_gap_ms(10_000), 30_000);
+        assert_eq!(max_observation_gap_ms(u64::MAX), u64::MAX, "no overflow");
+        // A site sampling every 10 s: every span counts.
+        let mut u = JobUsage::default();
+        for i in 0..=6u64 {
+            u.observe(obs(i * 10_000, 500.0, true), max_observation_gap_ms(10_000));
+        }
+        assert_eq!(u.observed_s, 60.0);
+        assert_eq!(u.capped_s, 60.0);
+        assert_eq!(u.cap_seconds.get(&500), Some(&60.0));
+        // A restart's gap (many periods) still counts in no share.
+        u.observe(obs(200_000, 500.0, true), max_observation_gap_ms(10_000));
+        assert_eq!(u.observed_s, 60.0);
+    }
+
+    #[test]
+    fn a_released_gpu_taken_back_opens_a_new_span_and_nothing_is_charged_twice() {
+        let mut u = JobUsage::default();
+        u.gpu_reading("A", 0, 1_000, Some(10_000), Watts(500.0));
+        u.gpu_reading("A", 0, 2_000, Some(510_000), Watts(500.0));
+        // The claim is refused: another job's processes use the GPU from here.
+        u.release_gpu("A");
+        // While the other job holds it, its counter runs on by 7,000,000 mJ; then the
+        // GPU comes back to this job.
+        u.gpu_reading("A", 0, 20_000, Some(7_510_000), Watts(500.0));
+        u.gpu_reading("A", 0, 21_000, Some(8_010_000), Watts(500.0));
+        assert_eq!(u.energy_mj(), 500_000 + 500_000, "only its own two spans");
+        // The same with power × time: the released gap is not integrated.
+        let mut v = JobUsage::default();
+        v.gpu_reading("B", 1, 0, None, Watts(400.0));
+        v.gpu_reading("B", 1, 1_000, None, Watts(400.0));
+        v.release_gpu("B");
+        v.gpu_reading("B", 1, 60_000, None, Watts(400.0));
+        v.gpu_reading("B", 1, 61_000, None, Watts(400.0));
+        assert_eq!(v.energy_mj(), 800_000);
+        // A hold from an older state file (no `released`) reads as held.
+        let hold: GpuHold = serde_json::from_str(
+            r#"{"index":0,"from_unix_ms":1,"to_unix_ms":2,"segment":null,"closed_mj":0,"integrated_mj":0.0,"last_power":null,"counted":false}"#,
+        )
+        .expect("old hold");
+        assert!(!hold.released);
     }
 
     fn curve() -> CapCurve {
@@ -514,7 +615,7 @@ mod tests {
         // 10 s at 700 W, then 10 s at 500 W, observed every second.
         for i in 0..=20u64 {
             let cap = if i < 10 { 700.0 } else { 500.0 };
-            u.observe(obs(i * 1_000, cap, cap < 700.0));
+            u.observe(obs(i * 1_000, cap, cap < 700.0), GAP_1S);
         }
         let s = u.share(
             "7",
@@ -537,7 +638,7 @@ mod tests {
         assert_eq!(s.caps[0].cap_w, 700.0, "highest cap first");
         // 10 s at 300 W is 40 % slower: beyond a 10 % bound.
         for i in 21..=30u64 {
-            u.observe(obs(i * 1_000, 300.0, true));
+            u.observe(obs(i * 1_000, 300.0, true), GAP_1S);
         }
         let s = u.share(
             "7",
@@ -558,7 +659,7 @@ mod tests {
     fn cap_times_stay_bounded_and_keep_their_total() {
         let mut u = JobUsage::default();
         for i in 0..200u64 {
-            u.observe(obs(i * 1_000, 200.0 + i as f64, true));
+            u.observe(obs(i * 1_000, 200.0 + i as f64, true), GAP_1S);
         }
         assert!(u.cap_seconds.len() <= MAX_CAP_TIMES);
         let total: f64 = u.cap_seconds.values().sum();

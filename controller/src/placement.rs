@@ -172,6 +172,7 @@ mod tests {
             state,
             admin_comment: String::new(),
             account: String::new(),
+            start_unix_s: None,
         };
         Placement {
             jobs: BTreeMap::from([

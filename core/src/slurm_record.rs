@@ -141,6 +141,10 @@ pub struct SlurmJob {
     pub admin_comment: String,
     /// The Slurm account the job is charged to (empty when Slurm names none).
     pub account: String,
+    /// When the job's current run started, Unix seconds (`start_time`): a requeued job
+    /// keeps its id and starts again later, so this tells its runs apart. None while it
+    /// never ran (pending: Slurm's figure is then an estimate) or when Slurm gave none.
+    pub start_unix_s: Option<u64>,
 }
 
 /// Every job Slurm lists, by job id (decimal, as the plugin reports it).
@@ -170,6 +174,40 @@ struct QueueJob {
     admin_comment: String,
     #[serde(default)]
     account: String,
+    start_time: Option<TimeField>,
+}
+
+/// A time in `squeue --json`: a number of Unix seconds in Slurm 22.05, an object
+/// `{"set": true, "infinite": false, "number": N}` in later releases.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TimeField {
+    Plain(u64),
+    Set {
+        #[serde(default)]
+        set: Option<bool>,
+        #[serde(default)]
+        infinite: Option<bool>,
+        #[serde(default)]
+        number: Option<u64>,
+    },
+}
+
+impl TimeField {
+    /// The time, when one is set (0, unset and infinite are none).
+    fn unix_s(&self) -> Option<u64> {
+        match self {
+            TimeField::Plain(t) => Some(*t),
+            TimeField::Set {
+                set,
+                infinite,
+                number,
+            } => (set.unwrap_or(true) && !infinite.unwrap_or(false))
+                .then_some(*number)
+                .flatten(),
+        }
+        .filter(|t| *t > 0)
+    }
 }
 
 /// `job_state`: a string in Slurm 22.05 (`"RUNNING"`), a list of flags in later
@@ -246,6 +284,11 @@ pub fn parse_squeue_json(bytes: &[u8]) -> Result<SlurmJobs, SlurmRecordError> {
                 state: job.job_state.state(),
                 admin_comment: job.admin_comment,
                 account: job.account,
+                start_unix_s: if job.job_state.state() == SlurmJobState::Pending {
+                    None
+                } else {
+                    job.start_time.as_ref().and_then(TimeField::unix_s)
+                },
             },
         );
     }
@@ -367,6 +410,29 @@ mod tests {
       {"job_id":2,"user_id":1002,"job_state":"PENDING","nodes":"","admin_comment":"powerflex;tier=flex1;pfi=-;cap=500W","account":"physics"},
       {"job_id":3,"user_id":0,"job_state":"SUSPENDED","nodes":"n3","admin_comment":"powerflex;tier=flex3,preempt=suspend;suspended:x"}
     ]}"#;
+
+    #[test]
+    fn squeue_json_gives_each_run_s_start_in_either_time_format() {
+        let text = r#"{"jobs":[
+          {"job_id":1,"user_id":1,"job_state":"RUNNING","nodes":"n1","start_time":1764680000},
+          {"job_id":2,"user_id":1,"job_state":["RUNNING"],"nodes":"n1",
+           "start_time":{"set":true,"infinite":false,"number":1764680001}},
+          {"job_id":3,"user_id":1,"job_state":"PENDING","nodes":"","start_time":1764689999},
+          {"job_id":4,"user_id":1,"job_state":"RUNNING","nodes":"n1","start_time":{"set":false,"infinite":false,"number":0}},
+          {"job_id":5,"user_id":1,"job_state":"COMPLETED","nodes":"n1","start_time":0},
+          {"job_id":6,"user_id":1,"job_state":"RUNNING","nodes":"n1"}
+        ]}"#;
+        let jobs = parse_squeue_json(text.as_bytes()).expect("parses");
+        assert_eq!(jobs["1"].start_unix_s, Some(1_764_680_000));
+        assert_eq!(jobs["2"].start_unix_s, Some(1_764_680_001));
+        assert_eq!(
+            jobs["3"].start_unix_s, None,
+            "a pending job's start is an estimate"
+        );
+        assert_eq!(jobs["4"].start_unix_s, None);
+        assert_eq!(jobs["5"].start_unix_s, None);
+        assert_eq!(jobs["6"].start_unix_s, None);
+    }
 
     #[test]
     fn squeue_json_gives_placement_owner_state_and_the_real_admin_comment() {

@@ -169,9 +169,11 @@ pub enum AdminOp {
         node: String,
     },
     /// Jobs' energy records (see [`crate::usage::JobEnergyRecord`]) of jobs that ended
-    /// in `[since_ms, until_ms)`, oldest first, at most [`MAX_RECORDS_PER_REPLY`] (a
-    /// client pages by asking again after the last `to_unix_ms` it got). A user sees
-    /// only their own jobs' records; root all, or one user's with `uid`.
+    /// in `(since_ms, until_ms]`, in [`RecordCursor`] order (by end, then job id, run,
+    /// write time), at most [`MAX_RECORDS_PER_REPLY`]. A client pages by asking again
+    /// with `after` the cursor of the last record it got ([`RecordCursor::of`]): exact,
+    /// even when many records end in the same millisecond. A user sees only their own
+    /// jobs' records; root all, or one user's with `uid`.
     Accounting {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         since_ms: Option<u64>,
@@ -186,7 +188,35 @@ pub enum AdminOp {
         /// Slurm's account the jobs were charged to.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         account: Option<String>,
+        /// Records after this one only (the last of the previous page). A controller
+        /// older than this field refuses it: only a second page asks with it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<RecordCursor>,
     },
+}
+
+/// Where a record stands in the order `accounting` answers in: a total order over the
+/// records a controller keeps (one per job run), stable across its restarts.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecordCursor {
+    pub to_unix_ms: u64,
+    pub job_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_start_unix_ms: Option<u64>,
+    pub written_unix_ms: u64,
+}
+
+impl RecordCursor {
+    /// The cursor of `record`.
+    pub fn of(record: &crate::usage::JobEnergyRecord) -> RecordCursor {
+        RecordCursor {
+            to_unix_ms: record.to_unix_ms,
+            job_id: record.job_id.clone(),
+            run_start_unix_ms: record.run_start_unix_ms,
+            written_unix_ms: record.written_unix_ms,
+        }
+    }
 }
 
 /// Most records one `accounting` reply carries.

@@ -151,8 +151,74 @@ pub struct JobReport {
     pub usage: Option<crate::usage::NodeUsage>,
 }
 
-/// Most final shares one report carries (the newest).
+/// Most final shares one report carries: an agent with more unacknowledged ones sends
+/// them in turns, report after report.
 pub const MAX_ENDED_PER_REPORT: usize = 16;
+
+/// Most final shares one [`Body::Acked`] names.
+pub const MAX_ACKS_PER_MESSAGE: usize = 256;
+
+/// A node's final share of one job, as an acknowledgement names it: the job, and the
+/// start of the node's hold of it (the share's own `from_unix_ms`, which a requeued
+/// run of the same job id on the same node does not share).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinalRef {
+    pub job_id: String,
+    pub from_unix_ms: u64,
+}
+
+impl FinalRef {
+    /// The reference to `share`.
+    pub fn of(share: &crate::usage::NodeUsage) -> FinalRef {
+        FinalRef {
+            job_id: share.job_id.clone(),
+            from_unix_ms: share.from_unix_ms,
+        }
+    }
+}
+
+/// Checks the final shares of one report: at most [`MAX_ENDED_PER_REPORT`], each final
+/// and valid ([`crate::usage::NodeUsage::validate`]).
+pub fn validate_final_shares(shares: &[crate::usage::NodeUsage]) -> Result<(), ProtoError> {
+    if shares.len() > MAX_ENDED_PER_REPORT {
+        return Err(invalid(
+            "ended",
+            format!(
+                "{} final shares; at most {MAX_ENDED_PER_REPORT} per report",
+                shares.len()
+            ),
+        ));
+    }
+    for share in shares {
+        if !share.ended {
+            return Err(invalid(
+                format!("ended share of job {}", share.job_id),
+                "not final (ended = false)",
+            ));
+        }
+        share.validate()?;
+    }
+    Ok(())
+}
+
+/// Checks an acknowledgement: at most [`MAX_ACKS_PER_MESSAGE`] references, each with a
+/// valid job id.
+pub fn validate_acks(finals: &[FinalRef]) -> Result<(), ProtoError> {
+    if finals.len() > MAX_ACKS_PER_MESSAGE {
+        return Err(invalid(
+            "acked finals",
+            format!(
+                "{} references; at most {MAX_ACKS_PER_MESSAGE} per message",
+                finals.len()
+            ),
+        ));
+    }
+    if finals.iter().any(|f| !crate::valid_id(&f.job_id)) {
+        return Err(ProtoError::BadJobId);
+    }
+    Ok(())
+}
 
 /// What a message says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -177,10 +243,12 @@ pub enum Body {
         /// and not what it wrote) and wrote again, since the agent started.
         #[serde(default)]
         cap_mismatches: u64,
-        /// Final shares of jobs that ended on the node recently (at most
-        /// [`MAX_ENDED_PER_REPORT`]), re-sent for a while: the controller keeps the first
-        /// of each and ignores repeats. A controller older than this field refuses such
-        /// reports: upgrade controllers before agents.
+        /// Final shares of jobs that ended on the node and that the controller has not
+        /// acknowledged ([`Body::Acked`]) yet, at most [`MAX_ENDED_PER_REPORT`] per
+        /// report: the agent keeps them on disk and re-sends them until acknowledged
+        /// (a controller that never acknowledges, one older than [`Body::Acked`], keeps
+        /// the first of each and ignores repeats). A controller older than this field
+        /// refuses such reports: upgrade controllers before agents.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         ended: Vec<crate::usage::NodeUsage>,
         /// The agent runs in observe mode (`agent.enforce = false`): it writes no limit,
@@ -221,6 +289,12 @@ pub enum Body {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         event_in_force: bool,
     },
+    /// Controller → agent: these final shares (from the node's reports' `ended`) are
+    /// taken for good: their job's record is written (or was before). The agent stops
+    /// re-sending them. At most [`MAX_ACKS_PER_MESSAGE`]. Sent only to a node whose
+    /// report carried final shares; an agent older than this message logs it as
+    /// refused and ignores it (it re-sends its shares for a while as before).
+    Acked { finals: Vec<FinalRef> },
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -692,15 +766,16 @@ impl Body {
             Body::Hello { .. } => "hello",
             Body::Report { .. } => "report",
             Body::Lease { .. } => "lease",
+            Body::Acked { .. } => "acked",
         }
     }
 }
 
 /// Most GPUs one node may announce or one job may hold on one node.
-pub const MAX_GPUS_PER_NODE: usize = 256;
+pub const MAX_GPUS_PER_NODE: usize = crate::usage::MAX_SHARE_GPUS;
 /// Highest power limit or draw believed of one GPU, W (the largest accelerators today
 /// are near 1.5 kW; anything above this is a broken or lying sender).
-pub const MAX_GPU_POWER_W: f64 = 5_000.0;
+pub const MAX_GPU_POWER_W: f64 = crate::usage::MAX_SHARE_GPU_POWER_W;
 /// Most jobs one node may report, and most calibrated points per job.
 pub const MAX_JOBS_PER_NODE: usize = 256;
 pub const MAX_POINTS_PER_JOB: usize = 256;
@@ -1459,5 +1534,75 @@ mod tests {
         bad.default_w = f64::NAN;
         assert!(bad.validate().is_err());
         assert!(validate_gpus(&[gpu("GPU-0"), gpu("GPU-0")]).is_err());
+    }
+
+    fn final_share(job: &str) -> crate::usage::NodeUsage {
+        crate::usage::NodeUsage {
+            job_id: job.into(),
+            node: "n1".into(),
+            uid: 1000,
+            tier: "flex2".into(),
+            gpus: vec![],
+            energy_mj: 1,
+            energy_source: crate::usage::EnergySource::Counter,
+            from_unix_ms: 1,
+            to_unix_ms: 2,
+            peak_power_w: 0.0,
+            observed_s: 0.0,
+            capped_s: 0.0,
+            event_s: 0.0,
+            power_throttled_s: 0.0,
+            throttle_known_s: 0.0,
+            caps: vec![],
+            slowdown_pct: None,
+            bound_pct: None,
+            bound_held: None,
+            saved_estimate_j: None,
+            work: None,
+            work_unit: None,
+            pfi: None,
+            ended: true,
+            simulated: false,
+        }
+    }
+
+    #[test]
+    fn final_shares_and_acks_from_a_peer_are_bounded() {
+        let many = vec![final_share("7"); MAX_ENDED_PER_REPORT];
+        assert!(validate_final_shares(&many).is_ok());
+        let too_many = vec![final_share("7"); MAX_ENDED_PER_REPORT + 1];
+        let e = validate_final_shares(&too_many).expect_err("too many");
+        assert!(e.to_string().contains("at most 16"), "{e}");
+        let mut running = final_share("7");
+        running.ended = false;
+        assert!(validate_final_shares(&[running]).is_err());
+        let mut nan = final_share("7");
+        nan.event_s = f64::NAN;
+        assert!(validate_final_shares(&[nan]).is_err());
+        let ack = |job: &str| FinalRef {
+            job_id: job.into(),
+            from_unix_ms: 5,
+        };
+        assert!(validate_acks(&vec![ack("7"); MAX_ACKS_PER_MESSAGE]).is_ok());
+        assert!(validate_acks(&vec![ack("7"); MAX_ACKS_PER_MESSAGE + 1]).is_err());
+        assert_eq!(validate_acks(&[ack("")]), Err(ProtoError::BadJobId));
+        // On the wire: typed, and unknown fields refused like every other message.
+        let body = Body::Acked {
+            finals: vec![ack("7")],
+        };
+        let text = serde_json::to_string(&body).expect("json");
+        assert_eq!(
+            text,
+            r#"{"type":"acked","finals":[{"job_id":"7","from_unix_ms":5}]}"#
+        );
+        assert_eq!(serde_json::from_str::<Body>(&text).expect("parse"), body);
+        assert!(serde_json::from_str::<Body>(
+            r#"{"type":"acked","finals":[{"job_id":"7","from_unix_ms":5,"x":1}]}"#
+        )
+        .is_err());
+        assert!(serde_json::from_str::<Body>(
+            r#"{"type":"acked","finals":[{"job_id":"7","from_unix_ms":-5}]}"#
+        )
+        .is_err());
     }
 }

@@ -12,8 +12,10 @@
 use serde::{Deserialize, Serialize};
 
 /// The version of [`JobEnergyRecord`] this crate writes. A reader refuses a record of a
-/// newer version rather than misread it.
-pub const RECORD_VERSION: u32 = 1;
+/// newer version rather than misread it. Version 2 added `run_start_unix_ms` and
+/// `revision` (a requeued job's runs, late final shares); a version 1 record reads with
+/// neither (one run, revision 1).
+pub const RECORD_VERSION: u32 = 2;
 
 /// Where a figure of energy comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -195,6 +197,141 @@ pub struct JobEnergyRecord {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub incomplete_nodes: Vec<String>,
     pub nodes: Vec<NodeUsage>,
+    /// Which run of the job this is: Slurm's start time of the run (`squeue`'s
+    /// `start_time`), Unix ms. A requeued job keeps its id and gets a new start time, so
+    /// each run has its own record. None when the controller does not read Slurm
+    /// (`job_placement = "reports"`) and in version 1 records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_start_unix_ms: Option<u64>,
+    /// 1 for a run's first record; a final share that arrives after it (an agent that
+    /// was down when the job ended sends it at its next start) makes the run's record
+    /// again, complete, with the next revision. The latest revision of a run is its
+    /// record.
+    #[serde(default = "first_revision", skip_serializing_if = "is_first_revision")]
+    pub revision: u32,
+}
+
+fn first_revision() -> u32 {
+    1
+}
+
+fn is_first_revision(r: &u32) -> bool {
+    *r == 1
+}
+
+/// Most GPUs a share may name (one node's; the link's `MAX_GPUS_PER_NODE` is this).
+pub const MAX_SHARE_GPUS: usize = 256;
+/// Highest draw believed of one GPU, W (the link's `MAX_GPU_POWER_W` is this).
+pub const MAX_SHARE_GPU_POWER_W: f64 = 5_000.0;
+
+/// Longest job id, tier, node name or GPU UUID a share may carry, bytes.
+pub const MAX_SHARE_TEXT_BYTES: usize = 256;
+
+fn invalid(field: String, reason: impl Into<String>) -> crate::ProtoError {
+    crate::ProtoError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+fn check_figure(field: &str, value: f64) -> Result<(), crate::ProtoError> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(invalid(
+            field.to_string(),
+            format!("{value}; accepted: a finite number >= 0"),
+        ))
+    }
+}
+
+impl NodeUsage {
+    /// Checks that a share from a peer can be true: a valid job id, at most
+    /// [`MAX_SHARE_GPUS`] GPUs with 1-128 printable-character UUIDs, at
+    /// most [`MAX_CAP_TIMES`] caps, every figure finite and non-negative, a peak within
+    /// what its GPUs can draw, `from_unix_ms <= to_unix_ms`, texts of at most
+    /// [`MAX_SHARE_TEXT_BYTES`]. Sums over shares saturate, so no value can overflow
+    /// them.
+    pub fn validate(&self) -> Result<(), crate::ProtoError> {
+        if !crate::valid_id(&self.job_id) {
+            return Err(crate::ProtoError::BadJobId);
+        }
+        let field = |f: &str| format!("share of job {} {f}", self.job_id);
+        if self.tier.len() > MAX_SHARE_TEXT_BYTES || self.node.len() > MAX_SHARE_TEXT_BYTES {
+            return Err(invalid(
+                field("tier/node"),
+                format!("longer than {MAX_SHARE_TEXT_BYTES} bytes"),
+            ));
+        }
+        if self.gpus.len() > MAX_SHARE_GPUS {
+            return Err(invalid(
+                field("gpus"),
+                format!("{} GPUs; at most {}", self.gpus.len(), MAX_SHARE_GPUS),
+            ));
+        }
+        for g in &self.gpus {
+            if g.uuid.is_empty()
+                || g.uuid.len() > 128
+                || !g.uuid.chars().all(|c| c.is_ascii_graphic())
+            {
+                return Err(invalid(
+                    field("gpu uuid"),
+                    "1-128 printable ASCII characters",
+                ));
+            }
+            if g.from_unix_ms > g.to_unix_ms {
+                return Err(invalid(field("gpu from_unix_ms"), "after its to_unix_ms"));
+            }
+        }
+        if self.caps.len() > MAX_CAP_TIMES {
+            return Err(invalid(
+                field("caps"),
+                format!("{} entries; at most {MAX_CAP_TIMES}", self.caps.len()),
+            ));
+        }
+        if self.from_unix_ms > self.to_unix_ms {
+            return Err(invalid(field("from_unix_ms"), "after its to_unix_ms"));
+        }
+        let most_w = MAX_SHARE_GPU_POWER_W * self.gpus.len().max(1) as f64;
+        if self.peak_power_w > most_w {
+            return Err(invalid(
+                field("peak_power_w"),
+                format!("{} W; at most {most_w} W for its GPUs", self.peak_power_w),
+            ));
+        }
+        for (name, v) in [
+            ("peak_power_w", self.peak_power_w),
+            ("observed_s", self.observed_s),
+            ("capped_s", self.capped_s),
+            ("event_s", self.event_s),
+            ("power_throttled_s", self.power_throttled_s),
+            ("throttle_known_s", self.throttle_known_s),
+        ] {
+            check_figure(&field(name), v)?;
+        }
+        for c in &self.caps {
+            check_figure(&field("cap cap_w"), c.cap_w)?;
+            check_figure(&field("cap seconds"), c.seconds)?;
+        }
+        for (name, v) in [
+            ("slowdown_pct", self.slowdown_pct),
+            ("bound_pct", self.bound_pct),
+            ("work", self.work),
+            ("pfi", self.pfi),
+        ] {
+            if let Some(v) = v {
+                check_figure(&field(name), v)?;
+            }
+        }
+        // An estimate may be negative (capping cost energy), never NaN or infinite.
+        if let Some(v) = self.saved_estimate_j.filter(|v| !v.is_finite()) {
+            return Err(invalid(
+                field("saved_estimate_j"),
+                format!("{v} is not finite"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Joules per kilowatt-hour.
@@ -275,6 +412,8 @@ impl JobEnergyRecord {
             pfi: shares.iter().find_map(|s| s.pfi),
             incomplete_nodes,
             nodes: shares,
+            run_start_unix_ms: None,
+            revision: 1,
         })
     }
 
@@ -395,6 +534,59 @@ mod tests {
         let back: JobEnergyRecord = serde_json::from_str(&text).expect("parse");
         assert_eq!(back, r);
         assert!(JobEnergyRecord::from_shares(vec![], vec![], 0).is_none());
+    }
+
+    #[test]
+    fn a_version_1_record_reads_as_the_first_revision_of_one_run() {
+        let mut r =
+            JobEnergyRecord::from_shares(vec![share("n1", 1, true)], vec![], 0).expect("record");
+        let mut v1 = serde_json::to_value(&r).expect("json");
+        v1["version"] = 1.into();
+        let back: JobEnergyRecord = serde_json::from_value(v1).expect("a v1 record reads");
+        assert_eq!((back.revision, back.run_start_unix_ms), (1, None));
+        r.revision = 2;
+        r.run_start_unix_ms = Some(5_000);
+        let text = serde_json::to_string(&r).expect("json");
+        assert!(text.contains("\"revision\":2") && text.contains("\"run_start_unix_ms\":5000"));
+        assert_eq!(
+            serde_json::from_str::<JobEnergyRecord>(&text).expect("v2"),
+            r
+        );
+    }
+
+    #[test]
+    fn a_share_from_a_peer_is_bounded_and_finite() {
+        assert!(
+            share("n1", u64::MAX - 5, true).validate().is_ok(),
+            "sums saturate"
+        );
+        let bad = |f: fn(&mut NodeUsage)| {
+            let mut s = share("n1", 1, true);
+            f(&mut s);
+            s.validate().expect_err("refused").to_string()
+        };
+        assert!(bad(|s| s.job_id = "7; rm".into()).contains("job_id"));
+        assert!(bad(|s| s.observed_s = f64::NAN).contains("observed_s"));
+        assert!(bad(|s| s.capped_s = -1.0).contains("capped_s"));
+        assert!(bad(|s| s.peak_power_w = 1e12).contains("peak_power_w"));
+        assert!(bad(|s| s.from_unix_ms = s.to_unix_ms + 1).contains("from_unix_ms"));
+        assert!(bad(|s| s.tier = "x".repeat(MAX_SHARE_TEXT_BYTES + 1)).contains("longer"));
+        assert!(bad(|s| s.saved_estimate_j = Some(f64::INFINITY)).contains("saved_estimate_j"));
+        assert!(bad(|s| {
+            let g = s.gpus[0].clone();
+            s.gpus = vec![g; MAX_SHARE_GPUS + 1];
+        })
+        .contains("at most"));
+        assert!(bad(|s| {
+            s.caps = vec![
+                CapTime {
+                    cap_w: 1.0,
+                    seconds: 1.0
+                };
+                MAX_CAP_TIMES + 1
+            ];
+        })
+        .contains("at most"));
     }
 
     #[test]

@@ -790,6 +790,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         tier: None,
                         job: Some(job.clone()),
                         account: None,
+                        after: None,
                     },
                 )?;
                 if let Some(record) = ended.last() {
@@ -824,25 +825,29 @@ fn run(cli: Cli) -> Result<String, CtlError> {
         } => {
             let uid = user.as_deref().map(uid_of).transpose()?;
             let mut all = Vec::new();
-            let mut since_ms = since;
-            // Paged: each reply holds at most MAX_RECORDS_PER_REPLY, oldest first.
+            let mut after: Option<powerflex_proto::admin::RecordCursor> = None;
+            // Paged: each reply holds at most MAX_RECORDS_PER_REPLY in cursor order; the
+            // next page starts after the last record got (exact: records ending in the
+            // same millisecond are neither skipped nor repeated).
             loop {
                 let page = records(
                     &args,
                     AdminOp::Accounting {
-                        since_ms,
+                        since_ms: since,
                         until_ms: until,
                         uid,
                         tier: tier.clone(),
                         account: account.clone(),
                         job: None,
+                        after: after.clone(),
                     },
                 )?;
                 let full = page.len() >= powerflex_proto::admin::MAX_RECORDS_PER_REPLY;
-                let last = page.last().map(|r| r.to_unix_ms);
+                let next = page.last().map(powerflex_proto::admin::RecordCursor::of);
                 all.extend(page);
-                match (full, last) {
-                    (true, Some(t)) if Some(t) != since_ms => since_ms = Some(t),
+                match next {
+                    // A cursor that does not advance would loop: stop.
+                    Some(c) if full && after.as_ref() != Some(&c) => after = Some(c),
                     _ => break,
                 }
             }

@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use powerflex_core::allocate::Policy;
 use powerflex_core::Watts;
@@ -31,6 +31,7 @@ use crate::rollout::{LeaseOut, Rollout};
 use crate::schedule::{active_event, effective_budget, Event};
 use crate::site::{decide_holding, Decision, NodeView};
 use powerflex_core::config::{JobPlacement, LeaseRollout};
+use powerflex_proto::link::FinalRef;
 use powerflex_proto::usage::{JobEnergyRecord, NodeUsage};
 
 /// Least time a node gets to confirm its decreases before it counts at its most, ms: an
@@ -165,6 +166,9 @@ pub struct Output {
     /// Energy records of jobs that ended, to append to the accounting log (before the
     /// annotations that show them in Slurm).
     pub job_records: Vec<JobEnergyRecord>,
+    /// Per node, the final shares to acknowledge ([`powerflex_proto::link::Body::Acked`])
+    /// once `job_records` are written: their records hold them.
+    pub final_acks: BTreeMap<String, Vec<FinalRef>>,
 }
 
 /// The controller's state machine.
@@ -275,6 +279,7 @@ impl Core {
                 "waiting for the known agents to reconnect before allocating"
             );
         }
+        let options_slurm = options.job_placement == JobPlacement::Slurm;
         Core {
             grace_until_ms: now_ms + (options.lease_ttl_s * 500.0) as u64,
             options,
@@ -297,7 +302,7 @@ impl Core {
             placement: None,
             placement_error: None,
             refresh_placement: false,
-            ledger: Ledger::default(),
+            ledger: Ledger::new(options_slurm),
             accounting_db: None,
             job_accounts: BTreeMap::new(),
             energy_totals: EnergyTotals::default(),
@@ -330,7 +335,7 @@ impl Core {
                     self.report(&node, jobs, power_w, now_ms);
                     if let Some(s) = self.sessions.get_mut(&node) {
                         s.observe_only = observe_only;
-                        self.ledger.ended(&node, ended, now_ms);
+                        self.final_shares(&node, ended, now_ms);
                     }
                 }
                 Input::Admin { op, uid } => {
@@ -377,6 +382,34 @@ impl Core {
         out
     }
 
+    /// A node's final shares: checked as a whole (a malformed list is refused, logged
+    /// and counted against the node), then each taken where Slurm placed its run on the
+    /// node (see [`accounting`]).
+    fn final_shares(&mut self, node: &str, ended: Vec<NodeUsage>, now_ms: u64) {
+        if ended.is_empty() {
+            return;
+        }
+        if let Err(e) = powerflex_proto::link::validate_final_shares(&ended) {
+            warn!(node, error = %e, "a node's final shares refused");
+            if let Some(s) = self.sessions.get_mut(node) {
+                s.refused_reports += 1;
+            }
+            return;
+        }
+        let placement = self.placement.clone();
+        let refused = self.ledger.ended(node, ended, now_ms, |job| {
+            placement
+                .as_ref()
+                .and_then(|p| p.jobs.get(job))
+                .filter(|j| j.nodes.contains(node))
+                .map(|j| j.uid)
+        });
+        for r in refused {
+            // The agent re-sends it until acknowledged, or for a day: debug, not warn.
+            debug!(node, job_id = %r.job_id, why = r.reason, "a node's final share refused");
+        }
+    }
+
     /// The energy records due now. (Not annotated: Slurm refuses `AdminComment` updates
     /// to a finished job; the running annotation carries the energy so far.)
     fn write_records(&mut self, now_ms: u64, out: &mut Output) {
@@ -407,6 +440,7 @@ impl Core {
             );
         }
         out.job_records = records;
+        out.final_acks = self.ledger.take_acks();
     }
 
     /// The status snapshot at `now_ms` (liveness as of the last allocation attempt).
@@ -560,6 +594,9 @@ impl Core {
                 if self.placement_error.take().is_some() {
                     info!(jobs = placement.jobs.len(), "Slurm's placement read again");
                 }
+                // Where each run is placed is remembered for its final shares, which
+                // may come after Slurm has forgotten the job.
+                self.ledger.placement(&placement.jobs);
                 self.placement = Some(std::sync::Arc::new(placement));
                 let nodes: Vec<String> = self.sessions.keys().cloned().collect();
                 for node in nodes {
@@ -758,22 +795,24 @@ impl Core {
                 uid: of_uid,
                 tier,
                 job,
+                after,
                 account,
             } => {
                 // A user asks for their own records only (need_to_know filters the rest).
                 let of_uid = if uid == 0 { of_uid } else { Some(uid) };
-                let records: Vec<JobEnergyRecord> = self
-                    .ledger
-                    .recent()
-                    .filter(|r| since_ms.is_none_or(|t| r.to_unix_ms > t))
-                    .filter(|r| until_ms.is_none_or(|t| r.to_unix_ms <= t))
-                    .filter(|r| of_uid.is_none_or(|u| r.uid == u))
-                    .filter(|r| tier.as_ref().is_none_or(|t| &r.tier == t))
-                    .filter(|r| job.as_ref().is_none_or(|j| &r.job_id == j))
-                    .filter(|r| account.is_none() || r.account == account)
-                    .take(powerflex_proto::admin::MAX_RECORDS_PER_REPLY)
-                    .cloned()
-                    .collect();
+                let records: Vec<JobEnergyRecord> = accounting::records_page(
+                    self.ledger.recent(),
+                    &accounting::RecordQuery {
+                        since_ms,
+                        until_ms,
+                        uid: of_uid,
+                        tier,
+                        job,
+                        after,
+                        account,
+                    },
+                    powerflex_proto::admin::MAX_RECORDS_PER_REPLY,
+                );
                 AdminReply {
                     records: Some(records),
                     ..AdminReply::ok()
@@ -1411,6 +1450,7 @@ mod tests {
                             state: SlurmJobState::OnItsNodes,
                             admin_comment: String::new(),
                             account: "physics".to_string(),
+                            start_unix_s: Some(T0 / 1000 - 60),
                         },
                     )
                 })
@@ -1512,14 +1552,39 @@ mod tests {
             vec![ended("n1", 4_000_000), ended("n3", 1 << 40)],
         );
         assert!(out.job_records.is_empty(), "n2's final share is awaited");
+        assert!(
+            out.final_acks.is_empty(),
+            "nothing acknowledged before the record"
+        );
         let out = core.step(T0 + 12_000, vec![ended("n2", 3_000_000)]);
         assert_eq!(out.job_records.len(), 1);
         let r = &out.job_records[0];
         assert_eq!((r.energy_j, r.uid, r.nodes.len()), (7_000.0, ALICE, 2));
         assert_eq!(r.account.as_deref(), Some("physics"), "Slurm's account");
         // Re-sent finals write nothing more.
+        assert_eq!(
+            r.run_start_unix_ms,
+            Some(T0 - 60_000),
+            "Slurm's start of the run"
+        );
+        // Both nodes' final shares are acknowledged with the record, n3's never.
+        let acked: Vec<&String> = out.final_acks.keys().collect();
+        assert_eq!(acked, ["n1", "n2"]);
+        // Re-sent finals write nothing more, and are acknowledged again.
         let out = core.step(T0 + 13_000, vec![ended("n1", 4_000_000)]);
         assert!(out.job_records.is_empty());
+        assert_eq!(out.final_acks.get("n1").map(Vec::len), Some(1));
+        // A malformed list of final shares (too many) is refused whole, and counted.
+        let flood = Input::Report {
+            node: "n1".into(),
+            jobs: vec![],
+            power_w: 0.0,
+            ended: vec![usage("101", "n1", 1, true); 17],
+            observe_only: false,
+        };
+        let out = core.step(T0 + 13_500, vec![flood]);
+        assert!(out.final_acks.is_empty() && out.job_records.is_empty());
+        assert_eq!(core.sessions["n1"].refused_reports, 1);
         let ask = |uid| {
             admin(
                 AdminOp::Accounting {
@@ -1529,6 +1594,7 @@ mod tests {
                     tier: None,
                     job: None,
                     account: None,
+                    after: None,
                 },
                 uid,
             )

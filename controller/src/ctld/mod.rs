@@ -329,14 +329,17 @@ pub fn run_bounded(
         }
         // Before the annotations that show them in Slurm: the log is the record (and the
         // database's journal: it gets each record after the log has it).
+        let mut records_written = true;
         for record in out.job_records {
             match serde_json::to_string(&record) {
                 Ok(line) => {
                     if let Err(e) = accounting_log.append(&line) {
+                        records_written = false;
                         error!(job_id = %record.job_id, error = %e, "cannot append a job's energy record");
                     }
                 }
                 Err(e) => {
+                    records_written = false;
                     error!(job_id = %record.job_id, error = %e, "cannot encode a job's energy record")
                 }
             }
@@ -350,6 +353,21 @@ pub fn run_bounded(
                 shown_db_view = Some(view.clone());
                 inputs.push(Input::AccountingDb(view));
                 waiting.push(None);
+            }
+        }
+        // Only once the records are in the log: an agent drops a final share when it is
+        // acknowledged. A failed append acknowledges nothing this step, so the agents
+        // keep theirs a while longer (the record itself stays answered from memory).
+        if records_written {
+            for (node, finals) in out.final_acks {
+                let Some(writer) = writers.get(&node) else {
+                    continue;
+                };
+                for chunk in finals.chunks(powerflex_proto::link::MAX_ACKS_PER_MESSAGE) {
+                    let _ = writer.try_send(Body::Acked {
+                        finals: chunk.to_vec(),
+                    });
+                }
             }
         }
         for annotation in out.annotations {

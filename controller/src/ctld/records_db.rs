@@ -6,8 +6,10 @@
 //! allocation loop. Delivery is at least once and idempotent:
 //! - the JSON-lines log under `state_dir` stays the local journal, written first, before a
 //!   record is handed here;
-//! - a record is inserted with `ON CONFLICT DO NOTHING` on its key, the job id and the
-//!   run's first reading (a requeued job, whose id Slurm reuses, starts a new run);
+//! - a record is written on its key, the job id and its run (Slurm's start of the run,
+//!   or its first reading where the controller reads no Slurm: a requeued job, whose id
+//!   Slurm reuses, starts a new run); a later revision of a run's record (a late final
+//!   share) replaces the row, an older or equal one changes nothing;
 //! - records that could not be written stay queued (at most [`MAX_QUEUED`]) and go when
 //!   the database answers again; at start, the records read back from the log that the
 //!   database lacks are written, so one written while the controller was down or the
@@ -17,7 +19,7 @@
 //! transaction-scoped advisory lock, so two controllers starting at once migrate once).
 //! A database whose schema is newer than this controller's is not written to.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -67,7 +69,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
     "job energy records",
     "CREATE TABLE powerflex_job_energy (
         job_id              text NOT NULL,
-        run_from_unix_ms    bigint NOT NULL,
+        run_unix_ms         bigint NOT NULL,
+        revision            integer NOT NULL,
         record_version      integer NOT NULL,
         simulated           boolean NOT NULL,
         uid                 bigint NOT NULL,
@@ -93,7 +96,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
         pfi                 double precision,
         incomplete_nodes    text[] NOT NULL,
         record              jsonb NOT NULL,
-        PRIMARY KEY (job_id, run_from_unix_ms)
+        PRIMARY KEY (job_id, run_unix_ms)
     );
     CREATE INDEX powerflex_job_energy_ended ON powerflex_job_energy (ended_at);
     CREATE INDEX powerflex_job_energy_uid ON powerflex_job_energy (uid, ended_at);
@@ -106,25 +109,61 @@ pub fn schema_version() -> i32 {
 }
 
 const INSERT: &str = "INSERT INTO powerflex_job_energy (
-        job_id, run_from_unix_ms, record_version, simulated, uid, tier,
+        job_id, run_unix_ms, record_version, simulated, uid, tier,
         written_at, started_at, ended_at, gpus, energy_j, energy_kwh, energy_source,
         avg_power_w, peak_power_w, capped_pct, event_s, power_throttled_pct,
         slowdown_pct, bound_pct, bound_held, saved_estimate_j, tokens_per_j, pfi,
-        incomplete_nodes, record, account)
+        incomplete_nodes, record, account, revision)
     VALUES ($1, $2, $3, $4, $5, $6,
         to_timestamp($7::bigint / 1000.0), to_timestamp($8::bigint / 1000.0),
         to_timestamp($9::bigint / 1000.0), $10, $11, $12, $13, $14, $15, $16, $17, $18,
-        $19, $20, $21, $22, $23, $24, $25, $26::text::jsonb, $27)
-    ON CONFLICT (job_id, run_from_unix_ms) DO NOTHING";
+        $19, $20, $21, $22, $23, $24, $25, $26::text::jsonb, $27, $28)
+    ON CONFLICT (job_id, run_unix_ms) DO UPDATE SET
+        record_version = EXCLUDED.record_version,
+        simulated = EXCLUDED.simulated,
+        uid = EXCLUDED.uid,
+        tier = EXCLUDED.tier,
+        written_at = EXCLUDED.written_at,
+        started_at = EXCLUDED.started_at,
+        ended_at = EXCLUDED.ended_at,
+        gpus = EXCLUDED.gpus,
+        energy_j = EXCLUDED.energy_j,
+        energy_kwh = EXCLUDED.energy_kwh,
+        energy_source = EXCLUDED.energy_source,
+        avg_power_w = EXCLUDED.avg_power_w,
+        peak_power_w = EXCLUDED.peak_power_w,
+        capped_pct = EXCLUDED.capped_pct,
+        event_s = EXCLUDED.event_s,
+        power_throttled_pct = EXCLUDED.power_throttled_pct,
+        slowdown_pct = EXCLUDED.slowdown_pct,
+        bound_pct = EXCLUDED.bound_pct,
+        bound_held = EXCLUDED.bound_held,
+        saved_estimate_j = EXCLUDED.saved_estimate_j,
+        tokens_per_j = EXCLUDED.tokens_per_j,
+        pfi = EXCLUDED.pfi,
+        incomplete_nodes = EXCLUDED.incomplete_nodes,
+        record = EXCLUDED.record,
+        account = EXCLUDED.account,
+        revision = EXCLUDED.revision
+    WHERE powerflex_job_energy.revision < EXCLUDED.revision";
 
 /// A Unix-ms figure as PostgreSQL's bigint (clamped: a record's times come from agents).
 fn ms_i64(ms: u64) -> i64 {
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
-/// A record's key in the table.
+/// A record's key in the table: the job and its run (Slurm's start of the run, else its
+/// first reading).
 pub fn record_key(r: &JobEnergyRecord) -> (String, i64) {
-    (r.job_id.clone(), ms_i64(r.from_unix_ms))
+    (
+        r.job_id.clone(),
+        ms_i64(r.run_start_unix_ms.unwrap_or(r.from_unix_ms)),
+    )
+}
+
+/// A record's revision as the table's integer.
+fn revision_i32(r: &JobEnergyRecord) -> i32 {
+    i32::try_from(r.revision).unwrap_or(i32::MAX)
 }
 
 /// The handle the loop holds: hands records to the writer thread, reads its state.
@@ -430,7 +469,7 @@ fn migrate(client: &mut postgres::Client) -> Result<i32, String> {
     Ok(ours)
 }
 
-/// The backlog's records whose keys the table lacks (oldest first); on failure, the
+/// The backlog's records the table lacks, or holds at an older revision (oldest first); on failure, the
 /// backlog back with the error.
 fn missing_from_table(
     client: &mut postgres::Client,
@@ -440,7 +479,7 @@ fn missing_from_table(
         return Ok(backlog);
     };
     let rows = match client.query(
-        "SELECT job_id, run_from_unix_ms FROM powerflex_job_energy
+        "SELECT job_id, run_unix_ms, revision FROM powerflex_job_energy
          WHERE written_at >= to_timestamp($1::bigint / 1000.0) - interval '1 second'",
         &[&ms_i64(oldest)],
     ) {
@@ -452,10 +491,17 @@ fn missing_from_table(
             ))
         }
     };
-    let present: BTreeSet<(String, i64)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let present: BTreeMap<(String, i64), i32> = rows
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect();
     Ok(backlog
         .into_iter()
-        .filter(|r| !present.contains(&record_key(r)))
+        .filter(|r| {
+            present
+                .get(&record_key(r))
+                .is_none_or(|stored| *stored < revision_i32(r))
+        })
         .collect())
 }
 
@@ -500,6 +546,7 @@ fn insert(client: &mut postgres::Client, batch: &[&JobEnergyRecord]) -> Result<u
                     &r.incomplete_nodes,
                     &json,
                     &r.account,
+                    &revision_i32(r),
                 ],
             )
             .map_err(failed)?;
