@@ -4,12 +4,15 @@
 //! controller writes match the simulated GPUs' counters over the time each job held
 //! each GPU. The owner reads their own record, not another user's. The first node's agent
 //! is down when both jobs end: at its next start it sends their final shares from its
-//! state file, and drops them once the controller acknowledges the records.
+//! state file, and drops them once the controller acknowledges the records. Each batch
+//! job's own output ends with the powerflex line of its node's final share, unless the
+//! site turned the line off (`end_line=off` in plugstack.conf) or the node's agent was
+//! down when the job ended (the job is never held for it).
 
 use std::time::Duration;
 
 use powerflex_proto::status::SiteJobStatus;
-use powerflex_proto::usage::{EnergySource, JobEnergyRecord, NodeUsage};
+use powerflex_proto::usage::{human_energy, EnergySource, JobEnergyRecord, NodeUsage};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::users::TestUser;
@@ -41,6 +44,14 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     let socket = stack.socket.to_str().expect("utf-8").to_string();
     let names: Vec<String> = stack.cluster.node_names().to_vec();
     let cluster = &stack.cluster;
+    // Each user's job output goes to a directory of their own, as in a home directory.
+    let out_dir = |user: &TestUser| {
+        let dir = base.join("out").join(&user.name);
+        std::fs::create_dir_all(&dir).expect("output dir");
+        std::os::unix::fs::chown(&dir, Some(user.uid), Some(user.gid)).expect("chown");
+        dir
+    };
+    let (alice_out, bob_out) = (out_dir(&alice), out_dir(&bob));
     let train = format!(
         "srun env POWERFLEX_SIM_DIR={}/sim/%n bash -c 'POWERFLEX_SIM_DIR=${{POWERFLEX_SIM_DIR/\\%n/$SLURMD_NODENAME}} {} --profile synthetic-memory-bound --duration 600 --time-scale 20 > /dev/null'",
         base.display(),
@@ -54,6 +65,7 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
                 "-N2",
                 "--gres=gpu:2",
                 "--power-flex=flex3,calibrate=off",
+                &format!("--output={}/%j.out", alice_out.display()),
                 "--wrap",
                 &train,
             ],
@@ -116,6 +128,49 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
         },
     );
     assert!(comment.contains("tier=flex3"), "{comment}");
+    // Two short jobs of Bob's on the second node's free GPUs, which end by themselves:
+    // the first with the line on; the second started after the site turned it off. Each
+    // new slurmstepd reads plugstack.conf, so the switch applies from the next job on.
+    let short = |gpus_busy_s: u32| {
+        let work = train.replace(
+            "--duration 600",
+            &format!("--duration {}", gpus_busy_s * 20),
+        );
+        bob.sbatch(
+            cluster,
+            &[
+                "-N1",
+                "-w",
+                &names[1],
+                "--gres=gpu:1",
+                "--power-flex=flex2,calibrate=off",
+                &format!("--output={}/%j.out", bob_out.display()),
+                "--wrap",
+                &work,
+            ],
+        )
+        .expect("sbatch short")
+    };
+    let c = short(4);
+    wait_until(
+        "the short job's batch step at its agent",
+        Duration::from_secs(30),
+        || {
+            let status = stack.agent_status(1)?;
+            status
+                .jobs
+                .iter()
+                .any(|j| j.job == c.to_string())
+                .then_some(())
+        },
+    );
+    let plugstack = cluster.dir().join("plugstack.conf");
+    let on = std::fs::read_to_string(&plugstack).expect("plugstack.conf");
+    let off = format!("{} end_line=off\n", on.trim_end());
+    let staged = cluster.dir().join("plugstack.conf.new");
+    std::fs::write(&staged, off).expect("write");
+    std::fs::rename(&staged, &plugstack).expect("rename: the switch in one step");
+    let d = short(4);
     std::thread::sleep(Duration::from_secs(1));
     // The first node's agent is down when both jobs end there: their ends never reach it.
     stack.stop_agent(0);
@@ -131,16 +186,29 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
     // counters read then.
     stack.start_agent(0);
     let cluster = &stack.cluster;
+    for job in [c, d] {
+        assert_eq!(
+            cluster.wait_job_done(job, Duration::from_secs(60)),
+            "COMPLETED"
+        );
+    }
+    let (c_id, d_id) = (c.to_string(), d.to_string());
     let log = base.join("ctld").join("job-energy.jsonl");
-    let records: Vec<JobEnergyRecord> =
-        wait_until("both jobs' energy records", Duration::from_secs(90), || {
+    let records: Vec<JobEnergyRecord> = wait_until(
+        "the four jobs' energy records",
+        Duration::from_secs(90),
+        || {
             let text = std::fs::read_to_string(&log).ok()?;
             let records: Vec<JobEnergyRecord> = text
                 .lines()
                 .filter_map(|l| serde_json::from_str(l).ok())
                 .collect();
-            (records.len() >= 2).then_some(records)
-        });
+            [&a_id, &b_id, &c_id, &d_id]
+                .iter()
+                .all(|id| records.iter().any(|r| &&r.job_id == id))
+                .then_some(records)
+        },
+    );
     // A run's latest revision is its record.
     let record = |id: &str| {
         records
@@ -260,12 +328,57 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
         listed.iter().map(|r| r.job_id.as_str()).collect::<Vec<_>>(),
         [a_id.as_str()]
     );
-    // Root sees both, in the CSV too.
+    // Root sees all four, in the CSV too.
     let csv = run(
         &ctl,
         &["accounting", "--format", "csv", "--socket", &socket],
     );
-    assert_eq!(csv.stdout.lines().count(), 3, "{}", csv.stdout);
+    assert_eq!(csv.stdout.lines().count(), 5, "{}", csv.stdout);
+    // The line at the end of each job's own output: the final share of the batch step's
+    // node, exactly as the controller recorded it, written with the owner's credentials.
+    let last_line = |dir: &std::path::Path, id: &str| {
+        let path = dir.join(format!("{id}.out"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let meta = std::fs::metadata(&path).expect("metadata");
+        (
+            text.lines().last().unwrap_or_default().to_string(),
+            text,
+            meta,
+        )
+    };
+    let rc = record(&c_id);
+    assert_eq!(rc.nodes.len(), 1);
+    let (line, text, meta) = last_line(&bob_out, &c_id);
+    assert_eq!(line, rc.nodes[0].end_line(1), "job output:\n{text}");
+    assert!(
+        line.starts_with(&format!(
+            "powerflex: job {c_id} used {} on 1 GPU (counter), capped ",
+            human_energy(rc.energy_j)
+        )) && line.ends_with("[SIMULATED GPUs]"),
+        "{line}"
+    );
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        meta.uid(),
+        bob.uid,
+        "Slurm made the file as bob; it stays bob's"
+    );
+    eprintln!("end of job {c_id}'s output: {line}");
+    // Alice's job ended while its batch node's agent was down: no line, and the job
+    // was never held for it (it ended as Slurm says above).
+    let (_, text, _) = last_line(&alice_out, &a_id);
+    assert!(
+        !text.lines().any(|l| l.starts_with("powerflex:")),
+        "the agent was down at the end, yet:\n{text}"
+    );
+    // Switched off: the job was managed and recorded, and its output has no line.
+    assert_eq!(record(&d_id).nodes.len(), 1, "job {d_id} was accounted");
+    let (_, text, _) = last_line(&bob_out, &d_id);
+    assert!(
+        !text.lines().any(|l| l.starts_with("powerflex:")),
+        "end_line=off, yet:\n{text}"
+    );
     // Each node logged its shares too.
     let node_log = base.join("state").join(&names[0]).join("usage.jsonl");
     let text = std::fs::read_to_string(&node_log).expect("node usage log");

@@ -71,6 +71,9 @@ pub struct AgentSettings {
 /// the acknowledgements never sends one: its agents re-send each share this long.
 pub const UNACKED_FINAL_MAX_AGE_MS: u64 = 24 * 3_600_000;
 
+/// The batch step as the SPANK plugin names it (`logic::step_name`).
+pub const BATCH_STEP_NAME: &str = "batch";
+
 /// Most unacknowledged final shares kept (a node ending many jobs while the controller
 /// is away); beyond, the oldest is dropped with a warning.
 pub const MAX_ENDED_KEPT: usize = 512;
@@ -739,15 +742,46 @@ impl Agent {
         })
     }
 
-    /// A step ended. The job keeps its GPUs (other steps, the batch script) until it ends.
-    pub fn end_step(&mut self, job_id: &str, step_id: &str) -> Result<(), String> {
-        match self.jobs.get_mut(job_id) {
-            Some(job) => {
-                job.steps.remove(step_id);
-                Ok(())
+    /// A step ended. The job keeps its GPUs (other steps) until it ends — except when
+    /// the step is the batch script: Slurm completes a batch job when its script exits
+    /// (slurmstepd's `batch_finish` reports the script's end and slurmctld then ends the
+    /// job on every node), so its end is the job's end on this node. The job's hold ends
+    /// here then, and its final share is returned: the figures the line at the end of the
+    /// job's output is made from, equal to the share the controller records. The later
+    /// end of the extern step finds the job gone, which is harmless.
+    pub fn end_step(
+        &mut self,
+        job_id: &str,
+        step_id: &str,
+        now: f64,
+    ) -> Result<Option<NodeUsage>, String> {
+        // The share stays among the unacknowledged ones until the controller has its
+        // record: a cancel's race (extern step first) is a second or so, well inside.
+        let ended_here = |agent: &Agent| {
+            agent
+                .unacked
+                .iter()
+                .rev()
+                .find(|u| u.share.job_id == job_id)
+                .map(|u| u.share.clone())
+        };
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            // A cancelled job's steps end together: the extern step's end (or the scan
+            // of step daemons) may have ended the job a moment before its batch step's
+            // end arrives. Its final share is the same either way.
+            if step_id == BATCH_STEP_NAME {
+                if let Some(share) = ended_here(self) {
+                    return Ok(Some(share));
+                }
             }
-            None => Err(format!("no job {job_id} on this node")),
+            return Err(format!("no job {job_id} on this node"));
+        };
+        job.steps.remove(step_id);
+        if step_id != BATCH_STEP_NAME {
+            return Ok(None);
         }
+        self.finish_job(job_id, now);
+        Ok(ended_here(self))
     }
 
     /// The job ended: its GPUs return to their defaults on the next tick. Ending an
@@ -1972,6 +2006,59 @@ mod tests {
         let eight = a.snapshot(4.0);
         let eight = eight.jobs.iter().find(|j| j.job == "8").expect("8");
         assert_eq!(eight.usage.as_ref().expect("usage").energy_mj, 1_000_000);
+    }
+
+    /// Issue 23: the line at the end of a batch job's output is made from the share
+    /// its batch step's end returns, which must be the final share the controller gets.
+    #[test]
+    fn the_batch_step_s_end_ends_the_job_here_and_returns_its_final_share() {
+        let mut a = agent(None);
+        a.clock_origin_unix_s = 1_000.0;
+        let gpus = ["0".to_string(), "1".to_string()];
+        a.register(1.0, "7", "batch", 1000, "n1", &gpus, "flex2")
+            .expect("batch");
+        a.register(1.5, "7", "0", 1000, "n1", &gpus, "flex2")
+            .expect("step 0");
+        for (t, e) in [(1.0, 0u64), (2.0, 400_000), (3.0, 900_000)] {
+            for g in 0..2 {
+                a.sampled(t, g, reading(700.0, 450.0, 5_000 + e, false));
+            }
+            a.tick(t);
+        }
+        // An srun step's end leaves the job (and its hold) in place.
+        assert_eq!(a.end_step("7", "0", 3.0), Ok(None));
+        assert!(a.jobs.contains_key("7"));
+        let share = a
+            .end_step("7", "batch", 3.2)
+            .expect("known")
+            .expect("the batch step's end ends the job");
+        assert!(share.ended);
+        assert_eq!(share.energy_mj, 1_800_000);
+        assert_eq!(share.uid, 1000);
+        assert!(!a.jobs.contains_key("7"), "the hold ended");
+        assert_eq!(
+            a.unacked_finals(),
+            vec![share.clone()],
+            "what the controller gets"
+        );
+        assert_eq!(a.take_records(), vec![share]);
+        // The extern step's end comes later and finds nothing to do.
+        assert!(!a.end_job("7", 3.4));
+        // A cancelled job: the extern step's end came first; the batch step's end still
+        // gets the final share.
+        a.register(4.0, "9", "batch", 1000, "n1", &gpus, "flex2")
+            .expect("9");
+        assert!(a.end_job("9", 5.0));
+        let late = a
+            .end_step("9", "batch", 5.1)
+            .expect("ended here")
+            .expect("share");
+        assert!(late.ended && late.job_id == "9");
+        assert!(
+            a.end_step("9", "0", 5.1).is_err(),
+            "no job 9 for other steps"
+        );
+        assert!(a.end_step("8", "batch", 5.1).is_err(), "never here");
     }
 
     #[test]

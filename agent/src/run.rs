@@ -801,14 +801,29 @@ fn handle(
                         }
                     }
                 }
-                ControlOp::EndStep { job_id, step_id } => match agent.end_step(&job_id, &step_id) {
-                    Ok(()) => {
-                        info!(job_id = %job_id, step_id = %step_id, "step ended");
-                        save(state_dir, agent);
-                        ControlReply::ok()
+                ControlOp::EndStep { job_id, step_id } => {
+                    if step_id == crate::control::BATCH_STEP_NAME {
+                        // The batch script's end ends the job's hold here (see
+                        // `Agent::end_step`): its energy is read up to now.
+                        sample_job_gpus(agent, backend, &job_id, now);
                     }
-                    Err(e) => ControlReply::error(e),
-                },
+                    match agent.end_step(&job_id, &step_id, now) {
+                        Ok(ended_share) => {
+                            info!(
+                                job_id = %job_id,
+                                step_id = %step_id,
+                                job_ended = ended_share.is_some(),
+                                "step ended"
+                            );
+                            save(state_dir, agent);
+                            ControlReply {
+                                ended_share,
+                                ..ControlReply::ok()
+                            }
+                        }
+                        Err(e) => ControlReply::error(e),
+                    }
+                }
                 ControlOp::EndJob { job_id } => {
                     // The job's hold (and its energy) ends now.
                     sample_job_gpus(agent, backend, &job_id, now);

@@ -205,6 +205,11 @@ pub struct ControlReply {
     /// For `status`: the agent's snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<status::AgentStatus>,
+    /// For `end-step` of a job's batch step: the job's final share on this node, which
+    /// the batch step's end ended (the line the plugin appends to the job's output is
+    /// made from it). Absent for other steps, unknown jobs, and from older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_share: Option<usage::NodeUsage>,
 }
 
 impl ControlReply {
@@ -216,6 +221,7 @@ impl ControlReply {
             progress: None,
             tier: None,
             status: None,
+            ended_share: None,
         }
     }
 

@@ -420,9 +420,14 @@ impl JobEnergyRecord {
     /// The line a job's user reads at its end, e.g. "powerflex: 12.4 kWh on 8 GPUs,
     /// capped 63 % of the time, 4.1 % slower, bound 25 % held".
     pub fn summary_line(&self) -> String {
+        self.summary_of(&format!("job {}", self.job_id))
+    }
+
+    /// [`JobEnergyRecord::summary_line`] with `subject` (what the figures are of) after
+    /// "powerflex: ".
+    fn summary_of(&self, subject: &str) -> String {
         let mut line = format!(
-            "powerflex: job {} used {} on {} GPU{} ({}), capped {:.0} % of the time",
-            self.job_id,
+            "powerflex: {subject} used {} on {} GPU{} ({}), capped {:.0} % of the time",
             human_energy(self.energy_j),
             self.gpus,
             if self.gpus == 1 { "" } else { "s" },
@@ -451,6 +456,28 @@ impl JobEnergyRecord {
             line.push_str(" [SIMULATED GPUs]");
         }
         line
+    }
+}
+
+impl NodeUsage {
+    /// The line appended to the job's own output when its hold on this node ends: this
+    /// share's figures in the words of [`JobEnergyRecord::summary_line`]. `job_nodes` is
+    /// the job's node count as Slurm gives it; above one, the line says that it is this
+    /// node's share and where the whole job's record is, since the other nodes' shares
+    /// end on their own nodes and are summed only at the controller.
+    pub fn end_line(&self, job_nodes: u32) -> String {
+        let Some(record) = JobEnergyRecord::from_shares(vec![self.clone()], Vec::new(), 0) else {
+            // from_shares is None only for no shares; one was given.
+            return String::new();
+        };
+        if job_nodes > 1 {
+            record.summary_of(&format!(
+                "job {} on {} (this node's share of {job_nodes} nodes; the whole job: powerflexctl report --job {})",
+                self.job_id, self.node, self.job_id
+            ))
+        } else {
+            record.summary_line()
+        }
     }
 }
 
@@ -601,5 +628,26 @@ mod tests {
         assert!(r.summary_line().contains("NOT held"));
         assert!(r.summary_line().contains("incomplete"));
         assert_eq!(human_energy(12.4 * J_PER_KWH), "12.40 kWh");
+    }
+
+    #[test]
+    fn the_end_line_is_this_node_s_share_and_says_so_on_a_multi_node_job() {
+        let mut s = share("n1", 7_000_124, true);
+        s.slowdown_pct = Some(4.06);
+        s.simulated = false;
+        assert_eq!(
+            s.end_line(1),
+            "powerflex: job 7 used 1.9 Wh on 1 GPU (counter), capped 50 % of the time, 4.1 % slower, bound 25 % held, about 100 J saved (estimate)"
+        );
+        s.simulated = true;
+        let line = s.end_line(3);
+        assert!(
+            line.starts_with(
+                "powerflex: job 7 on n1 (this node's share of 3 nodes; the whole job: powerflexctl report --job 7) used 1.9 Wh on 1 GPU"
+            ),
+            "{line}"
+        );
+        assert!(line.ends_with("[SIMULATED GPUs]"), "{line}");
+        assert!(!line.contains('\n'), "one line: {line}");
     }
 }

@@ -8,6 +8,10 @@
 //!   forked, after options are known — registers the step with the node's agent and puts
 //!   `POWERFLEX_TIER` and `POWERFLEX_PROGRESS` into the tasks' environment; in
 //!   `slurm_spank_exit` sends the agent a notice that the step ended (no answer awaited).
+//! - **Batch step's end** (root): the batch script's end is the job's end on its node.
+//!   The plugin waits (within `timeout_ms`) for the agent's answer, which carries the
+//!   job's final share there, and appends one line of it to the job's output file as
+//!   the job's owner (`output.rs`); `end_line=off` in plugstack.conf turns that off.
 //! - **Extern step's end** (root, every node, with `PrologFlags=Contain`): tells the agent
 //!   the job ended, so its GPUs return to default even if every step crashed. Without the
 //!   extern step, the agent finds the job's end itself (its step daemons gone). The plugin
@@ -16,7 +20,8 @@
 //!
 //! Rules: every entry point runs its body under `catch_unwind` and returns the fail-open
 //! code on a panic; one socket exchange per launch with a hard timeout, notices at the
-//! end; no threads, no NVML, no `unwrap`; global state in a `Mutex` locked with
+//! end (but for the batch step's, an exchange within the same deadline when the energy
+//! line is on); no threads, no NVML, no `unwrap`; global state in a `Mutex` locked with
 //! `unwrap_or_else(PoisonError::into_inner)`; logs with a fixed `"%s"` format. Only a bad
 //! `--power-flex` value at submission returns an error.
 
@@ -36,6 +41,7 @@ mod ffi {
     include!(concat!(env!("OUT_DIR"), "/spank_bindings.rs"));
 }
 pub mod logic;
+mod output;
 mod wire;
 
 use std::cell::UnsafeCell;
@@ -451,8 +457,86 @@ fn step_ended(sp: ffi::spank_t) {
         return;
     };
     let node = node_name(sp);
+    let batch = step_id == logic::step_name(logic::BATCH_STEP);
     let request = ControlRequest::new(ControlOp::EndStep { job_id, step_id });
+    if batch && args.end_line {
+        batch_ended(sp, &args, &node, &request);
+        return;
+    }
     if let Err(e) = logic::notify(&args.socket, &node, &request, args.timeout) {
         log_error(&e);
     }
+}
+
+/// The batch script ended (root, in slurmstepd): the job's end on this node. Asks the
+/// agent to end the job's hold and answer with its final share, then appends the share's
+/// line to the job's output as its owner. All of it within `timeout_ms`: past the
+/// deadline, or on any failure, the job simply gets no line (logged at info).
+fn batch_ended(sp: ffi::spank_t, args: &logic::Args, node: &str, request: &ControlRequest) {
+    let deadline = std::time::Instant::now() + args.timeout;
+    let reply = match logic::exchange(&args.socket, node, request, args.timeout) {
+        Ok(reply) => reply,
+        Err(e) => {
+            log_error(&e);
+            return;
+        }
+    };
+    let (Some(job_id), Some(uid), Some(gid)) = (
+        item_u32(sp, ffi::spank_item_S_JOB_ID),
+        item_u32(sp, ffi::spank_item_S_JOB_UID),
+        item_u32(sp, ffi::spank_item_S_JOB_GID),
+    ) else {
+        return;
+    };
+    let job_nodes = ["SLURM_JOB_NUM_NODES", "SLURM_NNODES"]
+        .iter()
+        .find_map(|v| {
+            CString::new(*v)
+                .ok()
+                .and_then(|n| getenv(sp, &n))
+                .and_then(|n| n.parse::<u32>().ok())
+        })
+        .unwrap_or(1);
+    let Some(line) = logic::end_line_of(&reply, uid, job_nodes) else {
+        log_info(&format!(
+            "job {job_id}: no energy line in its output: the agent gave no final share ({})",
+            reply.error.as_deref().unwrap_or("none ended here")
+        ));
+        return;
+    };
+    let owner = output::Owner {
+        uid,
+        gid,
+        groups: supplementary_groups(sp),
+    };
+    let written = output::stdout_path(job_id, &owner, deadline)
+        .and_then(|path| output::append_line(&path, &line, &owner, deadline).map(|()| path));
+    match written {
+        Ok(path) => log_info(&format!(
+            "job {job_id}: energy line appended to {}",
+            path.display()
+        )),
+        Err(e) => log_info(&format!("job {job_id}: no energy line in its output: {e}")),
+    }
+}
+
+/// The job's supplementary groups as slurmstepd holds them (empty if it cannot say).
+fn supplementary_groups(sp: ffi::spank_t) -> Vec<u32> {
+    let mut gids: *mut libc::gid_t = std::ptr::null_mut();
+    let mut count: c_int = 0;
+    // SAFETY: S_JOB_SUPPLEMENTARY_GIDS takes (gid_t **, int *); both are valid for writes.
+    let rc = unsafe {
+        ffi::spank_get_item(
+            sp,
+            ffi::spank_item_S_JOB_SUPPLEMENTARY_GIDS,
+            &mut gids as *mut *mut libc::gid_t,
+            &mut count as *mut c_int,
+        )
+    };
+    if rc != ffi::ESPANK_SUCCESS || gids.is_null() || !(1..=65_536).contains(&count) {
+        return Vec::new();
+    }
+    // SAFETY: on success Slurm points `gids` at its own array of `count` gids, which
+    // lives as long as the step record; it is copied at once.
+    unsafe { std::slice::from_raw_parts(gids, count as usize) }.to_vec()
 }

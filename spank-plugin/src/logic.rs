@@ -18,7 +18,8 @@ pub const BATCH_STEP: u32 = 0xffff_fffb;
 pub const EXTERN_STEP: u32 = 0xffff_fffc;
 pub const INTERACTIVE_STEP: u32 = 0xffff_fffa;
 
-/// plugstack.conf arguments: `site=PATH socket=PATTERN timeout_ms=N default=TIER`.
+/// plugstack.conf arguments: `site=PATH socket=PATTERN timeout_ms=N default=TIER
+/// end_line=on|off`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Args {
     pub site: Option<PathBuf>,
@@ -26,6 +27,8 @@ pub struct Args {
     pub timeout: Duration,
     /// Service for jobs that give no --power-flex (overrides the site's default).
     pub default: Option<String>,
+    /// Whether a managed batch job's output ends with the powerflex line (`end_line=`).
+    pub end_line: bool,
 }
 
 impl Default for Args {
@@ -35,31 +38,48 @@ impl Default for Args {
             socket: DEFAULT_SOCKET.to_string(),
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
             default: None,
+            end_line: true,
         }
     }
 }
+
+/// The keys `parse_args` accepts, for its error messages.
+const ACCEPTED_KEYS: &str = "site, socket, timeout_ms, default, end_line";
 
 /// Parses plugstack.conf arguments. An error disables the plugin (it never fails jobs).
 pub fn parse_args(args: &[String]) -> Result<Args, String> {
     let mut out = Args::default();
     for arg in args {
-        let (key, value) = arg
-            .split_once('=')
-            .ok_or_else(|| format!("plugstack argument \"{arg}\" is not key=value; accepted keys: site, socket, timeout_ms, default"))?;
+        let (key, value) = arg.split_once('=').ok_or_else(|| {
+            format!("plugstack argument \"{arg}\" is not key=value; accepted keys: {ACCEPTED_KEYS}")
+        })?;
         match key {
             "site" if value.starts_with('/') => out.site = Some(PathBuf::from(value)),
             "site" => return Err(format!("site= must be an absolute path (got \"{value}\")")),
             "socket" if value.starts_with('/') => out.socket = value.to_string(),
-            "socket" => return Err(format!("socket= must be an absolute path, %n = node name (got \"{value}\")")),
+            "socket" => {
+                return Err(format!(
+                    "socket= must be an absolute path, %n = node name (got \"{value}\")"
+                ))
+            }
             "timeout_ms" => match value.parse::<u64>() {
                 Ok(ms) if (1..=5000).contains(&ms) => out.timeout = Duration::from_millis(ms),
-                _ => return Err(format!("timeout_ms= must be 1 to 5000 milliseconds (got \"{value}\")")),
+                _ => {
+                    return Err(format!(
+                        "timeout_ms= must be 1 to 5000 milliseconds (got \"{value}\")"
+                    ))
+                }
             },
             "default" if !value.is_empty() => out.default = Some(value.to_string()),
             "default" => return Err("default= needs a tier (or none)".into()),
+            "end_line" => match value {
+                "on" => out.end_line = true,
+                "off" => out.end_line = false,
+                _ => return Err(format!("end_line= must be on or off (got \"{value}\")")),
+            },
             other => {
                 return Err(format!(
-                    "unknown plugstack argument \"{other}\"; accepted keys: site, socket, timeout_ms, default"
+                    "unknown plugstack argument \"{other}\"; accepted keys: {ACCEPTED_KEYS}"
                 ))
             }
         }
@@ -162,7 +182,9 @@ pub fn exchange(
     let line = crate::wire::exchange_within(
         &path,
         request.to_line().as_bytes(),
-        powerflex_proto::MAX_LINE_BYTES,
+        // A batch step's end is answered with the job's share (every GPU, every cap
+        // held), longer than a request line; replies come from the root-owned agent.
+        powerflex_proto::MAX_REPLY_BYTES,
         budget,
     )?;
     ControlReply::from_line(&line).map_err(|e| format!("bad answer from the powerflex agent: {e}"))
@@ -186,6 +208,20 @@ pub fn notify(
         request.to_line().as_bytes(),
         budget.min(NOTICE_BUDGET),
     )
+}
+
+/// The line for the end of the job's output from the agent's answer to the batch step's
+/// end: the job's final share on this node, if the agent ended the job's hold there and
+/// the share is the job owner's (`uid`, Slurm's). `job_nodes` is the job's node count.
+/// `None` (no line) for anything else: an agent that kept the job, an older agent, a
+/// refusal.
+pub fn end_line_of(reply: &ControlReply, uid: u32, job_nodes: u32) -> Option<String> {
+    let share = reply.ended_share.as_ref().filter(|s| reply.ok && s.ended)?;
+    if share.uid != uid {
+        return None;
+    }
+    // One line, whatever the agent's words hold.
+    Some(share.end_line(job_nodes.max(1)).replace(['\n', '\r'], " "))
 }
 
 /// This node's name in a step's node list: the `node_id`-th name of `list`, where the
@@ -433,7 +469,85 @@ mod tests {
         }
         assert!(parse_args(&s(&["color=red"]))
             .expect_err("msg")
-            .contains("accepted keys: site, socket, timeout_ms, default"));
+            .contains("accepted keys: site, socket, timeout_ms, default, end_line"));
+    }
+
+    #[test]
+    fn the_end_line_is_on_unless_the_site_turns_it_off() {
+        assert!(Args::default().end_line);
+        assert!(parse_args(&s(&["end_line=on"])).expect("on").end_line);
+        assert!(!parse_args(&s(&["end_line=off"])).expect("off").end_line);
+        assert_eq!(
+            parse_args(&s(&["end_line=no"])).expect_err("no"),
+            "end_line= must be on or off (got \"no\")"
+        );
+    }
+
+    fn ended_share(uid: u32) -> powerflex_proto::usage::NodeUsage {
+        powerflex_proto::usage::NodeUsage {
+            job_id: "42".into(),
+            node: "n2".into(),
+            uid,
+            tier: "flex2".into(),
+            gpus: vec![],
+            energy_mj: 12_345_000,
+            energy_source: powerflex_proto::usage::EnergySource::Counter,
+            from_unix_ms: 0,
+            to_unix_ms: 10_000,
+            peak_power_w: 0.0,
+            observed_s: 10.0,
+            capped_s: 6.3,
+            event_s: 0.0,
+            power_throttled_s: 0.0,
+            throttle_known_s: 0.0,
+            caps: vec![],
+            slowdown_pct: None,
+            bound_pct: Some(25.0),
+            bound_held: None,
+            saved_estimate_j: None,
+            work: None,
+            work_unit: None,
+            pfi: None,
+            ended: true,
+            simulated: true,
+        }
+    }
+
+    #[test]
+    fn the_end_line_comes_only_from_the_owner_s_final_share() {
+        let reply = |share| ControlReply {
+            ended_share: Some(share),
+            ..ControlReply::ok()
+        };
+        let line = end_line_of(&reply(ended_share(1000)), 1000, 1).expect("line");
+        assert!(
+            line.starts_with(
+                "powerflex: job 42 used 3.4 Wh on 0 GPUs (counter), capped 63 % of the time"
+            ),
+            "{line}"
+        );
+        assert!(line.ends_with("[SIMULATED GPUs]"), "{line}");
+        assert!(end_line_of(&reply(ended_share(1000)), 1000, 2)
+            .expect("line")
+            .contains("this node's share of 2 nodes"));
+        assert_eq!(
+            end_line_of(&reply(ended_share(1001)), 1000, 1),
+            None,
+            "not the owner's"
+        );
+        let mut running = ended_share(1000);
+        running.ended = false;
+        assert_eq!(end_line_of(&reply(running), 1000, 1), None, "not final");
+        assert_eq!(
+            end_line_of(&ControlReply::ok(), 1000, 1),
+            None,
+            "an older agent"
+        );
+        let refused = ControlReply {
+            ok: false,
+            ..reply(ended_share(1000))
+        };
+        assert_eq!(end_line_of(&refused, 1000, 1), None);
     }
 
     #[test]
