@@ -127,6 +127,10 @@ pub struct GpuSlot {
     pub start_ceiling: Option<Watts>,
     /// Observe mode: the limit the agent would have written.
     pub would_cap: Option<Watts>,
+    /// The processes NVML listed on the GPU at the last scan, with the job each belongs
+    /// to by its ancestry (shown in status, so what NVML reported can be checked
+    /// against what the agent made of it).
+    pub nvml_processes: Vec<(u32, Option<String>)>,
 }
 
 /// One job on this node.
@@ -354,6 +358,7 @@ impl Agent {
                 job: None,
                 start_ceiling: None,
                 would_cap: None,
+                nvml_processes: Vec::new(),
             })
             .collect();
         Agent {
@@ -862,6 +867,15 @@ impl Agent {
             self.end_job(id, now);
         }
         ended
+    }
+
+    /// The processes NVML lists on each GPU now, with the job each belongs to (from
+    /// [`crate::procs`]; `None` for a process in no job). A GPU missing from `listed`
+    /// (NVML could not list it) shows none rather than an old list.
+    pub fn nvml_processes_seen(&mut self, listed: &BTreeMap<u32, Vec<(u32, Option<String>)>>) {
+        for (gpu, slot) in self.gpus.iter_mut().enumerate() {
+            slot.nvml_processes = listed.get(&(gpu as u32)).cloned().unwrap_or_default();
+        }
     }
 
     /// What NVML says uses each GPU, as jobs (from [`crate::procs`]: the job each running
@@ -1555,6 +1569,17 @@ impl Agent {
                     job: g.job.clone(),
                     degraded: g.degraded.clone(),
                     would_cap_w: g.would_cap.map(|w| w.0),
+                    min_w: Some(g.identity.min_cap.0),
+                    max_w: Some(g.identity.max_cap.0),
+                    power_throttled: g.last.and_then(|s| s.power_throttled),
+                    processes: g
+                        .nvml_processes
+                        .iter()
+                        .map(|(pid, job)| GpuProcess {
+                            pid: *pid,
+                            job: job.clone(),
+                        })
+                        .collect(),
                 })
                 .collect(),
             jobs: self
@@ -1644,7 +1669,7 @@ fn clamp(cap: Watts, identity: &GpuIdentity) -> Watts {
 /// What `status` and the metrics show: the wire types, so the control socket sends what
 /// the loop built and clients read it back typed.
 pub use powerflex_proto::status::{
-    AgentGpuStatus as GpuView, AgentJobStatus as JobView, AgentStatus as Snapshot,
+    AgentGpuStatus as GpuView, AgentJobStatus as JobView, AgentStatus as Snapshot, GpuProcess,
 };
 
 #[cfg(test)]
@@ -2080,6 +2105,12 @@ mod tests {
         assert!(caps(&a.tick(1.0)).is_empty(), "no limit written");
         let snap = a.snapshot(1.0);
         assert!(!snap.enforce);
+        // What NVML said, for comparison with NVML's other clients (scripts/gpu-observe.sh).
+        assert_eq!(
+            (snap.gpus[0].min_w, snap.gpus[0].max_w),
+            (Some(200.0), Some(700.0))
+        );
+        assert_eq!(snap.gpus[0].power_throttled, Some(false));
         assert_eq!(snap.gpus[0].would_cap_w, Some(450.0));
         assert_eq!(snap.gpus[1].would_cap_w, Some(700.0));
         // Lease expiry, the fail-safe and a stop write nothing either.
@@ -2694,8 +2725,23 @@ mod tests {
             "flex2",
         )
         .expect("job 2");
+        // NVML lists job 1's process and one in no job on GPU 0, job 2's on GPU 1.
+        a.nvml_processes_seen(&BTreeMap::from([
+            (0, vec![(11, Some("1".to_string())), (99, None)]),
+            (1, vec![(12, Some("2".to_string()))]),
+        ]));
         let all = a.snapshot(1.0);
+        assert_eq!(all.gpus[0].processes.len(), 2, "root sees every process");
         let mine = crate::server::seen_by(&all, 1000);
+        assert_eq!(
+            mine.gpus[0].processes,
+            vec![GpuProcess {
+                pid: 11,
+                job: Some("1".into())
+            }],
+            "only the user's own jobs' processes"
+        );
+        assert!(mine.gpus[1].processes.is_empty());
         assert_eq!(
             mine.jobs.iter().map(|j| j.job.as_str()).collect::<Vec<_>>(),
             ["1"]

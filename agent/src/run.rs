@@ -159,14 +159,21 @@ fn unix_s() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Per GPU that NVML lists processes on, the jobs those processes belong to (processes
-/// in no Slurm job left out). GPUs whose list NVML cannot give are left out too.
-fn gpu_users(
-    backend: &mut dyn GpuBackend,
-    agent: &Agent,
-    table: &crate::procs::ProcTable,
-) -> std::collections::BTreeMap<u32, std::collections::BTreeSet<crate::procs::JobKey>> {
-    let mut used = std::collections::BTreeMap::new();
+/// What NVML lists on the GPUs, read at one scan.
+#[derive(Debug, Default)]
+struct GpuUse {
+    /// Per GPU that NVML lists processes of Slurm jobs on, those jobs (processes in no
+    /// job left out).
+    jobs: std::collections::BTreeMap<u32, std::collections::BTreeSet<crate::procs::JobKey>>,
+    /// Per GPU NVML could list, every process on it and the job it belongs to (for
+    /// status).
+    processes: std::collections::BTreeMap<u32, Vec<(u32, Option<String>)>>,
+}
+
+/// The processes NVML lists on each GPU and the jobs they belong to, by their ancestry in
+/// `table`. GPUs whose list NVML cannot give (and degraded ones) are left out.
+fn gpu_use(backend: &mut dyn GpuBackend, agent: &Agent, table: &crate::procs::ProcTable) -> GpuUse {
+    let mut found = GpuUse::default();
     for gpu in 0..agent.gpus.len() as u32 {
         if agent.gpus[gpu as usize].degraded.is_some() {
             continue;
@@ -174,15 +181,19 @@ fn gpu_users(
         let Ok(pids) = backend.running_pids(gpu) else {
             continue;
         };
-        let jobs: std::collections::BTreeSet<crate::procs::JobKey> = pids
-            .into_iter()
-            .filter_map(|pid| table.step_of(pid).map(|s| s.job_key()))
-            .collect();
-        if !jobs.is_empty() {
-            used.insert(gpu, jobs);
+        let mut jobs = std::collections::BTreeSet::new();
+        let mut processes = Vec::with_capacity(pids.len());
+        for pid in pids {
+            let key = table.step_of(pid).map(|s| s.job_key());
+            processes.push((pid, key.as_ref().map(|k| k.0.clone())));
+            jobs.extend(key);
         }
+        if !jobs.is_empty() {
+            found.jobs.insert(gpu, jobs);
+        }
+        found.processes.insert(gpu, processes);
     }
-    used
+    found
 }
 
 /// Of the GPUs a registration names, the first on which NVML lists processes of
@@ -643,8 +654,9 @@ pub fn run(
                             for job_id in agent.jobs_alive(t, &table.live_jobs()) {
                                 warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
                             }
-                            let used_by = gpu_users(backend.as_mut(), &agent, &table);
-                            for r in agent.check_gpu_use(t, &used_by) {
+                            let used = gpu_use(backend.as_mut(), &agent, &table);
+                            agent.nvml_processes_seen(&used.processes);
+                            for r in agent.check_gpu_use(t, &used.jobs) {
                                 warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
                             }
                         }

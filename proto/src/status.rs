@@ -472,6 +472,29 @@ pub struct AgentGpuStatus {
     /// Observe mode: the limit the agent would write, W.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub would_cap_w: Option<f64>,
+    /// NVML's power-limit constraints, W: every cap the agent writes is clamped to them.
+    /// Absent from an agent older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_w: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_w: Option<f64>,
+    /// Whether the last sample found the clocks held back by a power cap or power brake
+    /// (NVML's clock-event reasons); none where NVML cannot say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_throttled: Option<bool>,
+    /// The processes NVML listed on this GPU at the agent's last scan of the host's
+    /// processes, each with the job its ancestry puts it in.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<GpuProcess>,
+}
+
+/// A process NVML lists on a GPU, as the agent attributes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuProcess {
+    pub pid: u32,
+    /// The Slurm job whose root-owned step daemon the process descends from; none for a
+    /// process in no job.
+    pub job: Option<String>,
 }
 
 /// One job on the agent's node.
