@@ -328,6 +328,72 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
         listed.iter().map(|r| r.job_id.as_str()).collect::<Vec<_>>(),
         [a_id.as_str()]
     );
+    // Her energy plot draws her own tier only; root's draws both. She writes it where
+    // she may (the stack's directory is root's).
+    let hers = std::env::temp_dir().join(format!("pf-accounting-plot-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&hers);
+    std::fs::create_dir(&hers).expect("her directory");
+    std::os::unix::fs::chown(&hers, Some(alice.uid), Some(alice.gid)).expect("chown");
+    let her_svg = hers.join("energy.svg");
+    let plot = ctl_as(
+        &alice,
+        &["accounting", "--plot", her_svg.to_str().expect("utf-8")],
+    );
+    assert!(
+        plot.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plot.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&plot.stdout).contains("1 jobs in 1 tiers"),
+        "{}",
+        String::from_utf8_lossy(&plot.stdout)
+    );
+    let svg = std::fs::read_to_string(&her_svg).expect("her plot");
+    assert!(svg.contains(">flex3,calibrate=off</text>"), "{svg}");
+    assert!(
+        !svg.contains("flex2"),
+        "alice's plot shows bob's tier: {svg}"
+    );
+    let all_svg = base.join("all-energy.svg");
+    let plot = run(
+        &ctl,
+        &[
+            "accounting",
+            "--plot",
+            all_svg.to_str().expect("utf-8"),
+            "--socket",
+            &socket,
+        ],
+    );
+    assert_eq!(plot.code, Some(0), "{}", plot.stderr);
+    let svg = std::fs::read_to_string(&all_svg).expect("root's plot");
+    for tier in ["flex3,calibrate=off", "flex2,calibrate=off"] {
+        assert!(svg.contains(&format!(">{tier}</text>")), "{tier}: {svg}");
+    }
+    assert!(svg.contains("SIMULATED") && svg.contains("ESTIMATE"));
+    // A user's range with no records is an error that says so, not an empty picture.
+    let none = ctl_as(
+        &alice,
+        &[
+            "accounting",
+            "--tier",
+            "flex0",
+            "--plot",
+            hers.join("none.svg").to_str().expect("utf-8"),
+        ],
+    );
+    assert_eq!(none.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&none.stderr).contains("no job energy records in that range"),
+        "{}",
+        String::from_utf8_lossy(&none.stderr)
+    );
+    assert!(
+        !hers.join("none.svg").exists(),
+        "nothing written for nothing"
+    );
+    let _ = std::fs::remove_dir_all(&hers);
     // Root sees all four, in the CSV too.
     let csv = run(
         &ctl,

@@ -4,7 +4,8 @@
 //! the comparison with equal-weight, the plot, the jobs on real curves, the job that changes
 //! phase during the event, every GPU back at its default cap, and the second event: published
 //! at the demo's own OpenADR VTN, brought to the controller by the VEN, deep enough that the
-//! one job allowing it is suspended, and resumed after.
+//! one job allowing it is suspended, and resumed after; and each job's energy from the
+//! controller's records, printed, in the summary and in the energy plot.
 
 use std::process::Command;
 
@@ -289,4 +290,81 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
         "{grid}"
     );
     assert_eq!(cluster["caps_default_after_shutdown"], true, "{cluster}");
+
+    // Issue 23: each job's energy from the controller's records, printed and in the
+    // summary with the same figures, its end-of-job line, and the energy plot.
+    let energy = &summary["energy"];
+    assert_eq!(
+        energy["missing_jobs"].as_array().map(Vec::len),
+        Some(0),
+        "{energy}"
+    );
+    let records = energy["jobs"].as_array().expect("energy jobs");
+    let printed = energy_table(&stdout);
+    for job in jobs {
+        let id = &job["job"];
+        let record = records
+            .iter()
+            .find(|r| &r["job"] == id)
+            .unwrap_or_else(|| panic!("no energy record for job {id}: {energy}"));
+        let joules = record["energy_j"].as_f64().expect("energy_j");
+        assert!(joules > 0.0, "job {id}: {record}");
+        assert_eq!(record["tier"], job["power_flex"], "{record}");
+        assert_eq!(record["simulated"], true, "{record}");
+        // The table's kWh and J columns are the summary's numbers.
+        let id_text = id.to_string();
+        let row = printed
+            .iter()
+            .find(|r| r[0] == id_text)
+            .unwrap_or_else(|| panic!("job {id} not in the printed energy table:\n{stdout}"));
+        let cell = |i: usize| row[i].parse::<f64>().unwrap_or_else(|_| panic!("{row:?}"));
+        assert_eq!(
+            cell(3),
+            joules,
+            "job {id}: printed {row:?}, summary {record}"
+        );
+        assert_eq!(
+            cell(2),
+            record["energy_kwh"].as_f64().expect("kWh"),
+            "job {id}: {row:?}"
+        );
+        // Its end-of-job line, printed as the record says it.
+        let line = record["summary_line"].as_str().expect("summary line");
+        assert!(
+            line.starts_with(&format!("powerflex: job {id} used"))
+                && line.ends_with("[SIMULATED GPUs]"),
+            "{line}"
+        );
+        assert!(stdout.contains(line), "job {id}'s line not printed: {line}");
+    }
+    assert_eq!(printed.len(), jobs.len(), "one row per job:\n{stdout}");
+    assert!(
+        stdout.contains("== each job's end-of-job line, from the controller's record"),
+        "{stdout}"
+    );
+    let energy_svg =
+        std::fs::read_to_string(out_dir.join("powerflex-energy.svg")).expect("energy plot");
+    assert!(energy_svg.starts_with("<svg"), "{energy_svg:.200}");
+    for tier in records.iter().filter_map(|r| r["tier"].as_str()) {
+        assert!(
+            energy_svg.contains(&format!(">{tier}</text>")),
+            "the energy plot does not name tier {tier}"
+        );
+    }
+    assert!(
+        energy_svg.contains("ESTIMATE") && energy_svg.contains("SIMULATED"),
+        "{energy_svg:.400}"
+    );
+}
+
+/// The rows of the demo's energy table (`== energy per job`), each split on whitespace:
+/// job, tier, kWh, J, … (no cell holds a space).
+fn energy_table(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("== energy per job"))
+        .skip(2)
+        .take_while(|l| !l.trim().is_empty() && !l.starts_with("  total"))
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
 }

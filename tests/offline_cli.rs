@@ -561,6 +561,11 @@ fn malformed_values_exit_2_naming_what_is_accepted() {
             "only SVG is written",
         ),
         (
+            words(&["accounting", "--plot", "energy.png", "--socket", socket]),
+            "--plot",
+            "only SVG is written",
+        ),
+        (
             words(&["allocate", "--curves", curves, "--budget-w", "1.2GW"]),
             "--budget-w",
             "accepted: W, kW, MW",
@@ -635,6 +640,46 @@ fn malformed_values_exit_2_naming_what_is_accepted() {
         assert!(!out.stderr.contains("panicked"), "{shown}: {}", out.stderr);
         assert!(out.stdout.is_empty(), "{shown}: {}", out.stdout);
     }
+}
+
+/// `accounting --plot` draws instead of listing: with `--format` it is a usage error, as
+/// is `--title` without it; a well-formed one reaches for the controller (exit 1 here,
+/// none listening) and writes nothing.
+#[test]
+fn accounting_plot_flags_are_checked_before_anything_is_read() {
+    let socket = "/nonexistent/powerflex-admin.sock";
+    let svg = std::env::temp_dir().join(format!("pf-offline-energy-{}.svg", std::process::id()));
+    let svg = svg.to_str().expect("utf-8");
+    for (args, says) in [
+        (
+            vec![
+                "accounting",
+                "--plot",
+                svg,
+                "--format",
+                "json",
+                "--socket",
+                socket,
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec!["accounting", "--title", "t", "--socket", socket],
+            "--plot",
+        ),
+    ] {
+        let out = run(&ctl(), &args);
+        assert_eq!(out.code, Some(2), "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
+    }
+    let out = run(&ctl(), &["accounting", "--plot", svg, "--socket", socket]);
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains(socket),
+        "names the socket: {}",
+        out.stderr
+    );
+    assert!(!std::path::Path::new(svg).exists(), "nothing written");
 }
 
 /// Well-formed values pass clap and reach the controller: with no controller listening,

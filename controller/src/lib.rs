@@ -5,11 +5,12 @@
 //! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
 //! at each instant, [`site`] splits that budget across the jobs of every node (one cap
 //! per job everywhere), [`placement`] decides which of a node's words to believe (Slurm's
-//! record of where each job runs), [`table`] renders human tables and [`render`] the controller's answers in them, [`plot`] draws the controller's history as SVG. The binaries parse
+//! record of where each job runs), [`table`] renders human tables and [`render`] the controller's answers in them, [`plot`] draws the controller's history as SVG and [`energy_plot`] the ended jobs' energy per tier. The binaries parse
 //! arguments, read files, print and choose exit codes; the decisions come from
 //! `powerflex-core`.
 
 pub mod ctld;
+pub mod energy_plot;
 pub mod offline;
 pub mod placement;
 pub mod plot;
@@ -50,6 +51,11 @@ pub enum CtlError {
         #[source]
         source: powerflex_core::flex::FlexError,
     },
+    /// Nothing to plot: no ended job's record matched.
+    #[error(
+        "no job energy records in that range (a user sees only their own jobs); nothing to plot"
+    )]
+    NoRecords,
     #[error(transparent)]
     Core(#[from] powerflex_core::Error),
 }

@@ -35,7 +35,7 @@ impl std::fmt::Display for NoSamples {
 }
 
 /// "Nice" tick step (1, 2 or 5 × 10^k) giving about `count` ticks over `span`.
-fn tick_step(span: f64, count: f64) -> f64 {
+pub(crate) fn tick_step(span: f64, count: f64) -> f64 {
     let raw = (span / count).max(f64::MIN_POSITIVE);
     let magnitude = 10f64.powf(raw.log10().floor());
     let fraction = raw / magnitude;
@@ -51,11 +51,39 @@ fn tick_step(span: f64, count: f64) -> f64 {
     nice * magnitude
 }
 
-fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
+}
+
+/// What a reader of a plot sees as text: each `<text>` element's content without its
+/// markup (a label broken into `<tspan>` lines reads as one), entities unescaped. For
+/// tests and scripts that check a picture's labels, not only that it parses.
+pub fn texts(svg: &str) -> Vec<String> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|element| {
+            let inner = element.split_once('>')?.1.split("</text>").next()?;
+            let mut text = String::new();
+            let mut in_tag = false;
+            for c in inner.chars() {
+                match c {
+                    '<' => in_tag = true,
+                    '>' => in_tag = false,
+                    c if !in_tag => text.push(c),
+                    _ => {}
+                }
+            }
+            Some(
+                text.replace("&lt;", "<")
+                    .replace("&gt;", ">")
+                    .replace("&quot;", "\"")
+                    .replace("&amp;", "&"),
+            )
+        })
+        .collect()
 }
 
 /// Power in the unit that keeps the numbers short.
@@ -136,7 +164,7 @@ fn frame(
     );
 }
 
-fn trim_number(v: f64) -> String {
+pub(crate) fn trim_number(v: f64) -> String {
     let text = format!("{v:.3}");
     let text = text.trim_end_matches('0').trim_end_matches('.');
     if text == "-0" {
@@ -492,6 +520,12 @@ mod tests {
         assert_eq!(utc_text(0), "1970-01-01 00:00:00 UTC");
         assert_eq!(utc_text(951_782_400_000), "2000-02-29 00:00:00 UTC");
         assert_eq!(utc_text(1_795_971_593_413), "2026-11-29 16:59:53 UTC");
+    }
+
+    #[test]
+    fn texts_are_what_a_reader_sees() {
+        let svg = r#"<svg><text x="1">a &amp; b</text><text x="2" y="3"><tspan>flex3,</tspan><tspan dy="13">preempt=suspend</tspan></text><line/></svg>"#;
+        assert_eq!(texts(svg), ["a & b", "flex3,preempt=suspend"]);
     }
 
     #[test]

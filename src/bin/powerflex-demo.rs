@@ -46,6 +46,7 @@ use powerflex_proto::status::{
     AgentJobStatus, CalibrationState, CtldStatus, DecisionView, HistorySample, PfiSource,
     SiteJobStatus,
 };
+use powerflex_proto::usage::{JobEnergyRecord, J_PER_KWH};
 use powerflex_sim::profiles::{Library, Profile};
 use powerflex_testbed::compare::{self, round_to, Scored, TrueJob};
 use powerflex_testbed::site::{edit_site_file, SiteBuilder};
@@ -1726,6 +1727,94 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
 struct Teardown {
     restored_by_agents: bool,
     all_default: bool,
+    energy: Energy,
+}
+
+/// What the controller recorded of the jobs' energy, read before it stopped.
+#[derive(Debug)]
+struct Energy {
+    /// The demo's jobs' records, in the demo's job order, as `powerflexctl accounting
+    /// --format json` gave them.
+    records: Vec<JobEnergyRecord>,
+    /// Jobs with no record when the wait ended.
+    missing: Vec<u32>,
+    /// Where `powerflexctl accounting --plot` drew them, or why it could not.
+    plot: std::result::Result<PathBuf, String>,
+}
+
+/// How long to wait for the jobs' records after they ended: the controller writes a
+/// job's record once each of its nodes has sent its final share, and after 60 s without
+/// one it writes what it has (naming the missing nodes).
+const RECORDS_WAIT: Duration = Duration::from_secs(75);
+
+/// The controller's record of every demo job, read the way a user reads them
+/// (`powerflexctl accounting --format json`), and the energy plot drawn by
+/// `powerflexctl accounting --plot`. A job without a record after [`RECORDS_WAIT`] is
+/// named in `missing` (the demo then fails), not waited for forever.
+fn energy_records(demo: &mut Demo, jobs: &[Job]) -> Energy {
+    let ids: Vec<String> = jobs.iter().map(|j| j.id.to_string()).collect();
+    let of_demo = |all: Vec<JobEnergyRecord>| -> Vec<JobEnergyRecord> {
+        // The last record of each job, in the demo's order (a record is written once;
+        // the last one wins should the log ever hold two).
+        ids.iter()
+            .filter_map(|id| all.iter().rev().find(|r| &r.job_id == id).cloned())
+            .collect()
+    };
+    let waited = demo.wait_for(
+        "every job's energy record at the controller",
+        RECORDS_WAIT,
+        Duration::from_secs(10),
+        |stack| {
+            let all: Vec<JobEnergyRecord> = stack.try_ctl_json(&["accounting"])?;
+            let mine = of_demo(all);
+            Ok((mine.len() == ids.len()).then_some(mine))
+        },
+        |stack| {
+            let have = stack
+                .try_ctl_json::<Vec<JobEnergyRecord>>(&["accounting"])
+                .map_or(0, |all| of_demo(all).len());
+            format!("{have} of {} records written", ids.len())
+        },
+    );
+    let records = match waited {
+        Ok(records) => records,
+        Err(e) => {
+            demo.progress.say(format!("      {e}"));
+            demo.stack
+                .try_ctl_json::<Vec<JobEnergyRecord>>(&["accounting"])
+                .map(of_demo)
+                .unwrap_or_default()
+        }
+    };
+    let missing = jobs
+        .iter()
+        .filter(|j| !records.iter().any(|r| r.job_id == j.id.to_string()))
+        .map(|j| j.id)
+        .collect();
+    let path = demo.out.join("powerflex-energy.svg");
+    let plot = demo
+        .stack
+        .try_ctl(&[
+            "accounting",
+            "--plot",
+            &path.to_string_lossy(),
+            "--title",
+            "powerflex demo (SIMULATED GPUs): GPU energy per tier and energy saved (ESTIMATE)",
+        ])
+        .map(|_| path)
+        .map_err(|e| e.to_string());
+    // The log itself, beside the summary (the stack's directory is removed at the end).
+    let log = demo
+        .stack
+        .base
+        .join("ctld")
+        .join(powerflex_controller::ctld::ACCOUNTING_LOG_FILE);
+    let _ = std::fs::copy(&log, demo.out.join("job-energy.jsonl"));
+    Energy {
+        records,
+        missing,
+        plot,
+    }
 }
 
 /// Phase 6: scancel every job, wait for the agents to restore the caps, then SIGTERM the
@@ -1755,11 +1844,17 @@ fn teardown(demo: &mut Demo, jobs: &[Job]) -> Result<Teardown> {
             |_| "waiting for the epilogs".into(),
         )
         .unwrap_or(false);
+    // Before the controller stops: its records of the jobs just ended.
+    demo.progress.say(
+        "      reading the jobs' energy records from the controller (powerflexctl accounting)",
+    );
+    let energy = energy_records(demo, jobs);
     demo.stack.shutdown();
     let all_default = demo.stack.try_caps_w()?.iter().all(|&c| c == DEFAULT_CAP_W);
     Ok(Teardown {
         restored_by_agents,
         all_default,
+        energy,
     })
 }
 
@@ -2002,6 +2097,143 @@ fn compare(
         rows,
         oracle,
     })
+}
+
+/// The jobs' energy records for `summary.json`, every float already rounded for people
+/// (`compare::tidy_floats`): the printout is made from this, so it says the same numbers.
+fn energy_summary(energy: &Energy) -> serde_json::Value {
+    let opt = |v: Option<f64>| v.map_or(serde_json::Value::Null, |v| json!(v));
+    let jobs: Vec<serde_json::Value> = energy
+        .records
+        .iter()
+        .map(|r| {
+            json!({
+                "job": r.job_id.parse::<u64>().map_or(json!(r.job_id), |n| json!(n)),
+                "tier": r.tier, "gpus": r.gpus,
+                "energy_j": r.energy_j, "energy_kwh": r.energy_kwh,
+                "energy_source": r.energy_source.name(),
+                "avg_power_w": r.avg_power_w, "peak_power_w": r.peak_power_w,
+                "capped_pct": r.capped_pct, "event_s": r.event_s,
+                "slowdown_pct": opt(r.slowdown_pct), "bound_pct": opt(r.bound_pct),
+                "bound_held": r.bound_held,
+                "saved_estimate_j": opt(r.saved_estimate_j),
+                "incomplete_nodes": r.incomplete_nodes, "simulated": r.simulated,
+                "summary_line": r.summary_line(),
+            })
+        })
+        .collect();
+    let by_tier: Vec<serde_json::Value> =
+        powerflex_controller::energy_plot::by_tier(&energy.records)
+            .iter()
+            .map(|t| {
+                json!({
+                    "tier": t.tier, "jobs": t.jobs, "energy_j": t.energy_j,
+                    "energy_kwh": t.energy_j / J_PER_KWH, "jobs_in_events": t.jobs_in_events,
+                    "saved_in_events_estimate_j": t.saved_in_events_j,
+                    "saved_outside_events_estimate_j": t.saved_outside_events_j,
+                })
+            })
+            .collect();
+    let total_j: f64 = energy.records.iter().map(|r| r.energy_j).sum();
+    compare::tidy_floats(json!({
+        "source": "the controller's records (powerflexctl accounting --format json); SIMULATED GPUs' energy counters",
+        "jobs": jobs,
+        "by_tier": by_tier,
+        "total_j": total_j, "total_kwh": total_j / J_PER_KWH,
+        "saved_estimate_j": energy.records.iter().filter_map(|r| r.saved_estimate_j).sum::<f64>(),
+        "missing_jobs": energy.missing,
+        "plot": energy.plot.as_ref().ok().map(|p| p.display().to_string()),
+        "plot_error": energy.plot.as_ref().err(),
+    }))
+}
+
+/// The energy table and each job's end-of-job line, from [`energy_summary`]'s rounded
+/// figures (so every number printed is one `summary.json` holds).
+fn print_energy(summary: &serde_json::Value, energy: &Energy) {
+    let num = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| format!("{x}"));
+    let empty = Vec::new();
+    let jobs = summary["jobs"].as_array().unwrap_or(&empty);
+    let rows: Vec<Vec<String>> = jobs
+        .iter()
+        .map(|j| {
+            vec![
+                j["job"].to_string(),
+                j["tier"].as_str().unwrap_or("-").to_string(),
+                num(&j["energy_kwh"]),
+                num(&j["energy_j"]),
+                j["gpus"].to_string(),
+                num(&j["avg_power_w"]),
+                num(&j["peak_power_w"]),
+                num(&j["capped_pct"]),
+                num(&j["slowdown_pct"]),
+                num(&j["bound_pct"]),
+                match j["bound_held"].as_bool() {
+                    Some(true) => "held".into(),
+                    Some(false) => "BROKEN".into(),
+                    None => "-".into(),
+                },
+                num(&j["event_s"]),
+                num(&j["saved_estimate_j"]),
+            ]
+        })
+        .collect();
+    println!("\n== energy per job, from the controller's records (powerflexctl accounting --format json; the SIMULATED GPUs' energy counters over each job's hold; saved = ESTIMATE against running uncapped for the same work, from the job's measured curve)");
+    print!(
+        "{}",
+        table(
+            &[
+                "job",
+                "tier",
+                "kWh",
+                "J",
+                "GPUs",
+                "avg W",
+                "peak W",
+                "capped %",
+                "slowdown %",
+                "bound %",
+                "bound",
+                "in events s",
+                "saved J (ESTIMATE)",
+            ],
+            &rows
+        )
+    );
+    println!(
+        "  total                            {} kWh ({} J); about {} J saved (ESTIMATE)",
+        num(&summary["total_kwh"]),
+        num(&summary["total_j"]),
+        num(&summary["saved_estimate_j"])
+    );
+    for t in summary["by_tier"].as_array().unwrap_or(&empty) {
+        println!(
+            "  tier {:<27} {} kWh over {} jobs ({} in events); saved (ESTIMATE) {} J by jobs in events, {} J by the others",
+            t["tier"].as_str().unwrap_or("-"),
+            num(&t["energy_kwh"]),
+            t["jobs"],
+            t["jobs_in_events"],
+            num(&t["saved_in_events_estimate_j"]),
+            num(&t["saved_outside_events_estimate_j"])
+        );
+    }
+    if !energy.missing.is_empty() {
+        println!(
+            "  NO RECORD for job(s) {:?} within {} s of their end",
+            energy.missing,
+            RECORDS_WAIT.as_secs()
+        );
+    }
+    println!("\n== each job's end-of-job line, from the controller's record");
+    for j in jobs {
+        println!("  {}", j["summary_line"].as_str().unwrap_or("-"));
+    }
+    match &energy.plot {
+        Ok(path) => println!(
+            "\nenergy plot (powerflexctl accounting --plot: GPU energy per tier, energy saved as an ESTIMATE split by grid events): {}",
+            path.display()
+        ),
+        Err(e) => println!("\nNO ENERGY PLOT: powerflexctl accounting --plot failed: {e}"),
+    }
 }
 
 /// Phase 7: the tables, the plot and `summary.json`; true when every promise held.
@@ -2443,6 +2675,11 @@ fn report(
         ),
         _ => println!("\n  learning: no gap to recover at event 1's budget (the oracle keeps no more than the equal split within the tiers)"),
     }
+    let energy = energy_summary(&down.energy);
+    print_energy(&energy, &down.energy);
+    let energy_ok = down.energy.missing.is_empty()
+        && down.energy.records.iter().all(|r| r.energy_j > 0.0)
+        && down.energy.plot.is_ok();
     let real_jobs: Vec<u32> = jobs
         .iter()
         .filter(|j| {
@@ -2493,6 +2730,7 @@ fn report(
             "draw": grid.draw.iter().map(|&(t, w)| json!([t, w])).collect::<Vec<_>>(),
         },
         "controller_jobs_during": during.jobs,
+        "energy": energy,
     });
     let summary_path = demo.out.join("summary.json");
     std::fs::write(
@@ -2507,9 +2745,10 @@ fn report(
         && grid.ok()
         && !during.changes.is_empty()
         && down.restored_by_agents
-        && down.all_default;
+        && down.all_default
+        && energy_ok;
     if ok {
-        println!("\nevery tier's promise held, the draw stayed within both events' budgets (through the phase change too), the OpenADR event arrived through the VEN and suspended and resumed exactly the job that allows it, flex0 was never capped, and every GPU is back at its default cap.");
+        println!("\nevery tier's promise held, the draw stayed within both events' budgets (through the phase change too), the OpenADR event arrived through the VEN and suspended and resumed exactly the job that allows it, flex0 was never capped, every GPU is back at its default cap, and the controller recorded every job's energy.");
     } else {
         println!(
             "\nFAILED: see the lines marked BROKEN, OVER or NO above; the daemons' logs are in {}",

@@ -289,7 +289,8 @@ enum Command {
         format: Format,
     },
     /// Ended jobs' energy records, like `sreport`: energy, average power, time capped,
-    /// slowdown and bound per job, and totals per tier. A user sees their own jobs only.
+    /// slowdown and bound per job, and totals per tier; or, with --plot, an SVG of the
+    /// energy per tier and the energy saved (ESTIMATE). A user sees their own jobs only.
     Accounting {
         /// Jobs that ended after this: an RFC 3339 time (2026-12-01T00:00:00Z), `now`, or
         /// -DURATION ago (-7d) [default: every record the controller keeps].
@@ -307,6 +308,14 @@ enum Command {
         /// Only jobs charged to this Slurm account (as Slurm recorded the job).
         #[arg(long)]
         account: Option<String>,
+        /// Instead of the listing, draw these records as an SVG: GPU energy used per tier,
+        /// and the energy saved against running uncapped (an ESTIMATE from each job's
+        /// measured curve) split by whether the jobs ran in grid events. Must end in .svg.
+        #[arg(long, value_name = "FILE.svg", value_parser = svg_path, conflicts_with = "format")]
+        plot: Option<String>,
+        /// The plot's title.
+        #[arg(long, requires = "plot")]
+        title: Option<String>,
         #[command(flatten)]
         ctld: CtldArgs,
         #[arg(long, value_enum, default_value = "table")]
@@ -529,7 +538,38 @@ fn at_least_one(text: &str) -> Result<usize, String> {
     }
 }
 
-/// `plot --out`: only SVG is written.
+/// `accounting --plot`: the records as an SVG at `out`, and a line saying what it shows.
+fn plot_energy(
+    records: &[powerflex_proto::usage::JobEnergyRecord],
+    out: &str,
+    title: Option<&str>,
+) -> Result<String, CtlError> {
+    use powerflex_controller::energy_plot;
+    use powerflex_proto::usage::human_energy;
+    let svg = energy_plot::render_energy_svg(
+        records,
+        title.unwrap_or("powerflex: GPU energy per tier and energy saved (ESTIMATE)"),
+    )?;
+    std::fs::write(out, svg).map_err(|source| CtlError::Write {
+        path: out.to_string(),
+        source,
+    })?;
+    let tiers = energy_plot::by_tier(records);
+    Ok(format!(
+        "wrote {out}: {} jobs in {} tiers, {} used, about {} saved (ESTIMATE){}\n",
+        records.len(),
+        tiers.len(),
+        human_energy(tiers.iter().map(|t| t.energy_j).sum()),
+        human_energy(tiers.iter().map(|t| t.saved_j()).sum()),
+        if records.iter().any(|r| r.simulated) {
+            " [SIMULATED GPUs]"
+        } else {
+            ""
+        }
+    ))
+}
+
+/// `plot --out`, `accounting --plot`: only SVG is written.
 fn svg_path(text: &str) -> Result<String, String> {
     let extension = std::path::Path::new(text)
         .extension()
@@ -820,6 +860,8 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             user,
             tier,
             account,
+            plot,
+            title,
             ctld: args,
             format,
         } => {
@@ -850,6 +892,9 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                     Some(c) if full && after.as_ref() != Some(&c) => after = Some(c),
                     _ => break,
                 }
+            }
+            if let Some(out) = plot {
+                return plot_energy(&all, &out, title.as_deref());
             }
             match format {
                 RecordFormat::Table => Ok(render::render_accounting(&all)),
