@@ -566,6 +566,9 @@ mod tests {
             pfi: Some(3.0),
             incomplete_nodes: vec![],
             nodes: vec![],
+            account: None,
+            run_start_unix_ms: None,
+            revision: 1,
         }
     }
 
