@@ -309,6 +309,33 @@ impl NodeUsage {
         ] {
             check_figure(&field(name), v)?;
         }
+        // Shares of observed time are parts of it (a part beyond its whole would make an
+        // infinite percentage of a tiny whole), and times stay within years a database
+        // can hold.
+        let within = |part: f64, whole: f64| part <= whole * (1.0 + 1e-9) + 1e-6;
+        for (name, part, whole) in [
+            ("capped_s", self.capped_s, self.observed_s),
+            ("event_s", self.event_s, self.observed_s),
+            ("throttle_known_s", self.throttle_known_s, self.observed_s),
+            (
+                "power_throttled_s",
+                self.power_throttled_s,
+                self.throttle_known_s,
+            ),
+        ] {
+            if !within(part, whole) {
+                return Err(invalid(
+                    field(name),
+                    format!("{part} s is more than the {whole} s it is a share of"),
+                ));
+            }
+        }
+        if self.to_unix_ms > MAX_UNIX_MS || self.gpus.iter().any(|g| g.to_unix_ms > MAX_UNIX_MS) {
+            return Err(invalid(
+                field("to_unix_ms"),
+                format!("after the year 9999 (at most {MAX_UNIX_MS} ms)"),
+            ));
+        }
         for c in &self.caps {
             check_figure(&field("cap cap_w"), c.cap_w)?;
             check_figure(&field("cap seconds"), c.seconds)?;
@@ -333,6 +360,9 @@ impl NodeUsage {
         Ok(())
     }
 }
+
+/// The latest time a share may name, Unix ms (9999-12-31T23:59:59.999Z).
+pub const MAX_UNIX_MS: u64 = 253_402_300_799_999;
 
 /// Joules per kilowatt-hour.
 pub const J_PER_KWH: f64 = 3.6e6;
@@ -595,6 +625,16 @@ mod tests {
         assert!(bad(|s| s.job_id = "7; rm".into()).contains("job_id"));
         assert!(bad(|s| s.observed_s = f64::NAN).contains("observed_s"));
         assert!(bad(|s| s.capped_s = -1.0).contains("capped_s"));
+        // A part beyond its whole (an infinite percentage of a tiny whole) is refused.
+        assert!(bad(|s| {
+            s.observed_s = 5e-324;
+            s.capped_s = 1.0;
+        })
+        .contains("capped_s"));
+        assert!(
+            bad(|s| s.power_throttled_s = s.throttle_known_s + 1.0).contains("power_throttled_s")
+        );
+        assert!(bad(|s| s.to_unix_ms = 10_000_000_000_000_000).contains("9999"));
         assert!(bad(|s| s.peak_power_w = 1e12).contains("peak_power_w"));
         assert!(bad(|s| s.from_unix_ms = s.to_unix_ms + 1).contains("from_unix_ms"));
         assert!(bad(|s| s.tier = "x".repeat(MAX_SHARE_TEXT_BYTES + 1)).contains("longer"));

@@ -509,7 +509,7 @@ fn batch_ended(sp: ffi::spank_t, args: &logic::Args, node: &str, request: &Contr
         gid,
         groups: supplementary_groups(sp),
     };
-    let written = output::stdout_path(job_id, &owner, deadline)
+    let written = output::stdout_path(job_id, deadline)
         .and_then(|path| output::append_line(&path, &line, &owner, deadline).map(|()| path));
     match written {
         Ok(path) => log_info(&format!(

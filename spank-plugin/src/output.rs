@@ -18,7 +18,6 @@
 use std::ffi::CString;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -50,11 +49,14 @@ pub fn parse_stdout_path(show_job: &str) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-/// Asks Slurm where job `job_id`'s output goes: `scontrol show job`, run as the job's
-/// owner (who may always see their own job), with the environment cleared but for
-/// `SLURM_CONF` of this slurmstepd (root's, from slurmd; never the job's, which the user
-/// wrote), all before `deadline`.
-pub fn stdout_path(job_id: u32, owner: &Owner, deadline: Instant) -> Result<PathBuf, String> {
+/// Asks Slurm where job `job_id`'s output goes: `scontrol show job`, a read-only query
+/// run as root (slurmstepd's own user: a process of the job's owner could open a user
+/// scontrol's pipe through `/proc/PID/fd` and hold it open), with the environment
+/// cleared but for `SLURM_CONF` of this slurmstepd (root's, from slurmd; never the
+/// job's, which the user wrote), all before `deadline`: the pipe is read without
+/// blocking, so nothing that holds it open can hold slurmstepd.
+pub fn stdout_path(job_id: u32, deadline: Instant) -> Result<PathBuf, String> {
+    use std::os::fd::AsRawFd;
     let mut command = Command::new("scontrol");
     command
         .args(["show", "job", &job_id.to_string()])
@@ -63,19 +65,64 @@ pub fn stdout_path(job_id: u32, owner: &Owner, deadline: Instant) -> Result<Path
         .current_dir("/")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .uid(owner.uid)
-        .gid(owner.gid);
+        .stderr(Stdio::null());
     if let Some(conf) = std::env::var_os("SLURM_CONF") {
         command.env("SLURM_CONF", conf);
     }
     let mut child = command
         .spawn()
         .map_err(|e| format!("cannot run scontrol: {e}"))?;
+    let Some(mut out) = child.stdout.take() else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err("scontrol's output pipe is missing".into());
+    };
+    // SAFETY: fcntl on a descriptor this function owns (the pipe's read end).
+    let nonblocking = unsafe {
+        let fd = out.as_raw_fd();
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+    };
+    if !nonblocking {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err("cannot make scontrol's pipe non-blocking".into());
+    }
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let mut exited = None;
     loop {
+        // Drain what is there (the child may block on a full pipe otherwise).
+        loop {
+            match out.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(n) => {
+                    text.extend_from_slice(&chunk[..n]);
+                    if text.len() as u64 > MAX_SHOW_JOB_BYTES {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(format!("scontrol show job {job_id}: too much output"));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!("scontrol show job {job_id}: {e}"));
+                }
+            }
+        }
+        // Once it has exited and the pipe is drained, what it wrote is all read: a
+        // write end held elsewhere is not waited for.
+        if let Some(status) = exited {
+            if status {
+                break;
+            }
+            return Err(format!("scontrol show job {job_id} failed"));
+        }
         match child.try_wait() {
-            Ok(Some(status)) if status.success() => break,
-            Ok(Some(status)) => return Err(format!("scontrol show job {job_id}: {status}")),
+            Ok(Some(status)) => exited = Some(status.success()),
             Ok(None) if Instant::now() >= deadline => {
                 let _ = child.kill();
                 let _ = child.wait();
@@ -85,12 +132,7 @@ pub fn stdout_path(job_id: u32, owner: &Owner, deadline: Instant) -> Result<Path
             Err(e) => return Err(format!("scontrol show job {job_id}: {e}")),
         }
     }
-    let mut text = String::new();
-    if let Some(out) = child.stdout.take() {
-        out.take(MAX_SHOW_JOB_BYTES)
-            .read_to_string(&mut text)
-            .map_err(|e| format!("scontrol show job {job_id}: {e}"))?;
-    }
+    let text = String::from_utf8_lossy(&text);
     parse_stdout_path(&text)
         .ok_or_else(|| format!("scontrol show job {job_id} names no absolute StdOut"))
 }

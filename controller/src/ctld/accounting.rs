@@ -480,23 +480,37 @@ impl Ledger {
     /// Records read back from the log at start: known, never written again (a later
     /// revision of a run replaces the earlier).
     pub fn load(&mut self, records: Vec<JobEnergyRecord>) {
-        for r in records {
+        // Linear in the log: only the newest records can stay in the bounded memories
+        // below, and only a later revision looks back for the one it replaces (within
+        // the recent window, itself bounded as it fills).
+        let keep = RECENT_RECORDS.max(FINISHED_RUNS_REMEMBERED);
+        let skip = records.len().saturating_sub(keep);
+        for r in records.into_iter().skip(skip) {
             let key = (r.job_id.clone(), r.run_start_unix_ms);
-            if let Some(at) = self.recent.iter().rposition(|old| {
-                old.job_id == r.job_id
-                    && old.run_start_unix_ms == r.run_start_unix_ms
-                    && old.revision < r.revision
-                    && (r.run_start_unix_ms.is_some()
-                        || old.nodes.iter().any(|s| {
-                            r.nodes
-                                .iter()
-                                .any(|n| n.node == s.node && n.from_unix_ms == s.from_unix_ms)
-                        }))
-            }) {
+            let replaces = r.revision > 1;
+            if let Some(at) = replaces
+                .then(|| {
+                    self.recent.iter().rposition(|old| {
+                        old.job_id == r.job_id
+                            && old.run_start_unix_ms == r.run_start_unix_ms
+                            && old.revision < r.revision
+                            && (r.run_start_unix_ms.is_some()
+                                || old.nodes.iter().any(|s| {
+                                    r.nodes.iter().any(|n| {
+                                        n.node == s.node && n.from_unix_ms == s.from_unix_ms
+                                    })
+                                }))
+                    })
+                })
+                .flatten()
+            {
                 self.recent.remove(at);
             }
             self.remember_record(&key, &r);
             self.recent.push_back(r);
+            while self.recent.len() > RECENT_RECORDS {
+                self.recent.pop_front();
+            }
         }
         // Loaded records were acknowledged when written (or are re-sent and then
         // acknowledged as repeats).

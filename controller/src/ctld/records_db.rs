@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use powerflex_proto::status::AccountingDbView;
 use powerflex_proto::usage::JobEnergyRecord;
@@ -58,6 +58,8 @@ impl RecordsDbOptions {
 pub const MAX_QUEUED: usize = 100_000;
 /// Rows per insert transaction.
 const BATCH: usize = 256;
+/// Job ids per catch-up query at start.
+const CATCH_UP_CHUNK: usize = 2_000;
 /// Longest pause between two connection attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// The advisory lock key the migrations hold ("pflx" in ASCII).
@@ -150,6 +152,12 @@ const INSERT: &str = "INSERT INTO powerflex_job_energy (
 /// A Unix-ms figure as PostgreSQL's bigint (clamped: a record's times come from agents).
 fn ms_i64(ms: u64) -> i64 {
     i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+/// A Unix-ms time for `to_timestamp`: held to the year 9999 (shares are refused beyond
+/// it; an older log's record must not make a row the database refuses).
+fn time_ms_i64(ms: u64) -> i64 {
+    ms_i64(ms.min(powerflex_proto::usage::MAX_UNIX_MS))
 }
 
 /// A record's key in the table: the job and its run (Slurm's start of the run, else its
@@ -377,6 +385,9 @@ impl Writer {
         }
         self.connect()?;
         let client = self.client.as_mut().ok_or("no connection")?;
+        // A catch-up that fails (a slow database) does not hold the new records: they are
+        // written first, and the catch-up is tried again after the back-off.
+        let mut catch_up_failed = None;
         if let Some(backlog) = self.backlog.take() {
             match missing_from_table(client, backlog) {
                 Ok(missing) => {
@@ -393,7 +404,7 @@ impl Writer {
                 }
                 Err((e, backlog)) => {
                     self.backlog = Some(backlog);
-                    return Err(e);
+                    catch_up_failed = Some(e);
                 }
             }
         }
@@ -401,12 +412,34 @@ impl Writer {
             let n = self.queue.len().min(BATCH);
             let batch: Vec<&JobEnergyRecord> = self.queue.iter().take(n).collect();
             let client = self.client.as_mut().ok_or("no connection")?;
-            let inserted = insert(client, &batch)?;
+            let inserted = match insert(client, &batch) {
+                Ok(inserted) => inserted,
+                // A row the database refuses as data (a value out of its range) must not
+                // hold every record behind it: the batch goes row by row, and a refused
+                // row is dropped here with an error (it stays in the JSON-lines log).
+                Err(InsertError::Data(_)) => {
+                    let mut inserted = 0;
+                    for r in &batch {
+                        match insert(client, &[r]) {
+                            Ok(n) => inserted += n,
+                            Err(InsertError::Data(e)) => {
+                                error!(job_id = %r.job_id, error = %e, "the accounting database refuses this record; it stays in the log only")
+                            }
+                            Err(InsertError::Other(e)) => return Err(e),
+                        }
+                    }
+                    inserted
+                }
+                Err(InsertError::Other(e)) => return Err(e),
+            };
             self.queue.drain(..n);
             let mut v = self.view.lock().unwrap_or_else(PoisonError::into_inner);
             v.written += inserted;
         }
-        Ok(())
+        match catch_up_failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
@@ -475,22 +508,27 @@ fn missing_from_table(
     client: &mut postgres::Client,
     backlog: Vec<JobEnergyRecord>,
 ) -> Result<Vec<JobEnergyRecord>, (String, Vec<JobEnergyRecord>)> {
-    let Some(oldest) = backlog.iter().map(|r| r.written_unix_ms).min() else {
-        return Ok(backlog);
-    };
-    let rows = match client.query(
-        "SELECT job_id, run_unix_ms, revision FROM powerflex_job_energy
-         WHERE written_at >= to_timestamp($1::bigint / 1000.0) - interval '1 second'",
-        &[&ms_i64(oldest)],
-    ) {
-        Ok(rows) => rows,
-        Err(e) => {
-            return Err((
-                format!("cannot read the accounting database's records: {e}"),
-                backlog,
-            ))
+    // Only the backlog's own jobs are looked up (the primary key's index), a chunk at a
+    // time: the table may hold years of other records.
+    let mut job_ids: Vec<String> = backlog.iter().map(|r| r.job_id.clone()).collect();
+    job_ids.sort();
+    job_ids.dedup();
+    let mut rows = Vec::new();
+    for chunk in job_ids.chunks(CATCH_UP_CHUNK) {
+        match client.query(
+            "SELECT job_id, run_unix_ms, revision FROM powerflex_job_energy
+             WHERE job_id = ANY($1)",
+            &[&chunk],
+        ) {
+            Ok(mut found) => rows.append(&mut found),
+            Err(e) => {
+                return Err((
+                    format!("cannot read the accounting database's records: {e}"),
+                    backlog,
+                ))
+            }
         }
-    };
+    }
     let present: BTreeMap<(String, i64), i32> = rows
         .iter()
         .map(|r| ((r.get(0), r.get(1)), r.get(2)))
@@ -506,14 +544,32 @@ fn missing_from_table(
 }
 
 /// Inserts a batch in one transaction: the rows that were new.
-fn insert(client: &mut postgres::Client, batch: &[&JobEnergyRecord]) -> Result<u64, String> {
-    let failed = |e: postgres::Error| format!("cannot write to the accounting database: {e}");
+/// Why a batch was not written.
+#[derive(Debug)]
+enum InsertError {
+    /// The database refused a value (SQLSTATE class 22, data exception): that row will
+    /// never be taken, whatever the retries.
+    Data(String),
+    /// Anything else (connection, timeout): worth a retry.
+    Other(String),
+}
+
+fn insert(client: &mut postgres::Client, batch: &[&JobEnergyRecord]) -> Result<u64, InsertError> {
+    let failed = |e: postgres::Error| {
+        let text = format!("cannot write to the accounting database: {e}");
+        if e.code().is_some_and(|c| c.code().starts_with("22")) {
+            InsertError::Data(text)
+        } else {
+            InsertError::Other(text)
+        }
+    };
     let mut tx = client.transaction().map_err(failed)?;
     let statement = tx.prepare(INSERT).map_err(failed)?;
     let mut inserted = 0;
     for r in batch {
-        let json = serde_json::to_string(r)
-            .map_err(|e| format!("cannot encode job {}'s record: {e}", r.job_id))?;
+        let json = serde_json::to_string(r).map_err(|e| {
+            InsertError::Data(format!("cannot encode job {}'s record: {e}", r.job_id))
+        })?;
         let (job_id, run) = record_key(r);
         inserted += tx
             .execute(
@@ -525,9 +581,9 @@ fn insert(client: &mut postgres::Client, batch: &[&JobEnergyRecord]) -> Result<u
                     &r.simulated,
                     &i64::from(r.uid),
                     &r.tier,
-                    &ms_i64(r.written_unix_ms),
-                    &ms_i64(r.from_unix_ms),
-                    &ms_i64(r.to_unix_ms),
+                    &time_ms_i64(r.written_unix_ms),
+                    &time_ms_i64(r.from_unix_ms),
+                    &time_ms_i64(r.to_unix_ms),
                     &(i32::try_from(r.gpus).unwrap_or(i32::MAX)),
                     &r.energy_j,
                     &r.energy_kwh,
