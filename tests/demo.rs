@@ -347,8 +347,11 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
     assert!(energy_svg.starts_with("<svg"), "{energy_svg:.200}");
     for tier in records.iter().filter_map(|r| r["tier"].as_str()) {
         assert!(
-            // A label may wrap at its comma into tspans; the name is one text run.
-            energy_svg.contains(&format!(">{tier}<")),
+            // A long label wraps at its commas into tspans ("flex3," then
+            // "preempt=suspend"): every part is a text run of its own.
+            tier.split(',')
+                .all(|part| energy_svg.contains(&format!(">{part}<"))
+                    || energy_svg.contains(&format!(">{part},<"))),
             "the energy plot does not name tier {tier}"
         );
     }
