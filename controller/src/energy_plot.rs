@@ -314,15 +314,7 @@ pub fn render_energy_svg(records: &[JobEnergyRecord], title: &str) -> Result<Str
     let to = records.iter().map(|r| r.to_unix_ms).max().unwrap_or(0);
 
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif">"#
-    );
-    let _ = writeln!(
-        out,
-        r#"<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="24" font-size="16" font-weight="bold">{}</text>"#,
-        escape(title)
-    );
+    crate::plot::open_svg(&mut out, WIDTH, HEIGHT, LEFT, title);
     let span = if from == to {
         format!("ended at {}", utc_text(to))
     } else {

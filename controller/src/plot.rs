@@ -51,6 +51,20 @@ pub(crate) fn tick_step(span: f64, count: f64) -> f64 {
     nice * magnitude
 }
 
+/// The opening of a plot: the `<svg>` element of `width` × `height`, a white page, and
+/// the bold title at `left` (the plots share one look).
+pub(crate) fn open_svg(out: &mut String, width: f64, height: f64, left: f64, title: &str) {
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif">"#
+    );
+    let _ = writeln!(
+        out,
+        r#"<rect width="100%" height="100%" fill="white"/><text x="{left}" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        escape(title)
+    );
+}
+
 pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -245,15 +259,7 @@ pub fn render_svg_marked(
     };
     let simulated = samples.iter().any(|s| s.simulated);
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif">"#
-    );
-    let _ = writeln!(
-        out,
-        r#"<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="24" font-size="16" font-weight="bold">{}</text>"#,
-        escape(title)
-    );
+    open_svg(&mut out, WIDTH, HEIGHT, LEFT, title);
     let _ = writeln!(
         out,
         r##"<text x="{LEFT}" y="44" font-size="12" fill="#555">{} samples over {} s{}</text>"##,

@@ -53,6 +53,13 @@ const JOBS_PLACED_REMEMBERED: usize = 20_000;
 /// Runs recorded, and node shares in records, remembered (a repeat is acknowledged, a
 /// late final share amends its record).
 const FINISHED_RUNS_REMEMBERED: usize = 20_000;
+/// The newest records [`Ledger::load`] keeps of a log read back: older ones would leave
+/// its bounded memories at once.
+pub const LOADED_RECORDS: usize = if RECENT_RECORDS > FINISHED_RUNS_REMEMBERED {
+    RECENT_RECORDS
+} else {
+    FINISHED_RUNS_REMEMBERED
+};
 const RECORDED_SHARES_REMEMBERED: usize = 200_000;
 
 /// A job run: its id and Slurm's start of the run, ms (none without Slurm's record).
@@ -72,6 +79,8 @@ struct Run {
     start_ms: u64,
     nodes: BTreeSet<String>,
     uid: u32,
+    /// Slurm's account for the job (none when Slurm names none).
+    account: Option<String>,
 }
 
 /// Why a final share was not taken (for the caller's log).
@@ -137,6 +146,7 @@ impl Ledger {
             // Without a start time (an older Slurm) the job's runs cannot be told
             // apart: one run, from 0.
             let start_ms = job.start_unix_s.map_or(0, |s| s.saturating_mul(1000));
+            let account = Some(job.account.clone()).filter(|a| !a.is_empty());
             if !self.placed.contains_key(id) {
                 self.placed_order.push_back(id.clone());
                 while self.placed_order.len() > JOBS_PLACED_REMEMBERED {
@@ -148,14 +158,21 @@ impl Ledger {
             let runs = self.placed.entry(id.clone()).or_default();
             match runs.iter_mut().find(|r| r.start_ms == start_ms) {
                 Some(run) => {
-                    run.nodes.extend(job.nodes.iter().cloned());
+                    // Read every few seconds for every job: clone only names not held.
+                    for node in &job.nodes {
+                        if !run.nodes.contains(node) {
+                            run.nodes.insert(node.clone());
+                        }
+                    }
                     run.uid = job.uid;
+                    run.account = account;
                 }
                 None => {
                     runs.push(Run {
                         start_ms,
                         nodes: job.nodes.clone(),
                         uid: job.uid,
+                        account,
                     });
                     runs.sort_by_key(|r| r.start_ms);
                     if runs.len() > RUNS_PER_JOB {
@@ -184,13 +201,13 @@ impl Ledger {
             .map(|start| (job_id.to_string(), Some(start)))
     }
 
-    fn placed_uid(&self, key: &RunKey) -> Option<u32> {
+    /// The run Slurm placed for `key`, if this controller read it.
+    fn placed_run(&self, key: &RunKey) -> Option<&Run> {
         let start = key.1?;
         self.placed
             .get(&key.0)?
             .iter()
             .find(|r| r.start_ms == start)
-            .map(|r| r.uid)
     }
 
     /// A node's believed job reports: their running shares.
@@ -289,7 +306,7 @@ impl Ledger {
             }
             let slurm_uid = owner(&share.job_id)
                 .filter(|_| self.slurm)
-                .or_else(|| self.placed_uid(&key));
+                .or_else(|| self.placed_run(&key).map(|r| r.uid));
             let pending = self.pending.entry(key).or_default();
             let before = pending.shares.get(node);
             if before.is_some_and(|s| s.ended) {
@@ -368,6 +385,7 @@ impl Ledger {
             return;
         };
         record.uid = old.uid;
+        record.account.clone_from(&old.account);
         record.run_start_unix_ms = old.run_start_unix_ms;
         record.revision = old.revision.saturating_add(1);
         self.remember_record(key, &record);
@@ -416,9 +434,11 @@ impl Ledger {
                 .collect();
             let shares: Vec<NodeUsage> = pending.shares.into_values().collect();
             if let Some(mut record) = JobEnergyRecord::from_shares(shares, incomplete, now_ms) {
-                if let Some(uid) = owner(&key.0).or_else(|| self.placed_uid(&key)) {
+                if let Some(uid) = owner(&key.0).or_else(|| self.placed_run(&key).map(|r| r.uid)) {
                     record.uid = uid;
                 }
+                // Slurm's account, remembered with the run past Slurm's forgetting of it.
+                record.account = self.placed_run(&key).and_then(|r| r.account.clone());
                 record.run_start_unix_ms = key.1;
                 self.remember_record(&key, &record);
                 self.recent.push_back(record.clone());
@@ -483,8 +503,7 @@ impl Ledger {
         // Linear in the log: only the newest records can stay in the bounded memories
         // below, and only a later revision looks back for the one it replaces (within
         // the recent window, itself bounded as it fills).
-        let keep = RECENT_RECORDS.max(FINISHED_RUNS_REMEMBERED);
-        let skip = records.len().saturating_sub(keep);
+        let skip = records.len().saturating_sub(LOADED_RECORDS);
         for r in records.into_iter().skip(skip) {
             let key = (r.job_id.clone(), r.run_start_unix_ms);
             let replaces = r.revision > 1;

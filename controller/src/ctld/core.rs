@@ -17,10 +17,6 @@ use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
 use super::accounting::{self, Ledger};
 use super::metrics::{EnergyTotals, MetricsInput};
-
-/// Most jobs whose Slurm account the core remembers for their records (one per running
-/// accounted job; a bound, not a working limit).
-const MAX_JOB_ACCOUNTS: usize = 200_000;
 use super::owners::{self, Owners};
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
@@ -216,8 +212,6 @@ pub struct Core {
     ledger: Ledger,
     /// The accounting database's writer, as the I/O edge last reported it.
     accounting_db: Option<powerflex_proto::status::AccountingDbView>,
-    /// The Slurm account of each job with a share in the ledger, for its record.
-    job_accounts: BTreeMap<String, String>,
     /// Energy of the records written since the controller started, for the metrics.
     energy_totals: EnergyTotals,
 }
@@ -304,7 +298,6 @@ impl Core {
             refresh_placement: false,
             ledger: Ledger::new(options_slurm),
             accounting_db: None,
-            job_accounts: BTreeMap::new(),
             energy_totals: EnergyTotals::default(),
         }
     }
@@ -414,20 +407,13 @@ impl Core {
     /// to a finished job; the running annotation carries the energy so far.)
     fn write_records(&mut self, now_ms: u64, out: &mut Output) {
         let placement = self.placement.clone();
-        let mut records = self.ledger.due(now_ms, |job| {
+        let records = self.ledger.due(now_ms, |job| {
             placement
                 .as_ref()
                 .and_then(|p| p.jobs.get(job))
                 .map(|j| j.uid)
         });
-        for record in &mut records {
-            let slurm_account = placement
-                .as_ref()
-                .and_then(|p| p.jobs.get(&record.job_id))
-                .map(|j| j.account.clone())
-                .filter(|a| !a.is_empty());
-            let kept = self.job_accounts.remove(&record.job_id);
-            record.account = slurm_account.or(kept);
+        for record in &records {
             self.energy_totals.add(record);
         }
         for record in &records {
@@ -657,21 +643,6 @@ impl Core {
         }
         if let Some(s) = self.sessions.get(node) {
             self.ledger.running(node, s.view.jobs.iter(), now_ms);
-            // Each accounted job's Slurm account, kept past Slurm's forgetting of the job
-            // for its record (only jobs believed here, so at most the running jobs).
-            if let Some(placement) = &self.placement {
-                for job in s.view.jobs.iter().filter(|j| j.usage.is_some()) {
-                    if let Some(slurm) = placement.jobs.get(&job.job_id) {
-                        if !slurm.account.is_empty()
-                            && self.job_accounts.len() < MAX_JOB_ACCOUNTS
-                            && !self.job_accounts.contains_key(&job.job_id)
-                        {
-                            self.job_accounts
-                                .insert(job.job_id.clone(), slurm.account.clone());
-                        }
-                    }
-                }
-            }
         }
         let Some(s) = self.sessions.get_mut(node) else {
             return;

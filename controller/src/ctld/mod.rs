@@ -207,15 +207,17 @@ pub fn run_bounded(
             warn!(error = %e, "cannot read the accounting log back; earlier records are not answered")
         }
     }
-    // The database gets what the log holds and it lacks (see `records_db`).
+    // The core keeps only the newest records; the database gets what the whole log holds
+    // and it lacks (see `records_db`).
+    let newest = logged.len().saturating_sub(accounting::LOADED_RECORDS);
+    core.load_records(logged[newest..].to_vec());
     let records_db = match &options.records_db {
         Some(db) => Some(
-            records_db::RecordsDb::spawn(db.clone(), logged.clone())
+            records_db::RecordsDb::spawn(db.clone(), logged)
                 .map_err(|e| format!("cannot start the accounting database writer: {e}"))?,
         ),
         None => None,
     };
-    core.load_records(logged);
     let mut shown_db_view: Option<powerflex_proto::status::AccountingDbView> = None;
     let (tx, rx) = bounded::<Inbound>(4096);
     let link = TcpListener::bind(options.listen)
