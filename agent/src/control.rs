@@ -447,17 +447,15 @@ impl Agent {
     /// Ends `job_id` here: its GPUs are freed and its final share kept for the
     /// controller and the node's usage log.
     fn finish_job(&mut self, job_id: &str, now: f64) -> bool {
-        let Some(job) = self.jobs.get(job_id) else {
+        self.close_share(job_id, now);
+        if self.jobs.remove(job_id).is_none() {
             return false;
-        };
-        let share = self.share(job, true);
-        self.jobs.remove(job_id);
+        }
         for slot in &mut self.gpus {
             if slot.job.as_deref() == Some(job_id) {
                 slot.job = None;
             }
         }
-        self.keep_final(now, share);
         true
     }
 
@@ -747,13 +745,14 @@ impl Agent {
         })
     }
 
-    /// A step ended. The job keeps its GPUs (other steps) until it ends — except when
-    /// the step is the batch script: Slurm completes a batch job when its script exits
-    /// (slurmstepd's `batch_finish` reports the script's end and slurmctld then ends the
-    /// job on every node), so its end is the job's end on this node. The job's hold ends
-    /// here then, and its final share is returned: the figures the line at the end of the
-    /// job's output is made from, equal to the share the controller records. The later
-    /// end of the extern step finds the job gone, which is harmless.
+    /// A step ended. The job keeps its GPUs (other steps) until it ends. When the step is
+    /// the batch script, Slurm completes the job (slurmstepd's `batch_finish` reports the
+    /// script's end and slurmctld then stops the job's steps on every node): the job's
+    /// final share here is made now and returned — the figures of the line at the end of
+    /// the job's output, equal to the share the controller records. Its GPUs keep their
+    /// caps until the job's end (the extern step's, or its step daemons gone): a step still
+    /// running while Slurm stops it (a trapped SIGTERM, up to `KillWait`) draws no more
+    /// than its cap.
     pub fn end_step(
         &mut self,
         job_id: &str,
@@ -785,8 +784,20 @@ impl Agent {
         if step_id != BATCH_STEP_NAME {
             return Ok(None);
         }
-        self.finish_job(job_id, now);
+        self.close_share(job_id, now);
         Ok(ended_here(self))
+    }
+
+    /// Makes the job's final share here (once), keeping the job and its caps.
+    fn close_share(&mut self, job_id: &str, now: f64) {
+        let Some(job) = self.jobs.get(job_id).filter(|j| !j.usage.closed) else {
+            return;
+        };
+        let share = self.share(job, true);
+        if let Some(job) = self.jobs.get_mut(job_id) {
+            job.usage.closed = true;
+        }
+        self.keep_final(now, share);
     }
 
     /// The job ended: its GPUs return to their defaults on the next tick. Ending an
@@ -2036,7 +2047,7 @@ mod tests {
     /// Issue 23: the line at the end of a batch job's output is made from the share
     /// its batch step's end returns, which must be the final share the controller gets.
     #[test]
-    fn the_batch_step_s_end_ends_the_job_here_and_returns_its_final_share() {
+    fn the_batch_step_s_end_makes_the_job_s_final_share_and_keeps_its_caps_to_its_end() {
         let mut a = agent(None);
         a.clock_origin_unix_s = 1_000.0;
         let gpus = ["0".to_string(), "1".to_string()];
@@ -2060,15 +2071,21 @@ mod tests {
         assert!(share.ended);
         assert_eq!(share.energy_mj, 1_800_000);
         assert_eq!(share.uid, 1000);
-        assert!(!a.jobs.contains_key("7"), "the hold ended");
+        // The job keeps its GPUs, at their caps, while Slurm stops what is left of it.
+        assert!(a.jobs.contains_key("7"), "held until the job's end");
+        assert_eq!(a.gpus[0].job.as_deref(), Some("7"));
         assert_eq!(
             a.unacked_finals(),
             vec![share.clone()],
             "what the controller gets"
         );
+        // A second batch end, and the job's end that follows, make no second share.
+        a.sampled(3.3, 0, reading(700.0, 450.0, 5_000 + 950_000, false));
+        assert_eq!(a.end_step("7", "batch", 3.3), Ok(Some(share.clone())));
+        assert!(a.end_job("7", 3.4), "the job's end releases its GPUs");
+        assert_eq!(a.gpus[0].job, None);
+        assert_eq!(a.unacked_finals(), vec![share.clone()], "one final share");
         assert_eq!(a.take_records(), vec![share]);
-        // The extern step's end comes later and finds nothing to do.
-        assert!(!a.end_job("7", 3.4));
         // A cancelled job: the extern step's end came first; the batch step's end still
         // gets the final share.
         a.register(4.0, "9", "batch", 1000, "n1", &gpus, "flex2")

@@ -137,6 +137,10 @@ pub struct JobUsage {
     /// agent's progress log starts empty), and in all so far.
     pub work_before_run: f64,
     pub work_seen: f64,
+    /// The job's final share here is made (its batch script ended): the job's end, which
+    /// follows once Slurm has stopped its steps, makes none again. Absent in older files.
+    #[serde(default)]
+    pub closed: bool,
 }
 
 /// The state an observation leaves in force until the next.

@@ -1754,10 +1754,15 @@ const RECORDS_WAIT: Duration = Duration::from_secs(75);
 fn energy_records(demo: &mut Demo, jobs: &[Job]) -> Energy {
     let ids: Vec<String> = jobs.iter().map(|j| j.id.to_string()).collect();
     let of_demo = |all: Vec<JobEnergyRecord>| -> Vec<JobEnergyRecord> {
-        // The last record of each job, in the demo's order (a record is written once;
-        // the last one wins should the log ever hold two).
+        // Each job's latest revision (a final share that came late restates the run),
+        // in the demo's order.
         ids.iter()
-            .filter_map(|id| all.iter().rev().find(|r| &r.job_id == id).cloned())
+            .filter_map(|id| {
+                all.iter()
+                    .filter(|r| &r.job_id == id)
+                    .max_by_key(|r| r.revision)
+                    .cloned()
+            })
             .collect()
     };
     let waited = demo.wait_for(

@@ -49,7 +49,13 @@ fn bounded_label<V>(map: &BTreeMap<String, V>, key: &str) -> String {
 }
 
 impl EnergyTotals {
+    /// Counts a run's first record. A later revision (a final share that came late)
+    /// restates the whole run: counting it too would count the run twice, so the
+    /// counters keep the first figures (the record and the database have the latest).
     pub fn add(&mut self, r: &JobEnergyRecord) {
+        if r.revision > 1 {
+            return;
+        }
         let energy = if r.energy_j.is_finite() {
             r.energy_j.max(0.0)
         } else {
@@ -365,6 +371,12 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
+        // A run's later revision restates it: not counted again.
+        let mut again = record("flex2", Some("physics"), 1_000.0);
+        again.revision = 2;
+        totals.add(&again);
+        assert_eq!(totals.by_tier["flex2"].records, 2);
+        assert_eq!(totals.by_account["physics"], 1_500.0);
         assert!(!text.contains("uid") && !text.contains("user"), "{text}");
     }
 }

@@ -180,6 +180,8 @@ pub struct RecordsDb {
     to_writer: Option<Sender<JobEnergyRecord>>,
     view: Arc<Mutex<AccountingDbView>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Longest wait for the writer at stop.
+    stop_within: Duration,
 }
 
 impl RecordsDb {
@@ -202,6 +204,8 @@ impl RecordsDb {
         // and the record is still in the log (see `send`).
         let (tx, rx) = bounded::<JobEnergyRecord>(4096);
         let shared = view.clone();
+        // One connection attempt and one batch's statements, with room to spare.
+        let stop_within = options.timeout * 3 + Duration::from_secs(1);
         let thread = std::thread::Builder::new()
             .name("records-db".into())
             .spawn(move || Writer::new(options, shared).run(rx, backlog))?;
@@ -209,6 +213,7 @@ impl RecordsDb {
             to_writer: Some(tx),
             view,
             thread: Some(thread),
+            stop_within,
         })
     }
 
@@ -238,13 +243,22 @@ impl RecordsDb {
             .clone()
     }
 
-    /// Stops the writer after one last attempt at what is queued (bounded by its
-    /// statement timeout); what is left stays in the log.
+    /// Stops the writer after one last attempt at what is queued; what is left stays in
+    /// the log. Waits at most a few timeouts: a database that stopped answering (the
+    /// server's statement timeout cannot fire in a stopped server) never holds the
+    /// controller's stop; the writer is then left to the process's exit.
     pub fn stop(mut self) {
         self.to_writer = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let Some(t) = self.thread.take() else { return };
+        let deadline = Instant::now() + self.stop_within;
+        while !t.is_finished() {
+            if Instant::now() >= deadline {
+                warn!("the accounting database writer did not stop in time; what it had queued stays in the log");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
+        let _ = t.join();
     }
 }
 
