@@ -18,7 +18,7 @@
 //! connection that sends nothing for its socket's idle limit is closed. Every refusal
 //! and every idle close is counted ([`ServerStats`], exported as metrics).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, Sender};
+use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest, ProgressReport, MAX_LINE_BYTES};
 use tracing::{debug, warn};
 
@@ -85,6 +85,14 @@ pub type SnapshotCell = Arc<RwLock<Arc<crate::control::Snapshot>>>;
 
 /// How long a client may take to send its line, and the loop to answer it.
 const IO_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// How soon a progress connection with reports awaiting the loop's verdict looks again:
+/// a refused report is answered (and its connection closed) within this.
+const VERDICT_POLL: Duration = Duration::from_millis(20);
+
+/// Reports of one progress connection the control loop may hold unanswered; beyond
+/// them the connection waits for the oldest verdict.
+const MAX_REPORTS_IN_FLIGHT: usize = 16;
 
 /// Reads one request or report line of at most `MAX_LINE_BYTES`.
 fn read_line(reader: &mut impl BufRead) -> Result<Option<String>, DaemonError> {
@@ -505,7 +513,18 @@ pub fn spawn_progress(
                             .name("progress-conn".into())
                             .spawn(move || {
                                 let _permit = permit;
-                                serve_progress(stream, peer, &tx, &stats.progress, &shutdown);
+                                // The step this connection's process runs in, from its
+                                // ancestry, read once: the kernel keeps a process's parent
+                                // chain, the process cannot rewrite it.
+                                let sender = step_of_pid(Path::new("/proc"), peer.pid);
+                                serve_progress(
+                                    stream,
+                                    peer,
+                                    sender,
+                                    &tx,
+                                    &stats.progress,
+                                    &shutdown,
+                                );
                             });
                     }
                     Err(e) => {
@@ -530,24 +549,50 @@ fn refuse(stream: &mut UnixStream, tx: &Sender<Inbound>, peer: Peer, reason: Str
 fn serve_progress(
     mut stream: UnixStream,
     peer: Peer,
+    sender: Option<StepId>,
     tx: &Sender<Inbound>,
     stats: &SocketStats,
     shutdown: &AtomicBool,
 ) {
     let _ = stream.set_nonblocking(false);
-    // Short reads, so shutdown and the idle limit are noticed within a second.
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let Ok(read_half) = stream.try_clone() else {
         return;
     };
     let mut reader = BufReader::new(read_half);
-    // The step this connection's process runs in, from its ancestry, read once: the
-    // kernel keeps a process's parent chain, the process cannot rewrite it.
-    let sender = step_of_pid(Path::new("/proc"), peer.pid);
     let mut last_line = Instant::now();
+    // Reports handed to the control loop whose verdicts have not come back, oldest
+    // first. Each line is read (and its arrival time taken) as soon as it comes, never
+    // after the loop's verdict on the one before: a loop busy for 200 ms would otherwise
+    // stamp every report queued behind it late, and a rate measured from arrival times
+    // would read slow (issue 23's CI: measured PFIs 10 % off on a loaded machine).
+    let mut pending: VecDeque<Receiver<Result<(), String>>> = VecDeque::new();
+    let mut partial = Vec::new();
+    let mut read_timeout = None;
     while !shutdown.load(Ordering::SeqCst) {
-        let line = match read_line(&mut reader) {
+        // A refused report ends the connection with its reason.
+        while let Some(verdict) = pending.front() {
+            match verdict.try_recv() {
+                Ok(Err(reason)) => return write_error(&mut stream, &reason),
+                Err(TryRecvError::Empty) => break,
+                Ok(Ok(())) | Err(TryRecvError::Disconnected) => {
+                    pending.pop_front();
+                }
+            }
+        }
+        // Short reads while verdicts are due, so a refusal is answered within
+        // VERDICT_POLL; otherwise within a second, so shutdown and the idle limit are
+        // noticed. A line cut by a timeout goes on at the next read.
+        let timeout = if pending.is_empty() {
+            Duration::from_secs(1)
+        } else {
+            VERDICT_POLL
+        };
+        if read_timeout != Some(timeout) {
+            let _ = stream.set_read_timeout(Some(timeout));
+            read_timeout = Some(timeout);
+        }
+        let line = match lines::read_line_resuming(&mut reader, &mut partial, MAX_LINE_BYTES) {
             Ok(Some(line)) => line,
             Ok(None) => return,
             Err(e) if e.is_timeout() => {
@@ -581,6 +626,15 @@ fn serve_progress(
             );
             return refuse(&mut stream, tx, peer, reason);
         };
+        // A loop this far behind: wait for the oldest verdict before handing it more
+        // (one connection's reports cannot fill the loop's queue).
+        if pending.len() >= MAX_REPORTS_IN_FLIGHT {
+            if let Some(oldest) = pending.pop_front() {
+                if let Ok(Err(reason)) = oldest.recv_timeout(IO_TIMEOUT) {
+                    return write_error(&mut stream, &reason);
+                }
+            }
+        }
         let (verdict_tx, verdict_rx) = bounded(1);
         if tx
             .try_send(Inbound::Progress {
@@ -592,19 +646,88 @@ fn serve_progress(
             })
             .is_err()
         {
+            // Progress is cumulative: the next report carries what this one had.
             debug!("control loop busy: progress report dropped");
             continue;
         }
-        if let Ok(Err(reason)) = verdict_rx.recv_timeout(IO_TIMEOUT) {
-            // The loop refused (and counted) it.
-            return write_error(&mut stream, &reason);
-        }
+        pending.push_back(verdict_rx);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 23's CI: the connection waited for the loop's verdict on each report before
+    /// reading the next, so a busy loop stamped every report queued behind it late and
+    /// the measured rates (and PFIs) came out wrong on a loaded machine.
+    #[test]
+    fn a_report_is_stamped_when_it_arrives_not_when_the_loop_is_free() {
+        let (mut job, agent_end) = UnixStream::pair().expect("socket pair");
+        let (tx, rx) = bounded(16);
+        let stats = SocketStats::default();
+        let shutdown = AtomicBool::new(false);
+        let peer = Peer { pid: 1, uid: 1000 };
+        let step = StepId {
+            job: "7".into(),
+            step: "0".into(),
+            cluster: None,
+        };
+        std::thread::scope(|scope| {
+            scope.spawn(|| serve_progress(agent_end, peer, Some(step), &tx, &stats, &shutdown));
+            let line = |tokens: u64| {
+                format!("{{\"v\":1,\"job_id\":\"7\",\"tokens\":{tokens},\"steps\":1}}\n")
+            };
+            // Three reports 100 ms apart, the third in two writes around a pause longer
+            // than the connection's short read.
+            let sent = Instant::now();
+            job.write_all(line(100).as_bytes()).expect("write");
+            std::thread::sleep(Duration::from_millis(100));
+            job.write_all(line(200).as_bytes()).expect("write");
+            std::thread::sleep(Duration::from_millis(100));
+            let third = line(300);
+            job.write_all(&third.as_bytes()[..10]).expect("write");
+            std::thread::sleep(Duration::from_millis(60));
+            job.write_all(&third.as_bytes()[10..]).expect("write");
+            // A loop busy for 400 ms per report: the old connection read the second
+            // report only after the first verdict, 400 ms late.
+            let mut stamps = Vec::new();
+            let mut verdicts = Vec::new();
+            for _ in 0..3 {
+                let Ok(Inbound::Progress {
+                    report,
+                    received,
+                    verdict,
+                    ..
+                }) = rx.recv_timeout(Duration::from_secs(5))
+                else {
+                    panic!("a progress report");
+                };
+                stamps.push((report.tokens, received.duration_since(sent)));
+                verdicts.push(verdict);
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            assert_eq!(
+                stamps.iter().map(|s| s.0).collect::<Vec<_>>(),
+                [100, 200, 300],
+                "every report, the split one whole"
+            );
+            assert!(
+                stamps[2].1 < Duration::from_millis(600),
+                "stamped on arrival, not after the verdicts: {stamps:?}"
+            );
+            // A refusal still ends the connection with its reason.
+            verdicts[0].send(Ok(())).expect("verdict");
+            verdicts[1]
+                .send(Err("no job 7 on this node".into()))
+                .expect("verdict");
+            let mut answer = String::new();
+            BufReader::new(&job)
+                .read_line(&mut answer)
+                .expect("error line");
+            assert!(answer.contains("no job 7 on this node"), "{answer}");
+        });
+    }
 
     const LIMITS: ConnLimits = ConnLimits {
         total: 8,

@@ -14,22 +14,38 @@ pub fn read_line(
     reader: &mut impl BufRead,
     limit_bytes: usize,
 ) -> Result<Option<String>, DaemonError> {
-    let mut buf = Vec::new();
+    read_line_resuming(reader, &mut Vec::new(), limit_bytes)
+}
+
+/// [`read_line`] for a stream read with a timeout: the bytes of a line cut short by the
+/// timeout (or any other error) stay in `partial`, and the next call with the same buffer
+/// goes on from them, so a short read timeout never loses part of a line. `partial` is
+/// empty again after each whole line (and after a line that is too long).
+pub fn read_line_resuming(
+    reader: &mut impl BufRead,
+    partial: &mut Vec<u8>,
+    limit_bytes: usize,
+) -> Result<Option<String>, DaemonError> {
+    let room = (limit_bytes + 1).saturating_sub(partial.len()) as u64;
+    // `read_until` leaves every byte it read in `partial`, on error too.
     let n = reader
-        .take(limit_bytes as u64 + 1)
-        .read_until(b'\n', &mut buf)
+        .take(room)
+        .read_until(b'\n', partial)
         .map_err(|source| DaemonError::Io {
             what: "cannot read",
             path: "a line".into(),
             source,
         })?;
-    if n == 0 {
+    if n == 0 && partial.is_empty() {
         return Ok(None);
     }
-    if buf.len() > limit_bytes {
+    if partial.len() > limit_bytes {
+        partial.clear();
         return Err(DaemonError::LineTooLong { limit_bytes });
     }
-    Ok(Some(String::from_utf8_lossy(&buf).into_owned()))
+    let line = String::from_utf8_lossy(partial).into_owned();
+    partial.clear();
+    Ok(Some(line))
 }
 
 impl DaemonError {
@@ -82,5 +98,57 @@ mod tests {
         let mut endless = std::io::BufReader::new(std::io::repeat(b'x'));
         let err = read_line(&mut endless, 1 << 16).expect_err("too long");
         assert_eq!(err.to_string(), "line exceeds the 65536-byte limit");
+    }
+
+    /// A reader that gives its chunks one per call and times out between them.
+    struct Chunks(Vec<&'static [u8]>);
+
+    impl std::io::Read for Chunks {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            match self.0.first_mut() {
+                None => Ok(0),
+                Some([]) => {
+                    self.0.remove(0);
+                    Err(std::io::ErrorKind::WouldBlock.into())
+                }
+                Some(chunk) => {
+                    let n = chunk.len().min(out.len());
+                    out[..n].copy_from_slice(&chunk[..n]);
+                    *chunk = &chunk[n..];
+                    if chunk.is_empty() {
+                        self.0.remove(0);
+                    }
+                    Ok(n)
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_line_cut_by_a_timeout_goes_on_where_it_stopped() {
+        let mut reader = std::io::BufReader::new(Chunks(vec![b"ab", b"", b"c\nd", b"", b"e\n"]));
+        let mut partial = Vec::new();
+        let first = read_line_resuming(&mut reader, &mut partial, 8).expect_err("timeout");
+        assert!(first.is_timeout());
+        assert_eq!(partial, b"ab", "kept, not lost");
+        let line = read_line_resuming(&mut reader, &mut partial, 8).expect("line");
+        assert_eq!(line.as_deref(), Some("abc\n"));
+        assert!(read_line_resuming(&mut reader, &mut partial, 8)
+            .expect_err("timeout")
+            .is_timeout());
+        let line = read_line_resuming(&mut reader, &mut partial, 8).expect("line");
+        assert_eq!(line.as_deref(), Some("de\n"));
+        assert_eq!(
+            read_line_resuming(&mut reader, &mut partial, 8).expect("eof"),
+            None
+        );
+        // The bound counts the bytes kept from before the timeout too.
+        let mut reader = std::io::BufReader::new(Chunks(vec![b"abc", b"", b"def\n"]));
+        assert!(read_line_resuming(&mut reader, &mut partial, 4).is_err());
+        assert!(matches!(
+            read_line_resuming(&mut reader, &mut partial, 4),
+            Err(DaemonError::LineTooLong { limit_bytes: 4 })
+        ));
+        assert!(partial.is_empty());
     }
 }
