@@ -841,6 +841,21 @@ impl Agent {
         gone
     }
 
+    /// Whether another job of a known cluster holds one of `gpus` here: only then can a
+    /// registration find a job whose end was lost ([`Agent::hand_over_from_ended_jobs`]).
+    pub fn gpus_held_by_others(&self, job_id: &str, gpus: &[String]) -> bool {
+        let Ok(refs) = parse_gpu_list(&gpus.join(",")) else {
+            return false;
+        };
+        refs.iter().any(|r| {
+            self.slot_of(r)
+                .and_then(|i| self.gpus[i].job.as_ref())
+                .filter(|holder| holder.as_str() != job_id)
+                .and_then(|holder| self.jobs.get(holder))
+                .is_some_and(|j| j.cluster.is_some())
+        })
+    }
+
     /// Before a step of `job_id`, registered by a live root `slurmstepd`, claims `gpus`:
     /// a job that holds one of them but has no step daemon left on the host (`alive`,
     /// read just now) has ended, its end lost (no `PrologFlags=Contain`, a missed
@@ -2513,6 +2528,10 @@ mod tests {
         a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex2")
             .expect("registered");
         a.set_job_cluster("7", None, 0.0);
+        // Only a GPU another job holds sends a registration to read the process table.
+        assert!(a.gpus_held_by_others("8", &["1".into()]));
+        assert!(!a.gpus_held_by_others("8", &["2".into()]));
+        assert!(!a.gpus_held_by_others("7", &["0".into(), "1".into()]));
         // Job 7's step daemons still run: nothing handed over, the claim refused.
         let both = BTreeSet::from([("7".to_string(), None), ("8".to_string(), None)]);
         assert!(a

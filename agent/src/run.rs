@@ -236,6 +236,55 @@ fn gpus_used_by_others(
     None
 }
 
+/// Handles one message from the sockets or the controller link, and publishes what a
+/// reader needs at once.
+fn serve(
+    msg: Inbound,
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    snapshot: &SnapshotCell,
+    options: &RunOptions,
+    clock: Instant,
+) {
+    // Progress is frequent and changes nothing a reader needs at once: it is published
+    // with the next tick. Job changes are published right away.
+    let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
+    let started = Instant::now();
+    let what = inbound_kind(&msg);
+    let now = || clock.elapsed().as_secs_f64();
+    handle(msg, agent, backend, now(), clock, &options.state_dir);
+    record_usage(agent, &options.state_dir, options.usage_log);
+    if job_change {
+        publish(snapshot, agent, now());
+    }
+    note_if_slow(started, what);
+}
+
+/// Work of one loop turn past which the agent says so: registrations wait behind it
+/// (slurmstepd gives up on its answer after the plugin's deadline, 150 ms by default).
+const SLOW_TURN: Duration = Duration::from_millis(100);
+
+/// Warns when one turn of the control loop took longer than [`SLOW_TURN`].
+fn note_if_slow(started: Instant, what: &'static str) {
+    let took = started.elapsed();
+    if took > SLOW_TURN {
+        warn!(
+            took_ms = took.as_millis() as u64,
+            what, "the control loop was busy: registrations and reports waited"
+        );
+    }
+}
+
+fn inbound_kind(msg: &Inbound) -> &'static str {
+    match msg {
+        Inbound::Control { .. } => "control request",
+        Inbound::Progress { .. } => "progress report",
+        Inbound::ProgressRefused { .. } => "refused progress report",
+        Inbound::Lease { .. } => "lease",
+        Inbound::Acked { .. } => "acknowledged finals",
+    }
+}
+
 /// How often the agent looks for jobs whose step daemons are gone, s.
 const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
@@ -540,13 +589,14 @@ pub fn run(
 
     let snapshot: SnapshotCell = Arc::new(RwLock::new(Arc::new(agent.snapshot(now()))));
     let (tx, rx) = bounded::<Inbound>(1024);
+    let (control_tx, mut control_rx) = bounded::<Inbound>(64);
     let stats = Arc::new(server::ServerStats::default());
     let control = bind_unix(&options.control_socket, "control socket")?;
     let progress = bind_unix(&options.progress_socket, "progress socket")?;
     let mut threads = vec![
         server::spawn_control(
             control,
-            tx.clone(),
+            control_tx,
             snapshot.clone(),
             stats.clone(),
             shutdown.clone(),
@@ -608,17 +658,28 @@ pub fn run(
     let mut next_job_scan = 0.0;
     let mut next_usage_save = USAGE_SAVE_INTERVAL_S;
     while !shutdown.load(Ordering::SeqCst) {
+        // Control requests (registrations, step and job ends) come first: slurmstepd
+        // waits for each answer within the plugin's deadline, while progress, stamped
+        // when it arrived, loses nothing by waiting a turn.
+        if let Ok(msg) = control_rx.try_recv() {
+            serve(
+                msg,
+                &mut agent,
+                backend.as_mut(),
+                &snapshot,
+                &options,
+                clock,
+            );
+            continue;
+        }
         select! {
+            recv(control_rx) -> msg => match msg {
+                Ok(msg) => serve(msg, &mut agent, backend.as_mut(), &snapshot, &options, clock),
+                Err(_) => control_rx = crossbeam_channel::never(),
+            },
             recv(rx) -> msg => {
                 let Ok(msg) = msg else { break };
-                // Progress is frequent and changes nothing a reader needs at once: it is
-                // published with the next tick. Job changes are published right away.
-                let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
-                handle(msg, &mut agent, backend.as_mut(), now(), clock, &options.state_dir);
-                record_usage(&mut agent, &options.state_dir, options.usage_log);
-                if job_change {
-                    publish(&snapshot, &agent, now());
-                }
+                serve(msg, &mut agent, backend.as_mut(), &snapshot, &options, clock);
             }
             recv(reloads) -> reload => {
                 if let Ok(reload) = reload {
@@ -638,6 +699,7 @@ pub fn run(
                 if t < next_sample {
                     continue;
                 }
+                let started = Instant::now();
                 next_sample = t + options.sample_interval.as_secs_f64();
                 // Degraded GPUs are probed now and then, not every sample: a GPU that
                 // answers again (a fault cleared, a permission fixed) is managed again,
@@ -694,6 +756,7 @@ pub fn run(
                     save(&options.state_dir, &agent);
                 }
                 publish(&snapshot, &agent, t);
+                note_if_slow(started, "sample");
             }
         }
     }
@@ -761,7 +824,9 @@ fn handle(
                     let cluster = crate::procs::stepd_cluster(Path::new("/proc"), peer.pid);
                     // A live step daemon registers: a job holding these GPUs with no step
                     // daemon left has ended (its end lost), and Slurm moved its GPUs on.
-                    if cluster.is_some() {
+                    // The whole process table is read only then: it is most of a
+                    // registration's work, and slurmstepd waits for the answer.
+                    if cluster.is_some() && agent.gpus_held_by_others(&job_id, &gpus) {
                         if let Ok(table) = crate::procs::ProcTable::read(Path::new("/proc")) {
                             for ended in agent.hand_over_from_ended_jobs(
                                 now,
@@ -815,8 +880,8 @@ fn handle(
                 }
                 ControlOp::EndStep { job_id, step_id } => {
                     if step_id == crate::control::BATCH_STEP_NAME {
-                        // The batch script's end ends the job's hold here (see
-                        // `Agent::end_step`): its energy is read up to now.
+                        // The batch script's end makes the job's final share here
+                        // (see `Agent::end_step`): its energy is read up to now.
                         sample_job_gpus(agent, backend, &job_id, now);
                     }
                     match agent.end_step(&job_id, &step_id, now) {
