@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use powerflex_core::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
+use powerflex_core::config::UnregisteredGpuUse;
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
 use powerflex_core::gpus::{parse_gpu_list, GpuRef};
@@ -62,6 +63,9 @@ pub struct AgentSettings {
     /// measures, accounts and reports every job and takes the controller's leases, but
     /// never writes a limit; the caps it would write are in its status.
     pub enforce: bool,
+    /// What a GPU used while no registered job holds it gets
+    /// (`agent.unregistered_gpu_use`).
+    pub unregistered_gpu_use: UnregisteredGpuUse,
 }
 
 /// Longest a final share is kept for the controller while it goes unacknowledged, ms:
@@ -131,6 +135,9 @@ pub struct GpuSlot {
     /// to by its ancestry (shown in status, so what NVML reported can be checked
     /// against what the agent made of it).
     pub nvml_processes: Vec<(u32, Option<String>)>,
+    /// Since when (agent seconds) NVML has listed processes on this GPU while no
+    /// registered job held it.
+    pub unregistered_since: Option<f64>,
 }
 
 /// One job on this node.
@@ -359,6 +366,7 @@ impl Agent {
                 start_ceiling: None,
                 would_cap: None,
                 nvml_processes: Vec::new(),
+                unregistered_since: None,
             })
             .collect();
         Agent {
@@ -898,9 +906,47 @@ impl Agent {
     /// The processes NVML lists on each GPU now, with the job each belongs to (from
     /// [`crate::procs`]; `None` for a process in no job). A GPU missing from `listed`
     /// (NVML could not list it) shows none rather than an old list.
-    pub fn nvml_processes_seen(&mut self, listed: &BTreeMap<u32, Vec<(u32, Option<String>)>>) {
+    ///
+    /// A GPU no registered job holds, with processes on it, is in unregistered use (a job
+    /// whose registration failed, a process outside Slurm, a job's process on a GPU it
+    /// did not register): with `agent.unregistered_gpu_use = "failsafe"` the next tick
+    /// holds it at the fail-safe cap until NVML lists none. A GPU NVML could not list
+    /// keeps what it was.
+    pub fn nvml_processes_seen(
+        &mut self,
+        now: f64,
+        listed: &BTreeMap<u32, Vec<(u32, Option<String>)>>,
+    ) {
+        let failsafe = self.settings.failsafe_cap;
+        let capping = self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe;
         for (gpu, slot) in self.gpus.iter_mut().enumerate() {
-            slot.nvml_processes = listed.get(&(gpu as u32)).cloned().unwrap_or_default();
+            let Some(processes) = listed.get(&(gpu as u32)) else {
+                slot.nvml_processes.clear();
+                continue;
+            };
+            slot.nvml_processes = processes.clone();
+            let unregistered = slot.job.is_none() && !processes.is_empty();
+            match (slot.unregistered_since, unregistered) {
+                (None, true) => {
+                    slot.unregistered_since = Some(now);
+                    tracing::warn!(
+                        gpu,
+                        pids = ?processes.iter().map(|p| p.0).collect::<Vec<_>>(),
+                        jobs = ?processes.iter().filter_map(|p| p.1.clone()).collect::<Vec<_>>(),
+                        cap_w = if capping { failsafe.0 } else { slot.saved_default.0 },
+                        "processes use a GPU no registered job holds"
+                    );
+                }
+                (Some(since), false) => {
+                    slot.unregistered_since = None;
+                    tracing::info!(
+                        gpu,
+                        lasted_s = now - since,
+                        "the GPU's unregistered use ended"
+                    );
+                }
+                _ => {}
+            }
         }
     }
 
@@ -1444,6 +1490,11 @@ impl Agent {
             }
             let job = slot.job.as_ref().and_then(|j| self.jobs.get(j));
             let desired = match job {
+                None if slot.unregistered_since.is_some()
+                    && self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe =>
+                {
+                    Watts(slot.saved_default.0.min(self.settings.failsafe_cap.0))
+                }
                 None => slot.saved_default,
                 Some(job) if !job.managed() => slot.saved_default,
                 Some(job) => {
@@ -1606,6 +1657,7 @@ impl Agent {
                             job: job.clone(),
                         })
                         .collect(),
+                    unregistered_use: g.unregistered_since.is_some(),
                 })
                 .collect(),
             jobs: self
@@ -1742,6 +1794,7 @@ mod tests {
             progress_address: "/run/powerflex/n1.progress".into(),
             job_end_grace_s: 30.0,
             enforce: true,
+            unregistered_gpu_use: UnregisteredGpuUse::Failsafe,
         }
     }
 
@@ -2744,6 +2797,61 @@ mod tests {
         assert_eq!(gpu2.energy_mj, 1_000 + 1_000, "not job 9's 49,000 mJ");
     }
 
+    /// Issue 21: a job whose registration failed, or a process outside Slurm, ran its
+    /// GPU at the default, uncapped through a grid event.
+    #[test]
+    fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_processes_go() {
+        let mut a = agent(Some(Watts(2800.0)));
+        let tick = |a: &mut Agent, t: f64| {
+            let set = caps(&a.tick(t));
+            for &(g, c) in &set {
+                a.cap_written(g, Watts(c));
+            }
+            set
+        };
+        assert_eq!(tick(&mut a, 0.5), vec![], "idle GPUs stay at their default");
+        a.register(0.0, "1", "0", 1000, "n1", &["0".into()], "flex0")
+            .expect("job 1");
+        tick(&mut a, 0.6);
+        // NVML lists job 1's process on its own GPU 0, one in no job on GPU 2 and one of
+        // job 1 on GPU 3, which job 1 did not register.
+        a.nvml_processes_seen(
+            1.0,
+            &BTreeMap::from([
+                (0, vec![(11, Some("1".to_string()))]),
+                (1, vec![]),
+                (2, vec![(99, None)]),
+                (3, vec![(12, Some("1".to_string()))]),
+            ]),
+        );
+        assert_eq!(
+            tick(&mut a, 1.0),
+            vec![(2, 500.0), (3, 500.0)],
+            "both held at the fail-safe; job 1's own GPU untouched"
+        );
+        let status = a.snapshot(1.0);
+        assert_eq!(
+            status
+                .gpus
+                .iter()
+                .map(|g| g.unregistered_use)
+                .collect::<Vec<_>>(),
+            [false, false, true, true]
+        );
+        // A GPU NVML could not list this time keeps what it was; one listed empty is free.
+        a.nvml_processes_seen(
+            3.0,
+            &BTreeMap::from([(0, vec![]), (1, vec![]), (3, vec![])]),
+        );
+        assert_eq!(tick(&mut a, 3.0), vec![(3, 700.0)], "back to its default");
+        assert!(a.gpus[2].unregistered_since.is_some());
+        // The site that says "default" leaves such GPUs alone (a reload switches it).
+        let mut settings = a.settings.clone();
+        settings.unregistered_gpu_use = UnregisteredGpuUse::Default;
+        a.reload(Ok(settings)).expect("reload");
+        assert_eq!(tick(&mut a, 4.0), vec![(2, 700.0)]);
+    }
+
     /// Issue 14 item 7: any local user read every job's id, uid, tier and throughput
     /// from the agent's status.
     #[test]
@@ -2762,10 +2870,13 @@ mod tests {
         )
         .expect("job 2");
         // NVML lists job 1's process and one in no job on GPU 0, job 2's on GPU 1.
-        a.nvml_processes_seen(&BTreeMap::from([
-            (0, vec![(11, Some("1".to_string())), (99, None)]),
-            (1, vec![(12, Some("2".to_string()))]),
-        ]));
+        a.nvml_processes_seen(
+            1.0,
+            &BTreeMap::from([
+                (0, vec![(11, Some("1".to_string())), (99, None)]),
+                (1, vec![(12, Some("2".to_string()))]),
+            ]),
+        );
         let all = a.snapshot(1.0);
         assert_eq!(all.gpus[0].processes.len(), 2, "root sees every process");
         let mine = crate::server::seen_by(&all, 1000);

@@ -717,7 +717,7 @@ pub fn run(
                                 warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
                             }
                             let used = gpu_use(backend.as_mut(), &agent, &table);
-                            agent.nvml_processes_seen(&used.processes);
+                            agent.nvml_processes_seen(t, &used.processes);
                             for r in agent.check_gpu_use(t, &used.jobs) {
                                 warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
                             }

@@ -1066,3 +1066,51 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
     assert_eq!(s.gpus[2].job.as_deref(), Some("901"));
     assert!(s.jobs.iter().all(|j| j.job != "902"));
 }
+
+/// Issue 21: a job whose registration failed, or a process started outside Slurm, ran
+/// its GPU at the default. With the site's default (`unregistered_gpu_use = "failsafe"`)
+/// the agent sees it in NVML's process list and holds that GPU at the fail-safe cap
+/// until the process is gone; the GPUs of registered jobs and idle GPUs are untouched.
+#[test]
+fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_ends() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    let mut f = Fixture::new("unregistered", Some(100_000.0), 3600);
+    let registered = f.register("960", &["1"], "flex0");
+    assert!(registered.ok, "{registered:?}");
+    f.simjob("960", "1", "synthetic-compute-bound", None);
+    // Job 961 never registered (its plugin could not reach the agent).
+    let stray = f.simjob("961", "3", "synthetic-compute-bound", None);
+    wait_until(
+        "GPU 3 at the fail-safe, shown as unregistered use",
+        Duration::from_secs(20),
+        || {
+            let s = f.status();
+            (f.limit_w(3) == 500.0 && s.gpus[3].unregistered_use).then_some(())
+        },
+    );
+    let s = f.status();
+    assert!(
+        s.gpus[3]
+            .processes
+            .iter()
+            .any(|p| p.job.as_deref() == Some("961")),
+        "{:?}",
+        s.gpus[3]
+    );
+    assert!(!s.gpus[1].unregistered_use, "a registered job's GPU");
+    assert_eq!(f.limit_w(1), 700.0, "flex0 is never capped");
+    for idle in [0, 2, 4, 5, 6, 7] {
+        assert_eq!(f.limit_w(idle), 700.0, "idle GPU {idle}");
+    }
+    f.end_job_processes(stray);
+    wait_until(
+        "GPU 3 back at its default once the process is gone",
+        Duration::from_secs(20),
+        || {
+            let s = f.status();
+            (f.limit_w(3) == 700.0 && !s.gpus[3].unregistered_use).then_some(())
+        },
+    );
+}

@@ -291,6 +291,11 @@ pub struct RawAgent {
     /// Append each job's final share on this node to `<state_dir>/usage.jsonl` (default
     /// true).
     pub usage_log: Option<bool>,
+    /// A GPU that NVML shows processes on while no registered job holds it (a job whose
+    /// registration failed, a process started outside Slurm): `"failsafe"` caps it at
+    /// its model's fail-safe until those processes are gone (default), `"default"` leaves
+    /// it at its default limit.
+    pub unregistered_gpu_use: Option<String>,
 }
 
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
@@ -644,6 +649,26 @@ pub struct AgentConfig {
     pub enforce: bool,
     /// [`RawAgent::usage_log`].
     pub usage_log: bool,
+    /// [`RawAgent::unregistered_gpu_use`].
+    pub unregistered_gpu_use: UnregisteredGpuUse,
+}
+
+/// What the agent does with a GPU that processes use while no registered job holds it
+/// (`agent.unregistered_gpu_use`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UnregisteredGpuUse {
+    /// Capped at the model's fail-safe until those processes are gone: a job that could
+    /// not register, or a process outside Slurm, draws no more than a job whose node lost
+    /// its controller.
+    #[default]
+    Failsafe,
+    /// Left at its default limit (hard mode pays for it at its default).
+    Default,
+}
+
+impl UnregisteredGpuUse {
+    pub const NAMES: [&'static str; 2] = ["failsafe", "default"];
 }
 
 /// Default state directory of the agent.
@@ -1473,6 +1498,21 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
         )?,
         enforce: raw.enforce.unwrap_or(true),
         usage_log: raw.usage_log.unwrap_or(true),
+        unregistered_gpu_use: match raw.unregistered_gpu_use.as_deref() {
+            None | Some("failsafe") => UnregisteredGpuUse::Failsafe,
+            Some("default") => UnregisteredGpuUse::Default,
+            Some(other) => {
+                return Err(ConfigError::OutOfRange {
+                    key: "agent.unregistered_gpu_use".into(),
+                    value: format!("\"{}\"", other.escape_default()),
+                    accepted: UnregisteredGpuUse::NAMES
+                        .iter()
+                        .map(|n| format!("\"{n}\""))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })
+            }
+        },
     })
 }
 
@@ -2037,6 +2077,30 @@ programs = ["gpu-dr"]
         );
     }
 
+    /// Issue 21: the site says what a GPU used outside any registered job gets.
+    #[test]
+    fn unregistered_gpu_use_is_capped_at_the_failsafe_unless_the_site_says_default() {
+        let minimal = SiteConfig::from_toml_str(MINIMAL).expect("valid");
+        assert_eq!(
+            minimal.agent.unregistered_gpu_use,
+            UnregisteredGpuUse::Failsafe
+        );
+        let site =
+            SiteConfig::from_toml_str(&plus("[agent]\nunregistered_gpu_use = \"default\"\n"))
+                .expect("valid");
+        assert_eq!(site.agent.unregistered_gpu_use, UnregisteredGpuUse::Default);
+        let err =
+            SiteConfig::from_toml_str(&plus("[agent]\nunregistered_gpu_use = \"uncapped\"\n"))
+                .expect_err("not a choice");
+        let text = err.to_string();
+        assert!(
+            text.contains("agent.unregistered_gpu_use")
+                && text.contains("\"uncapped\"")
+                && text.contains("\"failsafe\", \"default\""),
+            "{text}"
+        );
+    }
+
     /// Issue 21: the site decides who may opt out with `--power-flex=none`.
     #[test]
     fn the_site_decides_who_may_opt_out() {
@@ -2199,6 +2263,7 @@ programs = ["gpu-dr"]
                     calibration_rewalk_after_s: 600.0,
                     enforce: true,
                     usage_log: true,
+                    unregistered_gpu_use: UnregisteredGpuUse::Failsafe,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,

@@ -486,6 +486,11 @@ pub struct AgentGpuStatus {
     /// processes, each with the job its ancestry puts it in.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes: Vec<GpuProcess>,
+    /// Processes use this GPU while no registered job holds it (a job that could not
+    /// register, a process outside Slurm): with `agent.unregistered_gpu_use =
+    /// "failsafe"` it is held at the fail-safe cap until they are gone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unregistered_use: bool,
 }
 
 /// A process NVML lists on a GPU, as the agent attributes it.

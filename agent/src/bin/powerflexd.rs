@@ -117,6 +117,7 @@ fn settings_from(
         progress_address,
         job_end_grace_s: site.agent.job_end_grace_s,
         enforce: site.agent.enforce,
+        unregistered_gpu_use: site.agent.unregistered_gpu_use,
     })
 }
 
