@@ -635,6 +635,18 @@ fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
         kept.tier, "flex1",
         "the tier Slurm records (AdminComment), not any variable"
     );
+    // Issue 21: bob's process uses a GPU no registered job holds, so the site's default
+    // (`agent.unregistered_gpu_use = "failsafe"`) holds that GPU below its default.
+    wait_until(
+        "the forged job's GPU held at the fail-safe",
+        Duration::from_secs(20),
+        || {
+            let s = stack.agent_status(0)?;
+            let gpu = &s.gpus[free as usize];
+            let limit_w = f64::from(stack.sims[0].gpu(free).ok()?.power_limit_mw) / 1000.0;
+            (gpu.unregistered_use && limit_w < gpu.default_w).then_some(())
+        },
+    );
     drop(forged);
     stack.cluster.assert_no_node_drained();
 }
