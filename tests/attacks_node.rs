@@ -554,6 +554,9 @@ fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
             gpus_per_node: 2,
             budget_w: 100_000.0,
             lease_ttl_s: 3600,
+            site: Some(|site| {
+                site.edit(|raw| raw.agent.unregistered_gpu_use = Some("failsafe".into()))
+            }),
             ..StackOptions::default()
         },
     );
@@ -635,8 +638,8 @@ fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
         kept.tier, "flex1",
         "the tier Slurm records (AdminComment), not any variable"
     );
-    // Issue 21: bob's process uses a GPU no registered job holds, so the site's default
-    // (`agent.unregistered_gpu_use = "failsafe"`) holds that GPU below its default.
+    // Issue 21: bob's process uses a GPU no registered job holds, so this site's
+    // `agent.unregistered_gpu_use = "failsafe"` holds that GPU below its default.
     wait_until(
         "the forged job's GPU held at the fail-safe",
         Duration::from_secs(20),

@@ -1068,15 +1068,23 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
 }
 
 /// Issue 21: a job whose registration failed, or a process started outside Slurm, ran
-/// its GPU at the default. With the site's default (`unregistered_gpu_use = "failsafe"`)
-/// the agent sees it in NVML's process list and holds that GPU at the fail-safe cap
-/// until the process is gone; the GPUs of registered jobs and idle GPUs are untouched.
+/// its GPU at the default. With `agent.unregistered_gpu_use = "failsafe"` the agent sees
+/// it in NVML's process list and holds that GPU at the fail-safe cap until the process
+/// is gone; the GPUs of registered jobs and idle GPUs are untouched.
 #[test]
 fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_ends() {
     if !can_run(&[Need::Root]) {
         return;
     }
     let mut f = Fixture::new("unregistered", Some(100_000.0), 3600);
+    // The site opts in (the default leaves such GPUs alone: `none` jobs are not
+    // registered either); the agent is started again on the edited config.
+    powerflex_testbed::site::edit_site_file(&f.config, |raw| {
+        raw.agent.unregistered_gpu_use = Some("failsafe".into());
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    f.signal_agent(Signal::TERM);
+    f.start_agent();
     let registered = f.register("960", &["1"], "flex0");
     assert!(registered.ok, "{registered:?}");
     f.simjob("960", "1", "synthetic-compute-bound", None);

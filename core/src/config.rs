@@ -292,9 +292,9 @@ pub struct RawAgent {
     /// true).
     pub usage_log: Option<bool>,
     /// A GPU that NVML shows processes on while no registered job holds it (a job whose
-    /// registration failed, a process started outside Slurm): `"failsafe"` caps it at
-    /// its model's fail-safe until those processes are gone (default), `"default"` leaves
-    /// it at its default limit.
+    /// registration failed, a process started outside Slurm, and also a `none` job, which
+    /// the plugin does not register): `"failsafe"` caps it at its model's fail-safe until
+    /// those processes are gone, `"default"` leaves it at its default limit (default).
     pub unregistered_gpu_use: Option<String>,
 }
 
@@ -660,10 +660,11 @@ pub struct AgentConfig {
 pub enum UnregisteredGpuUse {
     /// Capped at the model's fail-safe until those processes are gone: a job that could
     /// not register, or a process outside Slurm, draws no more than a job whose node lost
-    /// its controller.
-    #[default]
+    /// its controller. So is a `--power-flex=none` job (the plugin registers only the
+    /// jobs powerflex manages): a site choosing this in effect allows no opt-out.
     Failsafe,
     /// Left at its default limit (hard mode pays for it at its default).
+    #[default]
     Default,
 }
 
@@ -1499,8 +1500,8 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
         enforce: raw.enforce.unwrap_or(true),
         usage_log: raw.usage_log.unwrap_or(true),
         unregistered_gpu_use: match raw.unregistered_gpu_use.as_deref() {
-            None | Some("failsafe") => UnregisteredGpuUse::Failsafe,
-            Some("default") => UnregisteredGpuUse::Default,
+            Some("failsafe") => UnregisteredGpuUse::Failsafe,
+            None | Some("default") => UnregisteredGpuUse::Default,
             Some(other) => {
                 return Err(ConfigError::OutOfRange {
                     key: "agent.unregistered_gpu_use".into(),
@@ -2079,16 +2080,20 @@ programs = ["gpu-dr"]
 
     /// Issue 21: the site says what a GPU used outside any registered job gets.
     #[test]
-    fn unregistered_gpu_use_is_capped_at_the_failsafe_unless_the_site_says_default() {
+    fn unregistered_gpu_use_is_left_at_the_default_unless_the_site_says_failsafe() {
         let minimal = SiteConfig::from_toml_str(MINIMAL).expect("valid");
         assert_eq!(
             minimal.agent.unregistered_gpu_use,
-            UnregisteredGpuUse::Failsafe
+            UnregisteredGpuUse::Default,
+            "a none job is not registered: capping by default would undo the opt-out"
         );
         let site =
-            SiteConfig::from_toml_str(&plus("[agent]\nunregistered_gpu_use = \"default\"\n"))
+            SiteConfig::from_toml_str(&plus("[agent]\nunregistered_gpu_use = \"failsafe\"\n"))
                 .expect("valid");
-        assert_eq!(site.agent.unregistered_gpu_use, UnregisteredGpuUse::Default);
+        assert_eq!(
+            site.agent.unregistered_gpu_use,
+            UnregisteredGpuUse::Failsafe
+        );
         let err =
             SiteConfig::from_toml_str(&plus("[agent]\nunregistered_gpu_use = \"uncapped\"\n"))
                 .expect_err("not a choice");
@@ -2263,7 +2268,7 @@ programs = ["gpu-dr"]
                     calibration_rewalk_after_s: 600.0,
                     enforce: true,
                     usage_log: true,
-                    unregistered_gpu_use: UnregisteredGpuUse::Failsafe,
+                    unregistered_gpu_use: UnregisteredGpuUse::Default,
                 },
                 predictor: PredictorConfig {
                     pfi_intercept: 1.2,
