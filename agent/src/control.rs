@@ -911,7 +911,8 @@ impl Agent {
     /// whose registration failed, a process outside Slurm, a job's process on a GPU it
     /// did not register): with `agent.unregistered_gpu_use = "failsafe"` the next tick
     /// holds it at the fail-safe cap until NVML lists none. A GPU NVML could not list
-    /// keeps what it was.
+    /// counts as unused: a listing that keeps failing (a driver that stopped supporting
+    /// it) must not strand the cap.
     pub fn nvml_processes_seen(
         &mut self,
         now: f64,
@@ -920,10 +921,7 @@ impl Agent {
         let failsafe = self.settings.failsafe_cap;
         let capping = self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe;
         for (gpu, slot) in self.gpus.iter_mut().enumerate() {
-            let Some(processes) = listed.get(&(gpu as u32)) else {
-                slot.nvml_processes.clear();
-                continue;
-            };
+            let processes = listed.get(&(gpu as u32)).cloned().unwrap_or_default();
             slot.nvml_processes = processes.clone();
             let unregistered = slot.job.is_none() && !processes.is_empty();
             match (slot.unregistered_since, unregistered) {
@@ -2838,13 +2836,20 @@ mod tests {
                 .collect::<Vec<_>>(),
             [false, false, true, true]
         );
-        // A GPU NVML could not list this time keeps what it was; one listed empty is free.
+        // One listed empty is free again; so is one NVML could not list (a listing that
+        // keeps failing must not strand the cap).
         a.nvml_processes_seen(
             3.0,
             &BTreeMap::from([(0, vec![]), (1, vec![]), (3, vec![])]),
         );
-        assert_eq!(tick(&mut a, 3.0), vec![(3, 700.0)], "back to its default");
-        assert!(a.gpus[2].unregistered_since.is_some());
+        assert_eq!(
+            tick(&mut a, 3.0),
+            vec![(2, 700.0), (3, 700.0)],
+            "back to their default"
+        );
+        assert!(a.gpus.iter().all(|g| g.unregistered_since.is_none()));
+        a.nvml_processes_seen(3.5, &BTreeMap::from([(2, vec![(99, None)])]));
+        assert_eq!(tick(&mut a, 3.5), vec![(2, 500.0)]);
         // The site that says "default" leaves such GPUs alone (a reload switches it).
         let mut settings = a.settings.clone();
         settings.unregistered_gpu_use = UnregisteredGpuUse::Default;

@@ -260,6 +260,10 @@ fn serve(
     note_if_slow(started, what);
 }
 
+/// Control requests served one after another before the loop takes one turn of
+/// anything else.
+const MAX_CONTROL_IN_A_ROW: u32 = 8;
+
 /// Work of one loop turn past which the agent says so: registrations wait behind it
 /// (slurmstepd gives up on its answer after the plugin's deadline, 150 ms by default).
 const SLOW_TURN: Duration = Duration::from_millis(100);
@@ -657,21 +661,28 @@ pub fn run(
     let mut next_probe = DEGRADED_PROBE_S;
     let mut next_job_scan = 0.0;
     let mut next_usage_save = USAGE_SAVE_INTERVAL_S;
+    let mut control_in_a_row = 0;
     while !shutdown.load(Ordering::SeqCst) {
         // Control requests (registrations, step and job ends) come first: slurmstepd
         // waits for each answer within the plugin's deadline, while progress, stamped
-        // when it arrived, loses nothing by waiting a turn.
-        if let Ok(msg) = control_rx.try_recv() {
-            serve(
-                msg,
-                &mut agent,
-                backend.as_mut(),
-                &snapshot,
-                &options,
-                clock,
-            );
-            continue;
+        // when it arrived, loses nothing by waiting a turn. A burst of steps may not
+        // starve the samples, leases and progress, though: after a few in a row, one
+        // turn of everything else.
+        if control_in_a_row < MAX_CONTROL_IN_A_ROW {
+            if let Ok(msg) = control_rx.try_recv() {
+                control_in_a_row += 1;
+                serve(
+                    msg,
+                    &mut agent,
+                    backend.as_mut(),
+                    &snapshot,
+                    &options,
+                    clock,
+                );
+                continue;
+            }
         }
+        control_in_a_row = 0;
         select! {
             recv(control_rx) -> msg => match msg {
                 Ok(msg) => serve(msg, &mut agent, backend.as_mut(), &snapshot, &options, clock),

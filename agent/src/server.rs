@@ -594,7 +594,18 @@ fn serve_progress(
         }
         let line = match lines::read_line_resuming(&mut reader, &mut partial, MAX_LINE_BYTES) {
             Ok(Some(line)) => line,
-            Ok(None) => return,
+            Ok(None) => {
+                // The peer sent its last line (and may wait for an answer): the reports
+                // still awaiting the loop get their verdicts, within IO_TIMEOUT in all.
+                let deadline = Instant::now() + IO_TIMEOUT;
+                for verdict in pending {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if let Ok(Err(reason)) = verdict.recv_timeout(left) {
+                        return write_error(&mut stream, &reason);
+                    }
+                }
+                return;
+            }
             Err(e) if e.is_timeout() => {
                 if last_line.elapsed() >= PROGRESS_LIMITS.idle {
                     stats.timed_out.fetch_add(1, Ordering::Relaxed);
@@ -657,6 +668,42 @@ fn serve_progress(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that sends its line and closes its side at once still gets the loop's
+    /// refusal (seen in `only_root_changes_jobs_and_progress_must_come_from_the_job`).
+    #[test]
+    fn a_refusal_reaches_a_client_that_sent_its_last_line() {
+        let (mut job, agent_end) = UnixStream::pair().expect("socket pair");
+        let (tx, rx) = bounded(16);
+        let stats = SocketStats::default();
+        let shutdown = AtomicBool::new(false);
+        let step = StepId {
+            job: "7".into(),
+            step: "0".into(),
+            cluster: None,
+        };
+        let peer = Peer { pid: 1, uid: 1000 };
+        std::thread::scope(|scope| {
+            scope.spawn(|| serve_progress(agent_end, peer, Some(step), &tx, &stats, &shutdown));
+            job.write_all(b"{\"v\":1,\"job_id\":\"7\",\"tokens\":1,\"steps\":1}\n")
+                .expect("write");
+            job.shutdown(std::net::Shutdown::Write).expect("shutdown");
+            let Ok(Inbound::Progress { verdict, .. }) = rx.recv_timeout(Duration::from_secs(5))
+            else {
+                panic!("a progress report");
+            };
+            // The loop answers after the connection has seen the end of the stream.
+            std::thread::sleep(Duration::from_millis(100));
+            verdict
+                .send(Err("uid 1000 may not report for job 7".into()))
+                .expect("verdict");
+            let mut answer = String::new();
+            BufReader::new(&job)
+                .read_line(&mut answer)
+                .expect("error line");
+            assert!(answer.contains("may not report"), "{answer}");
+        });
+    }
 
     /// Issue 23's CI: the connection waited for the loop's verdict on each report before
     /// reading the next, so a busy loop stamped every report queued behind it late and
