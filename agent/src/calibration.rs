@@ -152,6 +152,9 @@ const STEADY_GAPS: usize = 20;
 /// Reports kept per job: enough for any window the walk looks at.
 const MAX_REPORTS: usize = 20_000;
 
+/// Least share of a window's time a rate must rest on once its pauses are cut out.
+const MIN_KEPT_SHARE: f64 = 0.5;
+
 impl ProgressLog {
     /// Records a cumulative count (tokens, or steps for jobs that count only steps) at `t`
     /// from the job's only reporter.
@@ -302,6 +305,14 @@ impl ProgressLog {
         let time: f64 = kept.iter().map(|(dt, _)| dt).sum();
         let count: f64 = kept.iter().map(|(_, dc)| dc).sum();
         if time <= 0.0 || count <= 0.0 {
+            return None;
+        }
+        // Most of the window looked like pause: either the job mostly stood still, or
+        // its reports reached the agent in clumps (a reader held up, then reading a
+        // backlog at once), whose tight gaps pass for the job's pace and whose waits for
+        // pauses. Neither gives a rate to believe; the walk holds on for a better window.
+        let span = inside[inside.len() - 1].0 - inside[0].0;
+        if time < MIN_KEPT_SHARE * span {
             return None;
         }
         // The kept intervals laid end to end (pauses cut out) give points of (count,
@@ -1380,6 +1391,40 @@ mod tests {
         let (rate, noise) = log.rate(0.0, 6.0).expect("rate");
         assert!((rate - 2000.0).abs() / 2000.0 < 0.0025, "{rate}");
         assert!(noise > 0.0 && noise < 0.005, "{noise}");
+    }
+
+    #[test]
+    fn reports_read_in_clumps_give_no_rate_rather_than_a_wild_one() {
+        // Steps every 50 ms of 100 tokens (2,000 tokens/s), but the agent reads them in
+        // clumps: nothing for 0.8 s, then the 16 queued reports 1 ms apart (a reader
+        // that waited on a busy loop). The clumps' gaps would pass for the pace (rate
+        // 100,000/s) and the waits for pauses.
+        let mut log = ProgressLog::default();
+        let mut k = 0u32;
+        for clump in 0..15u32 {
+            for i in 0..16u32 {
+                k += 1;
+                log.record(
+                    f64::from(clump) * 0.8 + f64::from(i) * 0.001,
+                    f64::from(k) * 100.0,
+                );
+            }
+        }
+        match log.rate(0.0, 12.0) {
+            None => {}
+            Some((rate, _)) => assert!((rate - 2000.0).abs() / 2000.0 < 0.05, "{rate}"),
+        }
+        // A job that truly pauses for most of the window gives no rate either.
+        let mut paused = ProgressLog::default();
+        for i in 0..=40u32 {
+            let t = if i <= 20 {
+                f64::from(i) * 0.1
+            } else {
+                8.0 + f64::from(i - 20) * 0.1
+            };
+            paused.record(t, f64::from(i) * 100.0);
+        }
+        assert_eq!(paused.rate(0.0, 11.0), None);
     }
 
     #[test]

@@ -84,6 +84,10 @@ pub fn render(s: &Snapshot, sockets: &ServerStats) -> String {
         socks
             .iter()
             .map(|&(name, st)| ([node, name], load(&st.timed_out))),
+    )
+    .family(
+        &catalog::PROGRESS_REPORTS_SKIPPED_TOTAL,
+        [([node], load(&sockets.progress.reports_skipped))],
     );
     w.finish()
 }

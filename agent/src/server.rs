@@ -91,7 +91,8 @@ const IO_TIMEOUT: Duration = Duration::from_millis(1000);
 const VERDICT_POLL: Duration = Duration::from_millis(20);
 
 /// Reports of one progress connection the control loop may hold unanswered; beyond
-/// them the connection waits for the oldest verdict.
+/// them the connection goes on reading (and stamping) its reports, but skips them until
+/// the loop catches up.
 const MAX_REPORTS_IN_FLIGHT: usize = 16;
 
 /// Reads one request or report line of at most `MAX_LINE_BYTES`.
@@ -231,6 +232,9 @@ pub struct SocketStats {
     pub refused_per_uid: AtomicU64,
     /// Connections closed for sending nothing within the idle limit.
     pub timed_out: AtomicU64,
+    /// Progress reports read but not handed to a loop already holding
+    /// [`MAX_REPORTS_IN_FLIGHT`] of their connection's reports.
+    pub reports_skipped: AtomicU64,
 }
 
 impl SocketStats {
@@ -637,14 +641,19 @@ fn serve_progress(
             );
             return refuse(&mut stream, tx, peer, reason);
         };
-        // A loop this far behind: wait for the oldest verdict before handing it more
-        // (one connection's reports cannot fill the loop's queue).
+        // A loop this far behind gets no more of this connection's reports until it
+        // answers some (one connection cannot fill the loop's queue). The reader never
+        // waits for it: a reader that waited read the queued reports in a clump once the
+        // loop caught up, and a rate taken from such arrival times read hundreds of times
+        // too fast (the clumps looked like the job's pace, the waits like pauses). Progress
+        // is cumulative, so the next report handed on carries what a skipped one had.
         if pending.len() >= MAX_REPORTS_IN_FLIGHT {
-            if let Some(oldest) = pending.pop_front() {
-                if let Ok(Err(reason)) = oldest.recv_timeout(IO_TIMEOUT) {
-                    return write_error(&mut stream, &reason);
-                }
-            }
+            stats.reports_skipped.fetch_add(1, Ordering::Relaxed);
+            debug!(
+                in_flight = pending.len(),
+                "control loop behind: progress report skipped"
+            );
+            continue;
         }
         let (verdict_tx, verdict_rx) = bounded(1);
         if tx
@@ -773,6 +782,79 @@ mod tests {
                 .read_line(&mut answer)
                 .expect("error line");
             assert!(answer.contains("no job 7 on this node"), "{answer}");
+        });
+    }
+
+    #[test]
+    fn a_loop_far_behind_never_holds_the_reader_so_later_stamps_are_not_clumped() {
+        let (mut job, agent_end) = UnixStream::pair().expect("socket pair");
+        let (tx, rx) = bounded(64);
+        let stats = SocketStats::default();
+        let shutdown = AtomicBool::new(false);
+        let peer = Peer { pid: 1, uid: 1000 };
+        let step = StepId {
+            job: "7".into(),
+            step: "0".into(),
+            cluster: None,
+        };
+        std::thread::scope(|scope| {
+            scope.spawn(|| serve_progress(agent_end, peer, Some(step), &tx, &stats, &shutdown));
+            let line = |tokens: u64| {
+                format!("{{\"v\":1,\"job_id\":\"7\",\"tokens\":{tokens},\"steps\":1}}\n")
+            };
+            // A loop that answers nothing while the job sends 20 reports.
+            for k in 1..=20u64 {
+                job.write_all(line(k * 100).as_bytes()).expect("write");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let mut verdicts = Vec::new();
+            while let Ok(Inbound::Progress {
+                report, verdict, ..
+            }) = rx.recv_timeout(Duration::from_millis(300))
+            {
+                assert!(report.tokens <= 1600, "only the first 16 are handed on");
+                verdicts.push(verdict);
+            }
+            assert_eq!(verdicts.len(), MAX_REPORTS_IN_FLIGHT);
+            assert_eq!(stats.reports_skipped.load(Ordering::Relaxed), 4);
+            // The loop catches up; the next reports, 150 ms apart, are stamped as they
+            // arrive, not in a clump behind the backlog.
+            for v in verdicts {
+                v.send(Ok(())).expect("verdict");
+            }
+            // The reader sees the verdicts within its short read.
+            std::thread::sleep(VERDICT_POLL * 5);
+            let mut sent = Vec::new();
+            for k in 21..=23u64 {
+                sent.push(Instant::now());
+                job.write_all(line(k * 100).as_bytes()).expect("write");
+                std::thread::sleep(Duration::from_millis(150));
+            }
+            let mut stamps = Vec::new();
+            for _ in 0..3 {
+                let got = rx.recv_timeout(Duration::from_secs(5));
+                let Ok(Inbound::Progress {
+                    report, received, ..
+                }) = got
+                else {
+                    shutdown.store(true, Ordering::SeqCst);
+                    panic!("a progress report, not {got:?}");
+                };
+                stamps.push((report.tokens, received));
+            }
+            shutdown.store(true, Ordering::SeqCst);
+            assert_eq!(
+                stamps.iter().map(|s| s.0).collect::<Vec<_>>(),
+                [2100, 2200, 2300]
+            );
+            for (stamp, at) in stamps.iter().zip(&sent) {
+                assert!(stamp.1 >= *at, "stamped after it was sent");
+            }
+            let gap = stamps[2].1.duration_since(stamps[1].1);
+            assert!(
+                gap >= Duration::from_millis(100),
+                "reports 150 ms apart are stamped apart, not in a clump: {gap:?}"
+            );
         });
     }
 

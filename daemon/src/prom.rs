@@ -121,6 +121,12 @@ pub mod catalog {
             "GPU claims refused because other jobs' processes use the GPU (NVML's process lists).",
         labels: ["node"],
     };
+    pub const PROGRESS_REPORTS_SKIPPED_TOTAL: Family<1> = Family {
+        name: "powerflex_progress_reports_skipped_total",
+        kind: Kind::Counter,
+        help: "Progress reports read and not handed to a control loop already holding 16 of that connection's reports (progress is cumulative: the next report carries them).",
+        labels: ["node"],
+    };
     pub const AGENT_CONNECTIONS_TIMED_OUT_TOTAL: Family<2> = Family {
         name: "powerflex_agent_connections_timed_out_total",
         kind: Kind::Counter,
@@ -279,6 +285,7 @@ pub mod catalog {
             e(PROGRESS_REJECTED_TOTAL),
             e(AGENT_CONNECTIONS_REFUSED_TOTAL),
             e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL),
+            e(PROGRESS_REPORTS_SKIPPED_TOTAL),
             e(GPU_CLAIMS_REFUSED_TOTAL),
             e(BUDGET_WATTS),
             e(ALLOCATED_BUDGET_WATTS),
