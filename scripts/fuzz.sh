@@ -2,7 +2,12 @@
 # Fuzzes every parser that takes outside input (fuzz/fuzz_targets/*.rs) with libFuzzer
 # through cargo fuzz, each for a bounded time, with AddressSanitizer.
 #
-#   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     default: 60 s, every target
+#   scripts/fuzz.sh [--smoke] [SECONDS_PER_TARGET] [TARGET...]   default: 60 s, every target
+#
+# --smoke (the test suite's run): unoptimised and without AddressSanitizer, so the
+# targets build in a fraction of the time. It shows that every target builds, passes its
+# seeds and survives a few seconds of mutation; finding bugs is the long runs' work.
+# Only the two FFI crates hold `unsafe`, and the long runs keep the sanitizer for them.
 #
 # Limits on every run: 5 s per input (a hang is a finding), 1 GiB RSS and 256 MiB per
 # allocation (an unbounded allocation is a finding). Findings land in
@@ -12,6 +17,13 @@
 # toolchain accept them, as this machine has no other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_flags=(--release)
+what="release, AddressSanitizer"
+if [[ ${1:-} == --smoke ]]; then
+    build_flags=(--dev --sanitizer none)
+    what="unoptimised, no sanitizer: a smoke run"
+    shift
+fi
 seconds=${1:-60}
 shift || true
 if ! cargo fuzz --version >/dev/null 2>&1; then
@@ -23,13 +35,13 @@ targets=("$@")
 if ((${#targets[@]} == 0)); then
     mapfile -t targets < <(cargo fuzz list --fuzz-dir fuzz)
 fi
-echo "==> building ${#targets[@]} fuzz targets (release, AddressSanitizer)" >&2
-cargo fuzz build --fuzz-dir fuzz --release
+echo "==> building ${#targets[@]} fuzz targets ($what)" >&2
+cargo fuzz build --fuzz-dir fuzz "${build_flags[@]}"
 failed=()
 for target in "${targets[@]}"; do
     mkdir -p "fuzz/corpus/$target"
     echo "==> fuzzing $target for ${seconds}s" >&2
-    if ! cargo fuzz run --fuzz-dir fuzz --release "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
+    if ! cargo fuzz run --fuzz-dir fuzz "${build_flags[@]}" "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
         -max_total_time="$seconds" -timeout=5 -rss_limit_mb=1024 -malloc_limit_mb=256 \
         -print_final_stats=1 2>"fuzz/last-$target.log"; then
         failed+=("$target")
