@@ -232,8 +232,8 @@ pub struct SocketStats {
     pub refused_per_uid: AtomicU64,
     /// Connections closed for sending nothing within the idle limit.
     pub timed_out: AtomicU64,
-    /// Progress reports read but not handed to a loop already holding
-    /// [`MAX_REPORTS_IN_FLIGHT`] of their connection's reports.
+    /// Progress reports read but not handed to a loop already holding 16 of their
+    /// connection's reports (progress is cumulative: the next one handed on carries them).
     pub reports_skipped: AtomicU64,
 }
 
@@ -391,11 +391,10 @@ fn serve_control(
         .and_then(|r| {
             // The whole request within the idle limit, not each read: a peer trickling
             // a byte a second would otherwise hold its slot for an hour.
-            let deadline = Instant::now() + CONTROL_LIMITS.idle;
-            read_line(&mut BufReader::new(DeadlineReader {
-                stream: r,
-                deadline,
-            }))
+            read_line(&mut BufReader::new(lines::DeadlineReader::new(
+                &r,
+                CONTROL_LIMITS.idle,
+            )))
         }) {
         Ok(Some(line)) => line,
         Ok(None) => return,
@@ -466,24 +465,6 @@ fn serve_control(
         .recv_timeout(IO_TIMEOUT)
         .unwrap_or_else(|_| ControlReply::error("agent did not answer in time"));
     reply(&mut stream, &answer);
-}
-
-/// Reads from a socket until a deadline for all the reads together: each read waits at
-/// most what is left, and none starts after it.
-struct DeadlineReader {
-    stream: UnixStream,
-    deadline: Instant,
-}
-
-impl std::io::Read for DeadlineReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf)
-    }
 }
 
 /// Serves the progress socket until `shutdown`.
@@ -925,34 +906,5 @@ mod tests {
             assert!(l.per_uid < l.total - l.reserved_for_root, "{l:?}");
         }
         const { assert!(CONTROL_LIMITS.reserved_for_root > 0) };
-    }
-}
-
-#[cfg(test)]
-mod deadline_tests {
-    use super::*;
-
-    #[test]
-    fn a_trickling_peer_meets_one_deadline_for_the_whole_line() {
-        let (mut client, server) = UnixStream::pair().expect("pair");
-        let writer = std::thread::spawn(move || {
-            for _ in 0..20 {
-                if client.write_all(b"x").is_err() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(40));
-            }
-        });
-        let started = Instant::now();
-        let mut reader = BufReader::new(DeadlineReader {
-            stream: server,
-            deadline: Instant::now() + Duration::from_millis(300),
-        });
-        let e = read_line(&mut reader).expect_err("no line in time");
-        assert!(e.is_timeout(), "{e}");
-        let took = started.elapsed();
-        assert!(took < Duration::from_millis(600), "{took:?}");
-        drop(reader);
-        let _ = writer.join();
     }
 }

@@ -7,7 +7,7 @@
 //! | [`signals`] | SIGTERM/SIGINT → shutdown flag, SIGHUP → reload, delivered without polling | a 50 ms polling loop per daemon |
 //! | [`prom`] | Prometheus text writer with escaped label values, and the [`prom::catalog`] of every metric family both daemons export (name, type, help, label names) | two writers with diverging label sets |
 //! | [`http`] | `/metrics` responder: a fixed number of worker threads, read/write timeouts | two hand-rolled accept loops |
-//! | [`lines`] | one bounded line read (`\n`-terminated, at most N bytes) | six `take(N).read_line` copies |
+//! | [`lines`] | one bounded line read (`\n`-terminated, at most N bytes), and [`lines::DeadlineReader`]: one deadline for a whole request read | six `take(N).read_line` copies; a deadline reader in each daemon |
 //! | [`clock`] | wall-clock ms since the Unix epoch, the one reading every process exchanges | fourteen `unix_ms`/`now_ms` copies |
 //! | [`fsx`] | atomic file write (temporary file, optional fsync, rename, settable mode) and the key-file reader (root-owned regular 0600 files, opened without following or blocking) | three atomic writers; `proto::link::read_site_key` |
 //! | [`command`] | a site command (`squeue`, `scontrol`) with a deadline and a bound on its output | a wait-then-read copy that a big output deadlocks |

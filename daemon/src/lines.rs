@@ -2,8 +2,43 @@
 //! sends a newline costs at most `limit_bytes` of memory, never more.
 
 use std::io::{BufRead, Read};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use crate::DaemonError;
+
+/// Reads from a Unix stream until one deadline for all the reads together: each `read`
+/// waits at most the time left, and once none is left it fails with `TimedOut`. A peer
+/// that trickles a byte at a time cannot hold a connection's thread past the deadline,
+/// as it could with a timeout per `read(2)`. Wrap it in a `BufReader` for [`read_line`].
+#[derive(Debug)]
+pub struct DeadlineReader<'s> {
+    stream: &'s UnixStream,
+    deadline: Instant,
+}
+
+impl<'s> DeadlineReader<'s> {
+    /// Reads from `stream` for at most `timeout` from now.
+    pub fn new(stream: &'s UnixStream, timeout: Duration) -> DeadlineReader<'s> {
+        DeadlineReader {
+            stream,
+            deadline: Instant::now() + timeout,
+        }
+    }
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self
+            .deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
+        self.stream.set_read_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.read(buf)
+    }
+}
 
 /// Reads one `\n`-terminated line of at most `limit_bytes` (newline included) from
 /// `reader`. `Ok(None)` at end of stream; a last line without newline is returned as is.
@@ -150,5 +185,32 @@ mod tests {
             Err(DaemonError::LineTooLong { limit_bytes: 4 })
         ));
         assert!(partial.is_empty());
+    }
+
+    #[test]
+    fn a_trickling_peer_meets_one_deadline_for_the_whole_read() {
+        let (mut peer, ours) = UnixStream::pair().expect("socket pair");
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            // A byte every 50 ms, never a newline: each read(2) alone would succeed.
+            for _ in 0..20 {
+                if peer.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let started = Instant::now();
+        let mut reader =
+            std::io::BufReader::new(DeadlineReader::new(&ours, Duration::from_millis(300)));
+        let e = read_line(&mut reader, 1024).expect_err("no line within the deadline");
+        assert!(e.is_timeout(), "{e}");
+        // The deadline is 300 ms; the trickle lasts 1 s. Ending well before the trickle
+        // does shows the deadline was one for the whole read (slack for a loaded machine).
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(800), "{took:?}");
+        drop(reader);
+        drop(ours);
+        let _ = writer.join();
     }
 }

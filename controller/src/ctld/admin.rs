@@ -19,8 +19,9 @@ use powerflex_daemon::lines;
 
 use powerflex_proto::admin::{AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
-use super::bounds::{AdminGate, AdminLimits, DeadlineReader, Refusals};
+use super::bounds::{AdminGate, AdminLimits, Refusals};
 use super::Inbound;
+use powerflex_daemon::lines::DeadlineReader;
 
 /// Accepts admin connections until `shutdown`, one thread per admitted connection (so at
 /// most `limits.unprivileged + limits.root`). The accept blocks; [`super::run`] wakes it

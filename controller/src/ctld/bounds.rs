@@ -6,14 +6,14 @@
 //!   [`AdminLimits::per_uid`] connections per non-root user and
 //!   [`AdminLimits::unprivileged`] for all of them together, and a separate allowance for
 //!   root, so no user can lock the site's operator out of `powerflexctl`.
-//! - [`DeadlineReader`]: one deadline for a whole request read, not per `read(2)`, so a
-//!   peer that trickles a byte at a time cannot hold a thread.
+//!
+//! Requests are read with `powerflex_daemon::lines::DeadlineReader`: one deadline for a
+//! whole request, not per `read(2)`, so a peer that trickles a byte at a time cannot hold
+//! a thread.
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::os::unix::net::UnixStream;
 use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use powerflex_daemon::prom::{catalog, TextWriter};
 
@@ -191,36 +191,6 @@ impl Drop for AdminPlace {
     }
 }
 
-/// Reads from a Unix stream until one deadline: each `read` gets the time left, and once
-/// none is left it fails with `TimedOut`.
-#[derive(Debug)]
-pub struct DeadlineReader<'s> {
-    stream: &'s UnixStream,
-    deadline: Instant,
-}
-
-impl<'s> DeadlineReader<'s> {
-    pub fn new(stream: &'s UnixStream, timeout: Duration) -> DeadlineReader<'s> {
-        DeadlineReader {
-            stream,
-            deadline: Instant::now() + timeout,
-        }
-    }
-}
-
-impl Read for DeadlineReader<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self
-            .deadline
-            .checked_duration_since(Instant::now())
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
-        self.stream.set_read_timeout(Some(left))?;
-        let mut stream = self.stream;
-        stream.read(buf)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,32 +264,5 @@ mod tests {
             text.contains("powerflex_refusals_total{reason=\"metrics_bad_request\"} 3\n"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn a_trickling_peer_meets_one_deadline_for_the_whole_read() {
-        let (mut a, b) = UnixStream::pair().expect("pair");
-        let writer = std::thread::spawn(move || {
-            use std::io::Write;
-            for _ in 0..20 {
-                if a.write_all(b"x").is_err() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-        let started = Instant::now();
-        let mut reader =
-            std::io::BufReader::new(DeadlineReader::new(&b, Duration::from_millis(300)));
-        let read = powerflex_daemon::lines::read_line(&mut reader, 1024);
-        assert!(read.is_err(), "{read:?}");
-        assert!(
-            started.elapsed() < Duration::from_millis(800),
-            "{:?}",
-            started.elapsed()
-        );
-        drop(reader);
-        drop(b);
-        let _ = writer.join();
     }
 }
