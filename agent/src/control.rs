@@ -1428,6 +1428,9 @@ impl Agent {
             let may_probe = self.controller_mode() && self.learn.contains(id);
             let step = self.settings.cap_step;
             if let Some(job) = self.jobs.get_mut(id) {
+                // Before anything below can end the walk (a grant held below its level
+                // does), so every end is seen and logged.
+                let before = job.calibration.phase.clone();
                 if let Some(granted) = held_below {
                     job.calibration.held_below_level(now, granted);
                 }
@@ -1439,7 +1442,6 @@ impl Agent {
                 if let (true, Some(granted), Some(floor)) = (may_probe, granted, probe_floor) {
                     job.calibration.consider_probe(now, granted, step, floor);
                 }
-                let before = job.calibration.phase.clone();
                 if let Some(mhz) = sm_clock {
                     job.calibration.observe_clock(now, mhz);
                 }

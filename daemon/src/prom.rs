@@ -124,7 +124,7 @@ pub mod catalog {
     pub const PROGRESS_REPORTS_SKIPPED_TOTAL: Family<1> = Family {
         name: "powerflex_progress_reports_skipped_total",
         kind: Kind::Counter,
-        help: "Progress reports read and not handed to a control loop already holding 16 of that connection's reports (progress is cumulative: the next report carries them).",
+        help: "Progress reports never handed to the control loop: held back while it held 16 of their connection's reports, then superseded by a newer one (progress is cumulative).",
         labels: ["node"],
     };
     pub const AGENT_CONNECTIONS_TIMED_OUT_TOTAL: Family<2> = Family {
