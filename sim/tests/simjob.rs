@@ -183,10 +183,14 @@ fn reports_progress_to_a_listening_agent() {
         .lines()
         .map(|l| ProgressReport::from_line(&l.expect("line")).expect("valid report"))
         .collect();
-    assert_eq!(reports.len(), 4);
-    assert_eq!(reports[3].steps, 4);
-    assert_eq!(reports[3].job_id, "99");
-    assert_eq!(reports[3].tokens, 4 * 4000);
+    // One report per catch-up, not per step: a job stalled on a loaded machine finishes
+    // the steps it owes at once and reports them together (seen in a clean-clone run: 3
+    // reports for 4 steps). The last one carries the whole job.
+    assert!((1..=4).contains(&reports.len()), "{reports:?}");
+    let last = reports.last().expect("a report");
+    assert_eq!(last.steps, 4);
+    assert_eq!(last.job_id, "99");
+    assert_eq!(last.tokens, 4 * 4000);
     assert!(
         reports.windows(2).all(|w| w[1].tokens > w[0].tokens),
         "cumulative"
