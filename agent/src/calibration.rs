@@ -608,7 +608,13 @@ impl Calibration {
     }
 
     /// Advances the walk. `job_power` is the job's summed GPU power now, when known.
-    pub fn tick(&mut self, now: f64, log: &ProgressLog, job_power: Option<Watts>) {
+    /// Returns the window this tick read, if it read one.
+    pub fn tick(
+        &mut self,
+        now: f64,
+        log: &ProgressLog,
+        job_power: Option<Watts>,
+    ) -> Option<Window> {
         match self.phase.clone() {
             Phase::Warmup => {
                 let Some(first) = log.first_time() else {
@@ -617,7 +623,7 @@ impl Calibration {
                     } else {
                         self.waiting = Some("no progress report yet".into());
                     }
-                    return;
+                    return None;
                 };
                 if now - first < self.settings.warmup_s {
                     self.waiting = Some(format!(
@@ -625,7 +631,7 @@ impl Calibration {
                         now - first,
                         self.settings.warmup_s
                     ));
-                    return;
+                    return None;
                 }
                 // Windows long enough for three reports of the job's own cadence: a job
                 // whose steps take longer than a third of a second never had three
@@ -639,7 +645,7 @@ impl Calibration {
                         "waiting for steady progress: a rate in {} of the last {STEADY_WINDOWS} windows of {window_s:.1} s (each needs three reports)",
                         rates.len()
                     ));
-                    return;
+                    return None;
                 }
                 let mean = rates.iter().sum::<f64>() / rates.len() as f64;
                 let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>()
@@ -656,6 +662,7 @@ impl Calibration {
                         100.0 * self.settings.steady_cv
                     ));
                 }
+                None
             }
             Phase::Walking {
                 cap,
@@ -669,14 +676,14 @@ impl Calibration {
                     }
                 }
                 if now < window_from + self.settings.hold_s {
-                    return;
+                    return None;
                 }
                 let Some((rate, noise)) = log.rate(window_from, now) else {
                     // No reports in the window: the job paused; hold longer.
                     if now - since > 10.0 * (self.settings.settle_s + self.settings.hold_s) {
                         self.finish(now);
                     }
-                    return;
+                    return None;
                 };
                 let power = if self.power_samples > 0 {
                     Watts(self.power_sum / f64::from(self.power_samples))
@@ -686,7 +693,8 @@ impl Calibration {
                 let sm_clock_mhz = (self.clock_samples > 0)
                     .then(|| self.clock_sum / f64::from(self.clock_samples));
                 let Some(design) = self.design.as_mut() else {
-                    return self.finish(now);
+                    self.finish(now);
+                    return None;
                 };
                 design.record(OperatingPoint {
                     cap_w: cap,
@@ -701,17 +709,19 @@ impl Calibration {
                         (self.top_throughput - rate).max(0.0) * (now - self.booked_to.max(since));
                 }
                 self.booked_to = now;
-                self.push_window(Window {
+                let window = Window {
                     cap,
                     power,
                     throughput: rate,
                     relative_noise: noise,
                     sm_clock_mhz,
                     learned: false,
-                });
+                };
+                self.push_window(window);
                 self.follow_design(now);
+                Some(window)
             }
-            Phase::Done | Phase::Skipped(_) => {}
+            Phase::Done | Phase::Skipped(_) => None,
         }
     }
 

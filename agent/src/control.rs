@@ -1434,8 +1434,6 @@ impl Agent {
                 if let Some(granted) = held_below {
                     job.calibration.held_below_level(now, granted);
                 }
-                let windows_before = job.calibration.windows.len();
-                let newest_before = job.calibration.windows.last().copied();
                 job.calibration
                     .observe_operation(now, &job.log, power, held);
                 job.calibration.check_probe(now, granted);
@@ -1445,34 +1443,17 @@ impl Agent {
                 if let Some(mhz) = sm_clock {
                     job.calibration.observe_clock(now, mhz);
                 }
-                job.calibration.tick(now, &job.log, power);
-                // Each window read is logged: a curve that came out wrong (a rate far off,
-                // a flat top) can then be traced to the window that made it.
-                if let Some(window) = job.calibration.windows.last().filter(|w| {
-                    job.calibration.windows.len() != windows_before
-                        || newest_before.as_ref() != Some(*w)
-                }) {
-                    // A walk reads a few windows per job; learning in operation reads one
-                    // every hold for the job's whole life, so those stay at debug.
-                    if window.learned {
-                        tracing::debug!(
-                            job_id = %job.id,
-                            cap_w = window.cap.0,
-                            power_w = window.power.0,
-                            throughput = window.throughput,
-                            relative_noise = window.relative_noise,
-                            "calibration window read in operation"
-                        );
-                    } else {
-                        tracing::info!(
-                            job_id = %job.id,
-                            cap_w = window.cap.0,
-                            power_w = window.power.0,
-                            throughput = window.throughput,
-                            relative_noise = window.relative_noise,
-                            "calibration window read"
-                        );
-                    }
+                // Each window the walk reads is logged: a curve that came out wrong (a
+                // rate far off, a flat top) can then be traced to the window that made it.
+                if let Some(window) = job.calibration.tick(now, &job.log, power) {
+                    tracing::info!(
+                        job_id = %job.id,
+                        cap_w = window.cap.0,
+                        power_w = window.power.0,
+                        throughput = window.throughput,
+                        relative_noise = window.relative_noise,
+                        "calibration window read"
+                    );
                 }
                 if job.calibration.phase != before {
                     changed = true;

@@ -711,6 +711,20 @@ fn hand_on(
 mod tests {
     use super::*;
 
+    /// Step 0 of job 7, the sender of the progress tests' reports.
+    fn job_7_step() -> StepId {
+        StepId {
+            job: "7".into(),
+            step: "0".into(),
+            cluster: None,
+        }
+    }
+
+    /// One progress report line of job 7 with `tokens` so far.
+    fn report_line(tokens: u64) -> String {
+        format!("{{\"v\":1,\"job_id\":\"7\",\"tokens\":{tokens},\"steps\":1}}\n")
+    }
+
     /// A client that sends its line and closes its side at once still gets the loop's
     /// refusal (seen in `only_root_changes_jobs_and_progress_must_come_from_the_job`).
     #[test]
@@ -719,16 +733,11 @@ mod tests {
         let (tx, rx) = bounded(16);
         let stats = SocketStats::default();
         let shutdown = AtomicBool::new(false);
-        let step = StepId {
-            job: "7".into(),
-            step: "0".into(),
-            cluster: None,
-        };
+        let step = job_7_step();
         let peer = Peer { pid: 1, uid: 1000 };
         std::thread::scope(|scope| {
             scope.spawn(|| serve_progress(agent_end, peer, Some(step), &tx, &stats, &shutdown));
-            job.write_all(b"{\"v\":1,\"job_id\":\"7\",\"tokens\":1,\"steps\":1}\n")
-                .expect("write");
+            job.write_all(report_line(1).as_bytes()).expect("write");
             job.shutdown(std::net::Shutdown::Write).expect("shutdown");
             let Ok(Inbound::Progress { verdict, .. }) = rx.recv_timeout(Duration::from_secs(5))
             else {
@@ -757,16 +766,10 @@ mod tests {
         let stats = SocketStats::default();
         let shutdown = AtomicBool::new(false);
         let peer = Peer { pid: 1, uid: 1000 };
-        let step = StepId {
-            job: "7".into(),
-            step: "0".into(),
-            cluster: None,
-        };
+        let step = job_7_step();
         std::thread::scope(|scope| {
             scope.spawn(|| serve_progress(agent_end, peer, Some(step), &tx, &stats, &shutdown));
-            let line = |tokens: u64| {
-                format!("{{\"v\":1,\"job_id\":\"7\",\"tokens\":{tokens},\"steps\":1}}\n")
-            };
+            let line = report_line;
             // Three reports 100 ms apart, the third in two writes around a pause longer
             // than the connection's short read.
             let sent = Instant::now();
@@ -835,17 +838,11 @@ mod tests {
         let stats = SocketStats::default();
         let shutdown = AtomicBool::new(false);
         let peer = Peer { pid: 1, uid: 1000 };
-        let step = StepId {
-            job: "7".into(),
-            step: "0".into(),
-            cluster: None,
-        };
+        let step = job_7_step();
         std::thread::scope(|scope| {
             scope.spawn(|| serve_progress(agent_end, peer, Some(step), &tx, &stats, &shutdown));
             let _stop = ShutdownOnDrop(&shutdown);
-            let line = |tokens: u64| {
-                format!("{{\"v\":1,\"job_id\":\"7\",\"tokens\":{tokens},\"steps\":1}}\n")
-            };
+            let line = report_line;
             // A loop that answers nothing while the job sends 20 reports.
             let mut sent = Vec::new();
             for k in 1..=20u64 {
