@@ -74,8 +74,11 @@ pub trait GpuBackend: Send {
     fn discover(&mut self) -> Result<Vec<GpuIdentity>, GpuError>;
     /// A reading of GPU `index`.
     fn sample(&mut self, index: u32) -> Result<GpuSample, GpuError>;
-    /// Sets GPU `index`'s power limit (the caller clamps to the GPU's constraints).
-    fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError>;
+    /// Sets GPU `index`'s power limit (the caller clamps to the GPU's constraints) and
+    /// returns the limit found on the GPU just before the write (`None` when it could not
+    /// be read): a change made behind the agent's back between two samples would
+    /// otherwise be overwritten by a new grant unseen.
+    fn set_cap(&mut self, index: u32, cap: Watts) -> Result<Option<Watts>, GpuError>;
     /// Process ids with a compute context on GPU `index` (NVML's running processes).
     fn running_pids(&mut self, index: u32) -> Result<Vec<u32>, GpuError>;
 }
@@ -205,12 +208,16 @@ impl GpuBackend for NvmlBackend {
             .collect())
     }
 
-    fn set_cap(&mut self, index: u32, cap: Watts) -> Result<(), GpuError> {
+    fn set_cap(&mut self, index: u32, cap: Watts) -> Result<Option<Watts>, GpuError> {
         let mut d = self
             .nvml
             .device_by_index(index)
             .map_err(|e| err(index, e))?;
+        // A failed read does not stop the write: the cap matters more than the count.
+        let found = d.power_management_limit().ok().map(watts);
         let mw = (cap.0 * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
-        d.set_power_management_limit(mw).map_err(|e| err(index, e))
+        d.set_power_management_limit(mw)
+            .map_err(|e| err(index, e))?;
+        Ok(found)
     }
 }

@@ -1206,11 +1206,34 @@ impl Agent {
         }
     }
 
-    /// A cap write succeeded.
-    pub fn cap_written(&mut self, gpu: u32, cap: Watts) {
-        if let Some(slot) = self.gpus.get_mut(gpu as usize) {
-            slot.applied = Some(cap);
+    /// A cap write succeeded; `found` is the limit read just before it (`None` when it
+    /// could not be read). A limit other than the last one written or read was changed
+    /// behind the agent's back since its last sample: counted and returned like a
+    /// sampled one (a new grant written first would otherwise hide it).
+    pub fn cap_written(
+        &mut self,
+        gpu: u32,
+        cap: Watts,
+        found: Option<Watts>,
+    ) -> Option<CapMismatch> {
+        let slot = self.gpus.get_mut(gpu as usize)?;
+        let mismatch = match (slot.applied, found) {
+            (Some(expected), Some(found))
+                if slot.degraded.is_none() && (expected.0 - found.0).abs() > 0.5 =>
+            {
+                Some(CapMismatch {
+                    gpu,
+                    expected,
+                    found,
+                })
+            }
+            _ => None,
+        };
+        slot.applied = Some(cap);
+        if mismatch.is_some() {
+            self.cap_mismatches += 1;
         }
+        mismatch
     }
 
     /// A cap write failed: a permanent or lost-device failure degrades that GPU only.
@@ -2256,7 +2279,7 @@ mod tests {
         let first = caps(&a.tick(2.0));
         assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
         for (g, c) in first {
-            a.cap_written(g, Watts(c));
+            a.cap_written(g, Watts(c), None);
         }
         assert!(caps(&a.tick(3.0)).is_empty(), "written only on change");
         assert!(a.end_job("7", 0.0));
@@ -2276,7 +2299,7 @@ mod tests {
             None,
         );
         assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
-        a.cap_written(0, Watts(600.0));
+        a.cap_written(0, Watts(600.0), None);
         // Job 8 starts after the lease (the controller is away): not uncapped.
         a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
             .expect("registered");
@@ -2320,13 +2343,13 @@ mod tests {
             !a.failsafe_active(10.0),
             "the link itself is not yet overdue"
         );
-        a.cap_written(2, Watts(500.0));
+        a.cap_written(2, Watts(500.0), None);
         assert!(
             caps(&a.tick(31.0)).is_empty(),
             "no lease within the TTL: still fail-safe"
         );
         assert!(a.failsafe_active(31.0));
-        a.cap_written(2, Watts(500.0));
+        a.cap_written(2, Watts(500.0), None);
         a.set_lease(
             40.0,
             BTreeMap::from([("7".to_string(), Watts(600.0))]),
@@ -2334,7 +2357,7 @@ mod tests {
             None,
         );
         assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
-        a.cap_written(2, Watts(600.0));
+        a.cap_written(2, Watts(600.0), None);
         assert_eq!(
             caps(&a.tick(71.0)),
             vec![(2, 500.0)],
@@ -2432,7 +2455,7 @@ mod tests {
             None,
         );
         assert_eq!(caps(&a.tick(2.0)), vec![(0, 250.0)]);
-        a.cap_written(0, Watts(250.0));
+        a.cap_written(0, Watts(250.0), None);
         assert!(
             caps(&a.tick(40.0)).is_empty(),
             "lease over: stays at 250 W, below the 500 W fail-safe"
@@ -2446,7 +2469,7 @@ mod tests {
             None,
         );
         assert_eq!(caps(&a.tick(42.0)), vec![(0, 650.0)]);
-        a.cap_written(0, Watts(650.0));
+        a.cap_written(0, Watts(650.0), None);
         assert_eq!(caps(&a.tick(80.0)), vec![(0, 500.0)]);
     }
 
@@ -2457,7 +2480,7 @@ mod tests {
         a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
             .expect("registered");
         assert_eq!(caps(&a.tick(2.0)), vec![(1, 300.0)]);
-        a.cap_written(1, Watts(300.0));
+        a.cap_written(1, Watts(300.0), None);
         assert!(
             caps(&a.tick(40.0)).is_empty(),
             "and stays there when the lease lapses"
@@ -2472,7 +2495,7 @@ mod tests {
             30.0,
             Some(Watts(-1.0)),
         );
-        a.cap_written(1, Watts(500.0));
+        a.cap_written(1, Watts(500.0), None);
         assert!(caps(&a.tick(44.0)).is_empty());
     }
 
@@ -2490,7 +2513,7 @@ mod tests {
             None,
         );
         assert_eq!(caps(&a.tick(1.0)), vec![(0, 450.0)]);
-        a.cap_written(0, Watts(450.0));
+        a.cap_written(0, Watts(450.0), None);
         let sample = a.gpus[0].last.expect("a sample of GPU 0");
         let same = a.sampled(
             0.0,
@@ -2520,7 +2543,7 @@ mod tests {
         assert_eq!(a.cap_mismatches, 1);
         assert_eq!(a.snapshot(2.0).cap_mismatches, 1);
         assert_eq!(caps(&a.tick(2.0)), vec![(0, 450.0)], "written again");
-        a.cap_written(0, Watts(450.0));
+        a.cap_written(0, Watts(450.0), None);
         // An idle GPU reset to another limit goes back to its default too.
         let idle = a.gpus[3].last.expect("a sample of GPU 3");
         assert!(a
@@ -2534,6 +2557,59 @@ mod tests {
             )
             .is_some());
         assert_eq!(caps(&a.tick(3.0)), vec![(3, 700.0)]);
+    }
+
+    /// Seen in a clean-clone run: a new grant was written between the change behind the
+    /// agent's back and the next sample, so the sample found the agent's own write and
+    /// the change was never counted.
+    #[test]
+    fn a_limit_changed_behind_the_agents_back_is_found_when_a_new_cap_is_written() {
+        let mut a = agent(None);
+        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+            .expect("registered");
+        a.set_lease(
+            0.0,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(1.0)), vec![(0, 450.0)]);
+        assert_eq!(
+            a.cap_written(0, Watts(450.0), Some(Watts(700.0))),
+            None,
+            "the default, read by the last sample"
+        );
+        a.set_lease(
+            1.5,
+            BTreeMap::from([("7".to_string(), Watts(500.0))]),
+            30.0,
+            None,
+        );
+        assert_eq!(caps(&a.tick(2.0)), vec![(0, 500.0)]);
+        // The limit read just before writing 500 W: somebody set 700 W.
+        assert_eq!(
+            a.cap_written(0, Watts(500.0), Some(Watts(700.0))),
+            Some(CapMismatch {
+                gpu: 0,
+                expected: Watts(450.0),
+                found: Watts(700.0)
+            })
+        );
+        assert_eq!(a.cap_mismatches, 1);
+        // The write itself is what the next sample must find.
+        let sample = a.gpus[0].last.expect("a sample of GPU 0");
+        let next = a.sampled(
+            3.0,
+            0,
+            Ok(GpuSample {
+                cap: Watts(500.0),
+                ..sample
+            }),
+        );
+        assert_eq!(next, None);
+        // A limit that could not be read before the write counts nothing.
+        assert_eq!(a.cap_written(0, Watts(500.0), None), None);
+        assert_eq!(a.cap_mismatches, 1);
     }
 
     /// Issue 13: a job whose epilog never reached the agent stayed registered, capped
@@ -2830,7 +2906,7 @@ mod tests {
         let tick = |a: &mut Agent, t: f64| {
             let set = caps(&a.tick(t));
             for &(g, c) in &set {
-                a.cap_written(g, Watts(c));
+                a.cap_written(g, Watts(c), None);
             }
             set
         };

@@ -358,14 +358,22 @@ fn execute(
             Action::SetCap { gpu, cap } => {
                 let job = agent.gpus.get(gpu as usize).and_then(|g| g.job.clone());
                 match backend.set_cap(gpu, cap) {
-                    Ok(()) => {
+                    Ok(found) => {
                         info!(
                             gpu,
                             cap_w = cap.0,
                             job = job.as_deref().unwrap_or("-"),
                             "cap applied"
                         );
-                        agent.cap_written(gpu, cap);
+                        if let Some(m) = agent.cap_written(gpu, cap, found) {
+                            warn!(
+                                gpu = m.gpu,
+                                expected_w = m.expected.0,
+                                found_w = m.found.0,
+                                mismatches = agent.cap_mismatches,
+                                "GPU limit changed behind the agent's back; found as a new cap was written"
+                            );
+                        }
                     }
                     Err(e) => {
                         warn!(gpu, cap_w = cap.0, error = %e, class = ?e.class, "cap not applied");
