@@ -12,18 +12,18 @@
 //!   environment) and whose uid is the job owner's (checked by the control loop, which
 //!   knows the owner). A refused report gets one error line and the connection is closed.
 //!
-//! Both sockets admit connections through [`Admission`]: a cap on all connections, a cap
+//! Both sockets admit connections through `powerflex_daemon::gate`: a cap on all connections, a cap
 //! per uid, and (on the control socket) slots only root may take, so one user holding
 //! idle connections cannot starve other jobs' progress or slurmstepd's registrations. A
 //! connection that sends nothing for its socket's idle limit is closed. Every refusal
 //! and every idle close is counted ([`ServerStats`], exported as metrics).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,7 @@ use tracing::{debug, warn};
 
 use crate::procs::{step_of_pid, StepId};
 
+use powerflex_daemon::gate::{Gate, GateLimits, Place, Refusal};
 pub use powerflex_daemon::os::{peer_of, Peer};
 use powerflex_daemon::{lines, DaemonError};
 
@@ -142,6 +143,13 @@ pub struct ConnLimits {
     pub idle: Duration,
 }
 
+impl ConnLimits {
+    /// The admission limits: one pool, `reserved_for_root` of it root's alone.
+    pub const fn gate(&self) -> GateLimits {
+        GateLimits::shared(self.total, self.per_uid, self.reserved_for_root)
+    }
+}
+
 /// The control socket: one request per connection. Registrations come from root and
 /// must never wait behind users' status requests, so half the slots are root's.
 pub const CONTROL_LIMITS: ConnLimits = ConnLimits {
@@ -162,69 +170,6 @@ pub const PROGRESS_LIMITS: ConnLimits = ConnLimits {
     idle: Duration::from_secs(300),
 };
 
-/// Why a connection was not admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
-    /// Every slot open to this peer is taken.
-    Full,
-    /// This uid holds `per_uid` connections already.
-    UidFull,
-}
-
-impl Refusal {
-    pub fn label(self) -> &'static str {
-        match self {
-            Refusal::Full => "full",
-            Refusal::UidFull => "per_uid",
-        }
-    }
-}
-
-/// The connections a socket holds, by uid. Pure: the acceptor asks it before serving a
-/// connection and tells it when the connection ends.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Admission {
-    by_uid: BTreeMap<u32, usize>,
-    total: usize,
-}
-
-impl Admission {
-    /// Admits a connection from `uid`, or says why not. Root may take any free slot;
-    /// others only those not reserved for root, and at most `per_uid` of them.
-    pub fn admit(&mut self, limits: &ConnLimits, uid: u32) -> Result<(), Refusal> {
-        if self.total >= limits.total {
-            return Err(Refusal::Full);
-        }
-        if uid != 0 {
-            let non_root = self.total - self.by_uid.get(&0).copied().unwrap_or(0);
-            if non_root >= limits.total.saturating_sub(limits.reserved_for_root) {
-                return Err(Refusal::Full);
-            }
-            if self.by_uid.get(&uid).copied().unwrap_or(0) >= limits.per_uid {
-                return Err(Refusal::UidFull);
-            }
-        }
-        *self.by_uid.entry(uid).or_insert(0) += 1;
-        self.total += 1;
-        Ok(())
-    }
-
-    /// A connection from `uid` ended.
-    pub fn release(&mut self, uid: u32) {
-        if let Some(n) = self.by_uid.get_mut(&uid) {
-            *n -= 1;
-            self.total -= 1;
-            if *n == 0 {
-                self.by_uid.remove(&uid);
-            }
-        }
-    }
-
-    pub fn held_by(&self, uid: u32) -> usize {
-        self.by_uid.get(&uid).copied().unwrap_or(0)
-    }
-}
-
 /// Connection refusals and idle closes of one socket, for the metrics.
 #[derive(Debug, Default)]
 pub struct SocketStats {
@@ -241,8 +186,10 @@ pub struct SocketStats {
 impl SocketStats {
     fn refused(&self, why: Refusal) {
         match why {
-            Refusal::Full => &self.refused_full,
-            Refusal::UidFull => &self.refused_per_uid,
+            Refusal::UidFull { .. } => &self.refused_per_uid,
+            Refusal::Full { .. } | Refusal::UsersFull { .. } | Refusal::RootFull { .. } => {
+                &self.refused_full
+            }
         }
         .fetch_add(1, Ordering::Relaxed);
     }
@@ -255,48 +202,6 @@ pub struct ServerStats {
     pub progress: SocketStats,
 }
 
-/// A socket's admission state and counters, shared by its acceptor and connections.
-struct Gate {
-    limits: ConnLimits,
-    admission: Mutex<Admission>,
-}
-
-/// One admitted connection: released when dropped.
-struct Permit {
-    gate: Arc<Gate>,
-    uid: u32,
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.gate
-            .admission
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .release(self.uid);
-    }
-}
-
-impl Gate {
-    fn new(limits: ConnLimits) -> Arc<Gate> {
-        Arc::new(Gate {
-            limits,
-            admission: Mutex::new(Admission::default()),
-        })
-    }
-
-    fn admit(self: &Arc<Gate>, uid: u32) -> Result<Permit, Refusal> {
-        self.admission
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .admit(&self.limits, uid)?;
-        Ok(Permit {
-            gate: Arc::clone(self),
-            uid,
-        })
-    }
-}
-
 /// Identifies an accepted connection's peer and admits it, or refuses it (counted,
 /// logged at debug: a flood must not flood the log too).
 fn admit(
@@ -304,25 +209,28 @@ fn admit(
     gate: &Arc<Gate>,
     stats: &SocketStats,
     socket: &'static str,
-) -> Result<(Peer, Permit), String> {
+) -> Result<(Peer, Place), String> {
     let peer = peer_of(stream).map_err(|e| format!("cannot identify the peer: {e}"))?;
-    match gate.admit(peer.uid) {
-        Ok(permit) => Ok((peer, permit)),
+    match gate.enter(peer.uid) {
+        Ok(place) => Ok((peer, place)),
         Err(why) => {
             stats.refused(why);
+            let reason = match why {
+                Refusal::UidFull { .. } => "per_uid",
+                _ => "full",
+            };
             debug!(
                 socket,
                 pid = peer.pid,
                 uid = peer.uid,
-                reason = why.label(),
+                reason,
                 "connection refused"
             );
             Err(match why {
-                Refusal::Full => "agent busy: too many connections".to_string(),
-                Refusal::UidFull => format!(
-                    "agent busy: uid {} holds {} connections to this socket, the most one user may",
-                    peer.uid, gate.limits.per_uid
+                Refusal::UidFull { uid, open } => format!(
+                    "agent busy: uid {uid} holds {open} connections to this socket, the most one user may"
                 ),
+                _ => "agent busy: too many connections".to_string(),
             })
         }
     }
@@ -339,7 +247,7 @@ pub fn spawn_control(
     // A blocking accept: a request is served the moment it arrives (a polling accept
     // added up to 10 ms to every srun). `run` wakes it at shutdown by connecting.
     listener.set_nonblocking(false)?;
-    let gate = Gate::new(CONTROL_LIMITS);
+    let gate = Gate::new(CONTROL_LIMITS.gate());
     std::thread::Builder::new()
         .name("control-accept".into())
         .spawn(move || {
@@ -347,8 +255,7 @@ pub fn spawn_control(
                 match listener.accept() {
                     Ok(_) if shutdown.load(Ordering::SeqCst) => break,
                     Ok((mut stream, _)) => {
-                        let (peer, permit) = match admit(&stream, &gate, &stats.control, "control")
-                        {
+                        let (peer, place) = match admit(&stream, &gate, &stats.control, "control") {
                             Ok(admitted) => admitted,
                             Err(why) => {
                                 // Never block the acceptor on a refused peer.
@@ -361,7 +268,7 @@ pub fn spawn_control(
                         let _ = std::thread::Builder::new()
                             .name("control-conn".into())
                             .spawn(move || {
-                                let _permit = permit;
+                                let _place = place;
                                 serve_control(stream, peer, &tx, &snapshot, &stats.control);
                             });
                     }
@@ -477,7 +384,7 @@ pub fn spawn_progress(
 ) -> std::io::Result<JoinHandle<()>> {
     // Blocking, as the control socket's; woken at shutdown the same way.
     listener.set_nonblocking(false)?;
-    let gate = Gate::new(PROGRESS_LIMITS);
+    let gate = Gate::new(PROGRESS_LIMITS.gate());
     std::thread::Builder::new()
         .name("progress-accept".into())
         .spawn(move || {
@@ -485,20 +392,20 @@ pub fn spawn_progress(
                 match listener.accept() {
                     Ok(_) if shutdown.load(Ordering::SeqCst) => break,
                     Ok((mut stream, _)) => {
-                        let (peer, permit) =
-                            match admit(&stream, &gate, &stats.progress, "progress") {
-                                Ok(admitted) => admitted,
-                                Err(why) => {
-                                    let _ = stream.set_nonblocking(true);
-                                    write_error(&mut stream, &why);
-                                    continue;
-                                }
-                            };
+                        let (peer, place) = match admit(&stream, &gate, &stats.progress, "progress")
+                        {
+                            Ok(admitted) => admitted,
+                            Err(why) => {
+                                let _ = stream.set_nonblocking(true);
+                                write_error(&mut stream, &why);
+                                continue;
+                            }
+                        };
                         let (tx, shutdown, stats) = (tx.clone(), shutdown.clone(), stats.clone());
                         let _ = std::thread::Builder::new()
                             .name("progress-conn".into())
                             .spawn(move || {
-                                let _permit = permit;
+                                let _place = place;
                                 // The step this connection's process runs in, from its
                                 // ancestry, read once: the kernel keeps a process's parent
                                 // chain, the process cannot rewrite it.
@@ -899,67 +806,6 @@ mod tests {
                 );
             }
         });
-    }
-
-    const LIMITS: ConnLimits = ConnLimits {
-        total: 8,
-        per_uid: 3,
-        reserved_for_root: 4,
-        idle: Duration::from_secs(1),
-    };
-
-    /// Issue 14: one user holding 64 idle connections starved every job's progress, and
-    /// refreshing them starved slurmstepd's registrations.
-    #[test]
-    fn one_user_cannot_take_the_slots_of_others_or_of_root() {
-        let mut a = Admission::default();
-        for _ in 0..3 {
-            assert_eq!(a.admit(&LIMITS, 1000), Ok(()));
-        }
-        assert_eq!(a.admit(&LIMITS, 1000), Err(Refusal::UidFull));
-        assert_eq!(a.held_by(1000), 3);
-        // Another user gets the last non-reserved slot, then the reserve is root's.
-        assert_eq!(a.admit(&LIMITS, 1001), Ok(()));
-        assert_eq!(a.admit(&LIMITS, 1002), Err(Refusal::Full));
-        for _ in 0..4 {
-            assert_eq!(a.admit(&LIMITS, 0), Ok(()));
-        }
-        assert_eq!(
-            a.admit(&LIMITS, 0),
-            Err(Refusal::Full),
-            "the cap holds for root too"
-        );
-        a.release(1000);
-        assert_eq!(
-            a.admit(&LIMITS, 1002),
-            Ok(()),
-            "a freed open slot is anyone's"
-        );
-        assert_eq!(a.admit(&LIMITS, 0), Err(Refusal::Full), "socket full");
-        a.release(0);
-        assert_eq!(
-            a.admit(&LIMITS, 1003),
-            Err(Refusal::Full),
-            "a freed reserved slot stays root's"
-        );
-        assert_eq!(a.admit(&LIMITS, 0), Ok(()));
-        // Releasing what was never admitted changes nothing.
-        let before = a.clone();
-        a.release(4242);
-        assert_eq!(a, before);
-    }
-
-    #[test]
-    fn root_may_use_non_reserved_slots_too() {
-        let mut a = Admission::default();
-        for _ in 0..8 {
-            assert_eq!(a.admit(&LIMITS, 0), Ok(()));
-        }
-        assert_eq!(a.admit(&LIMITS, 1000), Err(Refusal::Full));
-        for _ in 0..8 {
-            a.release(0);
-        }
-        assert_eq!(a, Admission::default());
     }
 
     #[test]

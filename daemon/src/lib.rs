@@ -13,6 +13,7 @@
 //! | [`command`] | a site command (`squeue`, `scontrol`) with a deadline and a bound on its output | a wait-then-read copy that a big output deadlocks |
 //! | [`os`] | `kill`, `flock`, `SO_PEERCRED` through `rustix` | `unsafe` libc calls and `kill` run as a subprocess |
 //! | [`trace`] | tracing init from `POWERFLEX_LOG` | two copies in the binaries |
+//! | [`gate`] | admission of Unix-socket connections by uid: per user, all users, root, in all | the agent's `Admission` and the controller's `AdminGate`, which differed in whether root may take users' places |
 //!
 //! ## What fits where, for a daemon that adopts it
 //! - state file saved on every change: [`fsx::write_atomic`] with
@@ -22,7 +23,8 @@
 //!   hard-links the current file to that name first, then writes;
 //! - an accept loop that must end: the [`http`] responder shows the pattern (blocking
 //!   accept, `shutdown(2)` on the listener to wake it);
-//! - a peer's uid on a Unix socket: [`os::peer_of`];
+//! - a peer's uid on a Unix socket: [`os::peer_of`]; how many connections it may hold:
+//!   [`gate::Gate`];
 //! - a socket read of one request: [`lines::read_line`] with the protocol's limit;
 //! - metrics: build the text with [`prom::TextWriter`] from [`prom::catalog`] families
 //!   and serve it with [`http::MetricsServer::spawn`] given a closure that renders the
@@ -38,6 +40,7 @@
 pub mod clock;
 pub mod command;
 pub mod fsx;
+pub mod gate;
 pub mod http;
 pub mod lines;
 pub mod os;

@@ -2,7 +2,7 @@
 //! the site and their own jobs, see [`super::owners`]) and changes the budget and grid
 //! events (root only, by `SO_PEERCRED`). One request line, one reply line, in the
 //! versioned protocol of `powerflex_proto::admin`. Connections are admitted by
-//! [`super::bounds::AdminGate`] (a few per user, a reserve for root); a refused one gets
+//! `powerflex_daemon::gate` (a few per user, a reserve for root); a refused one gets
 //! a reply saying why, and the request must arrive within one deadline.
 
 use std::io::{BufReader, Write};
@@ -19,8 +19,9 @@ use powerflex_daemon::lines;
 
 use powerflex_proto::admin::{AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
-use super::bounds::{AdminGate, AdminLimits, Refusals};
+use super::bounds::{admin_refusal, AdminLimits, Refusals};
 use super::Inbound;
+use powerflex_daemon::gate::Gate;
 use powerflex_daemon::lines::DeadlineReader;
 
 /// Accepts admin connections until `shutdown`, one thread per admitted connection (so at
@@ -33,7 +34,7 @@ pub(crate) fn spawn(
     refusals: Arc<Refusals>,
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
-    let gate = Arc::new(AdminGate::new(limits));
+    let gate = Gate::new(limits.gate());
     std::thread::Builder::new()
         .name("admin-accept".into())
         .spawn(move || loop {
@@ -50,9 +51,10 @@ pub(crate) fn spawn(
                         Err(refusal) => {
                             // Refused in the acceptor, without a thread: a short reply
                             // into an empty socket buffer, bounded by the write timeout.
-                            refusals.count(refusal.reason);
-                            let _ = stream
-                                .write_all(AdminReply::error(refusal.message).to_line().as_bytes());
+                            let (reason, message) = admin_refusal(refusal, &limits);
+                            refusals.count(reason);
+                            let _ =
+                                stream.write_all(AdminReply::error(message).to_line().as_bytes());
                             continue;
                         }
                     };

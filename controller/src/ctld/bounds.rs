@@ -2,10 +2,11 @@
 //!
 //! - [`Refusals`]: a counter per refusal reason, shared by the link, the admin socket and
 //!   the metrics server, exported as `powerflex_refusals_total{reason}`.
-//! - [`AdminGate`]: admission on the admin socket (pure logic behind a mutex): at most
-//!   [`AdminLimits::per_uid`] connections per non-root user and
-//!   [`AdminLimits::unprivileged`] for all of them together, and a separate allowance for
-//!   root, so no user can lock the site's operator out of `powerflexctl`.
+//! - [`AdminLimits`]: admission on the admin socket (`powerflex_daemon::gate`, with
+//!   [`AdminLimits::gate`]'s separate allowances): at most [`AdminLimits::per_uid`]
+//!   connections per non-root user and [`AdminLimits::unprivileged`] for all of them
+//!   together, and a separate allowance for root, so no user can lock the site's operator
+//!   out of `powerflexctl`; [`admin_refusal`] words each refusal.
 //!
 //! Requests are read with `powerflex_daemon::lines::DeadlineReader`: one deadline for a
 //! whole request, not per `read(2)`, so a peer that trickles a byte at a time cannot hold
@@ -15,6 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use powerflex_daemon::gate::{GateLimits, Refusal};
 use powerflex_daemon::prom::{catalog, TextWriter};
 
 /// Refusal counters by reason (see `powerflex_daemon::prom::catalog::REFUSALS_TOTAL`).
@@ -87,107 +89,38 @@ impl Default for AdminLimits {
     }
 }
 
-/// Why an admin connection was not admitted: the refusal reason and the message sent.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdminRefusal {
-    pub reason: &'static str,
-    pub message: String,
+impl AdminLimits {
+    /// The admission limits: users and root each their own allowance.
+    pub const fn gate(&self) -> GateLimits {
+        GateLimits::separate(self.per_uid, self.unprivileged, self.root)
+    }
 }
 
-/// Decides whether uid `uid` may open one more admin connection, given the connections
-/// open now per uid.
-pub fn admit(
-    open: &BTreeMap<u32, usize>,
-    uid: u32,
-    limits: &AdminLimits,
-) -> Result<(), AdminRefusal> {
-    let mine = open.get(&uid).copied().unwrap_or(0);
-    if uid == 0 {
-        if mine >= limits.root {
-            return Err(AdminRefusal {
-                reason: "admin_cap",
-                message: format!(
-                    "controller busy: {mine} root admin connections open; at most {} at once",
-                    limits.root
-                ),
-            });
-        }
-        return Ok(());
-    }
-    if mine >= limits.per_uid {
-        return Err(AdminRefusal {
-            reason: "admin_uid_cap",
-            message: format!(
-                "too many admin connections from uid {uid}: {mine} open; at most {} per user at once",
+/// The refusal counter's reason and the reply's message for an admin connection the gate
+/// refused.
+pub fn admin_refusal(refusal: Refusal, limits: &AdminLimits) -> (&'static str, String) {
+    match refusal {
+        Refusal::UidFull { uid, open } => (
+            "admin_uid_cap",
+            format!(
+                "too many admin connections from uid {uid}: {open} open; at most {} per user at once",
                 limits.per_uid
             ),
-        });
-    }
-    let unprivileged: usize = open.iter().filter(|(u, _)| **u != 0).map(|(_, n)| n).sum();
-    if unprivileged >= limits.unprivileged {
-        return Err(AdminRefusal {
-            reason: "admin_cap",
-            message: format!(
-                "controller busy: {unprivileged} admin connections open; at most {} at once",
+        ),
+        Refusal::RootFull { open } => (
+            "admin_cap",
+            format!(
+                "controller busy: {open} root admin connections open; at most {} at once",
+                limits.root
+            ),
+        ),
+        Refusal::UsersFull { open } | Refusal::Full { open } => (
+            "admin_cap",
+            format!(
+                "controller busy: {open} admin connections open; at most {} at once",
                 limits.unprivileged
             ),
-        });
-    }
-    Ok(())
-}
-
-/// [`admit`] over the connections open now, holding a place until the returned guard
-/// drops.
-#[derive(Debug, Default)]
-pub struct AdminGate {
-    open: Mutex<BTreeMap<u32, usize>>,
-    limits: AdminLimits,
-}
-
-/// A place at the admin socket, given back on drop.
-#[derive(Debug)]
-pub struct AdminPlace {
-    gate: std::sync::Arc<AdminGate>,
-    uid: u32,
-}
-
-impl AdminGate {
-    pub fn new(limits: AdminLimits) -> AdminGate {
-        AdminGate {
-            open: Mutex::new(BTreeMap::new()),
-            limits,
-        }
-    }
-
-    pub fn limits(&self) -> &AdminLimits {
-        &self.limits
-    }
-
-    /// Admits one connection of `uid`, or says why not.
-    pub fn enter(self: &std::sync::Arc<Self>, uid: u32) -> Result<AdminPlace, AdminRefusal> {
-        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        admit(&open, uid, &self.limits)?;
-        *open.entry(uid).or_default() += 1;
-        Ok(AdminPlace {
-            gate: self.clone(),
-            uid,
-        })
-    }
-}
-
-impl Drop for AdminPlace {
-    fn drop(&mut self) {
-        let mut open = self
-            .gate
-            .open
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(n) = open.get_mut(&self.uid) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                open.remove(&self.uid);
-            }
-        }
+        ),
     }
 }
 
@@ -195,49 +128,39 @@ impl Drop for AdminPlace {
 mod tests {
     use super::*;
 
+    /// The gate's logic is `powerflex_daemon::gate`'s (tested there); what is the
+    /// controller's is the wording and the counter label of each refusal.
     #[test]
-    fn admission_caps_each_user_all_users_and_keeps_room_for_root() {
+    fn each_refusal_says_what_stopped_it() {
         let limits = AdminLimits {
             per_uid: 2,
             unprivileged: 3,
             root: 1,
             io_timeout: Duration::from_secs(1),
         };
-        let mut open = BTreeMap::new();
-        assert_eq!(admit(&open, 1000, &limits), Ok(()));
-        open.insert(1000, 2);
-        let refused = admit(&open, 1000, &limits).expect_err("per uid");
-        assert_eq!(refused.reason, "admin_uid_cap");
+        let gate = powerflex_daemon::gate::Gate::new(limits.gate());
+        let _a = gate.enter(1000).expect("first");
+        let _b = gate.enter(1000).expect("second");
+        let (reason, message) = admin_refusal(gate.enter(1000).expect_err("per uid"), &limits);
+        assert_eq!(reason, "admin_uid_cap");
         assert!(
-            refused.message.contains("at most 2 per user"),
-            "{}",
-            refused.message
+            message.contains("from uid 1000: 2 open; at most 2 per user"),
+            "{message}"
         );
-        assert_eq!(admit(&open, 1001, &limits), Ok(()));
-        open.insert(1001, 1);
-        let refused = admit(&open, 1002, &limits).expect_err("all users");
-        assert_eq!(refused.reason, "admin_cap");
-        // Users filling their share leave root's.
-        assert_eq!(admit(&open, 0, &limits), Ok(()));
-        open.insert(0, 1);
-        assert_eq!(
-            admit(&open, 0, &limits).expect_err("root").reason,
-            "admin_cap"
+        let _c = gate.enter(1001).expect("third user place");
+        let (reason, message) = admin_refusal(gate.enter(1002).expect_err("users"), &limits);
+        assert_eq!(reason, "admin_cap");
+        assert!(
+            message.contains("3 admin connections open; at most 3"),
+            "{message}"
         );
-    }
-
-    #[test]
-    fn the_gate_gives_places_back() {
-        let gate = std::sync::Arc::new(AdminGate::new(AdminLimits {
-            per_uid: 1,
-            unprivileged: 1,
-            root: 1,
-            io_timeout: Duration::from_secs(1),
-        }));
-        let place = gate.enter(1000).expect("first");
-        assert!(gate.enter(1000).is_err());
-        drop(place);
-        assert!(gate.enter(1000).is_ok());
+        let _root = gate.enter(0).expect("root's own allowance");
+        let (reason, message) = admin_refusal(gate.enter(0).expect_err("root"), &limits);
+        assert_eq!(reason, "admin_cap");
+        assert!(
+            message.contains("1 root admin connections open; at most 1"),
+            "{message}"
+        );
     }
 
     #[test]
