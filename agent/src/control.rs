@@ -256,7 +256,7 @@ pub struct GpuClaimRefused {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CapMismatch {
     pub gpu: u32,
-    /// What the agent wrote, W.
+    /// What the agent last wrote, or last read back when nothing was written since, W.
     pub expected: Watts,
     /// What the GPU reads back, W.
     pub found: Watts,

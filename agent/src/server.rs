@@ -183,13 +183,20 @@ pub struct SocketStats {
     pub reports_skipped: AtomicU64,
 }
 
+/// The metric label of a refusal: a user over their own cap (`per_uid`), or no place
+/// open to the peer (`full`).
+fn refusal_label(why: Refusal) -> &'static str {
+    match why {
+        Refusal::UidFull { .. } => "per_uid",
+        Refusal::Full { .. } | Refusal::UsersFull { .. } | Refusal::RootFull { .. } => "full",
+    }
+}
+
 impl SocketStats {
     fn refused(&self, why: Refusal) {
-        match why {
-            Refusal::UidFull { .. } => &self.refused_per_uid,
-            Refusal::Full { .. } | Refusal::UsersFull { .. } | Refusal::RootFull { .. } => {
-                &self.refused_full
-            }
+        match refusal_label(why) {
+            "per_uid" => &self.refused_per_uid,
+            _ => &self.refused_full,
         }
         .fetch_add(1, Ordering::Relaxed);
     }
@@ -215,15 +222,11 @@ fn admit(
         Ok(place) => Ok((peer, place)),
         Err(why) => {
             stats.refused(why);
-            let reason = match why {
-                Refusal::UidFull { .. } => "per_uid",
-                _ => "full",
-            };
             debug!(
                 socket,
                 pid = peer.pid,
                 uid = peer.uid,
-                reason,
+                reason = refusal_label(why),
                 "connection refused"
             );
             Err(match why {
@@ -814,5 +817,16 @@ mod tests {
             assert!(l.per_uid < l.total - l.reserved_for_root, "{l:?}");
         }
         const { assert!(CONTROL_LIMITS.reserved_for_root > 0) };
+        // The pool's shape: users up to total − reserved, root anywhere in it.
+        assert_eq!(
+            CONTROL_LIMITS.gate(),
+            GateLimits {
+                per_uid: 4,
+                users: 32,
+                root: 64,
+                total: 64
+            }
+        );
+        assert_eq!(PROGRESS_LIMITS.gate().users, PROGRESS_LIMITS.total);
     }
 }

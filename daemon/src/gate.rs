@@ -221,6 +221,17 @@ mod tests {
             "a freed reserved place stays root's"
         );
         assert_eq!(a.admit(&SHARED, 0), Ok(()));
+        // A user at their own cap is told so first, whatever else is full: it is the
+        // reason they can act on (the agent said `full` here before the gates were one).
+        assert_eq!(a.held_by(1000), 2);
+        a.release(1001);
+        assert_eq!(a.admit(&SHARED, 1000), Ok(()));
+        assert_eq!(a.admit(&SHARED, 1001), Err(Refusal::UsersFull { open: 4 }));
+        assert_eq!(a.admit(&SHARED, 0), Err(Refusal::Full { open: 8 }));
+        assert_eq!(
+            a.admit(&SHARED, 1000),
+            Err(Refusal::UidFull { uid: 1000, open: 3 })
+        );
         let before = a.clone();
         a.release(4242);
         assert_eq!(a, before);

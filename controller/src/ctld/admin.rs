@@ -2,7 +2,7 @@
 //! the site and their own jobs, see [`super::owners`]) and changes the budget and grid
 //! events (root only, by `SO_PEERCRED`). One request line, one reply line, in the
 //! versioned protocol of `powerflex_proto::admin`. Connections are admitted by
-//! `powerflex_daemon::gate` (a few per user, a reserve for root); a refused one gets
+//! `powerflex_daemon::gate` (a few per user, an allowance of root's own); a refused one gets
 //! a reply saying why, and the request must arrive within one deadline.
 
 use std::io::{BufReader, Write};

@@ -114,11 +114,20 @@ pub fn admin_refusal(refusal: Refusal, limits: &AdminLimits) -> (&'static str, S
                 limits.root
             ),
         ),
-        Refusal::UsersFull { open } | Refusal::Full { open } => (
+        Refusal::UsersFull { open } => (
             "admin_cap",
             format!(
                 "controller busy: {open} admin connections open; at most {} at once",
                 limits.unprivileged
+            ),
+        ),
+        // Not reached with separate allowances (users and root each stop first); worded
+        // for the socket as a whole should the shape change.
+        Refusal::Full { open } => (
+            "admin_cap",
+            format!(
+                "controller busy: {open} admin connections open in all; at most {} at once",
+                limits.unprivileged + limits.root
             ),
         ),
     }
