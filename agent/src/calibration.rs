@@ -185,8 +185,9 @@ const SAME_ARRIVAL_S: f64 = 0.002;
 /// (its time and counts both kept), not the job standing still.
 const PAUSE_GAPS: f64 = 4.0;
 
-/// A window with this many slow, long stretches has no pauses: the stretches are the
-/// job's rhythm (a long step every few reports), part of its rate at the cap.
+/// A window with this many alike slow, long stretches (within a factor of two of their
+/// median length) keeps them: they are the job's rhythm (a long step every few
+/// reports), part of its rate at the cap.
 const RHYTHM_STRETCHES: usize = 3;
 
 /// Runs of points further than this many robust standard deviations from the first line
@@ -430,14 +431,8 @@ impl ProgressLog {
             by_source.entry(r.source).or_default().push((r.t, r.own));
         }
         if by_source.len() > 1 {
-            let rates: Option<Vec<(f64, f64)>> =
-                by_source.values().map(|s| series_rate(s)).collect();
-            if let Some(rates) = rates {
-                let sum: f64 = rates.iter().map(|(r, _)| r).sum();
-                let variance: f64 = rates.iter().map(|(r, se)| (r * se).powi(2)).sum();
-                if sum > 0.0 {
-                    return Some((sum, variance.sqrt() / sum));
-                }
+            if let Some(summed) = summed_rate(&by_source) {
+                return Some(summed);
             }
         }
         let pooled: Vec<(f64, f64)> = inside.iter().map(|r| (r.t, r.total)).collect();
@@ -454,6 +449,59 @@ impl ProgressLog {
             })
             .collect()
     }
+}
+
+/// The job's rate over a window from several reporters' own series (receive time, own
+/// progress): each reporter measured on its own pace. A reporter that covers the whole
+/// window (its first and last reports within two of its own gaps of the window's ends)
+/// counts at its rate; one that covers part of it (a step handing over to the next, a
+/// rank joining or leaving) counts its rate over the share it covered; one whose series
+/// gives no rate (fewer than three separate arrivals) counts its progress over the
+/// window. `None` when no reporter gives a rate. The error is taken as fully correlated
+/// between reporters: the ranks of one job share their step times.
+fn summed_rate(by_source: &BTreeMap<u32, Vec<(f64, f64)>>) -> Option<(f64, f64)> {
+    let first = by_source
+        .values()
+        .filter_map(|s| s.first())
+        .map(|p| p.0)
+        .fold(f64::INFINITY, f64::min);
+    let last = by_source
+        .values()
+        .filter_map(|s| s.last())
+        .map(|p| p.0)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let span = last - first;
+    if span.is_nan() || span <= 0.0 {
+        return None;
+    }
+    let (mut sum, mut error, mut measured) = (0.0, 0.0, false);
+    for series in by_source.values() {
+        let (Some(a), Some(b)) = (series.first(), series.last()) else {
+            continue;
+        };
+        let arrivals = 1 + series
+            .windows(2)
+            .filter(|w| w[1].0 - w[0].0 >= SAME_ARRIVAL_S)
+            .count();
+        let rate = if arrivals >= 3 {
+            series_rate(series)
+        } else {
+            None
+        };
+        match rate {
+            Some((rate, noise)) => {
+                let own_span = b.0 - a.0;
+                let gap = own_span / (series.len() - 1) as f64;
+                let whole = a.0 - first <= 2.0 * gap && last - b.0 <= 2.0 * gap;
+                let share = if whole { 1.0 } else { own_span / span };
+                sum += rate * share;
+                error += rate * share * noise;
+                measured = true;
+            }
+            None => sum += (b.1 - a.1) / span,
+        }
+    }
+    (measured && sum > 0.0).then(|| (sum, error / sum))
 }
 
 /// The rate of one series of (receive time, cumulative count) and its relative standard
@@ -496,6 +544,10 @@ fn series_rate(inside: &[(f64, f64)]) -> Option<(f64, f64)> {
             // A burst: its counts belong to the interval that ended at the anchor.
             last.1 += report.1 - anchor.1;
             anchor.1 = report.1;
+        } else {
+            // A burst opening the window (a backlog read at once): when its counts were
+            // earned is not known, so the first interval starts after it.
+            anchor = report;
         }
     }
     if intervals.is_empty() {
@@ -535,9 +587,23 @@ fn series_rate(inside: &[(f64, f64)]) -> Option<(f64, f64)> {
     // again and again is the job's rhythm (gradient accumulation: seven 30 ms
     // micro-steps and a 190 ms optimizer step, each reported), and cutting it out
     // read such a job 66 % fast.
+    // It is rhythm when at least RHYTHM_STRETCHES of the stretches are alike (within a
+    // factor of two of their median length); a stretch much longer than those (a
+    // checkpoint among the optimizer steps) is still a pause. Otherwise every long
+    // stretch is a pause: a checkpoint and two loader hiccups are not a rhythm.
+    let lengths: Vec<f64> = long_stretches
+        .iter()
+        .map(|r| intervals[r.clone()].iter().map(|(dt, _)| dt).sum())
+        .collect();
+    let typical = median_of(&lengths);
+    let alike = lengths
+        .iter()
+        .filter(|l| **l <= 2.0 * typical && **l >= 0.5 * typical)
+        .count();
+    let rhythm = alike >= RHYTHM_STRETCHES;
     let mut in_pause = vec![false; intervals.len()];
-    if long_stretches.len() < RHYTHM_STRETCHES {
-        for stretch in long_stretches {
+    for (stretch, length) in long_stretches.into_iter().zip(&lengths) {
+        if !rhythm || *length > 3.0 * typical {
             in_pause[stretch].fill(true);
         }
     }
@@ -1747,20 +1813,21 @@ mod tests {
 
     #[test]
     fn ranks_reporting_a_few_milliseconds_apart_are_each_measured_on_their_own_pace() {
-        // Two ranks, a step every 50 ms, 100 tokens each per step; rank 2 reports 5 ms
-        // after rank 1. Pooled, the 5 ms gaps set the pace and every 45 ms gap was a
-        // pause: no rate at all.
+        // Three ranks, a step every 50 ms, 100 tokens each per step; rank 2 reports
+        // 3 ms after rank 1 and rank 3 6 ms after. Pooled, the short gaps set the pace
+        // and every 44 ms gap was a pause: no rate at all.
         let mut log = ProgressLog::default();
         for k in 0..=100u32 {
             let t = f64::from(k) * 0.05;
-            log.record_from(t, 1, f64::from(k) * 100.0);
-            log.record_from(t + 0.005, 2, f64::from(k) * 100.0);
+            for rank in 0..3u32 {
+                log.record_from(t + 0.003 * f64::from(rank), rank + 1, f64::from(k) * 100.0);
+            }
         }
         let (rate, noise) = log.rate(0.0, 5.1).expect("a rate");
-        assert!((rate - 4000.0).abs() / 4000.0 < 0.001, "{rate}");
+        assert!((rate - 6000.0).abs() / 6000.0 < 0.001, "{rate}");
         assert!(noise.is_finite() && noise < 0.01, "{noise}");
-        // A rank heard only once in the window gives its series no rate: the pooled
-        // series is measured instead (a rank that just started, here at 4.9 s).
+        // A rank heard once in the window (it just started) adds what it made there:
+        // nothing yet.
         let mut log = ProgressLog::default();
         for k in 0..=100u32 {
             log.record_from(f64::from(k) * 0.05, 1, f64::from(k) * 100.0);
@@ -1768,6 +1835,39 @@ mod tests {
         log.record_from(4.9, 3, 0.0);
         let (rate, _) = log.rate(0.0, 5.0).expect("a rate");
         assert!((rate - 2000.0).abs() / 2000.0 < 0.005, "{rate}");
+    }
+
+    #[test]
+    fn a_step_handing_over_to_the_next_counts_each_over_its_share() {
+        // One process reports for the first half of the window, its successor (a new
+        // step, a new pid) for the second: the job made 2,000 tokens/s throughout.
+        // Summing the two rates read 4,000.
+        let mut log = ProgressLog::default();
+        for k in 0..=50u32 {
+            log.record_from(f64::from(k) * 0.05, 1, f64::from(k) * 100.0);
+        }
+        for k in 1..=50u32 {
+            log.record_from(2.5 + f64::from(k) * 0.05, 2, f64::from(k) * 100.0);
+        }
+        let (rate, _) = log.rate(0.0, 5.0).expect("a rate");
+        assert!((rate - 2000.0).abs() / 2000.0 < 0.03, "{rate}");
+    }
+
+    #[test]
+    fn a_rank_whose_reports_arrive_in_one_clump_gives_no_pace_of_its_own() {
+        // Rank 2's reports reach the agent once per window, 0.2 ms apart (a buffered
+        // client): taken as its own series, their gaps set a pace and read 500 k.
+        let mut log = ProgressLog::default();
+        for k in 0..=100u32 {
+            log.record_from(f64::from(k) * 0.05, 1, f64::from(k) * 100.0);
+        }
+        for k in 0..=100u32 {
+            log.record_from(4.0 + f64::from(k) * 0.0002, 2, f64::from(k) * 100.0);
+        }
+        let (rate, _) = log.rate(0.0, 5.05).expect("a rate");
+        // Rank 1's 2,000 plus what rank 2's clump says it made over the window.
+        assert!(rate < 5000.0, "{rate}");
+        assert!(rate >= 2000.0 * 0.999, "{rate}");
     }
 
     #[test]
@@ -1791,6 +1891,19 @@ mod tests {
         }
         let (rate, _) = log.rate(0.0, t).expect("rate");
         assert!((rate - 2000.0).abs() / 2000.0 < 0.002, "{rate}");
+        // A checkpoint and two loader hiccups are three pauses, not a rhythm: all cut.
+        let mut log = ProgressLog::default();
+        let mut t = 0.0;
+        for k in 0..=100u32 {
+            log.record(t, f64::from(k) * 100.0);
+            t += match k {
+                20 => 1.0,
+                50 | 80 => 0.25,
+                _ => 0.05,
+            };
+        }
+        let (rate, _) = log.rate(0.0, t).expect("rate");
+        assert!((rate - 2000.0).abs() / 2000.0 < 0.002, "{rate}");
     }
 
     #[test]
@@ -1799,7 +1912,11 @@ mod tests {
         // reports arrive 60 ms late, then 50, 40, ... back on schedule.
         let mut log = ProgressLog::default();
         for k in 0..=100u32 {
-            let late = if k < 6 { 0.06 - 0.01 * f64::from(k) } else { 0.0 };
+            let late = if k < 6 {
+                0.06 - 0.01 * f64::from(k)
+            } else {
+                0.0
+            };
             log.record(f64::from(k) * 0.05 + late, f64::from(k) * 100.0);
         }
         let (rate, _) = log.rate(0.0, 5.0).expect("rate");
