@@ -2499,10 +2499,8 @@ mod tests {
         assert!(caps(&a.tick(44.0)).is_empty());
     }
 
-    /// Issue: `nvidia-smi -pl`, a GPU reset or a second agent changed a limit and the
-    /// agent, comparing with its own last write, never noticed.
-    #[test]
-    fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
+    /// Job 7 on GPU 0 under a lease of 450 W, its cap to be written.
+    fn job_7_capped_at_450() -> Agent {
         let mut a = agent(None);
         a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
             .expect("registered");
@@ -2513,6 +2511,14 @@ mod tests {
             None,
         );
         assert_eq!(caps(&a.tick(1.0)), vec![(0, 450.0)]);
+        a
+    }
+
+    /// Issue: `nvidia-smi -pl`, a GPU reset or a second agent changed a limit and the
+    /// agent, comparing with its own last write, never noticed.
+    #[test]
+    fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
+        let mut a = job_7_capped_at_450();
         a.cap_written(0, Watts(450.0), None);
         let sample = a.gpus[0].last.expect("a sample of GPU 0");
         let same = a.sampled(
@@ -2564,16 +2570,7 @@ mod tests {
     /// the change was never counted.
     #[test]
     fn a_limit_changed_behind_the_agents_back_is_found_when_a_new_cap_is_written() {
-        let mut a = agent(None);
-        a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
-            .expect("registered");
-        a.set_lease(
-            0.0,
-            BTreeMap::from([("7".to_string(), Watts(450.0))]),
-            30.0,
-            None,
-        );
-        assert_eq!(caps(&a.tick(1.0)), vec![(0, 450.0)]);
+        let mut a = job_7_capped_at_450();
         assert_eq!(
             a.cap_written(0, Watts(450.0), Some(Watts(700.0))),
             None,

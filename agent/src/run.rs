@@ -347,6 +347,18 @@ fn sample_job_gpus(agent: &mut Agent, backend: &mut dyn GpuBackend, job_id: &str
     }
 }
 
+/// Logs a limit found changed behind the agent's back (`then`: what the agent does about it).
+fn log_mismatch(m: &crate::control::CapMismatch, mismatches: u64, then: &str) {
+    warn!(
+        gpu = m.gpu,
+        expected_w = m.expected.0,
+        found_w = m.found.0,
+        mismatches,
+        then,
+        "GPU limit changed behind the agent's back"
+    );
+}
+
 fn execute(
     actions: Vec<Action>,
     agent: &mut Agent,
@@ -366,12 +378,10 @@ fn execute(
                             "cap applied"
                         );
                         if let Some(m) = agent.cap_written(gpu, cap, found) {
-                            warn!(
-                                gpu = m.gpu,
-                                expected_w = m.expected.0,
-                                found_w = m.found.0,
-                                mismatches = agent.cap_mismatches,
-                                "GPU limit changed behind the agent's back; found as a new cap was written"
+                            log_mismatch(
+                                &m,
+                                agent.cap_mismatches,
+                                "found as a new cap was written",
                             );
                         }
                     }
@@ -758,13 +768,7 @@ pub fn run(
                         _ => {}
                     }
                     if let Some(m) = agent.sampled(t, gpu, sample) {
-                        warn!(
-                            gpu = m.gpu,
-                            expected_w = m.expected.0,
-                            found_w = m.found.0,
-                            mismatches = agent.cap_mismatches,
-                            "GPU limit changed behind the agent's back; writing it again"
-                        );
+                        log_mismatch(&m, agent.cap_mismatches, "writing it again");
                     }
                 }
                 let actions = agent.tick(t);
