@@ -426,11 +426,12 @@ impl ProgressLog {
             .iter()
             .filter(|r| r.t >= from && r.t <= to)
             .collect();
-        let mut by_source: BTreeMap<u32, Vec<(f64, f64)>> = BTreeMap::new();
-        for r in &inside {
-            by_source.entry(r.source).or_default().push((r.t, r.own));
-        }
-        if by_source.len() > 1 {
+        // Most windows hear one reporter: group by reporter only when there are more.
+        if inside.iter().any(|r| r.source != inside[0].source) {
+            let mut by_source: BTreeMap<u32, Vec<(f64, f64)>> = BTreeMap::new();
+            for r in &inside {
+                by_source.entry(r.source).or_default().push((r.t, r.own));
+            }
             if let Some(summed) = summed_rate(&by_source) {
                 return Some(summed);
             }

@@ -140,6 +140,20 @@ pub struct GpuSlot {
     pub unregistered_since: Option<f64>,
 }
 
+impl GpuSlot {
+    /// The limit `found` on GPU `gpu` against the one the agent last wrote or read: a
+    /// difference beyond half a watt was made behind the agent's back. A degraded GPU's
+    /// record is not trusted, so it is never a mismatch.
+    fn mismatch(&self, gpu: u32, found: Watts) -> Option<CapMismatch> {
+        let expected = self.applied?;
+        (self.degraded.is_none() && (expected.0 - found.0).abs() > 0.5).then_some(CapMismatch {
+            gpu,
+            expected,
+            found,
+        })
+    }
+}
+
 /// One job on this node.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -1174,18 +1188,7 @@ impl Agent {
                 if self.awaiting_current_lease && slot.start_ceiling.is_none() {
                     slot.start_ceiling = Some(s.cap);
                 }
-                let mismatch = match slot.applied {
-                    Some(written)
-                        if slot.degraded.is_none() && (written.0 - s.cap.0).abs() > 0.5 =>
-                    {
-                        Some(CapMismatch {
-                            gpu,
-                            expected: written,
-                            found: s.cap,
-                        })
-                    }
-                    _ => None,
-                };
+                let mismatch = slot.mismatch(gpu, s.cap);
                 // After a fault, or a change behind the agent's back, the limit on the
                 // GPU is what it reads, not what was last written.
                 slot.applied = Some(s.cap);
@@ -1217,18 +1220,7 @@ impl Agent {
         found: Option<Watts>,
     ) -> Option<CapMismatch> {
         let slot = self.gpus.get_mut(gpu as usize)?;
-        let mismatch = match (slot.applied, found) {
-            (Some(expected), Some(found))
-                if slot.degraded.is_none() && (expected.0 - found.0).abs() > 0.5 =>
-            {
-                Some(CapMismatch {
-                    gpu,
-                    expected,
-                    found,
-                })
-            }
-            _ => None,
-        };
+        let mismatch = found.and_then(|found| slot.mismatch(gpu, found));
         slot.applied = Some(cap);
         if mismatch.is_some() {
             self.cap_mismatches += 1;
