@@ -5,7 +5,8 @@
 //! 1. **Warm-up**: wait for progress reports, then for steady state — the job's rate over
 //!    the last five windows (1 s, or three of the job's report intervals when it reports
 //!    less often) varies by less than `steady_cv`. (Without reports for `no_signal_s` the
-//!    job gets the telemetry prior instead.) What it still waits for is kept in
+//!    job is planned on the telemetry prior until its first report comes, which starts
+//!    the warm-up.) What it still waits for is kept in
 //!    [`Calibration::waiting`], for status and the agent's log.
 //! 2. **Walk**: the calibration design of `powerflex_core::calibration_design` — the
 //!    same one `powerflexctl evaluate` scores — decides which caps of the site's grid to
@@ -116,6 +117,10 @@ pub enum Recorded {
     /// counts again from this report; the log keeps everything before.
     Restarted { from: f64, to: f64 },
 }
+
+/// What status says of a job in [`Phase::NoSignal`].
+pub const NO_SIGNAL_WAITING: &str =
+    "no progress report yet: planned on the telemetry prior until the job's first report starts the calibration";
 
 /// Reporters not heard for this long are forgotten (a step that ended), s.
 const SOURCE_FORGET_S: f64 = 600.0;
@@ -688,6 +693,12 @@ pub enum Phase {
     },
     /// Finished: the curve is measured (and refined by learning in operation).
     Done,
+    /// No progress report came within `no_signal_s` of registration: the job is planned
+    /// on the telemetry prior meanwhile, and its first report starts the warm-up. Not an
+    /// end: a real job may load its model and data for many minutes before its first
+    /// step, and a loaded node may start a job's process late; either used to leave the
+    /// job on the prior for good.
+    NoSignal,
     /// Not calibrated, and why (calibrate=off, flex0, no progress signal).
     Skipped(String),
 }
@@ -882,7 +893,8 @@ impl Calibration {
             Phase::Warmup => {
                 let Some(first) = log.first_time() else {
                     if now - self.registered_at >= self.settings.no_signal_s {
-                        self.phase = Phase::Skipped("no progress reports: telemetry prior".into());
+                        self.phase = Phase::NoSignal;
+                        self.waiting = Some(NO_SIGNAL_WAITING.into());
                     } else {
                         self.waiting = Some("no progress report yet".into());
                     }
@@ -984,7 +996,24 @@ impl Calibration {
                 self.follow_design(now);
                 Some(window)
             }
+            Phase::NoSignal => {
+                if log.first_time().is_some() {
+                    self.phase = Phase::Warmup;
+                    self.waiting = Some("warming up: the first progress report came".into());
+                }
+                None
+            }
             Phase::Done | Phase::Skipped(_) => None,
+        }
+    }
+
+    /// Whether the job is planned on the telemetry prior: it has not reported progress
+    /// yet, or its walk's curve was not believed ([`implausible`]).
+    pub fn on_telemetry_prior(&self) -> bool {
+        match self.phase {
+            Phase::NoSignal => true,
+            Phase::Skipped(_) => self.implausible.is_some(),
+            _ => false,
         }
     }
 
@@ -1599,9 +1628,42 @@ mod tests {
         ));
         let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
         cal.tick(31.0, &ProgressLog::default(), None);
-        assert_eq!(
+        assert_eq!(cal.phase, Phase::NoSignal);
+        assert!(cal.on_telemetry_prior());
+        assert!(!cal.is_active(), "no walk holds a job that does not report");
+    }
+
+    /// A job that reports only after `no_signal_s` (a model loaded for minutes, a process
+    /// started late on a loaded node) is calibrated from its first report on: it used to
+    /// stay on the telemetry prior for good.
+    #[test]
+    fn a_job_whose_first_report_comes_late_is_calibrated_from_it() {
+        let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+        let mut log = ProgressLog::default();
+        cal.tick(31.0, &log, None);
+        assert_eq!(cal.phase, Phase::NoSignal);
+        let mut t = 200.0;
+        log.record(t, 0.0);
+        cal.tick(t, &log, Some(Watts(700.0)));
+        assert_eq!(cal.phase, Phase::Warmup);
+        assert!(!cal.on_telemetry_prior());
+        // Steady reports from then on: the walk starts once warm-up has seen them.
+        let mut count = 0.0;
+        while t < 300.0 && cal.phase == Phase::Warmup {
+            t += 0.1;
+            count += 100.0;
+            log.record(t, count);
+            cal.tick(t, &log, Some(Watts(700.0)));
+        }
+        assert!(
+            matches!(cal.phase, Phase::Walking { .. }),
+            "{:?} at {t} s ({:?})",
             cal.phase,
-            Phase::Skipped("no progress reports: telemetry prior".into())
+            cal.waiting
+        );
+        assert!(
+            t - 200.0 >= cal.settings.warmup_s,
+            "warm-up counts from the first report"
         );
     }
 

@@ -1484,6 +1484,16 @@ impl Agent {
                             why = why.as_str(),
                             "calibration walk skipped"
                         ),
+                        Phase::NoSignal => tracing::info!(
+                            job_id = %job.id,
+                            waited_s = now - job.calibration.registered_at,
+                            "no progress report yet: planned on the telemetry prior until the job reports"
+                        ),
+                        Phase::Warmup if before == Phase::NoSignal => tracing::info!(
+                            job_id = %job.id,
+                            waited_s = now - job.calibration.registered_at,
+                            "the job's first progress report came: calibrating it"
+                        ),
                         Phase::Walking { .. } | Phase::Warmup => {}
                     }
                 }
@@ -1508,8 +1518,7 @@ impl Agent {
                 // No progress signal: the paper's telemetry predictor as a prior. NVML has
                 // no DRAM-active counter, so its memory utilisation (the memory-copy
                 // share) stands in for both factors of the DRAM copy product.
-                if matches!(&job.calibration.phase, Phase::Skipped(why) if why.contains("telemetry prior"))
-                {
+                if job.calibration.on_telemetry_prior() {
                     if let Some(u) = memory_util {
                         let dcp = u * u;
                         job.prior = Some((dcp, intercept + slope * dcp));
@@ -1714,6 +1723,9 @@ impl Agent {
                         Phase::Walking { .. } => (CalibrationState::Walking, None),
                         Phase::Done => (CalibrationState::Done, None),
                         Phase::Skipped(why) => (CalibrationState::Skipped, Some(why.clone())),
+                        // Not walked until it reports; status shows it as skipped, with
+                        // the reason saying a report starts it.
+                        Phase::NoSignal => (CalibrationState::Skipped, cal.waiting.clone()),
                     };
                     let rate = match j.log.last() {
                         Some((t, _)) if now - t < 30.0 => j.log.rate(now - 10.0, now).map(|r| r.0),
