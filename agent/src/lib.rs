@@ -7,17 +7,17 @@
 //!
 //! - [`backend`]: the GPU trait and its NVML implementation (the only code that uses
 //!   `nvml-wrapper`);
-//! - [`calibration`], [`control`]: pure state machines (no I/O, no clock);
+//! - [`calibration`], [`control`], [`usage`]: the pure machine, in its own crate
+//!   (`powerflex-agent-machine`, no I/O dependency, re-exported here);
 //! - [`server`], [`link`], [`metrics`], [`persist`], [`run`]: sockets, the controller
 //!   link, Prometheus, state on disk, and the control loop that ties them together.
 
 pub mod backend;
-pub mod calibration;
-pub mod control;
 pub mod link;
 pub mod metrics;
 pub mod persist;
 pub mod procs;
 pub mod run;
 pub mod server;
-pub mod usage;
+
+pub use powerflex_agent_machine::{calibration, control, usage};

@@ -37,8 +37,7 @@ pub struct ProcEntry {
     pub slurm_conf: Option<String>,
 }
 
-/// A job as this host can tell it apart: its id and the cluster of its step daemons.
-pub type JobKey = (String, Option<String>);
+pub use powerflex_agent_machine::JobKey;
 
 /// A Slurm step: job id and step name (`0`, `batch`, `extern`, ...), and the cluster its
 /// step daemon serves (its `SLURM_CONF`).

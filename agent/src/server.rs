@@ -105,31 +105,6 @@ fn reply(stream: &mut UnixStream, r: &ControlReply) {
     let _ = stream.write_all(r.to_line().as_bytes());
 }
 
-/// The status `uid` may see (need-to-know): root sees everything; anyone else sees
-/// the node's GPUs and counters, and of the jobs only their own (another user's job
-/// ids, tiers and throughput are not theirs to know; the GPU rows keep the power a
-/// GPU draws but not whose job runs on it, nor the processes NVML lists on it outside
-/// their own jobs).
-pub fn seen_by(status: &crate::control::Snapshot, uid: u32) -> crate::control::Snapshot {
-    let mut seen = status.clone();
-    if uid == 0 {
-        return seen;
-    }
-    seen.jobs.retain(|j| j.uid == uid);
-    seen.ended.retain(|u| u.uid == uid);
-    let theirs = |id: &String| seen.jobs.iter().any(|j| &j.job == id);
-    for gpu in &mut seen.gpus {
-        if gpu.job.as_ref().is_some_and(|id| !theirs(id)) {
-            gpu.job = None;
-        }
-        // Another user's process ids on a GPU tell what they run; processes in no job
-        // are not this user's to know either.
-        gpu.processes
-            .retain(|p| p.job.as_ref().is_some_and(&theirs));
-    }
-    seen
-}
-
 /// Who may hold how many connections to one socket at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnLimits {
@@ -335,7 +310,7 @@ fn serve_control(
     if request.op == ControlOp::Status {
         let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
         // Need-to-know: a user sees their own jobs only; root (admins, tests) sees all.
-        let status = snap.map(|s| seen_by(&s, peer.uid));
+        let status = snap.map(|s| crate::control::seen_by(&s, peer.uid));
         reply(
             &mut stream,
             &ControlReply {

@@ -19,17 +19,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::units::Watts;
 
-/// One operating point of a job: at per-GPU cap `cap_w`, the job's GPUs together drew
-/// `power_w` and the job ran at `throughput` (tokens/s or steps/s, as the job reports).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct OperatingPoint {
-    /// Per-GPU power cap, W.
-    pub cap_w: Watts,
-    /// The job's summed realised GPU power at that cap, W.
-    pub power_w: Watts,
-    /// The job's throughput at that cap, in the job's own unit (tokens/s or steps/s).
-    pub throughput: f64,
-}
+// The point type is the PFI's as much as the curve's: it lives in its own module, so
+// neither of the two imports the other back.
+pub use crate::point::OperatingPoint;
 
 /// Where a curve's numbers came from; consumers label results accordingly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

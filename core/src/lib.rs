@@ -21,6 +21,7 @@ pub mod evaluate;
 pub mod flex;
 pub mod gpus;
 pub mod pfi;
+pub mod point;
 pub mod rng;
 pub mod slurm_record;
 pub mod units;

@@ -5,7 +5,7 @@
 //! summed *realised* GPU power, not the cap. PFI > 1 sheds power cheaply; PFI < 1 is elastic.
 //! Values are comparable only on the same cap grid and GPU model.
 
-use crate::curve::OperatingPoint;
+use crate::point::OperatingPoint;
 
 /// PFI of a set of measured points, or `None` when it is undefined: fewer than two points,
 /// no capped point slower than the uncapped one, or a non-positive uncapped power or

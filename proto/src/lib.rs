@@ -347,6 +347,7 @@ mod control_tests {
 }
 
 pub mod admin;
+pub mod event;
 #[cfg(feature = "link")]
 pub mod link;
 pub mod status;

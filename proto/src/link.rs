@@ -158,25 +158,9 @@ pub const MAX_ENDED_PER_REPORT: usize = 16;
 /// Most final shares one [`Body::Acked`] names.
 pub const MAX_ACKS_PER_MESSAGE: usize = 256;
 
-/// A node's final share of one job, as an acknowledgement names it: the job, and the
-/// start of the node's hold of it (the share's own `from_unix_ms`, which a requeued
-/// run of the same job id on the same node does not share).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FinalRef {
-    pub job_id: String,
-    pub from_unix_ms: u64,
-}
-
-impl FinalRef {
-    /// The reference to `share`.
-    pub fn of(share: &crate::usage::NodeUsage) -> FinalRef {
-        FinalRef {
-            job_id: share.job_id.clone(),
-            from_unix_ms: share.from_unix_ms,
-        }
-    }
-}
+// The reference an acknowledgement names lives with the shares it names (the node
+// agent's pure machine keeps them without linking the link's cryptography).
+pub use crate::usage::FinalRef;
 
 /// Checks the final shares of one report: at most [`MAX_ENDED_PER_REPORT`], each final
 /// and valid ([`crate::usage::NodeUsage::validate`]).

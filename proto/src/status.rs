@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::admin::Event;
+use crate::event::Event;
 
 /// Where a job's PFI (and the curve behind it) came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,22 +30,9 @@ impl PfiSource {
     }
 }
 
-/// What a job's throughput counts per second.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ThroughputUnit {
-    Tokens,
-    Steps,
-}
-
-impl ThroughputUnit {
-    pub fn name(self) -> &'static str {
-        match self {
-            ThroughputUnit::Tokens => "tokens",
-            ThroughputUnit::Steps => "steps",
-        }
-    }
-}
+// The unit of a job's work is its energy record's as much as the status's: it lives
+// with the records, so the two modules do not import each other.
+pub use crate::usage::ThroughputUnit;
 
 /// What an allocation maximised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -17,6 +17,23 @@ use serde::{Deserialize, Serialize};
 /// neither (one run, revision 1).
 pub const RECORD_VERSION: u32 = 2;
 
+/// What a job's throughput counts per second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ThroughputUnit {
+    Tokens,
+    Steps,
+}
+
+impl ThroughputUnit {
+    pub fn name(self) -> &'static str {
+        match self {
+            ThroughputUnit::Tokens => "tokens",
+            ThroughputUnit::Steps => "steps",
+        }
+    }
+}
+
 /// Where a figure of energy comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -132,7 +149,7 @@ pub struct NodeUsage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub work_unit: Option<crate::status::ThroughputUnit>,
+    pub work_unit: Option<ThroughputUnit>,
     pub pfi: Option<f64>,
     /// The job's hold of its GPUs here is over: these are final.
     pub ended: bool,
@@ -403,7 +420,7 @@ impl JobEnergyRecord {
         let tokens_per_j = match (
             shares
                 .iter()
-                .all(|s| s.work_unit == Some(crate::status::ThroughputUnit::Tokens)),
+                .all(|s| s.work_unit == Some(ThroughputUnit::Tokens)),
             all_some(|s| s.work),
         ) {
             (true, Some(work)) if energy_j > 0.0 => Some(work.iter().sum::<f64>() / energy_j),
@@ -522,6 +539,26 @@ pub fn human_energy(joules: f64) -> String {
     }
 }
 
+/// A node's final share of one job, as an acknowledgement names it: the job, and the
+/// start of the node's hold of it (the share's own `from_unix_ms`, which a requeued
+/// run of the same job id on the same node does not share).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinalRef {
+    pub job_id: String,
+    pub from_unix_ms: u64,
+}
+
+impl FinalRef {
+    /// The reference to `share`.
+    pub fn of(share: &NodeUsage) -> FinalRef {
+        FinalRef {
+            job_id: share.job_id.clone(),
+            from_unix_ms: share.from_unix_ms,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -558,7 +595,7 @@ mod tests {
             bound_held: Some(true),
             saved_estimate_j: Some(100.0),
             work: Some(1e6),
-            work_unit: Some(crate::status::ThroughputUnit::Tokens),
+            work_unit: Some(ThroughputUnit::Tokens),
             pfi: Some(3.0),
             ended,
             simulated: node == "n1",
@@ -660,7 +697,7 @@ mod tests {
     fn a_node_that_broke_the_bound_marks_the_job() {
         let mut bad = share("n2", 1, true);
         bad.bound_held = Some(false);
-        bad.work_unit = Some(crate::status::ThroughputUnit::Steps);
+        bad.work_unit = Some(ThroughputUnit::Steps);
         let r = JobEnergyRecord::from_shares(vec![share("n1", 1, true), bad], vec!["n2".into()], 0)
             .expect("record");
         assert_eq!(r.bound_held, Some(false));

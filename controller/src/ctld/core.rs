@@ -18,6 +18,7 @@ use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 use super::accounting::{self, Ledger};
 use super::metrics::{EnergyTotals, MetricsInput};
 use super::owners::{self, Owners};
+pub use super::session::Session;
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
 use crate::placement::{bound_gpu_power, Placement, RefusedBecause};
@@ -68,27 +69,6 @@ fn draw_rose(old: &JobReport, new: &JobReport) -> bool {
 
 /// Samples kept: an hour at a 1 s period, a day at the default 10 s... within memory.
 pub const HISTORY: usize = 8640;
-
-/// What the controller knows of one node.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Session {
-    /// What the controller believes of the node: its jobs and GPUs as far as Slurm's
-    /// placement bears them out (see [`crate::placement`]).
-    pub view: NodeView,
-    /// When the node last said hello or reported (0: not since this controller started).
-    pub last_seen_ms: u64,
-    /// What the node last said, before the placement check: believed again whenever a
-    /// new placement is read.
-    pub reported: Vec<JobReport>,
-    pub announced: Vec<GpuInfo>,
-    /// Job reports refused from this node since the controller started.
-    pub refused_reports: u64,
-    /// GPUs it announces beyond what Slurm configures for it (last hello).
-    pub refused_gpus: u32,
-    /// Its agent is in observe mode (last report): its jobs are never suspended or
-    /// requeued, since nothing is enforced there.
-    pub observe_only: bool,
-}
 
 /// One input to [`Core::step`].
 #[derive(Debug, Clone)]

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use powerflex_proto::status::{CurvePoint, CurveSnapshot};
 
-use super::core::Session;
+use super::session::Session;
 
 /// Snapshots kept per job: the first (calibrated) and the latest ones.
 pub const MAX_SNAPSHOTS: usize = 32;

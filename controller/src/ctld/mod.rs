@@ -26,6 +26,7 @@ pub mod link;
 pub mod metrics;
 pub mod owners;
 pub mod records_db;
+pub mod session;
 pub mod state;
 pub mod status;
 

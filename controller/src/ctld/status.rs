@@ -10,7 +10,7 @@ use powerflex_proto::status::{
     JobAllocationView, NodeStatus, PreemptedView, RejectedView, SiteJobStatus,
 };
 
-use super::core::Session;
+use super::session::Session;
 use super::state::CtldState;
 use crate::schedule::{active_event, effective_budget};
 use crate::site::Decision;

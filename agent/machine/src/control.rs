@@ -23,11 +23,11 @@ use powerflex_core::gpus::{parse_gpu_list, GpuRef};
 use powerflex_core::Watts;
 use powerflex_proto::status::{AgentMode, CalibrationState, CurvePoint, PfiSource, ThroughputUnit};
 
-use crate::backend::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog, Recorded};
-use crate::procs::JobKey;
+use crate::gpu::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 use crate::usage::{JobUsage, Observation};
-use powerflex_proto::link::FinalRef;
+use crate::JobKey;
+use powerflex_proto::usage::FinalRef;
 use powerflex_proto::usage::NodeUsage;
 
 /// The step name a job taken back from its running processes (no record, no
@@ -838,7 +838,7 @@ impl Agent {
         }
     }
 
-    /// The jobs with step daemons on this host now (from [`crate::procs`]). A job seen
+    /// The jobs with step daemons on this host now (from the agent's `/proc` reader). A job seen
     /// alive before whose daemons have all been gone for `job_end_grace_s` has ended
     /// without its epilog reaching the agent (a busy agent, a failed connect, an empty
     /// `SLURMD_NODENAME`): it is ended here, and its GPUs go back to their defaults at the
@@ -918,7 +918,7 @@ impl Agent {
     }
 
     /// The processes NVML lists on each GPU now, with the job each belongs to (from
-    /// [`crate::procs`]; `None` for a process in no job). A GPU missing from `listed`
+    /// the agent's `/proc` reader; `None` for a process in no job). A GPU missing from `listed`
     /// (NVML could not list it) shows none rather than an old list.
     ///
     /// A GPU no registered job holds, with processes on it, is in unregistered use (a job
@@ -962,7 +962,7 @@ impl Agent {
         }
     }
 
-    /// What NVML says uses each GPU, as jobs (from [`crate::procs`]: the job each running
+    /// What NVML says uses each GPU, as jobs (from the agent's `/proc` reader: the job each running
     /// process belongs to; processes in no job are left out). A GPU registered to a job
     /// none of whose processes use it, while another job's do, was claimed with words
     /// (e.g. GPU variables the user exported in a step Slurm gave no GPUs): the claim is
@@ -1801,6 +1801,31 @@ fn clamp(cap: Watts, identity: &GpuIdentity) -> Watts {
 pub use powerflex_proto::status::{
     AgentGpuStatus as GpuView, AgentJobStatus as JobView, AgentStatus as Snapshot, GpuProcess,
 };
+
+/// The status `uid` may see (need-to-know): root sees everything; anyone else sees
+/// the node's GPUs and counters, and of the jobs only their own (another user's job
+/// ids, tiers and throughput are not theirs to know; the GPU rows keep the power a
+/// GPU draws but not whose job runs on it, nor the processes NVML lists on it outside
+/// their own jobs).
+pub fn seen_by(status: &Snapshot, uid: u32) -> Snapshot {
+    let mut seen = status.clone();
+    if uid == 0 {
+        return seen;
+    }
+    seen.jobs.retain(|j| j.uid == uid);
+    seen.ended.retain(|u| u.uid == uid);
+    let theirs = |id: &String| seen.jobs.iter().any(|j| &j.job == id);
+    for gpu in &mut seen.gpus {
+        if gpu.job.as_ref().is_some_and(|id| !theirs(id)) {
+            gpu.job = None;
+        }
+        // Another user's process ids on a GPU tell what they run; processes in no job
+        // are not this user's to know either.
+        gpu.processes
+            .retain(|p| p.job.as_ref().is_some_and(&theirs));
+    }
+    seen
+}
 
 #[cfg(test)]
 mod tests {
@@ -2988,7 +3013,7 @@ mod tests {
         );
         let all = a.snapshot(1.0);
         assert_eq!(all.gpus[0].processes.len(), 2, "root sees every process");
-        let mine = crate::server::seen_by(&all, 1000);
+        let mine = super::seen_by(&all, 1000);
         assert_eq!(
             mine.gpus[0].processes,
             vec![GpuProcess {
@@ -3009,14 +3034,14 @@ mod tests {
             "{:?}",
             mine.gpus
         );
-        assert!(crate::server::seen_by(&all, 4242).jobs.is_empty());
-        assert_eq!(crate::server::seen_by(&all, 0), all);
+        assert!(super::seen_by(&all, 4242).jobs.is_empty());
+        assert_eq!(super::seen_by(&all, 0), all);
         // Ended jobs' final shares are their owners' too.
         assert!(a.end_job("2", 2.0));
         let all = a.snapshot(2.0);
         assert_eq!(all.ended.len(), 1);
-        assert!(crate::server::seen_by(&all, 1000).ended.is_empty());
-        assert_eq!(crate::server::seen_by(&all, 1001).ended.len(), 1);
+        assert!(super::seen_by(&all, 1000).ended.is_empty());
+        assert_eq!(super::seen_by(&all, 1001).ended.len(), 1);
     }
 
     #[test]

@@ -1,0 +1,27 @@
+//! What the controller knows of one node: the core keeps one [`Session`] per node, and
+//! the status and learning read them (their own module, so neither imports the core).
+
+use powerflex_proto::link::{GpuInfo, JobReport};
+
+use crate::site::NodeView;
+
+/// What the controller knows of one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Session {
+    /// What the controller believes of the node: its jobs and GPUs as far as Slurm's
+    /// placement bears them out (see [`crate::placement`]).
+    pub view: NodeView,
+    /// When the node last said hello or reported (0: not since this controller started).
+    pub last_seen_ms: u64,
+    /// What the node last said, before the placement check: believed again whenever a
+    /// new placement is read.
+    pub reported: Vec<JobReport>,
+    pub announced: Vec<GpuInfo>,
+    /// Job reports refused from this node since the controller started.
+    pub refused_reports: u64,
+    /// GPUs it announces beyond what Slurm configures for it (last hello).
+    pub refused_gpus: u32,
+    /// Its agent is in observe mode (last report): its jobs are never suspended or
+    /// requeued, since nothing is enforced there.
+    pub observe_only: bool,
+}
