@@ -326,7 +326,7 @@ fn serve(
                         }
                         let caps: BTreeMap<String, Watts> =
                             caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
-                        let _ = tx.send(Inbound::Lease {
+                        let _ = tx.send(Inbound::Lease(crate::control::LeaseMessage {
                             caps,
                             ttl_s,
                             start_cap: start_cap_w.map(Watts),
@@ -334,7 +334,7 @@ fn serve(
                             learn,
                             next_event_in_s,
                             event_in_force,
-                        });
+                        }));
                     }
                     Body::Acked { finals } => {
                         // Bounded and checked before it reaches the loop: a malformed

@@ -8,73 +8,15 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::procs::ProcTable;
-use serde::{Deserialize, Serialize};
 
-use powerflex_core::Watts;
 use powerflex_daemon::fsx::{write_atomic, AtomicWrite};
 
 /// File name inside the state directory.
 pub const STATE_FILE: &str = "agent-state.json";
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PersistedJob {
-    pub job_id: String,
-    pub uid: u32,
-    /// The job's service in `--power-flex` form.
-    pub flex: String,
-    /// GPU UUIDs (stable across agent restarts, unlike nothing else).
-    pub gpus: Vec<String>,
-    pub steps: Vec<String>,
-    /// PFI measured by the calibration, when done.
-    pub pfi: Option<f64>,
-    /// The calibrated points, [per-GPU cap W, job power W, throughput], so a restarted
-    /// agent hands the controller the same curve (without them it would plan on a prior
-    /// and could mispredict the job's draw). Absent in files from older agents.
-    #[serde(default)]
-    pub points: Vec<[f64; 3]>,
-    /// Whether the job was registered by a step daemon, and that daemon's cluster
-    /// (`SLURM_CONF`): what tells it apart from jobs of the same id of other clusters on
-    /// the host. Absent in files from older agents (then unknown).
-    #[serde(default)]
-    pub from_stepd: bool,
-    #[serde(default)]
-    pub cluster: Option<String>,
-    /// The job's accounting so far (energy counters at the hold's start, time shares),
-    /// so a restart loses none of it. Absent in files from older agents.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub usage: Option<crate::usage::JobUsage>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PersistedState {
-    pub node: String,
-    /// GPU UUID → the limit to restore, W.
-    pub saved_defaults: BTreeMap<String, Watts>,
-    pub jobs: Vec<PersistedJob>,
-    /// The controller's last lease, so a restarted agent keeps its jobs at the granted
-    /// caps until the next lease instead of raising them to the default (which would put
-    /// the site over budget). Absent in files from older agents.
-    #[serde(default)]
-    pub lease: Option<PersistedLease>,
-    /// Final shares of ended jobs the controller has not acknowledged yet, so a restart
-    /// re-sends them rather than losing them. Absent in files from older agents.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub unacked_finals: Vec<crate::control::UnackedFinal>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PersistedLease {
-    /// Job → per-GPU cap.
-    pub caps: BTreeMap<String, Watts>,
-    /// Wall-clock expiry, seconds since the Unix epoch.
-    pub expires_unix_s: f64,
-    /// Per-GPU cap for a job the lease does not name. Absent in older files.
-    #[serde(default)]
-    pub start_cap_w: Option<f64>,
-}
+// The state file's contents are the machine's data (it builds them and restores from
+// them); reading and writing the file is this module's.
+pub use powerflex_agent_machine::saved::{PersistedJob, PersistedLease, PersistedState};
 
 /// Why the state could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -258,6 +200,7 @@ pub fn process_uid(pid: u32) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use powerflex_core::Watts;
 
     #[test]
     fn round_trip_and_corruption() {

@@ -21,8 +21,8 @@ use powerflex_proto::{ControlOp, ControlReply};
 use tracing::{error, info, info_span, warn};
 
 use crate::backend::GpuBackend;
-use crate::control::{Action, Agent, AgentSettings};
-use crate::persist::{self, PersistedJob, PersistedState};
+use crate::control::{Action, Agent, AgentSettings, ReportSender};
+use crate::persist;
 use crate::server::{self, Inbound, SnapshotCell};
 use powerflex_core::flex::parse_power_flex;
 
@@ -113,43 +113,6 @@ fn lock_instance(state_dir: &Path) -> Result<FileLock, AgentError> {
     };
     lock.record_pid(&path)?;
     Ok(lock)
-}
-
-fn persisted(agent: &Agent) -> PersistedState {
-    PersistedState {
-        node: agent.settings.node.clone(),
-        saved_defaults: agent
-            .gpus
-            .iter()
-            .map(|g| (g.identity.uuid.clone(), g.saved_default))
-            .collect(),
-        jobs: agent
-            .jobs
-            .values()
-            .map(|j| PersistedJob {
-                job_id: j.id.clone(),
-                uid: j.uid,
-                flex: j.request.to_string(),
-                gpus: j
-                    .gpus
-                    .iter()
-                    .map(|&g| agent.gpus[g as usize].identity.uuid.clone())
-                    .collect(),
-                steps: j.steps.iter().cloned().collect(),
-                pfi: j.calibration.pfi().or(j.restored_pfi),
-                points: j.curve_points(),
-                from_stepd: j.cluster.is_some(),
-                cluster: j.cluster.clone().flatten(),
-                usage: Some(j.usage.clone()),
-            })
-            .collect(),
-        lease: agent.lease.as_ref().map(|l| persist::PersistedLease {
-            caps: l.caps.clone(),
-            expires_unix_s: agent.clock_origin_unix_s + l.expires_at,
-            start_cap_w: l.start_cap.map(|w| w.0),
-        }),
-        unacked_finals: agent.unacked.clone(),
-    }
 }
 
 fn unix_s() -> f64 {
@@ -293,7 +256,7 @@ fn inbound_kind(msg: &Inbound) -> &'static str {
 const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
 fn save(state_dir: &Path, agent: &Agent) {
-    if let Err(e) = persist::save(state_dir, &persisted(agent)) {
+    if let Err(e) = persist::save(state_dir, &agent.saved_state()) {
         error!(error = %e, "cannot persist agent state");
     }
 }
@@ -479,66 +442,7 @@ pub fn run(
         .filter(|&g| backend.running_pids(g).is_ok_and(|pids| !pids.is_empty()))
         .map(|g| agent.gpus[g as usize].identity.uuid.clone())
         .collect();
-    for job in saved_jobs {
-        let running = live
-            .iter()
-            .any(|(id, cluster)| id == &job.job_id && (!job.from_stepd || cluster == &job.cluster));
-        if !running {
-            info!(job_id = %job.job_id, "job from the previous run has ended; its GPUs return to default");
-            // Its end was missed: its final share from its persisted hold and the
-            // counters read just now.
-            if let Some(usage) = job.usage.clone() {
-                let share = agent.ended_while_down(
-                    first_read_at,
-                    &job.job_id,
-                    job.uid,
-                    &job.flex,
-                    &job.points,
-                    job.pfi,
-                    usage,
-                    &busy,
-                );
-                info!(job_id = %job.job_id, energy_j = share.energy_mj as f64 / 1000.0, "final share of a job that ended while the agent was down");
-            }
-            continue;
-        }
-        let steps = if job.steps.is_empty() {
-            vec!["0".to_string()]
-        } else {
-            job.steps.clone()
-        };
-        for step in steps {
-            let node = agent.settings.node.clone();
-            match agent.register(
-                now(),
-                &job.job_id,
-                &step,
-                job.uid,
-                &node,
-                &job.gpus,
-                &job.flex,
-            ) {
-                Ok(_) => {}
-                Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot restore job"),
-            }
-        }
-        if let Some(j) = agent.jobs.get_mut(&job.job_id) {
-            j.restored_pfi = job.pfi;
-            j.restored_points = job.points.clone();
-            if job.from_stepd {
-                j.cluster = Some(job.cluster.clone());
-            }
-            // The curve survives the restart: no second walk, no point of one replacing it.
-            j.calibration.restore(&job.points);
-            // So does its accounting: the counters ran on, and the next readings charge
-            // the restart's gap to the job.
-            if let Some(mut usage) = job.usage.clone() {
-                usage.resumed();
-                j.usage = usage;
-            }
-            info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
-        }
-    }
+    agent.restore_saved_jobs(now(), first_read_at, saved_jobs, &live, &busy);
     // Jobs running on this node's GPUs that a lost (missing or corrupt) state file no
     // longer lists: take back those Slurm records as managed, under the tier it records
     // (the controller's AdminComment, admins' only), rather than release their caps. Never
@@ -944,61 +848,29 @@ fn handle(
             verdict,
         } => {
             let at = received.saturating_duration_since(clock).as_secs_f64();
-            let job = agent
-                .jobs
-                .get(&report.job_id)
-                .map(|j| (j.uid, j.cluster.clone()));
-            let outcome = match job {
-                None => Err(format!("no job {} on this node", report.job_id)),
-                Some((uid, _)) if uid != peer.uid && peer.uid != 0 => Err(format!(
-                    "uid {} may not report for job {} (owned by uid {uid})",
-                    peer.uid, report.job_id
-                )),
-                // Same id, another cluster on this host (the test clusters): not this job.
-                Some((_, Some(cluster))) if cluster != sender.cluster => Err(format!(
-                    "process {} runs in job {} of another Slurm cluster ({}) than this node's job {}",
-                    peer.pid,
-                    sender.job,
-                    sender.cluster.as_deref().unwrap_or("the default config"),
-                    report.job_id
-                )),
-                Some(_) => agent.progress(at, &report.job_id, peer.pid, report.tokens, report.steps),
+            let from = ReportSender {
+                uid: peer.uid,
+                pid: peer.pid,
+                step_job: sender.job,
+                cluster: sender.cluster,
             };
+            let outcome = agent.report_progress(at, &from, &report);
             if let Err(e) = &outcome {
-                agent.progress_rejected += 1;
                 warn!(job_id = %report.job_id, pid = peer.pid, uid = peer.uid, error = %e, "progress report refused");
             }
             let _ = verdict.send(outcome);
         }
-        Inbound::Lease {
-            caps,
-            ttl_s,
-            start_cap,
-            recalibrate,
-            learn,
-            next_event_in_s,
-            event_in_force,
-        } => {
-            agent.event_in_force = event_in_force;
-            for job_id in agent.recalibrate(now, &recalibrate) {
-                info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
-            }
-            if let Some(in_s) = next_event_in_s {
-                // Walks end before an announced event (pre-positioning, issue 16).
-                agent.event_ahead(now, in_s);
-            }
+        Inbound::Lease(lease) => {
             info!(
-                jobs = caps.len(),
-                ttl_s,
-                start_cap_w = start_cap.map(|w| w.0),
+                jobs = lease.caps.len(),
+                ttl_s = lease.ttl_s,
+                start_cap_w = lease.start_cap.map(|w| w.0),
                 "lease from the controller"
             );
-            agent.set_lease(now, caps, ttl_s, start_cap);
-            agent.learn = learn.into_iter().collect();
-            // Apply it now rather than at the next tick, and read the written limits
+            // Written now rather than at the next tick, and the written limits read
             // back: the controller holds other nodes' increases until this node's
             // decreases are confirmed, so the confirmation should not wait a period.
-            let actions = agent.tick(now);
+            let actions = agent.apply_lease(now, lease);
             let written: Vec<u32> = actions
                 .iter()
                 .filter_map(|a| match a {
@@ -1011,7 +883,6 @@ fn handle(
                 let sample = backend.sample(gpu);
                 agent.sampled(now, gpu, sample);
             }
-            agent.leases_applied += 1;
             // A restarted agent resumes this lease (see persist::PersistedLease).
             save(state_dir, agent);
         }
@@ -1027,7 +898,7 @@ fn handle(
             }
         }
         Inbound::ProgressRefused { reason, peer } => {
-            agent.progress_rejected += 1;
+            agent.progress_refused();
             warn!(pid = peer.pid, uid = peer.uid, error = %reason, "progress report refused");
         }
     }

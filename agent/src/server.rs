@@ -58,21 +58,9 @@ pub enum Inbound {
     },
     /// A progress line refused before reaching the loop (counted there).
     ProgressRefused { reason: String, peer: Peer },
-    /// An authenticated lease from the controller for this node: per-job caps for
-    /// `ttl_s`, and the cap for a job it does not name.
-    Lease {
-        caps: std::collections::BTreeMap<String, powerflex_core::Watts>,
-        ttl_s: f64,
-        start_cap: Option<powerflex_core::Watts>,
-        /// Jobs to walk again (their measurements left their curves).
-        recalibrate: Vec<String>,
-        /// Jobs that may be probed to learn their curves (on this node alone).
-        learn: Vec<String>,
-        /// Seconds to the next announced grid event's start, if one is scheduled.
-        next_event_in_s: Option<f64>,
-        /// A grid event is in force.
-        event_in_force: bool,
-    },
+    /// An authenticated lease from the controller for this node (see
+    /// [`crate::control::LeaseMessage`]).
+    Lease(crate::control::LeaseMessage),
     /// The controller acknowledged these final shares (checked and bounded by the link):
     /// their records are written.
     Acked {

@@ -25,10 +25,12 @@ use powerflex_proto::status::{AgentMode, CalibrationState, CurvePoint, PfiSource
 
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog, Recorded};
 use crate::gpu::{ErrorClass, GpuError, GpuIdentity, GpuSample};
+use crate::saved::{PersistedJob, PersistedLease, PersistedState};
 use crate::usage::{JobUsage, Observation};
 use crate::JobKey;
 use powerflex_proto::usage::FinalRef;
 use powerflex_proto::usage::NodeUsage;
+use powerflex_proto::ProgressReport;
 
 /// The step name a job taken back from its running processes (no record, no
 /// registration) is registered under.
@@ -152,6 +154,37 @@ impl GpuSlot {
             found,
         })
     }
+}
+
+/// A lease from the controller for this node, as the link delivers it: per-job caps for
+/// `ttl_s`, and the cap for a job it does not name ([`Lease`] is what the agent keeps).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseMessage {
+    pub caps: BTreeMap<String, Watts>,
+    pub ttl_s: f64,
+    pub start_cap: Option<Watts>,
+    /// Jobs to walk again (their measurements left their curves).
+    pub recalibrate: Vec<String>,
+    /// Jobs that may be probed to learn their curves (on this node alone).
+    pub learn: Vec<String>,
+    /// Seconds to the next announced grid event's start, if one is scheduled.
+    pub next_event_in_s: Option<f64>,
+    /// A grid event is in force.
+    pub event_in_force: bool,
+}
+
+/// Who sent a progress report, as the kernel tells it: the process's uid and pid
+/// (`SO_PEERCRED`), and the Slurm step it runs in, from its root-owned `slurmstepd`
+/// ancestry (never from its environment).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReportSender {
+    pub uid: u32,
+    pub pid: u32,
+    /// The job of the step the process runs in.
+    pub step_job: String,
+    /// The Slurm cluster of that step's daemon (its `SLURM_CONF`); `None` for the
+    /// default config.
+    pub cluster: Option<String>,
 }
 
 /// One job on this node.
@@ -528,6 +561,122 @@ impl Agent {
             keep
         });
         before - self.unacked.len()
+    }
+
+    /// What the agent keeps across a restart (see [`crate::saved`]): its GPUs' saved
+    /// defaults, its jobs with their curves and accounting, the lease with its expiry on
+    /// the wall clock, and the final shares not yet acknowledged.
+    pub fn saved_state(&self) -> PersistedState {
+        PersistedState {
+            node: self.settings.node.clone(),
+            saved_defaults: self
+                .gpus
+                .iter()
+                .map(|g| (g.identity.uuid.clone(), g.saved_default))
+                .collect(),
+            jobs: self
+                .jobs
+                .values()
+                .map(|j| PersistedJob {
+                    job_id: j.id.clone(),
+                    uid: j.uid,
+                    flex: j.request.to_string(),
+                    gpus: j
+                        .gpus
+                        .iter()
+                        .map(|&g| self.gpus[g as usize].identity.uuid.clone())
+                        .collect(),
+                    steps: j.steps.iter().cloned().collect(),
+                    pfi: j.calibration.pfi().or(j.restored_pfi),
+                    points: j.curve_points(),
+                    from_stepd: j.cluster.is_some(),
+                    cluster: j.cluster.clone().flatten(),
+                    usage: Some(j.usage.clone()),
+                })
+                .collect(),
+            lease: self.lease.as_ref().map(|l| PersistedLease {
+                caps: l.caps.clone(),
+                expires_unix_s: self.clock_origin_unix_s + l.expires_at,
+                start_cap_w: l.start_cap.map(|w| w.0),
+            }),
+            unacked_finals: self.unacked.clone(),
+        }
+    }
+
+    /// After a restart: the previous run's jobs that still run (`live`: the jobs whose
+    /// step daemons the host shows, by id and cluster) are managed again with their
+    /// curves and accounting (no second walk); a job that ended while the agent was down
+    /// gets its final share from its saved hold and the counters read at
+    /// `first_read_at` (a GPU in `busy` now runs another job's processes and is not
+    /// charged to it), and its GPUs go back to their defaults at the first tick.
+    pub fn restore_saved_jobs(
+        &mut self,
+        now: f64,
+        first_read_at: f64,
+        jobs: Vec<PersistedJob>,
+        live: &BTreeSet<JobKey>,
+        busy: &BTreeSet<String>,
+    ) {
+        for job in jobs {
+            // A job registered by a step daemon is told apart from other clusters' jobs
+            // of the same id by that daemon's cluster; an older file's job by its id.
+            let running = live.iter().any(|(id, cluster)| {
+                id == &job.job_id && (!job.from_stepd || cluster == &job.cluster)
+            });
+            if !running {
+                tracing::info!(job_id = %job.job_id, "job from the previous run has ended; its GPUs return to default");
+                if let Some(usage) = job.usage.clone() {
+                    let share = self.ended_while_down(
+                        first_read_at,
+                        &job.job_id,
+                        job.uid,
+                        &job.flex,
+                        &job.points,
+                        job.pfi,
+                        usage,
+                        busy,
+                    );
+                    tracing::info!(job_id = %job.job_id, energy_j = share.energy_mj as f64 / 1000.0, "final share of a job that ended while the agent was down");
+                }
+                continue;
+            }
+            let steps = if job.steps.is_empty() {
+                vec!["0".to_string()]
+            } else {
+                job.steps.clone()
+            };
+            let node = self.settings.node.clone();
+            for step in steps {
+                if let Err(e) = self.register(
+                    now,
+                    &job.job_id,
+                    &step,
+                    job.uid,
+                    &node,
+                    &job.gpus,
+                    &job.flex,
+                ) {
+                    tracing::warn!(job_id = %job.job_id, error = %e, "cannot restore job");
+                }
+            }
+            if let Some(j) = self.jobs.get_mut(&job.job_id) {
+                j.restored_pfi = job.pfi;
+                j.restored_points = job.points.clone();
+                if job.from_stepd {
+                    j.cluster = Some(job.cluster.clone());
+                }
+                // The curve survives the restart: no second walk, no point of one
+                // replacing it.
+                j.calibration.restore(&job.points);
+                // So does its accounting: the counters ran on, and the next readings
+                // charge the restart's gap to the job.
+                if let Some(mut usage) = job.usage.clone() {
+                    usage.resumed();
+                    j.usage = usage;
+                }
+                tracing::info!(job_id = %job.job_id, "job from the previous run is still running; managing it again");
+            }
+        }
     }
 
     /// A job of the previous run (from the state file) that ended while the agent was
@@ -1007,6 +1156,47 @@ impl Agent {
         refused
     }
 
+    /// A progress report as it came off the progress socket: accepted when `sender` may
+    /// report for the job it names (its owner or root, from a step of the same Slurm
+    /// cluster as the job's step daemons), then recorded (see [`Self::progress`]). A
+    /// refusal is counted, and its reason goes back to the sender.
+    pub fn report_progress(
+        &mut self,
+        now: f64,
+        sender: &ReportSender,
+        report: &ProgressReport,
+    ) -> Result<(), String> {
+        let outcome = match self.jobs.get(&report.job_id) {
+            None => Err(format!("no job {} on this node", report.job_id)),
+            Some(job) if job.uid != sender.uid && sender.uid != 0 => Err(format!(
+                "uid {} may not report for job {} (owned by uid {})",
+                sender.uid, report.job_id, job.uid
+            )),
+            // Same id, another cluster on this host (the test clusters): not this job.
+            Some(Job {
+                cluster: Some(cluster),
+                ..
+            }) if *cluster != sender.cluster => Err(format!(
+                "process {} runs in job {} of another Slurm cluster ({}) than this node's job {}",
+                sender.pid,
+                sender.step_job,
+                sender.cluster.as_deref().unwrap_or("the default config"),
+                report.job_id
+            )),
+            Some(_) => self.progress(now, &report.job_id, sender.pid, report.tokens, report.steps),
+        };
+        if outcome.is_err() {
+            self.progress_rejected += 1;
+        }
+        outcome
+    }
+
+    /// A progress line the socket refused before it reached the machine (unreadable,
+    /// or from a process in no Slurm step): counted with the refused reports.
+    pub fn progress_refused(&mut self) {
+        self.progress_rejected += 1;
+    }
+
     /// A progress report from a verified process of `job_id`; `source` is the sending
     /// process (each reporter's counter is followed on its own, see [`ProgressLog`]).
     pub fn progress(
@@ -1052,6 +1242,25 @@ impl Agent {
         }
         job.counts_tokens = Some(tokens > 0);
         Ok(())
+    }
+
+    /// Applies a lease from the controller (authenticated and bounded by the link): the
+    /// event flag, the walks to repeat, the walks to end before an announced event, the
+    /// caps and the jobs that may be probed. Returns what writes the caps now; the edge
+    /// writes them and reads the written GPUs back.
+    pub fn apply_lease(&mut self, now: f64, lease: LeaseMessage) -> Vec<Action> {
+        self.event_in_force = lease.event_in_force;
+        for job_id in self.recalibrate(now, &lease.recalibrate) {
+            tracing::info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
+        }
+        if let Some(in_s) = lease.next_event_in_s {
+            // Walks end before an announced event (pre-positioning, issue 16).
+            self.event_ahead(now, in_s);
+        }
+        self.set_lease(now, lease.caps, lease.ttl_s, lease.start_cap);
+        self.learn = lease.learn.into_iter().collect();
+        self.leases_applied += 1;
+        self.tick(now)
     }
 
     /// Installs a lease from the controller, valid for `ttl_s` (never longer than the
@@ -2316,6 +2525,96 @@ mod tests {
         assert!(!a.end_job("7", 0.0), "ending twice is harmless");
     }
 
+    /// A restart restores from what the previous run saved: a job whose step daemons
+    /// still run (by id and cluster) is managed again, with its tier and steps; one that
+    /// ended while the agent was down, or whose id now belongs to another cluster's job,
+    /// gets its final share and leaves its GPUs to go back to their defaults.
+    #[test]
+    fn a_restart_manages_the_saved_jobs_that_still_run_and_closes_the_others() {
+        let mut before = agent(None);
+        let conf = |c: &str| Some(format!("/etc/{c}/slurm.conf"));
+        for (job, gpu, cluster) in [("1", "0", "a"), ("2", "1", "a"), ("3", "2", "b")] {
+            before
+                .register(
+                    0.0,
+                    job,
+                    "0",
+                    1000,
+                    "n1",
+                    &[gpu.into()],
+                    "flex2,calibrate=off",
+                )
+                .expect("registered");
+            before.set_job_cluster(job, conf(cluster), 0.0);
+        }
+        let saved = before.saved_state();
+        assert_eq!(saved.jobs.len(), 3);
+        let mut after = agent(None);
+        // Job 1 runs on; job 2 is gone; job 3's id now names a job of cluster "a".
+        let live = BTreeSet::from([("1".to_string(), conf("a")), ("3".to_string(), conf("a"))]);
+        after.restore_saved_jobs(5.0, 5.0, saved.jobs, &live, &BTreeSet::new());
+        assert_eq!(after.jobs.keys().collect::<Vec<_>>(), ["1"]);
+        assert_eq!(after.jobs["1"].cluster, Some(conf("a")));
+        assert_eq!(after.jobs["1"].request.to_string(), "flex2,calibrate=off");
+        let closed: BTreeSet<&str> = after
+            .unacked
+            .iter()
+            .map(|u| u.share.job_id.as_str())
+            .collect();
+        assert_eq!(closed, BTreeSet::from(["2", "3"]));
+        assert!(after.unacked.iter().all(|u| u.share.ended));
+        // Their GPUs (1 and 2) belong to no job: the first tick leaves them at their
+        // defaults (read back at 700 W here, so nothing to write).
+        assert!(after.gpus[1].job.is_none() && after.gpus[2].job.is_none());
+        let written = caps(&after.tick(6.0));
+        assert!(
+            !written.iter().any(|(g, _)| *g == 1 || *g == 2),
+            "{written:?}"
+        );
+    }
+
+    /// A lease message is applied whole, at once: its caps come back as writes (the
+    /// controller waits for this node's decreases), the event flag and the jobs that may
+    /// be probed are taken, and it is counted.
+    #[test]
+    fn a_lease_message_is_applied_at_once() {
+        let mut a = agent(None);
+        a.register(
+            0.0,
+            "7",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex2,calibrate=off",
+        )
+        .expect("registered");
+        let written = caps(&a.tick(1.0));
+        for (g, c) in written {
+            a.cap_written(g, Watts(c), None);
+        }
+        let actions = a.apply_lease(
+            2.0,
+            LeaseMessage {
+                caps: BTreeMap::from([("7".to_string(), Watts(450.0))]),
+                ttl_s: 30.0,
+                start_cap: Some(Watts(500.0)),
+                recalibrate: vec!["7".into()],
+                learn: vec!["7".into()],
+                next_event_in_s: None,
+                event_in_force: true,
+            },
+        );
+        assert_eq!(caps(&actions), vec![(0, 450.0), (1, 450.0)]);
+        assert!(a.event_in_force);
+        assert!(a.learn.contains("7"));
+        assert_eq!(a.leases_applied, 1);
+        assert_eq!(
+            a.lease.as_ref().map(|l| (l.expires_at, l.start_cap)),
+            Some((32.0, Some(Watts(500.0))))
+        );
+    }
+
     #[test]
     fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
         let mut a = agent(None);
@@ -2984,6 +3283,73 @@ mod tests {
         settings.unregistered_gpu_use = UnregisteredGpuUse::Default;
         a.reload(Ok(settings)).expect("reload");
         assert_eq!(tick(&mut a, 4.0), vec![(2, 700.0)]);
+    }
+
+    /// Only the job's owner or root may report its progress, and only from a step of
+    /// the job's own Slurm cluster (the test clusters share one host and repeat job
+    /// ids); every refusal is counted, and nothing refused reaches the job's log.
+    #[test]
+    fn progress_is_taken_only_from_the_jobs_owner_or_root_of_its_cluster() {
+        let mut a = agent(Some(Watts(2800.0)));
+        a.register(0.0, "1", "0", 1000, "n1", &["0".into()], "flex1")
+            .expect("job 1");
+        a.set_job_cluster("1", Some("/etc/slurm-a/slurm.conf".into()), 0.0);
+        let report = |tokens| ProgressReport {
+            v: 1,
+            job_id: "1".into(),
+            tokens,
+            steps: tokens / 1000,
+        };
+        let sender = |uid, cluster: Option<&str>| ReportSender {
+            uid,
+            pid: 4000 + uid,
+            step_job: "1".into(),
+            cluster: cluster.map(str::to_string),
+        };
+        let ours = Some("/etc/slurm-a/slurm.conf");
+        assert_eq!(
+            a.report_progress(1.0, &sender(1000, ours), &report(1000)),
+            Ok(())
+        );
+        assert_eq!(
+            a.report_progress(1.1, &sender(0, ours), &report(2000)),
+            Ok(())
+        );
+        let refused = [
+            a.report_progress(1.2, &sender(1001, ours), &report(9_000_000)),
+            a.report_progress(
+                1.3,
+                &sender(1000, Some("/etc/slurm-b/slurm.conf")),
+                &report(9_000_000),
+            ),
+            a.report_progress(1.4, &sender(1000, None), &report(9_000_000)),
+            a.report_progress(
+                1.5,
+                &sender(1000, ours),
+                &ProgressReport {
+                    job_id: "2".into(),
+                    ..report(9_000_000)
+                },
+            ),
+        ];
+        let reasons: Vec<String> = refused
+            .into_iter()
+            .map(|r| r.expect_err("refused"))
+            .collect();
+        assert!(
+            reasons[0].contains("uid 1001 may not report for job 1"),
+            "{reasons:?}"
+        );
+        assert!(reasons[1].contains("another Slurm cluster"), "{reasons:?}");
+        assert!(reasons[2].contains("the default config"), "{reasons:?}");
+        assert!(reasons[3].contains("no job 2"), "{reasons:?}");
+        a.progress_refused();
+        assert_eq!(a.progress_rejected, 5);
+        assert_eq!(
+            a.jobs["1"].log.last().map(|(_, count)| count),
+            Some(1000.0),
+            "only the two accepted reports counted: owner's 1000, then root's own counter from its first report"
+        );
     }
 
     /// Issue 14 item 7: any local user read every job's id, uid, tier and throughput

@@ -5,7 +5,8 @@
 //!   restart, the fail-safe, the accounting's observations and the status snapshot;
 //! - [`calibration`]: one job's power–throughput walk and its learning in operation;
 //! - [`usage`]: one job's energy on this node, from the GPUs' counters;
-//! - [`gpu`]: what a GPU is and reads, as NVML gives it to the edge.
+//! - [`gpu`]: what a GPU is and reads, as NVML gives it to the edge;
+//! - [`saved`]: what the agent keeps across a restart, as data.
 //!
 //! Time comes in as an argument (agent seconds), never from a clock; GPUs, sockets,
 //! `/proc` and the state file are the edge's (`powerflex-agent`). The crate has no
@@ -15,6 +16,7 @@
 pub mod calibration;
 pub mod control;
 pub mod gpu;
+pub mod saved;
 pub mod usage;
 
 /// A job as this host can tell it apart: its id and the cluster of its step daemons
