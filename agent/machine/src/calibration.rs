@@ -699,7 +699,8 @@ pub enum Phase {
     /// step, and a loaded node may start a job's process late; either used to leave the
     /// job on the prior for good.
     NoSignal,
-    /// Not calibrated, and why (calibrate=off, flex0, no progress signal).
+    /// Not calibrated, and why (calibrate=off, flex0, too few levels, a curve the clocks
+    /// contradict).
     Skipped(String),
 }
 

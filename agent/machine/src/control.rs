@@ -335,8 +335,9 @@ pub struct Agent {
     pub config_error: Option<String>,
     /// GPU limits found changed behind the agent's back (and written again).
     pub cap_mismatches: u64,
-    /// Leases applied (written and read back) since the agent started: the link reports
-    /// at once when this rises, which confirms the new caps to the controller.
+    /// Leases applied since the agent started (counted as the machine takes one; the
+    /// edge publishes the status only after writing the caps and reading them back): the
+    /// link reports at once when this rises, which confirms the new caps to the controller.
     pub leases_applied: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
     pub gpu_claims_refused: u64,
@@ -1698,18 +1699,31 @@ impl Agent {
                             waited_s = now - job.calibration.registered_at,
                             "no progress report yet: planned on the telemetry prior until the job reports"
                         ),
-                        Phase::Warmup if before == Phase::NoSignal => tracing::info!(
-                            job_id = %job.id,
-                            waited_s = now - job.calibration.registered_at,
-                            "the job's first progress report came: calibrating it"
-                        ),
+                        Phase::Warmup if before == Phase::NoSignal => {
+                            // Planned as every job that reports is until its walk ends
+                            // (the site's prior), not on a telemetry reading frozen now.
+                            job.prior = None;
+                            tracing::info!(
+                                job_id = %job.id,
+                                waited_s = now - job.calibration.registered_at,
+                                "the job's first progress report came: calibrating it"
+                            )
+                        }
                         Phase::Walking { .. } | Phase::Warmup => {}
                     }
                 }
                 // A warm-up that lasts says why, now and then: one that never ended
                 // (issue: the demo's job 3) left nothing in the log to tell why.
+                // Counted from the first report when it came late (after NoSignal), so
+                // a job that just began reporting is not logged as long in warm-up.
+                let warming_since = job
+                    .log
+                    .first_time()
+                    .map_or(job.calibration.registered_at, |t| {
+                        t.max(job.calibration.registered_at)
+                    });
                 if job.calibration.phase == Phase::Warmup
-                    && now - job.calibration.registered_at >= WARMUP_LOG_AFTER_S
+                    && now - warming_since >= WARMUP_LOG_AFTER_S
                     && job
                         .warmup_logged_at
                         .is_none_or(|t| now - t >= WARMUP_LOG_EVERY_S)
@@ -1717,7 +1731,7 @@ impl Agent {
                     job.warmup_logged_at = Some(now);
                     tracing::info!(
                         job_id = %job.id,
-                        waited_s = now - job.calibration.registered_at,
+                        waited_s = now - warming_since,
                         reporters = job.log.reporters(now, 10.0),
                         counter_restarts = job.log.restarts,
                         why = job.calibration.waiting.as_deref().unwrap_or("-"),
@@ -2571,6 +2585,31 @@ mod tests {
             !written.iter().any(|(g, _)| *g == 1 || *g == 2),
             "{written:?}"
         );
+    }
+
+    /// A job silent past `no_signal_s` is planned on the telemetry prior; its first
+    /// report starts its calibration and drops that prior, so it is planned as every
+    /// reporting job is until its walk ends, not on a reading frozen at that moment.
+    #[test]
+    fn a_late_first_report_ends_the_telemetry_prior() {
+        let mut a = agent(None);
+        a.register(0.0, "4", "0", 1000, "n1", &["0".into()], "flex2")
+            .expect("registered");
+        a.tick(1.0);
+        assert!(
+            a.jobs["4"].prior.is_none(),
+            "within no_signal_s: no prior yet"
+        );
+        a.tick(11.0);
+        assert_eq!(a.jobs["4"].calibration.phase, Phase::NoSignal);
+        assert!(
+            a.jobs["4"].prior.is_some(),
+            "planned on the telemetry prior"
+        );
+        a.progress(12.0, "4", 77, 1000, 1).expect("report");
+        a.tick(12.0);
+        assert_eq!(a.jobs["4"].calibration.phase, Phase::Warmup);
+        assert!(a.jobs["4"].prior.is_none());
     }
 
     /// A lease message is applied whole, at once: its caps come back as writes (the
