@@ -12,15 +12,13 @@
 pub mod ctld;
 pub mod energy_plot;
 pub mod offline;
-pub mod placement;
 pub mod plot;
-pub mod preempt;
-pub mod ramp;
 pub mod render;
-pub mod rollout;
-pub mod schedule;
-pub mod site;
 pub mod table;
+
+// The decisions live in their own crate with no I/O dependency (powerflex-controller-
+// machine); their paths here stay as they were.
+pub use powerflex_controller_machine::{placement, preempt, ramp, rollout, schedule, site};
 
 /// Errors of the CLI and controller. Messages are lowercase, without a trailing period.
 #[derive(Debug, thiserror::Error)]

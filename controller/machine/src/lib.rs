@@ -1,0 +1,24 @@
+//! The controller's decisions, with no I/O: what `powerflex-ctld`, `powerflexctl` and the
+//! agents' controller mode all rest on.
+//!
+//! - [`site`]: one allocation over every node (budget modes, report validation, drift;
+//!   `decide_holding` leaves held jobs out, `decide_steady` keeps the caps in force while a
+//!   new decision would buy too little);
+//! - [`schedule`]: grid events → the stepped budget in force at each instant, the lowest
+//!   step in a window, and event times as text;
+//! - [`ramp`]: the budget an allocation is made for while caps are replaced and confirmed;
+//! - [`rollout`]: decreases before increases;
+//! - [`preempt`]: cuts deeper than caps reach, which jobs to suspend or requeue;
+//! - [`placement`]: which of a node's words to believe, from Slurm's record of where each
+//!   job runs.
+//!
+//! Time comes in as an argument (Unix ms). The crate has no dependency that does I/O, and
+//! its `clippy.toml` refuses the standard library's files, sockets, processes, clocks and
+//! environment, so that stays true. `powerflex-controller` re-exports every module.
+
+pub mod placement;
+pub mod preempt;
+pub mod ramp;
+pub mod rollout;
+pub mod schedule;
+pub mod site;
