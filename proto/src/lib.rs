@@ -350,5 +350,6 @@ pub mod admin;
 pub mod event;
 #[cfg(feature = "link")]
 pub mod link;
+pub mod report;
 pub mod status;
 pub mod usage;

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use powerflex_core::slurm_record::SlurmJobs;
-use powerflex_proto::link::{GpuInfo, JobReport};
+use powerflex_proto::report::{GpuInfo, JobReport};
 
 /// What Slurm said at one moment: its jobs, and the GPUs it configures per node.
 #[derive(Debug, Clone, PartialEq, Default)]

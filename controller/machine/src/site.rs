@@ -30,7 +30,7 @@ use powerflex_core::curve::{
 };
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
-use powerflex_proto::link::{
+use powerflex_proto::report::{
     validate_gpus, validate_report_totals, GpuInfo, JobReport, MAX_GPUS_PER_NODE, MAX_GPU_POWER_W,
 };
 // What a decision says it maximised (the wire's name for it); `Objective` above is the
