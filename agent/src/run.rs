@@ -359,29 +359,16 @@ fn execute(
     }
 }
 
-/// How often a degraded GPU is read to see whether it works again, seconds.
-const DEGRADED_PROBE_S: f64 = 10.0;
-
-/// Runs the agent until `shutdown` is set, then puts the GPUs without a running job back
-/// to their defaults (see [`crate::control::Agent::stop_actions`]).
-///
-/// `reloads` brings re-read site configs (SIGHUP): see [`Agent::reload`]; a refused one
-/// is logged and shown by `status` (`config_error`), and the settings in force stay.
-pub fn run(
+/// The agent as it starts: the GPUs found and read before anything is written, the
+/// previous run's state reconciled with what runs now, the previous lease resumed, and
+/// the state saved.
+fn start_up(
     settings: AgentSettings,
-    options: RunOptions,
-    mut backend: Box<dyn GpuBackend>,
-    shutdown: Arc<AtomicBool>,
-    reloads: Receiver<Result<AgentSettings, String>>,
-) -> Result<(), AgentError> {
-    let span = info_span!("powerflexd", node = %settings.node);
-    let _enter = span.enter();
-    let clock = Instant::now();
+    options: &RunOptions,
+    backend: &mut dyn GpuBackend,
+    clock: Instant,
+) -> Result<Agent, AgentError> {
     let now = || clock.elapsed().as_secs_f64();
-
-    // Before anything else touches the GPUs, the state or the sockets: a second agent
-    // would unlink the first one's live sockets and fight it over the caps.
-    let _instance = lock_instance(&options.state_dir)?;
     let identities = backend.discover()?;
     let saved = match persist::load(&options.state_dir) {
         Ok(state) => state,
@@ -443,6 +430,34 @@ pub fn run(
         .map(|g| agent.gpus[g as usize].identity.uuid.clone())
         .collect();
     agent.restore_saved_jobs(now(), first_read_at, saved_jobs, &live, &busy);
+    if state_lost {
+        adopt_from_slurm(&mut agent, backend, table.as_ref(), now());
+    }
+    // The previous run's lease, while it lasts, keeps the restored jobs at their caps;
+    // once run out it still bounds the fail-safe (which never raises a job above its
+    // last grant).
+    if let Some(lease) = saved_lease {
+        let left_s = lease.expires_unix_s - unix_s();
+        info!(
+            jobs = lease.caps.len(),
+            left_s = left_s.max(0.0),
+            "resuming the previous run's lease"
+        );
+        agent.restore_saved_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
+    }
+    save(&options.state_dir, &agent);
+
+    Ok(agent)
+}
+
+/// After a lost state file (missing, or set aside as corrupt): the jobs running on this
+/// node's GPUs, taken back as managed under the tier Slurm records for them.
+fn adopt_from_slurm(
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    table: Option<&crate::procs::ProcTable>,
+    now: f64,
+) {
     // Jobs running on this node's GPUs that a lost (missing or corrupt) state file no
     // longer lists: take back those Slurm records as managed, under the tier it records
     // (the controller's AdminComment, admins' only), rather than release their caps. Never
@@ -451,18 +466,13 @@ pub fn run(
     // never from the job's environment. Which job a GPU's process belongs to comes from
     // its ancestry (`persist::running_jobs`).
     let node = agent.settings.node.clone();
-    let running = if state_lost {
-        let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
-            .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
-            .filter(|(_, pids)| !pids.is_empty())
-            .collect();
-        table
-            .as_ref()
-            .map(|t| persist::running_jobs(t, &gpu_pids, persist::process_uid))
-            .unwrap_or_default()
-    } else {
-        Vec::new()
-    };
+    let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
+        .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
+        .filter(|(_, pids)| !pids.is_empty())
+        .collect();
+    let running = table
+        .map(|t| persist::running_jobs(t, &gpu_pids, persist::process_uid))
+        .unwrap_or_default();
     // One read of Slurm's record per cluster, for every job to take back.
     let mut slurm_records: BTreeMap<
         Option<String>,
@@ -484,7 +494,7 @@ pub fn run(
             continue;
         };
         match agent.register(
-            now(),
+            now,
             &job.job_id,
             crate::control::ADOPTED_STEP,
             job.uid,
@@ -493,96 +503,46 @@ pub fn run(
             &tier,
         ) {
             Ok(_) => {
-                agent.set_job_cluster(&job.job_id, job.cluster.clone(), now());
+                agent.set_job_cluster(&job.job_id, job.cluster.clone(), now);
                 warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, source = "Slurm's AdminComment", "job running on this node's GPUs without a record (state file lost); managing it again")
             }
             Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
         }
     }
-    // The previous run's lease, while it lasts, keeps the restored jobs at their caps;
-    // once run out it still bounds the fail-safe (which never raises a job above its
-    // last grant).
-    if let Some(lease) = saved_lease {
-        let left_s = lease.expires_unix_s - unix_s();
-        info!(
-            jobs = lease.caps.len(),
-            left_s = left_s.max(0.0),
-            "resuming the previous run's lease"
-        );
-        agent.restore_saved_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
-    }
-    save(&options.state_dir, &agent);
+}
+
+/// How often a degraded GPU is read to see whether it works again, seconds.
+const DEGRADED_PROBE_S: f64 = 10.0;
+
+/// Runs the agent until `shutdown` is set, then puts the GPUs without a running job back
+/// to their defaults (see [`crate::control::Agent::stop_actions`]).
+///
+/// `reloads` brings re-read site configs (SIGHUP): see [`Agent::reload`]; a refused one
+/// is logged and shown by `status` (`config_error`), and the settings in force stay.
+pub fn run(
+    settings: AgentSettings,
+    options: RunOptions,
+    mut backend: Box<dyn GpuBackend>,
+    shutdown: Arc<AtomicBool>,
+    reloads: Receiver<Result<AgentSettings, String>>,
+) -> Result<(), AgentError> {
+    let span = info_span!("powerflexd", node = %settings.node);
+    let _enter = span.enter();
+    let clock = Instant::now();
+    let now = || clock.elapsed().as_secs_f64();
+
+    // Before anything else touches the GPUs, the state or the sockets: a second agent
+    // would unlink the first one's live sockets and fight it over the caps.
+    let _instance = lock_instance(&options.state_dir)?;
+    let mut agent = start_up(settings, &options, backend.as_mut(), clock)?;
 
     let snapshot: SnapshotCell = Arc::new(RwLock::new(Arc::new(agent.snapshot(now()))));
     let (tx, rx) = bounded::<Inbound>(1024);
     let (control_tx, mut control_rx) = bounded::<Inbound>(64);
-    let stats = Arc::new(server::ServerStats::default());
-    let control = bind_unix(&options.control_socket, "control socket")?;
-    let progress = bind_unix(&options.progress_socket, "progress socket")?;
-    let mut threads = vec![
-        server::spawn_control(
-            control,
-            control_tx,
-            snapshot.clone(),
-            stats.clone(),
-            shutdown.clone(),
-        )
-        .map_err(|source| AgentError::Io {
-            what: "thread for",
-            path: options.control_socket.display().to_string(),
-            source,
-        })?,
-        server::spawn_progress(progress, tx.clone(), stats.clone(), shutdown.clone()).map_err(
-            |source| AgentError::Io {
-                what: "thread for",
-                path: options.progress_socket.display().to_string(),
-                source,
-            },
-        )?,
-    ];
-    let mut metrics = None;
-    if let Some(addr) = options.metrics_listen {
-        let listener = TcpListener::bind(addr).map_err(|source| AgentError::Io {
-            what: "metrics listener",
-            path: addr.to_string(),
-            source,
-        })?;
-        metrics = Some(crate::metrics::spawn(
-            listener,
-            snapshot.clone(),
-            stats.clone(),
-        )?);
-    }
-    if let Some(mut link) = options.link.clone() {
-        link.gpus = agent
-            .gpus
-            .iter()
-            .map(|g| powerflex_proto::link::GpuInfo {
-                uuid: g.identity.uuid.clone(),
-                name: g.identity.name.clone(),
-                min_w: g.identity.min_cap.0,
-                max_w: g.identity.max_cap.0,
-                default_w: g.saved_default.0,
-            })
-            .collect();
-        let addr = link.controller.to_string();
-        threads.push(
-            crate::link::spawn(link, snapshot.clone(), tx.clone(), shutdown.clone()).map_err(
-                |source| AgentError::Io {
-                    what: "thread for the controller link to",
-                    path: addr,
-                    source,
-                },
-            )?,
-        );
-    }
-    drop(tx);
+    let edges = spawn_edges(&options, &agent, &snapshot, tx, control_tx, &shutdown)?;
 
     let ticker = tick(Duration::from_millis(50));
-    let mut next_sample = 0.0;
-    let mut next_probe = DEGRADED_PROBE_S;
-    let mut next_job_scan = 0.0;
-    let mut next_usage_save = USAGE_SAVE_INTERVAL_S;
+    let mut timers = Timers::default();
     let mut control_in_a_row = 0;
     while !shutdown.load(Ordering::SeqCst) {
         // Control requests (registrations, step and job ends) come first: slurmstepd
@@ -629,64 +589,26 @@ pub fn run(
             }
             recv(ticker) -> _ => {
                 let t = now();
-                if t < next_sample {
-                    continue;
+                if t >= timers.next_sample {
+                    sample_tick(&mut agent, backend.as_mut(), &mut timers, t, &options, &snapshot);
                 }
-                let started = Instant::now();
-                next_sample = t + options.sample_interval.as_secs_f64();
-                // Degraded GPUs are probed now and then, not every sample: a GPU that
-                // answers again (a fault cleared, a permission fixed) is managed again,
-                // and its default restored when its job is gone.
-                let probe = t >= next_probe;
-                if probe {
-                    next_probe = t + DEGRADED_PROBE_S;
-                }
-                // Jobs whose end never reached the agent: their step daemons are gone.
-                if t >= next_job_scan {
-                    next_job_scan = t + JOB_SCAN_INTERVAL_S;
-                    match crate::procs::ProcTable::read(Path::new("/proc")) {
-                        Ok(table) => {
-                            for job_id in agent.jobs_alive(t, &table.live_jobs()) {
-                                warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
-                            }
-                            let used = gpu_use(backend.as_mut(), &agent, &table);
-                            agent.nvml_processes_seen(t, &used.processes);
-                            for r in agent.check_gpu_use(t, &used.jobs) {
-                                warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
-                            }
-                        }
-                        Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),
-                    }
-                }
-                for gpu in 0..agent.gpus.len() as u32 {
-                    let degraded = agent.gpus[gpu as usize].degraded.is_some();
-                    if degraded && !probe {
-                        continue;
-                    }
-                    let sample = backend.sample(gpu);
-                    match &sample {
-                        Err(e) if !degraded => {
-                            warn!(gpu, error = %e, class = ?e.class, "GPU reading failed")
-                        }
-                        Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
-                        _ => {}
-                    }
-                    if let Some(m) = agent.sampled(t, gpu, sample) {
-                        log_mismatch(&m, agent.cap_mismatches, "writing it again");
-                    }
-                }
-                let actions = agent.tick(t);
-                execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
-                record_usage(&mut agent, &options.state_dir, options.usage_log);
-                if t >= next_usage_save && !agent.jobs.is_empty() {
-                    next_usage_save = t + USAGE_SAVE_INTERVAL_S;
-                    save(&options.state_dir, &agent);
-                }
-                publish(&snapshot, &agent, t);
-                note_if_slow(started, "sample");
             }
         }
     }
+    shut_down(&mut agent, backend.as_mut(), &options, &shutdown, edges);
+    Ok(())
+}
+
+/// Stopping: the GPUs without a running job back to their defaults (every GPU with
+/// `--release-on-exit`), the accounting and state saved, the edge threads woken and
+/// joined, the sockets removed.
+fn shut_down(
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    options: &RunOptions,
+    shutdown: &AtomicBool,
+    edges: Edges,
+) {
     let actions = agent.stop_actions(options.release_on_exit);
     if options.release_on_exit {
         info!("shutting down: restoring every GPU's default cap (--release-on-exit)");
@@ -696,28 +618,345 @@ pub fn run(
             "shutting down: GPUs without a job back to their defaults; running jobs keep their caps for the next agent"
         );
     }
-    execute(actions, &mut agent, backend.as_mut(), &options.state_dir);
-    record_usage(&mut agent, &options.state_dir, options.usage_log);
-    save(&options.state_dir, &agent);
+    execute(actions, agent, backend, &options.state_dir);
+    record_usage(agent, &options.state_dir, options.usage_log);
+    save(&options.state_dir, agent);
     shutdown.store(true, Ordering::SeqCst);
     // The accept threads block in accept(): a connection wakes each to see the shutdown.
     let _ = std::os::unix::net::UnixStream::connect(&options.control_socket);
     let _ = std::os::unix::net::UnixStream::connect(&options.progress_socket);
-    for t in threads {
+    for t in edges.threads {
         let _ = t.join();
     }
-    if let Some(metrics) = metrics {
+    if let Some(metrics) = edges.metrics {
         metrics.stop();
     }
     let _ = std::fs::remove_file(&options.control_socket);
     let _ = std::fs::remove_file(&options.progress_socket);
-    Ok(())
+}
+
+/// The threads around the control loop: the control and progress sockets, the
+/// metrics listener and the controller link, each sending into the loop's channels.
+struct Edges {
+    threads: Vec<std::thread::JoinHandle<()>>,
+    metrics: Option<powerflex_daemon::http::MetricsServer>,
+}
+
+fn spawn_edges(
+    options: &RunOptions,
+    agent: &Agent,
+    snapshot: &SnapshotCell,
+    tx: crossbeam_channel::Sender<Inbound>,
+    control_tx: crossbeam_channel::Sender<Inbound>,
+    shutdown: &Arc<AtomicBool>,
+) -> Result<Edges, AgentError> {
+    let stats = Arc::new(server::ServerStats::default());
+    let control = bind_unix(&options.control_socket, "control socket")?;
+    let progress = bind_unix(&options.progress_socket, "progress socket")?;
+    let mut threads = vec![
+        server::spawn_control(
+            control,
+            control_tx,
+            snapshot.clone(),
+            stats.clone(),
+            Arc::clone(shutdown),
+        )
+        .map_err(|source| AgentError::Io {
+            what: "thread for",
+            path: options.control_socket.display().to_string(),
+            source,
+        })?,
+        server::spawn_progress(progress, tx.clone(), stats.clone(), Arc::clone(shutdown)).map_err(
+            |source| AgentError::Io {
+                what: "thread for",
+                path: options.progress_socket.display().to_string(),
+                source,
+            },
+        )?,
+    ];
+    let mut metrics = None;
+    if let Some(addr) = options.metrics_listen {
+        let listener = TcpListener::bind(addr).map_err(|source| AgentError::Io {
+            what: "metrics listener",
+            path: addr.to_string(),
+            source,
+        })?;
+        metrics = Some(crate::metrics::spawn(
+            listener,
+            snapshot.clone(),
+            stats.clone(),
+        )?);
+    }
+    if let Some(mut link) = options.link.clone() {
+        link.gpus = agent
+            .gpus
+            .iter()
+            .map(|g| powerflex_proto::link::GpuInfo {
+                uuid: g.identity.uuid.clone(),
+                name: g.identity.name.clone(),
+                min_w: g.identity.min_cap.0,
+                max_w: g.identity.max_cap.0,
+                default_w: g.saved_default.0,
+            })
+            .collect();
+        let addr = link.controller.to_string();
+        threads.push(
+            crate::link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
+                |source| AgentError::Io {
+                    what: "thread for the controller link to",
+                    path: addr,
+                    source,
+                },
+            )?,
+        );
+    }
+    Ok(Edges { threads, metrics })
+}
+
+/// When the control loop next samples the GPUs, probes the degraded ones, scans the
+/// process table for ended jobs and saves the accounting, agent seconds.
+#[derive(Debug)]
+struct Timers {
+    next_sample: f64,
+    next_probe: f64,
+    next_job_scan: f64,
+    next_usage_save: f64,
+}
+
+impl Default for Timers {
+    fn default() -> Timers {
+        Timers {
+            next_sample: 0.0,
+            next_probe: DEGRADED_PROBE_S,
+            next_job_scan: 0.0,
+            next_usage_save: USAGE_SAVE_INTERVAL_S,
+        }
+    }
+}
+
+/// One sample period: the GPUs read (the degraded ones now and then), ended jobs and
+/// GPU use found from the process table every few seconds, the machine's tick executed,
+/// the accounting recorded and the status published.
+fn sample_tick(
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    timers: &mut Timers,
+    t: f64,
+    options: &RunOptions,
+    snapshot: &SnapshotCell,
+) {
+    let started = Instant::now();
+    timers.next_sample = t + options.sample_interval.as_secs_f64();
+    // Degraded GPUs are probed now and then, not every sample: a GPU that
+    // answers again (a fault cleared, a permission fixed) is managed again,
+    // and its default restored when its job is gone.
+    let probe = t >= timers.next_probe;
+    if probe {
+        timers.next_probe = t + DEGRADED_PROBE_S;
+    }
+    // Jobs whose end never reached the agent: their step daemons are gone.
+    if t >= timers.next_job_scan {
+        timers.next_job_scan = t + JOB_SCAN_INTERVAL_S;
+        match crate::procs::ProcTable::read(Path::new("/proc")) {
+            Ok(table) => {
+                for job_id in agent.jobs_alive(t, &table.live_jobs()) {
+                    warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
+                }
+                let used = gpu_use(backend, agent, &table);
+                agent.nvml_processes_seen(t, &used.processes);
+                for r in agent.check_gpu_use(t, &used.jobs) {
+                    warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),
+        }
+    }
+    for gpu in 0..agent.gpus.len() as u32 {
+        let degraded = agent.gpus[gpu as usize].degraded.is_some();
+        if degraded && !probe {
+            continue;
+        }
+        let sample = backend.sample(gpu);
+        match &sample {
+            Err(e) if !degraded => {
+                warn!(gpu, error = %e, class = ?e.class, "GPU reading failed")
+            }
+            Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
+            _ => {}
+        }
+        if let Some(m) = agent.sampled(t, gpu, sample) {
+            log_mismatch(&m, agent.cap_mismatches, "writing it again");
+        }
+    }
+    let actions = agent.tick(t);
+    execute(actions, agent, backend, &options.state_dir);
+    record_usage(agent, &options.state_dir, options.usage_log);
+    if t >= timers.next_usage_save && !agent.jobs.is_empty() {
+        timers.next_usage_save = t + USAGE_SAVE_INTERVAL_S;
+        save(&options.state_dir, agent);
+    }
+    publish(snapshot, agent, t);
+    note_if_slow(started, "sample");
 }
 
 fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
     let fresh = Arc::new(agent.snapshot(now));
     if let Ok(mut slot) = cell.write() {
         *slot = fresh;
+    }
+}
+
+/// A control request from the plugin or the epilog (root), answered: a step's
+/// registration, a step's or a job's end, a status ping.
+fn handle_control(
+    request: powerflex_proto::ControlRequest,
+    peer: crate::server::Peer,
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    now: f64,
+    state_dir: &Path,
+) -> ControlReply {
+    match request.op {
+        ControlOp::Register {
+            job_id,
+            step_id,
+            uid,
+            node,
+            gpus,
+            flex,
+        } => register_step(
+            agent,
+            backend,
+            now,
+            state_dir,
+            peer,
+            Registration {
+                job_id: &job_id,
+                step_id: &step_id,
+                uid,
+                node: &node,
+                gpus: &gpus,
+                flex: &flex,
+            },
+        ),
+        ControlOp::EndStep { job_id, step_id } => {
+            if step_id == crate::control::BATCH_STEP_NAME {
+                // The batch script's end makes the job's final share here
+                // (see `Agent::end_step`): its energy is read up to now.
+                sample_job_gpus(agent, backend, &job_id, now);
+            }
+            match agent.end_step(&job_id, &step_id, now) {
+                Ok(ended_share) => {
+                    info!(
+                        job_id = %job_id,
+                        step_id = %step_id,
+                        job_ended = ended_share.is_some(),
+                        "step ended"
+                    );
+                    save(state_dir, agent);
+                    ControlReply {
+                        ended_share,
+                        ..ControlReply::ok()
+                    }
+                }
+                Err(e) => ControlReply::error(e),
+            }
+        }
+        ControlOp::EndJob { job_id } => {
+            // The job's hold (and its energy) ends now.
+            sample_job_gpus(agent, backend, &job_id, now);
+            let known = agent.end_job(&job_id, now);
+            info!(job_id = %job_id, known, "job ended; its GPUs return to default");
+            save(state_dir, agent);
+            ControlReply::ok()
+        }
+        ControlOp::Status => ControlReply::ok(),
+    }
+}
+
+/// What a step's registration names.
+struct Registration<'a> {
+    job_id: &'a str,
+    step_id: &'a str,
+    uid: u32,
+    node: &'a str,
+    gpus: &'a [String],
+    flex: &'a str,
+}
+
+/// A step registers (from its slurmstepd, root): the GPUs checked against what runs on
+/// them, the job registered, its GPUs read (its hold starts now) and capped before the
+/// answer, since slurmstepd starts the tasks after it.
+fn register_step(
+    agent: &mut Agent,
+    backend: &mut dyn GpuBackend,
+    now: f64,
+    state_dir: &Path,
+    peer: crate::server::Peer,
+    step: Registration<'_>,
+) -> ControlReply {
+    let Registration {
+        job_id,
+        step_id,
+        uid,
+        node,
+        gpus,
+        flex,
+    } = step;
+    let span = info_span!("job", job_id = %job_id);
+    let _e = span.enter();
+    // The registering peer is the step's slurmstepd (root): its cluster
+    // tells this job apart from same-numbered jobs of other clusters.
+    let cluster = crate::procs::stepd_cluster(Path::new("/proc"), peer.pid);
+    // A live step daemon registers: a job holding these GPUs with no step
+    // daemon left has ended (its end lost), and Slurm moved its GPUs on.
+    // The whole process table is read only then: it is most of a
+    // registration's work, and slurmstepd waits for the answer.
+    if cluster.is_some() && agent.gpus_held_by_others(job_id, gpus) {
+        if let Ok(table) = crate::procs::ProcTable::read(Path::new("/proc")) {
+            for ended in agent.hand_over_from_ended_jobs(now, job_id, gpus, &table.live_jobs()) {
+                warn!(ended_job = %ended, step_id = %step_id, "a job holding these GPUs has no step daemon left (its end was lost); ended, its GPUs go to this job");
+            }
+        }
+    }
+    let in_use = gpus_used_by_others(backend, agent, gpus, job_id, &cluster);
+    let outcome = match in_use {
+        Some(refusal) => {
+            agent.gpu_claims_refused += 1;
+            warn!(step_id = %step_id, gpu = refusal.gpu, used_by = ?refusal.used_by, "GPU claim refused at registration: other jobs' processes run on it");
+            Err(format!(
+                "GPU {} runs processes of job {}: a step may register only the GPUs Slurm gave it",
+                refusal.gpu,
+                refusal.used_by.join(", ")
+            ))
+        }
+        None => agent.register(now, job_id, step_id, uid, node, gpus, flex),
+    };
+    match outcome {
+        Ok(r) => {
+            if let Some(cluster) = cluster {
+                agent.set_job_cluster(job_id, cluster, now);
+            }
+            info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
+            // The job's hold of its GPUs (and its energy) starts now.
+            sample_job_gpus(agent, backend, job_id, now);
+            // Cap the job's GPUs before answering: slurmstepd starts the
+            // tasks after this reply, so they never run above the cap
+            // the job is granted (the fail-safe until the controller
+            // has allocated it).
+            let actions = agent.tick(now);
+            execute(actions, agent, backend, state_dir);
+            save(state_dir, agent);
+            ControlReply {
+                progress: r.progress,
+                tier: Some(r.tier),
+                ..ControlReply::ok()
+            }
+        }
+        Err(e) => {
+            warn!(step_id = %step_id, error = %e, "registration refused");
+            ControlReply::error(e)
+        }
     }
 }
 
@@ -735,109 +974,7 @@ fn handle(
             peer,
             reply,
         } => {
-            let answer = match request.op {
-                ControlOp::Register {
-                    job_id,
-                    step_id,
-                    uid,
-                    node,
-                    gpus,
-                    flex,
-                } => {
-                    let span = info_span!("job", job_id = %job_id);
-                    let _e = span.enter();
-                    // The registering peer is the step's slurmstepd (root): its cluster
-                    // tells this job apart from same-numbered jobs of other clusters.
-                    let cluster = crate::procs::stepd_cluster(Path::new("/proc"), peer.pid);
-                    // A live step daemon registers: a job holding these GPUs with no step
-                    // daemon left has ended (its end lost), and Slurm moved its GPUs on.
-                    // The whole process table is read only then: it is most of a
-                    // registration's work, and slurmstepd waits for the answer.
-                    if cluster.is_some() && agent.gpus_held_by_others(&job_id, &gpus) {
-                        if let Ok(table) = crate::procs::ProcTable::read(Path::new("/proc")) {
-                            for ended in agent.hand_over_from_ended_jobs(
-                                now,
-                                &job_id,
-                                &gpus,
-                                &table.live_jobs(),
-                            ) {
-                                warn!(ended_job = %ended, step_id = %step_id, "a job holding these GPUs has no step daemon left (its end was lost); ended, its GPUs go to this job");
-                            }
-                        }
-                    }
-                    let in_use = gpus_used_by_others(backend, agent, &gpus, &job_id, &cluster);
-                    let outcome = match in_use {
-                        Some(refusal) => {
-                            agent.gpu_claims_refused += 1;
-                            warn!(step_id = %step_id, gpu = refusal.gpu, used_by = ?refusal.used_by, "GPU claim refused at registration: other jobs' processes run on it");
-                            Err(format!(
-                                "GPU {} runs processes of job {}: a step may register only the GPUs Slurm gave it",
-                                refusal.gpu,
-                                refusal.used_by.join(", ")
-                            ))
-                        }
-                        None => agent.register(now, &job_id, &step_id, uid, &node, &gpus, &flex),
-                    };
-                    match outcome {
-                        Ok(r) => {
-                            if let Some(cluster) = cluster {
-                                agent.set_job_cluster(&job_id, cluster, now);
-                            }
-                            info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
-                            // The job's hold of its GPUs (and its energy) starts now.
-                            sample_job_gpus(agent, backend, &job_id, now);
-                            // Cap the job's GPUs before answering: slurmstepd starts the
-                            // tasks after this reply, so they never run above the cap
-                            // the job is granted (the fail-safe until the controller
-                            // has allocated it).
-                            let actions = agent.tick(now);
-                            execute(actions, agent, backend, state_dir);
-                            save(state_dir, agent);
-                            ControlReply {
-                                progress: r.progress,
-                                tier: Some(r.tier),
-                                ..ControlReply::ok()
-                            }
-                        }
-                        Err(e) => {
-                            warn!(step_id = %step_id, error = %e, "registration refused");
-                            ControlReply::error(e)
-                        }
-                    }
-                }
-                ControlOp::EndStep { job_id, step_id } => {
-                    if step_id == crate::control::BATCH_STEP_NAME {
-                        // The batch script's end makes the job's final share here
-                        // (see `Agent::end_step`): its energy is read up to now.
-                        sample_job_gpus(agent, backend, &job_id, now);
-                    }
-                    match agent.end_step(&job_id, &step_id, now) {
-                        Ok(ended_share) => {
-                            info!(
-                                job_id = %job_id,
-                                step_id = %step_id,
-                                job_ended = ended_share.is_some(),
-                                "step ended"
-                            );
-                            save(state_dir, agent);
-                            ControlReply {
-                                ended_share,
-                                ..ControlReply::ok()
-                            }
-                        }
-                        Err(e) => ControlReply::error(e),
-                    }
-                }
-                ControlOp::EndJob { job_id } => {
-                    // The job's hold (and its energy) ends now.
-                    sample_job_gpus(agent, backend, &job_id, now);
-                    let known = agent.end_job(&job_id, now);
-                    info!(job_id = %job_id, known, "job ended; its GPUs return to default");
-                    save(state_dir, agent);
-                    ControlReply::ok()
-                }
-                ControlOp::Status => ControlReply::ok(),
-            };
+            let answer = handle_control(request, peer, agent, backend, now, state_dir);
             let _ = reply.send(answer);
         }
         Inbound::Progress {
