@@ -491,29 +491,116 @@ pub fn decide_holding(
     decide_steady(nodes, budget, settings, held, &BTreeMap::new())
 }
 
-/// A change of caps that buys less than this share of the site's objective is not made:
-/// each change costs the job a settle at its new cap and blurs what the agent learns
-/// there, and on a flat optimum the estimates' noise alone would swing a cap between
-/// distant values (270 W and 600 W, period after period, in the demo before this rule).
-pub const STEADY_GAIN: f64 = 0.005;
+/// The power range of a job's GPUs on one node, W, and the most one GPU of the node
+/// draws by default (for a job that does not name its GPUs).
+struct NodeLimits {
+    min_cap: f64,
+    max_cap: f64,
+    default_w: f64,
+}
 
-/// Standard deviations of the estimated gain a change must clear: at 2, the curves' noise
-/// alone moves the caps in about one period in forty, not one in six as at 1.
-pub const STEADY_Z: f64 = 2.0;
+/// One node's report of a managed job, merged into the job as gathered across its nodes.
+/// Returns what the job may draw at most on this node (at its GPUs' defaults) and what
+/// it is taken to draw now, W.
+fn merge_report(
+    jobs: &mut BTreeMap<String, SiteJob>,
+    node: &NodeView,
+    report: &JobReport,
+    limits: NodeLimits,
+) -> (f64, f64) {
+    let first_node = !jobs.contains_key(&report.job_id);
+    let job = jobs
+        .entry(report.job_id.clone())
+        .or_insert_with(|| SiteJob {
+            tier: report.tier.clone(),
+            min_cap: 0.0,
+            max_cap: f64::MAX,
+            counts_tokens: true,
+            power_from_every_node: true,
+            ..SiteJob::default()
+        });
+    // The cap the draw was measured at: the one read back with it, else the last
+    // written. Nodes that disagree leave no single cap to compare with.
+    let measured_at = report.power_cap_w.or(report.cap_w);
+    job.cap_now_w = match (first_node, job.cap_now_w, measured_at) {
+        (true, _, now) => now,
+        (false, Some(a), Some(b)) if (a - b).abs() <= 0.5 => Some(a),
+        (false, _, _) => None,
+    };
+    let steady = report
+        .power_cap_steady_s
+        .is_some_and(|s| s >= STEADY_AFTER_CAP_CHANGE_S);
+    job.power_steady = if first_node {
+        steady
+    } else {
+        job.power_steady && steady
+    };
+    let held_s = report.power_cap_steady_s.unwrap_or(0.0);
+    job.cap_steady_s = if first_node {
+        held_s
+    } else {
+        job.cap_steady_s.min(held_s)
+    };
+    job.calibrating |= report.calibrating;
+    job.power_from_every_node &= report.power_w.is_some();
+    let job_default_w = if report.gpu_uuids.is_empty() {
+        f64::from(report.gpus) * limits.default_w
+    } else {
+        node.gpus
+            .iter()
+            .filter(|g| report.gpu_uuids.contains(&g.uuid))
+            .map(|g| g.default_w)
+            .sum()
+    };
+    job.default_w += job_default_w;
+    job.gpus = job.gpus.saturating_add(report.gpus);
+    job.nodes.push(node.node.clone());
+    let power = report
+        .power_w
+        .unwrap_or(limits.max_cap * f64::from(report.gpus));
+    job.power_w += power;
+    job.pfi = job.pfi.or(report.pfi);
+    if let Some(t) = report.throughput.filter(|t| t.is_finite() && *t > 0.0) {
+        job.throughput = Some(job.throughput.unwrap_or(0.0) + t);
+        job.counts_tokens &= report.throughput_unit == Some(ThroughputUnit::Tokens);
+    }
+    job.min_cap = job.min_cap.max(limits.min_cap);
+    job.max_cap = job.max_cap.min(limits.max_cap);
+    for p in &report.curve {
+        let ok = |x: f64| x.is_finite() && x >= 0.0;
+        if !(ok(p.power_sigma_w) && ok(p.throughput_sigma)) {
+            continue;
+        }
+        let entry = job
+            .sigma
+            .entry(p.cap_w.round() as u64)
+            .or_insert((0.0, 0.0, 0));
+        entry.0 += p.power_sigma_w.powi(2);
+        entry.1 += p.throughput_sigma.powi(2);
+        entry.2 += 1;
+    }
+    for p in &report.points {
+        let entry = job
+            .points
+            .entry(p[0].round() as u64)
+            .or_insert((0.0, 0.0, 0));
+        entry.0 += p[1];
+        entry.1 += p[2];
+        entry.2 += 1;
+    }
+    (job_default_w, power)
+}
 
-/// [`decide_holding`], steady: when the caps in force (`in_force`, job → per-GPU cap, W)
-/// still fit the budget and hold every tier's floor on the current curves, and the new
-/// decision would keep no more than [`STEADY_GAIN`] of the objective over them, or no
-/// more than [`STEADY_Z`] standard deviations of that difference on the curves' own
-/// uncertainty (a gain the noise alone could show), they stay. Any new or ended job, a budget they no longer fit, a floor they break, or a
-/// gain worth a change decides afresh.
-pub fn decide_steady(
-    nodes: &[NodeView],
-    budget: Watts,
-    settings: &SiteSettings,
-    held: &Held,
-    in_force: &BTreeMap<String, f64>,
-) -> Decision {
+/// What the nodes' reports say, gathered per job across nodes: the jobs the allocation
+/// may steer, the power it must leave for everything else (silent nodes, idle GPUs,
+/// unmanaged jobs), and the reports it refused.
+struct Gathered {
+    jobs: BTreeMap<String, SiteJob>,
+    reserved: f64,
+    rejected: Vec<Rejected>,
+}
+
+fn gather_jobs(nodes: &[NodeView], settings: &SiteSettings) -> Gathered {
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
     let mut reserved = 0.0;
     let mut rejected: Vec<Rejected> = Vec::new();
@@ -584,86 +671,18 @@ pub fn decide_steady(
                 });
                 continue;
             };
-            let first_node = !jobs.contains_key(&report.job_id);
-            let job = jobs
-                .entry(report.job_id.clone())
-                .or_insert_with(|| SiteJob {
-                    tier: tier.clone(),
-                    min_cap: 0.0,
-                    max_cap: f64::MAX,
-                    counts_tokens: true,
-                    power_from_every_node: true,
-                    ..SiteJob::default()
-                });
-            // The cap the draw was measured at: the one read back with it, else the last
-            // written. Nodes that disagree leave no single cap to compare with.
-            let measured_at = report.power_cap_w.or(report.cap_w);
-            job.cap_now_w = match (first_node, job.cap_now_w, measured_at) {
-                (true, _, now) => now,
-                (false, Some(a), Some(b)) if (a - b).abs() <= 0.5 => Some(a),
-                (false, _, _) => None,
-            };
-            let steady = report
-                .power_cap_steady_s
-                .is_some_and(|s| s >= STEADY_AFTER_CAP_CHANGE_S);
-            job.power_steady = if first_node {
-                steady
-            } else {
-                job.power_steady && steady
-            };
-            let held_s = report.power_cap_steady_s.unwrap_or(0.0);
-            job.cap_steady_s = if first_node {
-                held_s
-            } else {
-                job.cap_steady_s.min(held_s)
-            };
-            job.calibrating |= report.calibrating;
-            job.power_from_every_node &= report.power_w.is_some();
-            let job_default_w = if report.gpu_uuids.is_empty() {
-                f64::from(report.gpus) * node_default_w
-            } else {
-                node.gpus
-                    .iter()
-                    .filter(|g| report.gpu_uuids.contains(&g.uuid))
-                    .map(|g| g.default_w)
-                    .sum()
-            };
-            job.default_w += job_default_w;
-            node_managed_default_w += job_default_w;
-            job.gpus = job.gpus.saturating_add(report.gpus);
-            job.nodes.push(node.node.clone());
-            let power = report.power_w.unwrap_or(max_cap * f64::from(report.gpus));
-            job.power_w += power;
-            node_managed += power;
-            job.pfi = job.pfi.or(report.pfi);
-            if let Some(t) = report.throughput.filter(|t| t.is_finite() && *t > 0.0) {
-                job.throughput = Some(job.throughput.unwrap_or(0.0) + t);
-                job.counts_tokens &= report.throughput_unit == Some(ThroughputUnit::Tokens);
-            }
-            job.min_cap = job.min_cap.max(min_cap);
-            job.max_cap = job.max_cap.min(max_cap);
-            for p in &report.curve {
-                let ok = |x: f64| x.is_finite() && x >= 0.0;
-                if !(ok(p.power_sigma_w) && ok(p.throughput_sigma)) {
-                    continue;
-                }
-                let entry = job
-                    .sigma
-                    .entry(p.cap_w.round() as u64)
-                    .or_insert((0.0, 0.0, 0));
-                entry.0 += p.power_sigma_w.powi(2);
-                entry.1 += p.throughput_sigma.powi(2);
-                entry.2 += 1;
-            }
-            for p in &report.points {
-                let entry = job
-                    .points
-                    .entry(p[0].round() as u64)
-                    .or_insert((0.0, 0.0, 0));
-                entry.0 += p[1];
-                entry.1 += p[2];
-                entry.2 += 1;
-            }
+            let (default_w, power_w) = merge_report(
+                &mut jobs,
+                node,
+                report,
+                NodeLimits {
+                    min_cap,
+                    max_cap,
+                    default_w: node_default_w,
+                },
+            );
+            node_managed_default_w += default_w;
+            node_managed += power_w;
         }
         reserved += match settings.budget_mode {
             // Idle GPUs, unmanaged jobs and GPUs the agent cannot steer: at their default
@@ -674,11 +693,35 @@ pub fn decide_steady(
             BudgetMode::Metered { .. } => (node.power_w - node_managed).max(0.0),
         };
     }
+    Gathered {
+        jobs,
+        reserved,
+        rejected,
+    }
+}
+
+/// The allocator's view of the jobs it steers: one spec per job with a usable range
+/// and curve (measured points where every node of the job measured them, else a prior
+/// from its PFI), the jobs whose draw or speed left their curves, and whether the
+/// objective is raw tokens/s (every steered job counts tokens). A job the allocator
+/// cannot take is refused here, not allowed to cost the others their allocation.
+struct Specs {
+    specs: Vec<JobSpec>,
+    drifted: Vec<Drift>,
+    raw_tokens: bool,
+}
+
+fn job_specs(
+    jobs: &BTreeMap<String, SiteJob>,
+    settings: &SiteSettings,
+    held: &Held,
+    rejected: &mut Vec<Rejected>,
+) -> Specs {
     // The jobs the allocation can steer, and their measured points (caps every node of
     // the job measured: part of a job's power is no estimate of all of it).
     let mut steerable: Vec<(&String, &SiteJob, powerflex_core::flex::FlexRequest)> = Vec::new();
     let mut readings = Vec::new();
-    for (id, job) in &jobs {
+    for (id, job) in jobs {
         let Ok(request) = parse_power_flex(&job.tier, &settings.tiers) else {
             continue;
         };
@@ -793,9 +836,26 @@ pub fn decide_steady(
             false
         }
     });
+    Specs {
+        specs,
+        drifted,
+        raw_tokens,
+    }
+}
+
+/// What the managed jobs the allocation does not steer may draw, W: a held job at its
+/// count (or its lowest cap), a job without a usable range or curve at its default
+/// (hard budget) or its draw (metered).
+fn unsteered_reserve_w(
+    jobs: &BTreeMap<String, SiteJob>,
+    specs: &[JobSpec],
+    held: &Held,
+    settings: &SiteSettings,
+) -> f64 {
+    let mut reserved = 0.0;
     // A managed job the allocation does not steer (no usable range or curve) still
     // draws: pay for it before the others.
-    for (id, job) in &jobs {
+    for (id, job) in jobs {
         if let Some(count) = held.get(id.as_str()) {
             let lowest_w = job.min_cap * f64::from(job.gpus);
             reserved += match (count, settings.budget_mode) {
@@ -812,18 +872,30 @@ pub fn decide_steady(
             };
         }
     }
+    reserved
+}
+
+/// The allocation of what the budget leaves after `reserved_w`, by the site's policy,
+/// kept steady where a change would buy too little (see [`decide_steady`]).
+fn site_allocation(
+    specs: &[JobSpec],
+    budget: Watts,
+    reserved_w: f64,
+    settings: &SiteSettings,
+    in_force: &BTreeMap<String, f64>,
+) -> Option<Allocation> {
     let usable = match settings.budget_mode {
         BudgetMode::Hard => budget.0,
         BudgetMode::Metered { margin } => budget.0 * (1.0 - margin.clamp(0.0, 1.0)),
     };
-    let managed_budget = Watts((usable - reserved).max(0.0));
+    let managed_budget = Watts((usable - reserved_w).max(0.0));
     // The optimal policy leans to the equal split as far as the curves' uncertainty
     // warrants: the rule `powerflexctl evaluate` scores (see `allocate_cautious`), with
     // no power margin here, since the metered loop corrects each job's power by its
     // draw every period and the budget's metered margin covers the rest.
     let allocation = match settings.policy {
         Policy::Optimal => allocate_cautious(
-            &specs,
+            specs,
             managed_budget,
             Caution {
                 power_z: 0.0,
@@ -837,9 +909,20 @@ pub fn decide_steady(
             ..c.allocation
         })
         .ok(),
-        policy => allocate(&specs, managed_budget, policy).ok(),
+        policy => allocate(specs, managed_budget, policy).ok(),
     };
-    let allocation = allocation.map(|a| keep_steady(a, &specs, managed_budget, in_force));
+    allocation.map(|a| keep_steady(a, specs, managed_budget, in_force))
+}
+
+/// Each live node's lease: every job on it at its decided cap, a held job at its lowest
+/// cap, and an empty lease for a node with nothing to steer (it still learns the start
+/// cap and that the controller is there).
+fn leases_of(
+    nodes: &[NodeView],
+    jobs: &BTreeMap<String, SiteJob>,
+    held: &Held,
+    allocation: Option<&Allocation>,
+) -> BTreeMap<String, BTreeMap<String, f64>> {
     let mut leases: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     for node in nodes.iter().filter(|n| n.live) {
         leases.entry(node.node.clone()).or_default();
@@ -868,6 +951,45 @@ pub fn decide_steady(
             }
         }
     }
+    leases
+}
+
+/// A change of caps that buys less than this share of the site's objective is not made:
+/// each change costs the job a settle at its new cap and blurs what the agent learns
+/// there, and on a flat optimum the estimates' noise alone would swing a cap between
+/// distant values (270 W and 600 W, period after period, in the demo before this rule).
+pub const STEADY_GAIN: f64 = 0.005;
+
+/// Standard deviations of the estimated gain a change must clear: at 2, the curves' noise
+/// alone moves the caps in about one period in forty, not one in six as at 1.
+pub const STEADY_Z: f64 = 2.0;
+
+/// [`decide_holding`], steady: when the caps in force (`in_force`, job → per-GPU cap, W)
+/// still fit the budget and hold every tier's floor on the current curves, and the new
+/// decision would keep no more than [`STEADY_GAIN`] of the objective over them, or no
+/// more than [`STEADY_Z`] standard deviations of that difference on the curves' own
+/// uncertainty (a gain the noise alone could show), they stay. Any new or ended job, a budget they no longer fit, a floor they break, or a
+/// gain worth a change decides afresh.
+pub fn decide_steady(
+    nodes: &[NodeView],
+    budget: Watts,
+    settings: &SiteSettings,
+    held: &Held,
+    in_force: &BTreeMap<String, f64>,
+) -> Decision {
+    let Gathered {
+        jobs,
+        mut reserved,
+        mut rejected,
+    } = gather_jobs(nodes, settings);
+    let Specs {
+        specs,
+        drifted,
+        raw_tokens,
+    } = job_specs(&jobs, settings, held, &mut rejected);
+    reserved += unsteered_reserve_w(&jobs, &specs, held, settings);
+    let allocation = site_allocation(&specs, budget, reserved, settings, in_force);
+    let leases = leases_of(nodes, &jobs, held, allocation.as_ref());
     Decision {
         leases,
         budget_w: budget.0,
