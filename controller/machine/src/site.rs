@@ -35,7 +35,7 @@ use powerflex_proto::report::{
 };
 // What a decision says it maximised (the wire's name for it); `Objective` above is the
 // site's setting.
-use powerflex_proto::status::{Objective as Maximised, ThroughputUnit};
+use powerflex_proto::status::{Objective as Maximised, PfiSource, ThroughputUnit};
 
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,7 +159,12 @@ struct SiteJob {
     gpus: u32,
     nodes: Vec<String>,
     power_w: f64,
+    /// The first PFI a node measured for the job.
     pfi: Option<f64>,
+    /// The first prior PFI a node planned the job on (one that has not walked it).
+    prior_pfi: Option<f64>,
+    /// Some node of the job plans it on a prior: the job was not walked there.
+    unwalked_node: bool,
     /// Summed over the nodes that report it.
     throughput: Option<f64>,
     /// Whether every node that reports progress counts tokens.
@@ -185,6 +190,21 @@ struct SiteJob {
     cap_steady_s: f64,
     /// Whether an agent is walking the job's calibration now.
     calibrating: bool,
+}
+
+impl SiteJob {
+    /// The PFI the job is planned on without measured points: a measured one only when
+    /// every node of the job measured it. A node that did not walk sets the pace of the
+    /// ones that did (CI run 40: a two-node job whose second node never walked read a
+    /// PFI of 6.24 against a true 3.12 on the first), so, as with the points, part of a
+    /// job's walk is no measure of all of it: the nodes' prior then.
+    fn planning_pfi(&self) -> Option<f64> {
+        if self.unwalked_node {
+            self.prior_pfi
+        } else {
+            self.pfi
+        }
+    }
 }
 
 /// A job whose measured draw or throughput at its cap left its curve's band: its curve
@@ -559,7 +579,14 @@ fn merge_report(
         .power_w
         .unwrap_or(limits.max_cap * f64::from(report.gpus));
     job.power_w += power;
-    job.pfi = job.pfi.or(report.pfi);
+    // A node on a prior has not walked the job; an agent from before `pfi_source`
+    // (none) is taken at its word, as it always was.
+    if report.pfi_source == Some(PfiSource::Prior) {
+        job.unwalked_node = true;
+        job.prior_pfi = job.prior_pfi.or(report.pfi);
+    } else {
+        job.pfi = job.pfi.or(report.pfi);
+    }
     if let Some(t) = report.throughput.filter(|t| t.is_finite() && *t > 0.0) {
         job.throughput = Some(job.throughput.unwrap_or(0.0) + t);
         job.counts_tokens &= report.throughput_unit == Some(ThroughputUnit::Tokens);
@@ -776,7 +803,7 @@ fn job_specs(
             CapCurve::from_pfi_prior(
                 Watts(job.max_cap * f64::from(job.gpus)),
                 job.throughput.unwrap_or(1.0),
-                job.pfi.unwrap_or(settings.default_pfi).max(0.5),
+                job.planning_pfi().unwrap_or(settings.default_pfi).max(0.5),
                 Watts(job.min_cap),
                 Watts(job.max_cap),
                 Watts(50.0),
@@ -1541,6 +1568,46 @@ mod tests {
             power_w,
             live: true,
         }
+    }
+
+    /// A multi-node job is planned on a measured PFI only when every node measured it:
+    /// a node that never walked (it planned on a prior) set the pace of the one that
+    /// did, whose PFI is then no measure of the job (CI run 40: 6.24 against 3.12).
+    #[test]
+    fn a_pfi_measured_on_some_of_a_jobs_nodes_is_not_the_jobs() {
+        let with_pfi = |pfi: f64, source: PfiSource| JobReport {
+            pfi: Some(pfi),
+            pfi_source: Some(source),
+            ..report("4", "flex2", 2, 1000.0, Vec::new())
+        };
+        let gathered = |second: JobReport| {
+            gather_jobs(
+                &[
+                    node(
+                        "n1",
+                        vec![gpu(0), gpu(1)],
+                        vec![with_pfi(6.24, PfiSource::Measured)],
+                    ),
+                    node("n2", vec![gpu(0), gpu(1)], vec![second]),
+                ],
+                &settings(),
+            )
+            .jobs
+        };
+        let partial = gathered(with_pfi(1.8, PfiSource::Prior));
+        assert_eq!(partial["4"].planning_pfi(), Some(1.8), "the nodes' prior");
+        let whole = gathered(with_pfi(6.1, PfiSource::Measured));
+        assert_eq!(
+            whole["4"].planning_pfi(),
+            Some(6.24),
+            "every node measured it"
+        );
+        // An agent from before `pfi_source` is taken at its word.
+        let unknown = gathered(JobReport {
+            pfi_source: None,
+            ..with_pfi(6.1, PfiSource::Measured)
+        });
+        assert_eq!(unknown["4"].planning_pfi(), Some(6.24));
     }
 
     /// Issue: one bad report cancelled the whole site's allocation (`allocate(..).ok()`),
