@@ -211,10 +211,7 @@ fn serve(
 ) {
     // Progress is frequent and changes nothing a reader needs at once: it is published
     // with the next tick. Job changes are published right away.
-    let job_change = matches!(
-        msg,
-        Inbound::Control { .. } | Inbound::Lease { .. } | Inbound::RegistrationUndelivered { .. }
-    );
+    let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
     let started = Instant::now();
     let what = inbound_kind(&msg);
     let now = || clock.elapsed().as_secs_f64();
@@ -231,7 +228,7 @@ fn serve(
 const MAX_CONTROL_IN_A_ROW: u32 = 8;
 
 /// Work of one loop turn past which the agent says so: registrations wait behind it
-/// (slurmstepd gives up on its answer after the plugin's deadline, 200 ms by default).
+/// (slurmstepd gives up on its answer after the plugin's deadline, 150 ms by default).
 const SLOW_TURN: Duration = Duration::from_millis(100);
 
 /// Warns when one turn of the control loop took longer than [`SLOW_TURN`].
@@ -252,7 +249,6 @@ fn inbound_kind(msg: &Inbound) -> &'static str {
         Inbound::ProgressRefused { .. } => "refused progress report",
         Inbound::Lease { .. } => "lease",
         Inbound::Acked { .. } => "acknowledged finals",
-        Inbound::RegistrationUndelivered { .. } => "undelivered registration",
     }
 }
 
@@ -1034,17 +1030,6 @@ fn handle(
                     acknowledged = dropped,
                     left = agent.unacked.len(),
                     "the controller recorded this node's final shares"
-                );
-                save(state_dir, agent);
-            }
-        }
-        Inbound::RegistrationUndelivered { job_id, step_id } => {
-            if let Some(job_ended) = agent.registration_undelivered(now, &job_id, &step_id) {
-                warn!(
-                    job_id = %job_id,
-                    step_id = %step_id,
-                    job_ended,
-                    "the plugin never got this registration's answer (its deadline passed) and told the job it runs without power management; the step is taken back"
                 );
                 save(state_dir, agent);
             }

@@ -61,10 +61,6 @@ pub enum Inbound {
     /// An authenticated lease from the controller for this node (see
     /// [`crate::control::LeaseMessage`]).
     Lease(crate::control::LeaseMessage),
-    /// A registration whose answer did not reach the plugin (it gave up waiting, or the
-    /// loop answered too late): the step is taken back (see
-    /// [`crate::control::Agent::registration_undelivered`]).
-    RegistrationUndelivered { job_id: String, step_id: String },
     /// The controller acknowledged these final shares (checked and bounded by the link):
     /// their records are written.
     Acked {
@@ -324,12 +320,6 @@ fn serve_control(
         );
         return;
     }
-    let registering = match &request.op {
-        ControlOp::Register {
-            job_id, step_id, ..
-        } => Some((job_id.clone(), step_id.clone())),
-        _ => None,
-    };
     let (reply_tx, reply_rx) = bounded(1);
     if tx
         .send_timeout(
@@ -345,23 +335,10 @@ fn serve_control(
         reply(&mut stream, &ControlReply::error("agent busy"));
         return;
     }
-    let (answer, answered) = match reply_rx.recv_timeout(IO_TIMEOUT) {
-        Ok(answer) => (answer, true),
-        Err(_) => (ControlReply::error("agent did not answer in time"), false),
-    };
-    let delivered = stream.write_all(answer.to_line().as_bytes()).is_ok();
-    // A registration the plugin never heard of (it gave up at its deadline and closed
-    // the connection, so the write fails; or the loop answered after ours): the plugin
-    // told the job it runs unmanaged, so the agent takes the step back. The loop gets
-    // this after the registration itself (one channel, in order).
-    if let Some((job_id, step_id)) = registering {
-        if !answered || (answer.ok && !delivered) {
-            let _ = tx.send_timeout(
-                Inbound::RegistrationUndelivered { job_id, step_id },
-                IO_TIMEOUT,
-            );
-        }
-    }
+    let answer = reply_rx
+        .recv_timeout(IO_TIMEOUT)
+        .unwrap_or_else(|_| ControlReply::error("agent did not answer in time"));
+    reply(&mut stream, &answer);
 }
 
 /// Serves the progress socket until `shutdown`.

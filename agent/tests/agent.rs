@@ -1028,42 +1028,6 @@ fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
 /// Issue 14 item 2: a registration naming a GPU that another job's processes use (by
 /// NVML's process list and their ancestry) is refused and counted, and the job that
 /// runs there keeps it.
-/// A plugin that gave up waiting (its deadline passed on a loaded node) has told the job
-/// it runs without power management: the agent, whose answer found the connection
-/// closed, takes the registration back instead of capping a job that cannot report.
-#[test]
-fn a_registration_whose_answer_finds_the_plugin_gone_is_taken_back() {
-    if !can_run(&[Need::Root]) {
-        return;
-    }
-    let f = Fixture::new("undelivered", Some(100_000.0), 3600);
-    let register = ControlRequest::new(ControlOp::Register {
-        job_id: "77".into(),
-        step_id: "0".into(),
-        uid: 0,
-        node: "n1".into(),
-        gpus: vec!["2".into()],
-        flex: "flex2".into(),
-    });
-    // The plugin at its deadline: the request sent, the connection closed unread.
-    {
-        let mut stream = UnixStream::connect(f.socket()).expect("connect");
-        stream
-            .write_all(register.to_line().as_bytes())
-            .expect("send");
-    }
-    wait_until(
-        "the registration taken back",
-        Duration::from_secs(10),
-        || f.log().contains("the step is taken back").then_some(()),
-    );
-    assert!(f.job_status("77").is_none(), "{:?}", f.status().jobs);
-    assert!(f.log().contains("job_id=77"), "{}", f.log());
-    // A registration whose answer is read stays.
-    assert!(f.register("78", &["3"], "flex2").ok);
-    assert!(f.job_status("78").is_some());
-}
-
 #[test]
 fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
     if !can_run(&[Need::Root]) {

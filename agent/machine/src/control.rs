@@ -972,31 +972,6 @@ impl Agent {
         self.keep_final(now, share);
     }
 
-    /// A step's registration whose answer never reached the plugin: its deadline passed
-    /// (a loaded node) and it told the job that it runs without power management, with
-    /// no progress address. The step is taken back so the agent agrees: the job ends on
-    /// this node when it was its only step (its GPUs go back to their defaults at the
-    /// next tick, its final share kept). A job the agent manages half-way (capped but
-    /// never reporting) held a multi-node job's other nodes' walk at its cap: the demo's
-    /// two-node job then measured a PFI twice its true one. Returns whether the job
-    /// ended here; `None` when the step was not registered.
-    pub fn registration_undelivered(
-        &mut self,
-        now: f64,
-        job_id: &str,
-        step_id: &str,
-    ) -> Option<bool> {
-        let job = self.jobs.get_mut(job_id)?;
-        if !job.steps.remove(step_id) {
-            return None;
-        }
-        if job.steps.is_empty() {
-            self.end_job(job_id, now);
-            return Some(true);
-        }
-        Some(false)
-    }
-
     /// The job ended: its GPUs return to their defaults on the next tick. Ending an
     /// unknown job is not an error (every epilog calls it, calibrated or not).
     pub fn end_job(&mut self, job_id: &str, now: f64) -> bool {
@@ -2635,35 +2610,6 @@ mod tests {
         a.tick(12.0);
         assert_eq!(a.jobs["4"].calibration.phase, Phase::Warmup);
         assert!(a.jobs["4"].prior.is_none());
-    }
-
-    /// A registration the plugin never got the answer of is taken back: the job ends
-    /// here when that was its only step (its GPUs back to their defaults), and keeps
-    /// its other steps otherwise.
-    #[test]
-    fn an_undelivered_registration_is_taken_back() {
-        let mut a = agent(None);
-        a.register(0.0, "4", "0", 1000, "n1", &["0".into()], "flex2")
-            .expect("step 0");
-        a.register(0.0, "5", "batch", 1000, "n1", &["1".into()], "flex2")
-            .expect("job 5's batch step");
-        a.register(0.1, "5", "0", 1000, "n1", &["1".into()], "flex2")
-            .expect("job 5's step 0");
-        assert_eq!(a.registration_undelivered(1.0, "4", "0"), Some(true));
-        assert!(!a.jobs.contains_key("4"));
-        assert!(a.gpus[0].job.is_none(), "its GPU is no job's any more");
-        assert_eq!(a.registration_undelivered(1.0, "5", "0"), Some(false));
-        assert!(a.jobs["5"].steps.contains("batch"));
-        assert_eq!(
-            a.registration_undelivered(1.0, "5", "7"),
-            None,
-            "never registered"
-        );
-        assert_eq!(
-            a.registration_undelivered(1.0, "9", "0"),
-            None,
-            "no such job"
-        );
     }
 
     /// A lease message is applied whole, at once: its caps come back as writes (the
