@@ -7,8 +7,8 @@
 //! - a 30 % event with a ramp: budget and metered draw follow; it is modified to 20 %;
 //!   the VEN is killed and restarted, the VTN and the controller are restarted: no event
 //!   is duplicated or lost;
-//! - nonsense events (a level off the scale, a negative capacity limit) are refused and
-//!   change nothing;
+//! - nonsense events (a level off the scale, a negative capacity limit, a duration past
+//!   any calendar) are refused and change nothing, and the VEN goes on;
 //! - the VEN's reports of the metered draw arrive at the VTN.
 
 use powerflex_daemon::clock::unix_ms;
@@ -358,15 +358,32 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
                 payload: Payload::ImportCapacityLimitKw(-5.0),
             }],
         ),
+        // Past chrono's range: the duration library's conversion panicked on it, which
+        // ended the VEN (issue 21). Refused now, and the VEN goes on (step 8 needs it).
+        event_request(
+            &program_id,
+            "endless",
+            &[Step {
+                start_ms: unix_ms(),
+                duration_s: u64::MAX,
+                payload: Payload::Simple(1),
+            }],
+        ),
     ];
     for e in &nonsense {
         utility.create_event(e).expect("the VTN stores nonsense");
     }
-    wait_until("the VEN refusing both", Duration::from_secs(30), || {
-        let log = std::fs::read_to_string(ven_log(2)).unwrap_or_default();
-        (log.contains("SIMPLE level 99 is out of range") && log.contains("-5 kW is out of range"))
+    wait_until(
+        "the VEN refusing all three",
+        Duration::from_secs(30),
+        || {
+            let log = std::fs::read_to_string(ven_log(2)).unwrap_or_default();
+            (log.contains("SIMPLE level 99 is out of range")
+                && log.contains("-5 kW is out of range")
+                && log.contains("longer than grid.openadr.max_event_duration_s"))
             .then_some(())
-    });
+        },
+    );
     assert_eq!(events(&stack), vec![second.clone()], "after nonsense");
 
     // 7. Reports of the metered draw arrived for the event in force.

@@ -313,6 +313,7 @@ impl Vtn {
             }
             view.programs_read.insert(name.clone());
         }
+        map::bound_applied(&mut view, map::MAX_APPLIED_EVENTS);
         Ok((view, clients))
     }
 }
@@ -363,23 +364,50 @@ impl Ven {
         let now = unix_ms();
         let (view, clients) = self.vtn.read(&self.config, &self.mapping, now).await?;
         let mut round = Round::default();
+        // Remembered only while the VTN serves the event: the map stays as small as the
+        // VTN's list, however many events come and go.
+        self.refused.retain(|id, _| view.events.contains_key(id));
         for (vtn_id, (program, meaning)) in &view.events {
             if let Meaning::Refused(reason) = meaning {
                 round.refused += 1;
-                if self.refused.get(vtn_id) != Some(reason) {
-                    warn!(vtn_event = %vtn_id, program = %program, reason = %reason, "grid event refused, not applied");
-                    self.refused.insert(vtn_id.clone(), reason.clone());
-                }
+                self.refused_once(vtn_id, program, reason);
             }
         }
         let status = self.ctld.status().await?;
         let actions = map::reconcile(now, &view, &self.ledger, &status.events);
         round.actions = actions.len();
         for action in &actions {
-            self.execute(action).await?;
+            match self.execute(action).await {
+                Ok(()) => {}
+                // The controller heard the event and refused it: that event is not
+                // applied (tried again next round, logged once), the others go on.
+                Err(GridError::CtldRefused { message, .. }) => {
+                    round.refused += 1;
+                    let program = match action {
+                        Action::Add { program, .. } => program.as_str(),
+                        _ => "",
+                    };
+                    self.refused_once(
+                        action.vtn_id(),
+                        program,
+                        &format!("the controller refused it: {message}"),
+                    );
+                }
+                // The controller or the ledger is unreachable: stop the round, change
+                // nothing more.
+                Err(e) => return Err(e),
+            }
         }
         round.reports = self.report(&clients, &status, now).await;
         Ok(round)
+    }
+
+    /// Logs a refused event once per reason (a refusal is seen every round).
+    fn refused_once(&mut self, vtn_id: &str, program: &str, reason: &str) {
+        if self.refused.get(vtn_id).map(String::as_str) != Some(reason) {
+            warn!(vtn_event = %vtn_id, program = %program, reason = %reason, "grid event refused, not applied");
+            self.refused.insert(vtn_id.to_string(), reason.to_string());
+        }
     }
 
     async fn execute(&mut self, action: &Action) -> Result<(), GridError> {
@@ -389,9 +417,10 @@ impl Ven {
             } => {
                 // Pending first: a crash after the controller hears it is found by its
                 // fields on the next start, not added twice.
+                let before = self.ledger.events.get(vtn_id).cloned();
                 map::record(&mut self.ledger, action, None);
                 save_ledger(&self.ledger_path, &self.ledger)?;
-                let reply = self
+                let asked = self
                     .ctld
                     .ask(AdminOp::EventAdd {
                         cut: request.cut,
@@ -399,7 +428,21 @@ impl Ven {
                         duration_ms: request.duration_ms,
                         ramp_ms: request.ramp_ms,
                     })
-                    .await?;
+                    .await;
+                let reply = match asked {
+                    Ok(reply) => reply,
+                    Err(refused @ GridError::CtldRefused { .. }) => {
+                        // Not held by the controller: the entry goes back to what it
+                        // was (an earlier version stays in force, not superseded).
+                        match before {
+                            Some(entry) => self.ledger.events.insert(vtn_id.clone(), entry),
+                            None => self.ledger.events.remove(vtn_id),
+                        };
+                        save_ledger(&self.ledger_path, &self.ledger)?;
+                        return Err(refused);
+                    }
+                    Err(e) => return Err(e),
+                };
                 let pf_id = reply.event_id.ok_or_else(|| {
                     GridError::Ctld("the answer to event-add carries no event id".into())
                 })?;

@@ -155,7 +155,7 @@ fn payload_cut(
                 other => {
                     return Err(format!(
                     "interval {index}: SIMPLE level {other:?} is not an integer; accepted: 0 to {}",
-                    levels - 1
+                    levels.saturating_sub(1)
                 ))
                 }
             };
@@ -165,7 +165,7 @@ fn payload_cut(
                 .ok_or_else(|| {
                     format!(
                         "interval {index}: SIMPLE level {level} is out of range; accepted: 0 to {} (grid.openadr.simple_levels_pct)",
-                        levels - 1
+                        levels.saturating_sub(1)
                     )
                 })?;
             Ok(Cut::Reduce {
@@ -216,6 +216,12 @@ fn spans(event: &Event, mapping: &Mapping) -> Result<Vec<Span>, String> {
         Some(list) if !list.is_empty() => list,
         _ => return Err("the event has no intervals; accepted: at least one".into()),
     };
+    if intervals.len() > MAX_INTERVALS {
+        return Err(format!(
+            "the event has {} intervals; accepted: at most {MAX_INTERVALS}",
+            intervals.len()
+        ));
+    }
     // IMPORT_CAPACITY_LIMIT values are kW unless the event says otherwise.
     let kw_units = content
         .payload_descriptors
@@ -256,7 +262,7 @@ fn spans(event: &Event, mapping: &Mapping) -> Result<Vec<Span>, String> {
                     "interval {index} has no duration; accepted: an ISO 8601 duration such as PT1H"
                 )
             })?;
-        let length = duration.to_chrono_at_datetime(start);
+        let length = interval_length(index, duration, start, mapping)?;
         let length_ms = u64::try_from(length.num_milliseconds()).unwrap_or(0);
         if length_ms == 0 {
             return Err(format!(
@@ -264,10 +270,7 @@ fn spans(event: &Event, mapping: &Mapping) -> Result<Vec<Span>, String> {
             ));
         }
         if length_ms > mapping.max_event_duration_ms {
-            return Err(format!(
-                "interval {index} lasts {duration}, longer than grid.openadr.max_event_duration_s ({} s)",
-                mapping.max_event_duration_ms / 1000
-            ));
+            return Err(too_long(index, duration, mapping));
         }
         let start_ms = ms_of(start).ok_or_else(|| {
             format!("interval {index} starts before 1970 ({start}); accepted: a real date")
@@ -282,6 +285,86 @@ fn spans(event: &Event, mapping: &Mapping) -> Result<Vec<Span>, String> {
         });
     }
     Ok(out)
+}
+
+fn too_long(index: usize, duration: &openleadr_wire::Duration, mapping: &Mapping) -> String {
+    format!(
+        "interval {index} lasts {duration}, longer than grid.openadr.max_event_duration_s ({} s)",
+        mapping.max_event_duration_ms / 1000
+    )
+}
+
+/// How long `duration` lasts from `start`. The library's own conversion panics when the
+/// sum leaves chrono's range (a VTN may serve `PT99999999999999999999S`), so it runs only
+/// on durations whose upper bound from their fields (366-day years, 31-day months) is
+/// under two years. Anything longer is over `max_event_duration_s` (at most 7 days)
+/// whatever its start: the true length is at least the bound over 31/28.
+fn interval_length(
+    index: usize,
+    duration: &openleadr_wire::Duration,
+    start: chrono::DateTime<chrono::Utc>,
+    mapping: &Mapping,
+) -> Result<chrono::Duration, String> {
+    const DAY_S: f64 = 86_400.0;
+    const CONVERTIBLE_S: f64 = 2.0 * 366.0 * DAY_S;
+    // The wire type keeps its fields private; its text is the ISO 8601 form of them.
+    let fields: iso8601_duration::Duration = duration.to_string().parse().map_err(|_| {
+        format!("interval {index}: duration {duration} cannot be read; accepted: an ISO 8601 duration such as PT1H")
+    })?;
+    let parts = [
+        (fields.year, 366.0 * DAY_S),
+        (fields.month, 31.0 * DAY_S),
+        (fields.day, DAY_S),
+        (fields.hour, 3600.0),
+        (fields.minute, 60.0),
+        (fields.second, 1.0),
+    ];
+    if parts.iter().any(|(n, _)| !n.is_finite() || *n < 0.0) {
+        return Err(format!(
+            "interval {index}: duration {duration} has a part that is not a finite, non-negative number; accepted: an ISO 8601 duration such as PT1H"
+        ));
+    }
+    let upper_s: f64 = parts.iter().map(|(n, s)| f64::from(*n) * s).sum();
+    if upper_s > CONVERTIBLE_S {
+        return Err(too_long(index, duration, mapping));
+    }
+    Ok(duration.to_chrono_at_datetime(start))
+}
+
+/// The most intervals one VTN event may carry (a week of 5-minute prices is 2,016).
+pub const MAX_INTERVALS: usize = 10_000;
+
+/// The most VTN events the VEN applies at once, over all its programs. A program has a
+/// handful; a VTN serving thousands (by mistake or not) would otherwise fill the
+/// controller's event list (`MAX_PENDING_EVENTS`, 256, shared with the admins' events)
+/// and make every allocation scan them.
+pub const MAX_APPLIED_EVENTS: usize = 64;
+
+/// Keeps at most `most` events to apply: the ones starting first (then by VTN id); the
+/// rest are refused with the reason, logged, and applied in a later round once earlier
+/// ones end. An event in force starts before any ahead of it, so it is never displaced
+/// by a new one further out.
+pub fn bound_applied(view: &mut VtnView, most: usize) {
+    let mut applied: Vec<(u64, String)> = view
+        .events
+        .iter()
+        .filter_map(|(id, (_, meaning))| match meaning {
+            Meaning::Apply(request) => Some((request.start_ms, id.clone())),
+            _ => None,
+        })
+        .collect();
+    if applied.len() <= most {
+        return;
+    }
+    applied.sort();
+    let total = applied.len();
+    for (_, id) in applied.into_iter().skip(most) {
+        if let Some((_, meaning)) = view.events.get_mut(&id) {
+            *meaning = Meaning::Refused(format!(
+                "the VTN asks for {total} events in force or ahead at once; accepted: at most {most}, the earliest first (this one waits for a later round)"
+            ));
+        }
+    }
 }
 
 fn shape(spans: &[Span], mapping: &Mapping, now_ms: u64) -> Meaning {
@@ -429,6 +512,18 @@ pub enum Action {
     Cancel { vtn_id: String, pf_id: u64 },
     /// Drop the entry: its VTN event is gone or over and nothing is left to cancel.
     Forget { vtn_id: String },
+}
+
+impl Action {
+    /// The VTN event the action is for.
+    pub fn vtn_id(&self) -> &str {
+        match self {
+            Action::Add { vtn_id, .. }
+            | Action::Adopt { vtn_id, .. }
+            | Action::Cancel { vtn_id, .. }
+            | Action::Forget { vtn_id } => vtn_id,
+        }
+    }
 }
 
 /// The VTN's view this round, for the programs that could be read.
@@ -1093,5 +1188,221 @@ mod tests {
         record(&mut ledger, &actions_add("a", request(0.3, T0)), Some(4));
         let text = serde_json::to_string(&ledger).unwrap();
         assert_eq!(serde_json::from_str::<Ledger>(&text).unwrap(), ledger);
+    }
+
+    /// Issue 21: whatever a VTN serves is refused with a reason or applied within the
+    /// site's limits. A duration past chrono's range made the library's conversion panic
+    /// (`PT99999999999999999999S` from any start), which would have ended the VEN.
+    #[test]
+    fn durations_past_any_calendar_are_refused_not_a_panic() {
+        let one = format!(r#"[{{"id":0,"payloads":{}}}]"#, simple(1));
+        for duration in [
+            "PT99999999999999999999S",
+            "PT9999999999999M",
+            "P99999999999Y",
+            "P3000000000M",
+            "P99999999999999999999DT1H",
+            "P1Y1M1DT1H1M99999999999.5S",
+            "P1000W",
+        ] {
+            let e = event("huge", &period(T0, duration), &one);
+            match interpret(&e, &mapping(), T0) {
+                Meaning::Refused(reason) => assert!(
+                    reason.contains("max_event_duration_s") || reason.contains("accepted"),
+                    "{duration}: {reason}"
+                ),
+                other => panic!("{duration}: expected a refusal, got {other:?}"),
+            }
+        }
+        // The last day of the calendar, and a duration just inside the bound.
+        let e = event(
+            "late",
+            r#""intervalPeriod":{"start":"9999-12-31T23:00:00Z","duration":"PT23H"},"#,
+            &one,
+        );
+        assert!(matches!(interpret(&e, &mapping(), T0), Meaning::Apply(_)));
+        let e = event("y", &period(T0, "P1Y"), &one);
+        assert!(
+            matches!(interpret(&e, &mapping(), T0), Meaning::Refused(r) if r.contains("longer than"))
+        );
+        // Too many intervals.
+        let many = format!(
+            "[{}]",
+            (0..=MAX_INTERVALS)
+                .map(|i| format!(r#"{{"id":{i},"payloads":{}}}"#, simple(1)))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let e = event("many", &period(T0, "PT1S"), &many);
+        assert!(
+            matches!(interpret(&e, &mapping(), T0), Meaning::Refused(r) if r.contains("at most 10000")),
+        );
+    }
+
+    #[test]
+    fn at_most_so_many_events_apply_the_earliest_first() {
+        let mut events = Vec::new();
+        for k in 0..5u64 {
+            let request = request(0.1, T0 + (4 - k) * 60_000);
+            events.push((format!("e{k}"), Meaning::Apply(request)));
+        }
+        events.push(("bad".to_string(), Meaning::Refused("level 9".into())));
+        let refs: Vec<(&str, Meaning)> = events
+            .iter()
+            .map(|(i, m)| (i.as_str(), m.clone()))
+            .collect();
+        let mut v = view(&refs);
+        bound_applied(&mut v, 3);
+        let applied: Vec<&str> = v
+            .events
+            .iter()
+            .filter(|(_, (_, m))| matches!(m, Meaning::Apply(_)))
+            .map(|(id, _)| id.as_str())
+            .collect();
+        assert_eq!(applied, ["e2", "e3", "e4"], "the three starting first");
+        for id in ["e0", "e1"] {
+            assert!(matches!(&v.events[id].1, Meaning::Refused(r) if r.contains("at most 3")));
+        }
+        assert!(matches!(&v.events["bad"].1, Meaning::Refused(r) if r == "level 9"));
+        // Under the bound nothing changes.
+        let mut w = view(&refs);
+        bound_applied(&mut w, 5);
+        assert_eq!(w.events, view(&refs).events);
+    }
+
+    mod any_vtn_event {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// An ISO 8601 duration of random parts: small, huge, fractional or absent.
+        fn duration() -> impl Strategy<Value = String> {
+            let part = prop_oneof![
+                Just(String::new()),
+                (0u64..100).prop_map(|n| n.to_string()),
+                (0u64..10_000_000).prop_map(|n| n.to_string()),
+                "[0-9]{10,30}",
+                (0u32..100, 0u32..1000).prop_map(|(a, b)| format!("{a}.{b}")),
+            ];
+            (
+                part.clone(),
+                part.clone(),
+                part.clone(),
+                part.clone(),
+                part.clone(),
+                part,
+            )
+                .prop_map(|(y, mo, d, h, mi, s)| {
+                    let date: String = [(y, "Y"), (mo, "M"), (d, "D")]
+                        .iter()
+                        .filter(|(n, _)| !n.is_empty())
+                        .map(|(n, u)| format!("{n}{u}"))
+                        .collect();
+                    let time: String = [(h, "H"), (mi, "M"), (s, "S")]
+                        .iter()
+                        .filter(|(n, _)| !n.is_empty())
+                        .map(|(n, u)| format!("{n}{u}"))
+                        .collect();
+                    match (date.is_empty(), time.is_empty()) {
+                        (true, true) => "PT0S".to_string(),
+                        (_, true) => format!("P{date}"),
+                        _ => format!("P{date}T{time}"),
+                    }
+                })
+        }
+
+        /// A start anywhere in the calendar RFC 3339 can write, the zero date included.
+        fn start() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("0001-01-01T00:00:00Z".to_string()),
+                (1i32..=9999, 1u32..=12, 1u32..=28, 0u32..24)
+                    .prop_map(|(y, m, d, h)| format!("{y:04}-{m:02}-{d:02}T{h:02}:00:00Z")),
+                (-3_600_000i64..3_600_000).prop_map(|dt| iso((T0 as i64 + dt) as u64)),
+            ]
+        }
+
+        fn payload() -> impl Strategy<Value = String> {
+            let value = prop_oneof![
+                any::<i64>().prop_map(|v| v.to_string()),
+                (-5i64..10).prop_map(|v| v.to_string()),
+                any::<f64>()
+                    .prop_filter("JSON has no NaN or infinity", |v| v.is_finite())
+                    .prop_map(|v| format!("{v:?}")),
+                (-100.0f64..1e8).prop_map(|v| format!("{v:?}")),
+                Just("true".to_string()),
+                Just("\"x\"".to_string()),
+            ];
+            let kind = prop_oneof![
+                Just("SIMPLE"),
+                Just("IMPORT_CAPACITY_LIMIT"),
+                Just("PRICE"),
+                Just("EXPORT_CAPACITY_LIMIT"),
+            ];
+            (kind, proptest::collection::vec(value, 0..3)).prop_map(|(kind, values)| {
+                format!(r#"{{"type":"{kind}","values":[{}]}}"#, values.join(","))
+            })
+        }
+
+        fn interval() -> impl Strategy<Value = String> {
+            (
+                proptest::option::of((start(), duration())),
+                proptest::collection::vec(payload(), 0..3),
+            )
+                .prop_map(|(own, payloads)| {
+                    let own = own.map_or(String::new(), |(start, duration)| {
+                        format!(
+                            r#""intervalPeriod":{{"start":"{start}","duration":"{duration}"}},"#
+                        )
+                    });
+                    format!(r#"{{"id":0,{own}"payloads":[{}]}}"#, payloads.join(","))
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            #[test]
+            fn is_refused_with_a_reason_or_applied_within_limits(
+                period in proptest::option::of((start(), duration())),
+                intervals in proptest::collection::vec(interval(), 0..6),
+                now_offset_ms in -100_000_000i64..100_000_000,
+            ) {
+                let period = period.map_or(String::new(), |(start, duration)| {
+                    format!(r#""intervalPeriod":{{"start":"{start}","duration":"{duration}"}},"#)
+                });
+                let text = format!(
+                    r#"{{"id":"p","createdDateTime":"{c}","modificationDateTime":"{c}",
+                        "objectType":"EVENT","programID":"p1","priority":null,
+                        {period}"intervals":[{}]}}"#,
+                    intervals.join(","),
+                    c = iso(T0 - 60_000)
+                );
+                // What the wire types cannot read never reaches the mapping (the VTN
+                // client refuses the list); what they can must map without a panic.
+                let Ok(event) = serde_json::from_str::<Event>(&text) else {
+                    return Ok(());
+                };
+                let now_ms = (T0 as i64 + now_offset_ms) as u64;
+                let m = mapping();
+                match interpret(&event, &m, now_ms) {
+                    Meaning::Apply(r) => {
+                        prop_assert!(r.duration_ms <= m.max_event_duration_ms, "{r:?}");
+                        prop_assert!(r.end_ms() > now_ms, "{r:?}");
+                        prop_assert_eq!(
+                            powerflex_proto::event::check_new_event(&r.cut, r.start_ms, r.duration_ms, r.ramp_ms),
+                            Ok(())
+                        );
+                        match r.cut {
+                            Cut::Reduce { fraction } => prop_assert!(m.simple_level_cuts.contains(&fraction)),
+                            Cut::Target { budget_w } => prop_assert!(budget_w > 0.0 && budget_w <= 1e10),
+                        }
+                    }
+                    Meaning::Refused(reason) => prop_assert!(
+                        reason.contains("accepted") || reason.contains("max_event_duration_s"),
+                        "{reason}"
+                    ),
+                    Meaning::Nothing { .. } => {}
+                }
+            }
+        }
     }
 }

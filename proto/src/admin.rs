@@ -218,6 +218,17 @@ pub enum Refusal {
     NoSuchNode,
     /// `forget-node` named a node that is reporting now (stop its agent first).
     NodeLive,
+    /// `event-add` asked for an event the controller cannot apply (a cut out of range, a
+    /// duration of zero or too long, a ramp longer than half the event): that event
+    /// never will be, whatever else happens.
+    EventOutOfRange,
+    /// `event-add` found [`crate::event::MAX_PENDING_EVENTS`] events held already: this
+    /// one may be accepted once others end or are cancelled.
+    TooManyEvents,
+    /// A refusal this client does not know (a newer controller): handled as a plain
+    /// error, so an added variant never makes the whole reply unreadable.
+    #[serde(other)]
+    Other,
 }
 
 /// The controller's answer. Exactly one of the payload fields is set on success, the one
