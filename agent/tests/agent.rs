@@ -51,6 +51,9 @@ struct Fixture {
     metrics_port: u16,
     /// Start the agent with `--release-on-exit`.
     release_on_exit: bool,
+    /// Start the agent in its own mount namespace with its state directory on a tmpfs of
+    /// this many KiB (a small `/var` the test can fill through `/proc/PID/root`).
+    small_state_fs_kib: Option<u32>,
 }
 
 /// Quotes `s` for sh.
@@ -139,6 +142,7 @@ impl Fixture {
             jobs: Vec::new(),
             metrics_port,
             release_on_exit: false,
+            small_state_fs_kib: None,
         };
         f.start_agent();
         f
@@ -151,7 +155,26 @@ impl Fixture {
     fn start_agent(&mut self) {
         let _ = std::fs::remove_file(self.socket());
         let log = std::fs::File::create(self.dir.join("agent.log")).expect("log");
-        let child = Command::new(env!("CARGO_BIN_EXE_powerflexd"))
+        let mut command = match self.small_state_fs_kib {
+            None => Command::new(env!("CARGO_BIN_EXE_powerflexd")),
+            Some(kib) => {
+                // unshare and sh exec in turn: the child's PID is the agent's.
+                let mut c = Command::new("unshare");
+                c.args([
+                    "--mount",
+                    "sh",
+                    "-c",
+                    &format!(
+                        "mount -t tmpfs -o size={kib}k pf-state \"$1\" && shift && exec \"$@\""
+                    ),
+                    "sh",
+                ])
+                .arg(self.state_fs())
+                .arg(env!("CARGO_BIN_EXE_powerflexd"));
+                c
+            }
+        };
+        let child = command
             .args([
                 "--config",
                 self.config.to_str().expect("utf-8"),
@@ -170,6 +193,11 @@ impl Fixture {
         wait_until("the agent's socket", Duration::from_secs(20), || {
             (UnixStream::connect(self.socket()).is_ok()).then_some(())
         });
+    }
+
+    /// The directory holding the agent's state directory (`state/%n`).
+    fn state_fs(&self) -> PathBuf {
+        self.dir.join("state")
     }
 
     fn log(&self) -> String {
@@ -486,6 +514,228 @@ fn standalone_budget_caps_jobs_and_a_stop_keeps_running_jobs_capped_until_releas
             "GPU {g} restored with --release-on-exit"
         );
     }
+}
+
+/// Issue 21: an agent restarted (stopped as an upgrade stops it) in the middle of a
+/// job's calibration walk keeps the node within its budget at every 50 ms sample, through
+/// the stop, the gap and the new agent's start, and the new agent walks the job again to
+/// a PFI as right as an uninterrupted walk's (a walk cut short saves no partial curve: the
+/// first walk's windows are not a curve to plan on).
+#[test]
+fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    const BUDGET_W: f64 = 1500.0;
+    let mut f = Fixture::new("midwalk", Some(BUDGET_W), 3600);
+    let reply = f.register("401", &["0", "1"], "flex3");
+    assert!(reply.ok, "{reply:?}");
+    let profile = "qwen3-30b-a3b-moe-ft-8g";
+    f.simjob("401", "0,1", profile, reply.progress.as_deref());
+    // Every 50 ms: the node's draw and the sum of its GPUs' limits, from the simulated
+    // GPUs themselves (not from the agent).
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (node, stop) = (f.node.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let t0 = std::time::Instant::now();
+            let mut worst_draw_w: f64 = 0.0;
+            let mut samples = 0u32;
+            let mut over = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let draw_w: f64 = (0..8)
+                    .filter_map(|g| node.reading(g).ok())
+                    .map(|(_, r)| f64::from(r.power_mw) / 1000.0)
+                    .sum();
+                worst_draw_w = worst_draw_w.max(draw_w);
+                if draw_w > BUDGET_W * 1.005 && over.len() < 20 {
+                    over.push((t0.elapsed().as_millis(), draw_w.round()));
+                }
+                samples += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (worst_draw_w, samples, over, t0)
+        })
+    };
+    // Past its first level (the grant, 500 W a GPU here): stopped mid-walk.
+    let walking = wait_until("the walk under way", Duration::from_secs(90), || {
+        f.job_status("401").filter(|j| {
+            j.calibration == CalibrationState::Walking
+                && j.calibration_level_w.is_some_and(|w| w <= 400.0)
+        })
+    });
+    let before: Vec<f64> = (0..2).map(|g| f.limit_w(g)).collect();
+    let stopped_at = std::time::Instant::now();
+    let status = f.signal_agent(Signal::TERM).expect("agent exit");
+    assert!(status.success(), "clean exit on SIGTERM");
+    for g in 0..2 {
+        assert_eq!(
+            f.limit_w(g),
+            before[g as usize],
+            "GPU {g} keeps the walk's cap through the stop"
+        );
+    }
+    // The gap of a package upgrade.
+    std::thread::sleep(Duration::from_secs(2));
+    let restarted_at = std::time::Instant::now();
+    f.start_agent();
+    let done = wait_until("the walk done again", Duration::from_secs(180), || {
+        f.job_status("401")
+            .filter(|j| j.calibration == CalibrationState::Done)
+    });
+    // The walk's end hands the job its steady cap: that moment is sampled too.
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    let (worst_draw_w, samples, over, t0) = sampler.join().expect("sampler");
+    assert!(samples > 40, "{samples} samples");
+    assert!(
+        worst_draw_w <= BUDGET_W * 1.005,
+        "the node drew {worst_draw_w:.0} W against a {BUDGET_W} W budget; over it at (ms, W) {over:?}; stopped at {} ms, restarted at {} ms",
+        stopped_at.duration_since(t0).as_millis(),
+        restarted_at.duration_since(t0).as_millis()
+    );
+    assert!(
+        f.log().contains("still running; managing it again"),
+        "{}",
+        f.log()
+    );
+    let caps: Vec<f64> = done.points.iter().map(|p| p[0]).collect();
+    // The grant (500 W a GPU) and the levels below it down to the tier's reach.
+    assert!(
+        caps.len() >= 3,
+        "walked {caps:?} (stopped at the {:?} W level)",
+        walking.calibration_level_w
+    );
+    let truth = powerflex_sim::profiles::Library::builtin()
+        .expect("library")
+        .find(profile)
+        .expect("profile")
+        .physics
+        .pfi_on(&caps)
+        .expect("true pfi");
+    let measured = done.pfi.expect("pfi");
+    assert!(
+        (measured - truth).abs() <= 0.05,
+        "measured PFI {measured} vs true {truth} on {caps:?}"
+    );
+    println!(
+        "mid-walk restart: worst draw {worst_draw_w:.0} W of {BUDGET_W} W over {samples} samples; PFI {measured:.3} vs {truth:.3} on {caps:?}"
+    );
+}
+
+/// Issue 21: a full `/var`. The agent's state saves fail (logged) while jobs start, get
+/// capped and end; the caps in force stay and the node keeps its budget at every 50 ms
+/// sample; once space is back the next save holds the jobs as they are.
+#[test]
+fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    const BUDGET_W: f64 = 2000.0;
+    let mut f = Fixture::new("fullvar", Some(BUDGET_W), 3600);
+    f.signal_agent(Signal::TERM).expect("first agent exit");
+    f.small_state_fs_kib = Some(512);
+    f.start_agent();
+    let agent_pid = f.agent.as_ref().expect("agent").id();
+    // The agent's view of its state directory, from outside its mount namespace.
+    let state_fs = PathBuf::from(format!("/proc/{agent_pid}/root")).join(
+        f.state_fs()
+            .strip_prefix("/")
+            .expect("absolute state directory"),
+    );
+    let state_file =
+        || std::fs::read_to_string(state_fs.join("n1/agent-state.json")).unwrap_or_default();
+    let first = f.register("501", &["0", "1", "2", "3"], "flex3,calibrate=off");
+    assert!(first.ok, "{first:?}");
+    f.simjob(
+        "501",
+        "0,1,2,3",
+        "llama-3.1-70b-dense-pt-8g-compile",
+        first.progress.as_deref(),
+    );
+    wait_until(
+        "the budget capping the job",
+        Duration::from_secs(20),
+        || (f.limit_w(0) < 700.0).then_some(()),
+    );
+    wait_until("job 501 saved", Duration::from_secs(30), || {
+        state_file().contains("\"501\"").then_some(())
+    });
+    // Fill the file system to the last byte.
+    let fill = state_fs.join("fill");
+    let mut filler = std::fs::File::create(&fill).expect("fill file");
+    let chunk = vec![0u8; 4096];
+    while filler.write_all(&chunk).is_ok() {}
+    let _ = filler.write_all(&[0u8]);
+    drop(filler);
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (node, stop) = (f.node.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut worst_draw_w: f64 = 0.0;
+            let mut samples = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let draw_w: f64 = (0..8)
+                    .filter_map(|g| node.reading(g).ok())
+                    .map(|(_, r)| f64::from(r.power_mw) / 1000.0)
+                    .sum();
+                worst_draw_w = worst_draw_w.max(draw_w);
+                samples += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (worst_draw_w, samples)
+        })
+    };
+    // A second job starts on the full file system: managed and capped all the same.
+    let second = f.register("502", &["4", "5"], "flex3,calibrate=off");
+    assert!(second.ok, "{second:?}");
+    f.simjob(
+        "502",
+        "4,5",
+        "llama-3.1-70b-dense-pt-8g-compile",
+        second.progress.as_deref(),
+    );
+    wait_until("job 502 capped", Duration::from_secs(20), || {
+        (f.limit_w(4) < 700.0 && f.job_status("502").is_some()).then_some(())
+    });
+    wait_until("a failed save logged", Duration::from_secs(30), || {
+        f.log().contains("cannot persist agent state").then_some(())
+    });
+    assert!(
+        !state_file().contains("\"502\""),
+        "the full file system held no save naming job 502"
+    );
+    let caps: Vec<f64> = (0..8).map(|g| f.limit_w(g)).collect();
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    let (worst_draw_w, samples) = sampler.join().expect("sampler");
+    assert!(samples > 40, "{samples} samples");
+    assert!(
+        worst_draw_w <= BUDGET_W * 1.005,
+        "the node drew {worst_draw_w:.0} W against a {BUDGET_W} W budget"
+    );
+    assert!(caps[..6].iter().all(|&c| c < 700.0), "{caps:?}");
+    assert_eq!(
+        f.status()
+            .jobs
+            .iter()
+            .map(|j| j.job.as_str())
+            .collect::<Vec<_>>(),
+        ["501", "502"]
+    );
+    // Space back: the next save holds both jobs.
+    std::fs::remove_file(&fill).expect("free the space");
+    wait_until("both jobs saved", Duration::from_secs(60), || {
+        let text = state_file();
+        (text.contains("\"501\"") && text.contains("\"502\"")).then_some(())
+    });
+    println!(
+        "full state fs: worst draw {worst_draw_w:.0} W of {BUDGET_W} W over {samples} samples"
+    );
 }
 
 #[test]

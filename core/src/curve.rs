@@ -264,6 +264,30 @@ impl CapCurve {
         curve
     }
 
+    /// This curve with one more knot above its highest, at `cap_w` drawing `power_w` and
+    /// running as fast as the highest knot: for a curve measured only up to a cap below
+    /// the GPUs' maximum, whose flat extension above its top would claim the cap costs no
+    /// more power. The new knot's standard error is the highest knot's. Unchanged when
+    /// `cap_w` is not above the highest knot or `power_w` is not a positive number.
+    pub fn with_knot_above(&self, cap_w: Watts, power_w: Watts) -> CapCurve {
+        let Some(top) = self.knots.last().copied() else {
+            return self.clone();
+        };
+        if cap_w.0 <= top.cap_w.0 + 0.5 || !power_w.0.is_finite() || power_w.0 <= 0.0 {
+            return self.clone();
+        }
+        let mut curve = self.clone();
+        curve.knots.push(OperatingPoint {
+            cap_w,
+            power_w: Watts(power_w.0.max(top.power_w.0)),
+            throughput: top.throughput,
+        });
+        if let Some(&last) = curve.knot_sigma.last() {
+            curve.knot_sigma.push(last);
+        }
+        curve
+    }
+
     /// The same curve with each knot's power replaced by `power(cap_w, power_w)` (kept
     /// above 1 mW), throughput, source and uncertainty unchanged: the controller's
     /// correction of a job's power by what it measures, or the bound `cap × GPUs` the
@@ -1032,6 +1056,34 @@ fn fallback_curve(obs: &[OperatingPoint]) -> CapCurve {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_knot_above_the_top_costs_its_power_and_gains_no_speed() {
+        let p = |cap: f64, power: f64, throughput: f64| OperatingPoint {
+            cap_w: Watts(cap),
+            power_w: Watts(power),
+            throughput,
+        };
+        let walked =
+            CapCurve::from_points(&[p(300.0, 590.0, 0.68), p(500.0, 985.0, 1.0)]).expect("curve");
+        // Flat above the top: 700 W would cost what 500 W does.
+        assert_eq!(walked.at(Watts(700.0)).power_w, Watts(985.0));
+        let bounded = walked.with_knot_above(Watts(700.0), Watts(1400.0));
+        assert_eq!(bounded.at(Watts(700.0)).power_w, Watts(1400.0));
+        assert_eq!(bounded.at(Watts(700.0)).throughput, 1.0);
+        assert!((bounded.at(Watts(600.0)).power_w.0 - 1192.5).abs() < 1e-9);
+        assert_eq!(bounded.at(Watts(400.0)), walked.at(Watts(400.0)));
+        assert_eq!(bounded.lowest_read_cap(), walked.lowest_read_cap());
+        // Nothing to add at or below the top, or for a power that is no number.
+        assert_eq!(walked.with_knot_above(Watts(500.0), Watts(1400.0)), walked);
+        assert_eq!(
+            walked.with_knot_above(Watts(700.0), Watts(f64::NAN)),
+            walked
+        );
+        // Never below the top's power.
+        let low = walked.with_knot_above(Watts(700.0), Watts(10.0));
+        assert_eq!(low.at(Watts(700.0)).power_w, Watts(985.0));
+    }
 
     fn pt(cap: f64, power: f64, throughput: f64) -> OperatingPoint {
         OperatingPoint {

@@ -1469,10 +1469,10 @@ impl Agent {
 
     /// The curve the allocator uses for `job`: measured, else a prior from its PFI.
     fn curve_for(&self, job: &Job) -> Option<CapCurve> {
-        if let Some(c) = job.calibration.best_curve() {
-            return Some(c);
-        }
         let first = self.gpus.get(*job.gpus.first()? as usize)?;
+        if let Some(c) = job.calibration.best_curve() {
+            return Some(bounded_above_top(c, first.identity.max_cap, job.gpus.len()));
+        }
         // Uncapped draw unknown without a walk: assume the GPUs can draw their maximum.
         let p_max: f64 = job
             .gpus
@@ -1496,6 +1496,10 @@ impl Agent {
     }
 
     /// Standalone mode: splits the node budget across managed jobs.
+    ///
+    /// There is no meter here to correct a curve each period (the controller's metered
+    /// mode): a curve measured from a grant down (see [`bounded_above_top`]) must not
+    /// let a cap rise on a guess.
     fn allocate_node_budget(&mut self, budget: Watts) {
         // Power of GPUs outside managed jobs comes off the budget first.
         let outside: f64 = self
@@ -2048,6 +2052,18 @@ pub fn seen_by(status: &Snapshot, uid: u32) -> Snapshot {
             .retain(|p| p.job.as_ref().is_some_and(&theirs));
     }
     seen
+}
+
+/// A measured curve whose highest knot is below the GPUs' maximum cap (a walk from a
+/// grant down), with a knot at the maximum that draws what the GPUs may (the cap on
+/// each) and runs no faster than the highest measured knot. A curve is flat above its
+/// highest knot, so without this the standalone allocator took a cap above the walk for
+/// the power measured at its top, and the node drew up to its GPUs' maximum over the
+/// budget (seen: 1,831 W on a 1,500 W node after a walk from 500 W). The knot claims no
+/// speed that was not seen, so a cap rises above the walk only where the budget pays for
+/// the bound.
+fn bounded_above_top(curve: CapCurve, max_cap: Watts, gpus: usize) -> CapCurve {
+    curve.with_knot_above(max_cap, Watts(max_cap.0 * gpus as f64))
 }
 
 #[cfg(test)]
