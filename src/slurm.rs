@@ -380,6 +380,58 @@ impl Cluster {
         self.pids.clone()
     }
 
+    /// Stops `slurmctld` and every `slurmd` with SIGTERM (by their PIDs) and waits for
+    /// them to exit, as a package upgrade's `systemctl stop slurmctld slurmd` does;
+    /// running jobs' slurmstepd processes live on. [`Cluster::start_daemons`] brings them
+    /// back.
+    pub fn stop_daemons(&mut self) {
+        let pids = std::mem::take(&mut self.pids);
+        for (_, pid) in &pids {
+            signal(*pid, Signal::TERM);
+        }
+        let deadline = Instant::now() + TERM_TIMEOUT;
+        while let Some((which, pid)) = pids.iter().find(|(_, pid)| pid_alive(*pid)) {
+            assert!(
+                Instant::now() < deadline,
+                "{which} (pid {pid}) ignored SIGTERM"
+            );
+            thread::sleep(POLL);
+        }
+    }
+
+    /// Starts `slurmctld` from its saved state (no `-c`: the jobs it knew are recovered)
+    /// and every `slurmd` again, as after an in-place upgrade; returns once every node
+    /// responds.
+    pub fn start_daemons(&mut self) {
+        let conf = self.conf.display().to_string();
+        self.spawn_daemon("slurmctld", "slurmctld", &["-f", &conf], &[]);
+        for node in self.nodes.clone() {
+            let env = self
+                .node_env
+                .iter()
+                .find(|(n, _)| *n == node)
+                .map(|(_, env)| env.clone())
+                .unwrap_or_default();
+            let args = self.slurmd_args(&node);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            self.spawn_daemon(&node, "slurmd", &args, &env);
+        }
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let states = self.node_states();
+            let responding = states.iter().filter(|(_, s)| !s.ends_with('*')).count();
+            if responding == self.nodes.len() && states.len() == self.nodes.len() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nodes not responding after the daemons started again: {states:?}\n{}",
+                self.logs_tail()
+            );
+            thread::sleep(POLL);
+        }
+    }
+
     /// Stops `node`'s slurmd with SIGTERM (by its PID) and starts it again, as an admin's
     /// `systemctl restart slurmd` would; running jobs' slurmstepd processes live on.
     /// Returns once the new slurmd has written its pid file and the node responds.

@@ -96,6 +96,61 @@ fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
     stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
+/// Issue 21: Slurm restarted in place while a job runs, as a package upgrade restarts
+/// it (every daemon stopped, then started from its saved state). While `squeue` cannot
+/// answer, the controller keeps its last placement and says so, the caps stay and the
+/// draw stays within the budget at every 50 ms sample; after, the placement is read
+/// again, the job is still managed, and its end still reaches the agents. (The same
+/// Slurm binaries start again: no other Slurm version is installed here.)
+#[test]
+fn slurm_restarted_in_place_keeps_the_caps_the_job_and_the_placement() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    let mut stack = Stack::start("f-slurmup", StackOptions::default());
+    let job = start_job(&stack);
+    capped(&stack);
+    stack.cluster.stop_daemons();
+    let stale = wait_until(
+        "the controller saying its placement is stale",
+        Duration::from_secs(30),
+        || {
+            let status: CtldStatus = stack.ctl_json(&["status"])?;
+            let slurm = status.slurm?;
+            slurm.error.is_some().then_some(slurm)
+        },
+    );
+    assert!(stale.jobs >= 1, "the last placement kept: {stale:?}");
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(6), "with Slurm down");
+    assert!(
+        stack.capped_without_a_job().is_empty(),
+        "no GPU capped without a job"
+    );
+    assert!(
+        stack.caps_w().iter().all(|&c| c < DEFAULT_CAP_W),
+        "the job's GPUs stay capped: {:?}",
+        stack.caps_w()
+    );
+    stack.cluster.start_daemons();
+    wait_until(
+        "the job running after the restart",
+        Duration::from_secs(60),
+        || stack.running(job).then_some(()),
+    );
+    wait_until("the placement read again", Duration::from_secs(60), || {
+        let status: CtldStatus = stack.ctl_json(&["status"])?;
+        let slurm = status.slurm?;
+        (slurm.error.is_none() && slurm.jobs >= 1).then_some(())
+    });
+    wait_until(
+        "the job managed at the controller's caps",
+        Duration::from_secs(30),
+        || allocated(&stack).then_some(()),
+    );
+    stack.assert_draw_within(BUDGET_W, Duration::from_secs(3), "after Slurm restarted");
+    stack.ends_clean(&[job], Duration::from_secs(30));
+}
+
 #[test]
 fn a_killed_job_process_gets_its_gpus_back_and_the_other_job_runs_on() {
     if !can_run(&[Need::Root, Need::Slurm]) {
