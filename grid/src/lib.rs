@@ -20,7 +20,10 @@ use powerflex_daemon::clock::unix_ms;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use openleadr_client::{Client, ClientCredentials, EventClient, Filter, VirtualEndNode};
+use openleadr_client::{
+    Client, ClientCredentials, EventClient, Filter, PaginationOptions, ProgramClient,
+    VirtualEndNode,
+};
 use openleadr_wire::interval::IntervalPeriod;
 use openleadr_wire::report::{ReportPayloadDescriptor, ReportResource, ReportType, ResourceName};
 use openleadr_wire::values_map::{Value, ValueType, ValuesMap};
@@ -292,8 +295,17 @@ impl Vtn {
                 warn!(program = %name, "program not found at the vtn");
                 continue;
             };
-            let events = match program.get_event_list(Filter::none()).await {
-                Ok(events) => events,
+            let (events, whole) = match program.get_event_list(Filter::none()).await {
+                Ok(events) => (events, true),
+                // One event the wire types cannot read fails the whole list: read it
+                // event by event, so the others are still followed.
+                Err(openleadr_client::Error::Reqwest(e)) if e.is_decode() => {
+                    warn!(program = %name, error = %e, "the program's event list cannot be read whole; reading it event by event");
+                    match one_by_one(program, name).await {
+                        Some(read) => read,
+                        None => continue,
+                    }
+                }
                 Err(e) => {
                     warn!(program = %name, error = %e, "cannot list the program's events");
                     continue;
@@ -311,11 +323,48 @@ impl Vtn {
                     .insert(event.id.to_string(), (name.clone(), meaning));
                 clients.push(client);
             }
-            view.programs_read.insert(name.clone());
+            // With an event unread, an entry missing from the list may be that event:
+            // nothing of this program is cancelled for being absent this round.
+            if whole {
+                view.programs_read.insert(name.clone());
+            }
         }
         map::bound_applied(&mut view, map::MAX_APPLIED_EVENTS);
         Ok((view, clients))
     }
+}
+
+/// The most events [`one_by_one`] reads of one program (a program has a handful).
+const MAX_EVENTS_ONE_BY_ONE: usize = 1_000;
+
+/// A program's events, one request each (`limit=1`), for a list one of whose events the
+/// wire types cannot read: those are logged by position and skipped. Returns the events
+/// read and whether every one was; `None` when the VTN stops answering.
+async fn one_by_one(
+    program: &ProgramClient<VirtualEndNode>,
+    name: &str,
+) -> Option<(Vec<EventClient<VirtualEndNode>>, bool)> {
+    let mut events = Vec::new();
+    let mut unread = 0usize;
+    for skip in 0..MAX_EVENTS_ONE_BY_ONE {
+        let page = program
+            .get_events_request(Filter::none(), PaginationOptions { skip, limit: 1 })
+            .await;
+        match page {
+            Ok(page) if page.is_empty() => return Some((events, unread == 0)),
+            Ok(page) => events.extend(page),
+            Err(openleadr_client::Error::Reqwest(e)) if e.is_decode() => {
+                unread += 1;
+                warn!(program = %name, position = skip, error = %e, "an event the vtn serves cannot be read, not applied; the program's other events are followed");
+            }
+            Err(e) => {
+                warn!(program = %name, error = %e, "cannot list the program's events");
+                return None;
+            }
+        }
+    }
+    warn!(program = %name, read = MAX_EVENTS_ONE_BY_ONE, "the program lists more events than are read one by one; the rest are not followed");
+    Some((events, false))
 }
 
 /// What one round did, for logs and tests.
