@@ -13,6 +13,13 @@
 //! Part 2 times `site::decide` (the controller's allocation step, pure) in process at
 //! 1,000 and 10,000 jobs.
 //!
+//! Part 3 (issue 21) times a whole core step (`ctld::Core::step` on a tick: allocation,
+//! hold-out planning, leases, metrics, the history sample) at 1,000 jobs, alone and while
+//! threads answer `history` requests from a full history board as the admin threads do,
+//! and how long one such answer takes (work that used to run inside the step). 1,000, not
+//! 10,000: the whole step grows much faster with the jobs than `site::decide` alone
+//! (about 0.4 s at 1,000 jobs and 1.7 s at 2,000 on the 2-core VM).
+//!
 //! Run: `cargo bench -p powerflex-controller --bench event_to_caps` (SIMULATED site).
 
 use powerflex_daemon::clock::unix_ms;
@@ -24,6 +31,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use powerflex_controller::ctld::history::{HistoryBoard, HISTORY};
+use powerflex_controller::ctld::{Core, CtldOptions, Input};
 use powerflex_controller::site::{decide, NodeView, SiteSettings};
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::RawGpuModel;
@@ -401,6 +410,123 @@ fn time_decide(jobs: usize, jobs_per_node: usize) -> (usize, Duration, f64) {
     (gpus, times[times.len() / 2], granted)
 }
 
+/// Users owning the synthetic site's jobs in part 3 (job `j` is uid `1000 + j % USERS`).
+const USERS: u32 = 100;
+/// Threads answering `history` in part 3, as many as the admin socket serves one user.
+const HISTORY_READERS: usize = 4;
+
+/// Part 3: a core step at `jobs` jobs, its median alone and while [`HISTORY_READERS`]
+/// threads ask the board for the history's overview as one of [`USERS`] users (the
+/// flood any local user can send; each answer picks 2,000 samples of a cap per job and
+/// keeps the user's), and the median answer. On a machine with fewer cores than readers
+/// plus the loop, what the step loses is CPU time: the readers hold the board's lock
+/// only to pick pointers.
+fn time_core_step_with_history_readers(
+    jobs: usize,
+    jobs_per_node: usize,
+) -> (Duration, Duration, Duration) {
+    let mut views = synthetic_site(jobs, jobs_per_node);
+    for (j, job) in views.iter_mut().flat_map(|v| v.jobs.iter_mut()).enumerate() {
+        job.owner_uid = Some(1000 + j as u32 % USERS);
+    }
+    let gpus = views.len() * GPUS_PER_NODE;
+    let options = CtldOptions {
+        listen: ([127, 0, 0, 1], 0).into(),
+        admin_socket: "/nonexistent/ctld.sock".into(),
+        state_dir: "/nonexistent".into(),
+        key: KEY.to_vec(),
+        // Part 1's budget: within every tier's floor, so no job is held out (planning
+        // hold-outs re-decides once per job held, a different cost).
+        base_budget: Watts(gpus as f64 * BASE_BUDGET_PER_GPU_W),
+        period: Duration::from_secs(10),
+        lease_ttl_s: 30.0,
+        site: site_settings(),
+        metrics_listen: None,
+        lease_rollout: Default::default(),
+        max_ramp_w_per_s: None,
+        job_placement: powerflex_core::config::JobPlacement::Reports,
+        slurm_poll: Duration::from_secs(5),
+        slurm_timeout: Duration::from_secs(5),
+        max_gpu_power_w: MAX_CAP_W,
+        records_db: None,
+    };
+    let t0 = unix_ms();
+    let mut core = Core::new(options, Default::default(), t0);
+    let inputs: Vec<Input> = views
+        .into_iter()
+        .flat_map(|v| {
+            [
+                Input::Hello {
+                    node: v.node.clone(),
+                    gpus: v.gpus,
+                },
+                Input::Report {
+                    node: v.node,
+                    jobs: v.jobs,
+                    power_w: v.power_w,
+                    ended: Vec::new(),
+                    observe_only: false,
+                },
+            ]
+        })
+        .collect();
+    let board = HistoryBoard::new();
+    let out = core.step(t0, inputs);
+    let sample = out.history.expect("the first step allocates");
+    assert_eq!(sample.caps.len(), jobs);
+    // A full board: the sample shared HISTORY times (one sample's memory, a full
+    // history's work for the readers).
+    board.publish(None, out.owners);
+    for _ in 0..HISTORY {
+        board.publish(Some(sample.clone()), None);
+    }
+    // Ticks 1 ms apart: every node stays live and no decrease waits long enough to stall.
+    let mut now_ms = t0;
+    let mut step = |core: &mut Core| {
+        now_ms += 1;
+        let started = Instant::now();
+        let out = core.step(now_ms, vec![Input::Tick]);
+        let elapsed = started.elapsed();
+        assert!(out.history.is_some(), "a tick allocates");
+        board.publish(out.history, out.owners);
+        elapsed
+    };
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let _ = step(&mut core);
+    let alone = median((0..7).map(|_| step(&mut core)).collect());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..HISTORY_READERS)
+        .map(|_| {
+            let (board, stop) = (board.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut answers = Vec::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let started = Instant::now();
+                    let reply = board.answer(None, None, 1000);
+                    answers.push(started.elapsed());
+                    assert_eq!(
+                        reply.history.map(|h| h.len()),
+                        Some(powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize)
+                    );
+                }
+                answers
+            })
+        })
+        .collect();
+    // Once every reader is answering (each picked its first page at least).
+    std::thread::sleep(Duration::from_millis(200));
+    let with_readers = median((0..7).map(|_| step(&mut core)).collect());
+    stop.store(true, Ordering::SeqCst);
+    let answers: Vec<Duration> = readers
+        .into_iter()
+        .flat_map(|r| r.join().expect("reader"))
+        .collect();
+    (alone, with_readers, median(answers))
+}
+
 fn main() {
     // Build (and record as built) both binaries up front: a cargo run inside a timed
     // trial would be counted as controller latency.
@@ -438,4 +564,15 @@ fn main() {
         let (gpus, t, _) = time_decide(jobs, per_node);
         println!("| {jobs} | {gpus} | {:.1} ms |", ms(t));
     }
+    let jobs = 1_000;
+    let (alone, with_readers, answer) = time_core_step_with_history_readers(jobs, 8);
+    println!("\nOne core step (`ctld::Core::step`, a tick, in process) at {jobs} jobs, alone and while {HISTORY_READERS} threads answer `history` without pause from a full board ({HISTORY} samples of every job's cap) as one of {USERS} users. The answers run outside the step (issue 21): the step takes the board's lock once, to publish its sample, and shares the machine's cores with the readers:\n");
+    println!("| step alone, median | step with readers, median | one history answer, median |");
+    println!("| --- | --- | --- |");
+    println!(
+        "| {:.1} ms | {:.1} ms | {:.0} ms |",
+        ms(alone),
+        ms(with_readers),
+        ms(answer)
+    );
 }

@@ -4,6 +4,10 @@
 //! versioned protocol of `powerflex_proto::admin`. Connections are admitted by
 //! `powerflex_daemon::gate` (a few per user, an allowance of root's own); a refused one gets
 //! a reply saying why, and the request must arrive within one deadline.
+//!
+//! `history` is answered here, on the connection's thread, from the
+//! [`HistoryBoard`]: the one request whose answer grows with the site is kept out of the
+//! allocation loop. Every other request is the core's.
 
 use std::io::{BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -17,9 +21,10 @@ use tracing::warn;
 
 use powerflex_daemon::lines;
 
-use powerflex_proto::admin::{AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
+use powerflex_proto::admin::{AdminOp, AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
 use super::bounds::{admin_refusal, AdminLimits, Refusals};
+use super::history::HistoryBoard;
 use super::Inbound;
 use powerflex_daemon::gate::Gate;
 use powerflex_daemon::lines::DeadlineReader;
@@ -30,6 +35,7 @@ use powerflex_daemon::lines::DeadlineReader;
 pub(crate) fn spawn(
     admin: UnixListener,
     tx: Sender<Inbound>,
+    history: HistoryBoard,
     limits: AdminLimits,
     refusals: Arc<Refusals>,
     shutdown: Arc<AtomicBool>,
@@ -58,14 +64,14 @@ pub(crate) fn spawn(
                             continue;
                         }
                     };
-                    let (tx, counts) = (tx.clone(), refusals.clone());
+                    let (tx, history, counts) = (tx.clone(), history.clone(), refusals.clone());
                     let spawned =
                         std::thread::Builder::new()
                             .name("admin".into())
                             .spawn(move || {
                                 // The place is held until the reply is out.
                                 let _place = place;
-                                serve_admin(stream, uid, &tx, &counts, &limits);
+                                serve_admin(stream, uid, &tx, &history, &counts, &limits);
                             });
                     if let Err(e) = spawned {
                         refusals.count("admin_cap");
@@ -85,6 +91,7 @@ fn serve_admin(
     mut stream: UnixStream,
     uid: u32,
     tx: &Sender<Inbound>,
+    history: &HistoryBoard,
     refusals: &Refusals,
     limits: &AdminLimits,
 ) {
@@ -105,6 +112,15 @@ fn serve_admin(
         Ok(None) => return,
         Ok(Some(line)) => match AdminRequest::from_line(&line) {
             Err(e) => AdminReply::error(e.to_string()),
+            // From the board, filtered for `uid` there: never queued to the core.
+            Ok(AdminRequest {
+                op:
+                    AdminOp::History {
+                        since_ms,
+                        max_samples,
+                    },
+                ..
+            }) => history.answer(since_ms, max_samples, uid),
             Ok(request) => {
                 let (reply_tx, reply_rx) = bounded(1);
                 if tx
@@ -127,7 +143,8 @@ fn serve_admin(
             }
         },
     };
-    // What a non-root caller may read was decided in the core, which knows the jobs'
-    // owners (`super::owners::need_to_know`).
+    // What a non-root caller may read was decided by the core, which knows the jobs'
+    // owners, or for the history by the board with the owners the core last published
+    // (both by `super::owners`).
     let _ = stream.write_all(reply.to_line().as_bytes());
 }

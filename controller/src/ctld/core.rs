@@ -1,11 +1,13 @@
 //! The controller's decisions, pure: a state machine fed agent hellos and reports, admin
 //! requests (with the caller's uid), allocation ticks and site config reloads, at a time
 //! passed in as `now_ms`. It answers with what to do: leases per node, annotations, state
-//! to persist, admin replies and the metrics text. Nothing here sleeps, opens a socket or
-//! touches a file; [`super::run`] does all of that around it, and the tests below drive it
-//! on a fake clock.
+//! to persist, admin replies, the metrics text and each allocation's history sample (the
+//! history is served from [`super::history`], not from here). Nothing here sleeps, opens
+//! a socket or touches a file; [`super::run`] does all of that around it, and the tests
+//! below drive it on a fake clock.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use tracing::{debug, error, info, warn};
 
@@ -16,8 +18,9 @@ use powerflex_proto::link::{GpuInfo, JobReport};
 use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
 
 use super::accounting::{self, Ledger};
+pub use super::history::HISTORY;
 use super::metrics::{EnergyTotals, MetricsInput};
-use super::owners::{self, Owners};
+use super::owners::{self, OwnerMap, Owners};
 pub use super::session::Session;
 use super::state::{CtldState, Loaded};
 use super::{annotate, learning, metrics, status, CtldOptions, Reload};
@@ -66,9 +69,6 @@ fn draw_rose(old: &JobReport, new: &JobReport) -> bool {
         && to > from * (1.0 + DRAW_ROSE_FRACTION)
         && to - from > DRAW_ROSE_MIN_W * gpus
 }
-
-/// Samples kept: an hour at a 1 s period, a day at the default 10 s... within memory.
-pub const HISTORY: usize = 8640;
 
 /// One input to [`Core::step`].
 #[derive(Debug, Clone)]
@@ -145,6 +145,12 @@ pub struct Output {
     /// Per node, the final shares to acknowledge ([`powerflex_proto::link::Body::Acked`])
     /// once `job_records` are written: their records hold them.
     pub final_acks: BTreeMap<String, Vec<FinalRef>>,
+    /// This step's allocation as a history sample, for the history board
+    /// ([`super::history`]): `history` requests are answered there, outside this loop.
+    pub history: Option<Arc<HistorySample>>,
+    /// The jobs' owners, when they changed this step: the board filters what a non-root
+    /// caller reads of the history with them.
+    pub owners: Option<Arc<OwnerMap>>,
 }
 
 /// The controller's state machine.
@@ -162,7 +168,9 @@ pub struct Core {
     /// With known nodes awaited, nothing is allocated before this (or all are back).
     grace_until_ms: u64,
     annotations: BTreeMap<String, String>,
-    history: VecDeque<HistorySample>,
+    /// Allocations made since the start (each one a history sample, published by the
+    /// I/O edge; the core keeps none).
+    allocations: u64,
     last: Option<Decision>,
     config_error: Option<String>,
     allocate_now: bool,
@@ -262,7 +270,7 @@ impl Core {
             awaiting,
             hold_until_ms,
             annotations: BTreeMap::new(),
-            history: VecDeque::new(),
+            allocations: 0,
             last: None,
             config_error: None,
             allocate_now: true,
@@ -449,8 +457,9 @@ impl Core {
         &self.options
     }
 
-    pub fn history(&self) -> impl Iterator<Item = &HistorySample> {
-        self.history.iter()
+    /// Allocations made since the start.
+    pub fn allocations(&self) -> u64 {
+        self.allocations
     }
 
     fn hello(&mut self, node: String, gpus: Vec<GpuInfo>, now_ms: u64) {
@@ -733,13 +742,13 @@ impl Core {
                 status: Some(self.status(now_ms)),
                 ..AdminReply::ok()
             },
-            AdminOp::History {
-                since_ms,
-                max_samples,
-            } => AdminReply {
-                history: Some(history_page(&self.history, since_ms, max_samples)),
-                ..AdminReply::ok()
-            },
+            // Answered by the admin threads from the history board, never in this loop
+            // (issue 21): one that arrives here was sent by mistake, and the core keeps
+            // no history to answer it with.
+            AdminOp::History { .. } => {
+                warn!("a history request reached the allocation loop; it is answered by the admin socket's threads");
+                AdminReply::error("history is served by the admin socket, not the allocation loop")
+            }
             AdminOp::Accounting {
                 since_ms,
                 until_ms,
@@ -786,9 +795,26 @@ impl Core {
                 duration_ms,
                 ramp_ms,
             } => {
-                if duration_ms == 0 || ramp_ms.saturating_mul(2) > duration_ms {
-                    return AdminReply::error(
-                        "an event needs a duration longer than twice its ramp",
+                // The admin CLI checks its arguments, but the VEN passes on what a VTN
+                // serves: the controller is where an event is accepted or not.
+                if let Err(why) =
+                    powerflex_proto::event::check_new_event(&cut, start_ms, duration_ms, ramp_ms)
+                {
+                    return AdminReply::refused(Refusal::EventOutOfRange, why);
+                }
+                let held = self
+                    .state
+                    .events
+                    .iter()
+                    .filter(|e| e.pending(now_ms))
+                    .count();
+                if held >= powerflex_proto::event::MAX_PENDING_EVENTS {
+                    return AdminReply::refused(
+                        Refusal::TooManyEvents,
+                        format!(
+                            "the controller holds {held} events already; accepted: at most {} at once (cancel one, or wait for one to end)",
+                            powerflex_proto::event::MAX_PENDING_EVENTS
+                        ),
                     );
                 }
                 self.state.next_event_id += 1;
@@ -1195,7 +1221,7 @@ impl Core {
             .as_ref()
             .map(|a| a.jobs.iter().map(|j| (j.id.clone(), j.cap_w.0)).collect())
             .unwrap_or_default();
-        self.history.push_back(HistorySample {
+        out.history = Some(Arc::new(HistorySample {
             t_ms: now_ms,
             budget_w: in_force.0,
             draw_w: draw,
@@ -1204,10 +1230,9 @@ impl Core {
                 .sessions
                 .values()
                 .any(|s| s.view.live && s.view.gpus.iter().any(|g| g.name.contains("(simulated)"))),
-        });
-        while self.history.len() > HISTORY {
-            self.history.pop_front();
-        }
+        }));
+        out.owners = self.owners.take_changed().map(Arc::new);
+        self.allocations += 1;
         let event = active_event(base, &self.state.events, now_ms).map(|e| e.id);
         learning::record(
             &mut self.curve_history,
@@ -1241,34 +1266,6 @@ impl Core {
     }
 }
 
-/// The history samples after `since_ms` (all when none): with `max_samples`, the oldest
-/// that many of them, a page (ask again after the last `t_ms` for the next); without,
-/// an overview evenly thinned to at most [`powerflex_proto::admin::MAX_HISTORY_SAMPLES`]
-/// with the newest kept. Only the samples sent are cloned, so a request costs the same
-/// however long the history.
-fn history_page(
-    history: &VecDeque<HistorySample>,
-    since_ms: Option<u64>,
-    max_samples: Option<u32>,
-) -> Vec<HistorySample> {
-    let most = powerflex_proto::admin::MAX_HISTORY_SAMPLES;
-    let first = since_ms.map_or(0, |t| history.partition_point(|s| s.t_ms <= t));
-    if let Some(page) = max_samples {
-        let page = page.clamp(1, most) as usize;
-        return history.range(first..).take(page).cloned().collect();
-    }
-    let max = most as usize;
-    let n = history.len() - first;
-    if n <= max {
-        return history.range(first..).cloned().collect();
-    }
-    // `max` indices spread over the range, the last one the newest sample.
-    (0..max)
-        .map(|k| first + (n - 1) - (max - 1 - k) * (n - 1) / (max - 1))
-        .map(|i| history[i].clone())
-        .collect()
-}
-
 /// Seconds from `now_ms` to the start of the next event not yet started, if any.
 fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
     events
@@ -1281,6 +1278,7 @@ fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ctld::history::HistoryBoard;
     use crate::site::SiteSettings;
     use powerflex_core::config::{BudgetMode, Objective};
     use powerflex_core::flex::TierTable;
@@ -1718,52 +1716,6 @@ mod tests {
         assert_eq!(nodes, ["n2"]);
     }
 
-    /// Issue 21: any local user's `history` request cloned the whole history (8,640
-    /// samples x every job's cap) inside the allocation loop.
-    #[test]
-    fn a_history_request_is_bounded_thinned_and_paged() {
-        let sample = |t_ms: u64| HistorySample {
-            t_ms,
-            budget_w: 1.0,
-            draw_w: 1.0,
-            caps: BTreeMap::new(),
-            simulated: true,
-        };
-        let history: VecDeque<HistorySample> = (0..HISTORY as u64).map(sample).collect();
-        let all = history_page(&history, None, None);
-        assert_eq!(
-            all.len(),
-            powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize
-        );
-        assert_eq!(all.first().map(|s| s.t_ms), Some(0));
-        assert_eq!(
-            all.last().map(|s| s.t_ms),
-            Some(HISTORY as u64 - 1),
-            "the newest kept"
-        );
-        assert!(
-            all.windows(2).all(|w| w[0].t_ms < w[1].t_ms),
-            "in order, no repeats"
-        );
-        let page = history_page(&history, None, Some(1_000_000));
-        assert_eq!(
-            page.len(),
-            powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize,
-            "bounded whatever is asked"
-        );
-        assert_eq!(page[0].t_ms, 0, "a page starts at the oldest");
-        // Paging: after the last t_ms of a page comes the next, with no sample twice.
-        let next = history_page(&history, page.last().map(|s| s.t_ms), Some(1_000_000));
-        assert_eq!(next[0].t_ms, page.last().map_or(0, |s| s.t_ms) + 1);
-        let tail = history_page(&history, Some(8000), None);
-        assert_eq!(tail.len(), HISTORY - 8001, "a short overview whole");
-        assert_eq!(tail[0].t_ms, 8001);
-        let one = history_page(&history, None, Some(1));
-        assert_eq!(one.iter().map(|s| s.t_ms).collect::<Vec<_>>(), [0]);
-        assert!(history_page(&VecDeque::new(), None, None).is_empty());
-        assert!(history_page(&history, Some(u64::MAX), None).is_empty());
-    }
-
     /// Two nodes with one job each, allocated at T0.
     fn running() -> Core {
         let mut core = fresh();
@@ -1779,8 +1731,21 @@ mod tests {
         core
     }
 
-    fn allocations(core: &Core) -> usize {
-        core.history().count()
+    fn allocations(core: &Core) -> u64 {
+        core.allocations()
+    }
+
+    /// `core.step`, with what it made for the history published on `board`, as the I/O
+    /// edge does.
+    fn step_published(
+        core: &mut Core,
+        board: &HistoryBoard,
+        now_ms: u64,
+        inputs: Vec<Input>,
+    ) -> Output {
+        let mut out = core.step(now_ms, inputs);
+        board.publish(out.history.take(), out.owners.take());
+        out
     }
 
     fn reply(out: &Output) -> &AdminReply {
@@ -1852,6 +1817,32 @@ mod tests {
             .is_some_and(|e| e.contains("twice its ramp")));
         let out = core.step(T0 + 1, vec![admin(add(60_000, 30_001), 0)]);
         assert!(!reply(&out).ok);
+        assert_eq!(reply(&out).refusal, Some(Refusal::EventOutOfRange));
+        // What a VTN might serve, passed on by the VEN: refused, typed, never held.
+        for cut in [
+            Cut::Reduce { fraction: 7.0 },
+            Cut::Reduce { fraction: -0.5 },
+            Cut::Target { budget_w: -1.0 },
+            Cut::Target {
+                budget_w: f64::INFINITY,
+            },
+        ] {
+            let op = AdminOp::EventAdd {
+                cut,
+                start_ms: T0,
+                duration_ms: 60_000,
+                ramp_ms: 0,
+            };
+            let out = core.step(T0 + 1, vec![admin(op, 0)]);
+            assert_eq!(
+                reply(&out).refusal,
+                Some(Refusal::EventOutOfRange),
+                "{cut:?}"
+            );
+        }
+        let out = core.step(T0 + 1, vec![admin(add(u64::MAX, 0), 0)]);
+        assert_eq!(reply(&out).refusal, Some(Refusal::EventOutOfRange));
+        assert!(core.state().events.is_empty());
         let out = core.step(
             T0 + 1,
             vec![admin(add(60_000, 0), 0), admin(add(60_000, 0), 0)],
@@ -1869,6 +1860,21 @@ mod tests {
             core.state().events.iter().map(|e| e.id).collect::<Vec<_>>(),
             [2]
         );
+        // Bounded: once MAX_PENDING_EVENTS are held, the next is refused (typed), and
+        // accepted again when one ends.
+        let most = powerflex_proto::event::MAX_PENDING_EVENTS;
+        let inputs: Vec<Input> = (1..most).map(|_| admin(add(60_000, 0), 0)).collect();
+        let out = core.step(T0 + 3, inputs);
+        assert!(out.replies.iter().all(|(_, r)| r.ok));
+        let out = core.step(T0 + 3, vec![admin(add(120_000, 0), 0)]);
+        assert_eq!(reply(&out).refusal, Some(Refusal::TooManyEvents));
+        assert!(reply(&out)
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("256")));
+        assert_eq!(core.state().events.len(), most);
+        let out = core.step(T0 + 60_001, vec![admin(add(120_000, 0), 0)]);
+        assert!(reply(&out).ok, "{:?}", reply(&out).error);
     }
 
     /// Pre-positioning (issue 16): every lease names the start of the next announced
@@ -2393,12 +2399,43 @@ mod tests {
 
     #[test]
     fn history_keeps_one_sample_per_allocation() {
-        let mut core = running();
+        let board = HistoryBoard::new();
+        let mut core = fresh();
+        step_published(
+            &mut core,
+            &board,
+            T0,
+            vec![
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+            ],
+        );
         for i in 1..=3 {
-            core.step(T0 + i * 5_000, vec![Input::Tick]);
+            step_published(&mut core, &board, T0 + i * 5_000, vec![Input::Tick]);
         }
-        let out = core.step(
+        // A step that allocates nothing adds no sample.
+        let out = step_published(
+            &mut core,
+            &board,
             T0 + 15_001,
+            vec![report("n1", vec![job("101", None)])],
+        );
+        assert!(out.history.is_none() && out.metrics.is_none());
+        assert_eq!(allocations(&core), 4);
+        let answered = board.answer(None, None, 0);
+        let history = answered.history.as_ref().expect("history");
+        assert_eq!(
+            history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
+            [T0, T0 + 5_000, T0 + 10_000, T0 + 15_000]
+        );
+        assert!(history
+            .iter()
+            .all(|s| s.caps.keys().eq(["101", "102"]) && s.budget_w == 10_000.0 && !s.simulated));
+        // The core answers no history itself: it keeps none.
+        let out = core.step(
+            T0 + 15_002,
             vec![admin(
                 AdminOp::History {
                     since_ms: None,
@@ -2407,18 +2444,12 @@ mod tests {
                 0,
             )],
         );
-        let history = reply(&out).history.as_ref().expect("history");
-        assert_eq!(
-            history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
-            [T0, T0 + 5_000, T0 + 10_000, T0 + 15_000]
-        );
-        assert!(history
-            .iter()
-            .all(|s| s.caps.contains_key("101") && s.budget_w == 10_000.0));
+        assert!(!reply(&out).ok && reply(&out).history.is_none());
     }
 
     /// Issue 14, need-to-know: the owners the agents report decide what a non-root admin
-    /// caller reads — in the status, the history, and after the job has left.
+    /// caller reads — in the status, the history (served from the board with the owners
+    /// the core publishes), and after the job has left.
     #[test]
     fn a_user_reads_only_their_own_jobs_and_root_reads_all() {
         const ALICE: u32 = 1001;
@@ -2428,8 +2459,11 @@ mod tests {
             j.owner_uid = uid;
             j
         };
+        let board = HistoryBoard::new();
         let mut core = fresh();
-        core.step(
+        step_published(
+            &mut core,
+            &board,
             T0,
             vec![
                 hello("n1"),
@@ -2453,18 +2487,8 @@ mod tests {
         assert_eq!(jobs_for(&mut core, T0 + 1, ALICE), ["101"]);
         assert_eq!(jobs_for(&mut core, T0 + 1, BOB), ["102"]);
         assert!(jobs_for(&mut core, T0 + 1, 1003).is_empty());
-        let caps_for = |core: &mut Core, t: u64, uid: u32| -> Vec<String> {
-            let out = core.step(
-                t,
-                vec![admin(
-                    AdminOp::History {
-                        since_ms: None,
-                        max_samples: None,
-                    },
-                    uid,
-                )],
-            );
-            let history = reply(&out).history.clone().expect("history");
+        let caps_for = |uid: u32| -> Vec<String> {
+            let history = board.answer(None, None, uid).history.expect("history");
             let mut jobs: Vec<String> = history
                 .into_iter()
                 .flat_map(|s| s.caps.into_keys())
@@ -2473,19 +2497,23 @@ mod tests {
             jobs.dedup();
             jobs
         };
-        assert_eq!(caps_for(&mut core, T0 + 1, ALICE), ["101"]);
-        assert_eq!(caps_for(&mut core, T0 + 1, 0), ["101", "102", "103"]);
+        assert_eq!(caps_for(ALICE), ["101"]);
+        assert_eq!(caps_for(0), ["101", "102", "103"]);
         // Alice's job ends: it leaves the status, and she still reads its caps in the
         // history; bob still cannot.
-        core.step(
+        step_published(
+            &mut core,
+            &board,
             T0 + 10_000,
             vec![report("n1", vec![owned("102", Some(BOB))]), Input::Tick],
         );
         assert!(jobs_for(&mut core, T0 + 10_001, ALICE).is_empty());
-        assert_eq!(caps_for(&mut core, T0 + 10_001, ALICE), ["101"]);
-        assert_eq!(caps_for(&mut core, T0 + 10_001, BOB), ["102"]);
+        assert_eq!(caps_for(ALICE), ["101"]);
+        assert_eq!(caps_for(BOB), ["102"]);
         // Two nodes naming different owners for one job: nobody's but root's.
-        core.step(
+        step_published(
+            &mut core,
+            &board,
             T0 + 20_000,
             vec![
                 report("n1", vec![owned("104", Some(ALICE))]),
@@ -2496,6 +2524,9 @@ mod tests {
         assert!(jobs_for(&mut core, T0 + 20_001, ALICE).is_empty());
         assert!(jobs_for(&mut core, T0 + 20_001, BOB).is_empty());
         assert_eq!(jobs_for(&mut core, T0 + 20_001, 0), ["104"]);
+        assert_eq!(caps_for(ALICE), ["101"]);
+        assert_eq!(caps_for(BOB), ["102"]);
+        assert_eq!(caps_for(0), ["101", "102", "103", "104"]);
     }
 
     /// A report of one 4-GPU job at `cap_w` (read back), drawing what its curve says.
@@ -2607,7 +2638,7 @@ mod tests {
         assert_eq!(status.budget_w, 5600.0);
         assert_eq!(status.allocated_budget_w, Some(4760.0));
         assert!(sum(&out) <= 4760.0 + 1e-6, "{out:?}");
-        assert_eq!(core.history().last().map(|h| h.budget_w), Some(5600.0));
+        assert_eq!(out.history.as_ref().map(|h| h.budget_w), Some(5600.0));
         // Through the event, every allocation is at or below every step it serves.
         let mut t = T0 + 5_000;
         while t < T0 + 80_000 {

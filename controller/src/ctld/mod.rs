@@ -4,7 +4,8 @@
 //! is the I/O edge around it ([`run`]): it accepts agents on the [`link`] and admins on
 //! the [`admin`] socket, ticks every allocation period, loads and saves the [`state`],
 //! and carries out what the core answers — leases to agents, replies to admins,
-//! [`annotate`] jobs in Slurm, [`metrics`] for Prometheus.
+//! [`annotate`] jobs in Slurm, [`metrics`] for Prometheus, samples on the [`history`]
+//! board (whence the admin threads answer `history` requests, outside the loop).
 //!
 //! - **Loop**: every `allocation_period_s`, the budget in force ([`crate::schedule`]) is
 //!   split across every live node's jobs ([`crate::site`]) and each node gets its lease.
@@ -21,6 +22,7 @@ pub mod admin;
 pub mod annotate;
 pub mod bounds;
 pub mod core;
+pub mod history;
 pub mod learning;
 pub mod link;
 pub mod metrics;
@@ -279,9 +281,12 @@ pub fn run_bounded(
         shutdown.clone(),
     )
     .map_err(|e| format!("cannot start the agent link: {e}"))?;
+    // The history is read by the admin threads and written by this loop only.
+    let history_board = history::HistoryBoard::new();
     let admin_acceptor = admin::spawn(
         admin,
         tx.clone(),
+        history_board.clone(),
         limits.admin,
         refusals.clone(),
         shutdown.clone(),
@@ -304,10 +309,11 @@ pub fn run_bounded(
     let mut inputs: Vec<Input> = Vec::new();
     let mut waiting: Vec<Option<Sender<AdminReply>>> = Vec::new();
     while !shutdown.load(Ordering::SeqCst) {
-        let out = core.step(unix_ms(), std::mem::take(&mut inputs));
+        let mut out = core.step(unix_ms(), std::mem::take(&mut inputs));
         if let Some(state) = &out.persist {
             state::save(&options.state_dir, state);
         }
+        history_board.publish(out.history.take(), out.owners.take());
         for (index, reply) in out.replies {
             if let Some(Some(to)) = waiting.get(index) {
                 let _ = to.send(reply);
@@ -571,6 +577,161 @@ mod tests {
         );
         assert!(std::net::TcpStream::connect(options.listen).is_err());
         assert!(std::net::TcpStream::connect(metrics).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 21: `history` is answered by the admin threads from the history board,
+    /// never by the allocation loop (whose core keeps no history and refuses it): over
+    /// the real admin socket, with one sample per allocation, filtered by the peer's
+    /// uid, pages as asked; and while a flood of history requests is in flight the
+    /// agent's reports go on being allocated, each new job named in the node's lease.
+    #[test]
+    fn history_is_served_from_the_board_while_allocations_go_on() {
+        use powerflex_proto::admin::MAX_HISTORY_SAMPLES;
+        use powerflex_testbed::link_peer::{h200s, LinkPeer};
+        use std::os::unix::fs::MetadataExt;
+
+        let dir = std::env::temp_dir().join(format!("pf-ctld-history-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = test_options(&dir, b"site key for the history test", free_port());
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let (_reload_tx, reloads) = bounded::<Reload>(1);
+        let (opts, stop) = (options.clone(), shutdown.clone());
+        let ctld = std::thread::spawn(move || run_bounded(opts, Bounds::default(), stop, reloads));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while request(&options.admin_socket, &AdminOp::Status).is_err() {
+            assert!(std::time::Instant::now() < deadline, "no controller");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The controller made its socket as this process: its owner is the uid the admin
+        // threads read from this test's connections.
+        let me = std::fs::metadata(&options.admin_socket)
+            .expect("the admin socket")
+            .uid();
+        let someone_else = if me == 4242 { 4243 } else { 4242 };
+        let history = |since_ms: Option<u64>, max_samples: Option<u32>| {
+            request(
+                &options.admin_socket,
+                &AdminOp::History {
+                    since_ms,
+                    max_samples,
+                },
+            )
+        };
+
+        // Three readers asking for the whole history over and over (with this test's
+        // own requests, within the 4 connections a user may hold).
+        let stop_reading = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let (socket, stop, answered) = (
+                    options.admin_socket.clone(),
+                    stop_reading.clone(),
+                    answered.clone(),
+                );
+                std::thread::spawn(move || {
+                    let op = AdminOp::History {
+                        since_ms: None,
+                        max_samples: None,
+                    };
+                    while !stop.load(Ordering::SeqCst) {
+                        let reply = request(&socket, &op).expect("the admin socket answers");
+                        if !reply.ok {
+                            // The gate may still count a connection whose reply is out.
+                            let error = reply.error.unwrap_or_default();
+                            assert!(error.contains("admin connections"), "{error}");
+                            continue;
+                        }
+                        let samples = reply.history.expect("a history reply carries one");
+                        assert!(samples.len() <= MAX_HISTORY_SAMPLES as usize);
+                        assert!(samples.windows(2).all(|w| w[0].t_ms < w[1].t_ms));
+                        answered.fetch_add(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while answered.load(Ordering::SeqCst) < 3 {
+            assert!(std::time::Instant::now() < deadline, "no history answered");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+
+        // One node of 8 GPUs; its jobs come one at a time, each a change in its jobs that
+        // the loop allocates at once (not at the 10 s tick). Odd jobs are this test's
+        // uid's, even ones someone else's.
+        let mut node = LinkPeer::connect(options.listen, &options.key, "n1", h200s("n1", 8))
+            .expect("n1 on the link");
+        let owner = |id: usize| if id % 2 == 1 { me } else { someone_else };
+        let job = |id: usize| JobReport {
+            job_id: id.to_string(),
+            tier: "flex2".into(),
+            gpus: 2,
+            cap_w: Some(400.0),
+            power_w: Some(800.0),
+            owner_uid: Some(owner(id)),
+            ..JobReport::default()
+        };
+        let mut jobs: Vec<JobReport> = Vec::new();
+        for id in 1..=4 {
+            jobs.push(job(id));
+            node.send(&Body::Report {
+                power_w: 800.0 * jobs.len() as f64,
+                jobs: jobs.clone(),
+                failsafe: false,
+                cap_mismatches: 0,
+                ended: Vec::new(),
+                observe_only: false,
+            })
+            .expect("report");
+            loop {
+                match node.recv(Duration::from_secs(10)) {
+                    Some(Ok(Body::Lease { caps, .. }))
+                        if jobs.iter().all(|j| caps.contains_key(&j.job_id)) =>
+                    {
+                        break
+                    }
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => panic!("a frame from the controller refused: {e}"),
+                    None => panic!("no lease naming job {id} while history was being read"),
+                }
+            }
+        }
+        stop_reading.store(true, Ordering::SeqCst);
+        for reader in readers {
+            reader.join().expect("every history answer was whole");
+        }
+
+        // The allocations, as the board holds them: each set of jobs the node reported
+        // has its sample, with the caps this caller may read (all for root).
+        let reply = history(None, None).expect("history");
+        assert!(reply.ok, "{reply:?}");
+        let samples = reply.history.expect("history");
+        assert!(samples.windows(2).all(|w| w[0].t_ms < w[1].t_ms));
+        let readable = |up_to: usize| -> Vec<String> {
+            (1..=up_to)
+                .filter(|&id| me == 0 || owner(id) == me)
+                .map(|id| id.to_string())
+                .collect()
+        };
+        for up_to in 1..=4 {
+            let expected = readable(up_to);
+            assert!(
+                samples
+                    .iter()
+                    .any(|s| s.caps.keys().cloned().collect::<Vec<_>>() == expected),
+                "no sample with the caps of jobs {expected:?}: {samples:?}"
+            );
+        }
+        // A page after the first sample is the next two, as in the overview.
+        let page = history(Some(samples[0].t_ms), Some(2))
+            .expect("a page")
+            .history
+            .expect("history");
+        assert_eq!(page, samples[1..3]);
+
+        shutdown.store(true, Ordering::SeqCst);
+        assert_eq!(ctld.join().expect("ctld"), Ok(()));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -10,9 +10,11 @@
 //! unknown owner must not widen who sees a job.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use powerflex_proto::admin::AdminReply;
 use powerflex_proto::link::JobReport;
+use powerflex_proto::status::HistorySample;
 
 /// What a non-root caller reads instead of the reason a site config reload was refused:
 /// the reason may quote the site's config (paths, addresses).
@@ -46,33 +48,66 @@ struct Known {
     seen_ms: u64,
 }
 
+/// Job → the uid that owns it, as [`Owners`] knows them at one time: what the admin
+/// threads filter the history with (see [`super::history`]). A job whose owner is unknown
+/// or disputed is absent, and so root's only.
+pub type OwnerMap = BTreeMap<String, u32>;
+
 /// The owners of jobs reported now and recently: the history and the held-out jobs name
 /// jobs that no node reports any more (ended, or requeued by a deep cut), and their
 /// owners should still see them there.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Owners {
     known: BTreeMap<String, Known>,
+    /// A job's owner was learnt, changed or forgotten since [`Owners::take_changed`] last
+    /// answered: the history's copy of the owners is out of date.
+    changed: bool,
 }
 
 impl Owners {
     /// Records the owners in `reports` (all the nodes' current reports) at `now_ms`.
     pub fn observe<'a>(&mut self, reports: impl IntoIterator<Item = &'a JobReport>, now_ms: u64) {
         for (job, uid) in agreed(reports) {
-            self.known.insert(
+            let before = self.known.insert(
                 job,
                 Known {
                     uid,
                     seen_ms: now_ms,
                 },
             );
+            // Only the owner counts: a job seen again under the same one changes nothing
+            // a caller may read.
+            if before.and_then(|k| k.uid) != uid {
+                self.changed = true;
+            }
         }
     }
 
     /// Forgets jobs last reported before `cutoff_ms`, except those `keep` names (held out
     /// of the allocation: still listed in the status).
     pub fn forget_before(&mut self, cutoff_ms: u64, keep: impl Fn(&str) -> bool) {
-        self.known
-            .retain(|job, k| k.seen_ms >= cutoff_ms || keep(job));
+        let mut forgot_an_owner = false;
+        self.known.retain(|job, k| {
+            let kept = k.seen_ms >= cutoff_ms || keep(job);
+            forgot_an_owner |= !kept && k.uid.is_some();
+            kept
+        });
+        self.changed |= forgot_an_owner;
+    }
+
+    /// The known owners, when they changed since the last time this answered (`None`
+    /// otherwise): the I/O edge hands them to the history's readers, and copying the map
+    /// only on a change keeps that off most allocations of a site whose jobs are steady.
+    pub fn take_changed(&mut self) -> Option<OwnerMap> {
+        if !std::mem::take(&mut self.changed) {
+            return None;
+        }
+        Some(
+            self.known
+                .iter()
+                .filter_map(|(job, k)| k.uid.map(|uid| (job.clone(), uid)))
+                .collect(),
+        )
     }
 
     /// The owner of `job`, when known.
@@ -90,6 +125,77 @@ impl Owners {
     }
 }
 
+/// Whether a caller with `uid` may read a job owned by `owner`: root reads every job,
+/// anyone else only their own, and a job of unknown owner is root's. The one rule behind
+/// every job-level filter here.
+fn may_read(uid: u32, owner: Option<u32>) -> bool {
+    uid == 0 || owner == Some(uid)
+}
+
+/// A history sample as a caller with `uid` may read it: the site's figures, and the caps
+/// of their own jobs only (every job's for root). Copies only the caps it keeps.
+pub fn history_sample_for(
+    sample: &HistorySample,
+    uid: u32,
+    owner_of: impl Fn(&str) -> Option<u32>,
+) -> HistorySample {
+    let caps = sample
+        .caps
+        .iter()
+        .filter(|(job, _)| may_read(uid, owner_of(job)))
+        .map(|(job, cap)| (job.clone(), *cap));
+    with_caps(sample, caps.collect())
+}
+
+/// [`history_sample_for`] over a page of samples, with the owners as a map (the history
+/// board's): a non-root caller's caps are looked up from their own jobs, so a page costs
+/// their jobs, not the site's — any local user may ask, as often as the admin gate lets
+/// them.
+pub fn history_for(
+    samples: &[Arc<HistorySample>],
+    uid: u32,
+    owners: &OwnerMap,
+) -> Vec<HistorySample> {
+    if uid == 0 {
+        // Every job, of unknown owner too: nothing to look up.
+        return samples.iter().map(|s| HistorySample::clone(s)).collect();
+    }
+    let readable: Vec<&str> = owners
+        .iter()
+        .filter(|(_, owner)| may_read(uid, Some(**owner)))
+        .map(|(job, _)| job.as_str())
+        .collect();
+    samples
+        .iter()
+        .map(|sample| {
+            let caps = readable
+                .iter()
+                .filter_map(|job| sample.caps.get_key_value(*job))
+                .map(|(job, cap)| (job.clone(), *cap));
+            with_caps(sample, caps.collect())
+        })
+        .collect()
+}
+
+/// `sample` with `caps` in place of its own.
+fn with_caps(sample: &HistorySample, caps: BTreeMap<String, f64>) -> HistorySample {
+    // Every field named: one added to the sample must be decided on here.
+    let HistorySample {
+        t_ms,
+        budget_w,
+        draw_w,
+        caps: _,
+        simulated,
+    } = sample;
+    HistorySample {
+        t_ms: *t_ms,
+        budget_w: *budget_w,
+        draw_w: *draw_w,
+        caps,
+        simulated: *simulated,
+    }
+}
+
 /// What a caller with `uid` may read of `reply`. Root reads everything. Anyone else reads
 /// the site — budget, draw, headroom, events, nodes with their power and job counts —
 /// and only their own jobs: the status's job rows and held-out jobs, and in the history
@@ -104,7 +210,7 @@ pub fn need_to_know(
     if uid == 0 {
         return reply;
     }
-    let mine = |owner: Option<u32>| owner == Some(uid);
+    let mine = |owner: Option<u32>| may_read(uid, owner);
     if let Some(status) = &mut reply.status {
         status.jobs.retain(|j| mine(j.owner_uid));
         status.preempted.retain(|p| mine(owner_of(&p.job)));
@@ -121,7 +227,7 @@ pub fn need_to_know(
     }
     if let Some(history) = &mut reply.history {
         for sample in history.iter_mut() {
-            sample.caps.retain(|job, _| mine(owner_of(job)));
+            *sample = history_sample_for(sample, uid, &owner_of);
         }
     }
     if let Some(records) = &mut reply.records {
