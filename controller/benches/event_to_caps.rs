@@ -14,11 +14,10 @@
 //! 1,000 and 10,000 jobs.
 //!
 //! Part 3 (issue 21) times a whole core step (`ctld::Core::step` on a tick: allocation,
-//! hold-out planning, leases, metrics, the history sample) at 1,000 jobs, alone and while
-//! threads answer `history` requests from a full history board as the admin threads do,
-//! and how long one such answer takes (work that used to run inside the step). 1,000, not
-//! 10,000: the whole step grows much faster with the jobs than `site::decide` alone
-//! (about 0.4 s at 1,000 jobs and 1.7 s at 2,000 on the 2-core VM).
+//! hold-out planning, leases, metrics, the history sample) at 1,000 and 2,000 jobs, alone
+//! and while threads answer `history` requests from a full history board as the admin
+//! threads do, and how long one such answer takes (work that used to run inside the
+//! step). `-- core-step` runs part 3 alone.
 //!
 //! Run: `cargo bench -p powerflex-controller --bench event_to_caps` (SIMULATED site).
 
@@ -350,7 +349,15 @@ fn event_to_caps(node_count: usize) -> Vec<(Duration, Duration)> {
             .to_string();
         let t1 = Instant::now();
         ctl(&dir, &["event", "cancel", &id]);
-        let restore = wait_all(&nodes, epoch, t1, |caps| caps == before.as_slice());
+        // Restored: the cut lifted, the draw back to at least what it was before (within
+        // 1 % of the budget) and within the base budget. Not the same caps to the watt:
+        // the first leases are a start that later allocations improve on, and a steady
+        // allocation keeps caps that a new decision would change for too little.
+        let before_w = base_total(&before);
+        let restore = wait_all(&nodes, epoch, t1, |caps| {
+            let w = base_total(caps);
+            w <= base_budget_w + 1e-6 && w >= before_w - 0.01 * base_budget_w
+        });
         eprintln!(
             "trial {trial}/{TRIALS}: draw cut to {:.0} kW in {:.0} ms, restored in {:.0} ms",
             cut_budget / 1e3,
@@ -537,6 +544,11 @@ fn main() {
         v[v.len() / 2]
     };
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // `cargo bench --bench event_to_caps -- core-step`: part 3 alone.
+    if std::env::args().any(|a| a == "core-step") {
+        core_step_part();
+        return;
+    }
     let mut rows = Vec::new();
     for nodes in NODE_COUNTS {
         let trials = event_to_caps(nodes);
@@ -564,7 +576,18 @@ fn main() {
         let (gpus, t, _) = time_decide(jobs, per_node);
         println!("| {jobs} | {gpus} | {:.1} ms |", ms(t));
     }
-    let jobs = 1_000;
+    core_step_part();
+}
+
+/// Part 3: a core step at 1,000 and 2,000 jobs, alone and beside history readers.
+fn core_step_part() {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    for jobs in [1_000, 2_000] {
+        core_step_row(jobs, ms);
+    }
+}
+
+fn core_step_row(jobs: usize, ms: impl Fn(Duration) -> f64) {
     let (alone, with_readers, answer) = time_core_step_with_history_readers(jobs, 8);
     println!("\nOne core step (`ctld::Core::step`, a tick, in process) at {jobs} jobs, alone and while {HISTORY_READERS} threads answer `history` without pause from a full board ({HISTORY} samples of every job's cap) as one of {USERS} users. The answers run outside the step (issue 21): the step takes the board's lock once, to publish its sample, and shares the machine's cores with the readers:\n");
     println!("| step alone, median | step with readers, median | one history answer, median |");

@@ -824,32 +824,72 @@ fn fill_leftover(
     budget: f64,
 ) {
     let mut used: f64 = jobs.iter().zip(caps.iter()).map(|(j, &c)| j.power(c)).sum();
-    // Bounded: every raise moves one cap one grid step up.
-    loop {
-        let mut order: Vec<usize> = (0..jobs.len()).filter(|&i| caps[i] < range[i].1).collect();
-        let shortfall = |i: usize, caps: &[f64]| targets[i] - jobs[i].power(caps[i]);
-        order.sort_by(|&a, &b| {
-            shortfall(b, caps)
-                .total_cmp(&shortfall(a, caps))
-                .then(a.cmp(&b))
-        });
-        let mut raised = false;
-        for i in order {
-            let next = jobs[i].spec.limits.nth_above(caps[i], 1).min(range[i].1);
-            if next <= caps[i] {
-                continue;
-            }
-            let extra = jobs[i].power(next) - jobs[i].power(caps[i]);
-            if used + extra <= budget + POWER_SLACK_W {
-                caps[i] = next;
-                used += extra;
-                raised = true;
-                break;
-            }
+    let shortfall = |i: usize, cap: f64| targets[i] - jobs[i].power(cap);
+    // Each round raises, by one grid step, the job furthest below its target whose raise
+    // still fits. A job's shortfall changes only when it is raised, and what is used only
+    // grows (a curve's power never falls as its cap rises), so a raise that does not fit
+    // now never will: it leaves the queue for good. One heap operation per raise, where
+    // sorting every job for each raise made a core step at 2,000 jobs take 1.7 s.
+    let mut queue: BinaryHeap<Shortfall> = (0..jobs.len())
+        .filter(|&i| caps[i] < range[i].1)
+        .map(|i| Shortfall {
+            watts: shortfall(i, caps[i]),
+            job: i,
+        })
+        .collect();
+    // Raises that did not fit; back in the queue only if what is used ever falls (a
+    // curve whose power dips as its cap rises), as they might fit then.
+    let mut parked: Vec<usize> = Vec::new();
+    while let Some(Shortfall { job: i, .. }) = queue.pop() {
+        let next = jobs[i].spec.limits.nth_above(caps[i], 1).min(range[i].1);
+        if next <= caps[i] {
+            continue;
         }
-        if !raised {
-            break;
+        let extra = jobs[i].power(next) - jobs[i].power(caps[i]);
+        // Written as the fit it refuses, so a power that is no number never fits.
+        let fits = used + extra <= budget + POWER_SLACK_W;
+        if !fits {
+            parked.push(i);
+            continue;
         }
+        caps[i] = next;
+        used += extra;
+        if extra < 0.0 {
+            queue.extend(parked.drain(..).map(|j| Shortfall {
+                watts: shortfall(j, caps[j]),
+                job: j,
+            }));
+        }
+        if caps[i] < range[i].1 {
+            queue.push(Shortfall {
+                watts: shortfall(i, caps[i]),
+                job: i,
+            });
+        }
+    }
+}
+
+/// A job in [`fill_leftover`]'s queue: the watts it is below its target.
+#[derive(Debug, PartialEq)]
+struct Shortfall {
+    watts: f64,
+    job: usize,
+}
+
+impl Eq for Shortfall {}
+
+impl Ord for Shortfall {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // The largest shortfall first; ties to the lower job index (deterministic).
+        self.watts
+            .total_cmp(&other.watts)
+            .then_with(|| other.job.cmp(&self.job))
+    }
+}
+
+impl PartialOrd for Shortfall {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
     }
 }
 
@@ -1051,6 +1091,91 @@ mod tests {
                 step_w: Watts(10.0),
             },
             throughput_weight: 1.0,
+        }
+    }
+
+    /// The rule [`fill_leftover`] keeps, as it was first written: sort every job by its
+    /// shortfall for each raise, raise the first whose step fits.
+    fn fill_leftover_by_sorting(
+        jobs: &[Prepared<'_>],
+        range: &[(f64, f64)],
+        caps: &mut [f64],
+        targets: &[f64],
+        budget: f64,
+    ) {
+        let mut used: f64 = jobs.iter().zip(caps.iter()).map(|(j, &c)| j.power(c)).sum();
+        loop {
+            let mut order: Vec<usize> = (0..jobs.len()).filter(|&i| caps[i] < range[i].1).collect();
+            let shortfall = |i: usize, caps: &[f64]| targets[i] - jobs[i].power(caps[i]);
+            order.sort_by(|&a, &b| {
+                shortfall(b, caps)
+                    .total_cmp(&shortfall(a, caps))
+                    .then(a.cmp(&b))
+            });
+            let mut raised = false;
+            for i in order {
+                let next = jobs[i].spec.limits.nth_above(caps[i], 1).min(range[i].1);
+                if next <= caps[i] {
+                    continue;
+                }
+                let extra = jobs[i].power(next) - jobs[i].power(caps[i]);
+                if used + extra <= budget + POWER_SLACK_W {
+                    caps[i] = next;
+                    used += extra;
+                    raised = true;
+                    break;
+                }
+            }
+            if !raised {
+                break;
+            }
+        }
+    }
+
+    mod fill_leftover_with_a_queue {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(300))]
+
+            /// One heap operation per raise decides exactly as sorting every job for
+            /// each raise did.
+            #[test]
+            fn decides_as_sorting_every_job_for_each_raise(
+                shapes in proptest::collection::vec((1u32..9, 1.05f64..6.0, 0u8..3, 0.0f64..1.0), 1..40),
+                budget_share in 0.2f64..1.1,
+                step in prop_oneof![Just(10.0f64), Just(25.0), Just(100.0)],
+            ) {
+                let specs: Vec<JobSpec> = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &(gpus, pfi, _, _))| JobSpec {
+                        limits: CapLimits { min_w: Watts(200.0), max_w: Watts(700.0), step_w: Watts(step) },
+                        ..job(&format!("j{k}"), gpus, pfi, None)
+                    })
+                    .collect();
+                let jobs: Vec<Prepared<'_>> =
+                    specs.iter().map(|s| prepare(s, false).expect("prepared")).collect();
+                let range: Vec<(f64, f64)> = jobs.iter().map(|j| (j.lo, j.hi)).collect();
+                let top: f64 = jobs.iter().map(|j| j.power(j.hi)).sum();
+                let budget = top * budget_share;
+                // Targets anywhere between a job's lowest and highest power; caps start at
+                // the grid cap under each (ties among equal shortfalls included).
+                let targets: Vec<f64> = jobs
+                    .iter()
+                    .zip(&shapes)
+                    .map(|(j, &(_, _, tie, at))| {
+                        let (lo, hi) = (j.power(j.lo), j.power(j.hi));
+                        if tie == 0 { lo + (hi - lo) * 0.5 } else { lo + (hi - lo) * at }
+                    })
+                    .collect();
+                let start = caps_for_targets(&jobs, &range, &targets);
+                let (mut by_queue, mut by_sorting) = (start.clone(), start);
+                fill_leftover(&jobs, &range, &mut by_queue, &targets, budget);
+                fill_leftover_by_sorting(&jobs, &range, &mut by_sorting, &targets, budget);
+                prop_assert_eq!(by_queue, by_sorting);
+            }
         }
     }
 
