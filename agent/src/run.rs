@@ -255,9 +255,22 @@ fn inbound_kind(msg: &Inbound) -> &'static str {
 /// How often the agent looks for jobs whose step daemons are gone, s.
 const JOB_SCAN_INTERVAL_S: f64 = 2.0;
 
+/// Whether the last state save failed. A full or read-only `/var` fails every save (each
+/// change and every usage interval): logged once when saves start failing, and once when
+/// they work again, rather than at each one. One agent per process.
+static SAVES_FAILING: AtomicBool = AtomicBool::new(false);
+
 fn save(state_dir: &Path, agent: &Agent) {
-    if let Err(e) = persist::save(state_dir, &agent.saved_state()) {
-        error!(error = %e, "cannot persist agent state");
+    match persist::save(state_dir, &agent.saved_state()) {
+        Err(e) if !SAVES_FAILING.swap(true, Ordering::Relaxed) => error!(
+            error = %e,
+            "cannot persist agent state; the caps in force stay, and the next saves are tried without a line each until one works"
+        ),
+        Err(e) => tracing::debug!(error = %e, "cannot persist agent state (still)"),
+        Ok(()) if SAVES_FAILING.swap(false, Ordering::Relaxed) => {
+            info!("agent state persisted again")
+        }
+        Ok(()) => {}
     }
 }
 

@@ -733,6 +733,19 @@ fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
         let text = state_file();
         (text.contains("\"501\"") && text.contains("\"502\"")).then_some(())
     });
+    // One line when saves started failing and one when they worked again, not one per
+    // failed save.
+    let log = f.log();
+    assert_eq!(
+        log.matches("cannot persist agent state").count(),
+        1,
+        "{log}"
+    );
+    wait_until("the recovery logged", Duration::from_secs(10), || {
+        f.log()
+            .contains("agent state persisted again")
+            .then_some(())
+    });
     println!(
         "full state fs: worst draw {worst_draw_w:.0} W of {BUDGET_W} W over {samples} samples"
     );
