@@ -406,26 +406,40 @@ impl Cluster {
         let conf = self.conf.display().to_string();
         self.spawn_daemon("slurmctld", "slurmctld", &["-f", &conf], &[]);
         for node in self.nodes.clone() {
-            let env = self
-                .node_env
-                .iter()
-                .find(|(n, _)| *n == node)
-                .map(|(_, env)| env.clone())
-                .unwrap_or_default();
-            let args = self.slurmd_args(&node);
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            self.spawn_daemon(&node, "slurmd", &args, &env);
+            self.start_slurmd(&node);
         }
+        self.wait_responding(&self.nodes.clone(), "after the daemons started again");
+    }
+
+    /// Starts `node`'s slurmd again, with the environment it was first started with.
+    fn start_slurmd(&mut self, node: &str) {
+        let env = self
+            .node_env
+            .iter()
+            .find(|(n, _)| n == node)
+            .map(|(_, env)| env.clone())
+            .unwrap_or_default();
+        let args = self.slurmd_args(node);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.spawn_daemon(node, "slurmd", &args, &env);
+    }
+
+    /// Waits until every node of `nodes` responds to slurmctld (no `*` on its state).
+    fn wait_responding(&self, nodes: &[String], after: &str) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             let states = self.node_states();
-            let responding = states.iter().filter(|(_, s)| !s.ends_with('*')).count();
-            if responding == self.nodes.len() && states.len() == self.nodes.len() {
+            let responding = nodes.iter().all(|node| {
+                states
+                    .iter()
+                    .any(|(n, state)| n == node && !state.ends_with('*'))
+            });
+            if responding {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "nodes not responding after the daemons started again: {states:?}\n{}",
+                "{nodes:?} not responding {after}: {states:?}\n{}",
                 self.logs_tail()
             );
             thread::sleep(POLL);
@@ -449,31 +463,8 @@ impl Cluster {
             );
             thread::sleep(POLL);
         }
-        let env = self
-            .node_env
-            .iter()
-            .find(|(n, _)| n == node)
-            .map(|(_, env)| env.clone())
-            .unwrap_or_default();
-        let args = self.slurmd_args(node);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.spawn_daemon(node, "slurmd", &args, &env);
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let responding = self
-                .node_states()
-                .iter()
-                .any(|(n, state)| n == node && !state.ends_with('*'));
-            if responding {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{node} not responding after its slurmd restarted\n{}",
-                self.logs_tail()
-            );
-            thread::sleep(POLL);
-        }
+        self.start_slurmd(node);
+        self.wait_responding(&[node.to_string()], "after its slurmd restarted");
     }
 
     /// Cancels the jobs and stops the daemons (see the module docs). Panics if a daemon

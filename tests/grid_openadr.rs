@@ -12,7 +12,7 @@
 //! - the VEN's reports of the metered draw arrive at the VTN.
 
 use powerflex_daemon::clock::unix_ms;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -66,6 +66,47 @@ impl Drop for VenGuard {
     }
 }
 
+/// Whether the OpenADR test bed is here; CI must have it (a missing one fails there).
+fn vtn_available() -> bool {
+    if let Err(e) = vtn::available() {
+        assert!(
+            std::env::var("CI").ok().as_deref() != Some("true"),
+            "CI must run every test: {e}"
+        );
+        eprintln!("SKIPPED grid_openadr: {e}");
+        return false;
+    }
+    true
+}
+
+/// The VEN's credentials (root-owned, 0600, a bearer token from `bed`) and the site's
+/// `[grid.openadr]` for `PROGRAM` at `vtn_url`, polled every second, with `edit` on top.
+fn configure_ven(stack: &Stack, bed: &VtnBed, vtn_url: String, edit: impl FnOnce(&mut RawOpenAdr)) {
+    let creds = stack.base.join("openadr-credentials.toml");
+    powerflex_testbed::write_site_key(
+        &creds,
+        &format!(
+            "bearer_token = \"{}\"\n",
+            bed.token("powerflex-ven", VEN_SCOPES)
+        ),
+    );
+    let mut openadr = RawOpenAdr {
+        vtn_url,
+        credentials_file: creds.to_string_lossy().into_owned(),
+        programs: vec![PROGRAM.into()],
+        poll_interval_s: Some(1),
+        state_dir: Some(stack.base.join("grid-state").to_string_lossy().into_owned()),
+        simple_levels_pct: Some(LEVELS_PCT.to_vec()),
+        ..RawOpenAdr::default()
+    };
+    edit(&mut openadr);
+    stack.edit_site(move |raw| {
+        raw.grid = Some(RawGrid {
+            openadr: Some(openadr),
+        })
+    });
+}
+
 fn reduce_fraction(e: &PfEvent) -> Option<f64> {
     match e.cut {
         Cut::Reduce { fraction } => Some(fraction),
@@ -78,12 +119,7 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
     if !can_run(&[Need::Root, Need::Slurm, Need::Program("setpriv")]) {
         return;
     }
-    if let Err(e) = vtn::available() {
-        assert!(
-            std::env::var("CI").ok().as_deref() != Some("true"),
-            "CI must run every test: {e}"
-        );
-        eprintln!("SKIPPED grid_openadr: {e}");
+    if !vtn_available() {
         return;
     }
     let grid_bin = binary("powerflex-grid");
@@ -99,35 +135,9 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
     let program = utility.create_program(PROGRAM).expect("create the program");
     let program_id = program.id.to_string();
 
-    // The VEN's credentials (root-owned, 0600) and the site's [grid.openadr].
-    let creds = stack.base.join("openadr-credentials.toml");
-    powerflex_testbed::write_site_key(
-        &creds,
-        &format!(
-            "bearer_token = \"{}\"\n",
-            bed.token("powerflex-ven", VEN_SCOPES)
-        ),
-    );
-    let state_dir: PathBuf = stack.base.join("grid-state");
-    let (url, creds_s, state_s) = (
-        bed.url(),
-        creds.to_string_lossy().into_owned(),
-        state_dir.to_string_lossy().into_owned(),
-    );
-    stack.edit_site(move |raw| {
-        raw.grid = Some(RawGrid {
-            openadr: Some(RawOpenAdr {
-                vtn_url: url,
-                credentials_file: creds_s,
-                ven_name: Some("powerflex-test-site".into()),
-                programs: vec![PROGRAM.into()],
-                poll_interval_s: Some(1),
-                report_interval_s: Some(2),
-                state_dir: Some(state_s),
-                simple_levels_pct: Some(LEVELS_PCT.to_vec()),
-                ..RawOpenAdr::default()
-            }),
-        })
+    configure_ven(&stack, &bed, bed.url(), |openadr| {
+        openadr.ven_name = Some("powerflex-test-site".into());
+        openadr.report_interval_s = Some(2);
     });
     let base = stack.base.clone();
     let ven_log = |n: u32| base.join(format!("grid-{n}.log"));
@@ -588,12 +598,7 @@ fn an_event_the_ven_cannot_read_leaves_the_program_s_other_events_followed() {
     if !can_run(&[Need::Root, Need::Slurm]) {
         return;
     }
-    if let Err(e) = vtn::available() {
-        assert!(
-            std::env::var("CI").ok().as_deref() != Some("true"),
-            "CI must run every test: {e}"
-        );
-        eprintln!("SKIPPED grid_openadr: {e}");
+    if !vtn_available() {
         return;
     }
     let grid_bin = binary("powerflex-grid");
@@ -612,32 +617,7 @@ fn an_event_the_ven_cannot_read_leaves_the_program_s_other_events_followed() {
         .expect("create the program")
         .id
         .to_string();
-    let creds = stack.base.join("openadr-credentials.toml");
-    powerflex_testbed::write_site_key(
-        &creds,
-        &format!(
-            "bearer_token = \"{}\"\n",
-            bed.token("powerflex-ven", VEN_SCOPES)
-        ),
-    );
-    let (url, creds_s, state_s) = (
-        proxy.url.clone(),
-        creds.to_string_lossy().into_owned(),
-        stack.base.join("grid-state").to_string_lossy().into_owned(),
-    );
-    stack.edit_site(move |raw| {
-        raw.grid = Some(RawGrid {
-            openadr: Some(RawOpenAdr {
-                vtn_url: url,
-                credentials_file: creds_s,
-                programs: vec![PROGRAM.into()],
-                poll_interval_s: Some(1),
-                state_dir: Some(state_s),
-                simple_levels_pct: Some(LEVELS_PCT.to_vec()),
-                ..RawOpenAdr::default()
-            }),
-        })
-    });
+    configure_ven(&stack, &bed, proxy.url.clone(), |_| {});
     let log = stack.base.join("grid-unread.log");
     let _ven = VenGuard(Some(start_ven(&grid_bin, &stack.site, &log)));
     // A minute ahead: not in force, so no report ties them at the VTN (openleadr-vtn

@@ -516,6 +516,58 @@ fn standalone_budget_caps_jobs_and_a_stop_keeps_running_jobs_capped_until_releas
     }
 }
 
+/// The node's draw every 50 ms, read from the simulated GPUs themselves (not from the
+/// agent), on a thread until [`DrawSampler::stop`].
+struct DrawSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<DrawSamples>,
+}
+
+/// What a [`DrawSampler`] saw.
+struct DrawSamples {
+    worst_w: f64,
+    samples: u32,
+    /// The first 20 samples more than 0.5 % over the budget: (ms since the start, W).
+    over: Vec<(u128, f64)>,
+    started: std::time::Instant,
+}
+
+impl DrawSampler {
+    fn start(node: &Node, budget_w: f64) -> DrawSampler {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (node, flag) = (node.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut seen = DrawSamples {
+                worst_w: 0.0,
+                samples: 0,
+                over: Vec::new(),
+                started: std::time::Instant::now(),
+            };
+            while !flag.load(Ordering::Relaxed) {
+                let draw_w: f64 = (0..node.info().gpu_count)
+                    .filter_map(|g| node.reading(g).ok())
+                    .map(|(_, r)| f64::from(r.power_mw) / 1000.0)
+                    .sum();
+                seen.worst_w = seen.worst_w.max(draw_w);
+                if draw_w > budget_w * 1.005 && seen.over.len() < 20 {
+                    seen.over
+                        .push((seen.started.elapsed().as_millis(), draw_w.round()));
+                }
+                seen.samples += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            seen
+        });
+        DrawSampler { stop, thread }
+    }
+
+    fn stop(self) -> DrawSamples {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the draw sampler")
+    }
+}
+
 /// Issue 21: an agent restarted (stopped as an upgrade stops it) in the middle of a
 /// job's calibration walk keeps the node within its budget at every 50 ms sample, through
 /// the stop, the gap and the new agent's start, and the new agent walks the job again to
@@ -526,39 +578,13 @@ fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
     if !can_run(&[Need::Root]) {
         return;
     }
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     const BUDGET_W: f64 = 1500.0;
     let mut f = Fixture::new("midwalk", Some(BUDGET_W), 3600);
     let reply = f.register("401", &["0", "1"], "flex3");
     assert!(reply.ok, "{reply:?}");
     let profile = "qwen3-30b-a3b-moe-ft-8g";
     f.simjob("401", "0,1", profile, reply.progress.as_deref());
-    // Every 50 ms: the node's draw and the sum of its GPUs' limits, from the simulated
-    // GPUs themselves (not from the agent).
-    let stop = Arc::new(AtomicBool::new(false));
-    let sampler = {
-        let (node, stop) = (f.node.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let t0 = std::time::Instant::now();
-            let mut worst_draw_w: f64 = 0.0;
-            let mut samples = 0u32;
-            let mut over = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                let draw_w: f64 = (0..8)
-                    .filter_map(|g| node.reading(g).ok())
-                    .map(|(_, r)| f64::from(r.power_mw) / 1000.0)
-                    .sum();
-                worst_draw_w = worst_draw_w.max(draw_w);
-                if draw_w > BUDGET_W * 1.005 && over.len() < 20 {
-                    over.push((t0.elapsed().as_millis(), draw_w.round()));
-                }
-                samples += 1;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            (worst_draw_w, samples, over, t0)
-        })
-    };
+    let sampler = DrawSampler::start(&f.node, BUDGET_W);
     // Past its first level (the grant, 500 W a GPU here): stopped mid-walk.
     let walking = wait_until("the walk under way", Duration::from_secs(90), || {
         f.job_status("401").filter(|j| {
@@ -587,8 +613,12 @@ fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
     });
     // The walk's end hands the job its steady cap: that moment is sampled too.
     std::thread::sleep(Duration::from_secs(3));
-    stop.store(true, Ordering::Relaxed);
-    let (worst_draw_w, samples, over, t0) = sampler.join().expect("sampler");
+    let DrawSamples {
+        worst_w: worst_draw_w,
+        samples,
+        over,
+        started: t0,
+    } = sampler.stop();
     assert!(samples > 40, "{samples} samples");
     assert!(
         worst_draw_w <= BUDGET_W * 1.005,
@@ -633,8 +663,6 @@ fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
     if !can_run(&[Need::Root]) {
         return;
     }
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     const BUDGET_W: f64 = 2000.0;
     let mut f = Fixture::new("fullvar", Some(BUDGET_W), 3600);
     f.signal_agent(Signal::TERM).expect("first agent exit");
@@ -672,24 +700,7 @@ fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
     while filler.write_all(&chunk).is_ok() {}
     let _ = filler.write_all(&[0u8]);
     drop(filler);
-    let stop = Arc::new(AtomicBool::new(false));
-    let sampler = {
-        let (node, stop) = (f.node.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut worst_draw_w: f64 = 0.0;
-            let mut samples = 0u32;
-            while !stop.load(Ordering::Relaxed) {
-                let draw_w: f64 = (0..8)
-                    .filter_map(|g| node.reading(g).ok())
-                    .map(|(_, r)| f64::from(r.power_mw) / 1000.0)
-                    .sum();
-                worst_draw_w = worst_draw_w.max(draw_w);
-                samples += 1;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            (worst_draw_w, samples)
-        })
-    };
+    let sampler = DrawSampler::start(&f.node, BUDGET_W);
     // A second job starts on the full file system: managed and capped all the same.
     let second = f.register("502", &["4", "5"], "flex3,calibrate=off");
     assert!(second.ok, "{second:?}");
@@ -711,8 +722,11 @@ fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
     );
     let caps: Vec<f64> = (0..8).map(|g| f.limit_w(g)).collect();
     std::thread::sleep(Duration::from_secs(3));
-    stop.store(true, Ordering::Relaxed);
-    let (worst_draw_w, samples) = sampler.join().expect("sampler");
+    let DrawSamples {
+        worst_w: worst_draw_w,
+        samples,
+        ..
+    } = sampler.stop();
     assert!(samples > 40, "{samples} samples");
     assert!(
         worst_draw_w <= BUDGET_W * 1.005,

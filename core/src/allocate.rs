@@ -830,17 +830,17 @@ fn fill_leftover(
     // grows (a curve's power never falls as its cap rises), so a raise that does not fit
     // now never will: it leaves the queue for good. One heap operation per raise, where
     // sorting every job for each raise made a core step at 2,000 jobs take 1.7 s.
-    let mut queue: BinaryHeap<Shortfall> = (0..jobs.len())
+    let mut queue: BinaryHeap<Ranked> = (0..jobs.len())
         .filter(|&i| caps[i] < range[i].1)
-        .map(|i| Shortfall {
-            watts: shortfall(i, caps[i]),
+        .map(|i| Ranked {
+            value: shortfall(i, caps[i]),
             job: i,
         })
         .collect();
     // Raises that did not fit; back in the queue only if what is used ever falls (a
     // curve whose power dips as its cap rises), as they might fit then.
     let mut parked: Vec<usize> = Vec::new();
-    while let Some(Shortfall { job: i, .. }) = queue.pop() {
+    while let Some(Ranked { job: i, .. }) = queue.pop() {
         let next = jobs[i].spec.limits.nth_above(caps[i], 1).min(range[i].1);
         if next <= caps[i] {
             continue;
@@ -855,41 +855,17 @@ fn fill_leftover(
         caps[i] = next;
         used += extra;
         if extra < 0.0 {
-            queue.extend(parked.drain(..).map(|j| Shortfall {
-                watts: shortfall(j, caps[j]),
+            queue.extend(parked.drain(..).map(|j| Ranked {
+                value: shortfall(j, caps[j]),
                 job: j,
             }));
         }
         if caps[i] < range[i].1 {
-            queue.push(Shortfall {
-                watts: shortfall(i, caps[i]),
+            queue.push(Ranked {
+                value: shortfall(i, caps[i]),
                 job: i,
             });
         }
-    }
-}
-
-/// A job in [`fill_leftover`]'s queue: the watts it is below its target.
-#[derive(Debug, PartialEq)]
-struct Shortfall {
-    watts: f64,
-    job: usize,
-}
-
-impl Eq for Shortfall {}
-
-impl Ord for Shortfall {
-    fn cmp(&self, other: &Self) -> Ordering {
-        // The largest shortfall first; ties to the lower job index (deterministic).
-        self.watts
-            .total_cmp(&other.watts)
-            .then_with(|| other.job.cmp(&self.job))
-    }
-}
-
-impl PartialOrd for Shortfall {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
     }
 }
 
@@ -901,25 +877,26 @@ fn caps_for_targets(jobs: &[Prepared<'_>], range: &[(f64, f64)], targets: &[f64]
         .collect()
 }
 
-/// A hull segment waiting in the greedy's queue.
+/// A job in a max-queue: the greedy's hull segments by slope, [`fill_leftover`]'s jobs
+/// by shortfall. The largest value first; ties to the lower job index, so the result is
+/// deterministic.
 #[derive(Debug, PartialEq)]
-struct Segment {
-    slope: f64,
+struct Ranked {
+    value: f64,
     job: usize,
 }
 
-impl Eq for Segment {}
+impl Eq for Ranked {}
 
-impl Ord for Segment {
+impl Ord for Ranked {
     fn cmp(&self, other: &Self) -> Ordering {
-        // Steepest first; ties to the lower job index, so the result is deterministic.
-        self.slope
-            .total_cmp(&other.slope)
+        self.value
+            .total_cmp(&other.value)
             .then_with(|| other.job.cmp(&self.job))
     }
 }
 
-impl PartialOrd for Segment {
+impl PartialOrd for Ranked {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
     }
@@ -989,10 +966,10 @@ fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<
     };
     for (job, h) in hulls.iter().enumerate() {
         if let Some(s) = slope(h, 0) {
-            queue.push(Segment { slope: s, job });
+            queue.push(Ranked { value: s, job });
         }
     }
-    while let Some(Segment { job, .. }) = queue.pop() {
+    while let Some(Ranked { job, .. }) = queue.pop() {
         let h = &hulls[job];
         let i = position[job];
         let (from, to) = (h[i], h[i + 1]);
@@ -1002,7 +979,7 @@ fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<
             caps[job] = to.0;
             position[job] = i + 1;
             if let Some(s) = slope(h, i + 1) {
-                queue.push(Segment { slope: s, job });
+                queue.push(Ranked { value: s, job });
             }
         } else {
             // Move as far toward `to` as the remaining budget allows, on the real curve.
