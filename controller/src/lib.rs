@@ -13,6 +13,7 @@ pub mod ctld;
 pub mod energy_plot;
 pub mod offline;
 pub mod plot;
+pub mod reference;
 pub mod render;
 pub mod table;
 

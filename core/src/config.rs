@@ -60,6 +60,7 @@ const DEFAULT_CALIBRATION_ALLOWANCE_PCT: f64 = 5.0;
 /// config (budget 0, no models, no controller address) to fill in with struct update
 /// syntax.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawSiteConfig {
     /// `[facility]`, required.
@@ -85,6 +86,7 @@ pub struct RawSiteConfig {
 
 /// `[facility]`: the site-wide budget and how it is shared.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawFacility {
     /// Facility GPU power budget, watts: the sum of all powerflex-managed GPUs' caps
@@ -114,6 +116,7 @@ pub struct RawFacility {
 
 /// `[tiers]`: what `--power-flex` accepts at this site.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawTiers {
     /// Service for jobs submitted without `--power-flex`: a tier name or `none`
@@ -140,6 +143,7 @@ pub struct RawTiers {
 
 /// One `[[tiers.tier]]` entry.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawTier {
     /// Name users write: 1 to 32 of `a-z`, `0-9`, `-`, `_`; not `none`.
@@ -151,6 +155,7 @@ pub struct RawTier {
 /// `[gpu_models.<NAME>]`: the cap range and grids for one GPU model. All values are per
 /// GPU, in watts.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawGpuModel {
     /// Lowest per-GPU cap powerflex may set, watts; at or above NVML's minimum
@@ -178,6 +183,7 @@ pub struct RawGpuModel {
 
 /// `[controller]`: the site controller.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawController {
     /// Socket address the controller listens on and agents connect to, e.g.
@@ -227,6 +233,7 @@ pub struct RawController {
 
 /// `[controller.database]`: where the controller's PostgreSQL database is.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawDatabase {
     /// A PostgreSQL URL without a password, e.g.
@@ -241,6 +248,7 @@ pub struct RawDatabase {
 
 /// `[agent]`: the node agent `powerflexd`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawAgent {
     /// Absolute path of the agent's Unix socket; `%n` is the Slurm node name, `%%` a
@@ -301,6 +309,7 @@ pub struct RawAgent {
 /// `[predictor]`: the telemetry prior PFI ≈ intercept + slope · DRAM copy product
 /// (arXiv 2609.11542; LOO R² 0.52, RMSE 0.24, weak within a job type).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawPredictor {
     /// PFI at a DRAM copy product of 0, dimensionless (default 1.2).
@@ -313,6 +322,14 @@ pub struct RawPredictor {
 // ---------------------------------------------------------------------------------------
 // Validated: typed values.
 // ---------------------------------------------------------------------------------------
+
+/// The site config file's JSON Schema, with every key's doc comment as its description
+/// (feature `reference`): what `powerflexctl reference config` renders as the config
+/// reference and `powerflex.toml(5)`.
+#[cfg(feature = "reference")]
+pub fn file_schema() -> serde_json::Value {
+    schemars::schema_for!(RawSiteConfig).to_value()
+}
 
 /// A validated site config.
 #[derive(Debug, Clone, PartialEq)]
@@ -1538,6 +1555,7 @@ fn validate_predictor(raw: RawPredictor) -> Result<PredictorConfig, ConfigError>
 
 /// `[grid]`: sources of grid events besides `powerflexctl event add`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawGrid {
     /// `[grid.openadr]`: the utility's OpenADR 3 VTN, followed by `powerflex-grid`.
@@ -1546,6 +1564,7 @@ pub struct RawGrid {
 
 /// `[grid.openadr]` as written.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RawOpenAdr {
     /// Base URL of the VTN's OpenADR 3 API, e.g. `https://vtn.utility.example/openadr3/`.

@@ -13,6 +13,7 @@
 //! | [`command`] | a site command (`squeue`, `scontrol`) with a deadline and a bound on its output | a wait-then-read copy that a big output deadlocks |
 //! | [`os`] | `kill`, `flock`, `SO_PEERCRED` through `rustix` | `unsafe` libc calls and `kill` run as a subprocess |
 //! | [`trace`] | tracing init from `POWERFLEX_LOG` | two copies in the binaries |
+//! | [`man`] | man pages of every binary from its clap definitions (one per subcommand) | none: the packages had no man pages |
 //! | [`gate`] | admission of Unix-socket connections by uid: per user, all users, root, in all | the agent's `Admission` and the controller's `AdminGate`, which differed in whether root may take users' places |
 //!
 //! ## What fits where, for a daemon that adopts it
@@ -43,6 +44,7 @@ pub mod fsx;
 pub mod gate;
 pub mod http;
 pub mod lines;
+pub mod man;
 pub mod os;
 pub mod prom;
 pub mod signals;

@@ -25,11 +25,24 @@ struct Args {
     /// Poll once, print what was done, and exit (for checks and cron).
     #[arg(long)]
     once: bool,
+    /// Write this daemon's man page (section 8) into DIR and exit.
+    #[arg(long, hide = true, exclusive = true, value_name = "DIR")]
+    write_man_pages: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
     powerflex_daemon::trace::init();
     let args = Args::parse();
+    if let Some(dir) = &args.write_man_pages {
+        use clap::CommandFactory;
+        return match powerflex_daemon::man::write_pages(Args::command(), "8", dir) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("powerflex-grid: error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -33,6 +33,9 @@ struct Cli {
     /// Site config (powerflex.toml).
     #[arg(long, default_value = "/etc/slurm/powerflex.toml", value_name = "FILE")]
     config: PathBuf,
+    /// Write this daemon's man page (section 8) into DIR and exit.
+    #[arg(long, hide = true, exclusive = true, value_name = "DIR")]
+    write_man_pages: Option<PathBuf>,
     /// Slurm node name this agent serves [default: $SLURMD_NODENAME, else the short host name].
     #[arg(long, value_name = "NAME")]
     node: Option<String>,
@@ -44,6 +47,11 @@ struct Cli {
     /// the cap in force, so the budget holds through upgrades.
     #[arg(long)]
     release_on_exit: bool,
+    /// Do not start: put every GPU of this node back to its default power limit and exit
+    /// (for removing powerflex from a node, once powerflexd is stopped). Refused while an
+    /// agent answers on this node's socket.
+    #[arg(long, conflicts_with = "release_on_exit")]
+    release_gpus: bool,
 }
 
 fn hostname() -> String {
@@ -54,6 +62,16 @@ fn hostname() -> String {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(dir) = &cli.write_man_pages {
+        use clap::CommandFactory;
+        return match powerflex_daemon::man::write_pages(Cli::command(), "8", dir) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("powerflexd: error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     powerflex_daemon::trace::init();
     match start(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -121,6 +139,47 @@ fn settings_from(
     })
 }
 
+/// `--release-gpus`: every GPU back to its board's default limit, the agent not started.
+/// A live agent would put its caps back at its next sample, so it must be stopped
+/// first; a socket that accepts a connection is a live agent.
+fn release_gpus(
+    backend: &mut dyn GpuBackend,
+    control_socket: &std::path::Path,
+) -> Result<(), String> {
+    if std::os::unix::net::UnixStream::connect(control_socket).is_ok() {
+        return Err(format!(
+            "powerflexd is running on this node (its socket {} answers); stop it first (systemctl stop powerflexd), then run --release-gpus again",
+            control_socket.display()
+        ));
+    }
+    let gpus = backend.discover().map_err(|e| e.to_string())?;
+    let mut failed = Vec::new();
+    for gpu in &gpus {
+        match backend.set_cap(gpu.index, gpu.default_cap) {
+            Ok(before) => tracing::info!(
+                gpu = gpu.index,
+                default_w = gpu.default_cap.0,
+                before_w = before.map(|w| w.0),
+                "GPU back to its default power limit"
+            ),
+            Err(e) => failed.push(format!("GPU {}: {e}", gpu.index)),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(format!(
+            "{} of {} GPUs could not be put back to their default limits: {}",
+            failed.len(),
+            gpus.len(),
+            failed.join("; ")
+        ));
+    }
+    println!(
+        "powerflexd: {} GPUs back to their default power limits",
+        gpus.len()
+    );
+    Ok(())
+}
+
 fn start(cli: Cli) -> Result<(), String> {
     let site = read_site(&cli.config)?;
     let node = cli
@@ -130,14 +189,17 @@ fn start(cli: Cli) -> Result<(), String> {
     if node.is_empty() {
         return Err("cannot tell this node's name; pass --node".into());
     }
+    let control_socket = site.agent.socket_path(&node);
     let mut backend = NvmlBackend::open(site.agent.nvml_library.as_deref())?;
+    if cli.release_gpus {
+        return release_gpus(&mut backend, &control_socket);
+    }
     let gpus = backend.discover().map_err(|e| e.to_string())?;
     let gpu_name = gpus
         .first()
         .ok_or("NVML reports no GPU on this node")?
         .name
         .clone();
-    let control_socket = site.agent.socket_path(&node);
     let progress_socket = control_socket.with_extension("progress");
     let progress_address = progress_socket.display().to_string();
     let settings = settings_from(

@@ -29,10 +29,23 @@ struct Cli {
     /// Site config (powerflex.toml).
     #[arg(long, default_value = "/etc/slurm/powerflex.toml", value_name = "FILE")]
     config: PathBuf,
+    /// Write this daemon's man page (section 8) into DIR and exit.
+    #[arg(long, hide = true, exclusive = true, value_name = "DIR")]
+    write_man_pages: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(dir) = &cli.write_man_pages {
+        use clap::CommandFactory;
+        return match powerflex_daemon::man::write_pages(Cli::command(), "8", dir) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("powerflex-ctld: error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     powerflex_daemon::trace::init();
     match start(cli) {
         Ok(()) => ExitCode::SUCCESS,

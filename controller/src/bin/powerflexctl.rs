@@ -31,11 +31,15 @@ const MAX_INPUT_BYTES: u64 = 256 * 1024 * 1024;
     name = "powerflexctl",
     version,
     about = "powerflex admin CLI: the controller's status, budget and grid events; per-job PFI, budget allocation and offline policy evaluation",
-    long_about = None
+    long_about = None,
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// Write powerflexctl's man pages (one per subcommand, section 1) into DIR and exit.
+    #[arg(long, hide = true, exclusive = true, value_name = "DIR")]
+    write_man_pages: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -98,8 +102,33 @@ fn records(
     admin(args, op)?.records.ok_or_else(|| missing("records"))
 }
 
+/// What `reference` prints.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ReferenceTopic {
+    /// Every key of the site config (powerflex.toml), from the config types.
+    Config,
+}
+
+/// How `reference` prints it.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ReferenceFormat {
+    /// Markdown (docs/reference/config.md).
+    Markdown,
+    /// A man page in roff (powerflex.toml(5)).
+    Man,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Print a reference generated from the code itself: `config` is every key of the
+    /// site config with its type, unit, whether it is required and what it does, as
+    /// Markdown or as the man page powerflex.toml(5).
+    Reference {
+        #[arg(value_enum)]
+        topic: ReferenceTopic,
+        #[arg(long, value_enum, default_value = "markdown")]
+        format: ReferenceFormat,
+    },
     /// PFI (arXiv 2609.11542 Eq. 1) of every job in a curves file.
     Pfi {
         /// Curves CSV: job,cap_w,power_w,throughput, then optionally gpus,tier,dram_copy_product;
@@ -633,6 +662,9 @@ fn list_events(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(dir) = &cli.write_man_pages {
+        return write_man_pages(dir);
+    }
     match run(cli) {
         Ok(output) => {
             print!("{output}");
@@ -659,8 +691,45 @@ fn load_curves(path: &str) -> Result<Vec<powerflex_core::curves_csv::JobCurveRec
     })
 }
 
+/// The hidden `--write-man-pages DIR`: this CLI's pages from its clap definitions.
+fn write_man_pages(dir: &std::path::Path) -> ExitCode {
+    use clap::CommandFactory;
+    match powerflex_daemon::man::write_pages(Cli::command(), "1", dir) {
+        Ok(pages) => {
+            println!("wrote {} man pages into {}", pages.len(), dir.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("powerflexctl: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn run(cli: Cli) -> Result<String, CtlError> {
-    match cli.command {
+    let Some(command) = cli.command else {
+        use clap::CommandFactory;
+        // As clap answers a missing required subcommand: the usage, exit 2.
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::MissingSubcommand,
+                "a subcommand is required (see --help)",
+            )
+            .exit();
+    };
+    match command {
+        Command::Reference { topic, format } => {
+            let ReferenceTopic::Config = topic;
+            let tables = powerflex_controller::reference::site_config_tables();
+            Ok(match format {
+                ReferenceFormat::Markdown => {
+                    powerflex_controller::reference::render_markdown(&tables)
+                }
+                ReferenceFormat::Man => {
+                    powerflex_controller::reference::render_man(&tables, env!("CARGO_PKG_VERSION"))
+                }
+            })
+        }
         Command::Pfi { curves, format } => {
             let rows = offline::pfi_rows(&load_curves(&curves)?);
             match format {
