@@ -46,6 +46,43 @@ pub struct StackOptions {
     pub build: bool,
     /// Where the daemons' logs go [default: the stack's base directory].
     pub log_dir: Option<PathBuf>,
+    /// Where the product's binaries and plugin come from.
+    pub artifacts: Artifacts,
+}
+
+/// Where a stack's powerflexd, powerflex-ctld, powerflexctl and SPANK plugin come from.
+/// The test bed's own parts (the simulated NVML library, `powerflex-simjob`) always come
+/// from this workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Artifacts {
+    /// This workspace's build.
+    #[default]
+    Workspace,
+    /// Where the Debian packages install them (`tests/packages.rs`).
+    Installed,
+}
+
+/// Where the packages install each part (see `[package.metadata.deb]` in the crates).
+pub mod installed {
+    pub const AGENT: &str = "/usr/sbin/powerflexd";
+    pub const CONTROLLER: &str = "/usr/sbin/powerflex-ctld";
+    pub const VEN: &str = "/usr/sbin/powerflex-grid";
+    pub const CLI: &str = "/usr/bin/powerflexctl";
+    pub const PLUGIN: &str = "/usr/lib/x86_64-linux-gnu/slurm-wlm/power_flex.so";
+    /// The site config, a conffile of powerflex-cli.
+    pub const SITE_CONFIG: &str = "/etc/slurm/powerflex.toml";
+}
+
+/// An installed part, which must be there.
+fn installed_artifact(path: &str) -> Result<PathBuf, StackError> {
+    let path = PathBuf::from(path);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(StackError::MissingArtifact {
+            path: path.display().to_string(),
+        })
+    }
 }
 
 impl Default for StackOptions {
@@ -60,6 +97,7 @@ impl Default for StackOptions {
             sample_interval_ms: 250,
             build: true,
             log_dir: None,
+            artifacts: Artifacts::Workspace,
         }
     }
 }
@@ -173,12 +211,22 @@ impl Stack {
         if options.build {
             cargo_build(&["-p", "powerflex-spank", "-p", "powerflex-sim-nvml", "--lib"]);
         }
-        let ctl = artifact("powerflexctl", options.build)?;
         let simjob = artifact("powerflex-simjob", options.build)?;
-        let ctld_bin = artifact("powerflex-ctld", options.build)?;
-        let agent_bin = artifact("powerflexd", options.build)?;
-        let plugin = artifact("libpower_flex.so", false)?;
         let nvml = artifact("libpowerflex_sim_nvml.so", false)?;
+        let (ctl, ctld_bin, agent_bin, plugin) = match options.artifacts {
+            Artifacts::Workspace => (
+                artifact("powerflexctl", options.build)?,
+                artifact("powerflex-ctld", options.build)?,
+                artifact("powerflexd", options.build)?,
+                artifact("libpower_flex.so", false)?,
+            ),
+            Artifacts::Installed => (
+                installed_artifact(installed::CLI)?,
+                installed_artifact(installed::CONTROLLER)?,
+                installed_artifact(installed::AGENT)?,
+                installed_artifact(installed::PLUGIN)?,
+            ),
+        };
         let base = std::env::temp_dir().join(format!("pf-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
         std::fs::create_dir_all(base.join("agent")).map_err(io(&base))?;

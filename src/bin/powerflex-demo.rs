@@ -676,6 +676,7 @@ fn start(cli: &Cli, progress: Progress) -> Result<Demo> {
             // The demo runs what was built (scripts/demo.sh builds it), never cargo.
             build: false,
             log_dir: Some(out.clone()),
+            artifacts: powerflex_testbed::stack::Artifacts::Workspace,
         },
     )?;
     let _ = std::fs::copy(&stack.site, out.join("powerflex.toml"));

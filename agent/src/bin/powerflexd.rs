@@ -5,8 +5,11 @@
 //! calibration settings change without a restart; an invalid file is refused, logged and
 //! shown by `status` (`config_error`), and the settings in force stay.
 //!
-//! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT; every GPU restored); 1 could not start
-//! (config, NVML, sockets); 2 usage error.
+//! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT; GPUs without a running job restored);
+//! 1 could not start (config, NVML, sockets); 2 usage error. With `--release-gpus`: 0
+//! every GPU back at its default limit; 1 some GPU could not be reached or set (NVML, the
+//! config); 3 refused because an agent runs on this node (the package's removal stops
+//! there, since that agent would cap the GPUs again).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -73,14 +76,14 @@ fn main() -> ExitCode {
         };
     }
     powerflex_daemon::trace::init();
-    match start(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("powerflexd: error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    let (message, code) = match start(cli) {
+        Ok(()) => return ExitCode::SUCCESS,
+        Err(StartError::Failed(e)) | Err(StartError::Release(ReleaseError::Failed(e))) => (e, 1),
+        Err(StartError::Release(ReleaseError::AgentRunning(e))) => (e, 3),
+    };
+    tracing::error!("{message}");
+    eprintln!("powerflexd: error: {message}");
+    ExitCode::from(code)
 }
 
 /// Reads and validates the site config.
@@ -145,14 +148,16 @@ fn settings_from(
 fn release_gpus(
     backend: &mut dyn GpuBackend,
     control_socket: &std::path::Path,
-) -> Result<(), String> {
+) -> Result<(), ReleaseError> {
     if std::os::unix::net::UnixStream::connect(control_socket).is_ok() {
-        return Err(format!(
+        return Err(ReleaseError::AgentRunning(format!(
             "powerflexd is running on this node (its socket {} answers); stop it first (systemctl stop powerflexd), then run --release-gpus again",
             control_socket.display()
-        ));
+        )));
     }
-    let gpus = backend.discover().map_err(|e| e.to_string())?;
+    let gpus = backend
+        .discover()
+        .map_err(|e| ReleaseError::Failed(e.to_string()))?;
     let mut failed = Vec::new();
     for gpu in &gpus {
         match backend.set_cap(gpu.index, gpu.default_cap) {
@@ -166,12 +171,12 @@ fn release_gpus(
         }
     }
     if !failed.is_empty() {
-        return Err(format!(
+        return Err(ReleaseError::Failed(format!(
             "{} of {} GPUs could not be put back to their default limits: {}",
             failed.len(),
             gpus.len(),
             failed.join("; ")
-        ));
+        )));
     }
     println!(
         "powerflexd: {} GPUs back to their default power limits",
@@ -180,7 +185,35 @@ fn release_gpus(
     Ok(())
 }
 
-fn start(cli: Cli) -> Result<(), String> {
+/// Why `start` returned early.
+enum StartError {
+    /// Anything that stopped the agent from starting (exit 1).
+    Failed(String),
+    /// `--release-gpus` refused or failed (exit 3 or 1).
+    Release(ReleaseError),
+}
+
+impl From<String> for StartError {
+    fn from(message: String) -> Self {
+        StartError::Failed(message)
+    }
+}
+
+impl From<&str> for StartError {
+    fn from(message: &str) -> Self {
+        StartError::Failed(message.to_string())
+    }
+}
+
+/// Why `--release-gpus` did not put every GPU back.
+enum ReleaseError {
+    /// An agent answers on this node's socket.
+    AgentRunning(String),
+    /// A GPU could not be reached or set.
+    Failed(String),
+}
+
+fn start(cli: Cli) -> Result<(), StartError> {
     let site = read_site(&cli.config)?;
     let node = cli
         .node
@@ -192,7 +225,7 @@ fn start(cli: Cli) -> Result<(), String> {
     let control_socket = site.agent.socket_path(&node);
     let mut backend = NvmlBackend::open(site.agent.nvml_library.as_deref())?;
     if cli.release_gpus {
-        return release_gpus(&mut backend, &control_socket);
+        return release_gpus(&mut backend, &control_socket).map_err(StartError::Release);
     }
     let gpus = backend.discover().map_err(|e| e.to_string())?;
     let gpu_name = gpus
@@ -261,5 +294,5 @@ fn start(cli: Cli) -> Result<(), String> {
     .map_err(|e| e.to_string());
     shutdown.store(true, Ordering::SeqCst);
     watcher.stop();
-    result
+    Ok(result?)
 }

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Builds powerflex's Debian packages with cargo-deb (installed from crates.io when
+# missing), into target/debian/ unless --out says otherwise:
+#
+#   powerflex-node        powerflexd, the SPANK plugin, its plugstack.conf.d line, the unit
+#   powerflex-controller  powerflex-ctld and powerflex-grid, their units
+#   powerflex-cli         powerflexctl, /etc/slurm/powerflex.toml (a conffile), the man
+#                         pages powerflexctl(1) and powerflex.toml(5)
+#
+# Every binary's man page is written first from its own clap definitions
+# (`--write-man-pages`), and powerflex.toml(5) from the config types
+# (`powerflexctl reference config --format man`).
+#
+#   scripts/package.sh                       release build, then the three packages
+#   scripts/package.sh --revision 2          the Debian revision (0.1.0-2)
+#   scripts/package.sh --profile dev --no-build --out DIR
+#                                            the test's packages, from the debug build the
+#                                            suite already made (cargo-deb warns that it
+#                                            is meant for release builds; it works)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/install-deps.sh
+
+profile=release
+build=true
+revision=1
+out=target/debian
+while (($#)); do
+    case "$1" in
+    --profile) profile=${2:?--profile needs release or dev}; shift 2 ;;
+    --no-build) build=false; shift ;;
+    --revision) revision=${2:?--revision needs a number}; shift 2 ;;
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "package.sh: unknown argument $1; accepted: --profile release|dev, --no-build, --revision N, --out DIR" >&2; exit 2 ;;
+    esac
+done
+case "$profile" in
+release) dir=target/release ;;
+dev) dir=target/debug ;;
+*) echo "package.sh: --profile $profile; accepted: release or dev" >&2; exit 2 ;;
+esac
+[[ $revision =~ ^[0-9]+$ ]] || { echo "package.sh: --revision $revision; accepted: a whole number" >&2; exit 2; }
+
+command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
+if ! command -v cargo-deb >/dev/null 2>&1; then
+    echo "package.sh: installing $POWERFLEX_CARGO_DEB (cargo install, once)" >&2
+    cargo install --quiet --locked "$POWERFLEX_CARGO_DEB"
+fi
+
+if $build; then
+    echo "package.sh: building ($profile)" >&2
+    cargo build --quiet --profile "$profile" -p powerflex-agent -p powerflex-spank \
+        -p powerflex-controller -p powerflex-grid --bins --lib
+fi
+for part in powerflexd powerflex-ctld powerflex-grid powerflexctl libpower_flex.so; do
+    [[ -f $dir/$part ]] || { echo "package.sh: $dir/$part is missing; build first (or leave out --no-build)" >&2; exit 1; }
+done
+
+# cargo-deb reads the man pages from target/man (the crates' asset lists).
+rm -rf target/man
+mkdir -p target/man
+for bin in powerflexd powerflex-ctld powerflex-grid powerflexctl; do
+    "$dir/$bin" --write-man-pages target/man >/dev/null
+done
+"$dir/powerflexctl" reference config --format man >target/man/powerflex.toml.5
+
+mkdir -p "$out"
+deb() {
+    cargo deb --quiet --no-build --profile "$profile" --deb-revision "$revision" -o "$out" "$@" 2>&1 \
+        | grep -v -e 'dev profile is not supported' -e 'To enable debug symbols' -e 'does not match the pattern' >&2 || true
+}
+deb -p powerflex-agent
+deb -p powerflex-controller
+deb -p powerflex-controller --variant server
+version=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="powerflex-agent"))')
+for name in powerflex-node powerflex-controller powerflex-cli; do
+    f="$out/${name}_${version}-${revision}_amd64.deb"
+    [[ -f $f ]] || { echo "package.sh: $f was not made" >&2; exit 1; }
+    echo "$f"
+done

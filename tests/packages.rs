@@ -1,0 +1,397 @@
+//! The Debian packages (issue 26) on the machine with the local Slurm cluster, around a
+//! running job on SIMULATED GPUs: built by `scripts/package.sh` from the suite's debug
+//! build, installed with dpkg, a job run through the installed plugin and agent, an
+//! upgrade to a rebuilt package while the job runs (the agent restarted on the new
+//! binary, as the unit's `try-restart` does), and removal, which must leave no GPU
+//! capped. Caps are read every 50 ms through the upgrade.
+//!
+//! This machine runs no systemd, so the maintainer scripts' `systemctl` lines are
+//! skipped here, as on any host without it: the test stops and starts the agent by PID
+//! where systemd would, and checks what the packages' own files and scripts do.
+//!
+//! It installs into the system's paths, so it purges the three packages before and
+//! after (also when it fails), and refuses to run where they were installed by someone
+//! else: a site's own installation is never touched.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use powerflex_testbed::needs::{can_run, Need};
+use powerflex_testbed::stack::{installed, Artifacts, Stack, StackOptions, DEFAULT_CAP_W};
+use powerflex_testbed::{cargo_build, repo_root, scratch_dir, wait_until};
+
+const PACKAGES: [&str; 3] = ["powerflex-node", "powerflex-controller", "powerflex-cli"];
+const TRAIN: &str = "qwen3-30b-a3b-moe-ft-8g";
+
+/// `dpkg-query`'s status and version of `package`, when dpkg knows it.
+fn installed_version(package: &str) -> Option<String> {
+    let out = Command::new("dpkg-query")
+        .args(["-W", "-f", "${db:Status-Abbrev} ${Version}", package])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut words = text.split_whitespace();
+    let status = words.next()?;
+    // The second letter is the package's state: "ii" installed, "ri" installed and
+    // asked to go, "rc" removed with its conffiles left.
+    (status.chars().nth(1) == Some('i')).then(|| words.next().unwrap_or("").to_string())
+}
+
+fn dpkg(args: &[&str], envs: &[(&str, &Path)]) -> std::process::Output {
+    let mut command = Command::new("dpkg");
+    command.args(args);
+    for (k, v) in envs {
+        command.env(k, v);
+    }
+    command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run dpkg {args:?}: {e}"))
+}
+
+fn purge() {
+    let mut args = vec!["--purge"];
+    args.extend(PACKAGES);
+    let out = dpkg(&args, &[]);
+    assert!(
+        out.status.success(),
+        "dpkg --purge: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Purges the packages when the test ends, however it ends.
+struct Purge;
+
+impl Drop for Purge {
+    fn drop(&mut self) {
+        let mut args = vec!["--purge"];
+        args.extend(PACKAGES);
+        let _ = dpkg(&args, &[]);
+    }
+}
+
+/// The three packages at Debian revision `revision`, from the suite's debug build.
+fn build_packages(out: &Path, revision: u32) -> Vec<PathBuf> {
+    let made = Command::new("bash")
+        .arg(repo_root().join("scripts/package.sh"))
+        .args(["--profile", "dev", "--no-build", "--revision"])
+        .arg(revision.to_string())
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("scripts/package.sh runs");
+    assert!(
+        made.status.success(),
+        "scripts/package.sh failed: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let debs: Vec<PathBuf> = String::from_utf8_lossy(&made.stdout)
+        .lines()
+        .map(PathBuf::from)
+        .collect();
+    assert_eq!(debs.len(), 3, "three packages: {debs:?}");
+    debs
+}
+
+fn install(debs: &[PathBuf]) {
+    let mut command = Command::new("dpkg");
+    // An edited conffile is kept without a question (what unattended upgrades do).
+    command.args(["--force-confold", "-i"]).args(debs);
+    let out = command.output().expect("dpkg -i runs");
+    assert!(
+        out.status.success(),
+        "dpkg -i: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The GPUs' caps sampled every 50 ms while the test does something else: the highest
+/// cap each GPU showed.
+struct CapWatch {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<(u32, Vec<f64>)>,
+}
+
+impl CapWatch {
+    fn start(sim_dir: PathBuf, gpus: u32) -> CapWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let node = powerflex_sim::state::Node::open(&sim_dir).expect("the simulated node");
+            let mut highest = vec![0.0_f64; gpus as usize];
+            let mut samples = 0;
+            while !flag.load(Ordering::SeqCst) {
+                for (g, top) in highest.iter_mut().enumerate() {
+                    if let Ok(gpu) = node.gpu(g as u32) {
+                        *top = top.max(f64::from(gpu.power_limit_mw) / 1000.0);
+                    }
+                }
+                samples += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (samples, highest)
+        });
+        CapWatch { stop, thread }
+    }
+
+    fn finish(self) -> (u32, Vec<f64>) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.join().expect("the cap sampler")
+    }
+}
+
+#[test]
+fn the_packages_install_upgrade_and_remove_around_a_running_job() {
+    if !can_run(&[
+        Need::Root,
+        Need::Slurm,
+        Need::Program("dpkg"),
+        Need::Program("cargo-deb"),
+    ]) {
+        return;
+    }
+    for package in PACKAGES {
+        assert!(
+            installed_version(package).is_none(),
+            "{package} is installed on this machine already; this test installs and purges it, so it runs only where it is not"
+        );
+    }
+    let keys = ["/etc/slurm/powerflex.key", "/etc/powerflex/node.key"];
+    let keys_before: Vec<bool> = keys.iter().map(|k| Path::new(k).exists()).collect();
+    cargo_build(&["-p", "powerflex-agent", "-p", "powerflex-controller"]);
+    let work = scratch_dir("packages");
+    let v1 = build_packages(&work.join("v1"), 1);
+    let _purge = Purge;
+    install(&v1);
+
+    // What the packages put where, and what they did not do.
+    for path in [
+        installed::AGENT,
+        installed::CONTROLLER,
+        installed::VEN,
+        installed::CLI,
+        installed::PLUGIN,
+        installed::SITE_CONFIG,
+        "/etc/slurm/plugstack.conf.d/powerflex.conf",
+        "/usr/lib/systemd/system/powerflexd.service",
+        "/usr/lib/systemd/system/powerflex-ctld.service",
+        "/usr/lib/systemd/system/powerflex-grid.service",
+        "/usr/share/man/man1/powerflexctl.1.gz",
+        "/usr/share/man/man1/powerflexctl-event-add.1.gz",
+        "/usr/share/man/man5/powerflex.toml.5.gz",
+        "/usr/share/man/man8/powerflexd.8.gz",
+        "/usr/share/man/man8/powerflex-ctld.8.gz",
+        "/usr/share/man/man8/powerflex-grid.8.gz",
+    ] {
+        assert!(Path::new(path).is_file(), "{path} was not installed");
+    }
+    let unit = std::fs::read_to_string("/usr/lib/systemd/system/powerflexd.service")
+        .expect("the agent's unit");
+    assert!(
+        unit.contains(&format!("ExecStart={} ", installed::AGENT)),
+        "the unit starts the installed agent: {unit}"
+    );
+    let plugstack = std::fs::read_to_string("/etc/slurm/plugstack.conf.d/powerflex.conf")
+        .expect("the plugstack line");
+    assert!(plugstack.contains(&format!("optional {} ", installed::PLUGIN)));
+    for (key, before) in keys.iter().zip(&keys_before) {
+        assert_eq!(
+            Path::new(key).exists(),
+            *before,
+            "{key}: installing created (or removed) a key"
+        );
+    }
+    let conffiles = Command::new("dpkg-query")
+        .args([
+            "-W",
+            "-f",
+            "${Conffiles}\n",
+            "powerflex-cli",
+            "powerflex-node",
+        ])
+        .output()
+        .expect("dpkg-query");
+    let conffiles = String::from_utf8_lossy(&conffiles.stdout);
+    for path in [
+        installed::SITE_CONFIG,
+        "/etc/slurm/plugstack.conf.d/powerflex.conf",
+    ] {
+        assert!(
+            conffiles.contains(path),
+            "{path} is not a conffile: {conffiles}"
+        );
+    }
+    // `man` finds the pages where it looks (man-db's index is not needed for -w).
+    if Command::new("man").arg("--version").output().is_ok() {
+        for page in [
+            ["1", "powerflexctl"],
+            ["5", "powerflex.toml"],
+            ["8", "powerflexd"],
+        ] {
+            let found = Command::new("man").args(["-w", page[0], page[1]]).output();
+            let found = found.expect("man -w");
+            assert!(
+                found.status.success(),
+                "man -w {} {}: {}",
+                page[0],
+                page[1],
+                String::from_utf8_lossy(&found.stderr)
+            );
+        }
+    }
+    // The installed CLI's reference is the one the packages' man page was made from.
+    let reference = Command::new(installed::CLI)
+        .args(["reference", "config"])
+        .output()
+        .expect("the installed powerflexctl");
+    assert!(String::from_utf8_lossy(&reference.stdout).contains("gpu_budget_w"));
+
+    // A job through the installed plugin and agent: one node of four simulated H200s
+    // under a budget that caps them.
+    let budget_w = 4.0 * 450.0;
+    let mut stack = Stack::start(
+        "packages",
+        StackOptions {
+            nodes: 1,
+            gpus_per_node: 4,
+            budget_w,
+            sample_interval_ms: 50,
+            artifacts: Artifacts::Installed,
+            ..StackOptions::default()
+        },
+    );
+    // The site's own config, as an admin would edit the installed conffile (it names the
+    // simulated NVML library and the stack's sockets).
+    let site_text = std::fs::read_to_string(&stack.site).expect("the stack's site config");
+    std::fs::write(installed::SITE_CONFIG, &site_text).expect("edit the conffile");
+    let job = stack.submit("flex3", 1, 4, TRAIN);
+    let capped = wait_until(
+        "the job's GPUs capped by the installed agent",
+        Duration::from_secs(90),
+        || {
+            let caps = stack.try_caps_w().ok()?;
+            (stack.running(job) && caps.iter().all(|c| *c < DEFAULT_CAP_W)).then_some(caps)
+        },
+    );
+    println!("capped through the installed agent: {capped:?}");
+
+    // The upgrade while the job runs: a rebuilt package at revision 2, then the agent
+    // restarted on the new binary (SIGTERM, then start: the unit's try-restart).
+    let v2 = build_packages(&work.join("v2"), 2);
+    let sim_dir = stack.sims[0].dir().to_path_buf();
+    let watch = CapWatch::start(sim_dir.clone(), 4);
+    install(&v2);
+    for package in PACKAGES {
+        assert_eq!(
+            installed_version(package).as_deref(),
+            Some("0.1.0-2"),
+            "{package} upgraded"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(installed::SITE_CONFIG).expect("the conffile"),
+        site_text,
+        "the upgrade overwrote the site's edited config"
+    );
+    stack.stop_agent(0);
+    stack.start_agent(0);
+    wait_until(
+        "the upgraded agent live at the controller",
+        Duration::from_secs(60),
+        || {
+            let nodes: Vec<powerflex_proto::status::NodeStatus> = stack.ctl_json(&["nodes"])?;
+            nodes.iter().any(|n| n.live).then_some(())
+        },
+    );
+    // Two allocation periods on the new agent, still sampled.
+    std::thread::sleep(Duration::from_secs(3));
+    let (samples, highest) = watch.finish();
+    assert!(stack.running(job), "the job ran through the upgrade");
+    println!("upgrade: {samples} samples at 50 ms, highest cap per GPU {highest:?} W");
+    assert!(samples > 20, "the sampler ran ({samples} samples)");
+    for (g, top) in highest.iter().enumerate() {
+        assert!(
+            *top < DEFAULT_CAP_W,
+            "GPU {g} went back to its default {DEFAULT_CAP_W} W during the upgrade (highest {top} W): the budget did not hold"
+        );
+    }
+
+    // Removal while the job still runs. With the agent running (started by hand, not by
+    // systemd), the package's release refuses and so does the removal.
+    let node = stack.cluster.node_names()[0].clone();
+    let envs: [(&str, &Path); 2] = [
+        ("POWERFLEX_SIM_DIR", sim_dir.as_path()),
+        ("SLURMD_NODENAME", Path::new(&node)),
+    ];
+    let refused = dpkg(&["-r", "powerflex-node"], &envs);
+    assert!(
+        !refused.status.success(),
+        "dpkg -r succeeded while the agent ran: {}",
+        String::from_utf8_lossy(&refused.stdout)
+    );
+    let said = String::from_utf8_lossy(&refused.stderr).to_string();
+    assert!(
+        said.contains("stop it first"),
+        "the refusal says why: {said}"
+    );
+    let status = Command::new("dpkg-query")
+        .args(["-W", "-f", "${Package} ${db:Status-Abbrev}\n"])
+        .args(PACKAGES)
+        .output()
+        .expect("dpkg-query");
+    assert!(
+        installed_version("powerflex-node").is_some(),
+        "still installed after the refusal: {}\n{said}",
+        String::from_utf8_lossy(&status.stdout)
+    );
+
+    // As `systemctl stop` would: the agent stopped (fail-static: the job's GPUs stay
+    // capped), the controller too; then the removal puts every GPU back.
+    stack.stop_agent(0);
+    let still = stack.caps_w();
+    assert!(
+        still.iter().all(|c| *c < DEFAULT_CAP_W),
+        "a stopped agent keeps a running job's caps: {still:?}"
+    );
+    stack.kill_ctld();
+    let mut remove = vec!["-r"];
+    remove.extend(PACKAGES);
+    let removed = dpkg(&remove, &envs);
+    assert!(
+        removed.status.success(),
+        "dpkg -r: {}{}",
+        String::from_utf8_lossy(&removed.stdout),
+        String::from_utf8_lossy(&removed.stderr)
+    );
+    let after = stack.caps_w();
+    assert!(
+        after.iter().all(|c| *c == DEFAULT_CAP_W),
+        "removal left GPUs capped: {after:?}"
+    );
+    assert!(
+        !Path::new(installed::AGENT).exists(),
+        "the agent's binary is gone"
+    );
+    assert!(
+        Path::new(installed::SITE_CONFIG).exists(),
+        "a removal (not a purge) keeps the site's config"
+    );
+    purge();
+    assert!(
+        !Path::new(installed::SITE_CONFIG).exists(),
+        "a purge removes the conffile"
+    );
+    for (key, before) in keys.iter().zip(&keys_before) {
+        assert_eq!(
+            Path::new(key).exists(),
+            *before,
+            "{key}: the packages touched a key"
+        );
+    }
+    let _ = stack.cluster.run("scancel", &[&job.to_string()]);
+    stack.shutdown();
+}
