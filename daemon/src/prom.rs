@@ -16,7 +16,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Kind::Gauge => "gauge",
             Kind::Counter => "counter",
@@ -266,47 +266,83 @@ pub mod catalog {
         labels: [],
     };
 
-    /// Every family's name and label names, for the consistency test and for docs.
-    pub fn all() -> Vec<(&'static str, Kind, Vec<&'static str>)> {
-        fn e<const N: usize>(f: Family<N>) -> (&'static str, Kind, Vec<&'static str>) {
-            (f.name, f.kind, f.labels.to_vec())
+    /// Which daemon exports a family.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Exporter {
+        Agent,
+        Controller,
+    }
+
+    impl Exporter {
+        /// The daemon's name.
+        pub fn daemon(self) -> &'static str {
+            match self {
+                Exporter::Agent => "powerflexd",
+                Exporter::Controller => "powerflex-ctld",
+            }
+        }
+    }
+
+    /// One family as the consistency tests and the metrics reference list it.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Listed {
+        pub name: &'static str,
+        pub kind: Kind,
+        pub help: &'static str,
+        pub labels: Vec<&'static str>,
+        pub exporter: Exporter,
+    }
+
+    /// Every family, for the consistency tests and for `powerflexctl reference metrics`
+    /// (docs/reference/metrics.md). A test counts the families declared in this file, so
+    /// one left out of this list fails it.
+    pub fn all() -> Vec<Listed> {
+        use Exporter::{Agent, Controller};
+        fn e<const N: usize>(f: Family<N>, exporter: Exporter) -> Listed {
+            Listed {
+                name: f.name,
+                kind: f.kind,
+                help: f.help,
+                labels: f.labels.to_vec(),
+                exporter,
+            }
         }
         vec![
-            e(GPU_POWER_WATTS),
-            e(GPU_CAP_WATTS),
-            e(GPU_DEFAULT_CAP_WATTS),
-            e(GPU_ENERGY_JOULES_TOTAL),
-            e(GPU_DEGRADED),
-            e(JOB_PFI),
-            e(JOB_CAP_WATTS),
-            e(JOB_THROUGHPUT),
-            e(JOB_CALIBRATION_STATE),
-            e(AGENT_FAILSAFE),
-            e(PROGRESS_REJECTED_TOTAL),
-            e(AGENT_CONNECTIONS_REFUSED_TOTAL),
-            e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL),
-            e(PROGRESS_REPORTS_SKIPPED_TOTAL),
-            e(GPU_CLAIMS_REFUSED_TOTAL),
-            e(BUDGET_WATTS),
-            e(ALLOCATED_BUDGET_WATTS),
-            e(JOB_PREEMPTED),
-            e(BASE_BUDGET_WATTS),
-            e(DRAW_WATTS),
-            e(EVENT_ACTIVE),
-            e(NODE_LIVE),
-            e(NODE_REPORTS_REFUSED),
-            e(JOB_GRANTED_CAP_WATTS),
-            e(JOB_DRIFTED),
-            e(REPORTS_REJECTED),
-            e(FLOORS_BROKEN),
-            e(OVER_BUDGET_WATTS),
-            e(REFUSALS_TOTAL),
-            e(JOB_RECORDS),
-            e(TIER_ENERGY_JOULES),
-            e(TIER_ENERGY_SAVED_ESTIMATE_JOULES),
-            e(ACCOUNT_ENERGY_JOULES),
-            e(ACCOUNTING_DB_UP),
-            e(ACCOUNTING_DB_PENDING),
+            e(GPU_POWER_WATTS, Agent),
+            e(GPU_CAP_WATTS, Agent),
+            e(GPU_DEFAULT_CAP_WATTS, Agent),
+            e(GPU_ENERGY_JOULES_TOTAL, Agent),
+            e(GPU_DEGRADED, Agent),
+            e(JOB_PFI, Agent),
+            e(JOB_CAP_WATTS, Agent),
+            e(JOB_THROUGHPUT, Agent),
+            e(JOB_CALIBRATION_STATE, Agent),
+            e(AGENT_FAILSAFE, Agent),
+            e(PROGRESS_REJECTED_TOTAL, Agent),
+            e(AGENT_CONNECTIONS_REFUSED_TOTAL, Agent),
+            e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL, Agent),
+            e(PROGRESS_REPORTS_SKIPPED_TOTAL, Agent),
+            e(GPU_CLAIMS_REFUSED_TOTAL, Agent),
+            e(BUDGET_WATTS, Controller),
+            e(ALLOCATED_BUDGET_WATTS, Controller),
+            e(JOB_PREEMPTED, Controller),
+            e(BASE_BUDGET_WATTS, Controller),
+            e(DRAW_WATTS, Controller),
+            e(EVENT_ACTIVE, Controller),
+            e(NODE_LIVE, Controller),
+            e(NODE_REPORTS_REFUSED, Controller),
+            e(JOB_GRANTED_CAP_WATTS, Controller),
+            e(JOB_DRIFTED, Controller),
+            e(REPORTS_REJECTED, Controller),
+            e(FLOORS_BROKEN, Controller),
+            e(OVER_BUDGET_WATTS, Controller),
+            e(REFUSALS_TOTAL, Controller),
+            e(JOB_RECORDS, Controller),
+            e(TIER_ENERGY_JOULES, Controller),
+            e(TIER_ENERGY_SAVED_ESTIMATE_JOULES, Controller),
+            e(ACCOUNT_ENERGY_JOULES, Controller),
+            e(ACCOUNTING_DB_UP, Controller),
+            e(ACCOUNTING_DB_PENDING, Controller),
         ]
     }
 }
@@ -429,11 +465,24 @@ mod tests {
     #[test]
     fn each_name_has_one_label_set_and_names_follow_the_conventions() {
         let all = catalog::all();
-        let mut names: Vec<_> = all.iter().map(|(n, _, _)| *n).collect();
+        let mut names: Vec<_> = all.iter().map(|f| f.name).collect();
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), all.len(), "a metric name is declared twice");
-        for (name, kind, labels) in &all {
+        // Every family this file declares is listed (the reference is made from the list).
+        let declared = include_str!("prom.rs")
+            .lines()
+            .filter(|l| l.trim_start().starts_with("pub const ") && l.contains(": Family<"))
+            .count();
+        assert_eq!(
+            declared,
+            all.len(),
+            "a family is declared but not in catalog::all()"
+        );
+        for catalog::Listed {
+            name, kind, labels, ..
+        } in &all
+        {
             assert!(name.starts_with("powerflex_"), "{name}");
             // Counters, and only counters, end in `_total` (Prometheus naming).
             assert_eq!(name.ends_with("_total"), *kind == Kind::Counter, "{name}");

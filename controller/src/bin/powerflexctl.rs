@@ -107,6 +107,8 @@ fn records(
 enum ReferenceTopic {
     /// Every key of the site config (powerflex.toml), from the config types.
     Config,
+    /// Every metric both daemons export, from their catalog (Markdown only).
+    Metrics,
 }
 
 /// How `reference` prints it.
@@ -122,7 +124,8 @@ enum ReferenceFormat {
 enum Command {
     /// Print a reference generated from the code itself: `config` is every key of the
     /// site config with its type, unit, whether it is required and what it does, as
-    /// Markdown or as the man page powerflex.toml(5).
+    /// Markdown or as the man page powerflex.toml(5); `metrics` is every metric the
+    /// daemons export, as Markdown.
     Reference {
         #[arg(value_enum)]
         topic: ReferenceTopic,
@@ -719,16 +722,22 @@ fn run(cli: Cli) -> Result<String, CtlError> {
     };
     match command {
         Command::Reference { topic, format } => {
-            let ReferenceTopic::Config = topic;
-            let tables = powerflex_controller::reference::site_config_tables();
-            Ok(match format {
-                ReferenceFormat::Markdown => {
-                    powerflex_controller::reference::render_markdown(&tables)
+            use powerflex_controller::reference;
+            match (topic, format) {
+                (ReferenceTopic::Config, ReferenceFormat::Markdown) => {
+                    Ok(reference::render_markdown(&reference::site_config_tables()))
                 }
-                ReferenceFormat::Man => {
-                    powerflex_controller::reference::render_man(&tables, env!("CARGO_PKG_VERSION"))
+                (ReferenceTopic::Config, ReferenceFormat::Man) => Ok(reference::render_man(
+                    &reference::site_config_tables(),
+                    env!("CARGO_PKG_VERSION"),
+                )),
+                (ReferenceTopic::Metrics, ReferenceFormat::Markdown) => {
+                    Ok(reference::render_metrics_markdown())
                 }
-            })
+                (ReferenceTopic::Metrics, ReferenceFormat::Man) => Err(CtlError::Usage(
+                    "the metrics reference is Markdown only; accepted: reference metrics --format markdown".into(),
+                )),
+            }
         }
         Command::Pfi { curves, format } => {
             let rows = offline::pfi_rows(&load_curves(&curves)?);
