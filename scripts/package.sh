@@ -2,10 +2,12 @@
 # Builds powerflex's Debian packages with cargo-deb (installed from crates.io when
 # missing), into target/debian/ unless --out says otherwise:
 #
-#   powerflex-node        powerflexd, the SPANK plugin, its plugstack.conf.d line, the unit
-#   powerflex-controller  powerflex-ctld and powerflex-grid, their units
-#   powerflex-cli         powerflexctl, /etc/slurm/powerflex.toml (a conffile), the man
-#                         pages powerflexctl(1) and powerflex.toml(5)
+#   powerflex-node        powerflexd, its unit and man page (depends on powerflex-cli)
+#   powerflex-controller  powerflex-ctld and powerflex-grid, their units (depends on
+#                         powerflex-cli)
+#   powerflex-cli         powerflexctl, the SPANK plugin and its plugstack.conf.d line,
+#                         /etc/slurm/powerflex.toml (both conffiles), the man pages
+#                         powerflexctl(1) and powerflex.toml(5): what a login node needs
 #
 # Every binary's man page is written first from its own clap definitions
 # (`--write-man-pages`), and powerflex.toml(5) from the config types
@@ -66,14 +68,20 @@ done
 "$dir/powerflexctl" reference config --format man >target/man/powerflex.toml.5
 
 mkdir -p "$out"
+version=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="powerflex-agent"))')
+# No package of an earlier run can pass for this one's.
+for name in powerflex-node powerflex-controller powerflex-cli; do
+    rm -f "$out/${name}_${version}-${revision}_amd64.deb"
+done
+# cargo-deb's own status decides (pipefail); only its known notes about the dev
+# profile and the man pages' paths are filtered out of what it says.
 deb() {
     cargo deb --quiet --no-build --profile "$profile" --deb-revision "$revision" -o "$out" "$@" 2>&1 \
-        | grep -v -e 'dev profile is not supported' -e 'To enable debug symbols' -e 'does not match the pattern' >&2 || true
+        | { grep -v -e 'dev profile is not supported' -e 'To enable debug symbols' -e 'does not match the pattern' || true; } >&2
 }
 deb -p powerflex-agent
 deb -p powerflex-controller
 deb -p powerflex-controller --variant server
-version=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="powerflex-agent"))')
 for name in powerflex-node powerflex-controller powerflex-cli; do
     f="$out/${name}_${version}-${revision}_amd64.deb"
     [[ -f $f ]] || { echo "package.sh: $f was not made" >&2; exit 1; }

@@ -1,7 +1,7 @@
 //! The docs against the code (issue 26), so a doc that drifts fails CI:
 //!
-//! - `docs/reference/config.md` is exactly what `powerflexctl reference config` prints
-//!   from the config types;
+//! - `docs/reference/config.md` and `metrics.md` are exactly what `powerflexctl
+//!   reference` prints from the config types and the metrics catalog;
 //! - every ```toml block of the README and `docs/` loads as a site config: a whole file
 //!   as it is, a fragment laid over the annotated example `slurm-conf/powerflex.toml`;
 //! - every command line of a ```console block that names one of powerflex's binaries is
@@ -10,6 +10,11 @@
 //!   for real;
 //! - every `sbatch --power-flex=VALUE` there is accepted by the plugin's grammar on the
 //!   example site's tiers, unless the line says `# refused`, and then it is refused;
+//! - every other line that starts with one of those binaries (the synopses in ```text
+//!   blocks) names only subcommands and `--flags` that binary's `--help` lists;
+//! - every ```json block is a progress report the agent accepts;
+//! - every fence says what it holds (no block without a language is left unchecked by
+//!   accident);
 //! - every `bash scripts/NAME` anywhere names a script that exists.
 
 use std::path::{Path, PathBuf};
@@ -90,21 +95,35 @@ fn overlay(base: &mut toml::Table, fragment: &toml::Table) {
     }
 }
 
-#[test]
-fn the_config_reference_is_what_the_types_say() {
+/// `docs/reference/TOPIC.md` against `powerflexctl reference TOPIC`.
+fn reference_matches(topic: &str, source: &str) {
     let out = Command::new(binary("powerflexctl"))
-        .args(["reference", "config", "--format", "markdown"])
+        .args(["reference", topic, "--format", "markdown"])
         .output()
-        .expect("powerflexctl reference config");
-    assert!(out.status.success());
+        .expect("powerflexctl reference");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let generated = String::from_utf8_lossy(&out.stdout);
-    let committed = std::fs::read_to_string(repo_root().join("docs/reference/config.md"))
-        .expect("docs/reference/config.md");
+    let path = format!("docs/reference/{topic}.md");
+    let committed = std::fs::read_to_string(repo_root().join(&path)).expect("the reference");
     assert!(
         generated == committed,
-        "docs/reference/config.md differs from the config types; regenerate it: \
-         target/debug/powerflexctl reference config > docs/reference/config.md"
+        "{path} differs from {source}; regenerate it: \
+         target/debug/powerflexctl reference {topic} > {path}"
     );
+}
+
+#[test]
+fn the_config_reference_is_what_the_types_say() {
+    reference_matches("config", "the config types");
+}
+
+#[test]
+fn the_metrics_reference_is_what_the_catalog_says() {
+    reference_matches("metrics", "the metrics catalog");
 }
 
 #[test]
@@ -247,6 +266,106 @@ fn every_documented_command_line_parses_and_offline_ones_run() {
         "only {checked} command lines found in the docs' console blocks"
     );
     println!("{checked} command lines checked");
+}
+
+#[test]
+fn every_fence_says_what_it_holds() {
+    const KNOWN: &[&str] = &["console", "text", "toml", "json", "sql"];
+    for path in doc_files() {
+        for block in blocks(&path) {
+            assert!(
+                KNOWN.contains(&block.lang.as_str()),
+                "{}:{}: a fence with {:?}; accepted: {KNOWN:?}",
+                block.file,
+                block.line,
+                block.lang
+            );
+        }
+    }
+}
+
+#[test]
+fn every_json_block_is_a_progress_report_the_agent_accepts() {
+    for path in doc_files() {
+        for block in blocks(&path).into_iter().filter(|b| b.lang == "json") {
+            for line in block.text.lines().filter(|l| !l.trim().is_empty()) {
+                if let Err(e) = powerflex_proto::ProgressReport::from_line(line) {
+                    panic!("{}:{}: {line}: {e}", block.file, block.line);
+                }
+            }
+        }
+    }
+}
+
+const BINARIES: &[&str] = &[
+    "powerflexctl",
+    "powerflexd",
+    "powerflex-ctld",
+    "powerflex-grid",
+];
+
+/// The `--flags` a `--help` output names.
+fn flags_in(help: &str) -> Vec<String> {
+    let mut flags = Vec::new();
+    for (at, _) in help.match_indices("--") {
+        let flag: String = help[at..]
+            .chars()
+            .skip(2)
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+            .collect();
+        if !flag.is_empty() {
+            flags.push(flag);
+        }
+    }
+    flags
+}
+
+#[test]
+fn every_synopsis_names_real_subcommands_and_flags() {
+    let mut checked = 0;
+    for path in doc_files() {
+        for block in blocks(&path).into_iter().filter(|b| b.lang == "text") {
+            for (offset, line) in block.text.lines().enumerate() {
+                let at = format!("{}:{}", block.file, block.line + 1 + offset);
+                let words: Vec<&str> = line.split_whitespace().collect();
+                let Some(program) = words.first().filter(|w| BINARIES.contains(w)) else {
+                    continue;
+                };
+                // The subcommand path: the plain words after the binary.
+                let path_words: Vec<&str> = words[1..]
+                    .iter()
+                    .take_while(|w| {
+                        w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-')
+                    })
+                    .copied()
+                    .collect();
+                let help = Command::new(binary(program))
+                    .args(&path_words)
+                    .arg("--help")
+                    .output()
+                    .expect("the binary runs");
+                assert!(
+                    help.status.success(),
+                    "{at}: `{program} {}` is not a command: {}",
+                    path_words.join(" "),
+                    String::from_utf8_lossy(&help.stderr)
+                );
+                let known = flags_in(&String::from_utf8_lossy(&help.stdout));
+                // The line's own comment may name other commands' flags.
+                let code = line.split("  #").next().unwrap_or(line);
+                for flag in flags_in(code) {
+                    assert!(
+                        known.contains(&flag),
+                        "{at}: `{program} {}` has no --{flag}; it has: {known:?}",
+                        path_words.join(" ")
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 5, "only {checked} synopsis lines found");
+    println!("{checked} synopsis lines checked");
 }
 
 #[test]

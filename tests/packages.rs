@@ -9,9 +9,12 @@
 //! skipped here, as on any host without it: the test stops and starts the agent by PID
 //! where systemd would, and checks what the packages' own files and scripts do.
 //!
-//! It installs into the system's paths, so it purges the three packages before and
-//! after (also when it fails), and refuses to run where they were installed by someone
-//! else: a site's own installation is never touched.
+//! It installs into the system's paths, so it runs only where dpkg knows none of the three
+//! packages and neither conffile exists (a site's own installation, or files it wrote,
+//! are never touched), and it purges them when it ends, also when it fails. That purge
+//! leaves every GPU limit as it is (`POWERFLEX_REMOVE_WITHOUT_RELEASE=1`): on a failure
+//! the site config may still be the shipped example, which names the system's NVML, and
+//! a test never writes a real GPU's limit.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -51,6 +54,19 @@ fn dpkg(args: &[&str], envs: &[(&str, &Path)]) -> std::process::Output {
         .unwrap_or_else(|e| panic!("cannot run dpkg {args:?}: {e}"))
 }
 
+/// Whether dpkg holds any state for `package` (installed, half-installed, or removed with
+/// its conffiles left).
+fn known_to_dpkg(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f", "${db:Status-Abbrev}", package])
+        .output()
+        .map(|o| {
+            let status = String::from_utf8_lossy(&o.stdout).to_string();
+            o.status.success() && status.chars().nth(1).is_some_and(|c| c != 'n')
+        })
+        .unwrap_or(false)
+}
+
 fn purge() {
     let mut args = vec!["--purge"];
     args.extend(PACKAGES);
@@ -69,7 +85,10 @@ impl Drop for Purge {
     fn drop(&mut self) {
         let mut args = vec!["--purge"];
         args.extend(PACKAGES);
-        let _ = dpkg(&args, &[]);
+        let _ = dpkg(
+            &args,
+            &[("POWERFLEX_REMOVE_WITHOUT_RELEASE", Path::new("1"))],
+        );
     }
 }
 
@@ -96,18 +115,60 @@ fn build_packages(out: &Path, revision: u32) -> Vec<PathBuf> {
     debs
 }
 
-fn install(debs: &[PathBuf]) {
+/// `dpkg -i`, an edited conffile kept without a question (what unattended upgrades do);
+/// what dpkg and the maintainer scripts printed.
+fn install(debs: &[PathBuf]) -> String {
+    let out = try_install(debs);
+    assert!(out.status.success(), "dpkg -i: {}", said(&out));
+    said(&out)
+}
+
+fn try_install(debs: &[PathBuf]) -> std::process::Output {
     let mut command = Command::new("dpkg");
-    // An edited conffile is kept without a question (what unattended upgrades do).
     command.args(["--force-confold", "-i"]).args(debs);
-    let out = command.output().expect("dpkg -i runs");
-    assert!(
-        out.status.success(),
-        "dpkg -i: {}{}",
+    command.output().expect("dpkg -i runs")
+}
+
+fn said(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
-    );
+    )
 }
+
+/// `deb` rebuilt with its shipped site config changed, as a next release that changes
+/// the default config would ship it.
+fn with_changed_site_config(deb: &Path, work: &Path) -> PathBuf {
+    let tree = work.join("repack");
+    let _ = std::fs::remove_dir_all(&tree);
+    let run = |program: &str, args: &[&std::ffi::OsStr]| {
+        let out = Command::new(program).args(args).output().expect(program);
+        assert!(out.status.success(), "{program} {args:?}: {}", said(&out));
+    };
+    run(
+        "dpkg-deb",
+        &["-R".as_ref(), deb.as_os_str(), tree.as_os_str()],
+    );
+    let config = tree.join("etc/slurm/powerflex.toml");
+    let mut text = std::fs::read_to_string(&config).expect("the shipped config");
+    text.push_str(CHANGED_DEFAULT);
+    std::fs::write(&config, text).expect("change the shipped config");
+    let out = work.join("powerflex-cli-changed.deb");
+    run(
+        "dpkg-deb",
+        &[
+            "--root-owner-group".as_ref(),
+            "-b".as_ref(),
+            tree.as_os_str(),
+            out.as_os_str(),
+        ],
+    );
+    out
+}
+
+/// What the rebuilt package's shipped config gains.
+const CHANGED_DEFAULT: &str = "\n# A default this release changed (tests/packages.rs).\n";
 
 /// The GPUs' caps sampled every 50 ms while the test does something else: the highest
 /// cap each GPU showed.
@@ -156,8 +217,17 @@ fn the_packages_install_upgrade_and_remove_around_a_running_job() {
     }
     for package in PACKAGES {
         assert!(
-            installed_version(package).is_none(),
-            "{package} is installed on this machine already; this test installs and purges it, so it runs only where it is not"
+            !known_to_dpkg(package),
+            "dpkg knows {package} on this machine already; this test installs and purges it, so it runs only where dpkg does not"
+        );
+    }
+    for path in [
+        installed::SITE_CONFIG,
+        "/etc/slurm/plugstack.conf.d/powerflex.conf",
+    ] {
+        assert!(
+            !Path::new(path).exists(),
+            "{path} exists already; this test would overwrite and then purge it, so it runs only where it does not"
         );
     }
     let keys = ["/etc/slurm/powerflex.key", "/etc/powerflex/node.key"];
@@ -281,10 +351,28 @@ fn the_packages_install_upgrade_and_remove_around_a_running_job() {
 
     // The upgrade while the job runs: a rebuilt package at revision 2, then the agent
     // restarted on the new binary (SIGTERM, then start: the unit's try-restart).
-    let v2 = build_packages(&work.join("v2"), 2);
+    // The rebuilt powerflex-cli also ships a changed default config, so dpkg must choose
+    // between it and the site's edit.
+    let v2: Vec<PathBuf> = build_packages(&work.join("v2"), 2)
+        .into_iter()
+        .map(|deb| {
+            if deb.to_string_lossy().contains("powerflex-cli_") {
+                with_changed_site_config(&deb, &work)
+            } else {
+                deb
+            }
+        })
+        .collect();
     let sim_dir = stack.sims[0].dir().to_path_buf();
     let watch = CapWatch::start(sim_dir.clone(), 4);
-    install(&v2);
+    let upgrade_said = install(&v2);
+    assert!(
+        upgrade_said.contains("restart powerflexd yourself"),
+        "without systemd the upgrade says the agent must be restarted: {upgrade_said}"
+    );
+    let shipped = std::fs::read_to_string(format!("{}.dpkg-dist", installed::SITE_CONFIG))
+        .expect("the new default config beside the site's, as .dpkg-dist");
+    assert!(shipped.ends_with(CHANGED_DEFAULT));
     for package in PACKAGES {
         assert_eq!(
             installed_version(package).as_deref(),
@@ -319,6 +407,35 @@ fn the_packages_install_upgrade_and_remove_around_a_running_job() {
             "GPU {g} went back to its default {DEFAULT_CAP_W} W during the upgrade (highest {top} W): the budget did not hold"
         );
     }
+
+    // A config the new agent refuses stops the upgrade before any restart, and the
+    // upgrade finishes once the file is mended (`dpkg --configure -a`).
+    std::fs::write(
+        installed::SITE_CONFIG,
+        format!("bogus_key = 1\n{site_text}"),
+    )
+    .expect("break the conffile");
+    let refused = try_install(&v2);
+    assert!(
+        !refused.status.success(),
+        "a refused config still configured"
+    );
+    assert!(
+        said(&refused).contains("refuses /etc/slurm/powerflex.toml"),
+        "the upgrade says why it stopped: {}",
+        said(&refused)
+    );
+    assert!(
+        stack.running(job),
+        "the job runs on through the refused upgrade"
+    );
+    std::fs::write(installed::SITE_CONFIG, &site_text).expect("mend the conffile");
+    let configured = dpkg(&["--configure", "-a"], &[]);
+    assert!(
+        configured.status.success(),
+        "dpkg --configure -a: {}",
+        said(&configured)
+    );
 
     // Removal while the job still runs. With the agent running (started by hand, not by
     // systemd), the package's release refuses and so does the removal.
@@ -358,6 +475,13 @@ fn the_packages_install_upgrade_and_remove_around_a_running_job() {
         "a stopped agent keeps a running job's caps: {still:?}"
     );
     stack.kill_ctld();
+    // The release reads only what it needs of the config: one the full loader refuses
+    // still puts the GPUs back.
+    std::fs::write(
+        installed::SITE_CONFIG,
+        format!("bogus_key = 1\n{site_text}"),
+    )
+    .expect("break the conffile again");
     let mut remove = vec!["-r"];
     remove.extend(PACKAGES);
     let removed = dpkg(&remove, &envs);

@@ -727,6 +727,66 @@ impl AgentConfig {
     }
 }
 
+/// What `powerflexd --release-gpus` needs of the site config, read leniently: a node
+/// being taken out of service must still put its GPUs back when the rest of the file no
+/// longer validates (an edit gone wrong, a file from another version). Only
+/// `agent.nvml_library`, `agent.socket` and `agent.enforce` are read; every other key is
+/// ignored, whatever it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseSettings {
+    /// The NVML library to load (`None`: the system's).
+    pub nvml_library: Option<String>,
+    /// The agent's socket pattern (`%n` = node name).
+    pub socket: String,
+    /// False in observe mode, where powerflex never wrote a limit.
+    pub enforce: bool,
+}
+
+impl ReleaseSettings {
+    /// From the file's text; an error only when it is not TOML at all, or when one of the
+    /// three keys is there with the wrong type.
+    pub fn from_toml_str(text: &str) -> Result<ReleaseSettings, ConfigError> {
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                message: e.to_string(),
+            })?;
+        let agent = table.get("agent").and_then(toml::Value::as_table);
+        let get = |key: &str| agent.and_then(|a| a.get(key));
+        let string = |key: &str| -> Result<Option<String>, ConfigError> {
+            match get(key) {
+                None => Ok(None),
+                Some(toml::Value::String(v)) => Ok(Some(v.clone())),
+                Some(other) => Err(ConfigError::Parse {
+                    message: format!("agent.{key} is a {}; accepted: a string", other.type_str()),
+                }),
+            }
+        };
+        let enforce = match get("enforce") {
+            None => true,
+            Some(toml::Value::Boolean(b)) => *b,
+            Some(other) => {
+                return Err(ConfigError::Parse {
+                    message: format!(
+                        "agent.enforce is a {}; accepted: true or false",
+                        other.type_str()
+                    ),
+                })
+            }
+        };
+        Ok(ReleaseSettings {
+            nvml_library: string("nvml_library")?,
+            socket: string("socket")?.unwrap_or_else(|| DEFAULT_AGENT_SOCKET.to_string()),
+            enforce,
+        })
+    }
+
+    /// The agent's socket on node `node_name`.
+    pub fn socket_path(&self, node_name: &str) -> PathBuf {
+        expand_node(&self.socket, node_name)
+    }
+}
+
 /// Validated `[predictor]`: a prior only, replaced by the job's measured curve once the
 /// agent has calibrated it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -1888,6 +1948,27 @@ fn path(key: &str, text: &str, absolute: bool) -> Result<PathBuf, ConfigError> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    #[test]
+    fn the_release_reads_its_three_keys_from_a_file_that_no_longer_validates() {
+        // An unknown key and a budget of 0 fail the full loader; the release reads on.
+        let text = "bogus = 1\n[facility]\ngpu_budget_w = 0\n[agent]\nnvml_library = \"/x/libnvml.so\"\nsocket = \"/s/%n.sock\"\nenforce = false\n";
+        assert!(SiteConfig::from_toml_str(text).is_err());
+        let release = ReleaseSettings::from_toml_str(text).expect("lenient");
+        assert_eq!(release.nvml_library.as_deref(), Some("/x/libnvml.so"));
+        assert_eq!(release.socket_path("n1"), PathBuf::from("/s/n1.sock"));
+        assert!(!release.enforce);
+        let empty = ReleaseSettings::from_toml_str("").expect("an empty file");
+        assert_eq!(empty.socket, DEFAULT_AGENT_SOCKET);
+        assert!(empty.enforce && empty.nvml_library.is_none());
+        let wrong = ReleaseSettings::from_toml_str("[agent]\nenforce = \"no\"\n")
+            .expect_err("a wrong type");
+        assert!(
+            wrong.to_string().contains("accepted: true or false"),
+            "{wrong}"
+        );
+        assert!(ReleaseSettings::from_toml_str("not toml [").is_err());
+    }
+
     use super::*;
 
     const EXAMPLE: &str = include_str!("../../slurm-conf/powerflex.toml");

@@ -23,7 +23,7 @@ use powerflex_agent::calibration::CalibrationSettings;
 use powerflex_agent::control::AgentSettings;
 use powerflex_agent::link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
-use powerflex_core::config::SiteConfig;
+use powerflex_core::config::{ReleaseSettings, SiteConfig};
 use powerflex_daemon::signals::SignalWatcher;
 
 #[derive(Debug, Parser)]
@@ -55,6 +55,22 @@ struct Cli {
     /// agent answers on this node's socket.
     #[arg(long, conflicts_with = "release_on_exit")]
     release_gpus: bool,
+    /// Do not start: read and validate the site config as this version reads it, say
+    /// what is wrong, and exit 0 (valid) or 1 (for a package upgrade, before the agent is
+    /// restarted on the new binary).
+    #[arg(long, conflicts_with_all = ["release_on_exit", "release_gpus"])]
+    check_config: bool,
+}
+
+/// This node's Slurm name: `--node`, else `$SLURMD_NODENAME`, else the short host name.
+fn node_name(given: Option<String>) -> Result<String, String> {
+    let node = given
+        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
+        .unwrap_or_else(hostname);
+    if node.is_empty() {
+        return Err("cannot tell this node's name; pass --node".into());
+    }
+    Ok(node)
 }
 
 fn hostname() -> String {
@@ -65,6 +81,22 @@ fn hostname() -> String {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if cli.release_gpus {
+        powerflex_daemon::trace::init();
+        return release_main(&cli);
+    }
+    if cli.check_config {
+        return match read_site(&cli.config) {
+            Ok(_) => {
+                println!("powerflexd: {} is valid", cli.config.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("powerflexd: error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     if let Some(dir) = &cli.write_man_pages {
         use clap::CommandFactory;
         return match powerflex_daemon::man::write_pages(Cli::command(), "8", dir) {
@@ -76,14 +108,51 @@ fn main() -> ExitCode {
         };
     }
     powerflex_daemon::trace::init();
-    let (message, code) = match start(cli) {
-        Ok(()) => return ExitCode::SUCCESS,
-        Err(StartError::Failed(e)) | Err(StartError::Release(ReleaseError::Failed(e))) => (e, 1),
-        Err(StartError::Release(ReleaseError::AgentRunning(e))) => (e, 3),
+    match start(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            tracing::error!("{message}");
+            eprintln!("powerflexd: error: {message}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `--release-gpus`, start to end: exit 0 when every GPU is back at its default (or, in
+/// observe mode, when there is nothing to put back), 3 when an agent still runs here, 1
+/// when a GPU or the config could not be read or set.
+fn release_main(cli: &Cli) -> ExitCode {
+    let (message, code) = match release(cli) {
+        Ok(done) => {
+            println!("powerflexd: {done}");
+            return ExitCode::SUCCESS;
+        }
+        Err(ReleaseError::Failed(e)) => (e, 1),
+        Err(ReleaseError::AgentRunning(e)) => (e, 3),
     };
     tracing::error!("{message}");
     eprintln!("powerflexd: error: {message}");
     ExitCode::from(code)
+}
+
+/// The site config read leniently ([`ReleaseSettings`]): a node leaving service must put
+/// its GPUs back even when the rest of its config no longer validates.
+fn release(cli: &Cli) -> Result<String, ReleaseError> {
+    let path = &cli.config;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ReleaseError::Failed(format!("cannot read {}: {e}", path.display())))?;
+    let settings = ReleaseSettings::from_toml_str(&text)
+        .map_err(|e| ReleaseError::Failed(format!("{}: {e}", path.display())))?;
+    let node = node_name(cli.node.clone()).map_err(ReleaseError::Failed)?;
+    if !settings.enforce {
+        return Ok(
+            "observe mode (agent.enforce = false): powerflex wrote no limit here, so none is put back"
+                .into(),
+        );
+    }
+    let mut backend = NvmlBackend::open(settings.nvml_library.as_deref().map(std::path::Path::new))
+        .map_err(ReleaseError::Failed)?;
+    release_gpus(&mut backend, &settings.socket_path(&node))
 }
 
 /// Reads and validates the site config.
@@ -148,7 +217,7 @@ fn settings_from(
 fn release_gpus(
     backend: &mut dyn GpuBackend,
     control_socket: &std::path::Path,
-) -> Result<(), ReleaseError> {
+) -> Result<String, ReleaseError> {
     if std::os::unix::net::UnixStream::connect(control_socket).is_ok() {
         return Err(ReleaseError::AgentRunning(format!(
             "powerflexd is running on this node (its socket {} answers); stop it first (systemctl stop powerflexd), then run --release-gpus again",
@@ -178,31 +247,10 @@ fn release_gpus(
             failed.join("; ")
         )));
     }
-    println!(
-        "powerflexd: {} GPUs back to their default power limits",
+    Ok(format!(
+        "{} GPUs back to their default power limits",
         gpus.len()
-    );
-    Ok(())
-}
-
-/// Why `start` returned early.
-enum StartError {
-    /// Anything that stopped the agent from starting (exit 1).
-    Failed(String),
-    /// `--release-gpus` refused or failed (exit 3 or 1).
-    Release(ReleaseError),
-}
-
-impl From<String> for StartError {
-    fn from(message: String) -> Self {
-        StartError::Failed(message)
-    }
-}
-
-impl From<&str> for StartError {
-    fn from(message: &str) -> Self {
-        StartError::Failed(message.to_string())
-    }
+    ))
 }
 
 /// Why `--release-gpus` did not put every GPU back.
@@ -213,20 +261,11 @@ enum ReleaseError {
     Failed(String),
 }
 
-fn start(cli: Cli) -> Result<(), StartError> {
+fn start(cli: Cli) -> Result<(), String> {
     let site = read_site(&cli.config)?;
-    let node = cli
-        .node
-        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
-        .unwrap_or_else(hostname);
-    if node.is_empty() {
-        return Err("cannot tell this node's name; pass --node".into());
-    }
+    let node = node_name(cli.node)?;
     let control_socket = site.agent.socket_path(&node);
     let mut backend = NvmlBackend::open(site.agent.nvml_library.as_deref())?;
-    if cli.release_gpus {
-        return release_gpus(&mut backend, &control_socket).map_err(StartError::Release);
-    }
     let gpus = backend.discover().map_err(|e| e.to_string())?;
     let gpu_name = gpus
         .first()
@@ -294,5 +333,5 @@ fn start(cli: Cli) -> Result<(), StartError> {
     .map_err(|e| e.to_string());
     shutdown.store(true, Ordering::SeqCst);
     watcher.stop();
-    Ok(result?)
+    result
 }
