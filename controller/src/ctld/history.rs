@@ -45,6 +45,13 @@ impl HistoryBoard {
 
     /// Adds what one core step made: its allocation's sample, and the owners when they
     /// changed (either may be absent). The oldest sample past [`HISTORY`] is dropped.
+    ///
+    /// The samples' times strictly increase, because a page ends at a `t_ms` and the
+    /// next one starts after it: two samples in one millisecond (two allocations in a
+    /// row, a report's and the tick's) would lose the second to the reader paging across
+    /// them. A sample at the newest one's millisecond replaces it (the newer allocation
+    /// is the one in force); one from before it (the wall clock stepped back) is stamped
+    /// a millisecond after it, so the history stays in order until the clock catches up.
     pub fn publish(&self, sample: Option<Arc<HistorySample>>, owners: Option<Arc<OwnerMap>>) {
         if sample.is_none() && owners.is_none() {
             return;
@@ -53,7 +60,18 @@ impl HistoryBoard {
         let replaced = {
             let mut board = self.lock();
             if let Some(sample) = sample {
-                board.samples.push_back(sample);
+                match board.samples.back().map(|newest| newest.t_ms) {
+                    Some(newest) if sample.t_ms == newest => {
+                        dropped.extend(board.samples.pop_back());
+                        board.samples.push_back(sample);
+                    }
+                    Some(newest) if sample.t_ms < newest => {
+                        let mut later = (*sample).clone();
+                        later.t_ms = newest + 1;
+                        board.samples.push_back(Arc::new(later));
+                    }
+                    _ => board.samples.push_back(sample),
+                }
             }
             while board.samples.len() > HISTORY {
                 dropped.extend(board.samples.pop_front());
@@ -145,6 +163,38 @@ mod tests {
     fn times(reply: &AdminReply) -> Vec<u64> {
         let history = reply.history.as_ref().expect("history");
         history.iter().map(|s| s.t_ms).collect()
+    }
+
+    /// Seen in CI: two allocations in one millisecond gave two samples of one `t_ms`, and
+    /// a reader paging by `since_ms` across them never saw the second.
+    #[test]
+    fn sample_times_strictly_increase_so_no_page_skips_one() {
+        let board = HistoryBoard::new();
+        board.publish(Some(sample(10, &[("1", 500.0)])), None);
+        board.publish(Some(sample(20, &[("1", 400.0)])), None);
+        board.publish(Some(sample(20, &[("1", 300.0)])), None);
+        board.publish(Some(sample(15, &[("1", 250.0)])), None);
+        board.publish(Some(sample(30, &[("1", 200.0)])), None);
+        assert_eq!(times(&board.answer(None, None, 0)), [10, 20, 21, 30]);
+        let history = board.answer(None, None, 0).history.expect("history");
+        assert_eq!(
+            history[1].caps["1"], 300.0,
+            "the newer sample of one millisecond is kept"
+        );
+        assert_eq!(
+            history[2].caps["1"], 250.0,
+            "a sample from before the newest comes after it"
+        );
+        // Paged one at a time, every sample is seen once.
+        let mut seen = Vec::new();
+        let mut since = None;
+        loop {
+            let page = times(&board.answer(since, Some(1), 0));
+            let Some(&last) = page.last() else { break };
+            seen.extend(page);
+            since = Some(last);
+        }
+        assert_eq!(seen, [10, 20, 21, 30]);
     }
 
     /// Issue 21: any local user's `history` request cloned the whole history (8,640
