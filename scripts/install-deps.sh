@@ -20,6 +20,8 @@
 #   cargo-machete  dependencies declared but not used
 #   cargo-deb      the Debian packages (scripts/package.sh; tests/packages.rs installs,
 #                  upgrades and removes them); measured here: 3 min 30 s on 2 busy cores
+#   cargo-generate-rpm  the same packages as RPMs (scripts/package.sh --rpm), which
+#                  tests/packages.rs reads back with Debian's `rpm` (apt, test suite only)
 #
 # and, for the OpenADR test bed (tests/grid_openadr.rs, src/vtn.rs), into a cache kept
 # across runs ($POWERFLEX_CACHE, default /var/cache/powerflex), each skipped when present
@@ -42,6 +44,8 @@ POWERFLEX_PGSERVER_VERSION=0.1.4
 # The Debian packages' builder (scripts/package.sh), pinned so a new release's change
 # of defaults cannot change what the packages hold.
 POWERFLEX_CARGO_DEB=cargo-deb@3.8.0
+# ... and its RPMs' (scripts/package.sh --rpm), checked with Debian's `rpm` tool.
+POWERFLEX_CARGO_GENERATE_RPM=cargo-generate-rpm@0.21.1
 
 POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime valgrind cmake libssl-dev)
 
@@ -90,7 +94,12 @@ powerflex_install_deps() {
 powerflex_install_test_tools() {
     command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
     local tool
-    for tool in cargo-deny@0.20.2 cargo-machete@0.9.2 "$POWERFLEX_CARGO_DEB"; do
+    if ! command -v rpm >/dev/null 2>&1; then
+        echo "powerflex: installing rpm (apt-get), to check the RPM packages" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null \
+            || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null; }
+    fi
+    for tool in cargo-deny@0.20.2 cargo-machete@0.9.2 "$POWERFLEX_CARGO_DEB" "$POWERFLEX_CARGO_GENERATE_RPM"; do
         if ! command -v "${tool%@*}" >/dev/null 2>&1; then
             echo "powerflex: installing $tool (cargo install, once)" >&2
             cargo install --quiet --locked "$tool"

@@ -19,6 +19,10 @@
 #                                            the test's packages, from the debug build the
 #                                            suite already made (cargo-deb warns that it
 #                                            is meant for release builds; it works)
+#   scripts/package.sh --rpm                 the same three as RPMs instead, with
+#                                            cargo-generate-rpm (installed when missing):
+#                                            the Debian maintainer scripts as RPM
+#                                            scriptlets, plugins in /usr/lib64/slurm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
@@ -26,15 +30,17 @@ source scripts/install-deps.sh
 profile=release
 build=true
 revision=1
-out=target/debian
+out=
+format=deb
 while (($#)); do
     case "$1" in
     --profile) profile=${2:?--profile needs release or dev}; shift 2 ;;
     --no-build) build=false; shift ;;
     --revision) revision=${2:?--revision needs a number}; shift 2 ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
-    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
-    *) echo "package.sh: unknown argument $1; accepted: --profile release|dev, --no-build, --revision N, --out DIR" >&2; exit 2 ;;
+    --rpm) format=rpm; shift ;;
+    -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) echo "package.sh: unknown argument $1; accepted: --profile release|dev, --no-build, --revision N, --out DIR, --rpm" >&2; exit 2 ;;
     esac
 done
 case "$profile" in
@@ -43,11 +49,13 @@ dev) dir=target/debug ;;
 *) echo "package.sh: --profile $profile; accepted: release or dev" >&2; exit 2 ;;
 esac
 [[ $revision =~ ^[0-9]+$ ]] || { echo "package.sh: --revision $revision; accepted: a whole number" >&2; exit 2; }
+[[ -n $out ]] || out=target/$([[ $format == rpm ]] && echo generate-rpm || echo debian)
 
 command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
-if ! command -v cargo-deb >/dev/null 2>&1; then
-    echo "package.sh: installing $POWERFLEX_CARGO_DEB (cargo install, once)" >&2
-    cargo install --quiet --locked "$POWERFLEX_CARGO_DEB"
+tool=$([[ $format == rpm ]] && echo "$POWERFLEX_CARGO_GENERATE_RPM" || echo "$POWERFLEX_CARGO_DEB")
+if ! command -v "${tool%@*}" >/dev/null 2>&1; then
+    echo "package.sh: installing $tool (cargo install, once)" >&2
+    cargo install --quiet --locked "$tool"
 fi
 
 if $build; then
@@ -68,6 +76,45 @@ done
 "$dir/powerflexctl" reference config --format man >target/man/powerflex.toml.5
 
 mkdir -p "$out"
+if [[ $format == rpm ]]; then
+    # cargo-generate-rpm neither strips nor knows dpkg's words: stage stripped copies,
+    # the plugstack line for RPM-based Slurm's plugin directory, and each Debian script
+    # behind a line that maps RPM's count ($1: 1 install, 2+ upgrade in %post; 0 erase,
+    # 1+ upgrade in %preun and %postun) to the word the script expects.
+    stage=target/rpm-stage
+    rm -rf "$stage"
+    mkdir -p "$stage"
+    for bin in powerflexd powerflex-ctld powerflex-grid powerflexctl; do
+        strip --strip-debug -o "$stage/$bin" "$dir/$bin"
+    done
+    strip --strip-debug -o "$stage/power_flex.so" "$dir/libpower_flex.so"
+    sed 's|/usr/lib/x86_64-linux-gnu/slurm-wlm/power_flex.so|/usr/lib64/slurm/power_flex.so|' \
+        slurm-conf/plugstack.conf >"$stage/plugstack.conf"
+    scriptlet() { # OUT MAPPING DEBIAN-SCRIPT
+        { echo '#!/bin/sh'; echo "# $3 as an RPM scriptlet (scripts/package.sh)."; echo "$2"; tail -n +2 "$3"; } >"$stage/$1"
+    }
+    post='POWERFLEX_RETRY="systemctl try-restart powerflexd"; if [ "$1" -ge 2 ]; then set -- configure rpm-upgrade; else set -- configure ""; fi'
+    preun='if [ "$1" -eq 0 ]; then set -- remove; else set -- upgrade; fi'
+    postun='if [ "$1" -eq 0 ]; then set -- purge; else set -- upgrade; fi'
+    for role in node controller; do
+        scriptlet "$role-post.sh" "$post" "packaging/$role/postinst"
+        scriptlet "$role-preun.sh" "$preun" "packaging/$role/prerm"
+        scriptlet "$role-postun.sh" "$postun" "packaging/$role/postrm"
+    done
+    make_rpm() {
+        cargo generate-rpm --auto-req no -s "release = \"$revision\"" -o "$out" "$@" >&2
+    }
+    rm -f "$out"/powerflex-{node,controller,cli}-*.rpm
+    make_rpm -p agent
+    make_rpm -p controller
+    make_rpm -p controller --variant server
+    for name in powerflex-node powerflex-controller powerflex-cli; do
+        f=$(ls "$out/$name"-[0-9]*-"$revision".*.rpm 2>/dev/null | head -1)
+        [[ -n $f ]] || { echo "package.sh: no $name RPM was made in $out" >&2; exit 1; }
+        echo "$f"
+    done
+    exit 0
+fi
 version=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="powerflex-agent"))')
 # No package of an earlier run can pass for this one's.
 for name in powerflex-node powerflex-controller powerflex-cli; do

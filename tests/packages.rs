@@ -92,8 +92,19 @@ impl Drop for Purge {
     }
 }
 
+/// `scripts/package.sh` rewrites `target/man` and `target/rpm-stage` each run: the two
+/// tests here take turns with it.
+static PACKAGE_SCRIPT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn package_script() -> std::sync::MutexGuard<'static, ()> {
+    PACKAGE_SCRIPT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The three packages at Debian revision `revision`, from the suite's debug build.
 fn build_packages(out: &Path, revision: u32) -> Vec<PathBuf> {
+    let _turn = package_script();
     let made = Command::new("bash")
         .arg(repo_root().join("scripts/package.sh"))
         .args(["--profile", "dev", "--no-build", "--revision"])
@@ -518,4 +529,171 @@ fn the_packages_install_upgrade_and_remove_around_a_running_job() {
     }
     let _ = stack.cluster.run("scancel", &[&job.to_string()]);
     stack.shutdown();
+}
+
+/// `rpm -qp --queryformat FORMAT PACKAGE`'s answer.
+fn rpm_query(rpm: &Path, args: &[&str]) -> String {
+    let out = Command::new("rpm")
+        .args(["-qp"])
+        .args(args)
+        .arg(rpm)
+        .output()
+        .expect("rpm runs");
+    assert!(
+        out.status.success(),
+        "rpm -qp {args:?} {}: {}",
+        rpm.display(),
+        said(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// The RPMs (`scripts/package.sh --rpm`), read back with Debian's `rpm`: the same files as
+/// the Debian packages in the RPM-based distributions' places, the site config and the
+/// plugstack line as `%config(noreplace)`, and the maintainer scripts as scriptlets whose
+/// first line turns RPM's count into the word the script expects. No RPM-based machine
+/// is in CI, so they are built and read here, not installed.
+#[test]
+fn the_rpms_hold_the_files_scripts_and_config_flags() {
+    if !can_run(&[Need::Program("rpm"), Need::Program("cargo-generate-rpm")]) {
+        return;
+    }
+    cargo_build(&["-p", "powerflex-agent", "-p", "powerflex-controller"]);
+    let out = scratch_dir("rpms");
+    let _turn = package_script();
+    let made = Command::new("bash")
+        .arg(repo_root().join("scripts/package.sh"))
+        .args([
+            "--rpm",
+            "--profile",
+            "dev",
+            "--no-build",
+            "--revision",
+            "3",
+            "--out",
+        ])
+        .arg(&out)
+        .current_dir(repo_root())
+        .output()
+        .expect("scripts/package.sh runs");
+    assert!(made.status.success(), "package.sh --rpm: {}", said(&made));
+    let rpms: Vec<PathBuf> = String::from_utf8_lossy(&made.stdout)
+        .lines()
+        .map(PathBuf::from)
+        .collect();
+    let find = |name: &str| -> &PathBuf {
+        rpms.iter()
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|f| f.to_string_lossy().starts_with(&format!("{name}-0")))
+            })
+            .unwrap_or_else(|| panic!("no {name} RPM in {rpms:?}"))
+    };
+    let (node, controller, cli) = (
+        find("powerflex-node"),
+        find("powerflex-controller"),
+        find("powerflex-cli"),
+    );
+    for (rpm, files) in [
+        (
+            node,
+            &[
+                "/usr/sbin/powerflexd",
+                "/usr/lib/systemd/system/powerflexd.service",
+                "/usr/share/man/man8/powerflexd.8",
+            ][..],
+        ),
+        (
+            controller,
+            &[
+                "/usr/sbin/powerflex-ctld",
+                "/usr/sbin/powerflex-grid",
+                "/usr/lib/systemd/system/powerflex-ctld.service",
+                "/usr/share/man/man8/powerflex-grid.8",
+            ][..],
+        ),
+        (
+            cli,
+            &[
+                "/usr/bin/powerflexctl",
+                "/usr/lib64/slurm/power_flex.so",
+                "/etc/slurm/powerflex.toml",
+                "/etc/slurm/plugstack.conf.d/powerflex.conf",
+                "/usr/share/man/man1/powerflexctl-event-add.1",
+                "/usr/share/man/man5/powerflex.toml.5",
+            ][..],
+        ),
+    ] {
+        let listed = rpm_query(rpm, &["-l"]);
+        for file in files {
+            assert!(
+                listed.lines().any(|l| l == *file),
+                "{}: no {file} in\n{listed}",
+                rpm.display()
+            );
+        }
+        assert!(
+            rpm_query(rpm, &["--qf", "%{RELEASE}"]) == "3",
+            "{}: release",
+            rpm.display()
+        );
+    }
+    // Both config files keep a site's edit ("c" config, "n" noreplace).
+    let flags = rpm_query(cli, &["--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]"]);
+    for config in [
+        "/etc/slurm/powerflex.toml",
+        "/etc/slurm/plugstack.conf.d/powerflex.conf",
+    ] {
+        let line = flags
+            .lines()
+            .find(|l| l.starts_with(config))
+            .unwrap_or_default();
+        assert!(
+            line.ends_with(" cn"),
+            "{config} is not %config(noreplace): {line:?}"
+        );
+    }
+    // The plugstack line names the plugin where this package puts it.
+    let plugstack = std::fs::read_to_string(repo_root().join("target/rpm-stage/plugstack.conf"))
+        .expect("the staged plugstack line");
+    assert!(
+        plugstack.contains("optional /usr/lib64/slurm/power_flex.so "),
+        "{plugstack}"
+    );
+    // The scriptlets: the removal releases the GPUs, the upgrade checks the config, and
+    // each maps RPM's count first; every one is valid sh.
+    let scripts = rpm_query(node, &["--scripts"]);
+    assert!(
+        scripts.contains("--release-gpus") && scripts.contains("--check-config"),
+        "{scripts}"
+    );
+    assert!(
+        scripts.contains(r#"if [ "$1" -eq 0 ]; then set -- remove"#),
+        "{scripts}"
+    );
+    assert!(
+        scripts.contains(r#"if [ "$1" -ge 2 ]; then set -- configure rpm-upgrade"#),
+        "{scripts}"
+    );
+    for entry in std::fs::read_dir(repo_root().join("target/rpm-stage")).expect("the stage") {
+        let path = entry.expect("an entry").path();
+        if path.extension().is_some_and(|e| e == "sh") {
+            let checked = Command::new("sh")
+                .arg("-n")
+                .arg(&path)
+                .output()
+                .expect("sh -n");
+            assert!(
+                checked.status.success(),
+                "{}: {}",
+                path.display(),
+                said(&checked)
+            );
+        }
+    }
+    let requires = rpm_query(node, &["--requires"]);
+    assert!(
+        requires.lines().any(|l| l.starts_with("powerflex-cli")),
+        "{requires}"
+    );
 }
