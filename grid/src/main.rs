@@ -35,13 +35,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(dir) = &args.write_man_pages {
         use clap::CommandFactory;
-        return match powerflex_daemon::man::write_pages(Args::command(), "8", dir) {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("powerflex-grid: error: {e}");
-                ExitCode::from(1)
-            }
-        };
+        return powerflex_daemon::man::write_pages_for(Args::command(), "8", dir);
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

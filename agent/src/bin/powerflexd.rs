@@ -99,13 +99,7 @@ fn main() -> ExitCode {
     }
     if let Some(dir) = &cli.write_man_pages {
         use clap::CommandFactory;
-        return match powerflex_daemon::man::write_pages(Cli::command(), "8", dir) {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("powerflexd: error: {e}");
-                ExitCode::from(1)
-            }
-        };
+        return powerflex_daemon::man::write_pages_for(Cli::command(), "8", dir);
     }
     powerflex_daemon::trace::init();
     match start(cli) {

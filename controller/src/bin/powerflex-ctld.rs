@@ -38,13 +38,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(dir) = &cli.write_man_pages {
         use clap::CommandFactory;
-        return match powerflex_daemon::man::write_pages(Cli::command(), "8", dir) {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("powerflex-ctld: error: {e}");
-                ExitCode::from(1)
-            }
-        };
+        return powerflex_daemon::man::write_pages_for(Cli::command(), "8", dir);
     }
     powerflex_daemon::trace::init();
     match start(cli) {

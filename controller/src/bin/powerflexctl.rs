@@ -697,16 +697,7 @@ fn load_curves(path: &str) -> Result<Vec<powerflex_core::curves_csv::JobCurveRec
 /// The hidden `--write-man-pages DIR`: this CLI's pages from its clap definitions.
 fn write_man_pages(dir: &std::path::Path) -> ExitCode {
     use clap::CommandFactory;
-    match powerflex_daemon::man::write_pages(Cli::command(), "1", dir) {
-        Ok(pages) => {
-            println!("wrote {} man pages into {}", pages.len(), dir.display());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("powerflexctl: error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    powerflex_daemon::man::write_pages_for(Cli::command(), "1", dir)
 }
 
 fn run(cli: Cli) -> Result<String, CtlError> {
