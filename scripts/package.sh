@@ -93,11 +93,15 @@ if [[ $format == rpm ]]; then
     scriptlet() { # OUT MAPPING DEBIAN-SCRIPT
         { echo '#!/bin/sh'; echo "# $3 as an RPM scriptlet (scripts/package.sh)."; echo "$2"; tail -n +2 "$3"; } >"$stage/$1"
     }
-    post='POWERFLEX_RETRY="systemctl try-restart powerflexd"; if [ "$1" -ge 2 ]; then set -- configure rpm-upgrade; else set -- configure ""; fi'
+    post='if [ "$1" -ge 2 ]; then set -- configure rpm-upgrade; else set -- configure ""; fi'
     preun='if [ "$1" -eq 0 ]; then set -- remove; else set -- upgrade; fi'
     postun='if [ "$1" -eq 0 ]; then set -- purge; else set -- upgrade; fi'
+    # A failed %post does not undo an RPM upgrade: what to run once the file is mended.
+    retry_node='POWERFLEX_RETRY="systemctl try-restart powerflexd"'
+    retry_controller='POWERFLEX_RETRY="systemctl try-restart powerflex-ctld powerflex-grid"'
     for role in node controller; do
-        scriptlet "$role-post.sh" "$post" "packaging/$role/postinst"
+        retry=retry_$role
+        scriptlet "$role-post.sh" "${!retry}; $post" "packaging/$role/postinst"
         scriptlet "$role-preun.sh" "$preun" "packaging/$role/prerm"
         scriptlet "$role-postun.sh" "$postun" "packaging/$role/postrm"
     done

@@ -662,6 +662,12 @@ fn the_rpms_hold_the_files_scripts_and_config_flags() {
     );
     // The scriptlets: the removal releases the GPUs, the upgrade checks the config, and
     // each maps RPM's count first; every one is valid sh.
+    let controller_scripts = rpm_query(controller, &["--scripts"]);
+    assert!(
+        controller_scripts.contains("powerflex-ctld --config")
+            && controller_scripts.contains("systemctl try-restart powerflex-ctld powerflex-grid"),
+        "the controller's scriptlets are its scripts (cargo-generate-rpm embeds a missing file's path as the script): {controller_scripts}"
+    );
     let scripts = rpm_query(node, &["--scripts"]);
     assert!(
         scripts.contains("--release-gpus") && scripts.contains("--check-config"),

@@ -730,21 +730,19 @@ impl AgentConfig {
 /// What `powerflexd --release-gpus` needs of the site config, read leniently: a node
 /// being taken out of service must still put its GPUs back when the rest of the file no
 /// longer validates (an edit gone wrong, a file from another version). Only
-/// `agent.nvml_library`, `agent.socket` and `agent.enforce` are read; every other key is
-/// ignored, whatever it holds.
+/// `agent.nvml_library` and `agent.socket` are read; every other key is ignored,
+/// whatever it holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReleaseSettings {
     /// The NVML library to load (`None`: the system's).
     pub nvml_library: Option<String>,
     /// The agent's socket pattern (`%n` = node name).
     pub socket: String,
-    /// False in observe mode, where powerflex never wrote a limit.
-    pub enforce: bool,
 }
 
 impl ReleaseSettings {
     /// From the file's text; an error only when it is not TOML at all, or when one of the
-    /// three keys is there with the wrong type.
+    /// two keys is there with the wrong type.
     pub fn from_toml_str(text: &str) -> Result<ReleaseSettings, ConfigError> {
         let table: toml::Table = text
             .parse()
@@ -762,22 +760,9 @@ impl ReleaseSettings {
                 }),
             }
         };
-        let enforce = match get("enforce") {
-            None => true,
-            Some(toml::Value::Boolean(b)) => *b,
-            Some(other) => {
-                return Err(ConfigError::Parse {
-                    message: format!(
-                        "agent.enforce is a {}; accepted: true or false",
-                        other.type_str()
-                    ),
-                })
-            }
-        };
         Ok(ReleaseSettings {
             nvml_library: string("nvml_library")?,
             socket: string("socket")?.unwrap_or_else(|| DEFAULT_AGENT_SOCKET.to_string()),
-            enforce,
         })
     }
 
@@ -1949,23 +1934,19 @@ fn path(key: &str, text: &str, absolute: bool) -> Result<PathBuf, ConfigError> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     #[test]
-    fn the_release_reads_its_three_keys_from_a_file_that_no_longer_validates() {
+    fn the_release_reads_its_two_keys_from_a_file_that_no_longer_validates() {
         // An unknown key and a budget of 0 fail the full loader; the release reads on.
         let text = "bogus = 1\n[facility]\ngpu_budget_w = 0\n[agent]\nnvml_library = \"/x/libnvml.so\"\nsocket = \"/s/%n.sock\"\nenforce = false\n";
         assert!(SiteConfig::from_toml_str(text).is_err());
         let release = ReleaseSettings::from_toml_str(text).expect("lenient");
         assert_eq!(release.nvml_library.as_deref(), Some("/x/libnvml.so"));
         assert_eq!(release.socket_path("n1"), PathBuf::from("/s/n1.sock"));
-        assert!(!release.enforce);
         let empty = ReleaseSettings::from_toml_str("").expect("an empty file");
         assert_eq!(empty.socket, DEFAULT_AGENT_SOCKET);
-        assert!(empty.enforce && empty.nvml_library.is_none());
-        let wrong = ReleaseSettings::from_toml_str("[agent]\nenforce = \"no\"\n")
-            .expect_err("a wrong type");
-        assert!(
-            wrong.to_string().contains("accepted: true or false"),
-            "{wrong}"
-        );
+        assert!(empty.nvml_library.is_none());
+        let wrong =
+            ReleaseSettings::from_toml_str("[agent]\nsocket = 7\n").expect_err("a wrong type");
+        assert!(wrong.to_string().contains("accepted: a string"), "{wrong}");
         assert!(ReleaseSettings::from_toml_str("not toml [").is_err());
     }
 

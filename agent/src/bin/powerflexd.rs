@@ -112,9 +112,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--release-gpus`, start to end: exit 0 when every GPU is back at its default (or, in
-/// observe mode, when there is nothing to put back), 3 when an agent still runs here, 1
-/// when a GPU or the config could not be read or set.
+/// `--release-gpus`, start to end: exit 0 when every GPU is back at its default, 3 when
+/// an agent still runs here, 1 when a GPU or the config could not be read or set. Observe
+/// mode changes nothing here: a node switched to it by a reload keeps the caps written
+/// before the switch, and only this puts them back.
 fn release_main(cli: &Cli) -> ExitCode {
     let (message, code) = match release(cli) {
         Ok(done) => {
@@ -138,15 +139,39 @@ fn release(cli: &Cli) -> Result<String, ReleaseError> {
     let settings = ReleaseSettings::from_toml_str(&text)
         .map_err(|e| ReleaseError::Failed(format!("{}: {e}", path.display())))?;
     let node = node_name(cli.node.clone()).map_err(ReleaseError::Failed)?;
-    if !settings.enforce {
-        return Ok(
-            "observe mode (agent.enforce = false): powerflex wrote no limit here, so none is put back"
-                .into(),
-        );
-    }
     let mut backend = NvmlBackend::open(settings.nvml_library.as_deref().map(std::path::Path::new))
         .map_err(ReleaseError::Failed)?;
-    release_gpus(&mut backend, &settings.socket_path(&node))
+    release_gpus(&mut backend, &agent_sockets(&settings, &node))
+}
+
+/// Every agent socket on this host that the pattern can name: this node's, and, when
+/// `%n` stands in the file name, every file of that directory that fits around it (an
+/// agent started with a `--node` other than this host's name must not be missed).
+fn agent_sockets(settings: &ReleaseSettings, node: &str) -> Vec<PathBuf> {
+    let mut sockets = vec![settings.socket_path(node)];
+    let Some((before, after)) = settings.socket.split_once("%n") else {
+        return sockets;
+    };
+    let (dir, prefix) = match before.rfind('/') {
+        Some(i) => (&before[..=i], &before[i + 1..]),
+        None => ("./", before),
+    };
+    if after.contains('/') || dir.contains('%') || prefix.contains('%') || after.contains('%') {
+        return sockets;
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.len() > prefix.len() + after.len()
+                && name.starts_with(prefix)
+                && name.ends_with(after)
+            {
+                sockets.push(entry.path());
+            }
+        }
+    }
+    sockets
 }
 
 /// Reads and validates the site config.
@@ -210,9 +235,12 @@ fn settings_from(
 /// first; a socket that accepts a connection is a live agent.
 fn release_gpus(
     backend: &mut dyn GpuBackend,
-    control_socket: &std::path::Path,
+    control_sockets: &[PathBuf],
 ) -> Result<String, ReleaseError> {
-    if std::os::unix::net::UnixStream::connect(control_socket).is_ok() {
+    if let Some(control_socket) = control_sockets
+        .iter()
+        .find(|socket| std::os::unix::net::UnixStream::connect(socket).is_ok())
+    {
         return Err(ReleaseError::AgentRunning(format!(
             "powerflexd is running on this node (its socket {} answers); stop it first (systemctl stop powerflexd), then run --release-gpus again",
             control_socket.display()

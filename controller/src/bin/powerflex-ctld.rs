@@ -32,6 +32,11 @@ struct Cli {
     /// Write this daemon's man page (section 8) into DIR and exit.
     #[arg(long, hide = true, exclusive = true, value_name = "DIR")]
     write_man_pages: Option<PathBuf>,
+    /// Do not start: read the site config and the site key as this version would at its
+    /// start, say what is wrong, and exit 0 (valid) or 1 (for a package upgrade, before
+    /// the controller is restarted on the new binary).
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> ExitCode {
@@ -39,6 +44,18 @@ fn main() -> ExitCode {
     if let Some(dir) = &cli.write_man_pages {
         use clap::CommandFactory;
         return powerflex_daemon::man::write_pages_for(Cli::command(), "8", dir);
+    }
+    if cli.check_config {
+        return match load_options(&cli.config) {
+            Ok(_) => {
+                println!("powerflex-ctld: {} is valid", cli.config.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("powerflex-ctld: error: {e}");
+                ExitCode::from(1)
+            }
+        };
     }
     powerflex_daemon::trace::init();
     match start(cli) {

@@ -49,9 +49,9 @@ impl HistoryBoard {
     /// The samples' times strictly increase, because a page ends at a `t_ms` and the
     /// next one starts after it: two samples in one millisecond (two allocations in a
     /// row, a report's and the tick's) would lose the second to the reader paging across
-    /// them. A sample at the newest one's millisecond replaces it (the newer allocation
-    /// is the one in force); one from before it (the wall clock stepped back) is stamped
-    /// a millisecond after it, so the history stays in order until the clock catches up.
+    /// them. A sample at or before the newest one's millisecond (the same instant, or the
+    /// wall clock stepped back) is stamped a millisecond after it: none is dropped, and
+    /// the history stays in order until the clock catches up.
     pub fn publish(&self, sample: Option<Arc<HistorySample>>, owners: Option<Arc<OwnerMap>>) {
         if sample.is_none() && owners.is_none() {
             return;
@@ -61,11 +61,7 @@ impl HistoryBoard {
             let mut board = self.lock();
             if let Some(sample) = sample {
                 match board.samples.back().map(|newest| newest.t_ms) {
-                    Some(newest) if sample.t_ms == newest => {
-                        dropped.extend(board.samples.pop_back());
-                        board.samples.push_back(sample);
-                    }
-                    Some(newest) if sample.t_ms < newest => {
+                    Some(newest) if sample.t_ms <= newest => {
                         let mut later = (*sample).clone();
                         later.t_ms = newest + 1;
                         board.samples.push_back(Arc::new(later));
@@ -175,15 +171,13 @@ mod tests {
         board.publish(Some(sample(20, &[("1", 300.0)])), None);
         board.publish(Some(sample(15, &[("1", 250.0)])), None);
         board.publish(Some(sample(30, &[("1", 200.0)])), None);
-        assert_eq!(times(&board.answer(None, None, 0)), [10, 20, 21, 30]);
+        assert_eq!(times(&board.answer(None, None, 0)), [10, 20, 21, 22, 30]);
         let history = board.answer(None, None, 0).history.expect("history");
+        let caps: Vec<f64> = history.iter().map(|s| s.caps["1"]).collect();
         assert_eq!(
-            history[1].caps["1"], 300.0,
-            "the newer sample of one millisecond is kept"
-        );
-        assert_eq!(
-            history[2].caps["1"], 250.0,
-            "a sample from before the newest comes after it"
+            caps,
+            [500.0, 400.0, 300.0, 250.0, 200.0],
+            "every sample kept, in order"
         );
         // Paged one at a time, every sample is seen once.
         let mut seen = Vec::new();
@@ -194,7 +188,7 @@ mod tests {
             seen.extend(page);
             since = Some(last);
         }
-        assert_eq!(seen, [10, 20, 21, 30]);
+        assert_eq!(seen, [10, 20, 21, 22, 30]);
     }
 
     /// Issue 21: any local user's `history` request cloned the whole history (8,640
