@@ -73,9 +73,8 @@ pub mod installed {
     pub const SITE_CONFIG: &str = "/etc/slurm/powerflex.toml";
 }
 
-/// An installed part, which must be there.
-fn installed_artifact(path: &str) -> Result<PathBuf, StackError> {
-    let path = PathBuf::from(path);
+/// `path`, which must be a file already: a stack never builds or installs one itself.
+fn existing(path: PathBuf) -> Result<PathBuf, StackError> {
     if path.is_file() {
         Ok(path)
     } else {
@@ -83,6 +82,11 @@ fn installed_artifact(path: &str) -> Result<PathBuf, StackError> {
             path: path.display().to_string(),
         })
     }
+}
+
+/// An installed part, which must be there.
+fn installed_artifact(path: &str) -> Result<PathBuf, StackError> {
+    existing(PathBuf::from(path))
 }
 
 impl Default for StackOptions {
@@ -162,14 +166,7 @@ fn artifact(name: &str, build: bool) -> Result<PathBuf, StackError> {
     if build {
         return Ok(binary(name));
     }
-    let path = profile_dir().join(name);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(StackError::MissingArtifact {
-            path: path.display().to_string(),
-        })
-    }
+    existing(profile_dir().join(name))
 }
 
 /// A running stack. Field order is drop order: daemons before the cluster.

@@ -102,28 +102,37 @@ fn package_script() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The three packages at Debian revision `revision`, from the suite's debug build.
-fn build_packages(out: &Path, revision: u32) -> Vec<PathBuf> {
-    let _turn = package_script();
+/// `scripts/package.sh --profile dev --no-build --revision REVISION --out OUT EXTRA...`
+/// from the suite's debug build: the three packages it made. The caller holds
+/// [`package_script`]'s turn.
+fn run_package_script(out: &Path, revision: u32, extra: &[&str]) -> Vec<PathBuf> {
     let made = Command::new("bash")
         .arg(repo_root().join("scripts/package.sh"))
         .args(["--profile", "dev", "--no-build", "--revision"])
         .arg(revision.to_string())
         .arg("--out")
         .arg(out)
+        .args(extra)
+        .current_dir(repo_root())
         .output()
         .expect("scripts/package.sh runs");
     assert!(
         made.status.success(),
-        "scripts/package.sh failed: {}",
+        "scripts/package.sh {extra:?} failed: {}",
         String::from_utf8_lossy(&made.stderr)
     );
-    let debs: Vec<PathBuf> = String::from_utf8_lossy(&made.stdout)
+    let packages: Vec<PathBuf> = String::from_utf8_lossy(&made.stdout)
         .lines()
         .map(PathBuf::from)
         .collect();
-    assert_eq!(debs.len(), 3, "three packages: {debs:?}");
-    debs
+    assert_eq!(packages.len(), 3, "three packages: {packages:?}");
+    packages
+}
+
+/// The three Debian packages at revision `revision`.
+fn build_packages(out: &Path, revision: u32) -> Vec<PathBuf> {
+    let _turn = package_script();
+    run_package_script(out, revision, &[])
 }
 
 /// `dpkg -i`, an edited conffile kept without a question (what unattended upgrades do);
@@ -560,27 +569,9 @@ fn the_rpms_hold_the_files_scripts_and_config_flags() {
     }
     cargo_build(&["-p", "powerflex-agent", "-p", "powerflex-controller"]);
     let out = scratch_dir("rpms");
+    // Held to the end: the checks below read target/rpm-stage, which the script rewrites.
     let _turn = package_script();
-    let made = Command::new("bash")
-        .arg(repo_root().join("scripts/package.sh"))
-        .args([
-            "--rpm",
-            "--profile",
-            "dev",
-            "--no-build",
-            "--revision",
-            "3",
-            "--out",
-        ])
-        .arg(&out)
-        .current_dir(repo_root())
-        .output()
-        .expect("scripts/package.sh runs");
-    assert!(made.status.success(), "package.sh --rpm: {}", said(&made));
-    let rpms: Vec<PathBuf> = String::from_utf8_lossy(&made.stdout)
-        .lines()
-        .map(PathBuf::from)
-        .collect();
+    let rpms = run_package_script(&out, 3, &["--rpm"]);
     let find = |name: &str| -> &PathBuf {
         rpms.iter()
             .find(|p| {

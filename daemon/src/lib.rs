@@ -45,6 +45,25 @@ pub mod gate;
 pub mod http;
 pub mod lines;
 pub mod man;
+
+/// What a daemon's `--check-config` prints and returns: `PROGRAM: PATH is valid` and 0, or
+/// `PROGRAM: error: WHY` on stderr and 1.
+pub fn report_config_check<T, E: std::fmt::Display>(
+    program: &str,
+    path: &std::path::Path,
+    checked: Result<T, E>,
+) -> std::process::ExitCode {
+    match checked {
+        Ok(_) => {
+            println!("{program}: {} is valid", path.display());
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{program}: error: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
 pub mod os;
 pub mod prom;
 pub mod signals;

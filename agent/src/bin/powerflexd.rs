@@ -86,16 +86,11 @@ fn main() -> ExitCode {
         return release_main(&cli);
     }
     if cli.check_config {
-        return match read_site(&cli.config) {
-            Ok(_) => {
-                println!("powerflexd: {} is valid", cli.config.display());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("powerflexd: error: {e}");
-                ExitCode::from(1)
-            }
-        };
+        return powerflex_daemon::report_config_check(
+            "powerflexd",
+            &cli.config,
+            read_site(&cli.config),
+        );
     }
     if let Some(dir) = &cli.write_man_pages {
         use clap::CommandFactory;

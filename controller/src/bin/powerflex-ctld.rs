@@ -46,16 +46,11 @@ fn main() -> ExitCode {
         return powerflex_daemon::man::write_pages_for(Cli::command(), "8", dir);
     }
     if cli.check_config {
-        return match load_options(&cli.config) {
-            Ok(_) => {
-                println!("powerflex-ctld: {} is valid", cli.config.display());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("powerflex-ctld: error: {e}");
-                ExitCode::from(1)
-            }
-        };
+        return powerflex_daemon::report_config_check(
+            "powerflex-ctld",
+            &cli.config,
+            load_options(&cli.config),
+        );
     }
     powerflex_daemon::trace::init();
     match start(cli) {
