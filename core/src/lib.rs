@@ -24,8 +24,10 @@ pub mod pfi;
 pub mod point;
 pub mod rng;
 pub mod slurm_record;
+pub mod time;
 pub mod units;
 pub mod workload;
 
 pub use error::Error;
+pub use time::UnixMs;
 pub use units::Watts;

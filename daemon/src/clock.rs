@@ -5,8 +5,55 @@
 //!
 //! A clock set before 1970 reads 0 rather than failing: callers treat an old time as
 //! stale, which is the safe reading for leases and reports.
+//!
+//! The daemons' edges read `now` through the [`Clock`] trait and hand it to their
+//! machines as a [`UnixMs`]: [`WallClock`] follows the wall clock (the controller: grid
+//! events are set in wall time), [`SteadyClock`] is anchored to it once and then counts a
+//! monotonic clock (the agent: an NTP step must not expire or stretch a lease). The site
+//! harness gives the machines a fake one instead.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+pub use powerflex_core::UnixMs;
+
+/// Where an I/O edge reads `now` for its machine.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    fn now(&self) -> UnixMs;
+}
+
+/// The wall clock: [`unix_ms`] at every reading.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WallClock;
+
+impl Clock for WallClock {
+    fn now(&self) -> UnixMs {
+        UnixMs(unix_ms())
+    }
+}
+
+/// The wall clock read once, then a monotonic clock: it never steps back or jumps with
+/// the wall clock, and stays within the system's drift of it.
+#[derive(Debug, Clone, Copy)]
+pub struct SteadyClock {
+    anchor_wall: UnixMs,
+    anchor: Instant,
+}
+
+impl SteadyClock {
+    pub fn start() -> SteadyClock {
+        SteadyClock {
+            anchor_wall: UnixMs(unix_ms()),
+            anchor: Instant::now(),
+        }
+    }
+}
+
+impl Clock for SteadyClock {
+    fn now(&self) -> UnixMs {
+        let elapsed = u64::try_from(self.anchor.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.anchor_wall.plus_ms(elapsed)
+    }
+}
 
 /// Now, in ms since the Unix epoch (0 if the clock is before it; saturating far after).
 pub fn unix_ms() -> u64 {
@@ -27,5 +74,16 @@ mod tests {
         let b = unix_ms();
         assert!(a > PROJECT_BEGAN_MS, "{a}");
         assert!(b >= a.saturating_sub(1_000), "{a} then {b}");
+    }
+
+    #[test]
+    fn the_steady_clock_starts_at_the_wall_clock_and_never_goes_back() {
+        let wall = WallClock.now();
+        let steady = SteadyClock::start();
+        let first = steady.now();
+        assert!(first.ms_since(wall) < 1_000, "{wall} then {first}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let second = steady.now();
+        assert!(second.ms_since(first) >= 20, "{first} then {second}");
     }
 }
