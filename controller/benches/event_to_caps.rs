@@ -31,12 +31,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use powerflex_controller::ctld::history::{HistoryBoard, HISTORY};
-use powerflex_controller::ctld::{Core, CtldOptions, Input};
+use powerflex_controller::ctld::{Core, CtldSettings, Input};
 use powerflex_controller::site::{decide, NodeView, SiteSettings};
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::RawGpuModel;
 use powerflex_core::flex::TierTable;
-use powerflex_core::Watts;
+use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
 use powerflex_testbed::binary;
 use powerflex_testbed::link_peer::LinkPeer;
@@ -437,28 +437,20 @@ fn time_core_step_with_history_readers(
         job.owner_uid = Some(1000 + j as u32 % USERS);
     }
     let gpus = views.len() * GPUS_PER_NODE;
-    let options = CtldOptions {
-        listen: ([127, 0, 0, 1], 0).into(),
-        admin_socket: "/nonexistent/ctld.sock".into(),
-        state_dir: "/nonexistent".into(),
-        key: KEY.to_vec(),
+    let options = CtldSettings {
         // Part 1's budget: within every tier's floor, so no job is held out (planning
         // hold-outs re-decides once per job held, a different cost).
         base_budget: Watts(gpus as f64 * BASE_BUDGET_PER_GPU_W),
         period: Duration::from_secs(10),
         lease_ttl_s: 30.0,
         site: site_settings(),
-        metrics_listen: None,
         lease_rollout: Default::default(),
         max_ramp_w_per_s: None,
         job_placement: powerflex_core::config::JobPlacement::Reports,
-        slurm_poll: Duration::from_secs(5),
-        slurm_timeout: Duration::from_secs(5),
         max_gpu_power_w: MAX_CAP_W,
-        records_db: None,
     };
     let t0 = unix_ms();
-    let mut core = Core::new(options, Default::default(), t0);
+    let mut core = Core::new(options, Default::default(), UnixMs(t0));
     let inputs: Vec<Input> = views
         .into_iter()
         .flat_map(|v| {
@@ -478,7 +470,7 @@ fn time_core_step_with_history_readers(
         })
         .collect();
     let board = HistoryBoard::new();
-    let out = core.step(t0, inputs);
+    let out = core.step(UnixMs(t0), inputs);
     let sample = out.history.expect("the first step allocates");
     assert_eq!(sample.caps.len(), jobs);
     // A full board: the sample shared HISTORY times (one sample's memory, a full
@@ -492,7 +484,7 @@ fn time_core_step_with_history_readers(
     let mut step = |core: &mut Core| {
         now_ms += 1;
         let started = Instant::now();
-        let out = core.step(now_ms, vec![Input::Tick]);
+        let out = core.step(UnixMs(now_ms), vec![Input::Tick]);
         let elapsed = started.elapsed();
         assert!(out.history.is_some(), "a tick allocates");
         board.publish(out.history, out.owners);

@@ -10,12 +10,15 @@
 //! - [`rollout`]: decreases before increases;
 //! - [`preempt`]: cuts deeper than caps reach, which jobs to suspend or requeue;
 //! - [`placement`]: which of a node's words to believe, from Slurm's record of where each
-//!   job runs.
+//!   job runs;
+//! - [`ctld`]: the controller's state machine, `Core::step(now, inputs) -> output`, which
+//!   puts the above together for every node, event, admin request and report.
 //!
 //! Time comes in as an argument (Unix ms). The crate has no dependency that does I/O, and
 //! its `clippy.toml` refuses the standard library's files, sockets, processes, clocks and
 //! environment, so that stays true. `powerflex-controller` re-exports every module.
 
+pub mod ctld;
 pub mod placement;
 pub mod preempt;
 pub mod ramp;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use powerflex_controller::ctld::{run, CtldOptions};
+use powerflex_controller::ctld::{run, CtldOptions, CtldSettings};
 use powerflex_controller::site::SiteSettings;
 use powerflex_core::config::SiteConfig;
 use powerflex_daemon::signals::SignalWatcher;
@@ -76,26 +76,28 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         admin_socket: site.controller.admin_socket.clone(),
         state_dir: site.controller.state_dir.clone(),
         key,
-        base_budget: site.facility.gpu_budget_w,
-        period: Duration::from_secs(site.controller.allocation_period_s),
-        lease_ttl_s: site.controller.lease_ttl_s as f64,
         metrics_listen: site.controller.metrics_listen,
-        lease_rollout: site.controller.lease_rollout,
-        max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
-        job_placement: site.controller.job_placement,
         slurm_poll: Duration::from_secs(site.controller.slurm_poll_s),
         slurm_timeout: Duration::from_secs(site.controller.slurm_timeout_s),
-        max_gpu_power_w: site
-            .gpu_models
-            .iter()
-            .map(|m| m.max_cap_w.0)
-            .fold(0.0, f64::max),
         records_db: site
             .controller
             .database
             .as_ref()
             .map(powerflex_controller::ctld::records_db::RecordsDbOptions::from_config),
-        site: settings,
+        settings: CtldSettings {
+            base_budget: site.facility.gpu_budget_w,
+            period: Duration::from_secs(site.controller.allocation_period_s),
+            lease_ttl_s: site.controller.lease_ttl_s as f64,
+            lease_rollout: site.controller.lease_rollout,
+            max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
+            job_placement: site.controller.job_placement,
+            max_gpu_power_w: site
+                .gpu_models
+                .iter()
+                .map(|m| m.max_cap_w.0)
+                .fold(0.0, f64::max),
+            site: settings,
+        },
     })
 }
 

@@ -1,106 +1,13 @@
-//! The controller's Prometheus metrics: rendered by the core after each allocation from
-//! the shared [`powerflex_daemon::prom::catalog`] (so a name carries one label set in
-//! both daemons, and label values are escaped), served by
-//! [`powerflex_daemon::http::MetricsServer`].
+//! The controller's Prometheus metrics: the core says what one allocation shows
+//! ([`MetricsSnapshot`], the machine's), this renders it from the shared
+//! [`powerflex_daemon::prom::catalog`] (so a name carries one label set in both daemons,
+//! and label values are escaped), and [`powerflex_daemon::http::MetricsServer`] serves it.
 
-use powerflex_core::Watts;
 use powerflex_daemon::prom::{catalog, TextWriter};
 
-use std::collections::BTreeMap;
-
-use powerflex_proto::status::AccountingDbView;
-use powerflex_proto::usage::JobEnergyRecord;
-
-use crate::preempt::Preempted;
-use crate::site::Decision;
-
-/// Most distinct values of one label in the energy families; the rest are summed under
-/// [`OTHER_LABEL`] (a site with thousands of accounts must not explode the series).
-pub const MAX_LABEL_VALUES: usize = 64;
-/// The label value past [`MAX_LABEL_VALUES`], and for a job without a Slurm account.
-pub const OTHER_LABEL: &str = "other";
-
-/// Energy of the records written since the controller started, per tier and per Slurm
-/// account: Prometheus counters (a restart starts them again, as counters do). No label
-/// names a user.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EnergyTotals {
-    pub by_tier: BTreeMap<String, TierEnergy>,
-    /// Account → J.
-    pub by_account: BTreeMap<String, f64>,
-}
-
-/// One tier's records.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct TierEnergy {
-    pub records: u64,
-    pub energy_j: f64,
-    /// The records' saved-energy ESTIMATES, J.
-    pub saved_estimate_j: f64,
-}
-
-/// `key`, or [`OTHER_LABEL`] once `map` holds [`MAX_LABEL_VALUES`] other keys.
-fn bounded_label<V>(map: &BTreeMap<String, V>, key: &str) -> String {
-    if map.contains_key(key) || map.len() < MAX_LABEL_VALUES - 1 {
-        key.to_string()
-    } else {
-        OTHER_LABEL.to_string()
-    }
-}
-
-impl EnergyTotals {
-    /// Counts a run's first record. A later revision (a final share that came late)
-    /// restates the whole run: counting it too would count the run twice, so the
-    /// counters keep the first figures (the record and the database have the latest).
-    pub fn add(&mut self, r: &JobEnergyRecord) {
-        if r.revision > 1 {
-            return;
-        }
-        let energy = if r.energy_j.is_finite() {
-            r.energy_j.max(0.0)
-        } else {
-            0.0
-        };
-        let tier = bounded_label(&self.by_tier, &r.tier);
-        let t = self.by_tier.entry(tier).or_default();
-        t.records += 1;
-        t.energy_j += energy;
-        t.saved_estimate_j += r
-            .saved_estimate_j
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .unwrap_or(0.0);
-        let account = r
-            .account
-            .as_deref()
-            .filter(|a| !a.is_empty())
-            .unwrap_or(OTHER_LABEL);
-        let account = bounded_label(&self.by_account, account);
-        *self.by_account.entry(account).or_default() += energy;
-    }
-}
-
-/// What the metrics show of one allocation.
-#[derive(Debug)]
-pub struct MetricsInput<'a> {
-    pub decision: &'a Decision,
-    pub base: Watts,
-    /// The budget in force.
-    pub budget: Watts,
-    /// What the allocation was made for (see [`crate::ramp`]).
-    pub allocated: Watts,
-    pub draw_w: f64,
-    /// Node → live.
-    pub nodes: Vec<(&'a str, bool)>,
-    /// Per node, the job reports refused since start (Slurm does not place the job there).
-    pub refused: Vec<(&'a str, u64)>,
-    pub event_active: bool,
-    /// Jobs held out of a deep cut.
-    pub preempted: &'a std::collections::BTreeMap<String, Preempted>,
-    /// Energy of the jobs' records since start.
-    pub energy: &'a EnergyTotals,
-    /// The accounting database's writer, where the site has one.
-    pub accounting_db: Option<&'a AccountingDbView>,
-}
+pub use powerflex_controller_machine::ctld::metrics::{
+    EnergyTotals, MetricsSnapshot, TierEnergy, MAX_LABEL_VALUES, OTHER_LABEL,
+};
 
 fn flag(on: bool) -> f64 {
     if on {
@@ -111,7 +18,7 @@ fn flag(on: bool) -> f64 {
 }
 
 /// Renders the metrics text (Prometheus exposition format 0.0.4).
-pub fn render(m: &MetricsInput<'_>) -> String {
+pub fn render(m: &MetricsSnapshot) -> String {
     let mut w = TextWriter::new();
     w.family(&catalog::BUDGET_WATTS, [([], m.budget.0)])
         .family(&catalog::ALLOCATED_BUDGET_WATTS, [([], m.allocated.0)])
@@ -120,11 +27,15 @@ pub fn render(m: &MetricsInput<'_>) -> String {
         .family(&catalog::EVENT_ACTIVE, [([], flag(m.event_active))])
         .family(
             &catalog::NODE_LIVE,
-            m.nodes.iter().map(|(node, live)| ([*node], flag(*live))),
+            m.nodes
+                .iter()
+                .map(|(node, live)| ([node.as_str()], flag(*live))),
         )
         .family(
             &catalog::NODE_REPORTS_REFUSED,
-            m.refused.iter().map(|(node, n)| ([*node], *n as f64)),
+            m.refused
+                .iter()
+                .map(|(node, n)| ([node.as_str()], *n as f64)),
         )
         .family(
             &catalog::JOB_PREEMPTED,
@@ -164,7 +75,7 @@ pub fn render(m: &MetricsInput<'_>) -> String {
                 .iter()
                 .map(|(account, j)| ([account.as_str()], *j)),
         );
-    if let Some(db) = m.accounting_db {
+    if let Some(db) = &m.accounting_db {
         w.family(&catalog::ACCOUNTING_DB_UP, [([], flag(db.connected))])
             .family(&catalog::ACCOUNTING_DB_PENDING, [([], db.pending as f64)]);
     }
@@ -192,8 +103,15 @@ pub fn render(m: &MetricsInput<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use powerflex_controller_machine::preempt::Preempted;
+    use powerflex_controller_machine::site::Decision;
     use powerflex_core::allocate::{Allocation, FloorStatus, JobAllocation, Policy};
-    use powerflex_proto::status::Objective;
+    use powerflex_core::Watts;
+    use powerflex_proto::status::{AccountingDbView, Objective};
+    use powerflex_proto::usage::JobEnergyRecord;
 
     #[test]
     fn renders_the_catalog_names_with_escaped_labels() {
@@ -223,16 +141,16 @@ mod tests {
             start_cap_w: 300.0,
             objective: Objective::TokensPerS,
         };
-        let text = render(&MetricsInput {
-            decision: &decision,
+        let text = render(&MetricsSnapshot {
+            decision: Arc::new(decision),
             base: Watts(4000.0),
             budget: Watts(3200.0),
             allocated: Watts(3100.0),
             draw_w: 2950.5,
-            nodes: vec![("n1", true), ("n\\2", false)],
-            refused: vec![("n1", 0), ("n\\2", 3)],
+            nodes: vec![("n1".into(), true), ("n\\2".into(), false)],
+            refused: vec![("n1".into(), 0), ("n\\2".into(), 3)],
             event_active: true,
-            preempted: &[(
+            preempted: [(
                 "78".to_string(),
                 Preempted {
                     how: powerflex_core::flex::Preempt::Suspend,
@@ -241,7 +159,7 @@ mod tests {
             )]
             .into_iter()
             .collect(),
-            energy: &EnergyTotals::default(),
+            energy: EnergyTotals::default(),
             accounting_db: None,
         });
         for line in [
@@ -354,8 +272,8 @@ mod tests {
             error: Some("down".into()),
             since_unix_ms: 0,
         };
-        let text = render(&MetricsInput {
-            decision: &decision,
+        let text = render(&MetricsSnapshot {
+            decision: Arc::new(decision),
             base: Watts(1.0),
             budget: Watts(1.0),
             allocated: Watts(1.0),
@@ -363,9 +281,9 @@ mod tests {
             nodes: vec![],
             refused: vec![],
             event_active: false,
-            preempted: &BTreeMap::new(),
-            energy: &totals,
-            accounting_db: Some(&db),
+            preempted: BTreeMap::new(),
+            energy: totals.clone(),
+            accounting_db: Some(db),
         });
         for line in [
             "powerflex_job_energy_joules_total{tier=\"flex2\"} 1500",

@@ -17,20 +17,18 @@
 //!   on change; after a restart the controller resumes its events, and agents keep the
 //!   caps of their unexpired leases meanwhile — nobody goes over budget in between.
 
-pub mod accounting;
 pub mod admin;
 pub mod annotate;
 pub mod bounds;
-pub mod core;
-pub mod history;
-pub mod learning;
 pub mod link;
 pub mod metrics;
-pub mod owners;
 pub mod records_db;
-pub mod session;
 pub mod state;
-pub mod status;
+
+// The machine's modules, where the edge (and the tools) have always found them.
+pub use powerflex_controller_machine::ctld::{
+    accounting, core, history, learning, owners, session, status, CtldSettings, SettingsReload,
+};
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -44,49 +42,56 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
 use tracing::{error, info, warn};
 
-use powerflex_core::Watts;
 use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, GpuInfo, JobReport};
 
 pub use self::core::{Core, Input, Lease, Output};
 pub use self::state::CtldState;
-use crate::site::SiteSettings;
 
-/// Where the controller listens and keeps its state.
+/// Where the controller listens and keeps its state (the edge's), and what its machine is
+/// configured with ([`CtldSettings`]).
 #[derive(Debug, Clone)]
 pub struct CtldOptions {
     pub listen: std::net::SocketAddr,
     pub admin_socket: PathBuf,
     pub state_dir: PathBuf,
     pub key: Vec<u8>,
-    pub base_budget: Watts,
-    pub period: Duration,
-    pub lease_ttl_s: f64,
-    pub site: SiteSettings,
     /// Loopback address for Prometheus metrics, if any.
     pub metrics_listen: Option<std::net::SocketAddr>,
-    /// How new allocations reach the nodes (decreases first, or all at once).
-    pub lease_rollout: powerflex_core::config::LeaseRollout,
-    /// The fastest the allocated budget may rise, W/s (`None`: no limit; see
-    /// [`crate::ramp`]).
-    pub max_ramp_w_per_s: Option<f64>,
-    /// Where the controller learns which jobs run where (see [`crate::placement`]).
-    pub job_placement: powerflex_core::config::JobPlacement,
     /// How often Slurm's placement is read, and the longest wait for it.
     pub slurm_poll: Duration,
     pub slurm_timeout: Duration,
-    /// The highest `max_cap_w` of the site's GPU models, W: no announced GPU counts for
-    /// more (see [`crate::placement::bound_gpu_power`]).
-    pub max_gpu_power_w: f64,
     /// The accounting database, where the site has one (see [`records_db`]).
     pub records_db: Option<records_db::RecordsDbOptions>,
+    /// The machine's settings: budget, period, lease TTL, allocation, ramps, placement.
+    pub settings: CtldSettings,
 }
 
 /// A re-read site config (on SIGHUP): the new options, or why the file was refused.
 pub type Reload = Result<CtldOptions, String>;
 
+/// What a re-read config changes: the machine's settings (the machine keeps its period
+/// and placement setting), never the edge's sockets, paths, key or database, which
+/// change only on restart; this says so when the file changed them.
+fn settings_reload(in_force: &CtldOptions, reload: Reload) -> SettingsReload {
+    let new = reload?;
+    let needs_restart = new.listen != in_force.listen
+        || new.admin_socket != in_force.admin_socket
+        || new.state_dir != in_force.state_dir
+        || new.key != in_force.key
+        || new.metrics_listen != in_force.metrics_listen
+        || new.slurm_poll != in_force.slurm_poll
+        || new.slurm_timeout != in_force.slurm_timeout
+        || new.records_db != in_force.records_db;
+    if needs_restart {
+        warn!("site config reloaded; listen addresses, sockets, state directory, key, Slurm polling and accounting database settings change only on restart");
+    }
+    Ok(new.settings)
+}
+
 pub(crate) use powerflex_daemon::clock::unix_ms;
+use powerflex_daemon::clock::{Clock, WallClock};
 
 /// What the link and admin threads hand the loop.
 pub(crate) enum Inbound {
@@ -188,9 +193,22 @@ pub fn run_bounded(
     shutdown: Arc<AtomicBool>,
     reloads: Receiver<Reload>,
 ) -> Result<(), String> {
+    run_on_clock(options, limits, &WallClock, shutdown, reloads)
+}
+
+/// [`run_bounded`] with the machine's time read from `clock` (the wall clock in
+/// production: grid events are set in wall time). The link's frame stamps stay on the
+/// wall clock, which is what the agents compare them with.
+pub fn run_on_clock(
+    options: CtldOptions,
+    limits: Bounds,
+    clock: &dyn Clock,
+    shutdown: Arc<AtomicBool>,
+    reloads: Receiver<Reload>,
+) -> Result<(), String> {
     let refusals = Arc::new(bounds::Refusals::default());
     let loaded = state::load(&options.state_dir);
-    let mut core = Core::new(options.clone(), loaded, unix_ms());
+    let mut core = Core::new(options.settings.clone(), loaded, clock.now());
     let accounting_log = accounting_log(&options.state_dir);
     let mut logged = Vec::new();
     match accounting_log.read_all() {
@@ -292,7 +310,7 @@ pub fn run_bounded(
         shutdown.clone(),
     )
     .map_err(|e| format!("cannot start the admin socket acceptor: {e}"))?;
-    let placement_refresh = match options.job_placement {
+    let placement_refresh = match options.settings.job_placement {
         powerflex_core::config::JobPlacement::Slurm => Some(
             spawn_placement_reader(tx.clone(), options.slurm_poll, options.slurm_timeout)
                 .map_err(|e| format!("cannot start the Slurm placement reader: {e}"))?,
@@ -303,13 +321,13 @@ pub fn run_bounded(
     let annotator = annotate::spawn_annotator();
     let preemptor = annotate::spawn_preemptor();
     let mut writers: BTreeMap<String, Sender<Body>> = BTreeMap::new();
-    let ticker = tick(options.period);
+    let ticker = tick(options.settings.period);
     let check = tick(Duration::from_millis(100));
     // The first step allocates at once (or starts the hold after a restart).
     let mut inputs: Vec<Input> = Vec::new();
     let mut waiting: Vec<Option<Sender<AdminReply>>> = Vec::new();
     while !shutdown.load(Ordering::SeqCst) {
-        let mut out = core.step(unix_ms(), std::mem::take(&mut inputs));
+        let mut out = core.step(clock.now(), std::mem::take(&mut inputs));
         if let Some(state) = &out.persist {
             state::save(&options.state_dir, state);
         }
@@ -386,7 +404,8 @@ pub fn run_bounded(
         for action in out.preempt {
             let _ = preemptor.send(action);
         }
-        if let Some(text) = out.metrics {
+        if let Some(snapshot) = out.metrics {
+            let text = metrics::render(&snapshot);
             *metrics_text.lock().unwrap_or_else(PoisonError::into_inner) = text;
         }
         if out.refresh_placement {
@@ -441,7 +460,7 @@ pub fn run_bounded(
             }
             recv(reloads) -> reload => {
                 if let Ok(reload) = reload {
-                    inputs.push(Input::Reload(Box::new(reload)));
+                    inputs.push(Input::Reload(Box::new(settings_reload(&options, reload))));
                     waiting.push(None);
                 }
             }
@@ -485,6 +504,7 @@ mod tests {
     use powerflex_core::allocate::Policy;
     use powerflex_core::config::{BudgetMode, Objective};
     use powerflex_core::flex::TierTable;
+    use powerflex_core::Watts;
 
     fn free_port() -> std::net::SocketAddr {
         TcpListener::bind("127.0.0.1:0")
@@ -504,28 +524,50 @@ mod tests {
             admin_socket: dir.join("ctld.sock"),
             state_dir: dir.join("state"),
             key: key.to_vec(),
-            base_budget: Watts(3200.0),
-            period: Duration::from_secs(10),
-            lease_ttl_s: 30.0,
-            site: SiteSettings {
-                tiers: TierTable::default_table(),
-                policy: Policy::Optimal,
-                cap_step: Watts(10.0),
-                failsafe_cap: Watts(500.0),
-                default_pfi: 1.3,
-                budget_mode: BudgetMode::Hard,
-                objective: Objective::Tokens,
-                tier_bounds: crate::site::TierBounds::Honoured,
-            },
             metrics_listen: Some(metrics),
-            lease_rollout: Default::default(),
-            max_ramp_w_per_s: None,
-            job_placement: powerflex_core::config::JobPlacement::Reports,
             slurm_poll: Duration::from_secs(5),
             slurm_timeout: Duration::from_secs(5),
-            max_gpu_power_w: 700.0,
             records_db: None,
+            settings: CtldSettings {
+                base_budget: Watts(3200.0),
+                period: Duration::from_secs(10),
+                lease_ttl_s: 30.0,
+                site: crate::site::SiteSettings {
+                    tiers: TierTable::default_table(),
+                    policy: Policy::Optimal,
+                    cap_step: Watts(10.0),
+                    failsafe_cap: Watts(500.0),
+                    default_pfi: 1.3,
+                    budget_mode: BudgetMode::Hard,
+                    objective: Objective::Tokens,
+                    tier_bounds: crate::site::TierBounds::Honoured,
+                },
+                lease_rollout: Default::default(),
+                max_ramp_w_per_s: None,
+                job_placement: powerflex_core::config::JobPlacement::Reports,
+                max_gpu_power_w: 700.0,
+            },
         }
+    }
+
+    /// A reload hands the machine the new settings, and only those: the edge's sockets,
+    /// paths and key stay as started (the machine keeps its period and placement).
+    #[test]
+    fn a_reload_passes_the_settings_and_keeps_the_edge_s_own() {
+        let dir = std::env::temp_dir().join("pf-ctld-reload-settings");
+        let in_force = test_options(&dir, b"site key", free_port());
+        let mut new = in_force.clone();
+        new.listen = free_port();
+        new.key = b"another key".to_vec();
+        new.settings.base_budget = Watts(8000.0);
+        new.settings.lease_ttl_s = 60.0;
+        let settings = settings_reload(&in_force, Ok(new)).expect("valid");
+        assert_eq!(settings.base_budget, Watts(8000.0));
+        assert_eq!(settings.lease_ttl_s, 60.0);
+        assert_eq!(
+            settings_reload(&in_force, Err("bad key".into())).expect_err("refused"),
+            "bad key"
+        );
     }
 
     /// The acceptors block in accept() (no polling): `run` must still end promptly when

@@ -1,47 +1,14 @@
-//! What survives a controller restart, saved atomically on change with the copy it
-//! replaces kept beside it: a restart that finds the file corrupt falls back on that one.
+//! What survives a controller restart ([`CtldState`], the machine's), saved atomically on
+//! change with the copy it replaces kept beside it: a restart that finds the file corrupt
+//! falls back on that one.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
 use tracing::{error, warn};
 
-use powerflex_core::Watts;
 use powerflex_daemon::fsx::{self, AtomicWrite};
-use powerflex_proto::link::GpuInfo;
 
-use crate::preempt::Preempted;
-use crate::schedule::Event;
-
-/// What survives a restart.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CtldState {
-    /// Budget set with `powerflexctl budget set`, overriding the site config's.
-    pub budget_w: Option<Watts>,
-    pub events: Vec<Event>,
-    pub next_event_id: u64,
-    /// Every node that has connected, with its GPUs. After a restart the controller
-    /// waits for these (up to half a lease) before allocating: allocating with only the
-    /// first agents to reconnect would hand them the others' watts while the others'
-    /// old leases still hold their caps, and the site would go over budget.
-    #[serde(default)]
-    pub nodes: BTreeMap<String, Vec<GpuInfo>>,
-    /// Jobs suspended or requeued for a cut deeper than caps reach: a restarted
-    /// controller still resumes or releases them when the cut is over.
-    #[serde(default)]
-    pub preempted: BTreeMap<String, Preempted>,
-}
-
-/// The state as loaded at start.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Loaded {
-    pub state: CtldState,
-    /// The state was corrupt with no usable previous copy: the nodes and events it held
-    /// are unknown.
-    pub lost: bool,
-}
+pub use powerflex_controller_machine::ctld::state::{CtldState, Loaded};
 
 pub const STATE_FILE: &str = "ctld-state.json";
 /// The state before the last save: what a restart falls back on when the file is corrupt.
@@ -125,6 +92,8 @@ fn try_save(dir: &Path, state: &CtldState) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::preempt::Preempted;
+    use powerflex_core::Watts;
 
     fn temp_dir(name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("pf-ctld-state-{}-{name}", std::process::id()));

@@ -63,7 +63,7 @@ pub fn record(
 mod tests {
     use super::*;
     use crate::site::NodeView;
-    use powerflex_proto::link::JobReport;
+    use powerflex_proto::report::JobReport;
 
     fn point(cap_w: f64, sigma: f64, windows: u32) -> CurvePoint {
         CurvePoint {

@@ -1,7 +1,7 @@
 //! What the controller knows of one node: the core keeps one [`Session`] per node, and
 //! the status and learning read them (their own module, so neither imports the core).
 
-use powerflex_proto::link::{GpuInfo, JobReport};
+use powerflex_proto::report::{GpuInfo, JobReport};
 
 use crate::site::NodeView;
 

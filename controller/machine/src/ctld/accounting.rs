@@ -33,7 +33,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use powerflex_core::slurm_record::{SlurmJobState, SlurmJobs};
 use powerflex_proto::admin::RecordCursor;
-use powerflex_proto::link::{FinalRef, JobReport};
+use powerflex_proto::report::JobReport;
+use powerflex_proto::usage::FinalRef;
 use powerflex_proto::usage::{JobEnergyRecord, NodeUsage};
 
 /// Longest wait for the other nodes' final shares after a run's first, ms.

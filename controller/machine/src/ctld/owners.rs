@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use powerflex_proto::admin::AdminReply;
-use powerflex_proto::link::JobReport;
+use powerflex_proto::report::JobReport;
 use powerflex_proto::status::HistorySample;
 
 /// What a non-root caller reads instead of the reason a site config reload was refused:

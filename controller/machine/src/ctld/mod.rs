@@ -1,0 +1,64 @@
+//! The controller's state machine: [`Core`], its inputs and outputs, and what it keeps.
+//!
+//! `powerflex-ctld`'s I/O edge (`powerflex_controller::ctld`) reads the agents' link,
+//! the admin socket, Slurm and the state file, hands what it read to [`Core::step`] with
+//! the time, and carries out the [`Output`]: persist, reply, lease, annotate, preempt,
+//! publish. Everything the controller decides is here, so the site harness can run it
+//! with many agent machines on a fake clock.
+//!
+//! - [`core`]: the step itself (hellos, reports, admin requests, ticks, reloads, Slurm's
+//!   placement → leases, replies, state to save, annotations, preemptions, records);
+//! - [`session`]: what the controller knows of one agent;
+//! - [`status`], [`learning`], [`owners`]: what `status` shows, the curves each event
+//!   taught, and who may read which job;
+//! - [`accounting`]: the jobs' energy shares and records;
+//! - [`annotate`]: which `AdminComment`s changed;
+//! - [`metrics`]: what the metrics show of one allocation (the edge renders the text);
+//! - [`history`]: the board the admin threads answer `history` from;
+//! - [`state`]: what survives a restart (the edge reads and writes the file).
+
+pub mod accounting;
+pub mod annotate;
+pub mod core;
+pub mod history;
+pub mod learning;
+pub mod metrics;
+pub mod owners;
+pub mod session;
+pub mod state;
+pub mod status;
+
+use std::time::Duration;
+
+use powerflex_core::config::{JobPlacement, LeaseRollout};
+use powerflex_core::Watts;
+
+use crate::site::SiteSettings;
+
+pub use self::core::{Core, Input, Lease, Output};
+pub use self::state::{CtldState, Loaded};
+
+/// What the controller's machine is configured with: the site config's decisions, none
+/// of the edge's addresses, sockets, paths or keys.
+#[derive(Debug, Clone)]
+pub struct CtldSettings {
+    pub base_budget: Watts,
+    /// The allocation period (changes only on restart: the edge's ticker runs at it).
+    pub period: Duration,
+    pub lease_ttl_s: f64,
+    pub site: SiteSettings,
+    /// How new allocations reach the nodes (decreases first, or all at once).
+    pub lease_rollout: LeaseRollout,
+    /// The fastest the allocated budget may rise, W/s (`None`: no limit; see
+    /// [`crate::ramp`]).
+    pub max_ramp_w_per_s: Option<f64>,
+    /// Where the controller learns which jobs run where (see [`crate::placement`]);
+    /// changes only on restart (the edge starts or does not start the Slurm reader).
+    pub job_placement: JobPlacement,
+    /// The highest `max_cap_w` of the site's GPU models, W: no announced GPU counts for
+    /// more (see [`crate::placement::bound_gpu_power`]).
+    pub max_gpu_power_w: f64,
+}
+
+/// A re-read site config's settings (on SIGHUP), or why the file was refused.
+pub type SettingsReload = Result<CtldSettings, String>;

@@ -1,0 +1,41 @@
+//! What survives a controller restart: the machine's view of its state file. The edge
+//! (`powerflex_controller::ctld::state`) reads and writes the file.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use powerflex_core::Watts;
+use powerflex_proto::report::GpuInfo;
+
+use crate::preempt::Preempted;
+use crate::schedule::Event;
+
+/// What survives a restart.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CtldState {
+    /// Budget set with `powerflexctl budget set`, overriding the site config's.
+    pub budget_w: Option<Watts>,
+    pub events: Vec<Event>,
+    pub next_event_id: u64,
+    /// Every node that has connected, with its GPUs. After a restart the controller
+    /// waits for these (up to half a lease) before allocating: allocating with only the
+    /// first agents to reconnect would hand them the others' watts while the others'
+    /// old leases still hold their caps, and the site would go over budget.
+    #[serde(default)]
+    pub nodes: BTreeMap<String, Vec<GpuInfo>>,
+    /// Jobs suspended or requeued for a cut deeper than caps reach: a restarted
+    /// controller still resumes or releases them when the cut is over.
+    #[serde(default)]
+    pub preempted: BTreeMap<String, Preempted>,
+}
+
+/// The state as loaded at start.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Loaded {
+    pub state: CtldState,
+    /// The state was corrupt with no usable previous copy: the nodes and events it held
+    /// are unknown.
+    pub lost: bool,
+}
