@@ -17,8 +17,9 @@ use powerflex_daemon::clock::unix_ms;
 use std::time::{Duration, Instant};
 
 use powerflex_controller::schedule::{effective_budget, Event};
+use powerflex_core::allocate::FloorStatus;
 use powerflex_core::Watts;
-use powerflex_proto::status::{CtldStatus, FloorView, SiteJobStatus};
+use powerflex_proto::status::{CtldStatus, SiteJobStatus};
 use powerflex_testbed::site::SiteBuilder;
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::wait_until;
@@ -204,7 +205,7 @@ fn deep(preempt: &str) -> Vec<String> {
         let broken = status
             .jobs
             .iter()
-            .filter(|j| matches!(j.floor, Some(FloorView::Broken { .. })))
+            .filter(|j| matches!(j.floor, Some(FloorStatus::Broken { .. })))
             .count();
         let held = over == 0 && untouched && stack.running(flex0);
         if held {

@@ -10,7 +10,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use powerflex_proto::status::{CtldStatus, FloorView, NodeStatus, PfiSource, SiteJobStatus};
+use powerflex_core::allocate::FloorStatus;
+use powerflex_proto::status::{CtldStatus, NodeStatus, PfiSource, SiteJobStatus};
 use powerflex_sim::state::Node;
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
@@ -357,7 +358,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
             bound * 100.0
         );
         assert!(
-            !j.floor.as_ref().is_some_and(FloorView::is_broken),
+            !j.floor.as_ref().is_some_and(FloorStatus::is_broken),
             "job {id}: {j:?}"
         );
     }

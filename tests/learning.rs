@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use powerflex_proto::status::{CalibrationState, CurvePoint, SiteJobStatus};
+use powerflex_proto::status::{CalibrationState, CurvePoint, SiteJobStatus, SnapshotAfter};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::wait_until;
@@ -49,7 +49,7 @@ fn event(stack: &Stack, job: u32, id: u64, hold_s: u64) {
                 .filter(|c| *c < 690.0)
         },
     );
-    let after = format!("event {id}");
+    let after = SnapshotAfter::Event(id);
     wait_until(
         "the curve snapshot after the event",
         Duration::from_secs(hold_s + 60),
@@ -104,7 +104,7 @@ fn a_real_shaped_jobs_curve_improves_over_two_events() {
         report(&stack, job).filter(|r| {
             r.curve_history
                 .first()
-                .is_some_and(|s| s.after == "calibrated")
+                .is_some_and(|s| s.after == SnapshotAfter::Calibrated)
         })
     });
 
@@ -115,7 +115,7 @@ fn a_real_shaped_jobs_curve_improves_over_two_events() {
     for s in h {
         eprintln!(
             "after {:<10} points {:>2} windows {:>3} mean ± {:.2} %  {:?}",
-            s.after,
+            s.after.to_string(),
             s.points.len(),
             s.windows(),
             100.0 * s.mean_relative_sigma(),
@@ -125,8 +125,16 @@ fn a_real_shaped_jobs_curve_improves_over_two_events() {
                 .collect::<Vec<_>>()
         );
     }
-    let names: Vec<&str> = h.iter().map(|s| s.after.as_str()).collect();
-    assert_eq!(names, ["calibrated", "event 1", "event 2"], "{h:?}");
+    let names: Vec<SnapshotAfter> = h.iter().map(|s| s.after).collect();
+    assert_eq!(
+        names,
+        [
+            SnapshotAfter::Calibrated,
+            SnapshotAfter::Event(1),
+            SnapshotAfter::Event(2)
+        ],
+        "{h:?}"
+    );
     let (cal, e1, e2) = (&h[0], &h[1], &h[2]);
     // Points grow: the event's grant (not a calibration cap) and its probes join.
     assert!(

@@ -455,7 +455,7 @@ fn a_cut_deeper_than_caps_requeues_the_job_that_allows_it_and_releases_it_after(
     assert_eq!(
         s.preempted
             .iter()
-            .map(|p| (p.job.as_str(), p.how.as_str()))
+            .map(|p| (p.job.as_str(), p.how.name()))
             .collect::<Vec<_>>(),
         [(requeueable.to_string().as_str(), "requeue")]
     );

@@ -3,9 +3,10 @@
 
 use std::collections::BTreeMap;
 
+use powerflex_core::allocate::FloorStatus;
 use powerflex_core::Watts;
 use powerflex_proto::admin::Event;
-use powerflex_proto::status::{CtldStatus, DecisionView, FloorView, NodeStatus, SiteJobStatus};
+use powerflex_proto::status::{CtldStatus, DecisionView, NodeStatus, SiteJobStatus};
 use powerflex_proto::usage::JobEnergyRecord;
 
 use crate::schedule::{duration_text, utc_text};
@@ -24,11 +25,11 @@ fn whole(x: Option<f64>) -> String {
 }
 
 /// A tier bound's state as a table cell: BROKEN stands out.
-fn bound(floor: Option<&FloorView>) -> String {
+fn bound(floor: Option<&FloorStatus>) -> String {
     match floor {
-        Some(FloorView::Broken { excess }) => format!("BROKEN by {:.1}%", excess * 100.0),
-        Some(FloorView::Held) => "held".into(),
-        Some(FloorView::None) => "none".into(),
+        Some(FloorStatus::Broken { excess }) => format!("BROKEN by {:.1}%", excess * 100.0),
+        Some(FloorStatus::Held) => "held".into(),
+        Some(FloorStatus::None) => "none".into(),
         None => "-".into(),
     }
 }
@@ -93,7 +94,7 @@ pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
 }
 
 /// `ok`, or how far the job's draw and throughput left its curve (`drifted: power ×1.30`).
-fn drift_text(drift: Option<&powerflex_proto::status::DriftView>) -> String {
+fn drift_text(drift: Option<&powerflex_proto::status::Drift>) -> String {
     let Some(d) = drift else {
         return "ok".into();
     };
@@ -187,7 +188,7 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
         let mut h = Table::new(["after", "node", "points", "windows", "mean ±"]);
         for s in &job.curve_history {
             h.row([
-                s.after.clone(),
+                s.after.to_string(),
                 s.node.clone(),
                 s.points.len().to_string(),
                 s.windows().to_string(),
@@ -367,7 +368,7 @@ pub fn render_whatif(d: &DecisionView) -> String {
     let a = d.allocation.as_ref();
     let mut out = format!(
         "policy {}: budget {}, of which {} not steered (idle GPUs, unmanaged jobs, silent nodes)\n",
-        a.map_or("-", |a| a.policy.as_str()),
+        a.map_or("-", |a| a.policy.name()),
         watts(d.budget_w),
         watts(d.reserved_w)
     );
@@ -383,12 +384,12 @@ pub fn render_whatif(d: &DecisionView) -> String {
     for j in a.into_iter().flat_map(|a| &a.jobs) {
         t.row([
             j.id.clone(),
-            cap(Some(j.cap_w)),
-            watts(j.power_w),
+            cap(Some(j.cap_w.0)),
+            watts(j.power_w.0),
             format!("{:.0}", j.throughput),
             format!("{:.1}%", j.slowdown * 100.0),
             j.max_slowdown
-                .map_or("none".into(), |x| format!("{:.0}%", x * 100.0)),
+                .map_or("none".into(), |x| format!("{:.0}%", x.0 * 100.0)),
             bound(Some(&j.floor)),
         ]);
     }
@@ -396,8 +397,8 @@ pub fn render_whatif(d: &DecisionView) -> String {
     match a {
         Some(a) => out.push_str(&format!(
             "managed jobs: power {}, short {}\n",
-            watts(a.total_power_w),
-            watts(a.over_budget_w)
+            watts(a.total_power_w.0),
+            watts(a.over_budget_w.0)
         )),
         None => out.push_str("no managed jobs to allocate\n"),
     }
@@ -464,7 +465,7 @@ pub fn render_status(s: &CtldStatus) -> String {
         .jobs
         .iter()
         .filter_map(|j| match j.floor {
-            Some(FloorView::Broken { excess }) => {
+            Some(FloorStatus::Broken { excess }) => {
                 Some(format!("{} ({}) by {:.1}%", j.job, j.tier, excess * 100.0))
             }
             _ => None,
@@ -482,7 +483,7 @@ pub fn render_status(s: &CtldStatus) -> String {
             .preempted
             .iter()
             .map(|p| {
-                let how = if p.how == "requeue" {
+                let how = if p.how == powerflex_core::flex::Preempt::Requeue {
                     "requeued"
                 } else {
                     "suspended"
@@ -565,7 +566,7 @@ pub fn render_status(s: &CtldStatus) -> String {
             e.2 = e.2.min(cap);
             e.3 = e.3.max(cap);
         }
-        e.4 += usize::from(j.floor.as_ref().is_some_and(FloorView::is_broken));
+        e.4 += usize::from(j.floor.as_ref().is_some_and(FloorStatus::is_broken));
     }
     if !tiers.is_empty() {
         let mut t = Table::new(["tier", "jobs", "gpus", "caps", "bounds broken"]);
@@ -617,13 +618,15 @@ pub fn render_events(events: &[Event]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use powerflex_core::allocate::{Allocation, JobAllocation, Maximised, Policy};
+    use powerflex_core::units::SlowdownFraction;
+    use powerflex_core::Watts;
     use powerflex_proto::admin::Cut;
     use powerflex_proto::status::{
-        AllocationView, CurvePoint, CurveSnapshot, JobAllocationView, Objective, PfiSource,
-        PreemptedView,
+        CurvePoint, CurveSnapshot, PfiSource, PreemptedView, SnapshotAfter,
     };
 
-    fn job(id: &str, tier: &str, cap_w: Option<f64>, floor: Option<FloorView>) -> SiteJobStatus {
+    fn job(id: &str, tier: &str, cap_w: Option<f64>, floor: Option<FloorStatus>) -> SiteJobStatus {
         SiteJobStatus {
             job: id.into(),
             tier: tier.into(),
@@ -680,12 +683,12 @@ mod tests {
                 refused_gpus: 0,
             }],
             jobs: vec![
-                job("101", "flex2", Some(450.0), Some(FloorView::Held)),
+                job("101", "flex2", Some(450.0), Some(FloorStatus::Held)),
                 job(
                     "102",
                     "flex2,calibrate=off",
                     Some(300.0),
-                    Some(FloorView::Broken { excess: 0.042 }),
+                    Some(FloorStatus::Broken { excess: 0.042 }),
                 ),
                 job("103", "flex0", None, None),
             ],
@@ -749,7 +752,7 @@ mod tests {
         s.allocated_budget_w = Some(6_500.0);
         s.preempted = vec![PreemptedView {
             job: "104".into(),
-            how: "suspend".into(),
+            how: powerflex_core::flex::Preempt::Suspend,
             since_ms: 1_796_144_400_000,
         }];
         let text = render_status(&s);
@@ -891,13 +894,13 @@ mod tests {
         j.curve_history = vec![
             CurveSnapshot {
                 t_ms: 1,
-                after: "calibrated".into(),
+                after: SnapshotAfter::Calibrated,
                 node: "n1".into(),
                 points: vec![point(700.0, 2000.0, 4.0, 8), point(500.0, 1800.0, 16.0, 2)],
             },
             CurveSnapshot {
                 t_ms: 2,
-                after: "event 3".into(),
+                after: SnapshotAfter::Event(3),
                 node: "n1".into(),
                 points: vec![
                     point(700.0, 2000.0, 4.0, 8),
@@ -937,26 +940,26 @@ mod tests {
             leases: BTreeMap::new(),
             budget_w: 5000.0,
             reserved_w: 300.0,
-            allocation: Some(AllocationView {
-                policy: "equal".into(),
-                budget_w: 4700.0,
-                jobs: vec![JobAllocationView {
+            allocation: Some(Allocation {
+                policy: Policy::Equal,
+                budget_w: Watts(4700.0),
+                jobs: vec![JobAllocation {
                     id: "101".into(),
-                    cap_w: 450.0,
-                    power_w: 1800.0,
+                    cap_w: Watts(450.0),
+                    power_w: Watts(1800.0),
                     throughput: 1700.4,
                     slowdown: 0.15,
-                    max_slowdown: Some(0.25),
-                    floor: FloorView::Held,
+                    max_slowdown: Some(SlowdownFraction(0.25)),
+                    floor: FloorStatus::Held,
                 }],
-                total_power_w: 1800.0,
+                total_power_w: Watts(1800.0),
                 objective: 1700.4,
-                over_budget_w: 0.0,
+                over_budget_w: Watts(0.0),
             }),
             rejected: Vec::new(),
             drifted: Vec::new(),
             start_cap_w: 500.0,
-            objective: Objective::TokensPerS,
+            objective: Maximised::TokensPerS,
         };
         let text = render_whatif(&d);
         assert!(
@@ -1009,7 +1012,7 @@ mod tests {
     #[test]
     fn a_drifted_job_says_how_far_it_left_its_curve() {
         let mut j = job("7", "flex3", Some(400.0), None);
-        j.drift = Some(powerflex_proto::status::DriftView {
+        j.drift = Some(powerflex_proto::status::Drift {
             job: "7".into(),
             cap_w: 400.0,
             power_ratio: Some(1.3),

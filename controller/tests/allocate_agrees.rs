@@ -216,7 +216,7 @@ fn allocate_on_a_curves_file_decides_what_the_controller_decides() {
                     .expect("an allocation")
                     .jobs
                     .iter()
-                    .map(|j| (j.id.clone(), j.cap_w)),
+                    .map(|j| (j.id.clone(), j.cap_w.0)),
             );
             let offline = run(
                 &binary("powerflexctl"),

@@ -356,16 +356,16 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     assert_eq!(whatif.code, Some(0), "{}", whatif.stderr);
     let decision: DecisionView = serde_json::from_str(&whatif.stdout).expect("json");
     let allocation = decision.allocation.as_ref().expect("an allocation");
-    assert_eq!(allocation.policy, "equal", "{decision:?}");
+    assert_eq!(allocation.policy.name(), "equal", "{decision:?}");
     assert_eq!(decision.budget_w, 1600.0, "{decision:?}");
-    let planned = allocation.total_power_w + decision.reserved_w;
+    let planned = allocation.total_power_w.0 + decision.reserved_w;
     assert!(planned <= 1600.0 + 1e-6, "{decision:?}");
     let job77 = allocation
         .jobs
         .iter()
         .find(|j| j.id == "77")
         .expect("job 77 in the what-if");
-    assert!(job77.cap_w < 700.0, "{job77:?}");
+    assert!(job77.cap_w.0 < 700.0, "{job77:?}");
     let after: CtldStatus =
         serde_json::from_str(&ctl_run(&["status", "--format", "json"]).stdout).expect("json");
     assert_eq!(

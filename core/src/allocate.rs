@@ -4,7 +4,7 @@ use std::fmt;
 
 /// A named allocation policy. Names are the ones sites write in `powerflex.toml` and pass
 /// to `powerflexctl --policy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
     /// Maximise Σ tokens/s on the estimated curves under the budget and tier floors.
@@ -47,7 +47,7 @@ impl fmt::Display for Policy {
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::curve::{CapCurve, OperatingPoint};
 use crate::units::{SlowdownFraction, Watts};
@@ -149,8 +149,31 @@ pub struct JobSpec {
     pub throughput_weight: f64,
 }
 
-/// Whether a job's tier bound held.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// What an allocation maximised: the site's config asks for an [`crate::config::Objective`],
+/// and a decision says which one it could honour (tokens fall back to relative speed
+/// while any managed job reports only steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Maximised {
+    /// The site's total tokens/s: every managed job reports tokens.
+    #[serde(rename = "tokens/s")]
+    TokensPerS,
+    /// The sum of each job's throughput over its uncapped throughput (some jobs report
+    /// only steps, which do not add up across jobs).
+    #[serde(rename = "relative-speed")]
+    RelativeSpeed,
+}
+
+impl Maximised {
+    pub fn name(self) -> &'static str {
+        match self {
+            Maximised::TokensPerS => "tokens/s",
+            Maximised::RelativeSpeed => "relative-speed",
+        }
+    }
+}
+
+/// Whether a job's tier bound held (on the wire too: `what-if` and `status` carry it).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "kebab-case")]
 pub enum FloorStatus {
     /// The job has no bound.
@@ -162,8 +185,14 @@ pub enum FloorStatus {
     Broken { excess: f64 },
 }
 
+impl FloorStatus {
+    pub fn is_broken(&self) -> bool {
+        matches!(self, FloorStatus::Broken { .. })
+    }
+}
+
 /// The decision for one job.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobAllocation {
     pub id: String,
     /// Per-GPU cap, W.
@@ -178,8 +207,8 @@ pub struct JobAllocation {
     pub floor: FloorStatus,
 }
 
-/// The result of one allocation.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// The result of one allocation (on the wire too: the answer to `what-if`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Allocation {
     pub policy: Policy,
     pub budget_w: Watts,

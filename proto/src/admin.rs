@@ -24,7 +24,7 @@ pub const MAX_ADMIN_REQUEST_BYTES: usize = 65_536;
 
 // Grid events are shared with the status (the event in force) and the VEN: their own
 // module, so the admin protocol and the status do not import each other.
-pub use crate::event::{Cut, Event, RAMP_STEP_MS};
+pub use crate::event::{Cut, Event};
 
 /// The most history samples one reply carries: one request's work is bounded whoever
 /// asks (a day at a 10 s period is 8,640 samples, each with every job's cap).
@@ -61,7 +61,7 @@ pub enum AdminOp {
     /// What `policy` would decide now, on the same curves and views as the controller's
     /// own allocation, at `budget_w` (default: the budget in force). Read-only.
     WhatIf {
-        policy: String,
+        policy: powerflex_core::allocate::Policy,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         budget_w: Option<f64>,
         /// Leave the tiers' slowdown bounds out, as the paper's baselines do (every job
@@ -394,7 +394,7 @@ mod tests {
         }
         .changes_state());
         assert!(!AdminOp::WhatIf {
-            policy: "equal".into(),
+            policy: powerflex_core::allocate::Policy::Equal,
             budget_w: None,
             ignore_tiers: true,
         }
@@ -404,56 +404,23 @@ mod tests {
     }
 
     #[test]
-    fn an_event_ramps_in_and_out() {
-        let e = Event {
-            id: 1,
-            cut: Cut::Reduce { fraction: 0.5 },
-            start_ms: 1000,
-            duration_ms: 10_000,
-            ramp_ms: 2000,
-        };
-        assert_eq!(e.cut_w(1000.0, 999), 0.0);
-        assert_eq!(e.cut_w(1000.0, 2000), 250.0);
-        assert_eq!(e.cut_w(1000.0, 5000), 500.0);
-        assert_eq!(e.cut_w(1000.0, 10_000), 250.0);
-        assert!(e.pending(10_999) && !e.pending(11_000));
-        // Stepped: the first step one step after the start, held for a whole step, the
-        // last one ending at the end.
-        assert_eq!(e.cut_w(1000.0, 1000), 0.0);
-        assert_eq!(e.cut_w(1000.0, 1999), 0.0);
-        assert_eq!(e.cut_w(1000.0, 2999), 250.0);
-        assert_eq!(e.cut_w(1000.0, 3000), 500.0);
-        assert_eq!(e.cut_w(1000.0, 8999), 500.0);
-        assert_eq!(e.cut_w(1000.0, 9000), 500.0);
-        assert_eq!(
-            e.cut_w(1000.0, 9999),
-            500.0,
-            "the cut lifts one step late, not early"
-        );
-        assert_eq!(e.cut_w(1000.0, 10_999), 250.0);
-        assert_eq!(e.cut_w(1000.0, 11_000), 0.0);
-        let mut changes = e.changes_in(0, 20_000);
-        changes.sort_unstable();
-        changes.dedup();
-        assert_eq!(changes, [1000, 2000, 3000, 9000, 10_000, 11_000]);
-        assert_eq!(e.changes_in(2000, 9500), [3000, 9000]);
-        // Between two changes the cut is constant.
-        for w in changes.windows(2) {
-            let (a, b) = (w[0], w[1]);
-            assert!(
-                (a..b).all(|t| e.cut_w(1000.0, t) == e.cut_w(1000.0, a)),
-                "{a}..{b}"
-            );
-        }
-        let target = Event {
-            cut: Cut::Target { budget_w: 1200.0 },
-            ramp_ms: 0,
-            ..e
-        };
-        assert_eq!(
-            target.cut_w(1000.0, 5000),
-            0.0,
-            "a target above the base cuts nothing"
+    fn a_what_if_names_a_policy_the_controller_knows_or_is_refused_naming_them() {
+        let ok: AdminRequest =
+            serde_json::from_str(r#"{"v":1,"op":"what-if","policy":"pfi-proportional"}"#)
+                .expect("known policy");
+        assert!(matches!(
+            ok.op,
+            AdminOp::WhatIf {
+                policy: powerflex_core::allocate::Policy::PfiProportional,
+                ..
+            }
+        ));
+        let e = serde_json::from_str::<AdminRequest>(r#"{"v":1,"op":"what-if","policy":"greedy"}"#)
+            .expect_err("unknown policy")
+            .to_string();
+        assert!(
+            e.contains("greedy") && e.contains("optimal") && e.contains("pfi-proportional"),
+            "{e}"
         );
     }
 }

@@ -9,6 +9,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use powerflex_core::allocate::{Allocation, FloorStatus, Maximised};
+use powerflex_core::flex::Preempt;
+
 use crate::event::Event;
 
 /// Where a job's PFI (and the curve behind it) came from.
@@ -33,46 +36,6 @@ impl PfiSource {
 // The unit of a job's work is its energy record's as much as the status's: it lives
 // with the records, so the two modules do not import each other.
 pub use crate::usage::ThroughputUnit;
-
-/// What an allocation maximised.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Objective {
-    /// The site's total tokens/s: every managed job reports tokens.
-    #[serde(rename = "tokens/s")]
-    TokensPerS,
-    /// The sum of each job's throughput over its uncapped throughput (some jobs report
-    /// only steps, which do not add up across jobs).
-    #[serde(rename = "relative-speed")]
-    RelativeSpeed,
-}
-
-impl Objective {
-    pub fn name(self) -> &'static str {
-        match self {
-            Objective::TokensPerS => "tokens/s",
-            Objective::RelativeSpeed => "relative-speed",
-        }
-    }
-}
-
-/// Whether a job's tier bound held in an allocation.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "state", rename_all = "kebab-case")]
-pub enum FloorView {
-    /// The job has no bound.
-    None,
-    /// Slowdown within the bound.
-    Held,
-    /// The budget could not meet the bound: slowdown exceeds it by `excess` (a fraction
-    /// of uncapped throughput).
-    Broken { excess: f64 },
-}
-
-impl FloorView {
-    pub fn is_broken(&self) -> bool {
-        matches!(self, FloorView::Broken { .. })
-    }
-}
 
 /// The controller's status snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -144,7 +107,7 @@ pub struct PreemptedView {
     pub job: String,
     /// `suspend` (stopped, GPUs kept at idle draw) or `requeue` (back in the queue, held
     /// until the cut is over).
-    pub how: String,
+    pub how: Preempt,
     /// Since when, Unix ms.
     pub since_ms: u64,
 }
@@ -202,7 +165,7 @@ pub struct SiteJobStatus {
     pub pfi_source: Option<PfiSource>,
     /// Per-GPU cap granted by the last allocation, W.
     pub cap_w: Option<f64>,
-    pub floor: Option<FloorView>,
+    pub floor: Option<FloorStatus>,
     /// As reported by the first node that reports the job.
     pub throughput: Option<f64>,
     pub uncapped_throughput: Option<f64>,
@@ -224,7 +187,7 @@ pub struct SiteJobStatus {
     /// The job's measured draw or throughput left its curve's band at the last
     /// allocation: its curve is being corrected and it is walked again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub drift: Option<DriftView>,
+    pub drift: Option<Drift>,
     /// The job's owner (Unix uid) as every node running it reports it; none when a node
     /// does not say (an older agent) or two nodes disagree: then only root sees the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -270,7 +233,7 @@ pub struct CurveSnapshot {
     /// Controller time, ms since the Unix epoch.
     pub t_ms: u64,
     /// What the snapshot follows: `calibrated`, or `event <id>` (after its hold).
-    pub after: String,
+    pub after: SnapshotAfter,
     /// The node whose curve it is (the job's first node).
     pub node: String,
     pub points: Vec<CurvePoint>,
@@ -290,6 +253,50 @@ impl CurveSnapshot {
             return 0.0;
         }
         self.points.iter().map(|p| p.throughput_sigma).sum::<f64>() / self.points.len() as f64 / top
+    }
+}
+
+/// What a curve snapshot follows. On the wire, `"calibrated"` or `"event <id>"`, the
+/// words `powerflexctl report` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum SnapshotAfter {
+    /// The job's calibration walk ended.
+    Calibrated,
+    /// Grid event `id` ended (after its hold).
+    Event(u64),
+}
+
+impl std::fmt::Display for SnapshotAfter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SnapshotAfter::Calibrated => f.write_str("calibrated"),
+            SnapshotAfter::Event(id) => write!(f, "event {id}"),
+        }
+    }
+}
+
+impl From<SnapshotAfter> for String {
+    fn from(after: SnapshotAfter) -> String {
+        after.to_string()
+    }
+}
+
+impl TryFrom<String> for SnapshotAfter {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<SnapshotAfter, String> {
+        if text == "calibrated" {
+            return Ok(SnapshotAfter::Calibrated);
+        }
+        text.strip_prefix("event ")
+            .and_then(|id| id.parse().ok())
+            .map(SnapshotAfter::Event)
+            .ok_or_else(|| {
+                format!(
+                    "unknown snapshot origin {text:?}: expected \"calibrated\" or \"event <id>\""
+                )
+            })
     }
 }
 
@@ -315,30 +322,35 @@ pub struct DecisionView {
     /// Power not steered by the allocation (idle GPUs, unmanaged jobs, silent nodes), W.
     pub reserved_w: f64,
     /// The allocation over the managed jobs; none when there are none.
-    pub allocation: Option<AllocationView>,
+    pub allocation: Option<Allocation>,
     /// Reports left out because their values cannot be true.
     #[serde(default)]
-    pub rejected: Vec<RejectedView>,
+    pub rejected: Vec<Rejected>,
     /// Jobs whose measurements left their curve's band.
     #[serde(default)]
-    pub drifted: Vec<DriftView>,
+    pub drifted: Vec<Drift>,
     /// Per-GPU cap for a managed job that starts before the next allocation names it, W.
     pub start_cap_w: f64,
-    pub objective: Objective,
+    pub objective: Maximised,
 }
 
-/// A report (or one job of it) the allocation left out.
+/// A report (or a node's whole report) left out of the allocation because its values
+/// cannot be true. It hurts only its sender: the job runs at what its node's lease gives
+/// a job it does not name, and the rest of the site is allocated as usual.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RejectedView {
+pub struct Rejected {
     pub node: String,
     /// The job, or none when the node's report as a whole was refused.
     pub job: Option<String>,
     pub reason: String,
 }
 
-/// A job whose measurements left its curve.
+/// A job whose measured draw or throughput at its cap left its curve's band: its curve
+/// no longer describes it (a new phase, a changed batch size, a curve that was wrong).
+/// The controller corrects its power by the metered loop at once and walks its shape
+/// again.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DriftView {
+pub struct Drift {
     pub job: String,
     /// The per-GPU cap it was measured at, W.
     pub cap_w: f64,
@@ -346,37 +358,6 @@ pub struct DriftView {
     pub power_ratio: Option<f64>,
     /// Measured over predicted throughput at that cap.
     pub throughput_ratio: Option<f64>,
-}
-
-/// The allocation over the managed jobs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AllocationView {
-    /// The policy's config name: optimal, equal or pfi-proportional.
-    pub policy: String,
-    pub budget_w: f64,
-    pub jobs: Vec<JobAllocationView>,
-    /// Σ expected power, W.
-    pub total_power_w: f64,
-    /// The objective's value (see [`DecisionView::objective`]).
-    pub objective: f64,
-    /// Shortfall with every job at its lowest cap, W (0 when the budget is feasible).
-    pub over_budget_w: f64,
-}
-
-/// One job's share of an allocation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JobAllocationView {
-    pub id: String,
-    /// Per-GPU cap, W.
-    pub cap_w: f64,
-    /// Summed power expected at that cap, W.
-    pub power_w: f64,
-    pub throughput: f64,
-    /// `1 − throughput / uncapped throughput`.
-    pub slowdown: f64,
-    /// The tier's bound on `slowdown`, if any.
-    pub max_slowdown: Option<f64>,
-    pub floor: FloorView,
 }
 
 /// The agent's mode.
@@ -549,11 +530,11 @@ mod tests {
         let names = serde_json::to_string(&(
             PfiSource::Measured,
             ThroughputUnit::Steps,
-            Objective::TokensPerS,
-            Objective::RelativeSpeed,
+            Maximised::TokensPerS,
+            Maximised::RelativeSpeed,
             AgentMode::Standalone,
             CalibrationState::Walking,
-            FloorView::Broken { excess: 0.05 },
+            FloorStatus::Broken { excess: 0.05 },
         ))
         .expect("json");
         assert_eq!(
@@ -562,7 +543,31 @@ mod tests {
         );
         assert_eq!(PfiSource::Prior.name(), "prior");
         assert_eq!(ThroughputUnit::Tokens.name(), "tokens");
-        assert_eq!(Objective::RelativeSpeed.name(), "relative-speed");
+        assert_eq!(Maximised::RelativeSpeed.name(), "relative-speed");
+        let after = serde_json::to_string(&(
+            SnapshotAfter::Calibrated,
+            SnapshotAfter::Event(3),
+            Preempt::Requeue,
+        ))
+        .expect("json");
+        assert_eq!(after, r#"["calibrated","event 3","requeue"]"#);
+    }
+
+    #[test]
+    fn a_snapshot_origin_round_trips_and_nonsense_is_refused() {
+        for after in [SnapshotAfter::Calibrated, SnapshotAfter::Event(u64::MAX)] {
+            let text = serde_json::to_string(&after).expect("json");
+            assert_eq!(
+                serde_json::from_str::<SnapshotAfter>(&text).expect("back"),
+                after
+            );
+        }
+        for bad in ["\"event\"", "\"event x\"", "\"Calibrated\"", "\"event -1\""] {
+            let e = serde_json::from_str::<SnapshotAfter>(bad)
+                .expect_err(bad)
+                .to_string();
+            assert!(e.contains("calibrated") && e.contains("event <id>"), "{e}");
+        }
     }
 
     #[test]

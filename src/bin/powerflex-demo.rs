@@ -1289,7 +1289,7 @@ impl Openadr {
 fn short(d: &DecisionView) -> bool {
     d.allocation
         .as_ref()
-        .is_some_and(|a| a.over_budget_w > 0.0 || a.jobs.iter().any(|j| j.floor.is_broken()))
+        .is_some_and(|a| a.over_budget_w.0 > 0.0 || a.jobs.iter().any(|j| j.floor.is_broken()))
 }
 
 /// The lowest budget at which the controller's own allocation (`whatif --policy optimal`,
@@ -1434,7 +1434,7 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
         .allocation
         .as_ref()
         .and_then(|a| a.jobs.iter().find(|j| j.id == pausable.id.to_string()))
-        .map(|j| j.power_w)
+        .map(|j| j.power_w.0)
         .ok_or(format!("job {} is not in the allocation", pausable.id))?;
     let job_idle_w = f64::from(pausable.spec.nodes * pausable.spec.gpus_per_node)
         * DEFAULT_CAP_W
@@ -2056,7 +2056,7 @@ fn compare(
         d.allocation
             .iter()
             .flat_map(|a| a.jobs.iter())
-            .map(|j| (j.id.clone(), j.cap_w))
+            .map(|j| (j.id.clone(), j.cap_w.0))
             .collect()
     };
     let limits = CapLimits {
@@ -2064,7 +2064,7 @@ fn compare(
         max_w: Watts(DEFAULT_CAP_W),
         step_w: Watts(10.0),
     };
-    let oracle = compare::oracle(&true_jobs, reference.budget_w, limits)?;
+    let oracle = compare::oracle(&true_jobs, reference.budget_w.0, limits)?;
     let scored: Vec<(&'static str, &'static str, Scored)> = COMPARED
         .iter()
         .filter_map(|&(key, what, _)| {
@@ -2095,7 +2095,7 @@ fn compare(
         .collect();
     Ok(Comparison {
         label: snap.label.clone(),
-        budget_w: reference.budget_w,
+        budget_w: reference.budget_w.0,
         uncapped_tokens_per_s: true_jobs
             .iter()
             .map(|j| j.curve.uncapped().throughput)
@@ -2283,7 +2283,7 @@ fn report(
     let total_optimal_true = score_of(first, "powerflex");
     let cap_in = |decision: &DecisionView, id: u32| -> Option<f64> {
         let jobs = &decision.allocation.as_ref()?.jobs;
-        Some(jobs.iter().find(|j| j.id == id.to_string())?.cap_w)
+        Some(jobs.iter().find(|j| j.id == id.to_string())?.cap_w.0)
     };
     let equal_cap = |id: u32| cap_in(equal, id);
     let mut rows = Vec::new();

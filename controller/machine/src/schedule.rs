@@ -3,14 +3,90 @@
 //! An event either reduces the budget by a fraction (`--reduce 30%`) or sets it to a target
 //! (`--target 600kW`), from `start` for `duration`. With a ramp, the cut grows in steps of
 //! [`RAMP_STEP_MS`] over the ramp after the start and shrinks the same way before the end
-//! (the stepped budget, [`Event::depth`]). Overlapping events: the deepest cut at each
+//! (the stepped budget, [`SteppedRamp::depth`]). Overlapping events: the deepest cut at each
 //! instant wins. Times are Unix milliseconds; the controller passes its clock in.
 
 use powerflex_core::Watts;
 
 // The event types are the admin protocol's: `powerflexctl` sends them, the controller
-// keeps them and `status` shows them.
-pub use powerflex_proto::admin::{Cut, Event, RAMP_STEP_MS};
+// keeps them and `status` shows them. What they do to the budget is decided here.
+pub use powerflex_proto::admin::{Cut, Event};
+
+/// How long each step of an event's ramp holds, ms: the budget in force moves in steps
+/// of this length during a ramp (see [`SteppedRamp::depth`]).
+pub const RAMP_STEP_MS: u64 = 1000;
+
+/// What an event's ramp does to the budget at each instant: the controller's rule, which
+/// the grid, the site and a meter can all check against.
+pub trait SteppedRamp {
+    /// How much of the cut applies at `now_ms`, 0 to 1.
+    fn depth(&self, now_ms: u64) -> f64;
+    /// The times in `(from_ms, to_ms]` at which the depth may change.
+    fn changes_in(&self, from_ms: u64, to_ms: u64) -> Vec<u64>;
+    /// Watts the event removes from `base_w` at `now_ms`.
+    fn cut_w(&self, base_w: f64, now_ms: u64) -> f64;
+}
+
+impl SteppedRamp for Event {
+    /// How much of the cut applies at `now_ms` (0 to 1): the stepped ramp. The cut grows
+    /// in steps of [`RAMP_STEP_MS`] after the start (the first step one step after it)
+    /// and shrinks the same way before the end (the last step ends at the end), so the
+    /// budget in force is a staircase the grid, the controller and a meter can all check
+    /// against, never above the linear ramp during the ramp-down.
+    fn depth(&self, now_ms: u64) -> f64 {
+        if now_ms < self.start_ms || now_ms >= self.end_ms() {
+            return 0.0;
+        }
+        if self.ramp_ms == 0 {
+            return 1.0;
+        }
+        let ramp = self.ramp_ms as f64;
+        let steps_in = (now_ms - self.start_ms) / RAMP_STEP_MS;
+        let steps_out = (self.end_ms() - now_ms).div_ceil(RAMP_STEP_MS);
+        let depth_in = (steps_in.saturating_mul(RAMP_STEP_MS)) as f64 / ramp;
+        let depth_out = (steps_out.saturating_mul(RAMP_STEP_MS)) as f64 / ramp;
+        depth_in.min(depth_out).min(1.0)
+    }
+
+    /// The times in `(from_ms, to_ms]` at which this event's depth may change: the
+    /// start, each step of the ramps and the end. Between two of them the budget it leaves
+    /// is constant, so the lowest budget over a window is found at these and `from_ms`.
+    fn changes_in(&self, from_ms: u64, to_ms: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        let steps = self.ramp_ms.div_ceil(RAMP_STEP_MS);
+        let mut push = |t: u64| {
+            if t > from_ms && t <= to_ms {
+                out.push(t);
+            }
+        };
+        push(self.start_ms);
+        push(self.end_ms());
+        if steps == 0 {
+            return out;
+        }
+        // Only the steps inside the window: a ramp may be hours of 1 s steps.
+        let lo = from_ms.saturating_sub(self.start_ms) / RAMP_STEP_MS;
+        let hi = (to_ms.saturating_sub(self.start_ms) / RAMP_STEP_MS).min(steps);
+        for k in lo..=hi {
+            push(self.start_ms.saturating_add(k * RAMP_STEP_MS));
+        }
+        let lo = self.end_ms().saturating_sub(to_ms) / RAMP_STEP_MS;
+        let hi = (self.end_ms().saturating_sub(from_ms) / RAMP_STEP_MS + 1).min(steps);
+        for k in lo..=hi {
+            push(self.end_ms().saturating_sub(k * RAMP_STEP_MS));
+        }
+        out
+    }
+
+    /// Watts this event removes from `base_w` at `now_ms`.
+    fn cut_w(&self, base_w: f64, now_ms: u64) -> f64 {
+        let full = match self.cut {
+            Cut::Reduce { fraction } => base_w * fraction.clamp(0.0, 1.0),
+            Cut::Target { budget_w } => (base_w - budget_w).max(0.0),
+        };
+        full * self.depth(now_ms)
+    }
+}
 
 /// The budget at `now`: `base` less the deepest cut of any event in force.
 pub fn effective_budget(base: Watts, events: &[Event], now: u64) -> Watts {
@@ -201,6 +277,60 @@ pub fn duration_text(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_event_ramps_in_and_out() {
+        let e = Event {
+            id: 1,
+            cut: Cut::Reduce { fraction: 0.5 },
+            start_ms: 1000,
+            duration_ms: 10_000,
+            ramp_ms: 2000,
+        };
+        assert_eq!(e.cut_w(1000.0, 999), 0.0);
+        assert_eq!(e.cut_w(1000.0, 2000), 250.0);
+        assert_eq!(e.cut_w(1000.0, 5000), 500.0);
+        assert_eq!(e.cut_w(1000.0, 10_000), 250.0);
+        assert!(e.pending(10_999) && !e.pending(11_000));
+        // Stepped: the first step one step after the start, held for a whole step, the
+        // last one ending at the end.
+        assert_eq!(e.cut_w(1000.0, 1000), 0.0);
+        assert_eq!(e.cut_w(1000.0, 1999), 0.0);
+        assert_eq!(e.cut_w(1000.0, 2999), 250.0);
+        assert_eq!(e.cut_w(1000.0, 3000), 500.0);
+        assert_eq!(e.cut_w(1000.0, 8999), 500.0);
+        assert_eq!(e.cut_w(1000.0, 9000), 500.0);
+        assert_eq!(
+            e.cut_w(1000.0, 9999),
+            500.0,
+            "the cut lifts one step late, not early"
+        );
+        assert_eq!(e.cut_w(1000.0, 10_999), 250.0);
+        assert_eq!(e.cut_w(1000.0, 11_000), 0.0);
+        let mut changes = e.changes_in(0, 20_000);
+        changes.sort_unstable();
+        changes.dedup();
+        assert_eq!(changes, [1000, 2000, 3000, 9000, 10_000, 11_000]);
+        assert_eq!(e.changes_in(2000, 9500), [3000, 9000]);
+        // Between two changes the cut is constant.
+        for w in changes.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            assert!(
+                (a..b).all(|t| e.cut_w(1000.0, t) == e.cut_w(1000.0, a)),
+                "{a}..{b}"
+            );
+        }
+        let target = Event {
+            cut: Cut::Target { budget_w: 1200.0 },
+            ramp_ms: 0,
+            ..e
+        };
+        assert_eq!(
+            target.cut_w(1000.0, 5000),
+            0.0,
+            "a target above the base cuts nothing"
+        );
+    }
 
     const H: u64 = 3_600_000;
 

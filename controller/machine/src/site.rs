@@ -33,9 +33,9 @@ use powerflex_core::Watts;
 use powerflex_proto::report::{
     validate_gpus, validate_report_totals, GpuInfo, JobReport, MAX_GPUS_PER_NODE, MAX_GPU_POWER_W,
 };
-// What a decision says it maximised (the wire's name for it); `Objective` above is the
-// site's setting.
-use powerflex_proto::status::{Objective as Maximised, PfiSource, ThroughputUnit};
+// What a decision says it maximised; `Objective` above is the site's setting.
+use powerflex_core::allocate::Maximised;
+use powerflex_proto::status::{PfiSource, ThroughputUnit};
 
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -207,19 +207,9 @@ impl SiteJob {
     }
 }
 
-/// A job whose measured draw or throughput at its cap left its curve's band: its curve
-/// no longer describes it (a new phase, a changed batch size, a curve that was wrong).
-/// Its power is corrected by the metered loop at once; its shape is walked again.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Drift {
-    pub job: String,
-    /// The per-GPU cap it was measured at, W.
-    pub cap_w: f64,
-    /// Measured over predicted power at that cap.
-    pub power_ratio: Option<f64>,
-    /// Measured over predicted throughput at that cap.
-    pub throughput_ratio: Option<f64>,
-}
+/// A job whose measurements left its curve (the wire's type: `status` and `what-if`
+/// show it as decided).
+pub use powerflex_proto::status::Drift;
 
 /// How far measured power may stray from a measured curve before the job counts as
 /// drifted (a fraction); throughput may stray this much or three of the curve's standard
@@ -235,15 +225,8 @@ const THROUGHPUT_WINDOW_S: f64 = 10.0;
 const STEADY_AFTER_CAP_CHANGE_S: f64 = 1.0;
 
 /// A report (or a node's whole report) left out of the allocation because its values
-/// cannot be true. It hurts only its sender: the job runs at what its node's lease gives
-/// a job it does not name, and the rest of the site is allocated as usual.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Rejected {
-    pub node: String,
-    /// The job, or `None` when the node's report as a whole was refused.
-    pub job: Option<String>,
-    pub reason: String,
-}
+/// cannot be true (the wire's type: `what-if` shows it as decided).
+pub use powerflex_proto::status::Rejected;
 
 /// Per job reported by more than one live node, the least flexible of what they report,
 /// part by part: unmanaged (`none`) if any node says so; else the smallest slowdown

@@ -305,8 +305,8 @@ enum Command {
     /// `whatif --policy equal --ignore-tiers` is the paper's equal-weight baseline.
     Whatif {
         /// optimal, equal or pfi-proportional.
-        #[arg(long, default_value = "equal", value_parser = ["optimal", "equal", "pfi-proportional"])]
-        policy: String,
+        #[arg(long, default_value = "equal", value_parser = policy_names())]
+        policy: powerflex_core::allocate::Policy,
         /// Budget to split, e.g. 11kW [default: the budget in force, events included].
         #[arg(long, value_parser = power)]
         budget: Option<Watts>,
@@ -488,6 +488,18 @@ fn node_name(text: &str) -> Result<String, String> {
 }
 
 /// A power on the command line: `850kW`, `1.2MW`, `700W` or bare watts.
+/// `--policy` as the admin protocol's type, with the accepted names in `--help`.
+fn policy_names() -> impl clap::builder::TypedValueParser<Value = powerflex_core::allocate::Policy>
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(powerflex_core::allocate::Policy::NAMES).try_map(
+        |name: String| {
+            powerflex_core::allocate::Policy::from_name(&name)
+                .ok_or_else(|| format!("unknown policy {name:?}"))
+        },
+    )
+}
+
 fn power(text: &str) -> Result<Watts, String> {
     Watts::parse(text).map_err(|e| e.to_string())
 }

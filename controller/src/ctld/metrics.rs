@@ -108,9 +108,10 @@ mod tests {
 
     use powerflex_controller_machine::preempt::Preempted;
     use powerflex_controller_machine::site::Decision;
+    use powerflex_core::allocate::Maximised as Objective;
     use powerflex_core::allocate::{Allocation, FloorStatus, JobAllocation, Policy};
     use powerflex_core::Watts;
-    use powerflex_proto::status::{AccountingDbView, Objective};
+    use powerflex_proto::status::AccountingDbView;
     use powerflex_proto::usage::JobEnergyRecord;
 
     #[test]

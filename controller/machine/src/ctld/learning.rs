@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use powerflex_proto::status::{CurvePoint, CurveSnapshot};
+use powerflex_proto::status::{CurvePoint, CurveSnapshot, SnapshotAfter};
 
 use super::session::Session;
 
@@ -40,9 +40,9 @@ pub fn record(
         };
         let snapshots = history.entry(job.to_string()).or_default();
         let after = if snapshots.is_empty() {
-            "calibrated".to_string()
+            SnapshotAfter::Calibrated
         } else if let Some(id) = ended_event {
-            format!("event {id}")
+            SnapshotAfter::Event(id)
         } else {
             continue;
         };
@@ -135,8 +135,8 @@ mod tests {
         record(&mut history, &sessions(later, false), Some(4), 4);
         let h = &history["7"];
         assert_eq!(
-            h.iter().map(|s| s.after.as_str()).collect::<Vec<_>>(),
-            ["calibrated", "event 4"]
+            h.iter().map(|s| s.after).collect::<Vec<_>>(),
+            [SnapshotAfter::Calibrated, SnapshotAfter::Event(4)]
         );
         assert!(h[1].windows() > h[0].windows());
         assert!(h[1].mean_relative_sigma() < h[0].mean_relative_sigma());

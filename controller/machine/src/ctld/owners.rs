@@ -245,9 +245,10 @@ pub fn need_to_know(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use powerflex_core::allocate::Maximised;
+    use powerflex_core::flex::Preempt;
     use powerflex_proto::status::{
-        CtldStatus, DecisionView, HistorySample, NodeStatus, Objective, PreemptedView,
-        SiteJobStatus,
+        CtldStatus, DecisionView, HistorySample, NodeStatus, PreemptedView, SiteJobStatus,
     };
 
     fn report(job: &str, owner_uid: Option<u32>) -> JobReport {
@@ -316,12 +317,12 @@ mod tests {
                 preempted: vec![
                     PreemptedView {
                         job: "2".into(),
-                        how: "suspend".into(),
+                        how: Preempt::Suspend,
                         since_ms: 5,
                     },
                     PreemptedView {
                         job: "4".into(),
-                        how: "requeue".into(),
+                        how: Preempt::Requeue,
                         since_ms: 5,
                     },
                 ],
@@ -438,7 +439,7 @@ mod tests {
                 rejected: Vec::new(),
                 drifted: Vec::new(),
                 start_cap_w: 300.0,
-                objective: Objective::RelativeSpeed,
+                objective: Maximised::RelativeSpeed,
             }),
             ..AdminReply::ok()
         };

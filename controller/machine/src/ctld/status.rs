@@ -3,11 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use powerflex_core::allocate::{Allocation, FloorStatus};
 use powerflex_core::Watts;
 use powerflex_proto::status::{
-    AllocationView, CtldStatus, CurveSnapshot, DecisionView, DriftView, FloorView,
-    JobAllocationView, NodeStatus, PreemptedView, RejectedView, SiteJobStatus,
+    CtldStatus, CurveSnapshot, DecisionView, NodeStatus, PreemptedView, SiteJobStatus,
 };
 
 use super::session::Session;
@@ -43,7 +41,7 @@ pub fn build(
                     pfi: j.pfi,
                     pfi_source: j.pfi_source,
                     cap_w: granted(&j.job_id).map(|g| g.cap_w.0),
-                    floor: granted(&j.job_id).map(|g| floor_view(g.floor)),
+                    floor: granted(&j.job_id).map(|g| g.floor),
                     throughput: j.throughput,
                     uncapped_throughput: j.points.first().map(|p| p[2]),
                     power_w: 0.0,
@@ -53,12 +51,7 @@ pub fn build(
                     calibration_cost_pct: None,
                     drift: last
                         .and_then(|d| d.drifted.iter().find(|x| x.job == j.job_id))
-                        .map(|x| DriftView {
-                            job: x.job.clone(),
-                            cap_w: x.cap_w,
-                            power_ratio: x.power_ratio,
-                            throughput_ratio: x.throughput_ratio,
-                        }),
+                        .cloned(),
                     owner_uid: j.owner_uid,
                     below_measured_w: None,
                     energy_j: None,
@@ -98,7 +91,7 @@ pub fn build(
             .iter()
             .map(|(job, p)| PreemptedView {
                 job: job.clone(),
-                how: p.how.name().to_string(),
+                how: p.how,
                 since_ms: p.since_ms,
             })
             .collect(),
@@ -137,63 +130,15 @@ pub fn live_draw_w(sessions: &BTreeMap<String, Session>) -> f64 {
         .sum()
 }
 
-pub fn floor_view(floor: FloorStatus) -> FloorView {
-    match floor {
-        FloorStatus::None => FloorView::None,
-        FloorStatus::Held => FloorView::Held,
-        FloorStatus::Broken { excess } => FloorView::Broken { excess },
-    }
-}
-
-fn allocation_view(a: &Allocation) -> AllocationView {
-    AllocationView {
-        policy: a.policy.name().to_string(),
-        budget_w: a.budget_w.0,
-        jobs: a
-            .jobs
-            .iter()
-            .map(|j| JobAllocationView {
-                id: j.id.clone(),
-                cap_w: j.cap_w.0,
-                power_w: j.power_w.0,
-                throughput: j.throughput,
-                slowdown: j.slowdown,
-                max_slowdown: j.max_slowdown.map(|s| s.0),
-                floor: floor_view(j.floor),
-            })
-            .collect(),
-        total_power_w: a.total_power_w.0,
-        objective: a.objective,
-        over_budget_w: a.over_budget_w.0,
-    }
-}
-
 /// An allocation decision as the admin protocol shows it.
 pub fn decision_view(d: &Decision) -> DecisionView {
     DecisionView {
         leases: d.leases.clone(),
         budget_w: d.budget_w,
         reserved_w: d.reserved_w,
-        allocation: d.allocation.as_ref().map(allocation_view),
-        rejected: d
-            .rejected
-            .iter()
-            .map(|r| RejectedView {
-                node: r.node.clone(),
-                job: r.job.clone(),
-                reason: r.reason.clone(),
-            })
-            .collect(),
-        drifted: d
-            .drifted
-            .iter()
-            .map(|x| DriftView {
-                job: x.job.clone(),
-                cap_w: x.cap_w,
-                power_ratio: x.power_ratio,
-                throughput_ratio: x.throughput_ratio,
-            })
-            .collect(),
+        allocation: d.allocation.clone(),
+        rejected: d.rejected.clone(),
+        drifted: d.drifted.clone(),
         start_cap_w: d.start_cap_w,
         objective: d.objective,
     }
