@@ -2,7 +2,7 @@
 //! energy so far, or why it is held out of a deep cut. The edge runs `scontrol` for each
 //! (`powerflex_controller::ctld::annotate`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use powerflex_proto::report::JobReport;
 
@@ -14,19 +14,26 @@ use crate::site::Decision;
 pub fn changes<'a>(
     decision: &Decision,
     held: &'a BTreeMap<String, Preempted>,
-    reports: impl Iterator<Item = &'a JobReport> + Clone,
+    reports: impl Iterator<Item = &'a JobReport>,
     done: &mut BTreeMap<String, String>,
 ) -> Vec<(String, String)> {
     let Some(allocation) = &decision.allocation else {
         return Vec::new();
     };
+    // Every node's report of each job, in report order: looked up per job below, where a
+    // scan of every report per job made each allocation quadratic in the jobs.
+    let mut by_job: BTreeMap<&str, Vec<&JobReport>> = BTreeMap::new();
+    for report in reports {
+        by_job
+            .entry(report.job_id.as_str())
+            .or_default()
+            .push(report);
+    }
+    let reports_of = |id: &str| by_job.get(id).map_or(&[][..], Vec::as_slice);
     let mut out = Vec::new();
-    let mut live: Vec<&str> = Vec::new();
+    let mut live: BTreeSet<&str> = BTreeSet::new();
     for (id, p) in held {
-        let tier = reports
-            .clone()
-            .find(|j| &j.job_id == id)
-            .map_or("-", |r| r.tier.as_str());
+        let tier = reports_of(id).first().map_or("-", |r| r.tier.as_str());
         // What the user reads in `scontrol show job`: held, why, and until when.
         let how = match p.how {
             powerflex_core::flex::Preempt::Requeue => "requeued",
@@ -35,14 +42,15 @@ pub fn changes<'a>(
         let text = format!(
             "powerflex;tier={tier};{how}:grid-cut-deeper-than-every-cap-floor;back-when-the-cut-ends"
         );
-        live.push(id);
+        live.insert(id);
         if done.get(id) != Some(&text) {
             done.insert(id.clone(), text.clone());
             out.push((id.clone(), text));
         }
     }
     for job in &allocation.jobs {
-        let report = reports.clone().find(|j| j.job_id == job.id);
+        let reports = reports_of(&job.id);
+        let report = reports.first().copied();
         let tier = report.map_or("-", |r| r.tier.as_str());
         let pfi = report
             .and_then(|r| r.pfi)
@@ -52,8 +60,7 @@ pub fn changes<'a>(
         // every report. Slurm refuses updates once a job has finished, so this is the
         // last figure `sacct` shows; the exact one is the controller's record.
         let energy_mj: u64 = reports
-            .clone()
-            .filter(|j| j.job_id == job.id)
+            .iter()
             .filter_map(|j| j.usage.as_ref().map(|u| u.energy_mj))
             .fold(0u64, u64::saturating_add);
         let energy = if energy_mj > 0 {
@@ -69,13 +76,13 @@ pub fn changes<'a>(
             "powerflex;tier={tier};pfi={pfi};cap={:.0}W{energy}",
             job.cap_w.0
         );
-        live.push(&job.id);
+        live.insert(&job.id);
         if done.get(&job.id) != Some(&text) {
             done.insert(job.id.clone(), text.clone());
             out.push((job.id.clone(), text));
         }
     }
-    done.retain(|id, _| live.contains(&id.as_str()));
+    done.retain(|id, _| live.contains(id.as_str()));
     out
 }
 
