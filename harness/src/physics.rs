@@ -249,12 +249,12 @@ pub struct NodeGpus {
 }
 
 impl NodeGpus {
-    /// `count` idle GPUs at their default limit, named after `node`; `seed` drives their
-    /// readings' noise.
-    pub fn new(node: &str, count: u32, seed: u64, now_ms: u64) -> NodeGpus {
+    /// `count` idle GPUs at their default limit, their UUIDs from the node's index (hex,
+    /// as NVML's are); `seed` drives their readings' noise.
+    pub fn new(node: usize, count: u32, seed: u64, now_ms: u64) -> NodeGpus {
         NodeGpus {
             gpus: (0..count)
-                .map(|i| Gpu::new(format!("GPU-{node}-{i}"), now_ms))
+                .map(|i| Gpu::new(format!("GPU-{node:08x}-{i:04x}"), now_ms))
                 .collect(),
             noise: SplitMix64::new(seed),
         }

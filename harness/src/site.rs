@@ -296,7 +296,7 @@ impl Site {
         let mut nodes = Vec::with_capacity(options.nodes as usize);
         for i in 0..options.nodes {
             let name = format!("n{}", i + 1);
-            let gpus = NodeGpus::new(&name, options.gpus_per_node, seeds.next_u64(), now_ms);
+            let gpus = NodeGpus::new(i as usize, options.gpus_per_node, seeds.next_u64(), now_ms);
             // Agents started at different moments: their samples and reports spread
             // over the period, as real ones do.
             let sample_phase =
@@ -390,10 +390,11 @@ impl Site {
                 .nodes
                 .get(node)
                 .ok_or_else(|| HarnessError::NoSuchNode(node))?;
-            let taken: BTreeSet<u32> = self
-                .jobs
-                .values()
-                .filter(|j| matches!(j.state, JobState::Running | JobState::Suspended))
+            // The GPUs of the jobs Slurm runs on the node now.
+            let taken: BTreeSet<u32> = n
+                .live
+                .iter()
+                .filter_map(|id| self.jobs.get(id))
                 .flat_map(|j| j.tasks.iter())
                 .filter(|t| t.node == node)
                 .flat_map(|t| t.gpus.iter().copied())
@@ -961,5 +962,72 @@ fn save(n: &mut Node, effects: Effects) {
         if let Some(agent) = &n.agent {
             n.disk = Some(agent.disk());
         }
+    }
+}
+
+/// What a stretch of the meter's samples showed against the budget in force at each
+/// (the Slurm tests' `DrawWatch`, on the site's clock).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DrawWatch {
+    pub samples: usize,
+    pub highest_w: f64,
+    /// Highest sample minus its budget, W (negative: every sample below).
+    pub overshoot_w: f64,
+    /// Time over the budget beyond the tolerance, s (each sample stands for 50 ms).
+    pub over_s: f64,
+    /// The longest unbroken stretch over, s.
+    pub longest_over_s: f64,
+}
+
+impl DrawWatch {
+    /// `samples` against each one's budget, a sample counting as over beyond
+    /// `tolerance` (a fraction of the budget; 0 for none).
+    pub fn of(samples: &[Sample], tolerance: f64) -> DrawWatch {
+        let mut watch = DrawWatch {
+            samples: samples.len(),
+            highest_w: 0.0,
+            overshoot_w: f64::NEG_INFINITY,
+            over_s: 0.0,
+            longest_over_s: 0.0,
+        };
+        let dt_s = QUANTUM_MS as f64 / 1000.0;
+        let mut run_s = 0.0f64;
+        for s in samples {
+            watch.highest_w = watch.highest_w.max(s.draw_w);
+            watch.overshoot_w = watch.overshoot_w.max(s.draw_w - s.budget_w);
+            if s.draw_w > s.budget_w * (1.0 + tolerance) {
+                watch.over_s += dt_s;
+                run_s += dt_s;
+                watch.longest_over_s = watch.longest_over_s.max(run_s);
+            } else {
+                run_s = 0.0;
+            }
+        }
+        watch
+    }
+}
+
+impl std::fmt::Display for DrawWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} samples every {QUANTUM_MS} ms: highest {:.0} W, highest overshoot {:.0} W, {:.2} s over budget (longest {:.2} s)",
+            self.samples, self.highest_w, self.overshoot_w, self.over_s, self.longest_over_s
+        )
+    }
+}
+
+impl Site {
+    /// The meter's samples taken after `t_ms`.
+    pub fn samples_since(&self, t_ms: u64) -> &[Sample] {
+        let from = self.samples.partition_point(|s| s.t_ms <= t_ms);
+        &self.samples[from..]
+    }
+
+    /// Runs for `ms` and watches the meter meanwhile.
+    pub fn watch_for(&mut self, ms: u64, tolerance: f64) -> DrawWatch {
+        let from = self.now_ms;
+        self.run_for(ms);
+        DrawWatch::of(self.samples_since(from), tolerance)
     }
 }
