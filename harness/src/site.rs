@@ -386,10 +386,7 @@ impl Site {
             .collect::<Result<Vec<_>, _>>()?;
         let mut tasks = Vec::new();
         for &node in &spec.nodes {
-            let n = self
-                .nodes
-                .get(node)
-                .ok_or_else(|| HarnessError::NoSuchNode(node))?;
+            let n = self.nodes.get(node).ok_or(HarnessError::NoSuchNode(node))?;
             // The GPUs of the jobs Slurm runs on the node now.
             let taken: BTreeSet<u32> = n
                 .live

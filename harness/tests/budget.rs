@@ -4,6 +4,9 @@
 //! Slurm tests count it (the agents' readings carry the simulator's ±0.5 % noise, and
 //! metered mode plans on them); the meter here is the GPUs' noise-free draw.
 
+// The tests print what they measured, as the Slurm tests they port do.
+#![allow(clippy::disallowed_macros)]
+
 use powerflex_proto::admin::{AdminOp, Cut};
 use powerflex_site_harness::site::test_bed_site;
 use powerflex_site_harness::{DrawWatch, Fault, JobSpec, Phase, Restart, Site, SiteOptions, Stop};

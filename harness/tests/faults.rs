@@ -3,6 +3,9 @@
 //! restarted mid-event on its saved state. One 2-node × 4-GPU flex3 job under a budget
 //! that caps it, as there.
 
+// The tests print what they measured, as the Slurm tests they port do.
+#![allow(clippy::disallowed_macros)]
+
 use powerflex_proto::admin::{AdminOp, Cut};
 use powerflex_site_harness::site::test_bed_site;
 use powerflex_site_harness::{Fault, JobSpec, JobState, Restart, Site, SiteOptions};

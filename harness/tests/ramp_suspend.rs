@@ -3,6 +3,9 @@
 //! at their instant, with no tolerance, as there. What stays on Slurm: that `scontrol
 //! suspend` and `requeuehold` do what the controller asks of them.
 
+// The tests print what they measured, as the Slurm tests they port do.
+#![allow(clippy::disallowed_macros)]
+
 use powerflex_proto::admin::{AdminOp, Cut};
 use powerflex_site_harness::site::test_bed_site;
 use powerflex_site_harness::{DrawWatch, JobSpec, JobState, Site, SiteOptions};

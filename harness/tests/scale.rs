@@ -5,6 +5,9 @@
 //! force once the first caps are confirmed: not before the event (the caps are cut
 //! before it starts), not during its ramp down, hold and ramp up.
 
+// The tests print what they measured, as the Slurm tests they port do.
+#![allow(clippy::disallowed_macros)]
+
 use powerflex_core::config::RawSiteConfig;
 use powerflex_proto::admin::{AdminOp, Cut};
 use powerflex_site_harness::site::T0_MS;
