@@ -1,0 +1,202 @@
+//! The controller's machine, driven as `powerflex-ctld`'s loop drives it: the only module
+//! of this crate that names the controller's core, so that moving the core to
+//! `powerflex-controller-machine` (as `ctld::{Core, Input, Output, Lease, CtldSettings,
+//! CtldState, Loaded}`) changes this file and the dependency only.
+//!
+//! What the edge does that is modelled here: the options read from the site config
+//! (`powerflex-ctld`'s `load_options`), the state saved when the core says so (the "disk"
+//! the next start loads), leases and acknowledgements handed to the link, suspensions and
+//! requeues handed to the site's Slurm. What is not: the admin socket (admin requests come
+//! in as values), annotations, metrics and the accounting log.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use powerflex_controller::ctld::core::{Core, Input, Output};
+use powerflex_controller::ctld::state::{CtldState, Loaded};
+use powerflex_controller::ctld::CtldOptions;
+use powerflex_controller::site::SiteSettings;
+use powerflex_core::config::SiteConfig;
+use powerflex_proto::admin::{AdminOp, AdminReply};
+use powerflex_proto::status::CtldStatus;
+use powerflex_proto::usage::FinalRef;
+
+use crate::link::{LeaseBody, NodeReport};
+use crate::HarnessError;
+
+pub use powerflex_controller_machine::preempt::Action as Preempt;
+pub use powerflex_controller_machine::schedule::{effective_budget, Event};
+
+/// The controller's state as saved: what a restart with its state loads.
+pub type SavedState = CtldState;
+
+/// What arrives at the controller in one step.
+#[derive(Debug, Clone)]
+pub enum Inbound {
+    Hello {
+        node: String,
+        gpus: Vec<powerflex_proto::report::GpuInfo>,
+    },
+    Report {
+        node: String,
+        report: NodeReport,
+    },
+    /// An admin request, as root.
+    Admin(AdminOp),
+    /// The allocation period elapsed.
+    Tick,
+}
+
+/// What one step asks of the site.
+#[derive(Debug, Clone, Default)]
+pub struct Outbound {
+    /// Per node.
+    pub leases: BTreeMap<String, LeaseBody>,
+    pub acks: BTreeMap<String, Vec<FinalRef>>,
+    pub preempt: Vec<Preempt>,
+    /// One reply per [`Inbound::Admin`], in order.
+    pub replies: Vec<AdminReply>,
+    /// The state to save, when it changed.
+    pub persist: Option<SavedState>,
+    /// The budget the allocation was made for (`None`: no allocation this step), W.
+    pub allocated_w: Option<f64>,
+}
+
+/// The controller's options from the site config, as `powerflex-ctld` reads them, minus
+/// the edge's (addresses, paths, key, Slurm polling, database), which nothing here uses.
+pub fn options(site: &SiteConfig) -> Result<CtldOptions, HarnessError> {
+    let settings = SiteSettings::from_site(site, None).map_err(HarnessError::Site)?;
+    Ok(CtldOptions {
+        listen: site.controller.listen,
+        admin_socket: site.controller.admin_socket.clone(),
+        state_dir: site.controller.state_dir.clone(),
+        key: Vec::new(),
+        base_budget: site.facility.gpu_budget_w,
+        period: Duration::from_secs(site.controller.allocation_period_s),
+        lease_ttl_s: site.controller.lease_ttl_s as f64,
+        metrics_listen: None,
+        lease_rollout: site.controller.lease_rollout,
+        max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
+        job_placement: site.controller.job_placement,
+        slurm_poll: Duration::from_secs(site.controller.slurm_poll_s),
+        slurm_timeout: Duration::from_secs(site.controller.slurm_timeout_s),
+        max_gpu_power_w: site
+            .gpu_models
+            .iter()
+            .map(|m| m.max_cap_w.0)
+            .fold(0.0, f64::max),
+        records_db: None,
+        site: settings,
+    })
+}
+
+/// How a controller starts.
+#[derive(Debug, Clone)]
+pub enum Start {
+    /// The first start: no state file.
+    Fresh,
+    /// A restart that loads the state it saved last.
+    Saved(SavedState),
+    /// A restart whose state file is gone and has no usable copy: the nodes and events it
+    /// held are unknown.
+    Lost,
+}
+
+/// The controller's machine.
+#[derive(Debug)]
+pub struct Controller {
+    core: Core,
+    base_budget_w: f64,
+}
+
+impl Controller {
+    pub fn start(site: &SiteConfig, start: Start, now_ms: u64) -> Result<Controller, HarnessError> {
+        let options = options(site)?;
+        let base_budget_w = options.base_budget.0;
+        let loaded = match start {
+            Start::Fresh => Loaded::default(),
+            Start::Saved(state) => Loaded { state, lost: false },
+            Start::Lost => Loaded {
+                state: CtldState::default(),
+                lost: true,
+            },
+        };
+        Ok(Controller {
+            core: Core::new(options, loaded, now_ms),
+            base_budget_w,
+        })
+    }
+
+    /// One turn of the loop: the inputs that arrived together, at `now_ms`.
+    pub fn step(&mut self, now_ms: u64, inbound: Vec<Inbound>) -> Outbound {
+        let inputs: Vec<Input> = inbound
+            .into_iter()
+            .map(|i| match i {
+                Inbound::Hello { node, gpus } => Input::Hello { node, gpus },
+                Inbound::Report { node, report } => Input::Report {
+                    node,
+                    jobs: report.jobs,
+                    power_w: report.power_w,
+                    ended: report.ended,
+                    observe_only: report.observe_only,
+                },
+                Inbound::Admin(op) => Input::Admin { op, uid: 0 },
+                Inbound::Tick => Input::Tick,
+            })
+            .collect();
+        let out: Output = self.core.step(now_ms, inputs);
+        let ttl_s = out.lease_ttl_s;
+        Outbound {
+            allocated_w: out.history.as_ref().map(|h| h.budget_w),
+            leases: out
+                .leases
+                .into_iter()
+                .map(|(node, lease)| {
+                    (
+                        node,
+                        LeaseBody {
+                            caps: lease.caps,
+                            ttl_s,
+                            start_cap_w: Some(lease.start_cap_w),
+                            recalibrate: lease.recalibrate,
+                            learn: lease.learn,
+                            next_event_in_s: lease.next_event_in_s,
+                            event_in_force: lease.event_in_force,
+                        },
+                    )
+                })
+                .collect(),
+            acks: out.final_acks,
+            preempt: out.preempt,
+            replies: out.replies.into_iter().map(|(_, reply)| reply).collect(),
+            persist: out.persist,
+        }
+    }
+
+    pub fn status(&self, now_ms: u64) -> CtldStatus {
+        self.core.status(now_ms)
+    }
+
+    /// The budget in force at `now_ms` by the controller's state (base or `budget set`,
+    /// less the grid events' stepped cuts), W: what the meter is held to.
+    pub fn budget_in_force_w(&self, now_ms: u64) -> f64 {
+        let state = self.core.state();
+        let base = state.budget_w.map_or(self.base_budget_w, |w| w.0);
+        effective_budget(powerflex_core::Watts(base), &state.events, now_ms).0
+    }
+
+    /// The grid events the controller holds.
+    pub fn events(&self) -> &[Event] {
+        &self.core.state().events
+    }
+
+    /// Allocations made since the start.
+    pub fn allocations(&self) -> u64 {
+        self.core.allocations()
+    }
+
+    /// The allocation period, ms.
+    pub fn period_ms(&self) -> u64 {
+        self.core.options().period.as_millis() as u64
+    }
+}

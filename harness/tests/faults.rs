@@ -1,0 +1,207 @@
+//! Ports of the logic rows of `tests/faults.rs` (the fault matrix) to the site harness:
+//! the controller gone past the lease, a wall-clock jump on one node, a controller
+//! restarted mid-event on its saved state. One 2-node × 4-GPU flex3 job under a budget
+//! that caps it, as there.
+
+// The tests print what they measured, as the Slurm tests they port do.
+#![allow(clippy::disallowed_macros)]
+
+use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_site_harness::site::test_bed_site;
+use powerflex_site_harness::{Fault, JobSpec, JobState, Restart, Site, SiteOptions};
+
+const BUDGET_W: f64 = 3000.0;
+const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
+const FAILSAFE_CAP_W: f64 = 300.0;
+const DEFAULT_CAP_W: f64 = 700.0;
+const METER_TOLERANCE: f64 = 0.01;
+
+fn site(base_w: f64, lease_ttl_s: u64) -> Site {
+    Site::new(SiteOptions {
+        site: test_bed_site(base_w, lease_ttl_s),
+        ..SiteOptions::new(17, base_w)
+    })
+    .expect("site")
+}
+
+/// The rows' job: flex3, no walk, 4 GPUs on each of the two nodes.
+fn start_job(site: &mut Site) {
+    site.submit(JobSpec {
+        nodes: vec![0, 1],
+        ..JobSpec::training("1", "flex3,calibrate=off", 0, 4, PROFILE)
+    })
+    .expect("submit");
+}
+
+/// Every GPU at a cap the controller granted, and the draw within `budget_w`.
+fn allocated_within(s: &Site, budget_w: f64) -> bool {
+    let Some(status) = s.controller_status() else {
+        return false;
+    };
+    let granted: Vec<f64> = status.jobs.iter().filter_map(|j| j.cap_w).collect();
+    !granted.is_empty()
+        && granted.len() == status.jobs.len()
+        && s.caps_w()
+            .iter()
+            .all(|c| *c < DEFAULT_CAP_W && granted.iter().any(|g| (g - c).abs() < 0.5))
+        && s.draw_w() <= budget_w * 1.01
+}
+
+/// Ports tests/faults.rs::with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap
+#[test]
+fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap() {
+    let mut site = site(5600.0, 5);
+    start_job(&mut site);
+    let reply = site
+        .admin(AdminOp::BudgetSet { budget_w: BUDGET_W })
+        .expect("reply");
+    assert!(reply.ok);
+    assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
+    site.inject(Fault::ControllerStop).expect("stop");
+    let watch = site.watch_for(6_000, METER_TOLERANCE);
+    assert!(watch.over_s == 0.0, "controller gone: {watch}");
+    assert!(
+        site.run_until(10_000, |s| s.caps_w().iter().all(|&c| c == FAILSAFE_CAP_W)),
+        "every GPU at the fail-safe cap: {:?}",
+        site.caps_w()
+    );
+    assert_eq!(
+        site.job_state("1"),
+        Some(JobState::Running),
+        "powerflex kills no job"
+    );
+    site.inject(Fault::ControllerStart {
+        state: Restart::WithState,
+    })
+    .expect("start");
+    assert!(
+        site.run_until(30_000, |s| s.caps_w().iter().all(|&c| c > FAILSAFE_CAP_W)),
+        "caps from a fresh lease"
+    );
+    let back = site.watch_for(3_000, METER_TOLERANCE);
+    assert!(back.over_s == 0.0, "controller back: {back}");
+}
+
+/// Ports tests/faults.rs::a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers
+#[test]
+fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
+    let mut site = site(BUDGET_W, 5);
+    start_job(&mut site);
+    assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
+    let live = |s: &Site, node: &str| {
+        s.controller_status()
+            .and_then(|st| st.nodes.iter().find(|n| n.node == node).map(|n| n.live))
+    };
+    for jump_ms in [600_000i64, -600_000] {
+        let refused_before = site.refused_for_skew();
+        site.inject(Fault::ClockJump {
+            node: 0,
+            by_ms: jump_ms,
+        })
+        .expect("jump");
+        // n1's messages look stale (or from the future) to the controller, and its
+        // leases to n1: n1 falls silent, then to its fail-safe cap; the budget holds.
+        let watch = site.watch_for(8_000, METER_TOLERANCE);
+        assert!(watch.over_s == 0.0, "clock {jump_ms} ms: {watch}");
+        assert_eq!(
+            live(&site, "n1"),
+            Some(false),
+            "n1's stale messages are refused"
+        );
+        let refused = site.refused_for_skew();
+        assert!(
+            refused.0 > refused_before.0 && refused.1 > refused_before.1,
+            "refused both ways: {refused:?}"
+        );
+        assert_eq!(site.failsafe(0), Some(true), "n1 at its fail-safe");
+        assert_eq!(
+            site.job_state("1"),
+            Some(JobState::Running),
+            "powerflex kills no job"
+        );
+        site.inject(Fault::ClockJump {
+            node: 0,
+            by_ms: -jump_ms,
+        })
+        .expect("jump back");
+        assert!(
+            site.run_until(30_000, |s| live(s, "n1") == Some(true)
+                && s.caps_w().iter().all(|&c| c < DEFAULT_CAP_W)),
+            "n1 live again after its clock is back"
+        );
+        let back = site.watch_for(2_000, METER_TOLERANCE);
+        assert!(back.over_s == 0.0, "clock back: {back}");
+    }
+}
+
+/// Ports tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy
+/// (the part that is logic: a controller restarted mid-event on the state it saved
+/// resumes the event and holds its budget; the file's fallback on its previous copy is
+/// `ctld::state`'s own unit test, and the corrupt file stays on Slurm).
+#[test]
+fn a_controller_restarted_mid_event_on_its_saved_state_resumes_the_event() {
+    let mut site = site(5000.0, 10);
+    start_job(&mut site);
+    let reply = site
+        .admin(AdminOp::EventAdd {
+            cut: Cut::Target { budget_w: BUDGET_W },
+            start_ms: site.now_ms(),
+            duration_ms: 600_000,
+            ramp_ms: 0,
+        })
+        .expect("reply");
+    assert!(reply.ok);
+    let reply = site
+        .admin(AdminOp::BudgetSet { budget_w: 5200.0 })
+        .expect("reply");
+    assert!(reply.ok);
+    assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
+    site.inject(Fault::ControllerStop).expect("stop");
+    site.run_for(2_000);
+    site.inject(Fault::ControllerStart {
+        state: Restart::WithState,
+    })
+    .expect("start");
+    let status = site.controller_status().expect("status");
+    assert_eq!(
+        status.active_event.as_ref().map(|e| e.id),
+        Some(1),
+        "the event known again"
+    );
+    assert!(status.budget_w <= BUDGET_W + 1e-6, "{}", status.budget_w);
+    let watch = site.watch_for(4_000, METER_TOLERANCE);
+    assert!(
+        watch.over_s == 0.0,
+        "after the restart on the saved state: {watch}"
+    );
+    assert_eq!(site.job_state("1"), Some(JobState::Running));
+}
+
+/// A controller restarted with its state lost holds its first allocation for a lease:
+/// every node's old lease runs out (each at its fail-safe cap) before new ones go out,
+/// and the budget holds throughout.
+#[test]
+fn a_controller_restarted_with_its_state_lost_allocates_only_after_every_old_lease() {
+    let mut site = site(BUDGET_W, 5);
+    start_job(&mut site);
+    assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
+    site.inject(Fault::ControllerStop).expect("stop");
+    site.inject(Fault::ControllerStart {
+        state: Restart::StateLost,
+    })
+    .expect("start");
+    let restarted = site.now_ms();
+    let watch = site.watch_for(4_000, METER_TOLERANCE);
+    assert!(watch.over_s == 0.0, "{watch}");
+    assert_eq!(site.allocations(), 0, "nothing allocated within the lease");
+    assert!(
+        site.run_until(10_000, |s| s.allocations() > 0),
+        "allocating after the hold"
+    );
+    assert!(
+        site.now_ms() >= restarted + 5_000,
+        "not before a whole lease"
+    );
+    let watch = site.watch_for(5_000, METER_TOLERANCE);
+    assert!(watch.over_s == 0.0, "{watch}");
+}
