@@ -1,7 +1,6 @@
-//! The controller's machine, driven as `powerflex-ctld`'s loop drives it: the only module
-//! of this crate that names the controller's core, so that moving the core to
-//! `powerflex-controller-machine` (as `ctld::{Core, Input, Output, Lease, CtldSettings,
-//! CtldState, Loaded}`) changes this file and the dependency only.
+//! The controller's machine (`powerflex_controller_machine::ctld`), driven as
+//! `powerflex-ctld`'s loop drives it: the only module of this crate that names the
+//! controller's core.
 //!
 //! What the edge does that is modelled here: the options read from the site config
 //! (`powerflex-ctld`'s `load_options`), the state saved when the core says so (the "disk"
@@ -12,11 +11,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use powerflex_controller::ctld::core::{Core, Input, Output};
-use powerflex_controller::ctld::state::{CtldState, Loaded};
-use powerflex_controller::ctld::CtldOptions;
-use powerflex_controller::site::SiteSettings;
+use powerflex_controller_machine::ctld::{Core, CtldSettings, CtldState, Input, Loaded, Output};
+use powerflex_controller_machine::site::SiteSettings;
 use powerflex_core::config::SiteConfig;
+use powerflex_core::UnixMs;
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::status::CtldStatus;
 use powerflex_proto::usage::FinalRef;
@@ -62,30 +60,23 @@ pub struct Outbound {
     pub allocated_w: Option<f64>,
 }
 
-/// The controller's options from the site config, as `powerflex-ctld` reads them, minus
-/// the edge's (addresses, paths, key, Slurm polling, database), which nothing here uses.
-pub fn options(site: &SiteConfig) -> Result<CtldOptions, HarnessError> {
+/// The controller's machine settings from the site config, as `powerflex-ctld` reads
+/// them (its edge's addresses, paths, key, Slurm polling and database are not the
+/// machine's).
+pub fn options(site: &SiteConfig) -> Result<CtldSettings, HarnessError> {
     let settings = SiteSettings::from_site(site, None).map_err(HarnessError::Site)?;
-    Ok(CtldOptions {
-        listen: site.controller.listen,
-        admin_socket: site.controller.admin_socket.clone(),
-        state_dir: site.controller.state_dir.clone(),
-        key: Vec::new(),
+    Ok(CtldSettings {
         base_budget: site.facility.gpu_budget_w,
         period: Duration::from_secs(site.controller.allocation_period_s),
         lease_ttl_s: site.controller.lease_ttl_s as f64,
-        metrics_listen: None,
         lease_rollout: site.controller.lease_rollout,
         max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
         job_placement: site.controller.job_placement,
-        slurm_poll: Duration::from_secs(site.controller.slurm_poll_s),
-        slurm_timeout: Duration::from_secs(site.controller.slurm_timeout_s),
         max_gpu_power_w: site
             .gpu_models
             .iter()
             .map(|m| m.max_cap_w.0)
             .fold(0.0, f64::max),
-        records_db: None,
         site: settings,
     })
 }
@@ -122,7 +113,7 @@ impl Controller {
             },
         };
         Ok(Controller {
-            core: Core::new(options, loaded, now_ms),
+            core: Core::new(options, loaded, UnixMs(now_ms)),
             base_budget_w,
         })
     }
@@ -144,7 +135,7 @@ impl Controller {
                 Inbound::Tick => Input::Tick,
             })
             .collect();
-        let out: Output = self.core.step(now_ms, inputs);
+        let out: Output = self.core.step(UnixMs(now_ms), inputs);
         let ttl_s = out.lease_ttl_s;
         Outbound {
             allocated_w: out.history.as_ref().map(|h| h.budget_w),
@@ -174,7 +165,7 @@ impl Controller {
     }
 
     pub fn status(&self, now_ms: u64) -> CtldStatus {
-        self.core.status(now_ms)
+        self.core.status(UnixMs(now_ms))
     }
 
     /// The budget in force at `now_ms` by the controller's state (base or `budget set`,
@@ -197,6 +188,6 @@ impl Controller {
 
     /// The allocation period, ms.
     pub fn period_ms(&self) -> u64 {
-        self.core.options().period.as_millis() as u64
+        self.core.settings().period.as_millis() as u64
     }
 }
