@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use powerflex_core::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
+use powerflex_core::allocate::Policy;
 use powerflex_core::config::UnregisteredGpuUse;
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
@@ -32,6 +32,7 @@ use powerflex_proto::usage::FinalRef;
 use powerflex_proto::usage::NodeUsage;
 use powerflex_proto::ProgressReport;
 
+mod standalone;
 mod step;
 pub use step::{
     AdoptionCandidate, AgentInput, AgentOutput, CapWrite, CapWriteResult, ControlFacts,
@@ -1477,99 +1478,6 @@ impl Agent {
         Some(Watts(total))
     }
 
-    /// The curve the allocator uses for `job`: measured, else a prior from its PFI.
-    fn curve_for(&self, job: &Job) -> Option<CapCurve> {
-        let first = self.gpus.get(*job.gpus.first()? as usize)?;
-        if let Some(c) = job.calibration.best_curve() {
-            return Some(bounded_above_top(c, first.identity.max_cap, job.gpus.len()));
-        }
-        // Uncapped draw unknown without a walk: assume the GPUs can draw their maximum.
-        let p_max: f64 = job
-            .gpus
-            .iter()
-            .map(|&g| self.gpus[g as usize].identity.max_cap.0)
-            .sum::<f64>()
-            .max(1.0);
-        let pfi = job
-            .restored_pfi
-            .or(job.prior.map(|p| p.1))
-            .unwrap_or(self.settings.prior_intercept);
-        CapCurve::from_pfi_prior(
-            Watts(p_max),
-            1.0,
-            pfi.max(0.5),
-            first.identity.min_cap,
-            first.identity.max_cap,
-            Watts(50.0),
-        )
-        .ok()
-    }
-
-    /// Standalone mode: splits the node budget across managed jobs.
-    ///
-    /// There is no meter here to correct a curve each period (the controller's metered
-    /// mode): a curve measured from a grant down (see [`bounded_above_top`]) must not
-    /// let a cap rise on a guess.
-    fn allocate_node_budget(&mut self, budget: Watts) {
-        // Power of GPUs outside managed jobs comes off the budget first.
-        let outside: f64 = self
-            .gpus
-            .iter()
-            .filter(|g| {
-                g.job
-                    .as_ref()
-                    .and_then(|j| self.jobs.get(j))
-                    .is_none_or(|j| !j.managed())
-            })
-            .map(|g| g.last.map_or(g.identity.max_cap.0, |s| s.power.0))
-            .sum();
-        let mut specs = Vec::new();
-        for job in self
-            .jobs
-            .values()
-            .filter(|j| j.managed() && !j.gpus.is_empty())
-        {
-            let Some(curve) = self.curve_for(job) else {
-                continue;
-            };
-            let first = &self.gpus[job.gpus[0] as usize].identity;
-            specs.push(JobSpec {
-                id: job.id.clone(),
-                gpus: job.gpus.len() as u32,
-                throughput_weight: 1.0 / curve.uncapped().throughput.max(1e-9),
-                curve,
-                max_slowdown: job.request.service.max_slowdown(),
-                limits: CapLimits {
-                    min_w: first.min_cap,
-                    max_w: first.max_cap,
-                    step_w: self.settings.cap_step,
-                },
-            });
-        }
-        let managed_budget = Watts((budget.0 - outside).max(0.0));
-        // The controller's rule: the optimal policy leaves the equal split only where the
-        // curves' uncertainty allows (no power margin: each period's readings correct it).
-        let allocation = match self.settings.policy {
-            Policy::Optimal => allocate_cautious(
-                &specs,
-                managed_budget,
-                Caution {
-                    power_z: 0.0,
-                    ..Caution::default()
-                },
-            )
-            .map(|c| c.allocation),
-            policy => allocate(&specs, managed_budget, policy),
-        };
-        if let Ok(a) = allocation {
-            for decided in a.jobs {
-                if let Some(job) = self.jobs.get_mut(&decided.id) {
-                    job.granted = Some(decided.cap_w);
-                }
-            }
-        }
-    }
-
     /// The per-GPU cap the job should run at now (before calibration lowers it).
     fn granted_cap(&self, now: f64, job: &Job) -> Option<Watts> {
         if !job.managed() {
@@ -2830,6 +2738,51 @@ mod tests {
         let cap = decided[0].1;
         assert!((200.0..=350.0).contains(&cap), "{decided:?}");
         assert_eq!(decided[0].1, decided[1].1);
+    }
+
+    /// Seen: 1,831 W on a 1,500 W node after a walk from 500 W. A curve walked from a
+    /// grant down is flat above its top, and the allocation took a cap above the walk
+    /// for the power measured at its top: a cap rises above the walk only where the
+    /// budget pays for what the GPUs may then draw.
+    #[test]
+    fn a_curve_walked_from_a_grant_down_lets_no_cap_rise_on_a_guess() {
+        // GPUs 2 and 3 idle at 650 W each: 1,100 W of 2,400 W left for job 7's two GPUs.
+        let mut a = agent(Some(Watts(2400.0)));
+        a.register(
+            0.0,
+            "7",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex3,calibrate=off",
+        )
+        .expect("managed");
+        // Walked from 500 W down: 960 W at 500 W, speed rising to it.
+        let walked = [
+            [500.0, 960.0, 100.0],
+            [400.0, 780.0, 90.0],
+            [300.0, 590.0, 75.0],
+        ];
+        a.jobs.get_mut("7").expect("7").calibration.restore(&walked);
+        let decided = caps(&a.tick(1.0));
+        let cap = decided
+            .iter()
+            .find(|&&(g, _)| g == 0)
+            .map(|&(_, c)| c)
+            .expect("job 7 capped");
+        assert_eq!(decided.iter().filter(|&&(g, _)| g == 1).count(), 1);
+        // Above the walk its GPUs may draw up to the cap each: from 960 W at 500 W to
+        // 1,400 W at 700 W. 1,100 W pays for no more than ~563 W.
+        let bound_w = |c: f64| 960.0 + (c - 500.0) / 200.0 * 440.0;
+        assert!(
+            cap >= 500.0,
+            "the budget pays for the walk's top: {decided:?}"
+        );
+        assert!(
+            bound_w(cap) <= 1100.0,
+            "a cap above what the budget pays: {decided:?}"
+        );
     }
 
     /// Issue: two jobs cut below the fail-safe went back up to it when the controller
