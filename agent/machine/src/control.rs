@@ -1988,6 +1988,7 @@ fn bounded_above_top(curve: CapCurve, max_cap: Watts, gpus: usize) -> CapCurve {
 mod tests {
     use super::*;
     use crate::calibration::CalibrationSettings;
+    use powerflex_proto::ControlOp;
 
     fn gpu(index: u32) -> GpuIdentity {
         GpuIdentity {
@@ -2783,6 +2784,75 @@ mod tests {
             bound_w(cap) <= 1100.0,
             "a cap above what the budget pays: {decided:?}"
         );
+    }
+
+    /// The step the edge drives: a registration from a step daemon is refused when
+    /// another job's processes run on a GPU it names; one that is not is capped before
+    /// its answer, and the status waits for the caps' results.
+    #[test]
+    fn a_registration_through_the_step_is_checked_capped_then_answered() {
+        let mut a = agent(None);
+        let register = |job: &str, gpu: &str| ControlOp::Register {
+            job_id: job.into(),
+            step_id: "0".into(),
+            uid: 1000,
+            node: "n1".into(),
+            gpus: vec![gpu.into()],
+            flex: "flex2,calibrate=off".into(),
+        };
+        let op = register("7", "0");
+        let reads = a.control_reads(&op, true);
+        assert_eq!(
+            (reads.gpu_users.clone(), reads.samples.clone()),
+            (vec![0], vec![0])
+        );
+        assert!(!reads.process_table, "no other job holds GPU 0");
+        let facts = ControlFacts {
+            stepd_cluster: Some(None),
+            gpu_users: BTreeMap::from([(0, BTreeSet::from([("9".to_string(), None)]))]),
+            ..ControlFacts::default()
+        };
+        let out = a.step(UnixMs(1_000), vec![AgentInput::Control { op, facts }]);
+        let Some((0, Reply::Control(reply))) = out.replies.first() else {
+            panic!("one answer: {:?}", out.replies);
+        };
+        assert!(!reply.ok && reply.error.as_deref().is_some_and(|e| e.contains("job 9")));
+        assert!(out.cap_writes.is_empty() && a.jobs.is_empty());
+        assert_eq!(a.gpu_claims_refused, 1);
+
+        let facts = ControlFacts {
+            stepd_cluster: Some(None),
+            samples: vec![(1, sample_at(700.0))],
+            ..ControlFacts::default()
+        };
+        let out = a.step(
+            UnixMs(2_000),
+            vec![AgentInput::Control {
+                op: register("7", "1"),
+                facts,
+            }],
+        );
+        assert!(matches!(out.replies.as_slice(), [(0, Reply::Control(r))] if r.ok));
+        assert_eq!(
+            out.cap_writes,
+            vec![CapWrite {
+                gpu: 1,
+                cap: Watts(500.0)
+            }]
+        );
+        assert!(out.persist.is_some(), "saved before the answer");
+        assert!(out.snapshot.is_none(), "published once the caps are in");
+        let out = a.step(
+            UnixMs(2_010),
+            vec![AgentInput::CapWrites(vec![CapWriteResult {
+                gpu: 1,
+                cap: Watts(500.0),
+                outcome: Ok(Some(Watts(700.0))),
+            }])],
+        );
+        let status = out.snapshot.expect("published");
+        assert_eq!(status.gpus[1].cap_w, Some(500.0));
+        assert_eq!(status.jobs[0].job, "7");
     }
 
     /// Issue: two jobs cut below the fail-safe went back up to it when the controller
