@@ -1,11 +1,15 @@
-//! The agent's I/O edge: binds the sockets, runs the control loop, executes the state
-//! machine's actions on the GPU backend, persists, and restores every GPU on the way out.
+//! The agent's I/O edge: binds the sockets and runs the control loop. Every decision is
+//! the machine's ([`Agent::step`]); the loop reads what a step needs (GPUs, `/proc`,
+//! Slurm's record at a start after a lost state file), builds its inputs, and executes
+//! its outputs: cap writes, read-backs, the state saved, the usage log appended, replies
+//! sent, the status published.
 //!
 //! Threads: one acceptor per socket (plus a short-lived thread per connection), the
 //! metrics server, and the control loop, which `select!`s over inbound requests and a
-//! tick; crossbeam channels between them, no async runtime.
+//! tick; crossbeam channels between them, no async runtime. Time comes from the
+//! injected [`Clock`] (`RunOptions::clock`), never from the loop itself.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
@@ -14,17 +18,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, select, tick, Receiver};
-use powerflex_core::Watts;
+use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
+use powerflex_daemon::clock::{Clock, UnixMs};
 use powerflex_daemon::os::FileLock;
-use powerflex_proto::{ControlOp, ControlReply};
+use powerflex_proto::ControlReply;
 use tracing::{error, info, info_span, warn};
 
 use crate::backend::GpuBackend;
-use crate::control::{Action, Agent, AgentSettings, ReportSender};
+use crate::control::{
+    AdoptionCandidate, Agent, AgentInput, AgentOutput, AgentSettings, CapWriteResult, ControlFacts,
+    GpuProcesses, GpuReading, Reply, ReportSender, StartFacts, TickReads,
+};
 use crate::persist;
+use crate::procs::ProcTable;
 use crate::server::{self, Inbound, SnapshotCell};
-use powerflex_core::flex::parse_power_flex;
 
 /// Where the agent listens and keeps its state.
 #[derive(Debug, Clone)]
@@ -42,15 +49,13 @@ pub struct RunOptions {
     pub release_on_exit: bool,
     /// Append each job's final share here to `<state_dir>/usage.jsonl`.
     pub usage_log: bool,
+    /// Where the loop reads `now` for the machine: `SteadyClock` in `powerflexd` (a
+    /// lease must not expire or stretch with an NTP step).
+    pub clock: Arc<dyn Clock>,
 }
 
 /// The node's log of jobs' final shares, inside the state directory.
 pub const USAGE_LOG_FILE: &str = "usage.jsonl";
-
-/// How often the state (with every job's running accounting) is saved at least, s: an
-/// agent killed without warning loses at most this much of the time-based shares (the
-/// energy counters lose nothing).
-const USAGE_SAVE_INTERVAL_S: f64 = 10.0;
 
 /// Why the agent could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -115,114 +120,6 @@ fn lock_instance(state_dir: &Path) -> Result<FileLock, AgentError> {
     Ok(lock)
 }
 
-fn unix_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
-/// What NVML lists on the GPUs, read at one scan.
-#[derive(Debug, Default)]
-struct GpuUse {
-    /// Per GPU that NVML lists processes of Slurm jobs on, those jobs (processes in no
-    /// job left out).
-    jobs: std::collections::BTreeMap<u32, std::collections::BTreeSet<crate::procs::JobKey>>,
-    /// Per GPU NVML could list, every process on it and the job it belongs to (for
-    /// status).
-    processes: std::collections::BTreeMap<u32, Vec<(u32, Option<String>)>>,
-}
-
-/// The processes NVML lists on each GPU and the jobs they belong to, by their ancestry in
-/// `table`. GPUs whose list NVML cannot give (and degraded ones) are left out.
-fn gpu_use(backend: &mut dyn GpuBackend, agent: &Agent, table: &crate::procs::ProcTable) -> GpuUse {
-    let mut found = GpuUse::default();
-    for gpu in 0..agent.gpus.len() as u32 {
-        if agent.gpus[gpu as usize].degraded.is_some() {
-            continue;
-        }
-        let Ok(pids) = backend.running_pids(gpu) else {
-            continue;
-        };
-        let mut jobs = std::collections::BTreeSet::new();
-        let mut processes = Vec::with_capacity(pids.len());
-        for pid in pids {
-            let key = table.step_of(pid).map(|s| s.job_key());
-            processes.push((pid, key.as_ref().map(|k| k.0.clone())));
-            jobs.extend(key);
-        }
-        if !jobs.is_empty() {
-            found.jobs.insert(gpu, jobs);
-        }
-        found.processes.insert(gpu, processes);
-    }
-    found
-}
-
-/// Of the GPUs a registration names, the first on which NVML lists processes of
-/// other jobs (by their ancestry) and none of `job_id`'s: Slurm gives a GPU to one job
-/// at a time, so such a claim was made with words (variables the user exported), not by
-/// Slurm. Processes in no job, and GPUs NVML cannot list, are no evidence either way.
-fn gpus_used_by_others(
-    backend: &mut dyn GpuBackend,
-    agent: &Agent,
-    gpus: &[String],
-    job_id: &str,
-    cluster: &Option<Option<String>>,
-) -> Option<crate::control::GpuClaimRefused> {
-    let refs = powerflex_core::gpus::parse_gpu_list(&gpus.join(",")).ok()?;
-    for r in refs {
-        let Some(gpu) = agent.gpus.iter().position(|g| match &r {
-            powerflex_core::gpus::GpuRef::Index(i) => g.identity.index == *i,
-            powerflex_core::gpus::GpuRef::Uuid(u) => &g.identity.uuid == u,
-        }) else {
-            continue;
-        };
-        let Ok(pids) = backend.running_pids(gpu as u32) else {
-            continue;
-        };
-        let users: std::collections::BTreeSet<crate::procs::JobKey> = pids
-            .into_iter()
-            .filter_map(|pid| crate::procs::step_of_pid(Path::new("/proc"), pid))
-            .map(|s| s.job_key())
-            .collect();
-        let mine =
-            |k: &crate::procs::JobKey| k.0 == job_id && cluster.as_ref().is_none_or(|c| &k.1 == c);
-        if !users.is_empty() && !users.iter().any(mine) {
-            return Some(crate::control::GpuClaimRefused {
-                gpu: gpu as u32,
-                claimed_by: job_id.to_string(),
-                used_by: users.into_iter().map(|(job, _)| job).collect(),
-            });
-        }
-    }
-    None
-}
-
-/// Handles one message from the sockets or the controller link, and publishes what a
-/// reader needs at once.
-fn serve(
-    msg: Inbound,
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    snapshot: &SnapshotCell,
-    options: &RunOptions,
-    clock: Instant,
-) {
-    // Progress is frequent and changes nothing a reader needs at once: it is published
-    // with the next tick. Job changes are published right away.
-    let job_change = matches!(msg, Inbound::Control { .. } | Inbound::Lease { .. });
-    let started = Instant::now();
-    let what = inbound_kind(&msg);
-    let now = || clock.elapsed().as_secs_f64();
-    handle(msg, agent, backend, now(), clock, &options.state_dir);
-    record_usage(agent, &options.state_dir, options.usage_log);
-    if job_change {
-        publish(snapshot, agent, now());
-    }
-    note_if_slow(started, what);
-}
-
 /// Control requests served one after another before the loop takes one turn of
 /// anything else.
 const MAX_CONTROL_IN_A_ROW: u32 = 8;
@@ -252,16 +149,57 @@ fn inbound_kind(msg: &Inbound) -> &'static str {
     }
 }
 
-/// How often the agent looks for jobs whose step daemons are gone, s.
-const JOB_SCAN_INTERVAL_S: f64 = 2.0;
+/// Where `/proc` is: the process table tells jobs apart by their step daemons.
+fn proc_root() -> &'static Path {
+    Path::new("/proc")
+}
+
+/// The jobs whose step daemons the host shows now, or `None` (logged) when the process
+/// table cannot be read.
+fn read_process_table(why: &str) -> Option<ProcTable> {
+    match ProcTable::read(proc_root()) {
+        Ok(table) => Some(table),
+        Err(e) => {
+            warn!(error = %e, why, "cannot read /proc");
+            None
+        }
+    }
+}
+
+/// What NVML lists on `gpus`, each process mapped to its job by its ancestry in
+/// `table`. GPUs whose list NVML cannot give are left out.
+fn gpu_processes(backend: &mut dyn GpuBackend, gpus: &[u32], table: &ProcTable) -> GpuProcesses {
+    let mut found = GpuProcesses::default();
+    for &gpu in gpus {
+        let Ok(pids) = backend.running_pids(gpu) else {
+            continue;
+        };
+        let mut jobs = BTreeSet::new();
+        let mut processes = Vec::with_capacity(pids.len());
+        for pid in pids {
+            let key = table.step_of(pid).map(|s| s.job_key());
+            processes.push((pid, key.as_ref().map(|k| k.0.clone())));
+            jobs.extend(key);
+        }
+        if !jobs.is_empty() {
+            found.jobs.insert(gpu, jobs);
+        }
+        found.processes.insert(gpu, processes);
+    }
+    found
+}
+
+fn read_gpus(backend: &mut dyn GpuBackend, gpus: &[u32]) -> Vec<GpuReading> {
+    gpus.iter().map(|&g| (g, backend.sample(g))).collect()
+}
 
 /// Whether the last state save failed. A full or read-only `/var` fails every save (each
 /// change and every usage interval): logged once when saves start failing, and once when
 /// they work again, rather than at each one. One agent per process.
 static SAVES_FAILING: AtomicBool = AtomicBool::new(false);
 
-fn save(state_dir: &Path, agent: &Agent) {
-    match persist::save(state_dir, &agent.saved_state()) {
+fn save(state_dir: &Path, state: &crate::persist::PersistedState) {
+    match persist::save(state_dir, state) {
         Err(e) if !SAVES_FAILING.swap(true, Ordering::Relaxed) => error!(
             error = %e,
             "cannot persist agent state; the caps in force stay, and the next saves are tried without a line each until one works"
@@ -274,29 +212,11 @@ fn save(state_dir: &Path, agent: &Agent) {
     }
 }
 
-/// Appends the final shares of jobs ended since the last call to the node's usage log,
-/// logs each, and saves the state, which keeps them until the controller acknowledges
-/// them (a crash right after a job's end loses none).
-fn record_usage(agent: &mut Agent, state_dir: &Path, enabled: bool) {
-    let records = agent.take_records();
-    if records.is_empty() {
-        return;
-    }
-    save(state_dir, agent);
+/// Appends jobs' final shares to the node's usage log.
+fn append_records(state_dir: &Path, records: &[powerflex_proto::usage::NodeUsage]) {
     let log = powerflex_daemon::fsx::JsonLines::new(state_dir.join(USAGE_LOG_FILE));
     for share in records {
-        info!(
-            job_id = %share.job_id,
-            energy_j = share.energy_mj as f64 / 1000.0,
-            source = share.energy_source.name(),
-            gpus = share.gpus.len(),
-            capped_s = share.capped_s,
-            "job's final share on this node"
-        );
-        if !enabled {
-            continue;
-        }
-        match serde_json::to_string(&share) {
+        match serde_json::to_string(share) {
             Ok(line) => {
                 if let Err(e) = log.append(&line) {
                     error!(job_id = %share.job_id, error = %e, "cannot append to the usage log");
@@ -307,82 +227,238 @@ fn record_usage(agent: &mut Agent, state_dir: &Path, enabled: bool) {
     }
 }
 
-/// Reads the GPUs of `job_id` now, so its accounting starts or ends at this instant.
-fn sample_job_gpus(agent: &mut Agent, backend: &mut dyn GpuBackend, job_id: &str, now: f64) {
-    let gpus: Vec<u32> = agent
-        .jobs
-        .get(job_id)
-        .map(|j| j.gpus.clone())
-        .unwrap_or_default();
-    for gpu in gpus {
-        if agent.gpus[gpu as usize].degraded.is_some() {
-            continue;
-        }
-        let sample = backend.sample(gpu);
-        agent.sampled(now, gpu, sample);
-    }
+/// Who waits for the answer to an input.
+enum Responder {
+    Control(Sender<ControlReply>),
+    Progress(Sender<Result<(), String>>),
 }
 
-/// Logs a limit found changed behind the agent's back (`then`: what the agent does about it).
-fn log_mismatch(m: &crate::control::CapMismatch, mismatches: u64, then: &str) {
-    warn!(
-        gpu = m.gpu,
-        expected_w = m.expected.0,
-        found_w = m.found.0,
-        mismatches,
-        then,
-        "GPU limit changed behind the agent's back"
-    );
-}
-
-fn execute(
-    actions: Vec<Action>,
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    state_dir: &Path,
-) {
-    for action in actions {
-        match action {
-            Action::SetCap { gpu, cap } => {
-                let job = agent.gpus.get(gpu as usize).and_then(|g| g.job.clone());
-                match backend.set_cap(gpu, cap) {
-                    Ok(found) => {
-                        info!(
-                            gpu,
-                            cap_w = cap.0,
-                            job = job.as_deref().unwrap_or("-"),
-                            "cap applied"
-                        );
-                        if let Some(m) = agent.cap_written(gpu, cap, found) {
-                            log_mismatch(
-                                &m,
-                                agent.cap_mismatches,
-                                "found as a new cap was written",
-                            );
-                        }
-                    }
-                    Err(e) => {
-                        warn!(gpu, cap_w = cap.0, error = %e, class = ?e.class, "cap not applied");
-                        agent.cap_failed(&e);
-                    }
-                }
+impl Responder {
+    fn send(self, reply: Reply) {
+        match (self, reply) {
+            (Responder::Control(tx), Reply::Control(r)) => {
+                let _ = tx.send(*r);
             }
-            Action::Persist => save(state_dir, agent),
+            (Responder::Progress(tx), Reply::Progress(r)) => {
+                let _ = tx.send(r);
+            }
+            (_, reply) => error!(
+                ?reply,
+                "the machine answered an input with the wrong kind of reply"
+            ),
         }
     }
 }
 
-/// The agent as it starts: the GPUs found and read before anything is written, the
-/// previous run's state reconciled with what runs now, the previous lease resumed, and
-/// the state saved.
-fn start_up(
-    settings: AgentSettings,
-    options: &RunOptions,
-    backend: &mut dyn GpuBackend,
-    clock: Instant,
-) -> Result<Agent, AgentError> {
-    let now = || clock.elapsed().as_secs_f64();
-    let identities = backend.discover()?;
+/// The control loop's state: the machine and what its outputs are executed on.
+struct Edge<'a> {
+    agent: Agent,
+    backend: &'a mut dyn GpuBackend,
+    options: &'a RunOptions,
+    snapshot: SnapshotCell,
+}
+
+impl Edge<'_> {
+    fn now(&self) -> UnixMs {
+        self.options.clock.now()
+    }
+
+    /// Steps the machine on `inputs` and executes what it asks, in its order; cap
+    /// writes and read-backs go back to it in a follow-up step. `responders[i]` waits
+    /// for the answer to `inputs[i]`.
+    fn drive(&mut self, inputs: Vec<AgentInput>, mut responders: Vec<Option<Responder>>) {
+        let mut inputs = inputs;
+        loop {
+            let now = self.now();
+            let out = self.agent.step(now, inputs);
+            let follow_up = self.write_and_read_back(&out);
+            self.finish(out, &mut responders);
+            if follow_up.is_empty() {
+                return;
+            }
+            inputs = follow_up;
+            responders = Vec::new();
+        }
+    }
+
+    /// An output's cap writes, then its read-backs; their results as the inputs of the
+    /// follow-up step.
+    fn write_and_read_back(&mut self, out: &AgentOutput) -> Vec<AgentInput> {
+        let mut follow_up = Vec::new();
+        if !out.cap_writes.is_empty() {
+            let results = out
+                .cap_writes
+                .iter()
+                .map(|w| CapWriteResult {
+                    gpu: w.gpu,
+                    cap: w.cap,
+                    outcome: self.backend.set_cap(w.gpu, w.cap),
+                })
+                .collect();
+            follow_up.push(AgentInput::CapWrites(results));
+        }
+        if !out.read_back.is_empty() {
+            follow_up.push(AgentInput::GpuSamples(read_gpus(
+                self.backend,
+                &out.read_back,
+            )));
+        }
+        follow_up
+    }
+
+    /// The rest of an output, after its writes: the state saved, the records appended,
+    /// the replies sent, the status published.
+    fn finish(&mut self, out: AgentOutput, responders: &mut [Option<Responder>]) {
+        if let Some(state) = &out.persist {
+            save(&self.options.state_dir, state);
+        }
+        if self.options.usage_log && !out.records.is_empty() {
+            append_records(&self.options.state_dir, &out.records);
+        }
+        for (index, reply) in out.replies {
+            if let Some(responder) = responders.get_mut(index).and_then(Option::take) {
+                responder.send(reply);
+            }
+        }
+        if let Some(status) = out.snapshot {
+            if let Ok(mut slot) = self.snapshot.write() {
+                *slot = Arc::new(status);
+            }
+        }
+    }
+
+    /// Handles one message from the sockets or the controller link.
+    fn serve(&mut self, msg: Inbound) {
+        let started = Instant::now();
+        let what = inbound_kind(&msg);
+        let (input, responder) = match msg {
+            Inbound::Control {
+                request,
+                peer,
+                reply,
+            } => {
+                let facts = self.control_facts(&request.op, peer.pid);
+                (
+                    AgentInput::Control {
+                        op: request.op,
+                        facts,
+                    },
+                    Responder::Control(reply),
+                )
+            }
+            Inbound::Progress {
+                report,
+                peer,
+                sender,
+                received,
+                verdict,
+            } => (
+                AgentInput::Progress {
+                    received: self.arrived_at(received),
+                    sender: ReportSender {
+                        uid: peer.uid,
+                        pid: peer.pid,
+                        step_job: sender.job,
+                        cluster: sender.cluster,
+                    },
+                    report,
+                },
+                Responder::Progress(verdict),
+            ),
+            Inbound::ProgressRefused { reason, peer } => {
+                let input = AgentInput::ProgressRefused {
+                    reason,
+                    uid: peer.uid,
+                    pid: peer.pid,
+                };
+                self.drive(vec![input], Vec::new());
+                return note_if_slow(started, what);
+            }
+            Inbound::Lease(lease) => {
+                self.drive(vec![AgentInput::Lease(lease)], Vec::new());
+                return note_if_slow(started, what);
+            }
+            Inbound::Acked { finals } => {
+                self.drive(vec![AgentInput::Acked(finals)], Vec::new());
+                return note_if_slow(started, what);
+            }
+        };
+        self.drive(vec![input], vec![Some(responder)]);
+        note_if_slow(started, what);
+    }
+
+    /// When a report stamped `received` by the progress socket arrived, on the clock
+    /// the machine runs on.
+    fn arrived_at(&self, received: Instant) -> UnixMs {
+        let waited_ms = u64::try_from(received.elapsed().as_millis()).unwrap_or(u64::MAX);
+        UnixMs(self.now().ms().saturating_sub(waited_ms))
+    }
+
+    /// Reads what the machine needs to decide a control request from `peer_pid`.
+    fn control_facts(&mut self, op: &powerflex_proto::ControlOp, peer_pid: u32) -> ControlFacts {
+        // The registering peer is the step's slurmstepd (root) when it is one.
+        let stepd_cluster = crate::procs::stepd_cluster(proc_root(), peer_pid);
+        let reads = self.agent.control_reads(op, stepd_cluster.is_some());
+        let jobs_on_host = reads
+            .process_table
+            .then(|| ProcTable::read(proc_root()).ok())
+            .flatten()
+            .map(|t| t.live_jobs());
+        let mut gpu_users = BTreeMap::new();
+        for &gpu in &reads.gpu_users {
+            let Ok(pids) = self.backend.running_pids(gpu) else {
+                continue;
+            };
+            let users: BTreeSet<crate::procs::JobKey> = pids
+                .into_iter()
+                .filter_map(|pid| crate::procs::step_of_pid(proc_root(), pid))
+                .map(|s| s.job_key())
+                .collect();
+            gpu_users.insert(gpu, users);
+        }
+        ControlFacts {
+            stepd_cluster,
+            peer_pid,
+            jobs_on_host,
+            gpu_users,
+            samples: read_gpus(self.backend, &reads.samples),
+        }
+    }
+
+    /// One sample period, when one is due: what the machine asks read (the GPUs, and
+    /// every few seconds the process table and NVML's processes), then its tick.
+    fn sample_if_due(&mut self) {
+        let Some(reads) = self.agent.reads_due(self.now()) else {
+            return;
+        };
+        let started = Instant::now();
+        let TickReads {
+            gpus,
+            process_table,
+            gpu_processes: listed,
+        } = reads;
+        let mut inputs = Vec::new();
+        if process_table {
+            if let Some(table) = read_process_table("to find ended jobs") {
+                inputs.push(AgentInput::JobsOnHost(table.live_jobs()));
+                inputs.push(AgentInput::GpuProcesses(gpu_processes(
+                    self.backend,
+                    &listed,
+                    &table,
+                )));
+            }
+        }
+        inputs.push(AgentInput::GpuSamples(read_gpus(self.backend, &gpus)));
+        inputs.push(AgentInput::Tick);
+        self.drive(inputs, Vec::new());
+        note_if_slow(started, "sample");
+    }
+}
+
+/// What the agent reads as it starts, for the machine's first step: the previous run's
+/// state, every GPU read before anything is written, the host's jobs and, after a lost
+/// state file, the running jobs Slurm records a tier for.
+fn start_facts(agent: &Agent, options: &RunOptions, backend: &mut dyn GpuBackend) -> StartFacts {
     let saved = match persist::load(&options.state_dir) {
         Ok(state) => state,
         Err(e) => {
@@ -390,148 +466,64 @@ fn start_up(
             None
         }
     };
-    // No state file, or one set aside as corrupt: what this node managed is unknown.
-    let state_lost = saved.is_none();
-    let saved_lease = saved.as_ref().and_then(|s| s.lease.clone());
-    let saved_defaults: BTreeMap<String, Watts> = saved
-        .as_ref()
-        .map(|s| s.saved_defaults.clone())
-        .unwrap_or_default();
-    let mut agent = Agent::new(settings, identities, &saved_defaults, now());
-    agent.clock_origin_unix_s = unix_s() - now();
-    agent.sample_interval_ms =
-        u64::try_from(options.sample_interval.as_millis()).unwrap_or(u64::MAX);
-    // Read every GPU's limit before anything is written: in controller mode it bounds
-    // the caps until a current lease arrives (fail-static through a restart). These
-    // readings also end the holds of jobs that ended while the agent was down.
-    let first_read_at = now();
-    for gpu in 0..agent.gpus.len() as u32 {
-        let sample = backend.sample(gpu);
-        agent.sampled(now(), gpu, sample);
-    }
-    info!(
-        gpus = agent.gpus.len(),
-        mode = if agent.settings.node_budget.is_some() {
-            "standalone"
-        } else {
-            "controller"
-        },
-        "agent started"
-    );
-
-    // Reconcile after a crash or restart: jobs still running keep their GPUs; every
-    // other GPU goes back to its saved default on the first tick. Whether a job still
-    // runs is what the host's step daemons say (root's `slurmstepd [J.*]`), never a
-    // process's own environment.
-    let table = match crate::procs::ProcTable::read(Path::new("/proc")) {
-        Ok(table) => Some(table),
-        Err(e) => {
-            warn!(error = %e, "cannot read /proc to tell running jobs from ended ones");
-            None
-        }
-    };
-    let live = table.as_ref().map(|t| t.live_jobs()).unwrap_or_default();
-    let (saved_jobs, saved_finals) = saved
-        .map(|s| (s.jobs, s.unacked_finals))
-        .unwrap_or_default();
-    // Final shares the controller had not acknowledged: re-sent from now on.
-    agent.unacked = saved_finals;
-    // GPUs running some job's processes now (by UUID): a job that ended while the agent
-    // was down is not charged what they draw for another.
-    let busy: std::collections::BTreeSet<String> = (0..agent.gpus.len() as u32)
-        .filter(|&g| backend.running_pids(g).is_ok_and(|pids| !pids.is_empty()))
-        .map(|g| agent.gpus[g as usize].identity.uuid.clone())
-        .collect();
-    agent.restore_saved_jobs(now(), first_read_at, saved_jobs, &live, &busy);
-    if state_lost {
-        adopt_from_slurm(&mut agent, backend, table.as_ref(), now());
-    }
-    // The previous run's lease, while it lasts, keeps the restored jobs at their caps;
-    // once run out it still bounds the fail-safe (which never raises a job above its
-    // last grant).
-    if let Some(lease) = saved_lease {
-        let left_s = lease.expires_unix_s - unix_s();
-        info!(
-            jobs = lease.caps.len(),
-            left_s = left_s.max(0.0),
-            "resuming the previous run's lease"
-        );
-        agent.restore_saved_lease(now(), lease.caps, left_s, lease.start_cap_w.map(Watts));
-    }
-    save(&options.state_dir, &agent);
-
-    Ok(agent)
-}
-
-/// After a lost state file (missing, or set aside as corrupt): the jobs running on this
-/// node's GPUs, taken back as managed under the tier Slurm records for them.
-fn adopt_from_slurm(
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    table: Option<&crate::procs::ProcTable>,
-    now: f64,
-) {
-    // Jobs running on this node's GPUs that a lost (missing or corrupt) state file no
-    // longer lists: take back those Slurm records as managed, under the tier it records
-    // (the controller's AdminComment, admins' only), rather than release their caps. Never
-    // on a normal restart (a job the saved state does not list was not managed: a `none`
-    // job, or one whose registration failed), never under a tier Slurm does not record,
-    // never from the job's environment. Which job a GPU's process belongs to comes from
-    // its ancestry (`persist::running_jobs`).
-    let node = agent.settings.node.clone();
-    let gpu_pids: std::collections::BTreeMap<u32, Vec<u32>> = (0..agent.gpus.len() as u32)
-        .filter_map(|g| backend.running_pids(g).ok().map(|pids| (g, pids)))
+    let gpus: Vec<u32> = (0..agent.gpu_count() as u32).collect();
+    let samples = read_gpus(backend, &gpus);
+    let table = read_process_table("to tell running jobs from ended ones");
+    let gpu_pids: BTreeMap<u32, Vec<u32>> = gpus
+        .iter()
+        .filter_map(|&g| backend.running_pids(g).ok().map(|pids| (g, pids)))
         .filter(|(_, pids)| !pids.is_empty())
         .collect();
-    let running = table
-        .map(|t| persist::running_jobs(t, &gpu_pids, persist::process_uid))
-        .unwrap_or_default();
-    // One read of Slurm's record per cluster, for every job to take back.
+    let adoptable = match (&saved, &table) {
+        (None, Some(table)) => adoption_candidates(agent.node(), table, &gpu_pids),
+        _ => Vec::new(),
+    };
+    StartFacts {
+        samples,
+        jobs_on_host: table.as_ref().map(ProcTable::live_jobs),
+        busy_gpus: gpu_pids.keys().copied().collect(),
+        adoptable,
+        saved,
+    }
+}
+
+/// The jobs running on this node's GPUs (which job a GPU's process belongs to comes
+/// from its ancestry, see `persist::running_jobs`), each with the tier Slurm records for
+/// it here: one read of Slurm's record per cluster.
+fn adoption_candidates(
+    node: &str,
+    table: &ProcTable,
+    gpu_pids: &BTreeMap<u32, Vec<u32>>,
+) -> Vec<AdoptionCandidate> {
     let mut slurm_records: BTreeMap<
         Option<String>,
         Option<powerflex_core::slurm_record::SlurmJobs>,
     > = BTreeMap::new();
-    for job in running {
-        if agent.jobs.contains_key(&job.job_id) {
-            continue;
-        }
-        let record = slurm_records
-            .entry(job.cluster.clone())
-            .or_insert_with(|| persist::slurm_jobs(&job.cluster, Duration::from_secs(5)));
-        let recorded = record
-            .as_ref()
-            .and_then(|jobs| persist::recorded_tier(jobs, &job.job_id, &node))
-            .filter(|t| parse_power_flex(t, &agent.settings.tiers).is_ok());
-        let Some(tier) = recorded else {
-            warn!(job_id = %job.job_id, gpus = ?job.gpus, "job running on this node's GPUs without a record, and Slurm records no powerflex tier for it here; not taken back (its GPUs keep the limit they read back)");
-            continue;
-        };
-        match agent.register(
-            now,
-            &job.job_id,
-            crate::control::ADOPTED_STEP,
-            job.uid,
-            &node,
-            &job.gpus,
-            &tier,
-        ) {
-            Ok(_) => {
-                agent.set_job_cluster(&job.job_id, job.cluster.clone(), now);
-                warn!(job_id = %job.job_id, gpus = ?job.gpus, tier, source = "Slurm's AdminComment", "job running on this node's GPUs without a record (state file lost); managing it again")
+    persist::running_jobs(table, gpu_pids, persist::process_uid)
+        .into_iter()
+        .map(|job| {
+            let record = slurm_records
+                .entry(job.cluster.clone())
+                .or_insert_with(|| persist::slurm_jobs(&job.cluster, Duration::from_secs(5)));
+            let recorded_tier = record
+                .as_ref()
+                .and_then(|jobs| persist::recorded_tier(jobs, &job.job_id, node));
+            AdoptionCandidate {
+                job_id: job.job_id,
+                cluster: job.cluster,
+                uid: job.uid,
+                gpus: job.gpus,
+                recorded_tier,
             }
-            Err(e) => warn!(job_id = %job.job_id, error = %e, "cannot take back a running job"),
-        }
-    }
+        })
+        .collect()
 }
 
-/// How often a degraded GPU is read to see whether it works again, seconds.
-const DEGRADED_PROBE_S: f64 = 10.0;
-
 /// Runs the agent until `shutdown` is set, then puts the GPUs without a running job back
-/// to their defaults (see [`crate::control::Agent::stop_actions`]).
+/// to their defaults (see [`AgentInput::Stop`]).
 ///
-/// `reloads` brings re-read site configs (SIGHUP): see [`Agent::reload`]; a refused one
-/// is logged and shown by `status` (`config_error`), and the settings in force stay.
+/// `reloads` brings re-read site configs (SIGHUP); a refused one is logged and shown by
+/// `status` (`config_error`), and the settings in force stay.
 pub fn run(
     settings: AgentSettings,
     options: RunOptions,
@@ -541,21 +533,44 @@ pub fn run(
 ) -> Result<(), AgentError> {
     let span = info_span!("powerflexd", node = %settings.node);
     let _enter = span.enter();
-    let clock = Instant::now();
-    let now = || clock.elapsed().as_secs_f64();
 
     // Before anything else touches the GPUs, the state or the sockets: a second agent
     // would unlink the first one's live sockets and fight it over the caps.
     let _instance = lock_instance(&options.state_dir)?;
-    let mut agent = start_up(settings, &options, backend.as_mut(), clock)?;
+    let identities = backend.discover()?;
+    let sample_interval_ms = u64::try_from(options.sample_interval.as_millis()).unwrap_or(u64::MAX);
+    let mut agent = Agent::new(
+        settings,
+        identities,
+        sample_interval_ms,
+        options.clock.now(),
+    );
+    let facts = start_facts(&agent, &options, backend.as_mut());
+    let started = agent.step(
+        options.clock.now(),
+        vec![AgentInput::Start(Box::new(facts))],
+    );
+    let Some(first_status) = started.snapshot.clone() else {
+        unreachable!("the machine publishes its status at its start");
+    };
+    let snapshot: SnapshotCell = Arc::new(RwLock::new(Arc::new(first_status)));
+    let mut edge = Edge {
+        agent,
+        backend: backend.as_mut(),
+        options: &options,
+        snapshot: snapshot.clone(),
+    };
+    let follow_up = edge.write_and_read_back(&started);
+    edge.finish(started, &mut []);
+    if !follow_up.is_empty() {
+        edge.drive(follow_up, Vec::new());
+    }
 
-    let snapshot: SnapshotCell = Arc::new(RwLock::new(Arc::new(agent.snapshot(now()))));
     let (tx, rx) = bounded::<Inbound>(1024);
     let (control_tx, mut control_rx) = bounded::<Inbound>(64);
-    let edges = spawn_edges(&options, &agent, &snapshot, tx, control_tx, &shutdown)?;
+    let edges = spawn_edges(&options, &edge.agent, &snapshot, tx, control_tx, &shutdown)?;
 
     let ticker = tick(Duration::from_millis(50));
-    let mut timers = Timers::default();
     let mut control_in_a_row = 0;
     while !shutdown.load(Ordering::SeqCst) {
         // Control requests (registrations, step and job ends) come first: slurmstepd
@@ -566,74 +581,39 @@ pub fn run(
         if control_in_a_row < MAX_CONTROL_IN_A_ROW {
             if let Ok(msg) = control_rx.try_recv() {
                 control_in_a_row += 1;
-                serve(
-                    msg,
-                    &mut agent,
-                    backend.as_mut(),
-                    &snapshot,
-                    &options,
-                    clock,
-                );
+                edge.serve(msg);
                 continue;
             }
         }
         control_in_a_row = 0;
         select! {
             recv(control_rx) -> msg => match msg {
-                Ok(msg) => serve(msg, &mut agent, backend.as_mut(), &snapshot, &options, clock),
+                Ok(msg) => edge.serve(msg),
                 Err(_) => control_rx = crossbeam_channel::never(),
             },
             recv(rx) -> msg => {
                 let Ok(msg) = msg else { break };
-                serve(msg, &mut agent, backend.as_mut(), &snapshot, &options, clock);
+                edge.serve(msg);
             }
             recv(reloads) -> reload => {
                 if let Ok(reload) = reload {
-                    match agent.reload(reload) {
-                        Ok(()) => info!(
-                            failsafe_cap_w = agent.settings.failsafe_cap.0,
-                            lease_ttl_s = agent.settings.lease_ttl_s,
-                            "site config reloaded"
-                        ),
-                        Err(e) => error!(error = %e, "site config reload refused; the settings in force stay"),
-                    }
-                    publish(&snapshot, &agent, now());
+                    edge.drive(vec![AgentInput::Reload(reload)], Vec::new());
                 }
             }
-            recv(ticker) -> _ => {
-                let t = now();
-                if t >= timers.next_sample {
-                    sample_tick(&mut agent, backend.as_mut(), &mut timers, t, &options, &snapshot);
-                }
-            }
+            recv(ticker) -> _ => edge.sample_if_due(),
         }
     }
-    shut_down(&mut agent, backend.as_mut(), &options, &shutdown, edges);
+    shut_down(&mut edge, &shutdown, edges);
     Ok(())
 }
 
 /// Stopping: the GPUs without a running job back to their defaults (every GPU with
 /// `--release-on-exit`), the accounting and state saved, the edge threads woken and
 /// joined, the sockets removed.
-fn shut_down(
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    options: &RunOptions,
-    shutdown: &AtomicBool,
-    edges: Edges,
-) {
-    let actions = agent.stop_actions(options.release_on_exit);
-    if options.release_on_exit {
-        info!("shutting down: restoring every GPU's default cap (--release-on-exit)");
-    } else {
-        info!(
-            gpus_released = actions.len(),
-            "shutting down: GPUs without a job back to their defaults; running jobs keep their caps for the next agent"
-        );
-    }
-    execute(actions, agent, backend, &options.state_dir);
-    record_usage(agent, &options.state_dir, options.usage_log);
-    save(&options.state_dir, agent);
+fn shut_down(edge: &mut Edge<'_>, shutdown: &AtomicBool, edges: Edges) {
+    let release_jobs = edge.options.release_on_exit;
+    edge.drive(vec![AgentInput::Stop { release_jobs }], Vec::new());
+    let options = edge.options;
     shutdown.store(true, Ordering::SeqCst);
     // The accept threads block in accept(): a connection wakes each to see the shutdown.
     let _ = std::os::unix::net::UnixStream::connect(&options.control_socket);
@@ -701,17 +681,7 @@ fn spawn_edges(
         )?);
     }
     if let Some(mut link) = options.link.clone() {
-        link.gpus = agent
-            .gpus
-            .iter()
-            .map(|g| powerflex_proto::link::GpuInfo {
-                uuid: g.identity.uuid.clone(),
-                name: g.identity.name.clone(),
-                min_w: g.identity.min_cap.0,
-                max_w: g.identity.max_cap.0,
-                default_w: g.saved_default.0,
-            })
-            .collect();
+        link.gpus = agent.gpu_infos();
         let addr = link.controller.to_string();
         threads.push(
             crate::link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
@@ -724,332 +694,4 @@ fn spawn_edges(
         );
     }
     Ok(Edges { threads, metrics })
-}
-
-/// When the control loop next samples the GPUs, probes the degraded ones, scans the
-/// process table for ended jobs and saves the accounting, agent seconds.
-#[derive(Debug)]
-struct Timers {
-    next_sample: f64,
-    next_probe: f64,
-    next_job_scan: f64,
-    next_usage_save: f64,
-}
-
-impl Default for Timers {
-    fn default() -> Timers {
-        Timers {
-            next_sample: 0.0,
-            next_probe: DEGRADED_PROBE_S,
-            next_job_scan: 0.0,
-            next_usage_save: USAGE_SAVE_INTERVAL_S,
-        }
-    }
-}
-
-/// One sample period: the GPUs read (the degraded ones now and then), ended jobs and
-/// GPU use found from the process table every few seconds, the machine's tick executed,
-/// the accounting recorded and the status published.
-fn sample_tick(
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    timers: &mut Timers,
-    t: f64,
-    options: &RunOptions,
-    snapshot: &SnapshotCell,
-) {
-    let started = Instant::now();
-    timers.next_sample = t + options.sample_interval.as_secs_f64();
-    // Degraded GPUs are probed now and then, not every sample: a GPU that
-    // answers again (a fault cleared, a permission fixed) is managed again,
-    // and its default restored when its job is gone.
-    let probe = t >= timers.next_probe;
-    if probe {
-        timers.next_probe = t + DEGRADED_PROBE_S;
-    }
-    // Jobs whose end never reached the agent: their step daemons are gone.
-    if t >= timers.next_job_scan {
-        timers.next_job_scan = t + JOB_SCAN_INTERVAL_S;
-        match crate::procs::ProcTable::read(Path::new("/proc")) {
-            Ok(table) => {
-                for job_id in agent.jobs_alive(t, &table.live_jobs()) {
-                    warn!(job_id = %job_id, grace_s = agent.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
-                }
-                let used = gpu_use(backend, agent, &table);
-                agent.nvml_processes_seen(t, &used.processes);
-                for r in agent.check_gpu_use(t, &used.jobs) {
-                    warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
-                }
-            }
-            Err(e) => warn!(error = %e, "cannot read /proc to find ended jobs"),
-        }
-    }
-    for gpu in 0..agent.gpus.len() as u32 {
-        let degraded = agent.gpus[gpu as usize].degraded.is_some();
-        if degraded && !probe {
-            continue;
-        }
-        let sample = backend.sample(gpu);
-        match &sample {
-            Err(e) if !degraded => {
-                warn!(gpu, error = %e, class = ?e.class, "GPU reading failed")
-            }
-            Ok(_) if degraded => info!(gpu, "degraded GPU answers again; managing it"),
-            _ => {}
-        }
-        if let Some(m) = agent.sampled(t, gpu, sample) {
-            log_mismatch(&m, agent.cap_mismatches, "writing it again");
-        }
-    }
-    let actions = agent.tick(t);
-    execute(actions, agent, backend, &options.state_dir);
-    record_usage(agent, &options.state_dir, options.usage_log);
-    if t >= timers.next_usage_save && !agent.jobs.is_empty() {
-        timers.next_usage_save = t + USAGE_SAVE_INTERVAL_S;
-        save(&options.state_dir, agent);
-    }
-    publish(snapshot, agent, t);
-    note_if_slow(started, "sample");
-}
-
-fn publish(cell: &SnapshotCell, agent: &Agent, now: f64) {
-    let fresh = Arc::new(agent.snapshot(now));
-    if let Ok(mut slot) = cell.write() {
-        *slot = fresh;
-    }
-}
-
-/// A control request from the plugin or the epilog (root), answered: a step's
-/// registration, a step's or a job's end, a status ping.
-fn handle_control(
-    request: powerflex_proto::ControlRequest,
-    peer: crate::server::Peer,
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    now: f64,
-    state_dir: &Path,
-) -> ControlReply {
-    match request.op {
-        ControlOp::Register {
-            job_id,
-            step_id,
-            uid,
-            node,
-            gpus,
-            flex,
-        } => register_step(
-            agent,
-            backend,
-            now,
-            state_dir,
-            peer,
-            Registration {
-                job_id: &job_id,
-                step_id: &step_id,
-                uid,
-                node: &node,
-                gpus: &gpus,
-                flex: &flex,
-            },
-        ),
-        ControlOp::EndStep { job_id, step_id } => {
-            if step_id == crate::control::BATCH_STEP_NAME {
-                // The batch script's end makes the job's final share here
-                // (see `Agent::end_step`): its energy is read up to now.
-                sample_job_gpus(agent, backend, &job_id, now);
-            }
-            match agent.end_step(&job_id, &step_id, now) {
-                Ok(ended_share) => {
-                    info!(
-                        job_id = %job_id,
-                        step_id = %step_id,
-                        job_ended = ended_share.is_some(),
-                        "step ended"
-                    );
-                    save(state_dir, agent);
-                    ControlReply {
-                        ended_share,
-                        ..ControlReply::ok()
-                    }
-                }
-                Err(e) => ControlReply::error(e),
-            }
-        }
-        ControlOp::EndJob { job_id } => {
-            // The job's hold (and its energy) ends now.
-            sample_job_gpus(agent, backend, &job_id, now);
-            let known = agent.end_job(&job_id, now);
-            info!(job_id = %job_id, known, "job ended; its GPUs return to default");
-            save(state_dir, agent);
-            ControlReply::ok()
-        }
-        ControlOp::Status => ControlReply::ok(),
-    }
-}
-
-/// What a step's registration names.
-struct Registration<'a> {
-    job_id: &'a str,
-    step_id: &'a str,
-    uid: u32,
-    node: &'a str,
-    gpus: &'a [String],
-    flex: &'a str,
-}
-
-/// A step registers (from its slurmstepd, root): the GPUs checked against what runs on
-/// them, the job registered, its GPUs read (its hold starts now) and capped before the
-/// answer, since slurmstepd starts the tasks after it.
-fn register_step(
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    now: f64,
-    state_dir: &Path,
-    peer: crate::server::Peer,
-    step: Registration<'_>,
-) -> ControlReply {
-    let Registration {
-        job_id,
-        step_id,
-        uid,
-        node,
-        gpus,
-        flex,
-    } = step;
-    let span = info_span!("job", job_id = %job_id);
-    let _e = span.enter();
-    // The registering peer is the step's slurmstepd (root): its cluster
-    // tells this job apart from same-numbered jobs of other clusters.
-    let cluster = crate::procs::stepd_cluster(Path::new("/proc"), peer.pid);
-    // A live step daemon registers: a job holding these GPUs with no step
-    // daemon left has ended (its end lost), and Slurm moved its GPUs on.
-    // The whole process table is read only then: it is most of a
-    // registration's work, and slurmstepd waits for the answer.
-    if cluster.is_some() && agent.gpus_held_by_others(job_id, gpus) {
-        if let Ok(table) = crate::procs::ProcTable::read(Path::new("/proc")) {
-            for ended in agent.hand_over_from_ended_jobs(now, job_id, gpus, &table.live_jobs()) {
-                warn!(ended_job = %ended, step_id = %step_id, "a job holding these GPUs has no step daemon left (its end was lost); ended, its GPUs go to this job");
-            }
-        }
-    }
-    let in_use = gpus_used_by_others(backend, agent, gpus, job_id, &cluster);
-    let outcome = match in_use {
-        Some(refusal) => {
-            agent.gpu_claims_refused += 1;
-            warn!(step_id = %step_id, gpu = refusal.gpu, used_by = ?refusal.used_by, "GPU claim refused at registration: other jobs' processes run on it");
-            Err(format!(
-                "GPU {} runs processes of job {}: a step may register only the GPUs Slurm gave it",
-                refusal.gpu,
-                refusal.used_by.join(", ")
-            ))
-        }
-        None => agent.register(now, job_id, step_id, uid, node, gpus, flex),
-    };
-    match outcome {
-        Ok(r) => {
-            if let Some(cluster) = cluster {
-                agent.set_job_cluster(job_id, cluster, now);
-            }
-            info!(step_id = %step_id, uid, tier = %r.tier, gpus = ?gpus, pid = peer.pid, "step registered");
-            // The job's hold of its GPUs (and its energy) starts now.
-            sample_job_gpus(agent, backend, job_id, now);
-            // Cap the job's GPUs before answering: slurmstepd starts the
-            // tasks after this reply, so they never run above the cap
-            // the job is granted (the fail-safe until the controller
-            // has allocated it).
-            let actions = agent.tick(now);
-            execute(actions, agent, backend, state_dir);
-            save(state_dir, agent);
-            ControlReply {
-                progress: r.progress,
-                tier: Some(r.tier),
-                ..ControlReply::ok()
-            }
-        }
-        Err(e) => {
-            warn!(step_id = %step_id, error = %e, "registration refused");
-            ControlReply::error(e)
-        }
-    }
-}
-
-fn handle(
-    msg: Inbound,
-    agent: &mut Agent,
-    backend: &mut dyn GpuBackend,
-    now: f64,
-    clock: Instant,
-    state_dir: &Path,
-) {
-    match msg {
-        Inbound::Control {
-            request,
-            peer,
-            reply,
-        } => {
-            let answer = handle_control(request, peer, agent, backend, now, state_dir);
-            let _ = reply.send(answer);
-        }
-        Inbound::Progress {
-            report,
-            peer,
-            sender,
-            received,
-            verdict,
-        } => {
-            let at = received.saturating_duration_since(clock).as_secs_f64();
-            let from = ReportSender {
-                uid: peer.uid,
-                pid: peer.pid,
-                step_job: sender.job,
-                cluster: sender.cluster,
-            };
-            let outcome = agent.report_progress(at, &from, &report);
-            if let Err(e) = &outcome {
-                warn!(job_id = %report.job_id, pid = peer.pid, uid = peer.uid, error = %e, "progress report refused");
-            }
-            let _ = verdict.send(outcome);
-        }
-        Inbound::Lease(lease) => {
-            info!(
-                jobs = lease.caps.len(),
-                ttl_s = lease.ttl_s,
-                start_cap_w = lease.start_cap.map(|w| w.0),
-                "lease from the controller"
-            );
-            // Written now rather than at the next tick, and the written limits read
-            // back: the controller holds other nodes' increases until this node's
-            // decreases are confirmed, so the confirmation should not wait a period.
-            let actions = agent.apply_lease(now, lease);
-            let written: Vec<u32> = actions
-                .iter()
-                .filter_map(|a| match a {
-                    Action::SetCap { gpu, .. } => Some(*gpu),
-                    Action::Persist => None,
-                })
-                .collect();
-            execute(actions, agent, backend, state_dir);
-            for gpu in written {
-                let sample = backend.sample(gpu);
-                agent.sampled(now, gpu, sample);
-            }
-            // A restarted agent resumes this lease (see persist::PersistedLease).
-            save(state_dir, agent);
-        }
-        Inbound::Acked { finals } => {
-            let dropped = agent.acked(&finals);
-            if dropped > 0 {
-                info!(
-                    acknowledged = dropped,
-                    left = agent.unacked.len(),
-                    "the controller recorded this node's final shares"
-                );
-                save(state_dir, agent);
-            }
-        }
-        Inbound::ProgressRefused { reason, peer } => {
-            agent.progress_refused();
-            warn!(pid = peer.pid, uid = peer.uid, error = %reason, "progress report refused");
-        }
-    }
 }

@@ -15,12 +15,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use powerflex_core::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
+use powerflex_core::allocate::Policy;
 use powerflex_core::config::UnregisteredGpuUse;
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::{parse_power_flex, Calibrate, FlexRequest, Service, TierTable};
 use powerflex_core::gpus::{parse_gpu_list, GpuRef};
-use powerflex_core::Watts;
+use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::status::{AgentMode, CalibrationState, CurvePoint, PfiSource, ThroughputUnit};
 
 use crate::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog, Recorded};
@@ -31,6 +31,13 @@ use crate::JobKey;
 use powerflex_proto::usage::FinalRef;
 use powerflex_proto::usage::NodeUsage;
 use powerflex_proto::ProgressReport;
+
+mod standalone;
+mod step;
+pub use step::{
+    AdoptionCandidate, AgentInput, AgentOutput, CapWrite, CapWriteResult, ControlFacts,
+    ControlReads, GpuProcesses, GpuReading, Reply, StartFacts, TickReads,
+};
 
 /// The step name a job taken back from its running processes (no record, no
 /// registration) is registered under.
@@ -321,50 +328,54 @@ pub struct Registered {
 /// The agent's state.
 #[derive(Debug, Clone)]
 pub struct Agent {
-    pub settings: AgentSettings,
-    pub gpus: Vec<GpuSlot>,
-    pub jobs: BTreeMap<String, Job>,
-    pub lease: Option<Lease>,
+    settings: AgentSettings,
+    gpus: Vec<GpuSlot>,
+    jobs: BTreeMap<String, Job>,
+    lease: Option<Lease>,
     /// When the agent started (controller mode: the first lease is due by start + TTL).
-    pub started_at: f64,
-    /// Wall-clock time (Unix seconds) of this agent's clock zero, to persist deadlines.
-    pub clock_origin_unix_s: f64,
+    started_at: f64,
     /// Progress reports refused (wrong user, wrong job, malformed).
-    pub progress_rejected: u64,
+    progress_rejected: u64,
     /// Why the last site config reload was refused (the settings in force stayed).
-    pub config_error: Option<String>,
+    config_error: Option<String>,
     /// GPU limits found changed behind the agent's back (and written again).
-    pub cap_mismatches: u64,
+    cap_mismatches: u64,
     /// Leases applied since the agent started (counted as the machine takes one; the
     /// edge publishes the status only after writing the caps and reading them back): the
     /// link reports at once when this rises, which confirms the new caps to the controller.
-    pub leases_applied: u64,
+    leases_applied: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
-    pub gpu_claims_refused: u64,
+    gpu_claims_refused: u64,
     /// Jobs the controller's last lease lets this agent probe (they run on this node
     /// alone); none in standalone mode, where a job's other nodes are unknown.
-    pub learn: BTreeSet<String>,
+    learn: BTreeSet<String>,
     /// Controller mode, since the start: no current lease yet, so the limits read back
     /// at start bound every cap ([`GpuSlot::start_ceiling`]).
     awaiting_current_lease: bool,
     /// The controller's last lease said a grid event is in force.
-    pub event_in_force: bool,
+    event_in_force: bool,
     /// Final shares of jobs ended here that the controller has not acknowledged, oldest
     /// first: persisted, and re-sent until acknowledged (see [`UnackedFinal`]).
-    pub unacked: Vec<UnackedFinal>,
+    unacked: Vec<UnackedFinal>,
     /// Final shares not yet written to the node's usage log.
     pending_records: Vec<NodeUsage>,
     /// The agent's sample (control) period, ms (`powerflexd --sample-interval-ms`): the
     /// jobs' time shares count spans of a few periods (see
     /// [`crate::usage::max_observation_gap_ms`]).
-    pub sample_interval_ms: u64,
+    sample_interval_ms: u64,
+    /// When the edge next reads the GPUs, probes the degraded ones, reads the process
+    /// table and the state is saved for the accounting (see [`step::TickReads`]).
+    timers: step::Timers,
+    /// A step wrote caps or asked for read-backs: the status is published by the step
+    /// that takes their results, so it shows what the GPUs enforce.
+    publish_owed: bool,
 }
 
 impl Agent {
     /// Applies re-read settings (SIGHUP). The node name, the progress address and the
     /// mode (standalone or controller) are fixed for the agent's life; new calibration
     /// settings apply to jobs registered from now on, the rest at the next tick.
-    pub fn reload(&mut self, new: Result<AgentSettings, String>) -> Result<(), String> {
+    fn reload(&mut self, new: Result<AgentSettings, String>) -> Result<(), String> {
         let checked = new.and_then(|new| {
             if new.node_budget.is_some() != self.settings.node_budget.is_some() {
                 Err("switching between standalone (agent.node_budget_w) and controller mode needs a restart".to_string())
@@ -389,9 +400,23 @@ impl Agent {
         }
     }
 
+    /// An agent for `gpus`, started at `now`, sampling every `sample_interval_ms`. It
+    /// writes nothing until its first step, [`AgentInput::Start`], has told it what the
+    /// previous run left and what the GPUs read.
+    pub fn new(
+        settings: AgentSettings,
+        gpus: Vec<GpuIdentity>,
+        sample_interval_ms: u64,
+        now: UnixMs,
+    ) -> Agent {
+        let mut agent = Agent::with_defaults(settings, gpus, &BTreeMap::new(), now.as_secs_f64());
+        agent.sample_interval_ms = sample_interval_ms;
+        agent
+    }
+
     /// An agent for `gpus`. `saved` holds default limits persisted by an earlier run (by
     /// UUID): a restart after a crash must not mistake a cap it left for the default.
-    pub fn new(
+    fn with_defaults(
         settings: AgentSettings,
         gpus: Vec<GpuIdentity>,
         saved: &BTreeMap<String, Watts>,
@@ -423,7 +448,6 @@ impl Agent {
             jobs: BTreeMap::new(),
             lease: None,
             started_at: now,
-            clock_origin_unix_s: 0.0,
             progress_rejected: 0,
             config_error: None,
             cap_mismatches: 0,
@@ -435,21 +459,13 @@ impl Agent {
             unacked: Vec::new(),
             pending_records: Vec::new(),
             sample_interval_ms: DEFAULT_SAMPLE_INTERVAL_MS,
-        }
-    }
-
-    /// Unix ms at agent time `now`.
-    fn unix_ms(&self, now: f64) -> u64 {
-        let ms = (self.clock_origin_unix_s + now) * 1000.0;
-        if ms.is_finite() && ms > 0.0 {
-            ms.round() as u64
-        } else {
-            0
+            timers: step::Timers::starting_at(now),
+            publish_owed: false,
         }
     }
 
     /// The job's share on this node now (`ended`: final).
-    pub fn share(&self, job: &Job, ended: bool) -> NodeUsage {
+    fn share(&self, job: &Job, ended: bool) -> NodeUsage {
         self.share_on(job, job.calibration.best_curve(), ended)
     }
 
@@ -529,7 +545,7 @@ impl Agent {
             );
         }
         self.unacked.push(UnackedFinal {
-            ended_unix_ms: self.unix_ms(now),
+            ended_unix_ms: UnixMs::from_secs_f64(now).ms(),
             share: share.clone(),
         });
         self.pending_records.push(share);
@@ -538,7 +554,7 @@ impl Agent {
     /// The controller acknowledged these final shares (their records are written): they
     /// are no longer re-sent. Returns how many were dropped (then the state is to be
     /// saved).
-    pub fn acked(&mut self, finals: &[FinalRef]) -> usize {
+    fn acked(&mut self, finals: &[FinalRef]) -> usize {
         let before = self.unacked.len();
         self.unacked
             .retain(|u| !finals.contains(&FinalRef::of(&u.share)));
@@ -548,7 +564,7 @@ impl Agent {
     /// Drops the unacknowledged final shares older than [`UNACKED_FINAL_MAX_AGE_MS`] at
     /// `now`; returns how many.
     fn expire_unacked(&mut self, now: f64) -> usize {
-        let now_ms = self.unix_ms(now);
+        let now_ms = UnixMs::from_secs_f64(now).ms();
         let before = self.unacked.len();
         self.unacked.retain(|u| {
             let keep = now_ms.saturating_sub(u.ended_unix_ms) < UNACKED_FINAL_MAX_AGE_MS;
@@ -567,7 +583,7 @@ impl Agent {
     /// What the agent keeps across a restart (see [`crate::saved`]): its GPUs' saved
     /// defaults, its jobs with their curves and accounting, the lease with its expiry on
     /// the wall clock, and the final shares not yet acknowledged.
-    pub fn saved_state(&self) -> PersistedState {
+    fn saved_state(&self) -> PersistedState {
         PersistedState {
             node: self.settings.node.clone(),
             saved_defaults: self
@@ -597,7 +613,7 @@ impl Agent {
                 .collect(),
             lease: self.lease.as_ref().map(|l| PersistedLease {
                 caps: l.caps.clone(),
-                expires_unix_s: self.clock_origin_unix_s + l.expires_at,
+                expires_unix_s: l.expires_at,
                 start_cap_w: l.start_cap.map(|w| w.0),
             }),
             unacked_finals: self.unacked.clone(),
@@ -610,7 +626,7 @@ impl Agent {
     /// gets its final share from its saved hold and the counters read at
     /// `first_read_at` (a GPU in `busy` now runs another job's processes and is not
     /// charged to it), and its GPUs go back to their defaults at the first tick.
-    pub fn restore_saved_jobs(
+    fn restore_saved_jobs(
         &mut self,
         now: f64,
         first_read_at: f64,
@@ -686,7 +702,7 @@ impl Agent {
     /// now runs another job's processes (`busy`, by UUID) is not read again: the job is
     /// charged up to its last persisted reading there, never another job's energy.
     #[allow(clippy::too_many_arguments)]
-    pub fn ended_while_down(
+    fn ended_while_down(
         &mut self,
         read_at: f64,
         job_id: &str,
@@ -698,7 +714,7 @@ impl Agent {
         busy: &BTreeSet<String>,
     ) -> NodeUsage {
         usage.resumed();
-        let at_ms = self.unix_ms(read_at);
+        let at_ms = UnixMs::from_secs_f64(read_at).ms();
         let holds: Vec<(String, bool)> = usage
             .gpus
             .iter()
@@ -776,12 +792,12 @@ impl Agent {
 
     /// The final shares of jobs ended since the last call, to append to the node's
     /// usage log.
-    pub fn take_records(&mut self) -> Vec<NodeUsage> {
+    fn take_records(&mut self) -> Vec<NodeUsage> {
         std::mem::take(&mut self.pending_records)
     }
 
     /// The final shares the controller has not acknowledged, oldest first.
-    pub fn unacked_finals(&self) -> Vec<NodeUsage> {
+    fn unacked_finals(&self) -> Vec<NodeUsage> {
         self.unacked.iter().map(|u| u.share.clone()).collect()
     }
 
@@ -799,7 +815,7 @@ impl Agent {
 
     /// Registers a job step. Every step of a job registers; the first creates the job.
     #[allow(clippy::too_many_arguments)]
-    pub fn register(
+    fn register(
         &mut self,
         now: f64,
         job_id: &str,
@@ -925,7 +941,7 @@ impl Agent {
     /// caps until the job's end (the extern step's, or its step daemons gone): a step still
     /// running while Slurm stops it (a trapped SIGTERM, up to `KillWait`) draws no more
     /// than its cap.
-    pub fn end_step(
+    fn end_step(
         &mut self,
         job_id: &str,
         step_id: &str,
@@ -974,14 +990,14 @@ impl Agent {
 
     /// The job ended: its GPUs return to their defaults on the next tick. Ending an
     /// unknown job is not an error (every epilog calls it, calibrated or not).
-    pub fn end_job(&mut self, job_id: &str, now: f64) -> bool {
+    fn end_job(&mut self, job_id: &str, now: f64) -> bool {
         self.finish_job(job_id, now)
     }
 
     /// The cluster of the step daemon that registered `job_id` (see [`Job::cluster`]),
     /// seen at `now`: a registration from a live step daemon is a sighting of the job, so
     /// a job that ends before the next scan of the host's processes is still ended by it.
-    pub fn set_job_cluster(&mut self, job_id: &str, cluster: Option<String>, now: f64) {
+    fn set_job_cluster(&mut self, job_id: &str, cluster: Option<String>, now: f64) {
         if let Some(job) = self.jobs.get_mut(job_id) {
             job.cluster = Some(cluster);
             job.seen_alive_at = Some(now);
@@ -994,7 +1010,7 @@ impl Agent {
     /// `SLURMD_NODENAME`): it is ended here, and its GPUs go back to their defaults at the
     /// next tick. A job never seen alive (registered from elsewhere, or before the first
     /// scan) is left to its epilog. Returns the jobs ended.
-    pub fn jobs_alive(&mut self, now: f64, alive: &BTreeSet<JobKey>) -> Vec<String> {
+    fn jobs_alive(&mut self, now: f64, alive: &BTreeSet<JobKey>) -> Vec<String> {
         let grace = self.settings.job_end_grace_s;
         let mut gone = Vec::new();
         for job in self.jobs.values_mut() {
@@ -1015,7 +1031,7 @@ impl Agent {
 
     /// Whether another job of a known cluster holds one of `gpus` here: only then can a
     /// registration find a job whose end was lost ([`Agent::hand_over_from_ended_jobs`]).
-    pub fn gpus_held_by_others(&self, job_id: &str, gpus: &[String]) -> bool {
+    fn gpus_held_by_others(&self, job_id: &str, gpus: &[String]) -> bool {
         let Ok(refs) = parse_gpu_list(&gpus.join(",")) else {
             return false;
         };
@@ -1036,7 +1052,7 @@ impl Agent {
     /// (then run unmanaged, and uncapped once A was ended). A holder of unknown cluster
     /// (registered by something other than a step daemon) is left alone. Returns the jobs
     /// ended.
-    pub fn hand_over_from_ended_jobs(
+    fn hand_over_from_ended_jobs(
         &mut self,
         now: f64,
         job_id: &str,
@@ -1077,7 +1093,7 @@ impl Agent {
     /// holds it at the fail-safe cap until NVML lists none. A GPU NVML could not list
     /// counts as unused: a listing that keeps failing (a driver that stopped supporting
     /// it) must not strand the cap.
-    pub fn nvml_processes_seen(
+    fn nvml_processes_seen(
         &mut self,
         now: f64,
         listed: &BTreeMap<u32, Vec<(u32, Option<String>)>>,
@@ -1118,7 +1134,7 @@ impl Agent {
     /// (e.g. GPU variables the user exported in a step Slurm gave no GPUs): the claim is
     /// refused, the GPU leaves that job and returns to its default at the next tick.
     /// Returns the refusals, to log and count.
-    pub fn check_gpu_use(
+    fn check_gpu_use(
         &mut self,
         now: f64,
         used_by: &BTreeMap<u32, BTreeSet<JobKey>>,
@@ -1161,7 +1177,7 @@ impl Agent {
     /// report for the job it names (its owner or root, from a step of the same Slurm
     /// cluster as the job's step daemons), then recorded (see [`Self::progress`]). A
     /// refusal is counted, and its reason goes back to the sender.
-    pub fn report_progress(
+    fn report_progress(
         &mut self,
         now: f64,
         sender: &ReportSender,
@@ -1194,13 +1210,13 @@ impl Agent {
 
     /// A progress line the socket refused before it reached the machine (unreadable,
     /// or from a process in no Slurm step): counted with the refused reports.
-    pub fn progress_refused(&mut self) {
+    fn progress_refused(&mut self) {
         self.progress_rejected += 1;
     }
 
     /// A progress report from a verified process of `job_id`; `source` is the sending
     /// process (each reporter's counter is followed on its own, see [`ProgressLog`]).
-    pub fn progress(
+    fn progress(
         &mut self,
         now: f64,
         job_id: &str,
@@ -1249,7 +1265,7 @@ impl Agent {
     /// event flag, the walks to repeat, the walks to end before an announced event, the
     /// caps and the jobs that may be probed. Returns what writes the caps now; the edge
     /// writes them and reads the written GPUs back.
-    pub fn apply_lease(&mut self, now: f64, lease: LeaseMessage) -> Vec<Action> {
+    fn apply_lease(&mut self, now: f64, lease: LeaseMessage) -> Vec<Action> {
         self.event_in_force = lease.event_in_force;
         for job_id in self.recalibrate(now, &lease.recalibrate) {
             tracing::info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
@@ -1269,7 +1285,7 @@ impl Agent {
     /// managed job the lease does not name. A lease already expired (`ttl_s <= 0`, e.g.
     /// the previous run's after a restart) grants nothing, but its caps still bound the
     /// fail-safe: it never raises a job above its last grant.
-    pub fn set_lease(
+    fn set_lease(
         &mut self,
         now: f64,
         caps: BTreeMap<String, Watts>,
@@ -1282,7 +1298,7 @@ impl Agent {
     /// The previous run's lease, from the state file: its caps bound the fail-safe and,
     /// while unexpired, grant what they granted, but it is not a current lease: the
     /// limits read back at start still bound every cap until the controller speaks.
-    pub fn restore_saved_lease(
+    fn restore_saved_lease(
         &mut self,
         now: f64,
         caps: BTreeMap<String, Watts>,
@@ -1323,7 +1339,7 @@ impl Agent {
 
     /// The controller announces a grid event starting `in_s` seconds from now: every
     /// job's calibration walk ends before it (see [`Calibration::finish_by`]).
-    pub fn event_ahead(&mut self, now: f64, in_s: f64) {
+    fn event_ahead(&mut self, now: f64, in_s: f64) {
         if !(in_s.is_finite() && in_s >= 0.0) {
             return;
         }
@@ -1342,7 +1358,7 @@ impl Agent {
     /// are not (seen in the demo: 54 % slower on the true curve, bound 25 %). So a repeated
     /// walk waits until the job's grant is its GPUs' maximum; the controller asks again
     /// every allocation while the job stays off its curve.
-    pub fn recalibrate(&mut self, now: f64, jobs: &[String]) -> Vec<String> {
+    fn recalibrate(&mut self, now: f64, jobs: &[String]) -> Vec<String> {
         let mut started = Vec::new();
         for id in jobs {
             let Some(job) = self.jobs.get(id) else {
@@ -1371,13 +1387,13 @@ impl Agent {
     /// enforces from now on, whatever the agent last wrote: when they differ, something
     /// else changed it, and the next tick writes the agent's cap again. That mismatch is
     /// returned (to log) and counted (metrics, status, the controller's report).
-    pub fn sampled(
+    fn sampled(
         &mut self,
         now: f64,
         gpu: u32,
         result: Result<GpuSample, GpuError>,
     ) -> Option<CapMismatch> {
-        let at_ms = self.unix_ms(now);
+        let at_ms = UnixMs::from_secs_f64(now).ms();
         let slot = self.gpus.get_mut(gpu as usize)?;
         match result {
             Ok(s) => {
@@ -1423,12 +1439,7 @@ impl Agent {
     /// could not be read). A limit other than the last one written or read was changed
     /// behind the agent's back since its last sample: counted and returned like a
     /// sampled one (a new grant written first would otherwise hide it).
-    pub fn cap_written(
-        &mut self,
-        gpu: u32,
-        cap: Watts,
-        found: Option<Watts>,
-    ) -> Option<CapMismatch> {
+    fn cap_written(&mut self, gpu: u32, cap: Watts, found: Option<Watts>) -> Option<CapMismatch> {
         let slot = self.gpus.get_mut(gpu as usize)?;
         let mismatch = found.and_then(|found| slot.mismatch(gpu, found));
         slot.applied = Some(cap);
@@ -1439,7 +1450,7 @@ impl Agent {
     }
 
     /// A cap write failed: a permanent or lost-device failure degrades that GPU only.
-    pub fn cap_failed(&mut self, e: &GpuError) {
+    fn cap_failed(&mut self, e: &GpuError) {
         if let Some(slot) = self.gpus.get_mut(e.index as usize) {
             if e.class != ErrorClass::Transient {
                 slot.degraded = Some(e.message.clone());
@@ -1465,99 +1476,6 @@ impl Agent {
             total += self.gpus[g as usize].last?.power.0;
         }
         Some(Watts(total))
-    }
-
-    /// The curve the allocator uses for `job`: measured, else a prior from its PFI.
-    fn curve_for(&self, job: &Job) -> Option<CapCurve> {
-        let first = self.gpus.get(*job.gpus.first()? as usize)?;
-        if let Some(c) = job.calibration.best_curve() {
-            return Some(bounded_above_top(c, first.identity.max_cap, job.gpus.len()));
-        }
-        // Uncapped draw unknown without a walk: assume the GPUs can draw their maximum.
-        let p_max: f64 = job
-            .gpus
-            .iter()
-            .map(|&g| self.gpus[g as usize].identity.max_cap.0)
-            .sum::<f64>()
-            .max(1.0);
-        let pfi = job
-            .restored_pfi
-            .or(job.prior.map(|p| p.1))
-            .unwrap_or(self.settings.prior_intercept);
-        CapCurve::from_pfi_prior(
-            Watts(p_max),
-            1.0,
-            pfi.max(0.5),
-            first.identity.min_cap,
-            first.identity.max_cap,
-            Watts(50.0),
-        )
-        .ok()
-    }
-
-    /// Standalone mode: splits the node budget across managed jobs.
-    ///
-    /// There is no meter here to correct a curve each period (the controller's metered
-    /// mode): a curve measured from a grant down (see [`bounded_above_top`]) must not
-    /// let a cap rise on a guess.
-    fn allocate_node_budget(&mut self, budget: Watts) {
-        // Power of GPUs outside managed jobs comes off the budget first.
-        let outside: f64 = self
-            .gpus
-            .iter()
-            .filter(|g| {
-                g.job
-                    .as_ref()
-                    .and_then(|j| self.jobs.get(j))
-                    .is_none_or(|j| !j.managed())
-            })
-            .map(|g| g.last.map_or(g.identity.max_cap.0, |s| s.power.0))
-            .sum();
-        let mut specs = Vec::new();
-        for job in self
-            .jobs
-            .values()
-            .filter(|j| j.managed() && !j.gpus.is_empty())
-        {
-            let Some(curve) = self.curve_for(job) else {
-                continue;
-            };
-            let first = &self.gpus[job.gpus[0] as usize].identity;
-            specs.push(JobSpec {
-                id: job.id.clone(),
-                gpus: job.gpus.len() as u32,
-                throughput_weight: 1.0 / curve.uncapped().throughput.max(1e-9),
-                curve,
-                max_slowdown: job.request.service.max_slowdown(),
-                limits: CapLimits {
-                    min_w: first.min_cap,
-                    max_w: first.max_cap,
-                    step_w: self.settings.cap_step,
-                },
-            });
-        }
-        let managed_budget = Watts((budget.0 - outside).max(0.0));
-        // The controller's rule: the optimal policy leaves the equal split only where the
-        // curves' uncertainty allows (no power margin: each period's readings correct it).
-        let allocation = match self.settings.policy {
-            Policy::Optimal => allocate_cautious(
-                &specs,
-                managed_budget,
-                Caution {
-                    power_z: 0.0,
-                    ..Caution::default()
-                },
-            )
-            .map(|c| c.allocation),
-            policy => allocate(&specs, managed_budget, policy),
-        };
-        if let Ok(a) = allocation {
-            for decided in a.jobs {
-                if let Some(job) = self.jobs.get_mut(&decided.id) {
-                    job.granted = Some(decided.cap_w);
-                }
-            }
-        }
     }
 
     /// The per-GPU cap the job should run at now (before calibration lowers it).
@@ -1589,7 +1507,7 @@ impl Agent {
     }
 
     /// Whether the controller's lease has run out (controller mode only).
-    pub fn failsafe_active(&self, now: f64) -> bool {
+    fn failsafe_active(&self, now: f64) -> bool {
         self.controller_mode()
             && match &self.lease {
                 Some(lease) => now >= lease.expires_at,
@@ -1599,7 +1517,7 @@ impl Agent {
 
     /// One control period: advance calibrations, allocate, and return the cap writes
     /// needed to reach the desired caps.
-    pub fn tick(&mut self, now: f64) -> Vec<Action> {
+    fn tick(&mut self, now: f64) -> Vec<Action> {
         let mut changed = false;
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
         for id in &ids {
@@ -1822,7 +1740,7 @@ impl Agent {
 
     /// One observation of every job for its accounting (see [`crate::usage`]).
     fn observe_usage(&mut self, now: f64) {
-        let at_unix_ms = self.unix_ms(now);
+        let at_unix_ms = UnixMs::from_secs_f64(now).ms();
         let max_gap_ms = crate::usage::max_observation_gap_ms(self.sample_interval_ms);
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
         for id in ids {
@@ -1865,7 +1783,7 @@ impl Agent {
     /// BMC keeps its last limit through an outage). The next agent takes them over from
     /// the state file and the limits it reads back. With `release_jobs` (decommissioning:
     /// `powerflexd --release-on-exit`), every GPU goes back to its default.
-    pub fn stop_actions(&self, release_jobs: bool) -> Vec<Action> {
+    fn stop_actions(&self, release_jobs: bool) -> Vec<Action> {
         if !self.settings.enforce {
             return Vec::new();
         }
@@ -1888,7 +1806,7 @@ impl Agent {
     }
 
     /// The status snapshot (also the metrics' source).
-    pub fn snapshot(&self, now: f64) -> Snapshot {
+    fn snapshot(&self, now: f64) -> Snapshot {
         Snapshot {
             node: self.settings.node.clone(),
             mode: if self.controller_mode() {
@@ -2070,6 +1988,7 @@ fn bounded_above_top(curve: CapCurve, max_cap: Watts, gpus: usize) -> CapCurve {
 mod tests {
     use super::*;
     use crate::calibration::CalibrationSettings;
+    use powerflex_proto::ControlOp;
 
     fn gpu(index: u32) -> GpuIdentity {
         GpuIdentity {
@@ -2115,7 +2034,7 @@ mod tests {
     }
 
     fn agent(node_budget: Option<Watts>) -> Agent {
-        let mut a = Agent::new(
+        let mut a = Agent::with_defaults(
             settings(node_budget),
             (0..4).map(gpu).collect(),
             &BTreeMap::new(),
@@ -2194,7 +2113,7 @@ mod tests {
     /// lower caps the previous run left; a stop restored every GPU, running jobs' too.
     #[test]
     fn a_restart_raises_no_running_job_s_cap_until_a_current_lease_and_a_stop_keeps_them() {
-        let mut a = Agent::new(
+        let mut a = Agent::with_defaults(
             settings(None),
             (0..4).map(gpu).collect(),
             &BTreeMap::new(),
@@ -2270,7 +2189,7 @@ mod tests {
     /// is not written until it is read.
     #[test]
     fn a_gpu_unread_at_start_is_held_to_the_failsafe_or_left_alone() {
-        let mut a = Agent::new(
+        let mut a = Agent::with_defaults(
             settings(None),
             (0..4).map(gpu).collect(),
             &BTreeMap::new(),
@@ -2348,9 +2267,8 @@ mod tests {
     #[test]
     fn a_job_is_charged_its_own_gpus_counters_over_its_hold_and_its_end_is_final() {
         let mut a = agent(None);
-        a.clock_origin_unix_s = 1_000.0;
         a.register(
-            1.0,
+            1001.0,
             "7",
             "0",
             1000,
@@ -2359,19 +2277,19 @@ mod tests {
             "flex2",
         )
         .expect("7");
-        a.register(1.0, "8", "0", 2000, "n1", &["2".into()], "none")
+        a.register(1001.0, "8", "0", 2000, "n1", &["2".into()], "none")
             .expect("8");
         // The readings at registration start each hold.
         for g in 0..3 {
             a.sampled(
-                1.0,
+                1001.0,
                 g,
                 reading(700.0, 650.0, 10_000 * u64::from(g + 1), false),
             );
         }
-        a.tick(1.0);
+        a.tick(1001.0);
         a.event_in_force = true;
-        for (t, e) in [(2.0, 500_000u64), (3.0, 1_000_000)] {
+        for (t, e) in [(1002.0, 500_000u64), (1003.0, 1_000_000)] {
             for g in 0..3 {
                 a.sampled(
                     t,
@@ -2381,7 +2299,7 @@ mod tests {
             }
             a.tick(t);
         }
-        let running = a.snapshot(3.0);
+        let running = a.snapshot(1003.0);
         let seven = running.jobs.iter().find(|j| j.job == "7").expect("7");
         let share = seven.usage.as_ref().expect("usage");
         // GPUs 0 and 1 each advanced 1,000,000 mJ over the hold; GPU 2 is job 8's.
@@ -2401,9 +2319,9 @@ mod tests {
             (share.capped_s, share.event_s, share.power_throttled_s),
             (1.0, 1.0, 1.0)
         );
-        assert!(a.end_job("7", 3.5));
+        assert!(a.end_job("7", 1003.5));
         // Job 7's GPUs read after its end are no longer its.
-        a.sampled(4.0, 0, reading(700.0, 100.0, 9_999_999, false));
+        a.sampled(1004.0, 0, reading(700.0, 100.0, 9_999_999, false));
         let ended = a.unacked_finals();
         assert_eq!(ended.len(), 1);
         assert!(ended[0].ended && ended[0].energy_mj == 2_000_000 && ended[0].uid == 1000);
@@ -2423,7 +2341,7 @@ mod tests {
             "a repeat ack is harmless"
         );
         // Job 8 (none) is accounted too.
-        let eight = a.snapshot(4.0);
+        let eight = a.snapshot(1004.0);
         let eight = eight.jobs.iter().find(|j| j.job == "8").expect("8");
         assert_eq!(eight.usage.as_ref().expect("usage").energy_mj, 1_000_000);
     }
@@ -2433,23 +2351,22 @@ mod tests {
     #[test]
     fn the_batch_step_s_end_makes_the_job_s_final_share_and_keeps_its_caps_to_its_end() {
         let mut a = agent(None);
-        a.clock_origin_unix_s = 1_000.0;
         let gpus = ["0".to_string(), "1".to_string()];
-        a.register(1.0, "7", "batch", 1000, "n1", &gpus, "flex2")
+        a.register(1001.0, "7", "batch", 1000, "n1", &gpus, "flex2")
             .expect("batch");
-        a.register(1.5, "7", "0", 1000, "n1", &gpus, "flex2")
+        a.register(1001.5, "7", "0", 1000, "n1", &gpus, "flex2")
             .expect("step 0");
-        for (t, e) in [(1.0, 0u64), (2.0, 400_000), (3.0, 900_000)] {
+        for (t, e) in [(1001.0, 0u64), (1002.0, 400_000), (1003.0, 900_000)] {
             for g in 0..2 {
                 a.sampled(t, g, reading(700.0, 450.0, 5_000 + e, false));
             }
             a.tick(t);
         }
         // An srun step's end leaves the job (and its hold) in place.
-        assert_eq!(a.end_step("7", "0", 3.0), Ok(None));
+        assert_eq!(a.end_step("7", "0", 1003.0), Ok(None));
         assert!(a.jobs.contains_key("7"));
         let share = a
-            .end_step("7", "batch", 3.2)
+            .end_step("7", "batch", 1003.2)
             .expect("known")
             .expect("the batch step's end ends the job");
         assert!(share.ended);
@@ -2464,34 +2381,34 @@ mod tests {
             "what the controller gets"
         );
         // A second batch end, and the job's end that follows, make no second share.
-        a.sampled(3.3, 0, reading(700.0, 450.0, 5_000 + 950_000, false));
-        assert_eq!(a.end_step("7", "batch", 3.3), Ok(Some(share.clone())));
-        assert!(a.end_job("7", 3.4), "the job's end releases its GPUs");
+        a.sampled(1003.3, 0, reading(700.0, 450.0, 5_000 + 950_000, false));
+        assert_eq!(a.end_step("7", "batch", 1003.3), Ok(Some(share.clone())));
+        assert!(a.end_job("7", 1003.4), "the job's end releases its GPUs");
         assert_eq!(a.gpus[0].job, None);
         assert_eq!(a.unacked_finals(), vec![share.clone()], "one final share");
         assert_eq!(a.take_records(), vec![share]);
         // A cancelled job: the extern step's end came first; the batch step's end still
         // gets the final share.
-        a.register(4.0, "9", "batch", 1000, "n1", &gpus, "flex2")
+        a.register(1004.0, "9", "batch", 1000, "n1", &gpus, "flex2")
             .expect("9");
-        assert!(a.end_job("9", 5.0));
+        assert!(a.end_job("9", 1005.0));
         let late = a
-            .end_step("9", "batch", 5.1)
+            .end_step("9", "batch", 1005.1)
             .expect("ended here")
             .expect("share");
         assert!(late.ended && late.job_id == "9");
         assert!(
-            a.end_step("9", "0", 5.1).is_err(),
+            a.end_step("9", "0", 1005.1).is_err(),
             "no job 9 for other steps"
         );
-        assert!(a.end_step("8", "batch", 5.1).is_err(), "never here");
+        assert!(a.end_step("8", "batch", 1005.1).is_err(), "never here");
     }
 
     #[test]
     fn observe_mode_writes_no_limit_and_shows_what_it_would_write() {
         let mut s = settings(None);
         s.enforce = false;
-        let mut a = Agent::new(s, (0..2).map(gpu).collect(), &BTreeMap::new(), 0.0);
+        let mut a = Agent::with_defaults(s, (0..2).map(gpu).collect(), &BTreeMap::new(), 0.0);
         for g in 0..2 {
             a.sampled(0.0, g, reading(700.0, 650.0, 0, false));
         }
@@ -2822,6 +2739,120 @@ mod tests {
         let cap = decided[0].1;
         assert!((200.0..=350.0).contains(&cap), "{decided:?}");
         assert_eq!(decided[0].1, decided[1].1);
+    }
+
+    /// Seen: 1,831 W on a 1,500 W node after a walk from 500 W. A curve walked from a
+    /// grant down is flat above its top, and the allocation took a cap above the walk
+    /// for the power measured at its top: a cap rises above the walk only where the
+    /// budget pays for what the GPUs may then draw.
+    #[test]
+    fn a_curve_walked_from_a_grant_down_lets_no_cap_rise_on_a_guess() {
+        // GPUs 2 and 3 idle at 650 W each: 1,100 W of 2,400 W left for job 7's two GPUs.
+        let mut a = agent(Some(Watts(2400.0)));
+        a.register(
+            0.0,
+            "7",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex3,calibrate=off",
+        )
+        .expect("managed");
+        // Walked from 500 W down: 960 W at 500 W, speed rising to it.
+        let walked = [
+            [500.0, 960.0, 100.0],
+            [400.0, 780.0, 90.0],
+            [300.0, 590.0, 75.0],
+        ];
+        a.jobs.get_mut("7").expect("7").calibration.restore(&walked);
+        let decided = caps(&a.tick(1.0));
+        let cap = decided
+            .iter()
+            .find(|&&(g, _)| g == 0)
+            .map(|&(_, c)| c)
+            .expect("job 7 capped");
+        assert_eq!(decided.iter().filter(|&&(g, _)| g == 1).count(), 1);
+        // Above the walk its GPUs may draw up to the cap each: from 960 W at 500 W to
+        // 1,400 W at 700 W. 1,100 W pays for no more than ~563 W.
+        let bound_w = |c: f64| 960.0 + (c - 500.0) / 200.0 * 440.0;
+        assert!(
+            cap >= 500.0,
+            "the budget pays for the walk's top: {decided:?}"
+        );
+        assert!(
+            bound_w(cap) <= 1100.0,
+            "a cap above what the budget pays: {decided:?}"
+        );
+    }
+
+    /// The step the edge drives: a registration from a step daemon is refused when
+    /// another job's processes run on a GPU it names; one that is not is capped before
+    /// its answer, and the status waits for the caps' results.
+    #[test]
+    fn a_registration_through_the_step_is_checked_capped_then_answered() {
+        let mut a = agent(None);
+        let register = |job: &str, gpu: &str| ControlOp::Register {
+            job_id: job.into(),
+            step_id: "0".into(),
+            uid: 1000,
+            node: "n1".into(),
+            gpus: vec![gpu.into()],
+            flex: "flex2,calibrate=off".into(),
+        };
+        let op = register("7", "0");
+        let reads = a.control_reads(&op, true);
+        assert_eq!(
+            (reads.gpu_users.clone(), reads.samples.clone()),
+            (vec![0], vec![0])
+        );
+        assert!(!reads.process_table, "no other job holds GPU 0");
+        let facts = ControlFacts {
+            stepd_cluster: Some(None),
+            gpu_users: BTreeMap::from([(0, BTreeSet::from([("9".to_string(), None)]))]),
+            ..ControlFacts::default()
+        };
+        let out = a.step(UnixMs(1_000), vec![AgentInput::Control { op, facts }]);
+        let Some((0, Reply::Control(reply))) = out.replies.first() else {
+            panic!("one answer: {:?}", out.replies);
+        };
+        assert!(!reply.ok && reply.error.as_deref().is_some_and(|e| e.contains("job 9")));
+        assert!(out.cap_writes.is_empty() && a.jobs.is_empty());
+        assert_eq!(a.gpu_claims_refused, 1);
+
+        let facts = ControlFacts {
+            stepd_cluster: Some(None),
+            samples: vec![(1, sample_at(700.0))],
+            ..ControlFacts::default()
+        };
+        let out = a.step(
+            UnixMs(2_000),
+            vec![AgentInput::Control {
+                op: register("7", "1"),
+                facts,
+            }],
+        );
+        assert!(matches!(out.replies.as_slice(), [(0, Reply::Control(r))] if r.ok));
+        assert_eq!(
+            out.cap_writes,
+            vec![CapWrite {
+                gpu: 1,
+                cap: Watts(500.0)
+            }]
+        );
+        assert!(out.persist.is_some(), "saved before the answer");
+        assert!(out.snapshot.is_none(), "published once the caps are in");
+        let out = a.step(
+            UnixMs(2_010),
+            vec![AgentInput::CapWrites(vec![CapWriteResult {
+                gpu: 1,
+                cap: Watts(500.0),
+                outcome: Ok(Some(Watts(700.0))),
+            }])],
+        );
+        let status = out.snapshot.expect("published");
+        assert_eq!(status.gpus[1].cap_w, Some(500.0));
+        assert_eq!(status.jobs[0].job, "7");
     }
 
     /// Issue: two jobs cut below the fail-safe went back up to it when the controller
@@ -3159,22 +3190,21 @@ mod tests {
     #[test]
     fn unacknowledged_final_shares_are_bounded_and_a_job_ended_while_down_gets_one() {
         let mut a = agent(None);
-        a.clock_origin_unix_s = 1_000.0;
         let mut b = agent(None);
-        b.register(0.0, "1", "0", 1, "n1", &["0".into()], "flex2")
+        b.register(1000.0, "1", "0", 1, "n1", &["0".into()], "flex2")
             .expect("job");
         let base = b.share(&b.jobs["1"], true);
         for i in 0..(MAX_ENDED_KEPT + 3) {
             let mut s = base.clone();
             s.from_unix_ms = i as u64;
-            a.keep_final(1.0, s);
+            a.keep_final(1001.0, s);
         }
         assert_eq!(a.unacked.len(), MAX_ENDED_KEPT, "the oldest dropped beyond");
         assert_eq!(a.unacked[0].share.from_unix_ms, 3);
         let day_s = (UNACKED_FINAL_MAX_AGE_MS / 1000) as f64;
-        a.tick(1.0 + day_s - 1.0);
+        a.tick(1001.0 + day_s - 1.0);
         assert_eq!(a.unacked.len(), MAX_ENDED_KEPT, "within a day: kept");
-        let actions = a.tick(1.0 + day_s);
+        let actions = a.tick(1001.0 + day_s);
         assert!(a.unacked.is_empty(), "a day unacknowledged: dropped");
         assert!(
             actions.contains(&Action::Persist),
@@ -3183,10 +3213,9 @@ mod tests {
 
         // The previous run's job 7 held GPUs 0 and 1; the agent was down when it ended.
         let mut before = agent(None);
-        before.clock_origin_unix_s = 1_000.0;
         before
             .register(
-                0.0,
+                1000.0,
                 "7",
                 "0",
                 1000,
@@ -3195,17 +3224,16 @@ mod tests {
                 "flex2",
             )
             .expect("7");
-        before.sampled(1.0, 0, reading(700.0, 600.0, 1_000_000, false));
-        before.sampled(1.0, 1, reading(700.0, 600.0, 2_000_000, false));
+        before.sampled(1001.0, 0, reading(700.0, 600.0, 1_000_000, false));
+        before.sampled(1001.0, 1, reading(700.0, 600.0, 2_000_000, false));
         let usage = before.jobs["7"].usage.clone();
         // Restarted 100 s later: the counters ran on. GPU 1 now runs another job's
         // processes: its span is closed at its last persisted reading.
         let mut a = agent(None);
-        a.clock_origin_unix_s = 1_000.0;
-        a.sampled(101.0, 0, reading(700.0, 100.0, 1_500_000, false));
-        a.sampled(101.0, 1, reading(700.0, 600.0, 9_000_000, false));
+        a.sampled(1101.0, 0, reading(700.0, 100.0, 1_500_000, false));
+        a.sampled(1101.0, 1, reading(700.0, 600.0, 9_000_000, false));
         let busy = BTreeSet::from([a.gpus[1].identity.uuid.clone()]);
-        let share = a.ended_while_down(101.0, "7", 1000, "flex2", &[], None, usage, &busy);
+        let share = a.ended_while_down(1101.0, "7", 1000, "flex2", &[], None, usage, &busy);
         assert!(share.ended);
         assert_eq!(share.energy_mj, 500_000, "GPU 0's advance; none of GPU 1's");
         assert_eq!(share.to_unix_ms, 1_101_000);
@@ -3223,9 +3251,8 @@ mod tests {
     #[test]
     fn a_refused_or_stolen_gpu_ends_its_hold_and_a_retake_charges_only_its_own_spans() {
         let mut a = agent(None);
-        a.clock_origin_unix_s = 1_000.0;
         a.register(
-            0.0,
+            1000.0,
             "66",
             "0",
             1000,
@@ -3234,28 +3261,28 @@ mod tests {
             "flex3",
         )
         .expect("registered");
-        a.set_job_cluster("66", None, 0.0);
-        for (t, e) in [(0.0, 0u64), (1.0, 100_000)] {
+        a.set_job_cluster("66", None, 1000.0);
+        for (t, e) in [(1000.0, 0u64), (1001.0, 100_000)] {
             a.sampled(t, 0, reading(700.0, 100.0, e, false));
             a.sampled(t, 1, reading(700.0, 100.0, e, false));
         }
         let used = BTreeMap::from([(0, BTreeSet::from([("7".to_string(), None)]))]);
-        assert_eq!(a.check_gpu_use(1.0, &used).len(), 1);
+        assert_eq!(a.check_gpu_use(1001.0, &used).len(), 1);
         // GPU 0 runs job 7's work: its counter runs on, not 66's.
-        a.sampled(5.0, 0, reading(700.0, 600.0, 5_000_000, false));
-        a.sampled(5.0, 1, reading(700.0, 100.0, 500_000, false));
+        a.sampled(1005.0, 0, reading(700.0, 600.0, 5_000_000, false));
+        a.sampled(1005.0, 1, reading(700.0, 100.0, 500_000, false));
         // 66 takes GPU 0 back (a new step of it names it, job 7 gone).
-        a.register(6.0, "66", "1", 1000, "n1", &["0".into()], "flex3")
+        a.register(1006.0, "66", "1", 1000, "n1", &["0".into()], "flex3")
             .expect("back");
-        a.sampled(6.0, 0, reading(700.0, 100.0, 5_100_000, false));
-        a.sampled(7.0, 0, reading(700.0, 100.0, 5_300_000, false));
-        a.sampled(7.0, 1, reading(700.0, 100.0, 600_000, false));
+        a.sampled(1006.0, 0, reading(700.0, 100.0, 5_100_000, false));
+        a.sampled(1007.0, 0, reading(700.0, 100.0, 5_300_000, false));
+        a.sampled(1007.0, 1, reading(700.0, 100.0, 600_000, false));
         let share = a.share(&a.jobs["66"], false);
         // GPU 0: 100,000 before the refusal and 200,000 since the retake; GPU 1: 600,000.
         assert_eq!(share.energy_mj, 100_000 + 200_000 + 600_000);
         // Another job given a GPU (the holder's end missed) ends the holder's span too.
         a.register(
-            8.0,
+            1008.0,
             "8",
             "0",
             1000,
@@ -3264,15 +3291,15 @@ mod tests {
             "flex3",
         )
         .expect("8");
-        a.sampled(8.0, 2, reading(700.0, 100.0, 0, false));
-        a.sampled(9.0, 2, reading(700.0, 100.0, 1_000, false));
-        a.register(9.0, "9", "0", 1000, "n1", &["2".into()], "flex3")
+        a.sampled(1008.0, 2, reading(700.0, 100.0, 0, false));
+        a.sampled(1009.0, 2, reading(700.0, 100.0, 1_000, false));
+        a.register(1009.0, "9", "0", 1000, "n1", &["2".into()], "flex3")
             .expect("9 takes GPU 2");
-        a.sampled(10.0, 2, reading(700.0, 100.0, 50_000, false));
-        a.register(11.0, "8", "1", 1000, "n1", &["2".into()], "flex3")
+        a.sampled(1010.0, 2, reading(700.0, 100.0, 50_000, false));
+        a.register(1011.0, "8", "1", 1000, "n1", &["2".into()], "flex3")
             .expect("8 again");
-        a.sampled(11.0, 2, reading(700.0, 100.0, 60_000, false));
-        a.sampled(12.0, 2, reading(700.0, 100.0, 61_000, false));
+        a.sampled(1011.0, 2, reading(700.0, 100.0, 60_000, false));
+        a.sampled(1012.0, 2, reading(700.0, 100.0, 61_000, false));
         let eight = a.share(&a.jobs["8"], false);
         let gpu2 = eight.gpus.iter().find(|g| g.index == 2).expect("GPU 2");
         assert_eq!(gpu2.energy_mj, 1_000 + 1_000, "not job 9's 49,000 mJ");

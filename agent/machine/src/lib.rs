@@ -8,7 +8,9 @@
 //! - [`gpu`]: what a GPU is and reads, as NVML gives it to the edge;
 //! - [`saved`]: what the agent keeps across a restart, as data.
 //!
-//! Time comes in as an argument (agent seconds), never from a clock; GPUs, sockets,
+//! One entry point, [`control::Agent::step`]: typed inputs in, what the edge must do
+//! out (see [`control::AgentOutput`]). Time comes in as an argument
+//! ([`powerflex_core::UnixMs`]), never from a clock; GPUs, sockets,
 //! `/proc` and the state file are the edge's (`powerflex-agent`). The crate has no
 //! dependency that does I/O, and its `clippy.toml` refuses the standard library's
 //! (files, sockets, processes, clocks, environment), so that stays true.

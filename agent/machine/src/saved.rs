@@ -1,8 +1,9 @@
 //! What the agent keeps across a restart, as data: the GPUs' saved defaults, the jobs it
 //! manages (with their curves and accounting), the controller's last lease and the final
-//! shares not yet acknowledged. The machine builds it ([`crate::control::Agent::saved_state`])
-//! and restores from it ([`crate::control::Agent::restore_saved_jobs`]); the agent's
-//! edge writes and reads the file (atomically, mode 0600).
+//! shares not yet acknowledged. The machine hands it out to save
+//! ([`crate::control::AgentOutput::persist`]) and restores from it at its start
+//! ([`crate::control::StartFacts::saved`]); the agent's edge writes and reads the file
+//! (atomically, mode 0600).
 
 use std::collections::BTreeMap;
 

@@ -24,6 +24,7 @@ use powerflex_agent::control::AgentSettings;
 use powerflex_agent::link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
 use powerflex_core::config::{ReleaseSettings, SiteConfig};
+use powerflex_daemon::clock::SteadyClock;
 use powerflex_daemon::signals::SignalWatcher;
 
 #[derive(Debug, Parser)]
@@ -329,6 +330,7 @@ fn start(cli: Cli) -> Result<(), String> {
         link,
         release_on_exit: cli.release_on_exit,
         usage_log: site.agent.usage_log,
+        clock: Arc::new(SteadyClock::start()),
     };
     let shutdown = Arc::new(AtomicBool::new(false));
     let (reload_tx, reload_rx) = crossbeam_channel::bounded(4);
