@@ -10,7 +10,7 @@
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
 #   faketime       libfaketime, to jump one agent's wall clock in the fault tests
-#   valgrind       watches the plugin inside srun and slurmstepd (tests/spank_plugin.rs)
+#   valgrind       watches the plugin inside srun and slurmstepd (testbed/tests/spank_plugin.rs)
 #
 # and, for the test suite only (powerflex_install_test_tools, which scripts/test.sh
 # calls and scripts/demo.sh does not), from crates.io with `cargo install --locked`
@@ -18,12 +18,12 @@
 # 3 min 53 s, cargo-machete 1 min 10 s):
 #   cargo-deny     licences, bans and sources of every dependency (deny.toml)
 #   cargo-machete  dependencies declared but not used
-#   cargo-deb      the Debian packages (scripts/package.sh; tests/packages.rs installs,
+#   cargo-deb      the Debian packages (scripts/package.sh; testbed/tests/packages.rs installs,
 #                  upgrades and removes them); measured here: 3 min 30 s on 2 busy cores
 #   cargo-generate-rpm  the same packages as RPMs (scripts/package.sh --rpm), which
-#                  tests/packages.rs reads back with Debian's `rpm` (apt, test suite only)
+#                  testbed/tests/packages.rs reads back with Debian's `rpm` (apt, test suite only)
 #
-# and, for the OpenADR test bed (tests/grid_openadr.rs, src/vtn.rs), into a cache kept
+# and, for the OpenADR test bed (testbed/tests/grid_openadr.rs, testbed/src/vtn.rs), into a cache kept
 # across runs ($POWERFLEX_CACHE, default /var/cache/powerflex), each skipped when present
 # at the pinned version:
 #   cmake          openleadr-vtn's MQTT dependency compiles C with it (apt)

@@ -95,7 +95,7 @@ fuzz_log=target/fuzz-smoke.log
 mkdir -p target
 run_step "fuzz smoke run started beside the tests (log: $fuzz_log)" start_fuzz_smoke "$fuzz_log"
 # Every test binary (unit, integration, whole-system) in parallel lanes; what runs at
-# once shares no cluster, directory or port (src/lanes.rs). POWERFLEX_TEST_LANES sets
+# once shares no cluster, directory or port (testbed/src/lanes.rs). POWERFLEX_TEST_LANES sets
 # how many.
 # The runner the build step just built, run directly, so nothing of `cargo run`'s
 # environment reaches the cargo it starts (see powerflex_testbed::cargo_command).

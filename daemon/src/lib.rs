@@ -1,5 +1,6 @@
 //! Plumbing shared by powerflex's two daemons, `powerflexd` (node agent) and
-//! `powerflex-ctld` (controller), and by the testbed that starts them. Each piece exists
+//! `powerflex-ctld` (controller), by its other binaries (`powerflexctl`, `powerflex-grid`)
+//! where they need the same, and by the testbed that starts them. Each piece exists
 //! once, here:
 //!
 //! | module | what | replaces |
@@ -14,6 +15,7 @@
 //! | [`os`] | `kill`, `flock`, `SO_PEERCRED` through `rustix` | `unsafe` libc calls and `kill` run as a subprocess |
 //! | [`trace`] | tracing init from `POWERFLEX_LOG` | two copies in the binaries |
 //! | [`man`] | man pages of every binary from its clap definitions (one per subcommand) | none: the packages had no man pages |
+//! | [`program`] | every binary's `main` prologue (`--write-man-pages`, `--check-config`, tracing) and end (`NAME: error: WHY`), and the exit codes as one enum, [`program::Exit`] | the same prologue and code mapping in four `main`s |
 //! | [`gate`] | admission of Unix-socket connections by uid: per user, all users, root, in all | the agent's `Admission` and the controller's `AdminGate`, which differed in whether root may take users' places |
 //!
 //! ## What fits where, for a daemon that adopts it
@@ -45,26 +47,8 @@ pub mod gate;
 pub mod http;
 pub mod lines;
 pub mod man;
-
-/// What a daemon's `--check-config` prints and returns: `PROGRAM: PATH is valid` and 0, or
-/// `PROGRAM: error: WHY` on stderr and 1.
-pub fn report_config_check<T, E: std::fmt::Display>(
-    program: &str,
-    path: &std::path::Path,
-    checked: Result<T, E>,
-) -> std::process::ExitCode {
-    match checked {
-        Ok(_) => {
-            println!("{program}: {} is valid", path.display());
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("{program}: error: {e}");
-            std::process::ExitCode::from(1)
-        }
-    }
-}
 pub mod os;
+pub mod program;
 pub mod prom;
 pub mod signals;
 pub mod trace;

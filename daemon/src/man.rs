@@ -53,31 +53,6 @@ fn write_tree(
     Ok(())
 }
 
-/// What a binary's hidden `--write-man-pages DIR` does: writes `command`'s pages into
-/// `dir`, says how many, and gives the exit code (1, with the reason on stderr, when a
-/// page cannot be written).
-pub fn write_pages_for(
-    command: clap::Command,
-    section: &'static str,
-    dir: &Path,
-) -> std::process::ExitCode {
-    let program = command.get_name().to_string();
-    match write_pages(command, section, dir) {
-        Ok(pages) => {
-            println!(
-                "{program}: wrote {} man pages into {}",
-                pages.len(),
-                dir.display()
-            );
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("{program}: error: {e}");
-            std::process::ExitCode::from(1)
-        }
-    }
-}
-
 /// A page's name: the display name clap gives a built subcommand, else its name.
 fn page_name(command: &clap::Command) -> String {
     command

@@ -1,14 +1,15 @@
 //! `powerflex-grid`: the site's OpenADR 3 VEN (see the crate docs). Runs until SIGTERM
 //! or SIGINT.
 //!
-//! Exit codes: 0 stopped by a signal; 2 bad config or credentials; 1 any other failure
-//! to start.
+//! Exit codes ([`Exit`]): 0 stopped by a signal; 2 bad config or credentials; 1 any
+//! other failure to start.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
 use powerflex_core::config::SiteConfig;
+use powerflex_daemon::program::{Exit, Program};
 use powerflex_grid::{read_credentials, Ctld, GridError, Ven, Vtn};
 use tracing::{info, warn};
 
@@ -30,34 +31,42 @@ struct Args {
     write_man_pages: Option<std::path::PathBuf>,
 }
 
-fn main() -> ExitCode {
-    powerflex_daemon::trace::init();
-    let args = Args::parse();
-    if let Some(dir) = &args.write_man_pages {
-        use clap::CommandFactory;
-        return powerflex_daemon::man::write_pages_for(Args::command(), "8", dir);
+impl Program for Args {
+    const NAME: &'static str = "powerflex-grid";
+    const MAN_SECTION: &'static str = "8";
+
+    fn write_man_pages(&self) -> Option<&std::path::Path> {
+        self.write_man_pages.as_deref()
     }
+}
+
+fn main() -> ExitCode {
+    let args = match Args::start() {
+        Ok(args) => args,
+        Err(done) => return done.into(),
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("powerflex-grid: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
+            return Args::finish(Err(format!("cannot start the async runtime: {e}")), |_| {
+                Exit::Failure
+            })
         }
     };
-    match runtime.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("powerflex-grid: {e}");
-            match e {
-                GridError::Config { .. }
-                | GridError::NotConfigured { .. }
-                | GridError::Credentials { .. } => ExitCode::from(2),
-                _ => ExitCode::from(1),
-            }
-        }
+    Args::finish(runtime.block_on(run(args)), exit_for)
+}
+
+/// A config or credentials the VEN cannot use will not mend on a restart: 2; the rest
+/// (the VTN or the controller away, an I/O failure) is 1.
+fn exit_for(error: &GridError) -> Exit {
+    match error {
+        GridError::Config { .. }
+        | GridError::NotConfigured { .. }
+        | GridError::Credentials { .. } => Exit::Usage,
+        _ => Exit::Failure,
     }
 }
 

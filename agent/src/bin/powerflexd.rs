@@ -5,11 +5,11 @@
 //! calibration settings change without a restart; an invalid file is refused, logged and
 //! shown by `status` (`config_error`), and the settings in force stay.
 //!
-//! Exit codes: 0 stopped cleanly (SIGTERM/SIGINT; GPUs without a running job restored);
-//! 1 could not start (config, NVML, sockets); 2 usage error. With `--release-gpus`: 0
-//! every GPU back at its default limit; 1 some GPU could not be reached or set (NVML, the
-//! config); 3 refused because an agent runs on this node (the package's removal stops
-//! there, since that agent would cap the GPUs again).
+//! Exit codes ([`Exit`]): 0 stopped cleanly (SIGTERM/SIGINT; GPUs without a running job
+//! restored); 1 could not start (config, NVML, sockets); 2 usage error. With
+//! `--release-gpus`: 0 every GPU back at its default limit; 1 some GPU could not be
+//! reached or set (NVML, the config); 3 refused because an agent runs on this node (the
+//! package's removal stops there, since that agent would cap the GPUs again).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,6 +25,7 @@ use powerflex_agent::link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
 use powerflex_core::config::{ReleaseSettings, SiteConfig};
 use powerflex_daemon::clock::SteadyClock;
+use powerflex_daemon::program::{Exit, Program};
 use powerflex_daemon::signals::SignalWatcher;
 
 #[derive(Debug, Parser)]
@@ -80,32 +81,30 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
+impl Program for Cli {
+    const NAME: &'static str = "powerflexd";
+    const MAN_SECTION: &'static str = "8";
+
+    fn write_man_pages(&self) -> Option<&std::path::Path> {
+        self.write_man_pages.as_deref()
+    }
+
+    fn check_config(&self) -> Option<(&std::path::Path, Result<(), String>)> {
+        self.check_config
+            .then(|| (self.config.as_path(), read_site(&self.config).map(drop)))
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::start() {
+        Ok(cli) => cli,
+        Err(done) => return done.into(),
+    };
     if cli.release_gpus {
-        powerflex_daemon::trace::init();
         return release_main(&cli);
     }
-    if cli.check_config {
-        return powerflex_daemon::report_config_check(
-            "powerflexd",
-            &cli.config,
-            read_site(&cli.config),
-        );
-    }
-    if let Some(dir) = &cli.write_man_pages {
-        use clap::CommandFactory;
-        return powerflex_daemon::man::write_pages_for(Cli::command(), "8", dir);
-    }
-    powerflex_daemon::trace::init();
-    match start(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            tracing::error!("{message}");
-            eprintln!("powerflexd: error: {message}");
-            ExitCode::from(1)
-        }
-    }
+    let started = start(cli).inspect_err(|message| tracing::error!("{message}"));
+    Cli::finish(started, |_| Exit::Failure)
 }
 
 /// `--release-gpus`, start to end: exit 0 when every GPU is back at its default, 3 when
@@ -113,17 +112,10 @@ fn main() -> ExitCode {
 /// mode changes nothing here: a node switched to it by a reload keeps the caps written
 /// before the switch, and only this puts them back.
 fn release_main(cli: &Cli) -> ExitCode {
-    let (message, code) = match release(cli) {
-        Ok(done) => {
-            println!("powerflexd: {done}");
-            return ExitCode::SUCCESS;
-        }
-        Err(ReleaseError::Failed(e)) => (e, 1),
-        Err(ReleaseError::AgentRunning(e)) => (e, 3),
-    };
-    tracing::error!("{message}");
-    eprintln!("powerflexd: error: {message}");
-    ExitCode::from(code)
+    let released = release(cli)
+        .map(|done| println!("powerflexd: {done}"))
+        .inspect_err(|e| tracing::error!("{e}"));
+    Cli::finish(released, ReleaseError::exit)
 }
 
 /// The site config read leniently ([`ReleaseSettings`]): a node leaving service must put
@@ -277,6 +269,25 @@ enum ReleaseError {
     AgentRunning(String),
     /// A GPU could not be reached or set.
     Failed(String),
+}
+
+impl ReleaseError {
+    /// The exit `--release-gpus` ends with: 3 for a running agent, which the package's
+    /// removal must not go past; 1 for the rest.
+    fn exit(&self) -> Exit {
+        match self {
+            ReleaseError::AgentRunning(_) => Exit::AgentRunning,
+            ReleaseError::Failed(_) => Exit::Failure,
+        }
+    }
+}
+
+impl std::fmt::Display for ReleaseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReleaseError::AgentRunning(why) | ReleaseError::Failed(why) => f.write_str(why),
+        }
+    }
 }
 
 fn start(cli: Cli) -> Result<(), String> {

@@ -4,8 +4,8 @@
 //! once; an invalid file is refused, logged and shown by `powerflexctl status`, and the
 //! config in force stays.
 //!
-//! Exit codes: 0 stopped by SIGTERM/SIGINT; 1 could not start (config, key, sockets);
-//! 2 usage error.
+//! Exit codes ([`Exit`]): 0 stopped by SIGTERM/SIGINT; 1 could not start (config, key,
+//! sockets); 2 usage error.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,6 +17,7 @@ use clap::Parser;
 use powerflex_controller::ctld::{run, CtldOptions, CtldSettings};
 use powerflex_controller::site::SiteSettings;
 use powerflex_core::config::SiteConfig;
+use powerflex_daemon::program::{Exit, Program};
 use powerflex_daemon::signals::SignalWatcher;
 
 #[derive(Debug, Parser)]
@@ -39,27 +40,26 @@ struct Cli {
     check_config: bool,
 }
 
+impl Program for Cli {
+    const NAME: &'static str = "powerflex-ctld";
+    const MAN_SECTION: &'static str = "8";
+
+    fn write_man_pages(&self) -> Option<&std::path::Path> {
+        self.write_man_pages.as_deref()
+    }
+
+    fn check_config(&self) -> Option<(&std::path::Path, Result<(), String>)> {
+        self.check_config
+            .then(|| (self.config.as_path(), load_options(&self.config).map(drop)))
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Some(dir) = &cli.write_man_pages {
-        use clap::CommandFactory;
-        return powerflex_daemon::man::write_pages_for(Cli::command(), "8", dir);
-    }
-    if cli.check_config {
-        return powerflex_daemon::report_config_check(
-            "powerflex-ctld",
-            &cli.config,
-            load_options(&cli.config),
-        );
-    }
-    powerflex_daemon::trace::init();
-    match start(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("powerflex-ctld: error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    let cli = match Cli::start() {
+        Ok(cli) => cli,
+        Err(done) => return done.into(),
+    };
+    Cli::finish(start(cli), |_| Exit::Failure)
 }
 
 /// Reads and validates the site config and the key: the controller's options.

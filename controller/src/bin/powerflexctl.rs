@@ -1,10 +1,11 @@
 //! `powerflexctl`: powerflex's admin CLI.
 //!
-//! Exit codes: 0 success; 1 the input was read but rejected (malformed file, refused by
-//! the controller), or an I/O error; 2 the command line itself is wrong: every value given
-//! on it is parsed by clap (`value_parser`), so a bad value is a usage error.
+//! Exit codes ([`Exit`]): 0 success; 1 the input was read but rejected (malformed file,
+//! refused by the controller), or an I/O error; 2 the command line itself is wrong: every
+//! value given on it is parsed by clap (`value_parser`), so a bad value is a usage error.
 
 use powerflex_daemon::clock::unix_ms;
+use powerflex_daemon::program::{Exit, Program};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -675,21 +676,21 @@ fn list_events(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
     }
 }
 
+impl Program for Cli {
+    const NAME: &'static str = "powerflexctl";
+    const MAN_SECTION: &'static str = "1";
+
+    fn write_man_pages(&self) -> Option<&std::path::Path> {
+        self.write_man_pages.as_deref()
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Some(dir) = &cli.write_man_pages {
-        return write_man_pages(dir);
-    }
-    match run(cli) {
-        Ok(output) => {
-            print!("{output}");
-            ExitCode::SUCCESS
-        }
-        Err(err) => {
-            eprintln!("powerflexctl: error: {err}");
-            ExitCode::from(1)
-        }
-    }
+    let cli = match Cli::start() {
+        Ok(cli) => cli,
+        Err(done) => return done.into(),
+    };
+    Cli::finish(run(cli).map(|output| print!("{output}")), |_| Exit::Failure)
 }
 
 fn json<T: serde::Serialize>(value: &T) -> Result<String, CtlError> {
@@ -704,12 +705,6 @@ fn load_curves(path: &str) -> Result<Vec<powerflex_core::curves_csv::JobCurveRec
         path: path.to_string(),
         source: e.into(),
     })
-}
-
-/// The hidden `--write-man-pages DIR`: this CLI's pages from its clap definitions.
-fn write_man_pages(dir: &std::path::Path) -> ExitCode {
-    use clap::CommandFactory;
-    powerflex_daemon::man::write_pages_for(Cli::command(), "1", dir)
 }
 
 fn run(cli: Cli) -> Result<String, CtlError> {

@@ -630,7 +630,6 @@ mod tests {
     #[test]
     fn history_is_served_from_the_board_while_allocations_go_on() {
         use powerflex_proto::admin::MAX_HISTORY_SAMPLES;
-        use powerflex_testbed::link_peer::{h200s, LinkPeer};
         use std::os::unix::fs::MetadataExt;
 
         let dir = std::env::temp_dir().join(format!("pf-ctld-history-{}", std::process::id()));
@@ -702,7 +701,7 @@ mod tests {
         // One node of 8 GPUs; its jobs come one at a time, each a change in its jobs that
         // the loop allocates at once (not at the 10 s tick). Odd jobs are this test's
         // uid's, even ones someone else's.
-        let mut node = LinkPeer::connect(options.listen, &options.key, "n1", h200s("n1", 8))
+        let mut node = Peer::connect(options.listen, &options.key, "n1", h200s("n1", 8))
             .expect("n1 on the link");
         let owner = |id: usize| if id % 2 == 1 { me } else { someone_else };
         let job = |id: usize| JobReport {
@@ -784,6 +783,16 @@ mod tests {
         site_key: &[u8],
         node: &str,
     ) -> Result<(std::net::TcpStream, powerflex_proto::link::Session), String> {
+        handshake_with(addr, site_key, node, Vec::new())
+    }
+
+    /// [`handshake`], the hello announcing `gpus`.
+    fn handshake_with(
+        addr: std::net::SocketAddr,
+        site_key: &[u8],
+        node: &str,
+        gpus: Vec<GpuInfo>,
+    ) -> Result<(std::net::TcpStream, powerflex_proto::link::Session), String> {
         use powerflex_proto::link::{fresh_nonce, node_key, AgentHandshake};
         use std::io::{BufRead, Write};
         let mut stream = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
@@ -809,12 +818,74 @@ mod tests {
             .finish(&challenge, unix_ms())
             .map_err(|e| e.to_string())?;
         let hello = session
-            .seal(&Body::Hello { gpus: Vec::new() }, unix_ms())
+            .seal(&Body::Hello { gpus }, unix_ms())
             .map_err(|e| e.to_string())?;
         stream
             .write_all(hello.as_bytes())
             .map_err(|e| e.to_string())?;
         Ok((stream, session))
+    }
+
+    /// `n` H200s on `node` (200-700 W), as its agent announces them.
+    fn h200s(node: &str, n: usize) -> Vec<GpuInfo> {
+        (0..n)
+            .map(|g| GpuInfo {
+                uuid: format!("GPU-{node}-{g}"),
+                name: "NVIDIA H200".into(),
+                min_w: 200.0,
+                max_w: 700.0,
+                default_w: 700.0,
+            })
+            .collect()
+    }
+
+    /// An agent on the link driven by hand: it seals the frames it sends and opens the
+    /// controller's with the one session of its handshake.
+    struct Peer {
+        stream: std::net::TcpStream,
+        lines: std::io::BufReader<std::net::TcpStream>,
+        session: powerflex_proto::link::Session,
+    }
+
+    impl Peer {
+        /// Connects as `node`, announcing `gpus` (see [`handshake_with`]).
+        fn connect(
+            addr: std::net::SocketAddr,
+            site_key: &[u8],
+            node: &str,
+            gpus: Vec<GpuInfo>,
+        ) -> Result<Peer, String> {
+            let (stream, session) = handshake_with(addr, site_key, node, gpus)?;
+            let lines = std::io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+            Ok(Peer {
+                stream,
+                lines,
+                session,
+            })
+        }
+
+        /// Seals and sends `body` as the next frame.
+        fn send(&mut self, body: &Body) -> Result<(), String> {
+            let line = self
+                .session
+                .seal(body, unix_ms())
+                .map_err(|e| e.to_string())?;
+            std::io::Write::write_all(&mut self.stream, line.as_bytes()).map_err(|e| e.to_string())
+        }
+
+        /// The controller's next frame, opened (`None` at end of stream or after
+        /// `timeout`).
+        fn recv(
+            &mut self,
+            timeout: Duration,
+        ) -> Option<Result<Body, powerflex_proto::link::LinkError>> {
+            let _ = self.stream.set_read_timeout(Some(timeout));
+            let mut line = String::new();
+            match std::io::BufRead::read_line(&mut self.lines, &mut line) {
+                Ok(0) | Err(_) => None,
+                Ok(_) => Some(self.session.open(&line, unix_ms())),
+            }
+        }
     }
 
     /// Whether the controller ends `stream` within `within` (reads to end of stream).

@@ -3,7 +3,7 @@
 //! real. The test command installs nvidia-ml-py; without it this test skips with the reason,
 //! and under CI fails (see `powerflex_testbed::needs`).
 
-mod common;
+mod sim_nvml;
 
 use powerflex_testbed::needs::{can_run, Need};
 use std::process::Command;
@@ -13,12 +13,12 @@ fn nvidia_python_bindings_use_the_simulated_library() {
     if !can_run(&[Need::Root, Need::PythonModule("pynvml")]) {
         return;
     }
-    let root = common::scratch("pynvml");
+    let root = sim_nvml::scratch("pynvml");
     let node_dir = root.join("n1");
-    common::make_node(&node_dir, "n1", 2);
+    sim_nvml::make_node(&node_dir, "n1", 2);
     let lib_dir = root.join("lib");
     std::fs::create_dir_all(&lib_dir).expect("lib dir");
-    std::os::unix::fs::symlink(common::library(), lib_dir.join("libnvidia-ml.so.1"))
+    std::os::unix::fs::symlink(sim_nvml::library(), lib_dir.join("libnvidia-ml.so.1"))
         .expect("symlink");
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pynvml_check.py");
     let out = Command::new("python3")

@@ -1331,6 +1331,66 @@ fn floors_budget(stack: &Stack, base_w: f64) -> Result<(f64, DecisionView)> {
 /// suspension is enough. The meter is read every 200 ms until the job has resumed and
 /// every GPU is back at its default cap; then the VEN and the VTN are stopped by PID.
 fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
+    let ven = start_ven(demo)?;
+    let depth = openadr_depth(demo, jobs)?;
+    let published = publish_event(demo, &ven.utility, &ven.program_id, depth.target_w)?;
+    let flex0: Vec<String> = jobs
+        .iter()
+        .filter(|j| j.spec.tier == "flex0")
+        .map(|j| j.id.to_string())
+        .collect();
+    let samples_before = demo.meter.samples.len();
+    let mut o = Openadr {
+        vtn_event_id: published.vtn_event_id,
+        ven_name: ven.ven_name,
+        floors_w: depth.floors_w,
+        job: depth.pausable.id,
+        job_at_floor_w: depth.job_at_floor_w,
+        job_idle_w: depth.job_idle_w,
+        target_w: depth.target_w,
+        published_ms: published.published_ms,
+        start_ms: published.start_ms,
+        end_ms: published.end_ms,
+        at_ctld_ms: None,
+        ctld_event_id: None,
+        ctld_target_w: None,
+        ledger_event_id: None,
+        caps_ms: None,
+        suspended_ms: None,
+        slurm_suspended: false,
+        comment: String::new(),
+        snapshot: None,
+        resumed_ms: None,
+        held: Vec::new(),
+        flex0_min_cap_w: None,
+        draw: Vec::new(),
+        reports: 0,
+        report_demand_kw: Vec::new(),
+    };
+    follow_event(demo, &mut o, depth.pausable, &ven.ledger_path)?;
+    o.flex0_min_cap_w = demo.meter.samples[samples_before..]
+        .iter()
+        .filter(|s| s.t_ms >= o.published_ms && s.t_ms < o.end_ms)
+        .flat_map(|s| flex0.iter().filter_map(|j| s.caps.get(j).copied()))
+        .reduce(f64::min);
+    read_reports_and_stop(demo, &ven.utility, &mut o)?;
+    mark_openadr_event(demo, &o);
+    Ok(o)
+}
+
+/// What the VEN's start leaves for the rest of the OpenADR event: the utility's client
+/// at the VTN, the program it publishes in, the VEN's name and its ledger.
+struct VenUp {
+    utility: vtn::Utility,
+    program_id: String,
+    ven_name: String,
+    ledger_path: PathBuf,
+}
+
+/// Phase 6, first part: the VTN up (started in the background at the beginning), its
+/// program, the VEN's credentials and `[grid.openadr]`, and powerflex-grid started and
+/// registered.
+fn start_ven(demo: &mut Demo) -> Result<VenUp> {
     let waited = Instant::now();
     demo.progress.say(
         "[6/8] grid event through OpenADR: the demo plays the utility at a local OpenADR 3 VTN; the site's VEN (powerflex-grid) follows it",
@@ -1421,8 +1481,28 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
     demo.progress.say(format!(
         "      powerflex-grid registered at the VTN as \"{ven_name}\", following program \"{OPENADR_PROGRAM}\" (poll every 1 s, reports every 2 s)"
     ));
+    Ok(VenUp {
+        utility,
+        program_id,
+        ven_name,
+        ledger_path,
+    })
+}
 
-    // The depth, from the floors of the jobs running now.
+/// How deep the OpenADR event cuts: the limit that needs exactly one suspension.
+struct Depth<'a> {
+    /// What the caps hold with every tier at its floor.
+    floors_w: f64,
+    /// The job whose suspension the limit needs.
+    pausable: &'a Job,
+    job_at_floor_w: f64,
+    job_idle_w: f64,
+    /// The limit the utility publishes.
+    target_w: f64,
+}
+
+/// Phase 6, second part: the event's depth, from the floors of the jobs running now.
+fn openadr_depth<'a>(demo: &Demo, jobs: &'a [Job]) -> Result<Depth<'a>> {
     let status: CtldStatus = demo.stack.try_ctl_json(&["status"])?;
     let (floors_w, at_floors) = floors_budget(&demo.stack, status.base_budget_w)?;
     let pausable = jobs
@@ -1460,7 +1540,30 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
         Watts(job_idle_w),
         Watts(target_w)
     ));
+    Ok(Depth {
+        floors_w,
+        pausable,
+        job_at_floor_w,
+        job_idle_w,
+        target_w,
+    })
+}
 
+/// The event as the VTN published it.
+struct Published {
+    vtn_event_id: String,
+    published_ms: u64,
+    start_ms: u64,
+    end_ms: u64,
+}
+
+/// Phase 6, third part: the utility publishes the limit at the VTN.
+fn publish_event(
+    demo: &Demo,
+    utility: &vtn::Utility,
+    program_id: &str,
+    target_w: f64,
+) -> Result<Published> {
     // The utility publishes: one interval, an import capacity limit in kW, starting
     // OPENADR_LEAD_S from now.
     let duration_s = demo.cli.openadr_s;
@@ -1469,7 +1572,7 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
     let end_ms = start_ms + duration_s * 1000;
     let event = utility
         .create_event(&event_request(
-            &program_id,
+            program_id,
             "powerflex-demo-limit",
             &[vtn::Step {
                 start_ms,
@@ -1483,39 +1586,26 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
         "      VTN published event {vtn_event_id}: IMPORT_CAPACITY_LIMIT {:.3} kW from {OPENADR_LEAD_S} s from now for {duration_s} s",
         target_w / 1000.0
     ));
-    let flex0: Vec<String> = jobs
-        .iter()
-        .filter(|j| j.spec.tier == "flex0")
-        .map(|j| j.id.to_string())
-        .collect();
-    let samples_before = demo.meter.samples.len();
-    let mut o = Openadr {
+    Ok(Published {
         vtn_event_id,
-        ven_name,
-        floors_w,
-        job: pausable.id,
-        job_at_floor_w,
-        job_idle_w,
-        target_w,
         published_ms,
         start_ms,
         end_ms,
-        at_ctld_ms: None,
-        ctld_event_id: None,
-        ctld_target_w: None,
-        ledger_event_id: None,
-        caps_ms: None,
-        suspended_ms: None,
-        slurm_suspended: false,
-        comment: String::new(),
-        snapshot: None,
-        resumed_ms: None,
-        held: Vec::new(),
-        flex0_min_cap_w: None,
-        draw: Vec::new(),
-        reports: 0,
-        report_demand_kw: Vec::new(),
-    };
+    })
+}
+
+/// Phase 6, fourth part: the event followed from publication until its jobs are back
+/// (or 90 s after its end): when the controller has it, when its caps hold, the job
+/// suspended and resumed (in the controller and in Slurm), the comparison while in force,
+/// and the meter all along.
+fn follow_event(
+    demo: &mut Demo,
+    o: &mut Openadr,
+    pausable: &Job,
+    ledger_path: &Path,
+) -> Result<()> {
+    let (target_w, published_ms, start_ms, end_ms) =
+        (o.target_w, o.published_ms, o.start_ms, o.end_ms);
     let deadline_ms = end_ms + 90_000;
     let mut last_sample = Instant::now() - Duration::from_secs(60);
     let mut last_said = Instant::now();
@@ -1550,7 +1640,7 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
             // The VEN's own record of which controller event is the VTN's (read while the
             // event is on: once it is over, the VEN forgets it).
             if o.ledger_event_id.is_none() && o.ctld_event_id.is_some() {
-                if let Ok(ledger) = powerflex_grid::load_ledger(&ledger_path) {
+                if let Ok(ledger) = powerflex_grid::load_ledger(ledger_path) {
                     o.ledger_event_id = ledger.events.get(&o.vtn_event_id).and_then(|e| e.pf_id);
                 }
             }
@@ -1660,11 +1750,12 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
         }
         std::thread::sleep(Duration::from_secs_f64(EVENT_SAMPLE_S));
     }
-    o.flex0_min_cap_w = demo.meter.samples[samples_before..]
-        .iter()
-        .filter(|s| s.t_ms >= published_ms && s.t_ms < end_ms)
-        .flat_map(|s| flex0.iter().filter_map(|j| s.caps.get(j).copied()))
-        .reduce(f64::min);
+    Ok(())
+}
+
+/// Phase 6, fifth part: the VEN's reports of the metered draw read back at the VTN; the
+/// VEN and the VTN stopped.
+fn read_reports_and_stop(demo: &mut Demo, utility: &vtn::Utility, o: &mut Openadr) -> Result<()> {
     // The VEN reported the metered draw to the VTN while the event was on.
     let reports = utility
         .reports(&o.vtn_event_id)
@@ -1698,6 +1789,11 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
         "      {} reports of the metered draw reached the VTN; powerflex-grid and the VTN stopped (SIGTERM, by PID)",
         o.reports
     ));
+    Ok(())
+}
+
+/// Phase 6, last part: the OpenADR event's moments, marked on the plot.
+fn mark_openadr_event(demo: &mut Demo, o: &Openadr) {
     let mut mark = |from_ms: u64, to_ms: Option<u64>, label: String| {
         demo.marks.push(Mark {
             from_ms,
@@ -1705,11 +1801,11 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
             label,
         })
     };
-    mark(published_ms, None, "VTN published (OpenADR)".into());
+    mark(o.published_ms, None, "VTN published (OpenADR)".into());
     mark(
-        start_ms,
-        Some(end_ms),
-        format!("event 2 (OpenADR): {}", Watts(target_w)),
+        o.start_ms,
+        Some(o.end_ms),
+        format!("event 2 (OpenADR): {}", Watts(o.target_w)),
     );
     if let Some(t) = o.caps_ms {
         mark(t, None, "caps in force".into());
@@ -1720,7 +1816,6 @@ fn openadr_event(demo: &mut Demo, jobs: &[Job]) -> Result<Openadr> {
     if let Some(t) = o.resumed_ms {
         mark(t, None, format!("job {} resumed", o.job));
     }
-    Ok(o)
 }
 
 /// How the stack was left.
@@ -2252,423 +2347,701 @@ fn report(
     grid: &Openadr,
     down: &Teardown,
 ) -> Result<bool> {
-    let cli = &demo.cli;
+    let m = Measured {
+        demo,
+        jobs,
+        calibration,
+        before,
+        during,
+        grid,
+        down,
+    };
     let target_w = before.target_w;
-    let plot = demo.out.join("powerflex-demo.svg");
-    let svg = powerflex_controller::plot::render_svg_marked(
-        &demo.meter.samples,
-        "powerflex demo (SIMULATED GPUs): budget, metered draw and the caps the GPUs enforced",
-        &demo.marks,
-    )
-    .map_err(|e| e.to_string())?;
-    std::fs::write(&plot, svg).map_err(|e| format!("{}: {e}", plot.display()))?;
-
+    let plot = m.write_plot()?;
     let equal = during
         .snapshot
         .decision("tier-equal")
         .ok_or("no tier-aware equal decision")?;
-    let comparisons = {
-        let mut all = vec![
-            compare(demo, jobs, &during.changes, &during.snapshot)?,
-            compare(demo, jobs, &during.changes, &during.replay)?,
-        ];
-        if let Some(snap) = &grid.snapshot {
-            all.push(compare(demo, jobs, &during.changes, snap)?);
-        }
-        all
-    };
+    let comparisons = m.compare_all()?;
     let first = &comparisons[0];
-    let score_of = |c: &Comparison, key: &str| c.row(key).map_or(0.0, |r| r.scored.tokens_per_s);
-    let total_equal = score_of(first, "tier-equal");
-    let total_optimal_true = score_of(first, "powerflex");
-    let cap_in = |decision: &DecisionView, id: u32| -> Option<f64> {
-        let jobs = &decision.allocation.as_ref()?.jobs;
-        Some(jobs.iter().find(|j| j.id == id.to_string())?.cap_w.0)
-    };
-    let equal_cap = |id: u32| cap_in(equal, id);
-    let mut rows = Vec::new();
-    let mut summary_jobs = Vec::new();
-    let mut cal_rows = Vec::new();
-    let (mut total_before, mut total_during) = (0.0, 0.0);
-    let mut promises_held = true;
-    for job in jobs {
-        let profile = demo
-            .library
-            .find(job.spec.profile)
-            .map_err(|e| e.to_string())?;
-        let id = job.id;
-        let change = during.changes.iter().find(|c| c.job == id);
-        // A job that changed phase is judged on its first phase: its tokens/s are of a
-        // different workload afterwards.
-        let during_to = change.map_or(during.to_ms, |c| c.at_ms);
-        let scale = demo.time_scale();
-        let (tps_before, b_lo, b_hi) =
-            window(&demo.jobs_dir, id, before.from_ms, before.to_ms, scale)
-                .ok_or(format!("job {id}: no steps logged before the event"))?;
-        let (tps_during, d_lo, d_hi) = window(&demo.jobs_dir, id, during.from_ms, during_to, scale)
-            .ok_or(format!("job {id}: no steps logged during the event"))?;
-        let slowdown = 1.0 - tps_during / tps_before;
-        let view = job_view(&before.jobs, id);
-        // The first node's points: all the job's nodes walk together.
-        let first_points = view.and_then(|v| v.points.values().next());
-        let walked: Vec<f64> = first_points
-            .map(|p| p.iter().map(|x| x[0]).collect())
-            .unwrap_or_default();
-        let measured_pfi = view
-            .filter(|v| v.pfi_source == Some(PfiSource::Measured))
-            .and_then(|v| v.pfi);
-        let true_grid: &[f64] = if walked.len() >= 2 {
-            &walked
-        } else {
-            &CALIBRATION_CAPS_W
-        };
-        let true_pfi = profile.pfi_on(true_grid);
-        // A job the allocation does not steer runs the same under either policy.
-        let eq_slowdown = match equal_cap(id) {
-            Some(e) => 1.0 - relative_at(profile, e),
-            None => slowdown,
-        };
-        total_before += tps_before;
-        total_during += tps_during;
-        let within = slowdown <= job.spec.bound + SLOWDOWN_TOLERANCE
-            && (job.spec.tier != "flex0" || d_lo >= DEFAULT_CAP_W);
-        promises_held &= within;
-        let cal = calibration
-            .jobs
-            .iter()
-            .find(|(seen, _)| *seen == id)
-            .map(|(_, c)| c);
-        let top = first_points.and_then(|p| p.first()).map(|p| p[2]);
-        let cost_uncapped_s = match (cal.map(|c| c.calibration_cost), top) {
-            (Some(cost), Some(top)) if top > 0.0 => Some(cost / top * cli.time_scale),
-            _ => None,
-        };
-        let calibration_s = cal.and_then(|c| c.calibration_s);
-        let profile_text = match change {
-            Some(c) => format!("{} → {}", c.from, c.to),
-            None => job.spec.profile.to_string(),
-        };
-        rows.push(vec![
-            id.to_string(),
-            job.spec.tier.to_string(),
-            profile.source.clone(),
-            profile_text.clone(),
-            format!("{}x{}", job.spec.nodes, job.spec.gpus_per_node),
-            true_pfi.map_or("-".into(), |p| format!("{p:.2}")),
-            measured_pfi.map_or("not walked".into(), |p| format!("{p:.2}")),
-            caps_text(b_lo, b_hi),
-            caps_text(d_lo, d_hi),
-            format!("{tps_before:.0}"),
-            format!("{tps_during:.0}"),
-            format!("{:.1} %", slowdown * 100.0),
-            format!(
-                "{:.0} %{}",
-                job.spec.bound * 100.0,
-                if within { "" } else { " BROKEN" }
-            ),
-            equal_cap(id).map_or("700 W".into(), |c| format!("{c:.0} W")),
-            format!(
-                "{:.1} %{}",
-                eq_slowdown * 100.0,
-                if eq_slowdown > job.spec.bound + 1e-9 {
-                    " (over bound)"
-                } else {
-                    ""
-                }
-            ),
-        ]);
-        cal_rows.push(vec![
-            id.to_string(),
-            job.spec.tier.to_string(),
-            profile.source.clone(),
-            job.spec.profile.to_string(),
-            match (walked.first(), walked.last()) {
-                (Some(a), Some(b)) if walked.len() >= 2 => format!("{a}→{b} W"),
-                _ => "not walked (flex0)".into(),
-            },
-            calibration_s.map_or("-".into(), |s| format!("{s:.0} s")),
-            cost_uncapped_s.map_or("-".into(), |s| format!("{s:.0} s")),
-        ]);
-        summary_jobs.push(json!({
-            "job": id, "tier": job.spec.tier, "profile": job.spec.profile,
-            "curve_source": profile.source, "real": profile.source == "real",
-            "phase_change_to": change.map(|c| c.to),
-            "nodes": job.spec.nodes, "gpus_per_node": job.spec.gpus_per_node,
-            "power_flex": job.spec.power_flex(),
-            "bound": job.spec.bound, "pfi_true": true_pfi, "pfi_measured": measured_pfi,
-            "caps_walked_w": walked, "cap_before_w": [b_lo, b_hi], "cap_during_w": [d_lo, d_hi],
-            "tokens_per_s_before": tps_before, "tokens_per_s_during": tps_during, "slowdown": slowdown,
-            "within_bound": within, "equal_cap_w": equal_cap(id), "equal_slowdown": eq_slowdown,
-            "calibration_s": calibration_s, "calibration_cost_uncapped_s": cost_uncapped_s,
-        }));
+    let per_job = m.per_job(equal)?;
+    let draw = m.judge_draw(target_w);
+    let budget_w = f64::from(NODES * GPUS_PER_NODE) * DEFAULT_CAP_W;
+    m.print_event_one(&per_job, &draw, first, budget_w);
+    m.print_openadr();
+    m.print_plot_and_caps(&plot);
+    print_comparisons(&comparisons);
+    let energy = energy_summary(&down.energy);
+    print_energy(&energy, &down.energy);
+    let energy_ok = down.energy.missing.is_empty()
+        && down.energy.records.iter().all(|r| r.energy_j > 0.0)
+        && down.energy.plot.is_ok();
+    m.write_summary(&per_job, &draw, &comparisons, energy, budget_w)?;
+    let ok = per_job.promises_held
+        && draw.draw_ok
+        && draw.phases_ok
+        && grid.ok()
+        && !during.changes.is_empty()
+        && down.restored_by_agents
+        && down.all_default
+        && energy_ok;
+    m.print_verdict(ok);
+    Ok(ok)
+}
+
+/// What the demo's phases measured: the report's input.
+#[derive(Clone, Copy)]
+struct Measured<'a> {
+    demo: &'a Demo,
+    jobs: &'a [Job],
+    calibration: &'a Calibration,
+    before: &'a Before,
+    during: &'a During,
+    grid: &'a Openadr,
+    down: &'a Teardown,
+}
+
+/// What each job did before and during event 1, against its tier's promise.
+struct PerJob {
+    /// The per-job table's rows.
+    rows: Vec<Vec<String>>,
+    /// The calibration table's rows.
+    cal_rows: Vec<Vec<String>>,
+    /// Each job in `summary.json`.
+    summary_jobs: Vec<serde_json::Value>,
+    total_before: f64,
+    total_during: f64,
+    /// Every job within its bound, and flex0 never capped.
+    promises_held: bool,
+}
+
+/// Event 1's draw against its budget, the phase changes' transients apart.
+struct DrawVerdict {
+    /// How long after a phase change's new load the draw is not judged, s.
+    settle_window: f64,
+    /// The samples judged: (s into the event, W).
+    judged: Vec<(f64, f64)>,
+    max_draw: f64,
+    seconds_over: f64,
+    mean_draw: f64,
+    draw_ok: bool,
+    /// Each phase change in `summary.json`.
+    phase_summary: Vec<serde_json::Value>,
+    phases_ok: bool,
+}
+
+impl Measured<'_> {
+    /// The plot of the whole run (budget, metered draw, the caps the GPUs enforced,
+    /// the marks), written next to the logs.
+    fn write_plot(&self) -> Result<PathBuf> {
+        let Measured { demo, .. } = *self;
+        let plot = demo.out.join("powerflex-demo.svg");
+        let svg = powerflex_controller::plot::render_svg_marked(
+            &demo.meter.samples,
+            "powerflex demo (SIMULATED GPUs): budget, metered draw and the caps the GPUs enforced",
+            &demo.marks,
+        )
+        .map_err(|e| e.to_string())?;
+        std::fs::write(&plot, svg).map_err(|e| format!("{}: {e}", plot.display()))?;
+
+        Ok(plot)
     }
 
-    // The draw is judged from the end of the settle to just before the ramp back, except
-    // for two allocation periods after each phase change: the controller learns of the
-    // new load from the agents' next reports and has those two periods to correct it
-    // (issue 13's guarantee). That transient is reported on its own. A phase change
-    // starts when the job's new load does — its second step's first logged step, not
-    // the scancel of the first: between the two the job draws little (metered mode keeps
-    // budgeting a walked job at its curve then, so its watts are not lent out and taken
-    // back in a hurry when the new load starts).
-    let settle_window = 2.0 * ALLOCATION_PERIOD_S;
-    let load_at_s: Vec<f64> = during
-        .changes
-        .iter()
-        .map(|c| {
-            let first_step_ms = step_logs(&demo.jobs_dir, c.job)
-                .iter()
-                .filter(|p| p.to_string_lossy().ends_with("-1.csv"))
-                .filter_map(|p| read_steps(p).first().map(|s| s.unix_ms))
-                .min();
-            match first_step_ms {
-                Some(ms) if ms > c.at_ms => c.at_s + (ms - c.at_ms) as f64 / 1000.0,
-                _ => c.at_s,
+    /// Every policy scored on the true curves at event 1's budget (as planned, and
+    /// replayed with what event 1 measured) and, when it was taken, while the OpenADR
+    /// event was in force.
+    fn compare_all(&self) -> Result<Vec<Comparison>> {
+        let Measured {
+            demo,
+            jobs,
+            during,
+            grid,
+            ..
+        } = *self;
+        let comparisons = {
+            let mut all = vec![
+                compare(demo, jobs, &during.changes, &during.snapshot)?,
+                compare(demo, jobs, &during.changes, &during.replay)?,
+            ];
+            if let Some(snap) = &grid.snapshot {
+                all.push(compare(demo, jobs, &during.changes, snap)?);
             }
+            all
+        };
+        Ok(comparisons)
+    }
+
+    /// Each job's tokens/s before and during event 1 from its step logs, its slowdown
+    /// against its bound and against the equal split (`equal`), its PFI and its
+    /// calibration's cost.
+    fn per_job(&self, equal: &DecisionView) -> Result<PerJob> {
+        let Measured {
+            demo,
+            jobs,
+            calibration,
+            before,
+            during,
+            ..
+        } = *self;
+        let cli = &demo.cli;
+        let cap_in = |decision: &DecisionView, id: u32| -> Option<f64> {
+            let jobs = &decision.allocation.as_ref()?.jobs;
+            Some(jobs.iter().find(|j| j.id == id.to_string())?.cap_w.0)
+        };
+        let equal_cap = |id: u32| cap_in(equal, id);
+        let mut rows = Vec::new();
+        let mut summary_jobs = Vec::new();
+        let mut cal_rows = Vec::new();
+        let (mut total_before, mut total_during) = (0.0, 0.0);
+        let mut promises_held = true;
+        for job in jobs {
+            let profile = demo
+                .library
+                .find(job.spec.profile)
+                .map_err(|e| e.to_string())?;
+            let id = job.id;
+            let change = during.changes.iter().find(|c| c.job == id);
+            // A job that changed phase is judged on its first phase: its tokens/s are of a
+            // different workload afterwards.
+            let during_to = change.map_or(during.to_ms, |c| c.at_ms);
+            let scale = demo.time_scale();
+            let (tps_before, b_lo, b_hi) =
+                window(&demo.jobs_dir, id, before.from_ms, before.to_ms, scale)
+                    .ok_or(format!("job {id}: no steps logged before the event"))?;
+            let (tps_during, d_lo, d_hi) =
+                window(&demo.jobs_dir, id, during.from_ms, during_to, scale)
+                    .ok_or(format!("job {id}: no steps logged during the event"))?;
+            let slowdown = 1.0 - tps_during / tps_before;
+            let view = job_view(&before.jobs, id);
+            // The first node's points: all the job's nodes walk together.
+            let first_points = view.and_then(|v| v.points.values().next());
+            let walked: Vec<f64> = first_points
+                .map(|p| p.iter().map(|x| x[0]).collect())
+                .unwrap_or_default();
+            let measured_pfi = view
+                .filter(|v| v.pfi_source == Some(PfiSource::Measured))
+                .and_then(|v| v.pfi);
+            let true_grid: &[f64] = if walked.len() >= 2 {
+                &walked
+            } else {
+                &CALIBRATION_CAPS_W
+            };
+            let true_pfi = profile.pfi_on(true_grid);
+            // A job the allocation does not steer runs the same under either policy.
+            let eq_slowdown = match equal_cap(id) {
+                Some(e) => 1.0 - relative_at(profile, e),
+                None => slowdown,
+            };
+            total_before += tps_before;
+            total_during += tps_during;
+            let within = slowdown <= job.spec.bound + SLOWDOWN_TOLERANCE
+                && (job.spec.tier != "flex0" || d_lo >= DEFAULT_CAP_W);
+            promises_held &= within;
+            let cal = calibration
+                .jobs
+                .iter()
+                .find(|(seen, _)| *seen == id)
+                .map(|(_, c)| c);
+            let top = first_points.and_then(|p| p.first()).map(|p| p[2]);
+            let cost_uncapped_s = match (cal.map(|c| c.calibration_cost), top) {
+                (Some(cost), Some(top)) if top > 0.0 => Some(cost / top * cli.time_scale),
+                _ => None,
+            };
+            let calibration_s = cal.and_then(|c| c.calibration_s);
+            let profile_text = match change {
+                Some(c) => format!("{} → {}", c.from, c.to),
+                None => job.spec.profile.to_string(),
+            };
+            rows.push(vec![
+                id.to_string(),
+                job.spec.tier.to_string(),
+                profile.source.clone(),
+                profile_text.clone(),
+                format!("{}x{}", job.spec.nodes, job.spec.gpus_per_node),
+                true_pfi.map_or("-".into(), |p| format!("{p:.2}")),
+                measured_pfi.map_or("not walked".into(), |p| format!("{p:.2}")),
+                caps_text(b_lo, b_hi),
+                caps_text(d_lo, d_hi),
+                format!("{tps_before:.0}"),
+                format!("{tps_during:.0}"),
+                format!("{:.1} %", slowdown * 100.0),
+                format!(
+                    "{:.0} %{}",
+                    job.spec.bound * 100.0,
+                    if within { "" } else { " BROKEN" }
+                ),
+                equal_cap(id).map_or("700 W".into(), |c| format!("{c:.0} W")),
+                format!(
+                    "{:.1} %{}",
+                    eq_slowdown * 100.0,
+                    if eq_slowdown > job.spec.bound + 1e-9 {
+                        " (over bound)"
+                    } else {
+                        ""
+                    }
+                ),
+            ]);
+            cal_rows.push(vec![
+                id.to_string(),
+                job.spec.tier.to_string(),
+                profile.source.clone(),
+                job.spec.profile.to_string(),
+                match (walked.first(), walked.last()) {
+                    (Some(a), Some(b)) if walked.len() >= 2 => format!("{a}→{b} W"),
+                    _ => "not walked (flex0)".into(),
+                },
+                calibration_s.map_or("-".into(), |s| format!("{s:.0} s")),
+                cost_uncapped_s.map_or("-".into(), |s| format!("{s:.0} s")),
+            ]);
+            summary_jobs.push(json!({
+                "job": id, "tier": job.spec.tier, "profile": job.spec.profile,
+                "curve_source": profile.source, "real": profile.source == "real",
+                "phase_change_to": change.map(|c| c.to),
+                "nodes": job.spec.nodes, "gpus_per_node": job.spec.gpus_per_node,
+                "power_flex": job.spec.power_flex(),
+                "bound": job.spec.bound, "pfi_true": true_pfi, "pfi_measured": measured_pfi,
+                "caps_walked_w": walked, "cap_before_w": [b_lo, b_hi], "cap_during_w": [d_lo, d_hi],
+                "tokens_per_s_before": tps_before, "tokens_per_s_during": tps_during, "slowdown": slowdown,
+                "within_bound": within, "equal_cap_w": equal_cap(id), "equal_slowdown": eq_slowdown,
+                "calibration_s": calibration_s, "calibration_cost_uncapped_s": cost_uncapped_s,
+            }));
+        }
+
+        Ok(PerJob {
+            rows,
+            cal_rows,
+            summary_jobs,
+            total_before,
+            total_during,
+            promises_held,
         })
-        .collect();
-    let in_transient = |t: f64| {
-        during
+    }
+
+    /// Event 1's draw judged against its budget, `target_w`.
+    fn judge_draw(&self, target_w: f64) -> DrawVerdict {
+        let Measured { demo, during, .. } = *self;
+        // The draw is judged from the end of the settle to just before the ramp back, except
+        // for two allocation periods after each phase change: the controller learns of the
+        // new load from the agents' next reports and has those two periods to correct it
+        // (issue 13's guarantee). That transient is reported on its own. A phase change
+        // starts when the job's new load does — its second step's first logged step, not
+        // the scancel of the first: between the two the job draws little (metered mode keeps
+        // budgeting a walked job at its curve then, so its watts are not lent out and taken
+        // back in a hurry when the new load starts).
+        let settle_window = 2.0 * ALLOCATION_PERIOD_S;
+        let load_at_s: Vec<f64> = during
             .changes
             .iter()
-            .zip(&load_at_s)
-            .any(|(c, &load)| t >= c.at_s && t < load + settle_window)
-    };
-    let judged: Vec<(f64, f64)> = during
-        .draw
-        .iter()
-        .copied()
-        .filter(|&(t, _)| t >= during.from_s && !in_transient(t))
-        .collect();
-    let (max_draw, seconds_over) = over_budget(&judged, target_w);
-    let mean_draw = judged.iter().map(|s| s.1).sum::<f64>() / judged.len().max(1) as f64;
-    let draw_ok = max_draw <= target_w * (1.0 + DRAW_TOLERANCE);
-    let mut phase_summary = Vec::new();
-    let mut phases_ok = true;
-    for (c, &load) in during.changes.iter().zip(&load_at_s) {
-        let transient: Vec<(f64, f64)> = during
+            .map(|c| {
+                let first_step_ms = step_logs(&demo.jobs_dir, c.job)
+                    .iter()
+                    .filter(|p| p.to_string_lossy().ends_with("-1.csv"))
+                    .filter_map(|p| read_steps(p).first().map(|s| s.unix_ms))
+                    .min();
+                match first_step_ms {
+                    Some(ms) if ms > c.at_ms => c.at_s + (ms - c.at_ms) as f64 / 1000.0,
+                    _ => c.at_s,
+                }
+            })
+            .collect();
+        let in_transient = |t: f64| {
+            during
+                .changes
+                .iter()
+                .zip(&load_at_s)
+                .any(|(c, &load)| t >= c.at_s && t < load + settle_window)
+        };
+        let judged: Vec<(f64, f64)> = during
             .draw
             .iter()
             .copied()
-            .filter(|&(t, _)| t >= c.at_s && t < load + settle_window)
+            .filter(|&(t, _)| t >= during.from_s && !in_transient(t))
             .collect();
-        let after: Vec<(f64, f64)> = during
-            .draw
-            .iter()
-            .copied()
-            .filter(|&(t, _)| t >= load + settle_window)
-            .collect();
-        let (transient_peak, transient_over_s) = over_budget(&transient, target_w);
-        let (after_max, after_over_s) = over_budget(&after, target_w);
-        // The second phase must really have run: its step logs carry tokens.
-        let second_tokens: u64 = step_logs(&demo.jobs_dir, c.job)
-            .iter()
-            .filter(|p| p.to_string_lossy().ends_with("-1.csv"))
-            .map(|p| read_steps(p).last().map_or(0, |s| s.tokens))
-            .sum();
-        let ok = !after.is_empty()
-            && after_max <= target_w * (1.0 + DRAW_TOLERANCE)
-            && second_tokens > 0;
-        phases_ok &= ok;
-        phase_summary.push(json!({
-            "job": c.job, "from": c.from, "to": c.to, "at_s": c.at_s, "load_at_s": load,
-            "transient_peak_w": transient_peak, "transient_over_s": transient_over_s,
-            "draw_max_after_two_periods_w": after_max, "samples_after": after.len(),
-            "over_after_two_periods_s": after_over_s,
-            "second_phase_tokens": second_tokens, "within_budget_after_two_periods": ok,
-        }));
+        let (max_draw, seconds_over) = over_budget(&judged, target_w);
+        let mean_draw = judged.iter().map(|s| s.1).sum::<f64>() / judged.len().max(1) as f64;
+        let draw_ok = max_draw <= target_w * (1.0 + DRAW_TOLERANCE);
+        let mut phase_summary = Vec::new();
+        let mut phases_ok = true;
+        for (c, &load) in during.changes.iter().zip(&load_at_s) {
+            let transient: Vec<(f64, f64)> = during
+                .draw
+                .iter()
+                .copied()
+                .filter(|&(t, _)| t >= c.at_s && t < load + settle_window)
+                .collect();
+            let after: Vec<(f64, f64)> = during
+                .draw
+                .iter()
+                .copied()
+                .filter(|&(t, _)| t >= load + settle_window)
+                .collect();
+            let (transient_peak, transient_over_s) = over_budget(&transient, target_w);
+            let (after_max, after_over_s) = over_budget(&after, target_w);
+            // The second phase must really have run: its step logs carry tokens.
+            let second_tokens: u64 = step_logs(&demo.jobs_dir, c.job)
+                .iter()
+                .filter(|p| p.to_string_lossy().ends_with("-1.csv"))
+                .map(|p| read_steps(p).last().map_or(0, |s| s.tokens))
+                .sum();
+            let ok = !after.is_empty()
+                && after_max <= target_w * (1.0 + DRAW_TOLERANCE)
+                && second_tokens > 0;
+            phases_ok &= ok;
+            phase_summary.push(json!({
+                "job": c.job, "from": c.from, "to": c.to, "at_s": c.at_s, "load_at_s": load,
+                "transient_peak_w": transient_peak, "transient_over_s": transient_over_s,
+                "draw_max_after_two_periods_w": after_max, "samples_after": after.len(),
+                "over_after_two_periods_s": after_over_s,
+                "second_phase_tokens": second_tokens, "within_budget_after_two_periods": ok,
+            }));
+        }
+
+        DrawVerdict {
+            settle_window,
+            judged,
+            max_draw,
+            seconds_over,
+            mean_draw,
+            draw_ok,
+            phase_summary,
+            phases_ok,
+        }
     }
 
-    println!("\n== per job (tokens/s per SIMULATED second, summed over the job's nodes; slowdown = 1 - during/before; curve: where the profile's curve comes from, `real` = a measured power-limit curve)");
-    print!(
-        "{}",
-        table(
-            &[
-                "job",
-                "tier",
-                "curve",
-                "profile",
-                "nodes x GPUs",
-                "PFI true",
-                "PFI measured",
-                "cap before",
-                "cap during",
-                "tok/s before",
-                "tok/s during",
-                "slowdown",
-                "bound",
-                "equal-weight cap",
-                "slowdown under equal",
-            ],
-            &rows
-        )
-    );
-    println!("\n== calibration (measured while the jobs trained; cost = tokens lost vs running uncapped, in seconds of uncapped training, simulated time)");
-    print!(
-        "{}",
-        table(
-            &[
-                "job",
-                "tier",
-                "curve",
-                "profile",
-                "caps walked",
-                "wall time",
-                "cost"
-            ],
-            &cal_rows
-        )
-    );
-    let kept = |x: f64| x / total_before * 100.0;
-    println!(
-        "\n== cluster: {} SIMULATED H200 on {NODES} nodes",
-        NODES * GPUS_PER_NODE
-    );
-    let budget_w = f64::from(NODES * GPUS_PER_NODE) * DEFAULT_CAP_W;
-    println!("  facility budget                 {}", Watts(budget_w));
-    println!("  draw before the event           {}", Watts(before.draw_w));
-    println!(
-        "  grid event budget               {} ({:.0} % below the draw before)",
-        Watts(target_w),
-        cli.cut * 100.0
-    );
-    println!(
-        "  draw during the event           mean {}, highest {} over {} samples ({:.1} s apart) after the ramp: {}",
-        Watts(mean_draw),
-        Watts(max_draw),
-        judged.len(),
-        EVENT_SAMPLE_S,
-        if draw_ok { "within the budget" } else { "OVER THE BUDGET" }
-    );
-    for p in &phase_summary {
+    /// The per-job and calibration tables, and the cluster's figures for event 1
+    /// (`first`: the comparison at its budget).
+    fn print_event_one(
+        &self,
+        per_job: &PerJob,
+        draw: &DrawVerdict,
+        first: &Comparison,
+        budget_w: f64,
+    ) {
+        let Measured {
+            demo,
+            calibration,
+            before,
+            ..
+        } = *self;
+        let cli = &demo.cli;
+        let target_w = before.target_w;
+        let total_equal = score_of(first, "tier-equal");
+        let total_optimal_true = score_of(first, "powerflex");
+        println!("\n== per job (tokens/s per SIMULATED second, summed over the job's nodes; slowdown = 1 - during/before; curve: where the profile's curve comes from, `real` = a measured power-limit curve)");
+        print!(
+            "{}",
+            table(
+                &[
+                    "job",
+                    "tier",
+                    "curve",
+                    "profile",
+                    "nodes x GPUs",
+                    "PFI true",
+                    "PFI measured",
+                    "cap before",
+                    "cap during",
+                    "tok/s before",
+                    "tok/s during",
+                    "slowdown",
+                    "bound",
+                    "equal-weight cap",
+                    "slowdown under equal",
+                ],
+                &per_job.rows
+            )
+        );
+        println!("\n== calibration (measured while the jobs trained; cost = tokens lost vs running uncapped, in seconds of uncapped training, simulated time)");
+        print!(
+            "{}",
+            table(
+                &[
+                    "job",
+                    "tier",
+                    "curve",
+                    "profile",
+                    "caps walked",
+                    "wall time",
+                    "cost"
+                ],
+                &per_job.cal_rows
+            )
+        );
+        let kept = |x: f64| x / per_job.total_before * 100.0;
         println!(
-            "  phase change (job {}, {:.0} s in) {} -> {}: peak {} and {:.1} s over in the first {settle_window:.0} s; highest after: {}: {}",
-            p["job"],
-            p["at_s"].as_f64().unwrap_or(0.0),
-            p["from"].as_str().unwrap_or(""),
-            p["to"].as_str().unwrap_or(""),
-            Watts(p["transient_peak_w"].as_f64().unwrap_or(0.0)),
-            p["transient_over_s"].as_f64().unwrap_or(0.0),
-            Watts(p["draw_max_after_two_periods_w"].as_f64().unwrap_or(0.0)),
-            if p["within_budget_after_two_periods"] == true {
-                "within the budget"
-            } else {
-                "OVER THE BUDGET (or the second phase never ran)"
-            }
+            "\n== cluster: {} SIMULATED H200 on {NODES} nodes",
+            NODES * GPUS_PER_NODE
+        );
+        println!("  facility budget                 {}", Watts(budget_w));
+        println!("  draw before the event           {}", Watts(before.draw_w));
+        println!(
+            "  grid event budget               {} ({:.0} % below the draw before)",
+            Watts(target_w),
+            cli.cut * 100.0
+        );
+        println!(
+            "  draw during the event           mean {}, highest {} over {} samples ({:.1} s apart) after the ramp: {}",
+            Watts(draw.mean_draw),
+            Watts(draw.max_draw),
+            draw.judged.len(),
+            EVENT_SAMPLE_S,
+            if draw.draw_ok { "within the budget" } else { "OVER THE BUDGET" }
+        );
+        for p in &draw.phase_summary {
+            println!(
+                "  phase change (job {}, {:.0} s in) {} -> {}: peak {} and {:.1} s over in the first {:.0} s; highest after: {}: {}",
+                p["job"],
+                p["at_s"].as_f64().unwrap_or(0.0),
+                p["from"].as_str().unwrap_or(""),
+                p["to"].as_str().unwrap_or(""),
+                draw.settle_window,
+                Watts(p["transient_peak_w"].as_f64().unwrap_or(0.0)),
+                p["transient_over_s"].as_f64().unwrap_or(0.0),
+                Watts(p["draw_max_after_two_periods_w"].as_f64().unwrap_or(0.0)),
+                if p["within_budget_after_two_periods"] == true {
+                    "within the budget"
+                } else {
+                    "OVER THE BUDGET (or the second phase never ran)"
+                }
+            );
+        }
+        if draw.seconds_over > 0.0 {
+            println!("  seconds over the event budget   {:.1}", draw.seconds_over);
+        }
+        println!(
+            "  tokens/s before                 {:.0}",
+            per_job.total_before
+        );
+        println!(
+            "  tokens/s during, powerflex      {:.0} ({:.1} % kept; measured by the jobs)",
+            per_job.total_during,
+            kept(per_job.total_during)
+        );
+        println!(
+            "  powerflex vs the equal split     {:+.0} tokens/s ({:+.1} %) within the tiers; {:+.0} tokens/s ({:+.1} %) against the paper's equal-weight cut, which ignores them (scored on the true curves: see the tables below)",
+            total_optimal_true - total_equal,
+            (total_optimal_true / total_equal - 1.0) * 100.0,
+            total_optimal_true - score_of(first, "paper-equal"),
+            (total_optimal_true / score_of(first, "paper-equal") - 1.0) * 100.0
+        );
+        println!(
+            "  calibration                     every curve measured {:.0} s after the jobs started",
+            calibration.wall_s
         );
     }
-    if seconds_over > 0.0 {
-        println!("  seconds over the event budget   {seconds_over:.1}");
+
+    /// What the OpenADR event did, from publication to the reports at the VTN.
+    fn print_openadr(&self) {
+        let Measured { grid, .. } = *self;
+        let after_pub = |t: Option<u64>| {
+            grid.s_after_publish(t).map_or("never".to_string(), |s| {
+                format!("{s:.1} s after publication")
+            })
+        };
+        println!("\n== grid event 2, through OpenADR (SIMULATED GPUs; the demo plays the utility at a local VTN)");
+        println!(
+            "  depth from the floors            caps hold every floor down to {}; job {} draws {} at its floor, ~{} suspended -> limit {}",
+            Watts(grid.floors_w),
+            grid.job,
+            Watts(grid.job_at_floor_w),
+            Watts(grid.job_idle_w),
+            Watts(grid.target_w)
+        );
+        println!(
+            "  VTN published                    event {} (IMPORT_CAPACITY_LIMIT {:.3} kW, {} s ahead, {} s long)",
+            grid.vtn_event_id,
+            grid.target_w / 1000.0,
+            OPENADR_LEAD_S,
+            (grid.end_ms - grid.start_ms) / 1000
+        );
+        println!(
+            "  at the controller                {}: event {}, mapped by powerflex-grid's ledger to {}: {}",
+            after_pub(grid.at_ctld_ms),
+            grid.ctld_event_id.map_or("none".into(), |i| i.to_string()),
+            grid.ledger_event_id.map_or("none".into(), |i| i.to_string()),
+            if grid.through_ven() { "through the VEN" } else { "NOT THROUGH THE VEN" }
+        );
+        println!(
+            "  caps in force                    {}",
+            after_pub(grid.caps_ms)
+        );
+        println!(
+            "  job {} suspended                 {}{}; held out during the event: {:?}{}",
+            grid.job,
+            after_pub(grid.suspended_ms),
+            if grid.slurm_suspended {
+                format!(" (Slurm: SUSPENDED, comment \"{}\")", grid.comment)
+            } else {
+                " (NO SUSPENDED STATE SEEN IN SLURM)".to_string()
+            },
+            grid.held,
+            if grid.held == [grid.job.to_string()] {
+                ""
+            } else {
+                " NOT EXACTLY THAT JOB"
+            }
+        );
+        println!(
+            "  job {} resumed                   {}",
+            grid.job,
+            grid.resumed_ms.map_or("NEVER".to_string(), |t| format!(
+                "{:.1} s after the event's end",
+                (t as f64 - grid.end_ms as f64) / 1000.0
+            ))
+        );
+        println!(
+            "  draw while in force              highest {} against {} over {} samples ({:.1} s apart): {}",
+            Watts(grid.draw_max_w()),
+            Watts(grid.target_w),
+            grid.in_force().len(),
+            EVENT_SAMPLE_S,
+            if grid.draw_ok() { "within the budget" } else { "OVER THE BUDGET" }
+        );
+        println!(
+            "  flex0                            lowest cap {}: {}",
+            grid.flex0_min_cap_w
+                .map_or("?".into(), |c| format!("{c:.0} W")),
+            if grid.flex0_min_cap_w.is_some_and(|c| c >= DEFAULT_CAP_W) {
+                "untouched"
+            } else {
+                "CAPPED"
+            }
+        );
+        println!(
+            "  reports at the VTN               {} (DEMAND kW: {})",
+            grid.reports,
+            grid.report_demand_kw
+                .iter()
+                .map(|kw| format!("{kw:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
-    println!("  tokens/s before                 {total_before:.0}");
-    println!(
-        "  tokens/s during, powerflex      {total_during:.0} ({:.1} % kept; measured by the jobs)",
-        kept(total_during)
-    );
-    println!(
-        "  powerflex vs the equal split     {:+.0} tokens/s ({:+.1} %) within the tiers; {:+.0} tokens/s ({:+.1} %) against the paper's equal-weight cut, which ignores them (scored on the true curves: see the tables below)",
-        total_optimal_true - total_equal,
-        (total_optimal_true / total_equal - 1.0) * 100.0,
-        total_optimal_true - score_of(first, "paper-equal"),
-        (total_optimal_true / score_of(first, "paper-equal") - 1.0) * 100.0
-    );
-    println!(
-        "  calibration                     every curve measured {:.0} s after the jobs started",
-        calibration.wall_s
-    );
-    let after_pub = |t: Option<u64>| {
-        grid.s_after_publish(t).map_or("never".to_string(), |s| {
-            format!("{s:.1} s after publication")
-        })
-    };
-    println!("\n== grid event 2, through OpenADR (SIMULATED GPUs; the demo plays the utility at a local VTN)");
-    println!(
-        "  depth from the floors            caps hold every floor down to {}; job {} draws {} at its floor, ~{} suspended -> limit {}",
-        Watts(grid.floors_w),
-        grid.job,
-        Watts(grid.job_at_floor_w),
-        Watts(grid.job_idle_w),
-        Watts(grid.target_w)
-    );
-    println!(
-        "  VTN published                    event {} (IMPORT_CAPACITY_LIMIT {:.3} kW, {} s ahead, {} s long)",
-        grid.vtn_event_id,
-        grid.target_w / 1000.0,
-        OPENADR_LEAD_S,
-        (grid.end_ms - grid.start_ms) / 1000
-    );
-    println!(
-        "  at the controller                {}: event {}, mapped by powerflex-grid's ledger to {}: {}",
-        after_pub(grid.at_ctld_ms),
-        grid.ctld_event_id.map_or("none".into(), |i| i.to_string()),
-        grid.ledger_event_id.map_or("none".into(), |i| i.to_string()),
-        if grid.through_ven() { "through the VEN" } else { "NOT THROUGH THE VEN" }
-    );
-    println!(
-        "  caps in force                    {}",
-        after_pub(grid.caps_ms)
-    );
-    println!(
-        "  job {} suspended                 {}{}; held out during the event: {:?}{}",
-        grid.job,
-        after_pub(grid.suspended_ms),
-        if grid.slurm_suspended {
-            format!(" (Slurm: SUSPENDED, comment \"{}\")", grid.comment)
-        } else {
-            " (NO SUSPENDED STATE SEEN IN SLURM)".to_string()
-        },
-        grid.held,
-        if grid.held == [grid.job.to_string()] {
-            ""
-        } else {
-            " NOT EXACTLY THAT JOB"
-        }
-    );
-    println!(
-        "  job {} resumed                   {}",
-        grid.job,
-        grid.resumed_ms.map_or("NEVER".to_string(), |t| format!(
-            "{:.1} s after the event's end",
-            (t as f64 - grid.end_ms as f64) / 1000.0
-        ))
-    );
-    println!(
-        "  draw while in force              highest {} against {} over {} samples ({:.1} s apart): {}",
-        Watts(grid.draw_max_w()),
-        Watts(grid.target_w),
-        grid.in_force().len(),
-        EVENT_SAMPLE_S,
-        if grid.draw_ok() { "within the budget" } else { "OVER THE BUDGET" }
-    );
-    println!(
-        "  flex0                            lowest cap {}: {}",
-        grid.flex0_min_cap_w
-            .map_or("?".into(), |c| format!("{c:.0} W")),
-        if grid.flex0_min_cap_w.is_some_and(|c| c >= DEFAULT_CAP_W) {
-            "untouched"
-        } else {
-            "CAPPED"
-        }
-    );
-    println!(
-        "  reports at the VTN               {} (DEMAND kW: {})",
-        grid.reports,
-        grid.report_demand_kw
+
+    /// Where the plot is, and whether every GPU came back to its default cap.
+    fn print_plot_and_caps(&self, plot: &Path) {
+        let Measured { down, .. } = *self;
+        println!(
+            "\nplot (budget and metered draw over time; per-job caps as the GPUs enforced them, read back by the agents): {}",
+            plot.display()
+        );
+        println!(
+            "every simulated GPU at its default cap ({DEFAULT_CAP_W:.0} W) after the jobs ended: {}; after shutdown: {}",
+            if down.restored_by_agents { "yes" } else { "NO" },
+            if down.all_default { "yes" } else { "NO" }
+        );
+    }
+
+    /// `summary.json`: what the report printed, as data.
+    fn write_summary(
+        &self,
+        per_job: &PerJob,
+        draw: &DrawVerdict,
+        comparisons: &[Comparison],
+        energy: serde_json::Value,
+        budget_w: f64,
+    ) -> Result<()> {
+        let Measured {
+            demo,
+            jobs,
+            calibration,
+            before,
+            during,
+            grid,
+            down,
+            ..
+        } = *self;
+        let cli = &demo.cli;
+        let target_w = before.target_w;
+        let first = &comparisons[0];
+        let total_equal = score_of(first, "tier-equal");
+        let total_optimal_true = score_of(first, "powerflex");
+        let real_jobs: Vec<u32> = jobs
             .iter()
-            .map(|kw| format!("{kw:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    println!(
-        "\nplot (budget and metered draw over time; per-job caps as the GPUs enforced them, read back by the agents): {}",
-        plot.display()
-    );
-    println!(
-        "every simulated GPU at its default cap ({DEFAULT_CAP_W:.0} W) after the jobs ended: {}; after shutdown: {}",
-        if down.restored_by_agents { "yes" } else { "NO" },
-        if down.all_default { "yes" } else { "NO" }
-    );
-    for c in &comparisons {
+            .filter(|j| {
+                demo.library
+                    .find(j.spec.profile)
+                    .is_ok_and(|p| p.source == "real")
+            })
+            .map(|j| j.id)
+            .collect();
+        let summary = json!({
+            "simulated": true,
+            "jobs": per_job.summary_jobs,
+            "cluster": {
+                "gpus": NODES * GPUS_PER_NODE, "nodes": NODES, "budget_w": budget_w,
+                "draw_before_w": before.draw_w, "event_budget_w": target_w, "cut": cli.cut,
+                "event_start_ms": during.start_ms, "event_end_ms": during.end_ms,
+                "draw_during_mean_w": draw.mean_draw, "draw_during_max_w": draw.max_draw,
+                "draw_samples": draw.judged.len(), "draw_sample_interval_s": EVENT_SAMPLE_S,
+                "seconds_over_budget": draw.seconds_over,
+                "tokens_per_s_before": per_job.total_before, "tokens_per_s_during": per_job.total_during,
+                "tokens_per_s_equal": total_equal, "tokens_per_s_optimal_true": total_optimal_true,
+                "calibration_wall_s": calibration.wall_s,
+                "caps_restored_at_job_end": down.restored_by_agents, "caps_default_after_shutdown": down.all_default,
+                "real_jobs": real_jobs, "phase_changes": draw.phase_summary,
+                "plot_samples": demo.meter.samples.len(),
+            },
+            // The meter during the event, every ~200 ms: [s into the event, W].
+            "draw_event": during.draw.iter().map(|&(t, w)| [t, w]).collect::<Vec<_>>(),
+            "comparisons": comparisons.iter().map(Comparison::json).collect::<Vec<_>>(),
+            "openadr": {
+                "vtn_event_id": grid.vtn_event_id, "ven_name": grid.ven_name, "program": OPENADR_PROGRAM,
+                "floors_w": grid.floors_w, "job": grid.job, "job_at_floor_w": grid.job_at_floor_w,
+                "job_idle_estimate_w": grid.job_idle_w, "target_w": grid.target_w,
+                "published_ms": grid.published_ms, "start_ms": grid.start_ms, "end_ms": grid.end_ms,
+                "ctld_event_id": grid.ctld_event_id, "ctld_target_w": grid.ctld_target_w,
+                "ledger_event_id": grid.ledger_event_id, "through_ven": grid.through_ven(),
+                "at_ctld_after_publish_s": grid.s_after_publish(grid.at_ctld_ms),
+                "caps_in_force_after_publish_s": grid.s_after_publish(grid.caps_ms),
+                "suspended_after_publish_s": grid.s_after_publish(grid.suspended_ms),
+                "slurm_suspended": grid.slurm_suspended, "slurm_comment": grid.comment, "held": grid.held,
+                "resumed_after_end_s": grid.resumed_ms.map(|t| (t as f64 - grid.end_ms as f64) / 1000.0),
+                "flex0_min_cap_w": grid.flex0_min_cap_w,
+                "draw_max_w": grid.draw_max_w(), "draw_samples": grid.in_force().len(),
+                "within_budget": grid.draw_ok(),
+                "reports": grid.reports, "report_demand_kw": grid.report_demand_kw,
+                "ok": grid.ok(),
+                // The meter from publication on: [Unix ms, W].
+                "draw": grid.draw.iter().map(|&(t, w)| json!([t, w])).collect::<Vec<_>>(),
+            },
+            "controller_jobs_during": during.jobs,
+            "energy": energy,
+        });
+        let summary_path = demo.out.join("summary.json");
+        std::fs::write(
+            &summary_path,
+            serde_json::to_string_pretty(&compare::tidy_floats(summary))
+                .map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| format!("{}: {e}", summary_path.display()))?;
+        println!("summary (JSON): {}", summary_path.display());
+        Ok(())
+    }
+
+    /// One line: every promise held, or where to look.
+    fn print_verdict(&self, ok: bool) {
+        let Measured { demo, .. } = *self;
+        if ok {
+            println!("\nevery tier's promise held, the draw stayed within both events' budgets (through the phase change too), the OpenADR event arrived through the VEN and suspended and resumed exactly the job that allows it, flex0 was never capped, every GPU is back at its default cap, and the controller recorded every job's energy.");
+        } else {
+            println!(
+                "\nFAILED: see the lines marked BROKEN, OVER or NO above; the daemons' logs are in {}",
+                demo.out.display()
+            );
+        }
+    }
+}
+
+/// A policy's tokens/s in a comparison (0 when it has no row).
+fn score_of(c: &Comparison, key: &str) -> f64 {
+    c.row(key).map_or(0.0, |r| r.scored.tokens_per_s)
+}
+
+/// The policy comparisons, and what the second look at event 1's budget gains from
+/// what event 1 measured.
+fn print_comparisons(comparisons: &[Comparison]) {
+    for c in comparisons {
         print!("{}", c.render());
     }
     // What the second look at a budget gains from the first event's windows.
@@ -2681,85 +3054,4 @@ fn report(
         ),
         _ => println!("\n  learning: no gap to recover at event 1's budget (the oracle keeps no more than the equal split within the tiers)"),
     }
-    let energy = energy_summary(&down.energy);
-    print_energy(&energy, &down.energy);
-    let energy_ok = down.energy.missing.is_empty()
-        && down.energy.records.iter().all(|r| r.energy_j > 0.0)
-        && down.energy.plot.is_ok();
-    let real_jobs: Vec<u32> = jobs
-        .iter()
-        .filter(|j| {
-            demo.library
-                .find(j.spec.profile)
-                .is_ok_and(|p| p.source == "real")
-        })
-        .map(|j| j.id)
-        .collect();
-    let summary = json!({
-        "simulated": true,
-        "jobs": summary_jobs,
-        "cluster": {
-            "gpus": NODES * GPUS_PER_NODE, "nodes": NODES, "budget_w": budget_w,
-            "draw_before_w": before.draw_w, "event_budget_w": target_w, "cut": cli.cut,
-            "event_start_ms": during.start_ms, "event_end_ms": during.end_ms,
-            "draw_during_mean_w": mean_draw, "draw_during_max_w": max_draw,
-            "draw_samples": judged.len(), "draw_sample_interval_s": EVENT_SAMPLE_S,
-            "seconds_over_budget": seconds_over,
-            "tokens_per_s_before": total_before, "tokens_per_s_during": total_during,
-            "tokens_per_s_equal": total_equal, "tokens_per_s_optimal_true": total_optimal_true,
-            "calibration_wall_s": calibration.wall_s,
-            "caps_restored_at_job_end": down.restored_by_agents, "caps_default_after_shutdown": down.all_default,
-            "real_jobs": real_jobs, "phase_changes": phase_summary,
-            "plot_samples": demo.meter.samples.len(),
-        },
-        // The meter during the event, every ~200 ms: [s into the event, W].
-        "draw_event": during.draw.iter().map(|&(t, w)| [t, w]).collect::<Vec<_>>(),
-        "comparisons": comparisons.iter().map(Comparison::json).collect::<Vec<_>>(),
-        "openadr": {
-            "vtn_event_id": grid.vtn_event_id, "ven_name": grid.ven_name, "program": OPENADR_PROGRAM,
-            "floors_w": grid.floors_w, "job": grid.job, "job_at_floor_w": grid.job_at_floor_w,
-            "job_idle_estimate_w": grid.job_idle_w, "target_w": grid.target_w,
-            "published_ms": grid.published_ms, "start_ms": grid.start_ms, "end_ms": grid.end_ms,
-            "ctld_event_id": grid.ctld_event_id, "ctld_target_w": grid.ctld_target_w,
-            "ledger_event_id": grid.ledger_event_id, "through_ven": grid.through_ven(),
-            "at_ctld_after_publish_s": grid.s_after_publish(grid.at_ctld_ms),
-            "caps_in_force_after_publish_s": grid.s_after_publish(grid.caps_ms),
-            "suspended_after_publish_s": grid.s_after_publish(grid.suspended_ms),
-            "slurm_suspended": grid.slurm_suspended, "slurm_comment": grid.comment, "held": grid.held,
-            "resumed_after_end_s": grid.resumed_ms.map(|t| (t as f64 - grid.end_ms as f64) / 1000.0),
-            "flex0_min_cap_w": grid.flex0_min_cap_w,
-            "draw_max_w": grid.draw_max_w(), "draw_samples": grid.in_force().len(),
-            "within_budget": grid.draw_ok(),
-            "reports": grid.reports, "report_demand_kw": grid.report_demand_kw,
-            "ok": grid.ok(),
-            // The meter from publication on: [Unix ms, W].
-            "draw": grid.draw.iter().map(|&(t, w)| json!([t, w])).collect::<Vec<_>>(),
-        },
-        "controller_jobs_during": during.jobs,
-        "energy": energy,
-    });
-    let summary_path = demo.out.join("summary.json");
-    std::fs::write(
-        &summary_path,
-        serde_json::to_string_pretty(&compare::tidy_floats(summary)).map_err(|e| e.to_string())?,
-    )
-    .map_err(|e| format!("{}: {e}", summary_path.display()))?;
-    println!("summary (JSON): {}", summary_path.display());
-    let ok = promises_held
-        && draw_ok
-        && phases_ok
-        && grid.ok()
-        && !during.changes.is_empty()
-        && down.restored_by_agents
-        && down.all_default
-        && energy_ok;
-    if ok {
-        println!("\nevery tier's promise held, the draw stayed within both events' budgets (through the phase change too), the OpenADR event arrived through the VEN and suspended and resumed exactly the job that allows it, flex0 was never capped, every GPU is back at its default cap, and the controller recorded every job's energy.");
-    } else {
-        println!(
-            "\nFAILED: see the lines marked BROKEN, OVER or NO above; the daemons' logs are in {}",
-            demo.out.display()
-        );
-    }
-    Ok(ok)
 }

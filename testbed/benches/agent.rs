@@ -1,4 +1,4 @@
-//! powerflexd on SIMULATED GPUs, measured: `cargo bench -p powerflex-agent --bench agent`.
+//! powerflexd on SIMULATED GPUs, measured: `cargo bench -p powerflex-testbed --bench agent`.
 //!
 //! Prints two tables:
 //! 1. calibration per tier and profile — levels walked, deepest cap, wall time, the

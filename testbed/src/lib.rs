@@ -1,5 +1,5 @@
 //! powerflex's testbed: a real Slurm cluster on this machine ([`slurm`]) and the helpers
-//! the whole-system tests in `tests/` and the demo (`powerflex-demo`) share — where the
+//! the whole-process tests in `testbed/tests/` and the demo (`powerflex-demo`) share — where the
 //! built binaries and the project's data are, how to run a binary and capture what it
 //! says, a guard that ends the processes it started by PID.
 
@@ -127,9 +127,10 @@ pub fn wait_until<T>(
     }
 }
 
-/// The repository root.
+/// The repository root: the workspace's, one level above this package's `testbed/`.
 pub fn repo_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let package = Path::new(env!("CARGO_MANIFEST_DIR"));
+    package.parent().unwrap_or(package)
 }
 
 /// A file under the repository's `data/`.

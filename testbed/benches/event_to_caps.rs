@@ -19,7 +19,7 @@
 //! threads do, and how long one such answer takes (work that used to run inside the
 //! step). `-- core-step` runs part 3 alone.
 //!
-//! Run: `cargo bench -p powerflex-controller --bench event_to_caps` (SIMULATED site).
+//! Run: `cargo bench -p powerflex-testbed --bench event_to_caps` (SIMULATED site).
 
 use powerflex_daemon::clock::unix_ms;
 use std::io::{BufRead, Write};

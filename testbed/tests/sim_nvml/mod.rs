@@ -1,5 +1,5 @@
-//! Shared by the simulator library's integration tests: build the library and the probe,
-//! make simulated nodes in directories other users can read.
+//! Shared by the simulated NVML library's tests (`nvml_wrapper`, `pynvml`): build the
+//! library and the probe, make simulated nodes in directories other users can read.
 
 #![allow(dead_code)]
 

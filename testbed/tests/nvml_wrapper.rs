@@ -1,7 +1,7 @@
 //! The production NVML client, `nvml-wrapper`, against the simulated library: the code
 //! path the node agent runs, loaded exactly as it loads the real libnvidia-ml.so.1.
 
-mod common;
+mod sim_nvml;
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
@@ -26,8 +26,8 @@ const BUSY_GPU: u32 = 4;
 fn shared() -> &'static (PathBuf, Node) {
     static NODE: OnceLock<(PathBuf, Node)> = OnceLock::new();
     NODE.get_or_init(|| {
-        let dir = common::scratch("shared").join("t1");
-        let node = common::make_node(&dir, "t1", 6);
+        let dir = sim_nvml::scratch("shared").join("t1");
+        let node = sim_nvml::make_node(&dir, "t1", 6);
         std::env::set_var("POWERFLEX_SIM_DIR", &dir);
         (dir, node)
     })
@@ -36,7 +36,7 @@ fn shared() -> &'static (PathBuf, Node) {
 fn nvml() -> Nvml {
     shared();
     Nvml::builder()
-        .lib_path(OsStr::new(&common::library()))
+        .lib_path(OsStr::new(&sim_nvml::library()))
         .init()
         .expect("nvml-wrapper loads the simulated library")
 }
@@ -155,7 +155,7 @@ fn non_root_gets_no_permission() {
         return;
     }
     let (dir, node) = shared();
-    let got = common::run_probe(
+    let got = sim_nvml::run_probe(
         Some(dir),
         true,
         &["set", &NON_ROOT_GPU.to_string(), "400000"],
@@ -163,7 +163,7 @@ fn non_root_gets_no_permission() {
     assert_eq!(got[0]["error"], "NoPermission", "{got:?}");
     assert_eq!(node.gpu(NON_ROOT_GPU).expect("gpu").power_limit_mw, 700_000);
     // Reading stays open to everyone, as on a real node.
-    let listed = common::run_probe(Some(dir), true, &["list"]);
+    let listed = sim_nvml::run_probe(Some(dir), true, &["list"]);
     assert_eq!(listed.len(), 6);
 }
 
@@ -254,12 +254,12 @@ fn a_busy_gpu_never_draws_above_its_enforced_limit() {
 
 #[test]
 fn two_nodes_do_not_see_each_other() {
-    let root = common::scratch("two-nodes");
+    let root = sim_nvml::scratch("two-nodes");
     let (a, b) = (root.join("n1"), root.join("n2"));
-    common::make_node(&a, "n1", 2);
-    common::make_node(&b, "n2", 3);
-    let list_a = common::run_probe(Some(&a), false, &["list"]);
-    let list_b = common::run_probe(Some(&b), false, &["list"]);
+    sim_nvml::make_node(&a, "n1", 2);
+    sim_nvml::make_node(&b, "n2", 3);
+    let list_a = sim_nvml::run_probe(Some(&a), false, &["list"]);
+    let list_b = sim_nvml::run_probe(Some(&b), false, &["list"]);
     assert_eq!((list_a.len(), list_b.len()), (2, 3));
     for x in &list_a {
         assert!(
@@ -268,40 +268,40 @@ fn two_nodes_do_not_see_each_other() {
             x["uuid"]
         );
     }
-    let set = common::run_probe(Some(&a), false, &["set", "0", "300000"]);
+    let set = sim_nvml::run_probe(Some(&a), false, &["set", "0", "300000"]);
     assert_eq!(set[0]["ok"], true);
-    let after_b = common::run_probe(Some(&b), false, &["list"]);
+    let after_b = sim_nvml::run_probe(Some(&b), false, &["list"]);
     assert_eq!(
         after_b[0]["limit_mw"], 700_000,
         "n2 untouched by a set on n1"
     );
-    let after_a = common::run_probe(Some(&a), false, &["list"]);
+    let after_a = sim_nvml::run_probe(Some(&a), false, &["list"]);
     assert_eq!(after_a[0]["limit_mw"], 300_000);
 }
 
 #[test]
 fn injected_faults_fail_one_gpu_with_real_codes() {
-    let dir = common::scratch("faults").join("n1");
-    let node = common::make_node(&dir, "n1", 3);
+    let dir = sim_nvml::scratch("faults").join("n1");
+    let node = sim_nvml::make_node(&dir, "n1", 3);
     node.set_fault(1, Some(powerflex_sim::state::Fault::GpuLost))
         .expect("fault");
     node.set_fault(2, Some(powerflex_sim::state::Fault::NoPermission))
         .expect("fault");
-    let listed = common::run_probe(Some(&dir), false, &["list"]);
+    let listed = sim_nvml::run_probe(Some(&dir), false, &["list"]);
     assert_eq!(listed[0]["limit_mw"], 700_000, "GPU 0 unaffected");
     assert_eq!(listed[1]["error"], "GpuLost");
-    let set = common::run_probe(Some(&dir), false, &["set", "2", "500000"]);
+    let set = sim_nvml::run_probe(Some(&dir), false, &["set", "2", "500000"]);
     assert_eq!(set[0]["error"], "NoPermission");
     node.set_fault(1, None).expect("clear");
-    let listed = common::run_probe(Some(&dir), false, &["list"]);
+    let listed = sim_nvml::run_probe(Some(&dir), false, &["list"]);
     assert_eq!(listed[1]["limit_mw"], 700_000, "cleared fault, GPU back");
 }
 
 #[test]
 fn without_a_node_the_driver_is_not_loaded() {
-    let got = common::run_probe(None, false, &["list"]);
+    let got = sim_nvml::run_probe(None, false, &["list"]);
     assert_eq!(got[0]["error"], "DriverNotLoaded");
-    let missing = common::scratch("missing").join("nowhere");
-    let got = common::run_probe(Some(&missing), false, &["list"]);
+    let missing = sim_nvml::scratch("missing").join("nowhere");
+    let got = sim_nvml::run_probe(Some(&missing), false, &["list"]);
     assert_eq!(got[0]["error"], "DriverNotLoaded");
 }

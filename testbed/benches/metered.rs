@@ -24,7 +24,7 @@
 //!    690 W. Time from the change until the draw is back within the budget for good,
 //!    peak and integral of the overshoot.
 //!
-//! Run: `cargo bench -p powerflex-controller --bench metered` (SIMULATED site; about
+//! Run: `cargo bench -p powerflex-testbed --bench metered` (SIMULATED site; about
 //! 40 s for each of the four configurations, two budget modes × two rollouts).
 
 use powerflex_daemon::clock::unix_ms;

@@ -15,7 +15,7 @@ use powerflex_sim::state::{Fault, Node};
 
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::site::SiteBuilder;
-use powerflex_testbed::{profile_dir, wait_until};
+use powerflex_testbed::{binary, profile_dir, repo_root, wait_until};
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
 /// simulated job, the socket client.
@@ -156,7 +156,7 @@ impl Fixture {
         let _ = std::fs::remove_file(self.socket());
         let log = std::fs::File::create(self.dir.join("agent.log")).expect("log");
         let mut command = match self.small_state_fs_kib {
-            None => Command::new(env!("CARGO_BIN_EXE_powerflexd")),
+            None => Command::new(binary("powerflexd")),
             Some(kib) => {
                 // unshare and sh exec in turn: the child's PID is the agent's.
                 let mut c = Command::new("unshare");
@@ -170,7 +170,7 @@ impl Fixture {
                     "sh",
                 ])
                 .arg(self.state_fs())
-                .arg(env!("CARGO_BIN_EXE_powerflexd"));
+                .arg(binary("powerflexd"));
                 c
             }
         };
@@ -949,7 +949,7 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
     let f = Fixture::new("python", None, 3600);
     let reply = f.register("701", &["3"], "flex2");
     let progress = reply.progress.expect("progress address");
-    let helper_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let helper_dir = repo_root().join("agent/python");
     // A training loop of 40 steps of 1000 tokens, reporting through the shipped helper.
     let script = "import sys, time\n\
                   sys.path.insert(0, sys.argv[1])\n\
@@ -1167,7 +1167,7 @@ fn a_second_agent_on_the_node_refuses_to_start_and_the_first_keeps_its_socket() 
     let reply = f.register("501", &["0", "1"], "flex1,calibrate=off");
     assert!(reply.ok, "{reply:?}");
 
-    let second = Command::new(env!("CARGO_BIN_EXE_powerflexd"))
+    let second = Command::new(binary("powerflexd"))
         .args([
             "--config",
             f.config.to_str().expect("utf-8"),
