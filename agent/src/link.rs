@@ -24,9 +24,10 @@ use crossbeam_channel::{unbounded, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{
-    fresh_nonce, AgentHandshake, Body, GpuInfo, JobReport, LinkError, Session,
-    MAX_HANDSHAKE_LINE_BYTES, MAX_LINK_LINE_BYTES,
+    fresh_nonce, AgentHandshake, Body, GpuInfo, LinkError, Session, MAX_HANDSHAKE_LINE_BYTES,
+    MAX_LINK_LINE_BYTES,
 };
+use powerflex_proto::report::NodeReport;
 use tracing::{info, warn};
 
 use crate::server::{Inbound, SnapshotCell};
@@ -50,105 +51,34 @@ fn leases_applied(snapshot: &SnapshotCell) -> u64 {
     snapshot.read().map(|s| s.leases_applied).unwrap_or(0)
 }
 
-/// The final shares one report carries: at most
-/// [`powerflex_proto::link::MAX_ENDED_PER_REPORT`] of the unacknowledged ones, in turns
-/// from `turn` (each report the next ones), so a share the controller never takes does
-/// not keep the others out.
-fn finals_in_turn(
-    unacked: &[powerflex_proto::usage::NodeUsage],
-    turn: usize,
-) -> Vec<powerflex_proto::usage::NodeUsage> {
-    let per = powerflex_proto::link::MAX_ENDED_PER_REPORT;
-    if unacked.len() <= per {
-        return unacked.to_vec();
-    }
-    let start = turn.wrapping_mul(per) % unacked.len();
-    unacked
-        .iter()
-        .cycle()
-        .skip(start)
-        .take(per)
-        .cloned()
-        .collect()
-}
-
+/// The report the link sends now: the status's ([`NodeReport::of`]) as `Body::Report`.
 fn report(snapshot: &SnapshotCell, turn: usize) -> Body {
-    let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
-    let Some(s) = snap else {
-        return Body::Report {
+    let NodeReport {
+        jobs,
+        power_w,
+        failsafe,
+        cap_mismatches,
+        ended,
+        observe_only,
+    } = match snapshot.read() {
+        Ok(status) => NodeReport::of(&status, turn),
+        // A loop that panicked while publishing: nothing to say but that the node is here.
+        Err(_) => NodeReport {
             jobs: Vec::new(),
             power_w: 0.0,
             failsafe: false,
             cap_mismatches: 0,
             ended: Vec::new(),
             observe_only: false,
-        };
+        },
     };
-    // A GPU the agent cannot read or set right now (degraded, or its last sample failed)
-    // keeps drawing under the last limit it accepted: report it at that cap, outside its
-    // job, so the controller pays for it first and splits the rest over the GPUs it can
-    // steer. Otherwise a lower budget would reach only the healthy GPUs and the stuck
-    // one would carry the site over it.
-    let steerable = |g: &crate::control::GpuView| g.degraded.is_none() && g.power_w.is_some();
-    let node_power_w: f64 = s
-        .gpus
-        .iter()
-        .map(|g| {
-            if steerable(g) {
-                g.power_w.unwrap_or(0.0)
-            } else {
-                g.cap_w.unwrap_or(g.default_w)
-            }
-        })
-        .sum();
     Body::Report {
-        jobs: s
-            .jobs
-            .iter()
-            .map(|j| {
-                let (gpus, power_w) = s
-                    .gpus
-                    .iter()
-                    .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
-                    .fold((0u32, 0.0f64), |(n, p), g| {
-                        (n + 1, p + g.power_w.unwrap_or(0.0))
-                    });
-                JobReport {
-                    job_id: j.job.clone(),
-                    tier: j.tier.clone(),
-                    gpus,
-                    cap_w: j.cap_w,
-                    power_w: (gpus > 0).then_some(power_w),
-                    throughput: j.throughput,
-                    throughput_unit: j.throughput_unit,
-                    pfi: j.pfi.or(j.prior_pfi),
-                    pfi_source: j.pfi_source,
-                    points: j.points.clone(),
-                    gpu_uuids: s
-                        .gpus
-                        .iter()
-                        .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
-                        .map(|g| g.uuid.clone())
-                        .collect(),
-                    power_cap_w: j.power_cap_w,
-                    power_cap_steady_s: j.power_cap_steady_s,
-                    calibrating: j.calibrating,
-                    curve: j.curve.clone(),
-                    calibration_cost_pct: j.calibration_cost_pct,
-                    // Slurm's job uid from the root slurmstepd's registration (or the
-                    // kernel's owner of the job's processes, for a job taken back):
-                    // the controller shows the job to this user and root only.
-                    owner_uid: Some(j.uid),
-                    usage: j.usage.clone(),
-                }
-            })
-            .collect(),
-        power_w: node_power_w,
-        failsafe: s.failsafe,
-        cap_mismatches: s.cap_mismatches,
-        // Unacknowledged final shares, re-sent until the controller acknowledges them.
-        ended: finals_in_turn(&s.ended, turn),
-        observe_only: !s.enforce,
+        jobs,
+        power_w,
+        failsafe,
+        cap_mismatches,
+        ended,
+        observe_only,
     }
 }
 
@@ -361,39 +291,4 @@ fn serve(
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let _ = reader.join();
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use powerflex_proto::link::MAX_ENDED_PER_REPORT;
-    use powerflex_proto::usage::NodeUsage;
-
-    fn share(i: usize) -> NodeUsage {
-        serde_json::from_str(&format!(
-            r#"{{"job_id":"{i}","node":"n1","uid":1,"tier":"flex2","gpus":[],"energy_mj":1,
-            "energy_source":"counter","from_unix_ms":1,"to_unix_ms":2,"peak_power_w":0.0,
-            "observed_s":0.0,"capped_s":0.0,"event_s":0.0,"power_throttled_s":0.0,
-            "throttle_known_s":0.0,"caps":[],"pfi":null,"ended":true}}"#
-        ))
-        .expect("share")
-    }
-
-    #[test]
-    fn every_unacknowledged_share_goes_out_in_turn() {
-        let few: Vec<NodeUsage> = (0..3).map(share).collect();
-        assert_eq!(finals_in_turn(&few, 7), few, "all, when they fit");
-        let many: Vec<NodeUsage> = (0..40).map(share).collect();
-        let mut seen = std::collections::BTreeSet::new();
-        for turn in 0..3 {
-            let sent = finals_in_turn(&many, turn);
-            assert_eq!(sent.len(), MAX_ENDED_PER_REPORT);
-            seen.extend(sent.into_iter().map(|s| s.job_id));
-        }
-        assert_eq!(seen.len(), 40, "three reports carry all forty");
-        assert_eq!(
-            finals_in_turn(&many, usize::MAX).len(),
-            MAX_ENDED_PER_REPORT
-        );
-    }
 }

@@ -7,8 +7,8 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use powerflex_proto::report::{GpuInfo, JobReport};
-use powerflex_proto::usage::{FinalRef, NodeUsage};
+use powerflex_proto::report::GpuInfo;
+use powerflex_proto::usage::FinalRef;
 
 /// The most a message's stamp may differ from the receiver's clock, ms: the real link's
 /// `powerflex_proto::link::MAX_SKEW_MS` (that module sits behind the `link` feature,
@@ -25,16 +25,7 @@ pub enum ToController {
 }
 
 /// An agent's report, as the real link's `Body::Report` carries it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NodeReport {
-    pub jobs: Vec<JobReport>,
-    /// The node's GPUs' draw, W (a GPU it cannot steer counted at its cap).
-    pub power_w: f64,
-    pub failsafe: bool,
-    pub cap_mismatches: u64,
-    pub ended: Vec<NodeUsage>,
-    pub observe_only: bool,
-}
+pub use powerflex_proto::report::NodeReport;
 
 /// What the controller sends an agent.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,43 +1,40 @@
-//! One node's agent machine, driven as `powerflexd`'s edge (`agent/src/run.rs` and
-//! `agent/src/link.rs`) drives it: the only module of this crate that calls the agent's
-//! machine, through a small interface of its own, so that the agent's coming single
-//! `step(now, inputs) -> outputs` replaces the calls here and nothing else.
+//! One node's agent machine, driven as `powerflexd`'s edge (`agent/src/run.rs`) drives
+//! it: through [`Agent::step`] alone. The edge's part is done here on the simulated
+//! host instead of NVML and `/proc`: what a step needs is read first (the machine says
+//! what, [`Agent::control_reads`] and [`Agent::reads_due`]), its cap writes go to the
+//! simulated GPUs and come back with their read-backs in a follow-up step, its saves
+//! become the node's disk, its status is the one the link reports from.
 //!
-//! Mirrored from the edge: the start (every GPU read before anything is written, the
-//! saved jobs taken back when their step daemons still run, the saved lease resumed),
-//! registrations (the job's GPUs read and capped before the answer), progress through the
-//! sender checks, leases written at once and read back, the sample tick, the scan of live
-//! jobs every two seconds, ends, acknowledgements, the report built from the status
-//! snapshot, and a save wherever the edge saves. Not modelled: NVML's process lists (GPU
-//! claims, unregistered use), adoption of jobs from Slurm's record after a lost state
-//! file, degraded GPUs, reloads.
+//! The host ([`Host`]) is what the site knows of the node: the jobs whose step daemons
+//! run there, the processes on each GPU, and the tier Slurm records for each job (which
+//! the agent reads only to take jobs back after a lost state file). Not modelled:
+//! degraded GPUs, reloads, progress lines the socket refuses before the machine.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use powerflex_agent_machine::calibration::CalibrationSettings;
 use powerflex_agent_machine::control::{
-    Action, Agent, AgentSettings, LeaseMessage, ReportSender, Snapshot,
+    AdoptionCandidate, Agent, AgentInput, AgentOutput, AgentSettings, CapWriteResult, ControlFacts,
+    GpuProcesses, GpuReading, LeaseMessage, Reply, ReportSender, Snapshot, StartFacts,
 };
-use powerflex_agent_machine::gpu::GpuIdentity;
+use powerflex_agent_machine::gpu::{ErrorClass, GpuError, GpuIdentity};
 use powerflex_agent_machine::saved::PersistedState;
 use powerflex_agent_machine::JobKey;
 use powerflex_core::config::SiteConfig;
-use powerflex_core::Watts;
-use powerflex_proto::report::{GpuInfo, JobReport, MAX_ENDED_PER_REPORT};
+use powerflex_core::{UnixMs, Watts};
+use powerflex_proto::report::{GpuInfo, NodeReport};
 use powerflex_proto::usage::FinalRef;
-use powerflex_proto::ProgressReport;
+use powerflex_proto::{ControlOp, ControlReply, ProgressReport};
 
-use crate::link::{LeaseBody, NodeReport};
+use crate::link::LeaseBody;
 use crate::physics::{h200, NodeGpus};
 use crate::HarnessError;
 
 /// The agent's state file: what a restart with its state loads.
 pub type Disk = PersistedState;
 
-/// How often the edge looks for jobs whose step daemons are gone, ms (`run.rs`).
-const JOB_SCAN_INTERVAL_MS: u64 = 2_000;
-/// How often the edge saves the state while jobs run, ms (`run.rs`).
-const USAGE_SAVE_INTERVAL_MS: u64 = 10_000;
+/// The step every task of a harness job runs in (the harness has one step per job).
+const STEP: &str = "0";
 
 /// The agent's settings from the site config, as `powerflexd` reads them for its GPUs.
 pub fn settings(site: &SiteConfig, node: &str) -> Result<AgentSettings, HarnessError> {
@@ -74,38 +71,142 @@ pub fn settings(site: &SiteConfig, node: &str) -> Result<AgentSettings, HarnessE
     })
 }
 
-/// What the edge must do after a call.
+/// What the node's host shows: the site's record of it, from which the edge's reads
+/// (the process table, NVML's process lists, Slurm's record) are answered.
+#[derive(Debug, Clone, Default)]
+pub struct Host {
+    /// Jobs whose step daemons run on the node.
+    pub live: BTreeSet<String>,
+    /// Per GPU, the processes on it: (pid, job).
+    pub processes: BTreeMap<u32, Vec<(u32, String)>>,
+    /// Per job running here: its owner (the kernel's owner of its processes) and the
+    /// tier Slurm records for it (`AdminComment`).
+    pub recorded: BTreeMap<String, (u32, String)>,
+}
+
+impl Host {
+    fn jobs_on_host(&self) -> BTreeSet<JobKey> {
+        self.live.iter().map(|j| (j.clone(), None)).collect()
+    }
+
+    /// The jobs whose processes use `gpu` (NVML's list mapped by ancestry).
+    fn users_of(&self, gpu: u32) -> BTreeSet<JobKey> {
+        self.processes
+            .get(&gpu)
+            .into_iter()
+            .flatten()
+            .map(|(_, job)| (job.clone(), None))
+            .collect()
+    }
+
+    fn gpu_processes(&self, gpus: &[u32]) -> GpuProcesses {
+        let mut found = GpuProcesses::default();
+        for &gpu in gpus {
+            let listed: Vec<(u32, Option<String>)> = self
+                .processes
+                .get(&gpu)
+                .into_iter()
+                .flatten()
+                .map(|(pid, job)| (*pid, Some(job.clone())))
+                .collect();
+            let users = self.users_of(gpu);
+            if !users.is_empty() {
+                found.jobs.insert(gpu, users);
+            }
+            found.processes.insert(gpu, listed);
+        }
+        found
+    }
+
+    /// The jobs running on this node's GPUs, as the edge finds them after a lost state
+    /// file (see `agent/src/run.rs`, `adoption_candidates`).
+    fn adoption_candidates(&self) -> Vec<AdoptionCandidate> {
+        let mut gpus_of: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        for (gpu, processes) in &self.processes {
+            for (_, job) in processes {
+                let gpus = gpus_of.entry(job.as_str()).or_default();
+                if !gpus.contains(&gpu.to_string()) {
+                    gpus.push(gpu.to_string());
+                }
+            }
+        }
+        gpus_of
+            .into_iter()
+            .filter(|(job, _)| self.live.contains(*job))
+            .map(|(job, gpus)| {
+                let (uid, tier) = self
+                    .recorded
+                    .get(job)
+                    .cloned()
+                    .unwrap_or((0, String::new()));
+                AdoptionCandidate {
+                    job_id: job.to_string(),
+                    cluster: None,
+                    uid,
+                    gpus,
+                    recorded_tier: (!tier.is_empty()).then_some(tier),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One progress line from a job's process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskProgress {
+    pub job_id: String,
+    /// The process's owner, as the kernel tells the progress socket.
+    pub uid: u32,
+    pub pid: u32,
+    /// Tokens so far (cumulative).
+    pub tokens: u64,
+}
+
+/// A job's step as its step daemon registers it on this node.
+#[derive(Debug, Clone, Copy)]
+pub struct StepStart<'a> {
+    pub job_id: &'a str,
+    /// Slurm's job uid.
+    pub uid: u32,
+    /// The job's GPUs on this node, by index.
+    pub gpus: &'a [u32],
+    /// The `--power-flex` value.
+    pub flex: &'a str,
+}
+
+/// What the site must do after a call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[must_use]
 pub struct Effects {
-    /// Save the state now.
+    /// The agent saved its state ([`NodeAgent::disk`] is the new file).
     pub save: bool,
-    /// Send a report now (a lease was applied: the controller waits for its caps).
-    pub report: bool,
 }
 
 /// One node's agent.
 #[derive(Debug)]
 pub struct NodeAgent {
     agent: Agent,
-    /// Site ms at the agent's start: the agent's clock (seconds from here) is monotonic,
-    /// whatever the node's wall clock does.
+    /// Site ms at the agent's start, and the node's wall clock then: the agent's clock
+    /// runs steady from there, as `powerflexd`'s `SteadyClock` does, whatever the node's
+    /// wall clock does later.
     started_ms: u64,
+    wall_at_start_ms: u64,
+    /// The status the machine last published.
+    status: Snapshot,
+    /// The state file the machine last saved.
+    saved: Disk,
     leases_reported: u64,
     turn: usize,
-    next_scan_ms: u64,
-    next_usage_save_ms: u64,
 }
 
 impl NodeAgent {
     /// The agent starting at `now_ms` on `gpus`, the node's wall clock reading `wall_ms`,
-    /// from `disk` (none: no state file); `live` are the jobs whose step daemons run on
-    /// the node now.
+    /// from `disk` (none: no state file, or one set aside as unusable).
     pub fn start(
         settings: AgentSettings,
         gpus: &mut NodeGpus,
         disk: Option<&Disk>,
-        live: &BTreeSet<String>,
+        host: &Host,
         sample_interval_ms: u64,
         now_ms: u64,
         wall_ms: u64,
@@ -124,189 +225,228 @@ impl NodeAgent {
                 simulated: true,
             })
             .collect();
-        let saved_defaults: BTreeMap<String, Watts> =
-            disk.map(|d| d.saved_defaults.clone()).unwrap_or_default();
-        let mut agent = Agent::new(settings, identities, &saved_defaults, 0.0);
-        agent.clock_origin_unix_s = wall_ms as f64 / 1000.0;
-        agent.sample_interval_ms = sample_interval_ms;
+        let started = UnixMs(wall_ms);
+        let mut agent = Agent::new(settings, identities, sample_interval_ms, started);
+        let every: Vec<u32> = (0..gpus.gpus.len() as u32).collect();
+        let facts = StartFacts {
+            saved: disk.cloned(),
+            // Every limit read before anything is written: it bounds the caps until a
+            // current lease arrives (fail-static through a restart).
+            samples: read(gpus, &every, now_ms),
+            jobs_on_host: Some(host.jobs_on_host()),
+            busy_gpus: host
+                .processes
+                .iter()
+                .filter(|(_, p)| !p.is_empty())
+                .map(|(g, _)| *g)
+                .collect(),
+            adoptable: if disk.is_none() {
+                host.adoption_candidates()
+            } else {
+                Vec::new()
+            },
+        };
+        let first = agent.step(started, vec![AgentInput::Start(Box::new(facts))]);
+        let status = first
+            .snapshot
+            .clone()
+            .expect("the machine publishes its status at its start");
+        let saved = first
+            .persist
+            .clone()
+            .expect("the machine saves its state at its start");
         let mut node = NodeAgent {
             agent,
             started_ms: now_ms,
+            wall_at_start_ms: wall_ms,
+            status,
+            saved,
             leases_reported: 0,
             turn: 0,
-            next_scan_ms: now_ms,
-            next_usage_save_ms: now_ms + USAGE_SAVE_INTERVAL_MS,
         };
-        // Every limit read before anything is written: it bounds the caps until a current
-        // lease arrives (fail-static through a restart).
-        node.sample_all(gpus, now_ms);
-        if let Some(disk) = disk {
-            node.agent.unacked = disk.unacked_finals.clone();
-            let keys: BTreeSet<JobKey> = live.iter().map(|j| (j.clone(), None)).collect();
-            // Every GPU of a live job runs its processes: not charged to an ended one.
-            let busy: BTreeSet<String> = disk
-                .jobs
-                .iter()
-                .filter(|j| live.contains(&j.job_id))
-                .flat_map(|j| j.gpus.iter().cloned())
-                .collect();
-            node.agent
-                .restore_saved_jobs(0.0, 0.0, disk.jobs.clone(), &keys, &busy);
-            if let Some(lease) = &disk.lease {
-                let left_s = lease.expires_unix_s - wall_ms as f64 / 1000.0;
-                node.agent.restore_saved_lease(
-                    0.0,
-                    lease.caps.clone(),
-                    left_s,
-                    lease.start_cap_w.map(Watts),
-                );
-            }
-        }
+        let _ = node.finish(gpus, now_ms, first);
         node
     }
 
-    fn now_s(&self, now_ms: u64) -> f64 {
-        now_ms.saturating_sub(self.started_ms) as f64 / 1000.0
+    /// The agent's clock at site time `now_ms`.
+    fn clock(&self, now_ms: u64) -> UnixMs {
+        UnixMs(self.wall_at_start_ms + now_ms.saturating_sub(self.started_ms))
     }
 
-    fn sample_all(&mut self, gpus: &mut NodeGpus, now_ms: u64) {
-        let now = self.now_s(now_ms);
-        for g in 0..gpus.gpus.len() as u32 {
-            if let Some(sample) = gpus.read(g, now_ms) {
-                let _ = self.agent.sampled(now, g, Ok(sample));
-            }
-        }
-    }
-
-    fn sample_job(&mut self, gpus: &mut NodeGpus, job_id: &str, now_ms: u64) {
-        let now = self.now_s(now_ms);
-        let mine: Vec<u32> = self
-            .agent
-            .jobs
-            .get(job_id)
-            .map(|j| j.gpus.clone())
-            .unwrap_or_default();
-        for g in mine {
-            if let Some(sample) = gpus.read(g, now_ms) {
-                let _ = self.agent.sampled(now, g, Ok(sample));
-            }
-        }
-    }
-
-    /// Executes the machine's actions on the GPUs; returns the GPUs written.
-    fn execute(
+    /// Steps the machine on `inputs` and executes what it asks, follow-up steps included;
+    /// returns the replies to `inputs` and whether the state was saved.
+    fn drive(
         &mut self,
-        actions: Vec<Action>,
         gpus: &mut NodeGpus,
         now_ms: u64,
-    ) -> (Vec<u32>, bool) {
-        let mut written = Vec::new();
-        let mut save = false;
-        for action in actions {
-            match action {
-                Action::SetCap { gpu, cap } => {
-                    if let Some(found) = gpus.write(gpu, now_ms, cap.0) {
-                        let _ = self.agent.cap_written(gpu, cap, Some(Watts(found)));
-                        written.push(gpu);
-                    }
-                }
-                Action::Persist => save = true,
-            }
-        }
-        (written, save)
+        inputs: Vec<AgentInput>,
+    ) -> (Vec<(usize, Reply)>, Effects) {
+        let out = self.agent.step(self.clock(now_ms), inputs);
+        let replies = out.replies.clone();
+        let effects = self.finish(gpus, now_ms, out);
+        (replies, effects)
     }
 
-    /// A job's step registers from its step daemon: refused, or registered with its GPUs
-    /// read and capped before the answer.
+    /// Executes an output (cap writes, read-backs, then the follow-up step's own), keeps
+    /// its save and its status.
+    fn finish(&mut self, gpus: &mut NodeGpus, now_ms: u64, first: AgentOutput) -> Effects {
+        let mut effects = Effects::default();
+        let mut out = first;
+        loop {
+            let mut follow_up = Vec::new();
+            if !out.cap_writes.is_empty() {
+                let results = out
+                    .cap_writes
+                    .iter()
+                    .map(|w| CapWriteResult {
+                        gpu: w.gpu,
+                        cap: w.cap,
+                        outcome: match gpus.write(w.gpu, now_ms, w.cap.0) {
+                            Some(before_w) => Ok(Some(Watts(before_w))),
+                            None => Err(no_such_gpu(w.gpu)),
+                        },
+                    })
+                    .collect();
+                follow_up.push(AgentInput::CapWrites(results));
+            }
+            if !out.read_back.is_empty() {
+                follow_up.push(AgentInput::GpuSamples(read(gpus, &out.read_back, now_ms)));
+            }
+            if let Some(state) = out.persist.take() {
+                self.saved = state;
+                effects.save = true;
+            }
+            if let Some(status) = out.snapshot.take() {
+                self.status = status;
+            }
+            if follow_up.is_empty() {
+                return effects;
+            }
+            out = self.agent.step(self.clock(now_ms), follow_up);
+        }
+    }
+
+    /// A job's step registers from its step daemon on this node: refused (the reason),
+    /// or registered with its GPUs read and capped before the answer.
     pub fn register(
         &mut self,
         gpus: &mut NodeGpus,
+        host: &Host,
         now_ms: u64,
-        job_id: &str,
-        uid: u32,
-        job_gpus: &[u32],
-        flex: &str,
+        step: &StepStart<'_>,
     ) -> Result<Effects, String> {
-        let now = self.now_s(now_ms);
-        let node = self.agent.settings.node.clone();
-        let names: Vec<String> = job_gpus.iter().map(u32::to_string).collect();
-        self.agent
-            .register(now, job_id, "0", uid, &node, &names, flex)?;
-        // Registered by a live step daemon of the site's one cluster.
-        self.agent.set_job_cluster(job_id, None, now);
-        self.sample_job(gpus, job_id, now_ms);
-        let actions = self.agent.tick(now);
-        let _ = self.execute(actions, gpus, now_ms);
-        Ok(Effects {
-            save: true,
-            report: false,
-        })
+        let op = ControlOp::Register {
+            job_id: step.job_id.to_string(),
+            step_id: STEP.to_string(),
+            uid: step.uid,
+            node: self.agent.node().to_string(),
+            gpus: step.gpus.iter().map(u32::to_string).collect(),
+            flex: step.flex.to_string(),
+        };
+        let (replies, effects) = self.control(gpus, host, now_ms, op);
+        match replies {
+            Some(reply) if reply.ok => Ok(effects),
+            Some(reply) => Err(reply
+                .error
+                .unwrap_or_else(|| "refused without a reason".to_string())),
+            None => Err("the machine did not answer the registration".to_string()),
+        }
     }
 
     /// The job's epilog reached the agent.
-    pub fn end_job(&mut self, gpus: &mut NodeGpus, now_ms: u64, job_id: &str) -> Effects {
-        self.sample_job(gpus, job_id, now_ms);
-        let now = self.now_s(now_ms);
-        self.agent.end_job(job_id, now);
-        let _ = self.agent.take_records();
-        Effects {
-            save: true,
-            report: false,
-        }
-    }
-
-    /// A progress line from one of the job's processes (owned by `uid`), with its
-    /// cumulative count of tokens.
-    pub fn progress(&mut self, now_ms: u64, job_id: &str, uid: u32, pid: u32, tokens: u64) {
-        let now = self.now_s(now_ms);
-        let sender = ReportSender {
-            uid,
-            pid,
-            step_job: job_id.to_string(),
-            cluster: None,
-        };
-        let report = ProgressReport {
-            v: powerflex_proto::VERSION,
-            job_id: job_id.to_string(),
-            tokens,
-            steps: 0,
-        };
-        // A refusal is counted by the machine (and shown in its status).
-        let _ = self.agent.report_progress(now, &sender, &report);
-    }
-
-    /// One sample period: the live jobs every two seconds, every GPU read, the machine's
-    /// tick executed.
-    pub fn sample_tick(
+    pub fn end_job(
         &mut self,
         gpus: &mut NodeGpus,
+        host: &Host,
         now_ms: u64,
-        live: &BTreeSet<String>,
+        job_id: &str,
     ) -> Effects {
-        let now = self.now_s(now_ms);
-        if now_ms >= self.next_scan_ms {
-            self.next_scan_ms = now_ms + JOB_SCAN_INTERVAL_MS;
-            let keys: BTreeSet<JobKey> = live.iter().map(|j| (j.clone(), None)).collect();
-            let _ = self.agent.jobs_alive(now, &keys);
-        }
-        self.sample_all(gpus, now_ms);
-        let actions = self.agent.tick(now);
-        let (_, mut save) = self.execute(actions, gpus, now_ms);
-        save |= !self.agent.take_records().is_empty();
-        if now_ms >= self.next_usage_save_ms && !self.agent.jobs.is_empty() {
-            self.next_usage_save_ms = now_ms + USAGE_SAVE_INTERVAL_MS;
-            save = true;
-        }
-        Effects {
-            save,
-            report: false,
-        }
+        let op = ControlOp::EndJob {
+            job_id: job_id.to_string(),
+        };
+        self.control(gpus, host, now_ms, op).1
     }
 
-    /// A lease from the controller: written at once and read back, then reported.
+    /// A control request from the node's step daemon (root), with the facts the
+    /// machine asks for read from the host.
+    fn control(
+        &mut self,
+        gpus: &mut NodeGpus,
+        host: &Host,
+        now_ms: u64,
+        op: ControlOp,
+    ) -> (Option<ControlReply>, Effects) {
+        let reads = self.agent.control_reads(&op, true);
+        let facts = ControlFacts {
+            stepd_cluster: Some(None),
+            peer_pid: 1,
+            jobs_on_host: reads.process_table.then(|| host.jobs_on_host()),
+            gpu_users: reads
+                .gpu_users
+                .iter()
+                .map(|&g| (g, host.users_of(g)))
+                .collect(),
+            samples: read(gpus, &reads.samples, now_ms),
+        };
+        let (replies, effects) = self.drive(gpus, now_ms, vec![AgentInput::Control { op, facts }]);
+        let reply = replies.into_iter().find_map(|(_, r)| match r {
+            Reply::Control(reply) => Some(*reply),
+            Reply::Progress(_) => None,
+        });
+        (reply, effects)
+    }
+
+    /// Progress lines from the jobs' processes, each with its cumulative count of
+    /// tokens, as they arrived now. A refusal is counted by the machine (and shown in its
+    /// status).
+    pub fn progress(&mut self, gpus: &mut NodeGpus, now_ms: u64, lines: &[TaskProgress]) {
+        if lines.is_empty() {
+            return;
+        }
+        let received = self.clock(now_ms);
+        let inputs = lines
+            .iter()
+            .map(|line| AgentInput::Progress {
+                received,
+                sender: ReportSender {
+                    uid: line.uid,
+                    pid: line.pid,
+                    step_job: line.job_id.clone(),
+                    cluster: None,
+                },
+                report: ProgressReport {
+                    v: powerflex_proto::VERSION,
+                    job_id: line.job_id.clone(),
+                    tokens: line.tokens,
+                    steps: 0,
+                },
+            })
+            .collect();
+        let _ = self.drive(gpus, now_ms, inputs);
+    }
+
+    /// One turn of the edge's 50 ms loop: when a sample is due, what the machine asks
+    /// read (the GPUs and, every few seconds, the process table and NVML's process
+    /// lists), then its tick.
+    pub fn sample_tick(&mut self, gpus: &mut NodeGpus, host: &Host, now_ms: u64) -> Effects {
+        let Some(reads) = self.agent.reads_due(self.clock(now_ms)) else {
+            return Effects::default();
+        };
+        let mut inputs = Vec::new();
+        if reads.process_table {
+            inputs.push(AgentInput::JobsOnHost(host.jobs_on_host()));
+            inputs.push(AgentInput::GpuProcesses(
+                host.gpu_processes(&reads.gpu_processes),
+            ));
+        }
+        inputs.push(AgentInput::GpuSamples(read(gpus, &reads.gpus, now_ms)));
+        inputs.push(AgentInput::Tick);
+        self.drive(gpus, now_ms, inputs).1
+    }
+
+    /// A lease from the controller: written at once and read back.
     pub fn lease(&mut self, gpus: &mut NodeGpus, now_ms: u64, body: LeaseBody) -> Effects {
-        let now = self.now_s(now_ms);
-        let message = LeaseMessage {
+        let lease = LeaseMessage {
             caps: body
                 .caps
                 .into_iter()
@@ -319,157 +459,70 @@ impl NodeAgent {
             next_event_in_s: body.next_event_in_s,
             event_in_force: body.event_in_force,
         };
-        let actions = self.agent.apply_lease(now, message);
-        let (written, _) = self.execute(actions, gpus, now_ms);
-        for g in written {
-            if let Some(sample) = gpus.read(g, now_ms) {
-                let _ = self.agent.sampled(now, g, Ok(sample));
-            }
-        }
-        Effects {
-            save: true,
-            report: true,
-        }
+        self.drive(gpus, now_ms, vec![AgentInput::Lease(lease)]).1
     }
 
     /// The controller acknowledged these final shares.
-    pub fn acked(&mut self, finals: &[FinalRef]) -> Effects {
-        Effects {
-            save: self.agent.acked(finals) > 0,
-            report: false,
-        }
+    pub fn acked(&mut self, gpus: &mut NodeGpus, now_ms: u64, finals: &[FinalRef]) -> Effects {
+        self.drive(gpus, now_ms, vec![AgentInput::Acked(finals.to_vec())])
+            .1
     }
 
-    /// Whether a lease was applied since the last report.
+    /// Whether a lease was applied since the last report (the link reports at once).
     pub fn lease_unreported(&self) -> bool {
-        self.agent.leases_applied != self.leases_reported
+        self.status.leases_applied != self.leases_reported
     }
 
-    /// The report the link sends now, built from the status snapshot as the link does.
-    pub fn report(&mut self, now_ms: u64) -> NodeReport {
-        self.leases_reported = self.agent.leases_applied;
-        let s = self.snapshot(now_ms);
+    /// The report the link sends now, from the published status as the link builds it.
+    pub fn report(&mut self) -> NodeReport {
+        self.leases_reported = self.status.leases_applied;
         let turn = self.turn;
         self.turn = self.turn.wrapping_add(1);
-        report_of(&s, turn)
+        NodeReport::of(&self.status, turn)
     }
 
     /// The GPUs the agent announces in its hello.
     pub fn hello(&self) -> Vec<GpuInfo> {
-        self.agent
-            .gpus
-            .iter()
-            .map(|g| GpuInfo {
-                uuid: g.identity.uuid.clone(),
-                name: g.identity.name.clone(),
-                min_w: g.identity.min_cap.0,
-                max_w: g.identity.max_cap.0,
-                default_w: g.saved_default.0,
-            })
-            .collect()
+        self.agent.gpu_infos()
     }
 
     /// Stopping (SIGTERM): the GPUs without a running managed job back to their defaults;
     /// running jobs keep their caps for the next agent (fail-static).
-    pub fn stop(&mut self, gpus: &mut NodeGpus, now_ms: u64) {
-        let actions = self.agent.stop_actions(false);
-        let _ = self.execute(actions, gpus, now_ms);
+    pub fn stop(&mut self, gpus: &mut NodeGpus, now_ms: u64) -> Effects {
+        let stop = AgentInput::Stop {
+            release_jobs: false,
+        };
+        self.drive(gpus, now_ms, vec![stop]).1
     }
 
-    /// The state file's contents now.
+    /// The state file as the machine last saved it.
     pub fn disk(&self) -> Disk {
-        self.agent.saved_state()
+        self.saved.clone()
     }
 
-    pub fn snapshot(&self, now_ms: u64) -> Snapshot {
-        self.agent.snapshot(self.now_s(now_ms))
+    /// The status the machine last published.
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.status
     }
 
-    /// Whether the controller's lease has run out.
-    pub fn failsafe(&self, now_ms: u64) -> bool {
-        self.agent.failsafe_active(self.now_s(now_ms))
-    }
-
-    /// The jobs the agent manages now.
-    pub fn jobs(&self) -> impl Iterator<Item = &str> {
-        self.agent.jobs.keys().map(String::as_str)
+    /// Whether the controller's lease has run out (at the last published status).
+    pub fn failsafe(&self) -> bool {
+        self.status.failsafe
     }
 }
 
-/// The final shares one report carries: at most [`MAX_ENDED_PER_REPORT`], in turns.
-fn finals_in_turn(
-    unacked: &[powerflex_proto::usage::NodeUsage],
-    turn: usize,
-) -> Vec<powerflex_proto::usage::NodeUsage> {
-    if unacked.len() <= MAX_ENDED_PER_REPORT {
-        return unacked.to_vec();
+fn no_such_gpu(gpu: u32) -> GpuError {
+    GpuError {
+        index: gpu,
+        class: ErrorClass::Permanent,
+        message: "no such GPU".to_string(),
     }
-    let start = turn.wrapping_mul(MAX_ENDED_PER_REPORT) % unacked.len();
-    unacked
+}
+
+/// Readings of `which`, as the edge's NVML backend gives them.
+fn read(gpus: &mut NodeGpus, which: &[u32], now_ms: u64) -> Vec<GpuReading> {
+    which
         .iter()
-        .cycle()
-        .skip(start)
-        .take(MAX_ENDED_PER_REPORT)
-        .cloned()
+        .map(|&g| (g, gpus.read(g, now_ms).ok_or_else(|| no_such_gpu(g))))
         .collect()
-}
-
-/// A report from a snapshot, as `agent/src/link.rs` builds it: a GPU the agent cannot
-/// steer counts at its cap, outside its job.
-fn report_of(s: &Snapshot, turn: usize) -> NodeReport {
-    let steerable =
-        |g: &powerflex_agent_machine::control::GpuView| g.degraded.is_none() && g.power_w.is_some();
-    let power_w: f64 = s
-        .gpus
-        .iter()
-        .map(|g| {
-            if steerable(g) {
-                g.power_w.unwrap_or(0.0)
-            } else {
-                g.cap_w.unwrap_or(g.default_w)
-            }
-        })
-        .sum();
-    let jobs = s
-        .jobs
-        .iter()
-        .map(|j| {
-            let mine = || {
-                s.gpus
-                    .iter()
-                    .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
-            };
-            let (gpus, power) = mine().fold((0u32, 0.0f64), |(n, p), g| {
-                (n + 1, p + g.power_w.unwrap_or(0.0))
-            });
-            JobReport {
-                job_id: j.job.clone(),
-                tier: j.tier.clone(),
-                gpus,
-                cap_w: j.cap_w,
-                power_w: (gpus > 0).then_some(power),
-                throughput: j.throughput,
-                throughput_unit: j.throughput_unit,
-                pfi: j.pfi.or(j.prior_pfi),
-                pfi_source: j.pfi_source,
-                points: j.points.clone(),
-                gpu_uuids: mine().map(|g| g.uuid.clone()).collect(),
-                power_cap_w: j.power_cap_w,
-                power_cap_steady_s: j.power_cap_steady_s,
-                calibrating: j.calibrating,
-                curve: j.curve.clone(),
-                calibration_cost_pct: j.calibration_cost_pct,
-                owner_uid: Some(j.uid),
-                usage: j.usage.clone(),
-            }
-        })
-        .collect();
-    NodeReport {
-        jobs,
-        power_w,
-        failsafe: s.failsafe,
-        cap_mismatches: s.cap_mismatches,
-        ended: finals_in_turn(&s.ended, turn),
-        observe_only: !s.enforce,
-    }
 }

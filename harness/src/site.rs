@@ -12,7 +12,7 @@ use powerflex_proto::status::{AgentStatus, CtldStatus};
 
 use crate::controller::{self, Controller, Inbound, Preempt, SavedState, Start};
 use crate::link::{within_skew, Link, ToAgent, ToController};
-use crate::node::{self, Disk, Effects, NodeAgent};
+use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress};
 use crate::physics::{Load, NodeGpus, Workload, Workloads};
 use crate::trace::Trace;
 use crate::HarnessError;
@@ -246,8 +246,8 @@ struct Node {
     next_sample_ms: u64,
     next_report_ms: u64,
     hello_due: bool,
-    /// Jobs whose step daemons run on the node.
-    live: BTreeSet<String>,
+    /// What the node's host shows its agent: its jobs and their processes.
+    host: Host,
 }
 
 impl Node {
@@ -313,7 +313,7 @@ impl Site {
                 next_sample_ms: now_ms + sample_phase * QUANTUM_MS,
                 next_report_ms: now_ms + report_phase * QUANTUM_MS,
                 hello_due: true,
-                live: BTreeSet::new(),
+                host: Host::default(),
             });
         }
         let controller = Controller::start(&site, Start::Fresh, now_ms)?;
@@ -363,7 +363,7 @@ impl Site {
             settings,
             &mut n.gpus,
             disk,
-            &n.live,
+            &n.host,
             interval,
             now_ms,
             wall_ms,
@@ -389,6 +389,7 @@ impl Site {
             let n = self.nodes.get(node).ok_or(HarnessError::NoSuchNode(node))?;
             // The GPUs of the jobs Slurm runs on the node now.
             let taken: BTreeSet<u32> = n
+                .host
                 .live
                 .iter()
                 .filter_map(|id| self.jobs.get(id))
@@ -443,22 +444,30 @@ impl Site {
             task.pid = self.next_pid;
             task.tokens = 0.0;
             let n = &mut self.nodes[task.node];
-            n.live.insert(id.to_string());
+            n.host.live.insert(id.to_string());
+            n.host
+                .recorded
+                .insert(id.to_string(), (job.spec.uid, job.spec.flex.clone()));
             if let Some(agent) = n.agent.as_mut() {
-                match agent.register(
-                    &mut n.gpus,
-                    now_ms,
-                    id,
-                    job.spec.uid,
-                    &task.gpus,
-                    &job.spec.flex,
-                ) {
+                let step = StepStart {
+                    job_id: id,
+                    uid: job.spec.uid,
+                    gpus: &task.gpus,
+                    flex: &job.spec.flex,
+                };
+                match agent.register(&mut n.gpus, &n.host, now_ms, &step) {
                     Ok(effects) => save(n, effects),
                     // Fail open: the job runs unmanaged, as the plugin lets it.
                     Err(why) => self.trace.note(&format!("registration refused: {why}")),
                 }
             }
+            // The tasks start once slurmstepd has its answer.
             for &g in &task.gpus {
+                n.host
+                    .processes
+                    .entry(g)
+                    .or_default()
+                    .push((task.pid, id.to_string()));
                 n.gpus.gpus[g as usize].set_load(now_ms, load.clone());
             }
         }
@@ -473,13 +482,17 @@ impl Site {
         job.state = JobState::Ended;
         for task in &job.tasks {
             let n = &mut self.nodes[task.node];
-            n.live.remove(id);
+            n.host.live.remove(id);
+            n.host.recorded.remove(id);
             for &g in &task.gpus {
+                if let Some(processes) = n.host.processes.get_mut(&g) {
+                    processes.retain(|(pid, _)| *pid != task.pid);
+                }
                 n.gpus.gpus[g as usize].set_load(now_ms, Load::Idle);
             }
             if !epilog_lost {
                 if let Some(agent) = n.agent.as_mut() {
-                    let effects = agent.end_job(&mut n.gpus, now_ms, id);
+                    let effects = agent.end_job(&mut n.gpus, &n.host, now_ms, id);
                     save(n, effects);
                 }
             }
@@ -519,7 +532,7 @@ impl Site {
                 let n = self.node_mut(node)?;
                 if let Some(mut agent) = n.agent.take() {
                     if how == Stop::Clean {
-                        agent.stop(&mut n.gpus, now_ms);
+                        let _ = agent.stop(&mut n.gpus, now_ms);
                         n.disk = Some(agent.disk());
                     }
                 }
@@ -696,7 +709,7 @@ impl Site {
                     self.trace.lease(envelope.node, &lease);
                     agent.lease(&mut n.gpus, now_ms, lease)
                 }
-                ToAgent::Acked(finals) => agent.acked(&finals),
+                ToAgent::Acked(finals) => agent.acked(&mut n.gpus, now_ms, &finals),
             };
             save(n, effects);
         }
@@ -712,21 +725,29 @@ impl Site {
             };
             if now_ms >= n.next_sample_ms {
                 n.next_sample_ms += interval;
-                // Each task reports its cumulative progress (as the simulated job does
-                // after its steps), then the GPUs are read.
-                for id in &n.live {
+                // Each task reports its cumulative progress, as the simulated job does
+                // after its steps.
+                let mut lines = Vec::new();
+                for id in &n.host.live {
                     if let Some(job) = self.jobs.get(id) {
                         if job.state != JobState::Running {
                             continue;
                         }
                         for task in job.tasks.iter().filter(|t| t.node == i) {
-                            agent.progress(now_ms, id, job.spec.uid, task.pid, task.tokens as u64);
+                            lines.push(TaskProgress {
+                                job_id: id.clone(),
+                                uid: job.spec.uid,
+                                pid: task.pid,
+                                tokens: task.tokens as u64,
+                            });
                         }
                     }
                 }
-                let effects = agent.sample_tick(&mut n.gpus, now_ms, &n.live);
-                save(n, effects);
+                agent.progress(&mut n.gpus, now_ms, &lines);
             }
+            // The edge's loop turns every 50 ms; the machine says when a sample is due.
+            let effects = agent.sample_tick(&mut n.gpus, &n.host, now_ms);
+            save(n, effects);
             let stamped = n.wall_ms(now_ms);
             let Some(agent) = n.agent.as_mut() else {
                 continue;
@@ -748,7 +769,7 @@ impl Site {
                         gpus: agent.hello(),
                     },
                 );
-                let report = agent.report(now_ms);
+                let report = agent.report();
                 self.link
                     .send_up(i, stamped, now_ms, ToController::Report(report));
                 n.next_report_ms = now_ms + period_ms;
@@ -756,7 +777,7 @@ impl Site {
                 if due {
                     n.next_report_ms += period_ms;
                 }
-                let report = agent.report(now_ms);
+                let report = agent.report();
                 self.link
                     .send_up(i, stamped, now_ms, ToController::Report(report));
             }
@@ -931,15 +952,12 @@ impl Site {
         self.nodes[node]
             .agent
             .as_ref()
-            .map(|a| a.snapshot(self.now_ms))
+            .map(|a| a.snapshot().clone())
     }
 
     /// Whether node `node`'s agent is at its fail-safe (its lease ran out).
     pub fn failsafe(&self, node: usize) -> Option<bool> {
-        self.nodes[node]
-            .agent
-            .as_ref()
-            .map(|a| a.failsafe(self.now_ms))
+        self.nodes[node].agent.as_ref().map(NodeAgent::failsafe)
     }
 
     /// Messages refused for their clock stamp: (to the controller, to agents).

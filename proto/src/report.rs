@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::status::{AgentGpuStatus, AgentStatus};
 use crate::usage::FinalRef;
 use crate::ProtoError;
 
@@ -74,6 +75,108 @@ pub struct JobReport {
     /// The job's energy and what its caps did on this node so far (running totals).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<crate::usage::NodeUsage>,
+}
+
+/// A node's report to the controller, as the agent builds it from its status: the link
+/// carries its fields as `Body::Report`, and the site harness hands it over in memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeReport {
+    pub jobs: Vec<JobReport>,
+    /// The node's GPUs' draw, W (a GPU the agent cannot steer counted at its cap).
+    pub power_w: f64,
+    /// The controller's lease ran out and the fail-safe cap applies.
+    pub failsafe: bool,
+    pub cap_mismatches: u64,
+    /// Final shares not yet acknowledged, at most [`MAX_ENDED_PER_REPORT`].
+    pub ended: Vec<crate::usage::NodeUsage>,
+    pub observe_only: bool,
+}
+
+impl NodeReport {
+    /// The report of an agent whose status is `status`; `turn` counts the reports sent,
+    /// and picks which final shares this one carries when more are unacknowledged than
+    /// one report holds.
+    ///
+    /// A GPU the agent cannot read or set right now (degraded, or its last sample
+    /// failed) keeps drawing under the last limit it accepted: it counts at that cap,
+    /// outside its job, so the controller pays for it first and splits the rest over the
+    /// GPUs it can steer. Otherwise a lower budget would reach only the healthy GPUs and
+    /// the stuck one would carry the site over it.
+    pub fn of(status: &AgentStatus, turn: usize) -> NodeReport {
+        let steerable = |g: &AgentGpuStatus| g.degraded.is_none() && g.power_w.is_some();
+        let power_w = status
+            .gpus
+            .iter()
+            .map(|g| match (steerable(g), g.power_w) {
+                (true, Some(w)) => w,
+                _ => g.cap_w.unwrap_or(g.default_w),
+            })
+            .sum();
+        let jobs = status
+            .jobs
+            .iter()
+            .map(|j| {
+                let mine: Vec<&AgentGpuStatus> = status
+                    .gpus
+                    .iter()
+                    .filter(|g| g.job.as_deref() == Some(j.job.as_str()) && steerable(g))
+                    .collect();
+                let drawn_w: f64 = mine.iter().filter_map(|g| g.power_w).sum();
+                JobReport {
+                    job_id: j.job.clone(),
+                    tier: j.tier.clone(),
+                    gpus: mine.len() as u32,
+                    cap_w: j.cap_w,
+                    power_w: (!mine.is_empty()).then_some(drawn_w),
+                    throughput: j.throughput,
+                    throughput_unit: j.throughput_unit,
+                    pfi: j.pfi.or(j.prior_pfi),
+                    pfi_source: j.pfi_source,
+                    points: j.points.clone(),
+                    gpu_uuids: mine.iter().map(|g| g.uuid.clone()).collect(),
+                    power_cap_w: j.power_cap_w,
+                    power_cap_steady_s: j.power_cap_steady_s,
+                    calibrating: j.calibrating,
+                    curve: j.curve.clone(),
+                    calibration_cost_pct: j.calibration_cost_pct,
+                    // Slurm's job uid from the root slurmstepd's registration (or the
+                    // kernel's owner of the job's processes, for a job taken back): the
+                    // controller shows the job to this user and root only.
+                    owner_uid: Some(j.uid),
+                    usage: j.usage.clone(),
+                }
+            })
+            .collect();
+        NodeReport {
+            jobs,
+            power_w,
+            failsafe: status.failsafe,
+            cap_mismatches: status.cap_mismatches,
+            // Unacknowledged final shares, re-sent until the controller acknowledges them.
+            ended: finals_in_turn(&status.ended, turn),
+            observe_only: !status.enforce,
+        }
+    }
+}
+
+/// The final shares one report carries: at most [`MAX_ENDED_PER_REPORT`] of the
+/// unacknowledged ones, in turns from `turn` (each report the next ones), so a share
+/// the controller never takes does not keep the others out.
+fn finals_in_turn(
+    unacked: &[crate::usage::NodeUsage],
+    turn: usize,
+) -> Vec<crate::usage::NodeUsage> {
+    if unacked.len() <= MAX_ENDED_PER_REPORT {
+        return unacked.to_vec();
+    }
+    let start = turn.wrapping_mul(MAX_ENDED_PER_REPORT) % unacked.len();
+    unacked
+        .iter()
+        .cycle()
+        .skip(start)
+        .take(MAX_ENDED_PER_REPORT)
+        .cloned()
+        .collect()
 }
 
 /// Most final shares one report carries: an agent with more unacknowledged ones sends
@@ -320,4 +423,37 @@ pub fn validate_report_totals(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn final_share(job_id: usize) -> crate::usage::NodeUsage {
+        serde_json::from_str(&format!(
+            r#"{{"job_id":"{job_id}","node":"n1","uid":1,"tier":"flex2","gpus":[],"energy_mj":1,
+            "energy_source":"counter","from_unix_ms":1,"to_unix_ms":2,"peak_power_w":0.0,
+            "observed_s":0.0,"capped_s":0.0,"event_s":0.0,"power_throttled_s":0.0,
+            "throttle_known_s":0.0,"caps":[],"pfi":null,"ended":true}}"#
+        ))
+        .expect("a final share")
+    }
+
+    #[test]
+    fn every_unacknowledged_share_goes_out_in_turn() {
+        let few: Vec<_> = (0..3).map(final_share).collect();
+        assert_eq!(finals_in_turn(&few, 7), few, "all, when they fit");
+        let many: Vec<_> = (0..40).map(final_share).collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for turn in 0..3 {
+            let sent = finals_in_turn(&many, turn);
+            assert_eq!(sent.len(), MAX_ENDED_PER_REPORT);
+            seen.extend(sent.into_iter().map(|s| s.job_id));
+        }
+        assert_eq!(seen.len(), 40, "three reports carry all forty");
+        assert_eq!(
+            finals_in_turn(&many, usize::MAX).len(),
+            MAX_ENDED_PER_REPORT
+        );
+    }
 }
