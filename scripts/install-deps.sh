@@ -9,7 +9,6 @@
 #   python3-pip    only if python3 has no pip: to install nvidia-ml-py (NVIDIA's NVML
 #                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
-#   faketime       libfaketime, to jump one agent's wall clock in the fault tests
 #   valgrind       watches the plugin inside srun and slurmstepd (testbed/tests/spank_plugin.rs)
 #
 # and, for the test suite only (powerflex_install_test_tools, which scripts/test.sh
@@ -47,7 +46,7 @@ POWERFLEX_CARGO_DEB=cargo-deb@3.8.0
 # ... and its RPMs' (scripts/package.sh --rpm), checked with Debian's `rpm` tool.
 POWERFLEX_CARGO_GENERATE_RPM=cargo-generate-rpm@0.21.1
 
-POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux faketime valgrind cmake libssl-dev)
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux valgrind cmake libssl-dev)
 
 powerflex_install_deps() {
     local missing=()
