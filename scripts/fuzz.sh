@@ -26,10 +26,10 @@ if [[ ${1:-} == --smoke ]]; then
 fi
 seconds=${1:-60}
 shift || true
-if ! cargo fuzz --version >/dev/null 2>&1; then
-    echo "==> installing cargo-fuzz (cargo install, once)" >&2
-    cargo install --quiet --locked cargo-fuzz
-fi
+# The pinned release binary (scripts/install-deps.sh), unless that version is on PATH.
+source scripts/install-deps.sh
+command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
+powerflex_install_wheel_tool "${POWERFLEX_CARGO_FUZZ%@*}" "${POWERFLEX_CARGO_FUZZ#*@}"
 export RUSTC_BOOTSTRAP=1
 targets=("$@")
 if ((${#targets[@]} == 0)); then

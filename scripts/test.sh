@@ -72,7 +72,7 @@ wait_fuzz_smoke() {
     return "$(cat target/fuzz-smoke.status)"
 }
 run_step "install what is missing (scripts/install-deps.sh)" powerflex_install_deps
-run_step "install the test suite's tools (cargo-deny, cargo-machete, cargo-deb, cargo-generate-rpm, rpm; once per machine)" \
+run_step "install the test suite's tools (cargo-deny, cargo-fuzz, cargo-machete, cargo-deb, cargo-generate-rpm, rpm; once per machine)" \
     powerflex_install_test_tools
 # The installer ran in a subshell: find cargo here too when it is not on PATH.
 command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
