@@ -11,6 +11,7 @@
 //! - [`node`]: one agent machine as `powerflexd` drives it (the one module that calls it);
 //! - [`physics`]: the simulated GPUs (the simulator's model and workload library);
 //! - [`link`]: messages with a delay and the real link's clock-skew refusal;
+//! - [`meter`]: the meter's 50 ms samples;
 //! - [`trace`]: the run folded into a digest.
 //!
 //! Pure like the machines: no files, sockets, threads or clocks (its `clippy.toml`
@@ -18,6 +19,7 @@
 
 pub mod controller;
 pub mod link;
+pub mod meter;
 pub mod node;
 pub mod physics;
 pub mod site;

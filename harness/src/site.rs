@@ -12,6 +12,7 @@ use powerflex_proto::status::{AgentStatus, CtldStatus};
 
 use crate::controller::{self, Controller, Inbound, Preempt, SavedState, Start};
 use crate::link::{within_skew, Link, ToAgent, ToController};
+pub use crate::meter::Sample;
 use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress};
 use crate::physics::{Load, NodeGpus, Workload, Workloads};
 use crate::trace::Trace;
@@ -220,17 +221,6 @@ pub enum Fault {
         gpu: u32,
         cap_w: f64,
     },
-}
-
-/// One 50 ms sample of the meter.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sample {
-    pub t_ms: u64,
-    /// Every GPU's noise-free draw, summed, W.
-    pub draw_w: f64,
-    /// The budget in force at that instant (base or `budget set`, less the events'
-    /// stepped cuts, from the controller's saved state), W.
-    pub budget_w: f64,
 }
 
 #[derive(Debug)]

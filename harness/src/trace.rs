@@ -3,7 +3,7 @@
 //! same seed and the same inputs have the same digest; a change in any decision shows.
 
 use crate::link::{LeaseBody, NodeReport};
-use crate::site::Sample;
+use crate::meter::Sample;
 
 /// FNV-1a, 64-bit: stable across platforms and releases (std's hasher is not promised
 /// to be).

@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::UnregisteredGpuUse;
@@ -91,16 +91,7 @@ pub const BATCH_STEP_NAME: &str = "batch";
 /// is away); beyond, the oldest is dropped with a warning.
 pub const MAX_ENDED_KEPT: usize = 512;
 
-/// A job's final share on this node that the controller has not acknowledged yet:
-/// kept in the state file, re-sent in every report (in turns, see
-/// `powerflex_proto::link::MAX_ENDED_PER_REPORT`) until acknowledged.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct UnackedFinal {
-    /// When the job ended here, Unix ms.
-    pub ended_unix_ms: u64,
-    pub share: NodeUsage,
-}
+pub use crate::saved::UnackedFinal;
 
 /// A job still in calibration warm-up this long after registration is logged with
 /// why, at most every [`WARMUP_LOG_EVERY_S`], s.

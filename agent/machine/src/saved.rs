@@ -55,7 +55,7 @@ pub struct PersistedState {
     /// Final shares of ended jobs the controller has not acknowledged yet, so a restart
     /// re-sends them rather than losing them. Absent in files from older agents.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub unacked_finals: Vec<crate::control::UnackedFinal>,
+    pub unacked_finals: Vec<UnackedFinal>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -68,4 +68,15 @@ pub struct PersistedLease {
     /// Per-GPU cap for a job the lease does not name. Absent in older files.
     #[serde(default)]
     pub start_cap_w: Option<f64>,
+}
+
+/// A job's final share on this node that the controller has not acknowledged yet:
+/// kept in the state file, re-sent in every report (in turns, see
+/// `powerflex_proto::report::MAX_ENDED_PER_REPORT`) until acknowledged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnackedFinal {
+    /// When the job ended here, Unix ms.
+    pub ended_unix_ms: u64,
+    pub share: powerflex_proto::usage::NodeUsage,
 }
