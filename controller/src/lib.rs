@@ -5,8 +5,11 @@
 //! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
 //! at each instant, [`site`] splits that budget across the jobs of every node (one cap
 //! per job everywhere), [`placement`] decides which of a node's words to believe (Slurm's
-//! record of where each job runs), [`table`] renders human tables and [`render`] the controller's answers in them, [`plot`] draws the controller's history as SVG and [`energy_plot`] the ended jobs' energy per tier. The binaries parse
-//! arguments, read files, print and choose exit codes; the decisions come from
+//! record of where each job runs), [`table`] renders human tables and [`render`] the
+//! controller's answers in them, [`plot`] draws the controller's history as SVG and
+//! [`energy_plot`] the ended jobs' energy per tier. The binaries parse arguments, read
+//! files, print and choose exit codes; the decisions come from the pure crates
+//! `powerflex-controller-machine` (re-exported here under their old paths) and
 //! `powerflex-core`.
 
 pub mod ctld;

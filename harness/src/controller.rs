@@ -9,10 +9,8 @@
 //! in as values), annotations, metrics and the accounting log.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use powerflex_controller_machine::ctld::{Core, CtldSettings, CtldState, Input, Loaded, Output};
-use powerflex_controller_machine::site::SiteSettings;
 use powerflex_core::config::SiteConfig;
 use powerflex_core::UnixMs;
 use powerflex_proto::admin::{AdminOp, AdminReply};
@@ -64,21 +62,7 @@ pub struct Outbound {
 /// them (its edge's addresses, paths, key, Slurm polling and database are not the
 /// machine's).
 pub fn options(site: &SiteConfig) -> Result<CtldSettings, HarnessError> {
-    let settings = SiteSettings::from_site(site, None).map_err(HarnessError::Site)?;
-    Ok(CtldSettings {
-        base_budget: site.facility.gpu_budget_w,
-        period: Duration::from_secs(site.controller.allocation_period_s),
-        lease_ttl_s: site.controller.lease_ttl_s as f64,
-        lease_rollout: site.controller.lease_rollout,
-        max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
-        job_placement: site.controller.job_placement,
-        max_gpu_power_w: site
-            .gpu_models
-            .iter()
-            .map(|m| m.max_cap_w.0)
-            .fold(0.0, f64::max),
-        site: settings,
-    })
+    CtldSettings::from_site(site).map_err(HarnessError::Site)
 }
 
 /// How a controller starts.

@@ -12,7 +12,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use powerflex_agent_machine::calibration::CalibrationSettings;
 use powerflex_agent_machine::control::{
     AdoptionCandidate, Agent, AgentInput, AgentOutput, AgentSettings, CapWriteResult, ControlFacts,
     GpuProcesses, GpuReading, LeaseMessage, Reply, ReportSender, Snapshot, StartFacts,
@@ -38,37 +37,8 @@ const STEP: &str = "0";
 
 /// The agent's settings from the site config, as `powerflexd` reads them for its GPUs.
 pub fn settings(site: &SiteConfig, node: &str) -> Result<AgentSettings, HarnessError> {
-    let model = site
-        .gpu_model_for(h200::NAME)
-        .ok_or_else(|| HarnessError::Site(format!("no GPU model matches {}", h200::NAME)))?;
-    Ok(AgentSettings {
-        node: node.to_string(),
-        tiers: site.tiers.table.clone(),
-        default_service: site.tiers.default.clone(),
-        calibration: CalibrationSettings {
-            grid: model.calibration_grid(),
-            settle_s: site.agent.calibration_settle_s,
-            hold_s: site.agent.calibration_hold_s,
-            budget_fraction: site.agent.calibration_budget,
-            expected_cut: site.facility.expected_cut,
-            warmup_s: site.agent.calibration_warmup_s,
-            steady_cv: 0.05,
-            allowance: site.agent.calibration_allowance.0,
-            no_signal_s: site.agent.calibration_warmup_s * 2.0,
-            rewalk_after_s: site.agent.calibration_rewalk_after_s,
-        },
-        cap_step: model.cap_step_w,
-        failsafe_cap: model.failsafe_cap_w,
-        node_budget: site.agent.node_budget_w,
-        policy: site.facility.policy,
-        lease_ttl_s: site.controller.lease_ttl_s as f64,
-        prior_intercept: site.predictor.pfi_intercept,
-        prior_slope: site.predictor.pfi_per_dram_copy_product,
-        progress_address: "harness".to_string(),
-        job_end_grace_s: site.agent.job_end_grace_s,
-        enforce: site.agent.enforce,
-        unregistered_gpu_use: site.agent.unregistered_gpu_use,
-    })
+    AgentSettings::from_site(site, node, h200::NAME, "harness".to_string())
+        .map_err(HarnessError::Site)
 }
 
 /// What the node's host shows: the site's record of it, from which the edge's reads

@@ -56,7 +56,7 @@ fn running(site: &Site, id: &str) -> bool {
     site.job_state(id) == Some(powerflex_site_harness::JobState::Running)
 }
 
-/// Ports tests/budget.rs::a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget
+/// Ported from the Slurm suite: testbed/tests/budget.rs::a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget
 #[test]
 fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget() {
     let budget_w = 4000.0;
@@ -86,7 +86,7 @@ fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget(
     assert!(settled.over_s == 0.0, "training, settled: {settled}");
 }
 
-/// Ports tests/budget.rs::a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods
+/// Ported from the Slurm suite: testbed/tests/budget.rs::a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods
 #[test]
 fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods() {
     let budget_w = 4000.0;
@@ -120,7 +120,7 @@ fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods(
     assert!(settled.over_s == 0.0, "heavy phase, settled: {settled}");
 }
 
-/// Ports tests/budget.rs::a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_cut
+/// Ported from the Slurm suite: testbed/tests/budget.rs::a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_cut
 #[test]
 fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_cut() {
     let lease_ttl_s = 5;
@@ -164,7 +164,7 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     assert!(back.over_s == 0.0, "controller back: {back}");
 }
 
-/// Ports tests/budget.rs::a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
+/// Ported from the Slurm suite: testbed/tests/budget.rs::a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
 #[test]
 fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it() {
     let mut site = site(5600.0, 10);
@@ -229,7 +229,7 @@ fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
     );
 }
 
-/// Ports tests/budget.rs::a_cap_changed_behind_the_agent_is_restored_and_counted
+/// Ported from the Slurm suite: testbed/tests/budget.rs::a_cap_changed_behind_the_agent_is_restored_and_counted
 #[test]
 fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
     let budget_w = 3000.0;
@@ -259,7 +259,7 @@ fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
     assert!(after > before, "the mismatch counted: {before} -> {after}");
 }
 
-/// Ports tests/budget.rs::a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus
+/// Ported from the Slurm suite: testbed/tests/budget.rs::a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus
 #[test]
 fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {
     let budget_w = 3000.0;

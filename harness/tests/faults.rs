@@ -1,4 +1,4 @@
-//! Ports of the logic rows of `tests/faults.rs` (the fault matrix) to the site harness:
+//! Ports of the logic rows of `testbed/tests/faults.rs` (the fault matrix) to the site harness:
 //! the controller gone past the lease, a wall-clock jump on one node, a controller
 //! restarted mid-event on its saved state. One 2-node × 4-GPU flex3 job under a budget
 //! that caps it, as there.
@@ -47,7 +47,7 @@ fn allocated_within(s: &Site, budget_w: f64) -> bool {
         && s.draw_w() <= budget_w * 1.01
 }
 
-/// Ports tests/faults.rs::with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap
+/// Ported from the Slurm suite: testbed/tests/faults.rs::with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap
 #[test]
 fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap() {
     let mut site = site(5600.0, 5);
@@ -82,7 +82,7 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
     assert!(back.over_s == 0.0, "controller back: {back}");
 }
 
-/// Ports tests/faults.rs::a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers
+/// Ported from the Slurm suite: testbed/tests/faults.rs::a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers
 #[test]
 fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     let mut site = site(BUDGET_W, 5);
@@ -134,7 +134,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     }
 }
 
-/// Ports tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy
+/// Ported from the Slurm suite: testbed/tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy
 /// (the part that is logic: a controller restarted mid-event on the state it saved
 /// resumes the event and holds its budget; the file's fallback on its previous copy is
 /// `ctld::state`'s own unit test, and the corrupt file stays on Slurm).

@@ -23,7 +23,7 @@ fn granted(site: &Site, ids: &[&str]) -> bool {
     })
 }
 
-/// Ports tests/ramp_suspend.rs::a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit
+/// Ported from the Slurm suite: testbed/tests/ramp_suspend.rs::a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit
 #[test]
 fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() {
     let base_w = 5600.0;
@@ -100,7 +100,7 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
     );
 }
 
-/// Ports tests/ramp_suspend.rs::a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it
+/// Ported from the Slurm suite: testbed/tests/ramp_suspend.rs::a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it
 #[test]
 fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
     let base_w = 8400.0;

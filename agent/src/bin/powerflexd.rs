@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use clap::Parser;
 use powerflex_agent::backend::{GpuBackend, NvmlBackend};
-use powerflex_agent::calibration::CalibrationSettings;
 use powerflex_agent::control::AgentSettings;
 use powerflex_agent::link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
@@ -177,45 +176,8 @@ fn settings_from(
     gpu_name: &str,
     progress_address: String,
 ) -> Result<AgentSettings, String> {
-    let model = site.gpu_model_for(gpu_name).ok_or_else(|| {
-        format!(
-            "no [gpu_models.*] section of {} matches the GPU \"{gpu_name}\"; it has: {}",
-            config.display(),
-            site.gpu_models
-                .iter()
-                .map(|m| m.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
-    })?;
-    Ok(AgentSettings {
-        node: node.to_string(),
-        tiers: site.tiers.table.clone(),
-        default_service: site.tiers.default.clone(),
-        calibration: CalibrationSettings {
-            grid: model.calibration_grid(),
-            settle_s: site.agent.calibration_settle_s,
-            hold_s: site.agent.calibration_hold_s,
-            budget_fraction: site.agent.calibration_budget,
-            expected_cut: site.facility.expected_cut,
-            warmup_s: site.agent.calibration_warmup_s,
-            steady_cv: 0.05,
-            allowance: site.agent.calibration_allowance.0,
-            no_signal_s: site.agent.calibration_warmup_s * 2.0,
-            rewalk_after_s: site.agent.calibration_rewalk_after_s,
-        },
-        cap_step: model.cap_step_w,
-        failsafe_cap: model.failsafe_cap_w,
-        node_budget: site.agent.node_budget_w,
-        policy: site.facility.policy,
-        lease_ttl_s: site.controller.lease_ttl_s as f64,
-        prior_intercept: site.predictor.pfi_intercept,
-        prior_slope: site.predictor.pfi_per_dram_copy_product,
-        progress_address,
-        job_end_grace_s: site.agent.job_end_grace_s,
-        enforce: site.agent.enforce,
-        unregistered_gpu_use: site.agent.unregistered_gpu_use,
-    })
+    AgentSettings::from_site(site, node, gpu_name, progress_address)
+        .map_err(|e| format!("{}: {e}", config.display()))
 }
 
 /// `--release-gpus`: every GPU back to its board's default limit, the agent not started.

@@ -1,5 +1,6 @@
-//! The controller's decisions, with no I/O: what `powerflex-ctld`, `powerflexctl` and the
-//! agents' controller mode all rest on.
+//! The controller's decisions, with no I/O: what `powerflex-ctld`, `powerflexctl`, the
+//! agents' standalone mode (one node's budget split by [`site::decide`]) and the site
+//! harness all rest on.
 //!
 //! - [`site`]: one allocation over every node (budget modes, report validation, drift;
 //!   `decide_holding` leaves held jobs out, `decide_steady` keeps the caps in force while a

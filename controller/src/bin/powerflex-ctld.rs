@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use clap::Parser;
 use powerflex_controller::ctld::{run, CtldOptions, CtldSettings};
-use powerflex_controller::site::SiteSettings;
 use powerflex_core::config::SiteConfig;
 use powerflex_daemon::program::{Exit, Program};
 use powerflex_daemon::signals::SignalWatcher;
@@ -70,7 +69,6 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
         SiteConfig::from_toml_str(&text).map_err(|e| format!("{}: {e}", config.display()))?;
     let key = powerflex_daemon::fsx::read_site_key(&site.controller.key_file)
         .map_err(|e| e.to_string())?;
-    let settings = SiteSettings::from_site(&site, None)?;
     Ok(CtldOptions {
         listen: site.controller.listen,
         admin_socket: site.controller.admin_socket.clone(),
@@ -84,20 +82,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             .database
             .as_ref()
             .map(powerflex_controller::ctld::records_db::RecordsDbOptions::from_config),
-        settings: CtldSettings {
-            base_budget: site.facility.gpu_budget_w,
-            period: Duration::from_secs(site.controller.allocation_period_s),
-            lease_ttl_s: site.controller.lease_ttl_s as f64,
-            lease_rollout: site.controller.lease_rollout,
-            max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
-            job_placement: site.controller.job_placement,
-            max_gpu_power_w: site
-                .gpu_models
-                .iter()
-                .map(|m| m.max_cap_w.0)
-                .fold(0.0, f64::max),
-            site: settings,
-        },
+        settings: CtldSettings::from_site(&site)?,
     })
 }
 

@@ -30,7 +30,7 @@ pub mod status;
 
 use std::time::Duration;
 
-use powerflex_core::config::{JobPlacement, LeaseRollout};
+use powerflex_core::config::{JobPlacement, LeaseRollout, SiteConfig};
 use powerflex_core::Watts;
 
 use crate::site::SiteSettings;
@@ -58,6 +58,27 @@ pub struct CtldSettings {
     /// The highest `max_cap_w` of the site's GPU models, W: no announced GPU counts for
     /// more (see [`crate::placement::bound_gpu_power`]).
     pub max_gpu_power_w: f64,
+}
+
+impl CtldSettings {
+    /// The machine's settings from a validated site config: what `powerflex-ctld` starts
+    /// and reloads with, and what the site harness runs, so both run the same.
+    pub fn from_site(site: &SiteConfig) -> Result<CtldSettings, String> {
+        Ok(CtldSettings {
+            base_budget: site.facility.gpu_budget_w,
+            period: Duration::from_secs(site.controller.allocation_period_s),
+            lease_ttl_s: site.controller.lease_ttl_s as f64,
+            lease_rollout: site.controller.lease_rollout,
+            max_ramp_w_per_s: site.facility.max_ramp_w_per_s,
+            job_placement: site.controller.job_placement,
+            max_gpu_power_w: site
+                .gpu_models
+                .iter()
+                .map(|m| m.max_cap_w.0)
+                .fold(0.0, f64::max),
+            site: SiteSettings::from_site(site, None)?,
+        })
+    }
 }
 
 /// A re-read site config's settings (on SIGHUP), or why the file was refused.
