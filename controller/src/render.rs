@@ -732,6 +732,61 @@ mod tests {
     }
 
     #[test]
+    fn a_job_report_shows_its_curve_over_events_one_row_per_snapshot() {
+        use powerflex_proto::status::{CurvePoint, CurveSnapshot, SnapshotAfter};
+        let point = |cap_w: f64, windows: u32, sigma: f64| CurvePoint {
+            cap_w,
+            power_w: cap_w * 4.0,
+            throughput: 1_000.0,
+            power_sigma_w: 1.0,
+            throughput_sigma: sigma,
+            windows,
+        };
+        let snapshot = |after: SnapshotAfter, points: Vec<CurvePoint>| CurveSnapshot {
+            t_ms: 1_796_144_400_000,
+            after,
+            node: "n1".into(),
+            points,
+        };
+        let mut job = status().jobs[1].clone();
+        assert!(
+            !render_job_report(&job).contains("curve over events"),
+            "none yet"
+        );
+        job.curve_history = vec![
+            snapshot(SnapshotAfter::Calibrated, vec![point(700.0, 10, 20.0)]),
+            snapshot(
+                SnapshotAfter::Event(1),
+                vec![point(700.0, 10, 20.0), point(530.0, 12, 10.0)],
+            ),
+            snapshot(
+                SnapshotAfter::Event(2),
+                vec![point(700.0, 10, 20.0), point(530.0, 30, 5.0)],
+            ),
+        ];
+        let text = render_job_report(&job);
+        assert!(
+            text.contains("curve over events (learning in operation):"),
+            "{text}"
+        );
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("curve over events"))
+            .skip(2)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                vec!["calibrated", "n1", "1", "10", "2.00%"],
+                vec!["event", "1", "n1", "2", "22", "1.50%"],
+                vec!["event", "2", "n1", "2", "40", "1.25%"],
+            ],
+            "{text}"
+        );
+    }
+
+    #[test]
     fn jobs_capped_below_their_measured_caps_are_named_as_running_on_the_guess() {
         let mut s = status();
         s.jobs[1].below_measured_w = Some(400.0);
