@@ -5,6 +5,10 @@
 //! tier's bound, flex0 never capped, through a kill -9 of an agent and of the controller —
 //! and when the jobs end every GPU is back at its
 //! default cap. An invalid tier is refused at submission; no node drains.
+//!
+//! The one closed-loop grid event kept on real Slurm (the plugin, slurmstepd, real
+//! processes and sockets). The same promises on the same site run on the site harness's
+//! fake clock, on three seeds, in `harness/tests/grid_event.rs`.
 
 use std::path::Path;
 use std::process::Command;
