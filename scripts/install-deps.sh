@@ -165,8 +165,8 @@ powerflex_install_openadr() {
             DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
         fi
         echo "powerflex: installing pgserver $POWERFLEX_PGSERVER_VERSION (PostgreSQL 16) into $pg_root (pip)" >&2
-        python3 -m pip install --quiet --disable-pip-version-check --no-deps \
-            --target "$pg_root" "pgserver==$POWERFLEX_PGSERVER_VERSION"
+        python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+            --no-deps --target "$pg_root" "pgserver==$POWERFLEX_PGSERVER_VERSION"
     fi
     # The database runs as an unprivileged user: it must be able to read and run these.
     chmod -R a+rX "$pg_root"
