@@ -24,10 +24,9 @@ use crossbeam_channel::{unbounded, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{
-    fresh_nonce, AgentHandshake, Body, GpuInfo, LinkError, Session, MAX_HANDSHAKE_LINE_BYTES,
-    MAX_LINK_LINE_BYTES,
+    fresh_nonce, AgentHandshake, Body, GpuInfo, LinkError, NodeReport, Session,
+    MAX_HANDSHAKE_LINE_BYTES, MAX_LINK_LINE_BYTES,
 };
-use powerflex_proto::report::NodeReport;
 use tracing::{info, warn};
 
 use crate::server::{Inbound, SnapshotCell};
@@ -53,17 +52,10 @@ fn leases_applied(snapshot: &SnapshotCell) -> u64 {
 
 /// The report the link sends now: the status's ([`NodeReport::of`]) as `Body::Report`.
 fn report(snapshot: &SnapshotCell, turn: usize) -> Body {
-    let NodeReport {
-        jobs,
-        power_w,
-        failsafe,
-        cap_mismatches,
-        ended,
-        observe_only,
-    } = match snapshot.read() {
-        Ok(status) => NodeReport::of(&status, turn),
+    match snapshot.read() {
+        Ok(status) => NodeReport::of(&status, turn).into(),
         // A loop that panicked while publishing: nothing to say but that the node is here.
-        Err(_) => NodeReport {
+        Err(_) => Body::Report {
             jobs: Vec::new(),
             power_w: 0.0,
             failsafe: false,
@@ -71,14 +63,6 @@ fn report(snapshot: &SnapshotCell, turn: usize) -> Body {
             ended: Vec::new(),
             observe_only: false,
         },
-    };
-    Body::Report {
-        jobs,
-        power_w,
-        failsafe,
-        cap_mismatches,
-        ended,
-        observe_only,
     }
 }
 

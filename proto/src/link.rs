@@ -88,8 +88,8 @@ const PREFIX: &str = "pf2";
 // feature), and these paths stay.
 pub use crate::report::{
     validate_acks, validate_final_shares, validate_gpus, validate_report_totals, GpuInfo,
-    JobReport, MAX_ACKS_PER_MESSAGE, MAX_ENDED_PER_REPORT, MAX_GPUS_PER_NODE, MAX_GPU_POWER_W,
-    MAX_JOBS_PER_NODE, MAX_POINTS_PER_JOB,
+    JobReport, NodeReport, MAX_ACKS_PER_MESSAGE, MAX_ENDED_PER_REPORT, MAX_GPUS_PER_NODE,
+    MAX_GPU_POWER_W, MAX_JOBS_PER_NODE, MAX_POINTS_PER_JOB,
 };
 pub use crate::usage::FinalRef;
 
@@ -628,6 +628,28 @@ pub fn controller_accept(
         Session::derive(&key, &agent_nonce, &nonce, CONTROLLER, &node),
         line,
     ))
+}
+
+impl From<NodeReport> for Body {
+    /// The report as the link carries it.
+    fn from(report: NodeReport) -> Body {
+        let NodeReport {
+            jobs,
+            power_w,
+            failsafe,
+            cap_mismatches,
+            ended,
+            observe_only,
+        } = report;
+        Body::Report {
+            jobs,
+            power_w,
+            failsafe,
+            cap_mismatches,
+            ended,
+            observe_only,
+        }
+    }
 }
 
 impl Body {
