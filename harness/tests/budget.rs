@@ -84,6 +84,10 @@ fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget(
     );
     let settled = site.watch_for(3_000, METER_TOLERANCE);
     assert!(settled.over_s == 0.0, "training, settled: {settled}");
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/budget.rs::a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods
@@ -105,19 +109,28 @@ fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods(
     let light = site.agent_status(0).expect("agent").gpus[0]
         .power_w
         .expect("read");
-    assert!(light < 580.0, "light phase first: {light} W");
+    assert_eq!(site.job_workload("a"), Some(LIGHT), "the light phase first");
+    assert!(
+        site.job_loaded("a") && light < 580.0,
+        "the light phase loads its GPUs, below 580 W: {light} W"
+    );
     let watch = site.watch_for(130_000, METER_TOLERANCE);
     println!("phase change 560 W -> 690 W per GPU: {watch}");
     assert!(watch.longest_over_s <= SETTLE_S, "{watch}");
     let heavy = site.agent_status(0).expect("agent").gpus[0]
         .power_w
         .expect("read");
+    assert_eq!(site.job_workload("a"), Some(HEAVY), "the heavy phase runs");
     assert!(
         heavy > 600.0 || site.node_caps_w(0)[0] < 690.0,
-        "the heavy phase ran"
+        "the heavy phase draws more, or its cap holds it: {heavy} W"
     );
     let settled = site.watch_for(3_000, METER_TOLERANCE);
     assert!(settled.over_s == 0.0, "heavy phase, settled: {settled}");
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/budget.rs::a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_cut
@@ -141,8 +154,8 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     site.inject(Fault::ControllerStop).expect("stop");
     let watch = site.watch_for((lease_ttl_s + 8) * 1000, METER_TOLERANCE);
     assert!(
-        watch.over_s == 0.0,
-        "controller gone past its lease: {watch}"
+        watch.over_s == 0.0 && watch.highest_budget_w == cut_w,
+        "controller gone past its lease, held to the {cut_w} W cut: {watch}"
     );
     for (before, after) in caps_before.iter().zip(site.caps_w()) {
         assert!(after <= *before, "the fail-safe never raises a cap");
@@ -161,7 +174,19 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     })
     .expect("start");
     let back = site.watch_for(5_000, METER_TOLERANCE);
-    assert!(back.over_s == 0.0, "controller back: {back}");
+    assert!(
+        back.over_s == 0.0 && back.highest_budget_w == cut_w,
+        "controller back, the {cut_w} W cut still in force: {back}"
+    );
+    assert_eq!(
+        site.controller_status().map(|s| s.budget_w),
+        Some(cut_w),
+        "the restarted controller kept the budget set"
+    );
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/budget.rs::a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
@@ -227,6 +252,10 @@ fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
         running(&site, "a") && running(&site, "b"),
         "powerflex kills no job"
     );
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/budget.rs::a_cap_changed_behind_the_agent_is_restored_and_counted
@@ -257,6 +286,10 @@ fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
     assert!(watch.longest_over_s <= 1.0, "{watch}");
     let after = site.agent_status(0).expect("agent").cap_mismatches;
     assert!(after > before, "the mismatch counted: {before} -> {after}");
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/budget.rs::a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus
@@ -295,4 +328,8 @@ fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {
     let watch = site.watch_for(3_000, METER_TOLERANCE);
     assert!(watch.over_s == 0.0, "after the missed epilog: {watch}");
     assert!(running(&site, "b"), "powerflex kills no job");
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }

@@ -59,7 +59,10 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
     assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
     site.inject(Fault::ControllerStop).expect("stop");
     let watch = site.watch_for(6_000, METER_TOLERANCE);
-    assert!(watch.over_s == 0.0, "controller gone: {watch}");
+    assert!(
+        watch.over_s == 0.0 && watch.highest_budget_w == BUDGET_W,
+        "controller gone: {watch}"
+    );
     assert!(
         site.run_until(10_000, |s| s.caps_w().iter().all(|&c| c == FAILSAFE_CAP_W)),
         "every GPU at the fail-safe cap: {:?}",
@@ -79,7 +82,19 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
         "caps from a fresh lease"
     );
     let back = site.watch_for(3_000, METER_TOLERANCE);
-    assert!(back.over_s == 0.0, "controller back: {back}");
+    assert!(
+        back.over_s == 0.0 && back.highest_budget_w == BUDGET_W,
+        "controller back: {back}"
+    );
+    assert_eq!(
+        site.controller_status().map(|s| s.budget_w),
+        Some(BUDGET_W),
+        "the restarted controller kept the budget set"
+    );
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/faults.rs::a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers
@@ -132,6 +147,10 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
         let back = site.watch_for(2_000, METER_TOLERANCE);
         assert!(back.over_s == 0.0, "clock back: {back}");
     }
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy
@@ -175,6 +194,10 @@ fn a_controller_restarted_mid_event_on_its_saved_state_resumes_the_event() {
         "after the restart on the saved state: {watch}"
     );
     assert_eq!(site.job_state("1"), Some(JobState::Running));
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// A controller restarted with its state lost holds its first allocation for a lease:
@@ -204,4 +227,8 @@ fn a_controller_restarted_with_its_state_lost_allocates_only_after_every_old_lea
     );
     let watch = site.watch_for(5_000, METER_TOLERANCE);
     assert!(watch.over_s == 0.0, "{watch}");
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }

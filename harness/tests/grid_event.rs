@@ -182,7 +182,7 @@ fn grid_event_on_seed(seed: u64) {
         highest_w = highest_w.max(watch.highest_w);
         samples += watch.samples;
         assert!(
-            watch.over_s == 0.0,
+            watch.over_s == 0.0 && watch.highest_budget_w <= target_w + 1e-6,
             "over the {target_w:.0} W budget (uncapped {before_w:.0} W): {watch}"
         );
         let caps = caps_of_jobs(&site);
@@ -234,7 +234,10 @@ fn grid_event_on_seed(seed: u64) {
     })
     .expect("kill the agent");
     let watch = site.watch_for(2_000, METER_TOLERANCE);
-    assert!(watch.over_s == 0.0, "with n1's agent down: {watch}");
+    assert!(
+        watch.over_s == 0.0 && watch.highest_budget_w <= target_w + 1e-6,
+        "with n1's agent down: {watch}"
+    );
     assert_eq!(
         site.node_caps_w(0),
         n1_caps,
@@ -265,7 +268,10 @@ fn grid_event_on_seed(seed: u64) {
     site.inject(Fault::ControllerStop)
         .expect("kill the controller");
     let watch = site.watch_for(3_000, METER_TOLERANCE);
-    assert!(watch.over_s == 0.0, "with the controller down: {watch}");
+    assert!(
+        watch.over_s == 0.0 && watch.highest_budget_w <= target_w + 1e-6,
+        "with the controller down: {watch}"
+    );
     site.inject(Fault::ControllerStart {
         state: Restart::WithState,
     })
@@ -279,7 +285,10 @@ fn grid_event_on_seed(seed: u64) {
         "the event resumed"
     );
     let watch = site.watch_for(5_000, METER_TOLERANCE);
-    assert!(watch.over_s == 0.0, "after the restarts: {watch}");
+    assert!(
+        watch.over_s == 0.0 && watch.highest_budget_w <= target_w + 1e-6,
+        "after the restarts: {watch}"
+    );
     assert!(
         site.run_until(20_000, |s| MIX.iter().all(|(id, ..)| job(s, id).is_some())),
         "every job still managed after the restarts"

@@ -98,6 +98,10 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
         settled > base_w * 0.9,
         "the jobs got their watts back: {settled} W"
     );
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }
 
 /// Ported from the Slurm suite: testbed/tests/ramp_suspend.rs::a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it
@@ -178,4 +182,8 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
     );
     let after = site.watch_for(5_000, 0.0);
     assert!(after.over_s == 0.0, "{after}");
+    assert!(
+        site.ends_clean(60_000),
+        "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
 }

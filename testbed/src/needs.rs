@@ -1,5 +1,5 @@
 //! Tests that need what a developer's machine may lack (root, a local Slurm, valgrind,
-//! libfaketime, a Python module) say so and skip, instead of failing deep inside a
+//! a Python module) say so and skip, instead of failing deep inside a
 //! cluster start-up. Under CI (`CI` set to anything but `false` or `0`) a missing need
 //! fails the test instead: CI must run every test, so a skip there would hide one.
 //!
@@ -26,7 +26,7 @@ pub enum Need {
     Slurm,
     /// A program on `PATH`, e.g. `valgrind`.
     Program(&'static str),
-    /// A file, e.g. libfaketime's preload library.
+    /// A file, e.g. a preload library.
     File(&'static str),
     /// A module `python3` can import, e.g. `pynvml` (PyPI `nvidia-ml-py`).
     PythonModule(&'static str),
