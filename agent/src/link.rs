@@ -52,17 +52,13 @@ fn leases_applied(snapshot: &SnapshotCell) -> u64 {
 
 /// The report the link sends now: the status's ([`NodeReport::of`]) as `Body::Report`.
 fn report(snapshot: &SnapshotCell, turn: usize) -> Body {
-    match snapshot.read() {
+    // The status taken out of the lock first: the control loop publishes into it, and
+    // waits for no report being built.
+    let status = snapshot.read().map(|s| Arc::clone(&s));
+    match status {
         Ok(status) => NodeReport::of(&status, turn).into(),
         // A loop that panicked while publishing: nothing to say but that the node is here.
-        Err(_) => Body::Report {
-            jobs: Vec::new(),
-            power_w: 0.0,
-            failsafe: false,
-            cap_mismatches: 0,
-            ended: Vec::new(),
-            observe_only: false,
-        },
+        Err(_) => NodeReport::default().into(),
     }
 }
 

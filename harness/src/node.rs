@@ -220,14 +220,14 @@ impl NodeAgent {
                 Vec::new()
             },
         };
-        let first = agent.step(started, vec![AgentInput::Start(Box::new(facts))]);
+        let mut first = agent.step(started, vec![AgentInput::Start(Box::new(facts))]);
         let status = first
             .snapshot
-            .clone()
+            .take()
             .expect("the machine publishes its status at its start");
         let saved = first
             .persist
-            .clone()
+            .take()
             .expect("the machine saves its state at its start");
         let mut node = NodeAgent {
             agent,
@@ -255,8 +255,8 @@ impl NodeAgent {
         now_ms: u64,
         inputs: Vec<AgentInput>,
     ) -> (Vec<(usize, Reply)>, Effects) {
-        let out = self.agent.step(self.clock(now_ms), inputs);
-        let replies = out.replies.clone();
+        let mut out = self.agent.step(self.clock(now_ms), inputs);
+        let replies = std::mem::take(&mut out.replies);
         let effects = self.finish(gpus, now_ms, out);
         (replies, effects)
     }

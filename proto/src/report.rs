@@ -79,7 +79,8 @@ pub struct JobReport {
 
 /// A node's report to the controller, as the agent builds it from its status: the link
 /// carries its fields as `Body::Report`, and the site harness hands it over in memory.
-#[derive(Debug, Clone, PartialEq)]
+/// `Default`: a node that says only that it is there.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeReport {
     pub jobs: Vec<JobReport>,
     /// The node's GPUs' draw, W (a GPU the agent cannot steer counted at its cap).
