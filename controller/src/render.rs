@@ -1010,6 +1010,7 @@ mod tests {
                 total_power_w: Watts(1800.0),
                 objective: 1700.4,
                 over_budget_w: Watts(0.0),
+                domains: Vec::new(),
             }),
             rejected: Vec::new(),
             drifted: Vec::new(),

@@ -136,6 +136,7 @@ mod tests {
                 total_power_w: Watts(3000.0),
                 objective: 2.0,
                 over_budget_w: Watts(0.0),
+                domains: Vec::new(),
             }),
             rejected: vec![],
             drifted: vec![],

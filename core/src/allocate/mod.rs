@@ -2,6 +2,11 @@
 
 use std::fmt;
 
+mod room;
+
+pub use room::{DomainLimit, DomainUse};
+use room::{Room, SITE};
+
 /// A named allocation policy. Names are the ones sites write in `powerflex.toml` and pass
 /// to `powerflexctl --policy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -221,6 +226,10 @@ pub struct Allocation {
     /// By how much the budget is short even with every job at its lowest cap (0 when the
     /// budget is feasible). The allocation then holds every job at its lowest cap.
     pub over_budget_w: Watts,
+    /// What the caps put through each power domain, in the order the domains were given
+    /// (none without domains).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<DomainUse>,
 }
 
 impl Allocation {
@@ -252,6 +261,8 @@ pub enum AllocationError {
     BadBound { job: String, bound: f64 },
     #[error("{caps} caps for {jobs} jobs; one cap per job is needed")]
     CapsPerJob { jobs: usize, caps: usize },
+    #[error("power domain {domain}: {why}")]
+    BadDomain { domain: String, why: String },
 }
 
 /// The budget to plan with when job power comes from noisy estimates: `budget` less `z`
@@ -335,6 +346,18 @@ pub fn allocate_cautious(
     budget: Watts,
     caution: Caution,
 ) -> Result<CautiousAllocation, AllocationError> {
+    allocate_cautious_within(jobs, budget, &[], caution)
+}
+
+/// [`allocate_cautious`] under power domains' limits too (see [`allocate_within`]): each
+/// domain keeps `power_z` standard deviations of its own jobs' summed-power error in hand,
+/// as the site does of all of them.
+pub fn allocate_cautious_within(
+    jobs: &[JobSpec],
+    budget: Watts,
+    domains: &[DomainLimit],
+    caution: Caution,
+) -> Result<CautiousAllocation, AllocationError> {
     let usable = |z: f64| if z.is_finite() && z > 0.0 { z } else { 0.0 };
     let (power_z, gain_z) = (usable(caution.power_z), usable(caution.gain_z));
     // Each job planned at its power plus `power_z / 2` standard errors (the optimiser's
@@ -347,18 +370,37 @@ pub fn allocate_cautious(
         })
         .collect();
     let jobs = planned_jobs.as_slice();
-    let first = allocate(jobs, budget, Policy::Optimal)?;
-    let power_sigma = |a: &Allocation| {
-        jobs.iter()
-            .zip(&a.jobs)
-            .map(|(j, ja)| point_sigma(j, ja.cap_w).0.powi(2))
-            .sum::<f64>()
-            .sqrt()
-    };
-    let margin = (power_z * power_sigma(&first)).min(0.5 * budget.0);
-    let planned = Watts((budget.0 - margin).max(0.0));
-    let optimal = allocate(jobs, planned, Policy::Optimal)?;
-    let equal = allocate(jobs, planned, Policy::Equal)?;
+    let first = allocate_within(jobs, budget, domains, Policy::Optimal)?;
+    // Each constraint's margin: power_z standard deviations of its members' summed power
+    // at the first decision's caps (a member's error scaled by its share).
+    let room = Room::new(jobs.len(), budget, domains)?;
+    let variance: Vec<f64> = jobs
+        .iter()
+        .zip(&first.jobs)
+        .map(|(j, ja)| point_sigma(j, ja.cap_w).0.powi(2))
+        .collect();
+    let margins: Vec<f64> = (0..room.constraints())
+        .map(|c| {
+            let var: f64 = room
+                .members(c)
+                .iter()
+                .map(|&(i, share)| share * share * variance[i])
+                .sum();
+            power_z * var.sqrt()
+        })
+        .collect();
+    let planned_room = room.with_margins(|c| margins[c]);
+    let planned = Watts(planned_room.limit(SITE));
+    let planned_domains: Vec<DomainLimit> = domains
+        .iter()
+        .enumerate()
+        .map(|(k, d)| DomainLimit {
+            limit: Watts(planned_room.limit(k + 1)),
+            ..d.clone()
+        })
+        .collect();
+    let optimal = allocate_within(jobs, planned, &planned_domains, Policy::Optimal)?;
+    let equal = allocate_within(jobs, planned, &planned_domains, Policy::Equal)?;
     let expected_gain = optimal.objective - equal.objective;
     let gain_sigma = difference_sigma(jobs, &optimal, &equal);
     let kept_equal = expected_gain <= gain_z * gain_sigma;
@@ -447,7 +489,25 @@ pub fn allocate(
     budget: Watts,
     policy: Policy,
 ) -> Result<Allocation, AllocationError> {
+    allocate_within(jobs, budget, &[], policy)
+}
+
+/// [`allocate`] under power domains' limits too: the caps put at most `limit` W through
+/// each domain (its members' power, each by its share) as well as at most `budget`
+/// through the site. Every rule runs bottom-up over the domains, smallest first and the
+/// site last: floors give way inside the domain that cannot pay them (the allocation's
+/// [`DomainUse::floors_over_w`] says which binds, by how much), the equal and PFI cuts
+/// go as deep in a domain as it needs, and the greedy's steps respect every limit on a
+/// job's path, which keeps it optimal on the concave hulls when the domains nest (a
+/// laminar family: a tree of domains whose jobs each run inside one leaf).
+pub fn allocate_within(
+    jobs: &[JobSpec],
+    budget: Watts,
+    domains: &[DomainLimit],
+    policy: Policy,
+) -> Result<Allocation, AllocationError> {
     check_budget(budget)?;
+    let room = Room::new(jobs.len(), budget, domains)?;
     // Measured territory first: caps below a curve's lowest reading are extrapolated, and
     // are used only when the budget cannot pay every floor without them — a tier's
     // promise outranks the preference for measured caps.
@@ -455,7 +515,7 @@ pub fn allocate(
         .iter()
         .map(|j| prepare(j, false))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut bounds = settle_floors(&prepared, budget.0);
+    let mut bounds = settle_floors(&prepared, &room);
     if !bounds.floors_paid
         && jobs
             .iter()
@@ -465,19 +525,19 @@ pub fn allocate(
             .iter()
             .map(|j| prepare(j, true))
             .collect::<Result<Vec<_>, _>>()?;
-        bounds = settle_floors(&prepared, budget.0);
+        bounds = settle_floors(&prepared, &room);
     }
     let caps = match policy {
-        Policy::Equal => equal_caps(&prepared, &bounds.range, budget.0),
-        Policy::PfiProportional => pfi_proportional_caps(&prepared, &bounds.range, budget.0),
+        Policy::Equal => equal_caps(&prepared, &bounds.range, &room),
+        Policy::PfiProportional => pfi_proportional_caps(&prepared, &bounds.range, &room),
         Policy::Optimal => {
             // Equal first: the greedy must beat it by more than rounding to be chosen,
             // so curves that give it nothing to exploit (identical ones, say) keep
             // the even cut, the robust choice when the curves may be wrong.
             let candidates = [
-                equal_caps(&prepared, &bounds.range, budget.0),
-                pfi_proportional_caps(&prepared, &bounds.range, budget.0),
-                greedy_caps(&prepared, &bounds.range, budget.0),
+                equal_caps(&prepared, &bounds.range, &room),
+                pfi_proportional_caps(&prepared, &bounds.range, &room),
+                greedy_caps(&prepared, &bounds.range, &room),
             ];
             let mut best: Option<(f64, Vec<f64>)> = None;
             for caps in candidates {
@@ -495,9 +555,9 @@ pub fn allocate(
     Ok(build_allocation(
         &prepared,
         &caps,
-        budget,
+        &room,
         policy,
-        bounds.over_budget_w,
+        &bounds.over_w,
     ))
 }
 
@@ -510,7 +570,19 @@ pub fn allocation_at(
     budget: Watts,
     policy: Policy,
 ) -> Result<Allocation, AllocationError> {
+    allocation_at_within(jobs, caps_w, budget, &[], policy)
+}
+
+/// [`allocation_at`], with what the caps put through each of `domains`.
+pub fn allocation_at_within(
+    jobs: &[JobSpec],
+    caps_w: &[Watts],
+    budget: Watts,
+    domains: &[DomainLimit],
+    policy: Policy,
+) -> Result<Allocation, AllocationError> {
     check_budget(budget)?;
+    let room = Room::new(jobs.len(), budget, domains)?;
     let prepared = jobs
         .iter()
         .map(|j| prepare(j, true))
@@ -529,13 +601,7 @@ pub fn allocation_at(
             caps: caps_w.len(),
         });
     }
-    Ok(build_allocation(
-        &prepared,
-        &caps,
-        budget,
-        policy,
-        Watts(0.0),
-    ))
+    Ok(build_allocation(&prepared, &caps, &room, policy, &[]))
 }
 
 /// A budget is a finite, non-negative number of watts.
@@ -647,56 +713,117 @@ fn floor_cap_for(job: &Prepared<'_>, bound: f64) -> f64 {
 #[derive(Debug)]
 struct Bounds {
     range: Vec<(f64, f64)>,
-    over_budget_w: Watts,
-    /// Whether the budget pays every floor.
+    /// Per constraint: by how much its members' floors exceeded its limit, and by how
+    /// much it is short even with them at their lowest caps, W (the site's second is the
+    /// allocation's `over_budget_w`).
+    over_w: Vec<Over>,
+    /// Whether every constraint pays every floor.
     floors_paid: bool,
 }
 
-fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
-    let floor_power: f64 = jobs.iter().map(|j| j.power(j.floor)).sum();
-    if floor_power <= budget {
-        return Bounds {
-            range: jobs.iter().map(|j| (j.floor, j.hi)).collect(),
-            over_budget_w: Watts::ZERO,
-            floors_paid: true,
-        };
+/// By how much one constraint's members' floors exceeded its limit, and by how much it
+/// is short with them at their lowest caps, W (0 and 0 when the floors fit).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Over {
+    floors_w: f64,
+    lowest_w: f64,
+}
+
+/// How one constraint settled its members' floors.
+#[derive(Debug, PartialEq)]
+enum Settled {
+    /// Every floor fits.
+    Paid,
+    /// Tiers gave way, in order, until the rest fit; the floors were over by this, W.
+    GaveWay { floors_over_w: f64 },
+    /// Short even with every member at its lowest cap.
+    Short(Over),
+}
+
+/// Each job's range above its floor, settled constraint by constraint, bottom-up: a
+/// domain that cannot pay its jobs' floors makes them give way (see [`give_way`]), and a
+/// larger domain, or the site, starts from what its smaller ones already settled.
+fn settle_floors(jobs: &[Prepared<'_>], room: &Room<'_>) -> Bounds {
+    let mut range: Vec<(f64, f64)> = jobs.iter().map(|j| (j.floor, j.hi)).collect();
+    let mut over_w = vec![Over::default(); room.constraints()];
+    let mut floors_paid = true;
+    for &c in room.bottom_up() {
+        match give_way(jobs, &room.members(c), &mut range, room.limit(c)) {
+            Settled::Paid => {}
+            Settled::GaveWay { floors_over_w } => {
+                floors_paid = false;
+                over_w[c].floors_w = floors_over_w;
+            }
+            Settled::Short(over) => {
+                floors_paid = false;
+                over_w[c] = over;
+            }
+        }
     }
-    // Give-way order: largest bound first. Jobs without a bound already sit at `lo`.
-    let mut bounds: Vec<f64> = jobs
+    Bounds {
+        range,
+        over_w,
+        floors_paid,
+    }
+}
+
+/// Makes `members` (job, share of its power) fit `budget` by their floors. When the
+/// floors (each job's current lower cap) cost more, tiers give way in order of their
+/// bound, largest first, as far as they must: the tiers before the last one needed drop
+/// to their lowest caps (jobs without a bound too), the last one needed exceeds its bound
+/// by the smallest excess that fits, the same for all its jobs, and the tiers after it
+/// keep their floors. A cap already lowered by a smaller domain stays as low.
+fn give_way(
+    jobs: &[Prepared<'_>],
+    members: &[(usize, f64)],
+    range: &mut [(f64, f64)],
+    budget: f64,
+) -> Settled {
+    let floor_power: f64 = members
         .iter()
-        .filter_map(|j| j.spec.max_slowdown.map(|b| b.0))
-        .collect();
+        .map(|&(i, s)| s * jobs[i].power(range[i].0))
+        .sum();
+    if floor_power <= budget {
+        return Settled::Paid;
+    }
+    let bound_of = |i: usize| jobs[i].spec.max_slowdown.map(|b| b.0);
+    // Give-way order: largest bound first. Jobs without a bound already sit at `lo`.
+    let mut bounds: Vec<f64> = members.iter().filter_map(|&(i, _)| bound_of(i)).collect();
     bounds.sort_by(|a, b| b.total_cmp(a));
     bounds.dedup();
     let mut lower_power = floor_power;
     for (rank, &giving) in bounds.iter().enumerate() {
-        for j in jobs
+        for &(i, s) in members
             .iter()
-            .filter(|j| j.spec.max_slowdown.map(|b| b.0) == Some(giving))
+            .filter(|&&(i, _)| bound_of(i) == Some(giving))
         {
-            lower_power -= j.power(j.floor) - j.power(j.lo);
+            lower_power -= s * (jobs[i].power(range[i].0) - jobs[i].power(jobs[i].lo));
         }
         if lower_power <= budget {
             // This tier gives way, but only as far as it must: every job of it exceeds
             // its bound by the same smallest excess that fits the budget, so the breach
             // is shared evenly instead of a few jobs being driven to their lowest cap.
             let already_gave: &[f64] = &bounds[..rank];
-            let others: f64 = jobs
+            let others: f64 = members
                 .iter()
-                .map(|j| match j.spec.max_slowdown.map(|b| b.0) {
+                .map(|&(i, s)| match bound_of(i) {
                     Some(b) if b == giving => 0.0,
-                    Some(b) if !already_gave.contains(&b) => j.power(j.floor),
-                    _ => j.power(j.lo),
+                    Some(b) if !already_gave.contains(&b) => s * jobs[i].power(range[i].0),
+                    _ => s * jobs[i].power(jobs[i].lo),
                 })
                 .sum();
-            let giving_jobs: Vec<&Prepared<'_>> = jobs
+            let giving_jobs: Vec<(usize, f64)> = members
                 .iter()
-                .filter(|j| j.spec.max_slowdown.map(|b| b.0) == Some(giving))
+                .copied()
+                .filter(|&(i, _)| bound_of(i) == Some(giving))
                 .collect();
+            let lowered = |i: usize, excess: f64, range: &[(f64, f64)]| {
+                floor_cap_for(&jobs[i], giving + excess).min(range[i].0)
+            };
             let power_at = |excess: f64| -> f64 {
                 giving_jobs
                     .iter()
-                    .map(|j| j.power(floor_cap_for(j, giving + excess)))
+                    .map(|&(i, s)| s * jobs[i].power(lowered(i, excess, range)))
                     .sum::<f64>()
             };
             let (mut fits, mut short) = (1.0 - giving, 0.0);
@@ -708,27 +835,26 @@ fn settle_floors(jobs: &[Prepared<'_>], budget: f64) -> Bounds {
                     short = mid;
                 }
             }
-            let range = jobs
-                .iter()
-                .map(|j| match j.spec.max_slowdown.map(|b| b.0) {
-                    None => (j.lo, j.lo),
-                    Some(b) if b == giving => (floor_cap_for(j, giving + fits), j.hi),
-                    Some(b) if already_gave.contains(&b) => (j.lo, j.lo),
-                    Some(_) => (j.floor, j.hi),
-                })
-                .collect();
-            return Bounds {
-                range,
-                over_budget_w: Watts::ZERO,
-                floors_paid: false,
+            for &(i, _) in members {
+                range[i] = match bound_of(i) {
+                    None => (jobs[i].lo, jobs[i].lo),
+                    Some(b) if b == giving => (lowered(i, fits, range), range[i].1),
+                    Some(b) if already_gave.contains(&b) => (jobs[i].lo, jobs[i].lo),
+                    Some(_) => range[i],
+                };
+            }
+            return Settled::GaveWay {
+                floors_over_w: floor_power - budget,
             };
         }
     }
-    Bounds {
-        range: jobs.iter().map(|j| (j.lo, j.lo)).collect(),
-        over_budget_w: Watts(lower_power - budget),
-        floors_paid: false,
+    for &(i, _) in members {
+        range[i] = (jobs[i].lo, jobs[i].lo);
     }
+    Settled::Short(Over {
+        floors_w: floor_power - budget,
+        lowest_w: lower_power - budget,
+    })
 }
 
 /// Highest grid cap in `[lower, upper]` whose power is at most `target` (or `lower`).
@@ -785,24 +911,50 @@ fn bisect_cut(x_max: f64, budget: f64, spent: impl Fn(f64) -> f64) -> f64 {
     hi
 }
 
-fn equal_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f64> {
-    let targets = |fraction: f64| -> Vec<f64> {
-        jobs.iter()
-            .zip(range)
-            .map(|(j, &(lower, upper))| {
-                let p_top = j.power(j.hi);
-                clamp_between(p_top * (1.0 - fraction), j.power(lower), j.power(upper))
-            })
-            .collect()
-    };
-    let cut = bisect_cut(1.0, budget, |f| targets(f).iter().sum());
-    let targets = targets(cut);
+/// Caps from a cut level per job (a fraction for the equal cut, a multiplier for the
+/// PFI rule): `target(job, x)` is the power job `job` is cut to at level `x`, falling as
+/// `x` rises. Bottom-up, each constraint finds the least level its members need (a member
+/// already cut deeper by a smaller domain stays there), so a tight rack is cut as deep as
+/// it needs and the rest of the site no deeper than its own limits ask; the targets are
+/// then snapped to the cap grid and what that leaves is spent ([`fill_leftover`]).
+fn level_caps(
+    jobs: &[Prepared<'_>],
+    range: &[(f64, f64)],
+    room: &Room<'_>,
+    x_max: f64,
+    target: impl Fn(usize, f64) -> f64,
+) -> Vec<f64> {
+    let mut level = vec![0.0f64; jobs.len()];
+    for &c in room.bottom_up() {
+        let members = room.members(c);
+        let x = bisect_cut(x_max, room.limit(c), |x| {
+            members
+                .iter()
+                .map(|&(i, s)| s * target(i, x.max(level[i])))
+                .sum()
+        });
+        for &(i, _) in &members {
+            level[i] = level[i].max(x);
+        }
+    }
+    let targets: Vec<f64> = (0..jobs.len()).map(|i| target(i, level[i])).collect();
     let mut caps = caps_for_targets(jobs, range, &targets);
-    fill_leftover(jobs, range, &mut caps, &targets, budget);
+    fill_leftover(jobs, range, &mut caps, &targets, room);
     caps
 }
 
-fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f64> {
+fn equal_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], room: &Room<'_>) -> Vec<f64> {
+    level_caps(jobs, range, room, 1.0, |i, fraction| {
+        let (j, (lower, upper)) = (&jobs[i], range[i]);
+        clamp_between(
+            j.power(j.hi) * (1.0 - fraction),
+            j.power(lower),
+            j.power(upper),
+        )
+    })
+}
+
+fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], room: &Room<'_>) -> Vec<f64> {
     let weights: Vec<f64> = jobs
         .iter()
         .map(|j| {
@@ -819,26 +971,19 @@ fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f6
             (top.power_w.0 / t_max) * pfi
         })
         .collect();
-    let targets = |lambda: f64| -> Vec<f64> {
-        jobs.iter()
-            .zip(range)
-            .zip(&weights)
-            .map(|((j, &(lower, upper)), &w)| {
-                let p_top = j.power(j.hi);
-                clamp_between(p_top - lambda * w, j.power(lower), j.power(upper))
-            })
-            .collect()
-    };
     let lambda_max = jobs
         .iter()
         .zip(&weights)
         .map(|(j, &w)| j.power(j.hi) / w.max(f64::MIN_POSITIVE))
         .fold(0.0, f64::max);
-    let lambda = bisect_cut(lambda_max, budget, |l| targets(l).iter().sum());
-    let targets = targets(lambda);
-    let mut caps = caps_for_targets(jobs, range, &targets);
-    fill_leftover(jobs, range, &mut caps, &targets, budget);
-    caps
+    level_caps(jobs, range, room, lambda_max, |i, lambda| {
+        let (j, (lower, upper)) = (&jobs[i], range[i]);
+        clamp_between(
+            j.power(j.hi) - lambda * weights[i],
+            j.power(lower),
+            j.power(upper),
+        )
+    })
 }
 
 /// Spends what snapping to the cap grid left of the budget: each job's cap is the highest
@@ -850,9 +995,9 @@ fn fill_leftover(
     range: &[(f64, f64)],
     caps: &mut [f64],
     targets: &[f64],
-    budget: f64,
+    room: &Room<'_>,
 ) {
-    let mut used: f64 = jobs.iter().zip(caps.iter()).map(|(j, &c)| j.power(c)).sum();
+    let mut used = room.used(|i| jobs[i].power(caps[i]));
     let shortfall = |i: usize, cap: f64| targets[i] - jobs[i].power(cap);
     // Each round raises, by one grid step, the job furthest below its target whose raise
     // still fits. A job's shortfall changes only when it is raised, and what is used only
@@ -876,13 +1021,13 @@ fn fill_leftover(
         }
         let extra = jobs[i].power(next) - jobs[i].power(caps[i]);
         // Written as the fit it refuses, so a power that is no number never fits.
-        let fits = used + extra <= budget + POWER_SLACK_W;
+        let fits = extra <= room.headroom(i, &used) + POWER_SLACK_W;
         if !fits {
             parked.push(i);
             continue;
         }
         caps[i] = next;
-        used += extra;
+        room.add(i, extra, &mut used);
         if extra < 0.0 {
             queue.extend(parked.drain(..).map(|j| Ranked {
                 value: shortfall(j, caps[j]),
@@ -973,10 +1118,9 @@ fn hull(job: &Prepared<'_>, lower: f64, upper: f64) -> Vec<(f64, f64, f64)> {
     hull
 }
 
-fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<f64> {
+fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], room: &Room<'_>) -> Vec<f64> {
     let mut caps: Vec<f64> = range.iter().map(|&(lower, _)| lower).collect();
-    let spent: f64 = jobs.iter().zip(&caps).map(|(j, &c)| j.power(c)).sum();
-    let mut remaining = budget - spent;
+    let mut used = room.used(|i| jobs[i].power(caps[i]));
     let hulls: Vec<Vec<(f64, f64, f64)>> = jobs
         .iter()
         .zip(range)
@@ -1003,19 +1147,22 @@ fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<
         let i = position[job];
         let (from, to) = (h[i], h[i + 1]);
         let cost = to.1 - from.1;
+        // What every limit on the job's path still allows it: the site's and its
+        // domains', each by the job's share in it.
+        let remaining = room.headroom(job, &used);
         if cost <= remaining {
-            remaining -= cost;
+            room.add(job, cost, &mut used);
             caps[job] = to.0;
             position[job] = i + 1;
             if let Some(s) = slope(h, i + 1) {
                 queue.push(Ranked { value: s, job });
             }
         } else {
-            // Move as far toward `to` as the remaining budget allows, on the real curve.
+            // Move as far toward `to` as the remaining room allows, on the real curve.
             let j = &jobs[job];
             let cap = cap_for_power(j, from.0, to.0, from.1 + remaining);
             if j.value(cap) > from.2 {
-                remaining -= j.power(cap) - from.1;
+                room.add(job, j.power(cap) - from.1, &mut used);
                 caps[job] = cap;
             }
         }
@@ -1026,9 +1173,9 @@ fn greedy_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], budget: f64) -> Vec<
 fn build_allocation(
     jobs: &[Prepared<'_>],
     caps: &[f64],
-    budget: Watts,
+    room: &Room<'_>,
     policy: Policy,
-    over_budget_w: Watts,
+    over_w: &[Over],
 ) -> Allocation {
     let mut total_power = 0.0;
     let mut objective = 0.0;
@@ -1064,11 +1211,12 @@ fn build_allocation(
         .collect();
     Allocation {
         policy,
-        budget_w: budget,
+        budget_w: Watts(room.limit(SITE)),
         jobs: allocations,
         total_power_w: Watts(total_power),
         objective,
-        over_budget_w,
+        over_budget_w: Watts(over_w.get(SITE).map_or(0.0, |o| o.lowest_w)),
+        domains: room.uses(|i| jobs[i].power(caps[i]), over_w),
     }
 }
 
@@ -1178,7 +1326,8 @@ mod tests {
                     .collect();
                 let start = caps_for_targets(&jobs, &range, &targets);
                 let (mut by_queue, mut by_sorting) = (start.clone(), start);
-                fill_leftover(&jobs, &range, &mut by_queue, &targets, budget);
+                let room = Room::new(jobs.len(), Watts(budget), &[]).expect("room");
+                fill_leftover(&jobs, &range, &mut by_queue, &targets, &room);
                 fill_leftover_by_sorting(&jobs, &range, &mut by_sorting, &targets, budget);
                 prop_assert_eq!(by_queue, by_sorting);
             }
