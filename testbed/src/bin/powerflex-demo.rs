@@ -12,8 +12,9 @@
 //! untouched, so the one job that allows it (flex3, `preempt=suspend`) is suspended for
 //! it and resumed after. The demo
 //! prints each job's measured against its true PFI, its caps and tokens/s before and
-//! during the event, and, at three moments (event 1's hold, its budget asked again after
-//! it, event 2 in force), what every policy would decide (the paper's equal-weight and
+//! during the event, and, at four moments (event 1's budget planned before it on the
+//! calibration walks alone, event 1's hold, its budget asked again after it, event 2 in
+//! force), what every policy would decide (the paper's equal-weight and
 //! PFI-proportional rules with tiers ignored, the equal split within the tiers,
 //! powerflex) scored on the profiles' true curves beside the oracle; it plots the metered draw and the caps the GPUs
 //! enforced (read back by the agents, calibration walks included), stops everything it
@@ -896,6 +897,9 @@ struct Before {
     draw_w: f64,
     target_w: f64,
     jobs: Vec<SiteJobStatus>,
+    /// Every compared policy asked at the event's budget before it starts: the decision
+    /// on the calibration walks alone, the baseline the event's own windows improve on.
+    planned: Snapshot,
 }
 
 /// Phase 4: 10 s of steady state at the default caps; the event's budget is the cut
@@ -913,12 +917,19 @@ fn steady_state(demo: &mut Demo) -> Result<Before> {
     }
     let to_ms = unix_ms();
     let draw_w = draws.iter().sum::<f64>() / draws.len() as f64;
+    let target_w = (draw_w * (1.0 - demo.cli.cut)).floor();
+    let planned = Snapshot::take(
+        &demo.stack,
+        "event 1's budget, planned before it (curves from calibration alone)",
+        Some(target_w),
+    )?;
     Ok(Before {
         from_ms,
         to_ms,
         draw_w,
-        target_w: (draw_w * (1.0 - demo.cli.cut)).floor(),
+        target_w,
         jobs: demo.stack.try_ctl_json(&["jobs"])?,
+        planned,
     })
 }
 
@@ -979,6 +990,10 @@ const COMPARED: [(&str, &str, &[&str]); 4] = [
         &["--policy", "optimal"],
     ),
 ];
+
+/// Where the mid-hold comparison of event 1 sits among [`Measured::compare_all`]'s:
+/// after the plan made before the event.
+const EVENT_ONE: usize = 1;
 
 /// Every compared policy's decision at one moment.
 #[derive(Debug, Clone)]
@@ -1068,11 +1083,12 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
         }
         draw.push((t, demo.stack.try_draw_w()?));
         if snapshot.is_none() && t >= change_at_s {
-            // The alternatives, on the controller's own curves and views, at this moment
-            // (before any job changes phase: the curves are still the calibrated ones).
+            // The alternatives, on the controller's own curves and views, at this moment:
+            // before any job changes phase, so on the same jobs and true curves as the
+            // plan made before the event, with the windows the event has measured since.
             snapshot = Some(Snapshot::take(
                 &demo.stack,
-                "event 1, mid-hold (curves from calibration)",
+                "event 1, mid-hold (calibration and the windows event 1 measured so far)",
                 None,
             )?);
             for job in jobs {
@@ -2363,7 +2379,7 @@ fn report(
         .decision("tier-equal")
         .ok_or("no tier-aware equal decision")?;
     let comparisons = m.compare_all()?;
-    let first = &comparisons[0];
+    let first = &comparisons[EVENT_ONE];
     let per_job = m.per_job(equal)?;
     let draw = m.judge_draw(target_w);
     let budget_w = f64::from(NODES * GPUS_PER_NODE) * DEFAULT_CAP_W;
@@ -2447,19 +2463,22 @@ impl Measured<'_> {
         Ok(plot)
     }
 
-    /// Every policy scored on the true curves at event 1's budget (as planned, and
-    /// replayed with what event 1 measured) and, when it was taken, while the OpenADR
-    /// event was in force.
+    /// Every policy scored on the true curves at event 1's budget (planned before it on
+    /// the calibration walks alone, in the middle of its hold, and asked again after it
+    /// with what it measured) and, when it was taken, while the OpenADR event was in
+    /// force. The mid-hold comparison is at [`EVENT_ONE`].
     fn compare_all(&self) -> Result<Vec<Comparison>> {
         let Measured {
             demo,
             jobs,
+            before,
             during,
             grid,
             ..
         } = *self;
         let comparisons = {
             let mut all = vec![
+                compare(demo, jobs, &during.changes, &before.planned)?,
                 compare(demo, jobs, &during.changes, &during.snapshot)?,
                 compare(demo, jobs, &during.changes, &during.replay)?,
             ];
@@ -2953,7 +2972,7 @@ impl Measured<'_> {
         } = *self;
         let cli = &demo.cli;
         let target_w = before.target_w;
-        let first = &comparisons[0];
+        let first = &comparisons[EVENT_ONE];
         let total_equal = score_of(first, "tier-equal");
         let total_optimal_true = score_of(first, "powerflex");
         let real_jobs: Vec<u32> = jobs
@@ -2985,6 +3004,7 @@ impl Measured<'_> {
             // The meter during the event, every ~200 ms: [s into the event, W].
             "draw_event": during.draw.iter().map(|&(t, w)| [t, w]).collect::<Vec<_>>(),
             "comparisons": comparisons.iter().map(Comparison::json).collect::<Vec<_>>(),
+            "learning": Learning::of(comparisons).map(|l| l.json()),
             "openadr": {
                 "vtn_event_id": grid.vtn_event_id, "ven_name": grid.ven_name, "program": OPENADR_PROGRAM,
                 "floors_w": grid.floors_w, "job": grid.job, "job_at_floor_w": grid.job_at_floor_w,
@@ -3038,20 +3058,106 @@ fn score_of(c: &Comparison, key: &str) -> f64 {
     c.row(key).map_or(0.0, |r| r.scored.tokens_per_s)
 }
 
-/// The policy comparisons, and what the second look at event 1's budget gains from
-/// what event 1 measured.
+/// What event 1's own windows bought: powerflex at event 1's budget, on the same jobs
+/// and true curves, planned before the event (calibration walks alone) and in the middle
+/// of its hold (with the windows measured since), before any job changed phase. The
+/// second is what a second event at this budget would start from.
+#[derive(Debug, Clone, PartialEq)]
+struct Learning {
+    planned_tokens_per_s: f64,
+    planned_gap: Option<f64>,
+    /// Jobs the plan on the walks alone slows past their bound on the true curves.
+    planned_broken: Vec<(String, f64)>,
+    measured_tokens_per_s: f64,
+    measured_gap: Option<f64>,
+    measured_broken: Vec<(String, f64)>,
+}
+
+impl Learning {
+    /// None when either comparison lacks a powerflex row.
+    fn of(comparisons: &[Comparison]) -> Option<Learning> {
+        let planned = comparisons.first()?.row("powerflex")?;
+        let measured = comparisons.get(EVENT_ONE)?.row("powerflex")?;
+        Some(Learning {
+            planned_tokens_per_s: planned.scored.tokens_per_s,
+            planned_gap: planned.gap,
+            planned_broken: planned.scored.bounds_broken.clone(),
+            measured_tokens_per_s: measured.scored.tokens_per_s,
+            measured_gap: measured.gap,
+            measured_broken: measured.scored.bounds_broken.clone(),
+        })
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let pct = |g: Option<f64>| g.map(|g| round_to(g * 100.0, 1));
+        let broken = |b: &[(String, f64)]| {
+            b.iter()
+                .map(|(job, slowdown)| json!({"job": job, "slowdown_pct": round_to(slowdown * 100.0, 1)}))
+                .collect::<Vec<_>>()
+        };
+        json!({
+            "planned_tokens_per_s": round_to(self.planned_tokens_per_s, 0),
+            "planned_gap_recovered_pct": pct(self.planned_gap),
+            "planned_bounds_broken": broken(&self.planned_broken),
+            "measured_tokens_per_s": round_to(self.measured_tokens_per_s, 0),
+            "measured_gap_recovered_pct": pct(self.measured_gap),
+            "measured_bounds_broken": broken(&self.measured_broken),
+            "gain_tokens_per_s": round_to(self.measured_tokens_per_s - self.planned_tokens_per_s, 0),
+        })
+    }
+
+    /// One plan, for people: its tokens/s and either its gap share or the bounds it
+    /// breaks on the true curves.
+    fn plan_text(tokens: f64, gap: Option<f64>, broken: &[(String, f64)]) -> String {
+        if !broken.is_empty() {
+            return format!(
+                "{tokens:.0} tokens/s, but breaking {} on the true curves ({})",
+                if broken.len() == 1 {
+                    "a tier bound".to_string()
+                } else {
+                    format!("{} tier bounds", broken.len())
+                },
+                broken
+                    .iter()
+                    .map(|(job, slowdown)| format!("job {job} slowed {:.1} %", slowdown * 100.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        match gap {
+            Some(g) => format!(
+                "{tokens:.0} tokens/s, every bound held, {:.0} % of the gap",
+                g * 100.0
+            ),
+            None => format!("{tokens:.0} tokens/s, every bound held (no gap to recover)"),
+        }
+    }
+
+    fn render(&self) -> String {
+        let gain = self.measured_tokens_per_s - self.planned_tokens_per_s;
+        let verdict = match (self.planned_broken.is_empty(), self.measured_broken.is_empty()) {
+            (false, true) => "what event 1 measured kept a promise the calibration walks alone would have broken (below the walks' lowest cap a curve is a guess)".to_string(),
+            (true, true) if gain > 0.0 => format!("what event 1 measured bought {gain:.0} tokens/s ({:+.1} %)", gain / self.planned_tokens_per_s.max(f64::MIN_POSITIVE) * 100.0),
+            (true, true) => format!("what event 1 measured bought nothing here ({gain:.0} tokens/s)"),
+            (_, false) => "what event 1 measured still leaves a bound broken on the true curves".to_string(),
+        };
+        format!(
+            "\n  learning (a second event at event 1's budget, on the same jobs and true curves): planned on the calibration walks alone, powerflex keeps {}; with the windows event 1 measured in its first half, {}: {verdict}",
+            Self::plan_text(self.planned_tokens_per_s, self.planned_gap, &self.planned_broken),
+            Self::plan_text(self.measured_tokens_per_s, self.measured_gap, &self.measured_broken),
+        )
+    }
+}
+
+/// The policy comparisons, and what event 1's windows bought at its budget.
 fn print_comparisons(comparisons: &[Comparison]) {
     for c in comparisons {
         print!("{}", c.render());
     }
-    // What the second look at a budget gains from the first event's windows.
-    let gap_of = |c: &Comparison| c.row("powerflex").and_then(|r| r.gap);
-    match (gap_of(&comparisons[0]), gap_of(&comparisons[1])) {
-        (Some(during_gap), Some(after_gap)) => println!(
-            "\n  learning: at event 1's budget powerflex recovered {:.0} % of the gap during event 1 (curves from calibration) and would recover {:.0} % with what event 1 measured",
-            during_gap * 100.0,
-            after_gap * 100.0,
-        ),
-        _ => println!("\n  learning: no gap to recover at event 1's budget (the oracle keeps no more than the equal split within the tiers)"),
+    match Learning::of(comparisons) {
+        Some(l) => println!("{}", l.render()),
+        None => {
+            println!("\n  learning: powerflex made no allocation at event 1's budget to compare")
+        }
     }
 }
