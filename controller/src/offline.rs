@@ -285,6 +285,7 @@ impl AllocateSetup {
                 budget_mode: BudgetMode::Metered { margin: 0.0 },
                 objective: Objective::Tokens,
                 tier_bounds: TierBounds::Honoured,
+                domains: None,
             },
             default_service: powerflex_core::flex::Service::Unmanaged,
             limits: None,

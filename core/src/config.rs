@@ -82,6 +82,11 @@ pub struct RawSiteConfig {
     /// `[grid]`, optional: where grid events come from besides `powerflexctl event add`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grid: Option<RawGrid>,
+    /// `[[domains]]`, optional: the facility's power domains below its budget (feeds,
+    /// rows, PDUs, racks), each with its limit; every node in one leaf. Without them the
+    /// site has one budget.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<crate::domains::RawDomain>,
 }
 
 /// `[facility]`: the site-wide budget and how it is shared.
@@ -342,6 +347,8 @@ pub struct SiteConfig {
     pub agent: AgentConfig,
     pub predictor: PredictorConfig,
     pub grid: GridConfig,
+    /// The power domains (empty without `[[domains]]`).
+    pub domains: crate::domains::DomainTree,
 }
 
 /// Validated `[facility]`.
@@ -821,6 +828,8 @@ pub enum ConfigError {
     UnknownPolicy { value: String },
     #[error("tiers.tier: {0}")]
     Tiers(FlexError),
+    #[error("domains: {0}")]
+    Domains(crate::domains::DomainError),
     #[error("tiers.default \"{}\" is not offered; accepted: {accepted}", .name.escape_default())]
     UnknownDefaultTier { name: String, accepted: String },
     #[error("tiers.opt_out = \"listed\" with tiers.default = \"none\" lets every job submitted without --power-flex opt out; set tiers.default to one of: {accepted}")]
@@ -978,6 +987,8 @@ impl RawSiteConfig {
             agent: validate_agent(self.agent)?,
             predictor: validate_predictor(self.predictor)?,
             grid: validate_grid(self.grid)?,
+            domains: crate::domains::DomainTree::build(&self.domains)
+                .map_err(ConfigError::Domains)?,
         })
     }
 }
@@ -2288,6 +2299,42 @@ programs = ["gpu-dr"]
     }
 
     #[test]
+    fn power_domains_are_read_and_checked() {
+        let text = format!(
+            "{MINIMAL}
+[[domains]]
+name = \"feed-a\"
+gpu_limit_w = 40000
+
+[[domains]]
+name = \"rack-1\"
+parent = \"feed-a\"
+gpu_limit_w = 20000
+nodes = \"gpu[01-04]\"
+"
+        );
+        let site = SiteConfig::from_toml_str(&text).expect("valid");
+        let tree = &site.domains;
+        assert_eq!(tree.domains().len(), 2);
+        let rack = tree.leaf_of("gpu03").expect("placed");
+        assert_eq!(tree.domains()[rack].name, "rack-1");
+        assert_eq!(tree.domains()[rack].gpu_limit, Watts(20000.0));
+        assert!(SiteConfig::from_toml_str(MINIMAL)
+            .expect("valid")
+            .domains
+            .is_empty());
+        let bad = text.replace("parent = \"feed-a\"", "parent = \"feed-z\"");
+        let e = SiteConfig::from_toml_str(&bad).expect_err("unknown parent");
+        assert!(
+            e.to_string()
+                .contains("domains: domain \"rack-1\": parent \"feed-z\" is not a declared domain"),
+            "{e}"
+        );
+        let unknown_key = text.replace("gpu_limit_w = 20000", "gpu_limit_w = 20000\nlimit = 1");
+        assert!(SiteConfig::from_toml_str(&unknown_key).is_err());
+    }
+
+    #[test]
     fn minimal_config_gets_defaults() {
         let config = SiteConfig::from_toml_str(MINIMAL).unwrap();
         assert_eq!(
@@ -2356,6 +2403,7 @@ programs = ["gpu-dr"]
                     pfi_per_dram_copy_product: 1.5,
                 },
                 grid: GridConfig { openadr: None },
+                domains: crate::domains::DomainTree::default(),
             }
         );
         assert_eq!(config.controller.lease_ttl(), Duration::from_secs(60));

@@ -16,6 +16,7 @@ pub mod calibration_design;
 pub mod config;
 pub mod curve;
 pub mod curves_csv;
+pub mod domains;
 pub mod error;
 pub mod evaluate;
 pub mod flex;

@@ -225,6 +225,7 @@ fn site_settings() -> SiteSettings {
         budget_mode: powerflex_core::config::BudgetMode::default(),
         objective: powerflex_core::config::Objective::Tokens,
         tier_bounds: powerflex_controller::site::TierBounds::Honoured,
+        domains: None,
     }
 }
 

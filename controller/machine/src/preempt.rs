@@ -99,6 +99,8 @@ struct Candidate {
     power_w: f64,
     /// Estimated draw once suspended, W.
     idle_w: f64,
+    /// The nodes it runs on (for the power domains it draws through).
+    nodes: Vec<String>,
 }
 
 fn candidates(nodes: &[NodeView], settings: &SiteSettings) -> BTreeMap<String, Candidate> {
@@ -118,7 +120,9 @@ fn candidates(nodes: &[NodeView], settings: &SiteSettings) -> BTreeMap<String, C
                 preempt: settings.tiers.preempt_for(&request),
                 power_w: 0.0,
                 idle_w: 0.0,
+                nodes: Vec::new(),
             });
+            c.nodes.push(node.node.clone());
             c.power_w += report.power_w.unwrap_or(0.0).max(0.0);
             c.idle_w += f64::from(report.gpus) * default_w * SUSPENDED_SHARE_OF_DEFAULT;
         }
@@ -132,6 +136,30 @@ pub fn short(d: &Decision) -> bool {
     d.allocation
         .as_ref()
         .is_some_and(|a| a.over_budget_w.0 > 0.0 || a.broken_floors().next().is_some())
+}
+
+/// Whether holding `c` out can help where `d` is short: where some power domain cannot
+/// pay its floors, only a job drawing through one such domain (a job elsewhere would
+/// free watts the binding breaker never sees); otherwise any job.
+fn helps(d: &Decision, settings: &SiteSettings, c: &Candidate) -> bool {
+    let (Some(domains), Some(a)) = (&settings.domains, &d.allocation) else {
+        return true;
+    };
+    let binding: Vec<usize> = a
+        .domains
+        .iter()
+        .enumerate()
+        .filter(|(_, used)| used.binds())
+        .map(|(i, _)| i)
+        .collect();
+    binding.is_empty()
+        || c.nodes.iter().any(|node| {
+            domains
+                .tree
+                .path_of_node(node)
+                .iter()
+                .any(|d| binding.contains(d))
+        })
 }
 
 /// What each held job counts at (see [`Held`]).
@@ -251,7 +279,12 @@ pub fn plan(
                 .then(a.id.cmp(&b.id))
         });
         let mut added: Vec<String> = Vec::new();
-        for c in order {
+        // In that order, the next job whose holding can help where the site is short now
+        // (a binding domain's, when one binds: preemption stays inside it).
+        while let Some(c) = order
+            .iter()
+            .find(|c| !now_held.contains_key(&c.id) && helps(&decision, settings, c))
+        {
             now_held.insert(
                 c.id.clone(),
                 Preempted {
@@ -356,6 +389,7 @@ mod tests {
             budget_mode: BudgetMode::Metered { margin: 0.0 },
             objective: Objective::RelativeSpeed,
             tier_bounds: crate::site::TierBounds::Honoured,
+            domains: None,
         }
     }
 
@@ -474,6 +508,49 @@ mod tests {
         );
         assert_eq!(ids(&p.held), ["13"]);
         assert!(short(&p.decision));
+    }
+
+    /// Two racks, each with a flex1 job and a flex3 job that allows suspension; rack B's
+    /// flex3 job draws more, so a site-wide cut would hold it first. Rack A's breaker
+    /// alone cannot pay its floors: only rack A's flex3 job is held, and rack B is not
+    /// touched.
+    #[test]
+    fn a_domain_short_of_its_floors_preempts_inside_it_only() {
+        use powerflex_core::domains::{DomainTree, RawDomain};
+        let rack = |name: &str, nodes: &str| RawDomain {
+            name: name.into(),
+            parent: None,
+            gpu_limit_w: 100_000.0,
+            nodes: Some(nodes.into()),
+        };
+        let tree =
+            DomainTree::build(&[rack("rack-a", "n1,n2"), rack("rack-b", "n3,n4")]).expect("valid");
+        let mut domains = crate::site::SiteDomains::configured(&tree).expect("domains");
+        // Rack A: flex1 at its bound 2240 W + flex3 at 800 W = 3040 W of floors; 2900 W.
+        domains.limits_w[0] = 2900.0;
+        let settings = SiteSettings {
+            domains: Some(domains),
+            ..settings()
+        };
+        let nodes = vec![
+            node("n1", vec![job("21", "flex1", 700.0, 700.0)]),
+            node("n2", vec![job("23", "flex3,preempt=suspend", 700.0, 600.0)]),
+            node("n3", vec![job("31", "flex1", 700.0, 700.0)]),
+            node("n4", vec![job("33", "flex3,preempt=suspend", 700.0, 700.0)]),
+        ];
+        let p = plan(
+            &nodes,
+            Watts(100_000.0),
+            &settings,
+            &BTreeMap::new(),
+            Outlook::cut(true),
+            &BTreeMap::new(),
+            T0,
+        );
+        assert_eq!(ids(&p.held), ["23"], "{:?}", p.decision.allocation);
+        assert!(!short(&p.decision), "{:?}", p.decision.allocation);
+        assert_eq!(p.decision.leases["n3"].get("31"), Some(&700.0));
+        assert_eq!(p.decision.leases["n4"].get("33"), Some(&700.0));
     }
 
     #[test]

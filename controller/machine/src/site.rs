@@ -18,16 +18,19 @@
 //! add up), relative speed is used all the same.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use powerflex_core::allocate::{
-    allocate, allocate_cautious, validate_spec, Allocation, CapLimits, Caution, JobSpec, Policy,
+    allocate_cautious_within, allocate_within, allocation_at_within, validate_spec, Allocation,
+    CapLimits, Caution, DomainLimit, JobSpec, Policy,
 };
 use powerflex_core::config::{BudgetMode, Objective};
 use powerflex_core::curve::{
     estimate_population, CapCurve, JobReadings, KnotSigma, OperatingPoint,
 };
+use powerflex_core::domains::DomainTree;
 use powerflex_core::flex::{parse_power_flex, TierTable};
 use powerflex_core::Watts;
 use powerflex_proto::report::{
@@ -66,6 +69,28 @@ pub struct SiteSettings {
     /// for [`TierBounds::Ignored`]: the paper's baselines cut every job alike, whatever
     /// its tier, and the comparison counts the bounds they break.
     pub tier_bounds: TierBounds,
+    /// The site's power domains and the limit in force in each (none: one budget).
+    pub domains: Option<SiteDomains>,
+}
+
+/// The power domains an allocation must fit, with the limit in force in each.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SiteDomains {
+    pub tree: Arc<DomainTree>,
+    /// Per domain, in the tree's order: the limit in force now, W (its configured limit,
+    /// or lower while an event or an admin's budget for it holds).
+    pub limits_w: Vec<f64>,
+}
+
+impl SiteDomains {
+    /// The tree with every domain at its configured limit; none for a site without
+    /// domains.
+    pub fn configured(tree: &DomainTree) -> Option<SiteDomains> {
+        (!tree.is_empty()).then(|| SiteDomains {
+            limits_w: tree.domains().iter().map(|d| d.gpu_limit.0).collect(),
+            tree: Arc::new(tree.clone()),
+        })
+    }
 }
 
 /// Whether an allocation honours the tiers' bounds.
@@ -97,6 +122,7 @@ impl SiteSettings {
             budget_mode: site.facility.budget_mode,
             objective: site.facility.objective,
             tier_bounds: TierBounds::Honoured,
+            domains: SiteDomains::configured(&site.domains),
         })
     }
 }
@@ -158,6 +184,9 @@ struct SiteJob {
     tier: String,
     gpus: u32,
     nodes: Vec<String>,
+    /// The job's GPUs on each of `nodes`, in order: its power through a domain is the
+    /// share of its GPUs behind it.
+    node_gpus: Vec<u32>,
     power_w: f64,
     /// The first PFI a node measured for the job.
     pfi: Option<f64>,
@@ -412,6 +441,7 @@ fn keep_steady(
     fresh: Allocation,
     specs: &[JobSpec],
     budget: Watts,
+    domains: &[DomainLimit],
     in_force: &BTreeMap<String, f64>,
 ) -> Allocation {
     if in_force.is_empty() || in_force.len() != specs.len() {
@@ -427,13 +457,17 @@ fn keep_steady(
     if fresh.jobs.iter().zip(&caps).all(|(j, c)| j.cap_w == *c) {
         return fresh;
     }
-    let Ok(kept) =
-        powerflex_core::allocate::allocation_at(specs, &caps, fresh.budget_w, fresh.policy)
-    else {
+    let Ok(kept) = allocation_at_within(specs, &caps, fresh.budget_w, domains, fresh.policy) else {
         return fresh;
     };
     let feasible = fresh.over_budget_w.0 == 0.0 && fresh.broken_floors().next().is_none();
-    let fits = kept.total_power_w.0 <= budget.0 + 1e-6;
+    // Within the budget and within every domain's limit (as the fresh decision had them).
+    let fits = kept.total_power_w.0 <= budget.0 + 1e-6
+        && kept
+            .domains
+            .iter()
+            .zip(domains)
+            .all(|(used, d)| used.power_w.0 <= d.limit.0 + 1e-6);
     let holds = kept.broken_floors().next().is_none();
     // Worth a change: more than the fixed share, and more than the curves' own noise
     // could show.
@@ -558,6 +592,7 @@ fn merge_report(
     job.default_w += job_default_w;
     job.gpus = job.gpus.saturating_add(report.gpus);
     job.nodes.push(node.node.clone());
+    job.node_gpus.push(report.gpus);
     let power = report
         .power_w
         .unwrap_or(limits.max_cap * f64::from(report.gpus));
@@ -607,16 +642,18 @@ fn merge_report(
 struct Gathered {
     jobs: BTreeMap<String, SiteJob>,
     reserved: f64,
+    /// `reserved`, node by node (for the power domains the nodes are in).
+    reserved_at: BTreeMap<String, f64>,
     rejected: Vec<Rejected>,
 }
 
 fn gather_jobs(nodes: &[NodeView], settings: &SiteSettings) -> Gathered {
     let mut jobs: BTreeMap<String, SiteJob> = BTreeMap::new();
-    let mut reserved = 0.0;
+    let mut reserved_at: BTreeMap<String, f64> = BTreeMap::new();
     let mut rejected: Vec<Rejected> = Vec::new();
     for node in nodes {
         if !node.live {
-            reserved += silent_node_reserve_w(&node.gpus);
+            *reserved_at.entry(node.node.clone()).or_default() += silent_node_reserve_w(&node.gpus);
             continue;
         }
         if let Err(e) = validate_gpus(&node.gpus)
@@ -624,14 +661,15 @@ fn gather_jobs(nodes: &[NodeView], settings: &SiteSettings) -> Gathered {
         {
             // Nothing the node says can be believed: pay for it as for a silent node
             // (the GPUs' limits are unknown too, so at the most a GPU may draw).
-            reserved += node.gpus.len().min(MAX_GPUS_PER_NODE) as f64
-                * node
-                    .gpus
-                    .iter()
-                    .map(|g| g.max_w)
-                    .filter(|w| w.is_finite())
-                    .fold(0.0f64, f64::max)
-                    .clamp(0.0, MAX_GPU_POWER_W);
+            *reserved_at.entry(node.node.clone()).or_default() +=
+                node.gpus.len().min(MAX_GPUS_PER_NODE) as f64
+                    * node
+                        .gpus
+                        .iter()
+                        .map(|g| g.max_w)
+                        .filter(|w| w.is_finite())
+                        .fold(0.0f64, f64::max)
+                        .clamp(0.0, MAX_GPU_POWER_W);
             rejected.push(Rejected {
                 node: node.node.clone(),
                 job: None,
@@ -694,7 +732,7 @@ fn gather_jobs(nodes: &[NodeView], settings: &SiteSettings) -> Gathered {
             node_managed_default_w += default_w;
             node_managed += power_w;
         }
-        reserved += match settings.budget_mode {
+        *reserved_at.entry(node.node.clone()).or_default() += match settings.budget_mode {
             // Idle GPUs, unmanaged jobs and GPUs the agent cannot steer: at their default
             // limit, whatever they draw now.
             BudgetMode::Hard => {
@@ -705,7 +743,8 @@ fn gather_jobs(nodes: &[NodeView], settings: &SiteSettings) -> Gathered {
     }
     Gathered {
         jobs,
-        reserved,
+        reserved: reserved_at.values().sum(),
+        reserved_at,
         rejected,
     }
 }
@@ -861,28 +900,142 @@ fn unsteered_reserve_w(
     specs: &[JobSpec],
     held: &Held,
     settings: &SiteSettings,
-) -> f64 {
-    let mut reserved = 0.0;
+) -> BTreeMap<String, f64> {
+    let steered: std::collections::BTreeSet<&str> = specs.iter().map(|s| s.id.as_str()).collect();
+    let mut reserved: BTreeMap<String, f64> = BTreeMap::new();
     // A managed job the allocation does not steer (no usable range or curve) still
     // draws: pay for it before the others.
     for (id, job) in jobs {
-        if let Some(count) = held.get(id.as_str()) {
+        let w = if let Some(count) = held.get(id.as_str()) {
             let lowest_w = job.min_cap * f64::from(job.gpus);
-            reserved += match (count, settings.budget_mode) {
+            match (count, settings.budget_mode) {
                 (Some(w), _) => *w,
                 (None, BudgetMode::Hard) => lowest_w,
                 (None, BudgetMode::Metered { .. }) => job.power_w.min(lowest_w),
-            };
-            continue;
-        }
-        if !specs.iter().any(|s| &s.id == id) {
-            reserved += match settings.budget_mode {
+            }
+        } else if !steered.contains(id.as_str()) {
+            match settings.budget_mode {
                 BudgetMode::Hard => job.default_w,
                 BudgetMode::Metered { .. } => job.power_w,
-            };
-        }
+            }
+        } else {
+            continue;
+        };
+        reserved.insert(id.clone(), w);
     }
     reserved
+}
+
+/// Each of `job`'s nodes with the share of its GPUs (so of its power) there.
+fn node_shares(job: &SiteJob) -> impl Iterator<Item = (&str, f64)> + '_ {
+    let gpus = f64::from(job.gpus.max(1));
+    job.nodes
+        .iter()
+        .zip(&job.node_gpus)
+        .map(move |(node, &g)| (node.as_str(), f64::from(g) / gpus))
+}
+
+/// The limits the allocation must fit in each power domain: its limit in force (less the
+/// metered margin, as the site's budget), less what it reserves for what the allocation
+/// does not steer behind it (nodes and jobs by their GPUs' share), over the steered jobs'
+/// shares of power through it.
+fn domain_limits(
+    domains: &SiteDomains,
+    jobs: &BTreeMap<String, SiteJob>,
+    specs: &[JobSpec],
+    reserved_at: &BTreeMap<String, f64>,
+    reserved_jobs: &BTreeMap<String, f64>,
+    settings: &SiteSettings,
+) -> Vec<DomainLimit> {
+    let tree = &domains.tree;
+    let n = tree.domains().len();
+    let mut reserve = vec![0.0; n];
+    for (node, w) in reserved_at {
+        for d in tree.path_of_node(node) {
+            reserve[d] += w;
+        }
+    }
+    for (id, w) in reserved_jobs {
+        let Some(job) = jobs.get(id) else { continue };
+        for (node, share) in node_shares(job) {
+            for d in tree.path_of_node(node) {
+                reserve[d] += share * w;
+            }
+        }
+    }
+    let mut members: Vec<Vec<(usize, f64)>> = vec![Vec::new(); n];
+    for (i, spec) in specs.iter().enumerate() {
+        let Some(job) = jobs.get(&spec.id) else {
+            continue;
+        };
+        let mut through: BTreeMap<usize, f64> = BTreeMap::new();
+        for (node, share) in node_shares(job) {
+            for d in tree.path_of_node(node) {
+                *through.entry(d).or_default() += share;
+            }
+        }
+        for (d, share) in through {
+            members[d].push((i, share.clamp(f64::MIN_POSITIVE, 1.0)));
+        }
+    }
+    tree.domains()
+        .iter()
+        .zip(members)
+        .enumerate()
+        .map(|(d, (domain, members))| {
+            let limit = domains
+                .limits_w
+                .get(d)
+                .copied()
+                .unwrap_or(domain.gpu_limit.0);
+            let usable = match settings.budget_mode {
+                BudgetMode::Hard => limit,
+                BudgetMode::Metered { margin } => limit * (1.0 - margin.clamp(0.0, 1.0)),
+            };
+            DomainLimit {
+                name: domain.name.clone(),
+                limit: Watts((usable - reserve[d]).max(0.0)),
+                members,
+            }
+        })
+        .collect()
+}
+
+/// The jobs on nodes no leaf domain places, held at their lowest caps (where the site
+/// has domains): the breaker they draw through is unknown, so they get no more until the
+/// config places their node. Each such node is named in `rejected`.
+fn hold_unplaced(
+    nodes: &[NodeView],
+    jobs: &BTreeMap<String, SiteJob>,
+    settings: &SiteSettings,
+    held: &Held,
+    rejected: &mut Vec<Rejected>,
+) -> Option<Held> {
+    let domains = settings.domains.as_ref()?;
+    let unplaced: Vec<&str> = nodes
+        .iter()
+        .filter(|n| domains.tree.leaf_of(&n.node).is_none())
+        .map(|n| n.node.as_str())
+        .collect();
+    if unplaced.is_empty() {
+        return None;
+    }
+    for node in &unplaced {
+        rejected.push(Rejected {
+            node: (*node).to_string(),
+            job: None,
+            reason: "the node is in no leaf of the site's [[domains]] (a configuration error): \
+                     its jobs are held at their lowest caps until a leaf's nodes name it"
+                .to_string(),
+        });
+    }
+    let mut with_unplaced = held.clone();
+    for (id, job) in jobs {
+        if job.nodes.iter().any(|n| unplaced.contains(&n.as_str())) {
+            with_unplaced.entry(id.clone()).or_insert(None);
+        }
+    }
+    Some(with_unplaced)
 }
 
 /// The allocation of what the budget leaves after `reserved_w`, by the site's policy,
@@ -891,6 +1044,7 @@ fn site_allocation(
     specs: &[JobSpec],
     budget: Watts,
     reserved_w: f64,
+    domains: &[DomainLimit],
     settings: &SiteSettings,
     in_force: &BTreeMap<String, f64>,
 ) -> Option<Allocation> {
@@ -904,9 +1058,10 @@ fn site_allocation(
     // no power margin here, since the metered loop corrects each job's power by its
     // draw every period and the budget's metered margin covers the rest.
     let allocation = match settings.policy {
-        Policy::Optimal => allocate_cautious(
+        Policy::Optimal => allocate_cautious_within(
             specs,
             managed_budget,
+            domains,
             Caution {
                 power_z: 0.0,
                 ..Caution::default()
@@ -919,9 +1074,9 @@ fn site_allocation(
             ..c.allocation
         })
         .ok(),
-        policy => allocate(specs, managed_budget, policy).ok(),
+        policy => allocate_within(specs, managed_budget, domains, policy).ok(),
     };
-    allocation.map(|a| keep_steady(a, specs, managed_budget, in_force))
+    allocation.map(|a| keep_steady(a, specs, managed_budget, domains, in_force))
 }
 
 /// Each live node's lease: every job on it at its decided cap, a held job at its lowest
@@ -990,15 +1145,24 @@ pub fn decide_steady(
     let Gathered {
         jobs,
         mut reserved,
+        reserved_at,
         mut rejected,
     } = gather_jobs(nodes, settings);
+    let with_unplaced = hold_unplaced(nodes, &jobs, settings, held, &mut rejected);
+    let held = with_unplaced.as_ref().unwrap_or(held);
     let Specs {
         specs,
         drifted,
         raw_tokens,
     } = job_specs(&jobs, settings, held, &mut rejected);
-    reserved += unsteered_reserve_w(&jobs, &specs, held, settings);
-    let allocation = site_allocation(&specs, budget, reserved, settings, in_force);
+    let reserved_jobs = unsteered_reserve_w(&jobs, &specs, held, settings);
+    reserved += reserved_jobs.values().sum::<f64>();
+    let domains = settings
+        .domains
+        .as_ref()
+        .map(|d| domain_limits(d, &jobs, &specs, &reserved_at, &reserved_jobs, settings))
+        .unwrap_or_default();
+    let allocation = site_allocation(&specs, budget, reserved, &domains, settings, in_force);
     let leases = leases_of(nodes, &jobs, held, allocation.as_ref());
     Decision {
         leases,
@@ -1114,6 +1278,7 @@ mod tests {
             budget_mode: BudgetMode::Metered { margin: 0.0 },
             objective: Objective::Tokens,
             tier_bounds: TierBounds::Honoured,
+            domains: None,
         }
     }
 
@@ -1123,6 +1288,171 @@ mod tests {
             .iter()
             .map(|&c| [c, c * g, 1000.0 * (1.0 - (1.0 - c / 700.0) / 2.0)])
             .collect()
+    }
+
+    /// Two racks under one feed, a node per rack (hostlists `n1`, `n2`); node `n9` in none.
+    fn two_racks(feed_w: f64, rack_a_w: f64, rack_b_w: f64) -> SiteDomains {
+        use powerflex_core::domains::RawDomain;
+        let raw = |name: &str, parent: Option<&str>, limit: f64, nodes: Option<&str>| RawDomain {
+            name: name.into(),
+            parent: parent.map(Into::into),
+            gpu_limit_w: limit,
+            nodes: nodes.map(Into::into),
+        };
+        let tree = DomainTree::build(&[
+            raw("feed-a", None, feed_w, None),
+            raw("rack-a", Some("feed-a"), rack_a_w, Some("n1")),
+            raw("rack-b", Some("feed-a"), rack_b_w, Some("n2")),
+        ])
+        .expect("valid");
+        SiteDomains::configured(&tree).expect("domains")
+    }
+
+    fn rack_node(name: &str, jobs: Vec<JobReport>) -> NodeView {
+        let power_w = jobs.iter().filter_map(|j| j.power_w).sum();
+        NodeView {
+            node: name.into(),
+            gpus: (0..4).map(gpu).collect(),
+            jobs,
+            power_w,
+            live: true,
+        }
+    }
+
+    fn with_domains(domains: SiteDomains) -> SiteSettings {
+        SiteSettings {
+            domains: Some(domains),
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        }
+    }
+
+    #[test]
+    fn a_rack_limit_cuts_its_own_jobs_and_leaves_the_other_rack_alone() {
+        let nodes = vec![
+            rack_node("n1", vec![report("1", "flex3", 4, 2800.0, points(4.0))]),
+            rack_node("n2", vec![report("2", "flex3", 4, 2800.0, points(4.0))]),
+        ];
+        // The site's budget and the feed would let both run uncapped; rack A's breaker
+        // allows 2 kW.
+        let d = decide(
+            &nodes,
+            Watts(10_000.0),
+            &with_domains(two_racks(10_000.0, 2000.0, 5000.0)),
+        );
+        let a = d.leases["n1"]["1"];
+        let b = d.leases["n2"]["2"];
+        assert!(
+            a * 4.0 <= 2000.0 + 1e-6,
+            "rack A: 4 GPUs at {a} W within 2 kW"
+        );
+        assert_eq!(b, 700.0, "rack B untouched");
+        let allocation = d.allocation.expect("allocation");
+        let rack_a = &allocation.domains[1];
+        assert_eq!(rack_a.name, "rack-a");
+        assert!(rack_a.power_w.0 <= 2000.0 + 1e-6);
+        // The feed binds instead: both racks share the cut.
+        let d = decide(
+            &nodes,
+            Watts(10_000.0),
+            &with_domains(two_racks(4000.0, 5000.0, 5000.0)),
+        );
+        let (a, b) = (d.leases["n1"]["1"], d.leases["n2"]["2"]);
+        assert!(
+            (a + b) * 4.0 <= 4000.0 + 1e-6,
+            "the feed: {a} W and {b} W per GPU"
+        );
+        assert!(a < 700.0 && b < 700.0);
+    }
+
+    #[test]
+    fn what_a_rack_reserves_comes_off_that_rack_only() {
+        // Rack A also carries a silent node, reserved at its GPUs' defaults: 4 × 700 W of
+        // its 4 kW.
+        let mut silent = rack_node("n1", Vec::new());
+        silent.node = "n1-silent".into();
+        silent.live = false;
+        let mut domains = two_racks(20_000.0, 4000.0, 4000.0);
+        let tree = {
+            use powerflex_core::domains::RawDomain;
+            DomainTree::build(&[
+                RawDomain {
+                    name: "feed-a".into(),
+                    parent: None,
+                    gpu_limit_w: 20_000.0,
+                    nodes: None,
+                },
+                RawDomain {
+                    name: "rack-a".into(),
+                    parent: Some("feed-a".into()),
+                    gpu_limit_w: 4000.0,
+                    nodes: Some("n1,n1-silent".into()),
+                },
+                RawDomain {
+                    name: "rack-b".into(),
+                    parent: Some("feed-a".into()),
+                    gpu_limit_w: 4000.0,
+                    nodes: Some("n2".into()),
+                },
+            ])
+            .expect("valid")
+        };
+        domains.tree = Arc::new(tree);
+        let nodes = vec![
+            rack_node("n1", vec![report("1", "flex3", 4, 2800.0, points(4.0))]),
+            silent,
+            rack_node("n2", vec![report("2", "flex3", 4, 2800.0, points(4.0))]),
+        ];
+        let d = decide(&nodes, Watts(20_000.0), &with_domains(domains));
+        let a = d.leases["n1"]["1"];
+        assert!(
+            a * 4.0 <= 4000.0 - 2800.0 + 1e-6,
+            "rack A pays its silent node: {a} W"
+        );
+        assert_eq!(d.leases["n2"]["2"], 700.0, "rack B does not");
+    }
+
+    #[test]
+    fn a_job_across_two_racks_counts_in_each_by_its_gpus_there() {
+        let nodes = vec![
+            rack_node("n1", vec![report("7", "flex3", 4, 2800.0, points(4.0))]),
+            rack_node("n2", vec![report("7", "flex3", 4, 2800.0, points(4.0))]),
+        ];
+        let d = decide(
+            &nodes,
+            Watts(20_000.0),
+            &with_domains(two_racks(20_000.0, 2000.0, 20_000.0)),
+        );
+        let cap = d.leases["n1"]["7"];
+        assert_eq!(cap, d.leases["n2"]["7"], "one cap everywhere");
+        assert!(
+            cap * 4.0 <= 2000.0 + 1e-6,
+            "half the job's power is rack A's: {cap} W"
+        );
+    }
+
+    #[test]
+    fn a_node_no_leaf_places_is_named_and_its_jobs_held_at_their_lowest_caps() {
+        let nodes = vec![
+            rack_node("n1", vec![report("1", "flex3", 4, 2800.0, points(4.0))]),
+            rack_node("n9", vec![report("9", "flex3", 4, 2800.0, points(4.0))]),
+        ];
+        let d = decide(
+            &nodes,
+            Watts(20_000.0),
+            &with_domains(two_racks(20_000.0, 5000.0, 5000.0)),
+        );
+        let named = d
+            .rejected
+            .iter()
+            .find(|r| r.node == "n9")
+            .expect("n9 named");
+        assert!(
+            named.reason.contains("no leaf of the site's [[domains]]"),
+            "{named:?}"
+        );
+        assert_eq!(d.leases["n9"]["9"], 200.0, "held at its lowest cap");
+        assert_eq!(d.leases["n1"]["1"], 700.0);
     }
 
     #[test]

@@ -541,6 +541,7 @@ mod tests {
                     budget_mode: BudgetMode::Hard,
                     objective: Objective::Tokens,
                     tier_bounds: crate::site::TierBounds::Honoured,
+                    domains: None,
                 },
                 lease_rollout: Default::default(),
                 max_ramp_w_per_s: None,

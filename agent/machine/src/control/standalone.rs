@@ -36,6 +36,7 @@ impl Agent {
             budget_mode: BudgetMode::Metered { margin: 0.0 },
             objective: Objective::RelativeSpeed,
             tier_bounds: TierBounds::Honoured,
+            domains: None,
         };
         let view = self.node_view();
         let decision = decide(std::slice::from_ref(&view), budget, &settings);

@@ -1304,6 +1304,7 @@ mod tests {
                 budget_mode: BudgetMode::Metered { margin: 0.0 },
                 objective: Objective::Tokens,
                 tier_bounds: crate::site::TierBounds::Honoured,
+                domains: None,
             },
             lease_rollout: LeaseRollout::TwoStep,
             max_ramp_w_per_s: None,
