@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use powerflex_core::allocate::FloorStatus;
 use powerflex_core::Watts;
 use powerflex_proto::admin::Event;
-use powerflex_proto::status::{CtldStatus, DecisionView, NodeStatus, SiteJobStatus};
+use powerflex_proto::status::{CtldStatus, DecisionView, DomainStatus, NodeStatus, SiteJobStatus};
 use powerflex_proto::usage::JobEnergyRecord;
 
 use crate::schedule::{duration_text, utc_text};
@@ -40,14 +40,57 @@ fn cut_text(event: &Event) -> String {
 }
 
 pub fn render_nodes(nodes: &[NodeStatus]) -> String {
-    let mut t = Table::new(["node", "gpus", "live", "power", "jobs"]);
+    // The domain column only where the site has domains.
+    let domains = nodes.iter().any(|n| n.domain.is_some());
+    let mut header = vec!["node", "gpus", "live", "power", "jobs"];
+    if domains {
+        header.push("domain");
+    }
+    let mut t = Table::new(header);
     for n in nodes {
-        t.row([
+        let mut row = vec![
             n.node.clone(),
             n.gpus.to_string(),
             n.live.to_string(),
             watts(n.power_w),
             n.jobs.to_string(),
+        ];
+        if domains {
+            row.push(
+                n.domain
+                    .clone()
+                    .unwrap_or_else(|| "NONE (config error)".into()),
+            );
+        }
+        t.row(row);
+    }
+    t.render()
+}
+
+/// `powerflexctl domains`: the power domains as a tree, each with its limit, the budget
+/// in force, the draw of its live nodes, the headroom, what the last allocation planned
+/// through it, and whether it binds (its jobs' floors did not fit).
+pub fn render_domains(domains: &[DomainStatus]) -> String {
+    if domains.is_empty() {
+        return "no power domains: the site config declares no [[domains]]\n".into();
+    }
+    let mut t = Table::new([
+        "domain", "limit", "budget", "draw", "headroom", "planned", "nodes", "event", "binds",
+    ]);
+    for d in domains {
+        t.row([
+            format!("{}{}", "  ".repeat(d.depth as usize), d.name),
+            watts(d.limit_w),
+            watts(d.budget_w),
+            watts(d.draw_w),
+            watts(d.headroom_w),
+            d.planned_w.map_or("-".into(), watts),
+            format!("{}/{}", d.live_nodes, d.nodes),
+            d.event.map_or("-".into(), |e| e.to_string()),
+            match d.floors_over_w {
+                Some(w) if w > 0.0 => format!("YES, floors over by {}", watts(w)),
+                _ => "no".into(),
+            },
         ]);
     }
     t.render()
@@ -516,6 +559,41 @@ pub fn render_status(s: &CtldStatus) -> String {
             guessed.join(", ")
         ));
     }
+    let binding: Vec<String> = s
+        .domains
+        .iter()
+        .filter_map(|d| {
+            let over = d.floors_over_w.filter(|&w| w > 0.0)?;
+            Some(format!(
+                "{} (floors over its {} by {})",
+                d.name,
+                watts(d.budget_w),
+                watts(over)
+            ))
+        })
+        .collect();
+    if !binding.is_empty() {
+        out.push_str(&format!(
+            "DOMAIN BINDS ({}; its jobs give way, and only its jobs are held out): {}\n",
+            binding.len(),
+            binding.join(", ")
+        ));
+    }
+    let cut: Vec<String> = s
+        .domains
+        .iter()
+        .filter_map(|d| {
+            Some(format!(
+                "{} event {} (budget {})",
+                d.name,
+                d.event?,
+                watts(d.budget_w)
+            ))
+        })
+        .collect();
+    if !cut.is_empty() {
+        out.push_str(&format!("domain events in force: {}\n", cut.join(", ")));
+    }
     if let Some(short) = s.over_budget_w.filter(|&w| w > 0.0) {
         out.push_str(&format!(
             "SHORT {}: every managed job is at its lowest cap\n",
@@ -602,7 +680,7 @@ pub fn only_yours(uid: u32) -> String {
 }
 
 pub fn render_events(events: &[Event]) -> String {
-    let mut t = Table::new(["id", "cut", "start", "duration", "ramp"]);
+    let mut t = Table::new(["id", "cut", "start", "duration", "ramp", "domain"]);
     for e in events {
         t.row([
             e.id.to_string(),
@@ -610,6 +688,7 @@ pub fn render_events(events: &[Event]) -> String {
             utc_text(e.start_ms),
             duration_text(e.duration_ms),
             duration_text(e.ramp_ms),
+            e.domain.clone().unwrap_or_else(|| "(site)".into()),
         ]);
     }
     t.render()
@@ -661,6 +740,7 @@ mod tests {
             start_ms: 1_000,
             duration_ms: 3_600_000,
             ramp_ms: 60_000,
+            domain: None,
         };
         CtldStatus {
             base_budget_w: 10_000.0,
@@ -681,6 +761,7 @@ mod tests {
                 seen_ms_ago: 400,
                 refused_reports: 0,
                 refused_gpus: 0,
+                domain: None,
             }],
             jobs: vec![
                 job("101", "flex2", Some(450.0), Some(FloorStatus::Held)),
@@ -696,6 +777,7 @@ mod tests {
             jobs_of_uid: None,
             slurm: None,
             accounting_db: None,
+            domains: Vec::new(),
         }
     }
 
@@ -990,6 +1072,37 @@ mod tests {
     }
 
     #[test]
+    fn domains_are_drawn_as_a_tree_with_what_binds() {
+        let domain = |name: &str, depth: u32, over: Option<f64>| DomainStatus {
+            name: name.into(),
+            parent: None,
+            depth,
+            limit_w: 20_000.0,
+            budget_w: 15_000.0,
+            draw_w: 12_000.0,
+            headroom_w: 3_000.0,
+            nodes: 4,
+            live_nodes: 3,
+            planned_w: Some(11_500.0),
+            floors_over_w: over,
+            event: (depth == 1).then_some(7),
+        };
+        let text = render_domains(&[domain("feed-a", 0, None), domain("rack-1", 1, Some(250.0))]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[0].starts_with("domain") && lines[0].contains("headroom"),
+            "{text}"
+        );
+        assert!(lines[1].starts_with("feed-a "), "{text}");
+        assert!(lines[2].starts_with("  rack-1"), "{text}");
+        assert!(
+            lines[2].contains("YES, floors over by 250 W") && lines[2].contains("3/4"),
+            "{text}"
+        );
+        assert!(render_domains(&[]).contains("no [[domains]]"));
+    }
+
+    #[test]
     fn what_if_shows_each_job_and_the_totals() {
         let mut d = DecisionView {
             leases: BTreeMap::new(),
@@ -1060,7 +1173,8 @@ mod tests {
                 "00:00:01",
                 "UTC",
                 "1h",
-                "1m"
+                "1m",
+                "(site)"
             ]
         );
     }

@@ -952,6 +952,33 @@ pub enum ConfigError {
 // ---------------------------------------------------------------------------------------
 
 impl SiteConfig {
+    /// This config, once every program's domain in `grid.openadr.program_domains` is one
+    /// of its `[[domains]]`.
+    fn with_checked_program_domains(self) -> Result<SiteConfig, ConfigError> {
+        if let Some(openadr) = &self.grid.openadr {
+            for (program, domain) in &openadr.program_domains {
+                if self.domains.find(domain).is_none() {
+                    let declared: Vec<&str> = self
+                        .domains
+                        .domains()
+                        .iter()
+                        .map(|d| d.name.as_str())
+                        .collect();
+                    return Err(out_of_range(
+                        &format!("grid.openadr.program_domains.{program}"),
+                        format!("\"{}\"", domain.escape_default()),
+                        &if declared.is_empty() {
+                            "a domain of [[domains]] (the site declares none)".to_string()
+                        } else {
+                            format!("a domain of [[domains]] ({})", declared.join(", "))
+                        },
+                    ));
+                }
+            }
+        }
+        Ok(self)
+    }
+
     /// Parses and validates the text of `powerflex.toml`.
     pub fn from_toml_str(text: &str) -> Result<SiteConfig, ConfigError> {
         RawSiteConfig::from_toml_str(text)?.validate()
@@ -978,8 +1005,10 @@ impl RawSiteConfig {
     }
 
     /// Checks every value and cross-field rule; the first violation is returned.
+    /// (`grid.openadr.program_domains` is checked against `[[domains]]` after both are
+    /// read: [`SiteConfig::with_checked_program_domains`].)
     pub fn validate(self) -> Result<SiteConfig, ConfigError> {
-        Ok(SiteConfig {
+        SiteConfig {
             facility: validate_facility(self.facility)?,
             tiers: validate_tiers(self.tiers)?,
             gpu_models: validate_gpu_models(self.gpu_models)?,
@@ -989,7 +1018,8 @@ impl RawSiteConfig {
             grid: validate_grid(self.grid)?,
             domains: crate::domains::DomainTree::build(&self.domains)
                 .map_err(ConfigError::Domains)?,
-        })
+        }
+        .with_checked_program_domains()
     }
 }
 
@@ -1655,7 +1685,39 @@ pub struct RawOpenAdr {
     /// Longest event applied, seconds (default 86400; accepted 60 to 604800). A longer
     /// one is refused, not truncated.
     pub max_event_duration_s: Option<u64>,
+    /// `[grid.openadr.program_domains]`: a program's name → the power domain (of
+    /// `[[domains]]`) its events cut, e.g. `"feed-b-dr" = "feed-b"`. A program not
+    /// listed cuts the site's budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_domains: Option<BTreeMap<String, String>>,
+    /// `[grid.openadr.safe_mode.<PROGRAM>]`: what the site holds a program's domain (or
+    /// the site) to while the VTN has not answered for longer than the program allows,
+    /// as grid operators' OpenADR profiles ask of every program; lifted when the VTN
+    /// answers again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safe_mode: Option<BTreeMap<String, RawSafeMode>>,
 }
+
+/// `[grid.openadr.safe_mode.<PROGRAM>]`: one program's safe mode.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RawSafeMode {
+    /// The GPU budget held while the VTN is unreachable, kW (above 0, at most 1,000,000).
+    pub gpu_limit_kw: f64,
+    /// How long the VTN may be unreachable before it applies, seconds (60 to 86400).
+    pub after_s: u64,
+}
+
+/// Validated `[grid.openadr.safe_mode.<PROGRAM>]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SafeMode {
+    pub gpu_limit: Watts,
+    pub after_s: u64,
+}
+
+/// Accepted range of `grid.openadr.safe_mode.<PROGRAM>.after_s`, seconds.
+pub const SAFE_MODE_AFTER_RANGE_S: std::ops::RangeInclusive<u64> = 60..=86_400;
 
 /// Validated `[grid]`.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -1680,6 +1742,10 @@ pub struct OpenAdrConfig {
     pub simple_level_cuts: Vec<f64>,
     pub other_load_kw: f64,
     pub max_event_duration_s: u64,
+    /// Program → the power domain its events cut (checked against `[[domains]]`).
+    pub program_domains: BTreeMap<String, String>,
+    /// Program → its safe mode.
+    pub safe_mode: BTreeMap<String, SafeMode>,
 }
 
 /// Accepted range of `grid.openadr.poll_interval_s`, seconds.
@@ -1874,6 +1940,48 @@ fn validate_openadr(raw: RawOpenAdr) -> Result<OpenAdrConfig, ConfigError> {
             "60 to 604800 seconds",
         ));
     }
+    let known = |key: &str, program: &str| -> Result<(), ConfigError> {
+        if programs.iter().any(|p| p == program) {
+            Ok(())
+        } else {
+            Err(out_of_range(
+                key,
+                format!("\"{}\"", program.escape_default()),
+                &format!("one of grid.openadr.programs ({})", programs.join(", ")),
+            ))
+        }
+    };
+    let program_domains = raw.program_domains.unwrap_or_default();
+    for program in program_domains.keys() {
+        known("grid.openadr.program_domains", program)?;
+    }
+    let mut safe_mode = BTreeMap::new();
+    for (program, raw) in raw.safe_mode.unwrap_or_default() {
+        let key = format!("grid.openadr.safe_mode.{program}");
+        known(&key, &program)?;
+        let kw = finite(&format!("{key}.gpu_limit_kw"), raw.gpu_limit_kw)?;
+        if !(kw > 0.0 && kw <= 1_000_000.0) {
+            return Err(out_of_range(
+                &format!("{key}.gpu_limit_kw"),
+                kw,
+                "above 0, at most 1000000 kW",
+            ));
+        }
+        if !SAFE_MODE_AFTER_RANGE_S.contains(&raw.after_s) {
+            return Err(out_of_range(
+                &format!("{key}.after_s"),
+                raw.after_s,
+                "60 to 86400 seconds",
+            ));
+        }
+        safe_mode.insert(
+            program,
+            SafeMode {
+                gpu_limit: Watts(kw * 1000.0),
+                after_s: raw.after_s,
+            },
+        );
+    }
     Ok(OpenAdrConfig {
         vtn_url,
         credentials_file,
@@ -1886,6 +1994,8 @@ fn validate_openadr(raw: RawOpenAdr) -> Result<OpenAdrConfig, ConfigError> {
         simple_level_cuts,
         other_load_kw,
         max_event_duration_s,
+        program_domains,
+        safe_mode,
     })
 }
 
@@ -2332,6 +2442,56 @@ nodes = \"gpu[01-04]\"
         );
         let unknown_key = text.replace("gpu_limit_w = 20000", "gpu_limit_w = 20000\nlimit = 1");
         assert!(SiteConfig::from_toml_str(&unknown_key).is_err());
+    }
+
+    #[test]
+    fn a_program_s_domain_and_safe_mode_are_checked_against_the_site() {
+        let grid = |extra: &str| {
+            format!(
+                "{MINIMAL}
+[[domains]]
+name = \"feed-b\"
+gpu_limit_w = 40000
+nodes = \"n[1-4]\"
+
+[grid.openadr]
+vtn_url = \"http://127.0.0.1:8080/\"
+credentials_file = \"/etc/slurm/powerflex-openadr.toml\"
+programs = [\"feed-b-dr\"]
+{extra}
+"
+            )
+        };
+        let ok = grid(
+            "[grid.openadr.program_domains]\n\"feed-b-dr\" = \"feed-b\"\n\
+             [grid.openadr.safe_mode.feed-b-dr]\ngpu_limit_kw = 30\nafter_s = 900",
+        );
+        let site = SiteConfig::from_toml_str(&ok).expect("valid");
+        let openadr = site.grid.openadr.expect("openadr");
+        assert_eq!(openadr.program_domains["feed-b-dr"], "feed-b");
+        assert_eq!(openadr.safe_mode["feed-b-dr"].gpu_limit, Watts(30_000.0));
+        assert_eq!(openadr.safe_mode["feed-b-dr"].after_s, 900);
+        for (extra, says) in [
+            (
+                "[grid.openadr.program_domains]\n\"feed-b-dr\" = \"feed-z\"",
+                "a domain of [[domains]] (feed-b)",
+            ),
+            (
+                "[grid.openadr.program_domains]\n\"other\" = \"feed-b\"",
+                "one of grid.openadr.programs (feed-b-dr)",
+            ),
+            (
+                "[grid.openadr.safe_mode.feed-b-dr]\ngpu_limit_kw = 0\nafter_s = 900",
+                "above 0",
+            ),
+            (
+                "[grid.openadr.safe_mode.feed-b-dr]\ngpu_limit_kw = 30\nafter_s = 5",
+                "60 to 86400 seconds",
+            ),
+        ] {
+            let e = SiteConfig::from_toml_str(&grid(extra)).expect_err(extra);
+            assert!(e.to_string().contains(says), "{e} should say {says}");
+        }
     }
 
     #[test]

@@ -172,6 +172,30 @@ pub mod catalog {
         help: "1 while a grid event cuts the budget.",
         labels: [],
     };
+    pub const DOMAIN_BUDGET_WATTS: Family<1> = Family {
+        name: "powerflex_domain_budget_watts",
+        kind: Kind::Gauge,
+        help: "A power domain's budget in force: its limit (or an admin's budget for it) less its events' cut, W. One series per domain of the site config's [[domains]] (at most 10,000).",
+        labels: ["domain"],
+    };
+    pub const DOMAIN_DRAW_WATTS: Family<1> = Family {
+        name: "powerflex_domain_draw_watts",
+        kind: Kind::Gauge,
+        help: "Summed GPU draw the live nodes behind a power domain reported, W.",
+        labels: ["domain"],
+    };
+    pub const DOMAIN_HEADROOM_WATTS: Family<1> = Family {
+        name: "powerflex_domain_headroom_watts",
+        kind: Kind::Gauge,
+        help: "A power domain's budget in force less its draw, W (negative: over).",
+        labels: ["domain"],
+    };
+    pub const DOMAIN_BINDS: Family<1> = Family {
+        name: "powerflex_domain_binds",
+        kind: Kind::Gauge,
+        help: "1 when the last allocation found a power domain's jobs' floors above its limit (its jobs give way, and only they may be held out).",
+        labels: ["domain"],
+    };
     pub const NODE_LIVE: Family<1> = Family {
         name: "powerflex_node_live",
         kind: Kind::Gauge,
@@ -329,6 +353,10 @@ pub mod catalog {
             e(BASE_BUDGET_WATTS, Controller),
             e(DRAW_WATTS, Controller),
             e(EVENT_ACTIVE, Controller),
+            e(DOMAIN_BUDGET_WATTS, Controller),
+            e(DOMAIN_DRAW_WATTS, Controller),
+            e(DOMAIN_HEADROOM_WATTS, Controller),
+            e(DOMAIN_BINDS, Controller),
             e(NODE_LIVE, Controller),
             e(NODE_REPORTS_REFUSED, Controller),
             e(JOB_GRANTED_CAP_WATTS, Controller),

@@ -318,7 +318,7 @@ impl Vtn {
                     modification_date_time: client.modification_date_time(),
                     content: client.content().clone(),
                 };
-                let meaning = map::interpret(&event, mapping, now_ms);
+                let meaning = mapping.interpret_for(name, &event, now_ms);
                 view.events
                     .insert(event.id.to_string(), (name.clone(), meaning));
                 clients.push(client);
@@ -386,6 +386,9 @@ pub struct Ven {
     pub ledger: Ledger,
     /// VTN events already logged as refused, with the reason (logged once per change).
     refused: std::collections::BTreeMap<String, String>,
+    /// When the VTN last answered a read, Unix ms (the VEN's start until it does: a VEN
+    /// that starts with the VTN away waits out each program's `after_s` from there).
+    pub last_vtn_answer_ms: u64,
 }
 
 impl Ven {
@@ -404,6 +407,7 @@ impl Ven {
             ledger_path,
             ledger,
             refused: Default::default(),
+            last_vtn_answer_ms: unix_ms(),
         })
     }
 
@@ -411,7 +415,18 @@ impl Ven {
     /// unreachable ends the round early with nothing changed.
     pub async fn round(&mut self) -> Result<Round, GridError> {
         let now = unix_ms();
-        let (view, clients) = self.vtn.read(&self.config, &self.mapping, now).await?;
+        let (view, clients) = match self.vtn.read(&self.config, &self.mapping, now).await {
+            Ok(read) => read,
+            Err(e) => {
+                // The VTN is away: past a program's allowance its safe mode holds.
+                if let Err(safe) = self.keep_safe_modes(now, false).await {
+                    warn!(error = %safe, "cannot engage a safe mode");
+                }
+                return Err(e);
+            }
+        };
+        self.last_vtn_answer_ms = now;
+        self.keep_safe_modes(now, true).await?;
         let mut round = Round::default();
         // Remembered only while the VTN serves the event: the map stays as small as the
         // VTN's list, however many events come and go.
@@ -451,6 +466,71 @@ impl Ven {
         Ok(round)
     }
 
+    /// Engages or lifts the programs' safe modes ([`map::safe_mode_actions`]): each
+    /// engagement and lifting is logged, recorded in the ledger, and shown by the
+    /// controller as an event of the program's domain (`powerflexctl event list`).
+    async fn keep_safe_modes(&mut self, now: u64, vtn_answers: bool) -> Result<(), GridError> {
+        if self.config.safe_mode.is_empty() && self.ledger.safe_mode.is_empty() {
+            return Ok(());
+        }
+        let status = self.ctld.status().await?;
+        let rules = map::SafeModeRules {
+            modes: &self.config.safe_mode,
+            mapping: &self.mapping,
+            duration_ms: self.mapping.max_event_duration_ms,
+        };
+        let actions = map::safe_mode_actions(
+            &rules,
+            now,
+            vtn_answers,
+            self.last_vtn_answer_ms,
+            &self.ledger,
+            &status.events,
+        );
+        for action in actions {
+            match action {
+                map::SafeAction::Engage { program, request } => {
+                    let reply = self
+                        .ctld
+                        .ask(AdminOp::EventAdd {
+                            cut: request.cut,
+                            start_ms: request.start_ms,
+                            duration_ms: request.duration_ms,
+                            ramp_ms: request.ramp_ms,
+                            domain: request.domain.clone(),
+                        })
+                        .await?;
+                    let pf_id = reply.event_id.ok_or_else(|| {
+                        GridError::Ctld("the answer to event-add carries no event id".into())
+                    })?;
+                    warn!(
+                        program = %program,
+                        event = pf_id,
+                        domain = request.domain.as_deref().unwrap_or("(site)"),
+                        cut = ?request.cut,
+                        silent_s = now.saturating_sub(self.last_vtn_answer_ms) / 1000,
+                        "the VTN has not answered past the program's allowance: safe mode engaged"
+                    );
+                    self.ledger.safe_mode.insert(program, pf_id);
+                }
+                map::SafeAction::Lift { program, pf_id } => {
+                    match self.ctld.ask(AdminOp::EventCancel { id: pf_id }).await {
+                        Ok(_)
+                        | Err(GridError::CtldRefused {
+                            refusal: Some(Refusal::NoSuchEvent),
+                            ..
+                        }) => {}
+                        Err(e) => return Err(e),
+                    }
+                    info!(program = %program, event = pf_id, "the VTN answers again: safe mode lifted");
+                    self.ledger.safe_mode.remove(&program);
+                }
+            }
+            save_ledger(&self.ledger_path, &self.ledger)?;
+        }
+        Ok(())
+    }
+
     /// Logs a refused event once per reason (a refusal is seen every round).
     fn refused_once(&mut self, vtn_id: &str, program: &str, reason: &str) {
         if self.refused.get(vtn_id).map(String::as_str) != Some(reason) {
@@ -476,6 +556,7 @@ impl Ven {
                         start_ms: request.start_ms,
                         duration_ms: request.duration_ms,
                         ramp_ms: request.ramp_ms,
+                        domain: request.domain.clone(),
                     })
                     .await;
                 let reply = match asked {
@@ -675,6 +756,7 @@ mod tests {
                     start_ms: 1,
                     duration_ms: 10,
                     ramp_ms: 2,
+                    domain: None,
                 },
             },
             Some(7),

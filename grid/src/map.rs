@@ -31,6 +31,8 @@ pub struct Mapping {
     /// Subtracted from an import capacity limit, kW.
     pub other_load_kw: f64,
     pub max_event_duration_ms: u64,
+    /// Program → the power domain its events cut (a program not listed: the site).
+    pub program_domains: BTreeMap<String, String>,
 }
 
 impl Mapping {
@@ -39,18 +41,35 @@ impl Mapping {
             simple_level_cuts: config.simple_level_cuts.clone(),
             other_load_kw: config.other_load_kw,
             max_event_duration_ms: config.max_event_duration_s.saturating_mul(1000),
+            program_domains: config.program_domains.clone(),
+        }
+    }
+
+    /// What `event` of `program` asks of the site at `now_ms`: [`interpret`], cutting the
+    /// program's power domain where the site maps it to one.
+    pub fn interpret_for(&self, program: &str, event: &Event, now_ms: u64) -> Meaning {
+        match interpret(event, self, now_ms) {
+            Meaning::Apply(request) => Meaning::Apply(Request {
+                domain: self.program_domains.get(program).cloned(),
+                ..request
+            }),
+            other => other,
         }
     }
 }
 
 /// The powerflex event a VTN event asks for: the fields of `event-add`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Request {
     pub cut: Cut,
     pub start_ms: u64,
     pub duration_ms: u64,
     pub ramp_ms: u64,
+    /// The power domain the event cuts (its program's, `grid.openadr.program_domains`);
+    /// none: the site.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
 }
 
 impl Request {
@@ -65,6 +84,7 @@ impl Request {
             && event.start_ms == self.start_ms
             && event.duration_ms == self.duration_ms
             && event.ramp_ms == self.ramp_ms
+            && event.domain == self.domain
     }
 
     /// In force (ramping or held) at `now_ms`.
@@ -432,6 +452,7 @@ fn shape(spans: &[Span], mapping: &Mapping, now_ms: u64) -> Meaning {
         start_ms,
         duration_ms,
         ramp_ms: lead_ms.min(trail_ms),
+        domain: None,
     })
 }
 
@@ -468,6 +489,10 @@ pub const LEDGER_VERSION: u32 = 1;
 pub struct Ledger {
     pub v: u32,
     pub events: BTreeMap<String, Entry>,
+    /// Programs in safe mode (the VTN unreachable past their `after_s`), each with the
+    /// controller event that holds its domain.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub safe_mode: BTreeMap<String, u64>,
 }
 
 impl Default for Ledger {
@@ -481,16 +506,93 @@ impl Ledger {
         Ledger {
             v: LEDGER_VERSION,
             events: BTreeMap::new(),
+            safe_mode: BTreeMap::new(),
         }
     }
 
-    /// Controller event ids the ledger accounts for.
+    /// Controller event ids the ledger accounts for (safe modes' included: they are the
+    /// VEN's own, never a VTN event's to adopt).
     fn claimed(&self) -> BTreeSet<u64> {
         self.events
             .values()
             .flat_map(|e| e.pf_id.into_iter().chain(e.superseded.iter().copied()))
+            .chain(self.safe_mode.values().copied())
             .collect()
     }
+}
+
+/// The site's safe-mode rules: per program, its mode; where its events go; how long a
+/// safe-mode event is asked for (it is engaged again if it ends while the VTN is still
+/// away).
+#[derive(Debug, Clone, Copy)]
+pub struct SafeModeRules<'a> {
+    pub modes: &'a BTreeMap<String, powerflex_core::config::SafeMode>,
+    pub mapping: &'a Mapping,
+    pub duration_ms: u64,
+}
+
+/// A program's safe mode to engage or lift (see [`safe_mode_actions`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SafeAction {
+    /// Send `event-add` for `request` and record its id as the program's safe mode.
+    Engage { program: String, request: Request },
+    /// Cancel the program's safe-mode event (a controller that no longer has it is fine)
+    /// and forget it.
+    Lift { program: String, pf_id: u64 },
+}
+
+/// What the VEN does about its programs' safe modes at `now_ms`. While the VTN answers
+/// (`vtn_answers`), every engaged safe mode is lifted. When it has not answered since
+/// `last_answer_ms` for a program's `after_s` or longer, that program's safe mode is
+/// engaged: an event holding its domain (or the site) to the mode's limit from now for
+/// `duration_ms` (the longest event the site applies); one whose event the controller no
+/// longer holds (it ended, or an admin cancelled it) is engaged again.
+pub fn safe_mode_actions(
+    rules: &SafeModeRules<'_>,
+    now_ms: u64,
+    vtn_answers: bool,
+    last_answer_ms: u64,
+    ledger: &Ledger,
+    ctld: &[PfEvent],
+) -> Vec<SafeAction> {
+    let SafeModeRules {
+        modes,
+        mapping,
+        duration_ms,
+    } = *rules;
+    let mut out = Vec::new();
+    if vtn_answers {
+        for (program, &pf_id) in &ledger.safe_mode {
+            out.push(SafeAction::Lift {
+                program: program.clone(),
+                pf_id,
+            });
+        }
+        return out;
+    }
+    let silent_ms = now_ms.saturating_sub(last_answer_ms);
+    for (program, mode) in modes {
+        let held = ledger
+            .safe_mode
+            .get(program)
+            .is_some_and(|id| ctld.iter().any(|e| e.id == *id));
+        if held || silent_ms < mode.after_s.saturating_mul(1000) {
+            continue;
+        }
+        out.push(SafeAction::Engage {
+            program: program.clone(),
+            request: Request {
+                cut: Cut::Target {
+                    budget_w: mode.gpu_limit.0,
+                },
+                start_ms: now_ms,
+                duration_ms,
+                ramp_ms: 0,
+                domain: mapping.program_domains.get(program).cloned(),
+            },
+        });
+    }
+    out
 }
 
 /// One step toward the VTN's wishes. The binary executes them in order and records each
@@ -552,7 +654,7 @@ pub fn reconcile(now_ms: u64, view: &VtnView, ledger: &Ledger, ctld: &[PfEvent])
                 let add = Action::Add {
                     vtn_id: vtn_id.clone(),
                     program: program.clone(),
-                    request: *request,
+                    request: request.clone(),
                 };
                 match entry {
                     None => actions.push(add),
@@ -670,7 +772,7 @@ pub fn record(ledger: &mut Ledger, action: &Action, pf_id: Option<u64>) {
         } => {
             let entry = ledger.events.entry(vtn_id.clone()).or_insert(Entry {
                 program: program.clone(),
-                request: *request,
+                request: request.clone(),
                 pf_id: None,
                 superseded: Vec::new(),
                 reported_ms: None,
@@ -680,7 +782,7 @@ pub fn record(ledger: &mut Ledger, action: &Action, pf_id: Option<u64>) {
                     entry.superseded.push(old);
                 }
             }
-            entry.request = *request;
+            entry.request = request.clone();
             entry.program = program.clone();
             entry.pf_id = pf_id;
         }
@@ -743,6 +845,7 @@ mod tests {
             simple_level_cuts: vec![0.0, 0.1, 0.2, 0.3],
             other_load_kw: 40.0,
             max_event_duration_ms: 86_400_000,
+            program_domains: BTreeMap::new(),
         }
     }
 
@@ -789,6 +892,7 @@ mod tests {
                 start_ms: T0,
                 duration_ms: 3_600_000,
                 ramp_ms: 0,
+                domain: None,
             })
         );
     }
@@ -818,6 +922,7 @@ mod tests {
                 start_ms: T0 + 900_000,
                 duration_ms: 75 * 60_000,
                 ramp_ms: 5 * 60_000,
+                domain: None,
             })
         );
     }
@@ -838,6 +943,7 @@ mod tests {
                 start_ms: T0,
                 duration_ms: 1_800_000,
                 ramp_ms: 600_000,
+                domain: None,
             })
         );
     }
@@ -856,6 +962,7 @@ mod tests {
                 start_ms: T0,
                 duration_ms: 7_200_000,
                 ramp_ms: 0,
+                domain: None,
             })
         );
     }
@@ -990,7 +1097,139 @@ mod tests {
             start_ms,
             duration_ms: 3_600_000,
             ramp_ms: 60_000,
+            domain: None,
         }
+    }
+
+    /// A program mapped to a domain cuts that domain; another program the site.
+    #[test]
+    fn a_program_mapped_to_a_domain_cuts_that_domain() {
+        let mut m = mapping();
+        m.program_domains
+            .insert("feed-b-dr".into(), "feed-b".into());
+        let e = event(
+            "e1",
+            &period(T0 + 60_000, "PT1H"),
+            &format!(r#"[{{"id":0,"payloads":{}}}]"#, simple(2)),
+        );
+        let Meaning::Apply(mapped) = m.interpret_for("feed-b-dr", &e, T0) else {
+            panic!("applied");
+        };
+        assert_eq!(mapped.domain.as_deref(), Some("feed-b"));
+        let Meaning::Apply(site) = m.interpret_for("other", &e, T0) else {
+            panic!("applied");
+        };
+        assert_eq!(site.domain, None);
+        // A controller event is the request only in the same domain.
+        let at_ctld = PfEvent {
+            id: 1,
+            cut: mapped.cut,
+            start_ms: mapped.start_ms,
+            duration_ms: mapped.duration_ms,
+            ramp_ms: mapped.ramp_ms,
+            domain: None,
+        };
+        assert!(!mapped.matches(&at_ctld));
+        assert!(site.matches(&at_ctld));
+    }
+
+    /// Safe mode: engaged for a program once the VTN has been away for its `after_s`,
+    /// on its domain, at its limit; engaged again if its event is gone while the VTN is
+    /// still away; lifted as soon as the VTN answers.
+    #[test]
+    fn safe_mode_holds_a_program_s_domain_while_the_vtn_is_away() {
+        use powerflex_core::config::SafeMode;
+        use powerflex_core::Watts;
+        let mut m = mapping();
+        m.program_domains
+            .insert("feed-b-dr".into(), "feed-b".into());
+        let modes: BTreeMap<String, SafeMode> = [
+            (
+                "feed-b-dr".to_string(),
+                SafeMode {
+                    gpu_limit: Watts(300_000.0),
+                    after_s: 900,
+                },
+            ),
+            (
+                "site-dr".to_string(),
+                SafeMode {
+                    gpu_limit: Watts(800_000.0),
+                    after_s: 3600,
+                },
+            ),
+        ]
+        .into();
+        let rules = SafeModeRules {
+            modes: &modes,
+            mapping: &m,
+            duration_ms: 86_400_000,
+        };
+        let mut ledger = Ledger::new();
+        let last = T0;
+        // Away, but not yet for 900 s: nothing.
+        assert!(safe_mode_actions(&rules, T0 + 899_000, false, last, &ledger, &[]).is_empty());
+        // 900 s: feed-b's safe mode, not the site's (3600 s).
+        let actions = safe_mode_actions(&rules, T0 + 900_000, false, last, &ledger, &[]);
+        assert_eq!(
+            actions,
+            [SafeAction::Engage {
+                program: "feed-b-dr".into(),
+                request: Request {
+                    cut: Cut::Target {
+                        budget_w: 300_000.0
+                    },
+                    start_ms: T0 + 900_000,
+                    duration_ms: 86_400_000,
+                    ramp_ms: 0,
+                    domain: Some("feed-b".into()),
+                },
+            }]
+        );
+        ledger.safe_mode.insert("feed-b-dr".into(), 7);
+        assert!(
+            ledger.claimed().contains(&7),
+            "never adopted for a VTN event"
+        );
+        let held = PfEvent {
+            id: 7,
+            cut: Cut::Target {
+                budget_w: 300_000.0,
+            },
+            start_ms: T0 + 900_000,
+            duration_ms: 86_400_000,
+            ramp_ms: 0,
+            domain: Some("feed-b".into()),
+        };
+        // Held at the controller: nothing new; its event gone: engaged again.
+        assert!(safe_mode_actions(
+            &rules,
+            T0 + 1_000_000,
+            false,
+            last,
+            &ledger,
+            std::slice::from_ref(&held)
+        )
+        .is_empty());
+        let again = safe_mode_actions(&rules, T0 + 1_000_000, false, last, &ledger, &[]);
+        assert!(
+            matches!(&again[..], [SafeAction::Engage { program, .. }] if program == "feed-b-dr")
+        );
+        // The VTN answers: lifted.
+        assert_eq!(
+            safe_mode_actions(
+                &rules,
+                T0 + 1_100_000,
+                true,
+                T0 + 1_100_000,
+                &ledger,
+                &[held]
+            ),
+            [SafeAction::Lift {
+                program: "feed-b-dr".into(),
+                pf_id: 7
+            }]
+        );
     }
 
     fn view(events: &[(&str, Meaning)]) -> VtnView {
@@ -1020,6 +1259,7 @@ mod tests {
                         start_ms: request.start_ms,
                         duration_ms: request.duration_ms,
                         ramp_ms: request.ramp_ms,
+                        domain: None,
                     });
                     record(ledger, a, Some(*next_id));
                 }
@@ -1092,6 +1332,7 @@ mod tests {
             start_ms: T0,
             duration_ms: 3_600_000,
             ramp_ms: 60_000,
+            domain: None,
         });
         let actions = reconcile(T0 + 1000, &v, &ledger, &ctld);
         assert_eq!(
@@ -1123,6 +1364,7 @@ mod tests {
             start_ms: T0,
             duration_ms: 3_600_000,
             ramp_ms: 60_000,
+            domain: None,
         }];
         assert_eq!(
             reconcile(T0, &view(&[]), &ledger, &ctld),

@@ -141,7 +141,10 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     two_jobs(&mut site, "flex3,calibrate=off", vec![Phase::train(TRAIN)]);
     let cut_w = 1900.0;
     let reply = site
-        .admin(AdminOp::BudgetSet { budget_w: cut_w })
+        .admin(AdminOp::BudgetSet {
+            budget_w: cut_w,
+            domain: None,
+        })
         .expect("reply");
     assert!(reply.ok, "{reply:?}");
     assert!(
@@ -201,6 +204,7 @@ fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
             start_ms: site.now_ms(),
             duration_ms: 600_000,
             ramp_ms: 0,
+            domain: None,
         })
         .expect("reply");
     assert!(reply.ok, "{reply:?}");

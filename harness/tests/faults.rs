@@ -53,7 +53,10 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
     let mut site = site(5600.0, 5);
     start_job(&mut site);
     let reply = site
-        .admin(AdminOp::BudgetSet { budget_w: BUDGET_W })
+        .admin(AdminOp::BudgetSet {
+            budget_w: BUDGET_W,
+            domain: None,
+        })
         .expect("reply");
     assert!(reply.ok);
     assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
@@ -167,11 +170,15 @@ fn a_controller_restarted_mid_event_on_its_saved_state_resumes_the_event() {
             start_ms: site.now_ms(),
             duration_ms: 600_000,
             ramp_ms: 0,
+            domain: None,
         })
         .expect("reply");
     assert!(reply.ok);
     let reply = site
-        .admin(AdminOp::BudgetSet { budget_w: 5200.0 })
+        .admin(AdminOp::BudgetSet {
+            budget_w: 5200.0,
+            domain: None,
+        })
         .expect("reply");
     assert!(reply.ok);
     assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));

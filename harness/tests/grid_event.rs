@@ -162,6 +162,7 @@ fn grid_event_on_seed(seed: u64) {
             start_ms: site.now_ms(),
             duration_ms: 180_000,
             ramp_ms: 4_000,
+            domain: None,
         })
         .expect("reply");
     assert!(reply.ok && reply.event_id == Some(1), "{reply:?}");

@@ -44,6 +44,7 @@ fn event(site: &mut Site, id: u64, hold_s: u64) {
             start_ms: site.now_ms(),
             duration_ms: hold_s * 1000,
             ramp_ms: 2_000,
+            domain: None,
         })
         .expect("reply");
     assert!(reply.ok, "{reply:?}");

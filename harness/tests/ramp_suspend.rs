@@ -50,6 +50,7 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
             start_ms,
             duration_ms: 40_000,
             ramp_ms: 10_000,
+            domain: None,
         })
         .expect("reply");
     assert!(reply.ok, "{reply:?}");
@@ -153,6 +154,7 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
             start_ms,
             duration_ms: 30_000,
             ramp_ms: 0,
+            domain: None,
         })
         .expect("reply");
     assert!(reply.ok, "{reply:?}");

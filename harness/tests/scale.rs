@@ -91,6 +91,7 @@ fn site_at_scale(nodes: u32, seed: u64) -> Site {
             start_ms,
             duration_ms: 30_000,
             ramp_ms: 10_000,
+            domain: None,
         })
         .expect("a reply");
     assert!(reply.ok, "{reply:?}");

@@ -46,14 +46,21 @@ pub enum AdminOp {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_samples: Option<u32>,
     },
+    /// The site's standing budget, or with `domain` that power domain's (in place of its
+    /// configured limit; events cut from it).
     BudgetSet {
         budget_w: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        domain: Option<String>,
     },
     EventAdd {
         cut: Cut,
         start_ms: u64,
         duration_ms: u64,
         ramp_ms: u64,
+        /// The power domain the event cuts (from its budget); none: the whole site.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        domain: Option<String>,
     },
     EventCancel {
         id: u64,
@@ -225,6 +232,8 @@ pub enum Refusal {
     /// `event-add` found [`crate::event::MAX_PENDING_EVENTS`] events held already: this
     /// one may be accepted once others end or are cancelled.
     TooManyEvents,
+    /// `event-add` or `budget-set` named a power domain the site config does not declare.
+    NoSuchDomain,
     /// A refusal this client does not know (a newer controller): handled as a plain
     /// error, so an added variant never makes the whole reply unreadable.
     #[serde(other)]
@@ -313,6 +322,7 @@ mod tests {
             start_ms: 1_800_000_000_000,
             duration_ms: 3_600_000,
             ramp_ms: 60_000,
+            domain: None,
         });
         let line = request.to_line();
         assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
@@ -399,7 +409,11 @@ mod tests {
             ignore_tiers: true,
         }
         .changes_state());
-        assert!(AdminOp::BudgetSet { budget_w: 1.0 }.changes_state());
+        assert!(AdminOp::BudgetSet {
+            budget_w: 1.0,
+            domain: None
+        }
+        .changes_state());
         assert!(AdminOp::EventCancel { id: 1 }.changes_state());
     }
 

@@ -81,6 +81,9 @@ pub struct Event {
     pub duration_ms: u64,
     /// Time over which the cut ramps in after `start_ms` and out before the end.
     pub ramp_ms: u64,
+    /// The power domain whose budget the event cuts; none: the site's budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
 }
 
 impl Event {

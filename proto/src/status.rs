@@ -78,6 +78,43 @@ pub struct CtldStatus {
     /// The accounting database (`[controller.database]`), where the site has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accounting_db: Option<AccountingDbView>,
+    /// The site's power domains, in the order a tree is drawn (each top domain, then its
+    /// children depth first); none without `[[domains]]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<DomainStatus>,
+}
+
+/// One power domain as the controller sees it now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DomainStatus {
+    pub name: String,
+    /// The domain it sits in; none for a top domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// Levels below the top (0 for a top domain).
+    pub depth: u32,
+    /// The limit the site config gives it, W.
+    pub limit_w: f64,
+    /// Its budget in force now: an admin's `budget set --domain`, else its limit, less
+    /// the deepest cut of its events in force (the stepped budget during a ramp), W.
+    pub budget_w: f64,
+    /// Summed GPU draw its live nodes reported, W.
+    pub draw_w: f64,
+    /// `budget_w − draw_w`, W.
+    pub headroom_w: f64,
+    /// Nodes behind it, and how many of them report.
+    pub nodes: u32,
+    pub live_nodes: u32,
+    /// What the last allocation planned through it for the jobs it steers, W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned_w: Option<f64>,
+    /// By how much its jobs' floors exceeded its limit in the last allocation: it binds
+    /// (none or 0 when they fit), W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floors_over_w: Option<f64>,
+    /// The event cutting it now, if any (the deepest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<u64>,
 }
 
 /// The controller's writer of job energy records to PostgreSQL, as it last saw it.
@@ -131,6 +168,10 @@ pub struct NodeStatus {
     /// GPUs the node announces beyond what Slurm configures for it (not counted).
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub refused_gpus: u32,
+    /// The leaf power domain it is in (none without `[[domains]]`, or for a node no leaf
+    /// places: a configuration error, and its jobs are held at their lowest caps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
 }
 
 fn is_zero_u64(n: &u64) -> bool {

@@ -104,6 +104,7 @@ mod tests {
             start_ms: start,
             duration_ms: duration,
             ramp_ms: ramp,
+            domain: None,
         }
     }
 

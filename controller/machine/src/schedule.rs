@@ -88,6 +88,15 @@ impl SteppedRamp for Event {
     }
 }
 
+/// The events that cut `domain`'s budget (the site's: `None`), in order.
+pub fn of_domain(events: &[Event], domain: Option<&str>) -> Vec<Event> {
+    events
+        .iter()
+        .filter(|e| e.domain.as_deref() == domain)
+        .cloned()
+        .collect()
+}
+
 /// The budget at `now`: `base` less the deepest cut of any event in force.
 pub fn effective_budget(base: Watts, events: &[Event], now: u64) -> Watts {
     let cut = events
@@ -286,6 +295,7 @@ mod tests {
             start_ms: 1000,
             duration_ms: 10_000,
             ramp_ms: 2000,
+            domain: None,
         };
         assert_eq!(e.cut_w(1000.0, 999), 0.0);
         assert_eq!(e.cut_w(1000.0, 2000), 250.0);
@@ -323,6 +333,7 @@ mod tests {
         let target = Event {
             cut: Cut::Target { budget_w: 1200.0 },
             ramp_ms: 0,
+            domain: None,
             ..e
         };
         assert_eq!(
@@ -341,6 +352,7 @@ mod tests {
             start_ms: start,
             duration_ms: duration,
             ramp_ms: ramp,
+            domain: None,
         }
     }
 

@@ -283,7 +283,16 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
-    /// Nodes: GPUs, live or silent, draw, jobs.
+    /// Power domains as a tree (`[[domains]]`): each one's limit, budget in force, draw,
+    /// headroom, what the last allocation planned through it, its event and whether it
+    /// binds.
+    Domains {
+        #[command(flatten)]
+        ctld: CtldArgs,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Nodes: GPUs, live or silent, draw, jobs (and leaf domain, where the site has them).
     Nodes {
         #[command(flatten)]
         ctld: CtldArgs,
@@ -427,6 +436,10 @@ enum BudgetAction {
     Set {
         #[arg(value_parser = power)]
         budget: Watts,
+        /// Set this power domain's budget (in place of its limit in the site config)
+        /// instead of the site's; `powerflexctl domains` lists them.
+        #[arg(long, value_name = "NAME")]
+        domain: Option<String>,
         #[command(flatten)]
         ctld: CtldArgs,
     },
@@ -456,6 +469,10 @@ enum EventAction {
         /// Time over which caps step down after the start and back up before the end.
         #[arg(long, default_value = "0s", value_name = "DURATION", value_parser = parse_duration_ms)]
         ramp: u64,
+        /// Cut this power domain's budget (a feed, a rack: `powerflexctl domains` lists
+        /// them) instead of the site's; only the nodes behind it are touched.
+        #[arg(long, value_name = "NAME")]
+        domain: Option<String>,
         #[command(flatten)]
         ctld: CtldArgs,
     },
@@ -880,6 +897,13 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 Format::Json => json(&status.jobs),
             }
         }
+        Command::Domains { ctld: args, format } => {
+            let status = status(&args)?;
+            match format {
+                Format::Table => Ok(render::render_domains(&status.domains)),
+                Format::Json => json(&status.domains),
+            }
+        }
         Command::Nodes { ctld: args, format } => {
             let status = status(&args)?;
             match format {
@@ -1000,11 +1024,25 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             }
         }
         Command::Budget {
-            action: BudgetAction::Set { budget, ctld: args },
+            action:
+                BudgetAction::Set {
+                    budget,
+                    domain,
+                    ctld: args,
+                },
         } => {
             let w = budget;
-            admin(&args, AdminOp::BudgetSet { budget_w: w.0 })?;
-            Ok(format!("budget set to {w}\n"))
+            admin(
+                &args,
+                AdminOp::BudgetSet {
+                    budget_w: w.0,
+                    domain: domain.clone(),
+                },
+            )?;
+            Ok(match domain {
+                None => format!("budget set to {w}\n"),
+                Some(d) => format!("budget of domain {d} set to {w}\n"),
+            })
         }
         Command::Event { action } => match action {
             EventAction::Add {
@@ -1013,6 +1051,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 start,
                 duration,
                 ramp,
+                domain,
                 ctld: args,
             } => {
                 let cut = match (reduce, target) {
@@ -1033,11 +1072,15 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         start_ms,
                         duration_ms,
                         ramp_ms,
+                        domain: domain.clone(),
                     },
                 )?
                 .event_id
                 .ok_or_else(|| missing("event id"))?;
-                Ok(format!("event {id} scheduled\n"))
+                Ok(match domain {
+                    None => format!("event {id} scheduled\n"),
+                    Some(d) => format!("event {id} scheduled for domain {d}\n"),
+                })
             }
             EventAction::List { ctld: args, format } => list_events(&args, format),
             EventAction::Cancel { id, ctld: args } => {

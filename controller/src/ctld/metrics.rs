@@ -26,6 +26,27 @@ pub fn render(m: &MetricsSnapshot) -> String {
         .family(&catalog::DRAW_WATTS, [([], m.draw_w)])
         .family(&catalog::EVENT_ACTIVE, [([], flag(m.event_active))])
         .family(
+            &catalog::DOMAIN_BUDGET_WATTS,
+            m.domains.iter().map(|d| ([d.name.as_str()], d.budget_w)),
+        )
+        .family(
+            &catalog::DOMAIN_DRAW_WATTS,
+            m.domains.iter().map(|d| ([d.name.as_str()], d.draw_w)),
+        )
+        .family(
+            &catalog::DOMAIN_HEADROOM_WATTS,
+            m.domains.iter().map(|d| ([d.name.as_str()], d.headroom_w)),
+        )
+        .family(
+            &catalog::DOMAIN_BINDS,
+            m.domains.iter().map(|d| {
+                (
+                    [d.name.as_str()],
+                    flag(d.floors_over_w.is_some_and(|w| w > 0.0)),
+                )
+            }),
+        )
+        .family(
             &catalog::NODE_LIVE,
             m.nodes
                 .iter()
@@ -163,6 +184,20 @@ mod tests {
             .collect(),
             energy: EnergyTotals::default(),
             accounting_db: None,
+            domains: vec![powerflex_proto::status::DomainStatus {
+                name: "rack-a".into(),
+                parent: Some("feed-a".into()),
+                depth: 1,
+                limit_w: 40_000.0,
+                budget_w: 30_000.0,
+                draw_w: 31_000.0,
+                headroom_w: -1000.0,
+                nodes: 4,
+                live_nodes: 4,
+                planned_w: Some(29_000.0),
+                floors_over_w: Some(500.0),
+                event: Some(3),
+            }],
         });
         for line in [
             "powerflex_budget_watts 3200",
@@ -170,6 +205,10 @@ mod tests {
             "powerflex_base_budget_watts 4000",
             "powerflex_draw_watts 2950.5",
             "powerflex_event_active 1",
+            "powerflex_domain_budget_watts{domain=\"rack-a\"} 30000",
+            "powerflex_domain_draw_watts{domain=\"rack-a\"} 31000",
+            "powerflex_domain_headroom_watts{domain=\"rack-a\"} -1000",
+            "powerflex_domain_binds{domain=\"rack-a\"} 1",
             "powerflex_node_live{node=\"n1\"} 1",
             "powerflex_node_live{node=\"n\\\\2\"} 0",
             "powerflex_node_reports_refused_total{node=\"n\\\\2\"} 3",
@@ -286,6 +325,7 @@ mod tests {
             preempted: BTreeMap::new(),
             energy: totals.clone(),
             accounting_db: Some(db),
+            domains: Vec::new(),
         });
         for line in [
             "powerflex_job_energy_joules_total{tier=\"flex2\"} 1500",

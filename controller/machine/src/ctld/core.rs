@@ -27,7 +27,7 @@ use crate::placement::{bound_gpu_power, Placement, RefusedBecause};
 use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, Ramp, RampPlan};
 use crate::rollout::{LeaseOut, Rollout};
-use crate::schedule::{active_event, effective_budget, Event};
+use crate::schedule::{active_event, effective_budget, Event, SteppedRamp};
 use crate::site::{decide_holding, Decision, NodeView};
 use powerflex_core::config::{JobPlacement, LeaseRollout};
 use powerflex_proto::usage::FinalRef;
@@ -355,7 +355,13 @@ impl Core {
         if !released.is_empty() {
             let reporting = self.nodes_reporting_each_job();
             for released in released {
-                let lease = self.lease_for(self.last.as_deref(), released.caps, &reporting, now_ms);
+                let lease = self.lease_for(
+                    &released.node,
+                    self.last.as_deref(),
+                    released.caps,
+                    &reporting,
+                    now_ms,
+                );
                 out.leases.insert(released.node, lease);
             }
         }
@@ -452,6 +458,22 @@ impl Core {
                     error: self.placement_error.clone(),
                 });
         status.accounting_db.clone_from(&self.accounting_db);
+        if let Some(site) = &self.options.site.domains {
+            for node in &mut status.nodes {
+                node.domain = site
+                    .tree
+                    .leaf_of(&node.node)
+                    .map(|leaf| site.tree.domains()[leaf].name.clone());
+            }
+            status.domains = status::domains(
+                site,
+                &self.state,
+                &self.sessions,
+                self.last.as_deref(),
+                |name| self.domain_base(name),
+                now_ms,
+            );
+        }
         status
     }
 
@@ -717,6 +739,71 @@ impl Core {
         }
     }
 
+    /// None when the site config declares the power domain `name`; else the refusal
+    /// that names the domains it does declare.
+    fn unknown_domain(&self, name: &str) -> Option<AdminReply> {
+        let declared: Vec<&str> = self
+            .options
+            .site
+            .domains
+            .as_ref()
+            .map(|d| d.tree.domains().iter().map(|d| d.name.as_str()).collect())
+            .unwrap_or_default();
+        if declared.contains(&name) {
+            return None;
+        }
+        let accepted = if declared.is_empty() {
+            "none: the site config declares no [[domains]]".to_string()
+        } else if declared.len() > 12 {
+            format!(
+                "{} and {} more (powerflexctl domains lists them)",
+                declared[..12].join(", "),
+                declared.len() - 12
+            )
+        } else {
+            declared.join(", ")
+        };
+        Some(AdminReply::refused(
+            Refusal::NoSuchDomain,
+            format!(
+                "no power domain {:?}; accepted: {accepted}",
+                name.escape_default().to_string()
+            ),
+        ))
+    }
+
+    /// The site's settings with each power domain's limit as it stands over
+    /// `[now_ms, now_ms + ahead_ms]`: its budget (an admin's, else its configured limit)
+    /// less the deepest cut its events make at any step of that window, so caps are
+    /// down before each step of a domain's ramp as they are for the site's.
+    fn site_settings_at(&self, now_ms: u64, ahead_ms: u64) -> crate::site::SiteSettings {
+        let mut site = self.options.site.clone();
+        if let Some(domains) = site.domains.as_mut() {
+            for (d, limit) in domains
+                .tree
+                .domains()
+                .iter()
+                .zip(domains.limits_w.iter_mut())
+            {
+                let base = self
+                    .state
+                    .domain_budgets_w
+                    .get(&d.name)
+                    .copied()
+                    .unwrap_or(d.gpu_limit);
+                let events = crate::schedule::of_domain(&self.state.events, Some(&d.name));
+                *limit = crate::schedule::lowest_budget(
+                    base,
+                    &events,
+                    now_ms,
+                    now_ms.saturating_add(ahead_ms),
+                )
+                .0;
+            }
+        }
+        site
+    }
+
     fn admin(&mut self, op: AdminOp, uid: u32, now_ms: u64) -> AdminReply {
         if op.changes_state() && uid != 0 {
             return AdminReply::error("only root may change the budget or grid events");
@@ -769,14 +856,25 @@ impl Core {
                     ..AdminReply::ok()
                 }
             }
-            AdminOp::BudgetSet { budget_w } => {
+            AdminOp::BudgetSet { budget_w, domain } => {
                 if !(budget_w.is_finite() && budget_w > 0.0) {
                     return AdminReply::error(format!(
                         "budget must be a positive power (got {budget_w} W)"
                     ));
                 }
-                info!(budget_w, "budget set");
-                self.state.budget_w = Some(Watts(budget_w));
+                match domain {
+                    None => {
+                        info!(budget_w, "budget set");
+                        self.state.budget_w = Some(Watts(budget_w));
+                    }
+                    Some(name) => {
+                        if let Some(refused) = self.unknown_domain(&name) {
+                            return refused;
+                        }
+                        info!(budget_w, domain = %name, "domain budget set");
+                        self.state.domain_budgets_w.insert(name, Watts(budget_w));
+                    }
+                }
                 self.dirty = true;
                 AdminReply::ok()
             }
@@ -785,6 +883,7 @@ impl Core {
                 start_ms,
                 duration_ms,
                 ramp_ms,
+                domain,
             } => {
                 // The admin CLI checks its arguments, but the VEN passes on what a VTN
                 // serves: the controller is where an event is accepted or not.
@@ -792,6 +891,11 @@ impl Core {
                     powerflex_proto::event::check_new_event(&cut, start_ms, duration_ms, ramp_ms)
                 {
                     return AdminReply::refused(Refusal::EventOutOfRange, why);
+                }
+                if let Some(name) = &domain {
+                    if let Some(refused) = self.unknown_domain(name) {
+                        return refused;
+                    }
                 }
                 let held = self
                     .state
@@ -815,6 +919,7 @@ impl Core {
                     start_ms,
                     duration_ms,
                     ramp_ms,
+                    domain,
                 };
                 info!(
                     id = event.id,
@@ -891,7 +996,7 @@ impl Core {
                     Some(w) => Watts(w),
                     None => effective_budget(
                         self.state.budget_w.unwrap_or(self.options.base_budget),
-                        &self.state.events,
+                        &crate::schedule::of_domain(&self.state.events, None),
                         now_ms,
                     ),
                 };
@@ -905,7 +1010,8 @@ impl Core {
                     } else {
                         crate::site::TierBounds::Honoured
                     },
-                    ..self.options.site.clone()
+                    // The domains' limits in force now.
+                    ..self.site_settings_at(now_ms, 0)
                 };
                 // Jobs held out of a deep cut stay out: another policy would not resume
                 // them by itself.
@@ -944,8 +1050,72 @@ impl Core {
         count
     }
 
+    /// The events that concern `node`: the site's, and those of the power domains it
+    /// is in, each with the budget it cuts from.
+    fn events_of_node(&self, node: &str) -> Vec<(Watts, &Event)> {
+        let site_base = self.state.budget_w.unwrap_or(self.options.base_budget);
+        let path: Vec<&str> = self
+            .options
+            .site
+            .domains
+            .as_ref()
+            .map(|d| {
+                d.tree
+                    .path_of_node(node)
+                    .into_iter()
+                    .map(|i| d.tree.domains()[i].name.as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.state
+            .events
+            .iter()
+            .filter_map(|e| match e.domain.as_deref() {
+                None => Some((site_base, e)),
+                Some(name) if path.contains(&name) => Some((self.domain_base(name), e)),
+                Some(_) => None,
+            })
+            .collect()
+    }
+
+    /// A power domain's budget before its events: an admin's, else its configured limit
+    /// (0 for a domain the config no longer declares, which no event can name anyway).
+    fn domain_base(&self, name: &str) -> Watts {
+        self.state
+            .domain_budgets_w
+            .get(name)
+            .copied()
+            .or_else(|| {
+                let d = self.options.site.domains.as_ref()?;
+                d.tree.find(name).map(|i| d.tree.domains()[i].gpu_limit)
+            })
+            .unwrap_or(Watts::ZERO)
+    }
+
+    /// The event in force now with the deepest cut of its own budget: the site's first,
+    /// else a domain's (for the learning snapshots and the metrics).
+    fn event_in_force_anywhere(&self, now_ms: u64) -> Option<u64> {
+        let site_base = self.state.budget_w.unwrap_or(self.options.base_budget);
+        let site_events = crate::schedule::of_domain(&self.state.events, None);
+        active_event(site_base, &site_events, now_ms)
+            .map(|e| e.id)
+            .or_else(|| {
+                self.state
+                    .events
+                    .iter()
+                    .filter_map(|e| {
+                        let domain = e.domain.as_deref()?;
+                        let cut = e.cut_w(self.domain_base(domain).0, now_ms);
+                        (cut > 0.0).then_some((cut, e.id))
+                    })
+                    .max_by(|a, b| a.0.total_cmp(&b.0))
+                    .map(|(_, id)| id)
+            })
+    }
+
     fn lease_for(
         &self,
+        node: &str,
         decision: Option<&Decision>,
         caps: BTreeMap<String, f64>,
         reporting: &BTreeMap<&str, usize>,
@@ -973,13 +1143,15 @@ impl Core {
             start_cap_w,
             recalibrate,
             learn,
-            next_event_in_s: next_event_in_s(&self.state.events, now_ms),
-            event_in_force: active_event(
-                self.state.budget_w.unwrap_or(self.options.base_budget),
-                &self.state.events,
+            // A domain's event concerns only the nodes behind it.
+            next_event_in_s: next_event_in_s(
+                self.events_of_node(node).into_iter().map(|(_, e)| e),
                 now_ms,
-            )
-            .is_some(),
+            ),
+            event_in_force: self
+                .events_of_node(node)
+                .iter()
+                .any(|(base, e)| e.cut_w(base.0, now_ms) > 0.0),
         }
     }
 
@@ -1020,13 +1192,16 @@ impl Core {
         let confirm_ms = period_ms.max(MIN_CONFIRM_MS);
         // Caps are set for the lowest step until the next allocation's caps are
         // confirmed, so each step down finds them already in force.
+        let ahead_ms = look_ahead_ms(period_ms, confirm_ms);
         let plan = self.ramp.plan(
             base,
-            &self.state.events,
+            &crate::schedule::of_domain(&self.state.events, None),
             now_ms,
-            look_ahead_ms(period_ms, confirm_ms),
+            ahead_ms,
             self.options.max_ramp_w_per_s,
         );
+        // Each power domain's limit over the same window (its own events' ramps).
+        let site = self.site_settings_at(now_ms, ahead_ms);
         if plan.rate_limited {
             info!(
                 allocate_w = plan.allocate_w,
@@ -1089,7 +1264,7 @@ impl Core {
             preempt::plan(
                 &views,
                 budget,
-                &self.options.site,
+                &site,
                 &self.state.preempted,
                 outlook,
                 &caps_in_force,
@@ -1183,7 +1358,7 @@ impl Core {
         out.leases = sends
             .into_iter()
             .map(|l| {
-                let lease = self.lease_for(Some(&decision), l.caps, &reporting, now_ms);
+                let lease = self.lease_for(&l.node, Some(&decision), l.caps, &reporting, now_ms);
                 (l.node, lease)
             })
             .collect();
@@ -1231,7 +1406,7 @@ impl Core {
         }));
         out.owners = self.owners.take_changed().map(Arc::new);
         self.allocations += 1;
-        let event = active_event(base, &self.state.events, now_ms).map(|e| e.id);
+        let event = self.event_in_force_anywhere(now_ms);
         learning::record(
             &mut self.curve_history,
             &self.sessions,
@@ -1240,6 +1415,22 @@ impl Core {
         );
         self.last_event = event;
         let decision = Arc::new(decision);
+        let domains = self
+            .options
+            .site
+            .domains
+            .as_ref()
+            .map(|site| {
+                status::domains(
+                    site,
+                    &self.state,
+                    &self.sessions,
+                    Some(&decision),
+                    |name| self.domain_base(name),
+                    now_ms,
+                )
+            })
+            .unwrap_or_default();
         out.metrics = Some(MetricsSnapshot {
             decision: Arc::clone(&decision),
             base,
@@ -1256,19 +1447,20 @@ impl Core {
                 .iter()
                 .map(|(n, s)| (n.clone(), s.refused_reports))
                 .collect(),
-            event_active: active_event(base, &self.state.events, now_ms).is_some(),
+            event_active: event.is_some(),
             preempted: self.state.preempted.clone(),
             energy: self.energy_totals.clone(),
             accounting_db: self.accounting_db.clone(),
+            domains,
         });
         self.last = Some(decision);
     }
 }
 
 /// Seconds from `now_ms` to the start of the next event not yet started, if any.
-fn next_event_in_s(events: &[Event], now_ms: u64) -> Option<f64> {
+fn next_event_in_s<'a>(events: impl IntoIterator<Item = &'a Event>, now_ms: u64) -> Option<f64> {
     events
-        .iter()
+        .into_iter()
         .filter(|e| e.start_ms > now_ms)
         .map(|e| (e.start_ms - now_ms) as f64 / 1000.0)
         .min_by(f64::total_cmp)
@@ -1753,12 +1945,16 @@ mod tests {
     fn only_root_changes_the_budget_or_events_and_anyone_reads() {
         let mut core = running();
         for op in [
-            AdminOp::BudgetSet { budget_w: 5000.0 },
+            AdminOp::BudgetSet {
+                budget_w: 5000.0,
+                domain: None,
+            },
             AdminOp::EventAdd {
                 cut: Cut::Reduce { fraction: 0.3 },
                 start_ms: T0,
                 duration_ms: 60_000,
                 ramp_ms: 0,
+                domain: None,
             },
             AdminOp::EventCancel { id: 1 },
         ] {
@@ -1778,7 +1974,13 @@ mod tests {
 
         let out = core.step(
             UnixMs(T0 + 3),
-            vec![admin(AdminOp::BudgetSet { budget_w: 5000.0 }, 0)],
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 5000.0,
+                    domain: None,
+                },
+                0,
+            )],
         );
         assert!(reply(&out).ok);
         assert_eq!(
@@ -1789,7 +1991,13 @@ mod tests {
         assert_eq!(core.status(UnixMs(T0 + 3)).budget_w, 5000.0);
         let out = core.step(
             UnixMs(T0 + 4),
-            vec![admin(AdminOp::BudgetSet { budget_w: -1.0 }, 0)],
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: -1.0,
+                    domain: None,
+                },
+                0,
+            )],
         );
         assert!(reply(&out)
             .error
@@ -1805,6 +2013,7 @@ mod tests {
             start_ms: T0,
             duration_ms,
             ramp_ms,
+            domain: None,
         };
         let out = core.step(UnixMs(T0 + 1), vec![admin(add(0, 0), 0)]);
         assert!(reply(&out)
@@ -1828,6 +2037,7 @@ mod tests {
                 start_ms: T0,
                 duration_ms: 60_000,
                 ramp_ms: 0,
+                domain: None,
             };
             let out = core.step(UnixMs(T0 + 1), vec![admin(op, 0)]);
             assert_eq!(
@@ -1885,6 +2095,142 @@ mod tests {
 
     /// Pre-positioning (issue 16): every lease names the start of the next announced
     /// event, so that walks end before it; none once it has started, or with none.
+    /// Two racks under one feed: n1 in rack-a, n2 in rack-b, 10 kW each, 20 kW the feed.
+    fn racks() -> Core {
+        use powerflex_core::domains::{DomainTree, RawDomain};
+        let raw = |name: &str, parent: Option<&str>, nodes: Option<&str>, limit: f64| RawDomain {
+            name: name.into(),
+            parent: parent.map(Into::into),
+            gpu_limit_w: limit,
+            nodes: nodes.map(Into::into),
+        };
+        let tree = DomainTree::build(&[
+            raw("feed-a", None, None, 20_000.0),
+            raw("rack-a", Some("feed-a"), Some("n1"), 10_000.0),
+            raw("rack-b", Some("feed-a"), Some("n2"), 10_000.0),
+        ])
+        .expect("valid");
+        let mut o = options();
+        o.site.domains = crate::site::SiteDomains::configured(&tree);
+        let mut core = Core::new(o, Loaded::default(), UnixMs(T0));
+        core.step(
+            UnixMs(T0),
+            vec![
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+            ],
+        );
+        core
+    }
+
+    #[test]
+    fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
+        let mut core = racks();
+        core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+        let add = |domain: &str| AdminOp::EventAdd {
+            cut: Cut::Target { budget_w: 1200.0 },
+            start_ms: T0 + 20_000,
+            duration_ms: 600_000,
+            ramp_ms: 0,
+            domain: Some(domain.into()),
+        };
+        // A domain the config does not declare is refused, naming those it does.
+        let out = core.step(UnixMs(T0 + 15_000), vec![admin(add("rack-z"), 0)]);
+        let refused = reply(&out);
+        assert_eq!(refused.refusal, Some(Refusal::NoSuchDomain));
+        let why = refused.error.as_deref().unwrap_or_default();
+        assert!(
+            why.contains("rack-z") && why.contains("feed-a, rack-a, rack-b"),
+            "{why}"
+        );
+        let out = core.step(UnixMs(T0 + 15_001), vec![admin(add("rack-a"), 0)]);
+        assert!(reply(&out).ok);
+        let out = core.step(UnixMs(T0 + 20_000), vec![Input::Tick]);
+        let n1 = out.leases["n1"].clone();
+        assert!(n1.caps["101"] * 4.0 <= 1200.0 + 1e-6, "rack-a cut: {n1:?}");
+        assert!(n1.event_in_force);
+        if let Some(n2) = out.leases.get("n2") {
+            assert_eq!(n2.caps["102"], 700.0, "rack-b untouched: {n2:?}");
+            assert!(!n2.event_in_force, "rack-b's node is outside the event");
+        }
+        let status = core.status(UnixMs(T0 + 20_000));
+        assert_eq!(
+            status.budget_w, 10_000.0,
+            "the site's budget is not the rack's"
+        );
+        assert!(status.active_event.is_none());
+        let names: Vec<&str> = status.domains.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["feed-a", "rack-a", "rack-b"]);
+        let rack_a = &status.domains[1];
+        assert_eq!(rack_a.budget_w, 1200.0);
+        assert_eq!(rack_a.event, Some(1));
+        assert_eq!((rack_a.nodes, rack_a.live_nodes, rack_a.depth), (1, 1, 1));
+        assert!(
+            rack_a.planned_w.is_some_and(|w| w <= 1200.0 + 1e-6),
+            "{rack_a:?}"
+        );
+        let rack_b = &status.domains[2];
+        assert_eq!((rack_b.budget_w, rack_b.event), (10_000.0, None));
+        assert_eq!(rack_b.parent.as_deref(), Some("feed-a"));
+        // An admin's budget for rack-b cuts rack-b, and survives a restart (state).
+        let out = core.step(
+            UnixMs(T0 + 21_000),
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 2000.0,
+                    domain: Some("rack-b".into()),
+                },
+                0,
+            )],
+        );
+        assert!(reply(&out).ok);
+        assert_eq!(
+            out.persist
+                .as_ref()
+                .map(|s| s.domain_budgets_w.get("rack-b").copied()),
+            Some(Some(Watts(2000.0)))
+        );
+        // The nodes report again (within their lease, at the caps they were sent) and the
+        // next period allocates.
+        let at_cap = |id: &str, cap_w: f64| JobReport {
+            cap_w: Some(cap_w),
+            power_w: Some(cap_w * 4.0),
+            ..job(id, None)
+        };
+        let rack_a_cap = n1.caps["101"];
+        core.step(
+            UnixMs(T0 + 30_000),
+            vec![
+                report("n1", vec![at_cap("101", rack_a_cap)]),
+                report("n2", vec![at_cap("102", 700.0)]),
+                Input::Tick,
+            ],
+        );
+        let granted = |core: &Core, job: &str| {
+            core.status(UnixMs(T0 + 30_000))
+                .jobs
+                .iter()
+                .find(|j| j.job == job)
+                .and_then(|j| j.cap_w)
+                .expect("granted")
+        };
+        assert!(granted(&core, "102") * 4.0 <= 2000.0 + 1e-6);
+        assert!(granted(&core, "101") * 4.0 <= 1200.0 + 1e-6);
+        let out = core.step(
+            UnixMs(T0 + 31_000),
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 2000.0,
+                    domain: Some("nowhere".into()),
+                },
+                0,
+            )],
+        );
+        assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchDomain));
+    }
+
     #[test]
     fn leases_announce_the_next_event_s_start() {
         let mut core = running();
@@ -1895,6 +2241,7 @@ mod tests {
             start_ms,
             duration_ms: 600_000,
             ramp_ms: 0,
+            domain: None,
         };
         let out = core.step(
             UnixMs(T0 + 20_000),
@@ -2108,6 +2455,7 @@ mod tests {
                     start_ms: T0,
                     duration_ms: 10_000,
                     ramp_ms: 0,
+                    domain: None,
                 },
                 0,
             )],
@@ -2170,7 +2518,13 @@ mod tests {
         // A budget set by an admin still overrides the site config's.
         core.step(
             UnixMs(T0 + 2),
-            vec![admin(AdminOp::BudgetSet { budget_w: 9000.0 }, 0)],
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 9000.0,
+                    domain: None,
+                },
+                0,
+            )],
         );
         let mut again = options();
         again.base_budget = Watts(7000.0);
@@ -2326,7 +2680,13 @@ mod tests {
         };
         let mut first = vec![hello("n1"), hello("n2")];
         first.extend(reports(&caps, &mut rng));
-        first.push(admin(AdminOp::BudgetSet { budget_w: 8000.0 }, 0));
+        first.push(admin(
+            AdminOp::BudgetSet {
+                budget_w: 8000.0,
+                domain: None,
+            },
+            0,
+        ));
         core.step(UnixMs(T0), first);
         let period_ms = options().period.as_millis() as u64;
         let periods = 60u64;
@@ -2618,13 +2978,20 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(AdminOp::BudgetSet { budget_w: 5600.0 }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: 5600.0,
+                        domain: None,
+                    },
+                    0,
+                ),
                 admin(
                     AdminOp::EventAdd {
                         cut: Cut::Reduce { fraction: 0.3 },
                         start_ms: T0 + 20_000,
                         duration_ms: 60_000,
                         ramp_ms: 10_000,
+                        domain: None,
                     },
                     0,
                 ),
@@ -2699,7 +3066,13 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(AdminOp::BudgetSet { budget_w: 5600.0 }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: 5600.0,
+                        domain: None,
+                    },
+                    0,
+                ),
                 hello("n1"),
                 at_cap("n1", "101", "flex0", 700.0),
                 hello("n2"),
@@ -2714,6 +3087,7 @@ mod tests {
                     start_ms: T0 + 5_000,
                     duration_ms: 30_000,
                     ramp_ms: 0,
+                    domain: None,
                 },
                 0,
             )],
@@ -2731,7 +3105,13 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(AdminOp::BudgetSet { budget_w: 5600.0 }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: 5600.0,
+                        domain: None,
+                    },
+                    0,
+                ),
                 hello("n1"),
                 at_cap("n1", "101", "flex0", 700.0),
                 hello("n2"),
@@ -2747,6 +3127,7 @@ mod tests {
                     start_ms: T0 + 5_000,
                     duration_ms: 30_000,
                     ramp_ms: 0,
+                    domain: None,
                 },
                 0,
             )],
@@ -2826,7 +3207,13 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(AdminOp::BudgetSet { budget_w: 6000.0 }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: 6000.0,
+                        domain: None,
+                    },
+                    0,
+                ),
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 600.0),
                 hello("n2"),
@@ -2835,7 +3222,13 @@ mod tests {
         );
         let out = core.step(
             UnixMs(T0 + 100),
-            vec![admin(AdminOp::BudgetSet { budget_w: 3000.0 }, 0)],
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 3000.0,
+                    domain: None,
+                },
+                0,
+            )],
         );
         assert!(cap(&out, "n1", "101").is_some_and(|c| c < 600.0));
         // n2 confirms; n1 keeps reporting 600 W past the confirmation time.
@@ -2880,7 +3273,13 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(AdminOp::BudgetSet { budget_w: 4000.0 }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: 4000.0,
+                        domain: None,
+                    },
+                    0,
+                ),
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 500.0),
                 hello("n2"),
@@ -2923,7 +3322,13 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(AdminOp::BudgetSet { budget_w: budget }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: budget,
+                        domain: None,
+                    },
+                    0,
+                ),
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 500.0),
                 hello("n2"),
@@ -3012,7 +3417,13 @@ mod tests {
             UnixMs(t + 300),
             vec![
                 at_cap("n1", "101", "flex3", lowered),
-                admin(AdminOp::BudgetSet { budget_w: 3000.0 }, 0),
+                admin(
+                    AdminOp::BudgetSet {
+                        budget_w: 3000.0,
+                        domain: None,
+                    },
+                    0,
+                ),
             ],
         );
         let n1 = cap(&out, "n1", "101").unwrap_or(lowered);

@@ -99,4 +99,6 @@ pub struct MetricsSnapshot {
     pub energy: EnergyTotals,
     /// The accounting database's writer, where the site has one.
     pub accounting_db: Option<AccountingDbView>,
+    /// The power domains as the allocation saw them (none without `[[domains]]`).
+    pub domains: Vec<powerflex_proto::status::DomainStatus>,
 }

@@ -311,6 +311,7 @@ mod tests {
                     seen_ms_ago: 10,
                     refused_reports: 0,
                     refused_gpus: 0,
+                    domain: None,
                 }],
                 jobs: vec![row("1", Some(ALICE)), row("2", Some(BOB)), row("3", None)],
                 config_error: Some("/etc/slurm/powerflex.toml: bad key_file".into()),
@@ -329,6 +330,7 @@ mod tests {
                 jobs_of_uid: None,
                 slurm: None,
                 accounting_db: None,
+                domains: Vec::new(),
             }),
             ..AdminReply::ok()
         }

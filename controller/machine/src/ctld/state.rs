@@ -29,6 +29,10 @@ pub struct CtldState {
     /// controller still resumes or releases them when the cut is over.
     #[serde(default)]
     pub preempted: BTreeMap<String, Preempted>,
+    /// Budgets set per power domain with `powerflexctl budget set --domain`, in place of
+    /// the limits the site config gives them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub domain_budgets_w: BTreeMap<String, Watts>,
 }
 
 /// The state as loaded at start.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use powerflex_core::Watts;
 use powerflex_proto::status::{
-    CtldStatus, CurveSnapshot, DecisionView, NodeStatus, PreemptedView, SiteJobStatus,
+    CtldStatus, CurveSnapshot, DecisionView, DomainStatus, NodeStatus, PreemptedView, SiteJobStatus,
 };
 
 use super::session::Session;
@@ -24,7 +24,9 @@ pub fn build(
     now_ms: u64,
 ) -> CtldStatus {
     let base = state.budget_w.unwrap_or(base_budget);
-    let budget = effective_budget(base, &state.events, now_ms);
+    // The site's own events; a domain's cut its domain (see [`domains`]).
+    let site_events = crate::schedule::of_domain(&state.events, None);
+    let budget = effective_budget(base, &site_events, now_ms);
     let draw = live_draw_w(sessions);
     let allocation = last.and_then(|d| d.allocation.as_ref());
     let granted = |job: &str| allocation.and_then(|a| a.jobs.iter().find(|j| j.id == job));
@@ -97,7 +99,7 @@ pub fn build(
             .collect(),
         draw_w: draw,
         headroom_w: budget.0 - draw,
-        active_event: active_event(base, &state.events, now_ms).cloned(),
+        active_event: active_event(base, &site_events, now_ms).cloned(),
         events: state.events.clone(),
         over_budget_w: allocation.map(|a| a.over_budget_w.0),
         nodes: sessions
@@ -111,6 +113,7 @@ pub fn build(
                 seen_ms_ago: now_ms.saturating_sub(s.last_seen_ms),
                 refused_reports: s.refused_reports,
                 refused_gpus: s.refused_gpus,
+                domain: None,
             })
             .collect(),
         jobs: jobs.into_values().collect(),
@@ -118,7 +121,61 @@ pub fn build(
         jobs_of_uid: None,
         slurm: None,
         accounting_db: None,
+        domains: Vec::new(),
     }
+}
+
+/// Each power domain of `site` at `now_ms`: its budget in force (its base, from
+/// `base_of`, less its events' deepest cut), what its live nodes draw, and what the last
+/// allocation planned through it.
+pub fn domains(
+    site: &crate::site::SiteDomains,
+    state: &CtldState,
+    sessions: &BTreeMap<String, Session>,
+    last: Option<&Decision>,
+    base_of: impl Fn(&str) -> Watts,
+    now_ms: u64,
+) -> Vec<DomainStatus> {
+    let tree = &site.tree;
+    let n = tree.domains().len();
+    let (mut draw, mut nodes, mut live) = (vec![0.0; n], vec![0u32; n], vec![0u32; n]);
+    for s in sessions.values() {
+        for d in tree.path_of_node(&s.view.node) {
+            nodes[d] += 1;
+            if s.view.live {
+                live[d] += 1;
+                draw[d] += s.view.power_w;
+            }
+        }
+    }
+    let used = last
+        .and_then(|d| d.allocation.as_ref())
+        .map(|a| a.domains.as_slice())
+        .unwrap_or_default();
+    tree.preorder()
+        .into_iter()
+        .map(|d| {
+            let domain = &tree.domains()[d];
+            let base = base_of(&domain.name);
+            let events = crate::schedule::of_domain(&state.events, Some(&domain.name));
+            let budget = effective_budget(base, &events, now_ms).0;
+            let planned = used.iter().find(|u| u.name == domain.name);
+            DomainStatus {
+                name: domain.name.clone(),
+                parent: domain.parent.map(|p| tree.domains()[p].name.clone()),
+                depth: tree.depth(d) as u32,
+                limit_w: domain.gpu_limit.0,
+                budget_w: budget,
+                draw_w: draw[d],
+                headroom_w: budget - draw[d],
+                nodes: nodes[d],
+                live_nodes: live[d],
+                planned_w: planned.map(|u| u.power_w.0),
+                floors_over_w: planned.map(|u| u.floors_over_w.0),
+                event: active_event(base, &events, now_ms).map(|e| e.id),
+            }
+        })
+        .collect()
 }
 
 /// Summed draw of the nodes that reported within their lease, W.
