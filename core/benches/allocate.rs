@@ -4,11 +4,20 @@
 //! Jobs are the paper's 29 workloads (physics fitted to their PFI, 6 caps 200–700 W),
 //! drawn at random with random tiers (none of the bounds, flex1–flex3 mixed), budget at a
 //! 30 % cut of Σ P_max, caps on a 1 W grid (NVML's effective granularity, the worst case).
+//!
+//! Then the same jobs under power domains (issue 22): 100 racks, 10 rows, 2 feeds, every
+//! limit binding (racks at 80 %, rows at 75 %, feeds at 72 % of their uncapped draw, the
+//! site at 70 %), with the controller's own rule (`allocate_cautious_within`) beside the
+//! plain policies, and the flat site's time for the same jobs. The rule runs with the
+//! controller's caution (`power_z` 0: its metered loop corrects power every period).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
+use powerflex_core::allocate::{
+    allocate, allocate_cautious, allocate_cautious_within, allocate_within, CapLimits, Caution,
+    DomainLimit, JobSpec, Policy,
+};
 use powerflex_core::curve::CapCurve;
 use powerflex_core::rng::SplitMix64;
 use powerflex_core::units::{SlowdownFraction, Watts};
@@ -16,6 +25,11 @@ use powerflex_core::workload::{fit_h200, parse_paper_table, PfiTarget, H200_GRID
 
 const PAPER: &str = include_str!("../../data/paper_pfi_h200.csv");
 const GPUS_PER_JOB: u32 = 8;
+/// The caution `powerflex-ctld` allocates with (`site::site_allocation`).
+const CONTROLLER: Caution = Caution {
+    power_z: 0.0,
+    gain_z: 1.0,
+};
 
 fn jobs(n: usize, seed: u64) -> Vec<JobSpec> {
     let paper = parse_paper_table(PAPER).expect("paper table parses");
@@ -68,6 +82,60 @@ fn time_it(jobs: &[JobSpec], budget: Watts, policy: Policy) -> Duration {
     times[times.len() / 2]
 }
 
+/// Jobs spread evenly over 100 racks, 10 per row, 5 rows per feed; each domain's limit a
+/// share of its jobs' uncapped draw. Racks first, then rows, then feeds.
+fn domains(jobs: &[JobSpec]) -> Vec<DomainLimit> {
+    let top = |members: &[(usize, f64)]| -> f64 {
+        members
+            .iter()
+            .map(|&(i, _)| jobs[i].curve.uncapped().power_w.0)
+            .sum()
+    };
+    let domain = |name: String, members: Vec<(usize, f64)>, share: f64| DomainLimit {
+        limit: Watts(top(&members) * share),
+        name,
+        members,
+    };
+    let of = |pick: &dyn Fn(usize) -> bool| -> Vec<(usize, f64)> {
+        (0..jobs.len())
+            .filter(|&i| pick(i))
+            .map(|i| (i, 1.0))
+            .collect()
+    };
+    let rack = |i: usize| i * 100 / jobs.len();
+    let mut out = Vec::new();
+    for r in 0..100 {
+        out.push(domain(format!("rack-{r}"), of(&|i| rack(i) == r), 0.80));
+    }
+    for row in 0..10 {
+        out.push(domain(
+            format!("row-{row}"),
+            of(&|i| rack(i) / 10 == row),
+            0.75,
+        ));
+    }
+    for feed in 0..2 {
+        out.push(domain(
+            format!("feed-{feed}"),
+            of(&|i| rack(i) / 50 == feed),
+            0.72,
+        ));
+    }
+    out
+}
+
+fn median(runs: usize, mut once: impl FnMut()) -> Duration {
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            once();
+            start.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
 fn main() {
     println!("allocation time, median of repeated runs (8 GPUs per job, 30 % cut, 1 W cap grid)");
     println!(
@@ -90,6 +158,52 @@ fn main() {
             ms(time_it(&set, budget, Policy::Optimal)),
             ms(time_it(&set, budget, Policy::Equal)),
             ms(time_it(&set, budget, Policy::PfiProportional)),
+        );
+    }
+    println!();
+    println!("with power domains: 100 racks, 10 rows, 2 feeds, every limit binding (median of repeated runs)");
+    println!(
+        "{:>8} {:>14} {:>14} {:>12} {:>22}",
+        "jobs", "flat cautious", "domains: rule", "optimal", "equal"
+    );
+    for n in [1_000, 10_000, 100_000] {
+        let set = jobs(n, 42);
+        let budget = Watts(
+            0.7 * set
+                .iter()
+                .map(|j| j.curve.uncapped().power_w.0)
+                .sum::<f64>(),
+        );
+        let limits = domains(&set);
+        let runs = if n >= 100_000 { 3 } else { 5 };
+        let ms = |d: Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
+        let flat = median(runs, || {
+            black_box(allocate_cautious(black_box(&set), budget, CONTROLLER).expect("flat"));
+        });
+        let rule = median(runs, || {
+            black_box(
+                allocate_cautious_within(black_box(&set), budget, &limits, CONTROLLER)
+                    .expect("rule"),
+            );
+        });
+        let optimal = median(runs, || {
+            black_box(
+                allocate_within(black_box(&set), budget, &limits, Policy::Optimal)
+                    .expect("optimal"),
+            );
+        });
+        let equal = median(runs, || {
+            black_box(
+                allocate_within(black_box(&set), budget, &limits, Policy::Equal).expect("equal"),
+            );
+        });
+        println!(
+            "{:>8} {:>14} {:>14} {:>12} {:>22}",
+            n,
+            ms(flat),
+            ms(rule),
+            ms(optimal),
+            ms(equal)
         );
     }
 }

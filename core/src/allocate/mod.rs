@@ -371,35 +371,42 @@ pub fn allocate_cautious_within(
         .collect();
     let jobs = planned_jobs.as_slice();
     let first = allocate_within(jobs, budget, domains, Policy::Optimal)?;
-    // Each constraint's margin: power_z standard deviations of its members' summed power
-    // at the first decision's caps (a member's error scaled by its share).
-    let room = Room::new(jobs.len(), budget, domains)?;
-    let variance: Vec<f64> = jobs
-        .iter()
-        .zip(&first.jobs)
-        .map(|(j, ja)| point_sigma(j, ja.cap_w).0.powi(2))
-        .collect();
-    let margins: Vec<f64> = (0..room.constraints())
-        .map(|c| {
-            let var: f64 = room
-                .members(c)
-                .iter()
-                .map(|&(i, share)| share * share * variance[i])
-                .sum();
-            power_z * var.sqrt()
-        })
-        .collect();
-    let planned_room = room.with_margins(|c| margins[c]);
-    let planned = Watts(planned_room.limit(SITE));
-    let planned_domains: Vec<DomainLimit> = domains
-        .iter()
-        .enumerate()
-        .map(|(k, d)| DomainLimit {
-            limit: Watts(planned_room.limit(k + 1)),
-            ..d.clone()
-        })
-        .collect();
-    let optimal = allocate_within(jobs, planned, &planned_domains, Policy::Optimal)?;
+    // Without a power margin (the controller's metered loop corrects each job's power
+    // every period instead) the plan is the first decision: no second optimisation.
+    let (planned, planned_domains, optimal) = if power_z > 0.0 {
+        // Each constraint's margin: power_z standard deviations of its members' summed
+        // power at the first decision's caps (a member's error scaled by its share).
+        let room = Room::new(jobs.len(), budget, domains)?;
+        let variance: Vec<f64> = jobs
+            .iter()
+            .zip(&first.jobs)
+            .map(|(j, ja)| point_sigma(j, ja.cap_w).0.powi(2))
+            .collect();
+        let margins: Vec<f64> = (0..room.constraints())
+            .map(|c| {
+                let var: f64 = room
+                    .members(c)
+                    .iter()
+                    .map(|&(i, share)| share * share * variance[i])
+                    .sum();
+                power_z * var.sqrt()
+            })
+            .collect();
+        let planned_room = room.with_margins(|c| margins[c]);
+        let planned = Watts(planned_room.limit(SITE));
+        let planned_domains: Vec<DomainLimit> = domains
+            .iter()
+            .enumerate()
+            .map(|(k, d)| DomainLimit {
+                limit: Watts(planned_room.limit(k + 1)),
+                ..d.clone()
+            })
+            .collect();
+        let optimal = allocate_within(jobs, planned, &planned_domains, Policy::Optimal)?;
+        (planned, planned_domains, optimal)
+    } else {
+        (budget, domains.to_vec(), first)
+    };
     let equal = allocate_within(jobs, planned, &planned_domains, Policy::Equal)?;
     let expected_gain = optimal.objective - equal.objective;
     let gain_sigma = difference_sigma(jobs, &optimal, &equal);
@@ -900,7 +907,13 @@ fn bisect_cut(x_max: f64, budget: f64, spent: impl Fn(f64) -> f64) -> f64 {
         return 0.0;
     }
     let (mut lo, mut hi) = (0.0, x_max);
+    // To a part in 10^12 of the range (about 40 halvings, not 64): the targets are then
+    // within micro-watts, and each halving costs a pass over every job.
+    let close_enough = x_max * 1e-12;
     for _ in 0..64 {
+        if hi - lo <= close_enough {
+            break;
+        }
         let mid = 0.5 * (lo + hi);
         if spent(mid) <= budget {
             hi = mid;
@@ -911,19 +924,32 @@ fn bisect_cut(x_max: f64, budget: f64, spent: impl Fn(f64) -> f64) -> f64 {
     hi
 }
 
-/// Caps from a cut level per job (a fraction for the equal cut, a multiplier for the
-/// PFI rule): `target(job, x)` is the power job `job` is cut to at level `x`, falling as
-/// `x` rises. Bottom-up, each constraint finds the least level its members need (a member
-/// already cut deeper by a smaller domain stays there), so a tight rack is cut as deep as
-/// it needs and the rest of the site no deeper than its own limits ask; the targets are
-/// then snapped to the cap grid and what that leaves is spent ([`fill_leftover`]).
+/// Caps from a cut level `x` per job: job `i` is cut to the power
+/// `P_top,i − x · slope_i`, held within its range (the equal cut: slope `P_top,i` and `x`
+/// a fraction; the PFI rule: slope `(P_max / T_max) · PFI` and `x` a multiplier).
+/// Bottom-up, each constraint finds the least level its members need (a member already
+/// cut deeper by a smaller domain stays there), so a tight rack is cut as deep as it needs
+/// and the rest of the site no deeper than its own limits ask; the targets are then
+/// snapped to the cap grid and what that leaves is spent ([`fill_leftover`]).
 fn level_caps(
     jobs: &[Prepared<'_>],
     range: &[(f64, f64)],
     room: &Room<'_>,
     x_max: f64,
-    target: impl Fn(usize, f64) -> f64,
+    slopes: &[f64],
 ) -> Vec<f64> {
+    // Each job's powers at its top and at its range's ends, once: the bisections below
+    // evaluate the targets thousands of times, and a curve lookup each time was most of
+    // an allocation's cost.
+    let bounds: Vec<(f64, f64, f64)> = jobs
+        .iter()
+        .zip(range)
+        .map(|(j, &(lower, upper))| (j.power(j.hi), j.power(lower), j.power(upper)))
+        .collect();
+    let target = |i: usize, x: f64| {
+        let (top, lower, upper) = bounds[i];
+        clamp_between(top - x * slopes[i], lower, upper)
+    };
     let mut level = vec![0.0f64; jobs.len()];
     for &c in room.bottom_up() {
         let members = room.members(c);
@@ -944,14 +970,8 @@ fn level_caps(
 }
 
 fn equal_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], room: &Room<'_>) -> Vec<f64> {
-    level_caps(jobs, range, room, 1.0, |i, fraction| {
-        let (j, (lower, upper)) = (&jobs[i], range[i]);
-        clamp_between(
-            j.power(j.hi) * (1.0 - fraction),
-            j.power(lower),
-            j.power(upper),
-        )
-    })
+    let slopes: Vec<f64> = jobs.iter().map(|j| j.power(j.hi)).collect();
+    level_caps(jobs, range, room, 1.0, &slopes)
 }
 
 fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], room: &Room<'_>) -> Vec<f64> {
@@ -976,14 +996,7 @@ fn pfi_proportional_caps(jobs: &[Prepared<'_>], range: &[(f64, f64)], room: &Roo
         .zip(&weights)
         .map(|(j, &w)| j.power(j.hi) / w.max(f64::MIN_POSITIVE))
         .fold(0.0, f64::max);
-    level_caps(jobs, range, room, lambda_max, |i, lambda| {
-        let (j, (lower, upper)) = (&jobs[i], range[i]);
-        clamp_between(
-            j.power(j.hi) - lambda * weights[i],
-            j.power(lower),
-            j.power(upper),
-        )
-    })
+    level_caps(jobs, range, room, lambda_max, &weights)
 }
 
 /// Spends what snapping to the cap grid left of the budget: each job's cap is the highest
