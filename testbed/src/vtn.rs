@@ -128,9 +128,20 @@ impl VtnBed {
 
     /// Stops the VTN (by PID) and starts it again on the same port and database.
     pub fn restart_vtn(&mut self) -> Result<(), VtnError> {
+        self.stop_vtn();
+        self.start_vtn()
+    }
+
+    /// Stops the VTN (by PID), the database left running: the utility is unreachable
+    /// until [`VtnBed::resume_vtn`].
+    pub fn stop_vtn(&mut self) {
         if let Some(mut v) = self.vtn.take() {
             stop(&mut v, powerflex_daemon::os::Signal::TERM);
         }
+    }
+
+    /// Starts the VTN again after [`VtnBed::stop_vtn`], on the same port and database.
+    pub fn resume_vtn(&mut self) -> Result<(), VtnError> {
         self.start_vtn()
     }
 

@@ -679,3 +679,106 @@ fn an_event_the_ven_cannot_read_leaves_the_program_s_other_events_followed() {
         unreadable.id
     );
 }
+
+/// Issue 22: a program's safe mode on a real VTN. The site maps the program to rack-a
+/// (node n1) with a safe-mode limit of 1 kW after 60 s without the VTN. The VTN is
+/// stopped: past 60 s the VEN adds an event holding rack-a to 1 kW, and n1's caps come
+/// down to it; the VTN is started again: the VEN cancels it and the caps come back.
+#[test]
+fn a_program_s_safe_mode_holds_its_domain_while_the_vtn_is_away() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    if !vtn_available() {
+        return;
+    }
+    let grid_bin = binary("powerflex-grid");
+    let stack = Stack::start(
+        "grid-safe",
+        StackOptions {
+            nodes: 1,
+            ..StackOptions::default()
+        },
+    );
+    let mut bed = VtnBed::start(&stack.base.join("vtn")).unwrap_or_else(|e| panic!("{e}"));
+    bed.utility()
+        .create_program(PROGRAM)
+        .expect("create the program");
+    stack.edit_site(|raw| {
+        raw.domains = vec![powerflex_core::domains::RawDomain {
+            name: "rack-a".into(),
+            parent: None,
+            gpu_limit_w: 5000.0,
+            nodes: Some("n1".into()),
+        }]
+    });
+    configure_ven(&stack, &bed, bed.url(), |openadr| {
+        openadr.program_domains = Some([(PROGRAM.to_string(), "rack-a".to_string())].into());
+        openadr.safe_mode = Some(
+            [(
+                PROGRAM.to_string(),
+                powerflex_core::config::RawSafeMode {
+                    gpu_limit_kw: 1.0,
+                    after_s: 60,
+                },
+            )]
+            .into(),
+        );
+    });
+    stack.reload_ctld();
+    let job = stack.submit(
+        "flex3,calibrate=off",
+        1,
+        stack.gpus_per_node,
+        "qwen3-30b-a3b-moe-ft-8g",
+    );
+    wait_until("the job runs", Duration::from_secs(60), || {
+        stack.running(job).then_some(())
+    });
+    let log = stack.base.join("grid-safe.log");
+    let _ven = VenGuard(Some(start_ven(&grid_bin, &stack.site, &log)));
+    // The VEN hears the VTN (its first round), then the VTN goes away.
+    wait_until("the VEN's first round", Duration::from_secs(30), || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("powerflex-grid started")
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(events(&stack).is_empty(), "no event while the VTN answers");
+    bed.stop_vtn();
+    let stopped = Instant::now();
+    let held = wait_until(
+        "the safe mode's event at the controller",
+        Duration::from_secs(120),
+        || {
+            let ev = events(&stack);
+            (ev.len() == 1).then(|| ev[0].clone())
+        },
+    );
+    let after_s = stopped.elapsed().as_secs_f64();
+    println!("safe mode engaged {after_s:.1} s after the VTN stopped");
+    assert!(after_s >= 59.0, "not before after_s: {after_s:.1} s");
+    assert_eq!(held.domain.as_deref(), Some("rack-a"), "{held:?}");
+    assert_eq!(held.cut, Cut::Target { budget_w: 1000.0 }, "{held:?}");
+    wait_until("n1's caps within 1 kW", Duration::from_secs(30), || {
+        (stack.caps_w().iter().sum::<f64>() <= 1000.0 + 1e-6).then_some(())
+    });
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("safe mode engaged"), "{text}");
+    // The VTN answers again: lifted, and the caps come back.
+    bed.resume_vtn().unwrap_or_else(|e| panic!("{e}"));
+    wait_until("the safe mode lifted", Duration::from_secs(60), || {
+        events(&stack).is_empty().then_some(())
+    });
+    wait_until("n1's caps back", Duration::from_secs(60), || {
+        stack
+            .caps_w()
+            .iter()
+            .all(|&c| c == DEFAULT_CAP_W)
+            .then_some(())
+    });
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("safe mode lifted"), "{text}");
+    stack.ends_clean(&[job], Duration::from_secs(30));
+}
