@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Sender};
+use crossbeam_channel::{unbounded, Receiver, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{
@@ -29,6 +29,7 @@ use powerflex_proto::link::{
 };
 use tracing::{info, warn};
 
+use crate::control::LeaseRefused;
 use crate::server::{Inbound, SnapshotCell};
 
 /// What the link needs to know.
@@ -159,6 +160,21 @@ fn handshake(
     }
 }
 
+/// The first refusal among the machine's verdicts that have come back; verdicts not in
+/// yet stay, those in (and those whose loop is gone) are dropped.
+fn refused_lease(verdicts: &mut Vec<Receiver<Result<(), LeaseRefused>>>) -> Option<LeaseRefused> {
+    let mut refused = None;
+    verdicts.retain(|rx| match rx.try_recv() {
+        Ok(Err(r)) => {
+            refused.get_or_insert(r);
+            false
+        }
+        Ok(Ok(())) | Err(crossbeam_channel::TryRecvError::Disconnected) => false,
+        Err(crossbeam_channel::TryRecvError::Empty) => true,
+    });
+    refused
+}
+
 fn serve(
     mut stream: TcpStream,
     options: &LinkOptions,
@@ -199,7 +215,32 @@ fn serve(
     let mut next_report = Instant::now();
     let mut turn: usize = 0;
     let mut leases_reported = leases_applied(snapshot);
+    // The machine's verdicts on the leases handed to it, oldest first.
+    let mut verdicts: Vec<Receiver<Result<(), LeaseRefused>>> = Vec::new();
     while !shutdown.load(Ordering::SeqCst) {
+        if let Some(refused) = refused_lease(&mut verdicts) {
+            // Fencing: this controller lost leadership to a later one. It is told in
+            // typed words (it steps down), and the agent looks for the active one.
+            let LeaseRefused::StaleEpoch {
+                lease_epoch,
+                accepted_epoch,
+            } = refused;
+            let _ = send(
+                &mut stream,
+                &mut session,
+                &Body::Fenced {
+                    lease_epoch,
+                    accepted_epoch,
+                },
+            );
+            warn!(
+                controller = %options.controller,
+                lease_epoch,
+                accepted_epoch,
+                "this controller's leases are refused for their epoch; looking for the active controller"
+            );
+            break;
+        }
         // A lease just applied is confirmed at once (the caps read back are in the
         // report), not at the next period: the controller holds increases until then.
         let applied = leases_applied(snapshot);
@@ -227,6 +268,7 @@ fn serve(
                         learn,
                         next_event_in_s,
                         event_in_force,
+                        epoch,
                     } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
@@ -236,7 +278,8 @@ fn serve(
                         }
                         let caps: BTreeMap<String, Watts> =
                             caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
-                        let _ = tx.send(Inbound::Lease(crate::control::LeaseMessage {
+                        let (verdict, verdict_rx) = crossbeam_channel::bounded(1);
+                        let lease = crate::control::LeaseMessage {
                             caps,
                             ttl_s,
                             start_cap: start_cap_w.map(Watts),
@@ -244,7 +287,15 @@ fn serve(
                             learn,
                             next_event_in_s,
                             event_in_force,
-                        }));
+                            epoch,
+                        };
+                        if tx.send(Inbound::Lease { lease, verdict }).is_ok() {
+                            verdicts.push(verdict_rx);
+                        }
+                    }
+                    Body::Standby { reason } => {
+                        info!(controller = %options.controller, %reason, "the controller is a standby; looking for the active controller");
+                        break;
                     }
                     Body::Acked { finals } => {
                         // Bounded and checked before it reaches the loop: a malformed

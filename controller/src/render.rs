@@ -406,6 +406,29 @@ pub fn render_whatif(d: &DecisionView) -> String {
 }
 
 /// The accounting database's line in `status`: quiet when it keeps up, loud when not.
+/// The controller's leadership in one line (`[controller.ha]`, or fenced): upper case
+/// when it does not steer, as the other warnings of the status are.
+pub fn leadership_line(l: &powerflex_proto::status::LeadershipView) -> String {
+    use powerflex_proto::status::LeadershipRole;
+    let name = l.name.as_deref().unwrap_or("this controller");
+    let mut line = match l.role {
+        LeadershipRole::Active => format!("leadership: {name} active, epoch {}", l.epoch),
+        role => format!(
+            "LEADERSHIP: {name} {} (epoch {}), not steering",
+            role.name().to_uppercase(),
+            l.epoch
+        ),
+    };
+    if let Some(holder) = &l.holder {
+        line.push_str(&format!("; active: {holder}"));
+    }
+    if let Some(reason) = &l.reason {
+        line.push_str(&format!("; {reason}"));
+    }
+    line.push('\n');
+    line
+}
+
 pub fn accounting_db_line(db: &powerflex_proto::status::AccountingDbView) -> String {
     let dropped = if db.dropped > 0 {
         format!(
@@ -538,6 +561,9 @@ pub fn render_status(s: &CtldStatus) -> String {
     }
     if let Some(db) = &s.accounting_db {
         out.push_str(&accounting_db_line(db));
+    }
+    if let Some(l) = &s.leadership {
+        out.push_str(&leadership_line(l));
     }
     let refused: Vec<String> = s
         .nodes
@@ -696,6 +722,7 @@ mod tests {
             jobs_of_uid: None,
             slurm: None,
             accounting_db: None,
+            leadership: None,
         }
     }
 

@@ -225,6 +225,9 @@ pub enum Refusal {
     /// `event-add` found [`crate::event::MAX_PENDING_EVENTS`] events held already: this
     /// one may be accepted once others end or are cancelled.
     TooManyEvents,
+    /// A change sent to a controller that does not steer the site now (a standby, one
+    /// that stepped down, or one fenced): send it to the active controller.
+    NotActive,
     /// A refusal this client does not know (a newer controller): handled as a plain
     /// error, so an added variant never makes the whole reply unreadable.
     #[serde(other)]

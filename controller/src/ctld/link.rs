@@ -466,6 +466,17 @@ fn serve_session(
                     observe_only,
                 });
             }
+            Ok(Body::Fenced {
+                lease_epoch,
+                accepted_epoch,
+            }) => {
+                warn!(%peer, %node, lease_epoch, accepted_epoch, "the agent refuses this controller's leases for their epoch");
+                let _ = shared.tx.send(Inbound::Fenced {
+                    node: node.clone(),
+                    lease_epoch,
+                    accepted_epoch,
+                });
+            }
             Ok(other) => {
                 shared.refusals.count("unexpected");
                 warn!(%peer, %node, kind = other.kind(), "unexpected message from an agent ignored");

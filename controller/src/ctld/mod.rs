@@ -115,6 +115,12 @@ pub(crate) enum Inbound {
     },
     /// A read of Slurm's placement (see [`spawn_placement_reader`]).
     Placement(Result<crate::placement::Placement, String>),
+    /// An agent refused a lease for its epoch (`Body::Fenced`).
+    Fenced {
+        node: String,
+        lease_epoch: u64,
+        accepted_epoch: u64,
+    },
 }
 
 /// Reads Slurm's placement (`squeue --json`, `sinfo --json`) every `poll`, and at once
@@ -352,7 +358,17 @@ pub fn run_on_clock(
                 learn: lease.learn,
                 next_event_in_s: lease.next_event_in_s,
                 event_in_force: lease.event_in_force,
+                epoch: out.epoch,
             });
+        }
+        if out.stopped_steering {
+            // The agents look for the controller that steers now; until they find it
+            // their last lease holds their caps, then the fail-safe does.
+            for writer in std::mem::take(&mut writers).into_values() {
+                let _ = writer.try_send(Body::Standby {
+                    reason: "this controller stopped steering".into(),
+                });
+            }
         }
         // Before the annotations that show them in Slurm: the log is the record (and the
         // database's journal: it gets each record after the log has it).
@@ -453,6 +469,18 @@ pub fn run_on_clock(
                         }
                         Inbound::Placement(read) => {
                             inputs.push(Input::Placement(Box::new(read)));
+                            waiting.push(None);
+                        }
+                        Inbound::Fenced {
+                            node,
+                            lease_epoch,
+                            accepted_epoch,
+                        } => {
+                            inputs.push(Input::Fenced {
+                                node,
+                                lease_epoch,
+                                accepted_epoch,
+                            });
                             waiting.push(None);
                         }
                     }

@@ -329,6 +329,7 @@ mod tests {
                 jobs_of_uid: None,
                 slurm: None,
                 accounting_db: None,
+                leadership: None,
             }),
             ..AdminReply::ok()
         }

@@ -118,6 +118,7 @@ pub fn build(
         jobs_of_uid: None,
         slurm: None,
         accounting_db: None,
+        leadership: None,
     }
 }
 
