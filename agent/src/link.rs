@@ -5,9 +5,14 @@
 //! key of both), then says hello (the node's GPUs), reports the node's jobs every
 //! allocation period, and hands every authenticated lease for this node from the
 //! controller to the control loop. A reader thread per connection turns bytes into
-//! lines. On any failure the connection is dropped and re-made with exponential backoff
-//! (1 s to 30 s); meanwhile the caps already granted hold until their lease runs out,
-//! then the control loop applies the fail-safe cap. Frames that fail authentication
+//! lines. On any failure the connection is dropped and the next controller address
+//! tried (`controller.listen`, then `controller.standby_addresses`, issue 22): a standby
+//! answers a hello with `Body::Standby`, and a controller whose leases this node refuses
+//! for their epoch is told so (`Body::Fenced`), and the agent moves on. Once every
+//! address has been tried, the next round waits 1 s when some controller answered (a
+//! takeover is under way), or backs off exponentially (1 s to 30 s) when none could be
+//! reached; meanwhile the caps already granted hold until their lease runs out, then the
+//! control loop applies the fail-safe cap. Frames that fail authentication
 //! (forged, or recorded on an earlier connection), are replayed, stale, or name another
 //! node are logged and ignored.
 
@@ -35,7 +40,9 @@ use crate::server::{Inbound, SnapshotCell};
 /// What the link needs to know.
 #[derive(Debug, Clone)]
 pub struct LinkOptions {
-    pub controller: SocketAddr,
+    /// Every controller's link address, `controller.listen` first, then
+    /// `controller.standby_addresses`: tried in turn until one steers.
+    pub controllers: Vec<SocketAddr>,
     /// This node's own link key (contents of `agent.key_file`, made by `powerflexctl
     /// link-key` from the site key).
     pub key: Vec<u8>,
@@ -72,21 +79,43 @@ pub fn spawn(
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name("controller-link".into()).spawn(move || {
         let mut backoff = Duration::from_secs(1);
+        let mut next = 0usize;
+        // Whether any address answered in this round of them.
+        let mut answered = false;
         while !shutdown.load(Ordering::SeqCst) {
-            match TcpStream::connect_timeout(&options.controller, Duration::from_secs(2)) {
+            let Some(&controller) = options.controllers.get(next % options.controllers.len().max(1)) else {
+                warn!("no controller address; the link stays down");
+                return;
+            };
+            next += 1;
+            match TcpStream::connect_timeout(&controller, Duration::from_secs(2)) {
                 Ok(stream) => {
-                    info!(controller = %options.controller, "connected to the controller");
-                    backoff = Duration::from_secs(1);
-                    serve(stream, &options, &snapshot, &tx, &shutdown);
-                    warn!(controller = %options.controller, "controller link lost; caps hold until their lease ends");
+                    info!(%controller, "connected to the controller");
+                    answered = true;
+                    match serve(stream, controller, &options, &snapshot, &tx, &shutdown) {
+                        Ended::Steered => {
+                            backoff = Duration::from_secs(1);
+                            warn!(%controller, "controller link lost; caps hold until their lease ends");
+                        }
+                        Ended::NotActive => {}
+                    }
                 }
-                Err(e) => warn!(controller = %options.controller, error = %e, retry_s = backoff.as_secs(), "cannot reach the controller"),
+                Err(e) => warn!(%controller, error = %e, "cannot reach the controller"),
             }
-            let until = Instant::now() + backoff;
+            if next % options.controllers.len() != 0 {
+                // The next address at once: the active controller may be there.
+                continue;
+            }
+            let wait = if answered { Duration::from_secs(1) } else { backoff };
+            if !answered {
+                warn!(retry_s = wait.as_secs(), "no controller reachable");
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+            answered = false;
+            let until = Instant::now() + wait;
             while Instant::now() < until && !shutdown.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            backoff = (backoff * 2).min(Duration::from_secs(30));
         }
     })
 }
@@ -175,21 +204,31 @@ fn refused_lease(verdicts: &mut Vec<Receiver<Result<(), LeaseRefused>>>) -> Opti
     refused
 }
 
+/// How a connection to a controller ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// A session with a controller that steered (or might have): lost.
+    Steered,
+    /// The controller does not steer: a standby, fenced, or no session at all.
+    NotActive,
+}
+
 fn serve(
     mut stream: TcpStream,
+    controller: SocketAddr,
     options: &LinkOptions,
     snapshot: &SnapshotCell,
     tx: &Sender<Inbound>,
     shutdown: &AtomicBool,
-) {
+) -> Ended {
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
     let Ok(read_half) = stream.try_clone() else {
-        return;
+        return Ended::NotActive;
     };
     let mut reader = BufReader::new(read_half);
     let Some(mut session) = handshake(&mut stream, &mut reader, options) else {
         let _ = stream.shutdown(std::net::Shutdown::Both);
-        return;
+        return Ended::NotActive;
     };
     info!(node = %options.node, "link v2 session with the controller established");
     let (lines_tx, lines_rx) = unbounded::<String>();
@@ -210,13 +249,14 @@ fn serve(
     ) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let _ = reader.join();
-        return;
+        return Ended::NotActive;
     }
     let mut next_report = Instant::now();
     let mut turn: usize = 0;
     let mut leases_reported = leases_applied(snapshot);
     // The machine's verdicts on the leases handed to it, oldest first.
     let mut verdicts: Vec<Receiver<Result<(), LeaseRefused>>> = Vec::new();
+    let mut ended = Ended::Steered;
     while !shutdown.load(Ordering::SeqCst) {
         if let Some(refused) = refused_lease(&mut verdicts) {
             // Fencing: this controller lost leadership to a later one. It is told in
@@ -234,11 +274,12 @@ fn serve(
                 },
             );
             warn!(
-                controller = %options.controller,
+                %controller,
                 lease_epoch,
                 accepted_epoch,
                 "this controller's leases are refused for their epoch; looking for the active controller"
             );
+            ended = Ended::NotActive;
             break;
         }
         // A lease just applied is confirmed at once (the caps read back are in the
@@ -294,7 +335,8 @@ fn serve(
                         }
                     }
                     Body::Standby { reason } => {
-                        info!(controller = %options.controller, %reason, "the controller is a standby; looking for the active controller");
+                        info!(%controller, %reason, "the controller does not steer; looking for the active controller");
+                        ended = Ended::NotActive;
                         break;
                     }
                     Body::Acked { finals } => {
@@ -322,4 +364,5 @@ fn serve(
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let _ = reader.join();
+    ended
 }

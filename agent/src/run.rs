@@ -685,7 +685,12 @@ fn spawn_edges(
     }
     if let Some(mut link) = options.link.clone() {
         link.gpus = agent.gpu_infos();
-        let addr = link.controller.to_string();
+        let addr = link
+            .controllers
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
         threads.push(
             crate::link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
                 |source| AgentError::Io {

@@ -279,7 +279,9 @@ fn start(cli: Cli) -> Result<(), String> {
     } else {
         match powerflex_daemon::fsx::read_key_file(&site.agent.key_file(&node)) {
             Ok(key) => Some(LinkOptions {
-                controller: site.controller.listen,
+                controllers: std::iter::once(site.controller.listen)
+                    .chain(site.controller.standby_addresses.iter().copied())
+                    .collect(),
                 key,
                 node: node.clone(),
                 report_period: Duration::from_secs(site.controller.allocation_period_s),
