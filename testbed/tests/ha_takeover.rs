@@ -1,13 +1,17 @@
 //! A standby controller on a real PostgreSQL 16 (issue 22, item 3): two real
-//! `powerflex-ctld` with `[controller.ha]` on one [`PgBed`], and three harness agents
-//! speaking the real link (no Slurm, no GPUs: the subject is the controllers).
+//! `powerflex-ctld` with `[controller.ha]` on one [`PgBed`], one real `powerflexd` on a
+//! simulated node of 4 GPUs (the real NVML code path through the simulated library),
+//! and three harness agents speaking the real link (no Slurm: the subject is the
+//! controllers and the agents' following them).
 //!
 //! The harness agents follow the agent's rules for what this test checks: they try the
 //! controllers' addresses in turn, move on at a `standby` answer, keep the highest epoch
 //! they accepted a lease from and refuse a lower one with `fenced`, and hold their last
-//! lease's caps until it runs out, then min(fail-safe, last grant). (The real agent's
-//! machine is held to the same rules by its unit tests.) What is metered is the sum of
-//! the caps in force × GPUs, every 50 ms: the promise `hard` mode makes.
+//! lease's caps until it runs out, then min(fail-safe, last grant). The real agent does
+//! so by its own code (`controller.standby_addresses`, its machine's epoch). What is
+//! metered is the sum of the caps in force, every 50 ms: the harness agents' caps ×
+//! GPUs, and the real node's GPU limits as its simulated NVML holds them (the promise
+//! `hard` mode makes; the real node runs no job process, so its draw is idle draw).
 //!
 //! Checked, fault rows 16 and 17 of `docs/fault-matrix.md`:
 //! - the active controller killed with SIGKILL in the middle of a grid event: the standby
@@ -20,7 +24,9 @@
 //!   in force.
 
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,20 +35,29 @@ use std::time::{Duration, Instant};
 
 use powerflex_core::config::RawHa;
 use powerflex_proto::link::{Body, JobReport};
-use powerflex_proto::status::{CtldStatus, LeadershipRole};
+use powerflex_proto::status::{AgentStatus, CtldStatus, LeadershipRole};
+use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
+use powerflex_sim::state::Node;
 use powerflex_testbed::link_peer::{h200s, LinkPeer};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::pg::PgBed;
 use powerflex_testbed::site::SiteBuilder;
-use powerflex_testbed::{binary, free_loopback_port, run, wait_until, write_site_key, Children};
+use powerflex_testbed::{
+    binary, free_loopback_port, profile_dir, run, wait_until, write_node_keys, write_site_key,
+    Children,
+};
 
 const SITE_KEY: &str = "a site key for the standby controller test\n";
+/// Harness agents; the real agent is one more node.
 const NODES: usize = 3;
 const GPUS: u32 = 4;
 const FAILSAFE_W: f64 = 300.0;
-const BASE_BUDGET_W: f64 = 9_000.0;
-/// The event's budget: 40 % off the base.
+/// Above every GPU uncapped (16 × 700 W), so the start is within it.
+const BASE_BUDGET_W: f64 = 12_000.0;
+/// The event's budget (`--target`).
 const EVENT_BUDGET_W: f64 = 5_400.0;
+/// The real agent's job.
+const REAL_JOB: &str = "900";
 const LEASE_TTL_S: u64 = 20;
 const LEADER_TTL_S: u64 = 6;
 
@@ -239,22 +254,80 @@ type Sample = (Instant, f64, Vec<f64>);
 
 fn sampler(
     held: Vec<Arc<Mutex<Held>>>,
+    real: RealNode,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<Vec<Sample>> {
     std::thread::spawn(move || {
         let mut samples = Vec::new();
         while !stop.load(Ordering::SeqCst) {
             let now = Instant::now();
-            let caps: Vec<f64> = held
+            let mut caps: Vec<f64> = held
                 .iter()
                 .map(|h| h.lock().expect("held").cap_in_force(now))
                 .collect();
-            let sum = caps.iter().sum::<f64>() * f64::from(GPUS);
+            let mut sum = caps.iter().sum::<f64>() * f64::from(GPUS);
+            let limits = real.limits_w();
+            sum += limits.iter().sum::<f64>();
+            caps.push(limits.iter().copied().fold(0.0, f64::max));
+            real.note_epoch();
             samples.push((now, sum, caps));
             std::thread::sleep(Duration::from_millis(50));
         }
         samples
     })
+}
+
+/// The real `powerflexd` on its simulated node: its GPU limits read from the simulated
+/// NVML's state, the epochs it accepted from its status (first seen when).
+#[derive(Clone)]
+struct RealNode {
+    sim: PathBuf,
+    socket: PathBuf,
+    first_epoch: Arc<Mutex<BTreeMap<u64, Instant>>>,
+}
+
+impl RealNode {
+    fn limits_w(&self) -> Vec<f64> {
+        let node = Node::open(&self.sim).expect("the simulated node");
+        (0..GPUS)
+            .map(|i| f64::from(node.gpu(i).expect("gpu").power_limit_mw) / 1000.0)
+            .collect()
+    }
+
+    fn request(&self, op: ControlOp) -> Option<ControlReply> {
+        let mut stream = UnixStream::connect(&self.socket).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        stream
+            .write_all(ControlRequest::new(op).to_line().as_bytes())
+            .ok()?;
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line).ok()?;
+        ControlReply::from_line(&line).ok()
+    }
+
+    fn status(&self) -> Option<AgentStatus> {
+        self.request(ControlOp::Status)?.status
+    }
+
+    /// Records when the agent first showed each controller epoch.
+    fn note_epoch(&self) {
+        if let Some(status) = self.status() {
+            self.first_epoch
+                .lock()
+                .expect("epochs")
+                .entry(status.controller_epoch)
+                .or_insert_with(Instant::now);
+        }
+    }
+
+    fn first_at(&self, epoch: u64) -> Option<Instant> {
+        self.note_epoch();
+        self.first_epoch
+            .lock()
+            .expect("epochs")
+            .get(&epoch)
+            .copied()
+    }
 }
 
 fn config(base: &Path, name: &'static str, own: SocketAddr, other: SocketAddr, url: &str) -> Ctld {
@@ -290,19 +363,88 @@ fn config(base: &Path, name: &'static str, own: SocketAddr, other: SocketAddr, u
     }
 }
 
-fn all_leased_at(held: &[Arc<Mutex<Held>>], epoch: u64) -> Option<Instant> {
+/// When the last node (harness and real) got its first lease of `epoch`.
+fn all_leased_at(held: &[Arc<Mutex<Held>>], real: &RealNode, epoch: u64) -> Option<Instant> {
     held.iter()
         .map(|h| h.lock().expect("held").first_lease.get(&epoch).copied())
+        .chain(std::iter::once(real.first_at(epoch)))
         .collect::<Option<Vec<_>>>()
         .and_then(|t| t.into_iter().max())
 }
 
-fn sum_now(held: &[Arc<Mutex<Held>>]) -> f64 {
+fn sum_now(held: &[Arc<Mutex<Held>>], real: &RealNode) -> f64 {
     let now = Instant::now();
     held.iter()
         .map(|h| h.lock().expect("held").cap_in_force(now))
         .sum::<f64>()
         * f64::from(GPUS)
+        + real.limits_w().iter().sum::<f64>()
+}
+
+/// Each node's cap now (the real node's highest GPU limit last), as the sampler has them.
+fn caps_now(held: &[Arc<Mutex<Held>>], real: &RealNode) -> Vec<f64> {
+    let now = Instant::now();
+    held.iter()
+        .map(|h| h.lock().expect("held").cap_in_force(now))
+        .chain(std::iter::once(
+            real.limits_w().iter().copied().fold(0.0, f64::max),
+        ))
+        .collect()
+}
+
+/// Starts the real agent for node `r0` on its simulated node, following `a` then `b`.
+fn start_real_agent(base: &Path, a: SocketAddr, b: SocketAddr) -> (Children, RealNode) {
+    let sim = base.join("sim/r0");
+    Node::init(&sim, "r0", "H200", GPUS, true).expect("simulated node");
+    let config = base.join("agent.toml");
+    SiteBuilder::new(BASE_BUDGET_W)
+        .placement_from_reports()
+        .h200(&[700.0, 600.0, 500.0, 400.0, 300.0], FAILSAFE_W)
+        .controller(a, LEASE_TTL_S, 1)
+        .key_file(&base.join("powerflex.key"))
+        .agent_paths(
+            &format!("{}/%n.sock", base.display()),
+            &format!("{}/agent-state/%n", base.display()),
+            &profile_dir().join("libpowerflex_sim_nvml.so"),
+        )
+        .edit(|raw| {
+            raw.facility.budget_mode = Some("hard".into());
+            raw.controller.standby_addresses = Some(vec![b.to_string()]);
+        })
+        .write(&config)
+        .unwrap_or_else(|e| panic!("{e}"));
+    write_node_keys(&binary("powerflexctl"), &config, &["r0"]);
+    let socket = base.join("r0.sock");
+    let log = std::fs::File::create(base.join("agent.log")).expect("agent log");
+    let child = Command::new(binary("powerflexd"))
+        .args(["--config", config.to_str().expect("utf-8")])
+        .args(["--node", "r0", "--sample-interval-ms", "200"])
+        .env("POWERFLEX_SIM_DIR", &sim)
+        .env("RUST_LOG", "info")
+        .stderr(log)
+        .spawn()
+        .expect("powerflexd");
+    wait_until("the agent's socket", Duration::from_secs(20), || {
+        UnixStream::connect(&socket).ok()
+    });
+    let real = RealNode {
+        sim,
+        socket,
+        first_epoch: Arc::new(Mutex::new(BTreeMap::new())),
+    };
+    // As slurmstepd registers a step (root, on the control socket).
+    let registered = real
+        .request(ControlOp::Register {
+            job_id: REAL_JOB.into(),
+            step_id: "0".into(),
+            uid: 4242,
+            node: "r0".into(),
+            gpus: (0..GPUS).map(|g| g.to_string()).collect(),
+            flex: "flex3,calibrate=off".into(),
+        })
+        .expect("a reply");
+    assert!(registered.ok, "{registered:?}");
+    (Children(vec![child]), real)
 }
 
 #[test]
@@ -369,21 +511,22 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
             agent(n, order, held[n].clone(), stop.clone())
         })
         .collect();
+    let (agent_proc, real) = start_real_agent(&base, a.addr, b.addr);
     wait_until(
         "every node leased by ctld-a",
         Duration::from_secs(30),
-        || all_leased_at(&held, 1),
+        || all_leased_at(&held, &real, 1),
     );
     phase("every node leased at epoch 1");
 
-    // 3. A grid event, cut 40 %: the caps come down to it.
+    // 3. A grid event, down to 5.4 kW: the caps come down to it.
     let out = run(
         &binary("powerflexctl"),
         &[
             "event",
             "add",
-            "--reduce",
-            "40%",
+            "--target",
+            "5400W",
             "--start",
             "now",
             "--duration",
@@ -411,17 +554,14 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
         refused.stderr
     );
     wait_until("the caps within the event", Duration::from_secs(20), || {
-        (sum_now(&held) <= EVENT_BUDGET_W + 1e-6).then_some(())
+        (sum_now(&held, &real) <= EVENT_BUDGET_W + 1e-6).then_some(())
     });
     phase("the event's caps in force");
-    let sampling = sampler(held.clone(), stop.clone());
+    let sampling = sampler(held.clone(), real.clone(), stop.clone());
     std::thread::sleep(Duration::from_secs(2));
 
     // 4. The active controller killed with SIGKILL, mid-event.
-    let caps_at_kill: Vec<f64> = held
-        .iter()
-        .map(|h| h.lock().expect("held").cap_in_force(Instant::now()))
-        .collect();
+    let caps_at_kill = caps_now(&held, &real);
     let pid_a = proc_a.0[0].id();
     proc_a.0[0].kill().expect("SIGKILL ctld-a");
     let _ = proc_a.0[0].wait();
@@ -434,7 +574,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     let leased = wait_until(
         "every node leased by ctld-b",
         Duration::from_secs(20),
-        || all_leased_at(&held, 2),
+        || all_leased_at(&held, &real, 2),
     );
     let leased_s = leased.duration_since(killed).as_secs_f64();
     eprintln!(
@@ -470,10 +610,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
 
     // 6. The database stopped: ctld-b steps down before its leadership can lapse, and
     //    nothing steers while it is away.
-    let caps_at_pause: Vec<f64> = held
-        .iter()
-        .map(|h| h.lock().expect("held").cap_in_force(Instant::now()))
-        .collect();
+    let caps_at_pause = caps_now(&held, &real);
     pg.pause();
     let paused = Instant::now();
     phase("PostgreSQL stopped");
@@ -513,7 +650,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     let leased = wait_until(
         "every node leased at epoch 3",
         Duration::from_secs(40),
-        || all_leased_at(&held, 3),
+        || all_leased_at(&held, &real, 3),
     );
     let recovered_s = leased.saturating_duration_since(accepting).as_secs_f64();
     let restart_s = accepting.duration_since(resuming).as_secs_f64();
@@ -539,7 +676,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     wait_until(
         "the caps within the event again",
         Duration::from_secs(10),
-        || (sum_now(&held) <= EVENT_BUDGET_W + 1e-6).then_some(()),
+        || (sum_now(&held, &real) <= EVENT_BUDGET_W + 1e-6).then_some(()),
     );
     std::thread::sleep(Duration::from_secs(1));
 
@@ -566,6 +703,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     let first_at = |epoch: u64| -> Vec<Instant> {
         held.iter()
             .map(|h| h.lock().expect("held").first_lease[&epoch])
+            .chain(std::iter::once(real.first_at(epoch).expect("leased")))
             .collect()
     };
     let (after_kill, after_resume) = (first_at(2), first_at(3));
@@ -598,6 +736,15 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
         );
     }
     assert!(a.log().contains("leadership taken") && b.log().contains("stepping down"));
+    // The real agent followed every leadership, and kept the newest epoch.
+    let status = real.status().expect("the real agent's status");
+    assert_eq!(status.controller_epoch, 3, "{status:?}");
+    assert_eq!(status.mode, powerflex_proto::status::AgentMode::Controller);
+    eprintln!(
+        "the real agent: epoch {}, {} leases applied, {} refused for their epoch",
+        status.controller_epoch, status.leases_applied, status.leases_refused_epoch
+    );
+    drop(agent_proc);
     drop(proc_a);
     drop(proc_b);
 }
