@@ -7,12 +7,15 @@
 //! controller to the control loop. A reader thread per connection turns bytes into
 //! lines. On any failure the connection is dropped and the next controller address
 //! tried (`controller.listen`, then `controller.standby_addresses`, issue 22): a standby
-//! answers a hello with `Body::Standby`, and a controller whose leases this node refuses
-//! for their epoch is told so (`Body::Fenced`), and the agent moves on. Once every
-//! address has been tried, the next round waits 1 s when some controller answered (a
-//! takeover is under way), or backs off exponentially (1 s to 30 s) when none could be
-//! reached; meanwhile the caps already granted hold until their lease runs out, then the
-//! control loop applies the fail-safe cap. Frames that fail authentication
+//! answers a hello with `Body::Standby`, a controller whose leases this node refuses for
+//! their epoch is told so (`Body::Fenced`), and one that sent no lease for
+//! [`LinkOptions::silent_after`] is left (a frozen or cut-off controller keeps the
+//! connection open without a word); an address that did not answer is set aside that
+//! long while another may steer. Once every address has been tried, the next round
+//! waits 1 s when some controller answered (a takeover is under way), or backs off
+//! exponentially (1 s to 30 s) when none could be reached. Meanwhile the caps already
+//! granted hold until their lease runs out, then the control loop applies the fail-safe
+//! cap. Frames that fail authentication
 //! (forged, or recorded on an earlier connection), are replayed, stale, or name another
 //! node are logged and ignored.
 
@@ -49,6 +52,21 @@ pub struct LinkOptions {
     pub node: String,
     pub report_period: Duration,
     pub gpus: Vec<GpuInfo>,
+    /// With more than one controller address: a session in which no lease came for this
+    /// long is left for the next address. A steering controller renews every lease each
+    /// allocation period; one frozen or cut off by a partition keeps the connection open
+    /// without a word (TCP notices only after many minutes) while a standby takes over.
+    pub silent_after: Duration,
+}
+
+impl LinkOptions {
+    /// [`LinkOptions::silent_after`] for a site: a quarter of the lease, and at least
+    /// three allocation periods. A standby steers within half a lease of the active
+    /// controller's end (`[controller.ha]`), so an agent that leaves at a quarter finds
+    /// it before its last lease runs out.
+    pub fn silence_for(lease_ttl: Duration, report_period: Duration) -> Duration {
+        (lease_ttl / 4).max(report_period * 3)
+    }
 }
 
 /// Longest wait for the controller's challenge after the agent's open.
@@ -78,40 +96,69 @@ pub fn spawn(
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name("controller-link".into()).spawn(move || {
+        let count = options.controllers.len();
+        if count == 0 {
+            warn!("no controller address; the link stays down");
+            return;
+        }
         let mut backoff = Duration::from_secs(1);
         let mut next = 0usize;
-        // Whether any address answered in this round of them.
-        let mut answered = false;
+        // Per address: set aside until then after it did not answer (or went silent),
+        // while another address may steer: a frozen controller accepts connections
+        // and then says nothing, and would cost a handshake timeout every round.
+        let mut set_aside: Vec<Option<Instant>> = vec![None; count];
+        // When some address last answered (a standby that answers now may steer in a
+        // moment: no backoff while one does), and how many were tried this round.
+        let mut last_answer: Option<Instant> = None;
+        let mut tried = 0usize;
         while !shutdown.load(Ordering::SeqCst) {
-            let Some(&controller) = options.controllers.get(next % options.controllers.len().max(1)) else {
-                warn!("no controller address; the link stays down");
-                return;
+            let open = |aside: &[Option<Instant>], i: usize| {
+                aside[i].is_none_or(|t| Instant::now() >= t)
             };
-            next += 1;
-            match TcpStream::connect_timeout(&controller, Duration::from_secs(2)) {
+            let index = (0..count)
+                .map(|k| (next + k) % count)
+                .find(|&i| open(&set_aside, i))
+                .unwrap_or(next % count);
+            next = index + 1;
+            let controller = options.controllers[index];
+            let ended = match TcpStream::connect_timeout(&controller, Duration::from_secs(2)) {
                 Ok(stream) => {
                     info!(%controller, "connected to the controller");
-                    answered = true;
-                    match serve(stream, controller, &options, &snapshot, &tx, &shutdown) {
-                        Ended::Steered => {
-                            backoff = Duration::from_secs(1);
-                            warn!(%controller, "controller link lost; caps hold until their lease ends");
-                        }
-                        Ended::NotActive => {}
-                    }
+                    serve(stream, controller, &options, &snapshot, &tx, &shutdown)
                 }
-                Err(e) => warn!(%controller, error = %e, "cannot reach the controller"),
+                Err(e) => {
+                    warn!(%controller, error = %e, "cannot reach the controller");
+                    Ended::Unresponsive
+                }
+            };
+            match ended {
+                Ended::Steered => {
+                    backoff = Duration::from_secs(1);
+                    warn!(%controller, "controller link lost; caps hold until their lease ends");
+                }
+                Ended::NotActive => {}
+                Ended::Unresponsive if count > 1 => {
+                    set_aside[index] = Some(Instant::now() + options.silent_after);
+                }
+                Ended::Unresponsive => {}
             }
-            if next % options.controllers.len() != 0 {
+            if ended != Ended::Unresponsive {
+                last_answer = Some(Instant::now());
+                set_aside[index] = None;
+            }
+            tried += 1;
+            let open_now = (0..count).filter(|&i| open(&set_aside, i)).count().max(1);
+            if tried < open_now {
                 // The next address at once: the active controller may be there.
                 continue;
             }
+            let answered = last_answer.is_some_and(|t| t.elapsed() < options.silent_after);
             let wait = if answered { Duration::from_secs(1) } else { backoff };
             if !answered {
                 warn!(retry_s = wait.as_secs(), "no controller reachable");
                 backoff = (backoff * 2).min(Duration::from_secs(30));
             }
-            answered = false;
+            tried = 0;
             let until = Instant::now() + wait;
             while Instant::now() < until && !shutdown.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(50));
@@ -209,8 +256,12 @@ fn refused_lease(verdicts: &mut Vec<Receiver<Result<(), LeaseRefused>>>) -> Opti
 enum Ended {
     /// A session with a controller that steered (or might have): lost.
     Steered,
-    /// The controller does not steer: a standby, fenced, or no session at all.
+    /// The controller answered that it does not steer (a standby), or its leases were
+    /// refused for their epoch (fenced).
     NotActive,
+    /// No session (unreachable, or no handshake), or a session in which no lease came
+    /// for [`LinkOptions::silent_after`].
+    Unresponsive,
 }
 
 fn serve(
@@ -223,12 +274,12 @@ fn serve(
 ) -> Ended {
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
     let Ok(read_half) = stream.try_clone() else {
-        return Ended::NotActive;
+        return Ended::Unresponsive;
     };
     let mut reader = BufReader::new(read_half);
     let Some(mut session) = handshake(&mut stream, &mut reader, options) else {
         let _ = stream.shutdown(std::net::Shutdown::Both);
-        return Ended::NotActive;
+        return Ended::Unresponsive;
     };
     info!(node = %options.node, "link v2 session with the controller established");
     let (lines_tx, lines_rx) = unbounded::<String>();
@@ -249,7 +300,7 @@ fn serve(
     ) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let _ = reader.join();
-        return Ended::NotActive;
+        return Ended::Unresponsive;
     }
     let mut next_report = Instant::now();
     let mut turn: usize = 0;
@@ -257,7 +308,18 @@ fn serve(
     // The machine's verdicts on the leases handed to it, oldest first.
     let mut verdicts: Vec<Receiver<Result<(), LeaseRefused>>> = Vec::new();
     let mut ended = Ended::Steered;
+    let mut last_lease = Instant::now();
+    let followable = options.controllers.len() > 1;
     while !shutdown.load(Ordering::SeqCst) {
+        if followable && last_lease.elapsed() >= options.silent_after {
+            warn!(
+                %controller,
+                silent_s = last_lease.elapsed().as_secs_f64(),
+                "no lease from this controller for a quarter of a lease; looking for the active controller"
+            );
+            ended = Ended::Unresponsive;
+            break;
+        }
         if let Some(refused) = refused_lease(&mut verdicts) {
             // Fencing: this controller lost leadership to a later one. It is told in
             // typed words (it steps down), and the agent looks for the active one.
@@ -333,6 +395,7 @@ fn serve(
                         if tx.send(Inbound::Lease { lease, verdict }).is_ok() {
                             verdicts.push(verdict_rx);
                         }
+                        last_lease = Instant::now();
                     }
                     Body::Standby { reason } => {
                         info!(%controller, %reason, "the controller does not steer; looking for the active controller");

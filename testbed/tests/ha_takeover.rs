@@ -13,7 +13,7 @@
 //! GPUs, and the real node's GPU limits as its simulated NVML holds them (the promise
 //! `hard` mode makes; the real node runs no job process, so its draw is idle draw).
 //!
-//! Checked, fault rows 16 and 17 of `docs/fault-matrix.md`:
+//! Checked, fault rows 16 to 18 of `docs/fault-matrix.md`:
 //! - the active controller killed with SIGKILL in the middle of a grid event: the standby
 //!   takes over within half a lease TTL (the time is printed), from the committed state
 //!   (the event still in force, the budget the event's); no node's cap rises before the
@@ -21,7 +21,11 @@
 //!   sample; the old primary, started again, stands by and never steers;
 //! - the database stopped: the active controller steps down (status says so) and no
 //!   cap rises; when the database is back one controller steers again, the event still
-//!   in force.
+//!   in force;
+//! - the active controller frozen with SIGSTOP (a partition that resets no connection):
+//!   the standby takes over, the agents leave the silent one for it within half a lease,
+//!   no cap rises meanwhile, and the old leader, thawed, finds it lost leadership and
+//!   never steers again.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -34,6 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use powerflex_core::config::RawHa;
+use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::link::{Body, JobReport};
 use powerflex_proto::status::{AgentStatus, CtldStatus, LeadershipRole};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
@@ -59,6 +64,9 @@ const EVENT_BUDGET_W: f64 = 5_400.0;
 /// The real agent's job.
 const REAL_JOB: &str = "900";
 const LEASE_TTL_S: u64 = 20;
+/// A session without a lease this long is left for the next address, as `powerflexd`
+/// does (`LinkOptions::silence_for`: a quarter of the lease, at least three periods).
+const SILENT_AFTER: Duration = Duration::from_secs(LEASE_TTL_S / 4);
 const LEADER_TTL_S: u64 = 6;
 
 /// One controller of the pair.
@@ -184,12 +192,22 @@ fn agent(
         let name = format!("n{node}");
         let job = format!("{}", 100 + node);
         let mut next = 0usize;
+        let count = controllers.len();
+        // As the agent: an address that did not answer, or went silent, is set aside.
+        let mut set_aside: Vec<Option<Instant>> = vec![None; count];
         while !stop.load(Ordering::SeqCst) {
-            let addr = controllers[next % controllers.len()];
-            next += 1;
+            let open =
+                |aside: &[Option<Instant>], i: usize| aside[i].is_none_or(|t| Instant::now() >= t);
+            let index = (0..count)
+                .map(|k| (next + k) % count)
+                .find(|&i| open(&set_aside, i))
+                .unwrap_or(next % count);
+            next = index + 1;
+            let addr = controllers[index];
             let Ok(mut peer) =
                 LinkPeer::connect(addr, SITE_KEY.trim().as_bytes(), &name, h200s(&name, 4))
             else {
+                set_aside[index] = Some(Instant::now() + SILENT_AFTER);
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             };
@@ -199,7 +217,12 @@ fn agent(
                 continue;
             }
             let mut next_report = Instant::now() + Duration::from_secs(1);
+            let mut last_lease = Instant::now();
             while !stop.load(Ordering::SeqCst) {
+                if last_lease.elapsed() >= SILENT_AFTER {
+                    set_aside[index] = Some(Instant::now() + SILENT_AFTER);
+                    break;
+                }
                 if Instant::now() >= next_report {
                     next_report = Instant::now() + Duration::from_secs(1);
                     if peer.send(&report(node, cap(&held))).is_err() {
@@ -229,6 +252,7 @@ fn agent(
                         }
                         h.lease_until = Some(now + Duration::from_secs_f64(ttl_s));
                         h.first_lease.entry(epoch).or_insert(now);
+                        last_lease = now;
                         *h.leases.entry(epoch).or_default() += 1;
                         let c = h.cap_w;
                         drop(h);
@@ -680,6 +704,59 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     );
     std::thread::sleep(Duration::from_secs(1));
 
+    // 8. The active controller frozen (SIGSTOP: a partition that resets no connection,
+    //    so no agent hears of it): the standby takes over, the agents leave the silent
+    //    one for it; thawed, the old leader finds it lost leadership and never steers.
+    let (frozen, other, frozen_pid) = if active.name == a.name {
+        (&a, &b, proc_a.0[0].id())
+    } else {
+        (&b, &a, proc_b.0[0].id())
+    };
+    let caps_at_freeze = caps_now(&held, &real);
+    kill(frozen_pid, Signal::STOP).expect("SIGSTOP");
+    let froze = Instant::now();
+    phase(&format!(
+        "{} (pid {frozen_pid}) frozen with SIGSTOP",
+        frozen.name
+    ));
+    wait_until(
+        "the other controller active",
+        Duration::from_secs(20),
+        || (other.role() == Some(LeadershipRole::Active)).then_some(()),
+    );
+    let other_active_s = froze.elapsed().as_secs_f64();
+    let leased = wait_until(
+        "every node leased at epoch 4",
+        Duration::from_secs(30),
+        || all_leased_at(&held, &real, 4),
+    );
+    let frozen_leased_s = leased.duration_since(froze).as_secs_f64();
+    eprintln!(
+        "frozen leader: {} active {other_active_s:.2} s after the SIGSTOP, every node leased by it after {frozen_leased_s:.2} s",
+        other.name
+    );
+    assert!(
+        frozen_leased_s <= LEASE_TTL_S as f64 / 2.0,
+        "every node follows the new leader within half a lease: {frozen_leased_s:.2} s"
+    );
+    kill(frozen_pid, Signal::CONT).expect("SIGCONT");
+    phase(&format!("{} thawed", frozen.name));
+    wait_until(
+        "the thawed controller not steering",
+        Duration::from_secs(10),
+        || frozen.role().filter(|r| *r != LeadershipRole::Active),
+    );
+    for _ in 0..20 {
+        assert_ne!(
+            frozen.role(),
+            Some(LeadershipRole::Active),
+            "the thawed leader steers again"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(other.role(), Some(LeadershipRole::Active));
+    phase(&format!("{} not steering after the thaw", frozen.name));
+
     stop.store(true, Ordering::SeqCst);
     let samples = sampling.join().expect("sampler");
     for t in agents {
@@ -706,7 +783,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
             .chain(std::iter::once(real.first_at(epoch).expect("leased")))
             .collect()
     };
-    let (after_kill, after_resume) = (first_at(2), first_at(3));
+    let (after_kill, after_resume, after_freeze) = (first_at(2), first_at(3), first_at(4));
     for (when, sum, caps) in &samples {
         for (n, cap) in caps.iter().enumerate() {
             if *when >= killed && *when < after_kill[n] {
@@ -714,6 +791,13 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
                     *cap <= caps_at_kill[n] + 1e-6,
                     "node {n} raised during the takeover: {cap} > {} ({sum} W)",
                     caps_at_kill[n]
+                );
+            }
+            if *when >= froze && *when < after_freeze[n] {
+                assert!(
+                    *cap <= caps_at_freeze[n] + 1e-6,
+                    "node {n} raised while its leader was frozen: {cap} > {}",
+                    caps_at_freeze[n]
                 );
             }
             if *when >= paused && *when < after_resume[n] {
@@ -730,15 +814,15 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     for h in &held {
         let h = h.lock().expect("held");
         assert!(
-            h.leases.keys().all(|e| [1, 2, 3].contains(e)),
-            "leases only from the three leaderships: {:?}",
+            h.leases.keys().all(|e| [1, 2, 3, 4].contains(e)) && h.epoch == 4,
+            "leases only from the four leaderships, the last one kept: {:?}",
             h.leases
         );
     }
     assert!(a.log().contains("leadership taken") && b.log().contains("stepping down"));
     // The real agent followed every leadership, and kept the newest epoch.
     let status = real.status().expect("the real agent's status");
-    assert_eq!(status.controller_epoch, 3, "{status:?}");
+    assert_eq!(status.controller_epoch, 4, "{status:?}");
     assert_eq!(status.mode, powerflex_proto::status::AgentMode::Controller);
     eprintln!(
         "the real agent: epoch {}, {} leases applied, {} refused for their epoch",

@@ -286,6 +286,10 @@ fn start(cli: Cli) -> Result<(), String> {
                 node: node.clone(),
                 report_period: Duration::from_secs(site.controller.allocation_period_s),
                 gpus: Vec::new(),
+                silent_after: LinkOptions::silence_for(
+                    site.controller.lease_ttl(),
+                    Duration::from_secs(site.controller.allocation_period_s),
+                ),
             }),
             Err(e) => {
                 tracing::error!(
