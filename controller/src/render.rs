@@ -758,6 +758,39 @@ mod tests {
         );
     }
 
+    /// Issue 22: the leadership line, quiet while active, loud (and naming the active
+    /// controller and why) while not.
+    #[test]
+    fn status_says_whether_this_controller_steers() {
+        use powerflex_proto::status::{LeadershipRole, LeadershipView};
+        let mut s = status();
+        assert!(
+            !render_status(&s).contains("eadership"),
+            "one controller: no line"
+        );
+        let view = |role, holder: Option<&str>, reason: Option<&str>| LeadershipView {
+            role,
+            name: Some("ctld-a".into()),
+            epoch: 4,
+            holder: holder.map(str::to_string),
+            reason: reason.map(str::to_string),
+            since_unix_ms: 0,
+        };
+        s.leadership = Some(view(LeadershipRole::Active, None, None));
+        assert!(render_status(&s).contains("leadership: ctld-a active, epoch 4\n"));
+        s.leadership = Some(view(LeadershipRole::Standby, Some("ctld-b"), None));
+        assert!(render_status(&s)
+            .contains("LEADERSHIP: ctld-a STANDBY (epoch 4), not steering; active: ctld-b\n"));
+        s.leadership = Some(view(
+            LeadershipRole::SteppedDown,
+            None,
+            Some("leadership not renewed for 4000 ms"),
+        ));
+        assert!(render_status(&s).contains(
+            "LEADERSHIP: ctld-a STEPPED-DOWN (epoch 4), not steering; leadership not renewed for 4000 ms\n"
+        ));
+    }
+
     #[test]
     fn a_job_report_shows_its_curve_over_events_one_row_per_snapshot() {
         use powerflex_proto::status::{CurvePoint, CurveSnapshot, SnapshotAfter};
