@@ -234,9 +234,18 @@ impl Worker {
         }
         let timeout_ms = self.options.timeout.as_millis();
         let session = format!("-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}");
+        // A partition (no reset) must fail a claim within the timeout rather than
+        // after TCP's retransmissions (many minutes), or this controller could not
+        // compete again until then: data unacknowledged that long, or a peer silent to
+        // three keepalives, ends the connection. (A server that is alive but stuck is
+        // not bounded here; the machine's deadline bounds what that costs.)
         config
             .connect_timeout(self.options.timeout)
+            .tcp_user_timeout(self.options.timeout)
             .keepalives(true)
+            .keepalives_idle(self.options.timeout)
+            .keepalives_interval(Duration::from_secs(1))
+            .keepalives_retries(3)
             .application_name("powerflex-ctld-ha")
             .options(&session);
         let mut client = config
