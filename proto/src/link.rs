@@ -165,7 +165,9 @@ pub enum Body {
         /// controller takes leadership of the site. An agent keeps the highest epoch it
         /// has accepted and refuses a lease from a lower one ([`Body::Fenced`]), so a
         /// controller that lost leadership can never steer beside the one that took it.
-        /// Absent (0) from a single controller, and from one older than this field.
+        /// Absent (0) from a single controller, and from one older than this field. An
+        /// agent older than this field refuses a lease that carries it: upgrade the
+        /// agents before enabling `[controller.ha]`.
         #[serde(default, skip_serializing_if = "is_zero")]
         epoch: u64,
     },
