@@ -5,9 +5,17 @@
 //! key of both), then says hello (the node's GPUs), reports the node's jobs every
 //! allocation period, and hands every authenticated lease for this node from the
 //! controller to the control loop. A reader thread per connection turns bytes into
-//! lines. On any failure the connection is dropped and re-made with exponential backoff
-//! (1 s to 30 s); meanwhile the caps already granted hold until their lease runs out,
-//! then the control loop applies the fail-safe cap. Frames that fail authentication
+//! lines. On any failure the connection is dropped and the next controller address
+//! tried (`controller.listen`, then `controller.standby_addresses`, issue 22): a standby
+//! answers a hello with `Body::Standby`, a controller whose leases this node refuses for
+//! their epoch is told so (`Body::Fenced`), and one that sent no lease for
+//! [`LinkOptions::silent_after`] is left (a frozen or cut-off controller keeps the
+//! connection open without a word); an address that did not answer is set aside that
+//! long while another may steer. Once every address has been tried, the next round
+//! waits 1 s when some controller answered (a takeover is under way), or backs off
+//! exponentially (1 s to 30 s) when none could be reached. Meanwhile the caps already
+//! granted hold until their lease runs out, then the control loop applies the fail-safe
+//! cap. Frames that fail authentication
 //! (forged, or recorded on an earlier connection), are replayed, stale, or name another
 //! node are logged and ignored.
 
@@ -20,7 +28,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Sender};
+use crossbeam_channel::{unbounded, Receiver, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{
@@ -29,18 +37,36 @@ use powerflex_proto::link::{
 };
 use tracing::{info, warn};
 
+use crate::control::LeaseRefused;
 use crate::server::{Inbound, SnapshotCell};
 
 /// What the link needs to know.
 #[derive(Debug, Clone)]
 pub struct LinkOptions {
-    pub controller: SocketAddr,
+    /// Every controller's link address, `controller.listen` first, then
+    /// `controller.standby_addresses`: tried in turn until one steers.
+    pub controllers: Vec<SocketAddr>,
     /// This node's own link key (contents of `agent.key_file`, made by `powerflexctl
     /// link-key` from the site key).
     pub key: Vec<u8>,
     pub node: String,
     pub report_period: Duration,
     pub gpus: Vec<GpuInfo>,
+    /// With more than one controller address: a session in which no lease came for this
+    /// long is left for the next address. A steering controller renews every lease each
+    /// allocation period; one frozen or cut off by a partition keeps the connection open
+    /// without a word (TCP notices only after many minutes) while a standby takes over.
+    pub silent_after: Duration,
+}
+
+impl LinkOptions {
+    /// [`LinkOptions::silent_after`] for a site: a quarter of the lease, and at least
+    /// three allocation periods. A standby steers within half a lease of the active
+    /// controller's end (`[controller.ha]`), so an agent that leaves at a quarter finds
+    /// it before its last lease runs out.
+    pub fn silence_for(lease_ttl: Duration, report_period: Duration) -> Duration {
+        (lease_ttl / 4).max(report_period * 3)
+    }
 }
 
 /// Longest wait for the controller's challenge after the agent's open.
@@ -70,22 +96,73 @@ pub fn spawn(
     shutdown: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name("controller-link".into()).spawn(move || {
+        let count = options.controllers.len();
+        if count == 0 {
+            warn!("no controller address; the link stays down");
+            return;
+        }
         let mut backoff = Duration::from_secs(1);
+        let mut next = 0usize;
+        // Per address: set aside until then after it did not answer (or went silent),
+        // while another address may steer: a frozen controller accepts connections
+        // and then says nothing, and would cost a handshake timeout every round.
+        let mut set_aside: Vec<Option<Instant>> = vec![None; count];
+        // When some address last answered (a standby that answers now may steer in a
+        // moment: no backoff while one does), and how many were tried this round.
+        let mut last_answer: Option<Instant> = None;
+        let mut tried = 0usize;
         while !shutdown.load(Ordering::SeqCst) {
-            match TcpStream::connect_timeout(&options.controller, Duration::from_secs(2)) {
+            let open = |aside: &[Option<Instant>], i: usize| {
+                aside[i].is_none_or(|t| Instant::now() >= t)
+            };
+            let index = (0..count)
+                .map(|k| (next + k) % count)
+                .find(|&i| open(&set_aside, i))
+                .unwrap_or(next % count);
+            next = index + 1;
+            let controller = options.controllers[index];
+            let ended = match TcpStream::connect_timeout(&controller, Duration::from_secs(2)) {
                 Ok(stream) => {
-                    info!(controller = %options.controller, "connected to the controller");
-                    backoff = Duration::from_secs(1);
-                    serve(stream, &options, &snapshot, &tx, &shutdown);
-                    warn!(controller = %options.controller, "controller link lost; caps hold until their lease ends");
+                    info!(%controller, "connected to the controller");
+                    serve(stream, controller, &options, &snapshot, &tx, &shutdown)
                 }
-                Err(e) => warn!(controller = %options.controller, error = %e, retry_s = backoff.as_secs(), "cannot reach the controller"),
+                Err(e) => {
+                    warn!(%controller, error = %e, "cannot reach the controller");
+                    Ended::Unresponsive
+                }
+            };
+            match ended {
+                Ended::Steered => {
+                    backoff = Duration::from_secs(1);
+                    warn!(%controller, "controller link lost; caps hold until their lease ends");
+                }
+                Ended::NotActive => {}
+                Ended::Unresponsive if count > 1 => {
+                    set_aside[index] = Some(Instant::now() + options.silent_after);
+                }
+                Ended::Unresponsive => {}
             }
-            let until = Instant::now() + backoff;
+            if ended != Ended::Unresponsive {
+                last_answer = Some(Instant::now());
+                set_aside[index] = None;
+            }
+            tried += 1;
+            let open_now = (0..count).filter(|&i| open(&set_aside, i)).count().max(1);
+            if tried < open_now {
+                // The next address at once: the active controller may be there.
+                continue;
+            }
+            let answered = last_answer.is_some_and(|t| t.elapsed() < options.silent_after);
+            let wait = if answered { Duration::from_secs(1) } else { backoff };
+            if !answered {
+                warn!(retry_s = wait.as_secs(), "no controller reachable");
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+            tried = 0;
+            let until = Instant::now() + wait;
             while Instant::now() < until && !shutdown.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            backoff = (backoff * 2).min(Duration::from_secs(30));
         }
     })
 }
@@ -159,21 +236,50 @@ fn handshake(
     }
 }
 
+/// The first refusal among the machine's verdicts that have come back; verdicts not in
+/// yet stay, those in (and those whose loop is gone) are dropped.
+fn refused_lease(verdicts: &mut Vec<Receiver<Result<(), LeaseRefused>>>) -> Option<LeaseRefused> {
+    let mut refused = None;
+    verdicts.retain(|rx| match rx.try_recv() {
+        Ok(Err(r)) => {
+            refused.get_or_insert(r);
+            false
+        }
+        Ok(Ok(())) | Err(crossbeam_channel::TryRecvError::Disconnected) => false,
+        Err(crossbeam_channel::TryRecvError::Empty) => true,
+    });
+    refused
+}
+
+/// How a connection to a controller ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// A session with a controller that steered (or might have): lost.
+    Steered,
+    /// The controller answered that it does not steer (a standby), or its leases were
+    /// refused for their epoch (fenced).
+    NotActive,
+    /// No session (unreachable, or no handshake), or a session in which no lease came
+    /// for [`LinkOptions::silent_after`].
+    Unresponsive,
+}
+
 fn serve(
     mut stream: TcpStream,
+    controller: SocketAddr,
     options: &LinkOptions,
     snapshot: &SnapshotCell,
     tx: &Sender<Inbound>,
     shutdown: &AtomicBool,
-) {
+) -> Ended {
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
     let Ok(read_half) = stream.try_clone() else {
-        return;
+        return Ended::Unresponsive;
     };
     let mut reader = BufReader::new(read_half);
     let Some(mut session) = handshake(&mut stream, &mut reader, options) else {
         let _ = stream.shutdown(std::net::Shutdown::Both);
-        return;
+        return Ended::Unresponsive;
     };
     info!(node = %options.node, "link v2 session with the controller established");
     let (lines_tx, lines_rx) = unbounded::<String>();
@@ -194,12 +300,50 @@ fn serve(
     ) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let _ = reader.join();
-        return;
+        return Ended::Unresponsive;
     }
     let mut next_report = Instant::now();
     let mut turn: usize = 0;
     let mut leases_reported = leases_applied(snapshot);
+    // The machine's verdicts on the leases handed to it, oldest first.
+    let mut verdicts: Vec<Receiver<Result<(), LeaseRefused>>> = Vec::new();
+    let mut ended = Ended::Steered;
+    let mut last_lease = Instant::now();
+    let followable = options.controllers.len() > 1;
     while !shutdown.load(Ordering::SeqCst) {
+        if followable && last_lease.elapsed() >= options.silent_after {
+            warn!(
+                %controller,
+                silent_s = last_lease.elapsed().as_secs_f64(),
+                "no lease from this controller for a quarter of a lease; looking for the active controller"
+            );
+            ended = Ended::Unresponsive;
+            break;
+        }
+        if let Some(refused) = refused_lease(&mut verdicts) {
+            // Fencing: this controller lost leadership to a later one. It is told in
+            // typed words (it steps down), and the agent looks for the active one.
+            let LeaseRefused::StaleEpoch {
+                lease_epoch,
+                accepted_epoch,
+            } = refused;
+            let _ = send(
+                &mut stream,
+                &mut session,
+                &Body::Fenced {
+                    lease_epoch,
+                    accepted_epoch,
+                },
+            );
+            warn!(
+                %controller,
+                lease_epoch,
+                accepted_epoch,
+                "this controller's leases are refused for their epoch; looking for the active controller"
+            );
+            ended = Ended::NotActive;
+            break;
+        }
         // A lease just applied is confirmed at once (the caps read back are in the
         // report), not at the next period: the controller holds increases until then.
         let applied = leases_applied(snapshot);
@@ -227,6 +371,7 @@ fn serve(
                         learn,
                         next_event_in_s,
                         event_in_force,
+                        epoch,
                     } => {
                         // A lease for another node (misrouted, or replayed from there)
                         // would set this node's caps from another node's share.
@@ -236,7 +381,8 @@ fn serve(
                         }
                         let caps: BTreeMap<String, Watts> =
                             caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
-                        let _ = tx.send(Inbound::Lease(crate::control::LeaseMessage {
+                        let (verdict, verdict_rx) = crossbeam_channel::bounded(1);
+                        let lease = crate::control::LeaseMessage {
                             caps,
                             ttl_s,
                             start_cap: start_cap_w.map(Watts),
@@ -244,7 +390,17 @@ fn serve(
                             learn,
                             next_event_in_s,
                             event_in_force,
-                        }));
+                            epoch,
+                        };
+                        if tx.send(Inbound::Lease { lease, verdict }).is_ok() {
+                            verdicts.push(verdict_rx);
+                        }
+                        last_lease = Instant::now();
+                    }
+                    Body::Standby { reason } => {
+                        info!(%controller, %reason, "the controller does not steer; looking for the active controller");
+                        ended = Ended::NotActive;
+                        break;
                     }
                     Body::Acked { finals } => {
                         // Bounded and checked before it reaches the loop: a malformed
@@ -271,4 +427,5 @@ fn serve(
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let _ = reader.join();
+    ended
 }

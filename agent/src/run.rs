@@ -231,6 +231,7 @@ fn append_records(state_dir: &Path, records: &[powerflex_proto::usage::NodeUsage
 enum Responder {
     Control(Sender<ControlReply>),
     Progress(Sender<Result<(), String>>),
+    Lease(Sender<Result<(), crate::control::LeaseRefused>>),
 }
 
 impl Responder {
@@ -240,6 +241,9 @@ impl Responder {
                 let _ = tx.send(*r);
             }
             (Responder::Progress(tx), Reply::Progress(r)) => {
+                let _ = tx.send(r);
+            }
+            (Responder::Lease(tx), Reply::Lease(r)) => {
                 let _ = tx.send(r);
             }
             (_, reply) => error!(
@@ -374,9 +378,8 @@ impl Edge<'_> {
                 self.drive(vec![input], Vec::new());
                 return note_if_slow(started, what);
             }
-            Inbound::Lease(lease) => {
-                self.drive(vec![AgentInput::Lease(lease)], Vec::new());
-                return note_if_slow(started, what);
+            Inbound::Lease { lease, verdict } => {
+                (AgentInput::Lease(lease), Responder::Lease(verdict))
             }
             Inbound::Acked { finals } => {
                 self.drive(vec![AgentInput::Acked(finals)], Vec::new());
@@ -682,7 +685,12 @@ fn spawn_edges(
     }
     if let Some(mut link) = options.link.clone() {
         link.gpus = agent.gpu_infos();
-        let addr = link.controller.to_string();
+        let addr = link
+            .controllers
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
         threads.push(
             crate::link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
                 |source| AgentError::Io {

@@ -59,8 +59,12 @@ pub enum Inbound {
     /// A progress line refused before reaching the loop (counted there).
     ProgressRefused { reason: String, peer: Peer },
     /// An authenticated lease from the controller for this node (see
-    /// [`crate::control::LeaseMessage`]).
-    Lease(crate::control::LeaseMessage),
+    /// [`crate::control::LeaseMessage`]), with where the machine's verdict goes: a
+    /// lease refused for its epoch is answered to the controller by the link.
+    Lease {
+        lease: crate::control::LeaseMessage,
+        verdict: Sender<Result<(), crate::control::LeaseRefused>>,
+    },
     /// The controller acknowledged these final shares (checked and bounded by the link):
     /// their records are written.
     Acked {

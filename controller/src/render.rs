@@ -449,6 +449,29 @@ pub fn render_whatif(d: &DecisionView) -> String {
 }
 
 /// The accounting database's line in `status`: quiet when it keeps up, loud when not.
+/// The controller's leadership in one line (`[controller.ha]`, or fenced): upper case
+/// when it does not steer, as the other warnings of the status are.
+pub fn leadership_line(l: &powerflex_proto::status::LeadershipView) -> String {
+    use powerflex_proto::status::LeadershipRole;
+    let name = l.name.as_deref().unwrap_or("this controller");
+    let mut line = match l.role {
+        LeadershipRole::Active => format!("leadership: {name} active, epoch {}", l.epoch),
+        role => format!(
+            "LEADERSHIP: {name} {} (epoch {}), not steering",
+            role.name().to_uppercase(),
+            l.epoch
+        ),
+    };
+    if let Some(holder) = &l.holder {
+        line.push_str(&format!("; active: {holder}"));
+    }
+    if let Some(reason) = &l.reason {
+        line.push_str(&format!("; {reason}"));
+    }
+    line.push('\n');
+    line
+}
+
 pub fn accounting_db_line(db: &powerflex_proto::status::AccountingDbView) -> String {
     let dropped = if db.dropped > 0 {
         format!(
@@ -617,6 +640,9 @@ pub fn render_status(s: &CtldStatus) -> String {
     if let Some(db) = &s.accounting_db {
         out.push_str(&accounting_db_line(db));
     }
+    if let Some(l) = &s.leadership {
+        out.push_str(&leadership_line(l));
+    }
     let refused: Vec<String> = s
         .nodes
         .iter()
@@ -778,6 +804,7 @@ mod tests {
             slurm: None,
             accounting_db: None,
             domains: Vec::new(),
+            leadership: None,
         }
     }
 
@@ -811,6 +838,39 @@ mod tests {
             !text.contains("caps set for") && !text.contains("HELD OUT"),
             "{text}"
         );
+    }
+
+    /// Issue 22: the leadership line, quiet while active, loud (and naming the active
+    /// controller and why) while not.
+    #[test]
+    fn status_says_whether_this_controller_steers() {
+        use powerflex_proto::status::{LeadershipRole, LeadershipView};
+        let mut s = status();
+        assert!(
+            !render_status(&s).contains("eadership"),
+            "one controller: no line"
+        );
+        let view = |role, holder: Option<&str>, reason: Option<&str>| LeadershipView {
+            role,
+            name: Some("ctld-a".into()),
+            epoch: 4,
+            holder: holder.map(str::to_string),
+            reason: reason.map(str::to_string),
+            since_unix_ms: 0,
+        };
+        s.leadership = Some(view(LeadershipRole::Active, None, None));
+        assert!(render_status(&s).contains("leadership: ctld-a active, epoch 4\n"));
+        s.leadership = Some(view(LeadershipRole::Standby, Some("ctld-b"), None));
+        assert!(render_status(&s)
+            .contains("LEADERSHIP: ctld-a STANDBY (epoch 4), not steering; active: ctld-b\n"));
+        s.leadership = Some(view(
+            LeadershipRole::SteppedDown,
+            None,
+            Some("leadership not renewed for 4000 ms"),
+        ));
+        assert!(render_status(&s).contains(
+            "LEADERSHIP: ctld-a STEPPED-DOWN (epoch 4), not steering; leadership not renewed for 4000 ms\n"
+        ));
     }
 
     #[test]

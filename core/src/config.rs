@@ -234,6 +234,44 @@ pub struct RawController {
     /// ended job's energy record to (its own tables, migrated by the controller). Absent:
     /// the records live in the JSON-lines log under `state_dir` only.
     pub database: Option<RawDatabase>,
+    /// Link addresses of the site's other controllers (`[controller.ha]`), e.g.
+    /// `["10.0.0.6:7300"]`: an agent tries `listen` first, then these in turn, and
+    /// follows whichever steers (a standby sends it on). At most 8, IP literals. Absent:
+    /// one controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby_addresses: Option<Vec<String>>,
+    /// `[controller.ha]`: two or more controllers, one active, with their leadership and
+    /// state in PostgreSQL (issue 22). Absent: one controller, its state in `state_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ha: Option<RawHa>,
+}
+
+/// `[controller.ha]`: a standby controller. Each controller of the site runs with the
+/// same database and its own `name`; the one holding leadership steers, the others
+/// wait and take over when its leadership lapses.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "reference", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RawHa {
+    /// This controller's name, unique among the site's controllers: 1 to 64 ASCII
+    /// letters, digits, `.`, `_` or `-`, e.g. the host's name.
+    pub name: String,
+    /// The PostgreSQL URL of the database that holds leadership and state, without a
+    /// password, e.g. `postgres://powerflex@db.example.org:5432/powerflex` (it may be
+    /// the accounting database's).
+    pub url: String,
+    /// Absolute path of a root-only file holding the database user's password (its first
+    /// line). Absent: none is sent.
+    pub password_file: Option<String>,
+    /// Longest wait to connect, and for one statement, seconds, at least 1 and at most
+    /// a third of `leader_ttl_s` (default: 5, or a third of `leader_ttl_s` when less).
+    pub timeout_s: Option<u64>,
+    /// How long leadership lasts unless renewed, seconds (renewed every third of it; a
+    /// standby polls as often). A standby takes over at most four thirds of it after
+    /// the active controller stops, so it must be at most 3/8 of
+    /// `controller.lease_ttl_s` (takeover within half a lease); at least 3. Default:
+    /// 3/10 of `controller.lease_ttl_s` (18 for the default 60).
+    pub leader_ttl_s: Option<u64>,
 }
 
 /// `[controller.database]`: where the controller's PostgreSQL database is.
@@ -514,6 +552,130 @@ pub struct ControllerConfig {
     pub slurm_timeout_s: u64,
     /// The accounting database, if the site has one.
     pub database: Option<DatabaseConfig>,
+    /// The other controllers' link addresses, for agents: at most 8, none is `listen`.
+    pub standby_addresses: Vec<SocketAddr>,
+    /// `[controller.ha]`, when the site runs more than one controller.
+    pub ha: Option<HaConfig>,
+}
+
+/// `[controller.ha]`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HaConfig {
+    /// 1 to 64 of `[A-Za-z0-9._-]`.
+    pub name: String,
+    /// The leadership and state database (its URL checked as
+    /// `controller.database.url`'s; `timeout_s` at most a third of `leader_ttl_s`).
+    pub database: DatabaseConfig,
+    /// 3 or more, at most 3/8 of `controller.lease_ttl_s`.
+    pub leader_ttl_s: u64,
+}
+
+impl HaConfig {
+    /// How long leadership lasts unless renewed.
+    pub fn leader_ttl(&self) -> Duration {
+        Duration::from_secs(self.leader_ttl_s)
+    }
+}
+
+/// Most `controller.standby_addresses`.
+pub const MAX_STANDBY_ADDRESSES: usize = 8;
+/// Shortest `controller.ha.leader_ttl_s`: renewed every second at most.
+pub const MIN_LEADER_TTL_S: u64 = 3;
+
+fn validate_ha(raw: RawHa, lease_ttl_s: u64) -> Result<HaConfig, ConfigError> {
+    let name = raw.name.trim().to_string();
+    let name_ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !name_ok {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.ha.name".into(),
+            value: format!("\"{}\"", name.escape_default()),
+            accepted: "1 to 64 ASCII letters, digits, '.', '_' or '-', unique per controller"
+                .into(),
+        });
+    }
+    // Takeover takes at most a leadership TTL (the row lapses) and a standby's poll
+    // (a third of it) after the active controller stops: within half a lease, the
+    // known agents are still awaited and no lease has run out.
+    let most_s = lease_ttl_s * 3 / 8;
+    let leader_ttl_s = raw
+        .leader_ttl_s
+        .unwrap_or((lease_ttl_s * 3 / 10).max(MIN_LEADER_TTL_S));
+    if leader_ttl_s < MIN_LEADER_TTL_S || leader_ttl_s > most_s {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.ha.leader_ttl_s".into(),
+            value: leader_ttl_s.to_string(),
+            accepted: if most_s < MIN_LEADER_TTL_S {
+                format!(
+                    "none with controller.lease_ttl_s = {lease_ttl_s}: a takeover within half                      a lease needs controller.lease_ttl_s of at least 8"
+                )
+            } else {
+                format!(
+                    "{MIN_LEADER_TTL_S} to {most_s} seconds (3/8 of controller.lease_ttl_s =                      {lease_ttl_s}: a standby takes over within 4/3 of it, half a lease)"
+                )
+            },
+        });
+    }
+    let most_timeout_s = leader_ttl_s / 3;
+    let timeout_s = raw.timeout_s.unwrap_or(5.min(most_timeout_s));
+    if !(1..=most_timeout_s).contains(&timeout_s) {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.ha.timeout_s".into(),
+            value: timeout_s.to_string(),
+            accepted: format!(
+                "1 to {most_timeout_s} seconds (a third of controller.ha.leader_ttl_s: a \
+                 renewal must end before the next is due)"
+            ),
+        });
+    }
+    let database = validate_database_at(
+        RawDatabase {
+            url: raw.url,
+            password_file: raw.password_file,
+            timeout_s: Some(1),
+        },
+        "controller.ha",
+    )?;
+    Ok(HaConfig {
+        name,
+        database: DatabaseConfig {
+            timeout_s,
+            ..database
+        },
+        leader_ttl_s,
+    })
+}
+
+fn validate_standby_addresses(
+    raw: Option<Vec<String>>,
+    listen: SocketAddr,
+) -> Result<Vec<SocketAddr>, ConfigError> {
+    let raw = raw.unwrap_or_default();
+    if raw.len() > MAX_STANDBY_ADDRESSES {
+        return Err(ConfigError::OutOfRange {
+            key: "controller.standby_addresses".into(),
+            value: format!("{} addresses", raw.len()),
+            accepted: format!("at most {MAX_STANDBY_ADDRESSES}"),
+        });
+    }
+    let mut addresses: Vec<SocketAddr> = Vec::with_capacity(raw.len());
+    for text in raw {
+        let addr = socket_addr("controller.standby_addresses", &text)?;
+        if addr.ip().is_unspecified() || addr == listen || addresses.contains(&addr) {
+            return Err(ConfigError::OutOfRange {
+                key: "controller.standby_addresses".into(),
+                value: addr.to_string(),
+                accepted: "the other controllers' own addresses, each once, none of them \
+                           controller.listen nor 0.0.0.0/[::]"
+                    .into(),
+            });
+        }
+        addresses.push(addr);
+    }
+    Ok(addresses)
 }
 
 /// `[controller.database]`, validated.
@@ -531,6 +693,11 @@ pub struct DatabaseConfig {
 pub const MAX_DATABASE_URL_BYTES: usize = 1024;
 
 fn validate_database(raw: RawDatabase) -> Result<DatabaseConfig, ConfigError> {
+    validate_database_at(raw, "controller.database")
+}
+
+/// A database section's keys (`section.url`, ...), checked and named under `section`.
+fn validate_database_at(raw: RawDatabase, section: &str) -> Result<DatabaseConfig, ConfigError> {
     let url = raw.url.trim().to_string();
     let shown = || format!("\"{}\"", url.escape_default());
     let rest = url
@@ -538,7 +705,7 @@ fn validate_database(raw: RawDatabase) -> Result<DatabaseConfig, ConfigError> {
         .or_else(|| url.strip_prefix("postgresql://"));
     let Some(rest) = rest.filter(|_| url.len() <= MAX_DATABASE_URL_BYTES) else {
         return Err(ConfigError::OutOfRange {
-            key: "controller.database.url".into(),
+            key: format!("{section}.url"),
             value: shown(),
             accepted: format!(
                 "a PostgreSQL URL of at most {MAX_DATABASE_URL_BYTES} bytes, \
@@ -551,39 +718,40 @@ fn validate_database(raw: RawDatabase) -> Result<DatabaseConfig, ConfigError> {
     if let Some((userinfo, _)) = authority.rsplit_once('@') {
         if userinfo.contains(':') {
             return Err(ConfigError::OutOfRange {
-                key: "controller.database.url".into(),
+                key: format!("{section}.url"),
                 value: "a URL with a password".into(),
-                accepted: "a URL without one (postgres://USER@HOST:PORT/DATABASE); put the \
-                           password in a root-only file named by \
-                           controller.database.password_file"
-                    .into(),
+                accepted: format!(
+                    "a URL without one (postgres://USER@HOST:PORT/DATABASE); put the \
+                     password in a root-only file named by {section}.password_file"
+                ),
             });
         }
     }
     if rest.contains("password=") {
         return Err(ConfigError::OutOfRange {
-            key: "controller.database.url".into(),
+            key: format!("{section}.url"),
             value: "a URL with a password parameter".into(),
-            accepted: "a URL without one; put the password in a root-only file named by \
-                       controller.database.password_file"
-                .into(),
+            accepted: format!(
+                "a URL without one; put the password in a root-only file named by \
+                 {section}.password_file"
+            ),
         });
     }
     if url.chars().any(|c| c.is_control() || c == ' ') {
         return Err(ConfigError::OutOfRange {
-            key: "controller.database.url".into(),
+            key: format!("{section}.url"),
             value: shown(),
             accepted: "a URL without spaces or control characters".into(),
         });
     }
     let password_file = match raw.password_file {
         None => None,
-        Some(p) => Some(path("controller.database.password_file", &p, true)?),
+        Some(p) => Some(path(&format!("{section}.password_file"), &p, true)?),
     };
     let timeout_s = raw.timeout_s.unwrap_or(5);
     if !(1..=60).contains(&timeout_s) {
         return Err(ConfigError::OutOfRange {
-            key: "controller.database.timeout_s".into(),
+            key: format!("{section}.timeout_s"),
             value: timeout_s.to_string(),
             accepted: "1 to 60 seconds".into(),
         });
@@ -1467,6 +1635,8 @@ fn validate_controller(raw: RawController) -> Result<ControllerConfig, ConfigErr
         slurm_poll_s,
         slurm_timeout_s,
         database: raw.database.map(validate_database).transpose()?,
+        standby_addresses: validate_standby_addresses(raw.standby_addresses, listen)?,
+        ha: raw.ha.map(|ha| validate_ha(ha, lease_ttl_s)).transpose()?,
     })
 }
 
@@ -2349,6 +2519,107 @@ programs = ["gpu-dr"]
         }
     }
 
+    /// Issue 22: `[controller.ha]` is optional; its leadership TTL must let a standby
+    /// take over within half a lease, its timeout fit a renewal, its name the link's
+    /// rules; every refusal names its key and what is accepted.
+    #[test]
+    fn a_standby_controller_is_optional_and_its_leadership_fits_half_a_lease() {
+        let site = SiteConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(site.controller.ha, None, "one controller by default");
+        assert!(site.controller.standby_addresses.is_empty());
+        let ha = |extra: &str| {
+            SiteConfig::from_toml_str(&plus(&format!(
+                "[controller.ha]\nname = \"ctld-a\"\nurl = \"postgres://pf@db:5432/pf\"\n{extra}"
+            )))
+        };
+        let c = ha("").unwrap().controller.ha.unwrap();
+        // Default lease TTL 60 s: leadership 18 s, statements 5 s.
+        assert_eq!((c.name.as_str(), c.leader_ttl_s), ("ctld-a", 18));
+        assert_eq!(c.database.timeout_s, 5);
+        assert_eq!(c.database.url, "postgres://pf@db:5432/pf");
+        assert_eq!(
+            ha("leader_ttl_s = 22")
+                .unwrap()
+                .controller
+                .ha
+                .unwrap()
+                .leader_ttl_s,
+            22
+        );
+        for (extra, key, accepted) in [
+            (
+                "leader_ttl_s = 23",
+                "controller.ha.leader_ttl_s",
+                "3 to 22 seconds",
+            ),
+            (
+                "leader_ttl_s = 2",
+                "controller.ha.leader_ttl_s",
+                "3 to 22 seconds",
+            ),
+            (
+                "leader_ttl_s = 9\ntimeout_s = 4",
+                "controller.ha.timeout_s",
+                "1 to 3 seconds",
+            ),
+            ("timeout_s = 0", "controller.ha.timeout_s", "1 to 6 seconds"),
+            (
+                "password_file = \"rel/pw\"",
+                "controller.ha.password_file",
+                "absolute",
+            ),
+        ] {
+            let e = ha(extra).expect_err(extra).to_string();
+            assert!(e.contains(key) && e.contains(accepted), "{extra}: {e}");
+        }
+        let e = SiteConfig::from_toml_str(&plus(
+            "[controller.ha]\nname = \"a b\"\nurl = \"postgres://pf@db/pf\"",
+        ))
+        .expect_err("name")
+        .to_string();
+        assert!(e.contains("controller.ha.name"), "{e}");
+        let e = SiteConfig::from_toml_str(&plus(
+            "[controller.ha]\nname = \"a\"\nurl = \"postgres://pf:secret@db/pf\"",
+        ))
+        .expect_err("password")
+        .to_string();
+        assert!(
+            e.contains("controller.ha.url") && e.contains("controller.ha.password_file"),
+            "{e}"
+        );
+        // A lease too short for any takeover within half of it says so.
+        let e = SiteConfig::from_toml_str(&edited(
+            "listen = \"10.0.0.5:7300\"",
+            "listen = \"10.0.0.5:7300\"\nlease_ttl_s = 6\nallocation_period_s = 1\n[controller.ha]\nname = \"a\"\nurl = \"postgres://pf@db/pf\"",
+        ))
+        .expect_err("short lease")
+        .to_string();
+        assert!(e.contains("lease_ttl_s of at least 8"), "{e}");
+        // The agents' other addresses: IP literals, each once, not `listen`.
+        let standby = |list: &str| {
+            SiteConfig::from_toml_str(&edited(
+                "listen = \"10.0.0.5:7300\"",
+                &format!("listen = \"10.0.0.5:7300\"\nstandby_addresses = {list}"),
+            ))
+        };
+        assert_eq!(
+            standby("[\"10.0.0.6:7300\"]")
+                .unwrap()
+                .controller
+                .standby_addresses,
+            vec!["10.0.0.6:7300".parse::<SocketAddr>().unwrap()]
+        );
+        for bad in [
+            "[\"10.0.0.5:7300\"]",
+            "[\"10.0.0.6:7300\", \"10.0.0.6:7300\"]",
+            "[\"0.0.0.0:7300\"]",
+            "[\"ctld-b:7300\"]",
+        ] {
+            let e = standby(bad).expect_err(bad).to_string();
+            assert!(e.contains("controller.standby_addresses"), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn the_accounting_database_is_optional_checked_and_never_holds_a_password() {
         let site = SiteConfig::from_toml_str(MINIMAL).unwrap();
@@ -2539,6 +2810,8 @@ programs = [\"feed-b-dr\"]
                     slurm_poll_s: 5,
                     slurm_timeout_s: 5,
                     database: None,
+                    standby_addresses: Vec::new(),
+                    ha: None,
                 },
                 agent: AgentConfig {
                     socket: "/run/powerflex/%n.sock".into(),

@@ -365,7 +365,7 @@ impl NodeAgent {
         let (replies, effects) = self.drive(gpus, now_ms, vec![AgentInput::Control { op, facts }]);
         let reply = replies.into_iter().find_map(|(_, r)| match r {
             Reply::Control(reply) => Some(*reply),
-            Reply::Progress(_) => None,
+            Reply::Progress(_) | Reply::Lease(_) => None,
         });
         (reply, effects)
     }
@@ -432,6 +432,9 @@ impl NodeAgent {
             learn: body.learn,
             next_event_in_s: body.next_event_in_s,
             event_in_force: body.event_in_force,
+            // The harness's one controller steers alone: epoch 0, as a single
+            // controller's leases carry.
+            epoch: 0,
         };
         self.drive(gpus, now_ms, vec![AgentInput::Lease(lease)]).1
     }

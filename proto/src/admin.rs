@@ -234,6 +234,9 @@ pub enum Refusal {
     TooManyEvents,
     /// `event-add` or `budget-set` named a power domain the site config does not declare.
     NoSuchDomain,
+    /// A change sent to a controller that does not steer the site now (a standby, one
+    /// that stepped down, or one fenced): send it to the active controller.
+    NotActive,
     /// A refusal this client does not know (a newer controller): handled as a plain
     /// error, so an added variant never makes the whole reply unreadable.
     #[serde(other)]

@@ -161,6 +161,32 @@ pub enum Body {
         /// Sent only while true; an agent older than this field refuses such a lease.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         event_in_force: bool,
+        /// The sending controller's leadership epoch (issue 22): it rises each time a
+        /// controller takes leadership of the site. An agent keeps the highest epoch it
+        /// has accepted and refuses a lease from a lower one ([`Body::Fenced`]), so a
+        /// controller that lost leadership can never steer beside the one that took it.
+        /// Absent (0) from a single controller, and from one older than this field. An
+        /// agent older than this field refuses a lease that carries it: upgrade the
+        /// agents before enabling `[controller.ha]`.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        epoch: u64,
+    },
+    /// Agent → controller: a lease was refused for its epoch. The agent has accepted a
+    /// lease of `accepted_epoch` from a controller that took leadership after the
+    /// sender: the sender must stop steering (it is fenced). The agent then closes the
+    /// connection and looks for the active controller.
+    Fenced {
+        /// The refused lease's epoch.
+        lease_epoch: u64,
+        /// The highest epoch this agent has accepted.
+        accepted_epoch: u64,
+    },
+    /// Controller → agent, in answer to a hello (or to a live session when the
+    /// controller steps down): this controller is a standby and does not steer. The
+    /// agent closes the connection and tries its next controller address.
+    Standby {
+        /// Why, for the agent's log (e.g. "standby: the active controller is ctld-a").
+        reason: String,
     },
     /// Controller → agent: these final shares (from the node's reports' `ended`) are
     /// taken for good: their job's record is written (or was before). The agent stops
@@ -171,6 +197,10 @@ pub enum Body {
 }
 
 type HmacSha256 = Hmac<Sha256>;
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -662,6 +692,8 @@ impl Body {
             Body::Report { .. } => "report",
             Body::Lease { .. } => "lease",
             Body::Acked { .. } => "acked",
+            Body::Fenced { .. } => "fenced",
+            Body::Standby { .. } => "standby",
         }
     }
 }
@@ -740,6 +772,7 @@ mod tests {
             learn: Vec::new(),
             next_event_in_s: None,
             event_in_force: false,
+            epoch: 0,
         }
     }
 
@@ -981,6 +1014,7 @@ mod tests {
             learn: Vec::new(),
             next_event_in_s: None,
             event_in_force: false,
+            epoch: 0,
         };
         assert!(matches!(
             ctld.seal(&huge, NOW),
@@ -1121,6 +1155,40 @@ mod tests {
             owner_uid: None,
             usage: None,
         }
+    }
+
+    #[test]
+    fn a_lease_carries_its_epoch_and_one_without_reads_as_epoch_0() {
+        // A single controller's lease (epoch 0) is what an older controller sends: the
+        // field stays off the wire, and an agent reads its absence as 0.
+        let plain = lease("n1", 450.0);
+        let text = serde_json::to_string(&plain).expect("json");
+        assert!(!text.contains("epoch"), "{text}");
+        assert!(matches!(
+            serde_json::from_str::<Body>(&text).expect("parse"),
+            Body::Lease { epoch: 0, .. }
+        ));
+        let mut led = plain;
+        if let Body::Lease { epoch, .. } = &mut led {
+            *epoch = 7;
+        }
+        let (mut agent, mut ctld) = connect("n1", [1; 16], [2; 16]);
+        let line = ctld.seal(&led, NOW).expect("seal");
+        assert!(line.contains("\"epoch\":7"), "{line}");
+        assert_eq!(agent.open(&line, NOW).expect("open"), led);
+        // The refusal and the standby answer are typed both ways.
+        let fenced = Body::Fenced {
+            lease_epoch: 3,
+            accepted_epoch: 7,
+        };
+        let line = agent.seal(&fenced, NOW).expect("seal");
+        assert_eq!(ctld.open(&line, NOW).expect("open"), fenced);
+        let standby = Body::Standby {
+            reason: "standby".into(),
+        };
+        let line = ctld.seal(&standby, NOW).expect("seal");
+        assert_eq!(agent.open(&line, NOW).expect("open"), standby);
+        assert_eq!((fenced.kind(), standby.kind()), ("fenced", "standby"));
     }
 
     #[test]

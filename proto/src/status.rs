@@ -82,6 +82,11 @@ pub struct CtldStatus {
     /// children depth first); none without `[[domains]]`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub domains: Vec<DomainStatus>,
+    /// Whether this controller steers: shown under `[controller.ha]`, and for a
+    /// controller whose leases agents refused for their epoch; none for a single
+    /// controller that steers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leadership: Option<LeadershipView>,
 }
 
 /// One power domain as the controller sees it now.
@@ -115,6 +120,54 @@ pub struct DomainStatus {
     /// The event cutting it now, if any (the deepest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event: Option<u64>,
+}
+
+/// Whether this controller steers the site, where that is in question: under
+/// `[controller.ha]`, or after an agent refused its leases for their epoch (issue 22).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeadershipView {
+    pub role: LeadershipRole,
+    /// This controller's name (`controller.ha.name`); none for a single controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The leadership epoch this controller steers (or last steered) with.
+    pub epoch: u64,
+    /// Who holds leadership as this controller last read it, when it is not this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// Why this controller is not active, when it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Since when it has had this role, Unix ms.
+    pub since_unix_ms: u64,
+}
+
+/// A controller's part in steering the site.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LeadershipRole {
+    /// It holds leadership and steers: it sends leases and takes admin changes.
+    Active,
+    /// Another controller holds leadership (or none does yet and this one is trying):
+    /// it sends no lease and refuses admin changes.
+    Standby,
+    /// It could not renew its leadership in time (the database unreachable) and
+    /// stopped steering before its leadership could lapse; it competes again when the
+    /// database answers.
+    SteppedDown,
+    /// Agents refused its leases: a controller of a later epoch steers them.
+    Fenced,
+}
+
+impl LeadershipRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            LeadershipRole::Active => "active",
+            LeadershipRole::Standby => "standby",
+            LeadershipRole::SteppedDown => "stepped-down",
+            LeadershipRole::Fenced => "fenced",
+        }
+    }
 }
 
 /// The controller's writer of job energy records to PostgreSQL, as it last saw it.
@@ -448,6 +501,14 @@ pub struct AgentStatus {
     pub cap_mismatches: u64,
     /// Leases applied and read back since the agent started.
     pub leases_applied: u64,
+    /// The highest controller leadership epoch a lease was accepted from (0: a single
+    /// controller, or none yet).
+    #[serde(default)]
+    pub controller_epoch: u64,
+    /// Leases refused since the agent started because their controller's epoch was
+    /// below [`AgentStatus::controller_epoch`] (a controller that lost leadership).
+    #[serde(default)]
+    pub leases_refused_epoch: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
     pub gpu_claims_refused: u64,
     /// Whether the agent writes limits; false in observe mode (`agent.enforce = false`).

@@ -1081,6 +1081,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         // not calibrate, so nothing else changes).
         next_event_in_s: Some(600.0),
         event_in_force: false,
+        epoch: 0,
     };
     // Above the 500 W fail-safe, so that the lease running out lowers the cap.
     let first = session

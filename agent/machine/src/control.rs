@@ -221,6 +221,22 @@ pub struct LeaseMessage {
     pub next_event_in_s: Option<f64>,
     /// A grid event is in force.
     pub event_in_force: bool,
+    /// The sending controller's leadership epoch (0: a single controller): a lease from
+    /// an epoch below the highest this agent has accepted is refused
+    /// ([`LeaseRefused::StaleEpoch`]).
+    pub epoch: u64,
+}
+
+/// Why the machine refused a lease, for the controller that sent it (the link answers
+/// it with `Body::Fenced`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseRefused {
+    /// The lease comes from a controller whose leadership ended: this agent has
+    /// accepted a lease of `accepted_epoch` from the one that took over since.
+    StaleEpoch {
+        lease_epoch: u64,
+        accepted_epoch: u64,
+    },
 }
 
 /// Who sent a progress report, as the kernel tells it: the process's uid and pid
@@ -400,6 +416,11 @@ pub struct Agent {
     /// Final shares of jobs ended here that the controller has not acknowledged, oldest
     /// first: persisted, and re-sent until acknowledged (see [`UnackedFinal`]).
     unacked: Vec<UnackedFinal>,
+    /// The highest controller epoch a lease was accepted from (persisted, so a restart
+    /// keeps refusing a controller that lost leadership before it).
+    accepted_epoch: u64,
+    /// Leases refused for their epoch since the agent started.
+    leases_refused_epoch: u64,
     /// Final shares not yet written to the node's usage log.
     pending_records: Vec<NodeUsage>,
     /// The agent's sample (control) period, ms (`powerflexd --sample-interval-ms`): the
@@ -500,6 +521,8 @@ impl Agent {
             awaiting_current_lease: settings_controller_mode,
             event_in_force: false,
             unacked: Vec::new(),
+            accepted_epoch: 0,
+            leases_refused_epoch: 0,
             pending_records: Vec::new(),
             sample_interval_ms: DEFAULT_SAMPLE_INTERVAL_MS,
             timers: step::Timers::starting_at(now),
@@ -660,6 +683,7 @@ impl Agent {
                 start_cap_w: l.start_cap.map(|w| w.0),
             }),
             unacked_finals: self.unacked.clone(),
+            controller_epoch: self.accepted_epoch,
         }
     }
 
@@ -1309,6 +1333,7 @@ impl Agent {
     /// caps and the jobs that may be probed. Returns what writes the caps now; the edge
     /// writes them and reads the written GPUs back.
     fn apply_lease(&mut self, now: f64, lease: LeaseMessage) -> Vec<Action> {
+        self.accepted_epoch = self.accepted_epoch.max(lease.epoch);
         self.event_in_force = lease.event_in_force;
         for job_id in self.recalibrate(now, &lease.recalibrate) {
             tracing::info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
@@ -1321,6 +1346,20 @@ impl Agent {
         self.learn = lease.learn.into_iter().collect();
         self.leases_applied += 1;
         self.tick(now)
+    }
+
+    /// Whether a lease of `epoch` may be applied: not when a controller of a higher
+    /// epoch has steered this node (fencing). Equal epochs pass: the same controller's
+    /// next lease, or the single controller's (epoch 0).
+    fn check_epoch(&self, epoch: u64) -> Result<(), LeaseRefused> {
+        if epoch < self.accepted_epoch {
+            Err(LeaseRefused::StaleEpoch {
+                lease_epoch: epoch,
+                accepted_epoch: self.accepted_epoch,
+            })
+        } else {
+            Ok(())
+        }
     }
 
     /// Installs a lease from the controller, valid for `ttl_s` (never longer than the
@@ -1863,6 +1902,8 @@ impl Agent {
             config_error: self.config_error.clone(),
             cap_mismatches: self.cap_mismatches,
             leases_applied: self.leases_applied,
+            controller_epoch: self.accepted_epoch,
+            leases_refused_epoch: self.leases_refused_epoch,
             gpu_claims_refused: self.gpu_claims_refused,
             enforce: self.settings.enforce,
             ended: self.unacked_finals(),
@@ -2150,6 +2191,110 @@ mod tests {
             memory_util_pct: 40,
             sm_clock_mhz: 1980,
         })
+    }
+
+    /// A lease for job 7 at `cap_w` per GPU from a controller of `epoch`.
+    fn lease_of_epoch(cap_w: f64, epoch: u64) -> AgentInput {
+        AgentInput::Lease(LeaseMessage {
+            caps: BTreeMap::from([("7".to_string(), Watts(cap_w))]),
+            ttl_s: 30.0,
+            start_cap: None,
+            recalibrate: Vec::new(),
+            learn: Vec::new(),
+            next_event_in_s: None,
+            event_in_force: true,
+            epoch,
+        })
+    }
+
+    /// An agent of two GPUs at 700 W started at 0 s from `saved`, job 7 on both.
+    fn started_with(saved: Option<PersistedState>) -> Agent {
+        let mut a = Agent::new(settings(None), (0..2).map(gpu).collect(), 250, UnixMs(0));
+        a.step(
+            UnixMs(0),
+            vec![AgentInput::Start(Box::new(StartFacts {
+                saved,
+                samples: vec![(0, sample_at(700.0)), (1, sample_at(700.0))],
+                jobs_on_host: Some(BTreeSet::new()),
+                ..StartFacts::default()
+            }))],
+        );
+        a.register(
+            0.0,
+            "7",
+            "0",
+            0,
+            "n1",
+            &["0".into(), "1".into()],
+            "flex2,calibrate=off",
+        )
+        .expect("registered");
+        a
+    }
+
+    /// Issue 22, fencing: an agent keeps the highest controller epoch it accepted a
+    /// lease from, refuses a lease from a lower one (typed, for the link to tell that
+    /// controller) without touching a cap, and keeps refusing it after a restart.
+    #[test]
+    fn a_lease_from_a_lower_epoch_is_refused_and_a_restart_keeps_refusing_it() {
+        let mut a = started_with(None);
+        let out = a.step(UnixMs(1_000), vec![lease_of_epoch(450.0, 3)]);
+        assert_eq!(out.replies, vec![(0, Reply::Lease(Ok(())))]);
+        let written: Vec<(u32, f64)> = out.cap_writes.iter().map(|w| (w.gpu, w.cap.0)).collect();
+        assert_eq!(written, vec![(0, 450.0), (1, 450.0)]);
+        for w in &out.cap_writes {
+            a.cap_written(w.gpu, w.cap, None);
+        }
+        // The old leader, still running, sends a higher cap: refused, nothing written.
+        let out = a.step(UnixMs(2_000), vec![lease_of_epoch(700.0, 2)]);
+        assert_eq!(
+            out.replies,
+            vec![(
+                0,
+                Reply::Lease(Err(LeaseRefused::StaleEpoch {
+                    lease_epoch: 2,
+                    accepted_epoch: 3
+                }))
+            )]
+        );
+        assert!(out.cap_writes.is_empty(), "{:?}", out.cap_writes);
+        assert_eq!(
+            a.lease.as_ref().map(|l| l.caps.get("7").copied()),
+            Some(Some(Watts(450.0)))
+        );
+        assert_eq!(a.snapshot(2.0).leases_refused_epoch, 1);
+        // The same epoch goes on steering; a later one takes over.
+        let out = a.step(
+            UnixMs(3_000),
+            vec![lease_of_epoch(440.0, 3), lease_of_epoch(430.0, 5)],
+        );
+        assert_eq!(
+            out.replies,
+            vec![(0, Reply::Lease(Ok(()))), (1, Reply::Lease(Ok(())))]
+        );
+        let saved = out.persist.expect("the new epoch is saved");
+        assert_eq!(saved.controller_epoch, 5);
+        assert_eq!(a.snapshot(3.0).controller_epoch, 5);
+        // A restart from the saved state still refuses epoch 3.
+        let mut b = started_with(Some(saved));
+        let out = b.step(UnixMs(4_000), vec![lease_of_epoch(700.0, 3)]);
+        assert!(matches!(
+            out.replies.as_slice(),
+            [(
+                0,
+                Reply::Lease(Err(LeaseRefused::StaleEpoch {
+                    accepted_epoch: 5,
+                    ..
+                }))
+            )]
+        ));
+        assert!(out.cap_writes.is_empty());
+        // A single controller's agent (epoch 0 throughout) saves no epoch at all.
+        let mut c = started_with(None);
+        let out = c.step(UnixMs(1_000), vec![lease_of_epoch(450.0, 0)]);
+        assert_eq!(out.replies, vec![(0, Reply::Lease(Ok(())))]);
+        let text = serde_json::to_string(&out.persist.expect("saved")).expect("json");
+        assert!(!text.contains("controller_epoch"), "{text}");
     }
 
     /// Issue 21: a restart during a cut below the fail-safe wrote the fail-safe over the
@@ -2618,6 +2763,7 @@ mod tests {
                 learn: vec!["7".into()],
                 next_event_in_s: None,
                 event_in_force: true,
+                epoch: 0,
             },
         );
         assert_eq!(caps(&actions), vec![(0, 450.0), (1, 450.0)]);

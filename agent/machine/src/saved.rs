@@ -56,6 +56,15 @@ pub struct PersistedState {
     /// re-sends them rather than losing them. Absent in files from older agents.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unacked_finals: Vec<UnackedFinal>,
+    /// The highest controller leadership epoch a lease was accepted from: a restarted
+    /// agent still refuses the leases of a controller that lost leadership (issue 22).
+    /// Absent in files from older agents and under a single controller (0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub controller_epoch: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -279,11 +279,17 @@ fn start(cli: Cli) -> Result<(), String> {
     } else {
         match powerflex_daemon::fsx::read_key_file(&site.agent.key_file(&node)) {
             Ok(key) => Some(LinkOptions {
-                controller: site.controller.listen,
+                controllers: std::iter::once(site.controller.listen)
+                    .chain(site.controller.standby_addresses.iter().copied())
+                    .collect(),
                 key,
                 node: node.clone(),
                 report_period: Duration::from_secs(site.controller.allocation_period_s),
                 gpus: Vec::new(),
+                silent_after: LinkOptions::silence_for(
+                    site.controller.lease_ttl(),
+                    Duration::from_secs(site.controller.allocation_period_s),
+                ),
             }),
             Err(e) => {
                 tracing::error!(

@@ -82,6 +82,11 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             .database
             .as_ref()
             .map(powerflex_controller::ctld::records_db::RecordsDbOptions::from_config),
+        ha: site
+            .controller
+            .ha
+            .as_ref()
+            .map(powerflex_controller::ctld::ha::HaOptions::from_config),
         settings: CtldSettings::from_site(&site)?,
     })
 }

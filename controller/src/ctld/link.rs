@@ -72,6 +72,9 @@ struct Shared {
     shutdown: Arc<AtomicBool>,
     /// Live sessions (reader threads).
     live: AtomicUsize,
+    /// Whether this controller steers: while not, an agent's hello is answered
+    /// `standby` and the connection closed.
+    steering: Arc<AtomicBool>,
     /// The current session of each node: its id and a handle to end it.
     current: Mutex<BTreeMap<String, (u64, TcpStream)>>,
     next_id: std::sync::atomic::AtomicU64,
@@ -86,6 +89,7 @@ pub(crate) fn spawn(
     limits: LinkLimits,
     refusals: Arc<Refusals>,
     shutdown: Arc<AtomicBool>,
+    steering: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     link.set_nonblocking(true)?;
     let shared = Arc::new(Shared {
@@ -93,6 +97,7 @@ pub(crate) fn spawn(
         refusals,
         limits,
         shutdown,
+        steering,
         live: AtomicUsize::new(0),
         current: Mutex::new(BTreeMap::new()),
         next_id: std::sync::atomic::AtomicU64::new(1),
@@ -329,13 +334,30 @@ fn refuse(p: &mut Pending, e: &LinkError, shared: &Shared) -> Next {
 }
 
 fn start_session(
-    p: Pending,
-    session: Session,
+    mut p: Pending,
+    mut session: Session,
     gpus: Vec<powerflex_proto::link::GpuInfo>,
     rest: Vec<u8>,
     shared: &Arc<Shared>,
 ) {
     let node = session.peer().to_string();
+    if !shared.steering.load(Ordering::SeqCst) {
+        // A standby (or one that stepped down) answers an authenticated agent in typed
+        // words, so it moves on to its next controller address at once.
+        if let Ok(line) = session.seal(
+            &Body::Standby {
+                reason: "this controller is not active".into(),
+            },
+            unix_ms(),
+        ) {
+            let _ = p.stream.set_nonblocking(false);
+            let _ = p.stream.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = p.stream.write_all(line.as_bytes());
+        }
+        debug!(peer = %p.peer, %node, "agent sent on: this controller does not steer");
+        let _ = p.stream.shutdown(std::net::Shutdown::Both);
+        return;
+    }
     // A node's new session replaces its old one, so it never counts against the cap.
     let replacing = shared
         .current
@@ -464,6 +486,17 @@ fn serve_session(
                     power_w,
                     ended,
                     observe_only,
+                });
+            }
+            Ok(Body::Fenced {
+                lease_epoch,
+                accepted_epoch,
+            }) => {
+                warn!(%peer, %node, lease_epoch, accepted_epoch, "the agent refuses this controller's leases for their epoch");
+                let _ = shared.tx.send(Inbound::Fenced {
+                    node: node.clone(),
+                    lease_epoch,
+                    accepted_epoch,
                 });
             }
             Ok(other) => {

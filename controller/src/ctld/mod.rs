@@ -20,6 +20,7 @@
 pub mod admin;
 pub mod annotate;
 pub mod bounds;
+pub mod ha;
 pub mod link;
 pub mod metrics;
 pub mod records_db;
@@ -46,6 +47,10 @@ use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, GpuInfo, JobReport};
 
+use powerflex_controller_machine::ctld::leader::{
+    Leader, LeaderChange, LeaderInput, LeaderSettings,
+};
+
 pub use self::core::{Core, Input, Lease, Output};
 pub use self::state::CtldState;
 
@@ -64,6 +69,9 @@ pub struct CtldOptions {
     pub slurm_timeout: Duration,
     /// The accounting database, where the site has one (see [`records_db`]).
     pub records_db: Option<records_db::RecordsDbOptions>,
+    /// `[controller.ha]`: leadership and state in PostgreSQL (see [`ha`]); `None`: one
+    /// controller, its state in `state_dir` alone.
+    pub ha: Option<ha::HaOptions>,
     /// The machine's settings: budget, period, lease TTL, allocation, ramps, placement.
     pub settings: CtldSettings,
 }
@@ -83,9 +91,10 @@ fn settings_reload(in_force: &CtldOptions, reload: Reload) -> SettingsReload {
         || new.metrics_listen != in_force.metrics_listen
         || new.slurm_poll != in_force.slurm_poll
         || new.slurm_timeout != in_force.slurm_timeout
-        || new.records_db != in_force.records_db;
+        || new.records_db != in_force.records_db
+        || new.ha != in_force.ha;
     if needs_restart {
-        warn!("site config reloaded; listen addresses, sockets, state directory, key, Slurm polling and accounting database settings change only on restart");
+        warn!("site config reloaded; listen addresses, sockets, state directory, key, Slurm polling, accounting database and [controller.ha] settings change only on restart");
     }
     Ok(new.settings)
 }
@@ -115,6 +124,14 @@ pub(crate) enum Inbound {
     },
     /// A read of Slurm's placement (see [`spawn_placement_reader`]).
     Placement(Result<crate::placement::Placement, String>),
+    /// The leadership database answered (see [`ha`]).
+    Leader(LeaderInput),
+    /// An agent refused a lease for its epoch (`Body::Fenced`).
+    Fenced {
+        node: String,
+        lease_epoch: u64,
+        accepted_epoch: u64,
+    },
 }
 
 /// Reads Slurm's placement (`squeue --json`, `sinfo --json`) every `poll`, and at once
@@ -208,6 +225,9 @@ pub fn run_on_clock(
 ) -> Result<(), String> {
     let refusals = Arc::new(bounds::Refusals::default());
     let loaded = state::load(&options.state_dir);
+    // Under `[controller.ha]` the local file is only where a first leader starts from
+    // when the database holds no state yet; the database's state wins otherwise.
+    let local_state = loaded.state.clone();
     let mut core = Core::new(options.settings.clone(), loaded, clock.now());
     let accounting_log = accounting_log(&options.state_dir);
     let mut logged = Vec::new();
@@ -231,7 +251,8 @@ pub fn run_on_clock(
     // The core keeps only the newest records; the database gets what the whole log holds
     // and it lacks (see `records_db`).
     let newest = logged.len().saturating_sub(accounting::LOADED_RECORDS);
-    core.load_records(logged[newest..].to_vec());
+    let newest_records = logged[newest..].to_vec();
+    core.load_records(newest_records.clone());
     let records_db = match &options.records_db {
         Some(db) => Some(
             records_db::RecordsDb::spawn(db.clone(), logged)
@@ -241,6 +262,24 @@ pub fn run_on_clock(
     };
     let mut shown_db_view: Option<powerflex_proto::status::AccountingDbView> = None;
     let (tx, rx) = bounded::<Inbound>(4096);
+    // Whether the core steers: the link sends agents on while it does not.
+    let steering = Arc::new(AtomicBool::new(options.ha.is_none()));
+    let mut leadership = match &options.ha {
+        Some(ha) => Some(Leadership {
+            leader: Leader::new(
+                LeaderSettings {
+                    name: ha.name.clone(),
+                    ttl_ms: u64::try_from(ha.leader_ttl.as_millis()).unwrap_or(u64::MAX),
+                },
+                clock.now(),
+            ),
+            db: ha::HaDb::spawn(ha.clone(), tx.clone())
+                .map_err(|e| format!("cannot start the leadership database thread: {e}"))?,
+            shown: None,
+            stop_within: ha.timeout * 2,
+        }),
+        None => None,
+    };
     let link = TcpListener::bind(options.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
     // Where to connect to wake the blocked accept at shutdown: the bound address, with
@@ -297,6 +336,7 @@ pub fn run_on_clock(
         limits.link,
         refusals.clone(),
         shutdown.clone(),
+        steering.clone(),
     )
     .map_err(|e| format!("cannot start the agent link: {e}"))?;
     // The history is read by the admin threads and written by this loop only.
@@ -327,9 +367,32 @@ pub fn run_on_clock(
     let mut inputs: Vec<Input> = Vec::new();
     let mut waiting: Vec<Option<Sender<AdminReply>>> = Vec::new();
     while !shutdown.load(Ordering::SeqCst) {
-        let mut out = core.step(clock.now(), std::mem::take(&mut inputs));
+        if let Some(l) = &mut leadership {
+            let now = clock.now();
+            if let LeaderChange::BecameActive { epoch, state, .. } =
+                l.leader.step(now, LeaderInput::Tick)
+            {
+                core = l.take_over(&core, epoch, state, &local_state, &newest_records, now);
+                writers.clear();
+            }
+            if let Some(claim) = l.leader.claim_due(now) {
+                l.db.claim(now, claim);
+            }
+            if let Some(view) = l.view_changed() {
+                // First in the batch: the core decides whether it steers before any
+                // other input of this step.
+                inputs.insert(0, Input::Leadership(view));
+                waiting.insert(0, None);
+            }
+        }
+        let now = clock.now();
+        let mut out = core.step(now, std::mem::take(&mut inputs));
+        steering.store(core.steering(), Ordering::SeqCst);
         if let Some(state) = &out.persist {
             state::save(&options.state_dir, state);
+            if let Some(l) = leadership.as_ref().filter(|l| l.leader.active()) {
+                l.db.save(now, l.leader.epoch(), state);
+            }
         }
         history_board.publish(out.history.take(), out.owners.take());
         for (index, reply) in out.replies {
@@ -352,7 +415,17 @@ pub fn run_on_clock(
                 learn: lease.learn,
                 next_event_in_s: lease.next_event_in_s,
                 event_in_force: lease.event_in_force,
+                epoch: out.epoch,
             });
+        }
+        if out.stopped_steering {
+            // The agents look for the controller that steers now; until they find it
+            // their last lease holds their caps, then the fail-safe does.
+            for writer in std::mem::take(&mut writers).into_values() {
+                let _ = writer.try_send(Body::Standby {
+                    reason: "this controller stopped steering".into(),
+                });
+            }
         }
         // Before the annotations that show them in Slurm: the log is the record (and the
         // database's journal: it gets each record after the log has it).
@@ -455,6 +528,38 @@ pub fn run_on_clock(
                             inputs.push(Input::Placement(Box::new(read)));
                             waiting.push(None);
                         }
+                        Inbound::Leader(input) => {
+                            if let Some(l) = &mut leadership {
+                                if let LeaderChange::BecameActive { epoch, state, .. } =
+                                    l.leader.step(clock.now(), input)
+                                {
+                                    core = l.take_over(
+                                        &core,
+                                        epoch,
+                                        state,
+                                        &local_state,
+                                        &newest_records,
+                                        clock.now(),
+                                    );
+                                    writers.clear();
+                                }
+                            }
+                        }
+                        Inbound::Fenced {
+                            node,
+                            lease_epoch,
+                            accepted_epoch,
+                        } => {
+                            if let Some(l) = &mut leadership {
+                                l.leader.step(clock.now(), LeaderInput::Fenced { accepted_epoch });
+                            }
+                            inputs.push(Input::Fenced {
+                                node,
+                                lease_epoch,
+                                accepted_epoch,
+                            });
+                            waiting.push(None);
+                        }
                     }
                 }
             }
@@ -485,7 +590,66 @@ pub fn run_on_clock(
     if let Some(db) = records_db {
         db.stop();
     }
+    if let Some(l) = leadership {
+        l.db.stop(l.stop_within);
+    }
     Ok(())
+}
+
+/// Leadership under `[controller.ha]`: the machine, its database thread, and the view
+/// last shown to the core.
+struct Leadership {
+    leader: Leader,
+    db: ha::HaDb,
+    shown: Option<powerflex_proto::status::LeadershipView>,
+    stop_within: Duration,
+}
+
+impl Leadership {
+    /// The view, when it changed since the core last had it.
+    fn view_changed(&mut self) -> Option<powerflex_proto::status::LeadershipView> {
+        let view = self.leader.view();
+        if self.shown.as_ref() == Some(&view) {
+            return None;
+        }
+        self.shown = Some(view.clone());
+        Some(view)
+    }
+
+    /// A new core for leadership `epoch`, from the state the database committed (the
+    /// local file's when it holds none yet: a site's first leader), with the settings
+    /// in force and the newest accounting records. It waits for the agents as after a
+    /// restart (half a lease at most), while their last leases hold their caps.
+    fn take_over(
+        &mut self,
+        old: &Core,
+        epoch: u64,
+        state: Option<Box<CtldState>>,
+        local: &CtldState,
+        records: &[powerflex_proto::usage::JobEnergyRecord],
+        now: powerflex_core::UnixMs,
+    ) -> Core {
+        let mut state = state.map_or_else(|| local.clone(), |s| *s);
+        state.epoch = epoch;
+        info!(
+            epoch,
+            events = state.events.len(),
+            nodes = state.nodes.len(),
+            budget_w = state.budget_w.map(|w| w.0),
+            "steering from the committed state"
+        );
+        // Committed under the new epoch at once: a save of the old epoch is fenced.
+        self.db.save(now, epoch, &state);
+        let mut core = Core::new(
+            old.settings().clone(),
+            state::Loaded { state, lost: false },
+            now,
+        );
+        core.load_records(records.to_vec());
+        // Shown again to the new core before its first step.
+        self.shown = None;
+        core
+    }
 }
 
 /// The controller's accounting log inside its state directory: one
@@ -528,6 +692,7 @@ mod tests {
             slurm_poll: Duration::from_secs(5),
             slurm_timeout: Duration::from_secs(5),
             records_db: None,
+            ha: None,
             settings: CtldSettings {
                 base_budget: Watts(3200.0),
                 period: Duration::from_secs(10),

@@ -458,7 +458,7 @@ impl Writer {
 }
 
 /// The password file's first line; refused unless only its owner may read it.
-fn read_password(path: &std::path::Path) -> Result<String, String> {
+pub(crate) fn read_password(path: &std::path::Path) -> Result<String, String> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(path)
         .map_err(|e| format!("controller.database.password_file {}: {e}", path.display()))?;

@@ -23,8 +23,8 @@ use powerflex_proto::{ControlOp, ControlReply, ProgressReport};
 use tracing::{error, info, info_span, warn};
 
 use super::{
-    Action, Agent, AgentSettings, CapMismatch, GpuClaimRefused, LeaseMessage, ReportSender,
-    Snapshot, ADOPTED_STEP, BATCH_STEP_NAME,
+    Action, Agent, AgentSettings, CapMismatch, GpuClaimRefused, LeaseMessage, LeaseRefused,
+    ReportSender, Snapshot, ADOPTED_STEP, BATCH_STEP_NAME,
 };
 use crate::gpu::{GpuError, GpuSample};
 use crate::saved::PersistedState;
@@ -204,6 +204,8 @@ pub enum Reply {
     Control(Box<ControlReply>),
     /// To an [`AgentInput::Progress`]: accepted, or why not (sent to the reporter).
     Progress(Result<(), String>),
+    /// To an [`AgentInput::Lease`]: applied, or why not (the link tells the controller).
+    Lease(Result<(), LeaseRefused>),
 }
 
 /// What one [`Agent::step`] asks the edge to do, in this order:
@@ -316,6 +318,26 @@ impl Agent {
                     warn!(pid, uid, error = %reason, "progress report refused");
                 }
                 AgentInput::Lease(lease) => {
+                    if let Err(refused) = self.check_epoch(lease.epoch) {
+                        self.leases_refused_epoch += 1;
+                        warn!(
+                            lease_epoch = lease.epoch,
+                            accepted_epoch = self.accepted_epoch,
+                            refused = self.leases_refused_epoch,
+                            "lease refused: its controller lost leadership to a later one (fenced)"
+                        );
+                        out.replies.push((index, Reply::Lease(Err(refused))));
+                        publish = true;
+                        continue;
+                    }
+                    if lease.epoch > self.accepted_epoch {
+                        info!(
+                            epoch = lease.epoch,
+                            previous_epoch = self.accepted_epoch,
+                            "a controller of a new leadership epoch steers this node"
+                        );
+                    }
+                    out.replies.push((index, Reply::Lease(Ok(()))));
                     info!(
                         jobs = lease.caps.len(),
                         ttl_s = lease.ttl_s,
@@ -794,9 +816,12 @@ impl Agent {
             },
             "agent started"
         );
-        let (saved_jobs, saved_finals, saved_lease) = saved
-            .map(|s| (s.jobs, s.unacked_finals, s.lease))
+        let (saved_jobs, saved_finals, saved_lease, saved_epoch) = saved
+            .map(|s| (s.jobs, s.unacked_finals, s.lease, s.controller_epoch))
             .unwrap_or_default();
+        // Fencing survives a restart: a controller that lost leadership before it
+        // stays refused.
+        self.accepted_epoch = saved_epoch;
         // Final shares the controller had not acknowledged: re-sent from now on.
         self.unacked = saved_finals;
         // Jobs still running keep their GPUs; every other GPU goes back to its saved

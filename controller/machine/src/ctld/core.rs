@@ -14,7 +14,9 @@ use tracing::{debug, error, info, warn};
 use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::admin::{AdminOp, AdminReply, Refusal};
 use powerflex_proto::report::{GpuInfo, JobReport};
-use powerflex_proto::status::{CtldStatus, CurveSnapshot, HistorySample};
+use powerflex_proto::status::{
+    CtldStatus, CurveSnapshot, HistorySample, LeadershipRole, LeadershipView,
+};
 
 use super::accounting::{self, Ledger};
 pub use super::history::HISTORY;
@@ -95,6 +97,16 @@ pub enum Input {
     Placement(Box<Result<Placement, String>>),
     /// The accounting database's writer changed state (shown by `status`).
     AccountingDb(powerflex_proto::status::AccountingDbView),
+    /// Whether this controller steers, as its leadership (`[controller.ha]`) last
+    /// decided: while not active it sends no lease and refuses admin changes.
+    Leadership(LeadershipView),
+    /// An agent refused this controller's lease for its epoch: a controller of a later
+    /// epoch steers it. This one stops steering (fenced).
+    Fenced {
+        node: String,
+        lease_epoch: u64,
+        accepted_epoch: u64,
+    },
 }
 
 /// One node's lease.
@@ -128,6 +140,11 @@ pub struct Output {
     /// Per node, valid for `lease_ttl_s`. Empty when nothing was allocated this step.
     pub leases: BTreeMap<String, Lease>,
     pub lease_ttl_s: f64,
+    /// The leadership epoch every lease carries ([`CtldState::epoch`]).
+    pub epoch: u64,
+    /// This step stopped the controller steering (stepped down or fenced): the edge
+    /// tells the connected agents, which look for the active controller.
+    pub stopped_steering: bool,
     /// Job → `AdminComment` text, only for jobs whose text changed.
     pub annotations: Vec<(String, String)>,
     /// What the metrics show after an allocation (the edge renders the text).
@@ -200,6 +217,9 @@ pub struct Core {
     ledger: Ledger,
     /// The accounting database's writer, as the I/O edge last reported it.
     accounting_db: Option<powerflex_proto::status::AccountingDbView>,
+    /// Whether this controller steers, where that is in question (see
+    /// [`Input::Leadership`], [`Input::Fenced`]); none: a single controller, steering.
+    leadership: Option<LeadershipView>,
     /// Energy of the records written since the controller started, for the metrics.
     energy_totals: EnergyTotals,
 }
@@ -287,8 +307,58 @@ impl Core {
             refresh_placement: false,
             ledger: Ledger::new(options_slurm),
             accounting_db: None,
+            leadership: None,
             energy_totals: EnergyTotals::default(),
         }
+    }
+
+    /// Whether this controller steers the site now: a single controller always, under
+    /// `[controller.ha]` only while active, and never once fenced.
+    pub fn steering(&self) -> bool {
+        self.leadership
+            .as_ref()
+            .is_none_or(|l| l.role == LeadershipRole::Active)
+    }
+
+    /// An agent refused a lease for its epoch. Only a refusal of this controller's own
+    /// epoch by a later one fences it (a refusal of an older lease still in flight from
+    /// before a takeover says nothing about this one).
+    fn fenced(&mut self, node: &str, lease_epoch: u64, accepted_epoch: u64, now_ms: u64) {
+        let epoch = self.state.epoch;
+        if lease_epoch != epoch || accepted_epoch <= epoch {
+            debug!(
+                node,
+                lease_epoch,
+                accepted_epoch,
+                epoch,
+                "an agent's epoch refusal of another epoch ignored"
+            );
+            return;
+        }
+        if self
+            .leadership
+            .as_ref()
+            .is_some_and(|l| l.role == LeadershipRole::Fenced)
+        {
+            return;
+        }
+        error!(
+            node,
+            epoch,
+            accepted_epoch,
+            "fenced: an agent follows a controller of a later epoch; this controller stops steering"
+        );
+        let name = self.leadership.as_ref().and_then(|l| l.name.clone());
+        self.leadership = Some(LeadershipView {
+            role: LeadershipRole::Fenced,
+            name,
+            epoch,
+            holder: None,
+            reason: Some(format!(
+                "node {node} follows a controller of epoch {accepted_epoch}, later than this one's {epoch}"
+            )),
+            since_unix_ms: now_ms,
+        });
     }
 
     /// Records read back from the accounting log at start: answered by `accounting`,
@@ -303,8 +373,10 @@ impl Core {
         let now_ms = now.ms();
         let mut out = Output {
             lease_ttl_s: self.options.lease_ttl_s,
+            epoch: self.state.epoch,
             ..Output::default()
         };
+        let steered = self.steering();
         for (index, input) in inputs.into_iter().enumerate() {
             match input {
                 Input::Hello { node, gpus } => self.hello(node, gpus, now_ms),
@@ -321,6 +393,9 @@ impl Core {
                         self.final_shares(&node, ended, now_ms);
                     }
                 }
+                Input::Admin { op, .. } if op.changes_state() && !self.steering() => {
+                    out.replies.push((index, self.not_active()));
+                }
                 Input::Admin { op, uid } => {
                     let changes = op.changes_state();
                     let reply = owners::need_to_know(self.admin(op, uid, now_ms), uid, |job| {
@@ -335,11 +410,41 @@ impl Core {
                 Input::Tick => self.allocate_now = true,
                 Input::Placement(read) => self.placement_read(*read),
                 Input::AccountingDb(view) => self.accounting_db = Some(view),
+                Input::Leadership(view) => {
+                    let was = self.steering();
+                    // Fenced stays fenced: only a new leadership (a new core, built
+                    // from the state the database holds) steers again.
+                    if !self
+                        .leadership
+                        .as_ref()
+                        .is_some_and(|l| l.role == LeadershipRole::Fenced)
+                    {
+                        self.leadership = Some(view);
+                    }
+                    if !was && self.steering() {
+                        self.allocate_now = true;
+                    }
+                }
+                Input::Fenced {
+                    node,
+                    lease_epoch,
+                    accepted_epoch,
+                } => self.fenced(&node, lease_epoch, accepted_epoch, now_ms),
             }
         }
-        if self.allocate_now {
+        let steering_now = self.steering();
+        out.stopped_steering = steered && !steering_now;
+        if self.allocate_now && steering_now {
             self.allocate_now = false;
             self.allocate(now_ms, &mut out);
+        }
+        if !steering_now {
+            // A controller that does not steer holds its decisions: it neither leases
+            // nor releases, nor preempts (the active one does). The agents keep their
+            // last lease's caps until it runs out, then fall to the fail-safe.
+            self.allocate_now = false;
+            self.rollout = Rollout::new();
+            return self.finish_step(now_ms, out);
         }
         // Increases released by this step's confirmations go out with the leases. Only
         // now, after the whole batch: an allocation made in this step has replaced the
@@ -365,6 +470,12 @@ impl Core {
                 out.leases.insert(released.node, lease);
             }
         }
+        self.finish_step(now_ms, out)
+    }
+
+    /// What every step ends with, steering or not: the state to save, the placement
+    /// refresh, the energy records due.
+    fn finish_step(&mut self, now_ms: u64, mut out: Output) -> Output {
         if std::mem::take(&mut self.dirty) {
             out.persist = Some(self.state.clone());
         }
@@ -372,6 +483,22 @@ impl Core {
         out.refresh_placement = std::mem::take(&mut self.refresh_placement);
         self.write_records(now_ms, &mut out);
         out
+    }
+
+    /// The refusal of an admin change while this controller does not steer.
+    fn not_active(&self) -> AdminReply {
+        let why = match &self.leadership {
+            Some(l) => match (&l.holder, &l.reason) {
+                (Some(holder), _) => format!(
+                    "this controller is {}: the active controller is {holder}; send changes there",
+                    l.role.name()
+                ),
+                (None, Some(reason)) => format!("this controller is {} ({reason})", l.role.name()),
+                (None, None) => format!("this controller is {}", l.role.name()),
+            },
+            None => "this controller does not steer".to_string(),
+        };
+        AdminReply::refused(Refusal::NotActive, why)
     }
 
     /// A node's final shares: checked as a whole (a malformed list is refused, logged
@@ -474,6 +601,7 @@ impl Core {
                 now_ms,
             );
         }
+        status.leadership.clone_from(&self.leadership);
         status
     }
 
@@ -2442,6 +2570,118 @@ mod tests {
             vec![report("n1", vec![job("101", None)]), Input::Tick],
         );
         assert!(core.status(UnixMs(T0 + 31_000)).nodes[0].live);
+    }
+
+    fn leadership(role: LeadershipRole, epoch: u64, holder: Option<&str>) -> Input {
+        Input::Leadership(LeadershipView {
+            role,
+            name: Some("ctld-a".into()),
+            epoch,
+            holder: holder.map(str::to_string),
+            reason: None,
+            since_unix_ms: T0,
+        })
+    }
+
+    /// Issue 22: leases carry the state's epoch; a controller that is not active (a
+    /// standby, one that stepped down) sends no lease and refuses changes, typed, and
+    /// steers again at once when it is active.
+    #[test]
+    fn only_an_active_controller_leases_and_takes_changes() {
+        let state = CtldState {
+            epoch: 4,
+            ..CtldState::default()
+        };
+        let mut core = Core::new(options(), Loaded { state, lost: false }, UnixMs(T0));
+        let out = core.step(
+            UnixMs(T0),
+            vec![
+                leadership(LeadershipRole::Standby, 4, Some("ctld-b")),
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                Input::Tick,
+            ],
+        );
+        assert!(!core.steering());
+        assert!(out.leases.is_empty(), "a standby leases nothing: {out:?}");
+        let out = core.step(
+            UnixMs(T0 + 1),
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 5000.0,
+                    domain: None,
+                },
+                0,
+            )],
+        );
+        let r = reply(&out);
+        assert_eq!(r.refusal, Some(Refusal::NotActive), "{r:?}");
+        assert!(
+            r.error.as_deref().is_some_and(|e| e.contains("ctld-b")),
+            "{r:?}"
+        );
+        assert_eq!(out.persist, None);
+        let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, 1000)]);
+        let shown = reply(&out)
+            .status
+            .as_ref()
+            .and_then(|s| s.leadership.clone());
+        assert_eq!(shown.map(|l| l.role), Some(LeadershipRole::Standby));
+        // Active: it allocates at once, and every lease carries its epoch.
+        let out = core.step(
+            UnixMs(T0 + 3),
+            vec![leadership(LeadershipRole::Active, 4, None)],
+        );
+        assert!(core.steering());
+        assert_eq!(out.epoch, 4);
+        assert!(out.leases.contains_key("n1"), "{out:?}");
+        // Stepping down stops it at once, and the edge is told to send the agents on.
+        let out = core.step(
+            UnixMs(T0 + 4),
+            vec![
+                leadership(LeadershipRole::SteppedDown, 4, None),
+                Input::Tick,
+            ],
+        );
+        assert!(out.stopped_steering && out.leases.is_empty(), "{out:?}");
+    }
+
+    /// Issue 22: an agent's refusal of this controller's epoch fences it for good (only
+    /// a new leadership, a new core, steers again); a refusal of another epoch does not.
+    #[test]
+    fn a_controller_refused_for_its_epoch_is_fenced_and_stops_steering() {
+        let state = CtldState {
+            epoch: 2,
+            ..CtldState::default()
+        };
+        let mut core = Core::new(options(), Loaded { state, lost: false }, UnixMs(T0));
+        let out = core.step(
+            UnixMs(T0),
+            vec![hello("n1"), report("n1", vec![job("101", None)])],
+        );
+        assert_eq!(out.epoch, 2);
+        assert!(!out.leases.is_empty());
+        let fenced = |lease_epoch, accepted_epoch| Input::Fenced {
+            node: "n1".into(),
+            lease_epoch,
+            accepted_epoch,
+        };
+        // A stale refusal of an older lease (or by an agent behind this one) is not one.
+        core.step(UnixMs(T0 + 1), vec![fenced(1, 2), fenced(2, 2)]);
+        assert!(core.steering());
+        let out = core.step(UnixMs(T0 + 2), vec![fenced(2, 3), Input::Tick]);
+        assert!(!core.steering());
+        assert!(out.stopped_steering && out.leases.is_empty(), "{out:?}");
+        let status = core.status(UnixMs(T0 + 2));
+        let l = status.leadership.expect("shown");
+        assert_eq!((l.role, l.epoch), (LeadershipRole::Fenced, 2));
+        assert!(l.reason.is_some_and(|r| r.contains("epoch 3")));
+        // The HA edge's view cannot unfence it.
+        let out = core.step(
+            UnixMs(T0 + 3),
+            vec![leadership(LeadershipRole::Active, 2, None), Input::Tick],
+        );
+        assert!(!core.steering() && out.leases.is_empty());
     }
 
     #[test]

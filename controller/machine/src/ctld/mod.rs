@@ -15,12 +15,15 @@
 //! - [`annotate`]: which `AdminComment`s changed;
 //! - [`metrics`]: what the metrics show of one allocation (the edge renders the text);
 //! - [`history`]: the board the admin threads answer `history` from;
-//! - [`state`]: what survives a restart (the edge reads and writes the file).
+//! - [`state`]: what survives a restart (the edge reads and writes the file);
+//! - [`leader`]: whether this controller steers under `[controller.ha]`, and with which
+//!   epoch (the edge runs the claims in PostgreSQL).
 
 pub mod accounting;
 pub mod annotate;
 pub mod core;
 pub mod history;
+pub mod leader;
 pub mod learning;
 pub mod metrics;
 pub mod owners;

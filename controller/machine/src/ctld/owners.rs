@@ -331,6 +331,7 @@ mod tests {
                 slurm: None,
                 accounting_db: None,
                 domains: Vec::new(),
+                leadership: None,
             }),
             ..AdminReply::ok()
         }

@@ -33,6 +33,16 @@ pub struct CtldState {
     /// the limits the site config gives them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub domain_budgets_w: BTreeMap<String, Watts>,
+    /// The leadership epoch this state was last steered with (issue 22): every lease
+    /// carries it, and an agent refuses leases of a lower epoch than it has accepted. 0
+    /// for a single controller (and absent from its file); under `[controller.ha]` each
+    /// takeover raises it in the database.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The state as loaded at start.

@@ -122,6 +122,7 @@ pub fn build(
         slurm: None,
         accounting_db: None,
         domains: Vec::new(),
+        leadership: None,
     }
 }
 
