@@ -614,14 +614,20 @@ impl Ven {
     ) -> usize {
         let interval_ms = self.config.report_interval_s * 1000;
         let mut sent = 0;
-        // A controller that has not heard from every node (just restarted, a node
-        // silent) does not know the site's draw: report nothing rather than a number
-        // that is too low; the report goes out once it knows.
-        if !map::draw_known(status.nodes.iter().map(|n| n.live)) {
-            return 0;
-        }
         for vtn_id in map::reports_due(&self.ledger, now, interval_ms) {
             let Some(client) = clients.iter().find(|c| c.id().as_str() == vtn_id) else {
+                continue;
+            };
+            // The draw and budget where the event cuts: its program's domain, or the
+            // site. A controller that has not heard from every node there (just
+            // restarted, a node silent) does not know its draw: nothing is reported
+            // rather than a number that is too low; the report goes out once it knows.
+            let domain = self
+                .ledger
+                .events
+                .get(&vtn_id)
+                .and_then(|e| e.request.domain.clone());
+            let Some((draw_w, budget_w)) = map::reported_w(domain.as_deref(), status) else {
                 continue;
             };
             let mut report = client.new_report(self.config.ven_name.clone());
@@ -649,11 +655,11 @@ impl Ven {
                     vec![
                         ValuesMap {
                             value_type: ValueType("DEMAND".into()),
-                            values: vec![Value::Number(status.draw_w / 1000.0)],
+                            values: vec![Value::Number(draw_w / 1000.0)],
                         },
                         ValuesMap {
                             value_type: ValueType("SETPOINT".into()),
-                            values: vec![Value::Number(status.budget_w / 1000.0)],
+                            values: vec![Value::Number(budget_w / 1000.0)],
                         },
                     ],
                 )],
@@ -664,7 +670,7 @@ impl Ven {
                     if let Some(e) = self.ledger.events.get_mut(&vtn_id) {
                         e.reported_ms = Some(now);
                     }
-                    info!(vtn_event = %vtn_id, draw_w = status.draw_w, budget_w = status.budget_w, "report sent");
+                    info!(vtn_event = %vtn_id, domain = domain.as_deref().unwrap_or("(site)"), draw_w, budget_w, "report sent");
                 }
                 Err(e) => warn!(vtn_event = %vtn_id, error = %e, "report not accepted"),
             }

@@ -21,6 +21,7 @@ use openleadr_wire::values_map::Value;
 use openleadr_wire::{Event, Unit};
 use powerflex_core::config::OpenAdrConfig;
 use powerflex_proto::admin::{Cut, Event as PfEvent};
+use powerflex_proto::status::CtldStatus;
 use serde::{Deserialize, Serialize};
 
 /// What the mapping needs from the site config.
@@ -820,6 +821,23 @@ pub fn reports_due(ledger: &Ledger, now_ms: u64, interval_ms: u64) -> Vec<String
         .collect()
 }
 
+/// What a report for an event of `domain` (none: the site's) tells the utility: the
+/// metered draw and the budget in force there, W. None while the controller does not
+/// hear every node behind it (its summed draw would be too low) or does not know the
+/// domain.
+pub fn reported_w(domain: Option<&str>, status: &CtldStatus) -> Option<(f64, f64)> {
+    match domain {
+        None => draw_known(status.nodes.iter().map(|n| n.live))
+            .then_some((status.draw_w, status.budget_w)),
+        Some(name) => status
+            .domains
+            .iter()
+            .find(|d| d.name == name)
+            .filter(|d| d.nodes > 0 && d.live_nodes == d.nodes)
+            .map(|d| (d.draw_w, d.budget_w)),
+    }
+}
+
 /// Whether the controller's summed draw covers the site: at least one node, every node
 /// live (reported within its lease).
 pub fn draw_known(live: impl IntoIterator<Item = bool>) -> bool {
@@ -1131,6 +1149,56 @@ mod tests {
         };
         assert!(!mapped.matches(&at_ctld));
         assert!(site.matches(&at_ctld));
+    }
+
+    /// A domain's event is reported with that domain's draw and budget, the site's
+    /// with the site's; either only while every node behind it is heard.
+    #[test]
+    fn a_report_is_of_the_draw_and_budget_where_the_event_cuts() {
+        use powerflex_proto::status::{DomainStatus, NodeStatus};
+        let node = |name: &str, live: bool| NodeStatus {
+            node: name.into(),
+            gpus: 8,
+            live,
+            power_w: 4000.0,
+            jobs: 1,
+            seen_ms_ago: 0,
+            refused_reports: 0,
+            refused_gpus: 0,
+            domain: None,
+        };
+        let feed = |live_nodes: u32| DomainStatus {
+            name: "feed-b".into(),
+            parent: None,
+            depth: 0,
+            limit_w: 50_000.0,
+            budget_w: 30_000.0,
+            draw_w: 29_000.0,
+            headroom_w: 1000.0,
+            nodes: 2,
+            live_nodes,
+            planned_w: None,
+            floors_over_w: None,
+            event: Some(4),
+        };
+        let status: CtldStatus = serde_json::from_value(serde_json::json!({
+            "base_budget_w": 100000.0, "budget_w": 100000.0, "draw_w": 61000.0,
+            "headroom_w": 39000.0, "events": [], "nodes": [], "jobs": [],
+        }))
+        .expect("status");
+        let status = CtldStatus {
+            nodes: vec![node("n1", true), node("n2", true)],
+            domains: vec![feed(2)],
+            ..status
+        };
+        assert_eq!(reported_w(None, &status), Some((61_000.0, 100_000.0)));
+        assert_eq!(reported_w(Some("feed-b"), &status), Some((29_000.0, 30_000.0)));
+        assert_eq!(reported_w(Some("feed-z"), &status), None);
+        let silent = CtldStatus {
+            domains: vec![feed(1)],
+            ..status.clone()
+        };
+        assert_eq!(reported_w(Some("feed-b"), &silent), None);
     }
 
     /// Safe mode: engaged for a program once the VTN has been away for its `after_s`,

@@ -133,15 +133,26 @@ fn candidates(nodes: &[NodeView], settings: &SiteSettings) -> BTreeMap<String, C
 /// Whether `d` leaves the site short: some floor broken, or over the budget with every
 /// job at its lowest cap.
 pub fn short(d: &Decision) -> bool {
-    d.allocation
-        .as_ref()
-        .is_some_and(|a| a.over_budget_w.0 > 0.0 || a.broken_floors().next().is_some())
+    d.allocation.as_ref().is_some_and(|a| {
+        a.over_budget_w.0 > 0.0
+            || a.broken_floors().next().is_some()
+            // A domain over its limit with its jobs at their lowest caps: jobs whose
+            // floor is their lowest cap break no bound, yet the breaker is over.
+            || a.domains.iter().any(|d| d.lowest_over_w.0 > 0.0)
+    })
 }
 
-/// Whether holding `c` out can help where `d` is short: where some power domain cannot
-/// pay its floors, only a job drawing through one such domain (a job elsewhere would
-/// free watts the binding breaker never sees); otherwise any job.
-fn helps(d: &Decision, settings: &SiteSettings, c: &Candidate) -> bool {
+/// Whether holding `c` out can help where `d` is short. Where some power domain binds
+/// (its jobs' floors do not fit its limit), a job drawing through one such domain helps
+/// it; a job elsewhere helps only where the site itself is short beyond those domains
+/// (over its budget at the lowest caps, or a job outside every binding domain over its
+/// bound). Without binding domains, any job.
+fn helps(
+    d: &Decision,
+    settings: &SiteSettings,
+    jobs: &BTreeMap<String, Candidate>,
+    c: &Candidate,
+) -> bool {
     let (Some(domains), Some(a)) = (&settings.domains, &d.allocation) else {
         return true;
     };
@@ -149,16 +160,25 @@ fn helps(d: &Decision, settings: &SiteSettings, c: &Candidate) -> bool {
         .domains
         .iter()
         .enumerate()
-        .filter(|(_, used)| used.binds())
+        .filter(|(_, used)| used.binds() || used.lowest_over_w.0 > 0.0)
         .map(|(i, _)| i)
         .collect();
-    binding.is_empty()
-        || c.nodes.iter().any(|node| {
+    let behind_binding = |nodes: &[String]| {
+        nodes.iter().any(|node| {
             domains
                 .tree
                 .path_of_node(node)
                 .iter()
                 .any(|d| binding.contains(d))
+        })
+    };
+    if binding.is_empty() || behind_binding(&c.nodes) {
+        return true;
+    }
+    a.over_budget_w.0 > 0.0
+        || a.broken_floors().any(|j| {
+            jobs.get(&j.id)
+                .is_none_or(|other| !behind_binding(&other.nodes))
         })
 }
 
@@ -244,7 +264,9 @@ pub fn plan(
     // A job given back is allocated on its curve, not on the idle draw it reported while
     // suspended (in metered mode that draw would scale its curve down and buy it a cap
     // it would overshoot at once).
-    let decide = |now_held: &BTreeMap<String, Preempted>, budget: Watts| {
+    let decide_with = |now_held: &BTreeMap<String, Preempted>,
+                       budget: Watts,
+                       settings: &SiteSettings| {
         let resumed = |id: &str| held.contains_key(id) && !now_held.contains_key(id);
         let views: Vec<NodeView> = nodes
             .iter()
@@ -265,6 +287,20 @@ pub fn plan(
             in_force,
         )
     };
+    let decide = |now_held: &BTreeMap<String, Preempted>, budget: Watts| {
+        decide_with(now_held, budget, settings)
+    };
+    // A give-back is checked with the site's budget and every domain's limit
+    // RESUME_MARGIN lower, so noise does not suspend and resume the same job in turn.
+    let with_margin = SiteSettings {
+        domains: settings.domains.clone().map(|mut d| {
+            for limit in &mut d.limits_w {
+                *limit *= 1.0 - RESUME_MARGIN;
+            }
+            d
+        }),
+        ..settings.clone()
+    };
     let mut decision = decide(&now_held, budget);
     if short(&decision) {
         // Lowest tier first; within a tier, the job drawing most frees most.
@@ -283,7 +319,7 @@ pub fn plan(
         // (a binding domain's, when one binds: preemption stays inside it).
         while let Some(c) = order
             .iter()
-            .find(|c| !now_held.contains_key(&c.id) && helps(&decision, settings, c))
+            .find(|c| !now_held.contains_key(&c.id) && helps(&decision, settings, &jobs, c))
         {
             now_held.insert(
                 c.id.clone(),
@@ -328,7 +364,11 @@ pub fn plan(
         });
         for (id, p) in back {
             now_held.remove(&id);
-            let fits = !short(&decide(&now_held, Watts(budget.0 * (1.0 - RESUME_MARGIN))));
+            let fits = !short(&decide_with(
+                &now_held,
+                Watts(budget.0 * (1.0 - RESUME_MARGIN)),
+                &with_margin,
+            ));
             if fits {
                 decision = decide(&now_held, budget);
             } else {
@@ -551,6 +591,42 @@ mod tests {
         assert!(!short(&p.decision), "{:?}", p.decision.allocation);
         assert_eq!(p.decision.leases["n3"].get("31"), Some(&700.0));
         assert_eq!(p.decision.leases["n4"].get("33"), Some(&700.0));
+    }
+
+    /// A rack over its limit even with its jobs at their lowest caps, where no job's
+    /// bound is broken (flex3 jobs whose floor is their lowest cap): still short, and the
+    /// rack's job that allows it is held out.
+    #[test]
+    fn a_domain_over_its_limit_at_the_lowest_caps_is_short_though_no_bound_breaks() {
+        use powerflex_core::domains::{DomainTree, RawDomain};
+        let tree = DomainTree::build(&[RawDomain {
+            name: "rack-a".into(),
+            parent: None,
+            gpu_limit_w: 100_000.0,
+            nodes: Some("n1,n2".into()),
+        }])
+        .expect("valid");
+        let mut domains = crate::site::SiteDomains::configured(&tree).expect("domains");
+        // Two flex3 jobs at their lowest caps: 2 × 4 × 200 W = 1600 W; the rack gets 1000 W.
+        domains.limits_w[0] = 1000.0;
+        let settings = SiteSettings {
+            domains: Some(domains),
+            ..settings()
+        };
+        let nodes = vec![
+            node("n1", vec![job("41", "flex3", 700.0, 700.0)]),
+            node("n2", vec![job("43", "flex3,preempt=suspend", 700.0, 700.0)]),
+        ];
+        let p = plan(
+            &nodes,
+            Watts(100_000.0),
+            &settings,
+            &BTreeMap::new(),
+            Outlook::cut(true),
+            &BTreeMap::new(),
+            T0,
+        );
+        assert_eq!(ids(&p.held), ["43"], "{:?}", p.decision.allocation);
     }
 
     #[test]

@@ -2101,7 +2101,7 @@ impl Comparison {
                     format!("{:.0}", r.scored.tokens_per_s),
                     format!("{:.1} %", kept(r.scored.tokens_per_s)),
                     match (r.gap, r.scored.bounds_broken.is_empty()) {
-                        (Some(g), _) => format!("{:.0} %", round_to(g * 100.0, 1)),
+                        (Some(g), _) => format!("{:.1} %", round_to(g * 100.0, 1)),
                         (None, false) => "n/a: breaks bounds".into(),
                         (None, true) => "-".into(),
                     },
@@ -3125,9 +3125,10 @@ impl Learning {
             );
         }
         match gap {
+            // Rounded as the summary holds it, so the two read alike.
             Some(g) => format!(
-                "{tokens:.0} tokens/s, every bound held, {:.0} % of the gap",
-                g * 100.0
+                "{tokens:.0} tokens/s, every bound held, {:.1} % of the gap",
+                round_to(g * 100.0, 1)
             ),
             None => format!("{tokens:.0} tokens/s, every bound held (no gap to recover)"),
         }

@@ -1358,7 +1358,17 @@ impl Core {
         crate::site::apply_least_flexible_tiers(&mut views, &self.options.site.tiers);
         // Caps first; where caps at every floor cannot meet the budget, jobs that allow
         // it are held out (crate::preempt), and given back once they fit again.
-        let cut_ahead = plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5;
+        // A domain's own event counts too: a job requeued for it is not released while
+        // its domain is still cut.
+        let domain_cut = site.domains.as_ref().is_some_and(|d| {
+            d.tree
+                .domains()
+                .iter()
+                .zip(&d.limits_w)
+                .any(|(domain, &limit)| limit < self.domain_base(&domain.name).0 - 0.5)
+        });
+        let cut_ahead =
+            plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5 || domain_cut;
         // The caps in force stay while a new decision would buy too little to be worth a
         // change (site::decide_steady).
         let caps_in_force: BTreeMap<String, f64> = self
