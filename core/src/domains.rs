@@ -16,6 +16,8 @@ use crate::units::Watts;
 pub const MAX_DOMAINS: usize = 10_000;
 /// The most nodes one leaf's `nodes` hostlist may name.
 pub const MAX_NODES_PER_DOMAIN: usize = 65_536;
+/// The most nodes all leaves together may name: ten times the largest site planned for.
+pub const MAX_NODES_IN_ALL: usize = 1_000_000;
 /// The most levels from a top domain to a leaf (feed, switchboard, row, PDU, rack and a
 /// few more).
 pub const MAX_DEPTH: usize = 16;
@@ -104,6 +106,8 @@ pub enum DomainError {
     },
     #[error("{count} domains; at most {MAX_DOMAINS} are accepted")]
     TooMany { count: usize },
+    #[error("the leaves name more than {MAX_NODES_IN_ALL} nodes in all")]
+    TooManyNodes,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -201,12 +205,22 @@ impl DomainTree {
                 }
                 (None, false) => {}
                 (Some(list), true) => {
+                    // Every name a node name: `gpu01, gpu02` would name " gpu02", a node
+                    // Slurm does not have, and that node would be placed nowhere.
                     let names = expand_hostlist(list, MAX_NODES_PER_DOMAIN)
-                        .filter(|n| !n.is_empty())
+                        .filter(|names| {
+                            names.iter().all(|n| {
+                                !n.is_empty()
+                                    && n.chars().all(|c| !c.is_whitespace() && !c.is_control())
+                            })
+                        })
                         .ok_or_else(|| DomainError::BadHostlist {
                             name: d.name.clone(),
                             nodes: list.clone(),
                         })?;
+                    if leaf_of.len() + names.len() > MAX_NODES_IN_ALL {
+                        return Err(DomainError::TooManyNodes);
+                    }
                     for node in &names {
                         if let Some(&first) = leaf_of.get(node) {
                             if first != i {
@@ -363,6 +377,10 @@ mod tests {
                 "only a leaf",
             ),
             (vec![raw("a", None, 1.0, None)], "a leaf without nodes"),
+            (
+                vec![raw("a", None, 1.0, Some("gpu01, gpu02"))],
+                "not a Slurm hostlist",
+            ),
             (
                 vec![raw("a", None, 1.0, Some("n[1-"))],
                 "not a Slurm hostlist",

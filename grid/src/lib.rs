@@ -399,6 +399,9 @@ impl Ven {
         })?;
         let ledger_path = ledger_path(&config);
         let ledger = load_ledger(&ledger_path)?;
+        // The last answer the ledger kept, else the start: a VEN that starts with the VTN
+        // away waits out each program's allowance from there.
+        let last_vtn_answer_ms = ledger.last_vtn_answer_ms.unwrap_or_else(unix_ms);
         Ok(Ven {
             mapping: Mapping::from_config(&config),
             config,
@@ -407,7 +410,7 @@ impl Ven {
             ledger_path,
             ledger,
             refused: Default::default(),
-            last_vtn_answer_ms: unix_ms(),
+            last_vtn_answer_ms,
         })
     }
 
@@ -426,6 +429,8 @@ impl Ven {
             }
         };
         self.last_vtn_answer_ms = now;
+        self.ledger.last_vtn_answer_ms = Some(now);
+        save_ledger(&self.ledger_path, &self.ledger)?;
         self.keep_safe_modes(now, true).await?;
         let mut round = Round::default();
         // Remembered only while the VTN serves the event: the map stays as small as the
@@ -490,6 +495,16 @@ impl Ven {
         for action in actions {
             match action {
                 map::SafeAction::Engage { program, request } => {
+                    // Recorded first: a crash after the controller hears it finds the
+                    // event again by its fields (Adopt or Lift), never adds it twice.
+                    self.ledger.safe_mode.insert(
+                        program.clone(),
+                        map::SafeEntry {
+                            request: request.clone(),
+                            pf_id: None,
+                        },
+                    );
+                    save_ledger(&self.ledger_path, &self.ledger)?;
                     let reply = self
                         .ctld
                         .ask(AdminOp::EventAdd {
@@ -511,18 +526,28 @@ impl Ven {
                         silent_s = now.saturating_sub(self.last_vtn_answer_ms) / 1000,
                         "the VTN has not answered past the program's allowance: safe mode engaged"
                     );
-                    self.ledger.safe_mode.insert(program, pf_id);
+                    if let Some(entry) = self.ledger.safe_mode.get_mut(&program) {
+                        entry.pf_id = Some(pf_id);
+                    }
+                }
+                map::SafeAction::Adopt { program, pf_id } => {
+                    info!(program = %program, event = pf_id, "safe mode's event found at the controller");
+                    if let Some(entry) = self.ledger.safe_mode.get_mut(&program) {
+                        entry.pf_id = Some(pf_id);
+                    }
                 }
                 map::SafeAction::Lift { program, pf_id } => {
-                    match self.ctld.ask(AdminOp::EventCancel { id: pf_id }).await {
-                        Ok(_)
-                        | Err(GridError::CtldRefused {
-                            refusal: Some(Refusal::NoSuchEvent),
-                            ..
-                        }) => {}
-                        Err(e) => return Err(e),
+                    if let Some(pf_id) = pf_id {
+                        match self.ctld.ask(AdminOp::EventCancel { id: pf_id }).await {
+                            Ok(_)
+                            | Err(GridError::CtldRefused {
+                                refusal: Some(Refusal::NoSuchEvent),
+                                ..
+                            }) => {}
+                            Err(e) => return Err(e),
+                        }
                     }
-                    info!(program = %program, event = pf_id, "the VTN answers again: safe mode lifted");
+                    info!(program = %program, event = ?pf_id, "the VTN answers again: safe mode lifted");
                     self.ledger.safe_mode.remove(&program);
                 }
             }

@@ -490,10 +490,24 @@ pub const LEDGER_VERSION: u32 = 1;
 pub struct Ledger {
     pub v: u32,
     pub events: BTreeMap<String, Entry>,
-    /// Programs in safe mode (the VTN unreachable past their `after_s`), each with the
-    /// controller event that holds its domain.
+    /// Programs in safe mode (the VTN unreachable past their `after_s`): what was sent
+    /// for each, and the controller event that holds its domain once its id is known.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub safe_mode: BTreeMap<String, u64>,
+    pub safe_mode: BTreeMap<String, SafeEntry>,
+    /// When the VTN last answered a read, Unix ms: kept across restarts, so a VEN that
+    /// restarts while the VTN is away still engages safe mode on time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_vtn_answer_ms: Option<u64>,
+}
+
+/// One program's safe mode as the ledger keeps it: recorded before `event-add` is sent
+/// (`pf_id` none), so an event sent just before a crash is found again by its fields and
+/// lifted, never left in force or added twice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SafeEntry {
+    pub request: Request,
+    pub pf_id: Option<u64>,
 }
 
 impl Default for Ledger {
@@ -508,6 +522,7 @@ impl Ledger {
             v: LEDGER_VERSION,
             events: BTreeMap::new(),
             safe_mode: BTreeMap::new(),
+            last_vtn_answer_ms: None,
         }
     }
 
@@ -517,7 +532,7 @@ impl Ledger {
         self.events
             .values()
             .flat_map(|e| e.pf_id.into_iter().chain(e.superseded.iter().copied()))
-            .chain(self.safe_mode.values().copied())
+            .chain(self.safe_mode.values().filter_map(|e| e.pf_id))
             .collect()
     }
 }
@@ -532,22 +547,37 @@ pub struct SafeModeRules<'a> {
     pub duration_ms: u64,
 }
 
-/// A program's safe mode to engage or lift (see [`safe_mode_actions`]).
+/// A program's safe mode to engage, adopt or lift (see [`safe_mode_actions`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum SafeAction {
-    /// Send `event-add` for `request` and record its id as the program's safe mode.
+    /// Record `request` as the program's safe mode (pending), then send `event-add` for
+    /// it and record its id.
     Engage { program: String, request: Request },
-    /// Cancel the program's safe-mode event (a controller that no longer has it is fine)
-    /// and forget it.
-    Lift { program: String, pf_id: u64 },
+    /// A pending safe mode's event is at the controller already (sent before a crash):
+    /// take its id.
+    Adopt { program: String, pf_id: u64 },
+    /// Cancel the program's safe-mode event, if it has one at the controller (a
+    /// controller that no longer has it is fine), and forget it.
+    Lift { program: String, pf_id: Option<u64> },
+}
+
+/// The controller event a pending safe mode was sent as, found by its fields among the
+/// events no ledger entry claims.
+fn sent_before(entry: &SafeEntry, ledger: &Ledger, ctld: &[PfEvent]) -> Option<u64> {
+    let claimed = ledger.claimed();
+    ctld.iter()
+        .find(|e| !claimed.contains(&e.id) && entry.request.matches(e))
+        .map(|e| e.id)
 }
 
 /// What the VEN does about its programs' safe modes at `now_ms`. While the VTN answers
-/// (`vtn_answers`), every engaged safe mode is lifted. When it has not answered since
-/// `last_answer_ms` for a program's `after_s` or longer, that program's safe mode is
-/// engaged: an event holding its domain (or the site) to the mode's limit from now for
-/// `duration_ms` (the longest event the site applies); one whose event the controller no
-/// longer holds (it ended, or an admin cancelled it) is engaged again.
+/// (`vtn_answers`), every safe mode is lifted (a pending one's event, sent before a
+/// crash, found by its fields). When it has not answered since `last_answer_ms` for a
+/// program's `after_s` or longer, that program's safe mode is engaged: an event holding
+/// its domain (or the site) to the mode's limit from now for `duration_ms` (the longest
+/// event the site applies). A pending one whose event is at the controller is adopted;
+/// one whose event the controller no longer holds (it ended, or an admin cancelled it)
+/// is engaged again.
 pub fn safe_mode_actions(
     rules: &SafeModeRules<'_>,
     now_ms: u64,
@@ -563,21 +593,32 @@ pub fn safe_mode_actions(
     } = *rules;
     let mut out = Vec::new();
     if vtn_answers {
-        for (program, &pf_id) in &ledger.safe_mode {
+        for (program, entry) in &ledger.safe_mode {
             out.push(SafeAction::Lift {
                 program: program.clone(),
-                pf_id,
+                pf_id: entry.pf_id.or_else(|| sent_before(entry, ledger, ctld)),
             });
         }
         return out;
     }
     let silent_ms = now_ms.saturating_sub(last_answer_ms);
     for (program, mode) in modes {
-        let held = ledger
-            .safe_mode
-            .get(program)
-            .is_some_and(|id| ctld.iter().any(|e| e.id == *id));
-        if held || silent_ms < mode.after_s.saturating_mul(1000) {
+        match ledger.safe_mode.get(program) {
+            Some(SafeEntry {
+                pf_id: Some(id), ..
+            }) if ctld.iter().any(|e| e.id == *id) => continue,
+            Some(entry @ SafeEntry { pf_id: None, .. }) => {
+                if let Some(pf_id) = sent_before(entry, ledger, ctld) {
+                    out.push(SafeAction::Adopt {
+                        program: program.clone(),
+                        pf_id,
+                    });
+                    continue;
+                }
+            }
+            _ => {}
+        }
+        if silent_ms < mode.after_s.saturating_mul(1000) {
             continue;
         }
         out.push(SafeAction::Engage {
@@ -1192,7 +1233,10 @@ mod tests {
             ..status
         };
         assert_eq!(reported_w(None, &status), Some((61_000.0, 100_000.0)));
-        assert_eq!(reported_w(Some("feed-b"), &status), Some((29_000.0, 30_000.0)));
+        assert_eq!(
+            reported_w(Some("feed-b"), &status),
+            Some((29_000.0, 30_000.0))
+        );
         assert_eq!(reported_w(Some("feed-z"), &status), None);
         let silent = CtldStatus {
             domains: vec![feed(1)],
@@ -1254,7 +1298,63 @@ mod tests {
                 },
             }]
         );
-        ledger.safe_mode.insert("feed-b-dr".into(), 7);
+        // Recorded before it is sent; after a crash there its event is found by its
+        // fields and adopted, not sent twice.
+        let Some(SafeAction::Engage { request, .. }) = actions.first().cloned() else {
+            panic!("engaged");
+        };
+        ledger.safe_mode.insert(
+            "feed-b-dr".into(),
+            SafeEntry {
+                request: request.clone(),
+                pf_id: None,
+            },
+        );
+        let sent = PfEvent {
+            id: 7,
+            cut: request.cut,
+            start_ms: request.start_ms,
+            duration_ms: request.duration_ms,
+            ramp_ms: request.ramp_ms,
+            domain: request.domain.clone(),
+        };
+        assert_eq!(
+            safe_mode_actions(
+                &rules,
+                T0 + 950_000,
+                false,
+                last,
+                &ledger,
+                std::slice::from_ref(&sent)
+            ),
+            [SafeAction::Adopt {
+                program: "feed-b-dr".into(),
+                pf_id: 7
+            }]
+        );
+        // The VTN answers before the id was recorded: the event found by its fields is
+        // cancelled.
+        assert_eq!(
+            safe_mode_actions(
+                &rules,
+                T0 + 960_000,
+                true,
+                T0 + 960_000,
+                &ledger,
+                std::slice::from_ref(&sent)
+            ),
+            [SafeAction::Lift {
+                program: "feed-b-dr".into(),
+                pf_id: Some(7)
+            }]
+        );
+        ledger.safe_mode.insert(
+            "feed-b-dr".into(),
+            SafeEntry {
+                request,
+                pf_id: Some(7),
+            },
+        );
         assert!(
             ledger.claimed().contains(&7),
             "never adopted for a VTN event"
@@ -1295,7 +1395,7 @@ mod tests {
             ),
             [SafeAction::Lift {
                 program: "feed-b-dr".into(),
-                pf_id: 7
+                pf_id: Some(7)
             }]
         );
     }

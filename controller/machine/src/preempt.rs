@@ -264,29 +264,28 @@ pub fn plan(
     // A job given back is allocated on its curve, not on the idle draw it reported while
     // suspended (in metered mode that draw would scale its curve down and buy it a cap
     // it would overshoot at once).
-    let decide_with = |now_held: &BTreeMap<String, Preempted>,
-                       budget: Watts,
-                       settings: &SiteSettings| {
-        let resumed = |id: &str| held.contains_key(id) && !now_held.contains_key(id);
-        let views: Vec<NodeView> = nodes
-            .iter()
-            .map(|n| {
-                let mut n = n.clone();
-                for j in n.jobs.iter_mut().filter(|j| resumed(&j.job_id)) {
-                    j.power_w = None;
-                    j.power_cap_steady_s = Some(0.0);
-                }
-                n
-            })
-            .collect();
-        decide_steady(
-            &views,
-            budget,
-            settings,
-            &counted(now_held, &jobs, now_ms),
-            in_force,
-        )
-    };
+    let decide_with =
+        |now_held: &BTreeMap<String, Preempted>, budget: Watts, settings: &SiteSettings| {
+            let resumed = |id: &str| held.contains_key(id) && !now_held.contains_key(id);
+            let views: Vec<NodeView> = nodes
+                .iter()
+                .map(|n| {
+                    let mut n = n.clone();
+                    for j in n.jobs.iter_mut().filter(|j| resumed(&j.job_id)) {
+                        j.power_w = None;
+                        j.power_cap_steady_s = Some(0.0);
+                    }
+                    n
+                })
+                .collect();
+            decide_steady(
+                &views,
+                budget,
+                settings,
+                &counted(now_held, &jobs, now_ms),
+                in_force,
+            )
+        };
     let decide = |now_held: &BTreeMap<String, Preempted>, budget: Watts| {
         decide_with(now_held, budget, settings)
     };

@@ -201,6 +201,10 @@ pub struct Core {
     /// Per job: its curve after calibration and after each event since (see
     /// [`learning::record`]).
     curve_history: BTreeMap<String, Vec<CurveSnapshot>>,
+    /// Per power domain, its limit in force at the last allocation over the GPUs behind
+    /// it, W: a job that starts before the next allocation names it starts no higher on
+    /// any domain of its node's path (empty without domains).
+    domain_start_cap_w: Vec<f64>,
     /// The event in force at the last allocation: when it ends, every job's curve is
     /// snapshotted.
     last_event: Option<u64>,
@@ -300,6 +304,7 @@ impl Core {
             ramp: Ramp::new(),
             last_plan: None,
             curve_history: BTreeMap::new(),
+            domain_start_cap_w: Vec::new(),
             last_event: None,
             owners: Owners::default(),
             placement: None,
@@ -857,6 +862,19 @@ impl Core {
                     job_placement: old.job_placement,
                     ..new
                 };
+                // Budgets and events for domains the new config no longer declares are
+                // kept (a rename back restores them) but cut nothing: say so.
+                let orphans: BTreeSet<&str> = self
+                    .state
+                    .domain_budgets_w
+                    .keys()
+                    .map(String::as_str)
+                    .chain(self.state.events.iter().filter_map(|e| e.domain.as_deref()))
+                    .filter(|name| self.unknown_domain(name).is_some())
+                    .collect();
+                if !orphans.is_empty() {
+                    warn!(domains = ?orphans, "budgets or events name domains the reloaded site config does not declare; they cut nothing");
+                }
                 self.config_error = None;
                 self.allocate_now = true;
             }
@@ -998,6 +1016,13 @@ impl Core {
                     Some(name) => {
                         if let Some(refused) = self.unknown_domain(&name) {
                             return refused;
+                        }
+                        // Never above the breaker the site config gives it.
+                        let limit = self.domain_limit(&name);
+                        if budget_w > limit.0 {
+                            return AdminReply::error(format!(
+                                "domain {name}'s budget may not exceed its limit in the site config; accepted: at most {limit} (set it to {limit} to give the domain its whole limit back)"
+                            ));
                         }
                         info!(budget_w, domain = %name, "domain budget set");
                         self.state.domain_budgets_w.insert(name, Watts(budget_w));
@@ -1213,10 +1238,16 @@ impl Core {
             .domain_budgets_w
             .get(name)
             .copied()
-            .or_else(|| {
-                let d = self.options.site.domains.as_ref()?;
-                d.tree.find(name).map(|i| d.tree.domains()[i].gpu_limit)
-            })
+            .unwrap_or_else(|| self.domain_limit(name))
+    }
+
+    /// A power domain's limit in the site config (0 for one it does not declare).
+    fn domain_limit(&self, name: &str) -> Watts {
+        self.options
+            .site
+            .domains
+            .as_ref()
+            .and_then(|d| d.tree.find(name).map(|i| d.tree.domains()[i].gpu_limit))
             .unwrap_or(Watts::ZERO)
     }
 
@@ -1260,6 +1291,18 @@ impl Core {
             ),
             None => (self.options.site.failsafe_cap.0, Vec::new()),
         };
+        // A job starting behind a tight domain starts at that domain's share, not the
+        // site's.
+        let start_cap_w = self
+            .options
+            .site
+            .domains
+            .as_ref()
+            .map(|d| d.tree.path_of_node(node))
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|d| self.domain_start_cap_w.get(d).copied())
+            .fold(start_cap_w, f64::min);
         // A job reported by one node only: a probe there slows no other node's windows.
         let learn = caps
             .keys()
@@ -1330,6 +1373,28 @@ impl Core {
         );
         // Each power domain's limit over the same window (its own events' ramps).
         let site = self.site_settings_at(now_ms, ahead_ms);
+        self.domain_start_cap_w = match &site.domains {
+            None => Vec::new(),
+            Some(d) => {
+                let mut gpus = vec![0usize; d.limits_w.len()];
+                for s in self.sessions.values() {
+                    for i in d.tree.path_of_node(&s.view.node) {
+                        gpus[i] += s.view.gpus.len();
+                    }
+                }
+                d.limits_w
+                    .iter()
+                    .zip(gpus)
+                    .map(|(&limit, g)| {
+                        if g == 0 {
+                            f64::INFINITY
+                        } else {
+                            limit / g as f64
+                        }
+                    })
+                    .collect()
+            }
+        };
         if plan.rate_limited {
             info!(
                 allocate_w = plan.allocate_w,
@@ -1367,8 +1432,7 @@ impl Core {
                 .zip(&d.limits_w)
                 .any(|(domain, &limit)| limit < self.domain_base(&domain.name).0 - 0.5)
         });
-        let cut_ahead =
-            plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5 || domain_cut;
+        let cut_ahead = plan.ahead_w < base.0 - 0.5 || plan.in_force_w < base.0 - 0.5 || domain_cut;
         // The caps in force stay while a new decision would buy too little to be worth a
         // change (site::decide_steady).
         let caps_in_force: BTreeMap<String, f64> = self
@@ -2289,8 +2353,11 @@ mod tests {
         let n1 = out.leases["n1"].clone();
         assert!(n1.caps["101"] * 4.0 <= 1200.0 + 1e-6, "rack-a cut: {n1:?}");
         assert!(n1.event_in_force);
+        // A job starting on n1 starts at rack-a's share per GPU (1.2 kW over 8 GPUs).
+        assert!(n1.start_cap_w <= 150.0 + 1e-9, "{n1:?}");
         if let Some(n2) = out.leases.get("n2") {
             assert_eq!(n2.caps["102"], 700.0, "rack-b untouched: {n2:?}");
+            assert!(n2.start_cap_w > 150.0, "{n2:?}");
             assert!(!n2.event_in_force, "rack-b's node is outside the event");
         }
         let status = core.status(UnixMs(T0 + 20_000));
@@ -2367,6 +2434,26 @@ mod tests {
             )],
         );
         assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchDomain));
+        // Never above the breaker's limit.
+        let out = core.step(
+            UnixMs(T0 + 32_000),
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 20_000.0,
+                    domain: Some("rack-b".into()),
+                },
+                0,
+            )],
+        );
+        let above = reply(&out);
+        assert!(!above.ok);
+        assert!(
+            above
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("at most 10.0 kW")),
+            "{above:?}"
+        );
     }
 
     #[test]

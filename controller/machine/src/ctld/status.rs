@@ -160,7 +160,8 @@ pub fn domains(
             let base = base_of(&domain.name);
             let events = crate::schedule::of_domain(&state.events, Some(&domain.name));
             let budget = effective_budget(base, &events, now_ms).0;
-            let planned = used.iter().find(|u| u.name == domain.name);
+            // The allocation lists the domains in the tree's order.
+            let planned = used.get(d).filter(|u| u.name == domain.name);
             DomainStatus {
                 name: domain.name.clone(),
                 parent: domain.parent.map(|p| tree.domains()[p].name.clone()),
