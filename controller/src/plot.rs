@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::schedule::utc_text;
-use powerflex_proto::status::HistorySample as Sample;
+use powerflex_proto::status::{DomainSample, HistorySample as Sample};
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 640.0;
@@ -23,6 +23,12 @@ const PALETTE: [&str; 12] = [
 ];
 /// Most job lines drawn; the rest are counted in the legend.
 const MAX_JOBS: usize = 24;
+/// Most power domains drawn in the top panel (the legend there has room for six).
+const MAX_DOMAINS: usize = 6;
+/// The domains' colours, apart from the site's budget (red) and draw (blue).
+const DOMAIN_PALETTE: [&str; 6] = [
+    "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+];
 
 /// Errors of plotting: only "nothing to plot".
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,7 +285,10 @@ pub fn render_svg_marked(
     // Top panel: budget and draw.
     let max_power = samples
         .iter()
-        .map(|s| s.budget_w.max(s.draw_w))
+        .flat_map(|s| {
+            std::iter::once(s.budget_w.max(s.draw_w))
+                .chain(s.domains.values().map(|d| d.budget_w.max(d.draw_w)))
+        })
         .fold(0.0, f64::max)
         .max(1.0);
     let (scale, unit) = power_unit(max_power);
@@ -312,6 +321,49 @@ pub fn render_svg_marked(
         "budget",
     );
     legend_entry(&mut out, TOP_PANEL.0 + 32.0, "#1f77b4", None, "draw");
+    // Power domains the samples carry (the top ones, and any an event cuts): each one's
+    // budget dashed and its draw solid, thinner, in its own colour. A line breaks where
+    // a sample does not carry the domain.
+    let mut domains: Vec<&str> = Vec::new();
+    for s in samples {
+        for name in s.domains.keys() {
+            if !domains.contains(&name.as_str()) {
+                domains.push(name);
+            }
+        }
+    }
+    let mut legend_y = TOP_PANEL.0 + 50.0;
+    for (n, name) in domains.iter().take(MAX_DOMAINS).enumerate() {
+        let colour = DOMAIN_PALETTE[n % DOMAIN_PALETTE.len()];
+        let budget_of: fn(&DomainSample) -> f64 = |d| d.budget_w;
+        let draw_of: fn(&DomainSample) -> f64 = |d| d.draw_w;
+        for (value, dash) in [(budget_of, Some("6 3")), (draw_of, None)] {
+            let mut run: Vec<(f64, f64)> = Vec::new();
+            for s in samples {
+                match s.domains.get(*name) {
+                    Some(d) => run.push((axis.x(s.t_ms), y_of(value(d), power_range, TOP_PANEL))),
+                    None if !run.is_empty() => {
+                        out.push_str(&polyline(&run, colour, 1.0, dash, dash.is_some()));
+                        out.push('\n');
+                        run.clear();
+                    }
+                    None => {}
+                }
+            }
+            if !run.is_empty() {
+                out.push_str(&polyline(&run, colour, 1.0, dash, dash.is_some()));
+                out.push('\n');
+            }
+        }
+        legend_entry(
+            &mut out,
+            legend_y,
+            colour,
+            None,
+            &format!("{name}: budget, draw"),
+        );
+        legend_y += 18.0;
+    }
 
     // Bottom panel: per-job caps. A job's line breaks where it has no cap.
     let mut jobs: BTreeMap<&str, Vec<Option<(u64, f64)>>> = BTreeMap::new();
@@ -443,7 +495,35 @@ mod tests {
             draw_w,
             caps: caps.iter().map(|(j, c)| (j.to_string(), *c)).collect(),
             simulated: true,
+            domains: BTreeMap::new(),
         }
+    }
+
+    /// A domain the samples carry gets its budget and its draw, in its own colour, and a
+    /// legend line; its lines break where a sample lacks it.
+    #[test]
+    fn a_domain_in_the_samples_gets_its_budget_and_draw() {
+        let with = |t_ms: u64, feed: Option<(f64, f64)>| Sample {
+            domains: feed
+                .map(|(budget_w, draw_w)| ("feed-b".to_string(), DomainSample { budget_w, draw_w }))
+                .into_iter()
+                .collect(),
+            ..sample(t_ms, 9000.0, 8000.0, &[])
+        };
+        let samples = [
+            with(1_000, Some((5000.0, 4000.0))),
+            with(2_000, Some((3000.0, 2900.0))),
+            with(3_000, None),
+            with(4_000, Some((5000.0, 4100.0))),
+        ];
+        let svg = render_svg(&samples, "t").expect("svg");
+        assert!(
+            texts(&svg).iter().any(|t| t == "feed-b: budget, draw"),
+            "{svg}"
+        );
+        // Site budget and draw, then the feed's budget and draw in two runs each.
+        assert_eq!(svg.matches("<polyline").count(), 6);
+        assert!(svg.contains(DOMAIN_PALETTE[0]));
     }
 
     #[test]

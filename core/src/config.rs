@@ -1174,7 +1174,7 @@ impl RawSiteConfig {
 
     /// Checks every value and cross-field rule; the first violation is returned.
     /// (`grid.openadr.program_domains` is checked against `[[domains]]` after both are
-    /// read: [`SiteConfig::with_checked_program_domains`].)
+    /// read, in `SiteConfig::with_checked_program_domains`.)
     pub fn validate(self) -> Result<SiteConfig, ConfigError> {
         SiteConfig {
             facility: validate_facility(self.facility)?,

@@ -405,6 +405,22 @@ pub struct HistorySample {
     /// Any live node's GPUs are simulated (their NVML names say so).
     #[serde(default)]
     pub simulated: bool,
+    /// The top power domains (feeds), and any domain an event cuts, at most
+    /// [`MAX_SAMPLED_DOMAINS`]: each one's budget in force and draw (none without
+    /// `[[domains]]`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub domains: BTreeMap<String, DomainSample>,
+}
+
+/// The most power domains one history sample holds: the history keeps thousands of
+/// samples, so only the domains worth a line in a plot.
+pub const MAX_SAMPLED_DOMAINS: usize = 16;
+
+/// One power domain in a history sample.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DomainSample {
+    pub budget_w: f64,
+    pub draw_w: f64,
 }
 
 /// What an allocation decided (the answer to `what-if`).

@@ -502,6 +502,7 @@ impl Meter {
             draw_w,
             caps,
             simulated: true,
+            domains: BTreeMap::new(),
         });
         Ok(draw_w)
     }

@@ -196,6 +196,9 @@ pub struct Core {
     rollout: Rollout,
     /// Allocations made ahead of ramp-downs and held back on ramp-ups (see [`crate::ramp`]).
     ramp: Ramp,
+    /// Each power domain's ramp, by name: `facility.max_ramp_w_per_s` bounds a domain's
+    /// rise when its event ends as it bounds the site's.
+    domain_ramps: BTreeMap<String, Ramp>,
     /// The last allocation's ramp plan.
     last_plan: Option<RampPlan>,
     /// Per job: its curve after calibration and after each event since (see
@@ -302,6 +305,7 @@ impl Core {
             dirty: false,
             rollout: Rollout::new(),
             ramp: Ramp::new(),
+            domain_ramps: BTreeMap::new(),
             last_plan: None,
             curve_history: BTreeMap::new(),
             domain_start_cap_w: Vec::new(),
@@ -1371,8 +1375,28 @@ impl Core {
             ahead_ms,
             self.options.max_ramp_w_per_s,
         );
-        // Each power domain's limit over the same window (its own events' ramps).
-        let site = self.site_settings_at(now_ms, ahead_ms);
+        // Each power domain's limit over the same window (its own events' ramps), its
+        // rise held to the site's ramp-rate limit as the site's is.
+        let mut site = self.site_settings_at(now_ms, ahead_ms);
+        if let Some(domains) = site.domains.as_mut() {
+            for (d, limit) in domains
+                .tree
+                .domains()
+                .iter()
+                .zip(domains.limits_w.iter_mut())
+            {
+                let base = self.domain_base(&d.name);
+                let events = crate::schedule::of_domain(&self.state.events, Some(&d.name));
+                let plan = self.domain_ramps.entry(d.name.clone()).or_default().plan(
+                    base,
+                    &events,
+                    now_ms,
+                    ahead_ms,
+                    self.options.max_ramp_w_per_s,
+                );
+                *limit = plan.allocate_w;
+            }
+        }
         self.domain_start_cap_w = match &site.domains {
             None => Vec::new(),
             Some(d) => {
@@ -1596,27 +1620,6 @@ impl Core {
             .as_ref()
             .map(|a| a.jobs.iter().map(|j| (j.id.clone(), j.cap_w.0)).collect())
             .unwrap_or_default();
-        out.history = Some(Arc::new(HistorySample {
-            t_ms: now_ms,
-            budget_w: in_force.0,
-            draw_w: draw,
-            caps,
-            simulated: self
-                .sessions
-                .values()
-                .any(|s| s.view.live && s.view.gpus.iter().any(|g| g.name.contains("(simulated)"))),
-        }));
-        out.owners = self.owners.take_changed().map(Arc::new);
-        self.allocations += 1;
-        let event = self.event_in_force_anywhere(now_ms);
-        learning::record(
-            &mut self.curve_history,
-            &self.sessions,
-            self.last_event.filter(|e| event != Some(*e)),
-            now_ms,
-        );
-        self.last_event = event;
-        let decision = Arc::new(decision);
         let domains = self
             .options
             .site
@@ -1633,6 +1636,41 @@ impl Core {
                 )
             })
             .unwrap_or_default();
+        out.history = Some(Arc::new(HistorySample {
+            t_ms: now_ms,
+            budget_w: in_force.0,
+            draw_w: draw,
+            caps,
+            domains: domains
+                .iter()
+                .filter(|d| d.depth == 0 || d.event.is_some())
+                .take(powerflex_proto::status::MAX_SAMPLED_DOMAINS)
+                .map(|d| {
+                    (
+                        d.name.clone(),
+                        powerflex_proto::status::DomainSample {
+                            budget_w: d.budget_w,
+                            draw_w: d.draw_w,
+                        },
+                    )
+                })
+                .collect(),
+            simulated: self
+                .sessions
+                .values()
+                .any(|s| s.view.live && s.view.gpus.iter().any(|g| g.name.contains("(simulated)"))),
+        }));
+        out.owners = self.owners.take_changed().map(Arc::new);
+        self.allocations += 1;
+        let event = self.event_in_force_anywhere(now_ms);
+        learning::record(
+            &mut self.curve_history,
+            &self.sessions,
+            self.last_event.filter(|e| event != Some(*e)),
+            now_ms,
+        );
+        self.last_event = event;
+        let decision = Arc::new(decision);
         out.metrics = Some(MetricsSnapshot {
             decision: Arc::clone(&decision),
             base,
@@ -2325,6 +2363,75 @@ mod tests {
             ],
         );
         core
+    }
+
+    /// `facility.max_ramp_w_per_s` holds a domain's rise when its event ends, as it
+    /// holds the site's.
+    #[test]
+    fn a_domain_s_rise_after_its_event_is_held_to_the_ramp_rate() {
+        let mut core = racks();
+        core.options.max_ramp_w_per_s = Some(20.0);
+        let at_cap = |id: &str, cap_w: f64| JobReport {
+            cap_w: Some(cap_w),
+            power_w: Some(cap_w * 4.0),
+            ..job(id, None)
+        };
+        let granted = |core: &Core, now: u64, job: &str| {
+            core.status(UnixMs(now))
+                .jobs
+                .iter()
+                .find(|j| j.job == job)
+                .and_then(|j| j.cap_w)
+                .unwrap_or_else(|| panic!("{job} granted at {}", now - T0))
+        };
+        core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+        let out = core.step(
+            UnixMs(T0 + 15_000),
+            vec![admin(
+                AdminOp::EventAdd {
+                    cut: Cut::Target { budget_w: 1200.0 },
+                    start_ms: T0 + 15_000,
+                    duration_ms: 20_000,
+                    ramp_ms: 0,
+                    domain: Some("rack-a".into()),
+                },
+                0,
+            )],
+        );
+        assert!(reply(&out).ok);
+        let cut = granted(&core, T0 + 15_000, "101");
+        assert!(cut * 4.0 <= 1200.0 + 1e-6);
+        core.step(
+            UnixMs(T0 + 25_000),
+            vec![
+                report("n1", vec![at_cap("101", cut)]),
+                report("n2", vec![at_cap("102", 700.0)]),
+                Input::Tick,
+            ],
+        );
+        // The caps the last allocation sent, confirmed; then 500 ms after the event's end:
+        // at most 20 W/s more than the last allocation's.
+        let cut = granted(&core, T0 + 25_000, "101");
+        assert!(cut * 4.0 <= 1200.0 + 1e-6);
+        core.step(
+            UnixMs(T0 + 35_500),
+            vec![
+                report("n1", vec![at_cap("101", cut)]),
+                report("n2", vec![at_cap("102", 700.0)]),
+                Input::Tick,
+            ],
+        );
+        let after = granted(&core, T0 + 35_500, "101");
+        assert!(
+            after * 4.0 <= 1200.0 + 20.0 * 10.5 + 1e-6,
+            "rack-a rose to {} W",
+            after * 4.0
+        );
+        assert_eq!(
+            granted(&core, T0 + 35_500, "102"),
+            700.0,
+            "rack-b untouched"
+        );
     }
 
     #[test]

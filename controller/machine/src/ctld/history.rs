@@ -153,6 +153,7 @@ mod tests {
             draw_w: 1.0,
             caps: caps.iter().map(|(j, c)| (j.to_string(), *c)).collect(),
             simulated: true,
+            domains: BTreeMap::new(),
         })
     }
 

@@ -186,6 +186,7 @@ fn with_caps(sample: &HistorySample, caps: BTreeMap<String, f64>) -> HistorySamp
         draw_w,
         caps: _,
         simulated,
+        domains,
     } = sample;
     HistorySample {
         t_ms: *t_ms,
@@ -193,6 +194,8 @@ fn with_caps(sample: &HistorySample, caps: BTreeMap<String, f64>) -> HistorySamp
         draw_w: *draw_w,
         caps,
         simulated: *simulated,
+        // The site's power, as the rest of the sample: not a user's to hide.
+        domains: domains.clone(),
     }
 }
 
@@ -408,6 +411,7 @@ mod tests {
                 .map(|(j, c)| (j.to_string(), c))
                 .into(),
             simulated: false,
+            domains: BTreeMap::new(),
         };
         let reply = AdminReply {
             history: Some(vec![sample]),
