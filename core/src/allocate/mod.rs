@@ -370,17 +370,18 @@ pub fn allocate_cautious_within(
         })
         .collect();
     let jobs = planned_jobs.as_slice();
-    let first = allocate_within(jobs, budget, domains, Policy::Optimal)?;
+    let first = decide(jobs, budget, domains, Policy::Optimal)?;
     // Without a power margin (the controller's metered loop corrects each job's power
     // every period instead) the plan is the first decision: no second optimisation.
-    let (planned, planned_domains, optimal) = if power_z > 0.0 {
+    let planned_domains: Vec<DomainLimit>;
+    let (planned, decided) = if power_z > 0.0 {
         // Each constraint's margin: power_z standard deviations of its members' summed
         // power at the first decision's caps (a member's error scaled by its share).
         let room = Room::new(jobs.len(), budget, domains)?;
         let variance: Vec<f64> = jobs
             .iter()
-            .zip(&first.jobs)
-            .map(|(j, ja)| point_sigma(j, ja.cap_w).0.powi(2))
+            .zip(&first.caps)
+            .map(|(j, &cap)| point_sigma(j, Watts(cap)).0.powi(2))
             .collect();
         let margins: Vec<f64> = (0..room.constraints())
             .map(|c| {
@@ -394,7 +395,7 @@ pub fn allocate_cautious_within(
             .collect();
         let planned_room = room.with_margins(|c| margins[c]);
         let planned = Watts(planned_room.limit(SITE));
-        let planned_domains: Vec<DomainLimit> = domains
+        planned_domains = domains
             .iter()
             .enumerate()
             .map(|(k, d)| DomainLimit {
@@ -402,12 +403,16 @@ pub fn allocate_cautious_within(
                 ..d.clone()
             })
             .collect();
-        let optimal = allocate_within(jobs, planned, &planned_domains, Policy::Optimal)?;
-        (planned, planned_domains, optimal)
+        let decided = decide(jobs, planned, &planned_domains, Policy::Optimal)?;
+        (planned, decided)
     } else {
-        (budget, domains.to_vec(), first)
+        (budget, first)
     };
-    let equal = allocate_within(jobs, planned, &planned_domains, Policy::Equal)?;
+    let optimal = decided.allocation(&decided.caps, Policy::Optimal);
+    // The equal split the optimal policy weighed, under the same planned limits: what
+    // allocating with `Policy::Equal` on them gives.
+    let equal_caps = decided.equal.as_deref().unwrap_or_default();
+    let equal = decided.allocation(equal_caps, Policy::Equal);
     let expected_gain = optimal.objective - equal.objective;
     let gain_sigma = difference_sigma(jobs, &optimal, &equal);
     let kept_equal = expected_gain <= gain_z * gain_sigma;
@@ -513,6 +518,39 @@ pub fn allocate_within(
     domains: &[DomainLimit],
     policy: Policy,
 ) -> Result<Allocation, AllocationError> {
+    let decided = decide(jobs, budget, domains, policy)?;
+    Ok(decided.allocation(&decided.caps, policy))
+}
+
+/// One decision: the jobs prepared, their ranges once floors are settled, the caps the
+/// policy chose, and (for `Optimal`) the equal split it weighed them against, so the
+/// cautious rule compares with that split instead of computing it again.
+struct Decision<'a> {
+    room: Room<'a>,
+    prepared: Vec<Prepared<'a>>,
+    bounds: Bounds,
+    caps: Vec<f64>,
+    equal: Option<Vec<f64>>,
+}
+
+impl Decision<'_> {
+    fn allocation(&self, caps: &[f64], policy: Policy) -> Allocation {
+        build_allocation(
+            &self.prepared,
+            caps,
+            &self.room,
+            policy,
+            &self.bounds.over_w,
+        )
+    }
+}
+
+fn decide<'a>(
+    jobs: &'a [JobSpec],
+    budget: Watts,
+    domains: &'a [DomainLimit],
+    policy: Policy,
+) -> Result<Decision<'a>, AllocationError> {
     check_budget(budget)?;
     let room = Room::new(jobs.len(), budget, domains)?;
     // Measured territory first: caps below a curve's lowest reading are extrapolated, and
@@ -534,21 +572,17 @@ pub fn allocate_within(
             .collect::<Result<Vec<_>, _>>()?;
         bounds = settle_floors(&prepared, &room);
     }
-    let caps = match policy {
-        Policy::Equal => equal_caps(&prepared, &bounds.range, &room),
-        Policy::PfiProportional => pfi_proportional_caps(&prepared, &bounds.range, &room),
+    let (caps, equal) = match policy {
+        Policy::Equal => (equal_caps(&prepared, &bounds.range, &room), None),
+        Policy::PfiProportional => (pfi_proportional_caps(&prepared, &bounds.range, &room), None),
         Policy::Optimal => {
             // Equal first: the greedy must beat it by more than rounding to be chosen,
             // so curves that give it nothing to exploit (identical ones, say) keep
             // the even cut, the robust choice when the curves may be wrong.
-            let candidates = [
-                equal_caps(&prepared, &bounds.range, &room),
-                pfi_proportional_caps(&prepared, &bounds.range, &room),
-                greedy_caps(&prepared, &bounds.range, &room),
-            ];
-            let mut best: Option<(f64, Vec<f64>)> = None;
-            for caps in candidates {
-                let value: f64 = prepared.iter().zip(&caps).map(|(p, &c)| p.value(c)).sum();
+            let candidates = optimal_candidates(&prepared, &bounds.range, &room);
+            let mut best: Option<(f64, &Vec<f64>)> = None;
+            for caps in &candidates {
+                let value: f64 = prepared.iter().zip(caps).map(|(p, &c)| p.value(c)).sum();
                 if best
                     .as_ref()
                     .is_none_or(|(v, _)| value > *v + 1e-9 * v.abs())
@@ -556,16 +590,67 @@ pub fn allocate_within(
                     best = Some((value, caps));
                 }
             }
-            best.map(|(_, caps)| caps).unwrap_or_default()
+            let best = best.map(|(_, caps)| caps.clone()).unwrap_or_default();
+            let [equal, _, _] = candidates;
+            (best, Some(equal))
         }
     };
-    Ok(build_allocation(
-        &prepared,
-        &caps,
-        &room,
-        policy,
-        &bounds.over_w,
-    ))
+    Ok(Decision {
+        room,
+        prepared,
+        bounds,
+        caps,
+        equal,
+    })
+}
+
+/// From this many jobs on, the optimal policy's three candidates are computed on three
+/// threads: at 100,000 jobs in 112 domains each takes about 150 ms, and a site that size
+/// must reallocate within half a second. Below it a thread costs more than it saves.
+const PARALLEL_FROM_JOBS: usize = 4_096;
+
+/// A rule that turns settled ranges into caps.
+type Candidate = fn(&[Prepared<'_>], &[(f64, f64)], &Room<'_>) -> Vec<f64>;
+
+/// The equal split, the PFI-proportional cut and the greedy on the hulls, in that order.
+/// Each is deterministic and reads only what it is given, so computing them side by side
+/// gives what computing them in turn gives.
+fn optimal_candidates(
+    prepared: &[Prepared<'_>],
+    range: &[(f64, f64)],
+    room: &Room<'_>,
+) -> [Vec<f64>; 3] {
+    let side_by_side = prepared.len() >= PARALLEL_FROM_JOBS
+        && std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
+    if !side_by_side {
+        return [
+            equal_caps(prepared, range, room),
+            pfi_proportional_caps(prepared, range, room),
+            greedy_caps(prepared, range, room),
+        ];
+    }
+    std::thread::scope(|scope| {
+        // A thread the OS refuses is no error: that candidate is computed here instead.
+        let spawn = |work: Candidate| {
+            std::thread::Builder::new()
+                .name("powerflex-allocate".into())
+                .spawn_scoped(scope, move || work(prepared, range, room))
+                .map_err(|_| work)
+        };
+        let greedy = spawn(greedy_caps);
+        let pfi = spawn(pfi_proportional_caps);
+        let equal = equal_caps(prepared, range, room);
+        let finish = |candidate: Result<std::thread::ScopedJoinHandle<'_, Vec<f64>>, Candidate>| {
+            match candidate {
+                // A panic on the candidate's thread is the allocator's own: raised here.
+                Ok(handle) => handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                Err(work) => work(prepared, range, room),
+            }
+        };
+        [equal, finish(pfi), finish(greedy)]
+    })
 }
 
 /// The allocation `caps_w` (one per job, in order) would be on the jobs' curves: power,
@@ -1297,6 +1382,70 @@ mod tests {
                 break;
             }
         }
+    }
+
+    /// From [`PARALLEL_FROM_JOBS`] on the candidates are computed side by side; they
+    /// are the ones computed in turn, and the cautious rule's equal split (taken from the
+    /// optimal decision's candidates) is what `Policy::Equal` decides on the same limits.
+    #[test]
+    fn candidates_side_by_side_are_the_candidates_in_turn() {
+        let n = PARALLEL_FROM_JOBS + 7;
+        let specs: Vec<JobSpec> = (0..n)
+            .map(|k| {
+                let bound = match k % 4 {
+                    0 => None,
+                    1 => Some(0.1),
+                    2 => Some(0.25),
+                    _ => Some(0.5),
+                };
+                job(
+                    &format!("j{k}"),
+                    1 + (k % 8) as u32,
+                    1.1 + (k % 37) as f64 * 0.13,
+                    bound,
+                )
+            })
+            .collect();
+        let top: f64 = specs.iter().map(|j| j.curve.uncapped().power_w.0).sum();
+        let halves: Vec<usize> = (0..n).filter(|k| k % 2 == 0).collect();
+        let domains = [DomainLimit {
+            name: "rack-even".into(),
+            limit: Watts(0.5 * top * 0.5),
+            members: halves.iter().map(|&k| (k, 1.0)).collect(),
+        }];
+        let budget = Watts(0.7 * top);
+        let room = Room::new(n, budget, &domains).expect("room");
+        let prepared: Vec<Prepared<'_>> = specs
+            .iter()
+            .map(|s| prepare(s, false).expect("prepared"))
+            .collect();
+        let bounds = settle_floors(&prepared, &room);
+        let side_by_side = optimal_candidates(&prepared, &bounds.range, &room);
+        assert_eq!(side_by_side[0], equal_caps(&prepared, &bounds.range, &room));
+        assert_eq!(
+            side_by_side[1],
+            pfi_proportional_caps(&prepared, &bounds.range, &room)
+        );
+        assert_eq!(
+            side_by_side[2],
+            greedy_caps(&prepared, &bounds.range, &room)
+        );
+        // The three differ here, so the comparison above is not of three equal vectors.
+        assert_ne!(side_by_side[0], side_by_side[2]);
+
+        let cautious = allocate_cautious_within(
+            &specs,
+            budget,
+            &domains,
+            Caution {
+                power_z: 0.0,
+                gain_z: 1e9,
+            },
+        )
+        .expect("cautious");
+        assert!(cautious.kept_equal);
+        let equal = allocate_within(&specs, budget, &domains, Policy::Equal).expect("equal");
+        assert_eq!(cautious.allocation, equal);
     }
 
     mod fill_leftover_with_a_queue {
