@@ -505,16 +505,7 @@ impl Ven {
                         },
                     );
                     save_ledger(&self.ledger_path, &self.ledger)?;
-                    let reply = self
-                        .ctld
-                        .ask(AdminOp::EventAdd {
-                            cut: request.cut,
-                            start_ms: request.start_ms,
-                            duration_ms: request.duration_ms,
-                            ramp_ms: request.ramp_ms,
-                            domain: request.domain.clone(),
-                        })
-                        .await?;
+                    let reply = self.ctld.ask(request.event_add()).await?;
                     let pf_id = reply.event_id.ok_or_else(|| {
                         GridError::Ctld("the answer to event-add carries no event id".into())
                     })?;
@@ -574,16 +565,7 @@ impl Ven {
                 let before = self.ledger.events.get(vtn_id).cloned();
                 map::record(&mut self.ledger, action, None);
                 save_ledger(&self.ledger_path, &self.ledger)?;
-                let asked = self
-                    .ctld
-                    .ask(AdminOp::EventAdd {
-                        cut: request.cut,
-                        start_ms: request.start_ms,
-                        duration_ms: request.duration_ms,
-                        ramp_ms: request.ramp_ms,
-                        domain: request.domain.clone(),
-                    })
-                    .await;
+                let asked = self.ctld.ask(request.event_add()).await;
                 let reply = match asked {
                     Ok(reply) => reply,
                     Err(refused @ GridError::CtldRefused { .. }) => {

@@ -20,7 +20,7 @@ use openleadr_wire::event::{EventType, EventValuesMap};
 use openleadr_wire::values_map::Value;
 use openleadr_wire::{Event, Unit};
 use powerflex_core::config::OpenAdrConfig;
-use powerflex_proto::admin::{Cut, Event as PfEvent};
+use powerflex_proto::admin::{AdminOp, Cut, Event as PfEvent};
 use powerflex_proto::status::CtldStatus;
 use serde::{Deserialize, Serialize};
 
@@ -74,6 +74,18 @@ pub struct Request {
 }
 
 impl Request {
+    /// The controller's `event-add` for this request, the one way the VEN asks for it
+    /// (a grid event's and a program's safe mode alike).
+    pub fn event_add(&self) -> AdminOp {
+        AdminOp::EventAdd {
+            cut: self.cut,
+            start_ms: self.start_ms,
+            duration_ms: self.duration_ms,
+            ramp_ms: self.ramp_ms,
+            domain: self.domain.clone(),
+        }
+    }
+
     pub fn end_ms(&self) -> u64 {
         self.start_ms.saturating_add(self.duration_ms)
     }

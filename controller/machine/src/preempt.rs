@@ -549,28 +549,38 @@ mod tests {
         assert!(short(&p.decision));
     }
 
+    /// The test site's settings with racks (name, nodes as a hostlist, limit in force W)
+    /// at the top of its domain tree.
+    fn with_racks(racks: &[(&str, &str, f64)]) -> SiteSettings {
+        use powerflex_core::domains::{DomainTree, RawDomain};
+        let raw: Vec<RawDomain> = racks
+            .iter()
+            .map(|&(name, nodes, _)| RawDomain {
+                name: name.into(),
+                parent: None,
+                gpu_limit_w: 100_000.0,
+                nodes: Some(nodes.into()),
+            })
+            .collect();
+        let tree = DomainTree::build(&raw).expect("valid");
+        let mut domains = crate::site::SiteDomains::configured(&tree).expect("domains");
+        for (limit, &(_, _, in_force)) in domains.limits_w.iter_mut().zip(racks) {
+            *limit = in_force;
+        }
+        SiteSettings {
+            domains: Some(domains),
+            ..settings()
+        }
+    }
+
     /// Two racks, each with a flex1 job and a flex3 job that allows suspension; rack B's
     /// flex3 job draws more, so a site-wide cut would hold it first. Rack A's breaker
     /// alone cannot pay its floors: only rack A's flex3 job is held, and rack B is not
     /// touched.
     #[test]
     fn a_domain_short_of_its_floors_preempts_inside_it_only() {
-        use powerflex_core::domains::{DomainTree, RawDomain};
-        let rack = |name: &str, nodes: &str| RawDomain {
-            name: name.into(),
-            parent: None,
-            gpu_limit_w: 100_000.0,
-            nodes: Some(nodes.into()),
-        };
-        let tree =
-            DomainTree::build(&[rack("rack-a", "n1,n2"), rack("rack-b", "n3,n4")]).expect("valid");
-        let mut domains = crate::site::SiteDomains::configured(&tree).expect("domains");
         // Rack A: flex1 at its bound 2240 W + flex3 at 800 W = 3040 W of floors; 2900 W.
-        domains.limits_w[0] = 2900.0;
-        let settings = SiteSettings {
-            domains: Some(domains),
-            ..settings()
-        };
+        let settings = with_racks(&[("rack-a", "n1,n2", 2900.0), ("rack-b", "n3,n4", 100_000.0)]);
         let nodes = vec![
             node("n1", vec![job("21", "flex1", 700.0, 700.0)]),
             node("n2", vec![job("23", "flex3,preempt=suspend", 700.0, 600.0)]),
@@ -597,21 +607,8 @@ mod tests {
     /// rack's job that allows it is held out.
     #[test]
     fn a_domain_over_its_limit_at_the_lowest_caps_is_short_though_no_bound_breaks() {
-        use powerflex_core::domains::{DomainTree, RawDomain};
-        let tree = DomainTree::build(&[RawDomain {
-            name: "rack-a".into(),
-            parent: None,
-            gpu_limit_w: 100_000.0,
-            nodes: Some("n1,n2".into()),
-        }])
-        .expect("valid");
-        let mut domains = crate::site::SiteDomains::configured(&tree).expect("domains");
         // Two flex3 jobs at their lowest caps: 2 × 4 × 200 W = 1600 W; the rack gets 1000 W.
-        domains.limits_w[0] = 1000.0;
-        let settings = SiteSettings {
-            domains: Some(domains),
-            ..settings()
-        };
+        let settings = with_racks(&[("rack-a", "n1,n2", 1000.0)]);
         let nodes = vec![
             node("n1", vec![job("41", "flex3", 700.0, 700.0)]),
             node("n2", vec![job("43", "flex3,preempt=suspend", 700.0, 700.0)]),
