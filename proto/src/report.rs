@@ -246,12 +246,20 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ProtoError {
 }
 
 /// `value` must be finite and within `[lo, hi]`.
-fn check_range(field: &str, value: f64, lo: f64, hi: f64) -> Result<(), ProtoError> {
+///
+/// The field's name is written only for an error: every report is checked again in every
+/// allocation, and formatting each field's name up front was most of that check's cost.
+fn check_range(
+    field: impl FnOnce() -> String,
+    value: f64,
+    lo: f64,
+    hi: f64,
+) -> Result<(), ProtoError> {
     if !value.is_finite() {
-        return Err(invalid(field, format!("{value} is not a finite number")));
+        return Err(invalid(field(), format!("{value} is not a finite number")));
     }
     if value < lo || value > hi {
-        return Err(invalid(field, format!("{value} is outside {lo}..={hi}")));
+        return Err(invalid(field(), format!("{value} is outside {lo}..={hi}")));
     }
     Ok(())
 }
@@ -271,13 +279,13 @@ impl GpuInfo {
         }
         let field = |f: &str| format!("gpu {} {f}", self.uuid);
         check_range(
-            &field("min_w"),
+            || field("min_w"),
             self.min_w,
             f64::MIN_POSITIVE,
             MAX_GPU_POWER_W,
         )?;
-        check_range(&field("max_w"), self.max_w, self.min_w, MAX_GPU_POWER_W)?;
-        check_range(&field("default_w"), self.default_w, self.min_w, self.max_w)?;
+        check_range(|| field("max_w"), self.max_w, self.min_w, MAX_GPU_POWER_W)?;
+        check_range(|| field("default_w"), self.default_w, self.min_w, self.max_w)?;
         Ok(())
     }
 }
@@ -343,22 +351,22 @@ impl JobReport {
         }
         let most_w = MAX_GPU_POWER_W * f64::from(self.gpus);
         if let Some(cap) = self.cap_w {
-            check_range(&job("cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
+            check_range(|| job("cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
         }
         if let Some(p) = self.power_w {
-            check_range(&job("power_w"), p, 0.0, most_w)?;
+            check_range(|| job("power_w"), p, 0.0, most_w)?;
         }
         if let Some(cap) = self.power_cap_w {
-            check_range(&job("power_cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
+            check_range(|| job("power_cap_w"), cap, 0.0, MAX_GPU_POWER_W)?;
         }
         if let Some(s) = self.power_cap_steady_s {
-            check_range(&job("power_cap_steady_s"), s, 0.0, f64::MAX)?;
+            check_range(|| job("power_cap_steady_s"), s, 0.0, f64::MAX)?;
         }
         if let Some(t) = self.throughput {
-            check_range(&job("throughput"), t, 0.0, f64::MAX)?;
+            check_range(|| job("throughput"), t, 0.0, f64::MAX)?;
         }
         if let Some(pfi) = self.pfi {
-            check_range(&job("pfi"), pfi, f64::MIN_POSITIVE, 100.0)?;
+            check_range(|| job("pfi"), pfi, f64::MIN_POSITIVE, 100.0)?;
         }
         if self.points.len() > MAX_POINTS_PER_JOB {
             return Err(invalid(
@@ -368,13 +376,13 @@ impl JobReport {
         }
         for p in &self.points {
             check_range(
-                &job("point cap_w"),
+                || job("point cap_w"),
                 p[0],
                 f64::MIN_POSITIVE,
                 MAX_GPU_POWER_W,
             )?;
-            check_range(&job("point power_w"), p[1], 0.0, most_w)?;
-            check_range(&job("point throughput"), p[2], 0.0, f64::MAX)?;
+            check_range(|| job("point power_w"), p[1], 0.0, most_w)?;
+            check_range(|| job("point throughput"), p[2], 0.0, f64::MAX)?;
         }
         Ok(())
     }
@@ -395,7 +403,7 @@ pub fn validate_report_totals(
         ));
     }
     check_range(
-        "node power_w",
+        || "node power_w".into(),
         power_w,
         0.0,
         MAX_GPU_POWER_W * node_gpus.len().max(1) as f64,
