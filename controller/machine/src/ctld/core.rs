@@ -879,6 +879,17 @@ impl Core {
                 if !orphans.is_empty() {
                     warn!(domains = ?orphans, "budgets or events name domains the reloaded site config does not declare; they cut nothing");
                 }
+                for (name, budget) in &self.state.domain_budgets_w {
+                    let limit = self.domain_limit(name);
+                    if self.unknown_domain(name).is_none() && budget.0 > limit.0 {
+                        warn!(
+                            domain = %name,
+                            budget_w = budget.0,
+                            limit_w = limit.0,
+                            "a domain's budget is above its reloaded limit; the limit is in force"
+                        );
+                    }
+                }
                 self.config_error = None;
                 self.allocate_now = true;
             }
@@ -935,12 +946,7 @@ impl Core {
                 .iter()
                 .zip(domains.limits_w.iter_mut())
             {
-                let base = self
-                    .state
-                    .domain_budgets_w
-                    .get(&d.name)
-                    .copied()
-                    .unwrap_or(d.gpu_limit);
+                let base = self.domain_base(&d.name);
                 let events = crate::schedule::of_domain(&self.state.events, Some(&d.name));
                 *limit = crate::schedule::lowest_budget(
                     base,
@@ -1237,12 +1243,16 @@ impl Core {
 
     /// A power domain's budget before its events: an admin's, else its configured limit
     /// (0 for a domain the config no longer declares, which no event can name anyway).
+    ///
+    /// An admin's budget is at most the limit: `budget set --domain` refuses more, and a
+    /// reload that lowers the limit below a budget set earlier (a breaker found smaller)
+    /// puts the new limit in force, never the old budget.
     fn domain_base(&self, name: &str) -> Watts {
+        let limit = self.domain_limit(name);
         self.state
             .domain_budgets_w
             .get(name)
-            .copied()
-            .unwrap_or_else(|| self.domain_limit(name))
+            .map_or(limit, |&budget| Watts(budget.0.min(limit.0)))
     }
 
     /// A power domain's limit in the site config (0 for one it does not declare).
@@ -2363,6 +2373,72 @@ mod tests {
             ],
         );
         core
+    }
+
+    /// A reload that lowers a domain's limit below the budget an admin set for it
+    /// earlier (the breaker was smaller than configured) puts the new limit in force: the
+    /// old budget never holds caps above the breaker.
+    #[test]
+    fn a_reload_below_a_domain_s_budget_puts_the_new_limit_in_force() {
+        use powerflex_core::domains::{DomainTree, RawDomain};
+        let mut core = racks();
+        core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+        let out = core.step(
+            UnixMs(T0 + 11_000),
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 9_000.0,
+                    domain: Some("rack-b".into()),
+                },
+                0,
+            )],
+        );
+        assert!(reply(&out).ok);
+        let raw = |name: &str, parent: Option<&str>, nodes: Option<&str>, limit: f64| RawDomain {
+            name: name.into(),
+            parent: parent.map(Into::into),
+            gpu_limit_w: limit,
+            nodes: nodes.map(Into::into),
+        };
+        let tree = DomainTree::build(&[
+            raw("feed-a", None, None, 20_000.0),
+            raw("rack-a", Some("feed-a"), Some("n1"), 10_000.0),
+            raw("rack-b", Some("feed-a"), Some("n2"), 2_000.0),
+        ])
+        .expect("valid");
+        let mut lowered = options();
+        lowered.site.domains = crate::site::SiteDomains::configured(&tree);
+        core.step(
+            UnixMs(T0 + 12_000),
+            vec![Input::Reload(Box::new(Ok(lowered)))],
+        );
+        core.step(
+            UnixMs(T0 + 20_000),
+            vec![
+                report("n1", vec![job("101", None)]),
+                report("n2", vec![job("102", None)]),
+                Input::Tick,
+            ],
+        );
+        let status = core.status(UnixMs(T0 + 20_000));
+        let rack_b = status
+            .domains
+            .iter()
+            .find(|d| d.name == "rack-b")
+            .expect("rack-b");
+        assert_eq!(rack_b.budget_w, 2_000.0, "{rack_b:?}");
+        let cap = status
+            .jobs
+            .iter()
+            .find(|j| j.job == "102")
+            .and_then(|j| j.cap_w)
+            .expect("job 102 capped");
+        assert!(cap * 4.0 <= 2_000.0 + 1e-6, "job 102 at {cap} W × 4 GPUs");
+        // The admin's budget is kept (a limit raised again brings it back).
+        assert_eq!(
+            core.state.domain_budgets_w.get("rack-b"),
+            Some(&Watts(9_000.0))
+        );
     }
 
     /// `facility.max_ramp_w_per_s` holds a domain's rise when its event ends, as it
