@@ -100,7 +100,7 @@ fn settings_reload(in_force: &CtldOptions, reload: Reload) -> SettingsReload {
 }
 
 pub(crate) use powerflex_daemon::clock::unix_ms;
-use powerflex_daemon::clock::{Clock, WallClock};
+use powerflex_daemon::clock::{Clock, SteadyClock, WallClock};
 
 /// What the link and admin threads hand the loop.
 pub(crate) enum Inbound {
@@ -264,6 +264,10 @@ pub fn run_on_clock(
     let (tx, rx) = bounded::<Inbound>(4096);
     // Whether the core steers: the link sends agents on while it does not.
     let steering = Arc::new(AtomicBool::new(options.ha.is_none()));
+    // Leadership's deadlines count on a monotonic clock: on the wall clock, a step back
+    // would stop the renewals and the step-down deadline both, while the row lapsed on
+    // the database's clock and the standby took over (two controllers steering).
+    let leader_clock = SteadyClock::start();
     let mut leadership = match &options.ha {
         Some(ha) => Some(Leadership {
             leader: Leader::new(
@@ -271,7 +275,7 @@ pub fn run_on_clock(
                     name: ha.name.clone(),
                     ttl_ms: u64::try_from(ha.leader_ttl.as_millis()).unwrap_or(u64::MAX),
                 },
-                clock.now(),
+                leader_clock.now(),
             ),
             db: ha::HaDb::spawn(ha.clone(), tx.clone())
                 .map_err(|e| format!("cannot start the leadership database thread: {e}"))?,
@@ -368,13 +372,20 @@ pub fn run_on_clock(
     let mut waiting: Vec<Option<Sender<AdminReply>>> = Vec::new();
     while !shutdown.load(Ordering::SeqCst) {
         if let Some(l) = &mut leadership {
-            let now = clock.now();
             if let LeaderChange::BecameActive { epoch, state, .. } =
-                l.leader.step(now, LeaderInput::Tick)
+                l.leader.step(leader_clock.now(), LeaderInput::Tick)
             {
-                core = l.take_over(&core, epoch, state, &local_state, &newest_records, now);
+                core = l.take_over(
+                    &core,
+                    epoch,
+                    state,
+                    &local_state,
+                    &newest_records,
+                    clock.now(),
+                );
                 writers.clear();
             }
+            let now = leader_clock.now();
             if let Some(claim) = l.leader.claim_due(now) {
                 l.db.claim(now, claim);
             }
@@ -391,7 +402,7 @@ pub fn run_on_clock(
         if let Some(state) = &out.persist {
             state::save(&options.state_dir, state);
             if let Some(l) = leadership.as_ref().filter(|l| l.leader.active()) {
-                l.db.save(now, l.leader.epoch(), state);
+                l.db.save(leader_clock.now(), l.leader.epoch(), state);
             }
         }
         history_board.publish(out.history.take(), out.owners.take());
@@ -417,6 +428,14 @@ pub fn run_on_clock(
                 event_in_force: lease.event_in_force,
                 epoch: out.epoch,
             });
+        }
+        for node in out.send_on.drain(..) {
+            // It follows a controller of a later epoch: sent on to look for it.
+            if let Some(writer) = writers.remove(&node) {
+                let _ = writer.try_send(Body::Standby {
+                    reason: "this node follows a controller of a later epoch".into(),
+                });
+            }
         }
         if out.stopped_steering {
             // The agents look for the controller that steers now; until they find it
@@ -531,7 +550,7 @@ pub fn run_on_clock(
                         Inbound::Leader(input) => {
                             if let Some(l) = &mut leadership {
                                 if let LeaderChange::BecameActive { epoch, state, .. } =
-                                    l.leader.step(clock.now(), input)
+                                    l.leader.step(leader_clock.now(), input)
                                 {
                                     core = l.take_over(
                                         &core,
@@ -551,7 +570,13 @@ pub fn run_on_clock(
                             accepted_epoch,
                         } => {
                             if let Some(l) = &mut leadership {
-                                l.leader.step(clock.now(), LeaderInput::Fenced { accepted_epoch });
+                                l.leader.step(
+                                    leader_clock.now(),
+                                    LeaderInput::Fenced {
+                                        lease_epoch,
+                                        accepted_epoch,
+                                    },
+                                );
                             }
                             inputs.push(Input::Fenced {
                                 node,

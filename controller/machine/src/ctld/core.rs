@@ -101,7 +101,8 @@ pub enum Input {
     /// decided: while not active it sends no lease and refuses admin changes.
     Leadership(LeadershipView),
     /// An agent refused this controller's lease for its epoch: a controller of a later
-    /// epoch steers it. This one stops steering (fenced).
+    /// epoch steers it. This one stops leasing that node (fenced by it); the rest of the
+    /// site it goes on steering, as one node's word must not stop a site.
     Fenced {
         node: String,
         lease_epoch: u64,
@@ -145,6 +146,9 @@ pub struct Output {
     /// This step stopped the controller steering (stepped down or fenced): the edge
     /// tells the connected agents, which look for the active controller.
     pub stopped_steering: bool,
+    /// Nodes that fenced this controller in this step: the edge tells each (standby) so
+    /// its agent looks for the controller it follows at once.
+    pub send_on: Vec<String>,
     /// Job → `AdminComment` text, only for jobs whose text changed.
     pub annotations: Vec<(String, String)>,
     /// What the metrics show after an allocation (the edge renders the text).
@@ -227,6 +231,10 @@ pub struct Core {
     /// Whether this controller steers, where that is in question (see
     /// [`Input::Leadership`], [`Input::Fenced`]); none: a single controller, steering.
     leadership: Option<LeadershipView>,
+    /// Nodes whose agents refused this controller's leases for their epoch, with the
+    /// epoch each follows: this core leases them no more (a new leadership builds a new
+    /// core; a restart starts afresh).
+    fenced_by: BTreeMap<String, u64>,
     /// Energy of the records written since the controller started, for the metrics.
     energy_totals: EnergyTotals,
 }
@@ -317,6 +325,7 @@ impl Core {
             ledger: Ledger::new(options_slurm),
             accounting_db: None,
             leadership: None,
+            fenced_by: BTreeMap::new(),
             energy_totals: EnergyTotals::default(),
         }
     }
@@ -330,9 +339,14 @@ impl Core {
     }
 
     /// An agent refused a lease for its epoch. Only a refusal of this controller's own
-    /// epoch by a later one fences it (a refusal of an older lease still in flight from
-    /// before a takeover says nothing about this one).
-    fn fenced(&mut self, node: &str, lease_epoch: u64, accepted_epoch: u64, now_ms: u64) {
+    /// epoch by a later one counts (a refusal of an older lease still in flight from
+    /// before a takeover says nothing about this one), and it fences this controller for
+    /// that node only: a node's agent can always refuse its own leases, so its word
+    /// stops this controller leasing it and nothing else. A controller that every node
+    /// refuses steers nothing, and says so (`status`: FENCED). Under `[controller.ha]`
+    /// the edge also asks the database at once whether this controller still leads.
+    /// Returns whether the node is newly fenced.
+    fn fenced(&mut self, node: &str, lease_epoch: u64, accepted_epoch: u64) -> bool {
         let epoch = self.state.epoch;
         if lease_epoch != epoch || accepted_epoch <= epoch {
             debug!(
@@ -342,32 +356,54 @@ impl Core {
                 epoch,
                 "an agent's epoch refusal of another epoch ignored"
             );
-            return;
+            return false;
         }
         if self
-            .leadership
-            .as_ref()
-            .is_some_and(|l| l.role == LeadershipRole::Fenced)
+            .fenced_by
+            .insert(node.to_string(), accepted_epoch)
+            .is_some()
         {
-            return;
+            return false;
         }
         error!(
             node,
             epoch,
             accepted_epoch,
-            "fenced: an agent follows a controller of a later epoch; this controller stops steering"
+            "fenced: an agent follows a controller of a later epoch; this controller stops steering that node"
         );
-        let name = self.leadership.as_ref().and_then(|l| l.name.clone());
-        self.leadership = Some(LeadershipView {
+        true
+    }
+
+    /// The leadership `status` shows: under `[controller.ha]` the leader's view; and,
+    /// for any controller, FENCED once every node it knows has refused it for its epoch.
+    fn shown_leadership(&self, now_ms: u64) -> Option<LeadershipView> {
+        let refused_by_all = !self.fenced_by.is_empty()
+            && self
+                .sessions
+                .iter()
+                .filter(|(_, s)| s.view.live)
+                .all(|(node, _)| self.fenced_by.contains_key(node));
+        if !refused_by_all {
+            return self.leadership.clone();
+        }
+        let (node, accepted) = self
+            .fenced_by
+            .iter()
+            .max_by_key(|(_, &e)| e)
+            .map(|(n, &e)| (n.clone(), e))
+            .unwrap_or_default();
+        Some(LeadershipView {
             role: LeadershipRole::Fenced,
-            name,
-            epoch,
+            name: self.leadership.as_ref().and_then(|l| l.name.clone()),
+            epoch: self.state.epoch,
             holder: None,
             reason: Some(format!(
-                "node {node} follows a controller of epoch {accepted_epoch}, later than this one's {epoch}"
+                "every node it knows refuses its epoch {}: node {node} follows epoch {accepted} ({} node(s) in all)",
+                self.state.epoch,
+                self.fenced_by.len()
             )),
-            since_unix_ms: now_ms,
-        });
+            since_unix_ms: self.leadership.as_ref().map_or(now_ms, |l| l.since_unix_ms),
+        })
     }
 
     /// Records read back from the accounting log at start: answered by `accounting`,
@@ -421,15 +457,7 @@ impl Core {
                 Input::AccountingDb(view) => self.accounting_db = Some(view),
                 Input::Leadership(view) => {
                     let was = self.steering();
-                    // Fenced stays fenced: only a new leadership (a new core, built
-                    // from the state the database holds) steers again.
-                    if !self
-                        .leadership
-                        .as_ref()
-                        .is_some_and(|l| l.role == LeadershipRole::Fenced)
-                    {
-                        self.leadership = Some(view);
-                    }
+                    self.leadership = Some(view);
                     if !was && self.steering() {
                         self.allocate_now = true;
                     }
@@ -438,7 +466,11 @@ impl Core {
                     node,
                     lease_epoch,
                     accepted_epoch,
-                } => self.fenced(&node, lease_epoch, accepted_epoch, now_ms),
+                } => {
+                    if self.fenced(&node, lease_epoch, accepted_epoch) {
+                        out.send_on.push(node);
+                    }
+                }
             }
         }
         let steering_now = self.steering();
@@ -485,6 +517,9 @@ impl Core {
     /// What every step ends with, steering or not: the state to save, the placement
     /// refresh, the energy records due.
     fn finish_step(&mut self, now_ms: u64, mut out: Output) -> Output {
+        // A node that refused this controller's epoch gets no lease from it.
+        out.leases
+            .retain(|node, _| !self.fenced_by.contains_key(node));
         if std::mem::take(&mut self.dirty) {
             out.persist = Some(self.state.clone());
         }
@@ -610,7 +645,7 @@ impl Core {
                 now_ms,
             );
         }
-        status.leadership.clone_from(&self.leadership);
+        status.leadership = self.shown_leadership(now_ms);
         status
     }
 
@@ -2926,10 +2961,13 @@ mod tests {
         assert!(out.stopped_steering && out.leases.is_empty(), "{out:?}");
     }
 
-    /// Issue 22: an agent's refusal of this controller's epoch fences it for good (only
-    /// a new leadership, a new core, steers again); a refusal of another epoch does not.
+    /// Issue 22: an agent's refusal of this controller's epoch fences it for that node:
+    /// no lease goes to it again, and the edge sends it on. The rest of the site it goes
+    /// on steering (one node's word must not stop a site: review finding), and only once
+    /// every node it knows refuses it does `status` say FENCED. A refusal of another
+    /// epoch fences nothing.
     #[test]
-    fn a_controller_refused_for_its_epoch_is_fenced_and_stops_steering() {
+    fn a_refusal_of_this_controller_s_epoch_fences_it_for_that_node_only() {
         let state = CtldState {
             epoch: 2,
             ..CtldState::default()
@@ -2937,31 +2975,56 @@ mod tests {
         let mut core = Core::new(options(), Loaded { state, lost: false }, UnixMs(T0));
         let out = core.step(
             UnixMs(T0),
-            vec![hello("n1"), report("n1", vec![job("101", None)])],
+            vec![
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+            ],
         );
         assert_eq!(out.epoch, 2);
-        assert!(!out.leases.is_empty());
-        let fenced = |lease_epoch, accepted_epoch| Input::Fenced {
-            node: "n1".into(),
+        assert!(out.leases.contains_key("n1") && out.leases.contains_key("n2"));
+        let fenced = |node: &str, lease_epoch, accepted_epoch| Input::Fenced {
+            node: node.into(),
             lease_epoch,
             accepted_epoch,
         };
         // A stale refusal of an older lease (or by an agent behind this one) is not one.
-        core.step(UnixMs(T0 + 1), vec![fenced(1, 2), fenced(2, 2)]);
-        assert!(core.steering());
-        let out = core.step(UnixMs(T0 + 2), vec![fenced(2, 3), Input::Tick]);
-        assert!(!core.steering());
-        assert!(out.stopped_steering && out.leases.is_empty(), "{out:?}");
-        let status = core.status(UnixMs(T0 + 2));
-        let l = status.leadership.expect("shown");
-        assert_eq!((l.role, l.epoch), (LeadershipRole::Fenced, 2));
-        assert!(l.reason.is_some_and(|r| r.contains("epoch 3")));
-        // The HA edge's view cannot unfence it.
         let out = core.step(
-            UnixMs(T0 + 3),
-            vec![leadership(LeadershipRole::Active, 2, None), Input::Tick],
+            UnixMs(T0 + 1),
+            vec![fenced("n1", 1, 2), fenced("n1", 2, 2), Input::Tick],
         );
-        assert!(!core.steering() && out.leases.is_empty());
+        assert!(out.send_on.is_empty() && out.leases.contains_key("n1"));
+        // n1 follows epoch 3: it is sent on and leased no more; n2 is steered as before.
+        let out = core.step(UnixMs(T0 + 2), vec![fenced("n1", 2, 3), Input::Tick]);
+        assert!(core.steering());
+        assert!(!out.stopped_steering);
+        assert_eq!(out.send_on, ["n1"]);
+        assert!(!out.leases.contains_key("n1"), "{out:?}");
+        assert!(out.leases.contains_key("n2"), "{out:?}");
+        let status = core.status(UnixMs(T0 + 2));
+        assert!(status.leadership.is_none(), "one node of two: {status:?}");
+        // The same refusal again sends nothing new.
+        let out = core.step(UnixMs(T0 + 3), vec![fenced("n1", 2, 3), Input::Tick]);
+        assert!(out.send_on.is_empty() && !out.leases.contains_key("n1"));
+        // n2 too: every node it knows refuses it, and status says so.
+        let out = core.step(UnixMs(T0 + 4), vec![fenced("n2", 2, 4), Input::Tick]);
+        assert!(out.leases.is_empty(), "{out:?}");
+        let l = core.status(UnixMs(T0 + 4)).leadership.expect("shown");
+        assert_eq!((l.role, l.epoch), (LeadershipRole::Fenced, 2));
+        assert!(l.reason.is_some_and(|r| r.contains("epoch 4")));
+        // An admin change is still taken (no other controller is known to steer).
+        let out = core.step(
+            UnixMs(T0 + 5),
+            vec![admin(
+                AdminOp::BudgetSet {
+                    budget_w: 9_000.0,
+                    domain: None,
+                },
+                0,
+            )],
+        );
+        assert!(reply(&out).ok);
     }
 
     #[test]

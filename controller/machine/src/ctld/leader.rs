@@ -85,9 +85,15 @@ pub enum LeaderInput {
         sent: UnixMs,
         answer: Result<ClaimAnswer, String>,
     },
-    /// An agent refused this controller's leases for their epoch: another controller
-    /// took leadership since (this one's row is gone too, its next claim will say who).
-    Fenced { accepted_epoch: u64 },
+    /// An agent refused this controller's lease of `lease_epoch` because it follows a
+    /// controller of `accepted_epoch`. The database, not the agent, says who leads: a
+    /// refusal of this leadership's epoch by a later one sends a claim at once, whose
+    /// answer keeps this controller active (the refusal was false or stale) or stands it
+    /// by (another took over). One node's word never steps it down.
+    Fenced {
+        lease_epoch: u64,
+        accepted_epoch: u64,
+    },
     /// Time passed (the edge's turn): the step-down deadline is checked.
     Tick,
 }
@@ -124,6 +130,8 @@ pub struct Leader {
     holder: Option<String>,
     reason: Option<String>,
     since: UnixMs,
+    /// An agent's refusal asks for a claim now, not at the next third of a TTL.
+    claim_now: bool,
 }
 
 impl Leader {
@@ -139,6 +147,7 @@ impl Leader {
             holder: None,
             reason: Some("starting: leadership not claimed yet".into()),
             since: now,
+            claim_now: false,
         }
     }
 
@@ -159,9 +168,10 @@ impl Leader {
         if self.in_flight.is_some() {
             return None;
         }
-        let due = self
-            .last_sent
-            .is_none_or(|t| now.ms() >= t.ms() + self.settings.claim_every_ms());
+        let due = std::mem::take(&mut self.claim_now)
+            || self
+                .last_sent
+                .is_none_or(|t| now.ms() >= t.ms() + self.settings.claim_every_ms());
         if !due {
             return None;
         }
@@ -174,9 +184,12 @@ impl Leader {
 
     /// When the machine next needs a turn (a claim due, or the step-down deadline).
     pub fn next_due(&self) -> UnixMs {
-        let claim = self
-            .last_sent
-            .map_or(0, |t| t.ms() + self.settings.claim_every_ms());
+        let claim = if self.claim_now {
+            0
+        } else {
+            self.last_sent
+                .map_or(0, |t| t.ms() + self.settings.claim_every_ms())
+        };
         let deadline = self
             .renewed_sent
             .filter(|_| self.active())
@@ -193,21 +206,20 @@ impl Leader {
                 }
                 self.answer(now, sent, answer)
             }
-            LeaderInput::Fenced { accepted_epoch } if self.active() => {
-                warn!(
-                    epoch = self.epoch,
-                    accepted_epoch, "fenced: a later leadership steers the agents; standing by"
-                );
-                self.become_(
-                    now,
-                    LeadershipRole::Standby,
-                    Some(format!(
-                        "fenced: agents follow a controller of epoch {accepted_epoch}"
-                    )),
-                );
-                LeaderChange::StoppedSteering
+            LeaderInput::Fenced {
+                lease_epoch,
+                accepted_epoch,
+            } => {
+                if self.active() && lease_epoch == self.epoch && accepted_epoch > self.epoch {
+                    warn!(
+                        epoch = self.epoch,
+                        accepted_epoch,
+                        "an agent follows a later leadership; asking the database whether this controller still leads"
+                    );
+                    self.claim_now = true;
+                }
+                LeaderChange::None
             }
-            LeaderInput::Fenced { .. } => LeaderChange::None,
             LeaderInput::Tick => LeaderChange::None,
         };
         if change != LeaderChange::None {
@@ -466,7 +478,7 @@ mod tests {
     }
 
     #[test]
-    fn leadership_lost_or_fenced_stops_steering_at_once() {
+    fn leadership_lost_stops_steering_at_once_and_an_agent_s_refusal_asks_the_database() {
         let mut l = leader();
         l.claim_due(UnixMs(T0));
         l.step(UnixMs(T0 + 5), answer(T0, took_over(5)));
@@ -481,18 +493,50 @@ mod tests {
             LeaderChange::StoppedSteering
         );
         assert_eq!(l.view().role, LeadershipRole::Standby);
+        // An agent's refusal never steps it down by itself: a refusal of this epoch by a
+        // later one asks the database at once; a stale one (another epoch refused, or
+        // one no later) asks nothing.
         let mut l = leader();
         l.claim_due(UnixMs(T0));
         l.step(UnixMs(T0 + 5), answer(T0, took_over(5)));
+        let fenced = |lease_epoch, accepted_epoch| LeaderInput::Fenced {
+            lease_epoch,
+            accepted_epoch,
+        };
+        assert_eq!(l.step(UnixMs(T0 + 10), fenced(5, 0)), LeaderChange::None);
+        assert_eq!(l.step(UnixMs(T0 + 11), fenced(4, 6)), LeaderChange::None);
+        assert_eq!(l.claim_due(UnixMs(T0 + 12)), None, "nothing to ask yet");
+        assert_eq!(l.step(UnixMs(T0 + 13), fenced(5, 6)), LeaderChange::None);
+        assert!(l.active(), "one node's word does not step it down");
+        assert_eq!(l.next_due(), UnixMs(0));
         assert_eq!(
-            l.step(UnixMs(T0 + 10), LeaderInput::Fenced { accepted_epoch: 6 }),
+            l.claim_due(UnixMs(T0 + 14)),
+            Some(Claim {
+                renew_epoch: Some(5)
+            }),
+            "the database asked at once"
+        );
+        // The row still names it: the refusal was false or stale, it keeps steering.
+        assert_eq!(
+            l.step(
+                UnixMs(T0 + 20),
+                answer(T0 + 14, Ok(ClaimAnswer::Renewed { epoch: 5 }))
+            ),
+            LeaderChange::None
+        );
+        assert!(l.active());
+        // Another took over: the answer says so and it stands by.
+        l.step(UnixMs(T0 + 30), fenced(5, 6));
+        l.claim_due(UnixMs(T0 + 31));
+        let held = Ok(ClaimAnswer::HeldBy {
+            holder: "ctld-b".into(),
+            epoch: 6,
+            expires_in_ms: 6_000,
+        });
+        assert_eq!(
+            l.step(UnixMs(T0 + 35), answer(T0 + 31, held)),
             LeaderChange::StoppedSteering
         );
         assert!(!l.active());
-        assert_eq!(
-            l.step(UnixMs(T0 + 20), LeaderInput::Fenced { accepted_epoch: 6 }),
-            LeaderChange::None,
-            "once"
-        );
     }
 }
