@@ -285,7 +285,12 @@ impl GpuInfo {
             MAX_GPU_POWER_W,
         )?;
         check_range(|| field("max_w"), self.max_w, self.min_w, MAX_GPU_POWER_W)?;
-        check_range(|| field("default_w"), self.default_w, self.min_w, self.max_w)?;
+        check_range(
+            || field("default_w"),
+            self.default_w,
+            self.min_w,
+            self.max_w,
+        )?;
         Ok(())
     }
 }
