@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::slurm_record::expand_hostlist;
+use crate::slurm_record::{expand_hostlist, valid_node_name, MAX_NODE_NAME_BYTES};
 use crate::units::Watts;
 
 /// The most domains a site config may declare: a 10,000-node site has a few hundred
@@ -71,6 +71,9 @@ impl Domain {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DomainTree {
     domains: Vec<Domain>,
+    /// Each domain's index by name: the controller looks domains up by name for every
+    /// domain in every allocation.
+    by_name: BTreeMap<String, usize>,
     leaf_of: BTreeMap<String, usize>,
 }
 
@@ -98,7 +101,9 @@ pub enum DomainError {
     EmptyLeaf { name: String },
     #[error("domain \"{name}\": nodes {} is not a Slurm hostlist of at most {MAX_NODES_PER_DOMAIN} names", .nodes.escape_default())]
     BadHostlist { name: String, nodes: String },
-    #[error("node {node} is in two leaves, \"{first}\" and \"{second}\"; every node belongs to exactly one")]
+    #[error("domain \"{name}\": \"{}\" is not a node name (1 to {MAX_NODE_NAME_BYTES} ASCII letters, digits, '.', '_' or '-', as Slurm names nodes)", .node.escape_default())]
+    BadNodeName { name: String, node: String },
+    #[error("node {node} is listed twice, in \"{first}\" and in \"{second}\"; every node belongs to exactly one leaf, once")]
     NodeTwice {
         node: String,
         first: String,
@@ -205,31 +210,33 @@ impl DomainTree {
                 }
                 (None, false) => {}
                 (Some(list), true) => {
-                    // Every name a node name: `gpu01, gpu02` would name " gpu02", a node
-                    // Slurm does not have, and that node would be placed nowhere.
-                    let names = expand_hostlist(list, MAX_NODES_PER_DOMAIN)
-                        .filter(|names| {
-                            names.iter().all(|n| {
-                                !n.is_empty()
-                                    && n.chars().all(|c| !c.is_whitespace() && !c.is_control())
-                            })
-                        })
-                        .ok_or_else(|| DomainError::BadHostlist {
+                    let names = expand_hostlist(list, MAX_NODES_PER_DOMAIN).ok_or_else(|| {
+                        DomainError::BadHostlist {
                             name: d.name.clone(),
                             nodes: list.clone(),
-                        })?;
+                        }
+                    })?;
+                    // Every name a node name no agent could fail to have: `gpu01, gpu02`
+                    // would name " gpu02", `a],b` a node called that; such a node would
+                    // be placed nowhere and its leaf would govern nothing.
+                    if let Some(bad) = names.iter().find(|n| !valid_node_name(n)) {
+                        return Err(DomainError::BadNodeName {
+                            name: d.name.clone(),
+                            node: bad.clone(),
+                        });
+                    }
                     if leaf_of.len() + names.len() > MAX_NODES_IN_ALL {
                         return Err(DomainError::TooManyNodes);
                     }
                     for node in &names {
                         if let Some(&first) = leaf_of.get(node) {
-                            if first != i {
-                                return Err(DomainError::NodeTwice {
-                                    node: node.clone(),
-                                    first: domains[first].name.clone(),
-                                    second: d.name.clone(),
-                                });
-                            }
+                            // The same leaf twice (`n[1-3],n2`) is a slip too: refused,
+                            // as a node in two leaves is.
+                            return Err(DomainError::NodeTwice {
+                                node: node.clone(),
+                                first: domains[first].name.clone(),
+                                second: d.name.clone(),
+                            });
                         }
                         leaf_of.insert(node.clone(), i);
                     }
@@ -237,7 +244,12 @@ impl DomainTree {
                 }
             }
         }
-        Ok(DomainTree { domains, leaf_of })
+        let by_name = index.into_iter().map(|(n, i)| (n.to_string(), i)).collect();
+        Ok(DomainTree {
+            domains,
+            by_name,
+            leaf_of,
+        })
     }
 
     /// Whether the site has no domains.
@@ -252,7 +264,7 @@ impl DomainTree {
 
     /// The index of the domain called `name`.
     pub fn find(&self, name: &str) -> Option<usize> {
-        self.domains.iter().position(|d| d.name == name)
+        self.by_name.get(name).copied()
     }
 
     /// The leaf `node` belongs to; none for a node the config places nowhere.
@@ -379,7 +391,28 @@ mod tests {
             (vec![raw("a", None, 1.0, None)], "a leaf without nodes"),
             (
                 vec![raw("a", None, 1.0, Some("gpu01, gpu02"))],
-                "not a Slurm hostlist",
+                "\" gpu02\" is not a node name",
+            ),
+            (
+                vec![raw("a", None, 1.0, Some("a],b"))],
+                "\"a],b\" is not a node name",
+            ),
+            (
+                vec![raw("a", None, 1.0, Some("n\u{f8}de[1-2]"))],
+                "is not a node name",
+            ),
+            (
+                vec![raw(
+                    "a",
+                    None,
+                    1.0,
+                    Some("controller-name-that-is-far-too-long-for-any-slurm-node-name-at-all"),
+                )],
+                "is not a node name (1 to 64 ASCII",
+            ),
+            (
+                vec![raw("a", None, 1.0, Some("n[1-3],n2"))],
+                "node n2 is listed twice, in \"a\" and in \"a\"",
             ),
             (
                 vec![raw("a", None, 1.0, Some("n[1-"))],
@@ -390,7 +423,7 @@ mod tests {
                     raw("a", None, 1.0, Some("n[1-3]")),
                     raw("b", None, 1.0, Some("n3")),
                 ],
-                "node n3 is in two leaves, \"a\" and \"b\"",
+                "node n3 is listed twice, in \"a\" and in \"b\"",
             ),
         ];
         for (domains, says) in cases {

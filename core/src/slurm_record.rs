@@ -39,6 +39,20 @@ pub enum SlurmRecordError {
     NodeList { job: String, list: String },
 }
 
+/// Longest node name accepted, bytes (Slurm's own names are far shorter).
+pub const MAX_NODE_NAME_BYTES: usize = 64;
+
+/// Whether `name` is a node name as every part of powerflex takes one: 1 to
+/// [`MAX_NODE_NAME_BYTES`] ASCII letters, digits, `.`, `_` or `-` (what Slurm's node
+/// names use; never a path, a space or a bracket). The link, the plugin and the site
+/// config's domains all check names with this one rule.
+pub fn valid_node_name(name: &str) -> bool {
+    (1..=MAX_NODE_NAME_BYTES).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// Expands a Slurm hostlist (`n[1-3,5],gpu[01-02],login`) into names, in order.
 /// `None` for a malformed list or one of more than `max_names` names in all (checked
 /// before each name is made, so a crafted list costs at most `max_names` names).

@@ -400,8 +400,11 @@ impl Ven {
         let ledger_path = ledger_path(&config);
         let ledger = load_ledger(&ledger_path)?;
         // The last answer the ledger kept, else the start: a VEN that starts with the VTN
-        // away waits out each program's allowance from there.
-        let last_vtn_answer_ms = ledger.last_vtn_answer_ms.unwrap_or_else(unix_ms);
+        // away waits out each program's allowance from there. One kept "in the future"
+        // (the clock stepped back since) counts as now, or it would delay safe mode by
+        // the size of the step.
+        let now = unix_ms();
+        let last_vtn_answer_ms = ledger.last_vtn_answer_ms.map_or(now, |t| t.min(now));
         Ok(Ven {
             mapping: Mapping::from_config(&config),
             config,

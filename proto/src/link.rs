@@ -74,7 +74,7 @@ pub const NONCE_BYTES: usize = 16;
 pub type Nonce = [u8; NONCE_BYTES];
 
 /// Longest node name, bytes.
-pub const MAX_NODE_NAME_BYTES: usize = 64;
+pub const MAX_NODE_NAME_BYTES: usize = powerflex_core::slurm_record::MAX_NODE_NAME_BYTES;
 
 /// Domain separation of the two derivations (a node key is never a session key).
 const NODE_KEY_SALT: &[u8] = b"powerflex link v2 node key";
@@ -230,12 +230,7 @@ fn nonce_from_hex(field: &str, text: &str) -> Result<Nonce, LinkError> {
 /// Whether `name` can name a node on the link: 1 to [`MAX_NODE_NAME_BYTES`] ASCII
 /// letters, digits, `.`, `_` or `-`, and not [`CONTROLLER`] (Slurm node names fit).
 pub fn valid_node_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_NODE_NAME_BYTES
-        && name != CONTROLLER
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    powerflex_core::slurm_record::valid_node_name(name) && name != CONTROLLER
 }
 
 fn check_node_name(name: &str) -> Result<(), LinkError> {

@@ -424,10 +424,7 @@ pub fn slurm_gpu_var(step_id: u32) -> &'static str {
 /// Whether `name` may stand for `%n` in the agent's socket path: a Slurm node name,
 /// never a path (no `/`), whatever the environment it was read from held.
 pub fn valid_node_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    powerflex_core::slurm_record::valid_node_name(name)
 }
 
 /// Whether a step should be registered at all: managed service, GPUs, not the extern step.
