@@ -47,6 +47,9 @@ impl LeaderSettings {
     }
 }
 
+/// Least time between a claim and one an agent's refusal asks for early, ms.
+const EARLY_CLAIM_GAP_MS: u64 = 1_000;
+
 /// A claim for the edge to run in the database, in one transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Claim {
@@ -210,7 +213,16 @@ impl Leader {
                 lease_epoch,
                 accepted_epoch,
             } => {
-                if self.active() && lease_epoch == self.epoch && accepted_epoch > self.epoch {
+                // At most one early claim a second: a node that repeats its refusal
+                // (falsely, or a flood) must not keep the database busy.
+                let asked_lately = self
+                    .last_sent
+                    .is_some_and(|t| now.ms() < t.ms() + EARLY_CLAIM_GAP_MS);
+                if self.active()
+                    && lease_epoch == self.epoch
+                    && accepted_epoch > self.epoch
+                    && !asked_lately
+                {
                     warn!(
                         epoch = self.epoch,
                         accepted_epoch,
@@ -503,14 +515,14 @@ mod tests {
             lease_epoch,
             accepted_epoch,
         };
-        assert_eq!(l.step(UnixMs(T0 + 10), fenced(5, 0)), LeaderChange::None);
-        assert_eq!(l.step(UnixMs(T0 + 11), fenced(4, 6)), LeaderChange::None);
-        assert_eq!(l.claim_due(UnixMs(T0 + 12)), None, "nothing to ask yet");
-        assert_eq!(l.step(UnixMs(T0 + 13), fenced(5, 6)), LeaderChange::None);
+        assert_eq!(l.step(UnixMs(T0 + 1_100), fenced(5, 0)), LeaderChange::None);
+        assert_eq!(l.step(UnixMs(T0 + 1_101), fenced(4, 6)), LeaderChange::None);
+        assert_eq!(l.claim_due(UnixMs(T0 + 1_102)), None, "nothing to ask yet");
+        assert_eq!(l.step(UnixMs(T0 + 1_103), fenced(5, 6)), LeaderChange::None);
         assert!(l.active(), "one node's word does not step it down");
         assert_eq!(l.next_due(), UnixMs(0));
         assert_eq!(
-            l.claim_due(UnixMs(T0 + 14)),
+            l.claim_due(UnixMs(T0 + 1_104)),
             Some(Claim {
                 renew_epoch: Some(5)
             }),
@@ -519,22 +531,29 @@ mod tests {
         // The row still names it: the refusal was false or stale, it keeps steering.
         assert_eq!(
             l.step(
-                UnixMs(T0 + 20),
-                answer(T0 + 14, Ok(ClaimAnswer::Renewed { epoch: 5 }))
+                UnixMs(T0 + 1_110),
+                answer(T0 + 1_104, Ok(ClaimAnswer::Renewed { epoch: 5 }))
             ),
             LeaderChange::None
         );
         assert!(l.active());
+        // The same refusal again within a second asks nothing more.
+        l.step(UnixMs(T0 + 1_200), fenced(5, 6));
+        assert_eq!(
+            l.claim_due(UnixMs(T0 + 1_201)),
+            None,
+            "at most one a second"
+        );
         // Another took over: the answer says so and it stands by.
-        l.step(UnixMs(T0 + 30), fenced(5, 6));
-        l.claim_due(UnixMs(T0 + 31));
+        l.step(UnixMs(T0 + 2_200), fenced(5, 6));
+        assert!(l.claim_due(UnixMs(T0 + 2_201)).is_some());
         let held = Ok(ClaimAnswer::HeldBy {
             holder: "ctld-b".into(),
             epoch: 6,
             expires_in_ms: 6_000,
         });
         assert_eq!(
-            l.step(UnixMs(T0 + 35), answer(T0 + 31, held)),
+            l.step(UnixMs(T0 + 2_205), answer(T0 + 2_201, held)),
             LeaderChange::StoppedSteering
         );
         assert!(!l.active());
