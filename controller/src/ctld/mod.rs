@@ -224,7 +224,7 @@ pub fn run_on_clock(
     reloads: Receiver<Reload>,
 ) -> Result<(), String> {
     let refusals = Arc::new(bounds::Refusals::default());
-    let loaded = state::load(&options.state_dir);
+    let loaded = state::load(&options.state_dir, clock.now());
     // Under `[controller.ha]` the local file is only where a first leader starts from
     // when the database holds no state yet; the database's state wins otherwise.
     let local_state = loaded.state.clone();
