@@ -610,11 +610,13 @@ fn validate_ha(raw: RawHa, lease_ttl_s: u64) -> Result<HaConfig, ConfigError> {
             value: leader_ttl_s.to_string(),
             accepted: if most_s < MIN_LEADER_TTL_S {
                 format!(
-                    "none with controller.lease_ttl_s = {lease_ttl_s}: a takeover within half                      a lease needs controller.lease_ttl_s of at least 8"
+                    "none with controller.lease_ttl_s = {lease_ttl_s}: a takeover within half \
+                     a lease needs controller.lease_ttl_s of at least 8"
                 )
             } else {
                 format!(
-                    "{MIN_LEADER_TTL_S} to {most_s} seconds (3/8 of controller.lease_ttl_s =                      {lease_ttl_s}: a standby takes over within 4/3 of it, half a lease)"
+                    "{MIN_LEADER_TTL_S} to {most_s} seconds (3/8 of controller.lease_ttl_s = \
+                     {lease_ttl_s}: a standby takes over within 4/3 of it, half a lease)"
                 )
             },
         });
@@ -697,16 +699,25 @@ fn validate_database(raw: RawDatabase) -> Result<DatabaseConfig, ConfigError> {
 }
 
 /// A database section's keys (`section.url`, ...), checked and named under `section`.
+/// An error never repeats the URL: a mistyped one may still hold a password.
 fn validate_database_at(raw: RawDatabase, section: &str) -> Result<DatabaseConfig, ConfigError> {
     let url = raw.url.trim().to_string();
-    let shown = || format!("\"{}\"", url.escape_default());
     let rest = url
         .strip_prefix("postgres://")
         .or_else(|| url.strip_prefix("postgresql://"));
     let Some(rest) = rest.filter(|_| url.len() <= MAX_DATABASE_URL_BYTES) else {
         return Err(ConfigError::OutOfRange {
             key: format!("{section}.url"),
-            value: shown(),
+            value: if url.len() > MAX_DATABASE_URL_BYTES {
+                format!(
+                    "a URL of {} bytes (not shown: it may hold a password)",
+                    url.len()
+                )
+            } else {
+                "a URL that does not start postgres:// or postgresql:// (not shown: it may \
+                 hold a password)"
+                    .into()
+            },
             accepted: format!(
                 "a PostgreSQL URL of at most {MAX_DATABASE_URL_BYTES} bytes, \
                  postgres://USER@HOST:PORT/DATABASE"
@@ -714,25 +725,13 @@ fn validate_database_at(raw: RawDatabase, section: &str) -> Result<DatabaseConfi
         });
     };
     // A password in the URL would sit in a world-readable config: it goes in a file.
-    let authority = rest.split(['/', '?']).next().unwrap_or("");
-    if let Some((userinfo, _)) = authority.rsplit_once('@') {
-        if userinfo.contains(':') {
-            return Err(ConfigError::OutOfRange {
-                key: format!("{section}.url"),
-                value: "a URL with a password".into(),
-                accepted: format!(
-                    "a URL without one (postgres://USER@HOST:PORT/DATABASE); put the \
-                     password in a root-only file named by {section}.password_file"
-                ),
-            });
-        }
-    }
-    if rest.contains("password=") {
+    if url_has_password(rest) {
         return Err(ConfigError::OutOfRange {
             key: format!("{section}.url"),
-            value: "a URL with a password parameter".into(),
+            value: "a URL with a password (not shown)".into(),
             accepted: format!(
-                "a URL without one; put the password in a root-only file named by \
+                "a URL without one (postgres://USER@HOST:PORT/DATABASE, no password \
+                 parameter); put the password in a root-only file named by \
                  {section}.password_file"
             ),
         });
@@ -740,7 +739,9 @@ fn validate_database_at(raw: RawDatabase, section: &str) -> Result<DatabaseConfi
     if url.chars().any(|c| c.is_control() || c == ' ') {
         return Err(ConfigError::OutOfRange {
             key: format!("{section}.url"),
-            value: shown(),
+            value: "a URL with a space or control character (not shown: it may hold a \
+                    password)"
+                .into(),
             accepted: "a URL without spaces or control characters".into(),
         });
     }
@@ -761,6 +762,65 @@ fn validate_database_at(raw: RawDatabase, section: &str) -> Result<DatabaseConfi
         password_file,
         timeout_s,
     })
+}
+
+/// A name as one segment of a dotted key in an error: as it is when it is a bare TOML
+/// key, else quoted with its control characters escaped (a key is never printed raw).
+fn key_segment(name: &str) -> String {
+    if !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+    {
+        name.to_string()
+    } else {
+        format!("\"{}\"", name.escape_default())
+    }
+}
+
+/// Whether a PostgreSQL URL (`rest`: what follows `postgres://`) carries a password as
+/// the client library reads it (tokio-postgres 0.7): credentials are what comes before
+/// the first `@`, a password what follows their first `:`; parameters follow the first
+/// `?` after them, each key percent-decoded, so `pass%77ord=` is `password=`. (Core does
+/// not depend on the client library; the controller checks the parsed URL again where it
+/// connects.) Errs toward refusing: any decoded parameter text holding `password=` counts.
+pub fn url_has_password(rest: &str) -> bool {
+    let after_credentials = match rest.find('@') {
+        Some(at) if rest[..at].contains(':') => return true,
+        Some(at) => &rest[at + 1..],
+        None => rest,
+    };
+    let Some(query) = after_credentials
+        .find('?')
+        .map(|q| &after_credentials[q + 1..])
+    else {
+        return false;
+    };
+    // The parser takes each key up to its `=` and decodes it: a decoded key of
+    // `password` leaves `password=` in the decoded text (which also refuses a value that
+    // merely mentions one, a price worth paying).
+    percent_decode_lossy(query).contains("password=")
+}
+
+/// `text` with each `%XX` decoded (invalid escapes kept as they are; invalid UTF-8
+/// replaced).
+fn percent_decode_lossy(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Where the controller learns which jobs run where (see `controller.job_placement`).
@@ -1133,13 +1193,43 @@ impl SiteConfig {
                         .map(|d| d.name.as_str())
                         .collect();
                     return Err(out_of_range(
-                        &format!("grid.openadr.program_domains.{program}"),
+                        &format!("grid.openadr.program_domains.{}", key_segment(program)),
                         format!("\"{}\"", domain.escape_default()),
                         &if declared.is_empty() {
                             "a domain of [[domains]] (the site declares none)".to_string()
                         } else {
                             format!("a domain of [[domains]] ({})", declared.join(", "))
                         },
+                    ));
+                }
+            }
+            // A safe-mode limit at or above what already binds cuts nothing: "safe mode
+            // engaged" would be logged while nothing is held.
+            for (program, safe) in &openadr.safe_mode {
+                let (most, what) = match openadr.program_domains.get(program) {
+                    Some(domain) => match self.domains.find(domain) {
+                        Some(i) => (
+                            self.domains.domains()[i].gpu_limit,
+                            format!("domain {domain}'s gpu_limit_w"),
+                        ),
+                        None => continue,
+                    },
+                    None => (
+                        self.facility.gpu_budget_w,
+                        "facility.gpu_budget_w (the program is site-wide)".to_string(),
+                    ),
+                };
+                if safe.gpu_limit.0 > most.0 {
+                    return Err(out_of_range(
+                        &format!(
+                            "grid.openadr.safe_mode.{}.gpu_limit_kw",
+                            key_segment(program)
+                        ),
+                        safe.gpu_limit.0 / 1000.0,
+                        &format!(
+                            "above 0, at most {} kW ({what}; a limit above it cuts nothing)",
+                            most.0 / 1000.0
+                        ),
                     ));
                 }
             }
@@ -2127,7 +2217,7 @@ fn validate_openadr(raw: RawOpenAdr) -> Result<OpenAdrConfig, ConfigError> {
     }
     let mut safe_mode = BTreeMap::new();
     for (program, raw) in raw.safe_mode.unwrap_or_default() {
-        let key = format!("grid.openadr.safe_mode.{program}");
+        let key = format!("grid.openadr.safe_mode.{}", key_segment(&program));
         known(&key, &program)?;
         let kw = finite(&format!("{key}.gpu_limit_kw"), raw.gpu_limit_kw)?;
         if !(kw > 0.0 && kw <= 1_000_000.0) {
@@ -2677,6 +2767,133 @@ programs = ["gpu-dr"]
             "[controller.database]\nurl = \"postgres://pf@h/db\"\nuser = \"x\""
         ))
         .contains("user"));
+    }
+
+    /// Review 22, finding 10: the `leader_ttl_s` refusal reads as one sentence.
+    #[test]
+    fn the_leader_ttl_refusal_has_no_run_of_spaces() {
+        for (toml, says) in [
+            (
+                "[controller.ha]\nname = \"a\"\nurl = \"postgres://pf@db/pf\"\nleader_ttl_s = 23",
+                "3/8 of controller.lease_ttl_s = 60: a standby",
+            ),
+            (
+                "[controller.ha]\nname = \"a\"\nurl = \"postgres://pf@db/pf\"",
+                "a takeover within half a lease",
+            ),
+        ] {
+            let text = if says.starts_with("a takeover") {
+                plus(toml).replace(
+                    "listen = \"10.0.0.5:7300\"",
+                    "listen = \"10.0.0.5:7300\"\nlease_ttl_s = 6\nallocation_period_s = 2",
+                )
+            } else {
+                plus(toml)
+            };
+            let e = SiteConfig::from_toml_str(&text)
+                .expect_err(toml)
+                .to_string();
+            assert!(e.contains(says), "{e}");
+            assert!(!e.contains("  "), "a run of spaces: {e}");
+        }
+    }
+
+    /// Review 22, finding 9: a password is refused however the URL spells it, as the
+    /// client library would read it, and no refusal repeats the URL.
+    #[test]
+    fn a_database_url_password_is_refused_however_written_and_never_echoed() {
+        let with = |url: &str| {
+            SiteConfig::from_toml_str(&plus(&format!(
+                "[controller.ha]\nname = \"ctld-a\"\nurl = \"{url}\""
+            )))
+        };
+        for url in [
+            "postgres://pf@db/pf?pass%77ord=hunter2",
+            "postgres://pf@db/pf?sslmode=disable&%70assword=hunter2",
+            "postgresql://pf%40x:hunter2@db/pf",
+            "postgres://pf@db/pf?password%3d=x&password=hunter2",
+        ] {
+            let e = with(url).expect_err(url).to_string();
+            assert!(e.contains("password_file"), "{url}: {e}");
+            assert!(!e.contains("hunter2"), "{url}: {e}");
+        }
+        assert!(with("postgres://pf@db:5432/pf?application_name=x").is_ok());
+        // A typo in the scheme, an overlong URL, a control character: refused, unrepeated.
+        for url in [
+            "postgre://pf:hunter2@db/pf".to_string(),
+            format!(
+                "postgres://pf:hunter2@db/{}",
+                "d".repeat(MAX_DATABASE_URL_BYTES)
+            ),
+            "postgres://pf@db/hunter2\\tx".to_string(),
+        ] {
+            let e = with(&url).expect_err(&url).to_string();
+            assert!(e.contains("controller.ha.url"), "{e}");
+            assert!(!e.contains("hunter2"), "the URL repeated: {e}");
+        }
+        assert!(url_has_password("pf@db/pf?pass%77ord=x"));
+        assert!(!url_has_password("pf@db:5432/pf?application_name=pass"));
+    }
+
+    /// Review 22, finding 10: a program name in a key is escaped like a value, and a
+    /// safe-mode limit that could cut nothing is refused with the range that binds.
+    #[test]
+    fn safe_mode_keys_are_escaped_and_limits_must_cut() {
+        let grid = |programs: &str, extra: &str| {
+            format!(
+                "{MINIMAL}
+[[domains]]
+name = \"feed-b\"
+gpu_limit_w = 40000
+nodes = \"n[1-4]\"
+
+[grid.openadr]
+vtn_url = \"http://127.0.0.1:8080/\"
+credentials_file = \"/etc/slurm/powerflex-openadr.toml\"
+programs = [{programs}]
+{extra}
+"
+            )
+        };
+        let e = SiteConfig::from_toml_str(&grid(
+            "\"feed-b-dr\"",
+            "[grid.openadr.safe_mode.\"p\\u0007\"]\ngpu_limit_kw = 30\nafter_s = 900",
+        ))
+        .expect_err("unknown program")
+        .to_string();
+        assert!(
+            !e.chars().any(|c| c.is_control()),
+            "a raw control character: {e:?}"
+        );
+        assert!(e.contains("safe_mode.\"p\\u{7}\""), "{e}");
+        let e = SiteConfig::from_toml_str(&grid(
+            "\"feed-b-dr\"",
+            "[grid.openadr.program_domains]\n\"feed-b-dr\" = \"feed-b\"\n\
+             [grid.openadr.safe_mode.feed-b-dr]\ngpu_limit_kw = 41\nafter_s = 900",
+        ))
+        .expect_err("above the domain's limit")
+        .to_string();
+        assert!(
+            e.contains("grid.openadr.safe_mode.feed-b-dr.gpu_limit_kw")
+                && e.contains("at most 40 kW")
+                && e.contains("feed-b"),
+            "{e}"
+        );
+        let e = SiteConfig::from_toml_str(&grid(
+            "\"site-dr\"",
+            "[grid.openadr.safe_mode.site-dr]\ngpu_limit_kw = 150\nafter_s = 900",
+        ))
+        .expect_err("above the site budget")
+        .to_string();
+        assert!(
+            e.contains("at most 120 kW") && e.contains("facility.gpu_budget_w"),
+            "{e}"
+        );
+        assert!(SiteConfig::from_toml_str(&grid(
+            "\"site-dr\"",
+            "[grid.openadr.safe_mode.site-dr]\ngpu_limit_kw = 100\nafter_s = 900",
+        ))
+        .is_ok());
     }
 
     #[test]

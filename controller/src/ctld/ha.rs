@@ -17,22 +17,35 @@
 //!
 //! The schema (created at the first connection, under a transaction-scoped advisory lock
 //! so two controllers starting at once create it once):
-//! - `powerflex_leader`: one row, `holder`, `epoch`, `expires_at`;
+//! - `powerflex_leader`: one row, `holder`, `token`, `epoch`, `expires_at`. `token` is
+//!   the holding process's instance token, random at its start (added to an older table
+//!   by `ALTER TABLE ... ADD COLUMN IF NOT EXISTS`): a live row is renewed or taken again
+//!   only by the process whose name and token it holds, so two controllers given the
+//!   same `controller.ha.name` do not take it from each other forever (see
+//!   [`powerflex_controller_machine::ctld::lease_row`]);
 //! - `powerflex_ctld_state`: one row, the active controller's `CtldState` as JSON with
 //!   the epoch it was written under. A save is fenced: it is written only while the row
 //!   of `powerflex_leader` names this controller with that epoch, under a share lock of
 //!   that row, so a takeover (which locks it for update) reads either the state before
 //!   the save or after it, never a save from a controller that lost leadership.
+//!
+//! Each save's outcome goes back to the loop ([`Inbound::Saved`]): a failed one leaves
+//! the database's copy stale, and the loop sends the newest state again with each claim
+//! until one is written. A committed state is read with a size cap and checked
+//! ([`CtldState::from_json`]) before it is steered from; one that fails is refused like
+//! one that does not parse, except by the process that holds the row, which steers from
+//! the state in its memory (the state it committed, or newer).
 
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use powerflex_controller_machine::ctld::leader::{Claim, ClaimAnswer, LeaderInput};
-use powerflex_controller_machine::ctld::state::CtldState;
+use powerflex_controller_machine::ctld::lease_row::{self, Me, Row, RowAction};
+use powerflex_controller_machine::ctld::state::{CtldState, MAX_STATE_BYTES};
 use powerflex_core::UnixMs;
 
 use super::Inbound;
@@ -80,7 +93,8 @@ const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS powerflex_leader (
         holder      text NOT NULL,
         state       jsonb NOT NULL,
         saved_at    timestamptz NOT NULL
-    );";
+    );
+    ALTER TABLE powerflex_leader ADD COLUMN IF NOT EXISTS token text NOT NULL DEFAULT '';";
 
 /// What the loop asks of the database thread.
 #[derive(Debug)]
@@ -106,10 +120,11 @@ pub struct HaDb {
 impl HaDb {
     /// Starts the thread; its answers go to `to_loop` as [`Inbound::Leader`].
     pub(crate) fn spawn(options: HaOptions, to_loop: Sender<Inbound>) -> std::io::Result<HaDb> {
+        let token = instance_token()?;
         let (tx, rx) = unbounded::<Request>();
         let thread = std::thread::Builder::new()
             .name("ha-db".into())
-            .spawn(move || Worker::new(options, to_loop).run(&rx))?;
+            .spawn(move || Worker::new(options, token, to_loop).run(&rx))?;
         Ok(HaDb {
             tx: Some(tx),
             thread: Some(thread),
@@ -151,18 +166,32 @@ impl HaDb {
     }
 }
 
+/// This process's instance token: 16 random bytes from the operating system, in hex.
+fn instance_token() -> std::io::Result<String> {
+    let nonce = powerflex_proto::link::fresh_nonce()
+        .map_err(|e| std::io::Error::other(format!("no instance token: {e}")))?;
+    Ok(nonce.iter().take(16).map(|b| format!("{b:02x}")).collect())
+}
+
 struct Worker {
     options: HaOptions,
+    /// This process's instance token, held in the row beside its name.
+    token: String,
     to_loop: Sender<Inbound>,
     client: Option<postgres::Client>,
+    /// The last claim found a live row of this name held by another process (logged
+    /// once until that changes).
+    same_name: bool,
 }
 
 impl Worker {
-    fn new(options: HaOptions, to_loop: Sender<Inbound>) -> Worker {
+    fn new(options: HaOptions, token: String, to_loop: Sender<Inbound>) -> Worker {
         Worker {
             options,
+            token,
             to_loop,
             client: None,
+            same_name: false,
         }
     }
 
@@ -184,21 +213,68 @@ impl Worker {
                 }
             }
             for (sent, claim) in claims {
-                let answer = self.with_client(|c, name, ttl| claim_in(c, name, ttl, claim));
+                let token = self.token.clone();
+                let answer = self
+                    .with_client(|c, name, ttl| {
+                        claim_in(
+                            c,
+                            Me {
+                                name,
+                                token: &token,
+                            },
+                            ttl,
+                            claim,
+                            sent,
+                        )
+                    })
+                    .and_then(|a| a);
+                self.log_same_name(&answer);
                 self.answer(sent, answer);
             }
             if let Some((sent, epoch, state)) = save {
-                match self.with_client(|c, name, _| save_in(c, name, epoch, &state)) {
-                    Ok(None) => {}
+                let token = self.token.clone();
+                let outcome = self
+                    .with_client(|c, name, _| {
+                        save_in(
+                            c,
+                            Me {
+                                name,
+                                token: &token,
+                            },
+                            epoch,
+                            &state,
+                        )
+                    })
+                    .and_then(|o| o);
+                match outcome {
+                    Ok(Saved::Written) => self.saved(epoch, Ok(())),
+                    // Queued under an earlier leadership of this same process: stale.
+                    Ok(Saved::Stale) => {}
                     // The fence refused the save: leadership moved on. The machine
                     // hears who holds it as it would from a claim.
-                    Ok(Some(held)) => self.answer(sent, Ok(held)),
-                    Err(e) => {
-                        warn!(error = %e, epoch, "cannot save the controller state to the database; the next change saves it again")
-                    }
+                    Ok(Saved::Held(held)) => self.answer(sent, Ok(held)),
+                    Err(e) => self.saved(epoch, Err(e)),
                 }
             }
         }
+    }
+
+    fn saved(&self, epoch: u64, outcome: Result<(), String>) {
+        let _ = self.to_loop.send(Inbound::Saved { epoch, outcome });
+    }
+
+    /// A live row of this name held by another process: said as an error once, until
+    /// a claim finds otherwise.
+    fn log_same_name(&mut self, answer: &Result<ClaimAnswer, String>) {
+        let same = matches!(answer, Ok(ClaimAnswer::HeldBy { holder, .. }) if *holder == lease_row::same_name_message(&self.options.name));
+        if same && !self.same_name {
+            error!(
+                name = %self.options.name,
+                "{}",
+                lease_row::same_name_message(&self.options.name)
+            );
+        }
+        self.same_name = same;
     }
 
     fn answer(&self, sent: UnixMs, answer: Result<ClaimAnswer, String>) {
@@ -227,8 +303,17 @@ impl Worker {
     }
 
     fn connect(&self) -> Result<postgres::Client, String> {
+        // The config refused a password in the URL; the library's own reading of it is
+        // checked too, and the URL is never repeated (it would be, were one there).
         let mut config = postgres::Config::from_str(&self.options.url)
-            .map_err(|e| format!("controller.ha.url: {e}"))?;
+            .map_err(|e| format!("controller.ha.url (not shown): {e}"))?;
+        if config.get_password().is_some() {
+            return Err(
+                "controller.ha.url carries a password (not shown); accepted: a URL \
+                        without one, the password in controller.ha.password_file"
+                    .into(),
+            );
+        }
         if let Some(path) = &self.options.password_file {
             config.password(super::records_db::read_password(path)?);
         }
@@ -263,13 +348,15 @@ impl Worker {
     }
 }
 
-/// One claim, in one transaction on the database's clock (see the module docs).
+/// One claim, in one transaction on the database's clock (see the module docs). `Ok(Err)`:
+/// the row refuses every claim (its epoch is out of range), with the recovery.
 fn claim_in(
     client: &mut postgres::Client,
-    me: &str,
+    me: Me<'_>,
     ttl: Duration,
     claim: Claim,
-) -> Result<ClaimAnswer, postgres::Error> {
+    now: UnixMs,
+) -> Result<Result<ClaimAnswer, String>, postgres::Error> {
     let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
     let mut tx = client.transaction()?;
     // The row exists from the first claim on, lapsed, held by nobody.
@@ -278,126 +365,183 @@ fn claim_in(
          VALUES (1, '', 0, to_timestamp(0)) ON CONFLICT (id) DO NOTHING",
         &[],
     )?;
-    let row = tx.query_one(
-        "SELECT holder, epoch, expires_at > now() AS live,
+    let found = tx.query_one(
+        "SELECT holder, token, epoch, expires_at > now() AS live,
                 GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint
                     AS expires_in_ms
          FROM powerflex_leader WHERE id = 1 FOR UPDATE",
         &[],
     )?;
-    let holder: String = row.get("holder");
-    let epoch: i64 = row.get("epoch");
-    let live: bool = row.get("live");
-    let expires_in_ms: i64 = row.get::<_, Option<i64>>("expires_in_ms").unwrap_or(0);
-    let epoch = u64::try_from(epoch).unwrap_or(0);
-    let answer = if holder == me && claim.renew_epoch == Some(epoch) {
-        tx.execute(
-            "UPDATE powerflex_leader
-             SET expires_at = now() + make_interval(secs => $1::bigint::float8 / 1000.0)
-             WHERE id = 1",
-            &[&ttl_ms],
-        )?;
-        ClaimAnswer::Renewed { epoch }
-    } else if !live || holder == me {
-        // Lapsed, or this controller's own (a restart, or one that stepped down): take
-        // it with a new epoch, and the state the last holder committed.
-        let new_epoch = epoch + 1;
-        let new_epoch_i = i64::try_from(new_epoch).unwrap_or(i64::MAX);
-        tx.execute(
-            "UPDATE powerflex_leader
-             SET holder = $1, epoch = $2,
-                 expires_at = now() + make_interval(secs => $3::bigint::float8 / 1000.0)
-             WHERE id = 1",
-            &[&me, &new_epoch_i, &ttl_ms],
-        )?;
-        let state = tx
-            .query_opt(
-                "SELECT state::text FROM powerflex_ctld_state WHERE id = 1",
-                &[],
-            )?
-            .map(|r| r.get::<_, String>(0));
-        let state = match state {
-            None => None,
-            Some(text) => match serde_json::from_str::<CtldState>(&text) {
-                Ok(s) => Some(Box::new(s)),
+    let row = Row {
+        holder: found.get("holder"),
+        token: found.get("token"),
+        epoch: found.get("epoch"),
+        live: found.get("live"),
+    };
+    let expires_in_ms: i64 = found.get::<_, Option<i64>>("expires_in_ms").unwrap_or(0);
+    let expires_in_ms = u64::try_from(expires_in_ms).unwrap_or(0);
+    let answer = match lease_row::decide(&row, me, claim) {
+        RowAction::Refuse(why) => {
+            tx.rollback()?;
+            return Ok(Err(why));
+        }
+        RowAction::Renew { epoch } => {
+            tx.execute(
+                "UPDATE powerflex_leader
+                 SET expires_at = now() + make_interval(secs => $1::bigint::float8 / 1000.0)
+                 WHERE id = 1",
+                &[&ttl_ms],
+            )?;
+            ClaimAnswer::Renewed { epoch }
+        }
+        RowAction::Take { new_epoch, own } => {
+            // Lapsed, or this process's own (one that stepped down): take it with a new
+            // epoch, and the state the last holder committed.
+            // `decide` takes only epochs the column holds; never saturated.
+            let Ok(new_epoch_i) = i64::try_from(new_epoch) else {
+                tx.rollback()?;
+                return Ok(Err(format!(
+                    "epoch {new_epoch} is beyond what the database holds"
+                )));
+            };
+            tx.execute(
+                "UPDATE powerflex_leader
+                 SET holder = $1, token = $2, epoch = $3,
+                     expires_at = now() + make_interval(secs => $4::bigint::float8 / 1000.0)
+                 WHERE id = 1",
+                &[&me.name, &me.token, &new_epoch_i, &ttl_ms],
+            )?;
+            // Not read whole when it is over the cap.
+            let cap = i32::try_from(MAX_STATE_BYTES).unwrap_or(i32::MAX);
+            let committed = tx
+                .query_opt(
+                    "SELECT octet_length(state::text),
+                            CASE WHEN octet_length(state::text) <= $1 THEN state::text END
+                     FROM powerflex_ctld_state WHERE id = 1",
+                    &[&cap],
+                )?
+                .map(|r| (r.get::<_, i32>(0), r.get::<_, Option<String>>(1)));
+            let read = match committed {
+                None => Ok(None),
+                Some((_, Some(text))) => CtldState::from_json(text.as_bytes(), now).map(Some),
+                Some((bytes, None)) => Err(format!(
+                    "the state is {bytes} bytes; accepted: at most {MAX_STATE_BYTES}"
+                )),
+            };
+            let state = match read {
+                Ok(state) => state.map(Box::new),
+                Err(e) if own => {
+                    // This process committed that row's state (or a newer one it could
+                    // not save): its memory holds what the row should.
+                    warn!(error = %e, "the committed state is unreadable; this controller held leadership last and steers from the state in its memory, which it commits again");
+                    None
+                }
                 Err(e) => {
                     // Taking over with no state would drop the events in force: refuse
                     // leadership rather than steer blind (nothing is committed).
                     tx.rollback()?;
-                    return Ok(ClaimAnswer::HeldBy {
-                        holder: format!("nobody (the committed state is unreadable: {e})"),
-                        epoch,
+                    return Ok(Ok(ClaimAnswer::HeldBy {
+                        holder: format!(
+                            "nobody (the committed state is unreadable: {e}; see docs/admins.md, \"Recovering the leadership database\")"
+                        ),
+                        epoch: u64::try_from(row.epoch).unwrap_or(0),
                         expires_in_ms: 0,
-                    });
+                    }));
                 }
-            },
-        };
-        ClaimAnswer::TookOver {
-            epoch: new_epoch,
-            state,
-            previous_holder: (!holder.is_empty()).then_some(holder),
+            };
+            ClaimAnswer::TookOver {
+                epoch: new_epoch,
+                state,
+                previous_holder: (!row.holder.is_empty()).then_some(row.holder),
+            }
         }
-    } else {
-        ClaimAnswer::HeldBy {
+        RowAction::SameName { epoch } => ClaimAnswer::HeldBy {
+            holder: lease_row::same_name_message(me.name),
+            epoch,
+            expires_in_ms,
+        },
+        RowAction::Held { holder, epoch } => ClaimAnswer::HeldBy {
             holder,
             epoch,
-            expires_in_ms: u64::try_from(expires_in_ms).unwrap_or(0),
-        }
+            expires_in_ms,
+        },
     };
     tx.commit()?;
-    Ok(answer)
+    Ok(Ok(answer))
 }
 
-/// A fenced save: `None` when written, or who holds leadership when it is not this
-/// controller with `epoch` (nothing written).
+/// What a fenced save did.
+enum Saved {
+    Written,
+    /// Queued under an earlier leadership of this same process: not written, and not a
+    /// sign that another controller steers.
+    Stale,
+    /// Leadership is another's (nothing written).
+    Held(ClaimAnswer),
+}
+
+/// A fenced save: written only while the row names this process (name and token) with
+/// `epoch`. `Ok(Err)`: the state cannot be written (why).
 fn save_in(
     client: &mut postgres::Client,
-    me: &str,
+    me: Me<'_>,
     epoch: u64,
     state: &CtldState,
-) -> Result<Option<ClaimAnswer>, postgres::Error> {
-    let epoch_i = i64::try_from(epoch).unwrap_or(i64::MAX);
-    // A CtldState always encodes (maps keyed by strings, finite numbers).
-    let text = serde_json::to_string(state).unwrap_or_else(|_| "{}".into());
+) -> Result<Result<Saved, String>, postgres::Error> {
+    let Ok(epoch_i) = i64::try_from(epoch) else {
+        return Ok(Err(format!(
+            "epoch {epoch} is beyond what the database holds"
+        )));
+    };
+    let text = match serde_json::to_string(state) {
+        Ok(text) => text,
+        Err(e) => return Ok(Err(format!("cannot encode the controller state: {e}"))),
+    };
     let mut tx = client.transaction()?;
     let row = tx.query_opt(
-        "SELECT holder, epoch,
+        "SELECT holder, token, epoch,
                 GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint
          FROM powerflex_leader WHERE id = 1 FOR SHARE",
         &[],
     )?;
     let Some(row) = row else {
         tx.rollback()?;
-        return Ok(Some(ClaimAnswer::HeldBy {
+        return Ok(Ok(Saved::Held(ClaimAnswer::HeldBy {
             holder: String::new(),
             epoch: 0,
             expires_in_ms: 0,
-        }));
+        })));
     };
     let holder: String = row.get(0);
-    let held_epoch: i64 = row.get(1);
-    if holder == me && held_epoch != epoch_i {
-        // A save queued under an earlier leadership of this same controller: stale,
-        // and not a sign that another one steers.
+    let token: String = row.get(1);
+    let held_epoch: i64 = row.get(2);
+    let mine = holder == me.name && token == me.token;
+    if mine && held_epoch != epoch_i {
         tx.rollback()?;
-        return Ok(None);
+        return Ok(Ok(Saved::Stale));
     }
-    if holder != me {
-        let expires_in_ms: i64 = row.get::<_, Option<i64>>(2).unwrap_or(0);
+    if !mine {
+        let expires_in_ms: i64 = row.get::<_, Option<i64>>(3).unwrap_or(0);
         tx.rollback()?;
-        return Ok(Some(ClaimAnswer::HeldBy {
+        let holder = if holder == me.name {
+            lease_row::same_name_message(me.name)
+        } else {
+            holder
+        };
+        return Ok(Ok(Saved::Held(ClaimAnswer::HeldBy {
             holder,
+            // Shown only; a row out of range is refused by the next claim.
             epoch: u64::try_from(held_epoch).unwrap_or(0),
             expires_in_ms: u64::try_from(expires_in_ms).unwrap_or(0),
-        }));
+        })));
     }
     tx.execute(
         "INSERT INTO powerflex_ctld_state (id, epoch, holder, state, saved_at)
          VALUES (1, $1, $2, $3::text::jsonb, now())
          ON CONFLICT (id) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder,
              state = EXCLUDED.state, saved_at = EXCLUDED.saved_at",
-        &[&epoch_i, &me, &text],
+        &[&epoch_i, &me.name, &text],
     )?;
     tx.commit()?;
-    Ok(None)
+    Ok(Ok(Saved::Written))
 }

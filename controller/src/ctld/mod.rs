@@ -50,6 +50,7 @@ use powerflex_proto::link::{Body, GpuInfo, JobReport};
 use powerflex_controller_machine::ctld::leader::{
     Leader, LeaderChange, LeaderInput, LeaderSettings,
 };
+use powerflex_controller_machine::ctld::lease_row::{DbCopy, DbCopyChange};
 
 pub use self::core::{Core, Input, Lease, Output};
 pub use self::state::CtldState;
@@ -126,6 +127,12 @@ pub(crate) enum Inbound {
     Placement(Result<crate::placement::Placement, String>),
     /// The leadership database answered (see [`ha`]).
     Leader(LeaderInput),
+    /// A save of the state to the leadership database under `epoch` was written (`Ok`),
+    /// or failed (see [`ha`]).
+    Saved {
+        epoch: u64,
+        outcome: Result<(), String>,
+    },
     /// An agent refused a lease for its epoch (`Body::Fenced`).
     Fenced {
         node: String,
@@ -224,10 +231,13 @@ pub fn run_on_clock(
     reloads: Receiver<Reload>,
 ) -> Result<(), String> {
     let refusals = Arc::new(bounds::Refusals::default());
-    let loaded = state::load(&options.state_dir);
-    // Under `[controller.ha]` the local file is only where a first leader starts from
-    // when the database holds no state yet; the database's state wins otherwise.
-    let local_state = loaded.state.clone();
+    let loaded = state::load(&options.state_dir, clock.now());
+    // The newest state this process steers from (as loaded, then as last persisted).
+    // Under `[controller.ha]` it is where a first leader starts from when the database
+    // holds no state yet, and what the process that held leadership last steers from
+    // when the database's copy is unreadable; the database's state wins otherwise. It
+    // is also what is sent again while the database's copy is stale.
+    let mut latest = loaded.state.clone();
     let mut core = Core::new(options.settings.clone(), loaded, clock.now());
     let accounting_log = accounting_log(&options.state_dir);
     let mut logged = Vec::new();
@@ -281,6 +291,7 @@ pub fn run_on_clock(
                 .map_err(|e| format!("cannot start the leadership database thread: {e}"))?,
             shown: None,
             stop_within: ha.timeout * 2,
+            copy: DbCopy::default(),
         }),
         None => None,
     };
@@ -379,7 +390,7 @@ pub fn run_on_clock(
                     &core,
                     epoch,
                     state,
-                    &local_state,
+                    &mut latest,
                     &newest_records,
                     clock.now(),
                 );
@@ -387,6 +398,11 @@ pub fn run_on_clock(
             }
             let now = leader_clock.now();
             if let Some(claim) = l.leader.claim_due(now) {
+                // A save that failed is sent again with each claim until one is written
+                // (the database thread runs the claim first).
+                if l.leader.active() && l.copy.resend_with_claim() {
+                    l.db.save(now, l.leader.epoch(), &latest);
+                }
                 l.db.claim(now, claim);
             }
             if let Some(view) = l.view_changed() {
@@ -399,11 +415,12 @@ pub fn run_on_clock(
         let now = clock.now();
         let mut out = core.step(now, std::mem::take(&mut inputs));
         steering.store(core.steering(), Ordering::SeqCst);
-        if let Some(state) = &out.persist {
-            state::save(&options.state_dir, state);
+        if let Some(state) = out.persist.take() {
+            state::save(&options.state_dir, &state);
             if let Some(l) = leadership.as_ref().filter(|l| l.leader.active()) {
-                l.db.save(leader_clock.now(), l.leader.epoch(), state);
+                l.db.save(leader_clock.now(), l.leader.epoch(), &state);
             }
+            latest = state;
         }
         history_board.publish(out.history.take(), out.owners.take());
         for (index, reply) in out.replies {
@@ -556,12 +573,17 @@ pub fn run_on_clock(
                                         &core,
                                         epoch,
                                         state,
-                                        &local_state,
+                                        &mut latest,
                                         &newest_records,
                                         clock.now(),
                                     );
                                     writers.clear();
                                 }
+                            }
+                        }
+                        Inbound::Saved { epoch, outcome } => {
+                            if let Some(l) = &mut leadership {
+                                l.saved(epoch, outcome);
                             }
                         }
                         Inbound::Fenced {
@@ -628,12 +650,24 @@ struct Leadership {
     db: ha::HaDb,
     shown: Option<powerflex_proto::status::LeadershipView>,
     stop_within: Duration,
+    /// Whether the database's copy of the state is behind this controller's.
+    copy: DbCopy,
 }
 
 impl Leadership {
-    /// The view, when it changed since the core last had it.
+    /// The view, when it changed since the core last had it. While active with the
+    /// database's copy of the state stale, its reason says so (status shows it).
     fn view_changed(&mut self) -> Option<powerflex_proto::status::LeadershipView> {
-        let view = self.leader.view();
+        let mut view = self.leader.view();
+        if let Some(why) = self.copy.stale().filter(|_| self.leader.active()) {
+            let stale = format!(
+                "STATE NOT SAVED TO THE DATABASE ({why}): a standby taking over now would miss the latest changes; sent again with each renewal"
+            );
+            view.reason = Some(match view.reason {
+                Some(r) => format!("{r}; {stale}"),
+                None => stale,
+            });
+        }
         if self.shown.as_ref() == Some(&view) {
             return None;
         }
@@ -641,21 +675,55 @@ impl Leadership {
         Some(view)
     }
 
-    /// A new core for leadership `epoch`, from the state the database committed (the
-    /// local file's when it holds none yet: a site's first leader), with the settings
-    /// in force and the newest accounting records. It waits for the agents as after a
-    /// restart (half a lease at most), while their last leases hold their caps.
+    /// A save's outcome: the database's copy is stale after a failure until a save is
+    /// written (each said once in the log).
+    fn saved(&mut self, epoch: u64, outcome: Result<(), String>) {
+        if !self.leader.active() || epoch != self.leader.epoch() {
+            return;
+        }
+        match self.copy.saved(outcome) {
+            DbCopyChange::None => {}
+            DbCopyChange::BecameStale(e) => error!(
+                epoch,
+                error = %e,
+                "cannot save the controller state to the database: its copy is stale (a standby taking over now would miss the latest changes); sending it again with each renewal"
+            ),
+            DbCopyChange::Fresh => {
+                info!(
+                    epoch,
+                    "controller state saved to the database again: its copy is fresh"
+                )
+            }
+        }
+    }
+
+    /// A new core for leadership `epoch`, from the state the database committed (this
+    /// process's newest, `latest`, when it holds none yet, a site's first leader, or
+    /// when this process held leadership last and the database's copy is unreadable),
+    /// checked, with the settings in force and the newest accounting records. It waits
+    /// for the agents as after a restart (half a lease at most), while their last
+    /// leases hold their caps.
     fn take_over(
         &mut self,
         old: &Core,
         epoch: u64,
         state: Option<Box<CtldState>>,
-        local: &CtldState,
+        latest: &mut CtldState,
         records: &[powerflex_proto::usage::JobEnergyRecord],
         now: powerflex_core::UnixMs,
     ) -> Core {
-        let mut state = state.map_or_else(|| local.clone(), |s| *s);
+        let state = state.map_or_else(|| latest.clone(), |s| *s);
+        // The database thread checked what it read and the loader the file; checked
+        // here too, as the one place a takeover's state enters the core.
+        let (mut state, lost) = match state.checked(now) {
+            Ok(state) => (state, false),
+            Err(e) => {
+                error!(epoch, error = %e, "the state to take over with is out of range: not steered from; the grid events and nodes it held are lost");
+                (CtldState::default(), true)
+            }
+        };
         state.epoch = epoch;
+        self.copy.reset();
         info!(
             epoch,
             events = state.events.len(),
@@ -665,11 +733,8 @@ impl Leadership {
         );
         // Committed under the new epoch at once: a save of the old epoch is fenced.
         self.db.save(now, epoch, &state);
-        let mut core = Core::new(
-            old.settings().clone(),
-            state::Loaded { state, lost: false },
-            now,
-        );
+        *latest = state.clone();
+        let mut core = Core::new(old.settings().clone(), state::Loaded { state, lost }, now);
         core.load_records(records.to_vec());
         // Shown again to the new core before its first step.
         self.shown = None;

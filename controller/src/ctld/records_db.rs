@@ -360,8 +360,17 @@ impl Writer {
         if self.client.is_some() {
             return Ok(());
         }
+        // The config refused a password in the URL; the library's reading is checked
+        // too, and the URL is never repeated.
         let mut config = postgres::Config::from_str(&self.options.url)
-            .map_err(|e| format!("controller.database.url: {e}"))?;
+            .map_err(|e| format!("controller.database.url (not shown): {e}"))?;
+        if config.get_password().is_some() {
+            return Err(
+                "controller.database.url carries a password (not shown); accepted: \
+                        a URL without one, the password in controller.database.password_file"
+                    .into(),
+            );
+        }
         if let Some(path) = &self.options.password_file {
             config.password(read_password(path)?);
         }

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use tracing::{error, warn};
 
+use powerflex_core::UnixMs;
 use powerflex_daemon::fsx::{self, AtomicWrite};
 
 pub use powerflex_controller_machine::ctld::state::{CtldState, Loaded};
@@ -14,18 +15,26 @@ pub const STATE_FILE: &str = "ctld-state.json";
 /// The state before the last save: what a restart falls back on when the file is corrupt.
 pub const PREVIOUS_STATE_FILE: &str = "ctld-state.prev.json";
 
-fn read_state(path: &Path) -> Option<Result<CtldState, serde_json::Error>> {
-    std::fs::read(path)
-        .ok()
-        .map(|bytes| serde_json::from_slice(&bytes))
+/// The state in `path` (`None`: no such file), read, parsed and checked
+/// ([`CtldState::from_json`]; a file past its size cap is not read whole).
+fn read_state(path: &Path, now: UnixMs) -> Option<Result<CtldState, String>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).ok()?;
+    let mut bytes = Vec::new();
+    let cap = powerflex_controller_machine::ctld::state::MAX_STATE_BYTES as u64;
+    if let Err(e) = file.take(cap + 1).read_to_end(&mut bytes) {
+        return Some(Err(format!("cannot read it: {e}")));
+    }
+    Some(CtldState::from_json(&bytes, now))
 }
 
 /// The persisted state in `dir`, falling back on the previous copy when the file is
-/// corrupt (the corrupt file is moved aside as `*.json.corrupt`).
-pub fn load(dir: &Path) -> Loaded {
+/// corrupt or fails its check (the file is moved aside as `*.json.corrupt`). Events
+/// over at `now` are dropped.
+pub fn load(dir: &Path, now: UnixMs) -> Loaded {
     let path = dir.join(STATE_FILE);
     let previous = dir.join(PREVIOUS_STATE_FILE);
-    match read_state(&path) {
+    match read_state(&path, now) {
         Some(Ok(state)) => return Loaded { state, lost: false },
         None if !previous.exists() => {
             return Loaded {
@@ -37,10 +46,10 @@ pub fn load(dir: &Path) -> Loaded {
         Some(Err(e)) => {
             let moved = path.with_extension("json.corrupt");
             let _ = std::fs::rename(&path, &moved);
-            error!(path = %path.display(), error = %e, moved = %moved.display(), "controller state corrupt");
+            error!(path = %path.display(), error = %e, moved = %moved.display(), "controller state corrupt or out of range: not steered from");
         }
     }
-    match read_state(&previous) {
+    match read_state(&previous, now) {
         Some(Ok(state)) => {
             warn!(path = %previous.display(), "using the state saved before the last change; the last admin change may be missing");
             Loaded { state, lost: false }
@@ -95,6 +104,8 @@ mod tests {
     use crate::preempt::Preempted;
     use powerflex_core::Watts;
 
+    const NOW: UnixMs = UnixMs(1_800_000_000_000);
+
     fn temp_dir(name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("pf-ctld-state-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -122,7 +133,7 @@ mod tests {
             },
         );
         save(&dir, &state);
-        assert_eq!(load(&dir).state, state);
+        assert_eq!(load(&dir, NOW).state, state);
         let old = r#"{"budget_w":1000.0,"events":[],"next_event_id":0}"#;
         let parsed: CtldState = serde_json::from_str(old).expect("an old state file");
         assert!(parsed.preempted.is_empty());
@@ -133,7 +144,7 @@ mod tests {
     fn no_file_is_a_fresh_start_not_a_loss() {
         let dir = temp_dir("fresh");
         assert_eq!(
-            load(&dir),
+            load(&dir, NOW),
             Loaded {
                 state: CtldState::default(),
                 lost: false
@@ -146,9 +157,9 @@ mod tests {
         let dir = temp_dir("fallback");
         save(&dir, &with_budget(1000.0));
         save(&dir, &with_budget(2000.0));
-        assert_eq!(load(&dir).state, with_budget(2000.0));
+        assert_eq!(load(&dir, NOW).state, with_budget(2000.0));
         std::fs::write(dir.join(STATE_FILE), b"{ not json").expect("corrupt");
-        let loaded = load(&dir);
+        let loaded = load(&dir, NOW);
         assert_eq!(
             loaded.state,
             with_budget(1000.0),
@@ -169,7 +180,7 @@ mod tests {
         save(&dir, &with_budget(2000.0));
         std::fs::write(dir.join(STATE_FILE), b"garbage").expect("corrupt");
         std::fs::write(dir.join(PREVIOUS_STATE_FILE), b"garbage").expect("corrupt");
-        let loaded = load(&dir);
+        let loaded = load(&dir, NOW);
         assert!(loaded.lost);
         assert_eq!(loaded.state, CtldState::default());
         let _ = std::fs::remove_dir_all(&dir);

@@ -23,7 +23,7 @@ pub use super::history::HISTORY;
 use super::metrics::{EnergyTotals, MetricsSnapshot};
 use super::owners::{self, OwnerMap, Owners};
 pub use super::session::Session;
-use super::state::{CtldState, Loaded};
+use super::state::{CtldState, Loaded, MAX_BUDGET_W};
 use super::{annotate, learning, status, CtldSettings, SettingsReload};
 use crate::placement::{bound_gpu_power, Placement, RefusedBecause};
 use crate::preempt::{self, Action};
@@ -1048,9 +1048,11 @@ impl Core {
                 }
             }
             AdminOp::BudgetSet { budget_w, domain } => {
-                if !(budget_w.is_finite() && budget_w > 0.0) {
+                // Within what a committed state may hold (`CtldState::checked`): a budget
+                // set here must load again after a restart or a takeover.
+                if !(budget_w.is_finite() && budget_w > 0.0 && budget_w <= MAX_BUDGET_W) {
                     return AdminReply::error(format!(
-                        "budget must be a positive power (got {budget_w} W)"
+                        "budget must be a positive power of at most {MAX_BUDGET_W} W (got {budget_w} W)"
                     ));
                 }
                 match domain {

@@ -25,6 +25,7 @@ pub mod core;
 pub mod history;
 pub mod leader;
 pub mod learning;
+pub mod lease_row;
 pub mod metrics;
 pub mod owners;
 pub mod session;

@@ -5,15 +5,29 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use powerflex_core::Watts;
-use powerflex_proto::report::GpuInfo;
+use powerflex_core::domains::{
+    MAX_DOMAINS, MAX_DOMAIN_LIMIT_W, MAX_DOMAIN_NAME_BYTES, MAX_NODES_IN_ALL,
+};
+use powerflex_core::{UnixMs, Watts};
+use powerflex_proto::event::{check_new_event, MAX_PENDING_EVENTS};
+use powerflex_proto::link::valid_node_name;
+use powerflex_proto::report::{validate_gpus, GpuInfo};
 
 use crate::preempt::Preempted;
 use crate::schedule::Event;
 
+/// The longest committed state accepted, bytes (the state file, or the leadership
+/// database's row): a site of 10,000 nodes of 8 GPUs writes a few MB.
+pub const MAX_STATE_BYTES: usize = 64 << 20;
+/// The highest budget a committed state (or `budget set`) may hold, W: the highest limit
+/// a power domain may have, far above any facility's GPUs (1 GW).
+pub const MAX_BUDGET_W: f64 = MAX_DOMAIN_LIMIT_W;
+/// The most held (suspended or requeued) jobs a committed state may name: one per job
+/// of the largest site.
+pub const MAX_PREEMPTED_JOBS: usize = MAX_NODES_IN_ALL;
+
 /// What survives a restart.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct CtldState {
     /// Budget set with `powerflexctl budget set`, overriding the site config's.
     pub budget_w: Option<Watts>,
@@ -41,6 +55,140 @@ pub struct CtldState {
     pub epoch: u64,
 }
 
+impl CtldState {
+    /// A committed state read from `text` (the state file, or the leadership database's
+    /// row), once checked: at most [`MAX_STATE_BYTES`], then parsed, then
+    /// [`CtldState::checked`]. The error names the field and what is accepted.
+    ///
+    /// Fields this build does not know (written by a newer controller) are ignored: a
+    /// newer controller adds fields with defaults, so an older standby can still take
+    /// over in a rolling upgrade. An event's fields stay strict: an event this build
+    /// cannot read whole is refused rather than applied differently.
+    pub fn from_json(text: &[u8], now: UnixMs) -> Result<CtldState, String> {
+        if text.len() > MAX_STATE_BYTES {
+            return Err(format!(
+                "the state is {} bytes; accepted: at most {MAX_STATE_BYTES}",
+                text.len()
+            ));
+        }
+        let state: CtldState =
+            serde_json::from_slice(text).map_err(|e| format!("not a controller state: {e}"))?;
+        state.checked(now)
+    }
+
+    /// This state, if it can be steered from: events that have ended at `now` dropped
+    /// (the first allocation would drop them), then every value within what the
+    /// controller itself would accept (`budget set`, `event add`, an agent's hello):
+    /// - `budget_w`: finite, above 0 W, at most [`MAX_BUDGET_W`];
+    /// - `domain_budgets_w`: at most [`MAX_DOMAINS`] domain names of 1 to
+    ///   [`MAX_DOMAIN_NAME_BYTES`] bytes, each finite, above 0 W, at most
+    ///   [`MAX_DOMAIN_LIMIT_W`] (the controller holds a domain to its configured limit
+    ///   when it allocates);
+    /// - `events`: at most [`MAX_PENDING_EVENTS`], each one `event add` accepts, ids
+    ///   distinct and at most `next_event_id`;
+    /// - `nodes`: at most [`MAX_NODES_IN_ALL`], each a valid node name with GPUs an
+    ///   agent's hello may announce;
+    /// - `preempted`: at most [`MAX_PREEMPTED_JOBS`] job ids of 1 to 64 printable bytes;
+    /// - `epoch`: at most `i64::MAX` (what the database holds).
+    ///
+    /// The error names the field and the accepted range.
+    pub fn checked(mut self, now: UnixMs) -> Result<CtldState, String> {
+        if let Some(Watts(w)) = self.budget_w {
+            if !(w.is_finite() && w > 0.0 && w <= MAX_BUDGET_W) {
+                return Err(format!(
+                    "budget_w = {w} W is out of range; accepted: above 0 W, at most {MAX_BUDGET_W} W"
+                ));
+            }
+        }
+        if self.domain_budgets_w.len() > MAX_DOMAINS {
+            return Err(format!(
+                "domain_budgets_w names {} domains; accepted: at most {MAX_DOMAINS}",
+                self.domain_budgets_w.len()
+            ));
+        }
+        for (name, Watts(w)) in &self.domain_budgets_w {
+            if name.is_empty() || name.len() > MAX_DOMAIN_NAME_BYTES {
+                return Err(format!(
+                    "domain_budgets_w: a domain name of {} bytes; accepted: 1 to {MAX_DOMAIN_NAME_BYTES}",
+                    name.len()
+                ));
+            }
+            if !(w.is_finite() && *w > 0.0 && *w <= MAX_DOMAIN_LIMIT_W) {
+                return Err(format!(
+                    "domain_budgets_w.\"{}\" = {w} W is out of range; accepted: above 0 W, at most {MAX_DOMAIN_LIMIT_W} W",
+                    name.escape_default()
+                ));
+            }
+        }
+        self.events.retain(|e| e.pending(now.ms()));
+        if self.events.len() > MAX_PENDING_EVENTS {
+            return Err(format!(
+                "events holds {} events not yet over; accepted: at most {MAX_PENDING_EVENTS}",
+                self.events.len()
+            ));
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for e in &self.events {
+            check_new_event(&e.cut, e.start_ms, e.duration_ms, e.ramp_ms)
+                .map_err(|why| format!("events: event {}: {why}", e.id))?;
+            if e.id == 0 || e.id > self.next_event_id || !ids.insert(e.id) {
+                return Err(format!(
+                    "events: event id {} is out of range; accepted: ids from 1 to next_event_id ({}), each once",
+                    e.id, self.next_event_id
+                ));
+            }
+            if let Some(d) = &e.domain {
+                if d.is_empty() || d.len() > MAX_DOMAIN_NAME_BYTES {
+                    return Err(format!(
+                        "events: event {}: a domain name of {} bytes; accepted: 1 to {MAX_DOMAIN_NAME_BYTES}",
+                        e.id,
+                        d.len()
+                    ));
+                }
+            }
+        }
+        if self.nodes.len() > MAX_NODES_IN_ALL {
+            return Err(format!(
+                "nodes names {} nodes; accepted: at most {MAX_NODES_IN_ALL}",
+                self.nodes.len()
+            ));
+        }
+        for (node, gpus) in &self.nodes {
+            if !valid_node_name(node) {
+                return Err(format!(
+                    "nodes: \"{}\" is not a node name; accepted: 1 to 64 ASCII letters, digits, '.', '_' or '-'",
+                    node.chars().take(80).collect::<String>().escape_default()
+                ));
+            }
+            validate_gpus(gpus).map_err(|e| format!("nodes.{node}: {e}"))?;
+        }
+        if self.preempted.len() > MAX_PREEMPTED_JOBS {
+            return Err(format!(
+                "preempted names {} jobs; accepted: at most {MAX_PREEMPTED_JOBS}",
+                self.preempted.len()
+            ));
+        }
+        if let Some(job) = self
+            .preempted
+            .keys()
+            .find(|j| j.is_empty() || j.len() > 64 || !j.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            return Err(format!(
+                "preempted: \"{}\" is not a job id; accepted: 1 to 64 printable ASCII bytes",
+                job.chars().take(80).collect::<String>().escape_default()
+            ));
+        }
+        if i64::try_from(self.epoch).is_err() {
+            return Err(format!(
+                "epoch = {} is out of range; accepted: 0 to {}",
+                self.epoch,
+                i64::MAX
+            ));
+        }
+        Ok(self)
+    }
+}
+
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
@@ -52,4 +200,146 @@ pub struct Loaded {
     /// The state was corrupt with no usable previous copy: the nodes and events it held
     /// are unknown.
     pub lost: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use powerflex_proto::event::Cut;
+
+    const NOW: UnixMs = UnixMs(1_800_000_000_000);
+
+    fn event(id: u64) -> Event {
+        Event {
+            id,
+            cut: Cut::Reduce { fraction: 0.3 },
+            start_ms: NOW.ms(),
+            duration_ms: 3_600_000,
+            ramp_ms: 0,
+            domain: None,
+        }
+    }
+
+    fn refused(state: CtldState, says: &str) {
+        let why = state.clone().checked(NOW).expect_err(says);
+        assert!(why.contains(says), "{why} should say {says}");
+        // (JSON has no NaN nor infinity: those are written as null, which is no budget.)
+        let text = serde_json::to_string(&state).expect("encodes");
+        if !text.contains("null") {
+            assert!(
+                CtldState::from_json(text.as_bytes(), NOW).is_err(),
+                "{says}"
+            );
+        }
+    }
+
+    /// Review 22, finding 3: a committed state (database row or file) is steered from
+    /// only once its values are within what the controller itself accepts.
+    #[test]
+    fn a_hostile_committed_state_is_refused_naming_the_field_and_range() {
+        let hostile = br#"{"budget_w":1e308,"events":[],"next_event_id":0,"domain_budgets_w":{"rack-b":1e308}}"#;
+        let why = CtldState::from_json(hostile, NOW).expect_err("1e308 W");
+        assert!(
+            why.contains("budget_w") && why.contains("at most 1000000000 W"),
+            "{why}"
+        );
+        for w in [-5.0, 0.0, f64::NAN, f64::INFINITY, 2e9] {
+            refused(
+                CtldState {
+                    budget_w: Some(Watts(w)),
+                    ..CtldState::default()
+                },
+                "budget_w",
+            );
+            refused(
+                CtldState {
+                    domain_budgets_w: [("rack-b".to_string(), Watts(w))].into_iter().collect(),
+                    ..CtldState::default()
+                },
+                "domain_budgets_w.\"rack-b\"",
+            );
+        }
+        refused(
+            CtldState {
+                events: (1..=MAX_PENDING_EVENTS as u64 + 1).map(event).collect(),
+                next_event_id: MAX_PENDING_EVENTS as u64 + 1,
+                ..CtldState::default()
+            },
+            "at most 256",
+        );
+        let mut bad = event(1);
+        bad.cut = Cut::Reduce { fraction: 7.0 };
+        refused(
+            CtldState {
+                events: vec![bad],
+                next_event_id: 1,
+                ..CtldState::default()
+            },
+            "a fraction from 0 to 1",
+        );
+        refused(
+            CtldState {
+                events: vec![event(1), event(1)],
+                next_event_id: 1,
+                ..CtldState::default()
+            },
+            "each once",
+        );
+        refused(
+            CtldState {
+                nodes: [("a],b".to_string(), Vec::new())].into_iter().collect(),
+                ..CtldState::default()
+            },
+            "not a node name",
+        );
+        refused(
+            CtldState {
+                preempted: [(
+                    "x".repeat(65),
+                    Preempted {
+                        how: powerflex_core::flex::Preempt::Suspend,
+                        since_ms: 0,
+                    },
+                )]
+                .into_iter()
+                .collect(),
+                ..CtldState::default()
+            },
+            "not a job id",
+        );
+        let huge = vec![b' '; MAX_STATE_BYTES + 1];
+        let why = CtldState::from_json(&huge, NOW).expect_err("too big");
+        assert!(why.contains("at most"), "{why}");
+        // What the controller writes itself loads; ended events are dropped.
+        let mut ended = event(1);
+        ended.start_ms = NOW.ms() - 7_200_000;
+        let fine = CtldState {
+            budget_w: Some(Watts(120_000.0)),
+            events: vec![ended, event(2)],
+            next_event_id: 2,
+            domain_budgets_w: [("rack-b".to_string(), Watts(9_000.0))]
+                .into_iter()
+                .collect(),
+            epoch: 3,
+            ..CtldState::default()
+        };
+        let loaded = fine.clone().checked(NOW).expect("in range");
+        assert_eq!(loaded.events, vec![event(2)]);
+        assert_eq!(loaded.budget_w, fine.budget_w);
+    }
+
+    /// Review 22, finding 8: a state written by a newer controller (a field this build
+    /// does not know) still loads, so an older standby can take over in a rolling
+    /// upgrade; an event this build cannot read whole is still refused.
+    #[test]
+    fn a_newer_controller_s_extra_fields_are_ignored_but_not_an_event_s() {
+        let newer = br#"{"budget_w":1000.0,"events":[],"next_event_id":0,"something_new":{"a":1}}"#;
+        let state = CtldState::from_json(newer, NOW).expect("a newer controller's state");
+        assert_eq!(state.budget_w, Some(Watts(1000.0)));
+        let strange_event = format!(
+            r#"{{"events":[{{"id":1,"cut":{{"reduce":{{"fraction":0.3}}}},"start_ms":{},"duration_ms":3600000,"ramp_ms":0,"how":"new"}}],"next_event_id":1}}"#,
+            NOW.ms()
+        );
+        assert!(CtldState::from_json(strange_event.as_bytes(), NOW).is_err());
+    }
 }
