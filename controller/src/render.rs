@@ -643,6 +643,25 @@ pub fn render_status(s: &CtldStatus) -> String {
     if let Some(l) = &s.leadership {
         out.push_str(&leadership_line(l));
     }
+    if !s.refused_by.is_empty() {
+        let nodes: Vec<String> = s
+            .refused_by
+            .iter()
+            .take(8)
+            .map(|(node, epoch)| format!("{node} (epoch {epoch})"))
+            .collect();
+        let more = s.refused_by.len().saturating_sub(nodes.len());
+        out.push_str(&format!(
+            "REFUSED BY {} node(s) that follow a controller of a later epoch; this controller steers them no more: {}{}\n",
+            s.refused_by.len(),
+            nodes.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        ));
+    }
     let refused: Vec<String> = s
         .nodes
         .iter()
@@ -805,6 +824,7 @@ mod tests {
             accounting_db: None,
             domains: Vec::new(),
             leadership: None,
+            refused_by: Default::default(),
         }
     }
 

@@ -9,7 +9,9 @@
 //! The daemons' edges read `now` through the [`Clock`] trait and hand it to their
 //! machines as a [`UnixMs`]: [`WallClock`] follows the wall clock (the controller: grid
 //! events are set in wall time), [`SteadyClock`] is anchored to it once and then counts a
-//! monotonic clock (the agent: an NTP step must not expire or stretch a lease). The site
+//! monotonic clock (the agent: an NTP step must not expire or stretch a lease), and
+//! [`BootClock`] counts the time since boot, suspend included (the controller's
+//! leadership deadlines). The site
 //! harness gives the machines a fake one instead.
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -55,6 +57,40 @@ impl Clock for SteadyClock {
     }
 }
 
+/// The wall clock read once, then the time since boot (`CLOCK_BOOTTIME`): like
+/// [`SteadyClock`] it never steps with the wall clock, and unlike it it counts the time
+/// the host spent suspended. For deadlines that must pass while a host sleeps (a
+/// controller's leadership: its row lapses on the database's clock meanwhile).
+#[derive(Debug, Clone, Copy)]
+pub struct BootClock {
+    anchor_wall: UnixMs,
+    anchor_boot_ms: u64,
+}
+
+impl BootClock {
+    pub fn start() -> BootClock {
+        BootClock {
+            anchor_wall: UnixMs(unix_ms()),
+            anchor_boot_ms: boot_ms(),
+        }
+    }
+}
+
+impl Clock for BootClock {
+    fn now(&self) -> UnixMs {
+        self.anchor_wall
+            .plus_ms(boot_ms().saturating_sub(self.anchor_boot_ms))
+    }
+}
+
+/// Milliseconds since boot, suspend included (`CLOCK_BOOTTIME`).
+fn boot_ms() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    let secs = u64::try_from(t.tv_sec).unwrap_or(0);
+    let ms = u64::try_from(t.tv_nsec).unwrap_or(0) / 1_000_000;
+    secs.saturating_mul(1_000).saturating_add(ms)
+}
+
 /// Now, in ms since the Unix epoch (0 if the clock is before it; saturating far after).
 pub fn unix_ms() -> u64 {
     SystemTime::now()
@@ -74,6 +110,17 @@ mod tests {
         let b = unix_ms();
         assert!(a > PROJECT_BEGAN_MS, "{a}");
         assert!(b >= a.saturating_sub(1_000), "{a} then {b}");
+    }
+
+    #[test]
+    fn the_boot_clock_starts_at_the_wall_clock_and_never_goes_back() {
+        let wall = WallClock.now();
+        let boot = BootClock::start();
+        let first = boot.now();
+        assert!(first.ms_since(wall) < 1_000, "{wall} then {first}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let second = boot.now();
+        assert!(second.ms_since(first) >= 20, "{first} then {second}");
     }
 
     #[test]

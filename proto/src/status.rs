@@ -87,6 +87,10 @@ pub struct CtldStatus {
     /// controller that steers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leadership: Option<LeadershipView>,
+    /// Nodes whose agents refused this controller's leases because they follow a
+    /// controller of a later epoch, with that epoch: this controller steers them no more.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub refused_by: std::collections::BTreeMap<String, u64>,
 }
 
 /// One power domain as the controller sees it now.

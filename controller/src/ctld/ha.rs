@@ -216,6 +216,9 @@ impl Worker {
                 let token = self.token.clone();
                 let answer = self
                     .with_client(|c, name, ttl| {
+                        // The committed state's events are in wall time: checked against
+                        // the wall clock, never against `sent` (the leader's monotonic
+                        // stamp, which a wall-clock step leaves behind or ahead).
                         claim_in(
                             c,
                             Me {
@@ -224,7 +227,7 @@ impl Worker {
                             },
                             ttl,
                             claim,
-                            sent,
+                            UnixMs(crate::ctld::unix_ms()),
                         )
                     })
                     .and_then(|a| a);
@@ -355,7 +358,7 @@ fn claim_in(
     me: Me<'_>,
     ttl: Duration,
     claim: Claim,
-    now: UnixMs,
+    wall_now: UnixMs,
 ) -> Result<Result<ClaimAnswer, String>, postgres::Error> {
     let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
     let mut tx = client.transaction()?;
@@ -423,7 +426,7 @@ fn claim_in(
                 .map(|r| (r.get::<_, i32>(0), r.get::<_, Option<String>>(1)));
             let read = match committed {
                 None => Ok(None),
-                Some((_, Some(text))) => CtldState::from_json(text.as_bytes(), now).map(Some),
+                Some((_, Some(text))) => CtldState::from_json(text.as_bytes(), wall_now).map(Some),
                 Some((bytes, None)) => Err(format!(
                     "the state is {bytes} bytes; accepted: at most {MAX_STATE_BYTES}"
                 )),

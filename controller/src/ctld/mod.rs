@@ -101,7 +101,7 @@ fn settings_reload(in_force: &CtldOptions, reload: Reload) -> SettingsReload {
 }
 
 pub(crate) use powerflex_daemon::clock::unix_ms;
-use powerflex_daemon::clock::{Clock, SteadyClock, WallClock};
+use powerflex_daemon::clock::{BootClock, Clock, WallClock};
 
 /// What the link and admin threads hand the loop.
 pub(crate) enum Inbound {
@@ -274,12 +274,14 @@ pub fn run_on_clock(
     let (tx, rx) = bounded::<Inbound>(4096);
     // Whether the core steers: the link sends agents on while it does not.
     let steering = Arc::new(AtomicBool::new(options.ha.is_none()));
-    // Leadership's deadlines count on a monotonic clock: on the wall clock, a step back
-    // would stop the renewals and the step-down deadline both, while the row lapsed on
-    // the database's clock and the standby took over (two controllers steering).
-    let leader_clock = SteadyClock::start();
+    // Leadership's deadlines count on the time since boot: on the wall clock, a step
+    // back would stop the renewals and the step-down deadline both, while the row lapsed
+    // on the database's clock and the standby took over (two controllers steering); a
+    // monotonic clock that stops in a suspend would keep a resumed leader leasing.
+    let leader_clock = BootClock::start();
     let mut leadership = match &options.ha {
         Some(ha) => Some(Leadership {
+            clock: leader_clock,
             leader: Leader::new(
                 LeaderSettings {
                     name: ha.name.clone(),
@@ -647,6 +649,8 @@ pub fn run_on_clock(
 /// last shown to the core.
 struct Leadership {
     leader: Leader,
+    /// The leader's clock: every claim and save it sends is stamped with it.
+    clock: BootClock,
     db: ha::HaDb,
     shown: Option<powerflex_proto::status::LeadershipView>,
     stop_within: Duration,
@@ -732,7 +736,7 @@ impl Leadership {
             "steering from the committed state"
         );
         // Committed under the new epoch at once: a save of the old epoch is fenced.
-        self.db.save(now, epoch, &state);
+        self.db.save(self.clock.now(), epoch, &state);
         *latest = state.clone();
         let mut core = Core::new(old.settings().clone(), state::Loaded { state, lost }, now);
         core.load_records(records.to_vec());

@@ -102,7 +102,8 @@ pub enum Input {
     Leadership(LeadershipView),
     /// An agent refused this controller's lease for its epoch: a controller of a later
     /// epoch steers it. This one stops leasing that node (fenced by it); the rest of the
-    /// site it goes on steering, as one node's word must not stop a site.
+    /// site it goes on steering, as one node's word must not stop a site, unless it is a
+    /// single controller that most of its nodes refuse (see `Core::fenced`).
     Fenced {
         node: String,
         lease_epoch: u64,
@@ -341,12 +342,16 @@ impl Core {
     /// An agent refused a lease for its epoch. Only a refusal of this controller's own
     /// epoch by a later one counts (a refusal of an older lease still in flight from
     /// before a takeover says nothing about this one), and it fences this controller for
-    /// that node only: a node's agent can always refuse its own leases, so its word
-    /// stops this controller leasing it and nothing else. A controller that every node
-    /// refuses steers nothing, and says so (`status`: FENCED). Under `[controller.ha]`
-    /// the edge also asks the database at once whether this controller still leads.
+    /// that node: it leases the node no more and counts it as silent. One node's word
+    /// stops nothing else (its root can refuse its own leases anyway).
+    ///
+    /// A single controller (no `[controller.ha]`) has no database to ask: once more
+    /// than half of the nodes it knows refuse it, a controller of a later epoch steers
+    /// the site and this one is a stale one (a rogue), and it stops steering entirely
+    /// (FENCED), so it steers no node without an epoch memory either. Under
+    /// `[controller.ha]` the leader row decides: the edge asks the database at once.
     /// Returns whether the node is newly fenced.
-    fn fenced(&mut self, node: &str, lease_epoch: u64, accepted_epoch: u64) -> bool {
+    fn fenced(&mut self, node: &str, lease_epoch: u64, accepted_epoch: u64, now_ms: u64) -> bool {
         let epoch = self.state.epoch;
         if lease_epoch != epoch || accepted_epoch <= epoch {
             debug!(
@@ -371,39 +376,34 @@ impl Core {
             accepted_epoch,
             "fenced: an agent follows a controller of a later epoch; this controller stops steering that node"
         );
-        true
-    }
-
-    /// The leadership `status` shows: under `[controller.ha]` the leader's view; and,
-    /// for any controller, FENCED once every node it knows has refused it for its epoch.
-    fn shown_leadership(&self, now_ms: u64) -> Option<LeadershipView> {
-        let refused_by_all = !self.fenced_by.is_empty()
-            && self
-                .sessions
-                .iter()
-                .filter(|(_, s)| s.view.live)
-                .all(|(node, _)| self.fenced_by.contains_key(node));
-        if !refused_by_all {
-            return self.leadership.clone();
+        let known = self.sessions.len().max(self.fenced_by.len());
+        if self.leadership.is_none() && 2 * self.fenced_by.len() > known {
+            let highest = self
+                .fenced_by
+                .values()
+                .copied()
+                .max()
+                .unwrap_or(accepted_epoch);
+            error!(
+                epoch,
+                refused_by = self.fenced_by.len(),
+                known,
+                highest_epoch = highest,
+                "fenced: most nodes follow a controller of a later epoch; this controller stops steering"
+            );
+            self.leadership = Some(LeadershipView {
+                role: LeadershipRole::Fenced,
+                name: None,
+                epoch,
+                holder: None,
+                reason: Some(format!(
+                    "{} of the {known} nodes it knows follow a controller of a later epoch (up to {highest}) than this one's {epoch}",
+                    self.fenced_by.len()
+                )),
+                since_unix_ms: now_ms,
+            });
         }
-        let (node, accepted) = self
-            .fenced_by
-            .iter()
-            .max_by_key(|(_, &e)| e)
-            .map(|(n, &e)| (n.clone(), e))
-            .unwrap_or_default();
-        Some(LeadershipView {
-            role: LeadershipRole::Fenced,
-            name: self.leadership.as_ref().and_then(|l| l.name.clone()),
-            epoch: self.state.epoch,
-            holder: None,
-            reason: Some(format!(
-                "every node it knows refuses its epoch {}: node {node} follows epoch {accepted} ({} node(s) in all)",
-                self.state.epoch,
-                self.fenced_by.len()
-            )),
-            since_unix_ms: self.leadership.as_ref().map_or(now_ms, |l| l.since_unix_ms),
-        })
+        true
     }
 
     /// Records read back from the accounting log at start: answered by `accounting`,
@@ -424,7 +424,13 @@ impl Core {
         let steered = self.steering();
         for (index, input) in inputs.into_iter().enumerate() {
             match input {
-                Input::Hello { node, gpus } => self.hello(node, gpus, now_ms),
+                Input::Hello { node, gpus } => {
+                    // A node that refused this controller is sent on again at once.
+                    if self.fenced_by.contains_key(&node) {
+                        out.send_on.push(node.clone());
+                    }
+                    self.hello(node, gpus, now_ms);
+                }
                 Input::Report {
                     node,
                     jobs,
@@ -457,7 +463,14 @@ impl Core {
                 Input::AccountingDb(view) => self.accounting_db = Some(view),
                 Input::Leadership(view) => {
                     let was = self.steering();
-                    self.leadership = Some(view);
+                    // Fenced stays fenced (a single controller most nodes refused).
+                    if !self
+                        .leadership
+                        .as_ref()
+                        .is_some_and(|l| l.role == LeadershipRole::Fenced)
+                    {
+                        self.leadership = Some(view);
+                    }
                     if !was && self.steering() {
                         self.allocate_now = true;
                     }
@@ -467,7 +480,7 @@ impl Core {
                     lease_epoch,
                     accepted_epoch,
                 } => {
-                    if self.fenced(&node, lease_epoch, accepted_epoch) {
+                    if self.fenced(&node, lease_epoch, accepted_epoch, now_ms) {
                         out.send_on.push(node);
                     }
                 }
@@ -645,7 +658,8 @@ impl Core {
                 now_ms,
             );
         }
-        status.leadership = self.shown_leadership(now_ms);
+        status.leadership.clone_from(&self.leadership);
+        status.refused_by = self.fenced_by.clone();
         status
     }
 
@@ -1485,7 +1499,10 @@ impl Core {
             .values()
             .map(|s| {
                 let mut view = s.view.clone();
-                view.live &= !stalled.contains(&view.node);
+                // A node that refused this controller's epoch is steered by another: it
+                // is paid for as a silent node, at the most it may draw.
+                view.live &=
+                    !stalled.contains(&view.node) && !self.fenced_by.contains_key(&view.node);
                 view
             })
             .collect();
@@ -2964,12 +2981,13 @@ mod tests {
     }
 
     /// Issue 22: an agent's refusal of this controller's epoch fences it for that node:
-    /// no lease goes to it again, and the edge sends it on. The rest of the site it goes
-    /// on steering (one node's word must not stop a site: review finding), and only once
-    /// every node it knows refuses it does `status` say FENCED. A refusal of another
-    /// epoch fences nothing.
+    /// no lease goes to it again, it is sent on (now and when it says hello again), and
+    /// it is paid for as a silent node. One node's word stops nothing else (review
+    /// finding). A single controller that more than half of the nodes it knows refuse
+    /// is a stale one: it stops steering entirely (FENCED), so a node without an epoch
+    /// memory is not steered by it either. A refusal of another epoch fences nothing.
     #[test]
-    fn a_refusal_of_this_controller_s_epoch_fences_it_for_that_node_only() {
+    fn a_refusal_fences_a_controller_for_that_node_and_most_nodes_fence_a_single_one() {
         let state = CtldState {
             epoch: 2,
             ..CtldState::default()
@@ -2982,10 +3000,12 @@ mod tests {
                 report("n1", vec![job("101", None)]),
                 hello("n2"),
                 report("n2", vec![job("102", None)]),
+                hello("n3"),
+                report("n3", vec![job("103", None)]),
             ],
         );
         assert_eq!(out.epoch, 2);
-        assert!(out.leases.contains_key("n1") && out.leases.contains_key("n2"));
+        assert_eq!(out.leases.len(), 3, "{out:?}");
         let fenced = |node: &str, lease_epoch, accepted_epoch| Input::Fenced {
             node: node.into(),
             lease_epoch,
@@ -2997,27 +3017,54 @@ mod tests {
             vec![fenced("n1", 1, 2), fenced("n1", 2, 2), Input::Tick],
         );
         assert!(out.send_on.is_empty() && out.leases.contains_key("n1"));
-        // n1 follows epoch 3: it is sent on and leased no more; n2 is steered as before.
+        // n1 follows epoch 3: sent on, leased no more, paid for as silent; n2 and n3 are
+        // steered as before.
         let out = core.step(UnixMs(T0 + 2), vec![fenced("n1", 2, 3), Input::Tick]);
-        assert!(core.steering());
-        assert!(!out.stopped_steering);
+        assert!(core.steering() && !out.stopped_steering);
         assert_eq!(out.send_on, ["n1"]);
         assert!(!out.leases.contains_key("n1"), "{out:?}");
-        assert!(out.leases.contains_key("n2"), "{out:?}");
+        assert!(out.leases.contains_key("n2") && out.leases.contains_key("n3"));
         let status = core.status(UnixMs(T0 + 2));
-        assert!(status.leadership.is_none(), "one node of two: {status:?}");
-        // The same refusal again sends nothing new.
+        assert!(status.leadership.is_none(), "one node of three: {status:?}");
+        assert_eq!(status.refused_by.get("n1"), Some(&3));
+        let decision = core.last.as_ref().expect("allocated");
+        assert!(
+            decision
+                .allocation
+                .as_ref()
+                .is_some_and(|a| a.jobs.iter().all(|j| j.id != "101")),
+            "n1's job is not steered by this controller"
+        );
+        // The same refusal again sends nothing new; its hello again sends it on again.
         let out = core.step(UnixMs(T0 + 3), vec![fenced("n1", 2, 3), Input::Tick]);
         assert!(out.send_on.is_empty() && !out.leases.contains_key("n1"));
-        // n2 too: every node it knows refuses it, and status says so.
-        let out = core.step(UnixMs(T0 + 4), vec![fenced("n2", 2, 4), Input::Tick]);
-        assert!(out.leases.is_empty(), "{out:?}");
-        let l = core.status(UnixMs(T0 + 4)).leadership.expect("shown");
+        let out = core.step(UnixMs(T0 + 4), vec![hello("n1")]);
+        assert_eq!(out.send_on, ["n1"]);
+        // n2 too: two of the three nodes it knows follow a later controller, so this
+        // single controller is a stale one and stops steering every node.
+        let out = core.step(UnixMs(T0 + 5), vec![fenced("n2", 2, 4), Input::Tick]);
+        assert!(!core.steering());
+        assert!(out.stopped_steering && out.leases.is_empty(), "{out:?}");
+        let l = core.status(UnixMs(T0 + 5)).leadership.expect("shown");
         assert_eq!((l.role, l.epoch), (LeadershipRole::Fenced, 2));
-        assert!(l.reason.is_some_and(|r| r.contains("epoch 4")));
-        // An admin change is still taken (no other controller is known to steer).
+        assert!(
+            l.reason
+                .as_deref()
+                .is_some_and(|r| r.contains("2 of the 3 nodes") && r.contains("up to 4")),
+            "{l:?}"
+        );
+        // A node without an epoch memory is not steered by it, and no change is taken.
         let out = core.step(
-            UnixMs(T0 + 5),
+            UnixMs(T0 + 6),
+            vec![
+                hello("n4"),
+                report("n4", vec![job("104", None)]),
+                Input::Tick,
+            ],
+        );
+        assert!(out.leases.is_empty(), "{out:?}");
+        let out = core.step(
+            UnixMs(T0 + 7),
             vec![admin(
                 AdminOp::BudgetSet {
                     budget_w: 9_000.0,
@@ -3026,7 +3073,46 @@ mod tests {
                 0,
             )],
         );
-        assert!(reply(&out).ok);
+        assert!(!reply(&out).ok);
+    }
+
+    /// Under `[controller.ha]` the leader row, not the agents, says who leads: every
+    /// node refusing the active controller fences it node by node (the edge asks the
+    /// database at once), and never stands it by on its own.
+    #[test]
+    fn under_ha_refusals_fence_node_by_node_and_never_stand_the_leader_by() {
+        let state = CtldState {
+            epoch: 2,
+            ..CtldState::default()
+        };
+        let mut core = Core::new(options(), Loaded { state, lost: false }, UnixMs(T0));
+        core.step(
+            UnixMs(T0),
+            vec![
+                leadership(LeadershipRole::Active, 2, None),
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+            ],
+        );
+        let fenced = |node: &str| Input::Fenced {
+            node: node.into(),
+            lease_epoch: 2,
+            accepted_epoch: 3,
+        };
+        let out = core.step(
+            UnixMs(T0 + 1),
+            vec![fenced("n1"), fenced("n2"), Input::Tick],
+        );
+        assert!(core.steering() && !out.stopped_steering);
+        assert!(out.leases.is_empty(), "{out:?}");
+        let status = core.status(UnixMs(T0 + 1));
+        assert_eq!(
+            status.leadership.map(|l| l.role),
+            Some(LeadershipRole::Active)
+        );
+        assert_eq!(status.refused_by.len(), 2);
     }
 
     #[test]

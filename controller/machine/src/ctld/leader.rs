@@ -171,13 +171,18 @@ impl Leader {
         if self.in_flight.is_some() {
             return None;
         }
-        let due = std::mem::take(&mut self.claim_now)
+        let early = self.claim_now
+            && self
+                .last_sent
+                .is_none_or(|t| now.ms() >= t.ms() + EARLY_CLAIM_GAP_MS);
+        let due = early
             || self
                 .last_sent
                 .is_none_or(|t| now.ms() >= t.ms() + self.settings.claim_every_ms());
         if !due {
             return None;
         }
+        self.claim_now = false;
         self.in_flight = Some(now);
         self.last_sent = Some(now);
         Some(Claim {
@@ -187,12 +192,12 @@ impl Leader {
 
     /// When the machine next needs a turn (a claim due, or the step-down deadline).
     pub fn next_due(&self) -> UnixMs {
-        let claim = if self.claim_now {
-            0
+        let every = if self.claim_now {
+            EARLY_CLAIM_GAP_MS
         } else {
-            self.last_sent
-                .map_or(0, |t| t.ms() + self.settings.claim_every_ms())
+            self.settings.claim_every_ms()
         };
+        let claim = self.last_sent.map_or(0, |t| t.ms() + every);
         let deadline = self
             .renewed_sent
             .filter(|_| self.active())
@@ -213,16 +218,11 @@ impl Leader {
                 lease_epoch,
                 accepted_epoch,
             } => {
-                // At most one early claim a second: a node that repeats its refusal
-                // (falsely, or a flood) must not keep the database busy.
-                let asked_lately = self
-                    .last_sent
-                    .is_some_and(|t| now.ms() < t.ms() + EARLY_CLAIM_GAP_MS);
-                if self.active()
-                    && lease_epoch == self.epoch
-                    && accepted_epoch > self.epoch
-                    && !asked_lately
-                {
+                // The claim goes a second after the last at the earliest (see
+                // `claim_due`): a node that repeats its refusal (falsely, or a flood)
+                // must not keep the database busy, and one just after a claim is not
+                // dropped but deferred.
+                if self.active() && lease_epoch == self.epoch && accepted_epoch > self.epoch {
                     warn!(
                         epoch = self.epoch,
                         accepted_epoch,
@@ -520,7 +520,11 @@ mod tests {
         assert_eq!(l.claim_due(UnixMs(T0 + 1_102)), None, "nothing to ask yet");
         assert_eq!(l.step(UnixMs(T0 + 1_103), fenced(5, 6)), LeaderChange::None);
         assert!(l.active(), "one node's word does not step it down");
-        assert_eq!(l.next_due(), UnixMs(0));
+        assert_eq!(
+            l.next_due(),
+            UnixMs(T0 + 1_000),
+            "a second after the last claim"
+        );
         assert_eq!(
             l.claim_due(UnixMs(T0 + 1_104)),
             Some(Claim {
@@ -537,23 +541,27 @@ mod tests {
             LeaderChange::None
         );
         assert!(l.active());
-        // The same refusal again within a second asks nothing more.
+        // The same refusal again within a second asks at most one a second: deferred
+        // to a second after the last claim, not dropped.
         l.step(UnixMs(T0 + 1_200), fenced(5, 6));
         assert_eq!(
             l.claim_due(UnixMs(T0 + 1_201)),
             None,
             "at most one a second"
         );
+        assert_eq!(l.next_due(), UnixMs(T0 + 2_104));
+        assert!(
+            l.claim_due(UnixMs(T0 + 2_104)).is_some(),
+            "deferred, not dropped"
+        );
         // Another took over: the answer says so and it stands by.
-        l.step(UnixMs(T0 + 2_200), fenced(5, 6));
-        assert!(l.claim_due(UnixMs(T0 + 2_201)).is_some());
         let held = Ok(ClaimAnswer::HeldBy {
             holder: "ctld-b".into(),
             epoch: 6,
             expires_in_ms: 6_000,
         });
         assert_eq!(
-            l.step(UnixMs(T0 + 2_205), answer(T0 + 2_201, held)),
+            l.step(UnixMs(T0 + 2_110), answer(T0 + 2_104, held)),
             LeaderChange::StoppedSteering
         );
         assert!(!l.active());

@@ -335,6 +335,7 @@ mod tests {
                 accounting_db: None,
                 domains: Vec::new(),
                 leadership: None,
+                refused_by: Default::default(),
             }),
             ..AdminReply::ok()
         }

@@ -123,6 +123,7 @@ pub fn build(
         accounting_db: None,
         domains: Vec::new(),
         leadership: None,
+        refused_by: Default::default(),
     }
 }
 
