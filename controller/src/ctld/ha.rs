@@ -29,7 +29,7 @@
 //!   that row, so a takeover (which locks it for update) reads either the state before
 //!   the save or after it, never a save from a controller that lost leadership.
 //!
-//! Each save's outcome goes back to the loop ([`Inbound::Saved`]): a failed one leaves
+//! Each save's outcome goes back to the loop (`Inbound::Saved`): a failed one leaves
 //! the database's copy stale, and the loop sends the newest state again with each claim
 //! until one is written. A committed state is read with a size cap and checked
 //! ([`CtldState::from_json`]) before it is steered from; one that fails is refused like
