@@ -21,6 +21,7 @@
 //!   job in turn). Requeued jobs are released once no cut is in force or ahead: their
 //!   draw is unknown until they run again.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -267,17 +268,25 @@ pub fn plan(
     let decide_with =
         |now_held: &BTreeMap<String, Preempted>, budget: Watts, settings: &SiteSettings| {
             let resumed = |id: &str| held.contains_key(id) && !now_held.contains_key(id);
-            let views: Vec<NodeView> = nodes
-                .iter()
-                .map(|n| {
-                    let mut n = n.clone();
-                    for j in n.jobs.iter_mut().filter(|j| resumed(&j.job_id)) {
-                        j.power_w = None;
-                        j.power_cap_steady_s = Some(0.0);
-                    }
-                    n
-                })
-                .collect();
+            // Most decisions give nothing back: the nodes are then read as they are, not
+            // copied (a copy of every report is a tenth of a step at 80,000 jobs).
+            let views: Cow<[NodeView]> = if held.keys().any(|id| resumed(id)) {
+                Cow::Owned(
+                    nodes
+                        .iter()
+                        .map(|n| {
+                            let mut n = n.clone();
+                            for j in n.jobs.iter_mut().filter(|j| resumed(&j.job_id)) {
+                                j.power_w = None;
+                                j.power_cap_steady_s = Some(0.0);
+                            }
+                            n
+                        })
+                        .collect(),
+                )
+            } else {
+                Cow::Borrowed(nodes)
+            };
             decide_steady(
                 &views,
                 budget,
