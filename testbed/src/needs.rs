@@ -30,6 +30,9 @@ pub enum Need {
     File(&'static str),
     /// A module `python3` can import, e.g. `pynvml` (PyPI `nvidia-ml-py`).
     PythonModule(&'static str),
+    /// The test bed's PostgreSQL 16 (`crate::pg`: pgserver's binaries in the cache and
+    /// the unprivileged user it runs as, made here when root).
+    Postgres,
 }
 
 /// The programs [`Need::Slurm`] stands for: what `crate::slurm` starts and runs.
@@ -106,6 +109,13 @@ pub fn missing(needs: &[Need], machine: &Machine) -> Vec<String> {
             Need::PythonModule(module) => {
                 if !machine.python_imports(module) {
                     reasons.push(format!("needs python3 with the module {module}"));
+                }
+            }
+            Need::Postgres => {
+                if let Err(e) = crate::pg::available() {
+                    reasons.push(format!(
+                        "needs PostgreSQL (scripts/test.sh installs it): {e}"
+                    ));
                 }
             }
         }
