@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use powerflex_core::config::{expand_node, SiteConfig};
 use powerflex_core::flex::{parse_power_flex, Service, TierTable};
+use powerflex_core::slurm_record::valid_node_name;
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 
 /// Default agent socket (as in the site config's default).
@@ -348,6 +349,8 @@ pub fn on_step_start(
         })
         .unwrap_or_default();
     let node = api.node();
+    // It stands for `%n` in the agent's socket path: a Slurm node name, never a path (no
+    // `/`), whatever the environment it was read from held.
     if !valid_node_name(&node) {
         api.log_error(&format!(
             "node name {node:?} is not a Slurm node name (1 to 64 of A-Z a-z 0-9 . _ -); job runs unmanaged"
@@ -419,12 +422,6 @@ pub fn slurm_gpu_var(step_id: u32) -> &'static str {
         BATCH_STEP | INTERACTIVE_STEP => "SLURM_JOB_GPUS",
         _ => "SLURM_STEP_GPUS",
     }
-}
-
-/// Whether `name` may stand for `%n` in the agent's socket path: a Slurm node name,
-/// never a path (no `/`), whatever the environment it was read from held.
-pub fn valid_node_name(name: &str) -> bool {
-    powerflex_core::slurm_record::valid_node_name(name)
 }
 
 /// Whether a step should be registered at all: managed service, GPUs, not the extern step.
