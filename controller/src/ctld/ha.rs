@@ -37,7 +37,6 @@
 //! the state in its memory (the state it committed, or newer).
 
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
@@ -306,36 +305,23 @@ impl Worker {
     }
 
     fn connect(&self) -> Result<postgres::Client, String> {
-        // The config refused a password in the URL; the library's own reading of it is
-        // checked too, and the URL is never repeated (it would be, were one there).
-        let mut config = postgres::Config::from_str(&self.options.url)
-            .map_err(|e| format!("controller.ha.url (not shown): {e}"))?;
-        if config.get_password().is_some() {
-            return Err(
-                "controller.ha.url carries a password (not shown); accepted: a URL \
-                        without one, the password in controller.ha.password_file"
-                    .into(),
-            );
-        }
-        if let Some(path) = &self.options.password_file {
-            config.password(super::records_db::read_password(path)?);
-        }
-        let timeout_ms = self.options.timeout.as_millis();
-        let session = format!("-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}");
+        let mut config = super::records_db::client_config(
+            "controller.ha",
+            &self.options.url,
+            self.options.password_file.as_deref(),
+            self.options.timeout,
+            "powerflex-ctld-ha",
+        )?;
         // A partition (no reset) must fail a claim within the timeout rather than
         // after TCP's retransmissions (many minutes), or this controller could not
         // compete again until then: data unacknowledged that long, or a peer silent to
         // three keepalives, ends the connection. (A server that is alive but stuck is
         // not bounded here; the machine's deadline bounds what that costs.)
         config
-            .connect_timeout(self.options.timeout)
             .tcp_user_timeout(self.options.timeout)
-            .keepalives(true)
             .keepalives_idle(self.options.timeout)
             .keepalives_interval(Duration::from_secs(1))
-            .keepalives_retries(3)
-            .application_name("powerflex-ctld-ha")
-            .options(&session);
+            .keepalives_retries(3);
         let mut client = config
             .connect(postgres::NoTls)
             .map_err(|e| format!("cannot connect to the leadership database: {e}"))?;

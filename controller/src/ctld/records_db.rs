@@ -360,28 +360,13 @@ impl Writer {
         if self.client.is_some() {
             return Ok(());
         }
-        // The config refused a password in the URL; the library's reading is checked
-        // too, and the URL is never repeated.
-        let mut config = postgres::Config::from_str(&self.options.url)
-            .map_err(|e| format!("controller.database.url (not shown): {e}"))?;
-        if config.get_password().is_some() {
-            return Err(
-                "controller.database.url carries a password (not shown); accepted: \
-                        a URL without one, the password in controller.database.password_file"
-                    .into(),
-            );
-        }
-        if let Some(path) = &self.options.password_file {
-            config.password(read_password(path)?);
-        }
-        let timeout_ms = self.options.timeout.as_millis();
-        let session = format!("-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}");
-        config
-            .connect_timeout(self.options.timeout)
-            .keepalives(true)
-            .application_name("powerflex-ctld")
-            // No statement (or lock wait) holds the writer longer than the timeout.
-            .options(&session);
+        let config = client_config(
+            "controller.database",
+            &self.options.url,
+            self.options.password_file.as_deref(),
+            self.options.timeout,
+            "powerflex-ctld",
+        )?;
         let mut client = config
             .connect(postgres::NoTls)
             .map_err(|e| format!("cannot connect to the accounting database: {e}"))?;
@@ -467,19 +452,55 @@ impl Writer {
 }
 
 /// The password file's first line; refused unless only its owner may read it.
-pub(crate) fn read_password(path: &std::path::Path) -> Result<String, String> {
+/// The client settings for the database a config section names (`section`:
+/// `controller.database` or `controller.ha`): its URL as the client library reads it
+/// (the config refused a password in it; the library's reading is checked too, and the
+/// URL is never repeated), the password from `{section}.password_file`, and every
+/// statement and lock wait bounded by `timeout`.
+pub(crate) fn client_config(
+    section: &str,
+    url: &str,
+    password_file: Option<&std::path::Path>,
+    timeout: Duration,
+    application: &str,
+) -> Result<postgres::Config, String> {
+    let mut config =
+        postgres::Config::from_str(url).map_err(|e| format!("{section}.url (not shown): {e}"))?;
+    if config.get_password().is_some() {
+        return Err(format!(
+            "{section}.url carries a password (not shown); accepted: a URL without one, \
+             the password in {section}.password_file"
+        ));
+    }
+    if let Some(path) = password_file {
+        config.password(read_password(section, path)?);
+    }
+    let timeout_ms = timeout.as_millis();
+    let session = format!("-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}");
+    config
+        .connect_timeout(timeout)
+        .keepalives(true)
+        .application_name(application)
+        // No statement (or lock wait) holds the connection longer than the timeout.
+        .options(&session);
+    Ok(config)
+}
+
+/// The first line of `{section}.password_file`, refused unless only its owner can read
+/// it.
+fn read_password(section: &str, path: &std::path::Path) -> Result<String, String> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(path)
-        .map_err(|e| format!("controller.database.password_file {}: {e}", path.display()))?;
+        .map_err(|e| format!("{section}.password_file {}: {e}", path.display()))?;
     if meta.mode() & 0o077 != 0 {
         return Err(format!(
-            "controller.database.password_file {} is readable by others (mode {:o}); accepted: owner only (chmod 600)",
+            "{section}.password_file {} is readable by others (mode {:o}); accepted: owner only (chmod 600)",
             path.display(),
             meta.mode() & 0o777
         ));
     }
     let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("controller.database.password_file {}: {e}", path.display()))?;
+        .map_err(|e| format!("{section}.password_file {}: {e}", path.display()))?;
     Ok(text.lines().next().unwrap_or("").to_string())
 }
 
@@ -661,10 +682,13 @@ mod tests {
         let file = dir.join("pw");
         std::fs::write(&file, "s3cret\nignored\n").expect("write");
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-        let e = read_password(&file).expect_err("0644 refused");
+        let e = read_password("controller.database", &file).expect_err("0644 refused");
         assert!(e.contains("chmod 600") && !e.contains("s3cret"), "{e}");
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-        assert_eq!(read_password(&file).as_deref(), Ok("s3cret"));
+        assert_eq!(
+            read_password("controller.database", &file).as_deref(),
+            Ok("s3cret")
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
