@@ -385,20 +385,17 @@ pub fn run_on_clock(
     let mut waiting: Vec<Option<Sender<AdminReply>>> = Vec::new();
     while !shutdown.load(Ordering::SeqCst) {
         if let Some(l) = &mut leadership {
-            if let LeaderChange::BecameActive { epoch, state, .. } =
-                l.leader.step(leader_clock.now(), LeaderInput::Tick)
-            {
-                core = l.take_over(
-                    &core,
-                    epoch,
-                    state,
-                    &mut latest,
-                    &newest_records,
-                    clock.now(),
-                );
+            if let Some(new) = l.step(
+                LeaderInput::Tick,
+                &core,
+                &mut latest,
+                &newest_records,
+                clock.now(),
+            ) {
+                core = new;
                 writers.clear();
             }
-            let now = leader_clock.now();
+            let now = l.clock.now();
             if let Some(claim) = l.leader.claim_due(now) {
                 // A save that failed is sent again with each claim until one is written
                 // (the database thread runs the claim first).
@@ -420,7 +417,7 @@ pub fn run_on_clock(
         if let Some(state) = out.persist.take() {
             state::save(&options.state_dir, &state);
             if let Some(l) = leadership.as_ref().filter(|l| l.leader.active()) {
-                l.db.save(leader_clock.now(), l.leader.epoch(), &state);
+                l.db.save(l.clock.now(), l.leader.epoch(), &state);
             }
             latest = state;
         }
@@ -568,17 +565,14 @@ pub fn run_on_clock(
                         }
                         Inbound::Leader(input) => {
                             if let Some(l) = &mut leadership {
-                                if let LeaderChange::BecameActive { epoch, state, .. } =
-                                    l.leader.step(leader_clock.now(), input)
-                                {
-                                    core = l.take_over(
-                                        &core,
-                                        epoch,
-                                        state,
-                                        &mut latest,
-                                        &newest_records,
-                                        clock.now(),
-                                    );
+                                if let Some(new) = l.step(
+                                    input,
+                                    &core,
+                                    &mut latest,
+                                    &newest_records,
+                                    clock.now(),
+                                ) {
+                                    core = new;
                                     writers.clear();
                                 }
                             }
@@ -595,7 +589,7 @@ pub fn run_on_clock(
                         } => {
                             if let Some(l) = &mut leadership {
                                 l.leader.step(
-                                    leader_clock.now(),
+                                    l.clock.now(),
                                     LeaderInput::Fenced {
                                         lease_epoch,
                                         accepted_epoch,
@@ -677,6 +671,24 @@ impl Leadership {
         }
         self.shown = Some(view.clone());
         Some(view)
+    }
+
+    /// One input to the leadership machine, on its clock; when it makes this controller
+    /// the active one, the core for the new epoch (see [`Leadership::take_over`]).
+    fn step(
+        &mut self,
+        input: LeaderInput,
+        old: &Core,
+        latest: &mut CtldState,
+        records: &[powerflex_proto::usage::JobEnergyRecord],
+        now: powerflex_core::UnixMs,
+    ) -> Option<Core> {
+        match self.leader.step(self.clock.now(), input) {
+            LeaderChange::BecameActive { epoch, state, .. } => {
+                Some(self.take_over(old, epoch, state, latest, records, now))
+            }
+            _ => None,
+        }
     }
 
     /// A save's outcome: the database's copy is stale after a failure until a save is

@@ -171,14 +171,8 @@ impl Leader {
         if self.in_flight.is_some() {
             return None;
         }
-        let early = self.claim_now
-            && self
-                .last_sent
-                .is_none_or(|t| now.ms() >= t.ms() + EARLY_CLAIM_GAP_MS);
-        let due = early
-            || self
-                .last_sent
-                .is_none_or(|t| now.ms() >= t.ms() + self.settings.claim_every_ms());
+        let gap_ms = self.claim_gap_ms();
+        let due = self.last_sent.is_none_or(|t| now.ms() >= t.ms() + gap_ms);
         if !due {
             return None;
         }
@@ -190,14 +184,20 @@ impl Leader {
         })
     }
 
+    /// Least time from the last claim to the next: a third of the TTL, or a second when
+    /// an agent's refusal asks for one early.
+    fn claim_gap_ms(&self) -> u64 {
+        let every = self.settings.claim_every_ms();
+        if self.claim_now {
+            every.min(EARLY_CLAIM_GAP_MS)
+        } else {
+            every
+        }
+    }
+
     /// When the machine next needs a turn (a claim due, or the step-down deadline).
     pub fn next_due(&self) -> UnixMs {
-        let every = if self.claim_now {
-            EARLY_CLAIM_GAP_MS
-        } else {
-            self.settings.claim_every_ms()
-        };
-        let claim = self.last_sent.map_or(0, |t| t.ms() + every);
+        let claim = self.last_sent.map_or(0, |t| t.ms() + self.claim_gap_ms());
         let deadline = self
             .renewed_sent
             .filter(|_| self.active())
