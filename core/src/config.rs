@@ -799,28 +799,9 @@ pub fn url_has_password(rest: &str) -> bool {
     // The parser takes each key up to its `=` and decodes it: a decoded key of
     // `password` leaves `password=` in the decoded text (which also refuses a value that
     // merely mentions one, a price worth paying).
-    percent_decode_lossy(query).contains("password=")
-}
-
-/// `text` with each `%XX` decoded (invalid escapes kept as they are; invalid UTF-8
-/// replaced).
-fn percent_decode_lossy(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode_str(query)
+        .decode_utf8_lossy()
+        .contains("password=")
 }
 
 /// Where the controller learns which jobs run where (see `controller.job_placement`).
