@@ -83,13 +83,7 @@ impl ProgressReport {
         if report.v != VERSION {
             return Err(ProtoError::Version(report.v));
         }
-        let id_ok = !report.job_id.is_empty()
-            && report.job_id.len() <= 64
-            && report
-                .job_id
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
-        if !id_ok {
+        if !valid_job_id(&report.job_id) {
             return Err(ProtoError::BadJobId);
         }
         Ok(report)
@@ -248,7 +242,9 @@ impl ControlReply {
     }
 }
 
-pub(crate) fn valid_id(id: &str) -> bool {
+/// Whether `id` can name a job (or a step) anywhere powerflex takes one: 1 to 64 ASCII
+/// letters, digits, `_` or `.` (Slurm's job ids, array jobs included).
+pub fn valid_job_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
         && id
@@ -286,14 +282,14 @@ impl ControlRequest {
                 flex,
                 ..
             } => {
-                valid_id(job_id)
-                    && valid_id(step_id)
+                valid_job_id(job_id)
+                    && valid_job_id(step_id)
                     && gpus.len() <= 1024
                     && node.len() <= 256
                     && flex.len() <= MAX_LINE_BYTES
             }
-            ControlOp::EndStep { job_id, step_id } => valid_id(job_id) && valid_id(step_id),
-            ControlOp::EndJob { job_id } => valid_id(job_id),
+            ControlOp::EndStep { job_id, step_id } => valid_job_id(job_id) && valid_job_id(step_id),
+            ControlOp::EndJob { job_id } => valid_job_id(job_id),
             ControlOp::Status => true,
         };
         if !ids_ok {

@@ -223,7 +223,7 @@ pub fn validate_acks(finals: &[FinalRef]) -> Result<(), ProtoError> {
             ),
         ));
     }
-    if finals.iter().any(|f| !crate::valid_id(&f.job_id)) {
+    if finals.iter().any(|f| !crate::valid_job_id(&f.job_id)) {
         return Err(ProtoError::BadJobId);
     }
     Ok(())
@@ -321,7 +321,7 @@ impl JobReport {
     /// points. A report that fails is left out of the allocation; the rest of the node's
     /// jobs and every other node are still allocated.
     pub fn validate(&self, node_gpus: &[GpuInfo]) -> Result<(), ProtoError> {
-        if !crate::valid_id(&self.job_id) {
+        if !crate::valid_job_id(&self.job_id) {
             return Err(ProtoError::BadJobId);
         }
         let job = |f: &str| format!("job {} {f}", self.job_id);

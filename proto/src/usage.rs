@@ -270,7 +270,7 @@ impl NodeUsage {
     /// [`MAX_SHARE_TEXT_BYTES`]. Sums over shares saturate, so no value can overflow
     /// them.
     pub fn validate(&self) -> Result<(), crate::ProtoError> {
-        if !crate::valid_id(&self.job_id) {
+        if !crate::valid_job_id(&self.job_id) {
             return Err(crate::ProtoError::BadJobId);
         }
         let field = |f: &str| format!("share of job {} {f}", self.job_id);

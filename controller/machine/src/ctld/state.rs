@@ -88,7 +88,7 @@ impl CtldState {
     ///   distinct and at most `next_event_id`;
     /// - `nodes`: at most [`MAX_NODES_IN_ALL`], each a valid node name with GPUs an
     ///   agent's hello may announce;
-    /// - `preempted`: at most [`MAX_PREEMPTED_JOBS`] job ids of 1 to 64 printable bytes;
+    /// - `preempted`: at most [`MAX_PREEMPTED_JOBS`] job ids the link accepts;
     /// - `epoch`: at most `i64::MAX` (what the database holds).
     ///
     /// The error names the field and the accepted range.
@@ -171,10 +171,10 @@ impl CtldState {
         if let Some(job) = self
             .preempted
             .keys()
-            .find(|j| j.is_empty() || j.len() > 64 || !j.bytes().all(|b| b.is_ascii_graphic()))
+            .find(|j| !powerflex_proto::valid_job_id(j))
         {
             return Err(format!(
-                "preempted: \"{}\" is not a job id; accepted: 1 to 64 printable ASCII bytes",
+                "preempted: \"{}\" is not a job id; accepted: 1 to 64 ASCII letters, digits, '_' or '.'",
                 job.chars().take(80).collect::<String>().escape_default()
             ));
         }
