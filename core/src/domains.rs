@@ -267,6 +267,11 @@ impl DomainTree {
         self.by_name.get(name).copied()
     }
 
+    /// How many nodes the leaves place (every node of a site that declares domains).
+    pub fn node_count(&self) -> usize {
+        self.leaf_of.len()
+    }
+
     /// The leaf `node` belongs to; none for a node the config places nowhere.
     pub fn leaf_of(&self, node: &str) -> Option<usize> {
         self.leaf_of.get(node).copied()

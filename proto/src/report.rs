@@ -266,7 +266,8 @@ fn check_range(
 
 impl GpuInfo {
     /// Checks that the GPU's limits can be true: finite, `0 < min_w <= default_w <=
-    /// max_w <= MAX_GPU_POWER_W`, a UUID of 1-128 printable characters.
+    /// max_w <= MAX_GPU_POWER_W`, a UUID of 1-128 printable characters, a name of at most
+    /// 256 bytes without control characters.
     pub fn validate(&self) -> Result<(), ProtoError> {
         if self.uuid.is_empty()
             || self.uuid.len() > 128
@@ -276,6 +277,11 @@ impl GpuInfo {
         }
         if self.name.len() > 256 {
             return Err(invalid("gpu name", "longer than 256 bytes"));
+        }
+        // NVML's names are printable; a control character (NUL above all, which
+        // PostgreSQL's jsonb refuses) would make the state that keeps it unsavable.
+        if self.name.chars().any(char::is_control) {
+            return Err(invalid("gpu name", "holds a control character"));
         }
         let field = |f: &str| format!("gpu {} {f}", self.uuid);
         check_range(

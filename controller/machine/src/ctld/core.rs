@@ -13,7 +13,7 @@ use tracing::{debug, error, info, warn};
 
 use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::admin::{AdminOp, AdminReply, Refusal};
-use powerflex_proto::report::{GpuInfo, JobReport};
+use powerflex_proto::report::{validate_gpus, GpuInfo, JobReport};
 use powerflex_proto::status::{
     CtldStatus, CurveSnapshot, HistorySample, LeadershipRole, LeadershipView,
 };
@@ -346,7 +346,8 @@ impl Core {
     /// stops nothing else (its root can refuse its own leases anyway).
     ///
     /// A single controller (no `[controller.ha]`) has no database to ask: once more
-    /// than half of the nodes it knows refuse it, a controller of a later epoch steers
+    /// than half of the nodes it knows (connected, in Slurm's placement, or placed by
+    /// the domains) refuse it, a controller of a later epoch steers
     /// the site and this one is a stale one (a rogue), and it stops steering entirely
     /// (FENCED), so it steers no node without an epoch memory either. Under
     /// `[controller.ha]` the leader row decides: the edge asks the database at once.
@@ -376,7 +377,23 @@ impl Core {
             accepted_epoch,
             "fenced: an agent follows a controller of a later epoch; this controller stops steering that node"
         );
-        let known = self.sessions.len().max(self.fenced_by.len());
+        // Every node the controller knows of, not only those connected: Slurm's GPU
+        // nodes and the nodes the domains place count too, so a lone node's refusal
+        // (its root can forge one) while few have connected fences no site.
+        let known = self
+            .sessions
+            .len()
+            .max(self.fenced_by.len())
+            .max(self.placement.as_ref().map_or(0, |p| {
+                p.node_gpus.values().filter(|&&gpus| gpus > 0).count()
+            }))
+            .max(
+                self.options
+                    .site
+                    .domains
+                    .as_ref()
+                    .map_or(0, |d| d.tree.node_count()),
+            );
         if self.leadership.is_none() && 2 * self.fenced_by.len() > known {
             let highest = self
                 .fenced_by
@@ -769,7 +786,12 @@ impl Core {
             .ne(jobs.iter().map(|j| &j.job_id));
         s.view.jobs = jobs;
         s.view.gpus = gpus.clone();
-        if !unverified && self.state.nodes.get(node) != Some(&gpus) {
+        // Only a list the committed state's own check accepts is kept: one it refuses
+        // would make the whole state unloadable at the next start or takeover (every
+        // event and budget with it). The node is still paid for (the allocation counts
+        // a node whose GPUs fail that check as silent, at the most it may draw).
+        if !unverified && self.state.nodes.get(node) != Some(&gpus) && validate_gpus(&gpus).is_ok()
+        {
             self.state.nodes.insert(node.to_string(), gpus);
             self.dirty = true;
         }
@@ -3079,6 +3101,84 @@ mod tests {
     /// Under `[controller.ha]` the leader row, not the agents, says who leads: every
     /// node refusing the active controller fences it node by node (the edge asks the
     /// database at once), and never stands it by on its own.
+    /// Adversarial review: the nodes a single controller knows include those the
+    /// domains place (and Slurm's GPU nodes), not only those connected, so one node's
+    /// forged refusal while it is the only one connected fences that node alone.
+    #[test]
+    fn one_node_refusing_first_fences_no_site_whose_domains_place_more() {
+        use powerflex_core::domains::{DomainTree, RawDomain};
+        let tree = DomainTree::build(&[RawDomain {
+            name: "rack-a".into(),
+            parent: None,
+            gpu_limit_w: 100_000.0,
+            nodes: Some("n[1-4]".into()),
+        }])
+        .expect("valid");
+        let mut o = options();
+        o.site.domains = crate::site::SiteDomains::configured(&tree);
+        let mut core = Core::new(o, Loaded::default(), UnixMs(T0));
+        core.step(
+            UnixMs(T0),
+            vec![hello("n1"), report("n1", vec![job("101", None)])],
+        );
+        let out = core.step(
+            UnixMs(T0 + 1),
+            vec![
+                Input::Fenced {
+                    node: "n1".into(),
+                    lease_epoch: 0,
+                    accepted_epoch: 1,
+                },
+                Input::Tick,
+            ],
+        );
+        assert_eq!(out.send_on, ["n1"]);
+        assert!(core.steering(), "1 of the 4 nodes the domains place");
+        assert!(core.status(UnixMs(T0 + 1)).leadership.is_none());
+        let out = core.step(
+            UnixMs(T0 + 2),
+            vec![
+                hello("n2"),
+                report("n2", vec![job("102", None)]),
+                Input::Tick,
+            ],
+        );
+        assert!(out.leases.contains_key("n2"), "{out:?}");
+    }
+
+    /// Adversarial review: a hello whose GPUs the committed state's check refuses is not
+    /// kept in the state (the next start would refuse the whole state, events and
+    /// budgets with it); the node is still paid for, as a silent one.
+    #[test]
+    fn a_hello_the_state_check_refuses_is_not_kept() {
+        let mut core = Core::new(options(), Loaded::default(), UnixMs(T0));
+        let mut bad = gpus(2);
+        bad[1].name = "NVIDIA\u{0}H200".into();
+        let out = core.step(
+            UnixMs(T0),
+            vec![
+                hello("n1"),
+                report("n1", vec![job("101", None)]),
+                Input::Hello {
+                    node: "n2".into(),
+                    gpus: bad,
+                },
+                Input::Tick,
+            ],
+        );
+        assert!(core.state.nodes.contains_key("n1"));
+        assert!(
+            !core.state.nodes.contains_key("n2"),
+            "{:?}",
+            core.state.nodes
+        );
+        let persisted = out.persist.expect("n1 kept");
+        let text = serde_json::to_vec(&persisted).expect("encodes");
+        assert!(CtldState::from_json(&text, UnixMs(T0)).is_ok());
+        let decision = core.last.as_ref().expect("allocated");
+        assert!(decision.reserved_w >= 2.0 * 700.0, "{decision:?}");
+    }
+
     #[test]
     fn under_ha_refusals_fence_node_by_node_and_never_stand_the_leader_by() {
         let state = CtldState {
