@@ -181,6 +181,9 @@ struct Worker {
     /// The last claim found a live row of this name held by another process (logged
     /// once until that changes).
     same_name: bool,
+    /// The last save this process tried failed: the database's copy of the state is
+    /// behind the one in this process's memory until a save is written.
+    copy_behind: bool,
 }
 
 impl Worker {
@@ -191,6 +194,7 @@ impl Worker {
             to_loop,
             client: None,
             same_name: false,
+            copy_behind: false,
         }
     }
 
@@ -212,20 +216,18 @@ impl Worker {
                 }
             }
             for (sent, claim) in claims {
-                let token = self.token.clone();
+                let memory_newer = self.copy_behind;
                 let answer = self
-                    .with_client(|c, name, ttl| {
+                    .with_client(|c, me, ttl| {
                         // The committed state's events are in wall time: checked against
                         // the wall clock, never against `sent` (the leader's monotonic
                         // stamp, which a wall-clock step leaves behind or ahead).
                         claim_in(
                             c,
-                            Me {
-                                name,
-                                token: &token,
-                            },
+                            me,
                             ttl,
                             claim,
+                            memory_newer,
                             UnixMs(crate::ctld::unix_ms()),
                         )
                     })
@@ -234,28 +236,23 @@ impl Worker {
                 self.answer(sent, answer);
             }
             if let Some((sent, epoch, state)) = save {
-                let token = self.token.clone();
                 let outcome = self
-                    .with_client(|c, name, _| {
-                        save_in(
-                            c,
-                            Me {
-                                name,
-                                token: &token,
-                            },
-                            epoch,
-                            &state,
-                        )
-                    })
+                    .with_client(|c, me, _| save_in(c, me, epoch, &state))
                     .and_then(|o| o);
                 match outcome {
-                    Ok(Saved::Written) => self.saved(epoch, Ok(())),
+                    Ok(Saved::Written) => {
+                        self.copy_behind = false;
+                        self.saved(epoch, Ok(()));
+                    }
                     // Queued under an earlier leadership of this same process: stale.
                     Ok(Saved::Stale) => {}
                     // The fence refused the save: leadership moved on. The machine
                     // hears who holds it as it would from a claim.
                     Ok(Saved::Held(held)) => self.answer(sent, Ok(held)),
-                    Err(e) => self.saved(epoch, Err(e)),
+                    Err(e) => {
+                        self.copy_behind = true;
+                        self.saved(epoch, Err(e));
+                    }
                 }
             }
         }
@@ -289,13 +286,17 @@ impl Worker {
     /// connection, so the next request connects afresh.
     fn with_client<T>(
         &mut self,
-        f: impl FnOnce(&mut postgres::Client, &str, Duration) -> Result<T, postgres::Error>,
+        f: impl FnOnce(&mut postgres::Client, Me<'_>, Duration) -> Result<T, postgres::Error>,
     ) -> Result<T, String> {
         if self.client.is_none() {
             self.client = Some(self.connect()?);
         }
         let client = self.client.as_mut().ok_or("no connection")?;
-        match f(client, &self.options.name, self.options.leader_ttl) {
+        let me = Me {
+            name: &self.options.name,
+            token: &self.token,
+        };
+        match f(client, me, self.options.leader_ttl) {
             Ok(t) => Ok(t),
             Err(e) => {
                 self.client = None;
@@ -339,11 +340,15 @@ impl Worker {
 
 /// One claim, in one transaction on the database's clock (see the module docs). `Ok(Err)`:
 /// the row refuses every claim (its epoch is out of range), with the recovery.
+/// `memory_newer`: this process's last save failed, so when it takes back its own row
+/// (after stepping down while the database was away) the state in its memory, not the
+/// database's older copy, is what it steers from.
 fn claim_in(
     client: &mut postgres::Client,
     me: Me<'_>,
     ttl: Duration,
     claim: Claim,
+    memory_newer: bool,
     wall_now: UnixMs,
 ) -> Result<Result<ClaimAnswer, String>, postgres::Error> {
     let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
@@ -400,6 +405,21 @@ fn claim_in(
                  WHERE id = 1",
                 &[&me.name, &me.token, &new_epoch_i, &ttl_ms],
             )?;
+            if own && memory_newer {
+                // Events or budgets acknowledged while the database was away are only in
+                // this process's memory: the database's copy would undo them (and reuse
+                // their event ids). The take-over commits the memory's state at once.
+                info!(
+                    epoch = new_epoch,
+                    "taking back this controller's own leadership: its last save failed, so it steers from the state in its memory"
+                );
+                tx.commit()?;
+                return Ok(Ok(ClaimAnswer::TookOver {
+                    epoch: new_epoch,
+                    state: None,
+                    previous_holder: (!row.holder.is_empty()).then_some(row.holder),
+                }));
+            }
             // Not read whole when it is over the cap.
             let cap = i32::try_from(MAX_STATE_BYTES).unwrap_or(i32::MAX);
             let committed = tx
