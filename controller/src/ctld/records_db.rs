@@ -476,12 +476,18 @@ pub(crate) fn client_config(
         config.password(read_password(section, path)?);
     }
     let timeout_ms = timeout.as_millis();
-    let session = format!("-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}");
+    // A client that stops between its statements and its COMMIT (frozen, partitioned)
+    // has its transaction ended by the server after the timeout too, so the locks it
+    // holds (the leadership row's, above all) free within it.
+    let session = format!(
+        "-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms} \
+         -c idle_in_transaction_session_timeout={timeout_ms}"
+    );
     config
         .connect_timeout(timeout)
         .keepalives(true)
         .application_name(application)
-        // No statement (or lock wait) holds the connection longer than the timeout.
+        // No statement, lock wait or open transaction outlasts the timeout.
         .options(&session);
     Ok(config)
 }
