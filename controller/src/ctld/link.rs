@@ -458,6 +458,9 @@ fn serve_session(
     });
     let mut opener = session;
     let mut reader = BufReader::new(Cursor::new(rest).chain(read_half));
+    // The last epoch refusal this connection passed on: one repeated says nothing new,
+    // and a node repeating it must not fill the log or the loop's queue.
+    let mut last_refusal: Option<(u64, u64)> = None;
     while !shared.shutdown.load(Ordering::SeqCst) {
         let line = match lines::read_line(&mut reader, MAX_LINK_LINE_BYTES) {
             Ok(Some(line)) => line,
@@ -492,6 +495,11 @@ fn serve_session(
                 lease_epoch,
                 accepted_epoch,
             }) => {
+                if last_refusal.replace((lease_epoch, accepted_epoch))
+                    == Some((lease_epoch, accepted_epoch))
+                {
+                    continue;
+                }
                 warn!(%peer, %node, lease_epoch, accepted_epoch, "the agent refuses this controller's leases for their epoch");
                 let _ = shared.tx.send(Inbound::Fenced {
                     node: node.clone(),

@@ -222,7 +222,11 @@ impl Leader {
                 // `claim_due`): a node that repeats its refusal (falsely, or a flood)
                 // must not keep the database busy, and one just after a claim is not
                 // dropped but deferred.
-                if self.active() && lease_epoch == self.epoch && accepted_epoch > self.epoch {
+                if self.active()
+                    && lease_epoch == self.epoch
+                    && accepted_epoch > self.epoch
+                    && !self.claim_now
+                {
                     warn!(
                         epoch = self.epoch,
                         accepted_epoch,
