@@ -2816,13 +2816,11 @@ programs = ["gpu-dr"]
         assert!(!url_has_password("pf@db:5432/pf?application_name=pass"));
     }
 
-    /// Review 22, finding 10: a program name in a key is escaped like a value, and a
-    /// safe-mode limit that could cut nothing is refused with the range that binds.
-    #[test]
-    fn safe_mode_keys_are_escaped_and_limits_must_cut() {
-        let grid = |programs: &str, extra: &str| {
-            format!(
-                "{MINIMAL}
+    /// The minimal site with a domain `feed-b` of 40 kW (n1-n4) and an OpenADR VEN
+    /// following `programs` (TOML array items), `extra` appended.
+    fn feed_b_grid(programs: &str, extra: &str) -> String {
+        format!(
+            "{MINIMAL}
 [[domains]]
 name = \"feed-b\"
 gpu_limit_w = 40000
@@ -2834,8 +2832,14 @@ credentials_file = \"/etc/slurm/powerflex-openadr.toml\"
 programs = [{programs}]
 {extra}
 "
-            )
-        };
+        )
+    }
+
+    /// Review 22, finding 10: a program name in a key is escaped like a value, and a
+    /// safe-mode limit that could cut nothing is refused with the range that binds.
+    #[test]
+    fn safe_mode_keys_are_escaped_and_limits_must_cut() {
+        let grid = feed_b_grid;
         let e = SiteConfig::from_toml_str(&grid(
             "\"feed-b-dr\"",
             "[grid.openadr.safe_mode.\"p\\u0007\"]\ngpu_limit_kw = 30\nafter_s = 900",
@@ -2915,22 +2919,7 @@ nodes = \"gpu[01-04]\"
 
     #[test]
     fn a_program_s_domain_and_safe_mode_are_checked_against_the_site() {
-        let grid = |extra: &str| {
-            format!(
-                "{MINIMAL}
-[[domains]]
-name = \"feed-b\"
-gpu_limit_w = 40000
-nodes = \"n[1-4]\"
-
-[grid.openadr]
-vtn_url = \"http://127.0.0.1:8080/\"
-credentials_file = \"/etc/slurm/powerflex-openadr.toml\"
-programs = [\"feed-b-dr\"]
-{extra}
-"
-            )
-        };
+        let grid = |extra: &str| feed_b_grid("\"feed-b-dr\"", extra);
         let ok = grid(
             "[grid.openadr.program_domains]\n\"feed-b-dr\" = \"feed-b\"\n\
              [grid.openadr.safe_mode.feed-b-dr]\ngpu_limit_kw = 30\nafter_s = 900",

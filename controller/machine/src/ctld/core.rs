@@ -2422,7 +2422,9 @@ mod tests {
     /// Pre-positioning (issue 16): every lease names the start of the next announced
     /// event, so that walks end before it; none once it has started, or with none.
     /// Two racks under one feed: n1 in rack-a, n2 in rack-b, 10 kW each, 20 kW the feed.
-    fn racks() -> Core {
+    /// The settings with a feed of 20 kW over rack-a (n1, 10 kW) and rack-b (n2,
+    /// `rack_b_w`).
+    fn with_racks(rack_b_w: f64) -> CtldSettings {
         use powerflex_core::domains::{DomainTree, RawDomain};
         let raw = |name: &str, parent: Option<&str>, nodes: Option<&str>, limit: f64| RawDomain {
             name: name.into(),
@@ -2433,11 +2435,16 @@ mod tests {
         let tree = DomainTree::build(&[
             raw("feed-a", None, None, 20_000.0),
             raw("rack-a", Some("feed-a"), Some("n1"), 10_000.0),
-            raw("rack-b", Some("feed-a"), Some("n2"), 10_000.0),
+            raw("rack-b", Some("feed-a"), Some("n2"), rack_b_w),
         ])
         .expect("valid");
         let mut o = options();
         o.site.domains = crate::site::SiteDomains::configured(&tree);
+        o
+    }
+
+    fn racks() -> Core {
+        let o = with_racks(10_000.0);
         let mut core = Core::new(o, Loaded::default(), UnixMs(T0));
         core.step(
             UnixMs(T0),
@@ -2456,7 +2463,6 @@ mod tests {
     /// old budget never holds caps above the breaker.
     #[test]
     fn a_reload_below_a_domain_s_budget_puts_the_new_limit_in_force() {
-        use powerflex_core::domains::{DomainTree, RawDomain};
         let mut core = racks();
         core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
         let out = core.step(
@@ -2470,20 +2476,7 @@ mod tests {
             )],
         );
         assert!(reply(&out).ok);
-        let raw = |name: &str, parent: Option<&str>, nodes: Option<&str>, limit: f64| RawDomain {
-            name: name.into(),
-            parent: parent.map(Into::into),
-            gpu_limit_w: limit,
-            nodes: nodes.map(Into::into),
-        };
-        let tree = DomainTree::build(&[
-            raw("feed-a", None, None, 20_000.0),
-            raw("rack-a", Some("feed-a"), Some("n1"), 10_000.0),
-            raw("rack-b", Some("feed-a"), Some("n2"), 2_000.0),
-        ])
-        .expect("valid");
-        let mut lowered = options();
-        lowered.site.domains = crate::site::SiteDomains::configured(&tree);
+        let lowered = with_racks(2_000.0);
         core.step(
             UnixMs(T0 + 12_000),
             vec![Input::Reload(Box::new(Ok(lowered)))],
