@@ -29,7 +29,6 @@
 
 use std::fs;
 use std::io::Write as _;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::{Condvar, Mutex, PoisonError};
@@ -900,19 +899,18 @@ fn read_pid(path: &Path) -> Option<u32> {
     fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-/// `n` distinct ports that were free a moment ago (all bound at once, then released).
+/// `n` distinct loopback ports that were free a moment ago (see
+/// [`crate::free_loopback_port`]: below the ephemeral range, so no outgoing connection
+/// takes one before the daemon binds it).
 fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("cannot bind: {e}")))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| {
-            l.local_addr()
-                .unwrap_or_else(|e| panic!("no local address: {e}"))
-                .port()
-        })
-        .collect()
+    let mut ports: Vec<u16> = Vec::with_capacity(n);
+    while ports.len() < n {
+        let port = crate::free_loopback_port();
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    ports
 }
 
 /// This machine's short host name, which slurmctld and slurmd compare with the config.

@@ -34,10 +34,7 @@ fn build() {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    powerflex_testbed::free_loopback_port()
 }
 
 /// One agent on one simulated node, in its own directory.
