@@ -51,6 +51,8 @@ pub mod os;
 pub mod program;
 pub mod prom;
 pub mod signals;
+#[cfg(feature = "test-ports")]
+pub mod test_ports;
 pub mod trace;
 
 /// Why a piece of daemon plumbing failed. Every variant names the file, socket or

@@ -185,35 +185,9 @@ impl Drop for Children {
     }
 }
 
-/// A loopback TCP port free at the time of asking, drawn below the kernel's ephemeral
-/// range: a port from that range, once released, can be taken by any outgoing
-/// connection before the test's daemon binds it (a controller refused `Address already
-/// in use` in a loaded clean-clone run), while one below it is taken only by a bind.
-pub fn free_loopback_port() -> u16 {
-    use std::hash::{BuildHasher, Hasher};
-    const LOWEST: u16 = 10_000;
-    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    if ephemeral_from > LOWEST + 1_000 {
-        let span = u64::from(ephemeral_from - LOWEST);
-        for _ in 0..500 {
-            // A fresh random key per draw (std's hasher seeds), so concurrent tests
-            // draw apart.
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u32(std::process::id());
-            let port = LOWEST + u16::try_from(h.finish() % span).unwrap_or(0);
-            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                return port;
-            }
-        }
-    }
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("cannot find a free loopback port: {e}"))
-}
+/// Loopback ports below the kernel's ephemeral range (see the daemon crate's
+/// `test_ports`).
+pub use powerflex_daemon::test_ports::free_loopback_port;
 
 /// Writes each node's own link key where the site config `site` puts it
 /// (`agent.key_file`), with `powerflexctl` at `ctl` (`link-key`: the deploy step a site

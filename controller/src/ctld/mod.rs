@@ -776,10 +776,14 @@ mod tests {
     use powerflex_core::flex::TierTable;
     use powerflex_core::Watts;
 
+    /// A loopback address on a port below the ephemeral range: no outgoing connection or
+    /// `bind(:0)` elsewhere takes it while a test stops and checks it.
     fn free_port() -> std::net::SocketAddr {
-        TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
+        (
+            [127, 0, 0, 1],
+            powerflex_daemon::test_ports::free_loopback_port(),
+        )
+            .into()
     }
 
     /// A controller on free loopback ports with its files under `dir`: 3200 W, a 10 s
@@ -889,8 +893,12 @@ mod tests {
             !options.admin_socket.exists(),
             "socket removed on the way out"
         );
-        assert!(std::net::TcpStream::connect(options.listen).is_err());
-        assert!(std::net::TcpStream::connect(metrics).is_err());
+        // Both ports released: they can be bound again. (A connect that fails would
+        // say less: a loopback connect whose source port equals its destination port
+        // connects to itself.)
+        for port in [options.listen, metrics] {
+            TcpListener::bind(port).unwrap_or_else(|e| panic!("{port} still held: {e}"));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 
