@@ -1896,6 +1896,17 @@ mod tests {
         Input::Admin { op, uid }
     }
 
+    /// Root sets the site's budget (`domain: None`) or a domain's.
+    fn budget_set(budget_w: f64, domain: Option<&str>) -> Input {
+        admin(
+            AdminOp::BudgetSet {
+                budget_w,
+                domain: domain.map(str::to_string),
+            },
+            0,
+        )
+    }
+
     fn slurm_placed(jobs: &[(&str, &[&str], u32)]) -> Input {
         use powerflex_core::slurm_record::{SlurmJob, SlurmJobState};
         Input::Placement(Box::new(Ok(Placement {
@@ -2298,16 +2309,7 @@ mod tests {
         let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, 1000)]);
         assert!(reply(&out).ok && reply(&out).status.is_some());
 
-        let out = core.step(
-            UnixMs(T0 + 3),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 5000.0,
-                    domain: None,
-                },
-                0,
-            )],
-        );
+        let out = core.step(UnixMs(T0 + 3), vec![budget_set(5000.0, None)]);
         assert!(reply(&out).ok);
         assert_eq!(
             out.persist.as_ref().and_then(|s| s.budget_w),
@@ -2315,16 +2317,7 @@ mod tests {
         );
         assert!(out.metrics.is_some(), "a change is allocated at once");
         assert_eq!(core.status(UnixMs(T0 + 3)).budget_w, 5000.0);
-        let out = core.step(
-            UnixMs(T0 + 4),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: -1.0,
-                    domain: None,
-                },
-                0,
-            )],
-        );
+        let out = core.step(UnixMs(T0 + 4), vec![budget_set(-1.0, None)]);
         assert!(reply(&out)
             .error
             .as_deref()
@@ -2467,13 +2460,7 @@ mod tests {
         core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
         let out = core.step(
             UnixMs(T0 + 11_000),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 9_000.0,
-                    domain: Some("rack-b".into()),
-                },
-                0,
-            )],
+            vec![budget_set(9_000.0, Some("rack-b"))],
         );
         assert!(reply(&out).ok);
         let lowered = with_racks(2_000.0);
@@ -2634,13 +2621,7 @@ mod tests {
         // An admin's budget for rack-b cuts rack-b, and survives a restart (state).
         let out = core.step(
             UnixMs(T0 + 21_000),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 2000.0,
-                    domain: Some("rack-b".into()),
-                },
-                0,
-            )],
+            vec![budget_set(2000.0, Some("rack-b"))],
         );
         assert!(reply(&out).ok);
         assert_eq!(
@@ -2677,25 +2658,13 @@ mod tests {
         assert!(granted(&core, "101") * 4.0 <= 1200.0 + 1e-6);
         let out = core.step(
             UnixMs(T0 + 31_000),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 2000.0,
-                    domain: Some("nowhere".into()),
-                },
-                0,
-            )],
+            vec![budget_set(2000.0, Some("nowhere"))],
         );
         assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchDomain));
         // Never above the breaker's limit.
         let out = core.step(
             UnixMs(T0 + 32_000),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 20_000.0,
-                    domain: Some("rack-b".into()),
-                },
-                0,
-            )],
+            vec![budget_set(20_000.0, Some("rack-b"))],
         );
         let above = reply(&out);
         assert!(!above.ok);
@@ -2953,16 +2922,7 @@ mod tests {
         );
         assert!(!core.steering());
         assert!(out.leases.is_empty(), "a standby leases nothing: {out:?}");
-        let out = core.step(
-            UnixMs(T0 + 1),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 5000.0,
-                    domain: None,
-                },
-                0,
-            )],
-        );
+        let out = core.step(UnixMs(T0 + 1), vec![budget_set(5000.0, None)]);
         let r = reply(&out);
         assert_eq!(r.refusal, Some(Refusal::NotActive), "{r:?}");
         assert!(
@@ -3078,16 +3038,7 @@ mod tests {
             ],
         );
         assert!(out.leases.is_empty(), "{out:?}");
-        let out = core.step(
-            UnixMs(T0 + 7),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 9_000.0,
-                    domain: None,
-                },
-                0,
-            )],
-        );
+        let out = core.step(UnixMs(T0 + 7), vec![budget_set(9_000.0, None)]);
         assert!(!reply(&out).ok);
     }
 
@@ -3280,16 +3231,7 @@ mod tests {
         assert_eq!(core.settings().period, options().period);
         assert_eq!(core.settings().job_placement, options().job_placement);
         // A budget set by an admin still overrides the site config's.
-        core.step(
-            UnixMs(T0 + 2),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 9000.0,
-                    domain: None,
-                },
-                0,
-            )],
-        );
+        core.step(UnixMs(T0 + 2), vec![budget_set(9000.0, None)]);
         let mut again = options();
         again.base_budget = Watts(7000.0);
         core.step(UnixMs(T0 + 3), vec![Input::Reload(Box::new(Ok(again)))]);
@@ -3444,13 +3386,7 @@ mod tests {
         };
         let mut first = vec![hello("n1"), hello("n2")];
         first.extend(reports(&caps, &mut rng));
-        first.push(admin(
-            AdminOp::BudgetSet {
-                budget_w: 8000.0,
-                domain: None,
-            },
-            0,
-        ));
+        first.push(budget_set(8000.0, None));
         core.step(UnixMs(T0), first);
         let period_ms = options().period.as_millis() as u64;
         let periods = 60u64;
@@ -3742,13 +3678,7 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: 5600.0,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(5600.0, None),
                 admin(
                     AdminOp::EventAdd {
                         cut: Cut::Reduce { fraction: 0.3 },
@@ -3830,13 +3760,7 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: 5600.0,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(5600.0, None),
                 hello("n1"),
                 at_cap("n1", "101", "flex0", 700.0),
                 hello("n2"),
@@ -3869,13 +3793,7 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: 5600.0,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(5600.0, None),
                 hello("n1"),
                 at_cap("n1", "101", "flex0", 700.0),
                 hello("n2"),
@@ -3971,29 +3889,14 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: 6000.0,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(6000.0, None),
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 600.0),
                 hello("n2"),
                 at_cap("n2", "102", "flex3", 600.0),
             ],
         );
-        let out = core.step(
-            UnixMs(T0 + 100),
-            vec![admin(
-                AdminOp::BudgetSet {
-                    budget_w: 3000.0,
-                    domain: None,
-                },
-                0,
-            )],
-        );
+        let out = core.step(UnixMs(T0 + 100), vec![budget_set(3000.0, None)]);
         assert!(cap(&out, "n1", "101").is_some_and(|c| c < 600.0));
         // n2 confirms; n1 keeps reporting 600 W past the confirmation time.
         let c2 = cap(&out, "n2", "102").expect("n2");
@@ -4037,13 +3940,7 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: 4000.0,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(4000.0, None),
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 500.0),
                 hello("n2"),
@@ -4086,13 +3983,7 @@ mod tests {
         core.step(
             UnixMs(T0),
             vec![
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: budget,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(budget, None),
                 hello("n1"),
                 at_cap("n1", "101", "flex3", 500.0),
                 hello("n2"),
@@ -4181,13 +4072,7 @@ mod tests {
             UnixMs(t + 300),
             vec![
                 at_cap("n1", "101", "flex3", lowered),
-                admin(
-                    AdminOp::BudgetSet {
-                        budget_w: 3000.0,
-                        domain: None,
-                    },
-                    0,
-                ),
+                budget_set(3000.0, None),
             ],
         );
         let n1 = cap(&out, "n1", "101").unwrap_or(lowered);
