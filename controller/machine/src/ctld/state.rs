@@ -86,8 +86,11 @@ impl CtldState {
     ///   when it allocates);
     /// - `events`: at most [`MAX_PENDING_EVENTS`], each one `event add` accepts, ids
     ///   distinct and at most `next_event_id`;
-    /// - `nodes`: at most [`MAX_NODES_IN_ALL`], each a valid node name with GPUs an
-    ///   agent's hello may announce;
+    /// - `nodes`: at most [`MAX_NODES_IN_ALL`], each a valid node name; a node whose GPU
+    ///   list no agent's hello may announce is dropped (logged), not the whole state: a
+    ///   release before these checks kept hello lists unchecked, and refusing such a
+    ///   state at an upgrade would drop every event and budget with it (the node is
+    ///   known again at its next hello);
     /// - `preempted`: at most [`MAX_PREEMPTED_JOBS`] job ids the link accepts;
     /// - `epoch`: at most `i64::MAX` (what the database holds).
     ///
@@ -153,15 +156,21 @@ impl CtldState {
                 self.nodes.len()
             ));
         }
-        for (node, gpus) in &self.nodes {
+        for node in self.nodes.keys() {
             if !valid_node_name(node) {
                 return Err(format!(
                     "nodes: \"{}\" is not a node name; accepted: 1 to 64 ASCII letters, digits, '.', '_' or '-'",
                     node.chars().take(80).collect::<String>().escape_default()
                 ));
             }
-            validate_gpus(gpus).map_err(|e| format!("nodes.{node}: {e}"))?;
         }
+        self.nodes.retain(|node, gpus| match validate_gpus(gpus) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(node = %node, error = %e, "the committed state's GPU list of this node is impossible; dropped until its agent says hello again");
+                false
+            }
+        });
         if self.preempted.len() > MAX_PREEMPTED_JOBS {
             return Err(format!(
                 "preempted names {} jobs; accepted: at most {MAX_PREEMPTED_JOBS}",
@@ -307,6 +316,30 @@ mod tests {
             },
             "not a job id",
         );
+        // An impossible GPU list (kept unchecked by an older release) costs that node's
+        // entry, not the events and budgets beside it.
+        let impossible = GpuInfo {
+            uuid: "GPU-1".into(),
+            name: "bad\u{0}name".into(),
+            min_w: 100.0,
+            max_w: 700.0,
+            default_w: 700.0,
+        };
+        let kept = CtldState {
+            events: vec![event(1)],
+            next_event_id: 1,
+            nodes: [
+                ("n1".to_string(), vec![impossible]),
+                ("n2".to_string(), Vec::new()),
+            ]
+            .into_iter()
+            .collect(),
+            ..CtldState::default()
+        }
+        .checked(NOW)
+        .expect("loads without n1");
+        assert_eq!(kept.events, vec![event(1)]);
+        assert_eq!(kept.nodes.keys().collect::<Vec<_>>(), vec!["n2"]);
         let huge = vec![b' '; MAX_STATE_BYTES + 1];
         let why = CtldState::from_json(&huge, NOW).expect_err("too big");
         assert!(why.contains("at most"), "{why}");
