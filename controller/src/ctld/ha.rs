@@ -367,12 +367,14 @@ fn claim_in(
         &[],
     )?;
     let row = Row {
-        holder: found.get("holder"),
-        token: found.get("token"),
-        epoch: found.get("epoch"),
-        live: found.get("live"),
+        holder: found.try_get("holder")?,
+        token: found.try_get("token")?,
+        epoch: found.try_get("epoch")?,
+        live: found.try_get("live")?,
     };
-    let expires_in_ms: i64 = found.get::<_, Option<i64>>("expires_in_ms").unwrap_or(0);
+    let expires_in_ms: i64 = found
+        .try_get::<_, Option<i64>>("expires_in_ms")?
+        .unwrap_or(0);
     let expires_in_ms = u64::try_from(expires_in_ms).unwrap_or(0);
     let answer = match lease_row::decide(&row, me, claim) {
         RowAction::Refuse(why) => {
@@ -422,14 +424,15 @@ fn claim_in(
             }
             // Not read whole when it is over the cap.
             let cap = i32::try_from(MAX_STATE_BYTES).unwrap_or(i32::MAX);
-            let committed = tx
-                .query_opt(
-                    "SELECT octet_length(state::text),
-                            CASE WHEN octet_length(state::text) <= $1 THEN state::text END
-                     FROM powerflex_ctld_state WHERE id = 1",
-                    &[&cap],
-                )?
-                .map(|r| (r.get::<_, i32>(0), r.get::<_, Option<String>>(1)));
+            let committed = match tx.query_opt(
+                "SELECT octet_length(state::text),
+                        CASE WHEN octet_length(state::text) <= $1 THEN state::text END
+                 FROM powerflex_ctld_state WHERE id = 1",
+                &[&cap],
+            )? {
+                None => None,
+                Some(r) => Some((r.try_get::<_, i32>(0)?, r.try_get::<_, Option<String>>(1)?)),
+            };
             let read = match committed {
                 None => Ok(None),
                 Some((_, Some(text))) => CtldState::from_json(text.as_bytes(), wall_now).map(Some),
@@ -521,16 +524,16 @@ fn save_in(
             expires_in_ms: 0,
         })));
     };
-    let holder: String = row.get(0);
-    let token: String = row.get(1);
-    let held_epoch: i64 = row.get(2);
+    let holder: String = row.try_get(0)?;
+    let token: String = row.try_get(1)?;
+    let held_epoch: i64 = row.try_get(2)?;
     let mine = holder == me.name && token == me.token;
     if mine && held_epoch != epoch_i {
         tx.rollback()?;
         return Ok(Ok(Saved::Stale));
     }
     if !mine {
-        let expires_in_ms: i64 = row.get::<_, Option<i64>>(3).unwrap_or(0);
+        let expires_in_ms: i64 = row.try_get::<_, Option<i64>>(3)?.unwrap_or(0);
         tx.rollback()?;
         let holder = if holder == me.name {
             lease_row::same_name_message(me.name)
