@@ -458,9 +458,11 @@ fn serve_session(
     });
     let mut opener = session;
     let mut reader = BufReader::new(Cursor::new(rest).chain(read_half));
-    // The last epoch refusal this connection passed on: one repeated says nothing new,
-    // and a node repeating it must not fill the log or the loop's queue.
-    let mut last_refusal: Option<(u64, u64)> = None;
+    // The highest lease epoch whose refusal this connection passed on: the node is
+    // fenced for this controller from the first, so a refusal of that epoch or an older
+    // one says nothing new, and a node repeating or varying them must not fill the log
+    // or the loop's queue. (The leader asks the database about its own epoch once.)
+    let mut refused_up_to: Option<u64> = None;
     while !shared.shutdown.load(Ordering::SeqCst) {
         let line = match lines::read_line(&mut reader, MAX_LINK_LINE_BYTES) {
             Ok(Some(line)) => line,
@@ -495,11 +497,10 @@ fn serve_session(
                 lease_epoch,
                 accepted_epoch,
             }) => {
-                if last_refusal.replace((lease_epoch, accepted_epoch))
-                    == Some((lease_epoch, accepted_epoch))
-                {
+                if refused_up_to.is_some_and(|up_to| lease_epoch <= up_to) {
                     continue;
                 }
+                refused_up_to = Some(lease_epoch);
                 warn!(%peer, %node, lease_epoch, accepted_epoch, "the agent refuses this controller's leases for their epoch");
                 let _ = shared.tx.send(Inbound::Fenced {
                     node: node.clone(),
