@@ -79,11 +79,12 @@ impl CtldState {
     /// This state, if it can be steered from: events that have ended at `now` dropped
     /// (the first allocation would drop them), then every value within what the
     /// controller itself would accept (`budget set`, `event add`, an agent's hello):
-    /// - `budget_w`: finite, above 0 W, at most [`MAX_BUDGET_W`];
+    /// - `budget_w`: finite, above 0 W; one above [`MAX_BUDGET_W`] (an older release
+    ///   took any) is held to it;
     /// - `domain_budgets_w`: at most [`MAX_DOMAINS`] domain names of 1 to
-    ///   [`MAX_DOMAIN_NAME_BYTES`] bytes, each finite, above 0 W, at most
-    ///   [`MAX_DOMAIN_LIMIT_W`] (the controller holds a domain to its configured limit
-    ///   when it allocates);
+    ///   [`MAX_DOMAIN_NAME_BYTES`] bytes, each finite and above 0 W; one above
+    ///   [`MAX_DOMAIN_LIMIT_W`] is held to it (the controller holds a domain to its
+    ///   configured limit when it allocates);
     /// - `events`: at most [`MAX_PENDING_EVENTS`], each one `event add` accepts, ids
     ///   distinct and at most `next_event_id`;
     /// - `nodes`: at most [`MAX_NODES_IN_ALL`], each a valid node name; a node whose GPU
@@ -97,10 +98,20 @@ impl CtldState {
     /// The error names the field and the accepted range.
     pub fn checked(mut self, now: UnixMs) -> Result<CtldState, String> {
         if let Some(Watts(w)) = self.budget_w {
-            if !(w.is_finite() && w > 0.0 && w <= MAX_BUDGET_W) {
+            if !(w.is_finite() && w > 0.0) {
                 return Err(format!(
                     "budget_w = {w} W is out of range; accepted: above 0 W, at most {MAX_BUDGET_W} W"
                 ));
+            }
+            // A release before this bound took any positive budget: one above it (no
+            // limit a GPU site reaches) loads at the bound rather than losing the state.
+            if w > MAX_BUDGET_W {
+                tracing::warn!(
+                    budget_w = w,
+                    max_w = MAX_BUDGET_W,
+                    "the committed budget is above the most a budget may be; held to it"
+                );
+                self.budget_w = Some(Watts(MAX_BUDGET_W));
             }
         }
         if self.domain_budgets_w.len() > MAX_DOMAINS {
@@ -109,19 +120,22 @@ impl CtldState {
                 self.domain_budgets_w.len()
             ));
         }
-        for (name, Watts(w)) in &self.domain_budgets_w {
+        for (name, Watts(w)) in &mut self.domain_budgets_w {
             if name.is_empty() || name.len() > MAX_DOMAIN_NAME_BYTES {
                 return Err(format!(
                     "domain_budgets_w: a domain name of {} bytes; accepted: 1 to {MAX_DOMAIN_NAME_BYTES}",
                     name.len()
                 ));
             }
-            if !(w.is_finite() && *w > 0.0 && *w <= MAX_DOMAIN_LIMIT_W) {
+            if !(w.is_finite() && *w > 0.0) {
                 return Err(format!(
                     "domain_budgets_w.\"{}\" = {w} W is out of range; accepted: above 0 W, at most {MAX_DOMAIN_LIMIT_W} W",
                     name.escape_default()
                 ));
             }
+            // As the site's budget: held to the bound (the controller holds a domain to
+            // its configured limit at every allocation anyway).
+            *w = w.min(MAX_DOMAIN_LIMIT_W);
         }
         self.events.retain(|e| e.pending(now.ms()));
         if self.events.len() > MAX_PENDING_EVENTS {
@@ -246,13 +260,25 @@ mod tests {
     /// only once its values are within what the controller itself accepts.
     #[test]
     fn a_hostile_committed_state_is_refused_naming_the_field_and_range() {
-        let hostile = br#"{"budget_w":1e308,"events":[],"next_event_id":0,"domain_budgets_w":{"rack-b":1e308}}"#;
-        let why = CtldState::from_json(hostile, NOW).expect_err("1e308 W");
-        assert!(
-            why.contains("budget_w") && why.contains("at most 1000000000 W"),
-            "{why}"
-        );
-        for w in [-5.0, 0.0, f64::NAN, f64::INFINITY, 2e9] {
+        // Budgets above the bound (an older release took any positive one) load held to
+        // the bound, with the rest of the state.
+        let huge = br#"{"budget_w":1e308,"events":[],"next_event_id":0,"domain_budgets_w":{"rack-b":1e308}}"#;
+        let held = CtldState::from_json(huge, NOW).expect("held to the bound");
+        assert_eq!(held.budget_w, Some(Watts(MAX_BUDGET_W)));
+        assert_eq!(held.domain_budgets_w["rack-b"], Watts(MAX_DOMAIN_LIMIT_W));
+        for w in [2e9, 1e308] {
+            let held = CtldState {
+                budget_w: Some(Watts(w)),
+                events: vec![event(1)],
+                next_event_id: 1,
+                ..CtldState::default()
+            }
+            .checked(NOW)
+            .expect("held to the bound");
+            assert_eq!(held.budget_w, Some(Watts(MAX_BUDGET_W)));
+            assert_eq!(held.events, vec![event(1)]);
+        }
+        for w in [-5.0, 0.0, f64::NAN, f64::INFINITY] {
             refused(
                 CtldState {
                     budget_w: Some(Watts(w)),
