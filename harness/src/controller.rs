@@ -20,7 +20,7 @@ use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::status::CtldStatus;
 use powerflex_proto::usage::FinalRef;
 
-use crate::link::{LeaseBody, NodeReport};
+use crate::memory_link::{LeaseBody, NodeReport};
 use crate::HarnessError;
 
 pub use powerflex_controller_machine::preempt::Action as Preempt;

@@ -10,7 +10,7 @@
 //!   module that names it);
 //! - [`node`]: one agent machine as `powerflexd` drives it (the one module that calls it);
 //! - [`physics`]: the simulated GPUs (the simulator's model and workload library);
-//! - [`link`]: messages with a delay and the real link's clock-skew refusal;
+//! - [`memory_link`]: messages with a delay and the real link's clock-skew refusal;
 //! - [`meter`]: the meter's 50 ms samples;
 //! - [`trace`]: the run folded into a digest.
 //!
@@ -18,7 +18,7 @@
 //! refuses them), so a 10,000-node site runs as fast as its machines decide.
 
 pub mod controller;
-pub mod link;
+pub mod memory_link;
 pub mod meter;
 pub mod node;
 pub mod physics;

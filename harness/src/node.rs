@@ -29,7 +29,7 @@ use powerflex_proto::report::{GpuInfo, NodeReport};
 use powerflex_proto::usage::FinalRef;
 use powerflex_proto::{ControlOp, ControlReply, ProgressReport};
 
-use crate::link::LeaseBody;
+use crate::memory_link::LeaseBody;
 use crate::physics::{h200, NodeGpus};
 use crate::HarnessError;
 

@@ -11,7 +11,7 @@ use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::status::{AgentStatus, CtldStatus};
 
 use crate::controller::{self, Controller, Inbound, Preempt, SavedState, Start};
-use crate::link::{within_skew, Link, ToAgent, ToController};
+use crate::memory_link::{within_skew, Link, ToAgent, ToController};
 pub use crate::meter::Sample;
 use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress};
 use crate::physics::{Load, NodeGpus, Workload, Workloads};

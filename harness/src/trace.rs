@@ -2,7 +2,7 @@
 //! every report received and every fault and Slurm action, in order. Two runs from the
 //! same seed and the same inputs have the same digest; a change in any decision shows.
 
-use crate::link::{LeaseBody, NodeReport};
+use crate::memory_link::{LeaseBody, NodeReport};
 use crate::meter::Sample;
 
 /// FNV-1a, 64-bit: stable across platforms and releases (std's hasher is not promised

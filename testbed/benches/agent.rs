@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use powerflex_proto::status::CalibrationState;
 use powerflex_proto::ControlReply;
 use powerflex_sim::profiles::Library;
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 
 fn release_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("bench path");

@@ -40,7 +40,7 @@ use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
 use powerflex_testbed::binary;
 use powerflex_testbed::link_peer::LinkPeer;
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 
 /// Site sizes measured, nodes.
 const NODE_COUNTS: [usize; 3] = [10, 100, 1000];

@@ -20,7 +20,7 @@ use powerflex_controller::schedule::{effective_budget, Event};
 use powerflex_core::allocate::FloorStatus;
 use powerflex_core::Watts;
 use powerflex_proto::status::{CtldStatus, SiteJobStatus};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::wait_until;
 

@@ -42,7 +42,7 @@ use rand::{Rng, SeedableRng};
 use powerflex_core::config::RawGpuModel;
 use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
 use powerflex_testbed::link_peer::LinkPeer;
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::{binary, Children};
 
 const NODES: usize = 100;

@@ -8,7 +8,7 @@ pub mod lanes;
 pub mod link_peer;
 pub mod needs;
 pub mod pg;
-pub mod site;
+pub mod site_config;
 pub mod slurm;
 pub mod stack;
 pub mod users;

@@ -20,7 +20,7 @@ use powerflex_proto::status::{AgentStatus, CtldStatus, NodeStatus};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::Node;
 
-use crate::site::{edit_site_file, SiteBuilder, SiteError};
+use crate::site_config::{edit_site_file, SiteBuilder, SiteError};
 use crate::slurm::{Cluster, ClusterOptions};
 use crate::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_site_key,

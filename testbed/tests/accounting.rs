@@ -465,8 +465,8 @@ fn job_records_equal_the_gpus_counters_over_each_hold_and_reach_their_owner_only
 }
 
 fn observe_only(
-    site: powerflex_testbed::site::SiteBuilder,
-) -> powerflex_testbed::site::SiteBuilder {
+    site: powerflex_testbed::site_config::SiteBuilder,
+) -> powerflex_testbed::site_config::SiteBuilder {
     site.edit(|raw| raw.agent.enforce = Some(false))
 }
 

@@ -14,7 +14,7 @@ use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::{Fault, Node};
 
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::{binary, profile_dir, repo_root, wait_until};
 
 /// Builds what the tests run besides the agent: the simulated NVML library, the
@@ -1354,7 +1354,7 @@ fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_end
     let mut f = Fixture::new("unregistered", Some(100_000.0), 3600);
     // The site opts in (the default leaves such GPUs alone: `none` jobs are not
     // registered either); the agent is started again on the edited config.
-    powerflex_testbed::site::edit_site_file(&f.config, |raw| {
+    powerflex_testbed::site_config::edit_site_file(&f.config, |raw| {
         raw.agent.unregistered_gpu_use = Some("failsafe".into());
     })
     .unwrap_or_else(|e| panic!("{e}"));

@@ -12,7 +12,7 @@ use powerflex_proto::link::{Body, JobReport};
 use powerflex_proto::status::{CtldStatus, CurvePoint, DecisionView, ThroughputUnit};
 use powerflex_testbed::link_peer::{h200s, LinkPeer};
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::{binary, free_loopback_port, run, wait_until, write_site_key, Children};
 
 /// One job's measured curve: (per-GPU cap W, job power W, throughput, σ power W, σ

@@ -27,7 +27,7 @@ use powerflex_proto::link::{seal, unframe, Body, Header, CONTROLLER, MAX_HANDSHA
 use powerflex_proto::status::NodeStatus;
 use powerflex_testbed::link_peer::{h200s, unix_ms, LinkPeer};
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::stack::{Stack, StackOptions};
 use powerflex_testbed::{free_loopback_port, run, wait_until, Children};
 

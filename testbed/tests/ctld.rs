@@ -9,7 +9,7 @@ use std::time::Duration;
 use powerflex_proto::status::{CtldStatus, DecisionView, NodeStatus};
 use powerflex_sim::state::Node;
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,
     write_site_key, Children,

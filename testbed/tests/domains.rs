@@ -12,7 +12,7 @@ use powerflex_core::domains::RawDomain;
 use powerflex_proto::status::DomainStatus;
 use powerflex_sim::state::Node;
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::stack::{Stack, StackOptions, DEFAULT_CAP_W, METER_TOLERANCE};
 use powerflex_testbed::wait_until;
 

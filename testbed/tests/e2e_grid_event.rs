@@ -18,7 +18,7 @@ use powerflex_core::allocate::FloorStatus;
 use powerflex_proto::status::{CtldStatus, NodeStatus, PfiSource, SiteJobStatus};
 use powerflex_sim::state::Node;
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{
     binary, cargo_build, free_loopback_port, profile_dir, run, wait_until, write_node_keys,

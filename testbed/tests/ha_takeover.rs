@@ -68,7 +68,7 @@ use powerflex_sim::state::Node;
 use powerflex_testbed::link_peer::{h200s, LinkPeer};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::pg::PgBed;
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::stack::METER_TOLERANCE;
 use powerflex_testbed::{
     binary, free_loopback_port, profile_dir, run, wait_until, write_node_keys, write_site_key,

@@ -19,7 +19,7 @@ use powerflex_proto::usage::{EnergySource, GpuEnergy, JobEnergyRecord, NodeUsage
 use powerflex_testbed::link_peer::{h200s, LinkPeer};
 use powerflex_testbed::needs::{can_run, Need};
 use powerflex_testbed::pg::PgBed;
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::{binary, free_loopback_port, run, wait_until, write_site_key, Children};
 
 const OWNER: u32 = 4242;

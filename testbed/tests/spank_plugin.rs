@@ -11,7 +11,7 @@ use std::time::Duration;
 use powerflex_proto::status::AgentStatus;
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_testbed::needs::{can_run, Need};
-use powerflex_testbed::site::SiteBuilder;
+use powerflex_testbed::site_config::SiteBuilder;
 use powerflex_testbed::slurm::{Cluster, ClusterOptions};
 use powerflex_testbed::{binary, cargo_build, profile_dir, wait_until};
 

@@ -1,4 +1,4 @@
-//! Leadership and state in PostgreSQL (`[controller.ha]`, issue 22): the I/O half of
+//! Leadership and state in PostgreSQL (`[controller.ha]`): the I/O half of
 //! [`powerflex_controller_machine::ctld::leader`].
 //!
 //! One thread owns one connection and runs, in order, what the loop hands it: claims

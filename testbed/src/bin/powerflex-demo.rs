@@ -50,7 +50,7 @@ use powerflex_proto::status::{
 use powerflex_proto::usage::{JobEnergyRecord, J_PER_KWH};
 use powerflex_sim::profiles::{Library, Profile};
 use powerflex_testbed::compare::{self, round_to, Scored, TrueJob};
-use powerflex_testbed::site::{edit_site_file, SiteBuilder};
+use powerflex_testbed::site_config::{edit_site_file, SiteBuilder};
 use powerflex_testbed::stack::{Stack, StackError, StackOptions};
 use powerflex_testbed::vtn::{self, event_request, Payload, VenProcess, VtnBed, VtnError};
 use powerflex_testbed::{profile_dir, repo_root, write_site_key};
