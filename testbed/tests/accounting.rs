@@ -1,4 +1,4 @@
-//! Issue 23 on a real Slurm cluster: per-job energy from the GPUs' counters. Two users'
+//! Per-job energy on a real Slurm cluster, from the GPUs' counters. Two users'
 //! jobs share a node (each charged only its own GPUs), one of them spans two nodes
 //! (charged the sum), an agent restarts mid-job (nothing lost), and the records the
 //! controller writes match the simulated GPUs' counters over the time each job held

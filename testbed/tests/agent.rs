@@ -565,7 +565,7 @@ impl DrawSampler {
     }
 }
 
-/// Issue 21: an agent restarted (stopped as an upgrade stops it) in the middle of a
+/// An agent restarted (stopped as an upgrade stops it) in the middle of a
 /// job's calibration walk keeps the node within its budget at every 50 ms sample, through
 /// the stop, the gap and the new agent's start, and the new agent walks the job again to
 /// a PFI as right as an uninterrupted walk's (a walk cut short saves no partial curve: the
@@ -652,7 +652,7 @@ fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
     );
 }
 
-/// Issue 21: a full `/var`. The agent's state saves fail (logged) while jobs start, get
+/// A full `/var`. The agent's state saves fail (logged) while jobs start, get
 /// capped and end; the caps in force stay and the node keeps its budget at every 50 ms
 /// sample; once space is back the next save holds the jobs as they are.
 #[test]
@@ -835,7 +835,7 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
     let progress = reply.progress.expect("progress");
     f.simjob("401", "5", "synthetic-compute-bound", Some(&progress));
     let forged = "{\"v\":1,\"job_id\":\"401\",\"tokens\":999999999,\"steps\":1}";
-    // Issue 14: a process outside any job, its environment naming job 401.
+    // A process outside any job, its environment naming job 401.
     let no_job = client(&[&progress, forged], false, &[("SLURM_JOB_ID", "401")]);
     assert!(no_job[0].contains("runs in no Slurm job"), "{no_job:?}");
     // Another job's process, its environment naming job 401.
@@ -1238,8 +1238,8 @@ fn idle_connections(socket: &Path, count: u32, hold_s: u32) -> Child {
     child
 }
 
-/// Issue 14 item 5: one user holding 64 idle connections starved every job's progress,
-/// and refreshing 64 control connections made registrations fail.
+/// One user holding 64 idle connections must not starve every job's progress, and
+/// refreshing 64 control connections must not make registrations fail.
 #[test]
 fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
     if !can_run(&[
@@ -1300,7 +1300,7 @@ fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
     }
 }
 
-/// Issue 14 item 2: a registration naming a GPU that another job's processes use (by
+/// A registration naming a GPU that another job's processes use (by
 /// NVML's process list and their ancestry) is refused and counted, and the job that
 /// runs there keeps it.
 #[test]
@@ -1342,8 +1342,8 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
     assert!(s.jobs.iter().all(|j| j.job != "902"));
 }
 
-/// Issue 21: a job whose registration failed, or a process started outside Slurm, ran
-/// its GPU at the default. With `agent.unregistered_gpu_use = "failsafe"` the agent sees
+/// A job whose registration failed, or a process started outside Slurm, would run its
+/// GPU at the default. With `agent.unregistered_gpu_use = "failsafe"` the agent sees
 /// it in NVML's process list and holds that GPU at the fail-safe cap until the process
 /// is gone; the GPUs of registered jobs and idle GPUs are untouched.
 #[test]

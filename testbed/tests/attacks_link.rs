@@ -1,5 +1,5 @@
-//! Attacks on the agent ↔ controller link and on the controller's listeners (issue 14,
-//! items 5 and 6), with the real daemons on the local Slurm cluster (`src/stack.rs`):
+//! Attacks on the agent ↔ controller link and on the controller's listeners, with the
+//! real daemons on the local Slurm cluster (`src/stack.rs`):
 //!
 //! - a connection flood on the controller: thousands of idle and half-sent connections,
 //!   while agents still connect, leases still flow and the controller's thread count
@@ -899,11 +899,11 @@ fn replayed_misrouted_and_foreign_leases_are_refused_and_v1_peers_told_why() {
     );
 }
 
-/// Issue 21: root on one GPU node holds that node's link key. It reported another user's
-/// flex0 job, running on another node, as `flex3,preempt=requeue`, announced hundreds of
-/// 5 kW GPUs, and the controller requeued the job about ten times in 25 s and capped its
-/// GPUs to 200 W. Now the controller believes a node only about the jobs Slurm places on
-/// it, and counts a node's GPUs up to its gres.
+/// Root on one GPU node holds that node's link key. It reports another user's flex0 job,
+/// running on another node, as `flex3,preempt=requeue`, and announces hundreds of 5 kW
+/// GPUs; believed, that would get the job requeued over and over and its GPUs capped to
+/// 200 W. The controller believes a node only about the jobs Slurm places on it, and
+/// counts a node's GPUs up to its gres.
 #[test]
 fn a_rogue_node_s_key_cannot_reach_a_job_slurm_placed_on_another_node() {
     if !can_run(&[Need::Root, Need::Slurm]) {

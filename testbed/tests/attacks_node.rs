@@ -1,4 +1,4 @@
-//! Issue 14's node attacks, tried on the local Slurm cluster as ordinary users would
+//! Attacks on a node, tried on the local Slurm cluster as ordinary users would
 //! (`src/users.rs`): nothing a user writes — environment variables, progress lines,
 //! connections — decides identity, GPUs or power, and a wedged agent hangs no launch.
 //! docs/security.md's table names each check here.
@@ -406,9 +406,9 @@ fn submit_sim_as(stack: &Stack, user: &TestUser, flex: &str, report_scale: u32) 
 
 const SIM_PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
 
-/// Issue 14: when every job reported tokens, the objective was the raw sum of
-/// self-reported tokens/s, and a job claiming 1000× its tokens took the watts of every
-/// other. Two users run the same workload on one GPU each; one reports 1000× its tokens.
+/// When every job reports tokens, the objective must not be the raw sum of self-reported
+/// tokens/s, or a job claiming 1000× its tokens would take the watts of every other. Two
+/// users run the same workload on one GPU each; one reports 1000× its tokens.
 /// Under the default (relative-speed) objective the liar gets no more power than the
 /// honest job. The simulated jobs run as their users (`sim/` keeps the limits root's).
 /// On the way, each user's `powerflexctl jobs` lists only their own job.
@@ -529,9 +529,9 @@ fn a_job_reporting_1000x_its_tokens_gains_no_watts() {
     stack.cluster.assert_no_node_drained();
 }
 
-/// Issue 14: on every start the agent adopted any process whose environment held
-/// `SLURM_JOB_ID`, `POWERFLEX_TIER` and a GPU list; a forged `sleep` became job 666 and
-/// took the real job's GPUs. Here the worst case: the state file is lost, so the agent
+/// On a start the agent must not adopt a process just because its environment holds
+/// `SLURM_JOB_ID`, `POWERFLEX_TIER` and a GPU list, or a forged `sleep` would become a job
+/// and take the real job's GPUs. Here the worst case: the state file is lost, so the agent
 /// must take jobs back from what runs on its GPUs, and `pf-bob` runs a simulated job
 /// *on a GPU*, outside Slurm, with every variable forged (`flex0`: uncapped). The real
 /// job is taken back from its processes, under the tier Slurm records for it.
@@ -638,7 +638,7 @@ fn a_forged_job_on_a_gpu_is_not_taken_back_after_a_lost_state_file() {
         kept.tier, "flex1",
         "the tier Slurm records (AdminComment), not any variable"
     );
-    // Issue 21: bob's process uses a GPU no registered job holds, so this site's
+    // Bob's process uses a GPU no registered job holds, so this site's
     // `agent.unregistered_gpu_use = "failsafe"` holds that GPU below its default.
     wait_until(
         "the forged job's GPU held at the fail-safe",

@@ -4,7 +4,7 @@
 //! Each samples the metered draw every 50 ms ([`Stack::watch_draw`]) and prints the
 //! highest overshoot and the seconds over budget.
 //!
-//! The findings of issue 13 whose subject is logic (a job that idles then trains, a
+//! The budget checks whose subject is logic (a job that idles then trains, a
 //! phase change to a heavier profile, a controller outage during a cut below the
 //! fail-safe, a cap changed behind the agent) are checked on the site harness's fake
 //! clock, with the same assertions: `harness/tests/budget.rs`.
@@ -83,11 +83,12 @@ fn two_jobs(stack: &Stack, a_flex: &str, a_work: &str) -> (u32, u32) {
     (a, b)
 }
 
-/// Issue 21: a `systemctl restart powerflexd` during a 1.9 kW cut drew 4.3 kW for about
-/// 3 s (the stopping agent restored every GPU to its default until the next one's first
-/// tick). A rolling restart of every agent during a grid event, each stopped as an admin
-/// stops it (SIGTERM) and started again, keeps the metered draw within the event's
-/// budget at every 50 ms sample, and no GPU is raised to its default or the fail-safe.
+/// A `systemctl restart powerflexd` during a 1.9 kW cut must not lift the draw above the
+/// cut: a stopping agent that restored every GPU to its default until the next one's
+/// first tick would draw 4.3 kW for about 3 s. A rolling restart of every agent during a
+/// grid event, each stopped as an admin stops it (SIGTERM) and started again, keeps the
+/// metered draw within the event's budget at every 50 ms sample, and no GPU is raised to
+/// its default or the fail-safe.
 #[test]
 fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it() {
     if !can_run(&[Need::Root, Need::Slurm]) {

@@ -295,7 +295,7 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     let events = ctl_run(&["events", "--format", "json"]);
     assert_eq!(events.stdout.trim(), "[]", "the cancelled event is gone");
 
-    // Need-to-know (issue 14): job 77 was registered (by root, as slurmstepd does) for
+    // Need-to-know: job 77 was registered (by root, as slurmstepd does) for
     // uid 65534. A non-root caller sees the site and only their own jobs, and no what-if
     // (it shows every job's curve and cap).
     let as_uid = |uid: u32, args: &[&str]| {

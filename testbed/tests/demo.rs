@@ -133,7 +133,7 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
         f("tokens_per_s_optimal_true") >= f("tokens_per_s_equal") * 0.999,
         "{cluster}"
     );
-    // Issue 24: the comparison against the paper's baselines, at event 1's budget planned
+    // The comparison against the paper's baselines, at event 1's budget planned
     // before it, in its hold, asked again after it, and at event 2; every policy scored
     // on the true curves.
     let comparisons = summary["comparisons"].as_array().expect("comparisons");
@@ -206,7 +206,7 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
             .is_empty(),
         "{first}"
     );
-    // Issue 15: at least two jobs run on real measured curves, and the summary says which.
+    // At least two jobs run on real measured curves, and the summary says which.
     let real: Vec<&serde_json::Value> = jobs.iter().filter(|j| j["real"] == true).collect();
     assert!(real.len() >= 2, "{summary}");
     let listed = cluster["real_jobs"].as_array().expect("real_jobs");
@@ -215,7 +215,7 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
         assert_eq!(job["curve_source"], "real", "{job}");
         assert!(listed.contains(&job["job"]), "{cluster}");
     }
-    // Issue 13: one job changes phase during the event; two allocation periods later the
+    // One job changes phase during the event; two allocation periods later the
     // metered draw is within the event's budget, and the second phase really ran.
     let changes = cluster["phase_changes"].as_array().expect("phase_changes");
     assert!(!changes.is_empty(), "{cluster}");
@@ -243,7 +243,7 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
     );
     assert_eq!(cluster["caps_restored_at_job_end"], true, "{cluster}");
 
-    // Issue 16 item 5: the second event came from the VTN through the VEN.
+    // The second event came from the VTN through the VEN.
     let grid = &summary["openadr"];
     let g = |k: &str| grid[k].as_f64().unwrap_or_else(|| panic!("{k}: {grid}"));
     // The controller's event is the one the VEN's ledger maps the VTN's event to, with the
@@ -308,7 +308,7 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
     );
     assert_eq!(cluster["caps_default_after_shutdown"], true, "{cluster}");
 
-    // Issue 23: each job's energy from the controller's records, printed and in the
+    // Each job's energy from the controller's records, printed and in the
     // summary with the same figures, its end-of-job line, and the energy plot.
     let energy = &summary["energy"];
     assert_eq!(

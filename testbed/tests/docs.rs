@@ -1,4 +1,4 @@
-//! The docs against the code (issue 26), so a doc that drifts fails CI:
+//! The docs against the code, so a doc that drifts fails CI:
 //!
 //! - `docs/reference/config.md` and `metrics.md` are exactly what `powerflexctl
 //!   reference` prints from the config types and the metrics catalog;

@@ -1,4 +1,4 @@
-//! A power domain's event on the local Slurm cluster (issue 22): two racks under one feed,
+//! A power domain's event on the local Slurm cluster: two racks under one feed,
 //! a node each (n1 in rack-a, n2 in rack-b), a training job on each, nothing binding. An
 //! event on rack-a alone (`powerflexctl event add --domain rack-a`) brings n1's metered
 //! draw within rack-a's budget at every 50 ms sample once it has settled, while no cap

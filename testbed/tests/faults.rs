@@ -97,7 +97,7 @@ fn slurmd_restarted_mid_job_keeps_the_caps_the_job_and_the_epilog() {
     stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
-/// Issue 21: Slurm restarted in place while a job runs, as a package upgrade restarts
+/// Slurm restarted in place while a job runs, as a package upgrade restarts
 /// it (every daemon stopped, then started from its saved state). While `squeue` cannot
 /// answer, the controller keeps its last placement and says so, the caps stay and the
 /// draw stays within the budget at every 50 ms sample; after, the placement is read
@@ -230,10 +230,10 @@ fn a_truncated_agent_state_file_is_set_aside_and_the_running_job_taken_back() {
     stack.ends_clean(&[job], Duration::from_secs(30));
 }
 
-/// Issue 21: a restarted agent read a job's recorded tier from `scontrol show job -o`,
-/// `key=value` pairs split on spaces, so a job *named* `x AdminComment=powerflex;tier=…`
-/// chose the tier it was taken back under after a lost state file. The tier now comes
-/// from `squeue --json`'s own `admin_comment` field.
+/// A restarted agent must not read a job's recorded tier from `scontrol show job -o`:
+/// its `key=value` pairs split on spaces, so a job *named*
+/// `x AdminComment=powerflex;tier=…` would choose the tier it is taken back under after a
+/// lost state file. The tier comes from `squeue --json`'s own `admin_comment` field.
 #[test]
 fn a_forged_job_name_does_not_choose_the_tier_a_lost_state_file_takes_the_job_back_under() {
     if !can_run(&[Need::Root, Need::Slurm]) {

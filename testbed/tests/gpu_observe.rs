@@ -1,4 +1,4 @@
-//! `scripts/gpu-observe.sh`, the read-only run on a real GPU (issue 23, item 5), run end to
+//! `scripts/gpu-observe.sh`, the read-only run on a real GPU, run end to
 //! end here against the SIMULATED NVML library, so CI proves the script works without a
 //! GPU: a real `powerflexd` in observe mode, a training loop reporting through the
 //! project's Python helper as an unprivileged user, pynvml reading the same library, and

@@ -368,8 +368,8 @@ fn grid_events_from_an_openadr_vtn_are_followed_and_reported() {
                 payload: Payload::ImportCapacityLimitKw(-5.0),
             }],
         ),
-        // Past chrono's range: the duration library's conversion panicked on it, which
-        // ended the VEN (issue 21). Refused now, and the VEN goes on (step 8 needs it).
+        // Past chrono's range: the duration library's conversion panics on it, and a panic
+        // would end the VEN. It is refused, and the VEN goes on (step 8 needs it).
         event_request(
             &program_id,
             "endless",
@@ -588,11 +588,11 @@ fn close_connection(head: &str) -> String {
     out
 }
 
-/// Issue 21: an event the VEN cannot read (here a duration no ISO 8601 reader takes)
-/// failed the program's whole event list, so no event of that program was followed.
-/// Now the list is read event by event: the unreadable one is logged and left out, the
-/// others are applied, and nothing of the program is cancelled for being absent while
-/// one of its events is unread; once the VTN serves it readably, the list is whole again.
+/// An event the VEN cannot read (here a duration no ISO 8601 reader takes) must not fail
+/// the program's whole event list, or no event of that program would be followed. The
+/// list is read event by event: the unreadable one is logged and left out, the others
+/// are applied, and nothing of the program is cancelled for being absent while one of
+/// its events is unread; once the VTN serves it readably, the list is whole again.
 #[test]
 fn an_event_the_ven_cannot_read_leaves_the_program_s_other_events_followed() {
     if !can_run(&[Need::Root, Need::Slurm]) {
@@ -680,7 +680,7 @@ fn an_event_the_ven_cannot_read_leaves_the_program_s_other_events_followed() {
     );
 }
 
-/// Issue 22: a program's safe mode on a real VTN. The site maps the program to rack-a
+/// A program's safe mode on a real VTN. The site maps the program to rack-a
 /// (node n1) with a safe-mode limit of 1 kW after 60 s without the VTN. The VTN is
 /// stopped: past 60 s the VEN adds an event holding rack-a to 1 kW, and n1's caps come
 /// down to it; the VTN is started again: the VEN cancels it and the caps come back.

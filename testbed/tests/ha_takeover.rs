@@ -1,4 +1,4 @@
-//! A standby controller on a real PostgreSQL 16 (issue 22, item 3): two real
+//! A standby controller on a real PostgreSQL 16: two real
 //! `powerflex-ctld` with `[controller.ha]` on one [`PgBed`], one real `powerflexd` on a
 //! simulated node of 4 GPUs (the real NVML code path through the simulated library)
 //! running a real simulated job (`powerflex-simjob`, [`REAL_PROFILE`], 620 W per GPU

@@ -477,7 +477,9 @@ fn malformed_values_exit_2_naming_what_is_accepted() {
     let start_accepts = "accepted: now, +DURATION";
     let duration_accepts = "accepted: a length with units";
     let cases: Vec<(Vec<String>, &str, &str)> = vec![
-        // The inputs of issue 12: a panic and four accepted impossibilities.
+        // The hard ones: an offset in non-ASCII digits, which can panic a hand-written
+        // reader, and four impossibilities a loose reader accepts (the 31st of February,
+        // a month written `+1`, a `+99:00` offset, a zero duration).
         (
             event("2026-12-01T17:00:00+\u{661}\u{662}:00", "3h", "0s"),
             "--start",

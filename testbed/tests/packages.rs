@@ -1,4 +1,4 @@
-//! The Debian packages (issue 26) on the machine with the local Slurm cluster, around a
+//! The Debian packages on the machine with the local Slurm cluster, around a
 //! running job on SIMULATED GPUs: built by `scripts/package.sh` from the suite's debug
 //! build, installed with dpkg, a job run through the installed plugin and agent, an
 //! upgrade to a rebuilt package while the job runs (the agent restarted on the new

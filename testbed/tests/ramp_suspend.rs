@@ -1,4 +1,4 @@
-//! Cuts deeper than caps (issue 16, item 4) on a local Slurm cluster with SIMULATED
+//! Cuts deeper than caps on a local Slurm cluster with SIMULATED
 //! GPUs: what only Slurm shows, a job suspended or requeued through `scontrol` and
 //! brought back. The ramp's own promise (no 50 ms sample above the stepped budget, down
 //! or up, and the rebound within the rate limit) is logic, checked on the site harness's
