@@ -1,5 +1,5 @@
 //! The controller's memory per node and per job, and one full reallocation, at site
-//! scale (issue 22): the controller's core (`powerflex_controller::ctld::Core`, what
+//! scale: the controller's core (`powerflex_controller::ctld::Core`, what
 //! `powerflex-ctld` runs) fed every node's hello and report, then ticked, under 100 racks,
 //! 10 rows and 2 feeds of `[[domains]]`. Memory is the process's resident set (what an
 //! admin's `ps` shows) after the core's first allocation less before it, each size in a

@@ -1,4 +1,4 @@
-//! Controller scale benchmark (issue 6): how long from `powerflexctl event add --start now`
+//! Controller scale benchmark: how long from `powerflexctl event add --start now`
 //! until every node of a 1,000-node × 8-GPU site holds its new cap, and how long one
 //! allocation takes at 10,000 jobs.
 //!
@@ -13,11 +13,11 @@
 //! Part 2 times `site::decide` (the controller's allocation step, pure) in process at
 //! 1,000 and 10,000 jobs.
 //!
-//! Part 3 (issue 21) times a whole core step (`ctld::Core::step` on a tick: allocation,
-//! hold-out planning, leases, metrics, the history sample) at 1,000 and 2,000 jobs, alone
-//! and while threads answer `history` requests from a full history board as the admin
-//! threads do, and how long one such answer takes (work that used to run inside the
-//! step). `-- core-step` runs part 3 alone.
+//! Part 3 times a whole core step (`ctld::Core::step` on a tick: allocation, hold-out
+//! planning, leases, metrics, the history sample) at 1,000 and 2,000 jobs, alone and
+//! while threads answer `history` requests from a full history board as the admin
+//! threads do, and how long one such answer takes (work kept outside the step, so a
+//! flood of readers cannot hold it up). `-- core-step` runs part 3 alone.
 //!
 //! Run: `cargo bench -p powerflex-testbed --bench event_to_caps` (SIMULATED site).
 
@@ -582,7 +582,7 @@ fn core_step_part() {
 
 fn core_step_row(jobs: usize, ms: impl Fn(Duration) -> f64) {
     let (alone, with_readers, answer) = time_core_step_with_history_readers(jobs, 8);
-    println!("\nOne core step (`ctld::Core::step`, a tick, in process) at {jobs} jobs, alone and while {HISTORY_READERS} threads answer `history` without pause from a full board ({HISTORY} samples of every job's cap) as one of {USERS} users. The answers run outside the step (issue 21): the step takes the board's lock once, to publish its sample, and shares the machine's cores with the readers:\n");
+    println!("\nOne core step (`ctld::Core::step`, a tick, in process) at {jobs} jobs, alone and while {HISTORY_READERS} threads answer `history` without pause from a full board ({HISTORY} samples of every job's cap) as one of {USERS} users. The answers run outside the step: the step takes the board's lock once, to publish its sample, and shares the machine's cores with the readers:\n");
     println!("| step alone, median | step with readers, median | one history answer, median |");
     println!("| --- | --- | --- |");
     println!(

@@ -1,4 +1,4 @@
-//! Ramps and deep cuts against the meter (issue 16), on a local Slurm cluster with
+//! Ramps and deep cuts against the meter, on a local Slurm cluster with
 //! SIMULATED H200s (4 per node), the real plugin, agents and controller (allocation period
 //! 1 s, agents sampling every 250 ms):
 //!

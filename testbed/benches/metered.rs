@@ -1,4 +1,4 @@
-//! The facility budget against the meter (issue 13): with 100 SIMULATED nodes on
+//! The facility budget against the meter: with 100 SIMULATED nodes on
 //! loopback and the real `powerflex-ctld`, how much of the budget the site's true draw
 //! uses while some jobs draw below their caps, how long a phase change keeps the draw
 //! over the budget, and how far a reallocation overshoots — in both budget modes.

@@ -97,7 +97,8 @@ struct CargoProfile {
 
 /// The package name in a cargo package id: `path+file:///w/agent#powerflex-agent@0.1.0`
 /// (cargo ≥ 1.77), `path+file:///w/core#0.1.0` (cargo leaves the name out when it is the
-/// URL's last segment), or the old `powerflex-agent 0.1.0 (path+file:///w/agent)`.
+/// URL's last segment), or, from cargo before 1.77,
+/// `powerflex-agent 0.1.0 (path+file:///w/agent)`.
 fn package_name(package_id: &str) -> String {
     if let Some((url, fragment)) = package_id.rsplit_once('#') {
         return match fragment.split_once('@') {

@@ -1,5 +1,5 @@
-//! Ordinary (unprivileged) users for the whole-system tests: the attacks of issue 14 are
-//! tried as a job's user would, not as root.
+//! Ordinary (unprivileged) users for the whole-system tests: the attacks of
+//! `docs/security.md` are tried as a job's user would, not as root.
 //!
 //! [`TestUser::ensure`] creates a system user with `useradd` (no home, `/bin/sh`), or
 //! reuses it when it exists: idempotent, so tests running at once or one after another
@@ -12,7 +12,7 @@
 //! So two `useradd pf-alice` started at once both succeed, and the second gives the user
 //! a new uid after the first caller has already read the old one (reproduced on Debian
 //! 12: four concurrent calls all exited 0; two callers read uid 999, the user ended as
-//! 995). A test then held a uid the system no longer gave its user (issue 25). `ensure`
+//! 995). A test would then hold a uid the system no longer gives its user. `ensure`
 //! therefore checks and creates under an exclusive `flock` on [`USERS_LOCK`], shared by
 //! every test process on the machine (test binaries run in parallel lanes, and two
 //! checkouts may test at once), and reads the uid back from the system after creating.
@@ -197,7 +197,7 @@ mod tests {
         assert_ne!(a.uid, 0);
     }
 
-    /// Issue 25: tests asking for a missing user at once all get the uid the system
+    /// Tests asking for a missing user at once all get the uid the system
     /// keeps for it. Without the lock, concurrent `useradd`s of one name all succeed and
     /// re-number the user after some callers have read its uid; several rounds make
     /// that (seen about one round in three with four callers) near certain to show.

@@ -2643,7 +2643,7 @@ impl Measured<'_> {
         // The draw is judged from the end of the settle to just before the ramp back, except
         // for two allocation periods after each phase change: the controller learns of the
         // new load from the agents' next reports and has those two periods to correct it
-        // (issue 13's guarantee). That transient is reported on its own. A phase change
+        // (`metered` mode's promise). That transient is reported on its own. A phase change
         // starts when the job's new load does — its second step's first logged step, not
         // the scancel of the first: between the two the job draws little (metered mode keeps
         // budgeting a walked job at its curve then, so its watts are not lent out and taken
