@@ -1,10 +1,11 @@
-//! Ports of `tests/budget.rs` (the facility budget against the meter, issue 13) to the
-//! site harness: the same scenarios and assertions on the site's clock, the meter sampled
-//! every 50 ms of site time. A sample counts as over beyond 1 % of the budget, as the
-//! Slurm tests count it (the agents' readings carry the simulator's ±0.5 % noise, and
-//! metered mode plans on them); the meter here is the GPUs' noise-free draw.
+//! The facility budget against the meter, on the site harness: the scenarios of the Slurm
+//! tests (`testbed/tests/budget.rs`) whose subject is logic, with the same assertions, on
+//! the site's clock, the meter sampled every 50 ms of site time. A sample counts as over
+//! beyond 1 % of the budget, as the Slurm tests count it (the agents' readings carry the
+//! simulator's ±0.5 % noise, and metered mode plans on them); the meter here is the
+//! GPUs' noise-free draw.
 
-// The tests print what they measured, as the Slurm tests they port do.
+// The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_proto::admin::{AdminOp, Cut};

@@ -1,4 +1,4 @@
-//! Power domains at site scale (issue 22): nodes of 8 GPUs in racks of `nodes / 100`, 10
+//! Power domains at site scale: nodes of 8 GPUs in racks of `nodes / 100`, 10
 //! racks to a row, 5 rows to a feed, 2 feeds, every node running one 8-GPU job. The site's
 //! budget and every domain's limit leave the jobs uncapped; then an event on feed B asks it
 //! down to 70 % of what its GPUs may draw. In `hard` mode (the sum of caps is what a
@@ -186,7 +186,8 @@ fn an_event_on_one_feed_cuts_that_feed_within_a_second_and_leaves_the_other_alon
     assert!(cut_ms <= 1_000, "{cut_ms} ms of site time");
 }
 
-/// Issue 22's scale: 10,000 nodes × 8 GPUs in 100 racks, 10 rows and 2 feeds.
+/// The scale a site's domains must hold at: 10,000 nodes × 8 GPUs in 100 racks, 10 rows
+/// and 2 feeds.
 #[test]
 fn ten_thousand_nodes_in_two_feeds_a_feed_event_cuts_only_that_feed() {
     let cut_ms = feed_event(10_000);

@@ -1,9 +1,10 @@
-//! Ports of `tests/ramp_suspend.rs` (ramps the grid can rely on, cuts deeper than caps;
-//! issue 16) to the site harness. Samples are compared with the stepped budget in force
-//! at their instant, with no tolerance, as there. What stays on Slurm: that `scontrol
-//! suspend` and `requeuehold` do what the controller asks of them.
+//! Ramps the grid can rely on and cuts deeper than caps, on the site harness: the
+//! scenarios of the Slurm tests (`testbed/tests/ramp_suspend.rs`) whose subject is
+//! logic. Samples are compared with the stepped budget in force at their instant, with
+//! no tolerance, as there. What stays on Slurm: that `scontrol suspend` and
+//! `requeuehold` do what the controller asks of them.
 
-// The tests print what they measured, as the Slurm tests they port do.
+// The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_proto::admin::{AdminOp, Cut};

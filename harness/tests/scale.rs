@@ -153,8 +153,8 @@ fn a_thousand_nodes_hold_the_budget_through_an_event_and_replay_from_their_seed(
     assert_eq!(a.samples(), b.samples());
 }
 
-/// Issue 20's scale: 10,000 nodes × 8 GPUs, in every suite run (about 2 minutes of one
-/// core in a debug build, 36 s in release: BENCHMARKS.md).
+/// The scale a site must hold at: 10,000 nodes × 8 GPUs, in every suite run (about 2
+/// minutes of one core in a debug build, 36 s in release: BENCHMARKS.md).
 #[test]
 fn ten_thousand_nodes_of_eight_gpus_hold_the_budget_through_an_event() {
     site_at_scale(10_000, 20);
