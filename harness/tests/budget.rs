@@ -57,7 +57,8 @@ fn running(site: &Site, id: &str) -> bool {
     site.job_state(id) == Some(powerflex_site_harness::JobState::Running)
 }
 
-/// Ported from the Slurm suite: testbed/tests/budget.rs::a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget
+/// A job idle for its first minute, then training at full power: no stretch over the
+/// budget lasts longer than the settle time, and the budget is used.
 #[test]
 fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget() {
     let budget_w = 4000.0;
@@ -91,7 +92,9 @@ fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget(
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/budget.rs::a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods
+/// A job changing from a light to a heavy profile: no stretch over the budget lasts
+/// longer than the settle time (two allocation periods and one agent sample), and once
+/// settled the draw stays within it.
 #[test]
 fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods() {
     let budget_w = 4000.0;
@@ -134,7 +137,9 @@ fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods(
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/budget.rs::a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_cut
+/// The controller gone past the lease during a cut below the fail-safe: the agents fall
+/// to min(fail-safe, last grant), so no cap rises and the cut holds; the restarted
+/// controller keeps the budget set, and no job is killed.
 #[test]
 fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_cut() {
     let lease_ttl_s = 5;
@@ -193,7 +198,8 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/budget.rs::a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
+/// The logic of the Slurm test of the same name (`testbed/tests/budget.rs`), on the
+/// site's clock.
 #[test]
 fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it() {
     let mut site = site(5600.0, 10);
@@ -263,7 +269,8 @@ fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/budget.rs::a_cap_changed_behind_the_agent_is_restored_and_counted
+/// A GPU limit written behind the agent: the agent restores its cap within seconds and
+/// counts the mismatch; no stretch over the budget lasts longer than 1 s.
 #[test]
 fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
     let budget_w = 3000.0;
@@ -297,7 +304,8 @@ fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/budget.rs::a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus
+/// The logic of the Slurm test of the same name (`testbed/tests/budget.rs`), on the
+/// site's clock.
 #[test]
 fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {
     let budget_w = 3000.0;

@@ -1,9 +1,9 @@
-//! Ports of the logic rows of `testbed/tests/faults.rs` (the fault matrix) to the site harness:
-//! the controller gone past the lease, a wall-clock jump on one node, a controller
-//! restarted mid-event on its saved state. One 2-node × 4-GPU flex3 job under a budget
-//! that caps it, as there.
+//! The rows of the fault matrix whose subject is logic, on the site harness (the rest
+//! run on Slurm, `testbed/tests/faults.rs`): the controller gone past the lease, a
+//! wall-clock jump on one node, a controller restarted mid-event on its saved state. One
+//! 2-node × 4-GPU flex3 job under a budget that caps it, as there.
 
-// The tests print what they measured, as the Slurm tests they port do.
+// The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_proto::admin::{AdminOp, Cut};
@@ -47,7 +47,9 @@ fn allocated_within(s: &Site, budget_w: f64) -> bool {
         && s.draw_w() <= budget_w * 1.01
 }
 
-/// Ported from the Slurm suite: testbed/tests/faults.rs::with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap
+/// The controller gone past the lease: the draw stays within the budget, every GPU falls
+/// to the fail-safe cap and no job is killed; the restarted controller leases fresh caps
+/// and keeps the budget set.
 #[test]
 fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap() {
     let mut site = site(5600.0, 5);
@@ -100,7 +102,9 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/faults.rs::a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers
+/// A wall-clock jump on one node: its stale messages are refused both ways, it falls to
+/// its fail-safe and its job runs on, the draw within the budget; with its clock back it
+/// is live again.
 #[test]
 fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     let mut site = site(BUDGET_W, 5);
@@ -156,9 +160,10 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy
-/// (the part that is logic: a controller restarted mid-event on the state it saved
-/// resumes the event and holds its budget; the file's fallback on its previous copy is
+/// The part of the Slurm test
+/// `testbed/tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy`
+/// that is logic: a controller restarted mid-event on the state it saved resumes the
+/// event and holds its budget (the file's fallback on its previous copy is
 /// `ctld::state`'s own unit test, and the corrupt file stays on Slurm).
 #[test]
 fn a_controller_restarted_mid_event_on_its_saved_state_resumes_the_event() {

@@ -8,7 +8,7 @@
 //! lease, a one-second allocation period, agents sampling every 250 ms, calibration
 //! windows of 1 s warm-up, 1 s settle and 2 s hold within 0.2 % of first-hour tokens.
 
-// The tests print what they measured, as the Slurm tests they port do.
+// The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_proto::admin::{AdminOp, Cut};

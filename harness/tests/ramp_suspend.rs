@@ -24,7 +24,8 @@ fn granted(site: &Site, ids: &[&str]) -> bool {
     })
 }
 
-/// Ported from the Slurm suite: testbed/tests/ramp_suspend.rs::a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit
+/// A ramped event: no 50 ms sample above the stepped budget, and the rebound after it
+/// within the facility's ramp rate.
 #[test]
 fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() {
     let base_w = 5600.0;
@@ -106,7 +107,8 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
     );
 }
 
-/// Ported from the Slurm suite: testbed/tests/ramp_suspend.rs::a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it
+/// The logic of the Slurm test of the same name (`testbed/tests/ramp_suspend.rs`), on
+/// the site's clock.
 #[test]
 fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
     let base_w = 8400.0;

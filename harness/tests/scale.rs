@@ -5,7 +5,7 @@
 //! force once the first caps are confirmed: not before the event (the caps are cut
 //! before it starts), not during its ramp down, hold and ramp up.
 
-// The tests print what they measured, as the Slurm tests they port do.
+// The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_core::config::RawSiteConfig;
