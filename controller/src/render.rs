@@ -719,7 +719,7 @@ pub fn render_status(s: &CtldStatus) -> String {
     out
 }
 
-/// What a non-root caller is told about the job rows they read (issue 14, need-to-know).
+/// What a non-root caller is told about the job rows they read (need-to-know).
 pub fn only_yours(uid: u32) -> String {
     format!("jobs of uid {uid} only (root sees every job)")
 }
@@ -860,7 +860,7 @@ mod tests {
         );
     }
 
-    /// Issue 22: the leadership line, quiet while active, loud (and naming the active
+    /// The leadership line, quiet while active, loud (and naming the active
     /// controller and why) while not.
     #[test]
     fn status_says_whether_this_controller_steers() {
