@@ -21,7 +21,7 @@ pub mod render;
 pub mod table;
 
 // The decisions live in their own crate with no I/O dependency (powerflex-controller-
-// machine); their paths here stay as they were.
+// machine); re-exported here so this crate's users reach them as its own modules.
 pub use powerflex_controller_machine::{placement, preempt, ramp, rollout, schedule, site};
 
 /// Errors of the CLI and controller. Messages are lowercase, without a trailing period.
