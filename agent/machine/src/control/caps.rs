@@ -1,0 +1,156 @@
+//! Which cap each GPU gets: a job's grant (the controller's lease while it lasts, then
+//! the fail-safe, which never raises a cap), the limits read back at start that bound
+//! every cap until a current lease (fail-static through a restart), the writes that
+//! reconcile the GPUs with all that, and what a stop leaves on them.
+
+use powerflex_core::config::UnregisteredGpuUse;
+use powerflex_core::Watts;
+
+use super::{Action, Agent, Job};
+use crate::gpu::GpuIdentity;
+
+impl Agent {
+    /// The per-GPU cap the job should run at now (before calibration lowers it).
+    pub(super) fn granted_cap(&self, now: f64, job: &Job) -> Option<Watts> {
+        if !job.managed() {
+            return None;
+        }
+        if self.controller_mode() {
+            let failsafe = self.settings.failsafe_cap;
+            // A job the controller has not granted a cap yet (it started since the last
+            // lease) runs at the lease's start cap, never above the fail-safe: the budget
+            // was split without it, and uncapped it could carry the site over.
+            // When the lease runs out, every job falls to the fail-safe cap, or stays at
+            // its last grant when that is lower: the fail-safe never raises a cap (a cut
+            // below it must hold while the controller is away).
+            return Some(match &self.lease {
+                Some(lease) => {
+                    let unnamed = lease.start_cap.map_or(failsafe, |s| s.min(failsafe));
+                    match lease.caps.get(&job.id).copied() {
+                        Some(cap) if now < lease.expires_at => cap,
+                        Some(cap) => cap.min(failsafe),
+                        None => unnamed,
+                    }
+                }
+                None => failsafe,
+            });
+        }
+        job.granted
+    }
+
+    /// Whether the controller's lease has run out (controller mode only).
+    pub(super) fn failsafe_active(&self, now: f64) -> bool {
+        self.controller_mode()
+            && match &self.lease {
+                Some(lease) => now >= lease.expires_at,
+                None => now - self.started_at >= self.settings.lease_ttl_s,
+            }
+    }
+
+    /// Cap writes for a stop (fail-static): every healthy GPU without a managed job goes
+    /// back to its saved default; the GPUs of running managed jobs keep the cap in force,
+    /// so a `systemctl restart` or an upgrade during a cut never over-draws the site (as a
+    /// BMC keeps its last limit through an outage). The next agent takes them over from
+    /// the state file and the limits it reads back. With `release_jobs` (decommissioning:
+    /// `powerflexd --release-on-exit`), every GPU goes back to its default.
+    pub(super) fn stop_actions(&self, release_jobs: bool) -> Vec<Action> {
+        if !self.settings.enforce {
+            return Vec::new();
+        }
+        self.gpus
+            .iter()
+            .filter(|g| g.degraded.is_none())
+            .filter(|g| {
+                release_jobs
+                    || !g
+                        .job
+                        .as_ref()
+                        .and_then(|j| self.jobs.get(j))
+                        .is_some_and(Job::managed)
+            })
+            .map(|g| Action::SetCap {
+                gpu: g.identity.index,
+                cap: clamp(g.saved_default, &g.identity),
+            })
+            .collect()
+    }
+}
+
+/// `cap` within what the GPU accepts.
+fn clamp(cap: Watts, identity: &GpuIdentity) -> Watts {
+    Watts(cap.0.clamp(identity.min_cap.0, identity.max_cap.0))
+}
+
+impl Agent {
+    /// The cap writes that bring every GPU to its desired cap (see [`Agent::desired_cap`]);
+    /// in observe mode none, and each GPU shows what would be written.
+    pub(super) fn cap_writes(&mut self, now: f64) -> Vec<Action> {
+        let mut actions = Vec::new();
+        let failsafe_now = self.failsafe_active(now);
+        for gpu in 0..self.gpus.len() {
+            let Some(desired) = self.desired_cap(now, gpu, failsafe_now) else {
+                continue;
+            };
+            if !self.settings.enforce {
+                // Observe mode: what would be written is shown, never written.
+                self.gpus[gpu].would_cap = Some(desired);
+                continue;
+            }
+            if self.gpus[gpu]
+                .applied
+                .is_none_or(|a| (a.0 - desired.0).abs() > 0.5)
+            {
+                actions.push(Action::SetCap {
+                    gpu: gpu as u32,
+                    cap: desired,
+                });
+            }
+        }
+        actions
+    }
+
+    /// The cap GPU `gpu` should have now, clamped to what it accepts; `None` where it is
+    /// not to be written (degraded, or never read while the limits read back at start
+    /// bound the caps). `failsafe_now`: the controller's lease has run out.
+    fn desired_cap(&self, now: f64, gpu: usize, failsafe_now: bool) -> Option<Watts> {
+        let slot = &self.gpus[gpu];
+        if slot.degraded.is_some() {
+            return None;
+        }
+        let job = slot.job.as_ref().and_then(|j| self.jobs.get(j));
+        let desired = match job {
+            None if slot.unregistered_since.is_some()
+                && self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe =>
+            {
+                Watts(slot.saved_default.0.min(self.settings.failsafe_cap.0))
+            }
+            None => slot.saved_default,
+            Some(job) if !job.managed() => slot.saved_default,
+            Some(job) => {
+                let granted = self.granted_cap(now, job).unwrap_or(slot.identity.max_cap);
+                match job.calibration.cap() {
+                    Some(level) => granted.min(level),
+                    None => granted,
+                }
+            }
+        };
+        // Until a current lease arrives, no GPU rises above what it read back at start:
+        // the previous run's cap holds through a restart, for the jobs this agent
+        // manages and for any it could not take back (a lost or stale state file).
+        // A GPU of no managed job is released once the lease would have run out
+        // anyway (the fail-safe regime, where idle GPUs are at their default); a
+        // managed job's GPU only by a current lease.
+        let managed = job.is_some_and(|j| j.managed());
+        let held = self.awaiting_current_lease && (managed || !failsafe_now);
+        let desired = match slot.start_ceiling {
+            Some(ceiling) if held => Watts(desired.0.min(ceiling.0)),
+            // Its limit was never read (a transient error at start): a managed job's
+            // GPU gets no more than the fail-safe (a write that can only lower what
+            // the budget counted); any other GPU is not written until it is read.
+            None if held && managed => Watts(desired.0.min(self.settings.failsafe_cap.0)),
+            None if held => return None,
+            _ => desired,
+        };
+        Some(clamp(desired, &slot.identity))
+    }
+}

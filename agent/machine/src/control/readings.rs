@@ -1,0 +1,204 @@
+//! What the GPUs read and what NVML lists on them: samples (and limits changed behind
+//! the agent's back), cap writes' outcomes, a job's power, and the processes that tell
+//! a claimed GPU from a used one.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use powerflex_core::config::UnregisteredGpuUse;
+use powerflex_core::{UnixMs, Watts};
+
+use super::{Agent, CapMismatch, GpuClaimRefused, Job};
+use crate::gpu::{ErrorClass, GpuError, GpuSample};
+use crate::JobKey;
+
+impl Agent {
+    /// Records a GPU reading (or its failure). The limit read back is what the GPU
+    /// enforces from now on, whatever the agent last wrote: when they differ, something
+    /// else changed it, and the next tick writes the agent's cap again. That mismatch is
+    /// returned (to log) and counted (metrics, status, the controller's report).
+    pub(super) fn sampled(
+        &mut self,
+        now: f64,
+        gpu: u32,
+        result: Result<GpuSample, GpuError>,
+    ) -> Option<CapMismatch> {
+        let at_ms = UnixMs::from_secs_f64(now).ms();
+        let slot = self.gpus.get_mut(gpu as usize)?;
+        match result {
+            Ok(s) => {
+                let same_cap = slot.last.is_some_and(|l| (l.cap.0 - s.cap.0).abs() <= 0.5);
+                if !same_cap {
+                    slot.cap_since = Some(now);
+                }
+                slot.last = Some(s);
+                if let Some(job) = slot.job.as_ref().and_then(|j| self.jobs.get_mut(j)) {
+                    job.usage.gpu_reading(
+                        &slot.identity.uuid,
+                        slot.identity.index,
+                        at_ms,
+                        s.energy_mj,
+                        s.power,
+                    );
+                }
+                if self.awaiting_current_lease && slot.start_ceiling.is_none() {
+                    slot.start_ceiling = Some(s.cap);
+                }
+                let mismatch = slot.mismatch(gpu, s.cap);
+                // After a fault, or a change behind the agent's back, the limit on the
+                // GPU is what it reads, not what was last written.
+                slot.applied = Some(s.cap);
+                slot.degraded = None;
+                if mismatch.is_some() {
+                    self.cap_mismatches += 1;
+                }
+                mismatch
+            }
+            Err(e) => {
+                slot.last = None;
+                slot.cap_since = None;
+                if e.class != ErrorClass::Transient {
+                    slot.degraded = Some(e.message);
+                }
+                None
+            }
+        }
+    }
+
+    /// A cap write succeeded; `found` is the limit read just before it (`None` when it
+    /// could not be read). A limit other than the last one written or read was changed
+    /// behind the agent's back since its last sample: counted and returned like a
+    /// sampled one (a new grant written first would otherwise hide it).
+    pub(super) fn cap_written(
+        &mut self,
+        gpu: u32,
+        cap: Watts,
+        found: Option<Watts>,
+    ) -> Option<CapMismatch> {
+        let slot = self.gpus.get_mut(gpu as usize)?;
+        let mismatch = found.and_then(|found| slot.mismatch(gpu, found));
+        slot.applied = Some(cap);
+        if mismatch.is_some() {
+            self.cap_mismatches += 1;
+        }
+        mismatch
+    }
+
+    /// A cap write failed: a permanent or lost-device failure degrades that GPU only.
+    pub(super) fn cap_failed(&mut self, e: &GpuError) {
+        if let Some(slot) = self.gpus.get_mut(e.index as usize) {
+            if e.class != ErrorClass::Transient {
+                slot.degraded = Some(e.message.clone());
+            }
+        }
+    }
+
+    /// The limit the job's GPUs read back in the samples that gave [`Self::job_power`], when
+    /// they all agree.
+    pub(super) fn job_sampled_cap(&self, job: &Job) -> Option<Watts> {
+        let mut caps = job
+            .gpus
+            .iter()
+            .map(|&g| self.gpus[g as usize].last.map(|s| s.cap));
+        let first = caps.next()??;
+        caps.all(|c| c.is_some_and(|c| (c.0 - first.0).abs() <= 0.5))
+            .then_some(first)
+    }
+
+    pub(super) fn job_power(&self, job: &Job) -> Option<Watts> {
+        let mut total = 0.0;
+        for &g in &job.gpus {
+            total += self.gpus[g as usize].last?.power.0;
+        }
+        Some(Watts(total))
+    }
+
+    /// The processes NVML lists on each GPU now, with the job each belongs to (from
+    /// the agent's `/proc` reader; `None` for a process in no job). A GPU missing from `listed`
+    /// (NVML could not list it) shows none rather than an old list.
+    ///
+    /// A GPU no registered job holds, with processes on it, is in unregistered use (a job
+    /// whose registration failed, a process outside Slurm, a job's process on a GPU it
+    /// did not register): with `agent.unregistered_gpu_use = "failsafe"` the next tick
+    /// holds it at the fail-safe cap until NVML lists none. A GPU NVML could not list
+    /// counts as unused: a listing that keeps failing (a driver that stopped supporting
+    /// it) must not strand the cap.
+    pub(super) fn nvml_processes_seen(
+        &mut self,
+        now: f64,
+        listed: &BTreeMap<u32, Vec<(u32, Option<String>)>>,
+    ) {
+        let failsafe = self.settings.failsafe_cap;
+        let capping = self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe;
+        for (gpu, slot) in self.gpus.iter_mut().enumerate() {
+            let processes = listed.get(&(gpu as u32)).cloned().unwrap_or_default();
+            slot.nvml_processes = processes.clone();
+            let unregistered = slot.job.is_none() && !processes.is_empty();
+            match (slot.unregistered_since, unregistered) {
+                (None, true) => {
+                    slot.unregistered_since = Some(now);
+                    tracing::warn!(
+                        gpu,
+                        pids = ?processes.iter().map(|p| p.0).collect::<Vec<_>>(),
+                        jobs = ?processes.iter().filter_map(|p| p.1.clone()).collect::<Vec<_>>(),
+                        cap_w = if capping { failsafe.0 } else { slot.saved_default.0 },
+                        "processes use a GPU no registered job holds"
+                    );
+                }
+                (Some(since), false) => {
+                    slot.unregistered_since = None;
+                    tracing::info!(
+                        gpu,
+                        lasted_s = now - since,
+                        "the GPU's unregistered use ended"
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// What NVML says uses each GPU, as jobs (from the agent's `/proc` reader: the job each running
+    /// process belongs to; processes in no job are left out). A GPU registered to a job
+    /// none of whose processes use it, while another job's do, was claimed with words
+    /// (e.g. GPU variables the user exported in a step Slurm gave no GPUs): the claim is
+    /// refused, the GPU leaves that job and returns to its default at the next tick.
+    /// Returns the refusals, to log and count.
+    pub(super) fn check_gpu_use(
+        &mut self,
+        now: f64,
+        used_by: &BTreeMap<u32, BTreeSet<JobKey>>,
+    ) -> Vec<GpuClaimRefused> {
+        let mut refused = Vec::new();
+        for (&gpu, users) in used_by {
+            let Some(slot) = self.gpus.get_mut(gpu as usize) else {
+                continue;
+            };
+            let Some(claimant) = slot.job.clone() else {
+                continue;
+            };
+            // A claimant of unknown cluster cannot be compared with what runs.
+            let Some(cluster) = self.jobs.get(&claimant).and_then(|j| j.cluster.clone()) else {
+                continue;
+            };
+            if users.is_empty() || users.contains(&(claimant.clone(), cluster)) {
+                continue;
+            }
+            slot.job = None;
+            let uuid = slot.identity.uuid.clone();
+            if let Some(job) = self.jobs.get_mut(&claimant) {
+                job.gpus.retain(|g| *g != gpu);
+                // Its hold ends with the claim: were the GPU given back later, the span
+                // in between (another job's) is not charged to it.
+                job.usage.release_gpu(&uuid);
+            }
+            refused.push(GpuClaimRefused {
+                gpu,
+                claimed_by: claimant,
+                used_by: users.iter().map(|(job, _)| job.clone()).collect(),
+            });
+        }
+        self.finish_jobs_without_gpus(None, now);
+        self.gpu_claims_refused += refused.len() as u64;
+        refused
+    }
+}

@@ -1,0 +1,311 @@
+//! Caps written, held and restored: observe mode, degraded GPUs, standalone budgets,
+//! limits changed behind the agent's back, reloads.
+
+use super::*;
+
+#[test]
+fn observe_mode_writes_no_limit_and_shows_what_it_would_write() {
+    let mut s = settings(None);
+    s.enforce = false;
+    let mut a = Agent::with_defaults(s, (0..2).map(gpu).collect(), &BTreeMap::new(), 0.0);
+    for g in 0..2 {
+        a.sampled(0.0, g, reading(700.0, 650.0, 0, false));
+    }
+    a.register(1.0, "7", "0", 0, "n1", &["0".into()], "flex3")
+        .expect("registered");
+    a.set_lease(
+        1.0,
+        BTreeMap::from([("7".to_string(), Watts(450.0))]),
+        30.0,
+        None,
+    );
+    assert!(caps(&a.tick(1.0)).is_empty(), "no limit written");
+    let snap = a.snapshot(1.0);
+    assert!(!snap.enforce);
+    // What NVML said, for comparison with NVML's other clients (scripts/gpu-observe.sh).
+    assert_eq!(
+        (snap.gpus[0].min_w, snap.gpus[0].max_w),
+        (Some(200.0), Some(700.0))
+    );
+    assert_eq!(snap.gpus[0].power_throttled, Some(false));
+    assert_eq!(snap.gpus[0].would_cap_w, Some(450.0));
+    assert_eq!(snap.gpus[1].would_cap_w, Some(700.0));
+    // Lease expiry, the fail-safe and a stop write nothing either.
+    assert!(caps(&a.tick(100.0)).is_empty());
+    assert!(a.stop_actions(true).is_empty());
+    // One reload switches to enforcing.
+    let mut on = settings(None);
+    on.enforce = true;
+    a.reload(Ok(on)).expect("reload");
+    a.set_lease(
+        101.0,
+        BTreeMap::from([("7".to_string(), Watts(450.0))]),
+        30.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(101.0)), vec![(0, 450.0)]);
+}
+
+#[test]
+fn caps_are_written_once_and_restored_at_job_end() {
+    let mut a = agent(None);
+    // Nothing to do at the start: every GPU already at its default.
+    assert!(caps(&a.tick(1.0)).is_empty());
+    a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
+        .expect("registered");
+    // Lease arrives: job 7 at 450 W on both GPUs, in one go.
+    a.set_lease(
+        2.0,
+        BTreeMap::from([("7".to_string(), Watts(450.0))]),
+        30.0,
+        None,
+    );
+    let first = caps(&a.tick(2.0));
+    assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
+    for (g, c) in first {
+        a.cap_written(g, Watts(c), None);
+    }
+    assert!(caps(&a.tick(3.0)).is_empty(), "written only on change");
+    assert!(a.end_job("7", 0.0));
+    assert_eq!(caps(&a.tick(4.0)), vec![(0, 700.0), (1, 700.0)]);
+    assert!(!a.end_job("7", 0.0), "ending twice is harmless");
+}
+
+#[test]
+fn degraded_gpus_are_left_alone() {
+    let mut a = agent(None);
+    a.register(0.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex3")
+        .expect("registered");
+    a.sampled(
+        0.0,
+        1,
+        Err(GpuError {
+            index: 1,
+            class: ErrorClass::DeviceLost,
+            message: "GPU is lost".into(),
+        }),
+    );
+    a.set_lease(
+        1.0,
+        BTreeMap::from([("7".to_string(), Watts(400.0))]),
+        30.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(1.0)), vec![(0, 400.0)]);
+    assert!(a.snapshot(1.0).degraded);
+    a.sampled(
+        0.0,
+        2,
+        Err(GpuError {
+            index: 2,
+            class: ErrorClass::Transient,
+            message: "timeout".into(),
+        }),
+    );
+    assert!(
+        a.gpus[2].degraded.is_none(),
+        "a transient error does not degrade"
+    );
+    // The lost GPU answers again (a probe): it is managed again, from the limit it
+    // reads, and gets the job's cap.
+    a.sampled(
+        0.0,
+        1,
+        Ok(GpuSample {
+            power: Watts(650.0),
+            cap: Watts(700.0),
+            ..a.gpus[0].last.expect("a sample of GPU 0")
+        }),
+    );
+    assert!(a.gpus[1].degraded.is_none());
+    assert!(caps(&a.tick(2.0)).contains(&(1, 400.0)));
+}
+
+#[test]
+fn standalone_budget_is_shared_and_unmanaged_jobs_untouched() {
+    let mut a = agent(Some(Watts(2000.0)));
+    a.register(
+        0.0,
+        "7",
+        "0",
+        0,
+        "n1",
+        &["0".into(), "1".into()],
+        "flex3,calibrate=off",
+    )
+    .expect("managed");
+    a.register(0.0, "8", "0", 0, "n1", &["2".into()], "none")
+        .expect("unmanaged");
+    let decided = caps(&a.tick(1.0));
+    // GPUs 2 (unmanaged) and 3 (idle) draw 650 W each: 700 W left for job 7's two GPUs.
+    assert!(
+        decided.iter().all(|&(g, _)| g == 0 || g == 1),
+        "{decided:?}"
+    );
+    let cap = decided[0].1;
+    assert!((200.0..=350.0).contains(&cap), "{decided:?}");
+    assert_eq!(decided[0].1, decided[1].1);
+}
+
+/// Seen: 1,831 W on a 1,500 W node after a walk from 500 W. A curve walked from a
+/// grant down is flat above its top, and the allocation took a cap above the walk
+/// for the power measured at its top: a cap rises above the walk only where the
+/// budget pays for what the GPUs may then draw.
+#[test]
+fn a_curve_walked_from_a_grant_down_lets_no_cap_rise_on_a_guess() {
+    // GPUs 2 and 3 idle at 650 W each: 1,100 W of 2,400 W left for job 7's two GPUs.
+    let mut a = agent(Some(Watts(2400.0)));
+    a.register(
+        0.0,
+        "7",
+        "0",
+        0,
+        "n1",
+        &["0".into(), "1".into()],
+        "flex3,calibrate=off",
+    )
+    .expect("managed");
+    // Walked from 500 W down: 960 W at 500 W, speed rising to it.
+    let walked = [
+        [500.0, 960.0, 100.0],
+        [400.0, 780.0, 90.0],
+        [300.0, 590.0, 75.0],
+    ];
+    a.jobs.get_mut("7").expect("7").calibration.restore(&walked);
+    let decided = caps(&a.tick(1.0));
+    let cap = decided
+        .iter()
+        .find(|&&(g, _)| g == 0)
+        .map(|&(_, c)| c)
+        .expect("job 7 capped");
+    assert_eq!(decided.iter().filter(|&&(g, _)| g == 1).count(), 1);
+    // Above the walk its GPUs may draw up to the cap each: from 960 W at 500 W to
+    // 1,400 W at 700 W. 1,100 W pays for no more than ~563 W.
+    let bound_w = |c: f64| 960.0 + (c - 500.0) / 200.0 * 440.0;
+    assert!(
+        cap >= 500.0,
+        "the budget pays for the walk's top: {decided:?}"
+    );
+    assert!(
+        bound_w(cap) <= 1100.0,
+        "a cap above what the budget pays: {decided:?}"
+    );
+}
+
+/// Issue: `nvidia-smi -pl`, a GPU reset or a second agent changed a limit and the
+/// agent, comparing with its own last write, never noticed.
+#[test]
+fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
+    let mut a = job_7_capped_at_450();
+    a.cap_written(0, Watts(450.0), None);
+    let sample = a.gpus[0].last.expect("a sample of GPU 0");
+    let same = a.sampled(
+        0.0,
+        0,
+        Ok(GpuSample {
+            cap: Watts(450.0),
+            ..sample
+        }),
+    );
+    assert_eq!(same, None);
+    let found = a.sampled(
+        0.0,
+        0,
+        Ok(GpuSample {
+            cap: Watts(700.0),
+            ..sample
+        }),
+    );
+    assert_eq!(
+        found,
+        Some(CapMismatch {
+            gpu: 0,
+            expected: Watts(450.0),
+            found: Watts(700.0)
+        })
+    );
+    assert_eq!(a.cap_mismatches, 1);
+    assert_eq!(a.snapshot(2.0).cap_mismatches, 1);
+    assert_eq!(caps(&a.tick(2.0)), vec![(0, 450.0)], "written again");
+    a.cap_written(0, Watts(450.0), None);
+    // An idle GPU reset to another limit goes back to its default too.
+    let idle = a.gpus[3].last.expect("a sample of GPU 3");
+    assert!(a
+        .sampled(
+            0.0,
+            3,
+            Ok(GpuSample {
+                cap: Watts(300.0),
+                ..idle
+            })
+        )
+        .is_some());
+    assert_eq!(caps(&a.tick(3.0)), vec![(3, 700.0)]);
+}
+
+/// Seen in a clean-clone run: a new grant was written between the change behind the
+/// agent's back and the next sample, so the sample found the agent's own write and
+/// the change was never counted.
+#[test]
+fn a_limit_changed_behind_the_agents_back_is_found_when_a_new_cap_is_written() {
+    let mut a = job_7_capped_at_450();
+    assert_eq!(
+        a.cap_written(0, Watts(450.0), Some(Watts(700.0))),
+        None,
+        "the default, read by the last sample"
+    );
+    a.set_lease(
+        1.5,
+        BTreeMap::from([("7".to_string(), Watts(500.0))]),
+        30.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(2.0)), vec![(0, 500.0)]);
+    // The limit read just before writing 500 W: somebody set 700 W.
+    assert_eq!(
+        a.cap_written(0, Watts(500.0), Some(Watts(700.0))),
+        Some(CapMismatch {
+            gpu: 0,
+            expected: Watts(450.0),
+            found: Watts(700.0)
+        })
+    );
+    assert_eq!(a.cap_mismatches, 1);
+    // The write itself is what the next sample must find.
+    let sample = a.gpus[0].last.expect("a sample of GPU 0");
+    let next = a.sampled(
+        3.0,
+        0,
+        Ok(GpuSample {
+            cap: Watts(500.0),
+            ..sample
+        }),
+    );
+    assert_eq!(next, None);
+    // A limit that could not be read before the write counts nothing.
+    assert_eq!(a.cap_written(0, Watts(500.0), None), None);
+    assert_eq!(a.cap_mismatches, 1);
+}
+
+#[test]
+fn a_reload_keeps_the_node_and_mode_and_reports_a_refusal() {
+    let mut a = agent(None);
+    let mut new = a.settings.clone();
+    new.failsafe_cap = Watts(250.0);
+    new.node = "elsewhere".into();
+    assert!(a.reload(Ok(new.clone())).is_ok());
+    assert_eq!(a.settings.failsafe_cap, Watts(250.0));
+    assert_eq!(
+        a.settings.node, "n1",
+        "the node is fixed for the agent's life"
+    );
+    new.node_budget = Some(Watts(1000.0));
+    assert!(a.reload(Ok(new)).is_err(), "a mode switch needs a restart");
+    assert!(a.reload(Err("bad file".into())).is_err());
+    assert_eq!(a.snapshot(0.0).config_error.as_deref(), Some("bad file"));
+    assert_eq!(
+        a.settings.failsafe_cap,
+        Watts(250.0),
+        "the settings in force stay"
+    );
+}

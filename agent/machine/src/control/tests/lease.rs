@@ -1,0 +1,258 @@
+//! Leases, their epochs, their expiry and the fail-safe.
+
+use super::*;
+
+/// Issue 22, fencing: an agent keeps the highest controller epoch it accepted a
+/// lease from, refuses a lease from a lower one (typed, for the link to tell that
+/// controller) without touching a cap, and keeps refusing it after a restart.
+#[test]
+fn a_lease_from_a_lower_epoch_is_refused_and_a_restart_keeps_refusing_it() {
+    let mut a = started_with(None);
+    let out = a.step(UnixMs(1_000), vec![lease_of_epoch(450.0, 3)]);
+    assert_eq!(out.replies, vec![(0, Reply::Lease(Ok(())))]);
+    let written: Vec<(u32, f64)> = out.cap_writes.iter().map(|w| (w.gpu, w.cap.0)).collect();
+    assert_eq!(written, vec![(0, 450.0), (1, 450.0)]);
+    for w in &out.cap_writes {
+        a.cap_written(w.gpu, w.cap, None);
+    }
+    // The old leader, still running, sends a higher cap: refused, nothing written.
+    let out = a.step(UnixMs(2_000), vec![lease_of_epoch(700.0, 2)]);
+    assert_eq!(
+        out.replies,
+        vec![(
+            0,
+            Reply::Lease(Err(LeaseRefused::StaleEpoch {
+                lease_epoch: 2,
+                accepted_epoch: 3
+            }))
+        )]
+    );
+    assert!(out.cap_writes.is_empty(), "{:?}", out.cap_writes);
+    assert_eq!(
+        a.lease.as_ref().map(|l| l.caps.get("7").copied()),
+        Some(Some(Watts(450.0)))
+    );
+    assert_eq!(a.snapshot(2.0).leases_refused_epoch, 1);
+    // The same epoch goes on steering; a later one takes over.
+    let out = a.step(
+        UnixMs(3_000),
+        vec![lease_of_epoch(440.0, 3), lease_of_epoch(430.0, 5)],
+    );
+    assert_eq!(
+        out.replies,
+        vec![(0, Reply::Lease(Ok(()))), (1, Reply::Lease(Ok(())))]
+    );
+    let saved = out.persist.expect("the new epoch is saved");
+    assert_eq!(saved.controller_epoch, 5);
+    assert_eq!(a.snapshot(3.0).controller_epoch, 5);
+    // A restart from the saved state still refuses epoch 3.
+    let mut b = started_with(Some(saved));
+    let out = b.step(UnixMs(4_000), vec![lease_of_epoch(700.0, 3)]);
+    assert!(matches!(
+        out.replies.as_slice(),
+        [(
+            0,
+            Reply::Lease(Err(LeaseRefused::StaleEpoch {
+                accepted_epoch: 5,
+                ..
+            }))
+        )]
+    ));
+    assert!(out.cap_writes.is_empty());
+    // A single controller's agent (epoch 0 throughout) saves no epoch at all.
+    let mut c = started_with(None);
+    let out = c.step(UnixMs(1_000), vec![lease_of_epoch(450.0, 0)]);
+    assert_eq!(out.replies, vec![(0, Reply::Lease(Ok(())))]);
+    let text = serde_json::to_string(&out.persist.expect("saved")).expect("json");
+    assert!(!text.contains("controller_epoch"), "{text}");
+}
+
+/// A lease message is applied whole, at once: its caps come back as writes (the
+/// controller waits for this node's decreases), the event flag and the jobs that may
+/// be probed are taken, and it is counted.
+#[test]
+fn a_lease_message_is_applied_at_once() {
+    let mut a = agent(None);
+    a.register(
+        0.0,
+        "7",
+        "0",
+        0,
+        "n1",
+        &["0".into(), "1".into()],
+        "flex2,calibrate=off",
+    )
+    .expect("registered");
+    let written = caps(&a.tick(1.0));
+    for (g, c) in written {
+        a.cap_written(g, Watts(c), None);
+    }
+    let actions = a.apply_lease(
+        2.0,
+        LeaseMessage {
+            caps: BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            ttl_s: 30.0,
+            start_cap: Some(Watts(500.0)),
+            recalibrate: vec!["7".into()],
+            learn: vec!["7".into()],
+            next_event_in_s: None,
+            event_in_force: true,
+            epoch: 0,
+        },
+    );
+    assert_eq!(caps(&actions), vec![(0, 450.0), (1, 450.0)]);
+    assert!(a.event_in_force);
+    assert!(a.learn.contains("7"));
+    assert_eq!(a.leases_applied, 1);
+    assert_eq!(
+        a.lease.as_ref().map(|l| (l.expires_at, l.start_cap)),
+        Some((32.0, Some(Watts(500.0))))
+    );
+}
+
+#[test]
+fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
+    let mut a = agent(None);
+    a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex2,calibrate=off")
+        .expect("registered");
+    a.set_lease(
+        1.0,
+        BTreeMap::from([("7".to_string(), Watts(600.0))]),
+        3600.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
+    a.cap_written(0, Watts(600.0), None);
+    // Job 8 starts after the lease (the controller is away): not uncapped.
+    a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+        .expect("registered");
+    assert_eq!(caps(&a.tick(4.0)), vec![(1, 500.0)]);
+}
+
+#[test]
+fn lease_expiry_brings_the_failsafe_cap() {
+    let mut a = agent(None);
+    a.register(0.0, "7", "0", 0, "n1", &["2".into()], "flex2,calibrate=off")
+        .expect("registered");
+    assert_eq!(
+        caps(&a.tick(10.0)),
+        vec![(2, 500.0)],
+        "no cap granted yet: the fail-safe cap, not the GPU's maximum"
+    );
+    assert!(
+        !a.failsafe_active(10.0),
+        "the link itself is not yet overdue"
+    );
+    a.cap_written(2, Watts(500.0), None);
+    assert!(
+        caps(&a.tick(31.0)).is_empty(),
+        "no lease within the TTL: still fail-safe"
+    );
+    assert!(a.failsafe_active(31.0));
+    a.cap_written(2, Watts(500.0), None);
+    a.set_lease(
+        40.0,
+        BTreeMap::from([("7".to_string(), Watts(600.0))]),
+        3600.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
+    a.cap_written(2, Watts(600.0), None);
+    assert_eq!(
+        caps(&a.tick(71.0)),
+        vec![(2, 500.0)],
+        "lease over: fail-safe again"
+    );
+}
+
+/// Issue: two jobs cut below the fail-safe went back up to it when the controller
+/// died, and the site went over its budget.
+#[test]
+fn the_failsafe_never_raises_a_cap() {
+    let mut a = agent(None);
+    a.register(0.0, "7", "0", 0, "n1", &["0".into()], "flex3,calibrate=off")
+        .expect("registered");
+    a.set_lease(
+        1.0,
+        BTreeMap::from([("7".to_string(), Watts(250.0))]),
+        30.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(2.0)), vec![(0, 250.0)]);
+    a.cap_written(0, Watts(250.0), None);
+    assert!(
+        caps(&a.tick(40.0)).is_empty(),
+        "lease over: stays at 250 W, below the 500 W fail-safe"
+    );
+    assert!(a.failsafe_active(40.0));
+    // A grant above the fail-safe still falls to it.
+    a.set_lease(
+        41.0,
+        BTreeMap::from([("7".to_string(), Watts(650.0))]),
+        30.0,
+        None,
+    );
+    assert_eq!(caps(&a.tick(42.0)), vec![(0, 650.0)]);
+    a.cap_written(0, Watts(650.0), None);
+    assert_eq!(caps(&a.tick(80.0)), vec![(0, 500.0)]);
+}
+
+#[test]
+fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
+    let mut a = agent(None);
+    a.set_lease(0.0, BTreeMap::new(), 30.0, Some(Watts(300.0)));
+    a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+        .expect("registered");
+    assert_eq!(caps(&a.tick(2.0)), vec![(1, 300.0)]);
+    a.cap_written(1, Watts(300.0), None);
+    assert!(
+        caps(&a.tick(40.0)).is_empty(),
+        "and stays there when the lease lapses"
+    );
+    // A start cap above the fail-safe is held to it.
+    a.set_lease(41.0, BTreeMap::new(), 30.0, Some(Watts(650.0)));
+    assert_eq!(caps(&a.tick(42.0)), vec![(1, 500.0)]);
+    // Nonsense in a lease is ignored, never applied.
+    a.set_lease(
+        43.0,
+        BTreeMap::from([("8".to_string(), Watts(f64::NAN))]),
+        30.0,
+        Some(Watts(-1.0)),
+    );
+    a.cap_written(1, Watts(500.0), None);
+    assert!(caps(&a.tick(44.0)).is_empty());
+}
+
+/// Issue 24 (seen in the demo): a job walked again during a cut walked from its grant
+/// down and took the grant's speed for the uncapped one.
+#[test]
+fn a_repeated_walk_waits_until_the_job_is_granted_its_uncapped_cap() {
+    let mut a = agent(None);
+    a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex2")
+        .expect("registered");
+    // Walked before (as after a restart): its calibration is done.
+    a.jobs
+        .get_mut("7")
+        .expect("job")
+        .calibration
+        .restore(&[[700.0, 1300.0, 1000.0], [500.0, 1000.0, 900.0]]);
+    let lease = |a: &mut Agent, now: f64, cap: f64| {
+        a.set_lease(
+            now,
+            BTreeMap::from([("7".to_string(), Watts(cap))]),
+            30.0,
+            None,
+        )
+    };
+    lease(&mut a, 2.0, 450.0);
+    assert!(
+        a.recalibrate(3.0, &["7".to_string()]).is_empty(),
+        "not during a cut"
+    );
+    lease(&mut a, 4.0, 700.0);
+    assert_eq!(
+        a.recalibrate(5.0, &["7".to_string()]),
+        ["7"],
+        "once uncapped"
+    );
+}
