@@ -10,6 +10,18 @@
 //!
 //! one cap per job, the same on all its GPUs, clamped to each GPU's constraints and
 //! written only when it changes.
+//!
+//! The types the machine keeps are here; what it does with them is in a child module per
+//! input it handles (children, so [`Agent`]'s fields stay private to `control`):
+//! - `step`: the one entry point, [`Agent::step`], and the inputs and outputs it takes
+//!   and gives;
+//! - `jobs`: registrations and ends; `progress`: progress reports; `lease`: the
+//!   controller's leases; `readings`: what the GPUs and NVML report;
+//! - `tick`: one control period; `caps`: which cap each GPU gets (grants, the fail-safe,
+//!   fail-static through a restart and a stop); `standalone`: the node budget's split;
+//! - `restart`: the state saved for the next run and taken back from it; `shares`: the
+//!   accounting and the final shares kept for the controller; `snapshot`: the status;
+//!   `settings`: the settings from the site config and their reload.
 
 use std::collections::{BTreeMap, BTreeSet};
 
