@@ -1,0 +1,188 @@
+//! Learning in operation, after the walk: steady stretches at one cap cut into windows
+//! that join the curve, probes one step below the grant while an event holds the job
+//! there, and the SM clock that tells a believable curve from one the clocks
+//! contradict.
+
+use powerflex_core::Watts;
+
+use super::{
+    Calibration, Phase, Probe, ProgressLog, Stretch, Window, PROBE_AFTER_WINDOWS, PROBE_WINDOWS,
+};
+
+impl Calibration {
+    /// The job's mean SM clock at `now`, MHz: kept over each window, to check the job's
+    /// reported slowdown against what the cap did to its GPUs.
+    pub fn observe_clock(&mut self, now: f64, sm_clock_mhz: f64) {
+        if !(sm_clock_mhz.is_finite() && sm_clock_mhz > 0.0) {
+            return;
+        }
+        if let Phase::Walking { window_from, .. } = self.phase {
+            if now >= window_from {
+                self.clock_sum += sm_clock_mhz;
+                self.clock_samples += 1;
+            }
+        }
+        if let Some(s) = self.stretch.as_mut() {
+            if now >= s.window_from {
+                s.clock_sum += sm_clock_mhz;
+                s.clock_samples += 1;
+            }
+        }
+    }
+
+    /// Learning in operation: once the walk is done, every steady stretch at one cap is
+    /// cut into windows of `hold_s` that join the job's curve. `held` is the cap the
+    /// job's GPUs read back and since when it has held (agent seconds); the first
+    /// `settle_s` of a stretch are not read. A window needs the job's reports (three or
+    /// more) and its power; one without them is skipped, not guessed.
+    pub fn observe_operation(
+        &mut self,
+        now: f64,
+        log: &ProgressLog,
+        job_power: Option<Watts>,
+        held: Option<(Watts, f64)>,
+    ) {
+        if self.phase != Phase::Done {
+            self.stretch = None;
+            return;
+        }
+        let Some((cap, held_since)) = held else {
+            self.stretch = None;
+            return;
+        };
+        let fresh = self
+            .stretch
+            .as_ref()
+            .is_none_or(|s| (s.cap.0 - cap.0).abs() > 0.5);
+        if fresh {
+            self.stretch = Some(Stretch {
+                cap,
+                window_from: held_since + self.settings.settle_s,
+                power_sum: 0.0,
+                power_samples: 0,
+                clock_sum: 0.0,
+                clock_samples: 0,
+                windows: 0,
+            });
+        }
+        let hold_s = self.settings.hold_s;
+        let Some(s) = self.stretch.as_mut() else {
+            return;
+        };
+        if now < s.window_from {
+            return;
+        }
+        if let Some(p) = job_power {
+            s.power_sum += p.0;
+            s.power_samples += 1;
+        }
+        if now < s.window_from + hold_s {
+            return;
+        }
+        let window = log
+            .rate(s.window_from, now)
+            .filter(|_| s.power_samples > 0)
+            .map(|(rate, noise)| Window {
+                cap,
+                power: Watts(s.power_sum / f64::from(s.power_samples)),
+                throughput: rate,
+                relative_noise: noise,
+                sm_clock_mhz: (s.clock_samples > 0)
+                    .then(|| s.clock_sum / f64::from(s.clock_samples)),
+                learned: true,
+            });
+        s.window_from = now;
+        s.power_sum = 0.0;
+        s.power_samples = 0;
+        s.clock_sum = 0.0;
+        s.clock_samples = 0;
+        if let Some(w) = window {
+            s.windows += 1;
+            self.push_window(w);
+            if self.probe.is_some_and(|p| (p.cap.0 - cap.0).abs() < 0.5) {
+                self.end_probe(now);
+            }
+        }
+    }
+
+    /// Decides whether to probe now, while the budget holds the job at `granted` below
+    /// its uncapped cap (an event's hold): one window `step` below the grant, to learn
+    /// the slope of the curve where the allocator decides. Only when the walk is done,
+    /// the job has held the grant for [`PROBE_AFTER_WINDOWS`] windows, the probe cap is
+    /// at or above `min_cap`, the curve predicts the job within its tier bound there,
+    /// that cap has fewer than [`PROBE_WINDOWS`] windows, and the probes so far cost less
+    /// than the design's token budget over the job's life (a fraction of its tokens so
+    /// far). Lowering a cap below the grant never costs the budget anything.
+    pub fn consider_probe(&mut self, now: f64, granted: Watts, step: Watts, min_cap: Watts) {
+        if self.phase != Phase::Done || self.probe.is_some() || step.0 <= 0.0 {
+            return;
+        }
+        let Some(curve) = self.curve() else {
+            return;
+        };
+        let top = curve.uncapped();
+        if granted.0 >= top.cap_w.0 - 0.5 || top.throughput <= 0.0 {
+            return;
+        }
+        let settled = self
+            .stretch
+            .as_ref()
+            .is_some_and(|s| (s.cap.0 - granted.0).abs() < 0.5 && s.windows >= PROBE_AFTER_WINDOWS);
+        let cap = Watts(granted.0 - step.0);
+        if !settled || cap.0 < min_cap.0 - 0.5 {
+            return;
+        }
+        let loss = 1.0 - curve.at(cap).throughput / top.throughput;
+        if self.bound.is_some_and(|b| loss > b) {
+            return;
+        }
+        let known = self
+            .windows
+            .iter()
+            .filter(|w| (w.cap.0 - cap.0).abs() < 0.5)
+            .count();
+        let age_s = now - self.started_at.unwrap_or(self.registered_at);
+        let allowance = self.settings.budget_fraction * age_s * self.top_throughput;
+        if known >= PROBE_WINDOWS || self.probe_cost >= allowance {
+            return;
+        }
+        self.probe = Some(Probe {
+            cap,
+            granted,
+            since: now,
+        });
+        tracing::debug!(
+            cap_w = cap.0,
+            granted_w = granted.0,
+            "probing one step below the grant"
+        );
+    }
+
+    /// Ends the probe: its cost is booked at the curve's loss between the grant and the
+    /// probe cap over the time held there.
+    fn end_probe(&mut self, now: f64) {
+        let Some(probe) = self.probe.take() else {
+            return;
+        };
+        if let Some(curve) = self.curve() {
+            let lost = (curve.at(probe.granted).throughput - curve.at(probe.cap).throughput)
+                .max(0.0)
+                * (now - probe.since);
+            self.probe_cost += lost;
+            self.cost += lost;
+        }
+    }
+
+    /// A probe whose cap was not held, or that found no window (the job paused, the
+    /// grant moved), ends after three windows' time; a grant that moved ends it at once.
+    pub fn check_probe(&mut self, now: f64, granted: Option<Watts>) {
+        let Some(probe) = self.probe else {
+            return;
+        };
+        let moved = granted.is_none_or(|g| (g.0 - probe.granted.0).abs() > 0.5);
+        let stale = now - probe.since > 3.0 * (self.settings.settle_s + self.settings.hold_s);
+        if moved || stale {
+            self.end_probe(now);
+        }
+    }
+}

@@ -1,0 +1,509 @@
+//! The walk's and learning's tests, on a simulated job and a fake clock.
+
+use super::*;
+
+fn settings() -> CalibrationSettings {
+    CalibrationSettings {
+        grid: [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]
+            .map(Watts)
+            .to_vec(),
+        settle_s: 2.0,
+        hold_s: 5.0,
+        warmup_s: 3.0,
+        steady_cv: 0.05,
+        allowance: 0.05,
+        no_signal_s: 30.0,
+        rewalk_after_s: DEFAULT_REWALK_AFTER_S,
+        budget_fraction: 0.02,
+        expected_cut: 0.3,
+    }
+}
+
+/// Relative throughput of a fake job at a cap: loses (1 - cap/700)/2 (PFI 2).
+fn speed(cap: f64) -> f64 {
+    1.0 - (1.0 - cap / 700.0) / 2.0
+}
+
+/// Drives a calibration with a fake clock: the job reports every 0.1 s at the rate
+/// its current cap allows; power follows the cap.
+fn run(bound: Option<f64>) -> Calibration {
+    run_with(bound, |_, _, _| {}, |_, _| {})
+}
+
+/// [`run`] with hooks on each one-second tick: `before` the calibration's tick (given
+/// the tick's slot and the clock) and `after` it (given the clock).
+fn run_with(
+    bound: Option<f64>,
+    mut before: impl FnMut(f64, f64, &mut Calibration),
+    mut after: impl FnMut(f64, &Calibration),
+) -> Calibration {
+    let mut cal = Calibration::new(settings(), bound, true, 0.0);
+    let mut log = ProgressLog::default();
+    let (mut t, mut count) = (0.0f64, 0.0f64);
+    let mut next_tick = 1.0;
+    while t < 3000.0 && cal.is_active() {
+        let cap = cal.cap().map_or(700.0, |c| c.0);
+        t += 0.1;
+        count += 1000.0 * speed(cap) * 0.1;
+        log.record(t, count);
+        if t >= next_tick {
+            before(next_tick, t, &mut cal);
+            cal.tick(t, &log, Some(Watts(8.0 * cap * 0.985)));
+            after(t, &cal);
+            next_tick += 1.0;
+        }
+    }
+    cal
+}
+
+/// Pre-positioning (issue 16): an event announced to start at 60 s (agent clock),
+/// told to the walk in the middle of it, as a lease would; the walk ends before the
+/// event with a curve, where the full design would still be walking.
+#[test]
+fn an_announced_event_ends_the_walk_before_its_start() {
+    let full = run(Some(0.50));
+    let full_end = full.started_at.expect("started") + full.duration_s().expect("walked");
+    let start = 60.0;
+    assert!(full_end > start, "the full walk ends at {full_end} s");
+    let mut last_walk_s = 0.0;
+    let cal = run_with(
+        Some(0.50),
+        |slot, t, cal| {
+            if (slot - 30.0).abs() < 1e-6 {
+                cal.finish_by(t, start);
+            }
+        },
+        |t, cal| {
+            if cal.cap().is_some() {
+                last_walk_s = t;
+            }
+        },
+    );
+    assert_eq!(cal.phase, Phase::Done);
+    assert!(last_walk_s < start, "walked until {last_walk_s} s");
+    let levels = cal.levels();
+    assert!(levels.len() >= 3, "a curve, not a point: {levels:?}");
+    assert!(cal.curve().is_some());
+}
+
+#[test]
+fn walks_the_grid_and_measures_the_pfi() {
+    let cal = run(Some(0.50));
+    assert_eq!(cal.phase, Phase::Done);
+    assert_eq!(
+        cal.levels().len(),
+        6,
+        "flex3 + 5 % allows the whole grid down to the depth a 30 % cut reaches"
+    );
+    let pfi = cal.pfi().expect("pfi");
+    assert!((pfi - 2.0).abs() < 0.02, "pfi {pfi}");
+    assert!(cal.cost > 0.0);
+    let fraction = cal.cost_fraction().expect("priced");
+    assert!(
+        fraction <= 0.02,
+        "the walk cost {fraction} of first-hour tokens"
+    );
+    // Shallow caps are cheap and read more often than deep ones.
+    let levels = cal.levels();
+    assert!(levels[1].windows > levels[5].windows, "{levels:?}");
+    assert!(cal.duration_s().expect("duration") > 6.0 * 7.0 - 1.0);
+    assert!(cal.curve().is_some());
+}
+
+#[test]
+fn a_tight_bound_stops_the_walk_early() {
+    // flex1: 10 % + 5 % allowance; slowdown reaches 7.1 % at 600 W... 21 % at 400 W.
+    let cal = run(Some(0.10));
+    assert_eq!(cal.phase, Phase::Done);
+    let levels = cal.levels();
+    let deepest = levels.last().expect("levels").cap.0;
+    assert!(deepest >= 500.0, "walked down to {deepest} W");
+    for l in &levels {
+        assert!(1.0 - l.throughput / levels[0].throughput <= 0.15 + 0.01);
+    }
+}
+
+#[test]
+fn skips_when_asked_or_pointless_and_falls_back_without_a_signal() {
+    assert!(matches!(
+        Calibration::new(settings(), Some(0.25), false, 0.0).phase,
+        Phase::Skipped(_)
+    ));
+    assert!(matches!(
+        Calibration::new(settings(), Some(0.0), true, 0.0).phase,
+        Phase::Skipped(_)
+    ));
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    cal.tick(31.0, &ProgressLog::default(), None);
+    assert_eq!(cal.phase, Phase::NoSignal);
+    assert!(cal.on_telemetry_prior());
+    assert!(!cal.is_active(), "no walk holds a job that does not report");
+}
+
+/// A job that reports only after `no_signal_s` (a model loaded for minutes, a process
+/// started late on a loaded node) is calibrated from its first report on: it used to
+/// stay on the telemetry prior for good.
+#[test]
+fn a_job_whose_first_report_comes_late_is_calibrated_from_it() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    cal.tick(31.0, &log, None);
+    assert_eq!(cal.phase, Phase::NoSignal);
+    let mut t = 200.0;
+    log.record(t, 0.0);
+    cal.tick(t, &log, Some(Watts(700.0)));
+    assert_eq!(cal.phase, Phase::Warmup);
+    assert!(!cal.on_telemetry_prior());
+    // Steady reports from then on: the walk starts once warm-up has seen them.
+    let mut count = 0.0;
+    while t < 300.0 && cal.phase == Phase::Warmup {
+        t += 0.1;
+        count += 100.0;
+        log.record(t, count);
+        cal.tick(t, &log, Some(Watts(700.0)));
+    }
+    assert!(
+        matches!(cal.phase, Phase::Walking { .. }),
+        "{:?} at {t} s ({:?})",
+        cal.phase,
+        cal.waiting
+    );
+    assert!(
+        t - 200.0 >= cal.settings.warmup_s,
+        "warm-up counts from the first report"
+    );
+}
+
+/// A job whose steps take 0.8 s (one report each) had at most two reports in a 1 s
+/// window, so warm-up never found five rates and never ended.
+#[test]
+fn a_job_reporting_slower_than_three_times_a_second_leaves_warm_up() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    for k in 1..=100u32 {
+        let t = f64::from(k) * 0.8;
+        log.record(t, f64::from(k) * 1000.0);
+        cal.tick(t, &log, Some(Watts(5600.0)));
+        if cal.started_at.is_some() {
+            break;
+        }
+    }
+    let started = cal.started_at.expect("warm-up ended");
+    assert!(started < 30.0, "after {started} s");
+}
+
+#[test]
+fn a_level_held_below_its_cap_moves_to_the_grant_and_starts_afresh() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    cal.start_design(10.0, None);
+    assert_eq!(cal.cap(), Some(Watts(700.0)));
+    cal.held_below_level(25.0, Watts(600.0));
+    assert_eq!(
+        cal.phase,
+        Phase::Walking {
+            cap: Watts(600.0),
+            since: 25.0,
+            window_from: 27.0
+        }
+    );
+}
+
+/// Issue 13: a job capped from the start restarted its walk at level 0 for as long as
+/// the cap held, so it was never measured.
+#[test]
+fn a_job_capped_from_the_start_is_walked_from_its_grant_down() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    let granted = 450.0;
+    let (mut t, mut count) = (0.0f64, 0.0f64);
+    let mut next_tick = 1.0;
+    while t < 3000.0 && cal.is_active() {
+        let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
+        t += 0.1;
+        count += 1000.0 * speed(cap) * 0.1;
+        log.record(t, count);
+        if t >= next_tick {
+            if cal.cap().is_some_and(|level| granted < level.0 - 0.5) {
+                cal.held_below_level(t, Watts(granted));
+            }
+            cal.tick(t, &log, Some(Watts(8.0 * cap)));
+            next_tick += 1.0;
+        }
+    }
+    assert_eq!(cal.phase, Phase::Done, "{:?}", cal.levels());
+    let levels = cal.levels();
+    assert_eq!(
+        levels[0].cap,
+        Watts(400.0),
+        "the first level at or below the grant"
+    );
+    assert!(levels.iter().all(|l| l.cap.0 <= granted));
+    assert!(levels.len() >= 2);
+}
+
+#[test]
+fn a_grant_below_every_level_left_ends_the_walk() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    cal.start_design(10.0, None);
+    cal.held_below_level(11.0, Watts(150.0));
+    assert!(!cal.is_active());
+    assert!(
+        matches!(cal.phase, Phase::Skipped(_)),
+        "nothing measured: {:?}",
+        cal.phase
+    );
+}
+
+#[test]
+fn a_restored_curve_is_kept_not_walked_again() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    cal.restore(&[
+        [700.0, 5600.0, 1000.0],
+        [500.0, 4000.0, 850.0],
+        [300.0, 2400.0, 700.0],
+    ]);
+    assert_eq!(cal.phase, Phase::Done);
+    assert!(cal.curve().is_some());
+    assert!(cal.pfi().is_some());
+    let mut one = Calibration::new(settings(), Some(0.5), true, 0.0);
+    one.restore(&[[700.0, 5600.0, 1000.0], [f64::NAN, 1.0, 1.0]]);
+    assert_eq!(one.phase, Phase::Warmup, "one valid point is no curve");
+}
+
+#[test]
+fn a_drifted_job_is_walked_again_at_a_bounded_rate_and_keeps_its_curve_meanwhile() {
+    let mut cal = run(Some(0.5));
+    assert_eq!(cal.phase, Phase::Done);
+    let done_at = cal.finished_at.expect("finished");
+    let levels = cal.levels();
+    assert!(!cal.rewalk(done_at + 10.0), "too soon after the last walk");
+    assert!(cal.rewalk(done_at + DEFAULT_REWALK_AFTER_S));
+    assert_eq!(cal.phase, Phase::Warmup);
+    assert_eq!(cal.best_levels(), levels, "the old curve while walking");
+    assert!(
+        !cal.rewalk(done_at + 2.0 * DEFAULT_REWALK_AFTER_S),
+        "only a finished walk is repeated"
+    );
+    cal.rewalks = MAX_REWALKS;
+    cal.phase = Phase::Done;
+    cal.finished_at = Some(0.0);
+    assert!(!cal.rewalk(1e9), "at most MAX_REWALKS repeats");
+}
+
+/// Issue 14: a job's reported curve decides its floor; a job that reports a steep
+/// drop under caps buys a high floor. Its GPUs' clocks say how much a cap can slow it.
+#[test]
+fn a_reported_slowdown_steeper_than_the_clock_is_not_believed() {
+    let level = |cap: f64, throughput: f64, clock: f64| Level {
+        cap: Watts(cap),
+        power: Watts(cap * 4.0),
+        throughput,
+        relative_noise: 0.005,
+        sm_clock_mhz: Some(clock),
+        windows: 1,
+    };
+    // Honest: throughput falls less than the clock (a memory-bound job).
+    let honest = [
+        level(700.0, 1000.0, 1980.0),
+        level(500.0, 930.0, 1600.0),
+        level(300.0, 800.0, 1200.0),
+    ];
+    assert_eq!(implausible(&honest), None);
+    // Compute-bound: throughput falls with the clock, within the margin.
+    let compute = [level(700.0, 1000.0, 1980.0), level(500.0, 800.0, 1600.0)];
+    assert_eq!(implausible(&compute), None);
+    // Words: a 50 % drop while the clock fell 19 %.
+    let inflated = [level(700.0, 1000.0, 1980.0), level(500.0, 500.0, 1600.0)];
+    let why = implausible(&inflated).expect("implausible");
+    assert!(why.contains("500 W"), "{why}");
+    // Without clocks nothing can be said.
+    let blind = [
+        Level {
+            sm_clock_mhz: None,
+            ..level(700.0, 1000.0, 0.0)
+        },
+        level(500.0, 500.0, 1600.0),
+    ];
+    assert_eq!(implausible(&blind), None);
+}
+
+#[test]
+fn an_implausible_walk_ends_on_the_prior_and_is_flagged() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    let (mut t, mut count) = (0.0f64, 0.0f64);
+    let mut next_tick = 1.0;
+    while t < 3000.0 && cal.is_active() {
+        let cap = cal.cap().map_or(700.0, |c| c.0);
+        t += 0.1;
+        // The job claims to lose 2 % of its speed per 10 W of cap.
+        count += 1000.0 * (1.0 - (700.0 - cap) / 500.0).max(0.05) * 0.1;
+        log.record(t, count);
+        if t >= next_tick {
+            // A memory-bound GPU: the clock loses a third of what the cap takes.
+            cal.observe_clock(t, 1980.0 * (1.0 - (700.0 - cap) / 700.0 / 3.0));
+            cal.tick(t, &log, Some(Watts(4.0 * cap)));
+            next_tick += 1.0;
+        }
+    }
+    assert!(
+        matches!(&cal.phase, Phase::Skipped(why) if why.contains("telemetry prior")),
+        "{:?}",
+        cal.phase
+    );
+    assert!(cal.implausible.is_some());
+    assert!(cal.curve().is_none() && cal.pfi().is_none());
+}
+
+/// Runs a finished calibration on in operation from `t` for `seconds`: the budget
+/// holds the job at `granted` (the lease's cap; the probe may go lower), the job
+/// reports every 0.1 s at its rate with 1 % jitter per report, the GPUs read back the
+/// cap written (after one tick). Returns the time reached.
+fn operate(
+    cal: &mut Calibration,
+    log: &mut ProgressLog,
+    t0: f64,
+    seconds: f64,
+    granted: f64,
+    may_probe: bool,
+) -> f64 {
+    let mut t = t0;
+    let mut count = log.last().map_or(0.0, |l| l.1);
+    let mut held: Option<(Watts, f64)> = None;
+    let mut next_tick = t0 + 1.0;
+    let mut k = 0u64;
+    while t < t0 + seconds {
+        let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
+        t += 0.1;
+        k += 1;
+        let jitter = 1.0 + 0.01 * ((k * 7919 % 13) as f64 / 6.0 - 1.0);
+        count += 1000.0 * speed(cap) * 0.1 * jitter;
+        log.record(t, count);
+        if t >= next_tick {
+            next_tick += 1.0;
+            // The GPUs read back the cap written at the last tick.
+            if held.is_none_or(|(c, _)| (c.0 - cap).abs() > 0.5) {
+                held = Some((Watts(cap), t));
+            }
+            cal.observe_operation(t, log, Some(Watts(8.0 * cap)), held);
+            cal.check_probe(t, Some(Watts(granted)));
+            if may_probe {
+                cal.consider_probe(t, Watts(granted), Watts(25.0), Watts(200.0));
+            }
+            assert!(
+                cal.cap().is_none_or(|c| c.0 <= granted),
+                "a probe never raises a job above its grant"
+            );
+        }
+    }
+    t
+}
+
+#[test]
+fn steady_stretches_after_the_walk_refine_the_curve() {
+    let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    assert_eq!(cal.phase, Phase::Done);
+    let before = cal.curve().expect("curve");
+    let windows_at = |cal: &Calibration, cap: f64| {
+        cal.windows
+            .iter()
+            .filter(|w| (w.cap.0 - cap).abs() < 0.5)
+            .count()
+    };
+    let n_before = windows_at(&cal, 500.0);
+    let sigma_before = before.sigma_at(Watts(500.0)).expect("sigma").throughput;
+    // An event holds the job at 500 W for ten minutes.
+    operate(&mut cal, &mut log, t, 600.0, 500.0, false);
+    let after = cal.curve().expect("curve");
+    let n_after = windows_at(&cal, 500.0);
+    let sigma_after = after.sigma_at(Watts(500.0)).expect("sigma").throughput;
+    assert!(
+        n_after > n_before,
+        "windows at 500 W: {n_before} -> {n_after}"
+    );
+    assert!(
+        sigma_after < 0.7 * sigma_before,
+        "sigma at 500 W: {sigma_before} -> {sigma_after}"
+    );
+    assert!(cal.windows.iter().any(|w| w.learned));
+    // The point stays where the job runs.
+    let truth = 1000.0 * speed(500.0);
+    let at = after.at(Watts(500.0)).throughput;
+    assert!((at - truth).abs() / truth < 0.01, "{at} vs {truth}");
+    // Bounded memory: the newest MAX_WINDOWS_PER_CAP per cap.
+    assert_eq!(n_after, MAX_WINDOWS_PER_CAP);
+}
+
+/// Walks a fresh calibration to its end on a fake clock; returns the time reached.
+fn operate_walk(cal: &mut Calibration, log: &mut ProgressLog) -> f64 {
+    let (mut t, mut count) = (0.0f64, 0.0f64);
+    let mut next_tick = 1.0;
+    while t < 3000.0 && cal.is_active() {
+        let cap = cal.cap().map_or(700.0, |c| c.0);
+        t += 0.1;
+        count += 1000.0 * speed(cap) * 0.1;
+        log.record(t, count);
+        if t >= next_tick {
+            cal.tick(t, log, Some(Watts(8.0 * cap)));
+            next_tick += 1.0;
+        }
+    }
+    t
+}
+
+#[test]
+fn an_events_hold_probes_one_step_below_the_grant_within_budget_and_bound() {
+    // A coarse grid: the walk never reads 475 W.
+    let mut s = settings();
+    s.grid = [700.0, 500.0, 300.0].map(Watts).to_vec();
+    let mut cal = Calibration::new(s, Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    assert_eq!(cal.phase, Phase::Done);
+    assert!(cal
+        .curve()
+        .expect("curve")
+        .knots()
+        .iter()
+        .all(|k| k.cap_w.0 != 475.0));
+    let t = operate(&mut cal, &mut log, t, 900.0, 500.0, true);
+    let probed = cal
+        .windows
+        .iter()
+        .filter(|w| (w.cap.0 - 475.0).abs() < 0.5)
+        .count();
+    assert!(
+        (1..=PROBE_WINDOWS).contains(&probed),
+        "windows at the probe cap: {probed}"
+    );
+    let curve = cal.curve().expect("curve");
+    assert!(
+        curve.knots().iter().any(|k| k.cap_w.0 == 475.0),
+        "a new point"
+    );
+    let truth = 1000.0 * speed(475.0);
+    let at = curve.at(Watts(475.0)).throughput;
+    assert!((at - truth).abs() / truth < 0.01, "{at} vs {truth}");
+    assert!(cal.probe_cost > 0.0);
+    let age = t - cal.started_at.expect("started");
+    assert!(
+        cal.probe_cost <= 0.02 * age * cal.top_throughput + 1000.0 * 0.05 * 40.0,
+        "probes stay within the token budget (one probe's overshoot at most)"
+    );
+    // Uncapped (no event): no probe.
+    let mut idle = Calibration::new(settings(), Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut idle, &mut log);
+    operate(&mut idle, &mut log, t, 300.0, 700.0, true);
+    assert_eq!(idle.probe_cost, 0.0);
+    // A probe the tier bound forbids: flex1 at a grant where one step more breaks it.
+    let mut tight = Calibration::new(settings(), Some(0.10), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut tight, &mut log);
+    assert_eq!(tight.phase, Phase::Done, "{:?}", tight.phase);
+    // 560 W loses exactly 10 %; 535 W would lose 11.8 %.
+    operate(&mut tight, &mut log, t, 300.0, 560.0, true);
+    assert!(tight.windows.iter().all(|w| (w.cap.0 - 535.0).abs() > 0.5));
+}
