@@ -19,6 +19,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, select, tick, Receiver, Sender};
+use powerflex_agent_machine::MachineError;
 use powerflex_daemon::clock::{Clock, UnixMs};
 use powerflex_daemon::os::FileLock;
 use powerflex_proto::ControlReply;
@@ -241,7 +242,8 @@ impl Responder {
                 let _ = tx.send(*r);
             }
             (Responder::Progress(tx), Reply::Progress(r)) => {
-                let _ = tx.send(r);
+                // The reporter is told why in the machine's words.
+                let _ = tx.send(r.map_err(|e| e.to_string()));
             }
             (Responder::Lease(tx), Reply::Lease(r)) => {
                 let _ = tx.send(r);
@@ -600,6 +602,7 @@ pub fn run(
             }
             recv(reloads) -> reload => {
                 if let Ok(reload) = reload {
+                    let reload = reload.map_err(MachineError::SiteConfig);
                     edge.drive(vec![AgentInput::Reload(reload)], Vec::new());
                 }
             }

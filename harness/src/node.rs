@@ -42,7 +42,7 @@ const STEP: &str = "0";
 /// The agent's settings from the site config, as `powerflexd` reads them for its GPUs.
 pub fn settings(site: &SiteConfig, node: &str) -> Result<AgentSettings, HarnessError> {
     AgentSettings::from_site(site, node, h200::NAME, "harness".to_string())
-        .map_err(HarnessError::Site)
+        .map_err(|e| HarnessError::Site(e.to_string()))
 }
 
 /// What the node's host shows: the site's record of it, from which the edge's reads

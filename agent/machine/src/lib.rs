@@ -17,9 +17,12 @@
 
 pub mod calibration;
 pub mod control;
+mod error;
 pub mod gpu;
 pub mod saved;
 pub mod usage;
+
+pub use error::MachineError;
 
 /// A job as this host can tell it apart: its id and the cluster of its step daemons
 /// (the test clusters run several `slurmd -N` on one machine, and job ids repeat

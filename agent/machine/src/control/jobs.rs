@@ -12,6 +12,7 @@ use super::{Agent, Job, Registered, ADOPTED_STEP, BATCH_STEP_NAME};
 use crate::calibration::{Calibration, ProgressLog};
 use crate::usage::JobUsage;
 use crate::JobKey;
+use crate::MachineError;
 
 impl Agent {
     /// The slot of the GPU a registration names, by index or UUID.
@@ -33,12 +34,12 @@ impl Agent {
         node: &str,
         gpus: &[String],
         flex: &str,
-    ) -> Result<Registered, String> {
+    ) -> Result<Registered, MachineError> {
         if node != self.settings.node {
-            return Err(format!(
-                "this agent serves node {}, not {node}; check the plugin's socket= argument",
-                self.settings.node
-            ));
+            return Err(MachineError::WrongNode {
+                serves: self.settings.node.clone(),
+                asked: node.to_string(),
+            });
         }
         let request = if flex.trim().is_empty() {
             FlexRequest {
@@ -47,14 +48,19 @@ impl Agent {
                 preempt: None,
             }
         } else {
-            parse_power_flex(flex, &self.settings.tiers).map_err(|e| e.to_string())?
+            parse_power_flex(flex, &self.settings.tiers)?
         };
-        let refs = parse_gpu_list(&gpus.join(",")).map_err(|e| e.to_string())?;
+        let refs = parse_gpu_list(&gpus.join(","))?;
         let mut indices = Vec::new();
         for r in &refs {
             match self.slot_of(r) {
                 Some(i) => indices.push(i as u32),
-                None => return Err(format!("no GPU {r} on node {}", self.settings.node)),
+                None => {
+                    return Err(MachineError::NoSuchGpu {
+                        gpu: r.clone(),
+                        node: self.settings.node.clone(),
+                    })
+                }
             }
         }
         // Slurm gives a GPU to one job at a time: a step naming a GPU of a job that is
@@ -72,10 +78,10 @@ impl Agent {
                         .is_some_and(|t| now - t < self.settings.job_end_grace_s)
                 });
             if let Some(owner) = running_owner {
-                return Err(format!(
-                    "GPU {} belongs to running job {}; a step may register only the GPUs Slurm gave it",
-                    slot.identity.index, owner.id
-                ));
+                return Err(MachineError::GpuOfRunningJob {
+                    gpu: slot.identity.index,
+                    owner: owner.id.clone(),
+                });
             }
         }
         let tier = request.to_string();
@@ -155,7 +161,7 @@ impl Agent {
         job_id: &str,
         step_id: &str,
         now: f64,
-    ) -> Result<Option<NodeUsage>, String> {
+    ) -> Result<Option<NodeUsage>, MachineError> {
         // The share stays among the unacknowledged ones until the controller has its
         // record: a cancel's race (extern step first) is a second or so, well inside.
         let ended_here = |agent: &Agent| {
@@ -175,7 +181,7 @@ impl Agent {
                     return Ok(Some(share));
                 }
             }
-            return Err(format!("no job {job_id} on this node"));
+            return Err(MachineError::NoSuchJob(job_id.to_string()));
         };
         job.steps.remove(step_id);
         if step_id != BATCH_STEP_NAME {

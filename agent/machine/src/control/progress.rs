@@ -4,6 +4,7 @@ use powerflex_proto::ProgressReport;
 
 use super::{Agent, Job, ReportSender};
 use crate::calibration::Recorded;
+use crate::MachineError;
 
 impl Agent {
     /// A progress report as it came off the progress socket: accepted when `sender` may
@@ -15,24 +16,26 @@ impl Agent {
         now: f64,
         sender: &ReportSender,
         report: &ProgressReport,
-    ) -> Result<(), String> {
+    ) -> Result<(), MachineError> {
         let outcome = match self.jobs.get(&report.job_id) {
-            None => Err(format!("no job {} on this node", report.job_id)),
-            Some(job) if job.uid != sender.uid && sender.uid != 0 => Err(format!(
-                "uid {} may not report for job {} (owned by uid {})",
-                sender.uid, report.job_id, job.uid
-            )),
+            None => Err(MachineError::NoSuchJob(report.job_id.clone())),
+            Some(job) if job.uid != sender.uid && sender.uid != 0 => {
+                Err(MachineError::NotJobOwner {
+                    uid: sender.uid,
+                    job_id: report.job_id.clone(),
+                    owner: job.uid,
+                })
+            }
             // Same id, another cluster on this host (the test clusters): not this job.
             Some(Job {
                 cluster: Some(cluster),
                 ..
-            }) if *cluster != sender.cluster => Err(format!(
-                "process {} runs in job {} of another Slurm cluster ({}) than this node's job {}",
-                sender.pid,
-                sender.step_job,
-                sender.cluster.as_deref().unwrap_or("the default config"),
-                report.job_id
-            )),
+            }) if *cluster != sender.cluster => Err(MachineError::OtherCluster {
+                pid: sender.pid,
+                step_job: sender.step_job.clone(),
+                cluster: sender.cluster.clone(),
+                job_id: report.job_id.clone(),
+            }),
             Some(_) => self.progress(now, &report.job_id, sender.pid, report.tokens, report.steps),
         };
         if outcome.is_err() {
@@ -56,11 +59,11 @@ impl Agent {
         source: u32,
         tokens: u64,
         steps: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), MachineError> {
         let job = self
             .jobs
             .get_mut(job_id)
-            .ok_or_else(|| format!("no job {job_id} on this node"))?;
+            .ok_or_else(|| MachineError::NoSuchJob(job_id.to_string()))?;
         let count = if tokens > 0 {
             tokens as f64
         } else {

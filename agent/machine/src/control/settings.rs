@@ -4,6 +4,7 @@ use powerflex_core::config::SiteConfig;
 
 use super::{Agent, AgentSettings};
 use crate::calibration::CalibrationSettings;
+use crate::MachineError;
 
 impl AgentSettings {
     /// The settings from a validated site config for `node`'s GPUs, named `gpu_name` by
@@ -15,17 +16,13 @@ impl AgentSettings {
         node: &str,
         gpu_name: &str,
         progress_address: String,
-    ) -> Result<AgentSettings, String> {
-        let model = site.gpu_model_for(gpu_name).ok_or_else(|| {
-            format!(
-                "no [gpu_models.*] section matches the GPU \"{gpu_name}\"; the config has: {}",
-                site.gpu_models
-                    .iter()
-                    .map(|m| m.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        })?;
+    ) -> Result<AgentSettings, MachineError> {
+        let model = site
+            .gpu_model_for(gpu_name)
+            .ok_or_else(|| MachineError::NoGpuModel {
+                gpu: gpu_name.to_string(),
+                models: site.gpu_models.iter().map(|m| m.name.clone()).collect(),
+            })?;
         Ok(AgentSettings {
             node: node.to_string(),
             tiers: site.tiers.table.clone(),
@@ -61,10 +58,13 @@ impl Agent {
     /// Applies re-read settings (SIGHUP). The node name, the progress address and the
     /// mode (standalone or controller) are fixed for the agent's life; new calibration
     /// settings apply to jobs registered from now on, the rest at the next tick.
-    pub(super) fn reload(&mut self, new: Result<AgentSettings, String>) -> Result<(), String> {
+    pub(super) fn reload(
+        &mut self,
+        new: Result<AgentSettings, MachineError>,
+    ) -> Result<(), MachineError> {
         let checked = new.and_then(|new| {
             if new.node_budget.is_some() != self.settings.node_budget.is_some() {
-                Err("switching between standalone (agent.node_budget_w) and controller mode needs a restart".to_string())
+                Err(MachineError::ModeSwitchNeedsRestart)
             } else {
                 Ok(new)
             }
@@ -80,7 +80,7 @@ impl Agent {
                 Ok(())
             }
             Err(e) => {
-                self.config_error = Some(e.clone());
+                self.config_error = Some(e.to_string());
                 Err(e)
             }
         }

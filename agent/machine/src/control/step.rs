@@ -28,7 +28,7 @@ use super::{
 };
 use crate::gpu::{GpuError, GpuSample};
 use crate::saved::PersistedState;
-use crate::JobKey;
+use crate::{JobKey, MachineError};
 
 /// The machine's seconds at `now`: the one place `f64` time is made from a [`UnixMs`].
 fn seconds(now: UnixMs) -> f64 {
@@ -85,7 +85,7 @@ pub enum AgentInput {
     /// edge sends it with the readings [`Agent::reads_due`] asked for, before it.
     Tick,
     /// The site config was re-read (SIGHUP), or why it could not be.
-    Reload(Result<AgentSettings, String>),
+    Reload(Result<AgentSettings, MachineError>),
     /// The agent stops: GPUs of no running job back to their defaults (every GPU with
     /// `release_jobs`, decommissioning), the state saved.
     Stop { release_jobs: bool },
@@ -203,7 +203,7 @@ pub enum Reply {
     /// progress verdicts are small and frequent).
     Control(Box<ControlReply>),
     /// To an [`AgentInput::Progress`]: accepted, or why not (sent to the reporter).
-    Progress(Result<(), String>),
+    Progress(Result<(), MachineError>),
     /// To an [`AgentInput::Lease`]: applied, or why not (the link tells the controller).
     Lease(Result<(), LeaseRefused>),
 }
@@ -654,7 +654,7 @@ impl Agent {
                             ..ControlReply::ok()
                         }
                     }
-                    Err(e) => ControlReply::error(e),
+                    Err(e) => ControlReply::error(e.to_string()),
                 }
             }
             ControlOp::EndJob { job_id } => {
@@ -721,11 +721,10 @@ impl Agent {
             Some(refusal) => {
                 self.gpu_claims_refused += 1;
                 warn!(step_id = %step_id, gpu = refusal.gpu, used_by = ?refusal.used_by, "GPU claim refused at registration: other jobs' processes run on it");
-                Err(format!(
-                    "GPU {} runs processes of job {}: a step may register only the GPUs Slurm gave it",
-                    refusal.gpu,
-                    refusal.used_by.join(", ")
-                ))
+                Err(MachineError::GpuUsedByOthers {
+                    gpu: refusal.gpu,
+                    used_by: refusal.used_by,
+                })
             }
             None => self.register(now, job_id, step_id, uid, node, gpus, flex),
         };
@@ -753,7 +752,7 @@ impl Agent {
             }
             Err(e) => {
                 warn!(step_id = %step_id, error = %e, "registration refused");
-                ControlReply::error(e)
+                ControlReply::error(e.to_string())
             }
         }
     }

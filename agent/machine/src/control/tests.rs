@@ -8,6 +8,7 @@ use super::*;
 use crate::calibration::Phase;
 use crate::gpu::{ErrorClass, GpuError};
 use crate::saved::PersistedState;
+use crate::MachineError;
 
 mod caps;
 mod jobs;

@@ -301,7 +301,9 @@ fn a_reload_keeps_the_node_and_mode_and_reports_a_refusal() {
     );
     new.node_budget = Some(Watts(1000.0));
     assert!(a.reload(Ok(new)).is_err(), "a mode switch needs a restart");
-    assert!(a.reload(Err("bad file".into())).is_err());
+    assert!(a
+        .reload(Err(MachineError::SiteConfig("bad file".into())))
+        .is_err());
     assert_eq!(a.snapshot(0.0).config_error.as_deref(), Some("bad file"));
     assert_eq!(
         a.settings.failsafe_cap,

@@ -16,14 +16,17 @@ fn registration_resolves_gpus_and_validates() {
     assert!(a
         .register(0.0, "8", "0", 0, "n2", &["0".into()], "flex2")
         .expect_err("wrong node")
+        .to_string()
         .contains("serves node n1"));
     assert!(a
         .register(0.0, "8", "0", 0, "n1", &["9".into()], "flex2")
         .expect_err("no gpu")
+        .to_string()
         .contains("no GPU 9"));
     assert!(a
         .register(0.0, "8", "0", 0, "n1", &["0".into()], "gold")
         .expect_err("tier")
+        .to_string()
         .contains("unknown tier"));
     let none = a
         .register(0.0, "9", "0", 0, "n1", &["0".into()], "")
@@ -215,7 +218,8 @@ fn a_running_jobs_gpus_cannot_be_claimed_by_another() {
     );
     let refused = a
         .register(2.0, "66", "0", 1000, "n1", &["1".into()], "flex3")
-        .expect_err("GPU 1 is job 7's");
+        .expect_err("GPU 1 is job 7's")
+        .to_string();
     assert!(refused.contains("belongs to running job 7"), "{refused}");
     assert_eq!(a.gpus[1].job.as_deref(), Some("7"));
     assert!(!a.jobs.contains_key("66"));

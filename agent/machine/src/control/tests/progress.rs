@@ -51,7 +51,7 @@ fn progress_is_taken_only_from_the_jobs_owner_or_root_of_its_cluster() {
     ];
     let reasons: Vec<String> = refused
         .into_iter()
-        .map(|r| r.expect_err("refused"))
+        .map(|r| r.expect_err("refused").to_string())
         .collect();
     assert!(
         reasons[0].contains("uid 1001 may not report for job 1"),
