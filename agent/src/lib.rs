@@ -9,11 +9,12 @@
 //!   `nvml-wrapper`);
 //! - [`calibration`], [`control`], [`usage`]: the pure machine, in its own crate
 //!   (`powerflex-agent-machine`, no I/O dependency, re-exported here);
-//! - [`server`], [`link`], [`metrics`], [`persist`], [`run`]: sockets, the controller
-//!   link, Prometheus, state on disk, and the control loop that ties them together.
+//! - [`server`], [`controller_link`], [`metrics`], [`persist`], [`run`]: sockets, the
+//!   link to the controller, Prometheus, state on disk, and the control loop that ties
+//!   them together.
 
 pub mod backend;
-pub mod link;
+pub mod controller_link;
 pub mod metrics;
 pub mod persist;
 pub mod procs;

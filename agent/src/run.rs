@@ -44,7 +44,7 @@ pub struct RunOptions {
     /// How often GPUs are sampled and caps reconciled.
     pub sample_interval: Duration,
     /// The controller link (controller mode with a readable site key), or none.
-    pub link: Option<crate::link::LinkOptions>,
+    pub link: Option<crate::controller_link::LinkOptions>,
     /// On exit, every GPU back to its default, the GPUs of running jobs too
     /// (decommissioning a node). Off: running jobs keep their caps (fail-static).
     pub release_on_exit: bool,
@@ -695,7 +695,7 @@ fn spawn_edges(
             .collect::<Vec<_>>()
             .join(", ");
         threads.push(
-            crate::link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
+            crate::controller_link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
                 |source| AgentError::Io {
                     what: "thread for the controller link to",
                     path: addr,
