@@ -6,7 +6,7 @@
 //! allocation period, and hands every authenticated lease for this node from the
 //! controller to the control loop. A reader thread per connection turns bytes into
 //! lines. On any failure the connection is dropped and the next controller address
-//! tried (`controller.listen`, then `controller.standby_addresses`, issue 22): a standby
+//! tried (`controller.listen`, then `controller.standby_addresses`): a standby
 //! answers a hello with `Body::Standby`, a controller whose leases this node refuses for
 //! their epoch is told so (`Body::Fenced`), and one that sent no lease for
 //! [`LinkOptions::silent_after`] is left (a frozen or cut-off controller keeps the

@@ -219,7 +219,7 @@ mod tests {
         });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));
-        // It names jobs and their owners: root's to read only (issue 14 item 7).
+        // It names jobs and their owners: root's to read only.
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(state_path(&dir))
             .expect("meta")
@@ -240,9 +240,10 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Issue 14: the agent adopted any process whose environment held SLURM_JOB_ID,
-    /// POWERFLEX_TIER, SLURMD_NODENAME and a GPU list; a `sleep` with a forged
-    /// environment became job 666 and took another job's GPUs.
+    /// Only processes of real steps are taken back, never by their environment: a
+    /// `sleep` whose forged environment holds SLURM_JOB_ID, POWERFLEX_TIER,
+    /// SLURMD_NODENAME and a GPU list must not become job 666 and take another job's
+    /// GPUs.
     #[test]
     fn only_processes_of_real_steps_on_this_nodes_gpus_are_taken_back() {
         use crate::procs::ProcEntry;

@@ -388,8 +388,8 @@ mod tests {
         }
     }
 
-    /// Issue 14: progress was authorised by the sender's own `SLURM_JOB_ID`. A forged
-    /// environment names no job; only the root-owned step daemon above a process does.
+    /// A process is attributed to a job by the root-owned step daemon above it, never by
+    /// its own `SLURM_JOB_ID`: a forged environment names no job.
     #[test]
     fn a_fake_proc_tree_is_attributed_by_ancestry_not_environment() {
         let fake = FakeProc::new("ancestry");

@@ -695,13 +695,12 @@ fn spawn_edges(
             .collect::<Vec<_>>()
             .join(", ");
         threads.push(
-            crate::controller_link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown)).map_err(
-                |source| AgentError::Io {
+            crate::controller_link::spawn(link, snapshot.clone(), tx.clone(), Arc::clone(shutdown))
+                .map_err(|source| AgentError::Io {
                     what: "thread for the controller link to",
                     path: addr,
                     source,
-                },
-            )?,
+                })?,
         );
     }
     Ok(Edges { threads, metrics })

@@ -428,7 +428,7 @@ fn serve_progress(
     // first. Each line is read (and its arrival time taken) as soon as it comes, never
     // after the loop's verdict on the one before: a loop busy for 200 ms would otherwise
     // stamp every report queued behind it late, and a rate measured from arrival times
-    // would read slow (issue 23's CI: measured PFIs 10 % off on a loaded machine).
+    // would read slow (on a loaded machine, measured PFIs come out 10 % off that way).
     let mut pending: VecDeque<Receiver<Result<(), String>>> = VecDeque::new();
     // The newest report read while the loop held MAX_REPORTS_IN_FLIGHT of this
     // connection's, with its arrival time: handed on once the loop answers, unless a
@@ -633,9 +633,10 @@ mod tests {
         });
     }
 
-    /// Issue 23's CI: the connection waited for the loop's verdict on each report before
-    /// reading the next, so a busy loop stamped every report queued behind it late and
-    /// the measured rates (and PFIs) came out wrong on a loaded machine.
+    /// The connection reads the next report without waiting for the loop's verdict on
+    /// the last: a connection that waited would, behind a busy loop, stamp every report
+    /// queued behind it late, and the measured rates (and PFIs) would come out wrong on
+    /// a loaded machine.
     #[test]
     fn a_report_is_stamped_when_it_arrives_not_when_the_loop_is_free() {
         let (mut job, agent_end) = UnixStream::pair().expect("socket pair");
@@ -658,8 +659,8 @@ mod tests {
             job.write_all(&third.as_bytes()[..10]).expect("write");
             std::thread::sleep(Duration::from_millis(60));
             job.write_all(&third.as_bytes()[10..]).expect("write");
-            // A loop busy for 400 ms per report: the old connection read the second
-            // report only after the first verdict, 400 ms late.
+            // A loop busy for 400 ms per report: a connection waiting for each verdict
+            // would read the second report only after the first verdict, 400 ms late.
             let mut stamps = Vec::new();
             let mut verdicts = Vec::new();
             for _ in 0..3 {

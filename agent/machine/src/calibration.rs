@@ -137,7 +137,7 @@ pub enum Phase {
     /// No progress report came within `no_signal_s` of registration: the job is planned
     /// on the telemetry prior meanwhile, and its first report starts the warm-up. Not an
     /// end: a real job may load its model and data for many minutes before its first
-    /// step, and a loaded node may start a job's process late; either used to leave the
+    /// step, and a loaded node may start a job's process late; neither may leave the
     /// job on the prior for good.
     NoSignal,
     /// Not calibrated, and why (calibrate=off, flex0, too few levels, a curve the clocks

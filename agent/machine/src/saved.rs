@@ -57,7 +57,7 @@ pub struct PersistedState {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unacked_finals: Vec<UnackedFinal>,
     /// The highest controller leadership epoch a lease was accepted from: a restarted
-    /// agent still refuses the leases of a controller that lost leadership (issue 22).
+    /// agent still refuses the leases of a controller that lost leadership.
     /// Absent in files from older agents and under a single controller (0).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub controller_epoch: u64,

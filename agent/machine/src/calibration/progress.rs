@@ -148,8 +148,8 @@ fn trim_excursions(points: &[(f64, f64)], first: &TimeOnCount) -> Option<Vec<(f6
     let limit = (TRIM_MADS * MAD_TO_SIGMA * median_of(&deviations)).max(TRIM_FLOOR_S);
     let mut off: Vec<bool> = deviations.iter().map(|d| *d > limit).collect();
     // A run at the window's start that is late (above the line) is a stall before the
-    // window whose catch-up fell inside it: the demo's job 2 once read its first window
-    // at a new cap 0.6 % fast that way. Early points at the start are a slow step just
+    // window whose catch-up fell inside it: left in, it reads a first window at a new
+    // cap fast (0.6 % in a demo job). Early points at the start are a slow step just
     // after them, and every later point carries its time: kept. A run at the end is
     // kept too: late points there may be a slow step or a stall, and nothing shows
     // that they come back to the line.
@@ -451,9 +451,9 @@ fn series_rate(inside: &[(f64, f64)]) -> Option<(f64, f64)> {
     let median = rates[rates.len() / 2];
     // A pause is slow and long: at least PAUSE_GAPS report gaps. A report the agent
     // read 60 ms late at a 50 ms pace makes its interval read slow and the next one
-    // fast; cutting out only the slow one booked the late report's time nowhere and
-    // its counts in the fast interval, a rate a few per cent high (the demo's job 4
-    // once read 1.2 % high at its lowest cap, its PFI 14 % off).
+    // fast; cutting out only the slow one would book the late report's time nowhere
+    // and its counts in the fast interval, a rate a few per cent high (1.2 % at a
+    // demo job's lowest cap, its PFI 14 % off).
     // Consecutive slow intervals count together (a job whose reporter runs on a
     // timer reports zero progress every gap of its pause).
     let slow: Vec<bool> = intervals

@@ -56,7 +56,7 @@ fn run_with(
     cal
 }
 
-/// Pre-positioning (issue 16): an event announced to start at 60 s (agent clock),
+/// Pre-positioning: an event announced to start at 60 s (agent clock),
 /// told to the walk in the middle of it, as a lease would; the walk ends before the
 /// event with a curve, where the full design would still be walking.
 #[test]
@@ -141,8 +141,8 @@ fn skips_when_asked_or_pointless_and_falls_back_without_a_signal() {
 }
 
 /// A job that reports only after `no_signal_s` (a model loaded for minutes, a process
-/// started late on a loaded node) is calibrated from its first report on: it used to
-/// stay on the telemetry prior for good.
+/// started late on a loaded node) is calibrated from its first report on, not left on
+/// the telemetry prior for good.
 #[test]
 fn a_job_whose_first_report_comes_late_is_calibrated_from_it() {
     let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
@@ -208,8 +208,8 @@ fn a_level_held_below_its_cap_moves_to_the_grant_and_starts_afresh() {
     );
 }
 
-/// Issue 13: a job capped from the start restarted its walk at level 0 for as long as
-/// the cap held, so it was never measured.
+/// A job capped from the start is walked from its grant down: restarting its walk at
+/// level 0 for as long as the cap held would never measure it.
 #[test]
 fn a_job_capped_from_the_start_is_walked_from_its_grant_down() {
     let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
@@ -290,7 +290,7 @@ fn a_drifted_job_is_walked_again_at_a_bounded_rate_and_keeps_its_curve_meanwhile
     assert!(!cal.rewalk(1e9), "at most MAX_REWALKS repeats");
 }
 
-/// Issue 14: a job's reported curve decides its floor; a job that reports a steep
+/// A job's reported curve decides its floor; a job that reports a steep
 /// drop under caps buys a high floor. Its GPUs' clocks say how much a cap can slow it.
 #[test]
 fn a_reported_slowdown_steeper_than_the_clock_is_not_believed() {

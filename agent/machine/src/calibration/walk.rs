@@ -175,7 +175,7 @@ impl Calibration {
 
     /// An announced grid event starts at `deadline` (agent seconds): the walk under way,
     /// or the one still to start, is compressed to end a window before it, so that the
-    /// job's curve is measured before the cut (issue 16, pre-positioning; see
+    /// job's curve is measured before the cut (pre-positioning; see
     /// `DesignWalk::finish_within`). When the compressed design moves on from the level
     /// held, the window under way is dropped, so no reading is labelled with a cap other
     /// than the one it was taken at.

@@ -1,6 +1,6 @@
 //! Jobs come and go: a step's registration (checked against the GPUs Slurm gave it),
-//! step and job ends, and jobs whose end never arrived, found by their step daemons
-//! being gone from the host.
+//! step and job ends, and jobs whose end never arrived, ended once their step daemons
+//! are gone from the host.
 
 use std::collections::BTreeSet;
 

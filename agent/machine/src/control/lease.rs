@@ -20,7 +20,7 @@ impl Agent {
             tracing::info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
         }
         if let Some(in_s) = lease.next_event_in_s {
-            // Walks end before an announced event (pre-positioning, issue 16).
+            // Walks end before an announced event (pre-positioning).
             self.event_ahead(now, in_s);
         }
         self.set_lease(now, lease.caps, lease.ttl_s, lease.start_cap);

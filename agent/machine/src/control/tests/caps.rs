@@ -192,8 +192,8 @@ fn a_curve_walked_from_a_grant_down_lets_no_cap_rise_on_a_guess() {
     );
 }
 
-/// Issue: `nvidia-smi -pl`, a GPU reset or a second agent changed a limit and the
-/// agent, comparing with its own last write, never noticed.
+/// A limit changed by `nvidia-smi -pl`, a GPU reset or a second agent is noticed: the
+/// agent compares what the GPU reads back, not only its own last write.
 #[test]
 fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
     let mut a = job_7_capped_at_450();

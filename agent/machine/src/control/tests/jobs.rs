@@ -103,8 +103,8 @@ fn a_registration_through_the_step_is_checked_capped_then_answered() {
     assert_eq!(status.jobs[0].job, "7");
 }
 
-/// Issue 13: a job whose epilog never reached the agent stayed registered, capped
-/// and paid for, forever.
+/// A job whose epilog never reaches the agent must not stay registered, capped and
+/// paid for, forever.
 #[test]
 fn a_job_whose_step_daemons_are_gone_is_ended_after_the_grace() {
     let mut a = agent(None);
@@ -165,8 +165,8 @@ fn a_job_whose_step_daemons_are_gone_is_ended_after_the_grace() {
     assert_eq!(a.jobs_alive(631.0, &only_8), vec!["10".to_string()]);
 }
 
-/// Issue 21: without `PrologFlags=Contain`, or with the end-of-job notice lost, the
-/// next job on a GPU was refused as "belongs to running job A", then ran unmanaged.
+/// Without `PrologFlags=Contain`, or with the end-of-job notice lost, the next job on a
+/// GPU must not be refused as "belongs to running job A" (it would run unmanaged).
 #[test]
 fn a_gpu_of_a_job_whose_step_daemons_are_gone_goes_to_the_next_job_at_once() {
     let mut a = agent(None);
@@ -204,7 +204,7 @@ fn a_gpu_of_a_job_whose_step_daemons_are_gone_goes_to_the_next_job_at_once() {
         .is_empty());
 }
 
-/// Issue 14: a step Slurm gave no GPUs, with GPU variables the user exported, took
+/// A step Slurm gave no GPUs, with GPU variables the user exported, must not take
 /// another job's GPUs.
 #[test]
 fn a_running_jobs_gpus_cannot_be_claimed_by_another() {
@@ -266,8 +266,8 @@ fn a_gpu_used_only_by_another_jobs_processes_leaves_the_claimant() {
     assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
 }
 
-/// Issue 23 review, defect 4: a refused claim kept its hold, and taking the GPU back
-/// charged the job the counter's advance while another job used it.
+/// A refused claim ends the claimant's hold: taking the GPU back must not charge the
+/// job the counter's advance while another job used it.
 #[test]
 fn a_refused_or_stolen_gpu_ends_its_hold_and_a_retake_charges_only_its_own_spans() {
     let mut a = agent(None);
@@ -325,8 +325,8 @@ fn a_refused_or_stolen_gpu_ends_its_hold_and_a_retake_charges_only_its_own_spans
     assert_eq!(gpu2.energy_mj, 1_000 + 1_000, "not job 9's 49,000 mJ");
 }
 
-/// Issue 21: a job whose registration failed, or a process outside Slurm, ran its
-/// GPU at the default, uncapped through a grid event.
+/// A job whose registration failed, or a process outside Slurm, must not run its GPU
+/// at the default, uncapped through a grid event.
 #[test]
 fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_processes_go() {
     let mut a = agent(Some(Watts(2800.0)));

@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// Issue 22, fencing: an agent keeps the highest controller epoch it accepted a
+/// Fencing: an agent keeps the highest controller epoch it accepted a
 /// lease from, refuses a lease from a lower one (typed, for the link to tell that
 /// controller) without touching a cap, and keeps refusing it after a restart.
 #[test]
@@ -165,8 +165,8 @@ fn lease_expiry_brings_the_failsafe_cap() {
     );
 }
 
-/// Issue: two jobs cut below the fail-safe went back up to it when the controller
-/// died, and the site went over its budget.
+/// Two jobs cut below the fail-safe must not go back up to it when the controller
+/// dies: the site would go over its budget.
 #[test]
 fn the_failsafe_never_raises_a_cap() {
     let mut a = agent(None);
@@ -223,8 +223,8 @@ fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
     assert!(caps(&a.tick(44.0)).is_empty());
 }
 
-/// Issue 24 (seen in the demo): a job walked again during a cut walked from its grant
-/// down and took the grant's speed for the uncapped one.
+/// A job walked again during a cut would walk from its grant down and take the grant's
+/// speed for the uncapped one (seen in the demo): the repeated walk waits.
 #[test]
 fn a_repeated_walk_waits_until_the_job_is_granted_its_uncapped_cap() {
     let mut a = agent(None);

@@ -2,8 +2,9 @@
 
 use super::*;
 
-/// Issue 21: a restart during a cut below the fail-safe wrote the fail-safe over the
-/// lower caps the previous run left; a stop restored every GPU, running jobs' too.
+/// Fail-static: a restart during a cut below the fail-safe must not write the fail-safe
+/// over the lower caps the previous run left, and a stop leaves running jobs' GPUs at
+/// their caps.
 #[test]
 fn a_restart_raises_no_running_job_s_cap_until_a_current_lease_and_a_stop_keeps_them() {
     let mut a = Agent::with_defaults(

@@ -84,8 +84,8 @@ fn a_job_is_charged_its_own_gpus_counters_over_its_hold_and_its_end_is_final() {
     assert_eq!(eight.usage.as_ref().expect("usage").energy_mj, 1_000_000);
 }
 
-/// Issue 23: the line at the end of a batch job's output is made from the share
-/// its batch step's end returns, which must be the final share the controller gets.
+/// The line at the end of a batch job's output is made from the share its batch
+/// step's end returns, which must be the final share the controller gets.
 #[test]
 fn the_batch_step_s_end_makes_the_job_s_final_share_and_keeps_its_caps_to_its_end() {
     let mut a = agent(None);

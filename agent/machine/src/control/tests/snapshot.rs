@@ -2,8 +2,8 @@
 
 use super::*;
 
-/// Issue 14 item 7: any local user read every job's id, uid, tier and throughput
-/// from the agent's status.
+/// Need-to-know: a local user must not read other users' job ids, uids, tiers and
+/// throughput from the agent's status.
 #[test]
 fn a_user_sees_only_their_own_jobs_and_root_sees_all() {
     let mut a = agent(Some(Watts(2800.0)));
