@@ -35,55 +35,7 @@ impl Agent {
         gpus: &[String],
         flex: &str,
     ) -> Result<Registered, MachineError> {
-        if node != self.settings.node {
-            return Err(MachineError::WrongNode {
-                serves: self.settings.node.clone(),
-                asked: node.to_string(),
-            });
-        }
-        let request = if flex.trim().is_empty() {
-            FlexRequest {
-                service: self.settings.default_service.clone(),
-                calibrate: Calibrate::Auto,
-                preempt: None,
-            }
-        } else {
-            parse_power_flex(flex, &self.settings.tiers)?
-        };
-        let refs = parse_gpu_list(&gpus.join(","))?;
-        let mut indices = Vec::new();
-        for r in &refs {
-            match self.slot_of(r) {
-                Some(i) => indices.push(i as u32),
-                None => {
-                    return Err(MachineError::NoSuchGpu {
-                        gpu: r.clone(),
-                        node: self.settings.node.clone(),
-                    })
-                }
-            }
-        }
-        // Slurm gives a GPU to one job at a time: a step naming a GPU of a job that is
-        // still running names GPUs Slurm did not give it. Checked before anything is
-        // recorded, so a refused step changes nothing.
-        for &g in &indices {
-            let slot = &self.gpus[g as usize];
-            let running_owner = slot
-                .job
-                .as_ref()
-                .filter(|o| o.as_str() != job_id)
-                .and_then(|o| self.jobs.get(o))
-                .filter(|o| {
-                    o.seen_alive_at
-                        .is_some_and(|t| now - t < self.settings.job_end_grace_s)
-                });
-            if let Some(owner) = running_owner {
-                return Err(MachineError::GpuOfRunningJob {
-                    gpu: slot.identity.index,
-                    owner: owner.id.clone(),
-                });
-            }
-        }
+        let (request, indices) = self.checked_registration(now, job_id, node, gpus, flex)?;
         let tier = request.to_string();
         let managed = request.service.is_managed();
         let settings = self.settings.calibration.clone();
@@ -126,7 +78,79 @@ impl Agent {
             }
         }
         let job_gpus = job.gpus.clone();
-        for &g in &job_gpus {
+        self.hand_gpus_to(job_id, &job_gpus);
+        self.finish_jobs_without_gpus(Some(job_id), now);
+        Ok(Registered {
+            tier,
+            progress: managed.then(|| self.settings.progress_address.clone()),
+        })
+    }
+
+    /// The request and the GPU slots a registration names, or why it is refused.
+    /// Everything is checked before anything is recorded, so a refused step changes
+    /// nothing.
+    fn checked_registration(
+        &self,
+        now: f64,
+        job_id: &str,
+        node: &str,
+        gpus: &[String],
+        flex: &str,
+    ) -> Result<(FlexRequest, Vec<u32>), MachineError> {
+        if node != self.settings.node {
+            return Err(MachineError::WrongNode {
+                serves: self.settings.node.clone(),
+                asked: node.to_string(),
+            });
+        }
+        let request = if flex.trim().is_empty() {
+            FlexRequest {
+                service: self.settings.default_service.clone(),
+                calibrate: Calibrate::Auto,
+                preempt: None,
+            }
+        } else {
+            parse_power_flex(flex, &self.settings.tiers)?
+        };
+        let refs = parse_gpu_list(&gpus.join(","))?;
+        let mut indices = Vec::new();
+        for r in &refs {
+            match self.slot_of(r) {
+                Some(i) => indices.push(i as u32),
+                None => {
+                    return Err(MachineError::NoSuchGpu {
+                        gpu: r.clone(),
+                        node: self.settings.node.clone(),
+                    })
+                }
+            }
+        }
+        // Slurm gives a GPU to one job at a time: a step naming a GPU of a job that is
+        // still running names GPUs Slurm did not give it.
+        for &g in &indices {
+            let slot = &self.gpus[g as usize];
+            let running_owner = slot
+                .job
+                .as_ref()
+                .filter(|o| o.as_str() != job_id)
+                .and_then(|o| self.jobs.get(o))
+                .filter(|o| {
+                    o.seen_alive_at
+                        .is_some_and(|t| now - t < self.settings.job_end_grace_s)
+                });
+            if let Some(owner) = running_owner {
+                return Err(MachineError::GpuOfRunningJob {
+                    gpu: slot.identity.index,
+                    owner: owner.id.clone(),
+                });
+            }
+        }
+        Ok((request, indices))
+    }
+
+    /// `job_id` holds `gpus` from now on; another job that held one of them loses it.
+    fn hand_gpus_to(&mut self, job_id: &str, gpus: &[u32]) {
+        for &g in gpus {
             let slot = &mut self.gpus[g as usize];
             if let Some(other) = slot.job.as_ref().filter(|o| o.as_str() != job_id) {
                 // Slurm gives a GPU to one job at a time: the other job's end was missed.
@@ -141,11 +165,6 @@ impl Agent {
             }
             self.gpus[g as usize].job = Some(job_id.to_string());
         }
-        self.finish_jobs_without_gpus(Some(job_id), now);
-        Ok(Registered {
-            tier,
-            progress: managed.then(|| self.settings.progress_address.clone()),
-        })
     }
 
     /// A step ended. The job keeps its GPUs (other steps) until it ends. When the step is
