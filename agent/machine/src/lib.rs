@@ -6,7 +6,9 @@
 //! - [`calibration`]: one job's power–throughput walk and its learning in operation;
 //! - [`usage`]: one job's energy on this node, from the GPUs' counters;
 //! - [`gpu`]: what a GPU is and reads, as NVML gives it to the edge;
-//! - [`saved`]: what the agent keeps across a restart, as data.
+//! - [`saved`]: what the agent keeps across a restart, as data;
+//! - [`MachineError`]: what the machine refuses (a registration, a progress report, a
+//!   reload), and why.
 //!
 //! One entry point, [`control::Agent::step`]: typed inputs in, what the edge must do
 //! out (see [`control::AgentOutput`]). Time comes in as an argument
