@@ -1,5 +1,5 @@
 //! The controller's memory per node and per job, and one full reallocation, at site
-//! scale: the controller's core (`powerflex_controller::ctld::Core`, what
+//! scale: the controller's core (`powerflex_controller_machine::controller::step::Controller`, what
 //! `powerflex-ctld` runs) fed every node's hello and report, then ticked, under 100 racks,
 //! 10 rows and 2 feeds of `[[domains]]`. Memory is the process's resident set (what an
 //! admin's `ps` shows) after the core's first allocation less before it, each size in a
@@ -11,12 +11,13 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use powerflex_controller::ctld::{Core, CtldSettings, Input};
-use powerflex_controller::site::{SiteDomains, SiteSettings};
+use powerflex_controller_machine::controller::step::{Controller, Input};
+use powerflex_controller_machine::controller::CtldSettings;
 use powerflex_core::allocate::Policy;
 use powerflex_core::domains::{DomainTree, RawDomain};
 use powerflex_core::flex::TierTable;
 use powerflex_core::{UnixMs, Watts};
+use powerflex_decide::{SiteDomains, SiteSettings};
 use powerflex_proto::report::{GpuInfo, JobReport};
 
 /// The process's resident memory, bytes (`VmRSS` in /proc/self/status).
@@ -126,7 +127,7 @@ fn measure(nodes: usize, jobs_per_node: usize) -> (usize, Duration) {
             default_pfi: 1.3,
             budget_mode: powerflex_core::config::BudgetMode::default(),
             objective: powerflex_core::config::Objective::RelativeSpeed,
-            tier_bounds: powerflex_controller::site::TierBounds::Honoured,
+            tier_bounds: powerflex_decide::TierBounds::Honoured,
             domains: Some(domains(nodes)),
         },
         lease_rollout: Default::default(),
@@ -135,7 +136,7 @@ fn measure(nodes: usize, jobs_per_node: usize) -> (usize, Duration) {
         max_gpu_power_w: MAX_CAP_W,
     };
     let t0 = 1_800_000_000_000u64;
-    let mut core = Core::new(settings, Default::default(), UnixMs(t0));
+    let mut core = Controller::new(settings, Default::default(), UnixMs(t0));
     let inputs: Vec<Input> = (0..nodes)
         .flat_map(|n| {
             let jobs: Vec<JobReport> = (0..jobs_per_node)

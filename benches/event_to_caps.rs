@@ -10,10 +10,10 @@
 //! benchmark covers. "Applied" here = the node's harness received a lease with its new
 //! cap. Each trial: event add (−30 %) → all caps cut, then event cancel → all caps back.
 //!
-//! Part 2 times `site::decide` (the controller's allocation step, pure) in process at
+//! Part 2 times `powerflex_decide::decide` (the controller's allocation step, pure) in process at
 //! 1,000 and 10,000 jobs.
 //!
-//! Part 3 times a whole core step (`ctld::Core::step` on a tick: allocation, hold-out
+//! Part 3 times a whole core step (`Controller::step` on a tick: allocation, hold-out
 //! planning, leases, metrics, the history sample) at 1,000 and 2,000 jobs, alone and
 //! while threads answer `history` requests from a full history board as the admin
 //! threads do, and how long one such answer takes (work kept outside the step, so a
@@ -34,12 +34,13 @@ use powerflex::binary;
 use powerflex::link_peer::LinkPeer;
 use powerflex::site_config::SiteBuilder;
 use powerflex_controller::ctld::history::{HistoryBoard, HISTORY};
-use powerflex_controller::ctld::{Core, CtldSettings, Input};
-use powerflex_controller::site::{decide, NodeView, SiteSettings};
+use powerflex_controller_machine::controller::step::{Controller, Input};
+use powerflex_controller_machine::controller::CtldSettings;
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::RawGpuModel;
 use powerflex_core::flex::TierTable;
 use powerflex_core::{UnixMs, Watts};
+use powerflex_decide::{decide, NodeView, SiteSettings};
 use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
 
 /// Site sizes measured, nodes.
@@ -224,7 +225,7 @@ fn site_settings() -> SiteSettings {
         default_pfi: 0.8,
         budget_mode: powerflex_core::config::BudgetMode::default(),
         objective: powerflex_core::config::Objective::Tokens,
-        tier_bounds: powerflex_controller::site::TierBounds::Honoured,
+        tier_bounds: powerflex_decide::TierBounds::Honoured,
         domains: None,
     }
 }
@@ -451,7 +452,7 @@ fn time_core_step_with_history_readers(
         max_gpu_power_w: MAX_CAP_W,
     };
     let t0 = unix_ms();
-    let mut core = Core::new(options, Default::default(), UnixMs(t0));
+    let mut core = Controller::new(options, Default::default(), UnixMs(t0));
     let inputs: Vec<Input> = views
         .into_iter()
         .flat_map(|v| {
@@ -482,7 +483,7 @@ fn time_core_step_with_history_readers(
     }
     // Ticks 1 ms apart: every node stays live and no decrease waits long enough to stall.
     let mut now_ms = t0;
-    let mut step = |core: &mut Core| {
+    let mut step = |core: &mut Controller| {
         now_ms += 1;
         let started = Instant::now();
         let out = core.step(UnixMs(now_ms), vec![Input::Tick]);
@@ -562,7 +563,7 @@ fn main() {
     for row in rows {
         println!("{row}");
     }
-    println!("\nOne allocation (`site::decide`, in process), budget 70 % of the uncapped draw:\n");
+    println!("\nOne allocation (`powerflex_decide::decide`, in process), budget 70 % of the uncapped draw:\n");
     println!("| jobs | GPUs | median |");
     println!("| --- | --- | --- |");
     for (jobs, per_node) in [(100, 1), (1_000, 1), (10_000, 8)] {
@@ -582,7 +583,7 @@ fn core_step_part() {
 
 fn core_step_row(jobs: usize, ms: impl Fn(Duration) -> f64) {
     let (alone, with_readers, answer) = time_core_step_with_history_readers(jobs, 8);
-    println!("\nOne core step (`ctld::Core::step`, a tick, in process) at {jobs} jobs, alone and while {HISTORY_READERS} threads answer `history` without pause from a full board ({HISTORY} samples of every job's cap) as one of {USERS} users. The answers run outside the step: the step takes the board's lock once, to publish its sample, and shares the machine's cores with the readers:\n");
+    println!("\nOne core step (`Controller::step`, a tick, in process) at {jobs} jobs, alone and while {HISTORY_READERS} threads answer `history` without pause from a full board ({HISTORY} samples of every job's cap) as one of {USERS} users. The answers run outside the step: the step takes the board's lock once, to publish its sample, and shares the machine's cores with the readers:\n");
     println!("| step alone, median | step with readers, median | one history answer, median |");
     println!("| --- | --- | --- |");
     println!(

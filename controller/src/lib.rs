@@ -3,14 +3,14 @@
 //! This library holds what the binaries do, so tests can call it without a process:
 //! [`offline`] implements the commands that work on files alone (`pfi`, `allocate`,
 //! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
-//! at each instant, [`site`] splits that budget across the jobs of every node (one cap
-//! per job everywhere), [`placement`] decides which of a node's words to believe (Slurm's
+//! at each instant, [`powerflex_decide`] splits that budget across the jobs of every node
+//! (one cap per job everywhere), [`placement`] decides which of a node's words to believe (Slurm's
 //! record of where each job runs), [`table`] renders human tables and [`render`] the
 //! controller's answers in them, [`plot`] draws the controller's history as SVG and
 //! [`energy_plot`] the ended jobs' energy per tier. The binaries parse arguments, read
 //! files, print and choose exit codes; the decisions come from the pure crates
-//! `powerflex-controller-machine` (re-exported here under their old paths) and
-//! `powerflex-core`.
+//! `powerflex-controller-machine` (its modules re-exported here under their old paths),
+//! `powerflex-decide` and `powerflex-core`.
 
 pub mod ctld;
 pub mod energy_plot;
@@ -22,7 +22,7 @@ pub mod table;
 
 // The decisions live in their own crate with no I/O dependency (powerflex-controller-
 // machine); re-exported here so this crate's users reach them as its own modules.
-pub use powerflex_controller_machine::{placement, preempt, ramp, rollout, schedule, site};
+pub use powerflex_controller_machine::{placement, preempt, ramp, rollout, schedule};
 
 /// Errors of the CLI and controller. Messages are lowercase, without a trailing period.
 #[derive(Debug, thiserror::Error)]

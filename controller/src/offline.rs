@@ -10,8 +10,8 @@ use powerflex_core::pfi::pfi_on_grid;
 use powerflex_core::rng::SplitMix64;
 use powerflex_core::workload::{parse_paper_table, synthetic_record, H200_GRID_4};
 
-use crate::site::{decide, NodeView, SiteSettings, TierBounds};
 use crate::table::Table;
+use powerflex_decide::{decide, NodeView, SiteSettings, TierBounds};
 
 /// One job's row in `powerflexctl pfi`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -253,7 +253,7 @@ pub fn record_curve(record: &JobCurveRecord) -> Result<CapCurve, powerflex_core:
 #[derive(Debug, Clone)]
 pub struct AllocateSetup {
     /// The settings the controller would allocate with (tiers, policy, cap step, budget
-    /// mode, objective): the decision is `site::decide`'s, the controller's own.
+    /// mode, objective): the decision is `powerflex_decide::decide`'s, the controller's own.
     pub settings: SiteSettings,
     /// Service for jobs whose `tier` cell is empty.
     pub default_service: powerflex_core::flex::Service,
@@ -307,12 +307,13 @@ impl AllocateSetup {
                 names.join(", ")
             )));
         }
-        let usage = |e: String| crate::CtlError::Usage(format!("--gpu-model: {e}"));
+        let usage =
+            |e: powerflex_decide::DecideError| crate::CtlError::Usage(format!("--gpu-model: {e}"));
         let mut settings = SiteSettings::from_site(site, gpu_model).map_err(usage)?;
         if let Some(policy) = policy {
             settings.policy = policy;
         }
-        let model = crate::site::site_gpu_model(site, gpu_model).map_err(usage)?;
+        let model = powerflex_decide::site_gpu_model(site, gpu_model).map_err(usage)?;
         Ok(AllocateSetup {
             settings,
             default_service: site.tiers.default.clone(),
@@ -475,7 +476,7 @@ fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup)
 }
 
 /// Allocates `budget_w` across the jobs of a curves file, the way the controller would:
-/// `site::decide` on views of the jobs running uncapped with the file's points as their
+/// `powerflex_decide::decide` on views of the jobs running uncapped with the file's points as their
 /// measured curves (the same estimator, the same cautious rule, the same budget
 /// accounting), with the points' uncertainty from the file or `setup.noise`.
 pub fn allocate_curves(

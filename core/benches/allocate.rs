@@ -25,7 +25,7 @@ use powerflex_core::workload::{fit_h200, parse_paper_table, PfiTarget, H200_GRID
 
 const PAPER: &str = include_str!("../../data/paper_pfi_h200.csv");
 const GPUS_PER_JOB: u32 = 8;
-/// The caution `powerflex-ctld` allocates with (`site::site_allocation`).
+/// The caution `powerflex-ctld` allocates with (`powerflex_decide`'s `site_allocation`).
 const CONTROLLER: Caution = Caution {
     power_z: 0.0,
     gain_z: 1.0,

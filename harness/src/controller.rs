@@ -1,4 +1,4 @@
-//! The controller's machine (`powerflex_controller_machine::ctld`), driven as
+//! The controller's machine (`powerflex_controller_machine::controller`), driven as
 //! `powerflex-ctld`'s loop drives it: the only module of this crate that names the
 //! controller's core.
 //!
@@ -12,7 +12,9 @@
 
 use std::collections::BTreeMap;
 
-use powerflex_controller_machine::ctld::{Core, CtldSettings, CtldState, Input, Loaded, Output};
+use powerflex_controller_machine::controller::state::{CtldState, Loaded};
+use powerflex_controller_machine::controller::step::{self, Input, Output};
+use powerflex_controller_machine::controller::CtldSettings;
 use powerflex_controller_machine::placement::Placement;
 use powerflex_core::config::SiteConfig;
 use powerflex_core::UnixMs;
@@ -71,7 +73,7 @@ pub struct Outbound {
 /// them (its edge's addresses, paths, key, Slurm polling and database are not the
 /// machine's).
 pub fn options(site: &SiteConfig) -> Result<CtldSettings, HarnessError> {
-    CtldSettings::from_site(site).map_err(HarnessError::Site)
+    CtldSettings::from_site(site).map_err(|e| HarnessError::Site(e.to_string()))
 }
 
 /// How a controller starts.
@@ -89,7 +91,7 @@ pub enum Start {
 /// The controller's machine.
 #[derive(Debug)]
 pub struct Controller {
-    core: Core,
+    core: step::Controller,
     base_budget_w: f64,
 }
 
@@ -106,7 +108,7 @@ impl Controller {
             },
         };
         Ok(Controller {
-            core: Core::new(options, loaded, UnixMs(now_ms)),
+            core: step::Controller::new(options, loaded, UnixMs(now_ms)),
             base_budget_w,
         })
     }

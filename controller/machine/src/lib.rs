@@ -1,10 +1,7 @@
-//! The controller's decisions, with no I/O: what `powerflex-ctld`, `powerflexctl`, the
-//! agents' standalone mode (one node's budget split by [`site::decide`]) and the site
-//! harness all rest on.
+//! The controller's decisions, with no I/O: what `powerflex-ctld`, `powerflexctl` and the
+//! site harness all rest on. The allocation over every node itself is
+//! [`powerflex_decide`]'s, which the agents' standalone mode shares.
 //!
-//! - [`site`]: one allocation over every node (budget modes, report validation, drift;
-//!   `decide_holding` leaves held jobs out, `decide_steady` keeps the caps in force while a
-//!   new decision would buy too little);
 //! - [`schedule`]: grid events → the stepped budget in force at each instant, the lowest
 //!   step in a window, and event times as text;
 //! - [`ramp`]: the budget an allocation is made for while caps are replaced and confirmed;
@@ -12,17 +9,18 @@
 //! - [`preempt`]: cuts deeper than caps reach, which jobs to suspend or requeue;
 //! - [`placement`]: which of a node's words to believe, from Slurm's record of where each
 //!   job runs;
-//! - [`ctld`]: the controller's state machine, `Core::step(now, inputs) -> output`, which
-//!   puts the above together for every node, event, admin request and report.
+//! - [`controller`]: the controller's state machine, `Controller::step(now, inputs) ->
+//!   output`, which puts the above together for every node, event, admin request and
+//!   report.
 //!
 //! Time comes in as an argument (Unix ms). The crate has no dependency that does I/O, and
 //! its `clippy.toml` refuses the standard library's files, sockets, processes, clocks and
 //! environment, so that stays true. `powerflex-controller` re-exports every module.
 
-pub mod ctld;
+pub mod controller;
+pub mod error;
 pub mod placement;
 pub mod preempt;
 pub mod ramp;
 pub mod rollout;
 pub mod schedule;
-pub mod site;

@@ -1,6 +1,6 @@
 //! Cuts deeper than caps: which jobs to suspend or requeue, and when to give them back.
-//! Pure; the controller's core calls [`plan`] in place of [`crate::site::decide`] and hands
-//! the [`Action`]s to a thread that runs `scontrol`.
+//! Pure; the controller's step calls [`plan`] in place of [`powerflex_decide::decide`] and
+//! hands the [`Action`]s to a thread that runs `scontrol`.
 //!
 //! Caps stop at the GPUs' minimum (200 W on an H200) and at each tier's floor. When a grid
 //! event asks for less than that, the allocation alone reports floors broken and the site
@@ -30,7 +30,7 @@ use powerflex_core::flex::{give_way_order, parse_power_flex, Preempt};
 use powerflex_core::units::SlowdownFraction;
 use powerflex_core::Watts;
 
-use crate::site::{decide_steady, Decision, Held, NodeView, SiteSettings};
+use powerflex_decide::{decide_steady, Decision, Held, NodeView, SiteSettings};
 
 /// An idle GPU's draw as a share of its default limit, for a job just suspended: an
 /// idle H100/H200 draws 60-100 W of 700 W (the simulator: 75 W); 15 % is 105 W.
@@ -436,7 +436,7 @@ mod tests {
             default_pfi: 1.3,
             budget_mode: BudgetMode::Metered { margin: 0.0 },
             objective: Objective::RelativeSpeed,
-            tier_bounds: crate::site::TierBounds::Honoured,
+            tier_bounds: powerflex_decide::TierBounds::Honoured,
             domains: None,
         }
     }
@@ -572,7 +572,7 @@ mod tests {
             })
             .collect();
         let tree = DomainTree::build(&raw).expect("valid");
-        let mut domains = crate::site::SiteDomains::configured(&tree).expect("domains");
+        let mut domains = powerflex_decide::SiteDomains::configured(&tree).expect("domains");
         for (limit, &(_, _, in_force)) in domains.limits_w.iter_mut().zip(racks) {
             *limit = in_force;
         }
@@ -776,8 +776,8 @@ mod tests {
         assert!(p.actions.is_empty(), "nothing to resume: {:?}", p.actions);
     }
 
-    /// Issue 21: a held job was dropped from the held set when its node was silent or
-    /// slow to report it for one allocation, and no resume was ever sent.
+    /// A held job stays held while its node is silent or slow to report it for an
+    /// allocation: dropped from the held set then, it would never be resumed.
     #[test]
     fn with_slurm_s_record_a_held_job_stays_held_through_a_silent_node_and_is_resumed() {
         let settings = settings();

@@ -1,13 +1,13 @@
 //! The budget an allocation is made for, pure: ahead of ramp-downs, behind ramp-ups.
 //!
-//! The budget in force is a staircase ([`crate::schedule`]): during a ramp-down it drops one
-//! step at a time. Caps sent when a step takes effect arrive late: the agent applies a lease
-//! at its next sample, reports it back, and the draw settles a few hundred milliseconds
-//! later, so the meter sits above the new step for up to a second or two (issue 16 measured
-//! 51 of 497 samples over, by up to 122 W). So each allocation is made for the lowest step
-//! of the window it will be in force for (until the next allocation) plus the time a
-//! decrease takes to be applied and confirmed ([`look_ahead_ms`]): the caps are down and
-//! confirmed before the step they serve takes effect.
+//! The budget in force is a staircase ([`crate::schedule`]): during a ramp-down it drops one step
+//! at a time. Caps sent when a step takes effect arrive late: the agent applies a lease at its next
+//! sample, reports it back, and the draw settles a few hundred milliseconds later, so the meter
+//! sits above the new step for up to a second or two (51 of 497 samples over, by up to 122 W, when
+//! caps followed the steps). So each allocation is made for the lowest step of the window it will
+//! be in force for (until the next allocation) plus the time a decrease takes to be applied and
+//! confirmed ([`look_ahead_ms`]): the caps are down and confirmed before the step they serve takes
+//! effect.
 //!
 //! Going up, the opposite: when an event ends (or a ramp-up steps, or an admin raises the
 //! budget) every capped job speeds up at once, and the site's draw jumps by the whole cut.

@@ -114,8 +114,8 @@ impl Rollout {
             });
         }
         // Nothing to wait for: the full leases replace the safe ones at once.
-        // By node: a linear search per released lease made this quadratic in nodes (a
-        // tenth of a 10,000-node reallocation).
+        // By node: a linear search per released lease would make this quadratic in nodes
+        // (a tenth of a 10,000-node reallocation).
         let released = self.release();
         let mut at: std::collections::HashMap<String, usize> = out
             .iter()

@@ -478,7 +478,8 @@ mod tests {
         );
     }
 
-    /// The inputs issue 12 found accepted or panicking with the hand-written parser.
+    /// Inputs a hand-written parser accepted or panicked on: each must be refused with
+    /// an error.
     #[test]
     fn refuses_impossible_times_and_durations() {
         for bad in [

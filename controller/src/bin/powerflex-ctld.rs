@@ -87,7 +87,7 @@ fn load_options(config: &std::path::Path) -> Result<CtldOptions, String> {
             .ha
             .as_ref()
             .map(powerflex_controller::ctld::ha::HaOptions::from_config),
-        settings: CtldSettings::from_site(&site)?,
+        settings: CtldSettings::from_site(&site).map_err(|e| e.to_string())?,
     })
 }
 

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use crossbeam_channel::{select, tick, Receiver, Sender};
 
-use powerflex_controller_machine::ctld::history::HistoryBoard;
-use powerflex_controller_machine::ctld::leader::LeaderInput;
+use powerflex_controller_machine::controller::history::HistoryBoard;
+use powerflex_controller_machine::controller::leader::LeaderInput;
+use powerflex_controller_machine::error::MachineError;
 use powerflex_daemon::clock::Clock;
 use powerflex_proto::admin::AdminReply;
 use powerflex_proto::link::Body;
@@ -20,7 +21,7 @@ use super::journal::Journal;
 use super::leadership::Leadership;
 use super::services::Services;
 use super::{
-    settings_reload, state_file, Core, CtldOptions, CtldState, Inbound, Input, Output, Reload,
+    settings_reload, state_file, Controller, CtldOptions, CtldState, Inbound, Input, Output, Reload,
 };
 
 /// The most queued messages one step takes: the core allocates once for the batch.
@@ -30,7 +31,7 @@ const MAX_BATCH: usize = 8192;
 pub(super) struct EventLoop<'a> {
     pub(super) options: &'a CtldOptions,
     pub(super) clock: &'a dyn Clock,
-    pub(super) core: Core,
+    pub(super) core: Controller,
     /// The newest state this process steers from (as loaded, then as last persisted).
     /// Under `[controller.ha]` it is where a first leader starts from when the database
     /// holds no state yet, and what the process that held leadership last steers from
@@ -263,7 +264,10 @@ impl EventLoop<'_> {
                 None,
             ),
             Inbound::Admin { op, uid, reply } => self.push(Input::Admin { op, uid }, Some(reply)),
-            Inbound::Placement(read) => self.push(Input::Placement(Box::new(read)), None),
+            Inbound::Placement(read) => self.push(
+                Input::Placement(Box::new(read.map_err(MachineError::SlurmRead))),
+                None,
+            ),
             Inbound::Leader(input) => self.leader_input(input),
             Inbound::Saved { epoch, outcome } => {
                 if let Some(l) = &mut self.leadership {

@@ -1,5 +1,5 @@
 //! Leadership and state in PostgreSQL (`[controller.ha]`): the I/O half of
-//! [`powerflex_controller_machine::ctld::leader`].
+//! [`powerflex_controller_machine::controller::leader`].
 //!
 //! One thread owns one connection and runs, in order, what the loop hands it: claims
 //! (renew or take leadership) and state saves. Each answer goes back to the loop with
@@ -22,7 +22,7 @@
 //!   by `ALTER TABLE ... ADD COLUMN IF NOT EXISTS`): a live row is renewed or taken again
 //!   only by the process whose name and token it holds, so two controllers given the
 //!   same `controller.ha.name` do not take it from each other forever (see
-//!   [`powerflex_controller_machine::ctld::lease_row`]);
+//!   [`powerflex_controller_machine::controller::lease_row`]);
 //! - `powerflex_ctld_state`: one row, the active controller's `CtldState` as JSON with
 //!   the epoch it was written under. A save is fenced: it is written only while the row
 //!   of `powerflex_leader` names this controller with that epoch, under a share lock of
@@ -42,9 +42,10 @@ use std::time::Duration;
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use tracing::{error, info, warn};
 
-use powerflex_controller_machine::ctld::leader::{Claim, ClaimAnswer, LeaderInput};
-use powerflex_controller_machine::ctld::lease_row::{self, Me, Row, RowAction};
-use powerflex_controller_machine::ctld::state::{CtldState, MAX_STATE_BYTES};
+use powerflex_controller_machine::controller::leader::{Claim, ClaimAnswer, LeaderInput};
+use powerflex_controller_machine::controller::lease_row::{self, Me, Row, RowAction};
+use powerflex_controller_machine::controller::state::{CtldState, MAX_STATE_BYTES};
+use powerflex_controller_machine::error::MachineError;
 use powerflex_core::UnixMs;
 
 use super::Inbound;
@@ -277,9 +278,10 @@ impl Worker {
     }
 
     fn answer(&self, sent: UnixMs, answer: Result<ClaimAnswer, String>) {
-        let _ = self
-            .to_loop
-            .send(Inbound::Leader(LeaderInput::Answer { sent, answer }));
+        let _ = self.to_loop.send(Inbound::Leader(LeaderInput::Answer {
+            sent,
+            answer: answer.map_err(MachineError::Database),
+        }));
     }
 
     /// Runs `f` on the connection (made first when there is none); a failure drops the
@@ -435,7 +437,9 @@ fn claim_in(
             };
             let read = match committed {
                 None => Ok(None),
-                Some((_, Some(text))) => CtldState::from_json(text.as_bytes(), wall_now).map(Some),
+                Some((_, Some(text))) => CtldState::from_json(text.as_bytes(), wall_now)
+                    .map(Some)
+                    .map_err(|e| e.to_string()),
                 Some((bytes, None)) => Err(format!(
                     "the state is {bytes} bytes; accepted: at most {MAX_STATE_BYTES}"
                 )),

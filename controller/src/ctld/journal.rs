@@ -4,12 +4,12 @@
 
 use tracing::{error, info, warn};
 
-use powerflex_controller_machine::ctld::accounting;
+use powerflex_controller_machine::controller::accounting;
 use powerflex_daemon::fsx::JsonLines;
 use powerflex_proto::status::AccountingDbView;
 use powerflex_proto::usage::JobEnergyRecord;
 
-use super::{accounting_log, records_db, Core, CtldOptions};
+use super::{accounting_log, records_db, Controller, CtldOptions};
 
 pub(super) struct Journal {
     log: JsonLines,
@@ -23,7 +23,7 @@ pub(super) struct Journal {
 impl Journal {
     /// Reads the accounting log back, gives `core` the newest records and starts the
     /// database's writer with what the whole log holds (it sends what it lacks).
-    pub(super) fn open(options: &CtldOptions, core: &mut Core) -> Result<Journal, String> {
+    pub(super) fn open(options: &CtldOptions, core: &mut Controller) -> Result<Journal, String> {
         let log = accounting_log(&options.state_dir);
         let logged = read_back(&log);
         // The core keeps only the newest records.

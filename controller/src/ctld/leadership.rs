@@ -7,13 +7,16 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 use tracing::{error, info};
 
-use powerflex_controller_machine::ctld::leader::{
+use powerflex_controller_machine::controller::leader::{
     Leader, LeaderChange, LeaderInput, LeaderSettings,
 };
-use powerflex_controller_machine::ctld::lease_row::{DbCopy, DbCopyChange};
+use powerflex_controller_machine::controller::lease_row::{DbCopy, DbCopyChange};
+use powerflex_controller_machine::error::MachineError;
 use powerflex_daemon::clock::{BootClock, Clock};
 
-use super::{ha, state_file, Core, CtldState, Inbound};
+use powerflex_controller_machine::controller::state::Loaded;
+
+use super::{ha, Controller, CtldState, Inbound};
 
 /// Leadership under `[controller.ha]`: the machine, its database thread, and the view
 /// last shown to the core.
@@ -91,11 +94,11 @@ impl Leadership {
     pub(super) fn step(
         &mut self,
         input: LeaderInput,
-        old: &Core,
+        old: &Controller,
         latest: &mut CtldState,
         records: &[powerflex_proto::usage::JobEnergyRecord],
         now: powerflex_core::UnixMs,
-    ) -> Option<Core> {
+    ) -> Option<Controller> {
         match self.leader.step(self.clock.now(), input) {
             LeaderChange::BecameActive { epoch, state, .. } => {
                 Some(self.take_over(old, epoch, state, latest, records, now))
@@ -110,7 +113,7 @@ impl Leadership {
         if !self.leader.active() || epoch != self.leader.epoch() {
             return;
         }
-        match self.copy.saved(outcome) {
+        match self.copy.saved(outcome.map_err(MachineError::Database)) {
             DbCopyChange::None => {}
             DbCopyChange::BecameStale(e) => error!(
                 epoch,
@@ -134,13 +137,13 @@ impl Leadership {
     /// leases hold their caps.
     fn take_over(
         &mut self,
-        old: &Core,
+        old: &Controller,
         epoch: u64,
         state: Option<Box<CtldState>>,
         latest: &mut CtldState,
         records: &[powerflex_proto::usage::JobEnergyRecord],
         now: powerflex_core::UnixMs,
-    ) -> Core {
+    ) -> Controller {
         let state = state.map_or_else(|| latest.clone(), |s| *s);
         // The database thread checked what it read and the loader the file; checked
         // here too, as the one place a takeover's state enters the core.
@@ -163,11 +166,7 @@ impl Leadership {
         // Committed under the new epoch at once: a save of the old epoch is fenced.
         self.db.save(self.clock.now(), epoch, &state);
         *latest = state.clone();
-        let mut core = Core::new(
-            old.settings().clone(),
-            state_file::Loaded { state, lost },
-            now,
-        );
+        let mut core = Controller::new(old.settings().clone(), Loaded { state, lost }, now);
         core.load_records(records.to_vec());
         // Shown again to the new core before its first step.
         self.shown = None;

@@ -5,7 +5,7 @@
 
 use powerflex_daemon::prom::{catalog, TextWriter};
 
-pub use powerflex_controller_machine::ctld::metrics::{
+pub use powerflex_controller_machine::controller::metrics::{
     EnergyTotals, MetricsSnapshot, TierEnergy, MAX_LABEL_VALUES, OTHER_LABEL,
 };
 
@@ -128,10 +128,10 @@ mod tests {
     use std::sync::Arc;
 
     use powerflex_controller_machine::preempt::Preempted;
-    use powerflex_controller_machine::site::Decision;
     use powerflex_core::allocate::Maximised as Objective;
     use powerflex_core::allocate::{Allocation, FloorStatus, JobAllocation, Policy};
     use powerflex_core::Watts;
+    use powerflex_decide::Decision;
     use powerflex_proto::status::AccountingDbView;
     use powerflex_proto::usage::JobEnergyRecord;
 

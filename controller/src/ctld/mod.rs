@@ -8,7 +8,7 @@
 //! board (whence the admin threads answer `history` requests, outside the loop).
 //!
 //! - **Loop**: every `allocation_period_s`, the budget in force ([`crate::schedule`]) is
-//!   split across every live node's jobs ([`crate::site`]) and each node gets its lease.
+//!   split across every live node's jobs ([`powerflex_decide`]) and each node gets its lease.
 //! - **Bounds** ([`bounds`], [`agent_link::LinkLimits`]): the link carries unauthenticated
 //!   peers through the handshake in one thread with a cap and a deadline, the admin socket
 //!   admits a few connections per user with one deadline per request, the metrics server
@@ -31,8 +31,8 @@ mod services;
 pub mod state_file;
 
 // The machine's modules, where the edge (and the tools) have always found them.
-pub use powerflex_controller_machine::ctld::{
-    accounting, core, history, learning, owners, session, status, CtldSettings, SettingsReload,
+pub use powerflex_controller_machine::controller::{
+    accounting, history, learning, owners, session, status, CtldSettings, SettingsReload,
 };
 
 use std::collections::BTreeMap;
@@ -44,13 +44,14 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use tracing::warn;
 
-use powerflex_controller_machine::ctld::history::HistoryBoard;
-use powerflex_controller_machine::ctld::leader::LeaderInput;
+use powerflex_controller_machine::controller::history::HistoryBoard;
+use powerflex_controller_machine::controller::leader::LeaderInput;
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::link::{Body, GpuInfo, JobReport};
 
-pub use self::core::{Core, Input, Lease, Output};
-pub use self::state_file::CtldState;
+use powerflex_controller_machine::controller::state::CtldState;
+use powerflex_controller_machine::controller::step::{Controller, Input, Output};
+use powerflex_controller_machine::error::MachineError;
 
 /// Where the controller listens and keeps its state (the edge's), and what its machine is
 /// configured with ([`CtldSettings`]).
@@ -81,7 +82,7 @@ pub type Reload = Result<CtldOptions, String>;
 /// and placement setting), never the edge's sockets, paths, key or database, which
 /// change only on restart; this says so when the file changed them.
 fn settings_reload(in_force: &CtldOptions, reload: Reload) -> SettingsReload {
-    let new = reload?;
+    let new = reload.map_err(MachineError::Config)?;
     let needs_restart = new.listen != in_force.listen
         || new.admin_socket != in_force.admin_socket
         || new.state_dir != in_force.state_dir
@@ -179,7 +180,7 @@ pub fn run_on_clock(
 ) -> Result<(), String> {
     let loaded = state_file::load(&options.state_dir, clock.now());
     let latest = loaded.state.clone();
-    let mut core = Core::new(options.settings.clone(), loaded, clock.now());
+    let mut core = Controller::new(options.settings.clone(), loaded, clock.now());
     let journal = journal::Journal::open(&options, &mut core)?;
     let (tx, rx) = bounded::<Inbound>(4096);
     let steering = Arc::new(AtomicBool::new(options.ha.is_none()));

@@ -1,7 +1,7 @@
 //! `scontrol` annotations: each managed job's tier, PFI and cap in its `AdminComment`, so
 //! admins see them in `scontrol show job` (and, for a job held out of a deep cut, why it
 //! is suspended or requeued). The core decides what changed
-//! ([`powerflex_controller_machine::ctld::annotate::changes`]); one thread runs `scontrol`
+//! ([`powerflex_controller_machine::controller::annotate::changes`]); one thread runs `scontrol`
 //! for each change ([`spawn_annotator`]), another runs the suspensions, resumptions,
 //! requeues and releases the core asks for ([`spawn_preemptor`]).
 
@@ -10,7 +10,7 @@ use tracing::info;
 
 use crate::preempt::Action;
 
-pub use powerflex_controller_machine::ctld::annotate::changes;
+pub use powerflex_controller_machine::controller::annotate::changes;
 
 /// Runs `scontrol suspend|resume|requeuehold|release JOB` for each queued action, logging
 /// each outcome. A failure leaves the job as it was; the core counts a held job at what

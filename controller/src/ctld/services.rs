@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 
-use powerflex_controller_machine::ctld::history::HistoryBoard;
-use powerflex_controller_machine::ctld::metrics::MetricsSnapshot;
+use powerflex_controller_machine::controller::history::HistoryBoard;
+use powerflex_controller_machine::controller::metrics::MetricsSnapshot;
 use powerflex_daemon::http::{HttpOptions, MetricsServer};
 
 use super::bounds::Refusals;

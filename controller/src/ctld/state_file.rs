@@ -9,7 +9,7 @@ use tracing::{error, warn};
 use powerflex_core::UnixMs;
 use powerflex_daemon::fsx::{self, AtomicWrite};
 
-pub use powerflex_controller_machine::ctld::state::{CtldState, Loaded};
+use powerflex_controller_machine::controller::state::{CtldState, Loaded};
 
 pub const STATE_FILE: &str = "ctld-state.json";
 /// The state before the last save: what a restart falls back on when the file is corrupt.
@@ -21,11 +21,11 @@ fn read_state(path: &Path, now: UnixMs) -> Option<Result<CtldState, String>> {
     use std::io::Read;
     let file = std::fs::File::open(path).ok()?;
     let mut bytes = Vec::new();
-    let cap = powerflex_controller_machine::ctld::state::MAX_STATE_BYTES as u64;
+    let cap = powerflex_controller_machine::controller::state::MAX_STATE_BYTES as u64;
     if let Err(e) = file.take(cap + 1).read_to_end(&mut bytes) {
         return Some(Err(format!("cannot read it: {e}")));
     }
-    Some(CtldState::from_json(&bytes, now))
+    Some(CtldState::from_json(&bytes, now).map_err(|e| e.to_string()))
 }
 
 /// The persisted state in `dir`, falling back on the previous copy when the file is

@@ -36,7 +36,7 @@ fn test_options(dir: &std::path::Path, key: &[u8], metrics: std::net::SocketAddr
             base_budget: Watts(3200.0),
             period: Duration::from_secs(10),
             lease_ttl_s: 30.0,
-            site: crate::site::SiteSettings {
+            site: powerflex_decide::SiteSettings {
                 tiers: TierTable::default_table(),
                 policy: Policy::Optimal,
                 cap_step: Watts(10.0),
@@ -44,7 +44,7 @@ fn test_options(dir: &std::path::Path, key: &[u8], metrics: std::net::SocketAddr
                 default_pfi: 1.3,
                 budget_mode: BudgetMode::Hard,
                 objective: Objective::Tokens,
-                tier_bounds: crate::site::TierBounds::Honoured,
+                tier_bounds: powerflex_decide::TierBounds::Honoured,
                 domains: None,
             },
             lease_rollout: Default::default(),
@@ -70,7 +70,9 @@ fn a_reload_passes_the_settings_and_keeps_the_edge_s_own() {
     assert_eq!(settings.base_budget, Watts(8000.0));
     assert_eq!(settings.lease_ttl_s, 60.0);
     assert_eq!(
-        settings_reload(&in_force, Err("bad key".into())).expect_err("refused"),
+        settings_reload(&in_force, Err("bad key".into()))
+            .expect_err("refused")
+            .to_string(),
         "bad key"
     );
 }

@@ -1,5 +1,5 @@
 //! Standalone mode (`agent.node_budget_w`): the node budget split across the node's
-//! managed jobs by the controller's own decision ([`powerflex_controller_machine::site`]),
+//! managed jobs by the controller's own decision ([`powerflex_decide`]),
 //! on a one-node view of the agent's jobs and GPUs, as the controller would see this node
 //! report. One allocator for both modes: a rule changed there applies here.
 //!
@@ -15,9 +15,9 @@
 //!   at its word (its curve is scaled up) but never one drawing less (which would scale
 //!   that bound down).
 
-use powerflex_controller_machine::site::{decide, NodeView, SiteSettings, TierBounds};
 use powerflex_core::config::{BudgetMode, Objective};
 use powerflex_core::Watts;
+use powerflex_decide::{decide, NodeView, SiteSettings, TierBounds};
 use powerflex_proto::report::JobReport;
 use powerflex_proto::status::PfiSource;
 

@@ -11,7 +11,7 @@ use powerflex_proto::status::{
 use super::session::Session;
 use super::state::CtldState;
 use crate::schedule::{active_event, effective_budget};
-use crate::site::Decision;
+use powerflex_decide::Decision;
 
 /// The controller's status at `now_ms`.
 pub fn build(
@@ -131,7 +131,7 @@ pub fn build(
 /// `base_of`, less its events' deepest cut), what its live nodes draw, and what the last
 /// allocation planned through it.
 pub fn domains(
-    site: &crate::site::SiteDomains,
+    site: &powerflex_decide::SiteDomains,
     state: &CtldState,
     sessions: &BTreeMap<String, Session>,
     last: Option<&Decision>,

@@ -1,12 +1,13 @@
 //! The controller's history — one sample per allocation: the budget, the draw and every
 //! job's cap, for `powerflexctl plot` — served to the admin socket outside the allocation
-//! loop (issue 21).
+//! loop.
 //!
 //! Any local user may ask for the history, and one answer can copy 2,000 samples of a
-//! cap per job each: answered inside [`super::core`], a flood of such requests stalled
-//! the allocations. Now the core only makes each sample and says when the jobs' owners
-//! changed ([`super::Output`]); the I/O edge publishes both on the [`HistoryBoard`]; the
-//! admin threads answer `history` from the board and never reach the core. A request
+//! cap per job each: answered inside the step ([`super::step`]), a flood of such requests
+//! would stall the allocations. So the step only makes each sample and says when the jobs'
+//! owners changed ([`super::step::Output`]); the I/O edge publishes both on the
+//! [`HistoryBoard`]; the admin threads answer `history` from the board and never reach the
+//! step. A request
 //! holds the board's lock only to pick its page, at most [`MAX_HISTORY_SAMPLES`] `Arc`
 //! pointers, and copies and filters the samples after releasing it: however many
 //! requests are in flight, a publish waits at most for one such pick.
@@ -33,8 +34,8 @@ pub struct HistoryBoard {
 struct Board {
     /// Oldest first, one per allocation. Shared with the answers being copied out.
     samples: VecDeque<Arc<HistorySample>>,
-    /// As the core last reported them: a caller reads only the caps of their own jobs,
-    /// including jobs that have ended since (the core remembers owners for the window).
+    /// As the step last reported them: a caller reads only the caps of their own jobs,
+    /// including jobs that have ended since (the step remembers owners for the window).
     owners: Arc<OwnerMap>,
 }
 
@@ -43,7 +44,7 @@ impl HistoryBoard {
         HistoryBoard::default()
     }
 
-    /// Adds what one core step made: its allocation's sample, and the owners when they
+    /// Adds what one step made: its allocation's sample, and the owners when they
     /// changed (either may be absent). The oldest sample past [`HISTORY`] is dropped.
     ///
     /// The samples' times strictly increase, because a page ends at a `t_ms` and the
@@ -79,10 +80,10 @@ impl HistoryBoard {
         drop((dropped, replaced));
     }
 
-    /// The answer to `history` for a caller with `uid` (from the socket's peer
-    /// credentials): the page `since_ms` and `max_samples` select (as
-    /// [`AdminOp::History`](powerflex_proto::admin::AdminOp::History) says), each sample
-    /// with only the caps the caller may read ([`owners::history_for`], the rule every admin reply follows).
+    /// The answer to `history` for a caller with `uid` (from the socket's peer credentials): the
+    /// page `since_ms` and `max_samples` select (as
+    /// [`AdminOp::History`](powerflex_proto::admin::AdminOp::History) says), each sample with only
+    /// the caps the caller may read ([`owners::history_for`], the rule every admin reply follows).
     pub fn answer(&self, since_ms: Option<u64>, max_samples: Option<u32>, uid: u32) -> AdminReply {
         let (picked, owners) = {
             let board = self.lock();
@@ -192,9 +193,9 @@ mod tests {
         assert_eq!(seen, [10, 20, 21, 22, 30]);
     }
 
-    /// Issue 21: any local user's `history` request cloned the whole history (8,640
-    /// samples x every job's cap) inside the allocation loop. From the board: bounded,
-    /// thinned with the newest kept, paged, and the board itself bounded.
+    /// Any local user may ask for the history (8,640 samples x every job's cap in all):
+    /// from the board an answer is bounded, thinned with the newest kept, paged, and the
+    /// board itself bounded, so no request costs the allocation loop.
     #[test]
     fn a_history_request_is_bounded_thinned_and_paged() {
         let board = HistoryBoard::new();
@@ -290,7 +291,7 @@ mod tests {
             ],
             "root reads all, the job of unknown owner too"
         );
-        // The core forgot job 1's owner (past the window): nobody but root reads it now.
+        // The step forgot job 1's owner (past the window): nobody but root reads it now.
         let mut later = owners;
         later.remove("1");
         board.publish(None, Some(Arc::new(later)));

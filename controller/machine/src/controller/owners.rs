@@ -1,4 +1,4 @@
-//! Need-to-know on the admin socket (issue 14): who owns each job, and what of an admin
+//! Need-to-know on the admin socket: who owns each job, and what of an admin
 //! reply a caller may read. Pure: reports and replies in, views out.
 //!
 //! A job's owner comes only from its agents' reports ([`JobReport::owner_uid`]), which

@@ -62,7 +62,7 @@ pub fn record(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::site::NodeView;
+    use powerflex_decide::NodeView;
     use powerflex_proto::report::JobReport;
 
     fn point(cap_w: f64, sigma: f64, windows: u32) -> CurvePoint {

@@ -1,9 +1,9 @@
-//! What the controller knows of one node: the core keeps one [`Session`] per node, and
-//! the status and learning read them (their own module, so neither imports the core).
+//! What the controller knows of one node: the step keeps one [`Session`] per node, and
+//! the status and learning read them (their own module, so neither imports the step).
 
 use powerflex_proto::report::{GpuInfo, JobReport};
 
-use crate::site::NodeView;
+use powerflex_decide::NodeView;
 
 /// What the controller knows of one node.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,5 @@
 //! The leadership row (`powerflex_leader`) as a claim's transaction reads it, and what
-//! the claim does with it (review 22, findings 5, 7 and 8). Pure: the edge
+//! the claim does with it. Pure: the edge
 //! (`powerflex_controller::ctld::ha`) reads the row, asks [`decide`], and writes what it
 //! answers.
 //!
@@ -18,6 +18,7 @@
 //!   the state it committed (or newer), and it may steer from it.
 
 use super::leader::Claim;
+use crate::error::MachineError;
 
 /// The row, as read under `FOR UPDATE`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,7 +115,7 @@ pub fn same_name_message(name: &str) -> String {
 }
 
 /// Whether the committed state in the database is still behind the newest state this
-/// controller steers from (review 22, finding 6): a save that failed leaves it stale,
+/// controller steers from: a save that failed leaves it stale,
 /// and the newest state is sent again with each claim until a save succeeds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DbCopy {
@@ -144,15 +145,15 @@ impl DbCopy {
     }
 
     /// A save's outcome: `Ok` written, `Err` why not.
-    pub fn saved(&mut self, outcome: Result<(), String>) -> DbCopyChange {
+    pub fn saved(&mut self, outcome: Result<(), MachineError>) -> DbCopyChange {
         match outcome {
             Ok(()) => match self.stale.take() {
                 Some(_) => DbCopyChange::Fresh,
                 None => DbCopyChange::None,
             },
-            Err(e) => match self.stale.replace(e.clone()) {
+            Err(e) => match self.stale.replace(e.to_string()) {
                 Some(_) => DbCopyChange::None,
-                None => DbCopyChange::BecameStale(e),
+                None => DbCopyChange::BecameStale(e.to_string()),
             },
         }
     }
@@ -183,8 +184,8 @@ mod tests {
 
     const POLL: Claim = Claim { renew_epoch: None };
 
-    /// Finding 5: two controllers with one name no longer take a live row from each
-    /// other; only the process that holds it (name and token) renews or retakes it.
+    /// Two controllers with one name do not take a live row from each other; only the
+    /// process that holds it (name and token) renews or retakes it.
     #[test]
     fn a_live_row_of_this_name_is_taken_only_with_this_process_s_token() {
         let twin = row("ctld-a", "t-twin", 7, true);
@@ -238,7 +239,7 @@ mod tests {
         ));
     }
 
-    /// Finding 7: a negative epoch is not read as 0, and i64::MAX is not saturated.
+    /// A negative epoch is not read as 0, and i64::MAX is not saturated.
     #[test]
     fn an_epoch_out_of_range_is_refused_with_the_recovery() {
         for r in [row("", "", -1, false), row("ctld-b", "t-b", -5, true)] {
@@ -279,7 +280,7 @@ mod tests {
         );
     }
 
-    /// Finding 6: a failed save is sent again with each claim until one succeeds; the
+    /// A failed save is sent again with each claim until one succeeds; the
     /// copy going stale and fresh again are each said once.
     #[test]
     fn a_failed_save_is_resent_with_each_claim_until_one_succeeds() {
@@ -287,17 +288,20 @@ mod tests {
         assert!(!copy.resend_with_claim());
         assert_eq!(copy.saved(Ok(())), DbCopyChange::None);
         assert_eq!(
-            copy.saved(Err("statement timeout".into())),
+            copy.saved(Err(MachineError::Database("statement timeout".into()))),
             DbCopyChange::BecameStale("statement timeout".into())
         );
         assert!(copy.resend_with_claim());
         assert_eq!(copy.stale(), Some("statement timeout"));
-        assert_eq!(copy.saved(Err("refused".into())), DbCopyChange::None);
+        assert_eq!(
+            copy.saved(Err(MachineError::Database("refused".into()))),
+            DbCopyChange::None
+        );
         assert!(copy.resend_with_claim(), "still stale: sent again");
         assert_eq!(copy.saved(Ok(())), DbCopyChange::Fresh);
         assert!(!copy.resend_with_claim());
         assert_eq!(copy.stale(), None);
-        copy.saved(Err("x".into()));
+        copy.saved(Err(MachineError::Database("x".into())));
         copy.reset();
         assert!(!copy.resend_with_claim());
     }

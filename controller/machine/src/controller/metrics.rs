@@ -10,7 +10,7 @@ use powerflex_proto::status::AccountingDbView;
 use powerflex_proto::usage::JobEnergyRecord;
 
 use crate::preempt::Preempted;
-use crate::site::Decision;
+use powerflex_decide::Decision;
 
 /// Most distinct values of one label in the energy families; the rest are summed under
 /// [`OTHER_LABEL`] (a site with thousands of accounts must not explode the series).
@@ -78,7 +78,7 @@ impl EnergyTotals {
 }
 
 /// What the metrics show of one allocation: owned, so the edge renders it after the
-/// step (the decision is shared with the core's last one, not copied).
+/// step (the decision is shared with the step's last one, not copied).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetricsSnapshot {
     pub decision: Arc<Decision>,

@@ -763,8 +763,8 @@ mod tests {
         assert_eq!(r[0].energy_j, 1.02);
     }
 
-    /// Review defect 5: a final share was taken only after a running share from the
-    /// same node, and one arriving after the record was lost.
+    /// A final share counts without a running share from the same node before it, and
+    /// one arriving after the record amends it rather than being lost.
     #[test]
     fn a_final_share_without_a_running_one_is_taken_and_a_late_one_amends_the_record() {
         let mut l = ledger(&[("7", &["n1", "n2"], RUN1_S)]);
@@ -840,7 +840,7 @@ mod tests {
         assert_eq!(l.due(1_000, |_| None).len(), 1);
     }
 
-    /// Review defect 7: a requeued job (same id) was ignored after its first record.
+    /// A requeued job (same id) gets a record for each run, not only its first.
     #[test]
     fn each_run_of_a_requeued_job_gets_its_own_record() {
         const RUN2_S: u64 = RUN1_S + 300;
@@ -882,7 +882,8 @@ mod tests {
         assert_eq!((again.len(), again[0].energy_j), (1, 2.0));
     }
 
-    /// Review defect 8: paging by `to_unix_ms` skipped records ending in the same ms.
+    /// Paging skips no record, even among records ending in the same ms (a cursor by
+    /// `to_unix_ms` alone would).
     #[test]
     fn paging_by_cursor_visits_every_record_once_however_many_share_an_end() {
         let records: Vec<JobEnergyRecord> = (0..1_234u64)

@@ -1,4 +1,4 @@
-//! Leadership under `[controller.ha]` (issue 22): whether this controller steers the
+//! Leadership under `[controller.ha]`: whether this controller steers the
 //! site, and with which epoch, decided from the leadership database's answers and the
 //! time. Pure: the edge (`powerflex_controller::ctld::ha`) runs the claims in
 //! PostgreSQL and hands back what they said, with when they were sent.
@@ -25,6 +25,7 @@ use powerflex_proto::status::{LeadershipRole, LeadershipView};
 use tracing::{error, info, warn};
 
 use super::state::CtldState;
+use crate::error::MachineError;
 
 /// What leadership is configured with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,7 +87,7 @@ pub enum LeaderInput {
     /// The answer to a claim sent at `sent`, or why it failed.
     Answer {
         sent: UnixMs,
-        answer: Result<ClaimAnswer, String>,
+        answer: Result<ClaimAnswer, MachineError>,
     },
     /// An agent refused this controller's lease of `lease_epoch` because it follows a
     /// controller of `accepted_epoch`. The database, not the agent, says who leads: a
@@ -275,7 +276,7 @@ impl Leader {
         &mut self,
         now: UnixMs,
         sent: UnixMs,
-        answer: Result<ClaimAnswer, String>,
+        answer: Result<ClaimAnswer, MachineError>,
     ) -> LeaderChange {
         match answer {
             Ok(ClaimAnswer::Renewed { epoch }) if self.active() && epoch == self.epoch => {
@@ -340,6 +341,7 @@ impl Leader {
                 }
             }
             Err(e) => {
+                let e = e.to_string();
                 if self.reason.as_deref() != Some(e.as_str()) {
                     warn!(error = %e, role = self.role.name(), "leadership claim failed");
                 }
@@ -389,14 +391,14 @@ mod tests {
         )
     }
 
-    fn answer(sent: u64, answer: Result<ClaimAnswer, String>) -> LeaderInput {
+    fn answer(sent: u64, answer: Result<ClaimAnswer, MachineError>) -> LeaderInput {
         LeaderInput::Answer {
             sent: UnixMs(sent),
             answer,
         }
     }
 
-    fn took_over(epoch: u64) -> Result<ClaimAnswer, String> {
+    fn took_over(epoch: u64) -> Result<ClaimAnswer, MachineError> {
         Ok(ClaimAnswer::TookOver {
             epoch,
             state: None,
@@ -455,7 +457,10 @@ mod tests {
         l.claim_due(UnixMs(T0 + 4_000));
         l.step(
             UnixMs(T0 + 4_100),
-            answer(T0 + 4_000, Err("connection refused".into())),
+            answer(
+                T0 + 4_000,
+                Err(MachineError::Database("connection refused".into())),
+            ),
         );
         assert!(l.active(), "one failed renewal is within the margin");
         // A hung claim is no answer: the deadline still falls, 2/3 TTL after the last

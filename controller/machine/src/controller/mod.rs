@@ -1,12 +1,13 @@
-//! The controller's state machine: [`Core`], its inputs and outputs, and what it keeps.
+//! The controller's state machine: [`step::Controller`], its inputs and outputs, and what
+//! it keeps.
 //!
-//! `powerflex-ctld`'s I/O edge (`powerflex_controller::ctld`) reads the agents' link,
-//! the admin socket, Slurm and the state file, hands what it read to [`Core::step`] with
-//! the time, and carries out the [`Output`]: persist, reply, lease, annotate, preempt,
-//! publish. Everything the controller decides is here, so the site harness can run it
-//! with many agent machines on a fake clock.
+//! `powerflex-ctld`'s I/O edge (`powerflex_controller::ctld`) reads the agents' link, the admin
+//! socket, Slurm and the state file, hands what it read to [`step::Controller::step`] with the
+//! time, and carries out the [`step::Output`]: persist, reply, lease, annotate, preempt, publish.
+//! Everything the controller decides is here, so the site harness can run it with many agent
+//! machines on a fake clock.
 //!
-//! - [`core`]: the step itself (hellos, reports, admin requests, ticks, reloads, Slurm's
+//! - [`step`]: the step itself (hellos, reports, admin requests, ticks, reloads, Slurm's
 //!   placement → leases, replies, state to save, annotations, preemptions, records);
 //! - [`session`]: what the controller knows of one agent;
 //! - [`status`], [`learning`], [`owners`]: what `status` shows, the curves each event
@@ -21,7 +22,6 @@
 
 pub mod accounting;
 pub mod annotate;
-pub mod core;
 pub mod history;
 pub mod leader;
 pub mod learning;
@@ -31,16 +31,16 @@ pub mod owners;
 pub mod session;
 pub mod state;
 pub mod status;
+pub mod step;
 
 use std::time::Duration;
 
 use powerflex_core::config::{JobPlacement, LeaseRollout, SiteConfig};
 use powerflex_core::Watts;
 
-use crate::site::SiteSettings;
+use powerflex_decide::SiteSettings;
 
-pub use self::core::{Core, Input, Lease, Output};
-pub use self::state::{CtldState, Loaded};
+use crate::error::MachineError;
 
 /// What the controller's machine is configured with: the site config's decisions, none
 /// of the edge's addresses, sockets, paths or keys.
@@ -67,7 +67,7 @@ pub struct CtldSettings {
 impl CtldSettings {
     /// The machine's settings from a validated site config: what `powerflex-ctld` starts
     /// and reloads with, and what the site harness runs, so both run the same.
-    pub fn from_site(site: &SiteConfig) -> Result<CtldSettings, String> {
+    pub fn from_site(site: &SiteConfig) -> Result<CtldSettings, MachineError> {
         Ok(CtldSettings {
             base_budget: site.facility.gpu_budget_w,
             period: Duration::from_secs(site.controller.allocation_period_s),
@@ -86,4 +86,4 @@ impl CtldSettings {
 }
 
 /// A re-read site config's settings (on SIGHUP), or why the file was refused.
-pub type SettingsReload = Result<CtldSettings, String>;
+pub type SettingsReload = Result<CtldSettings, MachineError>;

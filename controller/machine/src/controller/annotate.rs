@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use powerflex_proto::report::JobReport;
 
 use crate::preempt::Preempted;
-use crate::site::Decision;
+use powerflex_decide::Decision;
 
 /// The annotations `decision` calls for that differ from those already made (`done`,
 /// job → text, updated in place; jobs no longer allocated are forgotten). Pure.

@@ -13,6 +13,7 @@ use powerflex_proto::event::{check_new_event, MAX_PENDING_EVENTS};
 use powerflex_proto::link::valid_node_name;
 use powerflex_proto::report::{validate_gpus, GpuInfo};
 
+use crate::error::MachineError;
 use crate::preempt::Preempted;
 use crate::schedule::Event;
 
@@ -47,7 +48,7 @@ pub struct CtldState {
     /// the limits the site config gives them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub domain_budgets_w: BTreeMap<String, Watts>,
-    /// The leadership epoch this state was last steered with (issue 22): every lease
+    /// The leadership epoch this state was last steered with: every lease
     /// carries it, and an agent refuses leases of a lower epoch than it has accepted. 0
     /// for a single controller (and absent from its file); under `[controller.ha]` each
     /// takeover raises it in the database.
@@ -64,15 +65,12 @@ impl CtldState {
     /// newer controller adds fields with defaults, so an older standby can still take
     /// over in a rolling upgrade. An event's fields stay strict: an event this build
     /// cannot read whole is refused rather than applied differently.
-    pub fn from_json(text: &[u8], now: UnixMs) -> Result<CtldState, String> {
+    pub fn from_json(text: &[u8], now: UnixMs) -> Result<CtldState, MachineError> {
         if text.len() > MAX_STATE_BYTES {
-            return Err(format!(
-                "the state is {} bytes; accepted: at most {MAX_STATE_BYTES}",
-                text.len()
-            ));
+            return Err(MachineError::StateTooLarge { bytes: text.len() });
         }
         let state: CtldState =
-            serde_json::from_slice(text).map_err(|e| format!("not a controller state: {e}"))?;
+            serde_json::from_slice(text).map_err(|e| MachineError::NotAState(e.to_string()))?;
         state.checked(now)
     }
 
@@ -88,23 +86,22 @@ impl CtldState {
     /// - `events`: at most [`MAX_PENDING_EVENTS`], each one `event add` accepts, ids
     ///   distinct and at most `next_event_id`;
     /// - `nodes`: at most [`MAX_NODES_IN_ALL`], each a valid node name; a node whose GPU
-    ///   list no agent's hello may announce is dropped (logged), not the whole state: a
-    ///   release before these checks kept hello lists unchecked, and refusing such a
-    ///   state at an upgrade would drop every event and budget with it (the node is
-    ///   known again at its next hello);
+    ///   list no agent's hello may announce is dropped (logged), not the whole state:
+    ///   states written by older releases may hold unchecked hello lists, and refusing
+    ///   such a state at an upgrade would drop every event and budget with it (the node
+    ///   is known again at its next hello);
     /// - `preempted`: at most [`MAX_PREEMPTED_JOBS`] job ids the link accepts;
     /// - `epoch`: at most `i64::MAX` (what the database holds).
     ///
     /// The error names the field and the accepted range.
-    pub fn checked(mut self, now: UnixMs) -> Result<CtldState, String> {
+    pub fn checked(mut self, now: UnixMs) -> Result<CtldState, MachineError> {
         if let Some(Watts(w)) = self.budget_w {
             if !(w.is_finite() && w > 0.0) {
-                return Err(format!(
-                    "budget_w = {w} W is out of range; accepted: above 0 W, at most {MAX_BUDGET_W} W"
-                ));
+                return Err(MachineError::BudgetOutOfRange { w });
             }
-            // A release before this bound took any positive budget: one above it (no
-            // limit a GPU site reaches) loads at the bound rather than losing the state.
+            // States written by an older release may hold any positive budget: one above
+            // the bound (no limit a GPU site reaches) loads at the bound rather than
+            // losing the state.
             if w > MAX_BUDGET_W {
                 tracing::warn!(
                     budget_w = w,
@@ -115,23 +112,19 @@ impl CtldState {
             }
         }
         if self.domain_budgets_w.len() > MAX_DOMAINS {
-            return Err(format!(
-                "domain_budgets_w names {} domains; accepted: at most {MAX_DOMAINS}",
-                self.domain_budgets_w.len()
-            ));
+            return Err(MachineError::TooManyDomainBudgets {
+                count: self.domain_budgets_w.len(),
+            });
         }
         for (name, Watts(w)) in &mut self.domain_budgets_w {
             if name.is_empty() || name.len() > MAX_DOMAIN_NAME_BYTES {
-                return Err(format!(
-                    "domain_budgets_w: a domain name of {} bytes; accepted: 1 to {MAX_DOMAIN_NAME_BYTES}",
-                    name.len()
-                ));
+                return Err(MachineError::DomainBudgetName { bytes: name.len() });
             }
             if !(w.is_finite() && *w > 0.0) {
-                return Err(format!(
-                    "domain_budgets_w.\"{}\" = {w} W is out of range; accepted: above 0 W, at most {MAX_DOMAIN_LIMIT_W} W",
-                    name.escape_default()
-                ));
+                return Err(MachineError::DomainBudgetOutOfRange {
+                    name: name.clone(),
+                    w: *w,
+                });
             }
             // As the site's budget: held to the bound (the controller holds a domain to
             // its configured limit at every allocation anyway).
@@ -139,43 +132,37 @@ impl CtldState {
         }
         self.events.retain(|e| e.pending(now.ms()));
         if self.events.len() > MAX_PENDING_EVENTS {
-            return Err(format!(
-                "events holds {} events not yet over; accepted: at most {MAX_PENDING_EVENTS}",
-                self.events.len()
-            ));
+            return Err(MachineError::TooManyEvents {
+                count: self.events.len(),
+            });
         }
         let mut ids = std::collections::BTreeSet::new();
         for e in &self.events {
             check_new_event(&e.cut, e.start_ms, e.duration_ms, e.ramp_ms)
-                .map_err(|why| format!("events: event {}: {why}", e.id))?;
+                .map_err(|why| MachineError::BadEvent { id: e.id, why })?;
             if e.id == 0 || e.id > self.next_event_id || !ids.insert(e.id) {
-                return Err(format!(
-                    "events: event id {} is out of range; accepted: ids from 1 to next_event_id ({}), each once",
-                    e.id, self.next_event_id
-                ));
+                return Err(MachineError::EventIdOutOfRange {
+                    id: e.id,
+                    next_event_id: self.next_event_id,
+                });
             }
             if let Some(d) = &e.domain {
                 if d.is_empty() || d.len() > MAX_DOMAIN_NAME_BYTES {
-                    return Err(format!(
-                        "events: event {}: a domain name of {} bytes; accepted: 1 to {MAX_DOMAIN_NAME_BYTES}",
-                        e.id,
-                        d.len()
-                    ));
+                    return Err(MachineError::EventDomainName {
+                        id: e.id,
+                        bytes: d.len(),
+                    });
                 }
             }
         }
         if self.nodes.len() > MAX_NODES_IN_ALL {
-            return Err(format!(
-                "nodes names {} nodes; accepted: at most {MAX_NODES_IN_ALL}",
-                self.nodes.len()
-            ));
+            return Err(MachineError::TooManyNodes {
+                count: self.nodes.len(),
+            });
         }
         for node in self.nodes.keys() {
             if !valid_node_name(node) {
-                return Err(format!(
-                    "nodes: \"{}\" is not a node name; accepted: 1 to 64 ASCII letters, digits, '.', '_' or '-'",
-                    node.chars().take(80).collect::<String>().escape_default()
-                ));
+                return Err(MachineError::BadNodeName { name: node.clone() });
             }
         }
         self.nodes.retain(|node, gpus| match validate_gpus(gpus) {
@@ -186,27 +173,19 @@ impl CtldState {
             }
         });
         if self.preempted.len() > MAX_PREEMPTED_JOBS {
-            return Err(format!(
-                "preempted names {} jobs; accepted: at most {MAX_PREEMPTED_JOBS}",
-                self.preempted.len()
-            ));
+            return Err(MachineError::TooManyPreempted {
+                count: self.preempted.len(),
+            });
         }
         if let Some(job) = self
             .preempted
             .keys()
             .find(|j| !powerflex_proto::valid_job_id(j))
         {
-            return Err(format!(
-                "preempted: \"{}\" is not a job id; accepted: 1 to 64 ASCII letters, digits, '_' or '.'",
-                job.chars().take(80).collect::<String>().escape_default()
-            ));
+            return Err(MachineError::BadJobId { job: job.clone() });
         }
         if i64::try_from(self.epoch).is_err() {
-            return Err(format!(
-                "epoch = {} is out of range; accepted: 0 to {}",
-                self.epoch,
-                i64::MAX
-            ));
+            return Err(MachineError::EpochOutOfRange { epoch: self.epoch });
         }
         Ok(self)
     }
@@ -244,7 +223,7 @@ mod tests {
     }
 
     fn refused(state: CtldState, says: &str) {
-        let why = state.clone().checked(NOW).expect_err(says);
+        let why = state.clone().checked(NOW).expect_err(says).to_string();
         assert!(why.contains(says), "{why} should say {says}");
         // (JSON has no NaN nor infinity: those are written as null, which is no budget.)
         let text = serde_json::to_string(&state).expect("encodes");
@@ -256,8 +235,8 @@ mod tests {
         }
     }
 
-    /// Review 22, finding 3: a committed state (database row or file) is steered from
-    /// only once its values are within what the controller itself accepts.
+    /// A committed state (database row or file) is steered from only once its values
+    /// are within what the controller itself accepts.
     #[test]
     fn a_hostile_committed_state_is_refused_naming_the_field_and_range() {
         // Budgets above the bound (an older release took any positive one) load held to
@@ -367,7 +346,9 @@ mod tests {
         assert_eq!(kept.events, vec![event(1)]);
         assert_eq!(kept.nodes.keys().collect::<Vec<_>>(), vec!["n2"]);
         let huge = vec![b' '; MAX_STATE_BYTES + 1];
-        let why = CtldState::from_json(&huge, NOW).expect_err("too big");
+        let why = CtldState::from_json(&huge, NOW)
+            .expect_err("too big")
+            .to_string();
         assert!(why.contains("at most"), "{why}");
         // What the controller writes itself loads; ended events are dropped.
         let mut ended = event(1);
@@ -387,7 +368,7 @@ mod tests {
         assert_eq!(loaded.budget_w, fine.budget_w);
     }
 
-    /// Review 22, finding 8: a state written by a newer controller (a field this build
+    /// A state written by a newer controller (a field this build
     /// does not know) still loads, so an older standby can take over in a rolling
     /// upgrade; an event this build cannot read whole is still refused.
     #[test]

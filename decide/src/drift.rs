@@ -1,0 +1,59 @@
+//! Whether a job's measurements left its measured curve.
+
+use powerflex_core::curve::CapCurve;
+use powerflex_core::Watts;
+
+use crate::gather::SiteJob;
+use crate::Drift;
+
+/// How far measured power may stray from a measured curve before the job counts as
+/// drifted (a fraction); throughput may stray this much or three of the curve's standard
+/// errors, whichever is wider.
+pub(crate) const DRIFT_BAND: f64 = 0.10;
+/// How long a cap must have held before the throughput, a rate over the agent's last
+/// 10 s, is compared with the curve at that cap, s.
+const THROUGHPUT_WINDOW_S: f64 = 10.0;
+
+/// Whether `job`'s measurements at the cap in force left its measured `curve`'s band.
+/// Priors (no measured curve) and jobs being walked are not judged: their curve is a
+/// guess or incomplete, not a promise.
+pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> {
+    if curve.source() == powerflex_core::curve::CurveSource::Prior || job.calibrating {
+        return None;
+    }
+    let cap = job.cap_now_w?;
+    let predicted = curve.at(Watts(cap));
+    let power_ratio = (job.power_steady && job.power_from_every_node && predicted.power_w.0 > 0.0)
+        .then(|| job.power_w / predicted.power_w.0);
+    let throughput_band = DRIFT_BAND.max(3.0 * curve.relative_uncertainty());
+    let throughput_ratio = match job.throughput {
+        Some(t) if job.cap_steady_s >= THROUGHPUT_WINDOW_S && predicted.throughput > 0.0 => {
+            Some(t / predicted.throughput)
+        }
+        // The cap moved within the rate's window, so the rate mixes caps: still, a rate
+        // beyond what the curve gives at any cap the job may have is drift (a new phase
+        // does not wait for a steady cap: where caps move every few seconds, as in the
+        // demo, a job would otherwise run its heavier phase on its lighter phase's curve
+        // to the end).
+        Some(t) => {
+            let slowest = curve.at(Watts(job.min_cap)).throughput;
+            let fastest = curve.at(Watts(job.max_cap)).throughput;
+            if slowest > 0.0 && t < slowest * (1.0 - throughput_band) {
+                Some(t / slowest)
+            } else if fastest > 0.0 && t > fastest * (1.0 + throughput_band) {
+                Some(t / fastest)
+            } else {
+                None
+            }
+        }
+        None => None,
+    };
+    let out = power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND)
+        || throughput_ratio.is_some_and(|r| (r - 1.0).abs() > throughput_band);
+    out.then(|| Drift {
+        job: id.to_string(),
+        cap_w: cap,
+        power_ratio,
+        throughput_ratio,
+    })
+}

@@ -1,0 +1,267 @@
+//! The allocator's view of each job it steers: its curve (measured or a prior, with
+//! the agents' standard errors), its power as the budget mode counts it, its bounds.
+
+use std::collections::BTreeMap;
+
+use powerflex_core::allocate::{validate_spec, CapLimits, JobSpec};
+use powerflex_core::config::{BudgetMode, Objective};
+use powerflex_core::curve::{
+    estimate_population, CapCurve, JobReadings, KnotSigma, OperatingPoint,
+};
+use powerflex_core::flex::parse_power_flex;
+use powerflex_core::Watts;
+
+use crate::drift::{drift, DRIFT_BAND};
+use crate::gather::SiteJob;
+use crate::{Drift, Held, Rejected, SiteSettings, TierBounds};
+
+/// One standard deviation of a calibration reading (power or throughput), as a fraction:
+/// the paper's repeat-run noise is ~0.5 %; the agent's 5-30 s holds are noisier.
+const MEASUREMENT_NOISE: f64 = 0.01;
+
+/// The allocator's view of the jobs it steers: one spec per job with a usable range
+/// and curve (measured points where every node of the job measured them, else a prior
+/// from its PFI), the jobs whose draw or speed left their curves, and whether the
+/// objective is raw tokens/s (every steered job counts tokens). A job the allocator
+/// cannot take is refused here, not allowed to cost the others their allocation.
+pub(crate) struct Specs {
+    pub(crate) specs: Vec<JobSpec>,
+    pub(crate) drifted: Vec<Drift>,
+    pub(crate) raw_tokens: bool,
+}
+
+pub(crate) fn job_specs(
+    jobs: &BTreeMap<String, SiteJob>,
+    settings: &SiteSettings,
+    held: &Held,
+    rejected: &mut Vec<Rejected>,
+) -> Specs {
+    // The jobs the allocation can steer, and their measured points (caps every node of
+    // the job measured: part of a job's power is no estimate of all of it).
+    let mut steerable: Vec<(&String, &SiteJob, powerflex_core::flex::FlexRequest)> = Vec::new();
+    let mut readings = Vec::new();
+    for (id, job) in jobs {
+        let Ok(request) = parse_power_flex(&job.tier, &settings.tiers) else {
+            continue;
+        };
+        if job.gpus == 0 || job.max_cap == f64::MAX || job.max_cap <= 0.0 {
+            continue;
+        }
+        if held.contains_key(id.as_str()) {
+            continue;
+        }
+        if job.min_cap > job.max_cap {
+            // Its nodes' GPUs share no limit: one cap everywhere cannot be set.
+            for node in &job.nodes {
+                rejected.push(Rejected {
+                    node: node.clone(),
+                    job: Some(id.to_string()),
+                    reason: "the job's GPUs on its nodes have no power limit in common".to_string(),
+                });
+            }
+            continue;
+        }
+        let nodes = job.nodes.len();
+        let points: Vec<OperatingPoint> = job
+            .points
+            .iter()
+            .filter(|(_, (_, _, n))| *n == nodes)
+            .map(|(&cap, &(power, throughput, _))| OperatingPoint {
+                cap_w: Watts(cap as f64),
+                power_w: Watts(power),
+                throughput,
+            })
+            .collect();
+        if points.len() >= 2 {
+            readings.push(JobReadings {
+                points,
+                min_cap_w: Watts(job.min_cap),
+                cap_grid_w: Vec::new(),
+            });
+        }
+        steerable.push((id, job, request));
+    }
+    let mut measured = estimate_population(&readings, MEASUREMENT_NOISE).into_iter();
+    let mut curves = Vec::new();
+    for (_, job, _) in &steerable {
+        let nodes = job.nodes.len();
+        let has_points = job.points.values().filter(|(_, _, n)| *n == nodes).count() >= 2;
+        let curve = if has_points {
+            measured.next().map(|c| with_measured_sigma(c, job))
+        } else {
+            None
+        }
+        .or_else(|| {
+            CapCurve::from_pfi_prior(
+                Watts(job.max_cap * f64::from(job.gpus)),
+                job.throughput.unwrap_or(1.0),
+                job.planning_pfi().unwrap_or(settings.default_pfi).max(0.5),
+                Watts(job.min_cap),
+                Watts(job.max_cap),
+                Watts(50.0),
+            )
+            .ok()
+        });
+        curves.push(curve);
+    }
+    // Tokens/s add up across jobs; steps/s (or a job with no throughput yet) do not.
+    let raw_tokens = settings.objective == Objective::Tokens
+        && steerable.iter().zip(&curves).all(|((_, job, _), curve)| {
+            curve.is_none() || (job.counts_tokens && job.throughput.is_some())
+        });
+    let mut specs = Vec::new();
+    let mut drifted = Vec::new();
+    for ((id, job, request), curve) in steerable.iter().zip(curves) {
+        let Some(curve) = curve else { continue };
+        if let Some(d) = drift(id, job, &curve) {
+            drifted.push(d);
+        }
+        let curve = power_as_budgeted(&curve, job, settings.budget_mode);
+        specs.push(JobSpec {
+            id: (*id).clone(),
+            gpus: job.gpus,
+            throughput_weight: if raw_tokens {
+                1.0
+            } else {
+                1.0 / curve.uncapped().throughput.max(1e-9)
+            },
+            curve,
+            max_slowdown: match settings.tier_bounds {
+                TierBounds::Honoured => request.service.max_slowdown(),
+                TierBounds::Ignored => None,
+            },
+            limits: CapLimits {
+                min_w: Watts(job.min_cap),
+                max_w: Watts(job.max_cap),
+                step_w: settings.cap_step,
+            },
+        });
+    }
+    // One job the allocator cannot take must not cost every other job its allocation.
+    specs.retain(|spec| match validate_spec(spec) {
+        Ok(()) => true,
+        Err(e) => {
+            for node in jobs
+                .get(&spec.id)
+                .map(|j| j.nodes.clone())
+                .unwrap_or_default()
+            {
+                rejected.push(Rejected {
+                    node,
+                    job: Some(spec.id.clone()),
+                    reason: e.to_string(),
+                });
+            }
+            false
+        }
+    });
+    Specs {
+        specs,
+        drifted,
+        raw_tokens,
+    }
+}
+
+/// The job's curve with its power as the budget mode counts it.
+/// - `Hard`: every GPU at its cap, `cap × GPUs`, whatever the job draws.
+/// - `Metered`: the curve's power scaled by what the job draws now over what the curve
+///   predicts at the cap in force (a job drawing below its curve leaves headroom to
+///   others; one drawing above it, after a phase change, is paid for at once), and never
+///   above `cap × GPUs`, which no job averages above.
+fn power_as_budgeted(curve: &CapCurve, job: &SiteJob, mode: BudgetMode) -> CapCurve {
+    let gpus = f64::from(job.gpus);
+    match mode {
+        BudgetMode::Hard => curve.map_power(|cap, _| Watts(cap.0 * gpus)),
+        BudgetMode::Metered { .. } => {
+            let predicted_now = job.cap_now_w.map(|c| curve.at(Watts(c)).power_w.0);
+            let ratio = match predicted_now {
+                Some(p) if job.power_from_every_node && p > 0.0 && job.power_w > 0.0 => {
+                    let measured = (job.power_w / p).clamp(0.05, 10.0);
+                    // Bad news is believed at once; good news (a job drawing less than its
+                    // curve says) only once the cap it was measured at has settled: a draw
+                    // sampled just after a cap rose still shows the lower cap.
+                    //
+                    // A job drawing far less than its measured curve says (idle between
+                    // two steps, stalled on input) is not believed at all: its curve no
+                    // longer describes it, and scaled by that draw every cap would look
+                    // nearly free: the job would be raised while idle, and its next load
+                    // come up at the raised cap on top of the watts its idle draw had lent
+                    // the others (an overshoot the demo's job 4 shows). It is
+                    // budgeted at its curve until its draw is back in the band or it has
+                    // been walked again (drift sends it to be). A prior is only a guess:
+                    // there the meter is the better word, and is taken.
+                    let far_below = curve.source() != powerflex_core::curve::CurveSource::Prior
+                        && measured < 1.0 - DRIFT_BAND;
+                    if job.power_steady && !far_below {
+                        measured
+                    } else {
+                        measured.max(1.0)
+                    }
+                }
+                _ => 1.0,
+            };
+            // A job drawing more than its curve says has a shape the curve no longer
+            // knows (it was walked in a lighter phase): one ratio taken at a low cap then
+            // predicts too little at the higher ones, and the job is raised, goes over,
+            // is cut and raised again. Until it is walked again, budget each cap at least
+            // at the measured draw scaled by the cap, the most a cap-bound GPU adds.
+            let per_cap_w = match job.cap_now_w {
+                Some(c) if ratio > 1.0 && c > 0.0 => job.power_w / c,
+                _ => 0.0,
+            };
+            curve.map_power(|cap, power| {
+                Watts((power.0 * ratio).max(per_cap_w * cap.0).min(cap.0 * gpus))
+            })
+        }
+    }
+}
+
+/// `curve` with per-knot standard errors from what every node of `job` measured (their
+/// variances add, as their powers and throughputs do). Between measured caps the error
+/// is interpolated; a knot below the lowest measured cap (extrapolated) gets twice the
+/// lowest one's; above the highest, the highest one's. A job whose agents sent no
+/// uncertainty (older agents) keeps the curve's relative uncertainty.
+fn with_measured_sigma(curve: CapCurve, job: &SiteJob) -> CapCurve {
+    let nodes = job.nodes.len();
+    let measured: Vec<(f64, KnotSigma)> = job
+        .sigma
+        .iter()
+        .filter(|(_, (_, _, n))| *n == nodes)
+        .map(|(&cap, &(vp, vt, _))| {
+            (
+                cap as f64,
+                KnotSigma {
+                    power_w: vp.sqrt(),
+                    throughput: vt.sqrt(),
+                },
+            )
+        })
+        .collect();
+    let (Some(&(lo_cap, lo)), Some(&(_, hi))) = (measured.first(), measured.last()) else {
+        return curve;
+    };
+    curve.with_knot_sigma(|cap| {
+        let c = cap.0;
+        if c < lo_cap - 0.5 {
+            return KnotSigma {
+                power_w: 2.0 * lo.power_w,
+                throughput: 2.0 * lo.throughput,
+            };
+        }
+        let above = measured.partition_point(|(m, _)| *m < c - 0.5);
+        match (
+            above.checked_sub(1).map(|i| measured[i]),
+            measured.get(above),
+        ) {
+            (_, Some(&(m, s))) if (m - c).abs() <= 0.5 => s,
+            (Some((a, sa)), Some(&(b, sb))) => {
+                let f = (c - a) / (b - a);
+                KnotSigma {
+                    power_w: sa.power_w + f * (sb.power_w - sa.power_w),
+                    throughput: sa.throughput + f * (sb.throughput - sa.throughput),
+                }
+            }
+            _ => hi,
+        }
+    })
+}
