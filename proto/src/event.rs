@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ProtoError;
+
 /// What an event does to the budget.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
@@ -28,14 +30,14 @@ pub const MAX_PENDING_EVENTS: usize = 256;
 impl Cut {
     /// Whether the cut is one the controller can apply: a fraction in [0, 1], or a
     /// target of finitely many watts, zero or more. The reason names what is accepted.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ProtoError> {
         match *self {
-            Cut::Reduce { fraction } if !(0.0..=1.0).contains(&fraction) => Err(format!(
-                "a reduction of {fraction} is out of range; accepted: a fraction from 0 to 1"
-            )),
-            Cut::Target { budget_w } if !budget_w.is_finite() || budget_w < 0.0 => Err(format!(
-                "a target budget of {budget_w} W is out of range; accepted: 0 W or more, finite"
-            )),
+            Cut::Reduce { fraction } if !(0.0..=1.0).contains(&fraction) => {
+                Err(ProtoError::ReductionOutOfRange { fraction })
+            }
+            Cut::Target { budget_w } if !budget_w.is_finite() || budget_w < 0.0 => {
+                Err(ProtoError::TargetOutOfRange { budget_w })
+            }
             _ => Ok(()),
         }
     }
@@ -49,24 +51,19 @@ pub fn check_new_event(
     start_ms: u64,
     duration_ms: u64,
     ramp_ms: u64,
-) -> Result<(), String> {
+) -> Result<(), ProtoError> {
     cut.check()?;
     if duration_ms == 0 || ramp_ms.saturating_mul(2) > duration_ms {
-        return Err(format!(
-            "an event needs a duration longer than twice its ramp (got {duration_ms} ms and a {ramp_ms} ms ramp)"
-        ));
+        return Err(ProtoError::RampTooLong {
+            duration_ms,
+            ramp_ms,
+        });
     }
     if duration_ms > MAX_EVENT_DURATION_MS {
-        return Err(format!(
-            "an event of {} s is too long; accepted: at most {} s (a standing limit is a budget: budget-set)",
-            duration_ms / 1000,
-            MAX_EVENT_DURATION_MS / 1000
-        ));
+        return Err(ProtoError::EventTooLong { duration_ms });
     }
     if start_ms.checked_add(duration_ms).is_none() {
-        return Err(format!(
-            "an event starting at {start_ms} ms never ends in Unix milliseconds; accepted: a real date"
-        ));
+        return Err(ProtoError::EventNeverEnds { start_ms });
     }
     Ok(())
 }
@@ -132,7 +129,8 @@ mod tests {
         ];
         for (cut, start_ms, duration_ms, ramp_ms, needle) in refused {
             let why = check_new_event(&cut, start_ms, duration_ms, ramp_ms)
-                .expect_err(&format!("{cut:?} {start_ms} {duration_ms} {ramp_ms}"));
+                .expect_err(&format!("{cut:?} {start_ms} {duration_ms} {ramp_ms}"))
+                .to_string();
             assert!(why.contains(needle), "{why}");
             assert!(why.contains("accepted") || why.contains("needs"), "{why}");
         }

@@ -45,8 +45,8 @@ pub struct ProgressReport {
     pub steps: u64,
 }
 
-/// Why a line is not a valid message.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why a line is not a valid message, or a value one would carry is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ProtoError {
     #[error("message of {0} bytes exceeds the {MAX_LINE_BYTES}-byte limit")]
     TooLong(usize),
@@ -62,6 +62,32 @@ pub enum ProtoError {
     /// GPUs than a node holds, ...).
     #[error("invalid {field}: {reason}")]
     Invalid { field: String, reason: String },
+    /// A grid event's reduction outside [0, 1].
+    #[error("a reduction of {fraction} is out of range; accepted: a fraction from 0 to 1")]
+    ReductionOutOfRange { fraction: f64 },
+    /// A grid event's target budget that is negative or not finite.
+    #[error("a target budget of {budget_w} W is out of range; accepted: 0 W or more, finite")]
+    TargetOutOfRange { budget_w: f64 },
+    /// A grid event whose ramps in and out do not fit in its duration.
+    #[error(
+        "an event needs a duration longer than twice its ramp (got {duration_ms} ms and a {ramp_ms} ms ramp)"
+    )]
+    RampTooLong { duration_ms: u64, ramp_ms: u64 },
+    /// A grid event longer than [`event::MAX_EVENT_DURATION_MS`].
+    #[error(
+        "an event of {} s is too long; accepted: at most {} s (a standing limit is a budget: budget-set)",
+        duration_ms / 1000,
+        event::MAX_EVENT_DURATION_MS / 1000
+    )]
+    EventTooLong { duration_ms: u64 },
+    /// A grid event whose end is past the end of `u64` milliseconds.
+    #[error(
+        "an event starting at {start_ms} ms never ends in Unix milliseconds; accepted: a real date"
+    )]
+    EventNeverEnds { start_ms: u64 },
+    /// A curve snapshot's origin that is neither `calibrated` nor `event <id>`.
+    #[error("unknown snapshot origin {0:?}: expected \"calibrated\" or \"event <id>\"")]
+    SnapshotOrigin(String),
 }
 
 impl ProgressReport {

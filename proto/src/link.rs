@@ -694,7 +694,7 @@ impl Body {
 }
 
 /// Why a link frame was refused. [`LinkError::reason`] names the kind for metrics.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LinkError {
     #[error(transparent)]
     Proto(#[from] ProtoError),

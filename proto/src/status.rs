@@ -381,20 +381,16 @@ impl From<SnapshotAfter> for String {
 }
 
 impl TryFrom<String> for SnapshotAfter {
-    type Error = String;
+    type Error = crate::ProtoError;
 
-    fn try_from(text: String) -> Result<SnapshotAfter, String> {
+    fn try_from(text: String) -> Result<SnapshotAfter, crate::ProtoError> {
         if text == "calibrated" {
             return Ok(SnapshotAfter::Calibrated);
         }
-        text.strip_prefix("event ")
-            .and_then(|id| id.parse().ok())
-            .map(SnapshotAfter::Event)
-            .ok_or_else(|| {
-                format!(
-                    "unknown snapshot origin {text:?}: expected \"calibrated\" or \"event <id>\""
-                )
-            })
+        match text.strip_prefix("event ").and_then(|id| id.parse().ok()) {
+            Some(id) => Ok(SnapshotAfter::Event(id)),
+            None => Err(crate::ProtoError::SnapshotOrigin(text)),
+        }
     }
 }
 

@@ -187,7 +187,7 @@ impl Controller {
         if let Err(why) =
             powerflex_proto::event::check_new_event(&cut, start_ms, duration_ms, ramp_ms)
         {
-            return AdminReply::refused(Refusal::EventOutOfRange, why);
+            return AdminReply::refused(Refusal::EventOutOfRange, why.to_string());
         }
         if let Some(name) = &domain {
             if let Some(refused) = self.unknown_domain(name) {
