@@ -171,7 +171,7 @@ fn main() {
             &socket,
             &format!("{{\"v\":1,\"op\":\"register\",\"job_id\":\"{job}\",\"step_id\":\"0\",\"uid\":0,\"node\":\"n1\",\"gpus\":[\"{gpu}\"],\"flex\":\"{tier}\"}}"),
         );
-        let progress = reply.progress.expect("progress");
+        let progress = reply.progress().expect("progress");
         procs.0.push(
             Command::new(bin.join("powerflex-simjob"))
                 .args(["--profile", profile, "--time-scale", "20"])
@@ -188,7 +188,8 @@ fn main() {
     let deadline = Instant::now() + Duration::from_secs(240);
     let status = loop {
         let s = send(&socket, "{\"v\":1,\"op\":\"status\"}")
-            .status
+            .status()
+            .cloned()
             .expect("status");
         let busy = s
             .jobs

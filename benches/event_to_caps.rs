@@ -509,7 +509,7 @@ fn time_core_step_with_history_readers(
                     let reply = board.answer(None, None, 1000);
                     answers.push(started.elapsed());
                     assert_eq!(
-                        reply.history.map(|h| h.len()),
+                        reply.history().map(|h| h.len()),
                         Some(powerflex_proto::admin::MAX_HISTORY_SAMPLES as usize)
                     );
                 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use powerflex_core::config::RawSiteConfig;
 use powerflex_daemon::os::{kill, Signal};
 use powerflex_proto::status::{AgentStatus, CtldStatus, NodeStatus};
-use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
+use powerflex_proto::{ControlAnswer, ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::Node;
 
 use crate::site_config::{edit_site_file, SiteBuilder, SiteError};
@@ -428,10 +428,10 @@ impl Stack {
         std::io::BufReader::new(stream)
             .read_line(&mut line)
             .map_err(|e| failed(e.to_string()))?;
-        ControlReply::from_line(&line)
-            .map_err(|e| failed(e.to_string()))?
-            .status
-            .ok_or_else(|| failed("no status in the reply".to_string()))
+        match ControlReply::from_line(&line).map_err(|e| failed(e.to_string()))? {
+            ControlReply::Done(ControlAnswer::Status(status)) => Ok(*status),
+            _ => Err(failed("no status in the reply".to_string())),
+        }
     }
 
     /// Rewrites the site config through its types (see [`edit_site_file`]): the edit may

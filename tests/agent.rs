@@ -226,7 +226,10 @@ impl Fixture {
     }
 
     fn status(&self) -> AgentStatus {
-        self.request(ControlOp::Status).status.expect("status")
+        self.request(ControlOp::Status)
+            .status()
+            .cloned()
+            .expect("status")
     }
 
     fn job_status(&self, job: &str) -> Option<AgentJobStatus> {
@@ -368,9 +371,12 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
     // mode with no controller, a job would wait at the fail-safe cap instead.)
     let mut f = Fixture::new("calibrate", Some(100_000.0), 3600);
     let reply = f.register("101", &["0", "1"], "flex3");
-    assert!(reply.ok, "{reply:?}");
-    assert_eq!(reply.tier.as_deref(), Some("flex3"));
-    let progress = reply.progress.expect("progress address for a managed job");
+    assert!(reply.is_ok(), "{reply:?}");
+    assert_eq!(reply.tier(), Some("flex3"));
+    let progress = reply
+        .progress()
+        .map(str::to_string)
+        .expect("progress address for a managed job");
     let profile = "qwen3-30b-a3b-moe-ft-8g";
     f.simjob("101", "0,1", profile, Some(&progress));
     // Calibration walks the grid: caps on the job's GPUs go below 700 W meanwhile, one
@@ -423,7 +429,7 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
     let end = f.request(ControlOp::EndJob {
         job_id: "101".into(),
     });
-    assert!(end.ok);
+    assert!(end.is_ok());
     wait_until(
         "job end to restore defaults",
         Duration::from_secs(10),
@@ -452,12 +458,12 @@ fn standalone_budget_caps_jobs_and_a_stop_keeps_running_jobs_capped_until_releas
     // 8 GPUs at up to 700 W: a 3 kW node budget must cap the busy ones hard.
     let mut f = Fixture::new("standalone", Some(3000.0), 3600);
     let reply = f.register("301", &["0", "1", "2", "3"], "flex3,calibrate=off");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     f.simjob(
         "301",
         "0,1,2,3",
         "llama-3.1-70b-dense-pt-8g-compile",
-        Some(reply.progress.as_deref().expect("progress")),
+        Some(reply.progress().expect("progress")),
     );
     wait_until("the budget to cap the job", Duration::from_secs(20), || {
         (f.limit_w(0) < 700.0).then_some(())
@@ -578,9 +584,9 @@ fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
     const BUDGET_W: f64 = 1500.0;
     let mut f = Fixture::new("midwalk", Some(BUDGET_W), 3600);
     let reply = f.register("401", &["0", "1"], "flex3");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     let profile = "qwen3-30b-a3b-moe-ft-8g";
-    f.simjob("401", "0,1", profile, reply.progress.as_deref());
+    f.simjob("401", "0,1", profile, reply.progress());
     let sampler = DrawSampler::start(&f.node, BUDGET_W);
     // Past its first level (the grant, 500 W a GPU here): stopped mid-walk.
     let walking = wait_until("the walk under way", Duration::from_secs(90), || {
@@ -675,12 +681,12 @@ fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
     let state_file =
         || std::fs::read_to_string(state_fs.join("n1/agent-state.json")).unwrap_or_default();
     let first = f.register("501", &["0", "1", "2", "3"], "flex3,calibrate=off");
-    assert!(first.ok, "{first:?}");
+    assert!(first.is_ok(), "{first:?}");
     f.simjob(
         "501",
         "0,1,2,3",
         "llama-3.1-70b-dense-pt-8g-compile",
-        first.progress.as_deref(),
+        first.progress(),
     );
     wait_until(
         "the budget capping the job",
@@ -700,12 +706,12 @@ fn a_full_state_filesystem_keeps_the_caps_the_jobs_and_the_budget() {
     let sampler = DrawSampler::start(&f.node, BUDGET_W);
     // A second job starts on the full file system: managed and capped all the same.
     let second = f.register("502", &["4", "5"], "flex3,calibrate=off");
-    assert!(second.ok, "{second:?}");
+    assert!(second.is_ok(), "{second:?}");
     f.simjob(
         "502",
         "4,5",
         "llama-3.1-70b-dense-pt-8g-compile",
-        second.progress.as_deref(),
+        second.progress(),
     );
     wait_until("job 502 capped", Duration::from_secs(20), || {
         (f.limit_w(4) < 700.0 && f.job_status("502").is_some()).then_some(())
@@ -774,9 +780,9 @@ fn restart_after_kill_9_reconciles_with_live_jobs() {
     // Job 201 keeps running; job 202's process dies while the agent is down.
     let r1 = f.register("201", &["2"], "flex3");
     let r2 = f.register("202", &["4"], "flex3");
-    assert!(r1.ok && r2.ok);
-    f.simjob("201", "2", "synthetic-memory-bound", r1.progress.as_deref());
-    let doomed = f.simjob("202", "4", "synthetic-memory-bound", r2.progress.as_deref());
+    assert!(r1.is_ok() && r2.is_ok());
+    f.simjob("201", "2", "synthetic-memory-bound", r1.progress());
+    let doomed = f.simjob("202", "4", "synthetic-memory-bound", r2.progress());
     wait_until(
         "both jobs capped by their walks",
         Duration::from_secs(60),
@@ -832,7 +838,7 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
     );
 
     let reply = f.register("401", &["5"], "flex2");
-    let progress = reply.progress.expect("progress");
+    let progress = reply.progress().map(str::to_string).expect("progress");
     f.simjob("401", "5", "synthetic-compute-bound", Some(&progress));
     let forged = "{\"v\":1,\"job_id\":\"401\",\"tokens\":999999999,\"steps\":1}";
     // A process outside any job, its environment naming job 401.
@@ -868,10 +874,9 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
     assert!(oversized[0].contains("limit"), "{oversized:?}");
     let unknown_tier = f.register("402", &["6"], "flex9");
     assert!(
-        !unknown_tier.ok
+        !unknown_tier.is_ok()
             && unknown_tier
-                .error
-                .as_deref()
+                .error_message()
                 .is_some_and(|e| e.contains("unknown tier"))
     );
     let wrong_node = f.request(ControlOp::Register {
@@ -883,8 +888,7 @@ fn only_root_changes_jobs_and_progress_must_come_from_the_job() {
         flex: "flex2".into(),
     });
     assert!(wrong_node
-        .error
-        .as_deref()
+        .error_message()
         .is_some_and(|e| e.contains("serves node n1")));
     assert!(f.status().jobs.iter().any(|j| j.job == "401"));
 }
@@ -896,7 +900,7 @@ fn without_a_controller_the_failsafe_cap_applies_after_the_lease() {
     }
     let f = Fixture::new("failsafe", None, 5);
     let reply = f.register("501", &["0"], "flex2,calibrate=off");
-    assert!(reply.ok);
+    assert!(reply.is_ok());
     // No controller has granted the job a cap: it runs at the fail-safe cap at once, not
     // at the GPU's maximum, and the agent reports the fail-safe once the lease is overdue.
     wait_until(
@@ -922,13 +926,8 @@ fn a_failing_gpu_is_degraded_and_the_others_carry_on() {
         (s.degraded && s.gpus[6].degraded.is_some()).then_some(())
     });
     let reply = f.register("601", &["7"], "flex3");
-    assert!(reply.ok);
-    f.simjob(
-        "601",
-        "7",
-        "synthetic-memory-bound",
-        reply.progress.as_deref(),
-    );
+    assert!(reply.is_ok());
+    f.simjob("601", "7", "synthetic-memory-bound", reply.progress());
     wait_until("GPU 7 calibrating", Duration::from_secs(60), || {
         (f.limit_w(7) < 700.0).then_some(())
     });
@@ -945,7 +944,10 @@ fn the_python_helper_reports_progress_the_agent_accepts() {
     }
     let f = Fixture::new("python", None, 3600);
     let reply = f.register("701", &["3"], "flex2");
-    let progress = reply.progress.expect("progress address");
+    let progress = reply
+        .progress()
+        .map(str::to_string)
+        .expect("progress address");
     let helper_dir = repo_root().join("agent/python");
     // A training loop of 40 steps of 1000 tokens, reporting through the shipped helper.
     let script = "import sys, time\n\
@@ -1019,7 +1021,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         gpus: vec!["0".into(), "1".into()],
         flex: "flex2,calibrate=off".into(),
     });
-    assert!(registered.ok, "{registered:?}");
+    assert!(registered.is_ok(), "{registered:?}");
     let now_ms = powerflex_daemon::clock::unix_ms;
 
     // The agent connects and opens the handshake with its node key; the test controller
@@ -1163,7 +1165,7 @@ fn a_second_agent_on_the_node_refuses_to_start_and_the_first_keeps_its_socket() 
     let mut f = Fixture::new("instance-lock", None, 3600);
     let first_pid = f.agent.as_ref().expect("first agent").id();
     let reply = f.register("501", &["0", "1"], "flex1,calibrate=off");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
 
     let second = Command::new(binary("powerflexd"))
         .args([
@@ -1207,7 +1209,7 @@ fn a_second_agent_on_the_node_refuses_to_start_and_the_first_keeps_its_socket() 
     let status = f.signal_agent(Signal::TERM).expect("agent exit");
     assert!(status.success());
     f.start_agent();
-    assert!(f.request(ControlOp::Status).ok);
+    assert!(f.request(ControlOp::Status).is_ok());
 }
 
 /// Holds `count` idle connections to `socket` as uid 65534 for `hold_s` seconds; the
@@ -1257,8 +1259,8 @@ fn one_user_s_idle_connections_starve_no_one_and_are_counted() {
     ];
     // Root's registration still gets through, and the job's own report is accepted.
     let reply = f.register("801", &["0"], "flex2,calibrate=off");
-    assert!(reply.ok, "{reply:?}");
-    let progress = reply.progress.expect("progress");
+    assert!(reply.is_ok(), "{reply:?}");
+    let progress = reply.progress().map(str::to_string).expect("progress");
     let report = "{\"v\":1,\"job_id\":\"801\",\"tokens\":1000,\"steps\":1}";
     let said = client_in_job(&f.dir, "801", &[&progress, report], false, &[]);
     assert!(
@@ -1310,7 +1312,7 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
     }
     let mut f = Fixture::new("claim", Some(100_000.0), 3600);
     let first = f.register("901", &["2"], "flex2,calibrate=off");
-    assert!(first.ok, "{first:?}");
+    assert!(first.is_ok(), "{first:?}");
     f.simjob("901", "2", "synthetic-compute-bound", None);
     wait_until(
         "job 901's process on GPU 2",
@@ -1325,8 +1327,8 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
         },
     );
     let second = f.register("902", &["2"], "flex0");
-    assert!(!second.ok, "{second:?}");
-    let why = second.error.unwrap_or_default();
+    assert!(!second.is_ok(), "{second:?}");
+    let why = second.error_message().unwrap_or_default().to_string();
     assert!(
         why.contains("GPU 2") && why.contains("901"),
         "names the GPU and the job using it: {why}"
@@ -1361,7 +1363,7 @@ fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_end
     f.signal_agent(Signal::TERM);
     f.start_agent();
     let registered = f.register("960", &["1"], "flex0");
-    assert!(registered.ok, "{registered:?}");
+    assert!(registered.is_ok(), "{registered:?}");
     f.simjob("960", "1", "synthetic-compute-bound", None);
     // Job 961 never registered (its plugin could not reach the agent).
     let stray = f.simjob("961", "3", "synthetic-compute-bound", None);

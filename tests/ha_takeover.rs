@@ -393,7 +393,7 @@ impl RealNode {
     }
 
     fn status(&self) -> Option<AgentStatus> {
-        self.request(ControlOp::Status)?.status
+        self.request(ControlOp::Status)?.status().cloned()
     }
 
     /// Records when the agent first showed each controller epoch.
@@ -551,7 +551,7 @@ fn start_real_agent(base: &Path, a: SocketAddr, b: SocketAddr) -> (Children, Rea
             flex: "flex3,calibrate=off".into(),
         })
         .expect("a reply");
-    assert!(registered.ok, "{registered:?}");
+    assert!(registered.is_ok(), "{registered:?}");
     // The job itself, on all four GPUs: a simulated training run paced by their caps.
     let job = Command::new(profile_dir().join("powerflex-simjob"))
         .args(["--profile", REAL_PROFILE, "--time-scale", "20"])

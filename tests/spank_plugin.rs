@@ -136,7 +136,8 @@ impl Site {
         BufReader::new(s).read_line(&mut line).expect("reply");
         ControlReply::from_line(&line)
             .expect("a reply")
-            .status
+            .status()
+            .cloned()
             .expect("a status")
     }
 

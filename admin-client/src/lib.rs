@@ -21,7 +21,7 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_ADMIN_REPLY_BYTES: usize = 16 * 1024 * 1024;
 
 /// Why no reply came back. The controller's own refusals are not errors here: they come
-/// back as an [`AdminReply`] with `ok: false` and the reason.
+/// back as an [`AdminReply::Refused`] with the reason.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminClientError {
     #[error("cannot reach powerflex-ctld at {socket}: {source}")]

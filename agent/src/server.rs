@@ -28,7 +28,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError};
-use powerflex_proto::{ControlOp, ControlReply, ControlRequest, ProgressReport, MAX_LINE_BYTES};
+use powerflex_proto::{
+    ControlAnswer, ControlOp, ControlReply, ControlRequest, ProgressReport, MAX_LINE_BYTES,
+};
 use tracing::{debug, warn};
 
 use crate::procs::{step_of_pid, StepId};
@@ -302,14 +304,10 @@ fn serve_control(
     if request.op == ControlOp::Status {
         let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
         // Need-to-know: a user sees their own jobs only; root (admins, tests) sees all.
-        let status = snap.map(|s| crate::control::seen_by(&s, peer.uid));
-        reply(
-            &mut stream,
-            &ControlReply {
-                status,
-                ..ControlReply::ok()
-            },
-        );
+        let answer = snap.map_or(ControlAnswer::Empty, |s| {
+            ControlAnswer::Status(Box::new(crate::control::seen_by(&s, peer.uid)))
+        });
+        reply(&mut stream, &ControlReply::Done(answer));
         return;
     }
     if peer.uid != 0 {

@@ -31,7 +31,7 @@ use openleadr_wire::ven::VenVenRequest;
 use openleadr_wire::{Event, Unit};
 use powerflex_core::config::OpenAdrConfig;
 use powerflex_daemon::fsx::{write_atomic, AtomicWrite};
-use powerflex_proto::admin::{AdminOp, AdminReply, Refusal};
+use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply, Refusal};
 use powerflex_proto::status::CtldStatus;
 use serde::Deserialize;
 use tracing::{info, warn};
@@ -190,7 +190,7 @@ pub struct Ctld {
 }
 
 impl Ctld {
-    async fn ask(&self, op: AdminOp) -> Result<AdminReply, GridError> {
+    async fn ask(&self, op: AdminOp) -> Result<AdminAnswer, GridError> {
         let socket = self.socket.clone();
         // The admin client is blocking (one line each way, 10 s timeout): keep it off the
         // runtime's worker.
@@ -199,21 +199,29 @@ impl Ctld {
                 .await
                 .map_err(|e| GridError::Ctld(e.to_string()))?
                 .map_err(|e| GridError::Ctld(e.to_string()))?;
-        if reply.ok {
-            Ok(reply)
-        } else {
-            Err(GridError::CtldRefused {
-                refusal: reply.refusal,
-                message: reply.error.unwrap_or_else(|| "refused".into()),
-            })
+        match reply {
+            AdminReply::Done(answer) => Ok(answer),
+            AdminReply::Refused { message, refusal } => {
+                Err(GridError::CtldRefused { refusal, message })
+            }
         }
     }
 
     pub async fn status(&self) -> Result<CtldStatus, GridError> {
-        self.ask(AdminOp::Status)
-            .await?
-            .status
-            .ok_or_else(|| GridError::Ctld("the answer to status carries no status".into()))
+        match self.ask(AdminOp::Status).await? {
+            AdminAnswer::Status(status) => Ok(*status),
+            _ => Err(GridError::Ctld(
+                "the answer to status carries no status".into(),
+            )),
+        }
+    }
+}
+
+/// The new event's id in the answer to `event-add`.
+fn event_id(answer: AdminAnswer) -> Option<u64> {
+    match answer {
+        AdminAnswer::EventAdded(id) => Some(id),
+        _ => None,
     }
 }
 
@@ -509,7 +517,7 @@ impl Ven {
                     );
                     save_ledger(&self.ledger_path, &self.ledger)?;
                     let reply = self.ctld.ask(request.event_add()).await?;
-                    let pf_id = reply.event_id.ok_or_else(|| {
+                    let pf_id = event_id(reply).ok_or_else(|| {
                         GridError::Ctld("the answer to event-add carries no event id".into())
                     })?;
                     warn!(
@@ -583,7 +591,7 @@ impl Ven {
                     }
                     Err(e) => return Err(e),
                 };
-                let pf_id = reply.event_id.ok_or_else(|| {
+                let pf_id = event_id(reply).ok_or_else(|| {
                     GridError::Ctld("the answer to event-add carries no event id".into())
                 })?;
                 if let Some(e) = self.ledger.events.get_mut(vtn_id) {

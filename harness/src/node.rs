@@ -319,10 +319,8 @@ impl NodeAgent {
         };
         let (replies, effects) = self.control(gpus, host, now_ms, op);
         match replies {
-            Some(reply) if reply.ok => Ok(effects),
-            Some(reply) => Err(reply
-                .error
-                .unwrap_or_else(|| "refused without a reason".to_string())),
+            Some(ControlReply::Done(_)) => Ok(effects),
+            Some(ControlReply::Refused(why)) => Err(why),
             None => Err("the machine did not answer the registration".to_string()),
         }
     }

@@ -152,7 +152,7 @@ fn a_controller_outage_past_the_lease_during_a_cut_below_the_failsafe_keeps_the_
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     assert!(
         site.run_until(30_000, |s| s.caps_w().iter().all(|&c| c < FAILSAFE_CAP_W)
             && s.draw_w() <= cut_w * 1.01),
@@ -214,7 +214,7 @@ fn a_rolling_restart_of_every_agent_during_a_grid_event_keeps_the_draw_within_it
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     assert!(
         site.run_until(30_000, |s| s.caps_w().iter().all(|&c| c < FAILSAFE_CAP_W)
             && s.draw_w() <= cut_w * 1.01),

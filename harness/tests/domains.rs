@@ -116,7 +116,7 @@ fn feed_event(nodes: u32) -> u64 {
             domain: Some("feed-b".into()),
         })
         .expect("a reply");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     let status = site.controller_status().expect("status");
     assert_eq!(
         status.budget_w, budget_w,

@@ -60,7 +60,7 @@ fn with_the_controller_gone_past_the_lease_every_job_falls_to_the_failsafe_cap()
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok);
+    assert!(reply.is_ok());
     assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
     site.inject(Fault::ControllerStop).expect("stop");
     let watch = site.watch_for(6_000, METER_TOLERANCE);
@@ -178,14 +178,14 @@ fn a_controller_restarted_mid_event_on_its_saved_state_resumes_the_event() {
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok);
+    assert!(reply.is_ok());
     let reply = site
         .admin(AdminOp::BudgetSet {
             budget_w: 5200.0,
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok);
+    assert!(reply.is_ok());
     assert!(site.run_until(30_000, |s| allocated_within(s, BUDGET_W)));
     site.inject(Fault::ControllerStop).expect("stop");
     site.run_for(2_000);

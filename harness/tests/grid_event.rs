@@ -165,7 +165,7 @@ fn grid_event_on_seed(seed: u64) {
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok && reply.event_id == Some(1), "{reply:?}");
+    assert!(reply.is_ok() && reply.event_id() == Some(1), "{reply:?}");
     let event_started = site.now_ms();
     // The ramp and the time for caps to reach the GPUs, then every sample within the
     // budget until the caps have held (within one cap step) for 12 s, within 90 s.

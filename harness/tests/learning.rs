@@ -47,8 +47,8 @@ fn event(site: &mut Site, id: u64, hold_s: u64) {
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok, "{reply:?}");
-    assert_eq!(reply.event_id, Some(id), "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
+    assert_eq!(reply.event_id(), Some(id), "{reply:?}");
     assert!(
         site.run_until(30_000, |s| report(s)
             .and_then(|r| r.cap_w)
@@ -125,7 +125,7 @@ fn a_real_shaped_jobs_curve_improves_over_two_events() {
     // The report as `powerflexctl report` asks for it: the admin socket's status.
     let status = site
         .admin(AdminOp::Status)
-        .and_then(|reply| reply.status)
+        .and_then(|reply| reply.status().cloned())
         .expect("status");
     let r = status
         .jobs

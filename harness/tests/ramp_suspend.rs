@@ -55,7 +55,7 @@ fn a_ramped_event_stays_below_every_step_and_the_rebound_keeps_the_rate_limit() 
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     let from = site.now_ms();
     let end_ms = start_ms + 40_000;
     site.run_until(80_000, |s| s.now_ms() >= end_ms + 22_000);
@@ -160,7 +160,7 @@ fn a_cut_deeper_than_caps_suspends_the_right_job_and_resumes_it() {
             domain: None,
         })
         .expect("reply");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     let from = site.now_ms();
     assert!(
         site.run_until(10_000, |s| s.job_state("pausable")

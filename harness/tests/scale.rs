@@ -94,7 +94,7 @@ fn site_at_scale(nodes: u32, seed: u64) -> Site {
             domain: None,
         })
         .expect("a reply");
-    assert!(reply.ok, "{reply:?}");
+    assert!(reply.is_ok(), "{reply:?}");
     site.run_until(80_000, |s| s.now_ms() >= start_ms + 40_000);
     println!(
         "{nodes} nodes: the event and its rebound in {:.1} s of wall time ({} allocations in all)",

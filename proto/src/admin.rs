@@ -243,40 +243,127 @@ pub enum Refusal {
     Other,
 }
 
-/// The controller's answer. Exactly one of the payload fields is set on success, the one
-/// the operation asks for; `budget-set` and `event-cancel` carry none. Unknown fields
-/// are ignored (see the module docs).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AdminReply {
-    pub v: u32,
-    pub ok: bool,
-    /// What went wrong, when `ok` is false.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    /// Which refusal it was, when a client may act on it (absent from every other reply,
-    /// so a success reply reads as before).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refusal: Option<Refusal>,
-    /// For `status`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub status: Option<CtldStatus>,
-    /// For `history`: oldest first.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub history: Option<Vec<HistorySample>>,
-    /// For `event-add`: the new event's id.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub event_id: Option<u64>,
-    /// For `what-if`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub what_if: Option<DecisionView>,
-    /// For `accounting`: oldest first.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub records: Option<Vec<crate::usage::JobEnergyRecord>>,
+/// The controller's answer: refused with the reason, or done with what the operation
+/// asks back. On the wire it is one object, `{"v":1,"ok":true,...}` with the answer's
+/// field or `{"v":1,"ok":false,"error":"...","refusal":"..."}`, the form every client
+/// and controller release reads and writes. Unknown fields are ignored (see the module
+/// docs).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(try_from = "AdminReplyWire")]
+pub enum AdminReply {
+    /// The request was refused: `message` says why for people; `refusal` which refusal
+    /// it was, when a client may act on it.
+    Refused {
+        message: String,
+        refusal: Option<Refusal>,
+    },
+    /// The request was carried out.
+    Done(AdminAnswer),
 }
 
-impl AdminReply {
-    pub fn ok() -> AdminReply {
-        AdminReply {
+/// What a carried-out admin request answers with: the one payload the operation asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AdminAnswer {
+    /// `budget-set`, `event-cancel`, `forget-node`: nothing to carry back.
+    Empty,
+    Status(Box<CtldStatus>),
+    /// Oldest first.
+    History(Vec<HistorySample>),
+    /// `event-add`: the new event's id.
+    EventAdded(u64),
+    WhatIf(Box<DecisionView>),
+    /// `accounting`: oldest first.
+    Records(Vec<crate::usage::JobEnergyRecord>),
+}
+
+/// An [`AdminReply`] as it is read.
+#[derive(Deserialize)]
+struct AdminReplyWire {
+    // Read (and required) as every release has; not checked, as before.
+    #[allow(dead_code)]
+    v: u32,
+    ok: bool,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    refusal: Option<Refusal>,
+    #[serde(default)]
+    status: Option<Box<CtldStatus>>,
+    #[serde(default)]
+    history: Option<Vec<HistorySample>>,
+    #[serde(default)]
+    event_id: Option<u64>,
+    #[serde(default)]
+    what_if: Option<Box<DecisionView>>,
+    #[serde(default)]
+    records: Option<Vec<crate::usage::JobEnergyRecord>>,
+}
+
+/// An [`AdminReply`] as it is written: the same fields in the same order, each absent
+/// when it has nothing to say (so a success reply never carries `refusal`).
+#[derive(Serialize)]
+struct AdminReplyWireRef<'a> {
+    v: u32,
+    ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refusal: Option<Refusal>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<&'a CtldStatus>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    history: Option<&'a [HistorySample]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_id: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    what_if: Option<&'a DecisionView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    records: Option<&'a [crate::usage::JobEnergyRecord]>,
+}
+
+impl TryFrom<AdminReplyWire> for AdminReply {
+    type Error = crate::ProtoError;
+
+    fn try_from(wire: AdminReplyWire) -> Result<AdminReply, crate::ProtoError> {
+        if !wire.ok {
+            // A refusal without a reason (no controller sends one) reads as the word
+            // the clients have always shown for it.
+            return Ok(AdminReply::Refused {
+                message: wire.error.unwrap_or_else(|| "refused".into()),
+                refusal: wire.refusal,
+            });
+        }
+        let mut answers = Vec::new();
+        if let Some(status) = wire.status {
+            answers.push(AdminAnswer::Status(status));
+        }
+        if let Some(history) = wire.history {
+            answers.push(AdminAnswer::History(history));
+        }
+        if let Some(id) = wire.event_id {
+            answers.push(AdminAnswer::EventAdded(id));
+        }
+        if let Some(what_if) = wire.what_if {
+            answers.push(AdminAnswer::WhatIf(what_if));
+        }
+        if let Some(records) = wire.records {
+            answers.push(AdminAnswer::Records(records));
+        }
+        if answers.len() > 1 {
+            return Err(crate::ProtoError::Invalid {
+                field: "reply".into(),
+                reason: "it carries the answers of more than one operation".into(),
+            });
+        }
+        Ok(AdminReply::Done(
+            answers.pop().unwrap_or(AdminAnswer::Empty),
+        ))
+    }
+}
+
+impl Serialize for AdminReply {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut wire = AdminReplyWireRef {
             v: ADMIN_VERSION,
             ok: true,
             error: None,
@@ -286,22 +373,104 @@ impl AdminReply {
             event_id: None,
             what_if: None,
             records: None,
+        };
+        match self {
+            AdminReply::Refused { message, refusal } => {
+                wire.ok = false;
+                wire.error = Some(message);
+                wire.refusal = *refusal;
+            }
+            AdminReply::Done(AdminAnswer::Empty) => {}
+            AdminReply::Done(AdminAnswer::Status(status)) => wire.status = Some(status),
+            AdminReply::Done(AdminAnswer::History(history)) => wire.history = Some(history),
+            AdminReply::Done(AdminAnswer::EventAdded(id)) => wire.event_id = Some(*id),
+            AdminReply::Done(AdminAnswer::WhatIf(view)) => wire.what_if = Some(view),
+            AdminReply::Done(AdminAnswer::Records(records)) => wire.records = Some(records),
         }
+        wire.serialize(serializer)
+    }
+}
+
+impl AdminReply {
+    /// Done, with nothing to carry back.
+    pub fn ok() -> AdminReply {
+        AdminReply::Done(AdminAnswer::Empty)
     }
 
+    /// Refused, for the reason `message` gives, of no kind a client acts on.
     pub fn error(message: impl Into<String>) -> AdminReply {
-        AdminReply {
-            ok: false,
-            error: Some(message.into()),
-            ..AdminReply::ok()
+        AdminReply::Refused {
+            message: message.into(),
+            refusal: None,
         }
     }
 
     /// A refusal a client can tell apart by `refusal`, with `message` for people.
     pub fn refused(refusal: Refusal, message: impl Into<String>) -> AdminReply {
-        AdminReply {
+        AdminReply::Refused {
+            message: message.into(),
             refusal: Some(refusal),
-            ..AdminReply::error(message)
+        }
+    }
+
+    /// Whether the request was carried out.
+    pub fn is_ok(&self) -> bool {
+        matches!(self, AdminReply::Done(_))
+    }
+
+    /// Why the request was refused; none when it was carried out.
+    pub fn error_message(&self) -> Option<&str> {
+        match self {
+            AdminReply::Refused { message, .. } => Some(message),
+            AdminReply::Done(_) => None,
+        }
+    }
+
+    /// Which refusal it was, when a client may act on it.
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self {
+            AdminReply::Refused { refusal, .. } => *refusal,
+            AdminReply::Done(_) => None,
+        }
+    }
+
+    /// A `status` answer.
+    pub fn status(&self) -> Option<&CtldStatus> {
+        match self {
+            AdminReply::Done(AdminAnswer::Status(status)) => Some(status),
+            _ => None,
+        }
+    }
+
+    /// A `history` answer.
+    pub fn history(&self) -> Option<&[HistorySample]> {
+        match self {
+            AdminReply::Done(AdminAnswer::History(history)) => Some(history),
+            _ => None,
+        }
+    }
+
+    /// An `event-add` answer: the new event's id.
+    pub fn event_id(&self) -> Option<u64> {
+        match self {
+            AdminReply::Done(AdminAnswer::EventAdded(id)) => Some(*id),
+            _ => None,
+        }
+    }
+
+    /// A `what-if` answer.
+    pub fn what_if(&self) -> Option<&DecisionView> {
+        match self {
+            AdminReply::Done(AdminAnswer::WhatIf(view)) => Some(view),
+            _ => None,
+        }
+    }
+
+    /// An `accounting` answer.
+    pub fn records(&self) -> Option<&[crate::usage::JobEnergyRecord]> {
+        match self {
+            AdminReply::Done(AdminAnswer::Records(records)) => Some(records),
+            _ => None,
         }
     }
 
@@ -346,6 +515,59 @@ mod tests {
         let newer: AdminReply =
             serde_json::from_str(r#"{"v":1,"ok":true,"a_later_field":3}"#).expect("parses");
         assert_eq!(newer, AdminReply::ok());
+    }
+
+    /// Lines as controllers of the current release write them, each with the typed
+    /// reply it reads as: the typed form reads each and writes it back byte for byte.
+    #[test]
+    fn the_release_s_reply_lines_read_and_write_back_unchanged() {
+        let samples = [
+            (r#"{"v":1,"ok":true}"#, AdminReply::ok()),
+            (
+                r#"{"v":1,"ok":false,"error":"only root may change the budget or grid events"}"#,
+                AdminReply::error("only root may change the budget or grid events"),
+            ),
+            (
+                r#"{"v":1,"ok":false,"error":"no event 7","refusal":"no-such-event"}"#,
+                AdminReply::refused(Refusal::NoSuchEvent, "no event 7"),
+            ),
+            (
+                r#"{"v":1,"ok":true,"event_id":3}"#,
+                AdminReply::Done(AdminAnswer::EventAdded(3)),
+            ),
+            (
+                r#"{"v":1,"ok":true,"history":[{"t_ms":5,"budget_w":6000.0,"draw_w":5000.0,"caps":{"42":300.0},"simulated":false}]}"#,
+                AdminReply::Done(AdminAnswer::History(vec![HistorySample {
+                    t_ms: 5,
+                    budget_w: 6000.0,
+                    draw_w: 5000.0,
+                    caps: [("42".to_string(), 300.0)].into(),
+                    simulated: false,
+                    domains: Default::default(),
+                }])),
+            ),
+            (
+                r#"{"v":1,"ok":true,"history":[]}"#,
+                AdminReply::Done(AdminAnswer::History(Vec::new())),
+            ),
+            (
+                r#"{"v":1,"ok":true,"records":[]}"#,
+                AdminReply::Done(AdminAnswer::Records(Vec::new())),
+            ),
+        ];
+        for (line, typed) in samples {
+            let back: AdminReply = serde_json::from_str(line).expect(line);
+            assert_eq!(back, typed, "{line}");
+            assert_eq!(typed.to_line(), format!("{line}\n"));
+        }
+        // No reason given: the word the clients have always shown.
+        let bare: AdminReply = serde_json::from_str(r#"{"v":1,"ok":false}"#).expect("reads");
+        assert_eq!(bare, AdminReply::error("refused"));
+        // Two operations' answers in one reply make no sense to anyone.
+        assert!(serde_json::from_str::<AdminReply>(
+            r#"{"v":1,"ok":true,"event_id":3,"history":[]}"#
+        )
+        .is_err());
     }
 
     #[test]

@@ -208,33 +208,120 @@ pub struct ControlRequest {
     pub op: ControlOp,
 }
 
-/// The agent's answer to a control request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ControlReply {
-    pub v: u32,
-    pub ok: bool,
-    /// What went wrong, when `ok` is false.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    /// For `register`: the address to put in the job's `POWERFLEX_PROGRESS`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub progress: Option<String>,
-    /// For `register`: the service the job got, in `--power-flex` form.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tier: Option<String>,
-    /// For `status`: the agent's snapshot.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub status: Option<status::AgentStatus>,
-    /// For `end-step` of a job's batch step: the job's final share on this node, which
-    /// the batch step's end ended (the line the plugin appends to the job's output is
-    /// made from it). Absent for other steps, unknown jobs, and from older agents.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ended_share: Option<usage::NodeUsage>,
+/// The agent's answer to a control request: refused with the reason, or done with what
+/// the operation asks back. On the wire it is one object, `{"v":1,"ok":true,...}` with the
+/// answer's fields or `{"v":1,"ok":false,"error":"..."}` (see [`ControlReplyWire`]), the
+/// form every agent and plugin release reads and writes.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(try_from = "ControlReplyWire")]
+pub enum ControlReply {
+    /// The request was refused; the text says why, for people (the plugin logs it).
+    Refused(String),
+    /// The request was carried out.
+    Done(ControlAnswer),
 }
 
-impl ControlReply {
-    pub fn ok() -> ControlReply {
-        ControlReply {
+/// What a carried-out control request answers with.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlAnswer {
+    /// Nothing to carry back: `end-job`, an `end-step` that ended no final share here, or
+    /// a `status` the agent had no snapshot for.
+    Empty,
+    /// For `register`: the service the job got, in `--power-flex` form, and the address
+    /// to put in the job's `POWERFLEX_PROGRESS` (none for an unmanaged job). Both are
+    /// optional on the wire; a reply with neither reads as [`ControlAnswer::Empty`].
+    Registered {
+        tier: Option<String>,
+        progress: Option<String>,
+    },
+    /// For `status`: the agent's snapshot.
+    Status(Box<status::AgentStatus>),
+    /// For `end-step` of a job's batch step: the job's final share on this node, which
+    /// the batch step's end ended (the line the plugin appends to the job's output is
+    /// made from it). Other steps, unknown jobs, and older agents answer
+    /// [`ControlAnswer::Empty`].
+    StepEnded(Box<usage::NodeUsage>),
+}
+
+/// A [`ControlReply`] as it is read: `ok`, `error` when refused, and the answer's
+/// fields. Unknown fields are ignored, so a field a newer agent adds does not make its
+/// replies unreadable to an older plugin.
+#[derive(Deserialize)]
+struct ControlReplyWire {
+    // Read (and required) as every release has; not checked, as before.
+    #[allow(dead_code)]
+    v: u32,
+    ok: bool,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    progress: Option<String>,
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    status: Option<Box<status::AgentStatus>>,
+    #[serde(default)]
+    ended_share: Option<Box<usage::NodeUsage>>,
+}
+
+/// A [`ControlReply`] as it is written: the same fields in the same order, each absent
+/// when it has nothing to say.
+#[derive(Serialize)]
+struct ControlReplyWireRef<'a> {
+    v: u32,
+    ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    progress: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<&'a status::AgentStatus>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ended_share: Option<&'a usage::NodeUsage>,
+}
+
+impl TryFrom<ControlReplyWire> for ControlReply {
+    type Error = ProtoError;
+
+    fn try_from(wire: ControlReplyWire) -> Result<ControlReply, ProtoError> {
+        if !wire.ok {
+            // A refusal without a reason (no agent sends one) reads as the word the
+            // plugin has always shown for it.
+            return Ok(ControlReply::Refused(
+                wire.error.unwrap_or_else(|| "refused".into()),
+            ));
+        }
+        let registered = wire.progress.is_some() || wire.tier.is_some();
+        let answers = usize::from(registered)
+            + usize::from(wire.status.is_some())
+            + usize::from(wire.ended_share.is_some());
+        if answers > 1 {
+            return Err(ProtoError::Invalid {
+                field: "reply".into(),
+                reason: "it carries the answers of more than one operation".into(),
+            });
+        }
+        let answer = if registered {
+            ControlAnswer::Registered {
+                tier: wire.tier,
+                progress: wire.progress,
+            }
+        } else if let Some(status) = wire.status {
+            ControlAnswer::Status(status)
+        } else if let Some(share) = wire.ended_share {
+            ControlAnswer::StepEnded(share)
+        } else {
+            ControlAnswer::Empty
+        };
+        Ok(ControlReply::Done(answer))
+    }
+}
+
+impl Serialize for ControlReply {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut wire = ControlReplyWireRef {
             v: VERSION,
             ok: true,
             error: None,
@@ -242,14 +329,85 @@ impl ControlReply {
             tier: None,
             status: None,
             ended_share: None,
+        };
+        match self {
+            ControlReply::Refused(why) => {
+                wire.ok = false;
+                wire.error = Some(why);
+            }
+            ControlReply::Done(ControlAnswer::Empty) => {}
+            ControlReply::Done(ControlAnswer::Registered { tier, progress }) => {
+                wire.tier = tier.as_deref();
+                wire.progress = progress.as_deref();
+            }
+            ControlReply::Done(ControlAnswer::Status(status)) => wire.status = Some(status),
+            ControlReply::Done(ControlAnswer::StepEnded(share)) => wire.ended_share = Some(share),
+        }
+        wire.serialize(serializer)
+    }
+}
+
+impl ControlReply {
+    /// Done, with nothing to carry back.
+    pub fn ok() -> ControlReply {
+        ControlReply::Done(ControlAnswer::Empty)
+    }
+
+    /// Refused, for the reason `message` gives.
+    pub fn error(message: impl Into<String>) -> ControlReply {
+        ControlReply::Refused(message.into())
+    }
+
+    /// Whether the request was carried out.
+    pub fn is_ok(&self) -> bool {
+        matches!(self, ControlReply::Done(_))
+    }
+
+    /// Why the request was refused; none when it was carried out.
+    pub fn error_message(&self) -> Option<&str> {
+        match self {
+            ControlReply::Refused(why) => Some(why),
+            ControlReply::Done(_) => None,
         }
     }
 
-    pub fn error(message: impl Into<String>) -> ControlReply {
-        ControlReply {
-            ok: false,
-            error: Some(message.into()),
-            ..ControlReply::ok()
+    /// What the request answered with; none when it was refused.
+    pub fn answer(&self) -> Option<&ControlAnswer> {
+        match self {
+            ControlReply::Done(answer) => Some(answer),
+            ControlReply::Refused(_) => None,
+        }
+    }
+
+    /// A `register` answer's progress address.
+    pub fn progress(&self) -> Option<&str> {
+        match self.answer()? {
+            ControlAnswer::Registered { progress, .. } => progress.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// A `register` answer's service, in `--power-flex` form.
+    pub fn tier(&self) -> Option<&str> {
+        match self.answer()? {
+            ControlAnswer::Registered { tier, .. } => tier.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// A `status` answer's snapshot.
+    pub fn status(&self) -> Option<&status::AgentStatus> {
+        match self.answer()? {
+            ControlAnswer::Status(status) => Some(status),
+            _ => None,
+        }
+    }
+
+    /// An `end-step` answer's final share.
+    pub fn ended_share(&self) -> Option<&usage::NodeUsage> {
+        match self.answer()? {
+            ControlAnswer::StepEnded(share) => Some(share),
+            _ => None,
         }
     }
 
@@ -365,6 +523,84 @@ mod control_tests {
             ControlReply::from_line(&huge),
             Err(ProtoError::ReplyTooLong(MAX_REPLY_BYTES + 1))
         );
+    }
+}
+
+#[cfg(test)]
+mod reply_wire_tests {
+    use super::*;
+
+    const STATUS: &str = r#"{"node":"n1","mode":"standalone","failsafe":false,"degraded":false,"progress_rejected":0,"config_error":null,"cap_mismatches":0,"leases_applied":0,"controller_epoch":0,"leases_refused_epoch":0,"gpu_claims_refused":0,"enforce":true,"gpus":[],"jobs":[]}"#;
+    const SHARE: &str = r#"{"job_id":"42","node":"n1","uid":1000,"tier":"flex2","gpus":[],"energy_mj":12000,"energy_source":"counter","from_unix_ms":1,"to_unix_ms":2,"peak_power_w":700.0,"observed_s":1.0,"capped_s":0.5,"event_s":0.0,"power_throttled_s":0.0,"throttle_known_s":1.0,"caps":[],"pfi":null,"ended":true}"#;
+
+    /// Lines as agents of the current release write them, each with the typed reply it
+    /// reads as: the typed form reads each and writes it back byte for byte.
+    #[test]
+    fn the_release_s_reply_lines_read_and_write_back_unchanged() {
+        let status: status::AgentStatus = serde_json::from_str(STATUS).expect("status");
+        let share: usage::NodeUsage = serde_json::from_str(SHARE).expect("share");
+        let samples = [
+            (
+                r#"{"v":1,"ok":false,"error":"agent busy"}"#.to_string(),
+                ControlReply::Refused("agent busy".into()),
+            ),
+            (r#"{"v":1,"ok":true}"#.to_string(), ControlReply::ok()),
+            (
+                r#"{"v":1,"ok":true,"progress":"/run/powerflex/n1.progress","tier":"flex2"}"#
+                    .to_string(),
+                ControlReply::Done(ControlAnswer::Registered {
+                    tier: Some("flex2".into()),
+                    progress: Some("/run/powerflex/n1.progress".into()),
+                }),
+            ),
+            (
+                r#"{"v":1,"ok":true,"tier":"none"}"#.to_string(),
+                ControlReply::Done(ControlAnswer::Registered {
+                    tier: Some("none".into()),
+                    progress: None,
+                }),
+            ),
+            (
+                format!(r#"{{"v":1,"ok":true,"status":{STATUS}}}"#),
+                ControlReply::Done(ControlAnswer::Status(Box::new(status))),
+            ),
+            (
+                format!(r#"{{"v":1,"ok":true,"ended_share":{SHARE}}}"#),
+                ControlReply::Done(ControlAnswer::StepEnded(Box::new(share))),
+            ),
+        ];
+        for (line, typed) in samples {
+            assert_eq!(ControlReply::from_line(&line), Ok(typed.clone()), "{line}");
+            assert_eq!(typed.to_line(), format!("{line}\n"));
+        }
+    }
+
+    #[test]
+    fn a_reply_reads_as_the_older_plugin_read_it() {
+        // Fields a newer agent adds are ignored; a refusal's payload is not an answer.
+        let newer = ControlReply::from_line(r#"{"v":1,"ok":true,"later":[1]}"#);
+        assert_eq!(newer, Ok(ControlReply::ok()));
+        let refused =
+            ControlReply::from_line(r#"{"v":1,"ok":false,"error":"no GPU 7","tier":"flex2"}"#)
+                .expect("reads");
+        assert_eq!(refused.error_message(), Some("no GPU 7"));
+        assert_eq!(refused.tier(), None);
+        // No reason given: the word the plugin has always shown.
+        assert_eq!(
+            ControlReply::from_line(r#"{"v":1,"ok":false}"#),
+            Ok(ControlReply::error("refused"))
+        );
+        // Every release sends a version: a line without one is not a reply.
+        assert!(matches!(
+            ControlReply::from_line(r#"{"ok":true}"#),
+            Err(ProtoError::Malformed(_))
+        ));
+        // Two operations' answers in one reply make no sense to anyone.
+        let both = format!(r#"{{"v":1,"ok":true,"tier":"flex2","status":{STATUS}}}"#);
+        assert!(matches!(
+            ControlReply::from_line(&both),
+            Err(ProtoError::Malformed(_))
+        ));
     }
 }
 

@@ -500,7 +500,7 @@ fn batch_ended(sp: ffi::spank_t, args: &logic::Args, node: &str, request: &Contr
     let Some(line) = logic::end_line_of(&reply, uid, job_nodes) else {
         log_info(&format!(
             "job {job_id}: no energy line in its output: the agent gave no final share ({})",
-            reply.error.as_deref().unwrap_or("none ended here")
+            reply.error_message().unwrap_or("none ended here")
         ));
         return;
     };

@@ -8,7 +8,7 @@ use std::time::Duration;
 use powerflex_core::config::{expand_node, SiteConfig};
 use powerflex_core::flex::{parse_power_flex, Service, TierTable};
 use powerflex_core::slurm_record::valid_node_name;
-use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
+use powerflex_proto::{ControlAnswer, ControlOp, ControlReply, ControlRequest};
 
 /// Default agent socket (as in the site config's default).
 pub const DEFAULT_SOCKET: &str = "/run/powerflex/%n.sock";
@@ -217,7 +217,7 @@ pub fn notify(
 /// `None` (no line) for anything else: an agent that kept the job, an older agent, a
 /// refusal.
 pub fn end_line_of(reply: &ControlReply, uid: u32, job_nodes: u32) -> Option<String> {
-    let share = reply.ended_share.as_ref().filter(|s| reply.ok && s.ended)?;
+    let share = reply.ended_share().filter(|s| s.ended)?;
     if share.uid != uid {
         return None;
     }
@@ -373,12 +373,14 @@ pub fn on_step_start(
         &register_request(&step, &flex),
         args.timeout,
     ) {
-        Ok(reply) if reply.ok => {
-            if let Some(tier) = &reply.tier {
-                api.setenv("POWERFLEX_TIER", tier);
-            }
-            if let Some(progress) = &reply.progress {
-                api.setenv("POWERFLEX_PROGRESS", progress);
+        Ok(ControlReply::Done(answer)) => {
+            if let ControlAnswer::Registered { tier, progress } = &answer {
+                if let Some(tier) = tier {
+                    api.setenv("POWERFLEX_TIER", tier);
+                }
+                if let Some(progress) = progress {
+                    api.setenv("POWERFLEX_PROGRESS", progress);
+                }
             }
             api.log_info(&format!(
                 "job {job_id} step {} registered with the agent",
@@ -386,8 +388,7 @@ pub fn on_step_start(
             ));
             StepStart::Registered(job_id.to_string(), step_name(step_id))
         }
-        Ok(reply) => {
-            let why = reply.error.unwrap_or_else(|| "refused".into());
+        Ok(ControlReply::Refused(why)) => {
             api.log_error(&format!(
                 "agent refused job {job_id}: {why}; the job runs unmanaged"
             ));
@@ -509,10 +510,7 @@ mod tests {
 
     #[test]
     fn the_end_line_comes_only_from_the_owner_s_final_share() {
-        let reply = |share| ControlReply {
-            ended_share: Some(share),
-            ..ControlReply::ok()
-        };
+        let reply = |share| ControlReply::Done(ControlAnswer::StepEnded(Box::new(share)));
         let line = end_line_of(&reply(ended_share(1000)), 1000, 1).expect("line");
         assert!(
             line.starts_with(
@@ -537,10 +535,7 @@ mod tests {
             None,
             "an older agent"
         );
-        let refused = ControlReply {
-            ok: false,
-            ..reply(ended_share(1000))
-        };
+        let refused = ControlReply::error("refused");
         assert_eq!(end_line_of(&refused, 1000, 1), None);
     }
 
@@ -793,11 +788,10 @@ mod tests {
                     request.to_line(),
                     timeout,
                 ));
-                Ok(ControlReply {
+                Ok(ControlReply::Done(ControlAnswer::Registered {
                     tier: Some("flex2".into()),
                     progress: Some("/run/powerflex/n2.progress".into()),
-                    ..ControlReply::ok()
-                })
+                }))
             },
         );
         assert_eq!(outcome, StepStart::Registered("42".into(), "0".into()));

@@ -21,7 +21,7 @@ use powerflex_core::config::SiteConfig;
 use powerflex_core::curves_csv::parse_curves;
 use powerflex_core::evaluate::{evaluate, EvaluateParams};
 use powerflex_core::Watts;
-use powerflex_proto::admin::{AdminOp, AdminReply};
+use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply};
 use powerflex_proto::status::CtldStatus;
 
 /// Largest input file accepted, bytes.
@@ -100,7 +100,10 @@ fn records(
     args: &CtldArgs,
     op: AdminOp,
 ) -> Result<Vec<powerflex_proto::usage::JobEnergyRecord>, CtlError> {
-    admin(args, op)?.records.ok_or_else(|| missing("records"))
+    match admin(args, op)? {
+        AdminAnswer::Records(records) => Ok(records),
+        _ => Err(missing("records")),
+    }
 }
 
 /// What `reference` prints.
@@ -659,24 +662,23 @@ fn admin_socket(args: &CtldArgs) -> Result<std::path::PathBuf, CtlError> {
     Ok(site.controller.admin_socket)
 }
 
-fn admin(args: &CtldArgs, op: AdminOp) -> Result<AdminReply, CtlError> {
-    let reply = powerflex_admin_client::request(&admin_socket(args)?, &op)
-        .map_err(|e| CtlError::Usage(e.to_string()))?;
-    if reply.ok {
-        Ok(reply)
-    } else {
-        Err(CtlError::Usage(
-            reply.error.unwrap_or_else(|| "refused".into()),
-        ))
+/// What the controller answered `op` with; its refusal's message as the error.
+fn admin(args: &CtldArgs, op: AdminOp) -> Result<AdminAnswer, CtlError> {
+    match powerflex_admin_client::request(&admin_socket(args)?, &op)
+        .map_err(|e| CtlError::Usage(e.to_string()))?
+    {
+        AdminReply::Done(answer) => Ok(answer),
+        AdminReply::Refused { message, .. } => Err(CtlError::Usage(message)),
     }
 }
 
 /// The controller's status; an `ok` reply without one is a controller that does not
 /// speak this CLI's protocol.
 fn status(args: &CtldArgs) -> Result<CtldStatus, CtlError> {
-    admin(args, AdminOp::Status)?
-        .status
-        .ok_or_else(|| missing("status"))
+    match admin(args, AdminOp::Status)? {
+        AdminAnswer::Status(status) => Ok(*status),
+        _ => Err(missing("status")),
+    }
 }
 
 fn missing(what: &str) -> CtlError {
@@ -1015,9 +1017,9 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 budget_w,
                 ignore_tiers,
             };
-            let decision = admin(&args, op)?
-                .what_if
-                .ok_or_else(|| missing("decision"))?;
+            let AdminAnswer::WhatIf(decision) = admin(&args, op)? else {
+                return Err(missing("decision"));
+            };
             match format {
                 Format::Json => json(&decision),
                 Format::Table => Ok(render::render_whatif(&decision)),
@@ -1065,7 +1067,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 };
                 let start_ms = start.resolve(unix_ms());
                 let (duration_ms, ramp_ms) = (duration, ramp);
-                let id = admin(
+                let AdminAnswer::EventAdded(id) = admin(
                     &args,
                     AdminOp::EventAdd {
                         cut,
@@ -1075,8 +1077,9 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                         domain: domain.clone(),
                     },
                 )?
-                .event_id
-                .ok_or_else(|| missing("event id"))?;
+                else {
+                    return Err(missing("event id"));
+                };
                 Ok(match domain {
                     None => format!("event {id} scheduled\n"),
                     Some(d) => format!("event {id} scheduled for domain {d}\n"),
@@ -1098,15 +1101,16 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             title,
             ctld: args,
         } => {
-            let samples = admin(
+            let AdminAnswer::History(samples) = admin(
                 &args,
                 AdminOp::History {
                     since_ms: None,
                     max_samples: None,
                 },
             )?
-            .history
-            .ok_or_else(|| missing("history"))?;
+            else {
+                return Err(missing("history"));
+            };
             let svg = powerflex_controller::plot::render_svg(&samples, &title)
                 .map_err(|e| CtlError::Usage(e.to_string()))?;
             std::fs::write(&out, svg).map_err(|source| CtlError::Write {

@@ -101,8 +101,8 @@ fn serves_admin_link_and_metrics_then_stops_promptly() {
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     };
-    assert!(reply.ok, "{reply:?}");
-    assert_eq!(reply.status.expect("status").budget_w, 3200.0);
+    assert!(reply.is_ok(), "{reply:?}");
+    assert_eq!(reply.status().expect("status").budget_w, 3200.0);
     // The link accepts (a line that is not a message is refused, the socket stays up).
     let mut agent = std::net::TcpStream::connect(options.listen).expect("link");
     std::io::Write::write_all(&mut agent, b"not a message\n").expect("send");
@@ -189,13 +189,13 @@ fn history_is_served_from_the_board_while_allocations_go_on() {
                 };
                 while !stop.load(Ordering::SeqCst) {
                     let reply = request(&socket, &op).expect("the admin socket answers");
-                    if !reply.ok {
+                    if !reply.is_ok() {
                         // The gate may still count a connection whose reply is out.
-                        let error = reply.error.unwrap_or_default();
+                        let error = reply.error_message().unwrap_or_default().to_string();
                         assert!(error.contains("admin connections"), "{error}");
                         continue;
                     }
-                    let samples = reply.history.expect("a history reply carries one");
+                    let samples = reply.history().expect("a history reply carries one");
                     assert!(samples.len() <= MAX_HISTORY_SAMPLES as usize);
                     assert!(samples.windows(2).all(|w| w[0].t_ms < w[1].t_ms));
                     answered.fetch_add(1, Ordering::SeqCst);
@@ -257,8 +257,8 @@ fn history_is_served_from_the_board_while_allocations_go_on() {
     // The allocations, as the board holds them: each set of jobs the node reported
     // has its sample, with the caps this caller may read (all for root).
     let reply = history(None, None).expect("history");
-    assert!(reply.ok, "{reply:?}");
-    let samples = reply.history.expect("history");
+    assert!(reply.is_ok(), "{reply:?}");
+    let samples = reply.history().expect("history");
     assert!(samples.windows(2).all(|w| w[0].t_ms < w[1].t_ms));
     let readable = |up_to: usize| -> Vec<String> {
         (1..=up_to)
@@ -278,8 +278,9 @@ fn history_is_served_from_the_board_while_allocations_go_on() {
     // A page after the first sample is the next two, as in the overview.
     let page = history(Some(samples[0].t_ms), Some(2))
         .expect("a page")
-        .history
-        .expect("history");
+        .history()
+        .expect("history")
+        .to_vec();
     assert_eq!(page, samples[1..3]);
 
     shutdown.store(true, Ordering::SeqCst);

@@ -19,7 +19,7 @@ use powerflex_core::gpus::parse_gpu_list;
 use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::report::GpuInfo;
 use powerflex_proto::usage::{FinalRef, NodeUsage};
-use powerflex_proto::{ControlOp, ControlReply, ProgressReport};
+use powerflex_proto::{ControlAnswer, ControlOp, ControlReply, ProgressReport};
 use tracing::{error, info, info_span, warn};
 
 use super::{
@@ -649,10 +649,9 @@ impl Agent {
                             "step ended"
                         );
                         *persist = true;
-                        ControlReply {
-                            ended_share,
-                            ..ControlReply::ok()
-                        }
+                        ControlReply::Done(ended_share.map_or(ControlAnswer::Empty, |share| {
+                            ControlAnswer::StepEnded(Box::new(share))
+                        }))
                     }
                     Err(e) => ControlReply::error(e.to_string()),
                 }
@@ -744,11 +743,10 @@ impl Agent {
                 let actions = self.tick(now);
                 out.take(actions);
                 *persist = true;
-                ControlReply {
-                    progress: r.progress,
+                ControlReply::Done(ControlAnswer::Registered {
                     tier: Some(r.tier),
-                    ..ControlReply::ok()
-                }
+                    progress: r.progress,
+                })
             }
             Err(e) => {
                 warn!(step_id = %step_id, error = %e, "registration refused");

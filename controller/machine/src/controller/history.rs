@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use powerflex_proto::admin::{AdminReply, MAX_HISTORY_SAMPLES};
+use powerflex_proto::admin::{AdminAnswer, AdminReply, MAX_HISTORY_SAMPLES};
 use powerflex_proto::status::HistorySample;
 
 use super::owners::{self, OwnerMap};
@@ -92,10 +92,9 @@ impl HistoryBoard {
                 board.owners.clone(),
             )
         };
-        AdminReply {
-            history: Some(owners::history_for(&picked, uid, &owners)),
-            ..AdminReply::ok()
-        }
+        AdminReply::Done(AdminAnswer::History(owners::history_for(
+            &picked, uid, &owners,
+        )))
     }
 
     /// Samples held.
@@ -159,7 +158,7 @@ mod tests {
     }
 
     fn times(reply: &AdminReply) -> Vec<u64> {
-        let history = reply.history.as_ref().expect("history");
+        let history = reply.history().expect("history");
         history.iter().map(|s| s.t_ms).collect()
     }
 
@@ -174,7 +173,11 @@ mod tests {
         board.publish(Some(sample(15, &[("1", 250.0)])), None);
         board.publish(Some(sample(30, &[("1", 200.0)])), None);
         assert_eq!(times(&board.answer(None, None, 0)), [10, 20, 21, 22, 30]);
-        let history = board.answer(None, None, 0).history.expect("history");
+        let history = board
+            .answer(None, None, 0)
+            .history()
+            .expect("history")
+            .to_vec();
         let caps: Vec<f64> = history.iter().map(|s| s.caps["1"]).collect();
         assert_eq!(
             caps,
@@ -263,8 +266,8 @@ mod tests {
         board.publish(Some(sample(2, &[("2", 410.0), ("4", 200.0)])), None);
         let caps_of = |uid: u32| -> Vec<Vec<(String, f64)>> {
             let reply = board.answer(None, None, uid);
-            assert!(reply.ok && reply.error.is_none());
-            let history = reply.history.expect("history");
+            assert!(reply.is_ok() && reply.error_message().is_none());
+            let history = reply.history().expect("history").to_vec();
             assert_eq!(history.len(), 2, "every caller reads every sample");
             assert!(history
                 .iter()

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use powerflex_proto::admin::AdminReply;
+use powerflex_proto::admin::{AdminAnswer, AdminReply};
 use powerflex_proto::report::JobReport;
 use powerflex_proto::status::HistorySample;
 
@@ -214,33 +214,37 @@ pub fn need_to_know(
         return reply;
     }
     let mine = |owner: Option<u32>| may_read(uid, owner);
-    if let Some(status) = &mut reply.status {
-        status.jobs.retain(|j| mine(j.owner_uid));
-        status.preempted.retain(|p| mine(owner_of(&p.job)));
-        if status.config_error.is_some() {
-            status.config_error = Some(CONFIG_ERROR_FOR_USERS.to_string());
-        }
-        status.jobs_of_uid = Some(uid);
-        // The database's error may name its host and user: the state, not the reason.
-        if let Some(db) = &mut status.accounting_db {
-            if db.error.is_some() {
-                db.error = Some("unreachable (the reason is shown to root)".to_string());
+    match &mut reply {
+        AdminReply::Done(AdminAnswer::Status(status)) => {
+            status.jobs.retain(|j| mine(j.owner_uid));
+            status.preempted.retain(|p| mine(owner_of(&p.job)));
+            if status.config_error.is_some() {
+                status.config_error = Some(CONFIG_ERROR_FOR_USERS.to_string());
+            }
+            status.jobs_of_uid = Some(uid);
+            // The database's error may name its host and user: the state, not the reason.
+            if let Some(db) = &mut status.accounting_db {
+                if db.error.is_some() {
+                    db.error = Some("unreachable (the reason is shown to root)".to_string());
+                }
             }
         }
-    }
-    if let Some(history) = &mut reply.history {
-        for sample in history.iter_mut() {
-            *sample = history_sample_for(sample, uid, &owner_of);
+        AdminReply::Done(AdminAnswer::History(history)) => {
+            for sample in history.iter_mut() {
+                *sample = history_sample_for(sample, uid, &owner_of);
+            }
         }
-    }
-    if let Some(records) = &mut reply.records {
-        // Slurm's owner of each ended job, as the record carries it.
-        records.retain(|r| r.uid == uid);
-    }
-    if reply.what_if.is_some() {
-        return AdminReply::error(
-            "what-if shows every job's curve and cap: root only (run powerflexctl as root)",
-        );
+        AdminReply::Done(AdminAnswer::Records(records)) => {
+            // Slurm's owner of each ended job, as the record carries it.
+            records.retain(|r| r.uid == uid);
+        }
+        AdminReply::Done(AdminAnswer::WhatIf(_)) => {
+            return AdminReply::error(
+                "what-if shows every job's curve and cap: root only (run powerflexctl as root)",
+            );
+        }
+        AdminReply::Done(AdminAnswer::Empty | AdminAnswer::EventAdded(_))
+        | AdminReply::Refused { .. } => {}
     }
     reply
 }
@@ -295,50 +299,47 @@ mod tests {
     /// A site with alice's job 1, bob's job 2, job 3 of an old agent (owner unknown),
     /// alice's job 4 requeued by a deep cut (no node reports it), and a refused reload.
     fn status_reply() -> AdminReply {
-        AdminReply {
-            status: Some(CtldStatus {
-                base_budget_w: 10_000.0,
-                budget_w: 7_000.0,
-                allocated_budget_w: Some(7_000.0),
-                draw_w: 6_000.0,
-                headroom_w: 1_000.0,
-                active_event: None,
-                events: Vec::new(),
-                over_budget_w: Some(0.0),
-                nodes: vec![NodeStatus {
-                    node: "n1".into(),
-                    gpus: 8,
-                    live: true,
-                    power_w: 6_000.0,
-                    jobs: 3,
-                    seen_ms_ago: 10,
-                    refused_reports: 0,
-                    refused_gpus: 0,
-                    domain: None,
-                }],
-                jobs: vec![row("1", Some(ALICE)), row("2", Some(BOB)), row("3", None)],
-                config_error: Some("/etc/slurm/powerflex.toml: bad key_file".into()),
-                preempted: vec![
-                    PreemptedView {
-                        job: "2".into(),
-                        how: Preempt::Suspend,
-                        since_ms: 5,
-                    },
-                    PreemptedView {
-                        job: "4".into(),
-                        how: Preempt::Requeue,
-                        since_ms: 5,
-                    },
-                ],
-                jobs_of_uid: None,
-                slurm: None,
-                accounting_db: None,
-                domains: Vec::new(),
-                leadership: None,
-                refused_by: Default::default(),
-            }),
-            ..AdminReply::ok()
-        }
+        AdminReply::Done(AdminAnswer::Status(Box::new(CtldStatus {
+            base_budget_w: 10_000.0,
+            budget_w: 7_000.0,
+            allocated_budget_w: Some(7_000.0),
+            draw_w: 6_000.0,
+            headroom_w: 1_000.0,
+            active_event: None,
+            events: Vec::new(),
+            over_budget_w: Some(0.0),
+            nodes: vec![NodeStatus {
+                node: "n1".into(),
+                gpus: 8,
+                live: true,
+                power_w: 6_000.0,
+                jobs: 3,
+                seen_ms_ago: 10,
+                refused_reports: 0,
+                refused_gpus: 0,
+                domain: None,
+            }],
+            jobs: vec![row("1", Some(ALICE)), row("2", Some(BOB)), row("3", None)],
+            config_error: Some("/etc/slurm/powerflex.toml: bad key_file".into()),
+            preempted: vec![
+                PreemptedView {
+                    job: "2".into(),
+                    how: Preempt::Suspend,
+                    since_ms: 5,
+                },
+                PreemptedView {
+                    job: "4".into(),
+                    how: Preempt::Requeue,
+                    since_ms: 5,
+                },
+            ],
+            jobs_of_uid: None,
+            slurm: None,
+            accounting_db: None,
+            domains: Vec::new(),
+            leadership: None,
+            refused_by: Default::default(),
+        })))
     }
 
     fn owner(job: &str) -> Option<u32> {
@@ -350,12 +351,12 @@ mod tests {
     }
 
     fn jobs(reply: &AdminReply) -> Vec<&str> {
-        let status = reply.status.as_ref().expect("status");
+        let status = reply.status().expect("status");
         status.jobs.iter().map(|j| j.job.as_str()).collect()
     }
 
     fn held(reply: &AdminReply) -> Vec<&str> {
-        let status = reply.status.as_ref().expect("status");
+        let status = reply.status().expect("status");
         status.preempted.iter().map(|p| p.job.as_str()).collect()
     }
 
@@ -387,8 +388,8 @@ mod tests {
         let full = status_reply();
         let seen = need_to_know(full.clone(), ALICE, owner);
         let (s, f) = (
-            seen.status.as_ref().expect("status"),
-            full.status.as_ref().expect("status"),
+            seen.status().expect("status"),
+            full.status().expect("status"),
         );
         assert_eq!(
             (s.budget_w, s.base_budget_w, s.draw_w, s.headroom_w),
@@ -414,12 +415,9 @@ mod tests {
             simulated: false,
             domains: BTreeMap::new(),
         };
-        let reply = AdminReply {
-            history: Some(vec![sample]),
-            ..AdminReply::ok()
-        };
+        let reply = AdminReply::Done(AdminAnswer::History(vec![sample]));
         let seen = need_to_know(reply.clone(), ALICE, owner);
-        let history = seen.history.expect("history");
+        let history = seen.history().expect("history");
         assert_eq!(
             history[0]
                 .caps
@@ -438,22 +436,19 @@ mod tests {
 
     #[test]
     fn what_if_stays_root_s() {
-        let reply = AdminReply {
-            what_if: Some(DecisionView {
-                leases: BTreeMap::new(),
-                budget_w: 1000.0,
-                reserved_w: 0.0,
-                allocation: None,
-                rejected: Vec::new(),
-                drifted: Vec::new(),
-                start_cap_w: 300.0,
-                objective: Maximised::RelativeSpeed,
-            }),
-            ..AdminReply::ok()
-        };
+        let reply = AdminReply::Done(AdminAnswer::WhatIf(Box::new(DecisionView {
+            leases: BTreeMap::new(),
+            budget_w: 1000.0,
+            reserved_w: 0.0,
+            allocation: None,
+            rejected: Vec::new(),
+            drifted: Vec::new(),
+            start_cap_w: 300.0,
+            objective: Maximised::RelativeSpeed,
+        })));
         let seen = need_to_know(reply.clone(), ALICE, owner);
-        assert!(!seen.ok && seen.what_if.is_none());
-        assert!(seen.error.expect("why").contains("root only"));
+        assert!(!seen.is_ok() && seen.what_if().is_none());
+        assert!(seen.error_message().expect("why").contains("root only"));
         assert_eq!(need_to_know(reply.clone(), 0, owner), reply);
     }
 

@@ -138,8 +138,12 @@ impl CtldState {
         }
         let mut ids = std::collections::BTreeSet::new();
         for e in &self.events {
-            check_new_event(&e.cut, e.start_ms, e.duration_ms, e.ramp_ms)
-                .map_err(|why| MachineError::BadEvent { id: e.id, why })?;
+            check_new_event(&e.cut, e.start_ms, e.duration_ms, e.ramp_ms).map_err(|why| {
+                MachineError::BadEvent {
+                    id: e.id,
+                    why: why.to_string(),
+                }
+            })?;
             if e.id == 0 || e.id > self.next_event_id || !ids.insert(e.id) {
                 return Err(MachineError::EventIdOutOfRange {
                     id: e.id,

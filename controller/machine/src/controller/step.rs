@@ -363,7 +363,7 @@ impl Controller {
                     let reply = owners::need_to_know(self.admin(op, uid, now_ms), uid, |job| {
                         self.owners.of(job)
                     });
-                    if reply.ok && changes {
+                    if reply.is_ok() && changes {
                         self.allocate_now = true;
                     }
                     out.replies.push((index, reply));

@@ -64,7 +64,7 @@ fn a_registration_through_the_step_is_checked_capped_then_answered() {
     let Some((0, Reply::Control(reply))) = out.replies.first() else {
         panic!("one answer: {:?}", out.replies);
     };
-    assert!(!reply.ok && reply.error.as_deref().is_some_and(|e| e.contains("job 9")));
+    assert!(!reply.is_ok() && reply.error_message().is_some_and(|e| e.contains("job 9")));
     assert!(out.cap_writes.is_empty() && a.jobs.is_empty());
     assert_eq!(a.gpu_claims_refused, 1);
 
@@ -80,7 +80,7 @@ fn a_registration_through_the_step_is_checked_capped_then_answered() {
             facts,
         }],
     );
-    assert!(matches!(out.replies.as_slice(), [(0, Reply::Control(r))] if r.ok));
+    assert!(matches!(out.replies.as_slice(), [(0, Reply::Control(r))] if r.is_ok()));
     assert_eq!(
         out.cap_writes,
         vec![CapWrite {

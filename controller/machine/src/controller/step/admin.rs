@@ -5,7 +5,7 @@ use tracing::{info, warn};
 use powerflex_core::allocate::Policy;
 use powerflex_core::{UnixMs, Watts};
 use powerflex_decide::{decide_holding, NodeView};
-use powerflex_proto::admin::{AdminOp, AdminReply, Cut, Refusal};
+use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply, Cut, Refusal};
 use powerflex_proto::usage::JobEnergyRecord;
 
 use crate::controller::accounting::{self};
@@ -79,10 +79,9 @@ impl Controller {
             );
         }
         match op {
-            AdminOp::Status => AdminReply {
-                status: Some(self.status(UnixMs(now_ms))),
-                ..AdminReply::ok()
-            },
+            AdminOp::Status => {
+                AdminReply::Done(AdminAnswer::Status(Box::new(self.status(UnixMs(now_ms)))))
+            }
             // Answered by the admin threads from the history board, never in this loop:
             // one that arrives here was sent by mistake, and the step keeps no history
             // to answer it with.
@@ -133,10 +132,7 @@ impl Controller {
             query,
             powerflex_proto::admin::MAX_RECORDS_PER_REPLY,
         );
-        AdminReply {
-            records: Some(records),
-            ..AdminReply::ok()
-        }
+        AdminReply::Done(AdminAnswer::Records(records))
     }
 
     /// Root sets the site's budget (`domain: None`) or a power domain's.
@@ -228,10 +224,7 @@ impl Controller {
         );
         self.state.events.push(event);
         self.dirty = true;
-        AdminReply {
-            event_id: Some(self.state.next_event_id),
-            ..AdminReply::ok()
-        }
+        AdminReply::Done(AdminAnswer::EventAdded(self.state.next_event_id))
     }
 
     /// Root cancels grid event `id`.
@@ -323,11 +316,8 @@ impl Controller {
             .keys()
             .map(|job| (job.clone(), None))
             .collect();
-        AdminReply {
-            what_if: Some(status::decision_view(&decide_holding(
-                &views, budget, &settings, &held,
-            ))),
-            ..AdminReply::ok()
-        }
+        AdminReply::Done(AdminAnswer::WhatIf(Box::new(status::decision_view(
+            &decide_holding(&views, budget, &settings, &held),
+        ))))
     }
 }

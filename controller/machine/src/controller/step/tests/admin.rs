@@ -115,7 +115,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
     let counts: Vec<usize> = out
         .replies
         .iter()
-        .map(|(_, r)| r.records.as_ref().map_or(usize::MAX, Vec::len))
+        .map(|(_, r)| r.records().map_or(usize::MAX, <[_]>::len))
         .collect();
     assert_eq!(
         counts,
@@ -129,17 +129,17 @@ fn an_admin_forgets_a_silent_node_but_not_a_live_one() {
     let mut core = running();
     let forget = |node: &str| AdminOp::ForgetNode { node: node.into() };
     let out = core.step(UnixMs(T0 + 10), vec![admin(forget("n1"), 0)]);
-    assert_eq!(reply(&out).refusal, Some(Refusal::NodeLive), "{out:?}");
+    assert_eq!(reply(&out).refusal(), Some(Refusal::NodeLive), "{out:?}");
     let out = core.step(UnixMs(T0 + 10), vec![admin(forget("n9"), 0)]);
-    assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchNode));
+    assert_eq!(reply(&out).refusal(), Some(Refusal::NoSuchNode));
     let later = T0 + (TTL_S * 1000.0) as u64 + 1_000;
     let out = core.step(UnixMs(later), vec![admin(forget("n1"), 1000)]);
-    assert!(!reply(&out).ok, "root only");
+    assert!(!reply(&out).is_ok(), "root only");
     let out = core.step(
         UnixMs(later),
         vec![report("n2", vec![job("102", None)]), admin(forget("n1"), 0)],
     );
-    assert!(reply(&out).ok, "{out:?}");
+    assert!(reply(&out).is_ok(), "{out:?}");
     assert!(!out.persist.expect("saved").nodes.contains_key("n1"));
     let nodes: Vec<String> = core
         .status(UnixMs(later))
@@ -169,9 +169,9 @@ fn only_root_changes_the_budget_or_events_and_anyone_reads() {
     ] {
         let out = core.step(UnixMs(T0 + 1), vec![admin(op.clone(), 1000)]);
         let r = reply(&out);
-        assert!(!r.ok, "{op:?}");
+        assert!(!r.is_ok(), "{op:?}");
         assert_eq!(
-            r.error.as_deref(),
+            r.error_message(),
             Some("only root may change the budget or grid events")
         );
         assert_eq!(out.persist, None, "a refused change saves nothing");
@@ -179,10 +179,10 @@ fn only_root_changes_the_budget_or_events_and_anyone_reads() {
     assert_eq!(core.state().budget_w, None);
     assert!(core.state().events.is_empty());
     let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, 1000)]);
-    assert!(reply(&out).ok && reply(&out).status.is_some());
+    assert!(reply(&out).is_ok() && reply(&out).status().is_some());
 
     let out = core.step(UnixMs(T0 + 3), vec![budget_set(5000.0, None)]);
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     assert_eq!(
         out.persist.as_ref().and_then(|s| s.budget_w),
         Some(Watts(5000.0))
@@ -191,8 +191,7 @@ fn only_root_changes_the_budget_or_events_and_anyone_reads() {
     assert_eq!(core.status(UnixMs(T0 + 3)).budget_w, 5000.0);
     let out = core.step(UnixMs(T0 + 4), vec![budget_set(-1.0, None)]);
     assert!(reply(&out)
-        .error
-        .as_deref()
+        .error_message()
         .is_some_and(|e| e.contains("positive")));
 }
 
@@ -208,12 +207,11 @@ fn events_are_numbered_validated_and_cancelled() {
     };
     let out = core.step(UnixMs(T0 + 1), vec![admin(add(0, 0), 0)]);
     assert!(reply(&out)
-        .error
-        .as_deref()
+        .error_message()
         .is_some_and(|e| e.contains("twice its ramp")));
     let out = core.step(UnixMs(T0 + 1), vec![admin(add(60_000, 30_001), 0)]);
-    assert!(!reply(&out).ok);
-    assert_eq!(reply(&out).refusal, Some(Refusal::EventOutOfRange));
+    assert!(!reply(&out).is_ok());
+    assert_eq!(reply(&out).refusal(), Some(Refusal::EventOutOfRange));
     // What a VTN might serve, passed on by the VEN: refused, typed, never held.
     for cut in [
         Cut::Reduce { fraction: 7.0 },
@@ -232,19 +230,19 @@ fn events_are_numbered_validated_and_cancelled() {
         };
         let out = core.step(UnixMs(T0 + 1), vec![admin(op, 0)]);
         assert_eq!(
-            reply(&out).refusal,
+            reply(&out).refusal(),
             Some(Refusal::EventOutOfRange),
             "{cut:?}"
         );
     }
     let out = core.step(UnixMs(T0 + 1), vec![admin(add(u64::MAX, 0), 0)]);
-    assert_eq!(reply(&out).refusal, Some(Refusal::EventOutOfRange));
+    assert_eq!(reply(&out).refusal(), Some(Refusal::EventOutOfRange));
     assert!(core.state().events.is_empty());
     let out = core.step(
         UnixMs(T0 + 1),
         vec![admin(add(60_000, 0), 0), admin(add(60_000, 0), 0)],
     );
-    let ids: Vec<Option<u64>> = out.replies.iter().map(|(_, r)| r.event_id).collect();
+    let ids: Vec<Option<u64>> = out.replies.iter().map(|(_, r)| r.event_id()).collect();
     assert_eq!(ids, [Some(1), Some(2)]);
     assert_eq!(out.persist.as_ref().map(|s| s.events.len()), Some(2));
     assert_eq!(
@@ -256,13 +254,13 @@ fn events_are_numbered_validated_and_cancelled() {
         UnixMs(T0 + 2),
         vec![admin(AdminOp::EventCancel { id: 7 }, 0)],
     );
-    assert_eq!(reply(&out).error.as_deref(), Some("no event 7"));
-    assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchEvent));
+    assert_eq!(reply(&out).error_message(), Some("no event 7"));
+    assert_eq!(reply(&out).refusal(), Some(Refusal::NoSuchEvent));
     let out = core.step(
         UnixMs(T0 + 2),
         vec![admin(AdminOp::EventCancel { id: 1 }, 0)],
     );
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     assert_eq!(
         core.state().events.iter().map(|e| e.id).collect::<Vec<_>>(),
         [2]
@@ -272,16 +270,15 @@ fn events_are_numbered_validated_and_cancelled() {
     let most = powerflex_proto::event::MAX_PENDING_EVENTS;
     let inputs: Vec<Input> = (1..most).map(|_| admin(add(60_000, 0), 0)).collect();
     let out = core.step(UnixMs(T0 + 3), inputs);
-    assert!(out.replies.iter().all(|(_, r)| r.ok));
+    assert!(out.replies.iter().all(|(_, r)| r.is_ok()));
     let out = core.step(UnixMs(T0 + 3), vec![admin(add(120_000, 0), 0)]);
-    assert_eq!(reply(&out).refusal, Some(Refusal::TooManyEvents));
+    assert_eq!(reply(&out).refusal(), Some(Refusal::TooManyEvents));
     assert!(reply(&out)
-        .error
-        .as_deref()
+        .error_message()
         .is_some_and(|e| e.contains("256")));
     assert_eq!(core.state().events.len(), most);
     let out = core.step(UnixMs(T0 + 60_001), vec![admin(add(120_000, 0), 0)]);
-    assert!(reply(&out).ok, "{:?}", reply(&out).error);
+    assert!(reply(&out).is_ok(), "{:?}", reply(&out).error_message());
 }
 
 /// A reload that lowers a domain's limit below the budget an admin set for it
@@ -295,7 +292,7 @@ fn a_reload_below_a_domain_s_budget_puts_the_new_limit_in_force() {
         UnixMs(T0 + 11_000),
         vec![budget_set(9_000.0, Some("rack-b"))],
     );
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     let lowered = with_racks(2_000.0);
     core.step(
         UnixMs(T0 + 12_000),
@@ -363,7 +360,7 @@ fn a_domain_s_rise_after_its_event_is_held_to_the_ramp_rate() {
             0,
         )],
     );
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     let cut = granted(&core, T0 + 15_000, "101");
     assert!(cut * 4.0 <= 1200.0 + 1e-6);
     core.step(
@@ -413,14 +410,14 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
     // A domain the config does not declare is refused, naming those it does.
     let out = core.step(UnixMs(T0 + 15_000), vec![admin(add("rack-z"), 0)]);
     let refused = reply(&out);
-    assert_eq!(refused.refusal, Some(Refusal::NoSuchDomain));
-    let why = refused.error.as_deref().unwrap_or_default();
+    assert_eq!(refused.refusal(), Some(Refusal::NoSuchDomain));
+    let why = refused.error_message().unwrap_or_default();
     assert!(
         why.contains("rack-z") && why.contains("feed-a, rack-a, rack-b"),
         "{why}"
     );
     let out = core.step(UnixMs(T0 + 15_001), vec![admin(add("rack-a"), 0)]);
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     let out = core.step(UnixMs(T0 + 20_000), vec![Input::Tick]);
     let n1 = out.leases["n1"].clone();
     assert!(n1.caps["101"] * 4.0 <= 1200.0 + 1e-6, "rack-a cut: {n1:?}");
@@ -456,7 +453,7 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
         UnixMs(T0 + 21_000),
         vec![budget_set(2000.0, Some("rack-b"))],
     );
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     assert_eq!(
         out.persist
             .as_ref()
@@ -493,18 +490,17 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
         UnixMs(T0 + 31_000),
         vec![budget_set(2000.0, Some("nowhere"))],
     );
-    assert_eq!(reply(&out).refusal, Some(Refusal::NoSuchDomain));
+    assert_eq!(reply(&out).refusal(), Some(Refusal::NoSuchDomain));
     // Never above the breaker's limit.
     let out = core.step(
         UnixMs(T0 + 32_000),
         vec![budget_set(20_000.0, Some("rack-b"))],
     );
     let above = reply(&out);
-    assert!(!above.ok);
+    assert!(!above.is_ok());
     assert!(
         above
-            .error
-            .as_deref()
+            .error_message()
             .is_some_and(|e| e.contains("at most 10.0 kW")),
         "{above:?}"
     );
@@ -558,7 +554,7 @@ fn an_event_that_ended_is_dropped_and_saved() {
             0,
         )],
     );
-    assert!(reply(&out).ok);
+    assert!(reply(&out).is_ok());
     assert_eq!(
         core.status(UnixMs(T0 + 5000)).active_event.map(|e| e.id),
         Some(1)
@@ -614,10 +610,7 @@ fn a_refused_reload_keeps_the_config_and_is_reported_until_a_valid_one() {
     assert_eq!(status.base_budget_w, 10_000.0);
     let error_for = |core: &mut Controller, uid| {
         let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, uid)]);
-        reply(&out)
-            .status
-            .as_ref()
-            .and_then(|s| s.config_error.clone())
+        reply(&out).status().and_then(|s| s.config_error.clone())
     };
     assert_eq!(
         error_for(&mut core, 0).as_deref(),
@@ -648,7 +641,7 @@ fn what_if_is_read_only() {
             0,
         )],
     );
-    let d = reply(&out).what_if.as_ref().expect("decision");
+    let d = reply(&out).what_if().expect("decision");
     assert_eq!(d.budget_w, 3000.0);
     assert_eq!(d.allocation.as_ref().map(|a| a.policy), Some(Policy::Equal));
     assert!(out.persist.is_none() && out.leases.is_empty() && out.metrics.is_none());
@@ -667,8 +660,11 @@ fn what_if_is_read_only() {
             1000,
         )],
     );
-    assert!(reply(&out).what_if.is_none());
-    let e = reply(&out).error.clone().expect("refused");
+    assert!(reply(&out).what_if().is_none());
+    let e = reply(&out)
+        .error_message()
+        .map(str::to_string)
+        .expect("refused");
     assert!(e.contains("root only"), "{e}");
 }
 
@@ -703,7 +699,7 @@ fn a_user_reads_only_their_own_jobs_and_root_reads_all() {
     );
     let jobs_for = |core: &mut Controller, t: u64, uid: u32| -> Vec<String> {
         let out = core.step(UnixMs(t), vec![admin(AdminOp::Status, uid)]);
-        let status = reply(&out).status.clone().expect("status");
+        let status = reply(&out).status().cloned().expect("status");
         assert_eq!(status.jobs_of_uid, (uid != 0).then_some(uid));
         assert_eq!(status.nodes.len(), 2, "every caller sees the nodes");
         status.jobs.into_iter().map(|j| j.job).collect()
@@ -713,7 +709,11 @@ fn a_user_reads_only_their_own_jobs_and_root_reads_all() {
     assert_eq!(jobs_for(&mut core, T0 + 1, BOB), ["102"]);
     assert!(jobs_for(&mut core, T0 + 1, 1003).is_empty());
     let caps_for = |uid: u32| -> Vec<String> {
-        let history = board.answer(None, None, uid).history.expect("history");
+        let history = board
+            .answer(None, None, uid)
+            .history()
+            .expect("history")
+            .to_vec();
         let mut jobs: Vec<String> = history
             .into_iter()
             .flat_map(|s| s.caps.into_keys())

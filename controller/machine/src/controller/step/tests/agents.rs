@@ -224,7 +224,7 @@ fn an_agent_that_stays_away_is_counted_at_its_failsafe_cap_after_half_a_lease() 
             0,
         )],
     );
-    let d = reply(&out).what_if.as_ref().expect("decision");
+    let d = reply(&out).what_if().expect("decision");
     assert!(d.reserved_w >= 4000.0, "{d:?}");
 }
 
@@ -330,17 +330,14 @@ fn only_an_active_controller_leases_and_takes_changes() {
     assert!(out.leases.is_empty(), "a standby leases nothing: {out:?}");
     let out = core.step(UnixMs(T0 + 1), vec![budget_set(5000.0, None)]);
     let r = reply(&out);
-    assert_eq!(r.refusal, Some(Refusal::NotActive), "{r:?}");
+    assert_eq!(r.refusal(), Some(Refusal::NotActive), "{r:?}");
     assert!(
-        r.error.as_deref().is_some_and(|e| e.contains("ctld-b")),
+        r.error_message().is_some_and(|e| e.contains("ctld-b")),
         "{r:?}"
     );
     assert_eq!(out.persist, None);
     let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, 1000)]);
-    let shown = reply(&out)
-        .status
-        .as_ref()
-        .and_then(|s| s.leadership.clone());
+    let shown = reply(&out).status().and_then(|s| s.leadership.clone());
     assert_eq!(shown.map(|l| l.role), Some(LeadershipRole::Standby));
     // Active: it allocates at once, and every lease carries its epoch.
     let out = core.step(
@@ -444,7 +441,7 @@ fn a_refusal_fences_a_controller_for_that_node_and_most_nodes_fence_a_single_one
     );
     assert!(out.leases.is_empty(), "{out:?}");
     let out = core.step(UnixMs(T0 + 7), vec![budget_set(9_000.0, None)]);
-    assert!(!reply(&out).ok);
+    assert!(!reply(&out).is_ok());
 }
 
 /// Under `[controller.ha]` the leader row, not the agents, says who leads: every

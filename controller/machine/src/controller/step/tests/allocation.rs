@@ -130,8 +130,7 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
             )],
         );
         let fresh: BTreeMap<String, f64> = reply(&out)
-            .what_if
-            .as_ref()
+            .what_if()
             .and_then(|d| d.allocation.as_ref())
             .expect("a decision")
             .jobs
@@ -196,7 +195,7 @@ fn history_keeps_one_sample_per_allocation() {
     assert!(out.history.is_none() && out.metrics.is_none());
     assert_eq!(allocations(&core), 4);
     let answered = board.answer(None, None, 0);
-    let history = answered.history.as_ref().expect("history");
+    let history = answered.history().expect("history");
     assert_eq!(
         history.iter().map(|s| s.t_ms).collect::<Vec<_>>(),
         [T0, T0 + 5_000, T0 + 10_000, T0 + 15_000]
@@ -215,7 +214,7 @@ fn history_keeps_one_sample_per_allocation() {
             0,
         )],
     );
-    assert!(!reply(&out).ok && reply(&out).history.is_none());
+    assert!(!reply(&out).is_ok() && reply(&out).history().is_none());
 }
 
 /// Leases sent to every node at once would let one node raise its caps before another
