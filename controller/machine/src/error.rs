@@ -6,8 +6,6 @@ use powerflex_core::domains::{
 };
 use powerflex_proto::event::MAX_PENDING_EVENTS;
 
-use crate::controller::state::{MAX_BUDGET_W, MAX_PREEMPTED_JOBS, MAX_STATE_BYTES};
-
 /// Why the controller's machine refused a committed state, a site config, or an input
 /// its edge could not produce.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -27,13 +25,13 @@ pub enum MachineError {
     #[error("{0}")]
     Database(String),
     /// A committed state larger than any controller writes.
-    #[error("the state is {bytes} bytes; accepted: at most {MAX_STATE_BYTES}")]
-    StateTooLarge { bytes: usize },
+    #[error("the state is {bytes} bytes; accepted: at most {max_bytes}")]
+    StateTooLarge { bytes: usize, max_bytes: usize },
     /// A committed state that is not JSON of a controller state: the parser's message.
     #[error("not a controller state: {0}")]
     NotAState(String),
-    #[error("budget_w = {w} W is out of range; accepted: above 0 W, at most {MAX_BUDGET_W} W")]
-    BudgetOutOfRange { w: f64 },
+    #[error("budget_w = {w} W is out of range; accepted: above 0 W, at most {max_w} W")]
+    BudgetOutOfRange { w: f64, max_w: f64 },
     #[error("domain_budgets_w names {count} domains; accepted: at most {MAX_DOMAINS}")]
     TooManyDomainBudgets { count: usize },
     #[error(
@@ -65,8 +63,8 @@ pub enum MachineError {
         shown(.name)
     )]
     BadNodeName { name: String },
-    #[error("preempted names {count} jobs; accepted: at most {MAX_PREEMPTED_JOBS}")]
-    TooManyPreempted { count: usize },
+    #[error("preempted names {count} jobs; accepted: at most {max_jobs}")]
+    TooManyPreempted { count: usize, max_jobs: usize },
     #[error(
         "preempted: \"{}\" is not a job id; accepted: 1 to 64 ASCII letters, digits, '_' or '.'",
         shown(.job)

@@ -67,7 +67,10 @@ impl CtldState {
     /// cannot read whole is refused rather than applied differently.
     pub fn from_json(text: &[u8], now: UnixMs) -> Result<CtldState, MachineError> {
         if text.len() > MAX_STATE_BYTES {
-            return Err(MachineError::StateTooLarge { bytes: text.len() });
+            return Err(MachineError::StateTooLarge {
+                bytes: text.len(),
+                max_bytes: MAX_STATE_BYTES,
+            });
         }
         let state: CtldState =
             serde_json::from_slice(text).map_err(|e| MachineError::NotAState(e.to_string()))?;
@@ -97,7 +100,10 @@ impl CtldState {
     pub fn checked(mut self, now: UnixMs) -> Result<CtldState, MachineError> {
         if let Some(Watts(w)) = self.budget_w {
             if !(w.is_finite() && w > 0.0) {
-                return Err(MachineError::BudgetOutOfRange { w });
+                return Err(MachineError::BudgetOutOfRange {
+                    w,
+                    max_w: MAX_BUDGET_W,
+                });
             }
             // States written by an older release may hold any positive budget: one above
             // the bound (no limit a GPU site reaches) loads at the bound rather than
@@ -178,6 +184,7 @@ impl CtldState {
         });
         if self.preempted.len() > MAX_PREEMPTED_JOBS {
             return Err(MachineError::TooManyPreempted {
+                max_jobs: MAX_PREEMPTED_JOBS,
                 count: self.preempted.len(),
             });
         }
