@@ -5,7 +5,7 @@
 //! drawn at random with random tiers (none of the bounds, flex1–flex3 mixed), budget at a
 //! 30 % cut of Σ P_max, caps on a 1 W grid (NVML's effective granularity, the worst case).
 //!
-//! Then the same jobs under power domains (issue 22): 100 racks, 10 rows, 2 feeds, every
+//! Then the same jobs under power domains: 100 racks, 10 rows, 2 feeds, every
 //! limit binding (racks at 80 %, rows at 75 %, feeds at 72 % of their uncapped draw, the
 //! site at 70 %), with the controller's own rule (`allocate_cautious_within`) beside the
 //! plain policies, and the flat site's time for the same jobs. The rule runs with the

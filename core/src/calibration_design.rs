@@ -1031,7 +1031,7 @@ mod tests {
         );
     }
 
-    /// The measured effect (issue 16, pre-positioning): jobs start every minute over the
+    /// The measured effect of pre-positioning: jobs start every minute over the
     /// hour before an announced event; each warms up for 60 s, then walks. Without the
     /// deadline a job is calibrated by the start only if its whole design fits; with it,
     /// the design is compressed to end by the start. A job counts as calibrated with its

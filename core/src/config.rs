@@ -241,7 +241,7 @@ pub struct RawController {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub standby_addresses: Option<Vec<String>>,
     /// `[controller.ha]`: two or more controllers, one active, with their leadership and
-    /// state in PostgreSQL (issue 22). Absent: one controller, its state in `state_dir`.
+    /// state in PostgreSQL. Absent: one controller, its state in `state_dir`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ha: Option<RawHa>,
 }
@@ -2521,7 +2521,7 @@ programs = ["gpu-dr"]
         );
     }
 
-    /// Issue 21: the site says what a GPU used outside any registered job gets.
+    /// The site says what a GPU used outside any registered job gets.
     #[test]
     fn unregistered_gpu_use_is_left_at_the_default_unless_the_site_says_failsafe() {
         let minimal = SiteConfig::from_toml_str(MINIMAL).expect("valid");
@@ -2549,7 +2549,7 @@ programs = ["gpu-dr"]
         );
     }
 
-    /// Issue 21: the site decides who may opt out with `--power-flex=none`.
+    /// The site decides who may opt out with `--power-flex=none`.
     #[test]
     fn the_site_decides_who_may_opt_out() {
         let site = SiteConfig::from_toml_str(&plus(
@@ -2590,7 +2590,7 @@ programs = ["gpu-dr"]
         }
     }
 
-    /// Issue 22: `[controller.ha]` is optional; its leadership TTL must let a standby
+    /// `[controller.ha]` is optional; its leadership TTL must let a standby
     /// take over within half a lease, its timeout fit a renewal, its name the link's
     /// rules; every refusal names its key and what is accepted.
     #[test]

@@ -1,4 +1,4 @@
-//! The allocator under nested power domains (issue 22): a site budget over a row, the row
+//! The allocator under nested power domains: a site budget over a row, the row
 //! over two racks, each rack over its jobs, and a job outside the row. On REAL measured
 //! curves (the Zeus NSDI'23 dev set in `data/curves`), the optimal policy is checked
 //! against exhaustive search over every combination of grid caps, every policy against

@@ -183,8 +183,8 @@ mod tests {
     /// The agent's shape: 8 places, 4 of them root's.
     const SHARED: GateLimits = GateLimits::shared(8, 3, 4);
 
-    /// Issue 14: one user holding 64 idle connections starved every job's progress, and
-    /// refreshing them starved slurmstepd's registrations.
+    /// One user holding many idle connections must not starve every job's progress, nor,
+    /// refreshing them, slurmstepd's registrations.
     #[test]
     fn shared_one_user_cannot_take_the_places_of_others_or_of_root() {
         let mut a = Admission::default();

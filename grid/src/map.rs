@@ -1612,7 +1612,7 @@ mod tests {
         assert_eq!(serde_json::from_str::<Ledger>(&text).unwrap(), ledger);
     }
 
-    /// Issue 21: whatever a VTN serves is refused with a reason or applied within the
+    /// Whatever a VTN serves is refused with a reason or applied within the
     /// site's limits. A duration past chrono's range made the library's conversion panic
     /// (`PT99999999999999999999S` from any start), which would have ended the VEN.
     #[test]

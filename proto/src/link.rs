@@ -152,7 +152,7 @@ pub enum Body {
         learn: Vec<String>,
         /// Seconds from the controller's send to the start of the next announced grid
         /// event, when one is scheduled: a job still calibrating compresses its walk to
-        /// have its curve measured before the cut (pre-positioning, issue 16). An older
+        /// have its curve measured before the cut (pre-positioning). An older
         /// agent refuses a lease with this field: upgrade agents before announcing
         /// events to them.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -161,7 +161,7 @@ pub enum Body {
         /// Sent only while true; an agent older than this field refuses such a lease.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         event_in_force: bool,
-        /// The sending controller's leadership epoch (issue 22): it rises each time a
+        /// The sending controller's leadership epoch: it rises each time a
         /// controller takes leadership of the site. An agent keeps the highest epoch it
         /// has accepted and refuses a lease from a lower one ([`Body::Fenced`]), so a
         /// controller that lost leadership can never steer beside the one that took it.

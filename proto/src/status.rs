@@ -68,7 +68,7 @@ pub struct CtldStatus {
     #[serde(default)]
     pub preempted: Vec<PreemptedView>,
     /// Set when the caller was not root: `jobs` and `preempted` list only this uid's
-    /// jobs (need-to-know, issue 14); the site's figures and the per-node job counts
+    /// jobs (need-to-know); the site's figures and the per-node job counts
     /// stay. None: the caller sees every job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub jobs_of_uid: Option<u32>,
@@ -127,7 +127,7 @@ pub struct DomainStatus {
 }
 
 /// Whether this controller steers the site, where that is in question: under
-/// `[controller.ha]`, or after an agent refused its leases for their epoch (issue 22).
+/// `[controller.ha]`, or after an agent refused its leases for their epoch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeadershipView {
     pub role: LeadershipRole,

@@ -1031,7 +1031,7 @@ mod tests {
         }
     }
 
-    /// Issue 14: simulated jobs run as their users and must write the GPU files, but
+    /// Simulated jobs run as their users and must write the GPU files, but
     /// the simulated GPUs must not become a way around NVML's root-only limit write.
     #[test]
     fn what_jobs_write_never_sets_a_limit() {

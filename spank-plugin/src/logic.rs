@@ -681,8 +681,8 @@ mod tests {
         f
     }
 
-    /// Issue 21: `none` could not be switched off; a user looking for the cheapest tier
-    /// ran uncapped.
+    /// A `none` the site does not allow must not run uncapped: a user looking for the
+    /// cheapest tier gets the site's default instead.
     #[test]
     fn a_none_the_site_does_not_allow_runs_under_the_default_tier() {
         let dir = std::env::temp_dir().join(format!("pf-spank-optout-{}", std::process::id()));
@@ -730,7 +730,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Issue 14: the node name went unsanitised into the agent's socket path.
+    /// The node name goes into the agent's socket path, so one that is a path is refused.
     #[test]
     fn a_node_name_that_is_a_path_registers_nothing() {
         assert!(valid_node_name("n1") && valid_node_name("gpu-a01.rack_3"));
@@ -739,8 +739,8 @@ mod tests {
         }
     }
 
-    /// Issue 14 item 2: where Slurm set no step GPUs, variables the user exported
-    /// (`SLURM_JOB_GPUS` in an srun step, `CUDA_VISIBLE_DEVICES`) claimed the node's GPUs.
+    /// Where Slurm set no step GPUs, variables the user exported (`SLURM_JOB_GPUS` in an
+    /// srun step, `CUDA_VISIBLE_DEVICES`) must not claim the node's GPUs.
     #[test]
     fn gpus_come_only_from_the_variable_slurmstepd_writes_for_the_step_kind() {
         let never =

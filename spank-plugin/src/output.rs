@@ -1,4 +1,4 @@
-//! The line at the end of a batch job's own output (issue 23): where the output is, and
+//! The line at the end of a batch job's own output: where the output is, and
 //! appending one line to it with the job owner's credentials, never root's.
 //!
 //! Why this way (Slurm 22.05, `src/slurmd/slurmstepd/`): the batch script's stdout is a

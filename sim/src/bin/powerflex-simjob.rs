@@ -84,7 +84,7 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
     /// Report this many times the tokens the job makes: a lying job, for the attack tests
-    /// (issue 14: inflated tokens must buy no watts).
+    /// (inflated tokens must buy no watts).
     #[arg(long, default_value = "1", value_name = "X", value_parser = positive_factor)]
     report_scale: f64,
 }
