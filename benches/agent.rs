@@ -217,12 +217,12 @@ fn main() {
             .find(|(i, _, _)| *i == id)
             .copied()
             .unwrap_or(("", "", ""));
-        let caps: Vec<f64> = j.points.iter().map(|p| p[0]).collect();
+        let caps: Vec<f64> = j.points.iter().map(|p| p.cap_w.0).collect();
         let truth = library
             .find(profile)
             .ok()
             .and_then(|p| p.physics.pfi_on(&caps));
-        let top = j.points.first().map_or(0.0, |p| p[2]);
+        let top = j.points.first().map_or(0.0, |p| p.throughput);
         let cost_s = if top > 0.0 {
             j.calibration_cost / top
         } else {

@@ -64,6 +64,7 @@ fn job(id: usize, gpus: u32) -> JobReport {
         points: [700.0, 600.0, 500.0, 400.0]
             .iter()
             .map(|&c| [c, 0.9 * c * f64::from(gpus), throughput(c)])
+            .map(powerflex_proto::point::from_array)
             .collect(),
         gpu_uuids: Vec::new(),
         power_cap_w: Some(MAX_CAP_W),

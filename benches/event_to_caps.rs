@@ -75,6 +75,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
     let points = [700.0, 600.0, 500.0, 400.0]
         .iter()
         .map(|&c| [c, c * DRAW_PER_CAP * f64::from(gpus), throughput(c)])
+        .map(powerflex_proto::point::from_array)
         .collect();
     JobReport {
         job_id: format!("{}", 100_000 + job),

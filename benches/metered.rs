@@ -123,6 +123,7 @@ impl Job {
                     self.throughput(c),
                 ]
             })
+            .map(powerflex_proto::point::from_array)
             .collect();
         JobReport {
             job_id: job_id.to_string(),

@@ -396,7 +396,7 @@ fn calibrates_a_job_measures_its_pfi_and_restores_at_job_end() {
             .filter(|j| j.calibration == CalibrationState::Done)
     });
     // The measured PFI against the profile's own PFI on the caps the walk visited.
-    let caps: Vec<f64> = done.points.iter().map(|p| p[0]).collect();
+    let caps: Vec<f64> = done.points.iter().map(|p| p.cap_w.0).collect();
     assert!(caps.len() >= 4, "walked {caps:?}");
     let library = powerflex_sim::profiles::Library::builtin().expect("library");
     let truth = library
@@ -634,7 +634,7 @@ fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
         "{}",
         f.log()
     );
-    let caps: Vec<f64> = done.points.iter().map(|p| p[0]).collect();
+    let caps: Vec<f64> = done.points.iter().map(|p| p.cap_w.0).collect();
     // The grant (500 W a GPU) and the levels below it down to the tier's reach.
     assert!(
         caps.len() >= 3,

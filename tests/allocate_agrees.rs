@@ -76,7 +76,10 @@ fn report(id: &str, tier: &str, curve: &Curve) -> JobReport {
         power_w: Some(top.1),
         throughput: Some(top.2),
         throughput_unit: Some(ThroughputUnit::Tokens),
-        points: curve.iter().map(|p| [p.0, p.1, p.2]).collect(),
+        points: curve
+            .iter()
+            .map(|p| powerflex_proto::point::from_array([p.0, p.1, p.2]))
+            .collect(),
         power_cap_w: Some(top.0),
         power_cap_steady_s: Some(600.0),
         curve: curve

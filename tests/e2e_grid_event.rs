@@ -222,7 +222,7 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
         let j = job_view(&ctl, &socket, id).expect("job");
         let measured = j.pfi.expect("measured PFI");
         let (node, points) = j.points.iter().next().expect("points from a node");
-        let caps: Vec<f64> = points.iter().map(|p| p[0]).collect();
+        let caps: Vec<f64> = points.iter().map(|p| p.cap_w.0).collect();
         let truth = library
             .find(profile)
             .ok()

@@ -195,6 +195,7 @@ fn report(node: usize, cap_w: f64) -> Body {
             points: [700.0, 600.0, 500.0, 400.0, 300.0]
                 .iter()
                 .map(|&c| [c, c * gpus, throughput(c)])
+                .map(powerflex_proto::point::from_array)
                 .collect(),
             power_cap_w: Some(cap_w),
             power_cap_steady_s: Some(10.0),

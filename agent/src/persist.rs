@@ -199,7 +199,9 @@ mod tests {
             gpus: vec!["GPU-1".into()],
             steps: vec!["0".into()],
             pfi: Some(1.4),
-            points: vec![[700.0, 2650.3, 1000.0], [500.0, 1988.7, 912.5]],
+            points: [[700.0, 2650.3, 1000.0], [500.0, 1988.7, 912.5]]
+                .map(powerflex_proto::point::from_array)
+                .to_vec(),
             from_stepd: true,
             cluster: Some("/etc/slurm/slurm.conf".into()),
             usage: Some({

@@ -7,6 +7,7 @@ use powerflex_core::curve::CapCurve;
 use powerflex_core::curves_csv::{write_curves, JobCurveRecord};
 use powerflex_core::evaluate::EvaluateReport;
 use powerflex_core::pfi::pfi_on_grid;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::rng::SplitMix64;
 use powerflex_core::workload::{parse_paper_table, synthetic_record, H200_GRID_4};
 
@@ -458,7 +459,11 @@ fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup)
                     points: r
                         .points
                         .iter()
-                        .map(|p| [p.cap_w.0, p.power_w.0 * share, p.throughput * share])
+                        .map(|p| OperatingPoint {
+                            cap_w: p.cap_w,
+                            power_w: powerflex_core::Watts(p.power_w.0 * share),
+                            throughput: p.throughput * share,
+                        })
                         .collect(),
                     power_cap_w: Some(max_w),
                     power_cap_steady_s: Some(f64::from(u32::MAX)),

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use powerflex_core::allocate::FloorStatus;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 use powerflex_proto::admin::Event;
 use powerflex_proto::status::{CtldStatus, DecisionView, DomainStatus, NodeStatus, SiteJobStatus};
@@ -212,12 +213,17 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
             }
             continue;
         }
-        let top = points.first().map_or(0.0, |p| p[2]);
-        for &[cap_w, power_w, throughput] in points {
+        let top = points.first().map_or(0.0, |p| p.throughput);
+        for &OperatingPoint {
+            cap_w,
+            power_w,
+            throughput,
+        } in points
+        {
             t.row([
                 node.clone(),
-                format!("{cap_w:.0} W"),
-                watts(power_w),
+                format!("{:.0} W", cap_w.0),
+                watts(power_w.0),
                 format!("{throughput:.1}"),
                 "-".into(),
                 slowdown(top, throughput),
@@ -765,7 +771,9 @@ mod tests {
             power_w: 1800.0,
             points: BTreeMap::from([(
                 "n1".to_string(),
-                vec![[700.0, 2600.0, 2000.0], [400.0, 1500.0, 1500.0]],
+                [[700.0, 2600.0, 2000.0], [400.0, 1500.0, 1500.0]]
+                    .map(powerflex_proto::point::from_array)
+                    .to_vec(),
             )]),
             curve: BTreeMap::new(),
             curve_history: Vec::new(),

@@ -190,10 +190,10 @@ fn merge_report(
     for p in &report.points {
         let entry = job
             .points
-            .entry(p[0].round() as u64)
+            .entry(p.cap_w.0.round() as u64)
             .or_insert((0.0, 0.0, 0));
-        entry.0 += p[1];
-        entry.1 += p[2];
+        entry.0 += p.power_w.0;
+        entry.1 += p.throughput;
         entry.2 += 1;
     }
     (job_default_w, power)

@@ -33,7 +33,10 @@ fn report(job: &str, tier: &str, gpus: u32, power: f64, points: Vec<[f64; 3]>) -
         throughput_unit: Some(ThroughputUnit::Tokens),
         pfi: None,
         pfi_source: None,
-        points,
+        points: points
+            .into_iter()
+            .map(powerflex_proto::point::from_array)
+            .collect(),
         gpu_uuids: Vec::new(),
         power_cap_w: None,
         power_cap_steady_s: Some(10.0),
@@ -1143,7 +1146,7 @@ fn inflated_tokens_buy_nothing_under_the_default_objective() {
     let mut inflated = report("2", "flex3", 4, 2800.0, points(4.0));
     inflated.throughput = inflated.throughput.map(|t| t * 1000.0);
     for p in &mut inflated.points {
-        p[2] *= 1000.0;
+        p.throughput *= 1000.0;
     }
     let nodes = [
         node("n1", (0..4).map(gpu).collect(), vec![honest]),

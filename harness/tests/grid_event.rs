@@ -123,7 +123,7 @@ fn grid_event_on_seed(seed: u64) {
         let j = job(&site, id).expect("job");
         let measured = j.pfi.expect("measured PFI");
         let (node, points) = j.points.iter().next().expect("points from a node");
-        let caps: Vec<f64> = points.iter().map(|p| p[0]).collect();
+        let caps: Vec<f64> = points.iter().map(|p| p.cap_w.0).collect();
         let truth = library
             .get(profile)
             .expect("profile")

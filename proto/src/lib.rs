@@ -608,6 +608,7 @@ pub mod admin;
 pub mod event;
 #[cfg(feature = "link")]
 pub mod link;
+pub mod point;
 pub mod report;
 pub mod status;
 pub mod usage;

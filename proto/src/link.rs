@@ -753,6 +753,7 @@ impl LinkError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::point::from_array;
 
     const SITE: &[u8] = b"site key for tests";
     const NOW: u64 = 1_700_000_000_000;
@@ -1058,7 +1059,7 @@ mod tests {
                     throughput_unit: Some(crate::status::ThroughputUnit::Tokens),
                     pfi: Some(t / 1e6),
                     pfi_source: Some(crate::status::PfiSource::Measured),
-                    points: vec![[cap, power, t]],
+                    points: vec![from_array([cap, power, t])],
                     gpu_uuids: Vec::new(),
                     power_cap_w: Some(cap),
                     power_cap_steady_s: Some(t / 1e3),
@@ -1140,7 +1141,7 @@ mod tests {
             throughput_unit: Some(crate::status::ThroughputUnit::Tokens),
             pfi: Some(1.4),
             pfi_source: Some(crate::status::PfiSource::Measured),
-            points: vec![[700.0, 690.0 * f64::from(gpus), 1100.0]],
+            points: vec![from_array([700.0, 690.0 * f64::from(gpus), 1100.0])],
             gpu_uuids: Vec::new(),
             power_cap_w: Some(500.0),
             power_cap_steady_s: Some(3.0),
@@ -1249,7 +1250,7 @@ mod tests {
         inf.throughput = Some(f64::INFINITY);
         assert_eq!(refused(inf), "job 7 throughput");
         let mut point = job("7", 2);
-        point.points.push([f64::NAN, 1.0, 1.0]);
+        point.points.push(from_array([f64::NAN, 1.0, 1.0]));
         assert_eq!(refused(point), "job 7 point cap_w");
         let mut pfi = job("7", 2);
         pfi.pfi = Some(0.0);

@@ -39,8 +39,10 @@ pub struct JobReport {
     pub throughput_unit: Option<crate::status::ThroughputUnit>,
     pub pfi: Option<f64>,
     pub pfi_source: Option<crate::status::PfiSource>,
-    /// Calibrated points: [per-GPU cap W, job power W, throughput].
-    pub points: Vec<[f64; 3]>,
+    /// Calibrated points, highest cap first (on the wire as [`crate::point`] writes
+    /// them).
+    #[serde(with = "crate::point::arrays")]
+    pub points: Vec<powerflex_core::point::OperatingPoint>,
     /// UUIDs of the job's GPUs on this node (the ones `gpus` counts), so the controller
     /// takes the job's cap range from its own GPUs, not from every GPU of the node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -388,12 +390,12 @@ impl JobReport {
         for p in &self.points {
             check_range(
                 || job("point cap_w"),
-                p[0],
+                p.cap_w.0,
                 f64::MIN_POSITIVE,
                 MAX_GPU_POWER_W,
             )?;
-            check_range(|| job("point power_w"), p[1], 0.0, most_w)?;
-            check_range(|| job("point throughput"), p[2], 0.0, f64::MAX)?;
+            check_range(|| job("point power_w"), p.power_w.0, 0.0, most_w)?;
+            check_range(|| job("point throughput"), p.throughput, 0.0, f64::MAX)?;
         }
         Ok(())
     }

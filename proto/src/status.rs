@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use powerflex_core::allocate::{Allocation, FloorStatus, Maximised};
 use powerflex_core::flex::Preempt;
+use powerflex_core::point::OperatingPoint;
 
 use crate::event::Event;
 
@@ -269,8 +270,10 @@ pub struct SiteJobStatus {
     pub uncapped_throughput: Option<f64>,
     /// Summed GPU power, W.
     pub power_w: f64,
-    /// Per node: calibrated points [per-GPU cap W, job power W, throughput].
-    pub points: BTreeMap<String, Vec<[f64; 3]>>,
+    /// Per node: calibrated points, highest cap first (on the wire as
+    /// [`crate::point`] writes them).
+    #[serde(with = "crate::point::arrays_by_node")]
+    pub points: BTreeMap<String, Vec<OperatingPoint>>,
     /// Per node: the job's estimated curve with each point's uncertainty and windows.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub curve: BTreeMap<String, Vec<CurvePoint>>,
@@ -619,8 +622,9 @@ pub struct AgentJobStatus {
     pub pfi: Option<f64>,
     pub pfi_source: Option<PfiSource>,
     pub prior_pfi: Option<f64>,
-    /// Measured levels: [cap W per GPU, job power W, throughput].
-    pub points: Vec<[f64; 3]>,
+    /// Measured levels (on the wire as [`crate::point`] writes them).
+    #[serde(with = "crate::point::arrays")]
+    pub points: Vec<OperatingPoint>,
     /// Recent throughput (job's unit per second).
     pub throughput: Option<f64>,
     pub throughput_unit: Option<ThroughputUnit>,

@@ -2536,7 +2536,7 @@ impl Measured<'_> {
             // The first node's points: all the job's nodes walk together.
             let first_points = view.and_then(|v| v.points.values().next());
             let walked: Vec<f64> = first_points
-                .map(|p| p.iter().map(|x| x[0]).collect())
+                .map(|p| p.iter().map(|x| x.cap_w.0).collect())
                 .unwrap_or_default();
             let measured_pfi = view
                 .filter(|v| v.pfi_source == Some(PfiSource::Measured))
@@ -2562,7 +2562,7 @@ impl Measured<'_> {
                 .iter()
                 .find(|(seen, _)| *seen == id)
                 .map(|(_, c)| c);
-            let top = first_points.and_then(|p| p.first()).map(|p| p[2]);
+            let top = first_points.and_then(|p| p.first()).map(|p| p.throughput);
             let cost_uncapped_s = match (cal.map(|c| c.calibration_cost), top) {
                 (Some(cost), Some(top)) if top > 0.0 => Some(cost / top * cli.time_scale),
                 _ => None,

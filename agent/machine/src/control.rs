@@ -31,6 +31,7 @@ use powerflex_core::allocate::Policy;
 use powerflex_core::config::UnregisteredGpuUse;
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::{FlexRequest, Service, TierTable};
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::status::CurvePoint;
 
@@ -237,7 +238,7 @@ pub struct Job {
     pub prior: Option<(f64, f64)>,
     /// Curve and PFI restored from a previous run of the agent.
     pub restored_pfi: Option<f64>,
-    pub restored_points: Vec<[f64; 3]>,
+    pub restored_points: Vec<OperatingPoint>,
     /// Whether the job's progress reports count tokens (`Some(true)`) or only steps;
     /// `None` before its first report. Tokens/s of different jobs add up; steps/s do not.
     pub counts_tokens: Option<bool>,
@@ -255,20 +256,20 @@ pub struct Job {
 }
 
 impl Job {
-    /// The calibrated points, [per-GPU cap W, job power W, throughput]: this run's walk,
-    /// or the previous run's when this one has not walked.
-    pub fn curve_points(&self) -> Vec<[f64; 3]> {
+    /// The calibrated points: this run's walk, or the previous run's when this one has
+    /// not walked.
+    pub fn curve_points(&self) -> Vec<OperatingPoint> {
         self.points_of(&self.curve())
     }
 
     /// [`Job::curve_points`] from the curve already built by [`Job::curve`].
-    fn points_of(&self, curve: &[CurvePoint]) -> Vec<[f64; 3]> {
+    fn points_of(&self, curve: &[CurvePoint]) -> Vec<OperatingPoint> {
         if curve.is_empty() {
             return self.restored_points.clone();
         }
         curve
             .iter()
-            .map(|p| [p.cap_w, p.power_w, p.throughput])
+            .map(|p| powerflex_proto::point::from_array([p.cap_w, p.power_w, p.throughput]))
             .collect()
     }
 

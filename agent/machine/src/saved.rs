@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 use serde::{Deserialize, Serialize};
 
@@ -22,11 +23,12 @@ pub struct PersistedJob {
     pub steps: Vec<String>,
     /// PFI measured by the calibration, when done.
     pub pfi: Option<f64>,
-    /// The calibrated points, [per-GPU cap W, job power W, throughput], so a restarted
-    /// agent hands the controller the same curve (without them it would plan on a prior
-    /// and could mispredict the job's draw). Absent in files from older agents.
-    #[serde(default)]
-    pub points: Vec<[f64; 3]>,
+    /// The calibrated points, so a restarted agent hands the controller the same curve
+    /// (without them it would plan on a prior and could mispredict the job's draw). Saved
+    /// as the `[cap W, power W, throughput]` arrays every release reads
+    /// ([`powerflex_proto::point`]). Absent in files from older agents.
+    #[serde(default, with = "powerflex_proto::point::arrays")]
+    pub points: Vec<OperatingPoint>,
     /// Whether the job was registered by a step daemon, and that daemon's cluster
     /// (`SLURM_CONF`): what tells it apart from jobs of the same id of other clusters on
     /// the host. Absent in files from older agents (then unknown).
@@ -88,4 +90,36 @@ pub struct UnackedFinal {
     /// When the job ended here, Unix ms.
     pub ended_unix_ms: u64,
     pub share: powerflex_proto::usage::NodeUsage,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job as the current release saves it: the next reads it, and writes the same.
+    #[test]
+    fn a_saved_job_s_points_read_and_write_as_the_release_s_arrays() {
+        let line = r#"{"job_id":"42","uid":1000,"flex":"flex2","gpus":["GPU-a"],"steps":["0"],"pfi":1.4,"points":[[700.0,1300.0,5200.5],[400.0,790.0,4100.0]],"from_stepd":true,"cluster":null}"#;
+        let job: PersistedJob = serde_json::from_str(line).expect("reads");
+        assert_eq!(
+            job.points,
+            [
+                OperatingPoint {
+                    cap_w: Watts(700.0),
+                    power_w: Watts(1300.0),
+                    throughput: 5200.5
+                },
+                OperatingPoint {
+                    cap_w: Watts(400.0),
+                    power_w: Watts(790.0),
+                    throughput: 4100.0
+                }
+            ]
+        );
+        assert_eq!(serde_json::to_string(&job).expect("writes"), line);
+        // A file from before points were saved reads with none.
+        let older = r#"{"job_id":"42","uid":1000,"flex":"flex2","gpus":[],"steps":[],"pfi":null}"#;
+        let job: PersistedJob = serde_json::from_str(older).expect("reads");
+        assert!(job.points.is_empty());
+    }
 }

@@ -81,14 +81,18 @@ impl Calibration {
     /// job power W, throughput): a restarted agent does not walk the job again, and the
     /// curve is not replaced by a new walk's first point. Fewer than two valid points
     /// change nothing. Each point counts as one window (their windows were not saved).
-    pub fn restore(&mut self, points: &[[f64; 3]]) {
+    pub fn restore(&mut self, points: &[OperatingPoint]) {
         let windows: Vec<Window> = points
             .iter()
-            .filter(|p| p.iter().all(|x| x.is_finite() && *x > 0.0))
+            .filter(|p| {
+                [p.cap_w.0, p.power_w.0, p.throughput]
+                    .iter()
+                    .all(|x| x.is_finite() && *x > 0.0)
+            })
             .map(|p| Window {
-                cap: Watts(p[0]),
-                power: Watts(p[1]),
-                throughput: p[2],
+                cap: p.cap_w,
+                power: p.power_w,
+                throughput: p.throughput,
                 relative_noise: RESTORED_NOISE,
                 sm_clock_mhz: None,
                 learned: false,

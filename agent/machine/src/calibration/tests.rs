@@ -1,6 +1,7 @@
 //! The walk's and learning's tests, on a simulated job and a fake clock.
 
 use super::*;
+use powerflex_proto::point::from_array;
 
 fn settings() -> CalibrationSettings {
     CalibrationSettings {
@@ -257,16 +258,19 @@ fn a_grant_below_every_level_left_ends_the_walk() {
 #[test]
 fn a_restored_curve_is_kept_not_walked_again() {
     let mut cal = Calibration::new(settings(), Some(0.5), true, 0.0);
-    cal.restore(&[
-        [700.0, 5600.0, 1000.0],
-        [500.0, 4000.0, 850.0],
-        [300.0, 2400.0, 700.0],
-    ]);
+    cal.restore(
+        &[
+            [700.0, 5600.0, 1000.0],
+            [500.0, 4000.0, 850.0],
+            [300.0, 2400.0, 700.0],
+        ]
+        .map(from_array),
+    );
     assert_eq!(cal.phase, Phase::Done);
     assert!(cal.curve().is_some());
     assert!(cal.pfi().is_some());
     let mut one = Calibration::new(settings(), Some(0.5), true, 0.0);
-    one.restore(&[[700.0, 5600.0, 1000.0], [f64::NAN, 1.0, 1.0]]);
+    one.restore(&[[700.0, 5600.0, 1000.0], [f64::NAN, 1.0, 1.0]].map(from_array));
     assert_eq!(one.phase, Phase::Warmup, "one valid point is no curve");
 }
 

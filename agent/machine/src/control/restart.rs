@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use powerflex_core::curve::CapCurve;
 use powerflex_core::flex::parse_power_flex;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::{UnixMs, Watts};
 use powerflex_proto::usage::NodeUsage;
 
@@ -144,7 +145,7 @@ impl Agent {
         job_id: &str,
         uid: u32,
         flex: &str,
-        points: &[[f64; 3]],
+        points: &[OperatingPoint],
         pfi: Option<f64>,
         mut usage: JobUsage,
         busy: &BTreeSet<String>,
@@ -178,17 +179,7 @@ impl Agent {
         } else {
             parse_power_flex(flex, &self.settings.tiers).ok()
         };
-        let curve = CapCurve::from_points(
-            &points
-                .iter()
-                .map(|p| powerflex_core::curve::OperatingPoint {
-                    cap_w: Watts(p[0]),
-                    power_w: Watts(p[1]),
-                    throughput: p[2],
-                })
-                .collect::<Vec<_>>(),
-        )
-        .ok();
+        let curve = CapCurve::from_points(points).ok();
         let simulated = usage.gpus.keys().any(|u| {
             self.gpus
                 .iter()

@@ -2,7 +2,7 @@
 //! period, and the final shares kept until the controller acknowledges them.
 
 use powerflex_core::curve::CapCurve;
-use powerflex_core::{UnixMs, Watts};
+use powerflex_core::UnixMs;
 use powerflex_proto::status::ThroughputUnit;
 use powerflex_proto::usage::{FinalRef, NodeUsage};
 
@@ -18,18 +18,7 @@ impl Agent {
 
     /// [`Agent::share`] on the job's best curve, already estimated.
     pub(super) fn share_on(&self, job: &Job, best: Option<CapCurve>, ended: bool) -> NodeUsage {
-        let curve = best.or_else(|| {
-            let points: Vec<powerflex_core::curve::OperatingPoint> = job
-                .restored_points
-                .iter()
-                .map(|p| powerflex_core::curve::OperatingPoint {
-                    cap_w: Watts(p[0]),
-                    power_w: Watts(p[1]),
-                    throughput: p[2],
-                })
-                .collect();
-            CapCurve::from_points(&points).ok()
-        });
+        let curve = best.or_else(|| CapCurve::from_points(&job.restored_points).ok());
         let work = job.counts_tokens.map(|tokens| {
             (
                 job.usage.work_seen,

@@ -16,6 +16,7 @@
 //!   that bound down).
 
 use powerflex_core::config::{BudgetMode, Objective};
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 use powerflex_decide::{decide, NodeView, SiteSettings, TierBounds};
 use powerflex_proto::report::JobReport;
@@ -79,15 +80,10 @@ impl Agent {
     fn job_report(&self, job: &Job, power_w: f64) -> JobReport {
         let first = &self.gpus[job.gpus[0] as usize].identity;
         let best = job.calibration.best_curve();
-        let points: Vec<[f64; 3]> = best
+        let points: Vec<OperatingPoint> = best
             .clone()
             .map(|c| bounded_above_top(c, first.max_cap, job.gpus.len()))
-            .map(|c| {
-                c.knots()
-                    .iter()
-                    .map(|k| [k.cap_w.0, k.power_w.0, k.throughput])
-                    .collect()
-            })
+            .map(|c| c.knots().to_vec())
             .unwrap_or_default();
         let (pfi, pfi_source) = match (job.restored_pfi, job.prior) {
             (Some(pfi), _) => (Some(pfi), Some(PfiSource::Measured)),

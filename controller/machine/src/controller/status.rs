@@ -45,7 +45,7 @@ pub fn build(
                     cap_w: granted(&j.job_id).map(|g| g.cap_w.0),
                     floor: granted(&j.job_id).map(|g| g.floor),
                     throughput: j.throughput,
-                    uncapped_throughput: j.points.first().map(|p| p[2]),
+                    uncapped_throughput: j.points.first().map(|p| p.throughput),
                     power_w: 0.0,
                     points: BTreeMap::new(),
                     curve: BTreeMap::new(),
@@ -211,7 +211,12 @@ fn below_measured_w(job: &SiteJobStatus) -> Option<f64> {
     let lowest = job
         .points
         .values()
-        .map(|points| points.iter().map(|p| p[0]).fold(f64::INFINITY, f64::min))
+        .map(|points| {
+            points
+                .iter()
+                .map(|p| p.cap_w.0)
+                .fold(f64::INFINITY, f64::min)
+        })
         .fold(f64::NEG_INFINITY, f64::max);
     (lowest.is_finite() && cap < lowest - 0.5).then_some(lowest)
 }
@@ -238,7 +243,10 @@ mod tests {
                 .map(|(n, caps)| {
                     (
                         n.to_string(),
-                        caps.iter().map(|&c| [c, 4.0 * c, 1.0]).collect(),
+                        caps.iter()
+                            .map(|&c| [c, 4.0 * c, 1.0])
+                            .map(powerflex_proto::point::from_array)
+                            .collect(),
                     )
                 })
                 .collect(),

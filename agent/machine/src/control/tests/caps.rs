@@ -2,6 +2,7 @@
 //! limits changed behind the agent's back, reloads.
 
 use super::*;
+use powerflex_proto::point::from_array;
 
 #[test]
 fn observe_mode_writes_no_limit_and_shows_what_it_would_write() {
@@ -171,7 +172,11 @@ fn a_curve_walked_from_a_grant_down_lets_no_cap_rise_on_a_guess() {
         [400.0, 780.0, 90.0],
         [300.0, 590.0, 75.0],
     ];
-    a.jobs.get_mut("7").expect("7").calibration.restore(&walked);
+    a.jobs
+        .get_mut("7")
+        .expect("7")
+        .calibration
+        .restore(&walked.map(from_array));
     let decided = caps(&a.tick(1.0));
     let cap = decided
         .iter()

@@ -1,6 +1,7 @@
 //! Leases, their epochs, their expiry and the fail-safe.
 
 use super::*;
+use powerflex_proto::point::from_array;
 
 /// Fencing: an agent keeps the highest controller epoch it accepted a
 /// lease from, refuses a lease from a lower one (typed, for the link to tell that
@@ -235,7 +236,7 @@ fn a_repeated_walk_waits_until_the_job_is_granted_its_uncapped_cap() {
         .get_mut("7")
         .expect("job")
         .calibration
-        .restore(&[[700.0, 1300.0, 1000.0], [500.0, 1000.0, 900.0]]);
+        .restore(&[[700.0, 1300.0, 1000.0], [500.0, 1000.0, 900.0]].map(from_array));
     let lease = |a: &mut Agent, now: f64, cap: f64| {
         a.set_lease(
             now,

@@ -77,6 +77,7 @@ fn job(id: &str, pfi: Option<f64>) -> JobReport {
         points: [700.0, 500.0, 300.0]
             .iter()
             .map(|&c| [c, c * 4.0, 1000.0 * (1.0 - (1.0 - c / 700.0) / 2.0)])
+            .map(powerflex_proto::point::from_array)
             .collect(),
         gpu_uuids: Vec::new(),
         power_cap_w: None,

@@ -63,7 +63,8 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
             // What it runs at now: its curve at the cap in force.
             j.throughput = Some(1000.0 * (1.0 - loss * (1.0 - cap / 700.0)));
             for p in &mut j.points {
-                p[2] = 1000.0 * (1.0 - loss * (1.0 - p[0] / 700.0)) * (1.0 + 0.01 * rng.normal());
+                p.throughput =
+                    1000.0 * (1.0 - loss * (1.0 - p.cap_w.0 / 700.0)) * (1.0 + 0.01 * rng.normal());
             }
             // Its standard errors, as the agent states them: the noise they carry.
             j.curve = j
@@ -71,11 +72,11 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
                 .iter()
                 .rev()
                 .map(|p| CurvePoint {
-                    cap_w: p[0],
-                    power_w: p[1],
-                    throughput: p[2],
-                    power_sigma_w: 0.01 * p[1],
-                    throughput_sigma: 0.01 * p[2],
+                    cap_w: p.cap_w.0,
+                    power_w: p.power_w.0,
+                    throughput: p.throughput,
+                    power_sigma_w: 0.01 * p.power_w.0,
+                    throughput_sigma: 0.01 * p.throughput,
                     windows: 40,
                 })
                 .collect();
