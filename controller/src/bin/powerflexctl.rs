@@ -183,79 +183,7 @@ enum Command {
     },
     /// The paper's §6 experiment on your curves: equal, pfi_proportional,
     /// optimal_calibrated and oracle, scored on the true curves at the caps they chose.
-    Evaluate {
-        /// Curves CSV (see `pfi --help`); each job's points are its true curve.
-        #[arg(long, value_name = "FILE")]
-        curves: String,
-        /// Fraction of Σ P_max to shed, e.g. 0.3 for a 30 % cut.
-        #[arg(long, value_name = "F", value_parser = open_fraction)]
-        cut: f64,
-        /// Jobs per workload, drawn with replacement from the file.
-        #[arg(long, default_value_t = 100, value_name = "N", value_parser = at_least_one)]
-        jobs_per_workload: usize,
-        /// Number of random workloads.
-        #[arg(long, default_value_t = 500, value_name = "N", value_parser = at_least_one)]
-        workloads: usize,
-        /// Seed of the random draws (same seed, same numbers, on any machine).
-        #[arg(long, default_value_t = 1, value_name = "N")]
-        seed: u64,
-        /// Fixed calibration caps as fractions of each job's maximum cap, one window each
-        /// (each maps to the nearest measured cap); without it the designed calibration
-        /// runs (see --calibration-budget, --expected-cut).
-        #[arg(
-            long,
-            value_delimiter = ',',
-            value_name = "F,F,...",
-            value_parser = grid_fraction
-        )]
-        calibration_grid: Option<Vec<f64>>,
-        /// One standard deviation of multiplicative noise on one measurement window's
-        /// reading of power and of throughput (0.01 = 1 %).
-        #[arg(long, default_value_t = 0.01, value_name = "F", value_parser = noise_fraction)]
-        noise: f64,
-        /// Score raw throughput (tokens/s) instead of per-job normalised T/T_max.
-        #[arg(long)]
-        raw: bool,
-        /// Cap granularity, W per GPU (default: the spacing of each job's measured caps,
-        /// so only measured caps are chosen).
-        #[arg(long, value_name = "W", value_parser = positive_w)]
-        cap_step_w: Option<f64>,
-        /// Most tokens the designed calibration may cost a job, fraction of its
-        /// first-hour tokens.
-        #[arg(long, default_value_t = 0.02, value_name = "F", value_parser = budget_fraction)]
-        calibration_budget: f64,
-        /// The deepest cut the site expects, a fraction; sets how deep the designed
-        /// calibration walks [default: the site config's facility.expected_cut_pct, else 0.3].
-        #[arg(long, value_name = "F", value_parser = open_fraction)]
-        expected_cut: Option<f64>,
-        /// Site config (powerflex.toml) to take the expected cut from.
-        #[arg(long, value_name = "FILE")]
-        site: Option<String>,
-        /// Length of one calibration measurement window, s (--noise is per window).
-        #[arg(long, default_value_t = 30.0, value_name = "S", value_parser = positive_s)]
-        window_s: f64,
-        /// Standard deviations by which the optimal caps' expected gain must beat its
-        /// uncertainty before the allocator leaves the equal split.
-        #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
-        gain_z: f64,
-        /// Standard deviations of the summed-power error kept below the budget.
-        #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
-        power_z: f64,
-        /// Multi-event mode: run this many grid events after calibration, learning from
-        /// each event's steady stretches and small cap probes; reports gap recovered per
-        /// event.
-        #[arg(long, default_value_t = 0, value_name = "N")]
-        events: usize,
-        /// How long each event holds its caps, s.
-        #[arg(long, default_value_t = 3600.0, value_name = "S", value_parser = positive_s)]
-        event_hold_s: f64,
-        /// Suppress the progress line on stderr.
-        #[arg(long, short)]
-        quiet: bool,
-        /// Output: a table for people, JSON for scripts.
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
-    },
+    Evaluate(EvaluateArgs),
     /// Writes node NAME's own link key, derived from the site key (`controller.key_file`),
     /// to FILE (root-owned, mode 0600). Run it on the controller's host, as root, once per
     /// node; copy FILE to the node as its `agent.key_file`. The node can use it for
@@ -336,36 +264,7 @@ enum Command {
     /// Ended jobs' energy records, like `sreport`: energy, average power, time capped,
     /// slowdown and bound per job, and totals per tier; or, with --plot, an SVG of the
     /// energy per tier and the energy saved (ESTIMATE). A user sees their own jobs only.
-    Accounting {
-        /// Jobs that ended after this: an RFC 3339 time (2026-12-01T00:00:00Z), `now`, or
-        /// -DURATION ago (-7d) [default: every record the controller keeps].
-        #[arg(long, value_parser = parse_when)]
-        since: Option<u64>,
-        /// Jobs that ended at or before this (same forms) [default: now].
-        #[arg(long, value_parser = parse_when)]
-        until: Option<u64>,
-        /// Only this user's jobs (a name or a uid; root only, a user sees their own).
-        #[arg(long)]
-        user: Option<String>,
-        /// Only jobs of this tier, in `--power-flex` form (flex2, none, …).
-        #[arg(long)]
-        tier: Option<String>,
-        /// Only jobs charged to this Slurm account (as Slurm recorded the job).
-        #[arg(long)]
-        account: Option<String>,
-        /// Instead of the listing, draw these records as an SVG: GPU energy used per tier,
-        /// and the energy saved against running uncapped (an ESTIMATE from each job's
-        /// measured curve) split by whether the jobs ran in grid events. Must end in .svg.
-        #[arg(long, value_name = "FILE.svg", value_parser = svg_path, conflicts_with = "format")]
-        plot: Option<String>,
-        /// The plot's title.
-        #[arg(long, requires = "plot")]
-        title: Option<String>,
-        #[command(flatten)]
-        ctld: CtldArgs,
-        #[arg(long, value_enum, default_value = "table")]
-        format: RecordFormat,
-    },
+    Accounting(AccountingArgs),
     /// Change the facility budget (root): `budget set 850kW`.
     Budget {
         #[command(subcommand)]
@@ -420,6 +319,116 @@ enum Command {
         #[arg(long, default_value_t = 1, value_name = "N")]
         seed: u64,
     },
+}
+
+// `evaluate`'s arguments. A plain comment: a doc comment here would be clap's text for
+// the subcommand, which is the one on `Command::Evaluate`.
+#[derive(Debug, clap::Args)]
+struct EvaluateArgs {
+    /// Curves CSV (see `pfi --help`); each job's points are its true curve.
+    #[arg(long, value_name = "FILE")]
+    curves: String,
+    /// Fraction of Σ P_max to shed, e.g. 0.3 for a 30 % cut.
+    #[arg(long, value_name = "F", value_parser = open_fraction)]
+    cut: f64,
+    /// Jobs per workload, drawn with replacement from the file.
+    #[arg(long, default_value_t = 100, value_name = "N", value_parser = at_least_one)]
+    jobs_per_workload: usize,
+    /// Number of random workloads.
+    #[arg(long, default_value_t = 500, value_name = "N", value_parser = at_least_one)]
+    workloads: usize,
+    /// Seed of the random draws (same seed, same numbers, on any machine).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    seed: u64,
+    /// Fixed calibration caps as fractions of each job's maximum cap, one window each
+    /// (each maps to the nearest measured cap); without it the designed calibration
+    /// runs (see --calibration-budget, --expected-cut).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "F,F,...",
+        value_parser = grid_fraction
+    )]
+    calibration_grid: Option<Vec<f64>>,
+    /// One standard deviation of multiplicative noise on one measurement window's
+    /// reading of power and of throughput (0.01 = 1 %).
+    #[arg(long, default_value_t = 0.01, value_name = "F", value_parser = noise_fraction)]
+    noise: f64,
+    /// Score raw throughput (tokens/s) instead of per-job normalised T/T_max.
+    #[arg(long)]
+    raw: bool,
+    /// Cap granularity, W per GPU (default: the spacing of each job's measured caps,
+    /// so only measured caps are chosen).
+    #[arg(long, value_name = "W", value_parser = positive_w)]
+    cap_step_w: Option<f64>,
+    /// Most tokens the designed calibration may cost a job, fraction of its
+    /// first-hour tokens.
+    #[arg(long, default_value_t = 0.02, value_name = "F", value_parser = budget_fraction)]
+    calibration_budget: f64,
+    /// The deepest cut the site expects, a fraction; sets how deep the designed
+    /// calibration walks [default: the site config's facility.expected_cut_pct, else 0.3].
+    #[arg(long, value_name = "F", value_parser = open_fraction)]
+    expected_cut: Option<f64>,
+    /// Site config (powerflex.toml) to take the expected cut from.
+    #[arg(long, value_name = "FILE")]
+    site: Option<String>,
+    /// Length of one calibration measurement window, s (--noise is per window).
+    #[arg(long, default_value_t = 30.0, value_name = "S", value_parser = positive_s)]
+    window_s: f64,
+    /// Standard deviations by which the optimal caps' expected gain must beat its
+    /// uncertainty before the allocator leaves the equal split.
+    #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
+    gain_z: f64,
+    /// Standard deviations of the summed-power error kept below the budget.
+    #[arg(long, default_value_t = 1.0, value_name = "Z", value_parser = z_score)]
+    power_z: f64,
+    /// Multi-event mode: run this many grid events after calibration, learning from
+    /// each event's steady stretches and small cap probes; reports gap recovered per
+    /// event.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    events: usize,
+    /// How long each event holds its caps, s.
+    #[arg(long, default_value_t = 3600.0, value_name = "S", value_parser = positive_s)]
+    event_hold_s: f64,
+    /// Suppress the progress line on stderr.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Output: a table for people, JSON for scripts.
+    #[arg(long, value_enum, default_value = "table")]
+    format: Format,
+}
+
+// `accounting`'s arguments (a plain comment, as on `EvaluateArgs`).
+#[derive(Debug, clap::Args)]
+struct AccountingArgs {
+    /// Jobs that ended after this: an RFC 3339 time (2026-12-01T00:00:00Z), `now`, or
+    /// -DURATION ago (-7d) [default: every record the controller keeps].
+    #[arg(long, value_parser = parse_when)]
+    since: Option<u64>,
+    /// Jobs that ended at or before this (same forms) [default: now].
+    #[arg(long, value_parser = parse_when)]
+    until: Option<u64>,
+    /// Only this user's jobs (a name or a uid; root only, a user sees their own).
+    #[arg(long)]
+    user: Option<String>,
+    /// Only jobs of this tier, in `--power-flex` form (flex2, none, …).
+    #[arg(long)]
+    tier: Option<String>,
+    /// Only jobs charged to this Slurm account (as Slurm recorded the job).
+    #[arg(long)]
+    account: Option<String>,
+    /// Instead of the listing, draw these records as an SVG: GPU energy used per tier,
+    /// and the energy saved against running uncapped (an ESTIMATE from each job's
+    /// measured curve) split by whether the jobs ran in grid events. Must end in .svg.
+    #[arg(long, value_name = "FILE.svg", value_parser = svg_path, conflicts_with = "format")]
+    plot: Option<String>,
+    /// The plot's title.
+    #[arg(long, requires = "plot")]
+    title: Option<String>,
+    #[command(flatten)]
+    ctld: CtldArgs,
+    #[arg(long, value_enum, default_value = "table")]
+    format: RecordFormat,
 }
 
 /// How to reach powerflex-ctld.
@@ -726,6 +735,7 @@ fn load_curves(path: &str) -> Result<Vec<powerflex_core::curves_csv::JobCurveRec
     })
 }
 
+/// Runs the command line's subcommand: each has its function below.
 fn run(cli: Cli) -> Result<String, CtlError> {
     let Some(command) = cli.command else {
         use clap::CommandFactory;
@@ -738,31 +748,8 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             .exit();
     };
     match command {
-        Command::Reference { topic, format } => {
-            use powerflex_controller::reference;
-            match (topic, format) {
-                (ReferenceTopic::Config, ReferenceFormat::Markdown) => {
-                    Ok(reference::render_markdown(&reference::site_config_tables()))
-                }
-                (ReferenceTopic::Config, ReferenceFormat::Man) => Ok(reference::render_man(
-                    &reference::site_config_tables(),
-                    env!("CARGO_PKG_VERSION"),
-                )),
-                (ReferenceTopic::Metrics, ReferenceFormat::Markdown) => {
-                    Ok(reference::render_metrics_markdown())
-                }
-                (ReferenceTopic::Metrics, ReferenceFormat::Man) => Err(CtlError::Usage(
-                    "the metrics reference is Markdown only; accepted: reference metrics --format markdown".into(),
-                )),
-            }
-        }
-        Command::Pfi { curves, format } => {
-            let rows = offline::pfi_rows(&load_curves(&curves)?);
-            match format {
-                Format::Table => Ok(offline::render_pfi(&rows)),
-                Format::Json => json(&rows),
-            }
-        }
+        Command::Reference { topic, format } => reference(topic, format),
+        Command::Pfi { curves, format } => pfi(&curves, format),
         Command::Allocate {
             curves,
             budget_w,
@@ -771,260 +758,33 @@ fn run(cli: Cli) -> Result<String, CtlError> {
             gpu_model,
             noise,
             format,
-        } => {
-            let budget = budget_w;
-            let policy = policy.as_deref().and_then(Policy::from_name);
-            let setup = match site {
-                Some(path) => {
-                    let text = read_text(&path, MAX_INPUT_BYTES)?;
-                    let site = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
-                        path: path.clone(),
-                        source: e.into(),
-                    })?;
-                    offline::AllocateSetup::from_site(&site, gpu_model.as_deref(), policy)?
-                }
-                None => offline::AllocateSetup::defaults(policy.unwrap_or(Policy::Optimal)),
-            };
-            let setup = offline::AllocateSetup { noise, ..setup };
-            let report = offline::allocate_curves(&load_curves(&curves)?, budget, &setup)?;
-            if !report.floors_broken.is_empty() || report.over_budget_w > 0.0 {
-                eprintln!(
-                    "powerflexctl: warning: the budget cannot hold every tier bound ({} job(s) over their bound, {:.0} W short at the lowest caps)",
-                    report.floors_broken.len(),
-                    report.over_budget_w
-                );
-            }
-            match format {
-                Format::Table => Ok(offline::render_allocate(&report)),
-                Format::Json => json(&report),
-            }
-        }
-        Command::Evaluate {
-            curves,
-            cut,
-            jobs_per_workload,
-            workloads,
-            seed,
-            calibration_grid,
-            noise,
-            raw,
-            cap_step_w,
-            calibration_budget,
-            expected_cut,
-            window_s,
-            gain_z,
-            power_z,
-            events,
-            event_hold_s,
+        } => allocate(
+            &curves,
+            budget_w,
+            policy.as_deref(),
             site,
-            quiet,
+            gpu_model.as_deref(),
+            noise,
             format,
-        } => {
-            let records = load_curves(&curves)?;
-            let expected_cut = match (expected_cut, site) {
-                (Some(cut), _) => cut,
-                (None, Some(path)) => {
-                    let text = read_text(&path, MAX_INPUT_BYTES)?;
-                    SiteConfig::from_toml_str(&text)
-                        .map_err(|e| CtlError::Input {
-                            path: path.clone(),
-                            source: e.into(),
-                        })?
-                        .facility
-                        .expected_cut
-                }
-                (None, None) => powerflex_core::config::DEFAULT_EXPECTED_CUT_PCT / 100.0,
-            };
-            let params = EvaluateParams {
-                cut,
-                jobs_per_workload,
-                workloads,
-                seed,
-                calibration_grid,
-                design: powerflex_core::calibration_design::DesignParams {
-                    budget_fraction: calibration_budget,
-                    expected_cut,
-                    window_s,
-                    ..Default::default()
-                },
-                noise,
-                raw,
-                cap_step_w,
-                caution: powerflex_core::allocate::Caution { power_z, gain_z },
-                events,
-                event_hold_s,
-            };
-            let started = std::time::Instant::now();
-            let mut last_shown = std::time::Instant::now();
-            let mut progress = |done: usize, total: usize| {
-                if quiet {
-                    return;
-                }
-                if done == total || last_shown.elapsed().as_millis() >= 500 {
-                    last_shown = std::time::Instant::now();
-                    eprint!(
-                        "\revaluate: workload {done}/{total} ({:.1} s)",
-                        started.elapsed().as_secs_f64()
-                    );
-                    if done == total {
-                        eprintln!();
-                    }
-                }
-            };
-            let report =
-                evaluate(&records, &params, &mut progress).map_err(powerflex_core::Error::from)?;
-            match format {
-                Format::Table => Ok(offline::render_evaluate(&report)),
-                Format::Json => json(&report),
-            }
-        }
-        Command::Status { ctld: args, format } => {
-            let status = status(&args)?;
-            match format {
-                Format::Table => Ok(render::render_status(&status)),
-                Format::Json => json(&status),
-            }
-        }
-        Command::Jobs { ctld: args, format } => {
-            let status = status(&args)?;
-            match format {
-                Format::Table => Ok(match status.jobs_of_uid {
-                    Some(uid) => format!(
-                        "{}\n{}",
-                        render::only_yours(uid),
-                        render::render_jobs(&status.jobs)
-                    ),
-                    None => render::render_jobs(&status.jobs),
-                }),
-                Format::Json => json(&status.jobs),
-            }
-        }
-        Command::Domains { ctld: args, format } => {
-            let status = status(&args)?;
-            match format {
-                Format::Table => Ok(render::render_domains(&status.domains)),
-                Format::Json => json(&status.domains),
-            }
-        }
-        Command::Nodes { ctld: args, format } => {
-            let status = status(&args)?;
-            match format {
-                Format::Table => Ok(render::render_nodes(&status.nodes)),
-                Format::Json => json(&status.nodes),
-            }
-        }
+        ),
+        Command::Evaluate(args) => evaluate_curves(args),
+        Command::Status { ctld: args, format } => show_status(&args, format),
+        Command::Jobs { ctld: args, format } => jobs(&args, format),
+        Command::Domains { ctld: args, format } => domains(&args, format),
+        Command::Nodes { ctld: args, format } => nodes(&args, format),
         Command::Report {
             job,
             ctld: args,
             format,
-        } => {
-            let status = status(&args)?;
-            let filtered = status.jobs_of_uid;
-            let running = status.jobs.into_iter().find(|j| j.job == job);
-            if running.is_none() {
-                // An ended job: its energy record.
-                let ended = records(
-                    &args,
-                    AdminOp::Accounting {
-                        since_ms: None,
-                        until_ms: None,
-                        uid: None,
-                        tier: None,
-                        job: Some(job.clone()),
-                        account: None,
-                        after: None,
-                    },
-                )?;
-                if let Some(record) = ended.last() {
-                    return match format {
-                        Format::Json => json(record),
-                        Format::Table => Ok(render::render_job_record(record)),
-                    };
-                }
-            }
-            let found = running
-                .ok_or_else(|| {
-                    CtlError::Usage(match filtered {
-                        Some(uid) => format!(
-                            "no job {job} of uid {uid} is known to the controller (a non-root user reads only their own jobs; root reads every job)"
-                        ),
-                        None => format!("no job {job} is known to the controller"),
-                    })
-                })?;
-            match format {
-                Format::Json => json(&found),
-                Format::Table => Ok(render::render_job_report(&found)),
-            }
-        }
-        Command::Accounting {
-            since,
-            until,
-            user,
-            tier,
-            account,
-            plot,
-            title,
-            ctld: args,
-            format,
-        } => {
-            let uid = user.as_deref().map(uid_of).transpose()?;
-            let mut all = Vec::new();
-            let mut after: Option<powerflex_proto::admin::RecordCursor> = None;
-            // Paged: each reply holds at most MAX_RECORDS_PER_REPLY in cursor order; the
-            // next page starts after the last record got (exact: records ending in the
-            // same millisecond are neither skipped nor repeated).
-            loop {
-                let page = records(
-                    &args,
-                    AdminOp::Accounting {
-                        since_ms: since,
-                        until_ms: until,
-                        uid,
-                        tier: tier.clone(),
-                        account: account.clone(),
-                        job: None,
-                        after: after.clone(),
-                    },
-                )?;
-                let full = page.len() >= powerflex_proto::admin::MAX_RECORDS_PER_REPLY;
-                let next = page.last().map(powerflex_proto::admin::RecordCursor::of);
-                all.extend(page);
-                match next {
-                    // A cursor that does not advance would loop: stop.
-                    Some(c) if full && after.as_ref() != Some(&c) => after = Some(c),
-                    _ => break,
-                }
-            }
-            if let Some(out) = plot {
-                return plot_energy(&all, &out, title.as_deref());
-            }
-            match format {
-                RecordFormat::Table => Ok(render::render_accounting(&all)),
-                RecordFormat::Json => json(&all),
-                RecordFormat::Csv => Ok(render::accounting_csv(&all)),
-            }
-        }
+        } => report(&job, &args, format),
+        Command::Accounting(args) => accounting(args),
         Command::Whatif {
             policy,
             budget,
             ignore_tiers,
             ctld: args,
             format,
-        } => {
-            let budget_w = budget.map(|w| w.0);
-            let op = AdminOp::WhatIf {
-                policy,
-                budget_w,
-                ignore_tiers,
-            };
-            let AdminAnswer::WhatIf(decision) = admin(&args, op)? else {
-                return Err(missing("decision"));
-            };
-            match format {
-                Format::Json => json(&decision),
-                Format::Table => Ok(render::render_whatif(&decision)),
-            }
-        }
+        } => whatif(policy, budget, ignore_tiers, &args, format),
         Command::Budget {
             action:
                 BudgetAction::Set {
@@ -1032,20 +792,7 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                     domain,
                     ctld: args,
                 },
-        } => {
-            let w = budget;
-            admin(
-                &args,
-                AdminOp::BudgetSet {
-                    budget_w: w.0,
-                    domain: domain.clone(),
-                },
-            )?;
-            Ok(match domain {
-                None => format!("budget set to {w}\n"),
-                Some(d) => format!("budget of domain {d} set to {w}\n"),
-            })
-        }
+        } => budget_set(budget, domain, &args),
         Command::Event { action } => match action {
             EventAction::Add {
                 reduce,
@@ -1055,103 +802,455 @@ fn run(cli: Cli) -> Result<String, CtlError> {
                 ramp,
                 domain,
                 ctld: args,
-            } => {
-                let cut = match (reduce, target) {
-                    (Some(fraction), _) => Cut::Reduce { fraction },
-                    (None, Some(budget_w)) => Cut::Target {
-                        budget_w: budget_w.0,
-                    },
-                    (None, None) => {
-                        return Err(CtlError::Usage("give --reduce or --target".into()))
-                    }
-                };
-                let start_ms = start.resolve(unix_ms());
-                let (duration_ms, ramp_ms) = (duration, ramp);
-                let AdminAnswer::EventAdded(id) = admin(
-                    &args,
-                    AdminOp::EventAdd {
-                        cut,
-                        start_ms,
-                        duration_ms,
-                        ramp_ms,
-                        domain: domain.clone(),
-                    },
-                )?
-                else {
-                    return Err(missing("event id"));
-                };
-                Ok(match domain {
-                    None => format!("event {id} scheduled\n"),
-                    Some(d) => format!("event {id} scheduled for domain {d}\n"),
-                })
-            }
+            } => event_add(reduce, target, start, duration, ramp, domain, &args),
             EventAction::List { ctld: args, format } => list_events(&args, format),
-            EventAction::Cancel { id, ctld: args } => {
-                admin(&args, AdminOp::EventCancel { id })?;
-                Ok(format!("event {id} cancelled\n"))
-            }
+            EventAction::Cancel { id, ctld: args } => event_cancel(id, &args),
         },
         Command::Events { ctld: args, format } => list_events(&args, format),
-        Command::ForgetNode { node, ctld: args } => {
-            admin(&args, AdminOp::ForgetNode { node: node.clone() })?;
-            Ok(format!("node {node} forgotten\n"))
-        }
+        Command::ForgetNode { node, ctld: args } => forget_node(&node, &args),
         Command::Plot {
             out,
             title,
             ctld: args,
-        } => {
-            let AdminAnswer::History(samples) = admin(
-                &args,
-                AdminOp::History {
-                    since_ms: None,
-                    max_samples: None,
-                },
-            )?
-            else {
-                return Err(missing("history"));
-            };
-            let svg = powerflex_controller::plot::render_svg(&samples, &title)
-                .map_err(|e| CtlError::Usage(e.to_string()))?;
-            std::fs::write(&out, svg).map_err(|source| CtlError::Write {
-                path: out.clone(),
-                source,
-            })?;
-            let jobs: std::collections::BTreeSet<&String> =
-                samples.iter().flat_map(|s| s.caps.keys()).collect();
-            Ok(format!(
-                "wrote {out}: {} samples, {} jobs\n",
-                samples.len(),
-                jobs.len()
-            ))
+        } => plot(&out, &title, &args),
+        Command::LinkKey { site, node, out } => link_key(&site, &node, &out),
+        Command::SynthCurves { paper, noise, seed } => synth_curves(paper, noise, seed),
+    }
+}
+
+/// `reference`: a reference generated from the code itself.
+fn reference(topic: ReferenceTopic, format: ReferenceFormat) -> Result<String, CtlError> {
+    use powerflex_controller::reference;
+    match (topic, format) {
+        (ReferenceTopic::Config, ReferenceFormat::Markdown) => {
+            Ok(reference::render_markdown(&reference::site_config_tables()))
         }
-        Command::LinkKey { site, node, out } => {
-            let text = read_text(&site, MAX_INPUT_BYTES)?;
-            let config = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
-                path: site.clone(),
+        (ReferenceTopic::Config, ReferenceFormat::Man) => Ok(reference::render_man(
+            &reference::site_config_tables(),
+            env!("CARGO_PKG_VERSION"),
+        )),
+        (ReferenceTopic::Metrics, ReferenceFormat::Markdown) => {
+            Ok(reference::render_metrics_markdown())
+        }
+        (ReferenceTopic::Metrics, ReferenceFormat::Man) => Err(CtlError::Usage(
+            "the metrics reference is Markdown only; accepted: reference metrics --format markdown"
+                .into(),
+        )),
+    }
+}
+
+/// `pfi`: the PFI of every job in a curves file.
+fn pfi(curves: &str, format: Format) -> Result<String, CtlError> {
+    let rows = offline::pfi_rows(&load_curves(curves)?);
+    match format {
+        Format::Table => Ok(offline::render_pfi(&rows)),
+        Format::Json => json(&rows),
+    }
+}
+
+/// `allocate`: a budget split across a curves file's jobs, as the controller would.
+fn allocate(
+    curves: &str,
+    budget_w: Watts,
+    policy: Option<&str>,
+    site: Option<String>,
+    gpu_model: Option<&str>,
+    noise: f64,
+    format: Format,
+) -> Result<String, CtlError> {
+    let budget = budget_w;
+    let policy = policy.and_then(Policy::from_name);
+    let setup = match site {
+        Some(path) => {
+            let text = read_text(&path, MAX_INPUT_BYTES)?;
+            let site = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
+                path: path.clone(),
                 source: e.into(),
             })?;
-            let site_key = powerflex_daemon::fsx::read_site_key(&config.controller.key_file)
-                .map_err(|e| CtlError::Usage(e.to_string()))?;
-            let mut key = powerflex_proto::link::node_key(&site_key, &node)
-                .map_err(|e| CtlError::Usage(e.to_string()))?;
-            key.push(b'\n');
-            powerflex_daemon::fsx::write_atomic(
-                std::path::Path::new(&out),
-                &key,
-                powerflex_daemon::fsx::AtomicWrite::durable().with_mode(0o600),
-            )
-            .map_err(|e| CtlError::Usage(e.to_string()))?;
-            Ok(format!(
-                "wrote node {node}'s link key to {out} (mode 0600); install it on {node} as agent.key_file, owned by root\n"
-            ))
+            offline::AllocateSetup::from_site(&site, gpu_model, policy)?
         }
-        Command::SynthCurves { paper, noise, seed } => {
-            let text = read_text(&paper, MAX_INPUT_BYTES)?;
-            offline::synth_curves(&text, noise, seed).map_err(|source| CtlError::Input {
-                path: paper,
-                source,
-            })
+        None => offline::AllocateSetup::defaults(policy.unwrap_or(Policy::Optimal)),
+    };
+    let setup = offline::AllocateSetup { noise, ..setup };
+    let report = offline::allocate_curves(&load_curves(curves)?, budget, &setup)?;
+    if !report.floors_broken.is_empty() || report.over_budget_w > 0.0 {
+        eprintln!(
+            "powerflexctl: warning: the budget cannot hold every tier bound ({} job(s) over their bound, {:.0} W short at the lowest caps)",
+            report.floors_broken.len(),
+            report.over_budget_w
+        );
+    }
+    match format {
+        Format::Table => Ok(offline::render_allocate(&report)),
+        Format::Json => json(&report),
+    }
+}
+
+/// `evaluate`: the paper's §6 experiment on a curves file.
+fn evaluate_curves(args: EvaluateArgs) -> Result<String, CtlError> {
+    let EvaluateArgs {
+        curves,
+        cut,
+        jobs_per_workload,
+        workloads,
+        seed,
+        calibration_grid,
+        noise,
+        raw,
+        cap_step_w,
+        calibration_budget,
+        expected_cut,
+        window_s,
+        gain_z,
+        power_z,
+        events,
+        event_hold_s,
+        site,
+        quiet,
+        format,
+    } = args;
+    let records = load_curves(&curves)?;
+    let expected_cut = match (expected_cut, site) {
+        (Some(cut), _) => cut,
+        (None, Some(path)) => {
+            let text = read_text(&path, MAX_INPUT_BYTES)?;
+            SiteConfig::from_toml_str(&text)
+                .map_err(|e| CtlError::Input {
+                    path: path.clone(),
+                    source: e.into(),
+                })?
+                .facility
+                .expected_cut
+        }
+        (None, None) => powerflex_core::config::DEFAULT_EXPECTED_CUT_PCT / 100.0,
+    };
+    let params = EvaluateParams {
+        cut,
+        jobs_per_workload,
+        workloads,
+        seed,
+        calibration_grid,
+        design: powerflex_core::calibration_design::DesignParams {
+            budget_fraction: calibration_budget,
+            expected_cut,
+            window_s,
+            ..Default::default()
+        },
+        noise,
+        raw,
+        cap_step_w,
+        caution: powerflex_core::allocate::Caution { power_z, gain_z },
+        events,
+        event_hold_s,
+    };
+    let started = std::time::Instant::now();
+    let mut last_shown = std::time::Instant::now();
+    let mut progress = |done: usize, total: usize| {
+        if quiet {
+            return;
+        }
+        if done == total || last_shown.elapsed().as_millis() >= 500 {
+            last_shown = std::time::Instant::now();
+            eprint!(
+                "\revaluate: workload {done}/{total} ({:.1} s)",
+                started.elapsed().as_secs_f64()
+            );
+            if done == total {
+                eprintln!();
+            }
+        }
+    };
+    let report = evaluate(&records, &params, &mut progress).map_err(powerflex_core::Error::from)?;
+    match format {
+        Format::Table => Ok(offline::render_evaluate(&report)),
+        Format::Json => json(&report),
+    }
+}
+
+/// `status`: the controller's status.
+fn show_status(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
+    let status = status(args)?;
+    match format {
+        Format::Table => Ok(render::render_status(&status)),
+        Format::Json => json(&status),
+    }
+}
+
+/// `jobs`: the jobs the caller may read.
+fn jobs(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
+    let status = status(args)?;
+    match format {
+        Format::Table => Ok(match status.jobs_of_uid {
+            Some(uid) => format!(
+                "{}\n{}",
+                render::only_yours(uid),
+                render::render_jobs(&status.jobs)
+            ),
+            None => render::render_jobs(&status.jobs),
+        }),
+        Format::Json => json(&status.jobs),
+    }
+}
+
+/// `domains`: the power domains.
+fn domains(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
+    let status = status(args)?;
+    match format {
+        Format::Table => Ok(render::render_domains(&status.domains)),
+        Format::Json => json(&status.domains),
+    }
+}
+
+/// `nodes`: the nodes.
+fn nodes(args: &CtldArgs, format: Format) -> Result<String, CtlError> {
+    let status = status(args)?;
+    match format {
+        Format::Table => Ok(render::render_nodes(&status.nodes)),
+        Format::Json => json(&status.nodes),
+    }
+}
+
+/// `report`: one job, running (from the status) or ended (its energy record).
+fn report(job: &str, args: &CtldArgs, format: Format) -> Result<String, CtlError> {
+    let status = status(args)?;
+    let filtered = status.jobs_of_uid;
+    let running = status.jobs.into_iter().find(|j| j.job == job);
+    if running.is_none() {
+        // An ended job: its energy record.
+        let ended = records(
+            args,
+            AdminOp::Accounting {
+                since_ms: None,
+                until_ms: None,
+                uid: None,
+                tier: None,
+                job: Some(job.to_string()),
+                account: None,
+                after: None,
+            },
+        )?;
+        if let Some(record) = ended.last() {
+            return match format {
+                Format::Json => json(record),
+                Format::Table => Ok(render::render_job_record(record)),
+            };
         }
     }
+    let found = running
+        .ok_or_else(|| {
+            CtlError::Usage(match filtered {
+                Some(uid) => format!(
+                    "no job {job} of uid {uid} is known to the controller (a non-root user reads only their own jobs; root reads every job)"
+                ),
+                None => format!("no job {job} is known to the controller"),
+            })
+        })?;
+    match format {
+        Format::Json => json(&found),
+        Format::Table => Ok(render::render_job_report(&found)),
+    }
+}
+
+/// `accounting`: ended jobs' energy records, every page of them.
+fn accounting(args: AccountingArgs) -> Result<String, CtlError> {
+    let AccountingArgs {
+        since,
+        until,
+        user,
+        tier,
+        account,
+        plot,
+        title,
+        ctld: args,
+        format,
+    } = args;
+    let uid = user.as_deref().map(uid_of).transpose()?;
+    let mut all = Vec::new();
+    let mut after: Option<powerflex_proto::admin::RecordCursor> = None;
+    // Paged: each reply holds at most MAX_RECORDS_PER_REPLY in cursor order; the
+    // next page starts after the last record got (exact: records ending in the
+    // same millisecond are neither skipped nor repeated).
+    loop {
+        let page = records(
+            &args,
+            AdminOp::Accounting {
+                since_ms: since,
+                until_ms: until,
+                uid,
+                tier: tier.clone(),
+                account: account.clone(),
+                job: None,
+                after: after.clone(),
+            },
+        )?;
+        let full = page.len() >= powerflex_proto::admin::MAX_RECORDS_PER_REPLY;
+        let next = page.last().map(powerflex_proto::admin::RecordCursor::of);
+        all.extend(page);
+        match next {
+            // A cursor that does not advance would loop: stop.
+            Some(c) if full && after.as_ref() != Some(&c) => after = Some(c),
+            _ => break,
+        }
+    }
+    if let Some(out) = plot {
+        return plot_energy(&all, &out, title.as_deref());
+    }
+    match format {
+        RecordFormat::Table => Ok(render::render_accounting(&all)),
+        RecordFormat::Json => json(&all),
+        RecordFormat::Csv => Ok(render::accounting_csv(&all)),
+    }
+}
+
+/// `whatif`: what a policy would decide now, read-only.
+fn whatif(
+    policy: Policy,
+    budget: Option<Watts>,
+    ignore_tiers: bool,
+    args: &CtldArgs,
+    format: Format,
+) -> Result<String, CtlError> {
+    let budget_w = budget.map(|w| w.0);
+    let op = AdminOp::WhatIf {
+        policy,
+        budget_w,
+        ignore_tiers,
+    };
+    let AdminAnswer::WhatIf(decision) = admin(args, op)? else {
+        return Err(missing("decision"));
+    };
+    match format {
+        Format::Json => json(&decision),
+        Format::Table => Ok(render::render_whatif(&decision)),
+    }
+}
+
+/// `budget set`: the site's or a domain's budget.
+fn budget_set(budget: Watts, domain: Option<String>, args: &CtldArgs) -> Result<String, CtlError> {
+    let w = budget;
+    admin(
+        args,
+        AdminOp::BudgetSet {
+            budget_w: w.0,
+            domain: domain.clone(),
+        },
+    )?;
+    Ok(match domain {
+        None => format!("budget set to {w}\n"),
+        Some(d) => format!("budget of domain {d} set to {w}\n"),
+    })
+}
+
+/// `event add`: schedules a grid event.
+fn event_add(
+    reduce: Option<f64>,
+    target: Option<Watts>,
+    start: Start,
+    duration: u64,
+    ramp: u64,
+    domain: Option<String>,
+    args: &CtldArgs,
+) -> Result<String, CtlError> {
+    let cut = match (reduce, target) {
+        (Some(fraction), _) => Cut::Reduce { fraction },
+        (None, Some(budget_w)) => Cut::Target {
+            budget_w: budget_w.0,
+        },
+        (None, None) => return Err(CtlError::Usage("give --reduce or --target".into())),
+    };
+    let start_ms = start.resolve(unix_ms());
+    let (duration_ms, ramp_ms) = (duration, ramp);
+    let AdminAnswer::EventAdded(id) = admin(
+        args,
+        AdminOp::EventAdd {
+            cut,
+            start_ms,
+            duration_ms,
+            ramp_ms,
+            domain: domain.clone(),
+        },
+    )?
+    else {
+        return Err(missing("event id"));
+    };
+    Ok(match domain {
+        None => format!("event {id} scheduled\n"),
+        Some(d) => format!("event {id} scheduled for domain {d}\n"),
+    })
+}
+
+/// `event cancel`: cancels an event by id.
+fn event_cancel(id: u64, args: &CtldArgs) -> Result<String, CtlError> {
+    admin(args, AdminOp::EventCancel { id })?;
+    Ok(format!("event {id} cancelled\n"))
+}
+
+/// `forget-node`: forgets a node the controller knows.
+fn forget_node(node: &str, args: &CtldArgs) -> Result<String, CtlError> {
+    admin(
+        args,
+        AdminOp::ForgetNode {
+            node: node.to_string(),
+        },
+    )?;
+    Ok(format!("node {node} forgotten\n"))
+}
+
+/// `plot`: the recent budget, draw and caps as an SVG.
+fn plot(out: &str, title: &str, args: &CtldArgs) -> Result<String, CtlError> {
+    let AdminAnswer::History(samples) = admin(
+        args,
+        AdminOp::History {
+            since_ms: None,
+            max_samples: None,
+        },
+    )?
+    else {
+        return Err(missing("history"));
+    };
+    let svg = powerflex_controller::plot::render_svg(&samples, title)
+        .map_err(|e| CtlError::Usage(e.to_string()))?;
+    std::fs::write(out, svg).map_err(|source| CtlError::Write {
+        path: out.to_string(),
+        source,
+    })?;
+    let jobs: std::collections::BTreeSet<&String> =
+        samples.iter().flat_map(|s| s.caps.keys()).collect();
+    Ok(format!(
+        "wrote {out}: {} samples, {} jobs\n",
+        samples.len(),
+        jobs.len()
+    ))
+}
+
+/// `link-key`: writes a node's link key.
+fn link_key(site: &str, node: &str, out: &str) -> Result<String, CtlError> {
+    let text = read_text(site, MAX_INPUT_BYTES)?;
+    let config = SiteConfig::from_toml_str(&text).map_err(|e| CtlError::Input {
+        path: site.to_string(),
+        source: e.into(),
+    })?;
+    let site_key = powerflex_daemon::fsx::read_site_key(&config.controller.key_file)
+        .map_err(|e| CtlError::Usage(e.to_string()))?;
+    let mut key = powerflex_proto::link::node_key(&site_key, node)
+        .map_err(|e| CtlError::Usage(e.to_string()))?;
+    key.push(b'\n');
+    powerflex_daemon::fsx::write_atomic(
+        std::path::Path::new(out),
+        &key,
+        powerflex_daemon::fsx::AtomicWrite::durable().with_mode(0o600),
+    )
+    .map_err(|e| CtlError::Usage(e.to_string()))?;
+    Ok(format!(
+        "wrote node {node}'s link key to {out} (mode 0600); install it on {node} as agent.key_file, owned by root\n"
+    ))
+}
+
+/// `synth-curves`: curves drawn from the paper's table.
+fn synth_curves(paper: String, noise: f64, seed: u64) -> Result<String, CtlError> {
+    let text = read_text(&paper, MAX_INPUT_BYTES)?;
+    offline::synth_curves(&text, noise, seed).map_err(|source| CtlError::Input {
+        path: paper,
+        source,
+    })
 }
