@@ -210,8 +210,8 @@ pub struct ControlRequest {
 
 /// The agent's answer to a control request: refused with the reason, or done with what
 /// the operation asks back. On the wire it is one object, `{"v":1,"ok":true,...}` with the
-/// answer's fields or `{"v":1,"ok":false,"error":"..."}` (see [`ControlReplyWire`]), the
-/// form every agent and plugin release reads and writes.
+/// answer's fields or `{"v":1,"ok":false,"error":"..."}`, the form every agent and plugin
+/// release reads and writes (private wire structs map between the two).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(try_from = "ControlReplyWire")]
 pub enum ControlReply {
