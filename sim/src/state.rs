@@ -914,8 +914,8 @@ mod tests {
         assert!(loaded.busy);
         child.kill().expect("kill");
         child.wait().expect("reaped");
-        // Before the fix the counter was recomputed at idle draw over the whole time since
-        // the claim, and fell.
+        // The counter must not fall when the job ends: recomputing it at idle draw over
+        // the whole time since the claim would make it do so.
         let mut last = loaded.energy_mj;
         for _ in 0..5 {
             std::thread::sleep(std::time::Duration::from_millis(20));
