@@ -58,7 +58,7 @@ fn job(id: usize, gpus: u32) -> JobReport {
         cap_w: Some(MAX_CAP_W),
         power_w: Some(0.9 * MAX_CAP_W * f64::from(gpus)),
         throughput: Some(throughput(MAX_CAP_W)),
-        throughput_unit: Some(powerflex_proto::status::ThroughputUnit::Tokens),
+        throughput_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
         pfi: None,
         pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
         points: [700.0, 600.0, 500.0, 400.0]

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use powerflex::binary;
 use powerflex::link_peer::LinkPeer;
 use powerflex::site_config::SiteBuilder;
-use powerflex_controller::ctld::history::{HistoryBoard, HISTORY};
+use powerflex_controller_machine::controller::history::{HistoryBoard, HISTORY};
 use powerflex_controller_machine::controller::step::{Controller, Input};
 use powerflex_controller_machine::controller::CtldSettings;
 use powerflex_core::allocate::Policy;
@@ -41,7 +41,8 @@ use powerflex_core::config::RawGpuModel;
 use powerflex_core::flex::TierTable;
 use powerflex_core::{UnixMs, Watts};
 use powerflex_decide::{decide, NodeView, SiteSettings};
-use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
+use powerflex_proto::link::{Body, Session};
+use powerflex_proto::report::{GpuInfo, JobReport};
 
 /// Site sizes measured, nodes.
 const NODE_COUNTS: [usize; 3] = [10, 100, 1000];
@@ -84,7 +85,7 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         cap_w: Some(cap_w),
         power_w: Some(cap_w * DRAW_PER_CAP * f64::from(gpus)),
         throughput: Some(throughput(cap_w)),
-        throughput_unit: Some(powerflex_proto::status::ThroughputUnit::Tokens),
+        throughput_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
         pfi: None,
         pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
         points,

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use powerflex::site_config::SiteBuilder;
 use powerflex::stack::{Stack, StackOptions};
 use powerflex::wait_until;
-use powerflex_controller::schedule::{effective_budget, Event};
+use powerflex_controller_machine::schedule::effective_budget;
 use powerflex_core::allocate::FloorStatus;
 use powerflex_core::Watts;
+use powerflex_proto::event::Event;
 use powerflex_proto::status::{CtldStatus, SiteJobStatus};
 
 const HEAVY: &str = "synthetic-compute-bound";

@@ -43,7 +43,8 @@ use powerflex::link_peer::LinkPeer;
 use powerflex::site_config::SiteBuilder;
 use powerflex::{binary, Children};
 use powerflex_core::config::RawGpuModel;
-use powerflex_proto::link::{Body, GpuInfo, JobReport, Session};
+use powerflex_proto::link::{Body, Session};
+use powerflex_proto::report::{GpuInfo, JobReport};
 
 const NODES: usize = 100;
 const GPUS_PER_NODE: usize = 8;
@@ -132,7 +133,7 @@ impl Job {
             cap_w: Some(self.cap_w),
             power_w: Some(self.draw_w()),
             throughput: Some(self.throughput(self.cap_w)),
-            throughput_unit: Some(powerflex_proto::status::ThroughputUnit::Tokens),
+            throughput_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
             pfi: None,
             pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
             points,

@@ -16,7 +16,8 @@
 use std::collections::BTreeMap;
 
 use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
-use powerflex_core::curve::{CapCurve, OperatingPoint};
+use powerflex_core::curve::CapCurve;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::units::SlowdownFraction;
 use powerflex_core::Watts;
 use powerflex_sim::profiles::Profile;

@@ -8,8 +8,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use powerflex_proto::link::{
-    fresh_nonce, node_key, AgentHandshake, Body, GpuInfo, LinkError, Session, MAX_LINK_LINE_BYTES,
+    fresh_nonce, node_key, AgentHandshake, Body, LinkError, Session, MAX_LINK_LINE_BYTES,
 };
+use powerflex_proto::report::GpuInfo;
 
 /// Unix time, ms (the daemons' one clock reading).
 pub use powerflex_daemon::clock::unix_ms;

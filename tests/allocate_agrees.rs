@@ -12,8 +12,10 @@ use powerflex::link_peer::{h200s, LinkPeer};
 use powerflex::needs::{can_run, Need};
 use powerflex::site_config::SiteBuilder;
 use powerflex::{binary, free_loopback_port, run, wait_until, write_site_key, Children};
-use powerflex_proto::link::{Body, JobReport};
-use powerflex_proto::status::{CtldStatus, CurvePoint, DecisionView, ThroughputUnit};
+use powerflex_proto::link::Body;
+use powerflex_proto::report::JobReport;
+use powerflex_proto::status::{CtldStatus, CurvePoint, DecisionView};
+use powerflex_proto::usage::ThroughputUnit;
 
 /// One job's measured curve: (per-GPU cap W, job power W, throughput, σ power W, σ
 /// throughput), highest cap first, as an agent reports it.

@@ -942,8 +942,8 @@ fn a_rogue_node_s_key_cannot_reach_a_job_slurm_placed_on_another_node() {
     let config = site_config(&stack);
     let key = powerflex_daemon::fsx::read_key_file(&config.agent.key_file(&rogue))
         .expect("the rogue node's key file");
-    let fake_gpus: Vec<powerflex_proto::link::GpuInfo> = (0..300)
-        .map(|g| powerflex_proto::link::GpuInfo {
+    let fake_gpus: Vec<powerflex_proto::report::GpuInfo> = (0..300)
+        .map(|g| powerflex_proto::report::GpuInfo {
             uuid: format!("GPU-fake-{g}"),
             name: "NVIDIA H200".into(),
             min_w: 200.0,
@@ -953,7 +953,7 @@ fn a_rogue_node_s_key_cannot_reach_a_job_slurm_placed_on_another_node() {
         .collect();
     let mut peer = LinkPeer::connect_with_key(link_addr(&stack), &key, &rogue, fake_gpus)
         .expect("the rogue node's own session");
-    let forged = powerflex_proto::link::JobReport {
+    let forged = powerflex_proto::report::JobReport {
         job_id: job.to_string(),
         tier: "flex3,preempt=requeue".into(),
         gpus: 4,

@@ -16,7 +16,8 @@ use powerflex::needs::{can_run, Need};
 use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex::wait_until;
 use powerflex_core::config::RawSiteConfig;
-use powerflex_proto::link::{Body, JobReport};
+use powerflex_proto::link::Body;
+use powerflex_proto::report::JobReport;
 use powerflex_proto::status::{DecisionView, SiteJobStatus};
 
 const TRAIN: &str = "qwen3-30b-a3b-moe-ft-8g";

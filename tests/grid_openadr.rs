@@ -21,7 +21,7 @@ use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex::vtn::{self, event_request, Payload, Step, VtnBed, VEN_SCOPES};
 use powerflex::{binary, wait_until};
 use powerflex_core::config::{RawGrid, RawOpenAdr};
-use powerflex_proto::admin::{Cut, Event as PfEvent};
+use powerflex_proto::event::{Cut, Event as PfEvent};
 use powerflex_proto::status::CtldStatus;
 
 const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";

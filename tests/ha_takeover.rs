@@ -70,7 +70,8 @@ use powerflex::{
 };
 use powerflex_core::config::{RawHa, RawSiteConfig};
 use powerflex_daemon::os::{kill, Signal};
-use powerflex_proto::link::{Body, JobReport};
+use powerflex_proto::link::Body;
+use powerflex_proto::report::JobReport;
 use powerflex_proto::status::{AgentStatus, CtldStatus, LeadershipRole};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::Node;
@@ -190,7 +191,7 @@ fn report(node: usize, cap_w: f64) -> Body {
             cap_w: Some(cap_w),
             power_w: Some(cap_w * gpus),
             throughput: Some(throughput(cap_w)),
-            throughput_unit: Some(powerflex_proto::status::ThroughputUnit::Tokens),
+            throughput_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
             pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
             points: [700.0, 600.0, 500.0, 400.0, 300.0]
                 .iter()

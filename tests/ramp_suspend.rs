@@ -21,8 +21,9 @@ use std::time::{Duration, Instant};
 use powerflex::needs::{can_run, Need};
 use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex::wait_until;
-use powerflex_controller::schedule::{effective_budget, Event};
+use powerflex_controller_machine::schedule::effective_budget;
 use powerflex_core::Watts;
+use powerflex_proto::event::Event;
 use powerflex_proto::status::{CtldStatus, SiteJobStatus};
 
 /// A training profile that draws 690 W per GPU uncapped, and what its cap allows below.

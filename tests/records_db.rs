@@ -18,7 +18,8 @@ use powerflex::pg::PgBed;
 use powerflex::site_config::SiteBuilder;
 use powerflex::{binary, free_loopback_port, run, wait_until, write_site_key, Children};
 use powerflex_core::config::RawDatabase;
-use powerflex_proto::link::{Body, JobReport};
+use powerflex_proto::link::Body;
+use powerflex_proto::report::JobReport;
 use powerflex_proto::status::CtldStatus;
 use powerflex_proto::usage::{EnergySource, GpuEnergy, JobEnergyRecord, NodeUsage};
 
@@ -57,7 +58,7 @@ fn share(job: &str, node: &str, energy_mj: u64, ended: bool) -> NodeUsage {
         bound_held: Some(true),
         saved_estimate_j: Some(1_234.5),
         work: Some(6.0e6),
-        work_unit: Some(powerflex_proto::status::ThroughputUnit::Tokens),
+        work_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
         pfi: Some(1.8),
         ended,
         simulated: false,

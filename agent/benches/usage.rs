@@ -7,8 +7,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use powerflex_agent::usage::{max_observation_gap_ms, JobUsage, Observation};
-use powerflex_core::curve::{CapCurve, OperatingPoint};
+use powerflex_agent_machine::usage::{max_observation_gap_ms, JobUsage, Observation};
+use powerflex_core::curve::CapCurve;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 
 fn main() {

@@ -13,7 +13,7 @@
 //!
 //! `cargo run --release -p powerflex-agent --example closed_loop_learning [CURVES.csv]`
 
-use powerflex_agent::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
+use powerflex_agent_machine::calibration::{Calibration, CalibrationSettings, Phase, ProgressLog};
 use powerflex_core::curve::CapCurve;
 use powerflex_core::curves_csv::parse_curves;
 use powerflex_core::rng::SplitMix64;
@@ -113,7 +113,7 @@ fn main() -> Result<(), String> {
             steady_cv: 0.2,
             allowance: 0.05,
             no_signal_s: 600.0,
-            rewalk_after_s: powerflex_agent::calibration::DEFAULT_REWALK_AFTER_S,
+            rewalk_after_s: powerflex_agent_machine::calibration::DEFAULT_REWALK_AFTER_S,
             budget_fraction: 0.02,
             expected_cut: 0.3,
         };

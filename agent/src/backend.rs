@@ -12,7 +12,7 @@ use powerflex_core::Watts;
 
 // The GPU's types belong to the agent's pure machine, which decides on them; this edge
 // only fills them from NVML.
-pub use powerflex_agent_machine::gpu::{ErrorClass, GpuError, GpuIdentity, GpuSample};
+use powerflex_agent_machine::gpu::{ErrorClass, GpuError, GpuIdentity, GpuSample};
 
 /// How the test bed's simulated GPUs end their names.
 pub const SIMULATED_NAME_SUFFIX: &str = "(simulated)";

@@ -32,13 +32,14 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use powerflex_core::Watts;
 use powerflex_daemon::lines::read_line;
 use powerflex_proto::link::{
-    fresh_nonce, AgentHandshake, Body, GpuInfo, LinkError, NodeReport, Session,
-    MAX_HANDSHAKE_LINE_BYTES, MAX_LINK_LINE_BYTES,
+    fresh_nonce, AgentHandshake, Body, LinkError, Session, MAX_HANDSHAKE_LINE_BYTES,
+    MAX_LINK_LINE_BYTES,
 };
+use powerflex_proto::report::{GpuInfo, NodeReport};
 use tracing::{info, warn};
 
-use crate::control::LeaseRefused;
 use crate::server::{Inbound, SnapshotCell};
+use powerflex_agent_machine::control::LeaseRefused;
 
 /// What the link needs to know.
 #[derive(Debug, Clone)]
@@ -382,7 +383,7 @@ fn serve(
                         let caps: BTreeMap<String, Watts> =
                             caps.into_iter().map(|(job, w)| (job, Watts(w))).collect();
                         let (verdict, verdict_rx) = crossbeam_channel::bounded(1);
-                        let lease = crate::control::LeaseMessage {
+                        let lease = powerflex_agent_machine::control::LeaseMessage {
                             caps,
                             ttl_s,
                             start_cap: start_cap_w.map(Watts),
@@ -405,7 +406,7 @@ fn serve(
                     Body::Acked { finals } => {
                         // Bounded and checked before it reaches the loop: a malformed
                         // acknowledgement drops nothing.
-                        match powerflex_proto::link::validate_acks(&finals) {
+                        match powerflex_proto::report::validate_acks(&finals) {
                             Ok(()) => {
                                 let _ = tx.send(Inbound::Acked { finals });
                             }

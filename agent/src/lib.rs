@@ -20,5 +20,3 @@ pub mod persist;
 pub mod procs;
 pub mod run;
 pub mod server;
-
-pub use powerflex_agent_machine::{calibration, control, usage};

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use powerflex_daemon::http::{HttpOptions, MetricsServer};
 use powerflex_daemon::prom::{catalog, TextWriter};
 
-use crate::control::{GpuView, JobView, Snapshot};
 use crate::server::{ServerStats, SnapshotCell, SocketStats};
+use powerflex_proto::status::{
+    AgentGpuStatus as GpuView, AgentJobStatus as JobView, AgentStatus as Snapshot,
+};
 
 /// Renders a snapshot and the sockets' counters in the Prometheus text format (version
 /// 0.0.4). No series carries a uid: who runs which job is not the metrics' to tell.

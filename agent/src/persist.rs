@@ -16,7 +16,7 @@ pub const STATE_FILE: &str = "agent-state.json";
 
 // The state file's contents are the machine's data (it builds them and restores from
 // them); reading and writing the file is this module's.
-pub use powerflex_agent_machine::saved::{PersistedJob, PersistedLease, PersistedState};
+use powerflex_agent_machine::saved::PersistedState;
 
 /// Why the state could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +102,7 @@ pub struct RunningJob {
 /// its root-owned `slurmstepd` ancestor (`table`), and `uid_of` reads a process's owner
 /// from the kernel. A process with a forged `SLURM_JOB_ID`, or on no GPU of this node,
 /// takes nothing back. The tier is not read here at all: the job's environment could
-/// name any; it comes from Slurm's record ([`recorded_tier`]).
+/// name any; it comes from Slurm's record ([`powerflex_core::slurm_record::recorded_tier`]).
 pub fn running_jobs(
     table: &ProcTable,
     gpu_pids: &BTreeMap<u32, Vec<u32>>,
@@ -167,8 +167,6 @@ pub fn slurm_jobs(
     }
 }
 
-pub use powerflex_core::slurm_record::recorded_tier;
-
 /// The uid owning process `pid` (`/proc/PID`'s owner, set by the kernel).
 pub fn process_uid(pid: u32) -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
@@ -180,6 +178,7 @@ pub fn process_uid(pid: u32) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use powerflex_agent_machine::saved::PersistedJob;
     use powerflex_core::Watts;
 
     #[test]
@@ -205,7 +204,7 @@ mod tests {
             from_stepd: true,
             cluster: Some("/etc/slurm/slurm.conf".into()),
             usage: Some({
-                let mut u = crate::usage::JobUsage::default();
+                let mut u = powerflex_agent_machine::usage::JobUsage::default();
                 u.gpu_reading("GPU-1", 0, 1_000, Some(12_345), Watts(500.0));
                 u.gpu_reading("GPU-1", 0, 2_000, Some(512_345), Watts(500.0));
                 u
@@ -215,10 +214,12 @@ mod tests {
         let share = state.jobs[0].usage.as_ref().expect("usage").share(
             "6", "n1", 1000, "flex2", None, None, None, None, true, false,
         );
-        state.unacked_finals.push(crate::control::UnackedFinal {
-            ended_unix_ms: 3_000,
-            share,
-        });
+        state
+            .unacked_finals
+            .push(powerflex_agent_machine::saved::UnackedFinal {
+                ended_unix_ms: 3_000,
+                share,
+            });
         save(&dir, &state).expect("save");
         assert_eq!(load(&dir).expect("load"), Some(state));
         // It names jobs and their owners: root's to read only.

@@ -37,7 +37,7 @@ pub struct ProcEntry {
     pub slurm_conf: Option<String>,
 }
 
-pub use powerflex_agent_machine::JobKey;
+use powerflex_agent_machine::JobKey;
 
 /// A Slurm step: job id and step name (`0`, `batch`, `extern`, ...), and the cluster its
 /// step daemon serves (its `SLURM_CONF`).

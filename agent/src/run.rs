@@ -26,13 +26,13 @@ use powerflex_proto::ControlReply;
 use tracing::{error, info, info_span, warn};
 
 use crate::backend::GpuBackend;
-use crate::control::{
-    AdoptionCandidate, Agent, AgentInput, AgentOutput, AgentSettings, CapWriteResult, ControlFacts,
-    GpuProcesses, GpuReading, Reply, ReportSender, StartFacts, TickReads,
-};
 use crate::persist;
 use crate::procs::ProcTable;
 use crate::server::{self, Inbound, SnapshotCell};
+use powerflex_agent_machine::control::{
+    AdoptionCandidate, Agent, AgentInput, AgentOutput, AgentSettings, CapWriteResult, ControlFacts,
+    GpuProcesses, GpuReading, Reply, ReportSender, StartFacts, TickReads,
+};
 
 /// Where the agent listens and keeps its state.
 #[derive(Debug, Clone)]
@@ -62,7 +62,7 @@ pub const USAGE_LOG_FILE: &str = "usage.jsonl";
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("{0}")]
-    Gpu(#[from] crate::backend::GpuError),
+    Gpu(#[from] powerflex_agent_machine::gpu::GpuError),
     #[error("{0}")]
     Plumbing(#[from] powerflex_daemon::DaemonError),
     /// Another agent holds the node's instance lock.
@@ -199,7 +199,7 @@ fn read_gpus(backend: &mut dyn GpuBackend, gpus: &[u32]) -> Vec<GpuReading> {
 /// they work again, rather than at each one. One agent per process.
 static SAVES_FAILING: AtomicBool = AtomicBool::new(false);
 
-fn save(state_dir: &Path, state: &crate::persist::PersistedState) {
+fn save(state_dir: &Path, state: &powerflex_agent_machine::saved::PersistedState) {
     match persist::save(state_dir, state) {
         Err(e) if !SAVES_FAILING.swap(true, Ordering::Relaxed) => error!(
             error = %e,
@@ -232,7 +232,7 @@ fn append_records(state_dir: &Path, records: &[powerflex_proto::usage::NodeUsage
 enum Responder {
     Control(Sender<ControlReply>),
     Progress(Sender<Result<(), String>>),
-    Lease(Sender<Result<(), crate::control::LeaseRefused>>),
+    Lease(Sender<Result<(), powerflex_agent_machine::control::LeaseRefused>>),
 }
 
 impl Responder {
@@ -414,7 +414,7 @@ impl Edge<'_> {
             let Ok(pids) = self.backend.running_pids(gpu) else {
                 continue;
             };
-            let users: BTreeSet<crate::procs::JobKey> = pids
+            let users: BTreeSet<powerflex_agent_machine::JobKey> = pids
                 .into_iter()
                 .filter_map(|pid| crate::procs::step_of_pid(proc_root(), pid))
                 .map(|s| s.job_key())
@@ -510,9 +510,9 @@ fn adoption_candidates(
             let record = slurm_records
                 .entry(job.cluster.clone())
                 .or_insert_with(|| persist::slurm_jobs(&job.cluster, Duration::from_secs(5)));
-            let recorded_tier = record
-                .as_ref()
-                .and_then(|jobs| persist::recorded_tier(jobs, &job.job_id, node));
+            let recorded_tier = record.as_ref().and_then(|jobs| {
+                powerflex_core::slurm_record::recorded_tier(jobs, &job.job_id, node)
+            });
             AdoptionCandidate {
                 job_id: job.job_id,
                 cluster: job.cluster,

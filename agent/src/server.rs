@@ -36,7 +36,7 @@ use tracing::{debug, warn};
 use crate::procs::{step_of_pid, StepId};
 
 use powerflex_daemon::gate::{Gate, GateLimits, Place, Refusal};
-pub use powerflex_daemon::os::{peer_of, Peer};
+use powerflex_daemon::os::{peer_of, Peer};
 use powerflex_daemon::{lines, DaemonError};
 
 /// What the acceptors hand to the control loop.
@@ -61,22 +61,22 @@ pub enum Inbound {
     /// A progress line refused before reaching the loop (counted there).
     ProgressRefused { reason: String, peer: Peer },
     /// An authenticated lease from the controller for this node (see
-    /// [`crate::control::LeaseMessage`]), with where the machine's verdict goes: a
+    /// [`powerflex_agent_machine::control::LeaseMessage`]), with where the machine's verdict goes: a
     /// lease refused for its epoch is answered to the controller by the link.
     Lease {
-        lease: crate::control::LeaseMessage,
-        verdict: Sender<Result<(), crate::control::LeaseRefused>>,
+        lease: powerflex_agent_machine::control::LeaseMessage,
+        verdict: Sender<Result<(), powerflex_agent_machine::control::LeaseRefused>>,
     },
     /// The controller acknowledged these final shares (checked and bounded by the link):
     /// their records are written.
     Acked {
-        finals: Vec<powerflex_proto::link::FinalRef>,
+        finals: Vec<powerflex_proto::usage::FinalRef>,
     },
 }
 
 /// The status snapshot, published by the control loop and read by anyone. The lock is
 /// held only to swap or clone an `Arc`, never while work is done.
-pub type SnapshotCell = Arc<RwLock<Arc<crate::control::Snapshot>>>;
+pub type SnapshotCell = Arc<RwLock<Arc<powerflex_proto::status::AgentStatus>>>;
 
 /// How long a client may take to send its line, and the loop to answer it.
 const IO_TIMEOUT: Duration = Duration::from_millis(1000);
@@ -305,7 +305,9 @@ fn serve_control(
         let snap = snapshot.read().map(|s| Arc::clone(&s)).ok();
         // Need-to-know: a user sees their own jobs only; root (admins, tests) sees all.
         let answer = snap.map_or(ControlAnswer::Empty, |s| {
-            ControlAnswer::Status(Box::new(crate::control::seen_by(&s, peer.uid)))
+            ControlAnswer::Status(Box::new(powerflex_agent_machine::control::seen_by(
+                &s, peer.uid,
+            )))
         });
         reply(&mut stream, &ControlReply::Done(answer));
         return;

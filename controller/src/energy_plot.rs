@@ -12,8 +12,8 @@ use std::fmt::Write as _;
 use powerflex_proto::usage::{human_energy, JobEnergyRecord, J_PER_KWH};
 
 use crate::plot::{escape, tick_step, trim_number};
-use crate::schedule::utc_text;
 use crate::CtlError;
+use powerflex_controller_machine::schedule::utc_text;
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 660.0;

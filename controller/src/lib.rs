@@ -20,10 +20,6 @@ pub mod reference;
 pub mod render;
 pub mod table;
 
-// The decisions live in their own crate with no I/O dependency (powerflex-controller-
-// machine); re-exported here so this crate's users reach them as its own modules.
-pub use powerflex_controller_machine::{placement, preempt, ramp, rollout, schedule};
-
 /// Errors of the CLI and controller. Messages are lowercase, without a trailing period.
 #[derive(Debug, thiserror::Error)]
 pub enum CtlError {

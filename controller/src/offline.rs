@@ -394,8 +394,9 @@ fn gpus_of(record: &JobCurveRecord) -> u32 {
 /// shared by GPU count), uncapped, with the file's points as its measured curve. Job ids
 /// are `j<index>` (a file's names need not be valid Slurm ids).
 fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup) -> Vec<NodeView> {
-    use powerflex_proto::link::{GpuInfo, JobReport, MAX_GPUS_PER_NODE};
-    use powerflex_proto::status::{CurvePoint, ThroughputUnit};
+    use powerflex_proto::report::{GpuInfo, JobReport, MAX_GPUS_PER_NODE};
+    use powerflex_proto::status::CurvePoint;
+    use powerflex_proto::usage::ThroughputUnit;
     let mut views = Vec::new();
     for (index, (r, tier)) in records.iter().zip(tiers).enumerate() {
         let (lowest, top) = match (r.points.first(), r.points.last()) {
@@ -407,7 +408,7 @@ fn views_of(records: &[JobCurveRecord], tiers: &[String], setup: &AllocateSetup)
             .map_or((lowest.cap_w.0, top.cap_w.0), |l| (l.min_w.0, l.max_w.0));
         let gpus = gpus_of(r);
         // Each point's standard errors: the file's, else `noise` of its values.
-        let sigma = |i: usize, p: &powerflex_core::curve::OperatingPoint| {
+        let sigma = |i: usize, p: &powerflex_core::point::OperatingPoint| {
             r.sigma.get(i).map_or(
                 (setup.noise * p.power_w.0, setup.noise * p.throughput),
                 |s| (s.power_w, s.throughput),

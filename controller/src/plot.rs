@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::schedule::utc_text;
+use powerflex_controller_machine::schedule::utc_text;
 use powerflex_proto::status::{DomainSample, HistorySample as Sample};
 
 const WIDTH: f64 = 960.0;

@@ -6,12 +6,12 @@ use std::collections::BTreeMap;
 use powerflex_core::allocate::FloorStatus;
 use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
-use powerflex_proto::admin::Event;
+use powerflex_proto::event::Event;
 use powerflex_proto::status::{CtldStatus, DecisionView, DomainStatus, NodeStatus, SiteJobStatus};
 use powerflex_proto::usage::JobEnergyRecord;
 
-use crate::schedule::{duration_text, utc_text};
 use crate::table::Table;
+use powerflex_controller_machine::schedule::{duration_text, utc_text};
 
 fn watts(w: f64) -> String {
     Watts(w).to_string()
@@ -563,7 +563,7 @@ pub fn render_status(s: &CtldStatus) -> String {
                 format!(
                     "{} {how} since {}",
                     p.job,
-                    crate::schedule::utc_text(p.since_ms)
+                    powerflex_controller_machine::schedule::utc_text(p.since_ms)
                 )
             })
             .collect();
@@ -751,7 +751,7 @@ mod tests {
     use powerflex_core::allocate::{Allocation, JobAllocation, Maximised, Policy};
     use powerflex_core::units::SlowdownFraction;
     use powerflex_core::Watts;
-    use powerflex_proto::admin::Cut;
+    use powerflex_proto::event::Cut;
     use powerflex_proto::status::{
         CurvePoint, CurveSnapshot, PfiSource, PreemptedView, SnapshotAfter,
     };

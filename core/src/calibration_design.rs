@@ -25,7 +25,7 @@
 //! (`max_loss`) and a budget that holds the job below a level
 //! ([`DesignWalk::hold_at_most`]) stop or reroute the walk.
 
-use crate::curve::OperatingPoint;
+use crate::point::OperatingPoint;
 use crate::units::Watts;
 
 /// The knobs of the design. Defaults are the ones `powerflexctl evaluate` and the agent use.

@@ -21,7 +21,7 @@ use crate::units::Watts;
 
 // The point type is the PFI's as much as the curve's: it lives in its own module, so
 // neither of the two imports the other back.
-pub use crate::point::OperatingPoint;
+use crate::point::OperatingPoint;
 
 /// Where a curve's numbers came from; consumers label results accordingly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -24,7 +24,7 @@
 //! crate): a field with a comma or a quote is quoted, so a tier such as
 //! `"max-slowdown=15%,x"` round-trips. Every error names the line and the column.
 
-use crate::curve::OperatingPoint;
+use crate::point::OperatingPoint;
 use crate::units::Watts;
 
 /// The most rows a curves file may hold: well above any site, low enough that a stray

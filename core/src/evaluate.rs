@@ -42,8 +42,9 @@ use serde::Serialize;
 
 use crate::allocate::{allocate, allocate_cautious, CapLimits, Caution, JobSpec, Policy};
 use crate::calibration_design::{run_design, DesignError, DesignParams, FIRST_HOUR_S};
-use crate::curve::{estimate_from_windows, CapCurve, OperatingPoint};
+use crate::curve::{estimate_from_windows, CapCurve};
 use crate::curves_csv::JobCurveRecord;
+use crate::point::OperatingPoint;
 use crate::rng::SplitMix64;
 use crate::units::Watts;
 

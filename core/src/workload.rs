@@ -15,8 +15,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::curve::OperatingPoint;
 use crate::pfi::pfi;
+use crate::point::OperatingPoint;
 use crate::units::Watts;
 
 /// Under a binding cap, realised power as a fraction of the cap.

@@ -2,7 +2,8 @@
 //! curves look like.
 
 use powerflex_core::allocate::{allocate, CapLimits, FloorStatus, JobSpec, Policy};
-use powerflex_core::curve::{CapCurve, OperatingPoint};
+use powerflex_core::curve::CapCurve;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::units::{SlowdownFraction, Watts};
 use proptest::prelude::*;
 

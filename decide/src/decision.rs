@@ -16,7 +16,8 @@ use crate::gather::{gather_jobs, Gathered, SiteJob};
 use crate::reserve::{domain_limits, hold_unplaced, unsteered_reserve_w};
 use crate::specs::{job_specs, Specs};
 use crate::steady::keep_steady;
-use crate::{Drift, NodeView, Rejected, SiteSettings};
+use crate::{NodeView, SiteSettings};
+use powerflex_proto::status::{Drift, Rejected};
 
 /// The outcome of one allocation.
 #[derive(Debug, Clone, PartialEq, Serialize)]

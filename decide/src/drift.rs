@@ -4,7 +4,7 @@ use powerflex_core::curve::CapCurve;
 use powerflex_core::Watts;
 
 use crate::gather::SiteJob;
-use crate::Drift;
+use powerflex_proto::status::Drift;
 
 /// How far measured power may stray from a measured curve before the job counts as
 /// drifted (a fraction); throughput may stray this much or three of the curve's standard

@@ -8,9 +8,11 @@ use powerflex_core::flex::parse_power_flex;
 use powerflex_proto::report::{
     validate_gpus, validate_report_totals, GpuInfo, JobReport, MAX_GPUS_PER_NODE, MAX_GPU_POWER_W,
 };
-use powerflex_proto::status::{PfiSource, ThroughputUnit};
+use powerflex_proto::status::PfiSource;
+use powerflex_proto::usage::ThroughputUnit;
 
-use crate::{NodeView, Rejected, SiteSettings};
+use crate::{NodeView, SiteSettings};
+use powerflex_proto::status::Rejected;
 
 /// A job gathered across nodes.
 #[derive(Debug, Default)]

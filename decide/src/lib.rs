@@ -41,13 +41,5 @@ pub use self::settings::{site_gpu_model, NodeView, SiteDomains, SiteSettings, Ti
 pub use self::steady::{STEADY_GAIN, STEADY_Z};
 pub use self::tiers::{apply_least_flexible_tiers, least_flexible_tiers};
 
-/// A job whose measurements left its curve (the wire's type: `status` and `what-if`
-/// show it as decided).
-pub use powerflex_proto::status::Drift;
-
-/// A report (or a node's whole report) left out of the allocation because its values
-/// cannot be true (the wire's type: `what-if` shows it as decided).
-pub use powerflex_proto::status::Rejected;
-
 #[cfg(test)]
 mod tests;

@@ -8,7 +8,8 @@ use powerflex_core::config::BudgetMode;
 use powerflex_core::Watts;
 
 use crate::gather::SiteJob;
-use crate::{Held, NodeView, Rejected, SiteDomains, SiteSettings};
+use crate::{Held, NodeView, SiteDomains, SiteSettings};
+use powerflex_proto::status::Rejected;
 
 /// What the managed jobs the allocation does not steer may draw, W: a held job at its
 /// count (or its lowest cap), a job without a usable range or curve at its default

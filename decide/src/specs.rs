@@ -5,15 +5,15 @@ use std::collections::BTreeMap;
 
 use powerflex_core::allocate::{validate_spec, CapLimits, JobSpec};
 use powerflex_core::config::{BudgetMode, Objective};
-use powerflex_core::curve::{
-    estimate_population, CapCurve, JobReadings, KnotSigma, OperatingPoint,
-};
+use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, KnotSigma};
 use powerflex_core::flex::parse_power_flex;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 
 use crate::drift::{drift, DRIFT_BAND};
 use crate::gather::SiteJob;
-use crate::{Drift, Held, Rejected, SiteSettings, TierBounds};
+use crate::{Held, SiteSettings, TierBounds};
+use powerflex_proto::status::{Drift, Rejected};
 
 /// One standard deviation of a calibration reading (power or throughput), as a fraction:
 /// the paper's repeat-run noise is ~0.5 %; the agent's 5-30 s holds are noisier.

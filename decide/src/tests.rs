@@ -7,7 +7,8 @@ use powerflex_core::domains::DomainTree;
 use powerflex_core::flex::TierTable;
 use powerflex_core::Watts;
 use powerflex_proto::report::{GpuInfo, JobReport};
-use powerflex_proto::status::{PfiSource, ThroughputUnit};
+use powerflex_proto::status::PfiSource;
+use powerflex_proto::usage::ThroughputUnit;
 
 use crate::gather::gather_jobs;
 use crate::*;

@@ -1,7 +1,7 @@
 //! The controller's admin socket lines and the CLI's time, power and cut arguments.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use powerflex_controller::schedule::{parse_duration_ms, parse_reduce, parse_start_ms};
+use powerflex_controller_machine::schedule::{parse_duration_ms, parse_reduce, parse_start_ms};
 use powerflex_core::Watts;
 use powerflex_proto::admin::AdminRequest;
 

@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = serde_json::from_slice::<powerflex_agent::persist::PersistedState>(data);
+    let _ = serde_json::from_slice::<powerflex_agent_machine::saved::PersistedState>(data);
 });

@@ -4,7 +4,7 @@
 //! back to the same millisecond.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use powerflex_controller::schedule::{
+use powerflex_controller_machine::schedule::{
     duration_text, parse_duration_ms, parse_event_duration_ms, parse_start, utc_text, Start,
 };
 

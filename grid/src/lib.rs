@@ -776,7 +776,7 @@ mod tests {
                 vtn_id: "e1".into(),
                 program: "p".into(),
                 request: map::Request {
-                    cut: powerflex_proto::admin::Cut::Reduce { fraction: 0.3 },
+                    cut: powerflex_proto::event::Cut::Reduce { fraction: 0.3 },
                     start_ms: 1,
                     duration_ms: 10,
                     ramp_ms: 2,

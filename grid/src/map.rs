@@ -20,7 +20,8 @@ use openleadr_wire::event::{EventType, EventValuesMap};
 use openleadr_wire::values_map::Value;
 use openleadr_wire::{Event, Unit};
 use powerflex_core::config::OpenAdrConfig;
-use powerflex_proto::admin::{AdminOp, Cut, Event as PfEvent};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::{Cut, Event as PfEvent};
 use powerflex_proto::status::CtldStatus;
 use serde::{Deserialize, Serialize};
 

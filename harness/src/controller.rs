@@ -22,11 +22,13 @@ use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::status::CtldStatus;
 use powerflex_proto::usage::FinalRef;
 
-use crate::memory_link::{LeaseBody, NodeReport};
+use crate::memory_link::LeaseBody;
 use crate::HarnessError;
+use powerflex_proto::report::NodeReport;
 
-pub use powerflex_controller_machine::preempt::Action as Preempt;
-pub use powerflex_controller_machine::schedule::{effective_budget, Event};
+use powerflex_controller_machine::preempt::Action as Preempt;
+use powerflex_controller_machine::schedule::effective_budget;
+use powerflex_proto::event::Event;
 
 /// The controller's state as saved: what a restart with its state loads.
 pub type SavedState = CtldState;

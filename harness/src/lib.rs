@@ -25,10 +25,6 @@ pub mod physics;
 pub mod site;
 pub mod trace;
 
-pub use site::{
-    DrawWatch, Fault, JobSpec, JobState, Phase, Restart, Sample, Site, SiteOptions, Stop,
-};
-
 /// Why a site could not be made or a request not carried out.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum HarnessError {

@@ -25,7 +25,7 @@ pub enum ToController {
 }
 
 /// An agent's report, as the real link's `Body::Report` carries it.
-pub use powerflex_proto::report::NodeReport;
+use powerflex_proto::report::NodeReport;
 
 /// What the controller sends an agent.
 #[derive(Debug, Clone, PartialEq)]

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use powerflex_agent_machine::control::{
     AdoptionCandidate, Agent, AgentInput, AgentOutput, AgentSettings, CapWriteResult, ControlFacts,
-    GpuProcesses, GpuReading, LeaseMessage, Reply, ReportSender, Snapshot, StartFacts,
+    GpuProcesses, GpuReading, LeaseMessage, Reply, ReportSender, StartFacts,
 };
 use powerflex_agent_machine::gpu::{ErrorClass, GpuError, GpuIdentity};
 use powerflex_agent_machine::saved::PersistedState;
@@ -166,7 +166,7 @@ pub struct NodeAgent {
     started_ms: u64,
     wall_at_start_ms: u64,
     /// The status the machine last published.
-    status: Snapshot,
+    status: powerflex_proto::status::AgentStatus,
     /// The state file the machine last saved.
     saved: Disk,
     leases_reported: u64,
@@ -476,7 +476,7 @@ impl NodeAgent {
     }
 
     /// The status the machine last published.
-    pub fn snapshot(&self) -> &Snapshot {
+    pub fn snapshot(&self) -> &powerflex_proto::status::AgentStatus {
         &self.status
     }
 

@@ -10,14 +10,16 @@ use powerflex_core::rng::SplitMix64;
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::status::{AgentStatus, CtldStatus};
 
-use crate::controller::{self, Controller, Inbound, Preempt, SavedState, Start};
+use crate::controller::{Controller, Inbound, SavedState, Start};
 use crate::memory_link::{within_skew, Link, ToAgent, ToController};
-pub use crate::meter::Sample;
+use crate::meter::Sample;
 use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress};
 use crate::physics::{Load, NodeGpus, Workload, Workloads};
 use crate::trace::Trace;
 use crate::HarnessError;
 use powerflex_controller_machine::placement::Placement;
+use powerflex_controller_machine::preempt::Action as Preempt;
+use powerflex_controller_machine::schedule::effective_budget;
 use powerflex_core::slurm_record::{recorded_tier, SlurmJob, SlurmJobState, SlurmJobs};
 
 /// The site's clock at its start: an ordinary Unix time, ms.
@@ -949,9 +951,7 @@ impl Site {
     pub fn budget_in_force_w(&self, t_ms: u64) -> f64 {
         let base = self.site.facility.gpu_budget_w;
         match &self.controller_disk {
-            Some(state) => {
-                controller::effective_budget(state.budget_w.unwrap_or(base), &state.events, t_ms).0
-            }
+            Some(state) => effective_budget(state.budget_w.unwrap_or(base), &state.events, t_ms).0,
             None => base.0,
         }
     }

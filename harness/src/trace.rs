@@ -2,8 +2,9 @@
 //! every report received and every fault and Slurm action, in order. Two runs from the
 //! same seed and the same inputs have the same digest; a change in any decision shows.
 
-use crate::memory_link::{LeaseBody, NodeReport};
+use crate::memory_link::LeaseBody;
 use crate::meter::Sample;
+use powerflex_proto::report::NodeReport;
 
 /// FNV-1a, 64-bit: stable across platforms and releases (std's hasher is not promised
 /// to be).

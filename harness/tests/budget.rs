@@ -8,9 +8,12 @@
 // The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
-use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
 use powerflex_site_harness::site::test_bed_site;
-use powerflex_site_harness::{DrawWatch, Fault, JobSpec, Phase, Restart, Site, SiteOptions, Stop};
+use powerflex_site_harness::site::{
+    DrawWatch, Fault, JobSpec, Phase, Restart, Site, SiteOptions, Stop,
+};
 
 const HEAVY: &str = "synthetic-compute-bound";
 const LIGHT: &str = "synthetic-memory-bound";
@@ -54,7 +57,7 @@ fn two_jobs(site: &mut Site, a_flex: &str, a_phases: Vec<Phase>) {
 }
 
 fn running(site: &Site, id: &str) -> bool {
-    site.job_state(id) == Some(powerflex_site_harness::JobState::Running)
+    site.job_state(id) == Some(powerflex_site_harness::site::JobState::Running)
 }
 
 /// A job idle for its first minute, then training at full power: no stretch over the

@@ -11,8 +11,9 @@
 
 use powerflex_core::config::RawSiteConfig;
 use powerflex_core::domains::RawDomain;
-use powerflex_proto::admin::{AdminOp, Cut};
-use powerflex_site_harness::{JobSpec, Site, SiteOptions};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
+use powerflex_site_harness::site::{JobSpec, Site, SiteOptions};
 
 const GPUS_PER_NODE: u32 = 8;
 const MAX_CAP_W: f64 = 700.0;

@@ -6,9 +6,10 @@
 // The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
-use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
 use powerflex_site_harness::site::test_bed_site;
-use powerflex_site_harness::{Fault, JobSpec, JobState, Restart, Site, SiteOptions};
+use powerflex_site_harness::site::{Fault, JobSpec, JobState, Restart, Site, SiteOptions};
 
 const BUDGET_W: f64 = 3000.0;
 const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";

@@ -16,11 +16,12 @@
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_core::config::{RawGpuModel, RawSiteConfig};
-use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
 use powerflex_proto::status::{PfiSource, SiteJobStatus};
 use powerflex_site_harness::physics::Workloads;
 use powerflex_site_harness::site::test_bed_site;
-use powerflex_site_harness::{Fault, JobSpec, JobState, Restart, Site, SiteOptions, Stop};
+use powerflex_site_harness::site::{Fault, JobSpec, JobState, Restart, Site, SiteOptions, Stop};
 
 const DEFAULT_CAP_W: f64 = 700.0;
 /// The site's cap step (the H200 model below), W.

@@ -11,10 +11,11 @@
 // The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
-use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
 use powerflex_proto::status::{CalibrationState, CurvePoint, SiteJobStatus, SnapshotAfter};
 use powerflex_site_harness::site::test_bed_site;
-use powerflex_site_harness::{JobSpec, Site, SiteOptions};
+use powerflex_site_harness::site::{JobSpec, Site, SiteOptions};
 
 /// Real shape: BERT fine-tuning on RTX6000, measured by Zeus (NSDI'23) in 25 W steps.
 const PROFILE: &str = "real-rtx6000-squad-bert-base-uncased-bs16-adamw";

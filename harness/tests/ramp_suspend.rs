@@ -7,9 +7,10 @@
 // The tests print what they measured, as the Slurm tests do.
 #![allow(clippy::disallowed_macros)]
 
-use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
 use powerflex_site_harness::site::test_bed_site;
-use powerflex_site_harness::{DrawWatch, JobSpec, JobState, Site, SiteOptions};
+use powerflex_site_harness::site::{DrawWatch, JobSpec, JobState, Site, SiteOptions};
 
 const HEAVY: &str = "synthetic-compute-bound";
 const RATE_W_PER_S: f64 = 100.0;

@@ -9,9 +9,10 @@
 #![allow(clippy::disallowed_macros)]
 
 use powerflex_core::config::RawSiteConfig;
-use powerflex_proto::admin::{AdminOp, Cut};
+use powerflex_proto::admin::AdminOp;
+use powerflex_proto::event::Cut;
 use powerflex_site_harness::site::T0_MS;
-use powerflex_site_harness::{DrawWatch, JobSpec, Site, SiteOptions};
+use powerflex_site_harness::site::{DrawWatch, JobSpec, Site, SiteOptions};
 
 /// The workloads the jobs run, in turn: the test bed's training profile and the two
 /// synthetic extremes.

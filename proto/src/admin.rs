@@ -24,7 +24,7 @@ pub const MAX_ADMIN_REQUEST_BYTES: usize = 65_536;
 
 // Grid events are shared with the status (the event in force) and the VEN: their own
 // module, so the admin protocol and the status do not import each other.
-pub use crate::event::{Cut, Event};
+use crate::event::Cut;
 
 /// The most history samples one reply carries: one request's work is bounded whoever
 /// asks (a day at a 10 s period is 8,640 samples, each with every job's cap).

@@ -84,14 +84,10 @@ const SESSION_INFO: &[u8] = b"powerflex link v2 session key";
 const PREFIX: &str = "pf2";
 
 // What an agent reports and the controller checks is plain data, with no part in the
-// link's cryptography: `crate::report` holds it (so pure crates take it without this
-// feature), and these paths stay.
-pub use crate::report::{
-    validate_acks, validate_final_shares, validate_gpus, validate_report_totals, GpuInfo,
-    JobReport, NodeReport, MAX_ACKS_PER_MESSAGE, MAX_ENDED_PER_REPORT, MAX_GPUS_PER_NODE,
-    MAX_GPU_POWER_W, MAX_JOBS_PER_NODE, MAX_POINTS_PER_JOB,
-};
-pub use crate::usage::FinalRef;
+// link's cryptography: `crate::report` holds it, so pure crates take it without this
+// feature.
+use crate::report::{GpuInfo, JobReport, NodeReport};
+use crate::usage::FinalRef;
 
 /// What a message says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -117,7 +113,7 @@ pub enum Body {
         #[serde(default)]
         cap_mismatches: u64,
         /// Final shares of jobs that ended on the node and that the controller has not
-        /// acknowledged ([`Body::Acked`]) yet, at most [`MAX_ENDED_PER_REPORT`] per
+        /// acknowledged ([`Body::Acked`]) yet, at most [`crate::report::MAX_ENDED_PER_REPORT`] per
         /// report: the agent keeps them on disk and re-sends them until acknowledged
         /// (a controller that never acknowledges, one older than [`Body::Acked`], keeps
         /// the first of each and ignores repeats). A controller older than this field
@@ -190,7 +186,7 @@ pub enum Body {
     },
     /// Controller → agent: these final shares (from the node's reports' `ended`) are
     /// taken for good: their job's record is written (or was before). The agent stops
-    /// re-sending them. At most [`MAX_ACKS_PER_MESSAGE`]. Sent only to a node whose
+    /// re-sending them. At most [`crate::report::MAX_ACKS_PER_MESSAGE`]. Sent only to a node whose
     /// report carried final shares; an agent older than this message logs it as
     /// refused and ignores it (it re-sends its shares for a while as before).
     Acked { finals: Vec<FinalRef> },
@@ -754,6 +750,10 @@ impl LinkError {
 mod tests {
     use super::*;
     use crate::point::from_array;
+    use crate::report::{
+        validate_acks, validate_final_shares, validate_gpus, validate_report_totals,
+        MAX_ACKS_PER_MESSAGE, MAX_ENDED_PER_REPORT,
+    };
 
     const SITE: &[u8] = b"site key for tests";
     const NOW: u64 = 1_700_000_000_000;
@@ -1056,7 +1056,7 @@ mod tests {
                     cap_w: Some(cap),
                     power_w: Some(power),
                     throughput: Some(t),
-                    throughput_unit: Some(crate::status::ThroughputUnit::Tokens),
+                    throughput_unit: Some(crate::usage::ThroughputUnit::Tokens),
                     pfi: Some(t / 1e6),
                     pfi_source: Some(crate::status::PfiSource::Measured),
                     points: vec![from_array([cap, power, t])],
@@ -1138,7 +1138,7 @@ mod tests {
             cap_w: Some(500.0),
             power_w: Some(480.0 * f64::from(gpus)),
             throughput: Some(1000.0),
-            throughput_unit: Some(crate::status::ThroughputUnit::Tokens),
+            throughput_unit: Some(crate::usage::ThroughputUnit::Tokens),
             pfi: Some(1.4),
             pfi_source: Some(crate::status::PfiSource::Measured),
             points: vec![from_array([700.0, 690.0 * f64::from(gpus), 1100.0])],

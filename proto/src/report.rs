@@ -36,7 +36,7 @@ pub struct JobReport {
     pub throughput: Option<f64>,
     /// What `throughput` counts per second on this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub throughput_unit: Option<crate::status::ThroughputUnit>,
+    pub throughput_unit: Option<crate::usage::ThroughputUnit>,
     pub pfi: Option<f64>,
     pub pfi_source: Option<crate::status::PfiSource>,
     /// Calibrated points, highest cap first (on the wire as [`crate::point`] writes

@@ -36,7 +36,7 @@ impl PfiSource {
 
 // The unit of a job's work is its energy record's as much as the status's: it lives
 // with the records, so the two modules do not import each other.
-pub use crate::usage::ThroughputUnit;
+use crate::usage::ThroughputUnit;
 
 /// The controller's status snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

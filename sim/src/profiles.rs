@@ -56,7 +56,7 @@ impl Profile {
     }
 
     /// One GPU's operating points on `caps_w`, throughput relative to uncapped.
-    pub fn curve(&self, caps_w: &[f64]) -> Vec<powerflex_core::curve::OperatingPoint> {
+    pub fn curve(&self, caps_w: &[f64]) -> Vec<powerflex_core::point::OperatingPoint> {
         match &self.table {
             Some(table) => table.curve(caps_w, 1, &self.physics),
             None => self.physics.curve(caps_w, 1, 1.0),

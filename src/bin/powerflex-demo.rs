@@ -47,7 +47,7 @@ use powerflex_controller::plot::Mark;
 use powerflex_core::allocate::CapLimits;
 use powerflex_core::config::{RawGrid, RawOpenAdr, SiteConfig};
 use powerflex_core::Watts;
-use powerflex_proto::admin::Cut;
+use powerflex_proto::event::Cut;
 use powerflex_proto::status::{
     AgentJobStatus, CalibrationState, CtldStatus, DecisionView, HistorySample, PfiSource,
     SiteJobStatus,
@@ -1302,7 +1302,7 @@ impl Openadr {
 
 /// Whether the controller's allocation at some budget leaves the site short: a tier's
 /// floor broken, or over the budget with every job at its lowest cap (what makes the
-/// controller suspend jobs: `powerflex_controller::preempt::short`).
+/// controller suspend jobs: `powerflex_controller_machine::preempt::short`).
 fn short(d: &DecisionView) -> bool {
     d.allocation
         .as_ref()
@@ -1535,7 +1535,7 @@ fn openadr_depth<'a>(demo: &Demo, jobs: &'a [Job]) -> Result<Depth<'a>> {
         .ok_or(format!("job {} is not in the allocation", pausable.id))?;
     let job_idle_w = f64::from(pausable.spec.nodes * pausable.spec.gpus_per_node)
         * DEFAULT_CAP_W
-        * powerflex_controller::preempt::SUSPENDED_SHARE_OF_DEFAULT;
+        * powerflex_controller_machine::preempt::SUSPENDED_SHARE_OF_DEFAULT;
     let freed_w = job_at_floor_w - job_idle_w;
     if freed_w < 100.0 {
         return Err(format!(

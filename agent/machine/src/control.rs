@@ -111,7 +111,7 @@ pub const BATCH_STEP_NAME: &str = "batch";
 /// is away); beyond, the oldest is dropped with a warning.
 pub const MAX_ENDED_KEPT: usize = 512;
 
-pub use crate::saved::UnackedFinal;
+use crate::saved::UnackedFinal;
 
 /// A job still in calibration warm-up this long after registration is logged with
 /// why, at most every [`WARMUP_LOG_EVERY_S`], s.
@@ -475,9 +475,10 @@ impl Agent {
     }
 }
 
-/// What `status` and the metrics show: the wire types, so the control socket sends what
-/// the loop built and clients read it back typed.
-pub use powerflex_proto::status::{
+// What `status` and the metrics show: the wire types, so the control socket sends what
+// the loop built and clients read it back typed. Named here for what they are to the
+// agent; everyone else names them by their one public path in `powerflex_proto::status`.
+use powerflex_proto::status::{
     AgentGpuStatus as GpuView, AgentJobStatus as JobView, AgentStatus as Snapshot, GpuProcess,
 };
 

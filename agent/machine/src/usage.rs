@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use powerflex_core::curve::CapCurve;
 use powerflex_core::Watts;
-use powerflex_proto::status::ThroughputUnit;
+use powerflex_proto::usage::ThroughputUnit;
 use powerflex_proto::usage::{CapTime, EnergySource, GpuEnergy, NodeUsage, MAX_CAP_TIMES};
 
 /// The shortest gap between two observations that still counts toward the time shares,
@@ -464,7 +464,7 @@ struct Effect {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use powerflex_core::curve::OperatingPoint;
+    use powerflex_core::point::OperatingPoint;
 
     /// The gap of an agent sampling every second.
     const GAP_1S: u64 = 5_000;

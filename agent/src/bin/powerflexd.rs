@@ -19,9 +19,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use powerflex_agent::backend::{GpuBackend, NvmlBackend};
-use powerflex_agent::control::AgentSettings;
 use powerflex_agent::controller_link::LinkOptions;
 use powerflex_agent::run::{run, RunOptions};
+use powerflex_agent_machine::control::AgentSettings;
 use powerflex_core::config::{ReleaseSettings, SiteConfig};
 use powerflex_daemon::clock::SteadyClock;
 use powerflex_daemon::program::{Exit, Program};

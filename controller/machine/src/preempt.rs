@@ -421,7 +421,7 @@ mod tests {
     use powerflex_core::config::{BudgetMode, Objective};
     use powerflex_core::flex::TierTable;
     use powerflex_proto::report::{GpuInfo, JobReport};
-    use powerflex_proto::status::ThroughputUnit;
+    use powerflex_proto::usage::ThroughputUnit;
 
     const T0: u64 = 1_800_000_000_000;
 

@@ -17,7 +17,8 @@
 
 use powerflex_core::Watts;
 
-use crate::schedule::{effective_budget, lowest_budget, Event};
+use crate::schedule::{effective_budget, lowest_budget};
+use powerflex_proto::event::Event;
 
 /// What one allocation is made for.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -93,7 +94,7 @@ impl Ramp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::Cut;
+    use powerflex_proto::event::Cut;
 
     const T0: u64 = 1_800_000_000_000;
 

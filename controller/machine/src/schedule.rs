@@ -10,7 +10,7 @@ use powerflex_core::Watts;
 
 // The event types are the admin protocol's: `powerflexctl` sends them, the controller
 // keeps them and `status` shows them. What they do to the budget is decided here.
-pub use powerflex_proto::admin::{Cut, Event};
+use powerflex_proto::event::{Cut, Event};
 
 /// How long each step of an event's ramp holds, ms: the budget in force moves in steps
 /// of this length during a ramp (see [`SteppedRamp::depth`]).

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use powerflex_controller::ctld::{run, CtldOptions, CtldSettings};
+use powerflex_controller::ctld::{run, CtldOptions};
+use powerflex_controller_machine::controller::CtldSettings;
 use powerflex_core::config::SiteConfig;
 use powerflex_daemon::program::{Exit, Program};
 use powerflex_daemon::signals::SignalWatcher;

@@ -12,16 +12,17 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use powerflex_controller::offline;
 use powerflex_controller::render;
-use powerflex_controller::schedule::{
-    parse_duration_ms, parse_event_duration_ms, parse_reduce, parse_start, Cut, Start,
-};
 use powerflex_controller::{read_text, CtlError};
+use powerflex_controller_machine::schedule::{
+    parse_duration_ms, parse_event_duration_ms, parse_reduce, parse_start, Start,
+};
 use powerflex_core::allocate::Policy;
 use powerflex_core::config::SiteConfig;
 use powerflex_core::curves_csv::parse_curves;
 use powerflex_core::evaluate::{evaluate, EvaluateParams};
 use powerflex_core::Watts;
 use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply};
+use powerflex_proto::event::Cut;
 use powerflex_proto::status::CtldStatus;
 
 /// Largest input file accepted, bytes.

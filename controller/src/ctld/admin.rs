@@ -1,5 +1,5 @@
 //! The admin socket (Unix): `powerflexctl` reads status (anyone; a non-root caller reads
-//! the site and their own jobs, see [`super::owners`]) and changes the budget and grid
+//! the site and their own jobs, see [`powerflex_controller_machine::controller::owners`]) and changes the budget and grid
 //! events (root only, by `SO_PEERCRED`). One request line, one reply line, in the
 //! versioned protocol of `powerflex_proto::admin`. Connections are admitted by
 //! `powerflex_daemon::gate` (a few per user, an allowance of root's own); a refused one gets
@@ -24,8 +24,8 @@ use powerflex_daemon::lines;
 use powerflex_proto::admin::{AdminOp, AdminReply, AdminRequest, MAX_ADMIN_REQUEST_BYTES};
 
 use super::bounds::{admin_refusal, AdminLimits, Refusals};
-use super::history::HistoryBoard;
 use super::Inbound;
+use powerflex_controller_machine::controller::history::HistoryBoard;
 use powerflex_daemon::gate::Gate;
 use powerflex_daemon::lines::DeadlineReader;
 
@@ -145,6 +145,6 @@ fn serve_admin(
     };
     // What a non-root caller may read was decided by the core, which knows the jobs'
     // owners, or for the history by the board with the owners the core last published
-    // (both by `super::owners`).
+    // (both by `powerflex_controller_machine::controller::owners`).
     let _ = stream.write_all(reply.to_line().as_bytes());
 }

@@ -140,7 +140,7 @@ enum Next {
     Wait,
     Close,
     /// Authenticated: the session, the node's GPUs, and bytes after the hello.
-    Ready(Session, Vec<powerflex_proto::link::GpuInfo>, Vec<u8>),
+    Ready(Session, Vec<powerflex_proto::report::GpuInfo>, Vec<u8>),
 }
 
 fn handshakes(listener: &TcpListener, site_key: &[u8], shared: &Arc<Shared>) {
@@ -336,7 +336,7 @@ fn refuse(p: &mut Pending, e: &LinkError, shared: &Shared) -> Next {
 fn start_session(
     mut p: Pending,
     mut session: Session,
-    gpus: Vec<powerflex_proto::link::GpuInfo>,
+    gpus: Vec<powerflex_proto::report::GpuInfo>,
     rest: Vec<u8>,
     shared: &Arc<Shared>,
 ) {
@@ -413,7 +413,7 @@ fn serve_session(
     write_half: TcpStream,
     peer: SocketAddr,
     session: Session,
-    gpus: Vec<powerflex_proto::link::GpuInfo>,
+    gpus: Vec<powerflex_proto::report::GpuInfo>,
     rest: Vec<u8>,
     id: u64,
     shared: &Shared,

@@ -232,7 +232,7 @@ impl EventLoop<'_> {
             let Some(writer) = self.writers.get(&node) else {
                 continue;
             };
-            for chunk in finals.chunks(powerflex_proto::link::MAX_ACKS_PER_MESSAGE) {
+            for chunk in finals.chunks(powerflex_proto::report::MAX_ACKS_PER_MESSAGE) {
                 let _ = writer.try_send(Body::Acked {
                     finals: chunk.to_vec(),
                 });

@@ -7,7 +7,7 @@
 //! [`scontrol`] annotates jobs in Slurm, [`metrics_text`] for Prometheus, samples on the [`history`]
 //! board (whence the admin threads answer `history` requests, outside the loop).
 //!
-//! - **Loop**: every `allocation_period_s`, the budget in force ([`crate::schedule`]) is
+//! - **Loop**: every `allocation_period_s`, the budget in force ([`powerflex_controller_machine::schedule`]) is
 //!   split across every live node's jobs ([`powerflex_decide`]) and each node gets its lease.
 //! - **Bounds** ([`bounds`], [`agent_link::LinkLimits`]): the link carries unauthenticated
 //!   peers through the handshake in one thread with a cap and a deadline, the admin socket
@@ -30,10 +30,7 @@ pub mod scontrol;
 mod services;
 pub mod state_file;
 
-// The machine's modules, where the edge (and the tools) have always found them.
-pub use powerflex_controller_machine::controller::{
-    accounting, history, learning, owners, session, status, CtldSettings, SettingsReload,
-};
+use powerflex_controller_machine::controller::{CtldSettings, SettingsReload};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -47,7 +44,8 @@ use tracing::warn;
 use powerflex_controller_machine::controller::history::HistoryBoard;
 use powerflex_controller_machine::controller::leader::LeaderInput;
 use powerflex_proto::admin::{AdminOp, AdminReply};
-use powerflex_proto::link::{Body, GpuInfo, JobReport};
+use powerflex_proto::link::Body;
+use powerflex_proto::report::{GpuInfo, JobReport};
 
 use powerflex_controller_machine::controller::state::CtldState;
 use powerflex_controller_machine::controller::step::{Controller, Input, Output};
@@ -122,7 +120,7 @@ pub(crate) enum Inbound {
         reply: Sender<AdminReply>,
     },
     /// A read of Slurm's placement (see [`services`]).
-    Placement(Result<crate::placement::Placement, String>),
+    Placement(Result<powerflex_controller_machine::placement::Placement, String>),
     /// The leadership database answered (see [`ha`]).
     Leader(LeaderInput),
     /// A save of the state to the leadership database under `epoch` was written (`Ok`),

@@ -8,7 +8,7 @@
 use crossbeam_channel::{unbounded, Sender};
 use tracing::info;
 
-use crate::preempt::Action;
+use powerflex_controller_machine::preempt::Action;
 
 pub use powerflex_controller_machine::controller::annotate::changes;
 

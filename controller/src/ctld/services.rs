@@ -19,7 +19,7 @@ use powerflex_daemon::http::{HttpOptions, MetricsServer};
 
 use super::bounds::Refusals;
 use super::{admin, agent_link, metrics_text, scontrol, unix_ms, Bounds, CtldOptions, Inbound};
-use crate::preempt::Action;
+use powerflex_controller_machine::preempt::Action;
 
 /// What the loop hands on to the threads, and what it stops at the end.
 pub(super) struct Services {
@@ -203,7 +203,7 @@ fn spawn_placement_reader(
         .name("slurm-placement".into())
         .spawn(move || loop {
             let started = std::time::Instant::now();
-            let read = || -> Result<crate::placement::Placement, String> {
+            let read = || -> Result<powerflex_controller_machine::placement::Placement, String> {
                 let run = |program: &str| {
                     powerflex_daemon::command::output_within(
                         program,
@@ -216,7 +216,7 @@ fn spawn_placement_reader(
                 };
                 let jobs = parse_squeue_json(&run("squeue")?).map_err(|e| e.to_string())?;
                 let node_gpus = parse_sinfo_gpus(&run("sinfo")?).map_err(|e| e.to_string())?;
-                Ok(crate::placement::Placement {
+                Ok(powerflex_controller_machine::placement::Placement {
                     jobs,
                     node_gpus,
                     read_at_ms: unix_ms(),

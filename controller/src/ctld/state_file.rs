@@ -101,7 +101,7 @@ fn try_save(dir: &Path, state: &CtldState) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::preempt::Preempted;
+    use powerflex_controller_machine::preempt::Preempted;
     use powerflex_core::Watts;
 
     const NOW: UnixMs = UnixMs(1_800_000_000_000);

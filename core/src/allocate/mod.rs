@@ -54,7 +54,8 @@ use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::curve::{CapCurve, OperatingPoint};
+use crate::curve::CapCurve;
+use crate::point::OperatingPoint;
 use crate::units::{SlowdownFraction, Watts};
 
 /// The per-GPU caps a job's GPUs accept: NVML's constraints and the site's granularity.

@@ -2,7 +2,8 @@
 //! the curve and its PFI, what it cost), and a previous run's points taken back.
 
 use powerflex_core::calibration_design::FIRST_HOUR_S;
-use powerflex_core::curve::{estimate_from_windows, CapCurve, OperatingPoint};
+use powerflex_core::curve::{estimate_from_windows, CapCurve};
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 
 use super::{Calibration, Level, Phase, Window, RESTORED_NOISE};

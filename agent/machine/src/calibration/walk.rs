@@ -3,7 +3,7 @@
 //! the walk, ends it); a drifted job walked again.
 
 use powerflex_core::calibration_design::DesignWalk;
-use powerflex_core::curve::OperatingPoint;
+use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 
 use super::{

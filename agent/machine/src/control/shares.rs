@@ -3,7 +3,7 @@
 
 use powerflex_core::curve::CapCurve;
 use powerflex_core::UnixMs;
-use powerflex_proto::status::ThroughputUnit;
+use powerflex_proto::usage::ThroughputUnit;
 use powerflex_proto::usage::{FinalRef, NodeUsage};
 
 use super::{Agent, GpuSlot, Job, UnackedFinal, MAX_ENDED_KEPT, UNACKED_FINAL_MAX_AGE_MS};

@@ -1,6 +1,7 @@
 //! The status snapshot (also the metrics' source), and the part of it a user may see.
 
-use powerflex_proto::status::{AgentMode, CalibrationState, PfiSource, ThroughputUnit};
+use powerflex_proto::status::{AgentMode, CalibrationState, PfiSource};
+use powerflex_proto::usage::ThroughputUnit;
 
 use super::{Agent, GpuProcess, GpuSlot, GpuView, Job, JobView, Snapshot};
 use crate::calibration::Phase;

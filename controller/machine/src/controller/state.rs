@@ -15,7 +15,7 @@ use powerflex_proto::report::{validate_gpus, GpuInfo};
 
 use crate::error::MachineError;
 use crate::preempt::Preempted;
-use crate::schedule::Event;
+use powerflex_proto::event::Event;
 
 /// The longest committed state accepted, bytes (the state file, or the leadership
 /// database's row): a site of 10,000 nodes of 8 GPUs writes a few MB.

@@ -5,13 +5,15 @@ use tracing::{info, warn};
 use powerflex_core::allocate::Policy;
 use powerflex_core::{UnixMs, Watts};
 use powerflex_decide::{decide_holding, NodeView};
-use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply, Cut, Refusal};
+use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply, Refusal};
+use powerflex_proto::event::Cut;
 use powerflex_proto::usage::JobEnergyRecord;
 
 use crate::controller::accounting::{self};
 use crate::controller::state::MAX_BUDGET_W;
 use crate::controller::status;
-use crate::schedule::{effective_budget, Event};
+use crate::schedule::effective_budget;
+use powerflex_proto::event::Event;
 
 use super::Controller;
 

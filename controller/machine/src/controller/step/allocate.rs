@@ -20,7 +20,8 @@ use crate::preempt::Preempted;
 use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, RampPlan};
 use crate::rollout::LeaseOut;
-use crate::schedule::{Event, SteppedRamp};
+use crate::schedule::SteppedRamp;
+use powerflex_proto::event::Event;
 
 use super::{Controller, Lease, Output};
 

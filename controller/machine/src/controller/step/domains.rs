@@ -3,7 +3,8 @@
 
 use powerflex_core::Watts;
 
-use crate::schedule::{active_event, Event, SteppedRamp};
+use crate::schedule::{active_event, SteppedRamp};
+use powerflex_proto::event::Event;
 
 use super::Controller;
 

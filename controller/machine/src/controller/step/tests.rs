@@ -12,8 +12,10 @@ use powerflex_core::config::{BudgetMode, LeaseRollout, Objective};
 use powerflex_core::flex::TierTable;
 use powerflex_core::Watts;
 use powerflex_decide::SiteSettings;
-use powerflex_proto::admin::{Cut, Refusal};
-use powerflex_proto::status::{CurvePoint, ThroughputUnit};
+use powerflex_proto::admin::Refusal;
+use powerflex_proto::event::Cut;
+use powerflex_proto::status::CurvePoint;
+use powerflex_proto::usage::ThroughputUnit;
 
 use super::*;
 use crate::controller::history::HistoryBoard;
