@@ -105,6 +105,7 @@ mod tests {
                 refused_reports: 0,
                 refused_gpus: 0,
                 observe_only: false,
+                reported_since_hello: true,
             },
         )]
         .into()

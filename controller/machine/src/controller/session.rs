@@ -24,4 +24,17 @@ pub struct Session {
     /// Its agent is in observe mode (last report): its jobs are never suspended or
     /// requeued, since nothing is enforced there.
     pub observe_only: bool,
+    /// It has reported since its last hello. Until it has, its draw is not a reading
+    /// (0 W for a node this controller has just met), so `status` counts it neither as
+    /// live nor in the draw: a VEN must not report a restarted controller's 0 W to the
+    /// utility as the site's metered draw.
+    pub reported_since_hello: bool,
+}
+
+impl Session {
+    /// Whether the node reported within its lease since it last said hello: what
+    /// `status` shows as live, and whose draw it sums.
+    pub fn draw_known(&self) -> bool {
+        self.view.live && self.reported_since_hello
+    }
 }

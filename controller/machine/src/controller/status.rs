@@ -107,7 +107,7 @@ pub fn build(
             .map(|s| NodeStatus {
                 node: s.view.node.clone(),
                 gpus: s.view.gpus.len() as u32,
-                live: s.view.live,
+                live: s.draw_known(),
                 power_w: s.view.power_w,
                 jobs: s.view.jobs.len() as u32,
                 seen_ms_ago: now_ms.saturating_sub(s.last_seen_ms),
@@ -144,7 +144,7 @@ pub fn domains(
     for s in sessions.values() {
         for d in tree.path_of_node(&s.view.node) {
             nodes[d] += 1;
-            if s.view.live {
+            if s.draw_known() {
                 live[d] += 1;
                 draw[d] += s.view.power_w;
             }
@@ -181,11 +181,11 @@ pub fn domains(
         .collect()
 }
 
-/// Summed draw of the nodes that reported within their lease, W.
+/// Summed draw of the nodes that reported within their lease (since their hello), W.
 pub fn live_draw_w(sessions: &BTreeMap<String, Session>) -> f64 {
     sessions
         .values()
-        .filter(|s| s.view.live)
+        .filter(|s| s.draw_known())
         .map(|s| s.view.power_w)
         .sum()
 }

@@ -264,6 +264,7 @@ impl Controller {
                         refused_reports: 0,
                         refused_gpus: 0,
                         observe_only: false,
+                        reported_since_hello: false,
                     },
                 )
             })

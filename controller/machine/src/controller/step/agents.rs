@@ -31,8 +31,10 @@ impl Controller {
                 refused_reports: 0,
                 refused_gpus: 0,
                 observe_only: false,
+                reported_since_hello: false,
             });
         session.announced = gpus;
+        session.reported_since_hello = false;
         session.last_seen_ms = now_ms;
         self.believe(&node);
         self.allocate_now = true;

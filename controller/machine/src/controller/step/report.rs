@@ -115,6 +115,7 @@ impl Controller {
         });
         s.view.power_w = power_w;
         s.last_seen_ms = now_ms;
+        s.reported_since_hello = true;
         self.rollout.confirm(node, &in_force);
         if let Some((job_id, from_w, to_w)) = rose {
             info!(

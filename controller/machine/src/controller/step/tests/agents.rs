@@ -560,3 +560,30 @@ fn under_ha_refusals_fence_node_by_node_and_never_stand_the_leader_by() {
     );
     assert_eq!(status.refused_by.len(), 2);
 }
+
+/// A node that has said hello but not reported yet has no draw to show: `status` counts
+/// it neither as live nor in the site's draw until its first report, after a reconnect
+/// too. A VEN reports the draw to the utility only while every node is live, so a
+/// controller that has just restarted never has it report 0 W as the site's metered draw.
+#[test]
+fn a_node_counts_as_live_with_its_draw_only_once_it_has_reported() {
+    let mut core = fresh();
+    core.step(UnixMs(T0), vec![hello("n1")]);
+    let status = core.status(UnixMs(T0 + 10));
+    assert_eq!(status.nodes.len(), 1);
+    assert!(!status.nodes[0].live, "{:?}", status.nodes);
+    assert_eq!(status.draw_w, 0.0);
+
+    core.step(UnixMs(T0 + 20), vec![report("n1", vec![job("101", None)])]);
+    let status = core.status(UnixMs(T0 + 30));
+    assert!(status.nodes[0].live, "{:?}", status.nodes);
+    assert_eq!(status.draw_w, 2800.0);
+
+    // The agent reconnects: what it drew before is not a reading of now.
+    core.step(UnixMs(T0 + 40), vec![hello("n1")]);
+    let status = core.status(UnixMs(T0 + 50));
+    assert!(!status.nodes[0].live, "{:?}", status.nodes);
+    assert_eq!(status.draw_w, 0.0);
+    core.step(UnixMs(T0 + 60), vec![report("n1", vec![job("101", None)])]);
+    assert!(core.status(UnixMs(T0 + 70)).nodes[0].live);
+}
