@@ -261,9 +261,30 @@ fn check_range(
         return Err(invalid(field(), format!("{value} is not a finite number")));
     }
     if value < lo || value > hi {
-        return Err(invalid(field(), format!("{value} is outside {lo}..={hi}")));
+        return Err(invalid(
+            field(),
+            format!(
+                "{value} is out of range; accepted: {}",
+                accepted_range(lo, hi)
+            ),
+        ));
     }
     Ok(())
+}
+
+/// `lo..=hi` in words, as a refusal says it: `f64::MIN_POSITIVE` is "above 0" and
+/// `f64::MAX` no upper bound, rather than the 300-digit numbers they print as.
+fn accepted_range(lo: f64, hi: f64) -> String {
+    let low = if lo == f64::MIN_POSITIVE {
+        "above 0".to_string()
+    } else {
+        format!("at least {lo}")
+    };
+    if hi == f64::MAX {
+        low
+    } else {
+        format!("{low} and at most {hi}")
+    }
 }
 
 impl GpuInfo {
@@ -325,7 +346,7 @@ impl JobReport {
     /// Checks that the report can be true of a job on a node with `node_gpus`: a valid job
     /// id, `1..=node_gpus` GPUs (its UUIDs, when given, among the node's and as many as
     /// `gpus`), finite non-negative power within what its GPUs can draw, finite
-    /// non-negative throughput, a PFI in (0, 100), at most [`MAX_POINTS_PER_JOB`] finite
+    /// non-negative throughput, a finite PFI above 0, at most [`MAX_POINTS_PER_JOB`] finite
     /// points. A report that fails is left out of the allocation; the rest of the node's
     /// jobs and every other node are still allocated.
     pub fn validate(&self, node_gpus: &[GpuInfo]) -> Result<(), ProtoError> {
@@ -378,8 +399,11 @@ impl JobReport {
         if let Some(t) = self.throughput {
             check_range(|| job("throughput"), t, 0.0, f64::MAX)?;
         }
+        // Any finite positive PFI is a curve the physics allows: a job that keeps nearly
+        // all its speed when capped (a flat curve) measures a PFI in the hundreds or
+        // thousands, and it is the cheapest job to cut, not one to leave unsteered.
         if let Some(pfi) = self.pfi {
-            check_range(|| job("pfi"), pfi, f64::MIN_POSITIVE, 100.0)?;
+            check_range(|| job("pfi"), pfi, f64::MIN_POSITIVE, f64::MAX)?;
         }
         if self.points.len() > MAX_POINTS_PER_JOB {
             return Err(invalid(
@@ -477,5 +501,36 @@ mod tests {
             finals_in_turn(&many, usize::MAX).len(),
             MAX_ENDED_PER_REPORT
         );
+    }
+
+    fn flat_job(pfi: f64) -> JobReport {
+        serde_json::from_str(&format!(
+            r#"{{"job_id":"7","tier":"flex1","gpus":1,"cap_w":700.0,"power_w":690.0,
+            "throughput":100.0,"pfi":{pfi},"pfi_source":null,"points":[]}}"#
+        ))
+        .expect("a job report")
+    }
+
+    /// A flat curve (the job keeps its speed when capped) measures a PFI in the hundreds
+    /// or thousands: its report is planned on, not refused. A PFI of 0 or below is
+    /// refused, and the refusal says what is accepted in words, not as a 300-digit number.
+    #[test]
+    fn a_flat_curve_s_large_pfi_is_accepted_and_a_refusal_reads_in_words() {
+        let gpus = [GpuInfo {
+            uuid: "GPU-1".into(),
+            name: "H200".into(),
+            min_w: 200.0,
+            max_w: 700.0,
+            default_w: 700.0,
+        }];
+        for pfi in [1.0, 131.0, 995.0, 1045.0, 1e9] {
+            assert_eq!(flat_job(pfi).validate(&gpus), Ok(()), "PFI {pfi}");
+        }
+        for pfi in [0.0, -1.0] {
+            let refused = flat_job(pfi).validate(&gpus).expect_err("refused");
+            let text = refused.to_string();
+            assert!(text.contains("accepted: above 0"), "{text}");
+            assert!(text.len() < 120, "{text}");
+        }
     }
 }
