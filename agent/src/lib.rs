@@ -7,8 +7,8 @@
 //!
 //! - [`backend`]: the GPU trait and its NVML implementation (the only code that uses
 //!   `nvml-wrapper`);
-//! - [`calibration`], [`control`], [`usage`]: the pure machine, in its own crate
-//!   (`powerflex-agent-machine`, no I/O dependency, re-exported here);
+//! - the decisions (calibration, caps, accounting) are the pure machine's, in its own
+//!   crate: [`powerflex_agent_machine`], with no I/O dependency;
 //! - [`server`], [`controller_link`], [`metrics`], [`persist`], [`run`]: sockets, the
 //!   link to the controller, Prometheus, state on disk, and the control loop that ties
 //!   them together.

@@ -2,15 +2,15 @@
 //!
 //! This library holds what the binaries do, so tests can call it without a process:
 //! [`offline`] implements the commands that work on files alone (`pfi`, `allocate`,
-//! `evaluate`, `synth-curves`), [`schedule`] turns grid events into the budget in force
+//! `evaluate`, `synth-curves`), [`powerflex_controller_machine::schedule`] turns grid events into the budget in force
 //! at each instant, [`powerflex_decide`] splits that budget across the jobs of every node
-//! (one cap per job everywhere), [`placement`] decides which of a node's words to believe (Slurm's
+//! (one cap per job everywhere), [`powerflex_controller_machine::placement`] decides which of a node's words to believe (Slurm's
 //! record of where each job runs), [`table`] renders human tables and [`render`] the
 //! controller's answers in them, [`plot`] draws the controller's history as SVG and
 //! [`energy_plot`] the ended jobs' energy per tier. The binaries parse arguments, read
 //! files, print and choose exit codes; the decisions come from the pure crates
-//! `powerflex-controller-machine` (its modules re-exported here under their old paths),
-//! `powerflex-decide` and `powerflex-core`.
+//! `powerflex-controller-machine`, `powerflex-decide` and `powerflex-core`, each named by
+//! its own path.
 
 pub mod ctld;
 pub mod energy_plot;

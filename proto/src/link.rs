@@ -64,7 +64,7 @@ pub const MAX_LINK_LINE_BYTES: usize = 64 * MAX_LINE_BYTES;
 
 /// Largest frame of the handshake (open, challenge, hello), bytes: what a controller
 /// buffers for a peer that has not proven its key yet. A hello of
-/// [`MAX_GPUS_PER_NODE`] GPUs fits.
+/// [`crate::report::MAX_GPUS_PER_NODE`] GPUs fits.
 pub const MAX_HANDSHAKE_LINE_BYTES: usize = 96 * 1024;
 
 /// Bytes of a handshake nonce.

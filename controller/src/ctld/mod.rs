@@ -4,7 +4,7 @@
 //! is the I/O edge around it ([`run`]): it accepts agents on the [`agent_link`] and admins on
 //! the [`admin`] socket, ticks every allocation period, loads and saves the [`state_file`],
 //! and carries out what the core answers — leases to agents, replies to admins,
-//! [`scontrol`] annotates jobs in Slurm, [`metrics_text`] for Prometheus, samples on the [`history`]
+//! [`scontrol`] annotates jobs in Slurm, [`metrics_text`] for Prometheus, samples on the [`powerflex_controller_machine::controller::history`]
 //! board (whence the admin threads answer `history` requests, outside the loop).
 //!
 //! - **Loop**: every `allocation_period_s`, the budget in force ([`powerflex_controller_machine::schedule`]) is
