@@ -43,16 +43,25 @@ fn cut_text(event: &Event) -> String {
 pub fn render_nodes(nodes: &[NodeStatus]) -> String {
     // The domain column only where the site has domains.
     let domains = nodes.iter().any(|n| n.domain.is_some());
+    // The reserve column only where some node was never heard from.
+    let unmanaged = nodes.iter().any(|n| n.unmanaged_reserve_w.is_some());
     let mut header = vec!["node", "gpus", "live", "power", "jobs"];
     if domains {
         header.push("domain");
+    }
+    if unmanaged {
+        header.push("reserved");
     }
     let mut t = Table::new(header);
     for n in nodes {
         let mut row = vec![
             n.node.clone(),
             n.gpus.to_string(),
-            n.live.to_string(),
+            if n.unmanaged_reserve_w.is_some() {
+                "UNMANAGED".to_string()
+            } else {
+                n.live.to_string()
+            },
             watts(n.power_w),
             n.jobs.to_string(),
         ];
@@ -62,6 +71,9 @@ pub fn render_nodes(nodes: &[NodeStatus]) -> String {
                     .clone()
                     .unwrap_or_else(|| "NONE (config error)".into()),
             );
+        }
+        if unmanaged {
+            row.push(n.unmanaged_reserve_w.map_or("-".into(), watts));
         }
         t.row(row);
     }
@@ -623,6 +635,26 @@ pub fn render_status(s: &CtldStatus) -> String {
     if !cut.is_empty() {
         out.push_str(&format!("domain events in force: {}\n", cut.join(", ")));
     }
+    if let Some(reserve) = s.unmanaged_reserve_w {
+        let unheard: Vec<&str> = s
+            .nodes
+            .iter()
+            .filter(|n| n.unmanaged_reserve_w.is_some())
+            .map(|n| n.node.as_str())
+            .collect();
+        let more = unheard.len().saturating_sub(8);
+        out.push_str(&format!(
+            "UNMANAGED ({} nodes never heard from, each reserved at its GPUs times the largest GPU model's maximum): the budget is short by {}: {}{}\n",
+            unheard.len(),
+            watts(reserve),
+            unheard[..unheard.len().min(8)].join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        ));
+    }
     if let Some(short) = s.over_budget_w.filter(|&w| w > 0.0) {
         out.push_str(&format!(
             "SHORT {}: every managed job is at its lowest cap\n",
@@ -815,6 +847,7 @@ mod tests {
                 refused_reports: 0,
                 refused_gpus: 0,
                 domain: None,
+                unmanaged_reserve_w: None,
             }],
             jobs: vec![
                 job("101", "flex2", Some(450.0), Some(FloorStatus::Held)),
@@ -833,6 +866,7 @@ mod tests {
             domains: Vec::new(),
             leadership: None,
             refused_by: Default::default(),
+            unmanaged_reserve_w: None,
         }
     }
 
@@ -1071,6 +1105,43 @@ mod tests {
     }
 
     #[test]
+    fn a_node_never_heard_from_is_unmanaged_with_what_the_budget_is_short() {
+        let mut s = status();
+        s.nodes.push(NodeStatus {
+            node: "n2".into(),
+            gpus: 4,
+            live: false,
+            power_w: 0.0,
+            jobs: 0,
+            seen_ms_ago: 0,
+            refused_reports: 0,
+            refused_gpus: 0,
+            domain: None,
+            unmanaged_reserve_w: Some(2800.0),
+        });
+        s.unmanaged_reserve_w = Some(2800.0);
+        let text = render_status(&s);
+        assert!(
+            text.contains("UNMANAGED (1 nodes never heard from, each reserved at its GPUs times the largest GPU model's maximum): the budget is short by 2800 W: n2\n"),
+            "{text}"
+        );
+        let nodes = render_nodes(&s.nodes);
+        let rows: Vec<Vec<&str>> = nodes
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows[0].last(), Some(&"reserved"));
+        assert_eq!(rows[1], ["n1", "8", "true", "3250", "W", "2", "-"]);
+        assert_eq!(
+            rows[2],
+            ["n2", "4", "UNMANAGED", "0", "W", "0", "2800", "W"]
+        );
+        // Without one, neither the line nor the column.
+        assert!(!render_status(&status()).contains("UNMANAGED"));
+        assert!(!render_nodes(&status().nodes).contains("reserved"));
+    }
+
+    #[test]
     fn a_job_report_shows_its_points_and_slowdowns() {
         let text = render_job_report(&job("101", "flex2", Some(450.0), None));
         assert!(
@@ -1174,6 +1245,7 @@ mod tests {
             planned_w: Some(11_500.0),
             floors_over_w: over,
             event: (depth == 1).then_some(7),
+            unmanaged_reserve_w: None,
         };
         let text = render_domains(&[domain("feed-a", 0, None), domain("rack-1", 1, Some(250.0))]);
         let lines: Vec<&str> = text.lines().collect();

@@ -202,6 +202,18 @@ pub mod catalog {
         help: "1 when the node's agent reported within its lease.",
         labels: ["node"],
     };
+    pub const UNMANAGED_NODES: Family<0> = Family {
+        name: "powerflex_unmanaged_nodes",
+        kind: Kind::Gauge,
+        help: "GPU nodes Slurm lists or a power domain places whose agents this controller has never heard from (UNMANAGED): each is reserved at its worst case.",
+        labels: [],
+    };
+    pub const UNMANAGED_RESERVE_WATTS: Family<0> = Family {
+        name: "powerflex_unmanaged_reserve_watts",
+        kind: Kind::Gauge,
+        help: "What the last allocation reserved for the UNMANAGED nodes (their GPUs times the site's largest GPU model's max_cap_w), W: the budget left to the managed jobs is short by this much.",
+        labels: [],
+    };
     pub const NODE_REPORTS_REFUSED: Family<1> = Family {
         name: "powerflex_node_reports_refused_total",
         kind: Kind::Counter,
@@ -359,6 +371,8 @@ pub mod catalog {
             e(DOMAIN_BINDS, Controller),
             e(NODE_LIVE, Controller),
             e(NODE_REPORTS_REFUSED, Controller),
+            e(UNMANAGED_NODES, Controller),
+            e(UNMANAGED_RESERVE_WATTS, Controller),
             e(JOB_GRANTED_CAP_WATTS, Controller),
             e(JOB_DRIFTED, Controller),
             e(REPORTS_REJECTED, Controller),

@@ -93,6 +93,39 @@ pub fn silent_node_reserve_w(gpus: &[GpuInfo]) -> f64 {
     gpus.iter().map(|g| g.default_w.max(g.max_w)).sum()
 }
 
+/// The name each GPU of an [`unheard_node_view`] carries, so it is never taken for a
+/// GPU a node announced.
+pub const UNHEARD_GPU_NAME: &str = "(never heard from)";
+
+/// A node the site names (Slurm's node list, a power domain's hostlist) whose agent
+/// has never spoken to this controller, as a silent node of `gpus` GPUs at `max_gpu_w`
+/// each (the largest `max_cap_w` of the site's GPU models): nothing steers it, its GPUs
+/// may sit at any default limit the site's models allow, so the allocation pays for it
+/// at that worst case, in the site's budget and in every domain on its path, until its
+/// agent says hello and the node is paid for at what it announces and reports.
+pub fn unheard_node_view(node: &str, gpus: u32, max_gpu_w: f64) -> NodeView {
+    let w = if max_gpu_w.is_finite() {
+        max_gpu_w.clamp(0.0, MAX_GPU_POWER_W)
+    } else {
+        MAX_GPU_POWER_W
+    };
+    NodeView {
+        node: node.to_string(),
+        gpus: (0..gpus.min(MAX_GPUS_PER_NODE as u32))
+            .map(|i| GpuInfo {
+                uuid: format!("unheard-{node}-{i}"),
+                name: UNHEARD_GPU_NAME.to_string(),
+                min_w: w,
+                max_w: w,
+                default_w: w,
+            })
+            .collect(),
+        jobs: Vec::new(),
+        power_w: 0.0,
+        live: false,
+    }
+}
+
 /// The power range of a job's GPUs on one node, W, and the most one GPU of the node
 /// draws by default (for a job that does not name its GPUs).
 struct NodeLimits {

@@ -36,7 +36,7 @@ mod tiers;
 
 pub use self::decision::{decide, decide_holding, decide_steady, Decision, Held};
 pub use self::error::DecideError;
-pub use self::gather::silent_node_reserve_w;
+pub use self::gather::{silent_node_reserve_w, unheard_node_view, UNHEARD_GPU_NAME};
 pub use self::settings::{site_gpu_model, NodeView, SiteDomains, SiteSettings, TierBounds};
 pub use self::steady::{STEADY_GAIN, STEADY_Z};
 pub use self::tiers::{apply_least_flexible_tiers, least_flexible_tiers};

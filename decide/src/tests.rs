@@ -1261,3 +1261,49 @@ fn a_job_idling_between_steps_is_not_raised_on_its_idle_draw() {
     let (before, d) = demo_job4_between_steps(budget, |c| 0.985 * c.min(620.0 / 0.985), false);
     assert_eq!(d.leases["n1"]["4"], before, "{:?}", d.leases);
 }
+
+#[test]
+fn a_node_never_heard_from_is_paid_for_at_its_worst_case_in_the_site_and_its_domains() {
+    // n2 (rack B) has never spoken: 4 GPUs at the site's largest model's 700 W.
+    let unheard = unheard_node_view("n2", 4, 700.0);
+    assert!(!unheard.live);
+    assert_eq!(silent_node_reserve_w(&unheard.gpus), 4.0 * 700.0);
+    let nodes = vec![
+        rack_node("n1", vec![report("1", "flex3", 4, 2800.0, points(4.0))]),
+        unheard.clone(),
+    ];
+    // The site's budget: 4 kW, of which the unheard node takes 2.8 kW.
+    let d = decide(
+        &nodes,
+        Watts(4000.0),
+        &SiteSettings {
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        },
+    );
+    assert_eq!(d.reserved_w, 2800.0);
+    let a = d.leases["n1"]["1"];
+    assert!(a * 4.0 <= 4000.0 - 2800.0 + 1e-6, "n1 gets the rest: {a} W");
+    assert!(
+        !d.leases.contains_key("n2"),
+        "no lease for a node never heard from"
+    );
+    // Through the domains: the feed (5 kW) carries both racks; rack B's reserve comes
+    // off the feed too, so rack A's job gets what the feed leaves, not rack A's 4 kW.
+    let d = decide(
+        &nodes,
+        Watts(20_000.0),
+        &with_domains(two_racks(5000.0, 4000.0, 4000.0)),
+    );
+    let a = d.leases["n1"]["1"];
+    assert!(
+        a * 4.0 <= 5000.0 - 2800.0 + 1e-6,
+        "the feed pays the unheard node: {a} W"
+    );
+    // A model's limit that is not a power is paid at the most any GPU may draw.
+    let nan = unheard_node_view("n2", 1, f64::NAN);
+    assert_eq!(
+        silent_node_reserve_w(&nan.gpus),
+        powerflex_proto::report::MAX_GPU_POWER_W
+    );
+}

@@ -1220,6 +1220,7 @@ mod tests {
             refused_reports: 0,
             refused_gpus: 0,
             domain: None,
+            unmanaged_reserve_w: None,
         };
         let feed = |live_nodes: u32| DomainStatus {
             name: "feed-b".into(),
@@ -1234,6 +1235,7 @@ mod tests {
             planned_w: None,
             floors_over_w: None,
             event: Some(4),
+            unmanaged_reserve_w: None,
         };
         let status: CtldStatus = serde_json::from_value(serde_json::json!({
             "base_budget_w": 100000.0, "budget_w": 100000.0, "draw_w": 61000.0,

@@ -92,6 +92,12 @@ pub struct CtldStatus {
     /// controller of a later epoch, with that epoch: this controller steers them no more.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub refused_by: std::collections::BTreeMap<String, u64>,
+    /// What the nodes Slurm or the power domains name whose agents this controller has
+    /// never heard from (UNMANAGED in `nodes`) take off the budget, W: each is paid for
+    /// at its GPUs times the site's largest GPU model's maximum, so the budget left to
+    /// the managed jobs is short by this much. None when every such node has spoken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmanaged_reserve_w: Option<f64>,
 }
 
 /// One power domain as the controller sees it now.
@@ -125,6 +131,10 @@ pub struct DomainStatus {
     /// The event cutting it now, if any (the deepest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event: Option<u64>,
+    /// What the nodes behind it whose agents were never heard from (UNMANAGED) take off
+    /// its limit, W; none when there are none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmanaged_reserve_w: Option<f64>,
 }
 
 /// Whether this controller steers the site, where that is in question: under
@@ -230,6 +240,11 @@ pub struct NodeStatus {
     /// places: a configuration error, and its jobs are held at their lowest caps).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<String>,
+    /// Set for a node Slurm or a power domain names whose agent this controller has
+    /// never heard from (UNMANAGED): what the allocation reserves for it, W (its GPUs,
+    /// as Slurm counts them, times the site's largest GPU model's maximum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmanaged_reserve_w: Option<f64>,
 }
 
 fn is_zero_u64(n: &u64) -> bool {

@@ -52,6 +52,11 @@ pub fn render(m: &MetricsSnapshot) -> String {
                 .iter()
                 .map(|(node, live)| ([node.as_str()], flag(*live))),
         )
+        .family(&catalog::UNMANAGED_NODES, [([], m.unmanaged_nodes as f64)])
+        .family(
+            &catalog::UNMANAGED_RESERVE_WATTS,
+            [([], m.unmanaged_reserve_w)],
+        )
         .family(
             &catalog::NODE_REPORTS_REFUSED,
             m.refused
@@ -197,7 +202,10 @@ mod tests {
                 planned_w: Some(29_000.0),
                 floors_over_w: Some(500.0),
                 event: Some(3),
+                unmanaged_reserve_w: None,
             }],
+            unmanaged_nodes: 2,
+            unmanaged_reserve_w: 5600.0,
         });
         for line in [
             "powerflex_budget_watts 3200",
@@ -217,6 +225,8 @@ mod tests {
             "powerflex_floors_broken 0",
             "powerflex_job_preempted{job=\"78\",how=\"suspend\"} 1",
             "powerflex_over_budget_watts 0",
+            "powerflex_unmanaged_nodes 2",
+            "powerflex_unmanaged_reserve_watts 5600",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
@@ -326,6 +336,8 @@ mod tests {
             energy: totals.clone(),
             accounting_db: Some(db),
             domains: Vec::new(),
+            unmanaged_nodes: 0,
+            unmanaged_reserve_w: 0.0,
         });
         for line in [
             "powerflex_job_energy_joules_total{tier=\"flex2\"} 1500",

@@ -101,4 +101,8 @@ pub struct MetricsSnapshot {
     pub accounting_db: Option<AccountingDbView>,
     /// The power domains as the allocation saw them (none without `[[domains]]`).
     pub domains: Vec<powerflex_proto::status::DomainStatus>,
+    /// Nodes Slurm or the domains name whose agents were never heard from (UNMANAGED).
+    pub unmanaged_nodes: u64,
+    /// What the allocation reserved for them, W.
+    pub unmanaged_reserve_w: f64,
 }

@@ -10,6 +10,8 @@
 //! - [`step`]: the step itself (hellos, reports, admin requests, ticks, reloads, Slurm's
 //!   placement → leases, replies, state to save, annotations, preemptions, records);
 //! - [`session`]: what the controller knows of one agent;
+//! - [`unheard`]: the nodes Slurm or the domains name whose agents it never heard from
+//!   (UNMANAGED), paid for at their worst case;
 //! - [`status`], [`learning`], [`owners`]: what `status` shows, the curves each event
 //!   taught, and who may read which job;
 //! - [`accounting`]: the jobs' energy shares and records;
@@ -32,6 +34,7 @@ pub mod session;
 pub mod state;
 pub mod status;
 pub mod step;
+pub mod unheard;
 
 use std::time::Duration;
 

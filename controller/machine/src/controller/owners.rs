@@ -318,6 +318,7 @@ mod tests {
                 refused_reports: 0,
                 refused_gpus: 0,
                 domain: None,
+                unmanaged_reserve_w: None,
             }],
             jobs: vec![row("1", Some(ALICE)), row("2", Some(BOB)), row("3", None)],
             config_error: Some("/etc/slurm/powerflex.toml: bad key_file".into()),
@@ -339,6 +340,7 @@ mod tests {
             domains: Vec::new(),
             leadership: None,
             refused_by: Default::default(),
+            unmanaged_reserve_w: None,
         })))
     }
 

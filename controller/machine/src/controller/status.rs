@@ -114,6 +114,7 @@ pub fn build(
                 refused_reports: s.refused_reports,
                 refused_gpus: s.refused_gpus,
                 domain: None,
+                unmanaged_reserve_w: None,
             })
             .collect(),
         jobs: jobs.into_values().collect(),
@@ -124,6 +125,7 @@ pub fn build(
         domains: Vec::new(),
         leadership: None,
         refused_by: Default::default(),
+        unmanaged_reserve_w: None,
     }
 }
 
@@ -176,6 +178,7 @@ pub fn domains(
                 planned_w: planned.map(|u| u.power_w.0),
                 floors_over_w: planned.map(|u| u.floors_over_w.0),
                 event: active_event(base, &events, now_ms).map(|e| e.id),
+                unmanaged_reserve_w: None,
             }
         })
         .collect()

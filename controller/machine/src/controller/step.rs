@@ -33,7 +33,7 @@ use powerflex_decide::{Decision, NodeView};
 use powerflex_proto::admin::{AdminOp, AdminReply};
 use powerflex_proto::report::{GpuInfo, JobReport};
 use powerflex_proto::status::{
-    CtldStatus, CurveSnapshot, HistorySample, LeadershipRole, LeadershipView,
+    CtldStatus, CurveSnapshot, HistorySample, LeadershipRole, LeadershipView, NodeStatus,
 };
 use powerflex_proto::usage::{FinalRef, JobEnergyRecord, NodeUsage};
 
@@ -42,6 +42,7 @@ use crate::controller::metrics::{EnergyTotals, MetricsSnapshot};
 use crate::controller::owners::{self, OwnerMap, Owners};
 use crate::controller::session::Session;
 use crate::controller::state::{CtldState, Loaded};
+use crate::controller::unheard::Unheard;
 use crate::controller::{status, CtldSettings, SettingsReload};
 use crate::error::MachineError;
 use crate::placement::Placement;
@@ -454,6 +455,26 @@ impl Controller {
         out
     }
 
+    /// The nodes Slurm's placement (where the controller reads it) or the power domains
+    /// name whose agents this controller has never heard from, each with its reserve
+    /// (see [`super::unheard`]).
+    pub fn unheard(&self) -> Vec<Unheard> {
+        let placement = self.checked_placement().flatten();
+        let domain_nodes = self
+            .options
+            .site
+            .domains
+            .iter()
+            .flat_map(|d| d.tree.domains().iter())
+            .flat_map(|d| d.nodes.iter().map(String::as_str));
+        super::unheard::unheard(
+            placement.as_deref(),
+            domain_nodes,
+            &self.sessions,
+            self.options.max_gpu_power_w,
+        )
+    }
+
     /// The status snapshot at `now_ms` (liveness as of the last allocation attempt).
     pub fn status(&self, now: UnixMs) -> CtldStatus {
         let now_ms = now.ms();
@@ -484,6 +505,25 @@ impl Controller {
                     error: self.placement_error.clone(),
                 });
         status.accounting_db.clone_from(&self.accounting_db);
+        let unheard = self.unheard();
+        if !unheard.is_empty() {
+            status.unmanaged_reserve_w = Some(unheard.iter().map(|u| u.reserve_w).sum());
+            status.nodes.extend(unheard.iter().map(|u| NodeStatus {
+                node: u.node.clone(),
+                gpus: u.gpus,
+                live: false,
+                power_w: 0.0,
+                jobs: 0,
+                // Never seen: as long ago as a node this controller has not seen since
+                // it started.
+                seen_ms_ago: now_ms,
+                refused_reports: 0,
+                refused_gpus: 0,
+                domain: None,
+                unmanaged_reserve_w: Some(u.reserve_w),
+            }));
+            status.nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        }
         if let Some(site) = &self.options.site.domains {
             for node in &mut status.nodes {
                 node.domain = site
@@ -499,6 +539,24 @@ impl Controller {
                 |name| self.domain_base(name),
                 now_ms,
             );
+            // Its nodes count the unheard ones too (never live): a domain's draw is
+            // known only once every node behind it reports.
+            let mut reserve: BTreeMap<&str, (u32, f64)> = BTreeMap::new();
+            for u in &unheard {
+                for d in site.tree.path_of_node(&u.node) {
+                    let r = reserve
+                        .entry(site.tree.domains()[d].name.as_str())
+                        .or_default();
+                    r.0 += 1;
+                    r.1 += u.reserve_w;
+                }
+            }
+            for d in &mut status.domains {
+                if let Some(&(nodes, w)) = reserve.get(d.name.as_str()) {
+                    d.nodes += nodes;
+                    d.unmanaged_reserve_w = Some(w);
+                }
+            }
         }
         status.leadership.clone_from(&self.leadership);
         status.refused_by = self.fenced_by.clone();

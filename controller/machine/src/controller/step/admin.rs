@@ -298,7 +298,13 @@ impl Controller {
                 now_ms,
             ),
         };
-        let mut views: Vec<NodeView> = self.sessions.values().map(|s| s.view.clone()).collect();
+        let max_gpu_w = self.options.max_gpu_power_w;
+        let mut views: Vec<NodeView> = self
+            .sessions
+            .values()
+            .map(|s| s.view.clone())
+            .chain(self.unheard().iter().map(|u| u.view(max_gpu_w)))
+            .collect();
         powerflex_decide::apply_least_flexible_tiers(&mut views, &self.options.site.tiers);
         let settings = powerflex_decide::SiteSettings {
             policy,

@@ -15,6 +15,7 @@ use crate::controller::accounting;
 use crate::controller::history::HISTORY;
 use crate::controller::metrics::MetricsSnapshot;
 use crate::controller::session::Session;
+use crate::controller::unheard::Unheard;
 use crate::controller::{annotate, learning, status};
 use crate::preempt::Preempted;
 use crate::preempt::{self, Action};
@@ -59,19 +60,21 @@ impl Controller {
             return;
         }
         self.drop_ended_events(now_ms);
+        // Nodes the site names that never spoke: paid for at their worst case.
+        let unheard = self.unheard();
         let Window {
             base,
             plan,
             site,
             confirm_ms,
-        } = self.budget_window(now_ms);
+        } = self.budget_window(now_ms, &unheard);
         let in_force = Watts(plan.in_force_w);
         let budget = Watts(plan.allocate_w);
         let stalled = self.rollout.stalled(now_ms, confirm_ms);
         if !stalled.is_empty() {
             warn!(nodes = ?stalled, "decreases not confirmed in time; counting those nodes at the most they may draw");
         }
-        let views = self.allocation_views(&stalled);
+        let views = self.allocation_views(&stalled, &unheard);
         // A domain's own event counts too: a job requeued for it is not released while
         // its domain is still cut.
         let domain_cut = site.domains.as_ref().is_some_and(|d| {
@@ -118,6 +121,7 @@ impl Controller {
                 draw_w: draw,
             },
             domains,
+            &unheard,
             now_ms,
             out,
         );
@@ -167,7 +171,7 @@ impl Controller {
     /// The budget this allocation is made for: the site's ramp plan over the window until
     /// the next allocation's caps are confirmed, and each domain's limit over the same
     /// window. Keeps the plan and each domain's start cap for the leases.
-    fn budget_window(&mut self, now_ms: u64) -> Window {
+    fn budget_window(&mut self, now_ms: u64, unheard: &[Unheard]) -> Window {
         let base = self.state.budget_w.unwrap_or(self.options.base_budget);
         // A node that has not confirmed the decreases it was sent within a period is
         // counted at the most it may draw (as a silent node) until it does.
@@ -184,7 +188,7 @@ impl Controller {
             self.options.max_ramp_w_per_s,
         );
         let site = self.domain_window(now_ms, ahead_ms);
-        self.domain_start_cap_w = domain_start_caps(&site, &self.sessions);
+        self.domain_start_cap_w = domain_start_caps(&site, &self.sessions, unheard);
         if plan.rate_limited {
             info!(
                 allocate_w = plan.allocate_w,
@@ -230,8 +234,9 @@ impl Controller {
 
     /// The nodes as this allocation sees them: a node that has not confirmed its
     /// decreases in time (`stalled`) or that refused this controller's epoch counts as
-    /// silent, and a job on several nodes carries its least flexible tier.
-    fn allocation_views(&self, stalled: &BTreeSet<String>) -> Vec<NodeView> {
+    /// silent, a node never heard from (`unheard`) as silent at its worst case, and a
+    /// job on several nodes carries its least flexible tier.
+    fn allocation_views(&self, stalled: &BTreeSet<String>, unheard: &[Unheard]) -> Vec<NodeView> {
         let mut views: Vec<NodeView> = self
             .sessions
             .values()
@@ -243,6 +248,7 @@ impl Controller {
                     !stalled.contains(&view.node) && !self.fenced_by.contains_key(&view.node);
                 view
             })
+            .chain(unheard.iter().map(|u| u.view(self.options.max_gpu_power_w)))
             .collect();
         // A job on several nodes is as flexible as the least flexible of them says: the
         // decision, the preemptions and the annotations all read these views.
@@ -461,6 +467,7 @@ impl Controller {
         decision: Decision,
         budgets: Budgets,
         domains: Vec<DomainStatus>,
+        unheard: &[Unheard],
         now_ms: u64,
         out: &mut Output,
     ) {
@@ -494,6 +501,8 @@ impl Controller {
             energy: self.energy_totals.clone(),
             accounting_db: self.accounting_db.clone(),
             domains,
+            unmanaged_nodes: unheard.len() as u64,
+            unmanaged_reserve_w: unheard.iter().map(|u| u.reserve_w).sum(),
         });
         self.last = Some(decision);
     }
@@ -576,7 +585,11 @@ impl Controller {
 /// Each power domain's limit in force over the GPUs behind it, W: a job that starts
 /// before the next allocation names it starts no higher on any domain of its node's path
 /// (empty without domains).
-fn domain_start_caps(site: &SiteSettings, sessions: &BTreeMap<String, Session>) -> Vec<f64> {
+fn domain_start_caps(
+    site: &SiteSettings,
+    sessions: &BTreeMap<String, Session>,
+    unheard: &[Unheard],
+) -> Vec<f64> {
     match &site.domains {
         None => Vec::new(),
         Some(d) => {
@@ -584,6 +597,12 @@ fn domain_start_caps(site: &SiteSettings, sessions: &BTreeMap<String, Session>) 
             for s in sessions.values() {
                 for i in d.tree.path_of_node(&s.view.node) {
                     gpus[i] += s.view.gpus.len();
+                }
+            }
+            // A node never heard from shares its domains' limits by its GPUs too.
+            for u in unheard {
+                for i in d.tree.path_of_node(&u.node) {
+                    gpus[i] += u.gpus as usize;
                 }
             }
             d.limits_w

@@ -4,6 +4,7 @@
 mod admin;
 mod agents;
 mod allocation;
+mod unheard;
 
 use std::time::Duration;
 
