@@ -9,7 +9,7 @@
 use powerflex_proto::admin::AdminOp;
 use powerflex_proto::event::Cut;
 use powerflex_site_harness::site::test_bed_site;
-use powerflex_site_harness::site::{Fault, JobSpec, JobState, Restart, Site, SiteOptions};
+use powerflex_site_harness::site::{Fault, JobSpec, JobState, Restart, Site, SiteOptions, Stop};
 
 const BUDGET_W: f64 = 3000.0;
 const PROFILE: &str = "qwen3-30b-a3b-moe-ft-8g";
@@ -243,5 +243,64 @@ fn a_controller_restarted_with_its_state_lost_allocates_only_after_every_old_lea
     assert!(
         site.ends_clean(60_000),
         "the jobs end clean: every GPU back at its default, no agent holding a job"
+    );
+}
+
+/// A controller restarted with its state lost beside a node whose agent is down: the
+/// restarted controller never heard from that node, whose unmanaged job draws at its
+/// GPUs' defaults. Slurm lists its 4 GPUs, so it is UNMANAGED, reserved at 4 × 700 W
+/// (the site's largest model), and the managed job on the other two nodes is capped to
+/// what the budget leaves after that reserve: the draw holds the budget throughout.
+#[test]
+fn a_node_never_heard_from_after_a_state_loss_is_reserved_and_the_budget_holds() {
+    const BUDGET: f64 = 6000.0;
+    const RESERVE_W: f64 = 4.0 * DEFAULT_CAP_W;
+    let mut site = Site::new(SiteOptions {
+        nodes: 3,
+        site: test_bed_site(BUDGET, 5),
+        ..SiteOptions::new(23, BUDGET)
+    })
+    .expect("site");
+    start_job(&mut site);
+    // Node 2 runs a job powerflex does not steer (tier `none`): at the GPUs' defaults.
+    site.submit(JobSpec::training("2", "none", 2, 4, PROFILE))
+        .expect("submit");
+    assert!(site.run_until(30_000, |s| s
+        .controller_status()
+        .is_some_and(|st| st.jobs.iter().any(|j| j.cap_w.is_some()))));
+    site.inject(Fault::AgentStop {
+        node: 2,
+        how: Stop::Killed,
+    })
+    .expect("stop the agent");
+    site.inject(Fault::ControllerStop).expect("stop");
+    site.inject(Fault::ControllerStart {
+        state: Restart::StateLost,
+    })
+    .expect("start");
+    assert!(
+        site.run_until(15_000, |s| s.allocations() > 0),
+        "allocating after the hold"
+    );
+    let status = site.controller_status().expect("status");
+    let unheard = status
+        .nodes
+        .iter()
+        .find(|n| n.node == site.node_name(2))
+        .expect("node 2 listed");
+    assert_eq!(
+        (unheard.live, unheard.unmanaged_reserve_w),
+        (false, Some(RESERVE_W)),
+        "{unheard:?}"
+    );
+    assert_eq!(status.unmanaged_reserve_w, Some(RESERVE_W));
+    let watch = site.watch_for(20_000, METER_TOLERANCE);
+    let node2_w: f64 = site.node_caps_w(2).iter().sum();
+    let caps = site.job_caps_w("1");
+    println!("unheard node's limits {node2_w} W; job 1 at {caps:?} W per GPU; {watch}");
+    assert!(watch.over_s == 0.0, "{watch}");
+    assert!(
+        caps.iter().all(|c| c * 8.0 <= BUDGET - RESERVE_W + 0.5),
+        "the managed job gets what the reserve leaves: {caps:?}"
     );
 }
