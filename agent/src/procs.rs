@@ -182,6 +182,24 @@ pub fn stepd_cluster(proc_root: &Path, pid: u32) -> Option<Option<String>> {
     stepd_step(&entry).map(|s| s.cluster)
 }
 
+/// What the kernel appends to a process's `exe` link once the file it runs was unlinked.
+const DELETED_SUFFIX: &str = " (deleted)";
+
+/// Whether `target`, a `/proc/PID/exe` link's target, is a `slurmstepd` binary
+/// (`slurmstepd`, Debian's `slurmstepd-wlm`). A package upgrade replaces the binary under
+/// the step daemons that run on, and the kernel then shows their link as
+/// `/usr/sbin/slurmstepd-wlm (deleted)`: the name before that suffix is what they ran, so
+/// they are still step daemons. Only the name is judged here, as before the upgrade;
+/// being root's is what a user's process cannot fake ([`stepd_step`]).
+fn is_slurmstepd_exe(target: &Path) -> bool {
+    let target = target.to_string_lossy();
+    let path = target.strip_suffix(DELETED_SUFFIX).unwrap_or(&target);
+    Path::new(path)
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .is_some_and(|name| name == "slurmstepd" || name.starts_with("slurmstepd-"))
+}
+
 fn slurm_conf_of(dir: &Path) -> Option<String> {
     let environ = std::fs::read(dir.join("environ")).ok()?;
     environ
@@ -211,8 +229,7 @@ fn read_entry(dir: &Path, pid: u32) -> Option<ProcEntry> {
         .to_string();
     let exe_is_slurmstepd = std::fs::read_link(dir.join("exe"))
         .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .is_some_and(|name| name == "slurmstepd" || name.starts_with("slurmstepd-"));
+        .is_some_and(|target| is_slurmstepd_exe(&target));
     // Only a step daemon's environment says anything trustworthy (root's, from slurmd).
     let slurm_conf = if uid == 0 && exe_is_slurmstepd {
         slurm_conf_of(dir)
@@ -283,6 +300,36 @@ mod tests {
             "",
         ] {
             assert_eq!(parse_stepd_title(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_slurmstepd_binary_replaced_under_it_is_still_one() {
+        for target in [
+            "/usr/sbin/slurmstepd",
+            "/usr/sbin/slurmstepd-wlm",
+            "/opt/slurm/sbin/slurmstepd",
+            // The file unlinked or replaced (a package upgrade) while the process runs.
+            "/usr/sbin/slurmstepd (deleted)",
+            "/usr/sbin/slurmstepd-wlm (deleted)",
+        ] {
+            assert!(is_slurmstepd_exe(Path::new(target)), "{target}");
+        }
+        for target in [
+            "/usr/bin/sleep",
+            "/usr/bin/sleep (deleted)",
+            "/usr/sbin/slurmd (deleted)",
+            "/usr/sbin/xslurmstepd (deleted)",
+            "/usr/sbin/slurmstepdx (deleted)",
+            // Only one suffix is the kernel's; the name before it is not slurmstepd's.
+            "/usr/sbin/slurmstepd (deleted) (deleted)",
+            "/usr/sbin/slurmstepd (deleted)x",
+            "/usr/sbin/slurmstepd(deleted)",
+            "/usr/sbin/slurmstepd/ (deleted)x",
+            " (deleted)",
+            "/ (deleted)",
+        ] {
+            assert!(!is_slurmstepd_exe(Path::new(target)), "{target}");
         }
     }
 
@@ -439,5 +486,100 @@ mod tests {
         // Only the chain is read.
         assert_eq!(ProcTable::read_ancestry(root, 11).by_pid.len(), 2);
         assert_eq!(ProcTable::read(root).expect("read").by_pid.len(), 8);
+    }
+
+    /// After Slurm's package is upgraded under running jobs, their step daemons' `exe`
+    /// links read `... (deleted)`: their jobs are still live and their processes still
+    /// theirs. A user's process running a deleted file named `slurmstepd` still is not
+    /// one, nor is root's deleted `sleep` titled as one.
+    #[test]
+    fn a_step_daemon_whose_binary_was_replaced_still_holds_its_job() {
+        let fake = FakeProc::new("deleted");
+        fake.add(1, 0, 0, "sleep", &["/sbin/init"], &[]);
+        fake.add(
+            10,
+            1,
+            0,
+            "slurmstepd (deleted)",
+            &["slurmstepd: [42.0]"],
+            &["SLURM_CONF=/c/slurm.conf"],
+        );
+        fake.add(11, 10, 1000, "sleep", &["python", "train.py"], &[]);
+        fake.add(
+            20,
+            1,
+            1000,
+            "slurmstepd (deleted)",
+            &["slurmstepd: [43.0]"],
+            &[],
+        );
+        fake.add(21, 20, 1000, "sleep", &["x"], &[]);
+        fake.add(30, 1, 0, "sleep (deleted)", &["slurmstepd: [44.0]"], &[]);
+        fake.add(31, 30, 1000, "sleep", &["x"], &[]);
+        let root = fake.0.as_path();
+        assert_eq!(
+            step_of_pid(root, 11).map(|s| s.job_key()),
+            Some(("42".to_string(), Some("/c/slurm.conf".to_string())))
+        );
+        assert_eq!(stepd_cluster(root, 10), Some(Some("/c/slurm.conf".into())));
+        assert_eq!(step_of_pid(root, 21), None, "a user's deleted slurmstepd");
+        assert_eq!(stepd_cluster(root, 20), None);
+        assert_eq!(step_of_pid(root, 31), None, "root's deleted sleep");
+        assert_eq!(
+            ProcTable::read(root).expect("read").live_jobs(),
+            BTreeSet::from([("42".to_string(), Some("/c/slurm.conf".to_string()))])
+        );
+    }
+
+    /// The same through this host's real `/proc`: a running process whose binary, a copy
+    /// of `sh` named `slurmstepd`, is deleted under it, as the kernel shows it.
+    #[test]
+    fn a_real_process_whose_slurmstepd_file_is_deleted_is_read_as_one() {
+        use std::os::unix::process::CommandExt;
+        let dir = std::env::temp_dir().join(format!("pf-proc-real-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let exe = dir.join("slurmstepd");
+        std::fs::copy("/bin/sh", &exe).expect("copy /bin/sh");
+        // A shell waiting on its stdin: it runs, with the title alone as its command line.
+        let mut child = std::process::Command::new(&exe)
+            .arg0("slurmstepd: [7.0]")
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("run the copy");
+        // Unlinked only once the process runs it: its exe link then says so.
+        std::fs::remove_file(&exe).expect("delete the copy");
+        let pid = child.id();
+        let link = std::fs::read_link(format!("/proc/{pid}/exe"));
+        // `spawn` returns once the exec is under way, before the kernel has laid out the
+        // new command line; poll (bounded) until the title is there.
+        let proc_dir = Path::new("/proc").join(pid.to_string());
+        let mut entry = read_entry(&proc_dir, pid);
+        for _ in 0..100 {
+            if entry.as_ref().is_some_and(|e| !e.title.is_empty()) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            entry = read_entry(&proc_dir, pid);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        let link = link.expect("exe link");
+        assert!(
+            link.to_string_lossy().ends_with("/slurmstepd (deleted)"),
+            "the kernel's link: {}",
+            link.display()
+        );
+        let entry = entry.expect("the process's entry");
+        assert!(entry.exe_is_slurmstepd, "{entry:?}");
+        assert_eq!(entry.title, "slurmstepd: [7.0]");
+        // Whether it is a step daemon is root's to say: only a root run can show it is.
+        let step = stepd_step(&entry);
+        if entry.uid == 0 {
+            assert_eq!(step.map(|s| s.job).as_deref(), Some("7"), "{entry:?}");
+        } else {
+            assert_eq!(step, None, "a non-root process is never a step daemon");
+        }
     }
 }
