@@ -48,6 +48,9 @@ pub struct StackOptions {
     pub log_dir: Option<PathBuf>,
     /// Where the product's binaries and plugin come from.
     pub artifacts: Artifacts,
+    /// The program every `slurmd` runs as its `slurmstepd` (`ClusterOptions::slurmstepd`);
+    /// `None` runs the installed one.
+    pub slurmstepd: Option<PathBuf>,
 }
 
 /// Where a stack's powerflexd, powerflex-ctld, powerflexctl and SPANK plugin come from.
@@ -102,6 +105,7 @@ impl Default for StackOptions {
             build: true,
             log_dir: None,
             artifacts: Artifacts::Workspace,
+            slurmstepd: None,
         }
     }
 }
@@ -265,6 +269,7 @@ impl Stack {
                     site.display(),
                     base.display()
                 )),
+                slurmstepd: options.slurmstepd.clone(),
                 ..ClusterOptions::default()
             },
         );

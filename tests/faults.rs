@@ -7,9 +7,11 @@
 //! jump on one node, a controller restarted mid-event) run on the site harness's fake
 //! clock: `harness/tests/faults.rs`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use powerflex::needs::{can_run, Need};
+use powerflex::site_config::SiteBuilder;
 use powerflex::slurm::pid_alive;
 use powerflex::stack::{Stack, StackOptions, DEFAULT_CAP_W};
 use powerflex::wait_until;
@@ -149,6 +151,148 @@ fn slurm_restarted_in_place_keeps_the_caps_the_job_and_the_placement() {
         || allocated(&stack).then_some(()),
     );
     stack.assert_draw_within(BUDGET_W, Duration::from_secs(3), "after Slurm restarted");
+    stack.ends_clean(&[job], Duration::from_secs(30));
+}
+
+/// A copy of the installed `slurmstepd` that one test's cluster runs (`slurmd -d`), so
+/// that replacing it, as a package upgrade replaces the installed one, touches no other
+/// test's cluster (the suite runs test binaries side by side). Removed when dropped.
+struct StepdCopy {
+    dir: PathBuf,
+    /// The copy, named as the installed binary is (`slurmstepd-wlm` on Debian).
+    exe: PathBuf,
+    /// The installed binary it was copied from.
+    source: PathBuf,
+}
+
+impl StepdCopy {
+    fn new(name: &str) -> StepdCopy {
+        let source = std::fs::canonicalize("/usr/sbin/slurmstepd")
+            .unwrap_or_else(|e| panic!("no installed slurmstepd at /usr/sbin/slurmstepd: {e}"));
+        let dir = std::env::temp_dir().join(format!("pf-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let exe = dir.join(source.file_name().expect("a file name"));
+        std::fs::copy(&source, &exe).unwrap_or_else(|e| panic!("{}: {e}", exe.display()));
+        StepdCopy { dir, exe, source }
+    }
+
+    /// Replaces the copy the way dpkg and rpm install a new binary: a new file written
+    /// beside it, then renamed over it. Processes running the old one run on, and the
+    /// kernel shows their `exe` link as `PATH (deleted)`.
+    fn upgrade(&self) {
+        let new = self.dir.join("upgrade.tmp");
+        std::fs::copy(&self.source, &new).unwrap_or_else(|e| panic!("{}: {e}", new.display()));
+        std::fs::rename(&new, &self.exe).unwrap_or_else(|e| panic!("{}: {e}", self.exe.display()));
+    }
+
+    /// The processes whose `exe` link reads `target`, by PID.
+    fn running(target: &str) -> Vec<u32> {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read_link(format!("/proc/{pid}/exe"))
+                    .is_ok_and(|link| link.as_os_str() == target)
+            })
+            .collect::<std::collections::BTreeSet<u32>>()
+            .into_iter()
+            .collect()
+    }
+}
+
+impl Drop for StepdCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The shortest grace the agent allows before it ends a job whose step daemons it no
+/// longer sees, so that a job wrongly seen as gone is ended within the test's window.
+fn short_job_end_grace(site: SiteBuilder) -> SiteBuilder {
+    site.edit(|raw| raw.agent.job_end_grace_s = Some(JOB_END_GRACE_S))
+}
+
+const JOB_END_GRACE_S: f64 = 5.0;
+
+/// Slurm's package upgraded in place under a running job: its `slurmstepd` binary
+/// replaced on disk (here the cluster's own copy, renamed over as dpkg does), so the
+/// job's step daemons run a deleted file and `/proc/PID/exe` reads `... (deleted)`. The
+/// agents still see the job's step daemons: past the grace after which a job whose step
+/// daemons are gone is ended, every GPU stays capped at every 50 ms sample, the job is
+/// still managed and the draw within the budget; its end still restores the GPUs.
+#[test]
+fn slurmstepd_replaced_under_a_running_job_keeps_it_managed_and_capped() {
+    if !can_run(&[Need::Root, Need::Slurm]) {
+        return;
+    }
+    let stepd = StepdCopy::new("stepd-up");
+    let stack = Stack::start(
+        "f-stepdup",
+        StackOptions {
+            slurmstepd: Some(stepd.exe.clone()),
+            site: Some(short_job_end_grace),
+            ..StackOptions::default()
+        },
+    );
+    let job = start_job(&stack);
+    capped(&stack);
+    let exe = stepd.exe.display().to_string();
+    let daemons = StepdCopy::running(&exe);
+    assert!(
+        !daemons.is_empty(),
+        "the job's step daemons run the cluster's copy {exe}"
+    );
+    stepd.upgrade();
+    let deleted = format!("{exe} (deleted)");
+    let replaced = StepdCopy::running(&deleted);
+    assert_eq!(
+        replaced, daemons,
+        "every step daemon now runs a deleted binary ({deleted})"
+    );
+    // Two job scans of the agents (every 2 s) past the grace.
+    let window = Duration::from_secs_f64(JOB_END_GRACE_S + 5.0);
+    let start = std::time::Instant::now();
+    let (mut samples, mut highest_w, mut highest_cap_w) = (0u32, 0.0f64, 0.0f64);
+    while start.elapsed() < window {
+        let caps = stack.caps_w();
+        assert!(
+            caps.iter().all(|&c| c < DEFAULT_CAP_W),
+            "a GPU of the running job back at its default {DEFAULT_CAP_W} W {:.2} s after \
+             the upgrade: {caps:?}",
+            start.elapsed().as_secs_f64()
+        );
+        highest_cap_w = caps.iter().copied().fold(highest_cap_w, f64::max);
+        highest_w = highest_w.max(stack.draw_w());
+        samples += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "after the upgrade: {samples} samples over {:.1} s, highest cap {highest_cap_w} W, \
+         highest draw {highest_w:.0} W of {BUDGET_W} W",
+        window.as_secs_f64()
+    );
+    assert!(
+        highest_w <= BUDGET_W * 1.01,
+        "draw {highest_w:.0} W over the {BUDGET_W} W budget"
+    );
+    assert!(stack.running(job), "the job runs on");
+    assert_eq!(
+        StepdCopy::running(&deleted),
+        daemons,
+        "the step daemons run on"
+    );
+    for i in 0..2 {
+        let status = stack.agent_status(i).expect("the agent answers");
+        assert!(
+            status.jobs.iter().any(|j| j.job == job.to_string()),
+            "agent {i} still manages job {job}: {:?}",
+            status.jobs
+        );
+    }
+    assert!(stack.capped_without_a_job().is_empty());
     stack.ends_clean(&[job], Duration::from_secs(30));
 }
 

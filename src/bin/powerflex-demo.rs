@@ -679,6 +679,7 @@ fn start(cli: &Cli, progress: Progress) -> Result<Demo> {
             build: false,
             log_dir: Some(out.clone()),
             artifacts: powerflex::stack::Artifacts::Workspace,
+            slurmstepd: None,
         },
     )?;
     let _ = std::fs::copy(&stack.site, out.join("powerflex.toml"));
