@@ -159,7 +159,8 @@ fn slurm_restarted_in_place_keeps_the_caps_the_job_and_the_placement() {
 /// test's cluster (the suite runs test binaries side by side). Removed when dropped.
 struct StepdCopy {
     dir: PathBuf,
-    /// The copy, named as the installed binary is (`slurmstepd-wlm` on Debian).
+    /// The copy, named `slurmstepd` as Slurm's own and RPM installs name it (Debian's
+    /// file is `slurmstepd-wlm`, behind an alternatives link of that name).
     exe: PathBuf,
     /// The installed binary it was copied from.
     source: PathBuf,
@@ -172,7 +173,7 @@ impl StepdCopy {
         let dir = std::env::temp_dir().join(format!("pf-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        let exe = dir.join(source.file_name().expect("a file name"));
+        let exe = dir.join("slurmstepd");
         std::fs::copy(&source, &exe).unwrap_or_else(|e| panic!("{}: {e}", exe.display()));
         StepdCopy { dir, exe, source }
     }
