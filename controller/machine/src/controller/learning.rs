@@ -98,14 +98,8 @@ mod tests {
         [(
             "n1".to_string(),
             Session {
-                view,
-                last_seen_ms: 0,
-                reported: Vec::new(),
-                announced: Vec::new(),
-                refused_reports: 0,
-                refused_gpus: 0,
-                observe_only: false,
                 reported_since_hello: true,
+                ..Session::new(view, Vec::new())
             },
         )]
         .into()

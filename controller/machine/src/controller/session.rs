@@ -32,6 +32,21 @@ pub struct Session {
 }
 
 impl Session {
+    /// A node as the controller first knows it: `view`, with the GPUs it `announced`,
+    /// never seen, nothing reported or refused yet.
+    pub fn new(view: NodeView, announced: Vec<GpuInfo>) -> Session {
+        Session {
+            view,
+            last_seen_ms: 0,
+            reported: Vec::new(),
+            announced,
+            refused_reports: 0,
+            refused_gpus: 0,
+            observe_only: false,
+            reported_since_hello: false,
+        }
+    }
+
     /// Whether the node reported within its lease since it last said hello: what
     /// `status` shows as live, and whose draw it sums.
     pub fn draw_known(&self) -> bool {

@@ -255,19 +255,7 @@ impl Controller {
                     power_w: 0.0,
                     live: false,
                 };
-                (
-                    node.clone(),
-                    Session {
-                        view,
-                        last_seen_ms: 0,
-                        reported: Vec::new(),
-                        announced: gpus.clone(),
-                        refused_reports: 0,
-                        refused_gpus: 0,
-                        observe_only: false,
-                        reported_since_hello: false,
-                    },
-                )
+                (node.clone(), Session::new(view, gpus.clone()))
             })
             .collect();
         let awaiting: BTreeSet<String> = state.nodes.keys().cloned().collect();

@@ -14,25 +14,18 @@ use super::Controller;
 impl Controller {
     pub(super) fn hello(&mut self, node: String, gpus: Vec<GpuInfo>, now_ms: u64) {
         info!(node = %node, gpus = gpus.len(), "agent connected");
-        let session = self
-            .sessions
-            .entry(node.clone())
-            .or_insert_with(|| Session {
-                view: NodeView {
+        let session = self.sessions.entry(node.clone()).or_insert_with(|| {
+            Session::new(
+                NodeView {
                     node: node.clone(),
                     gpus: Vec::new(),
                     jobs: Vec::new(),
                     power_w: 0.0,
                     live: true,
                 },
-                last_seen_ms: 0,
-                reported: Vec::new(),
-                announced: Vec::new(),
-                refused_reports: 0,
-                refused_gpus: 0,
-                observe_only: false,
-                reported_since_hello: false,
-            });
+                Vec::new(),
+            )
+        });
         session.announced = gpus;
         session.reported_since_hello = false;
         session.last_seen_ms = now_ms;
