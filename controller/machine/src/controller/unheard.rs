@@ -63,9 +63,15 @@ pub fn unheard<'a>(
         .into_iter()
         .flat_map(|n| n.values().copied())
         .chain(sessions.values().map(|s| {
-            // What the node announced, or (before Slurm's word) what it is believed to
-            // have: either is a GPU count the site has.
-            s.announced.len().max(s.view.gpus.len()) as u32
+            // Under Slurm's placement, only the GPUs Slurm bears out: what a node announces
+            // beyond them is refused everywhere else, and a node's root announcing 256 GPUs
+            // must not make every node a domain alone places cost 256 GPUs. Without
+            // Slurm's word, what the node announced is all the site says of its size.
+            if placement.is_some() {
+                s.view.gpus.len() as u32
+            } else {
+                s.announced.len().max(s.view.gpus.len()) as u32
+            }
         }))
         .max()
         .unwrap_or(0);

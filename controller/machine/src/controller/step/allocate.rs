@@ -489,7 +489,7 @@ impl Controller {
             nodes: self
                 .sessions
                 .iter()
-                .map(|(n, s)| (n.clone(), s.view.live))
+                .map(|(n, s)| (n.clone(), s.draw_known()))
                 .collect(),
             refused: self
                 .sessions

@@ -155,3 +155,45 @@ fn hello_with(node: &str, n: u32) -> Input {
         gpus: gpus(n),
     }
 }
+
+/// Under Slurm's placement a node's hello counts only the GPUs Slurm bears out: root on n1
+/// announcing 256 GPUs (Slurm lists 8) does not make n2, which only rack B places and which
+/// never spoke, cost 256 GPUs at 700 W.
+#[test]
+fn an_inflated_hello_does_not_inflate_the_reserve_of_a_node_only_a_domain_places() {
+    use powerflex_core::slurm_record::{SlurmJob, SlurmJobState};
+    let mut core = Controller::new(
+        CtldSettings {
+            job_placement: JobPlacement::Slurm,
+            ..with_racks(10_000.0)
+        },
+        Loaded::default(),
+        UnixMs(T0),
+    );
+    let n1_only = Input::Placement(Box::new(Ok(Placement {
+        jobs: [(
+            "101".to_string(),
+            SlurmJob {
+                nodes: ["n1".to_string()].into(),
+                uid: 1001,
+                state: SlurmJobState::OnItsNodes,
+                admin_comment: String::new(),
+                account: String::new(),
+                start_unix_s: Some(T0 / 1000 - 60),
+            },
+        )]
+        .into(),
+        node_gpus: [("n1".to_string(), 8)].into(),
+        read_at_ms: T0,
+    })));
+    let out = core.step(
+        UnixMs(T0),
+        vec![
+            n1_only,
+            hello_with("n1", 256),
+            report("n1", vec![job("101", None)]),
+        ],
+    );
+    let m = out.metrics.as_ref().expect("metrics");
+    assert_eq!((m.unmanaged_nodes, m.unmanaged_reserve_w), (1, 8.0 * 700.0));
+}
