@@ -64,6 +64,12 @@ pub struct CapCurve {
     /// curve carries no per-point uncertainty (exact curves, priors, older estimates).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     knot_sigma: Vec<KnotSigma>,
+    /// A lower bound on the throughput at each knot, in knot order: what the allocator
+    /// sets tier floors and weighs its choices on (see [`CapCurve::throughput_bound_at`]).
+    /// Empty when the knots' own throughput is the bound (exact curves, priors, curves
+    /// estimated from windows without smoothing).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    lower_throughput: Vec<f64>,
 }
 
 /// The standard error of one knot: how far its power and throughput may be from the
@@ -112,6 +118,7 @@ impl CapCurve {
             relative_uncertainty,
             extrapolated_below_w: None,
             knot_sigma: Vec::new(),
+            lower_throughput: Vec::new(),
         })
     }
 
@@ -197,6 +204,32 @@ impl CapCurve {
             power_w: Watts(a.power_w.0 + f * (b.power_w.0 - a.power_w.0)),
             throughput: a.throughput + f * (b.throughput - a.throughput),
         }
+    }
+
+    /// Throughput at per-GPU cap `cap` that the job is known to reach at least: the
+    /// curve's lower bound where it carries one (an estimate smoothed across jobs or
+    /// extended below its readings), interpolated between knots as [`CapCurve::at`] is,
+    /// and never above the estimate itself. A tier's floor is a promise, so it is set on
+    /// this, not on the estimate.
+    pub fn throughput_bound_at(&self, cap: Watts) -> f64 {
+        let estimate = self.at(cap).throughput;
+        let n = self.knots.len();
+        if self.lower_throughput.len() != n {
+            return estimate;
+        }
+        let c = cap.0;
+        let bound = if c <= self.knots[0].cap_w.0 {
+            self.lower_throughput[0]
+        } else if c >= self.knots[n - 1].cap_w.0 {
+            self.lower_throughput[n - 1]
+        } else {
+            let hi = self.knots.partition_point(|k| k.cap_w.0 < c);
+            let (a, b) = (self.knots[hi - 1].cap_w.0, self.knots[hi].cap_w.0);
+            let f = (c - a) / (b - a);
+            let (la, lb) = (self.lower_throughput[hi - 1], self.lower_throughput[hi]);
+            la + f * (lb - la)
+        };
+        bound.min(estimate)
     }
 
     /// Per-knot standard errors, in knot order (empty when unknown).
@@ -285,6 +318,9 @@ impl CapCurve {
         if let Some(&last) = curve.knot_sigma.last() {
             curve.knot_sigma.push(last);
         }
+        if let Some(&last) = curve.lower_throughput.last() {
+            curve.lower_throughput.push(last);
+        }
         curve
     }
 
@@ -317,6 +353,8 @@ struct CapCurveWire {
     extrapolated_below_w: Option<Watts>,
     #[serde(default)]
     knot_sigma: Vec<KnotSigma>,
+    #[serde(default)]
+    lower_throughput: Vec<f64>,
 }
 
 impl TryFrom<CapCurveWire> for CapCurve {
@@ -337,6 +375,22 @@ impl TryFrom<CapCurveWire> for CapCurve {
                 wire.knots.iter().copied().zip(wire.knot_sigma).collect();
             paired.sort_by(|a, b| a.0.cap_w.0.total_cmp(&b.0.cap_w.0));
             curve.knot_sigma = paired.into_iter().map(|(_, s)| s).collect();
+        }
+        // A bound is kept only when it is one for every knot: usable and not above it.
+        if wire.lower_throughput.len() == curve.knots.len() {
+            let mut paired: Vec<(OperatingPoint, f64)> = wire
+                .knots
+                .iter()
+                .copied()
+                .zip(wire.lower_throughput)
+                .collect();
+            paired.sort_by(|a, b| a.0.cap_w.0.total_cmp(&b.0.cap_w.0));
+            if paired
+                .iter()
+                .all(|(k, b)| b.is_finite() && *b > 0.0 && *b <= k.throughput)
+            {
+                curve.lower_throughput = paired.into_iter().map(|(_, b)| b).collect();
+            }
         }
         Ok(curve)
     }
@@ -673,6 +727,7 @@ fn densify(
     CapCurve {
         knots: out,
         knot_sigma: Vec::new(),
+        lower_throughput: Vec::new(),
         ..curve
     }
 }
@@ -744,11 +799,21 @@ fn fit_power_model(r: &Readings) -> Option<PowerModel> {
 /// their savings; the less noise left in power, the less budget that bias can eat.
 ///
 /// Below its lowest reading a job's curve is extended to `min_cap_w` (when lower): power
-/// from the fitted model, throughput by the lower of two guesses (see `extend_down`). It
-/// is a guess, not a bound: a GPU whose throughput reaches zero well above its idle draw
-/// (a knee) does worse. The curve marks where the extrapolation starts; the allocator goes
-/// there only when the budget cannot be met above it, and the job's first learned window
-/// there replaces the guess.
+/// from the fitted model, throughput on the chord from `zero_throughput_w` (where the job
+/// may make no progress at all) to the lowest reading (see `extend_down`). Throughput is
+/// concave in power above a GPU's static draw, so with the anchor at or above that draw
+/// the chord is a lower bound, not a guess. The curve marks where the extrapolation
+/// starts; the allocator goes there only when the budget cannot be met above it, and the
+/// job's first learned window there replaces the bound.
+///
+/// Each curve also carries a lower bound on its throughput at every knot
+/// ([`CapCurve::throughput_bound_at`]), for the tier floors: the smoothing toward the
+/// population, the concave fit and the shape-preserving knots between readings all may
+/// lift throughput above what was measured, and a floor set there understates a steep
+/// knee's slowdown. The bound at a read cap is the job's own readings made monotone, less
+/// one standard error of its ratio to the top reading; between read caps their chord
+/// (throughput is concave in power, and power concave in the cap); below the lowest,
+/// the chord from the anchor.
 /// Throughput and the rest follow [`estimate_curve`].
 pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<CapCurve> {
     // A noise level that is not a number is treated as none: no pooling, no shrinkage.
@@ -762,6 +827,8 @@ pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<Cap
         .iter()
         .map(|obs| average_readings(obs).ok())
         .collect();
+    // The readings as measured, for the lower bounds: smoothing below moves them.
+    let measured = readings.clone();
     let models: Vec<Option<PowerModel>> = readings
         .iter()
         .map(|r| r.as_ref().and_then(fit_power_model))
@@ -810,21 +877,26 @@ pub fn estimate_population(jobs: &[JobReadings], relative_noise: f64) -> Vec<Cap
     let smoothed = shrink_throughput(smoothed, relative_noise);
     smoothed
         .into_iter()
+        .zip(measured)
         .zip(jobs)
         .zip(&models)
-        .map(|((r, job), model)| match r {
-            Some(mut r) => {
+        .map(|(((r, raw), job), model)| match (r, raw) {
+            (Some(mut r), Some(raw)) => {
                 let lowest_read = r.caps[0];
-                extend_down(&mut r, *model, job.min_cap_w.0);
+                let anchor_w = usable_anchor(job.zero_throughput_w);
+                extend_down(&mut r, *model, job.min_cap_w.0, anchor_w, job.gpus);
                 finish_curve(r, relative_noise)
-                    .map(|curve| CapCurve {
-                        extrapolated_below_w: (curve.lowest().cap_w.0 < lowest_read)
-                            .then_some(Watts(lowest_read)),
-                        ..densify(curve, &job.cap_grid_w, lowest_read, *model)
+                    .map(|curve| {
+                        let curve = CapCurve {
+                            extrapolated_below_w: (curve.lowest().cap_w.0 < lowest_read)
+                                .then_some(Watts(lowest_read)),
+                            ..densify(curve, &job.cap_grid_w, lowest_read, *model)
+                        };
+                        with_lower_bound(curve, &raw, anchor_w, relative_noise)
                     })
                     .unwrap_or_else(|_| fallback_curve(&job.points))
             }
-            None => fallback_curve(&job.points),
+            _ => fallback_curve(&job.points),
         })
         .collect()
 }
@@ -839,36 +911,154 @@ pub struct JobReadings {
     /// read at one of them, the curve gets a knot there by shape-preserving
     /// interpolation (see `densify`); empty = no such knots.
     pub cap_grid_w: Vec<Watts>,
+    /// Summed power of the job's GPUs at or below which it may make no progress at all,
+    /// W: the anchor of the chord that bounds its throughput below its lowest reading.
+    /// It must be at least the GPUs' static draw (what they draw at their lowest clock
+    /// under the job's load), where throughput starts to rise concavely with power; any
+    /// higher value is a safe, more pessimistic anchor. 0 W (or no usable number) makes
+    /// the chord run to the origin: throughput in proportion to power, which is a bound
+    /// only for a GPU with no static draw.
+    pub zero_throughput_w: Watts,
+    /// The job's GPUs: no cap lets the job draw more than the cap on each of them, which
+    /// bounds its power below its readings where the readings show no cap binding.
+    /// 0 = unknown (the fitted power model alone).
+    pub gpus: u32,
 }
 
-/// Adds a reading at `min_cap` below the lowest one (see [`estimate_population`]).
-fn extend_down(r: &mut Readings, model: Option<PowerModel>, min_cap: f64) {
+/// Standard errors by which a read cap's bound sits below its reading.
+const BOUND_Z: f64 = 1.0;
+
+fn usable_anchor(w: Watts) -> f64 {
+    if w.0.is_finite() && w.0 > 0.0 {
+        w.0
+    } else {
+        0.0
+    }
+}
+
+/// `curve` with its throughput lower bound at every knot (see [`estimate_population`]):
+/// from `raw`, the job's readings as measured (averaged per cap, sorted by cap), and the
+/// chord from `(anchor_w, 0)` below the lowest of them.
+fn with_lower_bound(
+    mut curve: CapCurve,
+    raw: &Readings,
+    anchor_w: f64,
+    relative_noise: f64,
+) -> CapCurve {
+    let n = raw.caps.len();
+    let monotone = isotonic_non_decreasing(&raw.throughput, &raw.weight);
+    let (raw_top, weight_top) = (monotone[n - 1], raw.weight[n - 1]);
+    let t_top = curve.uncapped().throughput;
+    if !(raw_top.is_finite() && raw_top > 0.0 && t_top > 0.0) {
+        return curve;
+    }
+    // Each read cap's share of the top reading, less one standard error of that ratio
+    // (its own reading's noise and the top's); the top itself is the reference, exact.
+    let share: Vec<f64> = (0..n)
+        .map(|i| {
+            if i == n - 1 {
+                return 1.0;
+            }
+            let se = relative_noise * (1.0 / raw.weight[i] + 1.0 / weight_top).sqrt();
+            (monotone[i] / raw_top * (1.0 - BOUND_Z * se)).max(0.0)
+        })
+        .collect();
+    let lowest_read = raw.caps[0];
+    let p0 = curve.at(Watts(lowest_read)).power_w.0;
+    let floor = 1e-6 * t_top;
+    let bound = |k: &OperatingPoint| -> f64 {
+        let c = k.cap_w.0;
+        let b = if c < lowest_read - 1e-9 {
+            // The chord from the anchor, where throughput is certainly ≥ 0, to the
+            // lowest reading's bound, at the power the cap lets through.
+            if p0 > anchor_w {
+                share[0] * t_top * (k.power_w.0 - anchor_w) / (p0 - anchor_w)
+            } else {
+                0.0
+            }
+        } else if c >= raw.caps[n - 1] {
+            t_top
+        } else {
+            let hi = raw.caps.partition_point(|&x| x < c);
+            if hi == 0 {
+                share[0] * t_top
+            } else {
+                let (a, b) = (raw.caps[hi - 1], raw.caps[hi]);
+                let f = if b > a { (c - a) / (b - a) } else { 1.0 };
+                (share[hi - 1] + f * (share[hi] - share[hi - 1])) * t_top
+            }
+        };
+        b.max(floor).min(k.throughput)
+    };
+    curve.lower_throughput = curve.knots.iter().map(bound).collect();
+    curve
+}
+
+/// Adds a reading at `min_cap` below the lowest one (see [`estimate_population`]):
+/// power from the fitted model (never above the lowest reading's), throughput on the
+/// chord from `(anchor_w, 0)` to the lowest reading. Where that chord reaches zero above
+/// the power at `min_cap`, a second reading marks where it does, so that interpolation in
+/// the cap follows the chord rather than a line above it.
+fn extend_down(
+    r: &mut Readings,
+    model: Option<PowerModel>,
+    min_cap: f64,
+    anchor_w: f64,
+    gpus: u32,
+) {
     let (c_lo, p_lo, t_lo) = (r.caps[0], r.power[0], r.throughput[0]);
     if !(min_cap.is_finite() && min_cap > 0.0 && min_cap < c_lo * 0.999) {
         return;
     }
-    let power = match model {
+    let modelled = match model {
         Some(m) if m.slope.is_finite() => m.at(min_cap).min(p_lo),
-        // Nothing bound in the readings: assume nothing is saved below them either.
+        // Nothing bound in the readings: nothing is saved below them either, until the
+        // cap itself binds (below).
         Some(_) => p_lo,
         None => p_lo * min_cap / c_lo,
     };
-    // The lower of two guesses: throughput in proportion to power (a lower bound only
-    // where the curve is concave all the way down to zero power, which a knee above the
-    // idle draw breaks), and the lowest measured segment continued (lower where the
-    // curve already bends down, as throughput collapses at deep caps).
-    let proportional = t_lo * power / p_lo;
-    let continued = if r.caps.len() >= 2 && r.power[1] > p_lo {
-        let slope = (r.throughput[1] - t_lo) / (r.power[1] - p_lo);
-        t_lo - slope * (p_lo - power)
+    // No cap lets a GPU draw more than the cap: where the readings never bound, the
+    // cap starts to bind at `p_lo / gpus`, and a reading there keeps the power between
+    // it and the lowest reading flat, as it is.
+    let power = if gpus > 0 {
+        let g = f64::from(gpus);
+        let binds_at = p_lo / g;
+        if modelled > min_cap * g && binds_at > min_cap * 1.0001 && binds_at < c_lo * 0.9999 {
+            r.caps.insert(0, binds_at);
+            r.power.insert(0, p_lo);
+            r.throughput.insert(0, t_lo);
+            r.weight.insert(0, r.weight[0]);
+        }
+        modelled.min(min_cap * g)
     } else {
-        proportional
+        modelled
     };
-    let throughput = proportional.min(continued).max(1e-6 * t_lo);
+    // The knot the chord runs to: the one just inserted, if any, has the lowest
+    // reading's power and throughput.
+    let c_lo = r.caps[0];
+    let floor = 1e-6 * t_lo;
+    let chord = |p: f64| {
+        if p_lo > anchor_w {
+            (t_lo * (p - anchor_w) / (p_lo - anchor_w)).max(floor)
+        } else {
+            floor
+        }
+    };
+    let weight = r.weight[0];
+    if power < anchor_w && p_lo > anchor_w {
+        let f = (anchor_w - power) / (p_lo - power);
+        let crossing = min_cap + f * (c_lo - min_cap);
+        if crossing > min_cap * 1.0001 && crossing < c_lo * 0.9999 {
+            r.caps.insert(0, crossing);
+            r.power.insert(0, anchor_w);
+            r.throughput.insert(0, floor);
+            r.weight.insert(0, weight);
+        }
+    }
     r.caps.insert(0, min_cap);
     r.power.insert(0, power);
-    r.throughput.insert(0, throughput);
-    r.weight.insert(0, r.weight[0]);
+    r.throughput.insert(0, chord(power));
+    r.weight.insert(0, weight);
 }
 
 /// Fewest jobs for which population statistics are worth computing.
@@ -1050,6 +1240,7 @@ fn fallback_curve(obs: &[OperatingPoint]) -> CapCurve {
         relative_uncertainty: 1.0,
         extrapolated_below_w: None,
         knot_sigma: Vec::new(),
+        lower_throughput: Vec::new(),
     }
 }
 
@@ -1276,6 +1467,9 @@ mod tests {
             jobs.push(JobReadings {
                 points,
                 min_cap_w: Watts(200.0),
+                // 8 GPUs at 200 W: at or above their static draw.
+                zero_throughput_w: Watts(1600.0),
+                gpus: 8,
                 cap_grid_w: Vec::new(),
             });
             truths.push(truth);
@@ -1361,6 +1555,9 @@ mod tests {
         let jobs = vec![JobReadings {
             points,
             min_cap_w: Watts(300.0),
+            // 8 GPUs at 200 W: at or above their static draw.
+            zero_throughput_w: Watts(1600.0),
+            gpus: 8,
             cap_grid_w: [300.0, 400.0, 500.0, 600.0, 700.0].map(Watts).to_vec(),
         }];
         let curve = &estimate_population(&jobs, 0.0)[0];
@@ -1382,36 +1579,91 @@ mod tests {
         assert_eq!(knot.power_w, Watts(4000.0));
     }
 
+    fn three_readings() -> Vec<OperatingPoint> {
+        vec![
+            pt(300.0, 2400.0, 500.0),
+            pt(400.0, 3200.0, 900.0),
+            pt(700.0, 5600.0, 1000.0),
+        ]
+    }
+
     #[test]
-    fn extension_takes_the_lower_of_its_two_guesses() {
-        // Steep lowest segment: continuing it (100) is below proportional (333).
+    fn extension_follows_the_chord_from_the_anchor() {
+        // Throughput proportional to power (500 × 2000 / 2400 ≈ 417 at 250 W) is no bound:
+        // the job makes no progress at its GPUs' static draw, taken here at 1600 W.
         let jobs = vec![JobReadings {
-            points: vec![
-                OperatingPoint {
-                    cap_w: Watts(300.0),
-                    power_w: Watts(2400.0),
-                    throughput: 500.0,
-                },
-                OperatingPoint {
-                    cap_w: Watts(400.0),
-                    power_w: Watts(3200.0),
-                    throughput: 900.0,
-                },
-                OperatingPoint {
-                    cap_w: Watts(700.0),
-                    power_w: Watts(5600.0),
-                    throughput: 1000.0,
-                },
-            ],
+            points: three_readings(),
             min_cap_w: Watts(200.0),
             cap_grid_w: Vec::new(),
+            zero_throughput_w: Watts(1600.0),
+            gpus: 8,
         }];
         let curve = &estimate_population(&jobs, 0.0)[0];
+        let chord = 500.0 * (2000.0 - 1600.0) / (2400.0 - 1600.0);
+        let at = curve.at(Watts(250.0)).throughput;
         assert!(
-            (curve.at(Watts(200.0)).throughput - 100.0).abs() < 1e-6,
-            "{:?}",
+            (at - chord).abs() < 1e-3,
+            "{at} vs {chord}: {:?}",
             curve.knots()
         );
+        let bound = curve.throughput_bound_at(Watts(250.0));
+        assert!((bound - chord).abs() < 1e-3, "{bound} vs {chord}");
+        assert!(curve.at(Watts(200.0)).throughput < 1e-3);
+        assert_eq!(curve.lowest_read_cap(), Watts(300.0));
+    }
+
+    #[test]
+    fn an_anchor_above_the_lowest_cap_s_draw_adds_the_chord_s_zero() {
+        // At 200 W the job draws 1600 W, below the 2000 W anchor: no progress promised
+        // up to 250 W (2000 W), the chord from there to the lowest reading above it.
+        let jobs = vec![JobReadings {
+            points: three_readings(),
+            min_cap_w: Watts(200.0),
+            cap_grid_w: Vec::new(),
+            zero_throughput_w: Watts(2000.0),
+            gpus: 8,
+        }];
+        let curve = &estimate_population(&jobs, 0.0)[0];
+        assert!(curve.throughput_bound_at(Watts(240.0)) < 1e-3);
+        let chord = 500.0 * (2200.0 - 2000.0) / (2400.0 - 2000.0);
+        let bound = curve.throughput_bound_at(Watts(275.0));
+        assert!(
+            (bound - chord).abs() < 1e-3,
+            "{bound} vs {chord}: {curve:?}"
+        );
+    }
+
+    #[test]
+    fn the_bound_at_read_caps_never_lifts_a_reading_toward_the_population() {
+        // Exact readings, but a stated noise of 1 %: shrinkage moves each job toward the
+        // population; the bound stays at or below what each job measured, less a standard
+        // error of its ratio to the top.
+        let (mut jobs, _) = noisy_population(12, 0.0, |i| 0.8 + 0.4 * i as f64, 3);
+        // One job with a steep knee: 30 % slower at 600 W already.
+        jobs[5].points = vec![
+            pt(300.0, 2400.0, 300.0),
+            pt(400.0, 3200.0, 450.0),
+            pt(600.0, 4800.0, 700.0),
+            pt(700.0, 5600.0, 1000.0),
+        ];
+        let curves = estimate_population(&jobs, 0.01);
+        for (job, curve) in jobs.iter().zip(&curves) {
+            let top = job.points.iter().map(|p| p.throughput).fold(0.0, f64::max);
+            let bound_top = curve.throughput_bound_at(Watts(700.0));
+            for p in &job.points {
+                if p.cap_w.0 >= 700.0 {
+                    continue;
+                }
+                let measured = p.throughput / top;
+                let bound = curve.throughput_bound_at(p.cap_w) / bound_top;
+                let se = 0.01 * 2f64.sqrt();
+                assert!(
+                    bound <= measured * (1.0 - se) + 1e-9,
+                    "cap {}: bound {bound} above measured {measured}",
+                    p.cap_w.0
+                );
+            }
+        }
     }
 
     #[test]
@@ -1427,6 +1679,9 @@ mod tests {
         let jobs = vec![JobReadings {
             points,
             min_cap_w: Watts(300.0),
+            // 8 GPUs at 200 W: at or above their static draw.
+            zero_throughput_w: Watts(1600.0),
+            gpus: 8,
             cap_grid_w: [700.0, 550.0, 500.0, 500.0, 450.0, 300.0]
                 .map(Watts)
                 .to_vec(),
@@ -1452,6 +1707,9 @@ mod tests {
                 },
             ],
             min_cap_w: Watts(200.0),
+            // 8 GPUs at 200 W: at or above their static draw.
+            zero_throughput_w: Watts(1600.0),
+            gpus: 8,
             cap_grid_w: Vec::new(),
         }];
         for noise in [0.01, f64::NAN, -1.0] {

@@ -1,12 +1,12 @@
 //! One allocation, start to end: the reports gathered, the jobs' curves, what is held
 //! and reserved, the split of what is left, and each node's lease.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
 use powerflex_core::allocate::{
-    allocate_cautious_within, allocate_within, Allocation, Caution, DomainLimit, JobSpec,
+    allocate_cautious_doubting, allocate_within, Allocation, Caution, DomainLimit, JobSpec,
     Maximised, Policy,
 };
 use powerflex_core::config::BudgetMode;
@@ -78,6 +78,7 @@ pub fn decide_holding(
 /// kept steady where a change would buy too little (see [`decide_steady`]).
 fn site_allocation(
     specs: &[JobSpec],
+    in_doubt: &BTreeSet<String>,
     budget: Watts,
     reserved_w: f64,
     domains: &[DomainLimit],
@@ -92,9 +93,12 @@ fn site_allocation(
     // The optimal policy leans to the equal split as far as the curves' uncertainty
     // warrants: the rule `powerflexctl evaluate` scores (see `allocate_cautious`), with
     // no power margin here, since the metered loop corrects each job's power by its
-    // draw every period and the budget's metered margin covers the rest.
+    // draw every period and the budget's metered margin covers the rest. A job whose
+    // curve is in doubt keeps its equal-split cap: the optimiser trades power only
+    // between jobs measured where it moves them.
+    let doubted: Vec<bool> = specs.iter().map(|s| in_doubt.contains(&s.id)).collect();
     let allocation = match settings.policy {
-        Policy::Optimal => allocate_cautious_within(
+        Policy::Optimal => allocate_cautious_doubting(
             specs,
             managed_budget,
             domains,
@@ -102,6 +106,7 @@ fn site_allocation(
                 power_z: 0.0,
                 ..Caution::default()
             },
+            &doubted,
         )
         // Still the optimal policy when the rule kept the equal split's caps: that is
         // what optimal means on curves this uncertain.
@@ -112,7 +117,7 @@ fn site_allocation(
         .ok(),
         policy => allocate_within(specs, managed_budget, domains, policy).ok(),
     };
-    allocation.map(|a| keep_steady(a, specs, managed_budget, domains, in_force))
+    allocation.map(|a| keep_steady(a, specs, &doubted, managed_budget, domains, in_force))
 }
 
 /// Each live node's lease: every job on it at its decided cap, a held job at its lowest
@@ -180,6 +185,7 @@ pub fn decide_steady(
         specs,
         drifted,
         raw_tokens,
+        in_doubt,
     } = job_specs(&jobs, settings, held, &mut rejected);
     let reserved_jobs = unsteered_reserve_w(&jobs, &specs, held, settings);
     reserved += reserved_jobs.values().sum::<f64>();
@@ -188,7 +194,9 @@ pub fn decide_steady(
         .as_ref()
         .map(|d| domain_limits(d, &jobs, &specs, &reserved_at, &reserved_jobs, settings))
         .unwrap_or_default();
-    let allocation = site_allocation(&specs, budget, reserved, &domains, settings, in_force);
+    let allocation = site_allocation(
+        &specs, &in_doubt, budget, reserved, &domains, settings, in_force,
+    );
     let leases = leases_of(nodes, &jobs, held, allocation.as_ref());
     Decision {
         leases,

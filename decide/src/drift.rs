@@ -23,12 +23,18 @@ pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> 
     }
     let cap = job.cap_now_w?;
     let predicted = curve.at(Watts(cap));
+    // Below the lowest read cap the curve is a lower bound on throughput (see
+    // `estimate_population`), not an estimate: a job faster than it there is what the
+    // bound expects, and only one slower than it has left the curve.
+    let lowest_read = curve.lowest_read_cap().0;
+    let below_readings = cap < lowest_read - 0.5;
     let power_ratio = (job.power_steady && job.power_from_every_node && predicted.power_w.0 > 0.0)
         .then(|| job.power_w / predicted.power_w.0);
     let throughput_band = DRIFT_BAND.max(3.0 * curve.relative_uncertainty());
     let throughput_ratio = match job.throughput {
         Some(t) if job.cap_steady_s >= THROUGHPUT_WINDOW_S && predicted.throughput > 0.0 => {
-            Some(t / predicted.throughput)
+            let ratio = t / predicted.throughput;
+            (!below_readings || ratio < 1.0).then_some(ratio)
         }
         // The cap moved within the rate's window, so the rate mixes caps: still, a rate
         // beyond what the curve gives at any cap the job may have is drift (a new phase
@@ -36,7 +42,14 @@ pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> 
         // demo, a job would otherwise run its heavier phase on its lighter phase's curve
         // to the end).
         Some(t) => {
-            let slowest = curve.at(Watts(job.min_cap)).throughput;
+            // The slowest a cap may have made it: below its readings the bound says too
+            // little to judge by (it may reach zero), so the lowest reading's rate in
+            // proportion to the cap stands in for it here; the floors use the bound.
+            let slowest = if job.min_cap < lowest_read - 0.5 && lowest_read > 0.0 {
+                curve.at(Watts(lowest_read)).throughput * job.min_cap / lowest_read
+            } else {
+                curve.at(Watts(job.min_cap)).throughput
+            };
             let fastest = curve.at(Watts(job.max_cap)).throughput;
             if slowest > 0.0 && t < slowest * (1.0 - throughput_band) {
                 Some(t / slowest)

@@ -1,7 +1,7 @@
 //! The allocator's view of each job it steers: its curve (measured or a prior, with
 //! the agents' standard errors), its power as the budget mode counts it, its bounds.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use powerflex_core::allocate::{validate_spec, CapLimits, JobSpec};
 use powerflex_core::config::{BudgetMode, Objective};
@@ -19,6 +19,18 @@ use powerflex_proto::status::{Drift, Rejected};
 /// the paper's repeat-run noise is ~0.5 %; the agent's 5-30 s holds are noisier.
 const MEASUREMENT_NOISE: f64 = 0.01;
 
+/// The share of a GPU's highest power limit taken as its static draw: what it draws
+/// under a job's load at its lowest clock, where the job's progress may be nil. Below its
+/// lowest measured cap a job's throughput is bounded by the chord from this draw (at zero
+/// throughput) to its lowest reading, which is a lower bound wherever throughput is
+/// concave in power above it (the clock, and with it the speed, rises ever more slowly
+/// with power as voltage rises). Set high rather than low: a higher anchor only makes
+/// the bound more pessimistic. A quarter holds with room for the GPUs the project models
+/// or measured: the H200 profiles' 150 W of 700 W (21 %), and the dev set's V100 and
+/// RTX 6000 curves, still running at half speed or more at their 100 W minimum (a third
+/// of 300 W, of 260 W).
+pub(crate) const STATIC_SHARE: f64 = 0.25;
+
 /// The allocator's view of the jobs it steers: one spec per job with a usable range
 /// and curve (measured points where every node of the job measured them, else a prior
 /// from its PFI), the jobs whose draw or speed left their curves, and whether the
@@ -28,6 +40,10 @@ pub(crate) struct Specs {
     pub(crate) specs: Vec<JobSpec>,
     pub(crate) drifted: Vec<Drift>,
     pub(crate) raw_tokens: bool,
+    /// The jobs whose curve says nothing the optimiser may trade on: a prior (never
+    /// measured on every node) or a curve the job's measurements have left. Each gets its
+    /// cap in the equal split.
+    pub(crate) in_doubt: BTreeSet<String>,
 }
 
 pub(crate) fn job_specs(
@@ -61,22 +77,14 @@ pub(crate) fn job_specs(
             }
             continue;
         }
-        let nodes = job.nodes.len();
-        let points: Vec<OperatingPoint> = job
-            .points
-            .iter()
-            .filter(|(_, (_, _, n))| *n == nodes)
-            .map(|(&cap, &(power, throughput, _))| OperatingPoint {
-                cap_w: Watts(cap as f64),
-                power_w: Watts(power),
-                throughput,
-            })
-            .collect();
+        let points = measured_points(job);
         if points.len() >= 2 {
             readings.push(JobReadings {
                 points,
                 min_cap_w: Watts(job.min_cap),
                 cap_grid_w: Vec::new(),
+                zero_throughput_w: Watts(STATIC_SHARE * job.max_cap * f64::from(job.gpus)),
+                gpus: job.gpus,
             });
         }
         steerable.push((id, job, request));
@@ -84,8 +92,7 @@ pub(crate) fn job_specs(
     let mut measured = estimate_population(&readings, MEASUREMENT_NOISE).into_iter();
     let mut curves = Vec::new();
     for (_, job, _) in &steerable {
-        let nodes = job.nodes.len();
-        let has_points = job.points.values().filter(|(_, _, n)| *n == nodes).count() >= 2;
+        let has_points = measured_points(job).len() >= 2;
         let curve = if has_points {
             measured.next().map(|c| with_measured_sigma(c, job))
         } else {
@@ -111,10 +118,15 @@ pub(crate) fn job_specs(
         });
     let mut specs = Vec::new();
     let mut drifted = Vec::new();
+    let mut in_doubt = BTreeSet::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
         if let Some(d) = drift(id, job, &curve) {
             drifted.push(d);
+            in_doubt.insert((*id).clone());
+        }
+        if curve.source() == powerflex_core::curve::CurveSource::Prior {
+            in_doubt.insert((*id).clone());
         }
         let curve = power_as_budgeted(&curve, job, settings.budget_mode);
         specs.push(JobSpec {
@@ -159,7 +171,27 @@ pub(crate) fn job_specs(
         specs,
         drifted,
         raw_tokens,
+        in_doubt,
     }
+}
+
+/// The caps every node of `job` measured (part of a job's power is no estimate of all of
+/// it), with a usable power and throughput: a window that made no progress or read no
+/// power says nothing about the curve, and one such reading must not cost the job the
+/// rest of its curve (the estimator refuses a set that holds one).
+fn measured_points(job: &SiteJob) -> Vec<OperatingPoint> {
+    let nodes = job.nodes.len();
+    let usable = |x: f64| x.is_finite() && x > 0.0;
+    job.points
+        .iter()
+        .filter(|(_, &(power, throughput, n))| n == nodes && usable(power) && usable(throughput))
+        .map(|(&cap, &(power, throughput, _))| OperatingPoint {
+            cap_w: Watts(cap as f64),
+            power_w: Watts(power),
+            throughput,
+        })
+        .filter(|p| usable(p.cap_w.0))
+        .collect()
 }
 
 /// The job's curve with its power as the budget mode counts it.

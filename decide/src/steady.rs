@@ -20,6 +20,7 @@ pub const STEADY_Z: f64 = 2.0;
 pub(crate) fn keep_steady(
     fresh: Allocation,
     specs: &[JobSpec],
+    in_doubt: &[bool],
     budget: Watts,
     domains: &[DomainLimit],
     in_force: &BTreeMap<String, f64>,
@@ -35,6 +36,17 @@ pub(crate) fn keep_steady(
         return fresh;
     };
     if fresh.jobs.iter().zip(&caps).all(|(j, c)| j.cap_w == *c) {
+        return fresh;
+    }
+    // A job whose curve is in doubt gets its equal-split cap, not the cap a curve it has
+    // left once earned it.
+    let doubt_moves = fresh
+        .jobs
+        .iter()
+        .zip(&caps)
+        .enumerate()
+        .any(|(i, (j, c))| in_doubt.get(i).copied().unwrap_or(false) && j.cap_w != *c);
+    if doubt_moves {
         return fresh;
     }
     let Ok(kept) = allocation_at_within(specs, &caps, fresh.budget_w, domains, fresh.policy) else {

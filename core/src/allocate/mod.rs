@@ -359,6 +359,25 @@ pub fn allocate_cautious_within(
     domains: &[DomainLimit],
     caution: Caution,
 ) -> Result<CautiousAllocation, AllocationError> {
+    allocate_cautious_doubting(jobs, budget, domains, caution, &[])
+}
+
+/// [`allocate_cautious_within`], with the jobs whose curves are in doubt (`in_doubt[i]`
+/// for `jobs[i]`; missing entries are `false`): a curve that is a prior, or that the job's
+/// measurements have left, says nothing the optimiser may trade on, so such a job gets
+/// exactly its cap in the equal split (which respects its floor). The other jobs trade
+/// power only where they were measured, or back toward it (see [`allocate_within`]).
+///
+/// On the curves' lower bounds ([`CapCurve::throughput_bound_at`]) the result's objective
+/// is never below the equal split's under the same limits: the equal split is one of the
+/// candidates, and wins ties.
+pub fn allocate_cautious_doubting(
+    jobs: &[JobSpec],
+    budget: Watts,
+    domains: &[DomainLimit],
+    caution: Caution,
+    in_doubt: &[bool],
+) -> Result<CautiousAllocation, AllocationError> {
     let usable = |z: f64| if z.is_finite() && z > 0.0 { z } else { 0.0 };
     let (power_z, gain_z) = (usable(caution.power_z), usable(caution.gain_z));
     // Each job planned at its power plus `power_z / 2` standard errors (the optimiser's
@@ -371,7 +390,7 @@ pub fn allocate_cautious_within(
         })
         .collect();
     let jobs = planned_jobs.as_slice();
-    let first = decide(jobs, budget, domains, Policy::Optimal)?;
+    let first = decide(jobs, budget, domains, Policy::Optimal, in_doubt)?;
     // Without a power margin (the controller's metered loop corrects each job's power
     // every period instead) the plan is the first decision: no second optimisation.
     let planned_domains: Vec<DomainLimit>;
@@ -404,7 +423,7 @@ pub fn allocate_cautious_within(
                 ..d.clone()
             })
             .collect();
-        let decided = decide(jobs, planned, &planned_domains, Policy::Optimal)?;
+        let decided = decide(jobs, planned, &planned_domains, Policy::Optimal, in_doubt)?;
         (planned, decided)
     } else {
         (budget, first)
@@ -468,8 +487,16 @@ struct Prepared<'a> {
 }
 
 impl Prepared<'_> {
+    /// The job's power at `cap` and the throughput it is known to reach there at least:
+    /// floors are promises, and the choice among caps is weighed on what each job will
+    /// surely deliver, so a curve smoothed or extended above its readings cannot buy a job
+    /// a cut its measurements do not support.
     fn at(&self, cap: f64) -> OperatingPoint {
-        self.spec.curve.at(Watts(cap))
+        let point = self.spec.curve.at(Watts(cap));
+        OperatingPoint {
+            throughput: self.spec.curve.throughput_bound_at(Watts(cap)),
+            ..point
+        }
     }
     fn power(&self, cap: f64) -> f64 {
         self.at(cap).power_w.0
@@ -519,7 +546,7 @@ pub fn allocate_within(
     domains: &[DomainLimit],
     policy: Policy,
 ) -> Result<Allocation, AllocationError> {
-    let decided = decide(jobs, budget, domains, policy)?;
+    let decided = decide(jobs, budget, domains, policy, &[])?;
     Ok(decided.allocation(&decided.caps, policy))
 }
 
@@ -551,6 +578,7 @@ fn decide<'a>(
     budget: Watts,
     domains: &'a [DomainLimit],
     policy: Policy,
+    in_doubt: &[bool],
 ) -> Result<Decision<'a>, AllocationError> {
     check_budget(budget)?;
     let room = Room::new(jobs.len(), budget, domains)?;
@@ -580,7 +608,7 @@ fn decide<'a>(
             // Equal first: the greedy must beat it by more than rounding to be chosen,
             // so curves that give it nothing to exploit (identical ones, say) keep
             // the even cut, the robust choice when the curves may be wrong.
-            let candidates = optimal_candidates(&prepared, &bounds.range, &room);
+            let candidates = optimal_candidates(&prepared, &bounds.range, &room, in_doubt);
             let mut best: Option<(f64, &Vec<f64>)> = None;
             for caps in &candidates {
                 let value: f64 = prepared.iter().zip(caps).map(|(p, &c)| p.value(c)).sum();
@@ -613,19 +641,24 @@ const PARALLEL_FROM_JOBS: usize = 4_096;
 /// A rule that turns settled ranges into caps.
 type Candidate = fn(&[Prepared<'_>], &[(f64, f64)], &Room<'_>) -> Vec<f64>;
 
-/// The equal split, the PFI-proportional cut and the greedy on the hulls, in that order.
-/// Each is deterministic and reads only what it is given, so computing them side by side
-/// gives what computing them in turn gives.
+/// The equal split, then the PFI-proportional cut and the greedy on the hulls within
+/// [`trading_range`] of it, in that order. Each is deterministic and reads only what it
+/// is given, so computing the last two side by side gives what computing them in turn
+/// gives.
 fn optimal_candidates(
     prepared: &[Prepared<'_>],
-    range: &[(f64, f64)],
+    settled: &[(f64, f64)],
     room: &Room<'_>,
+    in_doubt: &[bool],
 ) -> [Vec<f64>; 3] {
+    let equal = equal_caps(prepared, settled, room);
+    let trading = trading_range(prepared, settled, &equal, in_doubt);
+    let range = trading.as_slice();
     let side_by_side = prepared.len() >= PARALLEL_FROM_JOBS
         && std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
     if !side_by_side {
         return [
-            equal_caps(prepared, range, room),
+            equal,
             pfi_proportional_caps(prepared, range, room),
             greedy_caps(prepared, range, room),
         ];
@@ -640,7 +673,6 @@ fn optimal_candidates(
         };
         let greedy = spawn(greedy_caps);
         let pfi = spawn(pfi_proportional_caps);
-        let equal = equal_caps(prepared, range, room);
         let finish = |candidate: Result<std::thread::ScopedJoinHandle<'_, Vec<f64>>, Candidate>| {
             match candidate {
                 // A panic on the candidate's thread is the allocator's own: raised here.
@@ -652,6 +684,40 @@ fn optimal_candidates(
         };
         [equal, finish(pfi), finish(greedy)]
     })
+}
+
+/// Where the optimiser may move each job once the equal split `equal` is known: a job in
+/// doubt, or one the equal split put below its lowest read cap, stays at its equal-split
+/// cap; any other moves between its lowest read cap (or its floor, if higher) and its
+/// settled top. Below a job's readings lies only the curve's bound, which says how little
+/// the job may deliver there, not what trading power with it would buy: valued on it, a
+/// job cut below its readings looks cheap to raise and dear to cut, and the optimiser
+/// would take watts from jobs it knows to buy back speed the job may well have had. Every
+/// range holds its equal-split cap, so the equal split stays feasible within them.
+fn trading_range(
+    prepared: &[Prepared<'_>],
+    settled: &[(f64, f64)],
+    equal: &[f64],
+    in_doubt: &[bool],
+) -> Vec<(f64, f64)> {
+    prepared
+        .iter()
+        .zip(settled.iter().zip(equal))
+        .enumerate()
+        .map(|(i, (job, (&(lower, upper), &eq)))| {
+            if in_doubt.get(i).copied().unwrap_or(false) {
+                return (eq, eq);
+            }
+            let limits = &job.spec.limits;
+            let read = limits
+                .snap_up(limits.min_w.0.max(job.spec.curve.lowest_read_cap().0))
+                .min(job.hi);
+            if eq < read - 1e-9 {
+                return (eq, eq);
+            }
+            (lower.max(read).min(upper), upper)
+        })
+        .collect()
 }
 
 /// The allocation `caps_w` (one per job, in order) would be on the jobs' curves: power,
@@ -1421,7 +1487,7 @@ mod tests {
             .map(|s| prepare(s, false).expect("prepared"))
             .collect();
         let bounds = settle_floors(&prepared, &room);
-        let side_by_side = optimal_candidates(&prepared, &bounds.range, &room);
+        let side_by_side = optimal_candidates(&prepared, &bounds.range, &room, &[]);
         assert_eq!(side_by_side[0], equal_caps(&prepared, &bounds.range, &room));
         assert_eq!(
             side_by_side[1],
@@ -1705,6 +1771,9 @@ mod tests {
                     })
                     .collect(),
                 min_cap_w: Watts(200.0),
+                // 8 GPUs at 200 W: at or above their static draw.
+                zero_throughput_w: Watts(1600.0),
+                gpus: 8,
                 cap_grid_w: Vec::new(),
             })
             .collect();
@@ -1747,6 +1816,9 @@ mod tests {
                 })
                 .collect(),
             min_cap_w: Watts(200.0),
+            // 8 GPUs at 200 W: at or above their static draw.
+            zero_throughput_w: Watts(1600.0),
+            gpus: 8,
             cap_grid_w: Vec::new(),
         }];
         let unbounded = estimate_population(&readings, 0.0).remove(0);
