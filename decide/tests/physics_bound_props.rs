@@ -8,6 +8,11 @@
 //! (b) the decided caps deliver at least the relative speed, summed over the jobs, of the
 //!     tier-aware equal split computed on the true curves, less [`EQUAL_TOLERANCE`] per
 //!     job.
+//!
+//! It prints the worst figures it saw, for the record (`-- --nocapture`).
+
+// A test prints its figures; the library it tests prints nothing.
+#![allow(clippy::disallowed_macros)]
 
 use std::collections::BTreeMap;
 

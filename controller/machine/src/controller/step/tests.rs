@@ -316,7 +316,7 @@ fn on_prior(node: &str, id: &str, tier: &str, cap_w: f64, per_gpu_w: f64) -> Inp
     j.cap_w = Some(cap_w);
     j.power_cap_w = Some(cap_w);
     j.power_w = Some(per_gpu_w * 4.0);
-    // Few tokens for its watts: the allocator holds it low while it may.
+    // Few tokens for its watts; a prior, so a curve in doubt: it gets its equal-split cap.
     j.throughput = Some(10.0);
     Input::Report {
         ended: Vec::new(),
