@@ -17,8 +17,14 @@
 //!
 //! Curves come from the same estimator as the offline evaluation
 //! ([`powerflex_core::curve::estimate_population`]): smoothed, and extended below each
-//! job's lowest measured cap to the GPUs' minimum — territory the allocator enters only
-//! when the budget cannot pay every tier's floor above it. The objective is, by default, the sum of each job's speed
+//! job's lowest measured cap to the GPUs' minimum by a lower bound (the chord from the
+//! GPUs' static draw, a quarter of their highest limit, to the lowest reading) — territory
+//! the allocator enters only when the budget cannot pay every tier's floor above it. Floors
+//! and the choice of caps rest on each curve's lower bound, never on the smoothed estimate.
+//! A job whose curve is in doubt (a prior, or drifted) gets exactly its cap in the equal
+//! split within the tiers; the optimiser trades power only among jobs measured where it
+//! moves them, and never ends below the equal split on those bounds.
+//! The objective is, by default, the sum of each job's speed
 //! relative to its own uncapped speed: what a job says about its scale (tokens/s are
 //! self-reported) buys it nothing. A site that trusts its jobs' counts can choose the
 //! total tokens/s instead; while any managed job reports only steps (units that do not
