@@ -1332,3 +1332,36 @@ fn a_node_never_heard_from_is_paid_for_at_its_worst_case_in_the_site_and_its_dom
         powerflex_proto::report::MAX_GPU_POWER_W
     );
 }
+
+/// Any curve the physics allows is planned on: a job that keeps nearly all its speed
+/// when capped (PFI near 1,000) and whose walk read one window with no progress is
+/// steered on its measured curve, and, cheapest to cut, it is cut first.
+#[test]
+fn a_flat_curve_with_a_stalled_window_is_steered_and_cut_first() {
+    let flat = vec![
+        [700.0, 2800.0, 1000.0],
+        [500.0, 2000.0, 999.6],
+        [300.0, 1200.0, 999.3],
+        // A window that made no progress (input stall): no point of the curve.
+        [400.0, 1600.0, 0.0],
+    ];
+    let nodes = vec![NodeView {
+        node: "n1".into(),
+        gpus: (0..8).map(gpu).collect(),
+        jobs: vec![
+            report("1", "flex3", 4, 2800.0, flat),
+            report("2", "flex3", 4, 2800.0, points(4.0)),
+        ],
+        power_w: 5600.0,
+        live: true,
+    }];
+    let d = decide(&nodes, Watts(4400.0), &settings());
+    assert!(d.rejected.is_empty(), "{:?}", d.rejected);
+    assert!(d.drifted.is_empty(), "{:?}", d.drifted);
+    let a = d.allocation.expect("allocation");
+    assert_eq!(a.jobs.len(), 2, "{a:?}");
+    let (flat_cap, other_cap) = (d.leases["n1"]["1"], d.leases["n1"]["2"]);
+    assert!(flat_cap <= 400.0, "the flat job gives the watts: {a:?}");
+    assert!(other_cap > flat_cap, "{a:?}");
+    assert!(a.broken_floors().next().is_none(), "{a:?}");
+}
