@@ -181,55 +181,73 @@ impl CapCurve {
         self.knots[0]
     }
 
-    /// Power and throughput at per-GPU cap `cap` (flat outside the knots).
-    pub fn at(&self, cap: Watts) -> OperatingPoint {
-        let c = cap.0;
-        let first = self.knots[0];
-        let last = self.uncapped();
-        if c <= first.cap_w.0 {
-            return OperatingPoint {
-                cap_w: cap,
-                ..first
-            };
+    /// Where `cap` falls among the knots: at or below the first, at or above the last, or
+    /// between knot `hi - 1` and knot `hi`, a fraction `f` of the way.
+    fn locate(&self, cap: f64) -> Place {
+        let n = self.knots.len();
+        if cap <= self.knots[0].cap_w.0 {
+            return Place::Knot(0);
         }
-        if c >= last.cap_w.0 {
-            return OperatingPoint { cap_w: cap, ..last };
+        if cap >= self.knots[n - 1].cap_w.0 {
+            return Place::Knot(n - 1);
         }
         // First knot with cap >= c; it exists and is > 0 because first.cap < c < last.cap.
-        let hi = self.knots.partition_point(|k| k.cap_w.0 < c);
-        let (a, b) = (self.knots[hi - 1], self.knots[hi]);
-        let f = (c - a.cap_w.0) / (b.cap_w.0 - a.cap_w.0);
-        OperatingPoint {
-            cap_w: cap,
-            power_w: Watts(a.power_w.0 + f * (b.power_w.0 - a.power_w.0)),
-            throughput: a.throughput + f * (b.throughput - a.throughput),
+        let hi = self.knots.partition_point(|k| k.cap_w.0 < cap);
+        let (a, b) = (self.knots[hi - 1].cap_w.0, self.knots[hi].cap_w.0);
+        Place::Between(hi, (cap - a) / (b - a))
+    }
+
+    /// Power and throughput at per-GPU cap `cap` (flat outside the knots).
+    pub fn at(&self, cap: Watts) -> OperatingPoint {
+        match self.locate(cap.0) {
+            Place::Knot(i) => OperatingPoint {
+                cap_w: cap,
+                ..self.knots[i]
+            },
+            Place::Between(hi, f) => {
+                let (a, b) = (self.knots[hi - 1], self.knots[hi]);
+                OperatingPoint {
+                    cap_w: cap,
+                    power_w: Watts(a.power_w.0 + f * (b.power_w.0 - a.power_w.0)),
+                    throughput: a.throughput + f * (b.throughput - a.throughput),
+                }
+            }
         }
     }
 
-    /// Throughput at per-GPU cap `cap` that the job is known to reach at least: the
-    /// curve's lower bound where it carries one (an estimate smoothed across jobs or
-    /// extended below its readings), interpolated between knots as [`CapCurve::at`] is,
-    /// and never above the estimate itself. A tier's floor is a promise, so it is set on
-    /// this, not on the estimate.
-    pub fn throughput_bound_at(&self, cap: Watts) -> f64 {
-        let estimate = self.at(cap).throughput;
-        let n = self.knots.len();
-        if self.lower_throughput.len() != n {
-            return estimate;
+    /// Power at per-GPU cap `cap` with the throughput the job is known to reach there at
+    /// least: the curve's lower bound where it carries one (an estimate smoothed across
+    /// jobs or extended below its readings), interpolated between knots as
+    /// [`CapCurve::at`] is, and never above the estimate itself. A tier's floor is a
+    /// promise, so it is set on this, not on the estimate.
+    pub fn at_lower_bound(&self, cap: Watts) -> OperatingPoint {
+        if self.lower_throughput.len() != self.knots.len() {
+            return self.at(cap);
         }
-        let c = cap.0;
-        let bound = if c <= self.knots[0].cap_w.0 {
-            self.lower_throughput[0]
-        } else if c >= self.knots[n - 1].cap_w.0 {
-            self.lower_throughput[n - 1]
-        } else {
-            let hi = self.knots.partition_point(|k| k.cap_w.0 < c);
-            let (a, b) = (self.knots[hi - 1].cap_w.0, self.knots[hi].cap_w.0);
-            let f = (c - a) / (b - a);
-            let (la, lb) = (self.lower_throughput[hi - 1], self.lower_throughput[hi]);
-            la + f * (lb - la)
+        // One search for both, as the allocator asks this for every cap it weighs.
+        let (point, bound) = match self.locate(cap.0) {
+            Place::Knot(i) => (self.knots[i], self.lower_throughput[i]),
+            Place::Between(hi, f) => {
+                let (a, b) = (self.knots[hi - 1], self.knots[hi]);
+                let (la, lb) = (self.lower_throughput[hi - 1], self.lower_throughput[hi]);
+                let point = OperatingPoint {
+                    cap_w: cap,
+                    power_w: Watts(a.power_w.0 + f * (b.power_w.0 - a.power_w.0)),
+                    throughput: a.throughput + f * (b.throughput - a.throughput),
+                };
+                (point, la + f * (lb - la))
+            }
         };
-        bound.min(estimate)
+        OperatingPoint {
+            cap_w: cap,
+            power_w: point.power_w,
+            throughput: bound.min(point.throughput),
+        }
+    }
+
+    /// The throughput of [`CapCurve::at_lower_bound`].
+    pub fn throughput_bound_at(&self, cap: Watts) -> f64 {
+        self.at_lower_bound(cap).throughput
     }
 
     /// Per-knot standard errors, in knot order (empty when unknown).
@@ -340,6 +358,14 @@ impl CapCurve {
         }
         curve
     }
+}
+
+/// Where a cap falls among a curve's knots (see `CapCurve::locate`).
+enum Place {
+    /// At knot `i`'s values: the knot itself, or outside the knots, where a curve is flat.
+    Knot(usize),
+    /// Between knot `hi - 1` and knot `hi`, this fraction of the way.
+    Between(usize, f64),
 }
 
 /// A curve as it arrives over the wire or from disk, validated into a [`CapCurve`].

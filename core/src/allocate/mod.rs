@@ -492,11 +492,7 @@ impl Prepared<'_> {
     /// surely deliver, so a curve smoothed or extended above its readings cannot buy a job
     /// a cut its measurements do not support.
     fn at(&self, cap: f64) -> OperatingPoint {
-        let point = self.spec.curve.at(Watts(cap));
-        OperatingPoint {
-            throughput: self.spec.curve.throughput_bound_at(Watts(cap)),
-            ..point
-        }
+        self.spec.curve.at_lower_bound(Watts(cap))
     }
     fn power(&self, cap: f64) -> f64 {
         self.at(cap).power_w.0
@@ -520,8 +516,14 @@ impl Prepared<'_> {
 ///   with T_max in the objective's unit (weight × throughput);
 /// - `Optimal` maximises Σ weight · throughput on the curves (greedy over the upper
 ///   concave hull of each curve, then a fill on the real curve), and returns the better
-///   of that and the other two policies, so it is never worse than either on the curves
-///   it is given.
+///   of that and the other two policies, so it is never worse than the equal split on
+///   the curves it is given. The greedy and the PFI cut move a job only within its
+///   readings: one the equal split puts below its lowest read cap keeps its equal-split
+///   cap (see `trading_range`), so where floors push jobs below their readings the PFI
+///   cut weighed here may differ from `PfiProportional`'s own.
+///
+/// Every policy works on each curve's power and its throughput lower bound
+/// ([`CapCurve::throughput_bound_at`]).
 ///
 /// Deterministic: the same input gives the same output.
 pub fn allocate(
