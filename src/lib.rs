@@ -3,7 +3,6 @@
 //! built binaries and the project's data are, how to run a binary and capture what it
 //! says, a guard that ends the processes it started by PID.
 
-pub mod compare;
 pub mod lanes;
 pub mod link_peer;
 pub mod needs;

@@ -13,6 +13,7 @@
 
 pub mod allocate;
 pub mod calibration_design;
+pub mod compare;
 pub mod config;
 pub mod curve;
 pub mod curves_csv;

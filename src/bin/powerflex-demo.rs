@@ -38,13 +38,13 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use serde_json::json;
 
-use powerflex::compare::{self, round_to, Scored, TrueJob};
 use powerflex::site_config::{edit_site_file, SiteBuilder};
 use powerflex::stack::{Stack, StackError, StackOptions};
 use powerflex::vtn::{self, event_request, Payload, VenProcess, VtnBed, VtnError};
 use powerflex::{profile_dir, repo_root, write_site_key};
 use powerflex_controller::plot::Mark;
 use powerflex_core::allocate::CapLimits;
+use powerflex_core::compare::{self, round_to, Scored, TrueJob};
 use powerflex_core::config::{RawGrid, RawOpenAdr, SiteConfig};
 use powerflex_core::Watts;
 use powerflex_proto::event::Cut;
@@ -2157,11 +2157,11 @@ fn compare(
         };
         let profile = demo.library.find(profile).map_err(|e| e.to_string())?;
         let gpus = job.spec.nodes * job.spec.gpus_per_node;
-        true_jobs.push(TrueJob::from_profile(
+        true_jobs.push(TrueJob::from_per_gpu(
             &allocated.id,
-            profile,
+            &profile.curve(&grid),
+            profile.tokens_per_s_per_gpu,
             gpus,
-            &grid,
             Some(job.spec.bound),
         )?);
     }
@@ -2185,7 +2185,7 @@ fn compare(
             Some((key, what, compare::score(key, &true_jobs, &caps_of(d))))
         })
         .collect();
-    // The zero of the gap: the equal split within the tiers (see powerflex::compare).
+    // The zero of the gap: the equal split within the tiers (see powerflex_core::compare).
     // A policy that breaks a bound buys tokens no tier-holding allocation may: it has no
     // share of that gap.
     let zero = scored

@@ -1,11 +1,12 @@
 //! What an allocation buys, scored on the jobs' TRUE curves: the demo's comparison of
-//! powerflex against the paper's baselines (pure; no I/O).
+//! powerflex against the paper's baselines, and the site harness's live A/B.
 //!
-//! Every policy's caps come from somewhere else (the controller's `whatif`, on the curves
-//! it measured); here they are only scored, each on the same footing: the profile's true
-//! curve at the cap, summed over the job's GPUs. The oracle is the one policy computed
-//! here: the controller's optimiser run on the true curves with the tiers' bounds, the
-//! most any allocation could keep.
+//! A policy's caps come from somewhere else (the controller's `whatif`, on the curves it
+//! measured, or the caps the live loop applied); here they are only scored, each on the
+//! same footing: the profile's true curve at the cap, summed over the job's GPUs. Two
+//! policies are computed here, both on the true curves with the tiers' bounds, so no
+//! controller can move them: the oracle (the controller's optimiser, the most any
+//! allocation could keep) and the tier-aware equal split (the zero of the gap).
 //!
 //! The paper's headline figure is the share of the equal→oracle gap a policy recovers:
 //! `(T_policy − T_equal) / (T_oracle − T_equal)`. On a site with tiers the zero is the
@@ -15,12 +16,10 @@
 
 use std::collections::BTreeMap;
 
-use powerflex_core::allocate::{allocate, CapLimits, JobSpec, Policy};
-use powerflex_core::curve::CapCurve;
-use powerflex_core::point::OperatingPoint;
-use powerflex_core::units::SlowdownFraction;
-use powerflex_core::Watts;
-use powerflex_sim::profiles::Profile;
+use crate::allocate::{allocate, CapLimits, JobSpec, Policy};
+use crate::curve::CapCurve;
+use crate::point::OperatingPoint;
+use crate::units::{SlowdownFraction, Watts};
 
 /// Slowdown beyond a bound that still counts as held: the true curve is scored at a cap
 /// the controller chose on measured ones, and a few tenths of a percent are noise.
@@ -38,20 +37,20 @@ pub struct TrueJob {
 }
 
 impl TrueJob {
-    /// `profile`'s true curve for `gpus` GPUs on every cap of `caps_w` (ascending), in
-    /// tokens/s.
-    pub fn from_profile(
+    /// The true curve of a job of `gpus` GPUs from one GPU's curve `per_gpu` (cap → that
+    /// GPU's power and its throughput relative to uncapped, caps ascending) and its
+    /// uncapped tokens/s per GPU, in tokens/s.
+    pub fn from_per_gpu(
         id: &str,
-        profile: &Profile,
+        per_gpu: &[OperatingPoint],
+        tokens_per_s_per_gpu: f64,
         gpus: u32,
-        caps_w: &[f64],
         max_slowdown: Option<f64>,
     ) -> Result<TrueJob, String> {
         let g = f64::from(gpus);
-        let scale = profile.tokens_per_s_per_gpu * g;
-        let points: Vec<OperatingPoint> = profile
-            .curve(caps_w)
-            .into_iter()
+        let scale = tokens_per_s_per_gpu * g;
+        let points: Vec<OperatingPoint> = per_gpu
+            .iter()
             .map(|p| OperatingPoint {
                 cap_w: p.cap_w,
                 power_w: Watts(p.power_w.0 * g),
@@ -67,7 +66,8 @@ impl TrueJob {
         })
     }
 
-    fn uncapped(&self) -> OperatingPoint {
+    /// The job uncapped: its highest cap's point.
+    pub fn uncapped(&self) -> OperatingPoint {
         self.curve.uncapped()
     }
 }
@@ -116,6 +116,25 @@ pub fn score(policy: &str, jobs: &[TrueJob], caps_w: &BTreeMap<String, f64>) -> 
 /// job within `limits` and its tier's bound, Σ power within `budget_w` (less what the
 /// unmanaged jobs draw uncapped).
 pub fn oracle(jobs: &[TrueJob], budget_w: f64, limits: CapLimits) -> Result<Scored, String> {
+    on_true_curves("oracle", jobs, budget_w, limits, Policy::Optimal)
+}
+
+/// The tier-aware equal split on the TRUE curves: every tier's floor first, then every
+/// managed job's power cut by the same fraction of its uncapped power (the allocator's
+/// `Policy::Equal`), Σ power within `budget_w` less what the unmanaged jobs draw. The
+/// zero of the gap: what the site would do knowing nothing but the tiers, on curves no
+/// controller measured.
+pub fn equal_split(jobs: &[TrueJob], budget_w: f64, limits: CapLimits) -> Result<Scored, String> {
+    on_true_curves("equal", jobs, budget_w, limits, Policy::Equal)
+}
+
+fn on_true_curves(
+    name: &str,
+    jobs: &[TrueJob],
+    budget_w: f64,
+    limits: CapLimits,
+    policy: Policy,
+) -> Result<Scored, String> {
     let unmanaged_w: f64 = jobs
         .iter()
         .filter(|j| j.max_slowdown.is_none())
@@ -134,18 +153,14 @@ pub fn oracle(jobs: &[TrueJob], budget_w: f64, limits: CapLimits) -> Result<Scor
             })
         })
         .collect();
-    let allocation = allocate(
-        &specs,
-        Watts((budget_w - unmanaged_w).max(0.0)),
-        Policy::Optimal,
-    )
-    .map_err(|e| e.to_string())?;
+    let allocation = allocate(&specs, Watts((budget_w - unmanaged_w).max(0.0)), policy)
+        .map_err(|e| e.to_string())?;
     let caps: BTreeMap<String, f64> = allocation
         .jobs
         .iter()
         .map(|j| (j.id.clone(), j.cap_w.0))
         .collect();
-    Ok(score("oracle", jobs, &caps))
+    Ok(score(name, jobs, &caps))
 }
 
 /// The share of the gap from `zero` to `oracle` that `scored` recovers (1 = all of it),
@@ -201,7 +216,23 @@ pub fn tidy_floats(value: serde_json::Value) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use powerflex_sim::profiles::Library;
+    use crate::workload::{MeasuredTable, Physics};
+
+    /// The simulator's workload library (the profiles the demo's jobs run), read as
+    /// far as the true curves need it.
+    #[derive(serde::Deserialize)]
+    struct Library {
+        profile: Vec<Profile>,
+    }
+
+    #[derive(serde::Deserialize)]
+    struct Profile {
+        name: String,
+        physics: Physics,
+        #[serde(default)]
+        table: Option<MeasuredTable>,
+        tokens_per_s_per_gpu: f64,
+    }
 
     fn grid() -> Vec<f64> {
         (20..=70).map(|c| f64::from(c) * 10.0).collect()
@@ -216,15 +247,18 @@ mod tests {
     }
 
     fn job(id: &str, profile: &str, gpus: u32, bound: Option<f64>) -> TrueJob {
-        let library = Library::builtin().expect("library");
-        TrueJob::from_profile(
-            id,
-            library.find(profile).expect("profile"),
-            gpus,
-            &grid(),
-            bound,
-        )
-        .expect("curve")
+        let library: Library =
+            toml::from_str(include_str!("../../sim/profiles/library.toml")).expect("library");
+        let p = library
+            .profile
+            .iter()
+            .find(|p| p.name == profile)
+            .expect("profile");
+        let per_gpu = match &p.table {
+            Some(table) => table.curve(&grid(), 1, &p.physics),
+            None => p.physics.curve(&grid(), 1, 1.0),
+        };
+        TrueJob::from_per_gpu(id, &per_gpu, p.tokens_per_s_per_gpu, gpus, bound).expect("curve")
     }
 
     #[test]
@@ -241,25 +275,9 @@ mod tests {
         assert!(best.power_w <= budget * (1.0 + 1e-9), "{best:?}");
         // The tier-aware equal split on the same true curves holds the bounds too, and
         // keeps no more than the oracle.
-        let specs: Vec<JobSpec> = jobs
-            .iter()
-            .map(|j| JobSpec {
-                id: j.id.clone(),
-                gpus: j.gpus,
-                curve: j.curve.clone(),
-                max_slowdown: j.max_slowdown.map(SlowdownFraction),
-                limits: limits(),
-                throughput_weight: 1.0,
-            })
-            .collect();
-        let equal = allocate(&specs, Watts(budget), Policy::Equal).expect("equal");
-        let equal_caps = equal
-            .jobs
-            .iter()
-            .map(|j| (j.id.clone(), j.cap_w.0))
-            .collect();
-        let equal = score("equal", &jobs, &equal_caps);
+        let equal = equal_split(&jobs, budget, limits()).expect("equal");
         assert!(equal.bounds_broken.is_empty(), "{equal:?}");
+        assert!(equal.power_w <= budget * (1.0 + 1e-9), "{equal:?}");
         assert!(best.tokens_per_s > equal.tokens_per_s, "{best:?} {equal:?}");
         let share = gap_recovered(&best, &equal, &best).expect("a gap");
         assert!((share - 1.0).abs() < 1e-12);
