@@ -12,11 +12,13 @@
 //! - [`physics`]: the simulated GPUs (the simulator's model and workload library);
 //! - [`memory_link`]: messages with a delay and the real link's clock-skew refusal;
 //! - [`meter`]: the meter's 50 ms samples;
-//! - [`trace`]: the run folded into a digest.
+//! - [`trace`]: the run folded into a digest;
+//! - [`ab`]: the live A/B, one scenario under a policy, judged on the true curves.
 //!
 //! Pure like the machines: no files, sockets, threads or clocks (its `clippy.toml`
 //! refuses them), so a 10,000-node site runs as fast as its machines decide.
 
+pub mod ab;
 pub mod controller;
 pub mod memory_link;
 pub mod meter;

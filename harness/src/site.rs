@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use powerflex_core::config::{RawGpuModel, RawSiteConfig, SiteConfig};
 use powerflex_core::rng::SplitMix64;
 use powerflex_proto::admin::{AdminOp, AdminReply};
-use powerflex_proto::status::{AgentStatus, CtldStatus};
+use powerflex_proto::status::{AgentStatus, CalibrationState, CtldStatus};
 
 use crate::controller::{Controller, Inbound, SavedState, Start};
 use crate::memory_link::{within_skew, Link, ToAgent, ToController};
@@ -165,6 +165,14 @@ impl Job {
             _ => Load::Idle,
         }
     }
+}
+
+/// A job's true pace at one instant (see [`Site::job_true_rate`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrueRate {
+    pub tokens_per_s: f64,
+    /// Its current phase's rate uncapped.
+    pub uncapped_tokens_per_s: f64,
 }
 
 /// How the controller or an agent comes back.
@@ -991,6 +999,101 @@ impl Site {
                 })
                 .collect()
         })
+    }
+
+    /// `scontrol suspend` (`resume`: `false`) by the site's admin: the job stops, its GPUs
+    /// kept and idle, until resumed.
+    pub fn suspend_job(&mut self, id: &str, suspend: bool) {
+        let state = if suspend {
+            JobState::Suspended
+        } else {
+            JobState::Running
+        };
+        self.trace.note(&format!(
+            "job {id} {}",
+            if suspend { "suspended" } else { "resumed" }
+        ));
+        self.set_job_state(id, state);
+    }
+
+    /// Ends job `id`'s current phase now: it moves to its next phase at the next quantum,
+    /// as it would at the phase's end (a job's phases are lengths from its start, which a
+    /// scenario cannot know before the calibration they follow has run).
+    pub fn end_phase_now(&mut self, id: &str) {
+        let now_ms = self.now_ms;
+        let Some(job) = self.jobs.get_mut(id) else {
+            return;
+        };
+        let before_s: f64 = job.spec.phases[..job.phase.min(job.spec.phases.len())]
+            .iter()
+            .map(|p| p.length_s)
+            .sum();
+        let elapsed_s = now_ms.saturating_sub(job.started_ms) as f64 / 1000.0;
+        if let Some(phase) = job.spec.phases.get_mut(job.phase) {
+            phase.length_s = (elapsed_s - before_s).max(0.0);
+        }
+    }
+
+    /// Job `id`'s true pace now, from the physics, as it makes tokens: tokens/s (each of
+    /// its tasks at the pace of its slowest GPU) and its current phase's uncapped
+    /// tokens/s. `None` while it is not running or in an idle phase.
+    pub fn job_true_rate(&self, id: &str) -> Option<TrueRate> {
+        let job = self.jobs.get(id)?;
+        if job.state != JobState::Running {
+            return None;
+        }
+        let w = job.workloads.get(job.phase)?.as_ref()?;
+        let (mut tokens_per_s, mut uncapped_tokens_per_s) = (0.0, 0.0);
+        for task in &job.tasks {
+            let n = &self.nodes[task.node];
+            let slowest = task
+                .gpus
+                .iter()
+                .map(|&g| n.gpus.gpus[g as usize].relative_throughput())
+                .fold(1.0f64, f64::min);
+            let full = w.tokens_per_s_per_gpu * task.gpus.len() as f64;
+            tokens_per_s += full * slowest;
+            uncapped_tokens_per_s += full;
+        }
+        Some(TrueRate {
+            tokens_per_s,
+            uncapped_tokens_per_s,
+        })
+    }
+
+    /// Where job `id`'s calibration stands on its nodes: `Walking` when any of its agents
+    /// walks it, else the first agent's state (`None`: no agent holds it).
+    pub fn job_calibration(&self, id: &str) -> Option<CalibrationState> {
+        let job = self.jobs.get(id)?;
+        let mut found = None;
+        for task in &job.tasks {
+            let Some(agent) = self.nodes[task.node].agent.as_ref() else {
+                continue;
+            };
+            let Some(j) = agent.snapshot().jobs.iter().find(|j| j.job == id) else {
+                continue;
+            };
+            if j.calibration == CalibrationState::Walking {
+                return Some(CalibrationState::Walking);
+            }
+            found = found.or(Some(j.calibration));
+        }
+        found
+    }
+
+    /// The site's config, as validated.
+    pub fn site_config(&self) -> &SiteConfig {
+        &self.site
+    }
+
+    /// The workload library the site's GPUs run.
+    pub fn workloads(&self) -> &Workloads {
+        &self.workloads
+    }
+
+    /// GPUs on the site.
+    pub fn gpu_count(&self) -> usize {
+        self.nodes.iter().map(|n| n.gpus.gpus.len()).sum()
     }
 
     /// Whether every GPU of job `id` draws under load (not idle).
