@@ -1263,3 +1263,48 @@ impl Site {
         DrawWatch::of(self.samples_since(from), tolerance)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BERT: &str = "real-rtx6000-squad-bert-base-uncased-bs16-adamw";
+    const FLAT: &str = "real-rtx6000-cifar100-shufflenetv2-bs32-adadelta";
+
+    /// What the live A/B reads of a job: its true rate follows its phase and stops while
+    /// it is suspended.
+    #[test]
+    fn a_jobs_true_rate_follows_its_phase_and_its_suspension() {
+        let mut site = Site::new(SiteOptions::new(7, 5600.0)).expect("site");
+        let mut spec = JobSpec::training("1", "flex3,calibrate=off", 0, 2, BERT);
+        spec.phases = vec![
+            Phase {
+                workload: Some(BERT.to_string()),
+                length_s: f64::INFINITY,
+            },
+            Phase::train(FLAT),
+        ];
+        site.submit(spec).expect("job");
+        site.run_for(2_000);
+        let rate = site.job_true_rate("1").expect("running");
+        let per_gpu = site
+            .workloads()
+            .get(BERT)
+            .expect("bert")
+            .tokens_per_s_per_gpu;
+        assert!(
+            (rate.uncapped_tokens_per_s - 2.0 * per_gpu).abs() < 1e-9,
+            "{rate:?}"
+        );
+        assert!(rate.tokens_per_s <= rate.uncapped_tokens_per_s + 1e-9);
+        site.end_phase_now("1");
+        site.run_for(QUANTUM_MS);
+        assert_eq!(site.job_workload("1"), Some(FLAT));
+        site.suspend_job("1", true);
+        assert_eq!(site.job_state("1"), Some(JobState::Suspended));
+        assert_eq!(site.job_true_rate("1"), None);
+        site.suspend_job("1", false);
+        assert!(site.job_true_rate("1").is_some());
+        assert!(site.job_calibration("1").is_some());
+    }
+}
