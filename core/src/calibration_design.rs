@@ -264,6 +264,12 @@ impl DesignWalk {
         &self.readings
     }
 
+    /// The cap of the design's top level: the grid's first (uncapped) cap, or the
+    /// ceiling a design started under.
+    pub fn top_cap(&self) -> Watts {
+        self.top
+    }
+
     /// The uncapped throughput as read (0 before the top windows are in).
     pub fn top_throughput(&self) -> f64 {
         self.t_top

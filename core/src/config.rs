@@ -333,7 +333,8 @@ pub struct RawAgent {
     pub job_end_grace_s: Option<f64>,
     /// Least time from the end of a job's walk to walking it again when its measurements
     /// leave its curve (a new phase), seconds (10 to 86400, default 600): each walk costs
-    /// the job tokens, and a job is walked again at most three times.
+    /// the job tokens. The job's old curve is set aside at once; the walk starts when this
+    /// time has passed, however often the job changes.
     pub calibration_rewalk_after_s: Option<f64>,
     /// Write power limits (default true). False is observe mode, for a site's first
     /// week: every job is measured, accounted and reported, the controller computes the

@@ -346,9 +346,93 @@ fn solve_memory_fraction(base: Physics, target_pfi: f64, grid: &[f64]) -> Physic
     }
 }
 
+/// The lowest per-GPU cap at which a job is certain to run within `max_slowdown` of its
+/// uncapped speed when nothing is known of its curve (before it is calibrated, or after
+/// it changed phase), W.
+///
+/// The bound is the chord of a concave curve: a job's throughput under a cap rises with
+/// the cap with diminishing returns (the SM clock falls with the cap, dynamic power falls
+/// faster than the clock above the voltage knee and in proportion below it, and the
+/// memory-bound share of a step does not slow at all), and is certainly at least 0 at
+/// the GPU's lowest cap. A concave curve lies above its chord from `(min_cap_w, 0)` to
+/// `(max_cap_w, T_max)`, so at cap `c` the slowdown is at most
+/// `(max_cap_w − c) / (max_cap_w − min_cap_w)`; the cap where that equals the bound is
+/// returned. A flat stretch at the bottom (a GPU at its lowest clock) only lifts the
+/// curve above the chord. A bound below [`CHORD_MIN_BOUND`] gives the highest cap, as a
+/// bound of 0 does; no cap is below the lowest.
+pub fn chord_safe_cap_w(max_slowdown: f64, min_cap_w: f64, max_cap_w: f64) -> f64 {
+    let bound = if max_slowdown.is_finite() {
+        max_slowdown.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    if bound < CHORD_MIN_BOUND {
+        return max_cap_w;
+    }
+    let lo = min_cap_w.min(max_cap_w);
+    (max_cap_w - bound * (max_cap_w - lo)).clamp(lo, max_cap_w)
+}
+
+/// The smallest bound the chord is trusted for. Real measured curves are not smooth: one
+/// of the library's (an RTX 6000 ShuffleNet job, flat within noise) reads 8 % slower at
+/// 96 % of its top cap than at 84 % of it, so a cap the chord allows for a bound of a few
+/// percent may read past it on such a curve. Bounds below the default table's tightest
+/// capped tier (flex1, 10 %) are given the highest cap instead.
+pub const CHORD_MIN_BOUND: f64 = 0.10;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every profile of the simulator's library (the paper's fits, the synthetic ones and
+    /// the real measured tables) at every tier bound: the chord's safe cap never slows
+    /// the job past the bound on its true curve.
+    #[test]
+    fn the_chord_safe_cap_holds_every_bound_on_every_library_profile() {
+        #[derive(Deserialize)]
+        struct Profile {
+            name: String,
+            physics: Physics,
+            #[serde(default)]
+            table: Option<MeasuredTable>,
+        }
+        #[derive(Deserialize)]
+        struct Library {
+            profile: Vec<Profile>,
+        }
+        let library: Library =
+            toml::from_str(include_str!("../../sim/profiles/library.toml")).expect("library");
+        assert!(library.profile.len() >= 30, "{}", library.profile.len());
+        let (min_cap, max_cap) = (200.0, 700.0);
+        for p in &library.profile {
+            let speed = |cap: f64| match &p.table {
+                Some(t) => t.at_cap(Watts(cap), &p.physics).relative_throughput,
+                None => p.physics.at_cap(Watts(cap)).relative_throughput,
+            };
+            let top = speed(max_cap);
+            for pct in 0..=60 {
+                let bound = f64::from(pct) / 100.0;
+                let cap = chord_safe_cap_w(bound, min_cap, max_cap);
+                assert!((min_cap..=max_cap).contains(&cap));
+                if bound < CHORD_MIN_BOUND {
+                    assert_eq!(cap, max_cap, "{pct} %");
+                }
+                let slowdown = 1.0 - speed(cap) / top;
+                assert!(
+                    slowdown <= bound + 1e-9,
+                    "{}: {:.1} % slower at {cap:.0} W, bound {pct} %",
+                    p.name,
+                    100.0 * slowdown
+                );
+            }
+        }
+        assert_eq!(chord_safe_cap_w(0.0, min_cap, max_cap), max_cap);
+        assert_eq!(chord_safe_cap_w(0.5, min_cap, max_cap), 450.0);
+        assert_eq!(chord_safe_cap_w(0.1, min_cap, max_cap), 650.0);
+        assert_eq!(chord_safe_cap_w(0.09, min_cap, max_cap), max_cap);
+        assert_eq!(chord_safe_cap_w(2.0, min_cap, max_cap), min_cap);
+        assert_eq!(chord_safe_cap_w(f64::NAN, min_cap, max_cap), max_cap);
+    }
 
     #[test]
     fn cap_lowers_clock_and_power_never_exceeds_cap() {

@@ -115,10 +115,21 @@ pub fn implausible(levels: &[Level]) -> Option<String> {
 }
 
 /// Least time between the end of a walk and a repeated one, s: the site default of
-/// `agent.calibration_rewalk_after_s`.
+/// `agent.calibration_rewalk_after_s`. It is the only limit on repeated walks: a job whose
+/// measurements leave its curve again and again is walked again at most this often, and
+/// never refused for good (a job planned on a curve it has left is planned on nothing).
 pub const DEFAULT_REWALK_AFTER_S: f64 = 600.0;
-/// Most repeated walks per job.
-pub const MAX_REWALKS: u32 = 3;
+
+/// How soon after a walk's cap is written its rate is first judged against the tier's
+/// bound, s: the cap takes effect within a sample period or two. A rate read from then on
+/// still holds some of the higher cap before it, so it can only understate the loss: a
+/// loss past the bound read then is past it.
+pub const BOUND_JUDGE_AFTER_S: f64 = 1.0;
+/// Least span of reports a rate is judged on before the window ends, s.
+pub const BOUND_JUDGE_SPAN_S: f64 = 2.0;
+/// Standard errors of that rate the loss must exceed the bound by: a walk leaves a level
+/// on evidence, not on one noisy report.
+pub const BOUND_JUDGE_Z: f64 = 2.0;
 
 /// Where the walk is.
 #[derive(Debug, Clone, PartialEq)]
@@ -224,6 +235,11 @@ pub struct Calibration {
     pub previous: Vec<Window>,
     /// Walks started again because the job's measurements left its curve.
     pub rewalks: u32,
+    /// A walk asked for again (the job's measurements left its curve), to start at this
+    /// time (agent seconds): the rate limit's earliest. The job's old windows were set
+    /// aside when it was asked; until the walk ends the job is planned on the windows
+    /// read since, never on its old phase's.
+    pub rewalk_due: Option<f64>,
     /// Why the job's reported curve was not believed, when it was not (flagged to the
     /// admin in status and reports).
     pub implausible: Option<String>,
@@ -275,6 +291,7 @@ impl Calibration {
             top_throughput: 0.0,
             previous: Vec::new(),
             rewalks: 0,
+            rewalk_due: None,
             implausible: None,
             design: None,
             power_sum: 0.0,
@@ -316,6 +333,13 @@ impl Calibration {
 
     pub fn is_active(&self) -> bool {
         matches!(self.phase, Phase::Warmup | Phase::Walking { .. })
+    }
+
+    /// Whether the job's curve is being measured anew: walked, or its measurements left
+    /// its curve and the walk asked for is still to start. Its report says so, so that
+    /// its draw and speed are not judged against a curve it no longer has.
+    pub fn remeasuring(&self) -> bool {
+        self.is_active() || self.rewalk_due.is_some()
     }
 
     /// Whether a probe holds the job below its grant now.

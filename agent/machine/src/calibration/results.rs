@@ -9,14 +9,12 @@ use powerflex_core::Watts;
 use super::{Calibration, Level, Phase, Window, RESTORED_NOISE};
 
 impl Calibration {
-    /// The windows to plan on: this walk's once done, else the previous walk's while a
-    /// repeated walk is under way, else what this walk has measured so far.
+    /// The windows to plan on: the job's current phase's only. The windows of a phase
+    /// the job has left (`previous`, set aside when its measurements left its curve) are
+    /// never averaged with the new ones nor planned on: a job that changed phase has no
+    /// curve until the windows read since make one.
     fn best_windows(&self) -> &[Window] {
-        if self.phase != Phase::Done && !self.previous.is_empty() {
-            &self.previous
-        } else {
-            &self.windows
-        }
+        &self.windows
     }
 
     /// The points to plan on, one per cap (see `best_windows`), highest cap first.
@@ -57,14 +55,11 @@ impl Calibration {
         curve_of(&self.windows)
     }
 
-    /// The curve to plan on and report: this walk's once done, else the previous one's
-    /// while a repeated walk is under way.
+    /// The curve to plan on and report: the current phase's, once a walk has ended
+    /// (none while the first walk is under way, nor while a repeated one is: see
+    /// `best_windows`).
     pub fn best_curve(&self) -> Option<CapCurve> {
-        if self.phase == Phase::Done {
-            self.curve()
-        } else {
-            curve_of(&self.previous)
-        }
+        self.curve()
     }
 
     /// Seconds from the start of the walk to its end.

@@ -7,8 +7,8 @@ use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 
 use super::{
-    implausible, Calibration, Phase, ProgressLog, Window, MAX_REWALKS, MAX_WINDOWS_PER_CAP,
-    NO_SIGNAL_WAITING,
+    implausible, Calibration, Phase, ProgressLog, Window, BOUND_JUDGE_AFTER_S, BOUND_JUDGE_SPAN_S,
+    BOUND_JUDGE_Z, MAX_WINDOWS_PER_CAP, NO_SIGNAL_WAITING,
 };
 
 /// Windows whose rates must agree for warm-up to end, and the report gaps the window
@@ -87,6 +87,7 @@ impl Calibration {
                     }
                 }
                 if now < window_from + self.settings.hold_s {
+                    self.leave_level_past_bound(now, cap, since, log, job_power);
                     return None;
                 }
                 let Some((rate, noise)) = log.rate(window_from, now) else {
@@ -139,8 +140,66 @@ impl Calibration {
                 }
                 None
             }
-            Phase::Done | Phase::Skipped(_) => None,
+            Phase::Done => {
+                if self.rewalk_due.is_some_and(|due| now >= due) {
+                    self.start_rewalk(now);
+                }
+                None
+            }
+            Phase::Skipped(_) => None,
         }
+    }
+
+    /// A level whose rate, read from [`BOUND_JUDGE_AFTER_S`] after its cap was written,
+    /// already shows the job slowed past the tier's bound plus the allowance (by
+    /// [`BOUND_JUDGE_Z`] standard errors) is left at once, not held for its settle and
+    /// its window: the design is told the loss and moves on (up to its top-up, or to the
+    /// end). The reading is not kept as a window of the curve: it mixes the higher cap
+    /// before it, so it reads the job faster than it is at this cap.
+    fn leave_level_past_bound(
+        &mut self,
+        now: f64,
+        cap: Watts,
+        since: f64,
+        log: &ProgressLog,
+        job_power: Option<Watts>,
+    ) {
+        let Some(max_loss) = self.design_params().max_loss else {
+            return;
+        };
+        let from = since + BOUND_JUDGE_AFTER_S;
+        if now - from < BOUND_JUDGE_SPAN_S {
+            return;
+        }
+        let Some(design) = self.design.as_mut() else {
+            return;
+        };
+        let top = design.top_throughput();
+        if top <= 0.0 {
+            return;
+        }
+        let Some((rate, noise)) = log.rate(from, now) else {
+            return;
+        };
+        let loss = 1.0 - rate * (1.0 + BOUND_JUDGE_Z * noise) / top;
+        if loss <= max_loss {
+            return;
+        }
+        tracing::info!(
+            cap_w = cap.0,
+            loss = 1.0 - rate / top,
+            max_loss,
+            held_s = now - since,
+            "calibration level past the tier's bound: left at once"
+        );
+        design.record(OperatingPoint {
+            cap_w: cap,
+            power_w: job_power.unwrap_or(Watts(0.0)),
+            throughput: rate,
+        });
+        self.cost += (top - rate).max(0.0) * (now - self.booked_to.max(since));
+        self.booked_to = now;
+        self.follow_design(now);
     }
 
     /// Whether the job is planned on the telemetry prior: it has not reported progress
@@ -163,7 +222,18 @@ impl Calibration {
             .copied()
             .filter(|c| ceiling.is_none_or(|top| c.0 <= top.0 + 0.5))
             .collect();
-        self.design = DesignWalk::new(&grid, &self.design_params()).ok();
+        let mut params = self.design_params();
+        if let (Some(max_loss), Some(top), Some(&first)) =
+            (params.max_loss, grid.first(), self.settings.grid.first())
+        {
+            params.max_loss = Some(loss_below_ceiling(
+                max_loss,
+                top.0,
+                first.0,
+                self.settings.grid.last().map_or(0.0, |w| w.0),
+            ));
+        }
+        self.design = DesignWalk::new(&grid, &params).ok();
         if let (Some(design), Some(deadline)) =
             (self.design.as_mut(), self.deadline.filter(|d| *d > now))
         {
@@ -267,19 +337,33 @@ impl Calibration {
         }
     }
 
-    /// The controller found the job's measurements outside its curve's band: walk it
-    /// again, when the last walk finished at least `settings.rewalk_after_s` ago and fewer
-    /// than [`MAX_REWALKS`] walks were repeated (each costs the job tokens). The finished
-    /// curve stays in use until the new walk ends; the windows behind it are dropped
-    /// then, since the job has changed. Returns whether a walk started.
-    pub fn rewalk(&mut self, now: f64) -> bool {
-        let rested = self
-            .finished_at
-            .is_none_or(|t| now - t >= self.settings.rewalk_after_s);
-        if self.phase != Phase::Done || !rested || self.rewalks >= MAX_REWALKS {
-            return false;
+    /// The controller found the job's measurements outside its curve's band (a new phase,
+    /// a drift): its windows so far are set aside at once (kept in `previous`, never
+    /// planned on nor averaged with the new ones), and a walk is due when the last one
+    /// finished at least `settings.rewalk_after_s` ago (each walk costs the job tokens):
+    /// now, or at that time. Never refused: a repeat of the request while one is due
+    /// changes nothing. A job not done walking (its walk under way, or never to be
+    /// walked) has no curve to leave. Returns when the walk is due, if it was asked now.
+    pub fn rewalk(&mut self, now: f64) -> Option<f64> {
+        if self.phase != Phase::Done || self.rewalk_due.is_some() {
+            return None;
         }
+        let due = self
+            .finished_at
+            .map_or(now, |t| now.max(t + self.settings.rewalk_after_s));
         self.previous = std::mem::take(&mut self.windows);
+        self.stretch = None;
+        self.probe = None;
+        self.rewalk_due = Some(due);
+        if due <= now {
+            self.start_rewalk(now);
+        }
+        Some(due)
+    }
+
+    /// Starts the walk a drift asked for (see [`Calibration::rewalk`]).
+    fn start_rewalk(&mut self, now: f64) {
+        self.rewalk_due = None;
         self.rewalks += 1;
         self.registered_at = now;
         self.started_at = None;
@@ -288,14 +372,29 @@ impl Calibration {
         self.stretch = None;
         self.probe = None;
         self.phase = Phase::Warmup;
-        true
     }
 
     fn finish(&mut self, now: f64) {
         self.finished_at = Some(now);
+        let held_below_top = self
+            .design
+            .as_ref()
+            .zip(self.settings.grid.first())
+            .is_some_and(|(d, top)| d.top_cap().0 < top.0 - 0.5);
         self.design = None;
         let levels = self.levels();
-        self.phase = if levels.len() < 2 {
+        self.phase = if levels.len() < 2 && held_below_top && self.bound.is_some() {
+            // The budget held the job too low for a walk the bound allows below it (see
+            // `loss_below_ceiling`): it is tried again after the rate limit, when the
+            // grant may be higher, and planned meanwhile on what learning reads.
+            self.rewalk_due = Some(now + self.settings.rewalk_after_s);
+            tracing::info!(
+                levels = levels.len(),
+                retry_in_s = self.settings.rewalk_after_s,
+                "calibration walk held too low to measure a curve: tried again later"
+            );
+            Phase::Done
+        } else if levels.len() < 2 {
             Phase::Skipped("too few levels measured".into())
         } else if let Some(why) = implausible(&levels) {
             // The job's own reports say it slowed more than its GPUs did: its curve is
@@ -306,4 +405,30 @@ impl Calibration {
             Phase::Done
         };
     }
+}
+
+/// The most loss a walk topped at `top_w` (below the GPU's uncapped setting
+/// `uncapped_w`, where the budget holds the job) may read against its top, for the job
+/// to lose at most `max_loss` against uncapped.
+///
+/// Such a walk reads each level's rate against the rate at `top_w`, which is itself
+/// below uncapped by an amount it cannot measure. The chord under the concave curve
+/// (see `powerflex_core::workload::chord_safe_cap_w`), anchored at `lowest_w` (the
+/// lowest cap of the grid, where throughput is certainly at least 0), bounds it:
+/// `T(top)/T(uncapped) ≥ (top − lowest)/(uncapped − lowest)`, so a level losing `ℓ`
+/// against the top loses at most `1 − (1 − ℓ)·r` against uncapped. Where even the top
+/// may be past the bound, no level below it is allowed (0).
+pub(super) fn loss_below_ceiling(max_loss: f64, top_w: f64, uncapped_w: f64, lowest_w: f64) -> f64 {
+    if top_w >= uncapped_w - 0.5 || uncapped_w <= lowest_w {
+        return max_loss;
+    }
+    // The chord is not trusted for bounds this tight (real curves' noise).
+    if max_loss < powerflex_core::workload::CHORD_MIN_BOUND {
+        return 0.0;
+    }
+    let ratio = ((top_w - lowest_w) / (uncapped_w - lowest_w)).clamp(0.0, 1.0);
+    if ratio <= 0.0 {
+        return 0.0;
+    }
+    (1.0 - (1.0 - max_loss) / ratio).clamp(0.0, max_loss)
 }

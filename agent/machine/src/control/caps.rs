@@ -4,6 +4,7 @@
 //! reconcile the GPUs with all that, and what a stop leaves on them.
 
 use powerflex_core::config::UnregisteredGpuUse;
+use powerflex_core::workload::chord_safe_cap_w;
 use powerflex_core::Watts;
 
 use super::{Action, Agent, Job};
@@ -23,19 +24,39 @@ impl Agent {
             // When the lease runs out, every job falls to the fail-safe cap, or stays at
             // its last grant when that is lower: the fail-safe never raises a cap (a cut
             // below it must hold while the controller is away).
+            //
+            // Neither may break the job's tier: a job the controller has not planned has
+            // no curve the budget was checked against, so it runs no lower than the cap
+            // the physics shows safe for its bound ([`Agent::tier_safe_cap`]), and an
+            // expired grant falls no lower than that either (never above the grant).
+            let safe = self.tier_safe_cap(job);
+            let at_least_safe = |cap: Watts| safe.map_or(cap, |s| Watts(cap.0.max(s.0)));
             return Some(match &self.lease {
                 Some(lease) => {
                     let unnamed = lease.start_cap.map_or(failsafe, |s| s.min(failsafe));
                     match lease.caps.get(&job.id).copied() {
                         Some(cap) if now < lease.expires_at => cap,
-                        Some(cap) => cap.min(failsafe),
-                        None => unnamed,
+                        Some(cap) => cap.min(at_least_safe(failsafe)),
+                        None => at_least_safe(unnamed),
                     }
                 }
-                None => failsafe,
+                None => at_least_safe(failsafe),
             });
         }
         job.granted
+    }
+
+    /// The lowest per-GPU cap at which `job` certainly holds its tier's bound whatever its
+    /// curve ([`chord_safe_cap_w`] over its GPUs' range); `None` for a job with no bound.
+    /// flex0 (a bound of 0) gets its GPUs' maximum.
+    pub(super) fn tier_safe_cap(&self, job: &Job) -> Option<Watts> {
+        let bound = job.calibration.bound?;
+        let identity = &self.gpus.get(*job.gpus.first()? as usize)?.identity;
+        Some(Watts(chord_safe_cap_w(
+            bound,
+            identity.min_cap.0,
+            identity.max_cap.0,
+        )))
     }
 
     /// Whether the controller's lease has run out (controller mode only).

@@ -16,8 +16,12 @@ impl Agent {
     pub(super) fn apply_lease(&mut self, now: f64, lease: LeaseMessage) -> Vec<Action> {
         self.accepted_epoch = self.accepted_epoch.max(lease.epoch);
         self.event_in_force = lease.event_in_force;
-        for job_id in self.recalibrate(now, &lease.recalibrate) {
-            tracing::info!(job_id = %job_id, "measurements left the job's curve: calibrating it again");
+        for (job_id, due) in self.recalibrate(now, &lease.recalibrate) {
+            tracing::info!(
+                job_id = %job_id,
+                walk_in_s = due - now,
+                "measurements left the job's curve: its old windows set aside, walking it again"
+            );
         }
         if let Some(in_s) = lease.next_event_in_s {
             // Walks end before an announced event (pre-positioning).
@@ -98,38 +102,30 @@ impl Agent {
         }
     }
 
-    /// The controller found these jobs' measurements outside their curves: walk each of
-    /// them again where its calibration allows (see [`Calibration::rewalk`]). Returns the
-    /// jobs whose walk started.
+    /// The controller found these jobs' measurements outside their curves (a new phase, a
+    /// drift): each sets its old windows aside at once and is walked again as soon as the
+    /// rate limit allows (see [`Calibration::rewalk`]). Never refused: a repeat while a
+    /// walk is due changes nothing. Returns the jobs asked now, with when their walk is
+    /// due.
     ///
-    /// A walk starts at the job's grant and judges each level's slowdown against its top
-    /// level: one started during a cut (the grant below the GPUs' maximum) would take
-    /// the grant's speed for the uncapped one and call caps within the tier's bound that
-    /// are not (seen in the demo: 54 % slower on the true curve, bound 25 %). So a repeated
-    /// walk waits until the job's grant is its GPUs' maximum; the controller asks again
-    /// every allocation while the job stays off its curve.
-    pub(super) fn recalibrate(&mut self, now: f64, jobs: &[String]) -> Vec<String> {
-        let mut started = Vec::new();
+    /// A walk started while the budget holds the job below its GPUs' maximum reads its
+    /// levels against the grant's rate, not the uncapped one: it goes below the grant only
+    /// as far as the chord under the curve shows the tier's bound held against uncapped
+    /// (see `loss_below_ceiling` in the walk), so it need not wait for a grant at the
+    /// maximum that a long cut may never give.
+    pub(super) fn recalibrate(&mut self, now: f64, jobs: &[String]) -> Vec<(String, f64)> {
+        let mut asked = Vec::new();
         for id in jobs {
-            let Some(job) = self.jobs.get(id) else {
+            let Some(job) = self.jobs.get_mut(id) else {
                 continue;
             };
-            let Some(&first) = job.gpus.first() else {
-                continue;
-            };
-            let max_cap = self.gpus[first as usize].identity.max_cap;
-            let uncapped = self
-                .granted_cap(now, job)
-                .is_none_or(|g| g.0 >= max_cap.0 - 0.5);
-            if !uncapped {
-                continue;
-            }
-            if let Some(job) = self.jobs.get_mut(id) {
-                if job.calibration.rewalk(now) {
-                    started.push(id.clone());
-                }
+            if let Some(due) = job.calibration.rewalk(now) {
+                // A previous run's curve is the old phase's too.
+                job.restored_points.clear();
+                job.restored_pfi = None;
+                asked.push((id.clone(), due));
             }
         }
-        started
+        asked
     }
 }

@@ -97,7 +97,7 @@ impl Agent {
             power_cap_w: self.job_sampled_cap(j).map(|w| w.0),
             // A probe holds the job below its grant: its draw and speed
             // there are not a drift from its curve at the grant.
-            calibrating: cal.is_active() || cal.probing(),
+            calibrating: cal.remeasuring() || cal.probing(),
             curve_implausible: cal.implausible.clone(),
             power_cap_steady_s: j
                 .gpus

@@ -110,7 +110,7 @@ impl Agent {
             power_cap_w: self.job_sampled_cap(job).map(|w| w.0),
             // Unsaid on purpose: a draw below the curve is never taken to lower it.
             power_cap_steady_s: None,
-            calibrating: job.calibration.is_active() || job.calibration.probing(),
+            calibrating: job.calibration.remeasuring() || job.calibration.probing(),
             // The measured points' uncertainties, for the cautious optimal policy.
             curve: job.curve_of(best.as_ref()),
             calibration_cost_pct: None,

@@ -111,6 +111,60 @@ fn a_lease_message_is_applied_at_once() {
     );
 }
 
+/// A job the lease does not name yet runs at the lease's start cap or the fail-safe, but
+/// never below the cap the chord shows safe for its tier: flex2 (25 %) on 200-700 W
+/// GPUs runs at least 575 W, flex3 (50 %) at least 450 W, flex0 uncapped.
+#[test]
+fn a_job_the_lease_does_not_cover_starts_at_a_cap_its_tier_holds() {
+    let mut a = agent(None);
+    a.set_lease(1.0, BTreeMap::new(), 3600.0, Some(Watts(300.0)));
+    for (gpu, tier, cap) in [
+        ("0", "flex3", 450.0),
+        ("1", "flex2", 575.0),
+        ("2", "flex1", 650.0),
+        ("3", "flex0", 700.0),
+    ] {
+        let id = format!("job-{gpu}");
+        a.register(
+            2.0,
+            &id,
+            "0",
+            0,
+            "n1",
+            &[gpu.into()],
+            &format!("{tier},calibrate=off"),
+        )
+        .expect("registered");
+        let granted = a.granted_cap(3.0, &a.jobs[&id]).expect("managed");
+        assert_eq!(granted, Watts(cap), "{tier}");
+        let slowdown_bound = (700.0 - cap) / (700.0 - 200.0);
+        let tier_bound = a.jobs[&id].calibration.bound.expect("bounded");
+        assert!(slowdown_bound <= tier_bound + 1e-12, "{tier}");
+    }
+    // A start cap above the tier's safe cap is kept.
+    a.set_lease(4.0, BTreeMap::new(), 3600.0, Some(Watts(480.0)));
+    assert_eq!(a.granted_cap(5.0, &a.jobs["job-0"]), Some(Watts(480.0)));
+    // An expired grant falls to the fail-safe, but not below the tier's safe cap, and
+    // never above the grant.
+    let mut b = agent(None);
+    b.register(0.0, "9", "0", 0, "n1", &["0".into()], "flex2,calibrate=off")
+        .expect("registered");
+    b.set_lease(
+        1.0,
+        BTreeMap::from([("9".to_string(), Watts(600.0))]),
+        10.0,
+        None,
+    );
+    assert_eq!(b.granted_cap(20.0, &b.jobs["9"]), Some(Watts(575.0)));
+    b.set_lease(
+        21.0,
+        BTreeMap::from([("9".to_string(), Watts(550.0))]),
+        10.0,
+        None,
+    );
+    assert_eq!(b.granted_cap(40.0, &b.jobs["9"]), Some(Watts(550.0)));
+}
+
 #[test]
 fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
     let mut a = agent(None);
@@ -125,7 +179,7 @@ fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
     assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
     a.cap_written(0, Watts(600.0), None);
     // Job 8 starts after the lease (the controller is away): not uncapped.
-    a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+    a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
         .expect("registered");
     assert_eq!(caps(&a.tick(4.0)), vec![(1, 500.0)]);
 }
@@ -133,7 +187,7 @@ fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
 #[test]
 fn lease_expiry_brings_the_failsafe_cap() {
     let mut a = agent(None);
-    a.register(0.0, "7", "0", 0, "n1", &["2".into()], "flex2,calibrate=off")
+    a.register(0.0, "7", "0", 0, "n1", &["2".into()], "flex3,calibrate=off")
         .expect("registered");
     assert_eq!(
         caps(&a.tick(10.0)),
@@ -198,14 +252,16 @@ fn the_failsafe_never_raises_a_cap() {
     assert_eq!(caps(&a.tick(80.0)), vec![(0, 500.0)]);
 }
 
+/// A job starting during a cut starts at the lease's start cap, or at its tier's safe
+/// cap when that is higher (flex3 on 200-700 W GPUs: 450 W).
 #[test]
 fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
     let mut a = agent(None);
     a.set_lease(0.0, BTreeMap::new(), 30.0, Some(Watts(300.0)));
-    a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex2,calibrate=off")
+    a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
         .expect("registered");
-    assert_eq!(caps(&a.tick(2.0)), vec![(1, 300.0)]);
-    a.cap_written(1, Watts(300.0), None);
+    assert_eq!(caps(&a.tick(2.0)), vec![(1, 450.0)]);
+    a.cap_written(1, Watts(450.0), None);
     assert!(
         caps(&a.tick(40.0)).is_empty(),
         "and stays there when the lease lapses"
@@ -224,10 +280,12 @@ fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
     assert!(caps(&a.tick(44.0)).is_empty());
 }
 
-/// A job walked again during a cut would walk from its grant down and take the grant's
-/// speed for the uncapped one (seen in the demo): the repeated walk waits.
+/// A job whose measurements left its curve during a cut is not left on that curve until
+/// the cut ends: its old windows are set aside at once, its walk starts within the rate
+/// limit (here at once: its curve came from a previous run), and the walk goes below the
+/// grant only as far as the chord shows its bound held against uncapped.
 #[test]
-fn a_repeated_walk_waits_until_the_job_is_granted_its_uncapped_cap() {
+fn a_repeated_walk_asked_during_a_cut_is_never_refused() {
     let mut a = agent(None);
     a.register(1.0, "7", "0", 0, "n1", &["0".into(), "1".into()], "flex2")
         .expect("registered");
@@ -237,23 +295,30 @@ fn a_repeated_walk_waits_until_the_job_is_granted_its_uncapped_cap() {
         .expect("job")
         .calibration
         .restore(&[[700.0, 1300.0, 1000.0], [500.0, 1000.0, 900.0]].map(from_array));
-    let lease = |a: &mut Agent, now: f64, cap: f64| {
-        a.set_lease(
-            now,
-            BTreeMap::from([("7".to_string(), Watts(cap))]),
-            30.0,
-            None,
-        )
-    };
-    lease(&mut a, 2.0, 450.0);
-    assert!(
-        a.recalibrate(3.0, &["7".to_string()]).is_empty(),
-        "not during a cut"
+    a.jobs.get_mut("7").expect("job").restored_pfi = Some(1.2);
+    a.set_lease(
+        2.0,
+        BTreeMap::from([("7".to_string(), Watts(450.0))]),
+        30.0,
+        None,
     );
-    lease(&mut a, 4.0, 700.0);
     assert_eq!(
-        a.recalibrate(5.0, &["7".to_string()]),
-        ["7"],
-        "once uncapped"
+        a.recalibrate(3.0, &["7".to_string()]),
+        [("7".to_string(), 3.0)],
+        "during a cut, at once"
     );
+    let job = &a.jobs["7"];
+    assert!(job.calibration.remeasuring());
+    assert!(
+        job.curve().is_empty(),
+        "the old phase's curve is not planned on"
+    );
+    assert_eq!(job.restored_pfi, None);
+    assert!(
+        a.recalibrate(4.0, &["7".to_string()]).is_empty(),
+        "asked again while walking: nothing new"
+    );
+    let view = a.snapshot(5.0);
+    let seen = view.jobs.iter().find(|j| j.job == "7").expect("job");
+    assert!(seen.calibrating && seen.points.is_empty() && seen.pfi.is_none());
 }
