@@ -1079,6 +1079,7 @@ fn leases_from_an_authenticated_controller_are_applied_and_expire_to_the_failsaf
         // An event announced ten minutes ahead: the lease still applies (job 801 does
         // not calibrate, so nothing else changes).
         next_event_in_s: Some(600.0),
+        walk_to_w: Default::default(),
         event_in_force: false,
         epoch: 0,
     };

@@ -371,6 +371,7 @@ fn serve(
                         recalibrate,
                         learn,
                         next_event_in_s,
+                        walk_to_w,
                         event_in_force,
                         epoch,
                     } => {
@@ -393,7 +394,18 @@ fn serve(
                             event_in_force,
                             epoch,
                         };
-                        if tx.send(Inbound::Lease { lease, verdict }).is_ok() {
+                        let walk_to = walk_to_w
+                            .into_iter()
+                            .map(|(job, w)| (job, Watts(w)))
+                            .collect();
+                        if tx
+                            .send(Inbound::Lease {
+                                lease,
+                                walk_to,
+                                verdict,
+                            })
+                            .is_ok()
+                        {
                             verdicts.push(verdict_rx);
                         }
                         last_lease = Instant::now();

@@ -380,7 +380,14 @@ impl Edge<'_> {
                 self.drive(vec![input], Vec::new());
                 return note_if_slow(started, what);
             }
-            Inbound::Lease { lease, verdict } => {
+            Inbound::Lease {
+                lease,
+                walk_to,
+                verdict,
+            } => {
+                if !walk_to.is_empty() {
+                    self.drive(vec![AgentInput::PrePosition(walk_to)], Vec::new());
+                }
                 (AgentInput::Lease(lease), Responder::Lease(verdict))
             }
             Inbound::Acked { finals } => {

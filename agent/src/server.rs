@@ -65,6 +65,10 @@ pub enum Inbound {
     /// lease refused for its epoch is answered to the controller by the link.
     Lease {
         lease: powerflex_agent_machine::control::LeaseMessage,
+        /// The lease's `walk_to_w`: the caps an announced event's plan needs per job
+        /// (applied before the lease, as
+        /// [`powerflex_agent_machine::control::AgentInput::PrePosition`]).
+        walk_to: std::collections::BTreeMap<String, powerflex_core::Watts>,
         verdict: Sender<Result<(), powerflex_agent_machine::control::LeaseRefused>>,
     },
     /// The controller acknowledged these final shares (checked and bounded by the link):

@@ -173,6 +173,8 @@ pub fn run_design(
 pub struct DesignWalk {
     params: DesignParams,
     top: Watts,
+    /// The grid's caps below the top, as given (the levels are picked from them).
+    grid_below: Vec<Watts>,
     /// Capped levels to visit, descending.
     caps: Vec<Watts>,
     readings: Vec<OperatingPoint>,
@@ -228,6 +230,7 @@ impl DesignWalk {
         Ok(DesignWalk {
             params: params.clone(),
             top,
+            grid_below: rest.to_vec(),
             caps: levels_to_visit(rest, top, depth, params.max_levels),
             readings: Vec::new(),
             levels: Vec::new(),
@@ -342,6 +345,42 @@ impl DesignWalk {
                 }
             }
             Stage::Done => {}
+        }
+    }
+
+    /// The walk must reach down to `cap` (the lowest cap an announced event's plan needs):
+    /// its depth grows to it where it did not reach it (never shrinks), and the levels
+    /// still to visit are picked again down to it. The tier's bound and the token budget
+    /// still stop the walk where they did; a level already read stays read.
+    pub fn reach_down_to(&mut self, cap: Watts) {
+        if self.top.0 <= 0.0 || !cap.0.is_finite() {
+            return;
+        }
+        let depth = (1.0 - cap.0 / self.top.0).min(0.95);
+        if depth <= self.depth {
+            return;
+        }
+        self.depth = depth;
+        match self.stage {
+            Stage::Top => {
+                self.caps =
+                    levels_to_visit(&self.grid_below, self.top, depth, self.params.max_levels);
+            }
+            Stage::Level { index, .. } => {
+                let at = self.caps[index];
+                let below: Vec<Watts> = self
+                    .grid_below
+                    .iter()
+                    .copied()
+                    .filter(|c| c.0 < at.0 - 0.5)
+                    .collect();
+                let left = self.params.max_levels.saturating_sub(index + 1).max(1);
+                let mut tail = levels_to_visit(&below, self.top, depth, left);
+                tail.retain(|c| c.0 < at.0 - 0.5);
+                self.caps.truncate(index + 1);
+                self.caps.extend(tail);
+            }
+            Stage::TopUp { .. } | Stage::Done => {}
         }
     }
 
@@ -817,6 +856,46 @@ mod tests {
         // 20 % below 230 W is 184 W: the walk stops at the first cap at or below it.
         let lowest = out.levels.last().expect("levels").cap_w;
         assert_eq!(lowest, Watts(175.0), "{:?}", out.levels);
+    }
+
+    /// Pre-positioning: an announced event's plan needs the job at 150 W, deeper than the
+    /// site's expected cut takes the walk (175 W); told before the walk or in the middle
+    /// of it, the walk reaches it.
+    #[test]
+    fn a_walk_told_the_cap_an_event_needs_reaches_it() {
+        let params = DesignParams {
+            expected_cut: 0.1,
+            ..Default::default()
+        };
+        let caps = grid(250.0, 100.0, 25.0);
+        for told_after in [0usize, 10] {
+            let mut walk = DesignWalk::new(&caps, &params).expect("design");
+            let mut read = 0;
+            while let Some(cap) = walk.current() {
+                if read == told_after {
+                    walk.reach_down_to(Watts(150.0));
+                }
+                walk.record(truth(cap));
+                read += 1;
+            }
+            let lowest = walk
+                .outcome()
+                .levels
+                .iter()
+                .map(|l| l.cap_w.0)
+                .fold(f64::MAX, f64::min);
+            assert!(
+                lowest <= 150.0,
+                "told after {told_after} windows: {:?}",
+                walk.outcome().levels
+            );
+            assert!(cost_on_truth(&walk.outcome()) <= params.budget_fraction + 1e-9);
+        }
+        // A shallower need changes nothing.
+        let mut walk = DesignWalk::new(&caps, &params).expect("design");
+        let before = walk.clone();
+        walk.reach_down_to(Watts(240.0));
+        assert_eq!(walk, before);
     }
 
     #[test]

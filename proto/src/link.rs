@@ -153,6 +153,13 @@ pub enum Body {
         /// events to them.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         next_event_in_s: Option<f64>,
+        /// Per job of this node: the lowest per-GPU cap the next announced grid event's
+        /// plan needs, W. The agent extends the job's calibration walk down to it, so the
+        /// event's caps land where the job was measured (pre-positioning). Sent only
+        /// while an event is announced and not yet started, beside `next_event_in_s`: an
+        /// agent older than this field refuses such a lease, as it does that one.
+        #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+        walk_to_w: std::collections::BTreeMap<String, f64>,
         /// A grid event is in force now (for the jobs' accounting of time in events).
         /// Sent only while true; an agent older than this field refuses such a lease.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -767,6 +774,7 @@ mod tests {
             recalibrate: Vec::new(),
             learn: Vec::new(),
             next_event_in_s: None,
+            walk_to_w: Default::default(),
             event_in_force: false,
             epoch: 0,
         }
@@ -1009,6 +1017,7 @@ mod tests {
             recalibrate: Vec::new(),
             learn: Vec::new(),
             next_event_in_s: None,
+            walk_to_w: Default::default(),
             event_in_force: false,
             epoch: 0,
         };
@@ -1193,22 +1202,28 @@ mod tests {
         let text = serde_json::to_string(&plain).expect("json");
         assert!(!text.contains("next_event_in_s"), "{text}");
         let mut announced = plain.clone();
+        assert!(!text.contains("walk_to_w"), "{text}");
         if let Body::Lease {
-            next_event_in_s, ..
+            next_event_in_s,
+            walk_to_w,
+            ..
         } = &mut announced
         {
             *next_event_in_s = Some(600.0);
+            walk_to_w.insert("42".into(), 275.0);
         }
         let (mut agent, mut ctld) = connect("n1", [1; 16], [2; 16]);
         let line = ctld.seal(&announced, NOW).expect("seal");
+        assert!(line.contains("\"walk_to_w\":{\"42\":275.0}"), "{line}");
         assert_eq!(agent.open(&line, NOW).expect("open"), announced);
         let back: Body = serde_json::from_str(&text).expect("parse");
         assert!(matches!(
             back,
             Body::Lease {
                 next_event_in_s: None,
+                ref walk_to_w,
                 ..
-            }
+            } if walk_to_w.is_empty()
         ));
     }
 

@@ -259,6 +259,12 @@ pub struct Calibration {
     /// When the next announced grid event starts (agent seconds): a walk is compressed
     /// to end before it ([`Calibration::finish_by`]).
     deadline: Option<f64>,
+    /// The lowest per-GPU cap an announced event's plan needs for the job: its walk
+    /// reaches down to it ([`Calibration::reach_down_to`]).
+    pub reach: Option<Watts>,
+    /// A finished curve is being extended down to `reach`: the curve stays planned on
+    /// while the walk reads the levels below it.
+    extending: bool,
 }
 
 impl Calibration {
@@ -304,6 +310,8 @@ impl Calibration {
             probe_cost: 0.0,
             waiting: None,
             deadline: None,
+            reach: None,
+            extending: false,
         }
     }
 

@@ -41,7 +41,7 @@ impl Calibration {
 
     /// PFI of the measured points (Eq. 1), once done.
     pub fn pfi(&self) -> Option<f64> {
-        (self.phase == Phase::Done)
+        (self.phase == Phase::Done || self.extending)
             .then(|| self.curve().and_then(|c| c.pfi()))
             .flatten()
     }
@@ -49,7 +49,7 @@ impl Calibration {
     /// The estimated curve with per-point uncertainty, once done: the estimator
     /// `powerflexctl evaluate` uses ([`estimate_from_windows`]) over every window.
     pub fn curve(&self) -> Option<CapCurve> {
-        if self.phase != Phase::Done {
+        if self.phase != Phase::Done && !self.extending {
             return None;
         }
         curve_of(&self.windows)

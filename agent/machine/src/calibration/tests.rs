@@ -614,3 +614,73 @@ fn an_events_hold_probes_one_step_below_the_grant_within_budget_and_bound() {
     operate(&mut tight, &mut log, t, 300.0, 560.0, true);
     assert!(tight.windows.iter().all(|w| (w.cap.0 - 535.0).abs() > 0.5));
 }
+
+/// Pre-positioning: an announced event's plan needs the job at 300 W, below the lowest
+/// level its finished walk read (a 5 % expected cut took it to 600 W). Told so, the
+/// curve is extended from its lowest level down to 300 W before the event, and stays
+/// planned on meanwhile.
+#[test]
+fn an_event_needing_caps_below_the_curve_extends_the_walk_before_it() {
+    let shallow = CalibrationSettings {
+        expected_cut: 0.05,
+        ..settings()
+    };
+    let mut cal = Calibration::new(shallow, Some(0.5), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    assert_eq!(cal.phase, Phase::Done);
+    let lowest = |cal: &Calibration| cal.levels().last().map_or(f64::MAX, |l| l.cap.0);
+    assert!(lowest(&cal) >= 600.0, "{:?}", cal.levels());
+    let before = cal.levels();
+    let event_at = t + 120.0;
+    cal.finish_by(t, event_at);
+    cal.reach_down_to(t, Watts(300.0));
+    assert!(cal.is_active(), "extending");
+    assert!(cal.best_curve().is_some(), "the curve stays planned on");
+    // Drive the extension on the fake clock until it ends.
+    let (mut now, mut count) = (t, log.last().map_or(0.0, |l| l.1));
+    let mut next_tick = now + 1.0;
+    let mut last_walk_s = now;
+    while now < t + 3000.0 && cal.is_active() {
+        let cap = cal.cap().map_or(700.0, |c| c.0);
+        now += 0.1;
+        count += 1000.0 * speed(cap) * 0.1;
+        log.record(now, count);
+        if now >= next_tick {
+            cal.tick(now, &log, Some(Watts(8.0 * cap)));
+            if cal.cap().is_some() {
+                last_walk_s = now;
+            }
+            assert!(cal.best_curve().is_some());
+            next_tick += 1.0;
+        }
+    }
+    assert_eq!(cal.phase, Phase::Done);
+    assert!(last_walk_s < event_at, "walked until {last_walk_s} s");
+    assert!(lowest(&cal) <= 300.0, "{:?}", cal.levels());
+    for level in &before {
+        assert!(
+            cal.levels().iter().any(|l| l.cap == level.cap),
+            "kept {level:?}"
+        );
+    }
+    // Already reaching it: nothing to do.
+    cal.reach_down_to(now, Watts(400.0));
+    assert!(!cal.is_active());
+}
+
+/// Told before its walk starts, a walk reaches the event's cap in one go.
+#[test]
+fn a_walk_told_the_events_cap_before_it_starts_reaches_it() {
+    let shallow = CalibrationSettings {
+        expected_cut: 0.05,
+        ..settings()
+    };
+    let mut cal = Calibration::new(shallow, Some(0.5), true, 0.0);
+    cal.reach_down_to(0.0, Watts(300.0));
+    let mut log = ProgressLog::default();
+    operate_walk(&mut cal, &mut log);
+    assert_eq!(cal.phase, Phase::Done);
+    let lowest = cal.levels().last().map_or(f64::MAX, |l| l.cap.0);
+    assert!(lowest <= 300.0, "{:?}", cal.levels());
+}

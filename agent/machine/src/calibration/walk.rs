@@ -234,6 +234,9 @@ impl Calibration {
             ));
         }
         self.design = DesignWalk::new(&grid, &params).ok();
+        if let (Some(design), Some(reach)) = (self.design.as_mut(), self.reach) {
+            design.reach_down_to(reach);
+        }
         if let (Some(design), Some(deadline)) =
             (self.design.as_mut(), self.deadline.filter(|d| *d > now))
         {
@@ -260,6 +263,80 @@ impl Calibration {
                 self.follow_design(now);
             }
         }
+    }
+
+    /// An announced event's plan needs the job at `cap` per GPU (pre-positioning): a walk
+    /// under way or still to start reaches down to it (within the tier's bound and the
+    /// token budget, as every walk), and a finished curve whose lowest level is above it
+    /// is extended: a walk from its top, whose readings there are already in, down
+    /// through the grid's caps below its lowest level to `cap`. The curve stays planned on
+    /// meanwhile. A job walking again after a drift, or probing, is left as it is.
+    pub fn reach_down_to(&mut self, now: f64, cap: Watts) {
+        if !(cap.0.is_finite() && cap.0 > 0.0) {
+            return;
+        }
+        self.reach = Some(cap);
+        if let Some(design) = self.design.as_mut() {
+            design.reach_down_to(cap);
+            return;
+        }
+        if self.phase != Phase::Done
+            || self.extending
+            || self.rewalk_due.is_some()
+            || self.probe.is_some()
+        {
+            return;
+        }
+        let levels = self.levels();
+        let (Some(top), Some(lowest)) = (levels.first(), levels.last()) else {
+            return;
+        };
+        let grid: Vec<Watts> = std::iter::once(top.cap)
+            .chain(
+                self.settings
+                    .grid
+                    .iter()
+                    .copied()
+                    .filter(|c| c.0 < lowest.cap.0 - 0.5),
+            )
+            .collect();
+        if grid.len() < 2 || lowest.cap.0 <= cap.0 + 0.5 {
+            return;
+        }
+        let Ok(mut design) = DesignWalk::new(&grid, &self.design_params()) else {
+            return;
+        };
+        design.reach_down_to(cap);
+        if let Some(deadline) = self.deadline.filter(|d| *d > now) {
+            design.finish_within(deadline - now - self.settings.hold_s);
+        }
+        // The top windows are in: the design starts below them.
+        for w in self
+            .windows
+            .iter()
+            .filter(|w| (w.cap.0 - top.cap.0).abs() < 0.5)
+        {
+            if design
+                .current()
+                .is_none_or(|c| (c.0 - top.cap.0).abs() >= 0.5)
+            {
+                break;
+            }
+            design.record(OperatingPoint {
+                cap_w: w.cap,
+                power_w: w.power,
+                throughput: w.throughput,
+            });
+        }
+        tracing::info!(
+            lowest_w = lowest.cap.0,
+            reach_w = cap.0,
+            "an announced event needs caps below the curve: extending the walk"
+        );
+        self.design = Some(design);
+        self.extending = true;
+        self.booked_to = now;
+        self.follow_design(now);
     }
 
     /// Holds the cap the design wants next, or ends the walk.
@@ -376,6 +453,7 @@ impl Calibration {
 
     fn finish(&mut self, now: f64) {
         self.finished_at = Some(now);
+        self.extending = false;
         let held_below_top = self
             .design
             .as_ref()

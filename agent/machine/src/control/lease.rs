@@ -102,6 +102,28 @@ impl Agent {
         }
     }
 
+    /// An announced event's plan needs these jobs at these per-GPU caps: each job's walk
+    /// reaches down to its cap (never below its GPUs' lowest), see
+    /// [`Calibration::reach_down_to`]. Returns whether any job was named.
+    pub(super) fn pre_position(&mut self, now: f64, caps: &BTreeMap<String, Watts>) -> bool {
+        let mut named = false;
+        for (id, cap) in caps {
+            let Some(job) = self.jobs.get(id) else {
+                continue;
+            };
+            let Some(&first) = job.gpus.first() else {
+                continue;
+            };
+            let lowest = self.gpus[first as usize].identity.min_cap;
+            if let Some(job) = self.jobs.get_mut(id) {
+                job.calibration
+                    .reach_down_to(now, Watts(cap.0.max(lowest.0)));
+                named = true;
+            }
+        }
+        named
+    }
+
     /// The controller found these jobs' measurements outside their curves (a new phase, a
     /// drift): each sets its old windows aside at once and is walked again as soon as the
     /// rate limit allows (see [`Calibration::rewalk`]). Never refused: a repeat while a

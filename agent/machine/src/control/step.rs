@@ -73,6 +73,11 @@ pub enum AgentInput {
     Lease(LeaseMessage),
     /// The controller recorded these final shares.
     Acked(Vec<FinalRef>),
+    /// The lowest per-GPU cap an announced grid event's plan needs for each of these jobs
+    /// (the lease's `walk_to_w`): their walks reach down to it, so that the event's caps
+    /// land where the job was measured (pre-positioning). Sent with the lease that
+    /// carries it, before it.
+    PrePosition(BTreeMap<String, Watts>),
     /// GPU readings: a tick's, or the read-backs an output asked for.
     GpuSamples(Vec<GpuReading>),
     /// What became of an output's cap writes, in its order.
@@ -359,6 +364,11 @@ impl Agent {
                     // A restarted agent resumes this lease (see `PersistedLease`).
                     persist = true;
                     publish = true;
+                }
+                AgentInput::PrePosition(caps) => {
+                    if self.pre_position(now, &caps) {
+                        publish = true;
+                    }
                 }
                 AgentInput::Acked(finals) => {
                     let dropped = self.acked(&finals);

@@ -105,6 +105,11 @@ pub struct Lease {
     /// Seconds to the start of the next announced event, if one is scheduled: jobs
     /// still calibrating finish their walks before it (pre-positioning).
     pub next_event_in_s: Option<f64>,
+    /// Per job of the node: the lowest per-GPU cap the next announced site event's plan
+    /// needs, W (see [`Controller::announced_event_caps`]): its walk reaches down to it,
+    /// so the event's caps land where the job was measured. Empty while no event is
+    /// announced.
+    pub walk_to_w: BTreeMap<String, f64>,
     /// A grid event is in force (the jobs' accounting counts time in events).
     pub event_in_force: bool,
 }
@@ -192,6 +197,9 @@ pub struct Controller {
     /// it, W: a job that starts before the next allocation names it starts no higher on
     /// any domain of its node's path (empty without domains).
     domain_start_cap_w: Vec<f64>,
+    /// Per job: the lowest per-GPU cap the next announced site event's plan needs, W,
+    /// as of the last allocation (empty while none is announced).
+    event_caps_w: BTreeMap<String, f64>,
     /// The event in force at the last allocation: when it ends, every job's curve is
     /// snapshotted.
     last_event: Option<u64>,
@@ -286,6 +294,7 @@ impl Controller {
             last_plan: None,
             curve_history: BTreeMap::new(),
             domain_start_cap_w: Vec::new(),
+            event_caps_w: BTreeMap::new(),
             last_event: None,
             owners: Owners::default(),
             placement: None,

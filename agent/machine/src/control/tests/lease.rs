@@ -322,3 +322,29 @@ fn a_repeated_walk_asked_during_a_cut_is_never_refused() {
     let seen = view.jobs.iter().find(|j| j.job == "7").expect("job");
     assert!(seen.calibrating && seen.points.is_empty() && seen.pfi.is_none());
 }
+
+/// The lease's `walk_to_w`, as the edge hands it over before the lease: a finished curve
+/// above the event's cap is extended down to it (never below the GPUs' lowest cap); a
+/// job the agent does not know is ignored.
+#[test]
+fn an_event_needing_lower_caps_extends_the_named_jobs_walks() {
+    let mut a = agent(None);
+    a.register(1.0, "7", "0", 0, "n1", &["0".into()], "flex3")
+        .expect("registered");
+    a.jobs
+        .get_mut("7")
+        .expect("job")
+        .calibration
+        .restore(&[[700.0, 650.0, 1000.0], [600.0, 580.0, 950.0]].map(from_array));
+    let out = a.step(
+        UnixMs(2_000),
+        vec![AgentInput::PrePosition(BTreeMap::from([
+            ("7".to_string(), Watts(100.0)),
+            ("unknown".to_string(), Watts(300.0)),
+        ]))],
+    );
+    assert!(out.snapshot.is_some(), "status shows the walk");
+    let cal = &a.jobs["7"].calibration;
+    assert_eq!(cal.reach, Some(Watts(200.0)), "the GPUs' lowest cap");
+    assert!(cal.is_active() && cal.best_curve().is_some(), "{:?}", cal.phase);
+}

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tracing::{error, info, warn};
 
+use powerflex_core::allocate::Policy;
 use powerflex_core::config::{JobPlacement, LeaseRollout};
 use powerflex_core::Watts;
 use powerflex_decide::{Decision, NodeView, SiteSettings};
@@ -22,7 +23,7 @@ use crate::preempt::{self, Action};
 use crate::ramp::{look_ahead_ms, RampPlan};
 use crate::rollout::LeaseOut;
 use crate::schedule::SteppedRamp;
-use powerflex_proto::event::Event;
+use powerflex_proto::event::{Cut, Event};
 
 use super::{Controller, Lease, Output};
 
@@ -75,6 +76,7 @@ impl Controller {
             warn!(nodes = ?stalled, "decreases not confirmed in time; counting those nodes at the most they may draw");
         }
         let views = self.allocation_views(&stalled, &unheard);
+        self.event_caps_w = self.announced_event_caps(&views, &site, base, now_ms);
         // A domain's own event counts too: a job requeued for it is not released while
         // its domain is still cut.
         let domain_cut = site.domains.as_ref().is_some_and(|d| {
@@ -507,6 +509,49 @@ impl Controller {
         self.last = Some(decision);
     }
 
+    /// Per job: the lowest per-GPU cap the deepest site event announced and not yet
+    /// started will need, W: the lower of the site policy's and the equal split's caps
+    /// for every job, decided now on the event's budget (its cut at its hold) over the
+    /// nodes as they are. Sent in the leases (`walk_to_w`) so that calibration walks
+    /// reach those caps before the event (pre-positioning): a plan made on caps the
+    /// walks never read rests on the curves' guess below them. Empty when no event is
+    /// announced; a power domain's event is not planned for here.
+    pub(super) fn announced_event_caps(
+        &self,
+        views: &[NodeView],
+        site: &SiteSettings,
+        base: Watts,
+        now_ms: u64,
+    ) -> BTreeMap<String, f64> {
+        let budget = self
+            .state
+            .events
+            .iter()
+            .filter(|e| e.start_ms > now_ms && e.domain.is_none())
+            .map(|e| match e.cut {
+                Cut::Reduce { fraction } => base.0 * (1.0 - fraction.clamp(0.0, 1.0)),
+                Cut::Target { budget_w } => budget_w.min(base.0),
+            })
+            .min_by(f64::total_cmp);
+        let Some(budget) = budget else {
+            return BTreeMap::new();
+        };
+        let mut caps: BTreeMap<String, f64> = BTreeMap::new();
+        let equal = SiteSettings {
+            policy: Policy::Equal,
+            ..site.clone()
+        };
+        for settings in [site, &equal] {
+            let decision = powerflex_decide::decide(views, Watts(budget), settings);
+            for job in decision.allocation.iter().flat_map(|a| &a.jobs) {
+                caps.entry(job.id.clone())
+                    .and_modify(|c| *c = c.min(job.cap_w.0))
+                    .or_insert(job.cap_w.0);
+            }
+        }
+        caps
+    }
+
     /// How many live or silent nodes report each job, counted once per allocation: a
     /// lease's `learn` list asks it of every job it names, and a scan of every node per
     /// job would make the allocation quadratic in the nodes (24 s at 10,000 in the site
@@ -558,6 +603,11 @@ impl Controller {
             .into_iter()
             .filter_map(|d| self.domain_start_cap_w.get(d).copied())
             .fold(start_cap_w, f64::min);
+        // The caps the next announced event needs of this node's jobs.
+        let walk_to_w = caps
+            .keys()
+            .filter_map(|job| Some((job.clone(), *self.event_caps_w.get(job)?)))
+            .collect();
         // A job reported by one node only: a probe there slows no other node's windows.
         let learn = caps
             .keys()
@@ -574,6 +624,7 @@ impl Controller {
                 self.events_of_node(node).into_iter().map(|(_, e)| e),
                 now_ms,
             ),
+            walk_to_w,
             event_in_force: self
                 .events_of_node(node)
                 .iter()

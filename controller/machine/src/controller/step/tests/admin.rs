@@ -538,6 +538,71 @@ fn leases_announce_the_next_event_s_start() {
     }
 }
 
+/// Pre-positioning: while an event is announced, each lease names the lowest cap the
+/// event's plan needs for each of the node's jobs (below the caps in force: the event
+/// cuts), for the deepest announced event; none once it has started, nor for a job the
+/// lease does not carry.
+#[test]
+fn leases_name_the_caps_an_announced_event_needs() {
+    let mut core = running();
+    let out = core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    assert!(out.leases.values().all(|l| l.walk_to_w.is_empty()));
+    let add = |fraction, start_ms| AdminOp::EventAdd {
+        cut: Cut::Reduce { fraction },
+        start_ms,
+        duration_ms: 600_000,
+        ramp_ms: 0,
+        domain: None,
+    };
+    let out = core.step(
+        UnixMs(T0 + 20_000),
+        vec![
+            admin(add(0.3, T0 + 320_000), 0),
+            admin(add(0.6, T0 + 920_000), 0),
+            Input::Tick,
+        ],
+    );
+    assert!(!out.leases.is_empty());
+    let mut named = 0;
+    for lease in out.leases.values() {
+        assert_eq!(
+            lease.walk_to_w.keys().collect::<Vec<_>>(),
+            lease.caps.keys().collect::<Vec<_>>(),
+            "every job of the node, no other"
+        );
+        for (job, need) in &lease.walk_to_w {
+            let now = lease.caps[job];
+            assert!(*need < now - 0.5, "job {job}: needs {need} W, at {now} W");
+            assert!(*need >= 200.0 - 1e-9);
+            named += 1;
+        }
+    }
+    assert_eq!(named, 2);
+    let deepest: Vec<f64> = out
+        .leases
+        .values()
+        .flat_map(|l| l.walk_to_w.values().copied())
+        .collect();
+    // Once both have started, nothing is announced.
+    let out = core.step(UnixMs(T0 + 930_000), vec![Input::Tick]);
+    assert!(out.leases.values().all(|l| l.walk_to_w.is_empty()));
+    // The 60 % cut's plan goes deeper than the 30 % cut's would.
+    let mut shallow = running();
+    let out = shallow.step(
+        UnixMs(T0 + 20_000),
+        vec![admin(add(0.3, T0 + 320_000), 0), Input::Tick],
+    );
+    let shallower: Vec<f64> = out
+        .leases
+        .values()
+        .flat_map(|l| l.walk_to_w.values().copied())
+        .collect();
+    assert_eq!(shallower.len(), deepest.len());
+    for (deep, shallow) in deepest.iter().zip(&shallower) {
+        assert!(deep < shallow, "{deep} W vs {shallow} W");
+    }
+}
+
 #[test]
 fn an_event_that_ended_is_dropped_and_saved() {
     let mut core = running();
