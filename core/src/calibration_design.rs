@@ -348,6 +348,26 @@ impl DesignWalk {
         }
     }
 
+    /// The level read now is known well enough (the caller judged its windows' standard
+    /// error against the precision it needs): the design moves on as if the level's
+    /// planned windows were read. The uncapped level needs two windows at least (every
+    /// other level is judged against it), a capped level one; a top-up level may be left
+    /// before its first window (it was known well enough before the top-up came to it).
+    pub fn enough_here(&mut self) {
+        match &self.stage {
+            Stage::Top if self.readings.len() >= 2 => self.end_top(),
+            Stage::Level { windows, .. } if *windows >= 1 => self.end_level(),
+            Stage::TopUp { .. } => self.next_top_up(),
+            _ => {}
+        }
+    }
+
+    /// Whether the design is spending what its budget left on more windows at levels
+    /// already read (the top-up), rather than reading a level the first time.
+    pub fn topping_up(&self) -> bool {
+        matches!(self.stage, Stage::TopUp { .. })
+    }
+
     /// The walk must reach down to `cap` (the lowest cap an announced event's plan needs):
     /// its depth grows to it where it did not reach it (never shrinks), and the levels
     /// still to visit are picked again down to it. The tier's bound and the token budget

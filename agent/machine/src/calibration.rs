@@ -120,6 +120,20 @@ pub fn implausible(levels: &[Level]) -> Option<String> {
 /// never refused for good (a job planned on a curve it has left is planned on nothing).
 pub const DEFAULT_REWALK_AFTER_S: f64 = 600.0;
 
+/// The relative standard error at which a level's rate is known well enough for the walk
+/// to move on: half the ~0.5 % a job's rate varies between repeated runs (the paper's
+/// repeat-run noise), so no level is read longer than what repeats could confirm. A
+/// level's error is the larger of its windows' own (each window's rate fit) and the
+/// job's window-to-window spread at its uncapped level over the square root of its
+/// windows, so a job whose rate wanders between windows is read for more of them.
+/// The walk's token budget and its windows per level still bound it from above:
+/// reading every level for as many windows as the budget affords took the site's
+/// default walk close to an hour on jobs cheap to cap.
+pub const LEVEL_PRECISION: f64 = 0.0025;
+/// Uncapped windows read before the top level may be judged precise: every other level
+/// is judged against it, and its spread is the job's window-to-window noise.
+pub const MIN_TOP_WINDOWS: usize = 3;
+
 /// How soon after a walk's cap is written its rate is first judged against the tier's
 /// bound, s: the cap takes effect within a sample period or two. A rate read from then on
 /// still holds some of the higher cap before it, so it can only understate the loss: a

@@ -8,7 +8,7 @@ use powerflex_core::Watts;
 
 use super::{
     implausible, Calibration, Phase, ProgressLog, Window, BOUND_JUDGE_AFTER_S, BOUND_JUDGE_SPAN_S,
-    BOUND_JUDGE_Z, MAX_WINDOWS_PER_CAP, NO_SIGNAL_WAITING,
+    BOUND_JUDGE_Z, LEVEL_PRECISION, MAX_WINDOWS_PER_CAP, MIN_TOP_WINDOWS, NO_SIGNAL_WAITING,
 };
 
 /// Windows whose rates must agree for warm-up to end, and the report gaps the window
@@ -130,6 +130,15 @@ impl Calibration {
                     learned: false,
                 };
                 self.push_window(window);
+                if self.precise(cap) {
+                    if let Some(design) = self
+                        .design
+                        .as_mut()
+                        .filter(|d| d.current().is_some_and(|c| (c.0 - cap.0).abs() < 0.5))
+                    {
+                        design.enough_here();
+                    }
+                }
                 self.follow_design(now);
                 Some(window)
             }
@@ -339,8 +348,69 @@ impl Calibration {
         self.follow_design(now);
     }
 
-    /// Holds the cap the design wants next, or ends the walk.
+    /// Whether this walk's windows at `cap` give its rate within [`LEVEL_PRECISION`]
+    /// (see there): at the design's top at least [`MIN_TOP_WINDOWS`] windows, elsewhere
+    /// one.
+    fn precise(&self, cap: Watts) -> bool {
+        let Some(top) = self.design.as_ref().map(DesignWalk::top_cap) else {
+            return false;
+        };
+        let at = |c: Watts| -> Vec<&Window> {
+            self.windows
+                .iter()
+                .filter(|w| !w.learned && (w.cap.0 - c.0).abs() < 0.5)
+                .collect()
+        };
+        let tops = at(top);
+        let spread = if tops.len() >= 2 {
+            let n = tops.len() as f64;
+            let mean = tops.iter().map(|w| w.throughput).sum::<f64>() / n;
+            let var = tops
+                .iter()
+                .map(|w| (w.throughput - mean).powi(2))
+                .sum::<f64>()
+                / (n - 1.0);
+            if mean > 0.0 {
+                var.sqrt() / mean
+            } else {
+                f64::INFINITY
+            }
+        } else {
+            f64::INFINITY
+        };
+        let here = at(cap);
+        let n = here.len();
+        let least = if (cap.0 - top.0).abs() < 0.5 {
+            MIN_TOP_WINDOWS
+        } else {
+            1
+        };
+        if n < least {
+            return false;
+        }
+        let own = here
+            .iter()
+            .map(|w| w.relative_noise.powi(2))
+            .sum::<f64>()
+            .sqrt()
+            / n as f64;
+        own.max(spread / (n as f64).sqrt()) <= LEVEL_PRECISION
+    }
+
+    /// Holds the cap the design wants next, or ends the walk. A top-up level whose rate
+    /// is already known within [`LEVEL_PRECISION`] is passed over before its settle.
     fn follow_design(&mut self, now: f64) {
+        while self
+            .design
+            .as_ref()
+            .filter(|d| d.topping_up())
+            .and_then(DesignWalk::current)
+            .is_some_and(|cap| self.precise(cap))
+        {
+            if let Some(design) = self.design.as_mut() {
+                design.enough_here();
+            }
+        }
         let next = self.design.as_ref().and_then(DesignWalk::current);
         match (next, &self.phase) {
             (None, _) => self.finish(now),

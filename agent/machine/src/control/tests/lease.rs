@@ -346,5 +346,9 @@ fn an_event_needing_lower_caps_extends_the_named_jobs_walks() {
     assert!(out.snapshot.is_some(), "status shows the walk");
     let cal = &a.jobs["7"].calibration;
     assert_eq!(cal.reach, Some(Watts(200.0)), "the GPUs' lowest cap");
-    assert!(cal.is_active() && cal.best_curve().is_some(), "{:?}", cal.phase);
+    assert!(
+        cal.is_active() && cal.best_curve().is_some(),
+        "{:?}",
+        cal.phase
+    );
 }
