@@ -25,10 +25,13 @@ impl Agent {
             // its last grant when that is lower: the fail-safe never raises a cap (a cut
             // below it must hold while the controller is away).
             //
-            // Neither may break the job's tier: a job the controller has not planned has
-            // no curve the budget was checked against, so it runs no lower than the cap
-            // the physics shows safe for its bound ([`Agent::tier_safe_cap`]), and an
-            // expired grant falls no lower than that either (never above the grant).
+            //
+            // While the controller is there, a job it has not named yet must not break its
+            // tier either: it has no curve the budget was checked against, so it runs no
+            // lower than the cap the physics shows safe for its bound
+            // ([`Agent::tier_safe_cap`]); the next allocation pays for it. Once the lease
+            // has run out (or before the first one) the fail-safe is the site's word on
+            // power while the controller is away, and it stands.
             let safe = self.tier_safe_cap(job);
             let at_least_safe = |cap: Watts| safe.map_or(cap, |s| Watts(cap.0.max(s.0)));
             return Some(match &self.lease {
@@ -36,11 +39,12 @@ impl Agent {
                     let unnamed = lease.start_cap.map_or(failsafe, |s| s.min(failsafe));
                     match lease.caps.get(&job.id).copied() {
                         Some(cap) if now < lease.expires_at => cap,
-                        Some(cap) => cap.min(at_least_safe(failsafe)),
-                        None => at_least_safe(unnamed),
+                        Some(cap) => cap.min(failsafe),
+                        None if now < lease.expires_at => at_least_safe(unnamed),
+                        None => unnamed,
                     }
                 }
-                None => at_least_safe(failsafe),
+                None => failsafe,
             });
         }
         job.granted

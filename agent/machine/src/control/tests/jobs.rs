@@ -81,13 +81,11 @@ fn a_registration_through_the_step_is_checked_capped_then_answered() {
         }],
     );
     assert!(matches!(out.replies.as_slice(), [(0, Reply::Control(r))] if r.is_ok()));
-    // No lease yet: the fail-safe (500 W), raised to the cap flex2's bound holds on its
-    // GPU whatever its curve (575 W on 200-700 W).
     assert_eq!(
         out.cap_writes,
         vec![CapWrite {
             gpu: 1,
-            cap: Watts(575.0)
+            cap: Watts(500.0)
         }]
     );
     assert!(out.persist.is_some(), "saved before the answer");

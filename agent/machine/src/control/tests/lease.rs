@@ -144,8 +144,13 @@ fn a_job_the_lease_does_not_cover_starts_at_a_cap_its_tier_holds() {
     // A start cap above the tier's safe cap is kept.
     a.set_lease(4.0, BTreeMap::new(), 3600.0, Some(Watts(480.0)));
     assert_eq!(a.granted_cap(5.0, &a.jobs["job-0"]), Some(Watts(480.0)));
-    // An expired grant falls to the fail-safe, but not below the tier's safe cap, and
-    // never above the grant.
+    // The controller away (the lease run out): the fail-safe is the site's word on
+    // power and stands, for a job named or not.
+    assert_eq!(
+        a.granted_cap(3700.0, &a.jobs["job-1"]),
+        Some(Watts(480.0)),
+        "the start cap, held to the fail-safe"
+    );
     let mut b = agent(None);
     b.register(0.0, "9", "0", 0, "n1", &["0".into()], "flex2,calibrate=off")
         .expect("registered");
@@ -155,14 +160,7 @@ fn a_job_the_lease_does_not_cover_starts_at_a_cap_its_tier_holds() {
         10.0,
         None,
     );
-    assert_eq!(b.granted_cap(20.0, &b.jobs["9"]), Some(Watts(575.0)));
-    b.set_lease(
-        21.0,
-        BTreeMap::from([("9".to_string(), Watts(550.0))]),
-        10.0,
-        None,
-    );
-    assert_eq!(b.granted_cap(40.0, &b.jobs["9"]), Some(Watts(550.0)));
+    assert_eq!(b.granted_cap(20.0, &b.jobs["9"]), Some(Watts(500.0)));
 }
 
 #[test]
@@ -253,7 +251,8 @@ fn the_failsafe_never_raises_a_cap() {
 }
 
 /// A job starting during a cut starts at the lease's start cap, or at its tier's safe
-/// cap when that is higher (flex3 on 200-700 W GPUs: 450 W).
+/// cap when that is higher (flex3 on 200-700 W GPUs: 450 W) while the controller is
+/// there.
 #[test]
 fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
     let mut a = agent(None);
@@ -262,10 +261,12 @@ fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
         .expect("registered");
     assert_eq!(caps(&a.tick(2.0)), vec![(1, 450.0)]);
     a.cap_written(1, Watts(450.0), None);
-    assert!(
-        caps(&a.tick(40.0)).is_empty(),
-        "and stays there when the lease lapses"
+    assert_eq!(
+        caps(&a.tick(40.0)),
+        vec![(1, 300.0)],
+        "the lease lapsed: the controller is away, and the start cap stands"
     );
+    a.cap_written(1, Watts(300.0), None);
     // A start cap above the fail-safe is held to it.
     a.set_lease(41.0, BTreeMap::new(), 30.0, Some(Watts(650.0)));
     assert_eq!(caps(&a.tick(42.0)), vec![(1, 500.0)]);
