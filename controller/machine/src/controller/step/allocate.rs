@@ -305,26 +305,29 @@ impl Controller {
         )
     }
 
-    /// `held` and `actions` without the jobs of observe-only nodes: observe mode enforces
-    /// nothing, so such a job is never held out (what would happen is logged), and a
-    /// site's first week suspends no one.
+    /// `held` and `actions` without new holds on the jobs of observe-only nodes: observe
+    /// mode enforces nothing, so such a job is not held out (what would happen is logged),
+    /// and a site's first week suspends no one. A job already held stays held and tracked,
+    /// and its resume or release goes out, whatever its node's mode now: a node switched to
+    /// observe mode mid-cut must not leave its suspended job suspended for ever.
     fn spare_observed(
         &self,
         held: BTreeMap<String, Preempted>,
         actions: Vec<Action>,
     ) -> (BTreeMap<String, Preempted>, Vec<Action>) {
-        let observed: BTreeSet<&str> = self
+        let already = &self.state.preempted;
+        let spared: BTreeSet<&str> = self
             .sessions
             .values()
             .filter(|s| s.observe_only)
             .flat_map(|s| s.view.jobs.iter().map(|j| j.job_id.as_str()))
+            .filter(|job| !already.contains_key(*job))
             .collect();
-        if observed.is_empty() {
+        if spared.is_empty() {
             return (held, actions);
         }
-        let (kept, skipped): (Vec<Action>, Vec<Action>) = actions
-            .into_iter()
-            .partition(|a| !observed.contains(a.job()));
+        let (kept, skipped): (Vec<Action>, Vec<Action>) =
+            actions.into_iter().partition(|a| !spared.contains(a.job()));
         for a in &skipped {
             let [what, job_id] = a.scontrol_args();
             info!(
@@ -335,7 +338,7 @@ impl Controller {
         }
         let held = held
             .into_iter()
-            .filter(|(job, _)| !observed.contains(job.as_str()))
+            .filter(|(job, _)| !spared.contains(job.as_str()))
             .collect();
         (held, kept)
     }

@@ -658,3 +658,73 @@ fn a_confirmation_in_the_same_batch_as_an_allocation_does_not_send_the_older_lea
         "{n1} W and {n2} W sent under a 3 kW budget: {out:?}"
     );
 }
+
+/// A job held out before its node switched to observe mode stays held (saved, shown) and is
+/// resumed when the cut is over: observe mode spares jobs new holds, never strands a held one.
+#[test]
+fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut() {
+    let mut core = fresh();
+    core.step(
+        UnixMs(T0),
+        vec![
+            budget_set(5600.0, None),
+            hello("n1"),
+            at_cap("n1", "101", "flex0", 700.0),
+            hello("n2"),
+            at_cap("n2", "102", "flex3,preempt=suspend", 700.0),
+        ],
+    );
+    let out = core.step(
+        UnixMs(T0 + 500),
+        vec![admin(
+            AdminOp::EventAdd {
+                cut: Cut::Target { budget_w: 3300.0 },
+                start_ms: T0 + 5_000,
+                duration_ms: 30_000,
+                ramp_ms: 0,
+                domain: None,
+            },
+            0,
+        )],
+    );
+    assert_eq!(out.preempt, [Action::Suspend { job: "102".into() }]);
+    // Mid-cut, n2's agent comes back in observe mode (`agent.enforce = false`), still
+    // reporting the suspended job.
+    let mut idle = job("102", None);
+    idle.tier = "flex3,preempt=suspend".into();
+    idle.cap_w = Some(200.0);
+    idle.power_cap_w = Some(200.0);
+    idle.power_w = Some(300.0);
+    let observing = |idle: &JobReport| Input::Report {
+        ended: Vec::new(),
+        observe_only: true,
+        node: "n2".into(),
+        power_w: 300.0,
+        jobs: vec![idle.clone()],
+    };
+    let out = core.step(
+        UnixMs(T0 + 10_000),
+        vec![
+            at_cap("n1", "101", "flex0", 700.0),
+            observing(&idle),
+            Input::Tick,
+        ],
+    );
+    assert!(out.preempt.is_empty(), "{out:?}");
+    assert!(
+        core.state().preempted.contains_key("102"),
+        "still held, so still tracked"
+    );
+    assert_eq!(core.status(UnixMs(T0 + 10_000)).preempted.len(), 1);
+    // Over at 35 s: resumed, though its node still observes.
+    let out = core.step(
+        UnixMs(T0 + 36_000),
+        vec![
+            at_cap("n1", "101", "flex0", 700.0),
+            observing(&idle),
+            Input::Tick,
+        ],
+    );
+    assert_eq!(out.preempt, [Action::Resume { job: "102".into() }]);
+    assert!(core.state().preempted.is_empty());
+}
