@@ -483,8 +483,8 @@ fn standalone_budget_caps_jobs_and_a_stop_keeps_running_jobs_capped_until_releas
     let before: Vec<f64> = (0..4).map(|g| f.limit_w(g)).collect();
     let status = f.signal_agent(Signal::TERM).expect("agent exit");
     assert!(status.success(), "clean exit on SIGTERM");
-    // Fail-static: a stop (a restart, an upgrade) leaves the running job's GPUs at the
-    // caps in force, and only the GPUs of no job at their default.
+    // Fail-static: a stop (a restart, an upgrade) leaves every GPU at the limit in force:
+    // the running job's at their caps, the idle ones at their default.
     for g in 0..4 {
         assert_eq!(
             f.limit_w(g),
@@ -494,7 +494,11 @@ fn standalone_budget_caps_jobs_and_a_stop_keeps_running_jobs_capped_until_releas
         assert!(f.limit_w(g) < 700.0);
     }
     for g in 4..8 {
-        assert_eq!(f.limit_w(g), 700.0, "GPU {g} of no job back to default");
+        assert_eq!(
+            f.limit_w(g),
+            700.0,
+            "GPU {g} of no job at its default, as it was"
+        );
     }
     // The next agent takes the job over (its step daemon still runs) within the budget;
     // stopped with --release-on-exit (decommissioning), it hands every GPU back.
@@ -568,6 +572,52 @@ impl DrawSampler {
     fn stop(self) -> DrawSamples {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread.join().expect("the draw sampler")
+    }
+}
+
+/// One GPU's limit and draw every 50 ms, read from the simulated GPU itself (not from
+/// the agent), on a thread until [`GpuSampler::stop`].
+struct GpuSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<GpuSamples>,
+}
+
+/// What a [`GpuSampler`] saw.
+struct GpuSamples {
+    worst_limit_w: f64,
+    worst_draw_w: f64,
+    samples: u32,
+}
+
+impl GpuSampler {
+    fn start(node: &Node, gpu: u32) -> GpuSampler {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (node, flag) = (node.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut seen = GpuSamples {
+                worst_limit_w: 0.0,
+                worst_draw_w: 0.0,
+                samples: 0,
+            };
+            while !flag.load(Ordering::Relaxed) {
+                let limit_w = f64::from(node.gpu(gpu).expect("gpu").power_limit_mw) / 1000.0;
+                let draw_w = node
+                    .reading(gpu)
+                    .map_or(0.0, |(_, r)| f64::from(r.power_mw) / 1000.0);
+                seen.worst_limit_w = seen.worst_limit_w.max(limit_w);
+                seen.worst_draw_w = seen.worst_draw_w.max(draw_w);
+                seen.samples += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            seen
+        });
+        GpuSampler { stop, thread }
+    }
+
+    fn stop(self) -> GpuSamples {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the GPU sampler")
     }
 }
 
@@ -1348,7 +1398,8 @@ fn a_registration_naming_another_job_s_busy_gpu_is_refused() {
 /// A job whose registration failed, or a process started outside Slurm, would run its
 /// GPU at the default. With `agent.unregistered_gpu_use = "failsafe"` the agent sees
 /// it in NVML's process list and holds that GPU at the fail-safe cap until the process
-/// is gone; the GPUs of registered jobs and idle GPUs are untouched.
+/// is gone; the GPUs of registered jobs and idle GPUs are untouched. A stop leaves it
+/// there: only the process's end frees it.
 #[test]
 fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_ends() {
     if !can_run(&[Need::Root]) {
@@ -1390,6 +1441,29 @@ fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_end
     for idle in [0, 2, 4, 5, 6, 7] {
         assert_eq!(f.limit_w(idle), 700.0, "idle GPU {idle}");
     }
+    // A stop (SIGTERM, what `systemctl restart` sends) leaves GPU 3 at the fail-safe
+    // through the stop, a 2 s gap and the next agent's start, its limit and draw sampled
+    // every 50 ms: only the process's end gives it back.
+    let sampler = GpuSampler::start(&f.node, 3);
+    let status = f.signal_agent(Signal::TERM).expect("agent exit");
+    assert!(status.success(), "clean exit on SIGTERM");
+    assert_eq!(f.limit_w(3), 500.0, "kept at the fail-safe by the stop");
+    std::thread::sleep(Duration::from_secs(2));
+    f.start_agent();
+    wait_until(
+        "the next agent to see GPU 3's unregistered use",
+        Duration::from_secs(20),
+        || f.status().gpus[3].unregistered_use.then_some(()),
+    );
+    let seen = sampler.stop();
+    println!(
+        "GPU 3 through the stop and restart: {} samples, highest limit {} W, highest draw {:.0} W",
+        seen.samples, seen.worst_limit_w, seen.worst_draw_w
+    );
+    assert!(seen.samples >= 40, "{} samples", seen.samples);
+    assert_eq!(seen.worst_limit_w, 500.0, "never above the fail-safe");
+    assert!(seen.worst_draw_w <= 500.0 * 1.01, "{}", seen.worst_draw_w);
+    assert_eq!(f.limit_w(3), 500.0);
     f.end_job_processes(stray);
     wait_until(
         "GPU 3 back at its default once the process is gone",

@@ -531,8 +531,8 @@ fn adoption_candidates(
         .collect()
 }
 
-/// Runs the agent until `shutdown` is set, then puts the GPUs without a running job back
-/// to their defaults (see [`AgentInput::Stop`]).
+/// Runs the agent until `shutdown` is set, then leaves every GPU at the limit in force
+/// (see [`AgentInput::Stop`]).
 ///
 /// `reloads` brings re-read site configs (SIGHUP); a refused one is logged and shown by
 /// `status` (`config_error`), and the settings in force stay.
@@ -620,7 +620,7 @@ pub fn run(
     Ok(())
 }
 
-/// Stopping: the GPUs without a running job back to their defaults (every GPU with
+/// Stopping: every GPU left at the limit in force (back to its default only with
 /// `--release-on-exit`), the accounting and state saved, the edge threads woken and
 /// joined, the sockets removed.
 fn shut_down(edge: &mut Edge<'_>, shutdown: &AtomicBool, edges: Edges) {

@@ -47,8 +47,8 @@ struct Cli {
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), value_name = "MS")]
     sample_interval_ms: u64,
     /// On exit, put every GPU back to its default limit, those of running jobs too (to
-    /// decommission the node). Without it a stop or restart leaves running jobs' GPUs at
-    /// the cap in force, so the budget holds through upgrades.
+    /// decommission the node). Without it a stop or restart leaves every GPU at the limit
+    /// in force, so the budget holds through upgrades.
     #[arg(long)]
     release_on_exit: bool,
     /// Do not start: put every GPU of this node back to its default power limit and exit

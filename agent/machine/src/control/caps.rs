@@ -1,7 +1,7 @@
 //! Which cap each GPU gets: a job's grant (the controller's lease while it lasts, then
 //! the fail-safe, which never raises a cap), the limits read back at start that bound
 //! every cap until a current lease (fail-static through a restart), the writes that
-//! reconcile the GPUs with all that, and what a stop leaves on them.
+//! reconcile the GPUs with all that, and what a stop leaves on them (what is in force).
 
 use powerflex_core::config::UnregisteredGpuUse;
 use powerflex_core::workload::chord_safe_cap_w;
@@ -72,27 +72,22 @@ impl Agent {
             }
     }
 
-    /// Cap writes for a stop (fail-static): every healthy GPU without a managed job goes
-    /// back to its saved default; the GPUs of running managed jobs keep the cap in force,
-    /// so a `systemctl restart` or an upgrade during a cut never over-draws the site (as a
-    /// BMC keeps its last limit through an outage). The next agent takes them over from
-    /// the state file and the limits it reads back. With `release_jobs` (decommissioning:
-    /// `powerflexd --release-on-exit`), every GPU goes back to its default.
+    /// Cap writes for a stop (fail-static): none. Every GPU keeps the limit in force, the
+    /// GPUs of running managed jobs, those held at the fail-safe for unregistered use and
+    /// idle ones alike, so a `systemctl restart` or an upgrade during a cut never
+    /// over-draws the site (as a BMC keeps its last limit through an outage); only a
+    /// job's end gives its GPUs their defaults back. The next agent takes them over from
+    /// the state file and the limits it reads back (`start_ceiling`), and releases a GPU
+    /// of no managed job once the lease would have run out. With `release_jobs`
+    /// (decommissioning: `powerflexd --release-on-exit`), every GPU goes back to its
+    /// default.
     pub(super) fn stop_actions(&self, release_jobs: bool) -> Vec<Action> {
-        if !self.settings.enforce {
+        if !self.settings.enforce || !release_jobs {
             return Vec::new();
         }
         self.gpus
             .iter()
             .filter(|g| g.degraded.is_none())
-            .filter(|g| {
-                release_jobs
-                    || !g
-                        .job
-                        .as_ref()
-                        .and_then(|j| self.jobs.get(j))
-                        .is_some_and(Job::managed)
-            })
             .map(|g| Action::SetCap {
                 gpu: g.identity.index,
                 cap: clamp(g.saved_default, &g.identity),

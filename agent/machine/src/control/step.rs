@@ -91,8 +91,8 @@ pub enum AgentInput {
     Tick,
     /// The site config was re-read (SIGHUP), or why it could not be.
     Reload(Result<AgentSettings, MachineError>),
-    /// The agent stops: GPUs of no running job back to their defaults (every GPU with
-    /// `release_jobs`, decommissioning), the state saved.
+    /// The agent stops: every GPU keeps the limit in force (every GPU back to its default
+    /// with `release_jobs`, decommissioning), the state saved.
     Stop { release_jobs: bool },
 }
 
@@ -424,10 +424,7 @@ impl Agent {
                             "shutting down: restoring every GPU's default cap (--release-on-exit)"
                         );
                     } else {
-                        info!(
-                            gpus_released = actions.len(),
-                            "shutting down: GPUs without a job back to their defaults; running jobs keep their caps for the next agent"
-                        );
+                        info!("shutting down: every GPU keeps the limit in force for the next agent (fail-static)");
                     }
                     out.take(actions);
                     persist = true;

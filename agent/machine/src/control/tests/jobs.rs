@@ -366,6 +366,9 @@ fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_processes_g
             .collect::<Vec<_>>(),
         [false, false, true, true]
     );
+    // A stop (`systemctl restart`) leaves both at the fail-safe: only the processes'
+    // end, seen by the next agent, gives them back.
+    assert_eq!(caps(&a.stop_actions(false)), vec![]);
     // One listed empty is free again; so is one NVML could not list (a listing that
     // keeps failing must not strand the cap).
     a.nvml_processes_seen(

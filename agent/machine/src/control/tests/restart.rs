@@ -3,8 +3,7 @@
 use super::*;
 
 /// Fail-static: a restart during a cut below the fail-safe must not write the fail-safe
-/// over the lower caps the previous run left, and a stop leaves running jobs' GPUs at
-/// their caps.
+/// over the lower caps the previous run left, and a stop leaves every GPU at its limit.
 #[test]
 fn a_restart_raises_no_running_job_s_cap_until_a_current_lease_and_a_stop_keeps_them() {
     let mut a = Agent::with_defaults(
@@ -56,9 +55,9 @@ fn a_restart_raises_no_running_job_s_cap_until_a_current_lease_and_a_stop_keeps_
         !caps(&a.tick(42.5)).iter().any(|&(g, _)| g < 2),
         "a saved lease is not current"
     );
-    // A stop now leaves job 7's GPUs alone and puts the others back.
+    // A stop now writes nothing: every GPU keeps the limit in force.
     let stop = caps(&a.stop_actions(false));
-    assert_eq!(stop, vec![(2, 700.0), (3, 700.0)]);
+    assert_eq!(stop, vec![]);
     assert_eq!(
         caps(&a.stop_actions(true)).len(),
         4,
