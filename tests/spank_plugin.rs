@@ -283,6 +283,37 @@ fn option_is_offered_validated_and_reaches_the_agents() {
     let bad = c.run("srun", &["-N1", "--power-flex=flex7", "true"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown tier \"flex7\""));
+    // A value that never met submission's check (the option's own variable exported,
+    // which srun forwards to the step as it forwards a given option) does not parse on
+    // the node: the step runs under the site's default tier (`none` here, so its least
+    // flexible one, flex0), never unmanaged.
+    let forged = c
+        .command("srun")
+        .args([
+            "-N1",
+            "--gres=gpu:1",
+            "bash",
+            "-c",
+            "echo tier=$POWERFLEX_TIER",
+        ])
+        .env(
+            "_SLURM_SPANK_OPTION_power_flex_power_flex",
+            "flex2,colour=red",
+        )
+        .stdin(Stdio::null())
+        .output()
+        .expect("srun");
+    assert!(
+        forged.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forged.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&forged.stdout).trim(),
+        "tier=flex0",
+        "{}",
+        String::from_utf8_lossy(&forged.stderr)
+    );
     c.assert_no_node_drained();
 }
 

@@ -131,6 +131,38 @@ pub fn site_policy(args: &Args) -> Result<SitePolicy, String> {
     })
 }
 
+/// The service, and the `--power-flex` value to send the agent, for a step whose value
+/// does not parse on the node: the site's default tier (the agent applies it to an empty
+/// value), or, where the site's default is `none`, its least flexible tier, so that such
+/// a step is never unmanaged.
+pub fn managed_fallback(policy: &SitePolicy) -> (Service, String) {
+    if policy.default.is_managed() {
+        return (policy.default.clone(), String::new());
+    }
+    let strictest = policy
+        .table
+        .tiers()
+        .iter()
+        .min_by(|a, b| a.max_slowdown.0.total_cmp(&b.max_slowdown.0));
+    match strictest {
+        Some(tier) => (
+            Service::Bounded {
+                tier: tier.name.clone(),
+                max_slowdown: tier.max_slowdown,
+            },
+            tier.name.clone(),
+        ),
+        // No named tiers: the table allows `max-slowdown=N%` (it must, to be valid).
+        None => (
+            Service::Bounded {
+                tier: powerflex_core::flex::MAX_SLOWDOWN_KEY.to_string(),
+                max_slowdown: powerflex_core::units::SlowdownFraction(0.0),
+            },
+            format!("{}=0%", powerflex_core::flex::MAX_SLOWDOWN_KEY),
+        ),
+    }
+}
+
 /// Whether `value` asks to opt out (`none`) where the site does not let `uid` (named
 /// `user`) do so: the message for the user, naming what is accepted.
 pub fn opt_out_refused(
@@ -310,8 +342,18 @@ pub fn on_step_start(
         Some(f) => match parse_power_flex(f, table) {
             Ok(r) => (r.service, f.to_string()),
             Err(e) => {
-                api.log_error(&format!("{e}; job runs unmanaged"));
-                return StepStart::Skipped;
+                // Validated at submission, so this value reached the node some other way
+                // (an environment edited after sbatch, a site config changed since): it
+                // must not buy the job a way out of the budget.
+                let (service, flex) = managed_fallback(&policy);
+                let tier = match &service {
+                    Service::Bounded { tier, .. } => tier.as_str(),
+                    Service::Unmanaged => "none",
+                };
+                api.log_error(&format!(
+                    "{e}; the job runs under the site's default tier ({tier})"
+                ));
+                (service, flex)
             }
         },
         None => (policy.default.clone(), String::new()),
@@ -882,12 +924,52 @@ mod tests {
             matches!(refused, StepStart::WarnJob(ref w) if w.contains("no GPU 7")),
             "{refused:?}"
         );
-        // A value that slipped past submission (site config changed since) is not fatal.
-        let mut fake = with_gpus();
-        let stale = on_step_start(&mut fake, &Args::default(), Some("gold"), |_, _, _, _| {
-            panic!("no agent")
-        });
-        assert_eq!(stale, StepStart::Skipped);
-        assert!(fake.errors.borrow()[0].contains("unknown tier"));
+    }
+
+    /// A value that slipped past submission (an environment edited since, a site config
+    /// changed since) is not fatal, and is no way out of the budget: the step runs under
+    /// the site's default tier, or its least flexible one where the default is `none`.
+    #[test]
+    fn a_value_that_does_not_parse_on_the_node_runs_under_the_default_tier_never_unmanaged() {
+        let register = |args: &Args, value: &str| {
+            let mut fake = with_gpus();
+            let mut line = String::new();
+            let outcome = on_step_start(&mut fake, args, Some(value), |_, _, request, _| {
+                line = request.to_line();
+                Ok(ControlReply::ok())
+            });
+            let errors = fake.errors.borrow().clone();
+            (outcome, line, errors)
+        };
+        let with_default = Args {
+            default: Some("flex2".into()),
+            ..Args::default()
+        };
+        for value in [
+            "gold",
+            "flex2,calibrate=sometimes",
+            "max-slowdown=200%",
+            "\u{0}",
+        ] {
+            let (outcome, line, errors) = register(&with_default, value);
+            assert_eq!(
+                outcome,
+                StepStart::Registered("42".into(), "0".into()),
+                "{value}"
+            );
+            assert!(
+                line.contains("\"flex\":\"\""),
+                "the agent's default: {line}"
+            );
+            assert!(
+                errors[0].contains("runs under the site's default tier (flex2)"),
+                "{errors:?}"
+            );
+        }
+        // The site's default is `none`: its least flexible tier, flex0, never unmanaged.
+        let (outcome, line, errors) = register(&Args::default(), "gold");
+        assert_eq!(outcome, StepStart::Registered("42".into(), "0".into()));
+        assert!(line.contains("\"flex\":\"flex0\""), "{line}");
+        assert!(errors[0].contains("unknown tier"), "{errors:?}");
     }
 }
