@@ -1474,3 +1474,61 @@ fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_process_end
         },
     );
 }
+
+/// A GPU Slurm gave to a job stays that job's, capped as the job is, when another job's
+/// process runs on it (a stray process, a debugger, a shared node): job 970 holds GPUs
+/// 0 to 3 under a 3 kW node budget and runs on 1 to 3 only; job 971's process lands on
+/// GPU 0. GPU 0 keeps 970's cap at every 50 ms sample, and the foreign use is counted,
+/// logged and shown.
+#[test]
+fn another_job_s_process_on_a_job_s_gpu_leaves_it_the_job_s_and_capped() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    let mut f = Fixture::new("foreign", Some(3000.0), 3600);
+    let reply = f.register("970", &["0", "1", "2", "3"], "flex3,calibrate=off");
+    assert!(reply.is_ok(), "{reply:?}");
+    f.simjob(
+        "970",
+        "1,2,3",
+        "llama-3.1-70b-dense-pt-8g-compile",
+        Some(reply.progress().expect("progress")),
+    );
+    wait_until("the budget to cap the job", Duration::from_secs(20), || {
+        (f.limit_w(0) < 700.0).then_some(())
+    });
+    let sampler = GpuSampler::start(&f.node, 0);
+    let started = std::time::Instant::now();
+    f.simjob("971", "0", "synthetic-compute-bound", None);
+    wait_until("GPU 0's foreign use shown", Duration::from_secs(20), || {
+        f.status().gpus[0].foreign_use.then_some(())
+    });
+    // Past two more process scans (every 2 s), where the old agent gave the GPU back.
+    std::thread::sleep(Duration::from_secs(5));
+    let seen = sampler.stop();
+    println!(
+        "GPU 0 with job 971's process on it: {} samples over {:.1} s, highest limit {} W",
+        seen.samples,
+        started.elapsed().as_secs_f64(),
+        seen.worst_limit_w
+    );
+    assert!(seen.samples >= 60, "{} samples", seen.samples);
+    assert!(
+        seen.worst_limit_w < 700.0,
+        "GPU 0 went back to its default: {} W",
+        seen.worst_limit_w
+    );
+    let s = f.status();
+    assert_eq!(s.gpus[0].job.as_deref(), Some("970"), "still the job's");
+    assert_eq!(s.gpus[0].foreign_jobs, ["971"]);
+    assert!(s.gpu_foreign_use >= 1);
+    assert!(
+        client_http(f.metrics_port).contains("\npowerflex_gpu_foreign_use_total{node=\"n1\"} 1\n"),
+        "counted in the metrics"
+    );
+    let log = std::fs::read_to_string(f.dir.join("agent.log")).unwrap_or_default();
+    assert!(
+        log.contains("other jobs' processes use this job's GPU"),
+        "logged"
+    );
+}

@@ -65,6 +65,10 @@ pub fn render(s: &Snapshot, sockets: &ServerStats) -> String {
     .family(
         &catalog::GPU_CLAIMS_REFUSED_TOTAL,
         [([node], s.gpu_claims_refused as f64)],
+    )
+    .family(
+        &catalog::GPU_FOREIGN_USE_TOTAL,
+        [([node], s.gpu_foreign_use as f64)],
     );
     let load =
         |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed) as f64;

@@ -121,6 +121,13 @@ pub mod catalog {
             "GPU claims refused because other jobs' processes use the GPU (NVML's process lists).",
         labels: ["node"],
     };
+    pub const GPU_FOREIGN_USE_TOTAL: Family<1> = Family {
+        name: "powerflex_gpu_foreign_use_total",
+        kind: Kind::Counter,
+        help:
+            "Times processes of another job began to use a GPU a job holds (NVML's process lists); the GPU stays the holder's, capped as the job is.",
+        labels: ["node"],
+    };
     pub const PROGRESS_REPORTS_SKIPPED_TOTAL: Family<1> = Family {
         name: "powerflex_progress_reports_skipped_total",
         kind: Kind::Counter,
@@ -359,6 +366,7 @@ pub mod catalog {
             e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL, Agent),
             e(PROGRESS_REPORTS_SKIPPED_TOTAL, Agent),
             e(GPU_CLAIMS_REFUSED_TOTAL, Agent),
+            e(GPU_FOREIGN_USE_TOTAL, Agent),
             e(BUDGET_WATTS, Controller),
             e(ALLOCATED_BUDGET_WATTS, Controller),
             e(JOB_PREEMPTED, Controller),

@@ -545,6 +545,10 @@ pub struct AgentStatus {
     pub leases_refused_epoch: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
     pub gpu_claims_refused: u64,
+    /// Times since the agent started that processes of another job began to use a GPU
+    /// held by a job ([`GpuView::foreign_use`]).
+    #[serde(default)]
+    pub gpu_foreign_use: u64,
     /// Whether the agent writes limits; false in observe mode (`agent.enforce = false`).
     #[serde(default = "enforcing")]
     pub enforce: bool,
@@ -595,6 +599,13 @@ pub struct AgentGpuStatus {
     /// "failsafe"` it is held at the fail-safe cap until they are gone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unregistered_use: bool,
+    /// Processes of other jobs than the one holding this GPU use it (a stray process, a
+    /// debugger, a shared node): the GPU stays its holder's, capped as the job is.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub foreign_use: bool,
+    /// Those other jobs (root's view only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub foreign_jobs: Vec<String>,
 }
 
 /// A process NVML lists on a GPU, as the agent attributes it.

@@ -158,6 +158,8 @@ pub struct GpuSlot {
     /// Since when (agent seconds) NVML has listed processes on this GPU while no
     /// registered job held it.
     pub unregistered_since: Option<f64>,
+    /// Other jobs than the holder whose processes NVML lists on this GPU (foreign use).
+    pub foreign_jobs: BTreeSet<String>,
 }
 
 impl GpuSlot {
@@ -324,6 +326,15 @@ pub struct Lease {
 /// `powerflexd --sample-interval-ms` when not given.
 pub const DEFAULT_SAMPLE_INTERVAL_MS: u64 = 1_000;
 
+/// Processes of other jobs began to use a GPU a job holds: counted, logged and shown,
+/// the GPU kept by its holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForeignGpuUse {
+    pub gpu: u32,
+    pub holder: String,
+    pub used_by: Vec<String>,
+}
+
 /// A job's claim of a GPU that other jobs' processes use and its own do not.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuClaimRefused {
@@ -373,6 +384,8 @@ pub struct Agent {
     leases_applied: u64,
     /// GPU claims refused because other jobs' processes use the GPU.
     gpu_claims_refused: u64,
+    /// Onsets of foreign use on held GPUs ([`ForeignGpuUse`]).
+    gpu_foreign_use: u64,
     /// Jobs the controller's last lease lets this agent probe (they run on this node
     /// alone); none in standalone mode, where a job's other nodes are unknown.
     learn: BTreeSet<String>,
@@ -444,6 +457,7 @@ impl Agent {
                 would_cap: None,
                 nvml_processes: Vec::new(),
                 unregistered_since: None,
+                foreign_jobs: BTreeSet::new(),
             })
             .collect();
         Agent {
@@ -457,6 +471,7 @@ impl Agent {
             cap_mismatches: 0,
             leases_applied: 0,
             gpu_claims_refused: 0,
+            gpu_foreign_use: 0,
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,
             event_in_force: false,

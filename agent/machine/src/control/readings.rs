@@ -7,9 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use powerflex_core::config::UnregisteredGpuUse;
 use powerflex_core::{UnixMs, Watts};
 
-use super::{Agent, CapMismatch, GpuClaimRefused, Job};
+use super::{Agent, CapMismatch, ForeignGpuUse, GpuProcesses, Job};
 use crate::gpu::{ErrorClass, GpuError, GpuSample};
-use crate::JobKey;
 
 impl Agent {
     /// Records a GPU reading (or its failure). The limit read back is what the GPU
@@ -157,48 +156,55 @@ impl Agent {
         }
     }
 
-    /// What NVML says uses each GPU, as jobs (from the agent's `/proc` reader: the job each running
-    /// process belongs to; processes in no job are left out). A GPU registered to a job
-    /// none of whose processes use it, while another job's do, was claimed with words
-    /// (e.g. GPU variables the user exported in a step Slurm gave no GPUs): the claim is
-    /// refused, the GPU leaves that job and returns to its default at the next tick.
-    /// Returns the refusals, to log and count.
-    pub(super) fn check_gpu_use(
-        &mut self,
-        now: f64,
-        used_by: &BTreeMap<u32, BTreeSet<JobKey>>,
-    ) -> Vec<GpuClaimRefused> {
-        let mut refused = Vec::new();
-        for (&gpu, users) in used_by {
-            let Some(slot) = self.gpus.get_mut(gpu as usize) else {
-                continue;
+    /// What NVML says uses each GPU, as jobs (from the agent's `/proc` reader: the job each
+    /// running process belongs to; processes in no job are left out). A GPU Slurm gave to a
+    /// job stays that job's, capped as the job is, whatever else runs on it: processes of
+    /// other jobs on it (a stray process, a debugger, a shared node) are foreign use,
+    /// counted at each onset, logged and shown in status, and never hand the GPU back to
+    /// its default (which would lift the holder's cap in the middle of a cut). GPUs NVML
+    /// could not list keep what was last seen. Returns the onsets, to log.
+    pub(super) fn check_gpu_use(&mut self, now: f64, listed: &GpuProcesses) -> Vec<ForeignGpuUse> {
+        let none = BTreeSet::new();
+        let mut onsets = Vec::new();
+        for (gpu, slot) in self.gpus.iter_mut().enumerate() {
+            let gpu = gpu as u32;
+            // A GPU NVML listed with no job's process on it has none in `jobs`.
+            let users = match listed.processes.contains_key(&gpu) {
+                true => Some(listed.jobs.get(&gpu).unwrap_or(&none)),
+                false => listed.jobs.get(&gpu),
             };
-            let Some(claimant) = slot.job.clone() else {
-                continue;
+            let foreign: BTreeSet<String> = match (&slot.job, users) {
+                (Some(holder), Some(users)) => {
+                    // The holder's cluster, where known, tells its processes from those of
+                    // a same-numbered job of another cluster.
+                    let cluster = self.jobs.get(holder).and_then(|j| j.cluster.clone());
+                    users
+                        .iter()
+                        .filter(|(job, c)| {
+                            job != holder || cluster.as_ref().is_some_and(|hc| hc != c)
+                        })
+                        .map(|(job, _)| job.clone())
+                        .collect()
+                }
+                (Some(_), None) => continue,
+                (None, _) => BTreeSet::new(),
             };
-            // A claimant of unknown cluster cannot be compared with what runs.
-            let Some(cluster) = self.jobs.get(&claimant).and_then(|j| j.cluster.clone()) else {
-                continue;
-            };
-            if users.is_empty() || users.contains(&(claimant.clone(), cluster)) {
+            if foreign == slot.foreign_jobs {
                 continue;
             }
-            slot.job = None;
-            let uuid = slot.identity.uuid.clone();
-            if let Some(job) = self.jobs.get_mut(&claimant) {
-                job.gpus.retain(|g| *g != gpu);
-                // Its hold ends with the claim: were the GPU given back later, the span
-                // in between (another job's) is not charged to it.
-                job.usage.release_gpu(&uuid);
+            let was_foreign = !slot.foreign_jobs.is_empty();
+            slot.foreign_jobs = foreign;
+            match (was_foreign, slot.foreign_jobs.is_empty()) {
+                (false, false) => onsets.push(ForeignGpuUse {
+                    gpu,
+                    holder: slot.job.clone().unwrap_or_default(),
+                    used_by: slot.foreign_jobs.iter().cloned().collect(),
+                }),
+                (true, true) => tracing::info!(gpu, at_s = now, "the GPU's foreign use ended"),
+                _ => {}
             }
-            refused.push(GpuClaimRefused {
-                gpu,
-                claimed_by: claimant,
-                used_by: users.iter().map(|(job, _)| job.clone()).collect(),
-            });
         }
-        self.finish_jobs_without_gpus(None, now);
-        self.gpu_claims_refused += refused.len() as u64;
-        refused
+        self.gpu_foreign_use += onsets.len() as u64;
+        onsets
     }
 }

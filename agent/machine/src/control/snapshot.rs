@@ -25,6 +25,7 @@ impl Agent {
             controller_epoch: self.accepted_epoch,
             leases_refused_epoch: self.leases_refused_epoch,
             gpu_claims_refused: self.gpu_claims_refused,
+            gpu_foreign_use: self.gpu_foreign_use,
             enforce: self.settings.enforce,
             ended: self.unacked_finals(),
             gpus: self.gpus.iter().map(gpu_view).collect(),
@@ -138,6 +139,8 @@ fn gpu_view(g: &GpuSlot) -> GpuView {
             })
             .collect(),
         unregistered_use: g.unregistered_since.is_some(),
+        foreign_use: !g.foreign_jobs.is_empty(),
+        foreign_jobs: g.foreign_jobs.iter().cloned().collect(),
     }
 }
 
@@ -162,6 +165,7 @@ pub fn seen_by(status: &Snapshot, uid: u32) -> Snapshot {
         // are not this user's to know either.
         gpu.processes
             .retain(|p| p.job.as_ref().is_some_and(&theirs));
+        gpu.foreign_jobs.retain(&theirs);
     }
     seen
 }

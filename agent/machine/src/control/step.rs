@@ -390,8 +390,8 @@ impl Agent {
                 }
                 AgentInput::GpuProcesses(listed) => {
                     self.nvml_processes_seen(now, &listed.processes);
-                    for r in self.check_gpu_use(now, &listed.jobs) {
-                        warn!(gpu = r.gpu, claimed_by = %r.claimed_by, used_by = ?r.used_by, "GPU claim refused: other jobs' processes use this GPU and the claimant's do not");
+                    for r in self.check_gpu_use(now, &listed) {
+                        warn!(gpu = r.gpu, job_id = %r.holder, used_by = ?r.used_by, "other jobs' processes use this job's GPU; it stays the job's, capped as the job is");
                     }
                 }
                 AgentInput::Tick => {

@@ -231,9 +231,31 @@ fn a_running_jobs_gpus_cannot_be_claimed_by_another() {
     assert_eq!(a.gpus[2].job.as_deref(), Some("9"));
 }
 
+/// NVML's listing as the agent reads it: per GPU, the jobs whose processes use it.
+fn listing(jobs: &[(u32, &[&str])]) -> GpuProcesses {
+    let mut listed = GpuProcesses::default();
+    for &(gpu, ids) in jobs {
+        let keys: BTreeSet<crate::JobKey> = ids.iter().map(|id| (id.to_string(), None)).collect();
+        listed.processes.insert(
+            gpu,
+            ids.iter()
+                .enumerate()
+                .map(|(pid, id)| (pid as u32 + 100, Some(id.to_string())))
+                .collect(),
+        );
+        if !keys.is_empty() {
+            listed.jobs.insert(gpu, keys);
+        }
+    }
+    listed
+}
+
+/// A GPU Slurm gave to a job stays that job's, capped as the job is, when another job's
+/// process uses it (a stray process, a debugger, a shared node): the foreign use is
+/// counted once per onset, shown in status, and ends when NVML lists it no more.
 #[test]
-fn a_gpu_used_only_by_another_jobs_processes_leaves_the_claimant() {
-    let mut a = agent(None);
+fn another_jobs_process_on_a_jobs_gpu_leaves_it_the_jobs_and_capped() {
+    let mut a = agent(Some(Watts(1200.0)));
     a.register(
         0.0,
         "66",
@@ -241,66 +263,67 @@ fn a_gpu_used_only_by_another_jobs_processes_leaves_the_claimant() {
         1000,
         "n1",
         &["0".into(), "1".into()],
-        "flex3",
+        "flex3,calibrate=off",
     )
     .expect("registered");
     a.set_job_cluster("66", None, 0.0);
-    // NVML: GPU 0 runs a process of job 7 (not registered: an unmanaged job), GPU 1
-    // a process of 66 itself.
-    let used = BTreeMap::from([
-        (0, BTreeSet::from([("7".to_string(), None)])),
-        (1, BTreeSet::from([("66".to_string(), None)])),
-    ]);
-    let refused = a.check_gpu_use(0.0, &used);
+    let before = caps(&a.tick(0.5));
+    for &(g, c) in &before {
+        a.cap_written(g, Watts(c), None);
+    }
+    let cap0 = a.gpus[0].applied.expect("GPU 0 capped");
+    assert!(cap0.0 < 700.0, "{before:?}");
+    // NVML: GPU 0 runs a process of job 7 (another user's, not registered here), GPU 1
+    // a process of 66 itself; then both on GPU 0.
+    for (t, on_gpu0) in [(1.0, &["7"][..]), (2.0, &["66", "7"][..])] {
+        let onsets = a.check_gpu_use(t, &listing(&[(0, on_gpu0), (1, &["66"])]));
+        assert_eq!(
+            onsets,
+            if t == 1.0 {
+                vec![ForeignGpuUse {
+                    gpu: 0,
+                    holder: "66".into(),
+                    used_by: vec!["7".into()],
+                }]
+            } else {
+                vec![]
+            },
+            "counted once per onset"
+        );
+        assert_eq!(a.gpus[0].job.as_deref(), Some("66"), "still the job's");
+        assert_eq!(a.jobs["66"].gpus, vec![0, 1]);
+        assert!(
+            caps(&a.tick(t)).is_empty(),
+            "the cap in force stays: no write to the default"
+        );
+    }
+    let status = a.snapshot(2.0);
+    assert_eq!(status.gpu_foreign_use, 1);
+    assert!(status.gpus[0].foreign_use && !status.gpus[1].foreign_use);
+    assert_eq!(status.gpus[0].foreign_jobs, ["7"]);
+    // Its owner sees that something else uses its GPU, not whose job it is.
+    let owners = seen_by(&status, 1000);
+    assert!(owners.gpus[0].foreign_use && owners.gpus[0].foreign_jobs.is_empty());
+    // A listing NVML could not make is no evidence; one with job 7 gone ends it.
+    a.check_gpu_use(3.0, &GpuProcesses::default());
+    assert!(a.snapshot(3.0).gpus[0].foreign_use);
+    a.check_gpu_use(4.0, &listing(&[(0, &[]), (1, &["66"])]));
+    let status = a.snapshot(4.0);
+    assert!(!status.gpus[0].foreign_use && status.gpus[0].foreign_jobs.is_empty());
+    assert_eq!(status.gpu_foreign_use, 1);
     assert_eq!(
-        refused,
-        vec![GpuClaimRefused {
-            gpu: 0,
-            claimed_by: "66".into(),
-            used_by: vec!["7".into()]
-        }]
+        a.gpus[0].applied,
+        Some(cap0),
+        "capped as the job is throughout"
     );
-    assert_eq!(a.gpus[0].job, None, "back to its default at the next tick");
-    assert_eq!(a.jobs["66"].gpus, vec![1]);
-    assert_eq!(a.snapshot(1.0).gpu_claims_refused, 1);
-    assert!(caps(&a.tick(1.0)).iter().all(|&(g, _)| g != 0));
 }
 
-/// A refused claim ends the claimant's hold: taking the GPU back must not charge the
-/// job the counter's advance while another job used it.
+/// A GPU handed to another job ends the holder's hold: taking the GPU back must not
+/// charge the job the counter's advance while another job held it.
 #[test]
-fn a_refused_or_stolen_gpu_ends_its_hold_and_a_retake_charges_only_its_own_spans() {
+fn a_stolen_gpu_ends_its_hold_and_a_retake_charges_only_its_own_spans() {
     let mut a = agent(None);
-    a.register(
-        1000.0,
-        "66",
-        "0",
-        1000,
-        "n1",
-        &["0".into(), "1".into()],
-        "flex3",
-    )
-    .expect("registered");
-    a.set_job_cluster("66", None, 1000.0);
-    for (t, e) in [(1000.0, 0u64), (1001.0, 100_000)] {
-        a.sampled(t, 0, reading(700.0, 100.0, e, false));
-        a.sampled(t, 1, reading(700.0, 100.0, e, false));
-    }
-    let used = BTreeMap::from([(0, BTreeSet::from([("7".to_string(), None)]))]);
-    assert_eq!(a.check_gpu_use(1001.0, &used).len(), 1);
-    // GPU 0 runs job 7's work: its counter runs on, not 66's.
-    a.sampled(1005.0, 0, reading(700.0, 600.0, 5_000_000, false));
-    a.sampled(1005.0, 1, reading(700.0, 100.0, 500_000, false));
-    // 66 takes GPU 0 back (a new step of it names it, job 7 gone).
-    a.register(1006.0, "66", "1", 1000, "n1", &["0".into()], "flex3")
-        .expect("back");
-    a.sampled(1006.0, 0, reading(700.0, 100.0, 5_100_000, false));
-    a.sampled(1007.0, 0, reading(700.0, 100.0, 5_300_000, false));
-    a.sampled(1007.0, 1, reading(700.0, 100.0, 600_000, false));
-    let share = a.share(&a.jobs["66"], false);
-    // GPU 0: 100,000 before the refusal and 200,000 since the retake; GPU 1: 600,000.
-    assert_eq!(share.energy_mj, 100_000 + 200_000 + 600_000);
-    // Another job given a GPU (the holder's end missed) ends the holder's span too.
+    // Another job given a GPU (the holder's end missed) ends the holder's span.
     a.register(
         1008.0,
         "8",
