@@ -733,7 +733,37 @@ impl Cluster {
         if !stray.is_empty() {
             eprintln!("slurm harness: killed leftover processes {stray:?}");
         }
+        // Not done until every process of the cluster has exited, not merely been
+        // signalled: the daemons' own helpers (slurmctld's slurmscriptd, a slurmstepd
+        // finishing a step) and what `kill_marked` just killed. A caller that returns
+        // earlier leaves a `slurmctld` running behind the demo or the next test.
+        let deadline = Instant::now() + TERM_TIMEOUT;
+        loop {
+            let left = cluster_processes(&self.dir, &conf);
+            if left.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for pid in &left {
+                    problems.push(format!(
+                        "{} (pid {pid}) still runs after the cluster stopped",
+                        process_name(*pid)
+                    ));
+                }
+                break;
+            }
+            for &pid in &left {
+                signal(pid, Signal::KILL);
+            }
+            thread::sleep(POLL);
+        }
         problems
+    }
+
+    /// Processes of this cluster still running (see [`cluster_processes`]); none once
+    /// [`Cluster::stop`] has returned.
+    pub fn processes_left(&self) -> Vec<u32> {
+        cluster_processes(&self.dir, &self.conf.display().to_string())
     }
 
     /// Cancels every job and waits (bounded) for the queue to empty, so `slurmstepd`s and
@@ -842,6 +872,28 @@ fn kill_marked(dir: &Path) -> Vec<u32> {
         }
     }
     killed
+}
+
+/// Every live process of the cluster in `dir` whose slurm.conf is `conf`: a process whose
+/// command line names that file (the daemons and the helpers they start with the same
+/// arguments), one carrying the cluster's marker, or a Slurm program that uses `dir`.
+fn cluster_processes(dir: &Path, conf: &str) -> Vec<u32> {
+    let marker = format!("{MARKER_VAR}={}", dir.display());
+    other_live_pids()
+        .into_iter()
+        .filter(|&pid| {
+            cmdline_contains(pid, conf)
+                || environ_holds(pid, &marker)
+                || (is_slurm_program(pid) && uses_dir(pid, dir))
+        })
+        .collect()
+}
+
+/// `pid`'s command name, for messages.
+fn process_name(pid: u32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// Every live process on the machine but this one (from `/proc`).

@@ -95,6 +95,9 @@ fn three_gpu_nodes_run_a_job_and_stop_cleanly() {
             "{which} (pid {pid}) still runs after stop"
         );
     }
+    // Gone, not merely signalled: no process of the cluster (a daemon's helper, a step
+    // daemon, a job task) outlives `stop`.
+    assert_eq!(cluster.processes_left(), Vec::<u32>::new());
 }
 
 #[test]
