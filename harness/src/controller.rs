@@ -150,6 +150,7 @@ impl Controller {
                             recalibrate: lease.recalibrate,
                             learn: lease.learn,
                             next_event_in_s: lease.next_event_in_s,
+                            walk_to_w: lease.walk_to_w,
                             event_in_force: lease.event_in_force,
                         },
                     )

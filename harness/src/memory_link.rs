@@ -45,6 +45,9 @@ pub struct LeaseBody {
     pub recalibrate: Vec<String>,
     pub learn: Vec<String>,
     pub next_event_in_s: Option<f64>,
+    /// Job → the per-GPU cap an announced event's plan needs, W (the real link's
+    /// `walk_to_w`: the agent's walks reach down to it before the event).
+    pub walk_to_w: BTreeMap<String, f64>,
     pub event_in_force: bool,
 }
 

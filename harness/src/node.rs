@@ -434,7 +434,18 @@ impl NodeAgent {
             // controller's leases carry.
             epoch: 0,
         };
-        self.drive(gpus, now_ms, vec![AgentInput::Lease(lease)]).1
+        // As the real agent's edge does: the walks' new depth first, then the lease.
+        let mut inputs = Vec::new();
+        if !body.walk_to_w.is_empty() {
+            inputs.push(AgentInput::PrePosition(
+                body.walk_to_w
+                    .into_iter()
+                    .map(|(job, w)| (job, Watts(w)))
+                    .collect(),
+            ));
+        }
+        inputs.push(AgentInput::Lease(lease));
+        self.drive(gpus, now_ms, inputs).1
     }
 
     /// The controller acknowledged these final shares.
