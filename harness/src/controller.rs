@@ -133,7 +133,26 @@ impl Controller {
                 Inbound::Tick => Input::Tick,
             })
             .collect();
-        let out: Output = self.core.step(UnixMs(now_ms), inputs);
+        let mut out: Output = self.core.step(UnixMs(now_ms), inputs);
+        // The site's disk takes the state as the step asks (the site keeps `persist`):
+        // durable at once, so what the machine held for it goes out in this same turn.
+        if out.persist.is_some() {
+            let later = self.core.step(
+                UnixMs(now_ms),
+                vec![Input::Durable {
+                    version: out.persist_version,
+                }],
+            );
+            for (index, ticket) in std::mem::take(&mut out.wait_replies) {
+                if let Some((_, reply)) = later.late_replies.iter().find(|(t, _)| *t == ticket) {
+                    out.replies.push((index, reply.clone()));
+                }
+            }
+            out.replies.sort_by_key(|(index, _)| *index);
+            out.leases.extend(later.leases);
+            out.preempt.extend(later.preempt);
+            out.annotations.extend(later.annotations);
+        }
         let ttl_s = out.lease_ttl_s;
         Outbound {
             allocated_w: out.history.as_ref().map(|h| h.budget_w),

@@ -237,6 +237,10 @@ pub enum Refusal {
     /// A change sent to a controller that does not steer the site now (a standby, one
     /// that stepped down, or one fenced): send it to the active controller.
     NotActive,
+    /// A change the controller could not make durable (the state file written and
+    /// synced, or the leadership database's commit), or one sent while it cannot: the
+    /// last durable state stays in force; try again once `status` shows it saved.
+    NotDurable,
     /// A refusal this client does not know (a newer controller): handled as a plain
     /// error, so an added variant never makes the whole reply unreadable.
     #[serde(other)]

@@ -19,6 +19,7 @@ use powerflex_proto::link::Body;
 
 use super::journal::Journal;
 use super::leadership::Leadership;
+use super::scontrol::SlurmGate;
 use super::services::Services;
 use super::{
     settings_reload, state_file, Controller, CtldOptions, CtldState, Inbound, Input, Output, Reload,
@@ -38,6 +39,8 @@ pub(super) struct EventLoop<'a> {
     /// when the database's copy is unreadable; the database's state wins otherwise. It
     /// is also what is sent again while the database's copy is stale.
     pub(super) latest: CtldState,
+    /// The machine's version of `latest` (0: as loaded or taken over).
+    pub(super) latest_version: u64,
     pub(super) leadership: Option<Leadership>,
     pub(super) journal: Journal,
     pub(super) services: Services,
@@ -50,6 +53,10 @@ pub(super) struct EventLoop<'a> {
     /// The next step's inputs, and beside each the admin waiting for its reply.
     pub(super) inputs: Vec<Input>,
     pub(super) waiting: Vec<Option<Sender<AdminReply>>>,
+    /// Admins whose change is answered once its state is durable, by the core's ticket.
+    pub(super) tickets: BTreeMap<u64, Sender<AdminReply>>,
+    /// Which leadership's Slurm commands may run now (moved after every step).
+    pub(super) slurm_gate: SlurmGate,
 }
 
 impl EventLoop<'_> {
@@ -69,7 +76,12 @@ impl EventLoop<'_> {
                 .core
                 .step(self.clock.now(), std::mem::take(&mut self.inputs));
             self.steering.store(self.core.steering(), Ordering::SeqCst);
+            self.move_gate();
             self.carry_out(out);
+            // What the step's answer brought back (a save's outcome) is taken at once.
+            if !self.inputs.is_empty() {
+                continue;
+            }
             select! {
                 recv(inbound) -> msg => {
                     let Ok(first) = msg else { break };
@@ -93,6 +105,22 @@ impl EventLoop<'_> {
         }
     }
 
+    /// Opens the Slurm commands' gate to the leadership that steers now, until its
+    /// step-down deadline, or closes it.
+    fn move_gate(&self) {
+        let epoch = self.core.state().epoch;
+        match &self.leadership {
+            _ if !self.core.steering() => self.slurm_gate.close(),
+            None => self.slurm_gate.open(epoch, None),
+            Some(l) => match l.leader.steering_until() {
+                Some(until) if l.leader.active() && l.leader.epoch() == epoch => {
+                    self.slurm_gate.open(epoch, Some(until));
+                }
+                _ => self.slurm_gate.close(),
+            },
+        }
+    }
+
     /// Queues an input for the next step, with the admin waiting for its reply if any.
     fn push(&mut self, input: Input, reply: Option<Sender<AdminReply>>) {
         self.inputs.push(input);
@@ -111,7 +139,7 @@ impl EventLoop<'_> {
             // A save that failed is sent again with each claim until one is written
             // (the database thread runs the claim first).
             if l.leader.active() && l.copy.resend_with_claim() {
-                l.db.save(now, l.leader.epoch(), &self.latest);
+                l.db.save(now, l.leader.epoch(), self.latest_version, &self.latest);
             }
             l.db.claim(now, claim);
         }
@@ -138,18 +166,43 @@ impl EventLoop<'_> {
             now,
         ) {
             self.core = new;
+            self.latest_version = 0;
             self.writers.clear();
+            // The old core's held changes were never confirmed durable (a core that
+            // stops steering answers its own; this covers any left).
+            for (_, to) in std::mem::take(&mut self.tickets) {
+                let _ = to.send(AdminReply::refused(
+                    powerflex_proto::admin::Refusal::NotDurable,
+                    "leadership changed before the change was saved: see `powerflexctl status` for the state in force",
+                ));
+            }
         }
     }
 
     /// Carries out one step's answer, in the order its parts depend on each other.
     fn carry_out(&mut self, mut out: Output) {
+        // Durable first: without `[controller.ha]` once the state file is synced, with it
+        // once the database commits (its thread answers `Inbound::Saved`). What the core
+        // holds for it goes out at the step it is told.
+        let mut durable = None;
         if let Some(state) = out.persist.take() {
-            state_file::save(&self.options.state_dir, &state);
-            if let Some(l) = self.leadership.as_ref().filter(|l| l.leader.active()) {
-                l.db.save(l.clock.now(), l.leader.epoch(), &state);
+            let version = out.persist_version;
+            let file = state_file::save(&self.options.state_dir, &state);
+            match &self.leadership {
+                None => {
+                    durable = Some(match file {
+                        Ok(()) => Input::Durable { version },
+                        Err(error) => Input::NotDurable { version, error },
+                    });
+                }
+                Some(l) if l.leader.active() => {
+                    l.db.save(l.clock.now(), l.leader.epoch(), version, &state);
+                }
+                // Not steering: nothing decided on it is carried out.
+                Some(_) => {}
             }
             self.latest = state;
+            self.latest_version = version;
         }
         self.history.publish(out.history.take(), out.owners.take());
         for (index, reply) in std::mem::take(&mut out.replies) {
@@ -157,7 +210,20 @@ impl EventLoop<'_> {
                 let _ = to.send(reply);
             }
         }
+        for (index, ticket) in std::mem::take(&mut out.wait_replies) {
+            if let Some(to) = self.waiting.get_mut(index).and_then(Option::take) {
+                self.tickets.insert(ticket, to);
+            }
+        }
+        for (ticket, reply) in std::mem::take(&mut out.late_replies) {
+            if let Some(to) = self.tickets.remove(&ticket) {
+                let _ = to.send(reply);
+            }
+        }
         self.waiting.clear();
+        if let Some(input) = durable {
+            self.push(input, None);
+        }
         self.send_leases(&mut out);
         self.send_agents_on(&mut out);
         // Before the annotations that show them in Slurm: the log is the record (and the
@@ -172,12 +238,13 @@ impl EventLoop<'_> {
         if records_written {
             self.acknowledge_finals(&mut out);
         }
+        // Each tied to the leadership that decided it: dropped unrun once it ends.
         for annotation in out.annotations {
-            self.services.annotate(annotation);
+            self.services.annotate(out.epoch, annotation);
         }
         // After the leases: a job suspended is already held at its lowest cap.
         for action in out.preempt {
-            self.services.preempt(action);
+            self.services.preempt(out.epoch, action);
         }
         if let Some(snapshot) = out.metrics {
             self.services.show_metrics(&snapshot);
@@ -270,9 +337,28 @@ impl EventLoop<'_> {
                 None,
             ),
             Inbound::Leader(input) => self.leader_input(input),
-            Inbound::Saved { epoch, outcome } => {
-                if let Some(l) = &mut self.leadership {
-                    l.saved(epoch, outcome);
+            Inbound::Saved {
+                epoch,
+                version,
+                outcome,
+            } => {
+                let core_epoch = self.core.state().epoch;
+                let Some(l) = &mut self.leadership else {
+                    return;
+                };
+                // Only a save of the leadership this core steers with answers for its
+                // versions (a takeover's core counts its own from 0).
+                let ours = l.leader.active() && epoch == l.leader.epoch() && epoch == core_epoch;
+                let input = match &outcome {
+                    Ok(()) => Input::Durable { version },
+                    Err(error) => Input::NotDurable {
+                        version,
+                        error: format!("the leadership database: {error}"),
+                    },
+                };
+                l.saved(epoch, outcome);
+                if ours {
+                    self.push(input, None);
                 }
             }
             Inbound::Fenced {

@@ -106,6 +106,8 @@ enum Request {
     Save {
         sent: UnixMs,
         epoch: u64,
+        /// The machine's version of this state (`Output::persist_version`).
+        version: u64,
         state: Box<CtldState>,
     },
 }
@@ -138,13 +140,15 @@ impl HaDb {
         }
     }
 
-    /// Saves `state` as the committed state of leadership `epoch` (only the newest of
-    /// those queued is written).
-    pub fn save(&self, sent: UnixMs, epoch: u64, state: &CtldState) {
+    /// Saves `state`, the machine's `version`, as the committed state of leadership
+    /// `epoch` (only the newest of those queued is written; its outcome answers for the
+    /// older ones).
+    pub fn save(&self, sent: UnixMs, epoch: u64, version: u64, state: &CtldState) {
         if let Some(tx) = &self.tx {
             let _ = tx.send(Request::Save {
                 sent,
                 epoch,
+                version,
                 state: Box::new(state.clone()),
             });
         }
@@ -213,7 +217,12 @@ impl Worker {
             for request in std::iter::once(first).chain(rx.try_iter()) {
                 match request {
                     Request::Claim { sent, claim } => claims.push((sent, claim)),
-                    Request::Save { sent, epoch, state } => save = Some((sent, epoch, state)),
+                    Request::Save {
+                        sent,
+                        epoch,
+                        version,
+                        state,
+                    } => save = Some((sent, epoch, version, state)),
                 }
             }
             for (sent, claim) in claims {
@@ -236,14 +245,14 @@ impl Worker {
                 self.log_same_name(&answer);
                 self.answer(sent, answer);
             }
-            if let Some((sent, epoch, state)) = save {
+            if let Some((sent, epoch, version, state)) = save {
                 let outcome = self
                     .with_client(|c, me, _| save_in(c, me, epoch, &state))
                     .and_then(|o| o);
                 match outcome {
                     Ok(Saved::Written) => {
                         self.copy_behind = false;
-                        self.saved(epoch, Ok(()));
+                        self.saved(epoch, version, Ok(()));
                     }
                     // Queued under an earlier leadership of this same process: stale.
                     Ok(Saved::Stale) => {}
@@ -252,15 +261,19 @@ impl Worker {
                     Ok(Saved::Held(held)) => self.answer(sent, Ok(held)),
                     Err(e) => {
                         self.copy_behind = true;
-                        self.saved(epoch, Err(e));
+                        self.saved(epoch, version, Err(e));
                     }
                 }
             }
         }
     }
 
-    fn saved(&self, epoch: u64, outcome: Result<(), String>) {
-        let _ = self.to_loop.send(Inbound::Saved { epoch, outcome });
+    fn saved(&self, epoch: u64, version: u64, outcome: Result<(), String>) {
+        let _ = self.to_loop.send(Inbound::Saved {
+            epoch,
+            version,
+            outcome,
+        });
     }
 
     /// A live row of this name held by another process: said as an error once, until

@@ -164,7 +164,7 @@ impl Leadership {
             "steering from the committed state"
         );
         // Committed under the new epoch at once: a save of the old epoch is fenced.
-        self.db.save(self.clock.now(), epoch, &state);
+        self.db.save(self.clock.now(), epoch, 0, &state);
         *latest = state.clone();
         let mut core = Controller::new(old.settings().clone(), Loaded { state, lost }, now);
         core.load_records(records.to_vec());

@@ -123,10 +123,11 @@ pub(crate) enum Inbound {
     Placement(Result<powerflex_controller_machine::placement::Placement, String>),
     /// The leadership database answered (see [`ha`]).
     Leader(LeaderInput),
-    /// A save of the state to the leadership database under `epoch` was written (`Ok`),
-    /// or failed (see [`ha`]).
+    /// A save of the machine's state `version` to the leadership database under `epoch`
+    /// was committed (`Ok`: durable), or failed (see [`ha`]).
     Saved {
         epoch: u64,
+        version: u64,
         outcome: Result<(), String>,
     },
     /// An agent refused a lease for its epoch (`Body::Fenced`).
@@ -183,6 +184,12 @@ pub fn run_on_clock(
     let (tx, rx) = bounded::<Inbound>(4096);
     let steering = Arc::new(AtomicBool::new(options.ha.is_none()));
     let leadership = leadership::Leadership::start(options.ha.as_ref(), tx.clone())?;
+    // Slurm commands' deadlines are on the leadership's clock (see `scontrol::SlurmGate`).
+    let slurm_gate = scontrol::SlurmGate::closed(
+        leadership
+            .as_ref()
+            .map_or_else(powerflex_daemon::clock::BootClock::start, |l| l.clock),
+    );
     let history = HistoryBoard::new();
     let services = services::Services::start(
         &options,
@@ -191,12 +198,14 @@ pub fn run_on_clock(
         history.clone(),
         shutdown.clone(),
         steering.clone(),
+        slurm_gate.clone(),
     )?;
     let mut event_loop = event_loop::EventLoop {
         options: &options,
         clock,
         core,
         latest,
+        latest_version: 0,
         leadership,
         journal,
         services,
@@ -205,6 +214,8 @@ pub fn run_on_clock(
         writers: BTreeMap::new(),
         inputs: Vec::new(),
         waiting: Vec::new(),
+        tickets: BTreeMap::new(),
+        slurm_gate,
     };
     event_loop.run(&rx, &reloads, &shutdown);
     shutdown.store(true, Ordering::SeqCst);

@@ -33,9 +33,9 @@ pub(super) struct Services {
     metrics_text: Arc<Mutex<String>>,
     /// Asks Slurm's placement reader for a read now (`None`: placement from reports).
     placement_refresh: Option<Sender<()>>,
-    /// A job's new `AdminComment`: (job id, text).
-    annotator: Sender<(String, String)>,
-    preemptor: Sender<Action>,
+    /// A job's new `AdminComment`: (job id, text), with the epoch that decided it.
+    annotator: Sender<scontrol::Decided<(String, String)>>,
+    preemptor: Sender<scontrol::Decided<Action>>,
 }
 
 impl Services {
@@ -49,6 +49,7 @@ impl Services {
         history: HistoryBoard,
         shutdown: Arc<AtomicBool>,
         steering: Arc<AtomicBool>,
+        slurm_gate: scontrol::SlurmGate,
     ) -> Result<Services, String> {
         let refusals = Arc::new(Refusals::default());
         let link = TcpListener::bind(options.listen)
@@ -94,8 +95,8 @@ impl Services {
             metrics_server,
             metrics_text,
             placement_refresh,
-            annotator: scontrol::spawn_annotator(),
-            preemptor: scontrol::spawn_preemptor(),
+            annotator: scontrol::spawn_annotator(slurm_gate.clone()),
+            preemptor: scontrol::spawn_preemptor(slurm_gate),
         })
     }
 
@@ -115,12 +116,20 @@ impl Services {
         }
     }
 
-    pub(super) fn annotate(&self, annotation: (String, String)) {
-        let _ = self.annotator.send(annotation);
+    /// Queues an `AdminComment` decided under leadership `epoch`.
+    pub(super) fn annotate(&self, epoch: u64, annotation: (String, String)) {
+        let _ = self.annotator.send(scontrol::Decided {
+            epoch,
+            what: annotation,
+        });
     }
 
-    pub(super) fn preempt(&self, action: Action) {
-        let _ = self.preemptor.send(action);
+    /// Queues a suspension, resumption, requeue or release decided under `epoch`.
+    pub(super) fn preempt(&self, epoch: u64, action: Action) {
+        let _ = self.preemptor.send(scontrol::Decided {
+            epoch,
+            what: action,
+        });
     }
 
     /// Stops the acceptors (they block in accept(): a connection to each wakes it to see

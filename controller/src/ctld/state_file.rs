@@ -65,11 +65,12 @@ pub fn load(dir: &Path, now: UnixMs) -> Loaded {
 }
 
 /// Saves `state` in `dir` (mode 0600, fsynced: budgets and events must survive a power
-/// loss); a failure is logged, and the controller carries on with the state in memory.
-pub fn save(dir: &Path, state: &CtldState) {
-    if let Err(e) = try_save(dir, state) {
+/// loss); a failure is logged and returned: without `[controller.ha]` the state is
+/// durable only once this succeeds, and nothing it records takes effect before.
+pub fn save(dir: &Path, state: &CtldState) -> Result<(), String> {
+    try_save(dir, state).inspect_err(|e| {
         error!(error = %e, dir = %dir.display(), "cannot persist controller state");
-    }
+    })
 }
 
 fn try_save(dir: &Path, state: &CtldState) -> Result<(), String> {
@@ -132,7 +133,7 @@ mod tests {
                 since_ms: 1_800_000_000_000,
             },
         );
-        save(&dir, &state);
+        save(&dir, &state).expect("saved");
         assert_eq!(load(&dir, NOW).state, state);
         let old = r#"{"budget_w":1000.0,"events":[],"next_event_id":0}"#;
         let parsed: CtldState = serde_json::from_str(old).expect("an old state file");
@@ -155,8 +156,8 @@ mod tests {
     #[test]
     fn a_corrupt_file_falls_back_on_the_previous_copy() {
         let dir = temp_dir("fallback");
-        save(&dir, &with_budget(1000.0));
-        save(&dir, &with_budget(2000.0));
+        save(&dir, &with_budget(1000.0)).expect("saved");
+        save(&dir, &with_budget(2000.0)).expect("saved");
         assert_eq!(load(&dir, NOW).state, with_budget(2000.0));
         std::fs::write(dir.join(STATE_FILE), b"{ not json").expect("corrupt");
         let loaded = load(&dir, NOW);
@@ -176,8 +177,8 @@ mod tests {
     #[test]
     fn both_copies_unusable_is_a_loss() {
         let dir = temp_dir("lost");
-        save(&dir, &with_budget(1000.0));
-        save(&dir, &with_budget(2000.0));
+        save(&dir, &with_budget(1000.0)).expect("saved");
+        save(&dir, &with_budget(2000.0)).expect("saved");
         std::fs::write(dir.join(STATE_FILE), b"garbage").expect("corrupt");
         std::fs::write(dir.join(PREVIOUS_STATE_FILE), b"garbage").expect("corrupt");
         let loaded = load(&dir, NOW);
@@ -190,12 +191,12 @@ mod tests {
     fn saved_state_is_private_and_keeps_the_copy_it_replaced() {
         use std::os::unix::fs::PermissionsExt;
         let dir = temp_dir("mode");
-        save(&dir, &with_budget(1000.0));
+        save(&dir, &with_budget(1000.0)).expect("saved");
         assert!(
             !dir.join(PREVIOUS_STATE_FILE).exists(),
             "nothing to keep at the first save"
         );
-        save(&dir, &with_budget(2000.0));
+        save(&dir, &with_budget(2000.0)).expect("saved");
         for name in [STATE_FILE, PREVIOUS_STATE_FILE] {
             let mode = std::fs::metadata(dir.join(name))
                 .expect("saved")

@@ -196,6 +196,16 @@ impl Leader {
         }
     }
 
+    /// Until when this controller may act as the leader, on the leadership clock: the
+    /// step-down deadline of its last renewal while active, `None` otherwise. A command
+    /// decided under this leadership and still queued past it is dropped, never run: by
+    /// then a standby may lead (a paused process thawed late finds it passed).
+    pub fn steering_until(&self) -> Option<UnixMs> {
+        self.renewed_sent
+            .filter(|_| self.active())
+            .map(|t| UnixMs(t.ms() + self.settings.step_down_after_ms()))
+    }
+
     /// When the machine next needs a turn (a claim due, or the step-down deadline).
     pub fn next_due(&self) -> UnixMs {
         let claim = self.last_sent.map_or(0, |t| t.ms() + self.claim_gap_ms());

@@ -16,6 +16,7 @@ mod admin;
 mod agents;
 mod allocate;
 mod domains;
+mod durable;
 mod reload;
 mod report;
 mod slurm;
@@ -88,6 +89,14 @@ pub enum Input {
         lease_epoch: u64,
         accepted_epoch: u64,
     },
+    /// The state of [`Output::persist_version`] `version` (and every older one) is
+    /// durable: the state file written and synced, or under `[controller.ha]` committed
+    /// to the leadership database. What was held for it goes out (see [`durable`]).
+    Durable { version: u64 },
+    /// The state of `version` could not be made durable (`error` says why): the last
+    /// durable state is put back in force and admin changes are refused until a later
+    /// version is durable.
+    NotDurable { version: u64, error: String },
 }
 
 /// One node's lease.
@@ -115,14 +124,26 @@ pub struct Lease {
 }
 
 /// What one [`Controller::step`] asks the I/O edge to do, in this order: persist, reply, lease,
-/// annotate, publish metrics.
+/// annotate, publish metrics. The leases, Slurm commands and annotations of a state not
+/// yet durable are held in the machine until it is (see [`durable`]), so everything here
+/// may be carried out at once; the edge answers the save with [`Input::Durable`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Output {
     /// The state to save before anything else: an admin change is acknowledged only once
     /// saved.
     pub persist: Option<CtldState>,
-    /// One reply per [`Input::Admin`], with the input's index in the step's inputs.
+    /// The version of `persist`, which [`Input::Durable`] names once it is durable.
+    pub persist_version: u64,
+    /// The replies to this step's [`Input::Admin`]s, each with the input's index in the
+    /// step's inputs; an admin change's reply waits for its state to be durable (see
+    /// `wait_replies`).
     pub replies: Vec<(usize, AdminReply)>,
+    /// The admins of this step (by input index) whose change is answered once its state
+    /// is durable, each under a ticket that `late_replies` names.
+    pub wait_replies: Vec<(usize, u64)>,
+    /// Replies to admins who waited, by ticket: done once durable, or refused when the
+    /// state could not be saved or the controller stopped steering first.
+    pub late_replies: Vec<(u64, AdminReply)>,
     /// Per node, valid for `lease_ttl_s`. Empty when nothing was allocated this step.
     pub leases: BTreeMap<String, Lease>,
     pub lease_ttl_s: f64,
@@ -225,6 +246,13 @@ pub struct Controller {
     fenced_by: BTreeMap<String, u64>,
     /// Energy of the records written since the controller started, for the metrics.
     energy_totals: EnergyTotals,
+    /// What waits for the state to be durable (see [`durable`]).
+    durability: durable::Durability,
+    /// Jobs Slurm shows held by powerflex that the state does not hold: resumed or
+    /// released by the next step that steers (see `Controller::placement_read`).
+    orphans: Vec<Action>,
+    /// Jobs this controller has given back so (once each, while Slurm lists them).
+    reconciled: BTreeSet<String>,
 }
 
 impl Controller {
@@ -275,6 +303,7 @@ impl Controller {
             );
         }
         let options_slurm = options.job_placement == JobPlacement::Slurm;
+        let durability = durable::Durability::new(&state);
         Controller {
             grace_until_ms: now_ms + (options.lease_ttl_s * 500.0) as u64,
             options,
@@ -305,6 +334,9 @@ impl Controller {
             leadership: None,
             fenced_by: BTreeMap::new(),
             energy_totals: EnergyTotals::default(),
+            durability,
+            orphans: Vec::new(),
+            reconciled: BTreeSet::new(),
         }
     }
 
@@ -332,6 +364,8 @@ impl Controller {
             ..Output::default()
         };
         let steered = self.steering();
+        // This step's accepted admin changes: answered once their state is durable.
+        let mut changes = Vec::new();
         for (index, input) in inputs.into_iter().enumerate() {
             match input {
                 Input::Hello { node, gpus } => {
@@ -357,14 +391,24 @@ impl Controller {
                 Input::Admin { op, .. } if op.changes_state() && !self.steering() => {
                     out.replies.push((index, self.not_active()));
                 }
+                Input::Admin { op, uid } if op.changes_state() && uid == 0 => {
+                    match self.refuse_while_not_durable() {
+                        Some(refused) => out.replies.push((index, refused)),
+                        None => {
+                            let reply = self.admin(op, uid, now_ms);
+                            if reply.is_ok() {
+                                self.allocate_now = true;
+                                changes.push((index, reply));
+                            } else {
+                                out.replies.push((index, reply));
+                            }
+                        }
+                    }
+                }
                 Input::Admin { op, uid } => {
-                    let changes = op.changes_state();
                     let reply = owners::need_to_know(self.admin(op, uid, now_ms), uid, |job| {
                         self.owners.of(job)
                     });
-                    if reply.is_ok() && changes {
-                        self.allocate_now = true;
-                    }
                     out.replies.push((index, reply));
                 }
                 Input::Reload(reload) => self.reload(*reload),
@@ -394,6 +438,10 @@ impl Controller {
                         out.send_on.push(node);
                     }
                 }
+                Input::Durable { version } => self.durable(version),
+                Input::NotDurable { version, error } => {
+                    self.not_durable(version, error, now_ms, &mut out);
+                }
             }
         }
         let steering_now = self.steering();
@@ -408,7 +456,15 @@ impl Controller {
             // last lease's caps until it runs out, then fall to the fail-safe.
             self.allocate_now = false;
             self.rollout = Rollout::new();
-            return self.finish_step(now_ms, out);
+            // Given back by whichever controller steers (this one, should it lead again).
+            for orphan in self.orphans.drain(..) {
+                self.reconciled.remove(orphan.job());
+            }
+            self.drop_held_on_stepping_down(&mut out);
+            for (index, _) in changes {
+                out.replies.push((index, self.not_active()));
+            }
+            return self.finish_step(now_ms, Vec::new(), out);
         }
         // Increases released by this step's confirmations go out with the leases. Only
         // now, after the whole batch: an allocation made in this step has replaced the
@@ -434,18 +490,27 @@ impl Controller {
                 out.leases.insert(released.node, lease);
             }
         }
-        self.finish_step(now_ms, out)
+        // Slurm's own record of jobs held by powerflex that this leader does not hold (a
+        // deposed leader's suspension, or one decided on a state that was never saved).
+        out.preempt.append(&mut self.orphans);
+        self.finish_step(now_ms, changes, out)
     }
 
-    /// What every step ends with, steering or not: the state to save, the placement
-    /// refresh, the energy records due.
-    fn finish_step(&mut self, now_ms: u64, mut out: Output) -> Output {
-        // A node that refused this controller's epoch gets no lease from it.
-        out.leases
-            .retain(|node, _| !self.fenced_by.contains_key(node));
+    /// What every step ends with, steering or not: the state to save, what waits for it
+    /// to be durable, the placement refresh, the energy records due.
+    fn finish_step(
+        &mut self,
+        now_ms: u64,
+        changes: Vec<(usize, AdminReply)>,
+        mut out: Output,
+    ) -> Output {
         if std::mem::take(&mut self.dirty) {
             out.persist = Some(self.state.clone());
         }
+        self.hold_until_durable(now_ms, changes, &mut out);
+        // A node that refused this controller's epoch gets no lease from it.
+        out.leases
+            .retain(|node, _| !self.fenced_by.contains_key(node));
         out.lease_ttl_s = self.options.lease_ttl_s;
         out.refresh_placement = std::mem::take(&mut self.refresh_placement);
         self.write_records(now_ms, &mut out);

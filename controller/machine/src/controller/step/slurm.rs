@@ -7,6 +7,8 @@ use powerflex_proto::report::validate_gpus;
 
 use crate::error::MachineError;
 use crate::placement::{bound_gpu_power, Placement, RefusedBecause};
+use crate::preempt::Action;
+use powerflex_core::slurm_record::SlurmJobState;
 
 use super::Controller;
 
@@ -100,6 +102,7 @@ impl Controller {
                 // Where each run is placed is remembered for its final shares, which
                 // may come after Slurm has forgotten the job.
                 self.ledger.placement(&placement.jobs);
+                self.orphans = self.orphans_in(&placement);
                 self.placement = Some(std::sync::Arc::new(placement));
                 let nodes: Vec<String> = self.sessions.keys().cloned().collect();
                 for node in nodes {
@@ -114,5 +117,38 @@ impl Controller {
                 self.placement_error = Some(e);
             }
         }
+    }
+
+    /// Jobs Slurm shows suspended, or requeued and held, by powerflex (its
+    /// `AdminComment` says so) that the state in force does not hold: a deposed or paused
+    /// leader's command that ran after the state this controller steers from was
+    /// committed, or a command decided on a state never saved. Each is resumed or
+    /// released once by this controller (a takeover builds a new one): held by nobody,
+    /// it would stay stopped for ever.
+    fn orphans_in(&mut self, placement: &Placement) -> Vec<Action> {
+        self.reconciled
+            .retain(|job| placement.jobs.contains_key(job));
+        let mut out = Vec::new();
+        for (id, job) in &placement.jobs {
+            if self.state.preempted.contains_key(id) || self.reconciled.contains(id) {
+                continue;
+            }
+            let ours = |how: &str| {
+                job.admin_comment
+                    .split(" | ")
+                    .any(|part| part.starts_with("powerflex;") && part.contains(how))
+            };
+            let action = match job.state {
+                SlurmJobState::Suspended if ours(";suspended:") => {
+                    Action::Resume { job: id.clone() }
+                }
+                SlurmJobState::Pending if ours(";requeued:") => Action::Release { job: id.clone() },
+                _ => continue,
+            };
+            warn!(job_id = %id, action = action.scontrol_args()[0], "Slurm shows a job held by powerflex that the state in force does not hold; giving it back");
+            self.reconciled.insert(id.clone());
+            out.push(action);
+        }
+        out
     }
 }

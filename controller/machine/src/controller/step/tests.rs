@@ -4,6 +4,7 @@
 mod admin;
 mod agents;
 mod allocation;
+mod durable;
 mod unheard;
 
 use std::time::Duration;
@@ -183,7 +184,7 @@ fn usage(job: &str, node: &str, energy_mj: u64, ended: bool) -> NodeUsage {
 /// Two nodes with one job each, allocated at T0.
 fn running() -> Controller {
     let mut core = fresh();
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             hello("n1"),
@@ -207,7 +208,7 @@ fn step_published(
     now_ms: u64,
     inputs: Vec<Input>,
 ) -> Output {
-    let mut out = core.step(UnixMs(now_ms), inputs);
+    let mut out = core.step_saved(UnixMs(now_ms), inputs);
     board.publish(out.history.take(), out.owners.take());
     out
 }
@@ -242,7 +243,7 @@ fn with_racks(rack_b_w: f64) -> CtldSettings {
 fn racks() -> Controller {
     let o = with_racks(10_000.0);
     let mut core = Controller::new(o, Loaded::default(), UnixMs(T0));
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             hello("n1"),
@@ -295,7 +296,7 @@ fn cap(out: &Output, node: &str, job: &str) -> Option<f64> {
 /// At T0: a 4 kW budget and two nodes, each with one job at 500 W: n1's job 101
 /// (flex3) and n2's job 102 (`tier_of_102`).
 fn two_jobs_at_500_w(core: &mut Controller, tier_of_102: &str) {
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(4000.0, None),
@@ -324,5 +325,42 @@ fn on_prior(node: &str, id: &str, tier: &str, cap_w: f64, per_gpu_w: f64) -> Inp
         node: node.into(),
         power_w: per_gpu_w * 4.0,
         jobs: vec![j],
+    }
+}
+
+/// A step as an edge whose saves are durable at once sees it: when the step hands out a
+/// state to save, the next step (at the same time) is told it is durable, and what that
+/// releases is merged into this step's answer (the replies at their inputs' indices).
+/// The tests of other inputs use it; `durable` tests the holding itself.
+trait SavedAtOnce {
+    fn step_saved(&mut self, now: UnixMs, inputs: Vec<Input>) -> Output;
+}
+
+impl SavedAtOnce for Controller {
+    fn step_saved(&mut self, now: UnixMs, inputs: Vec<Input>) -> Output {
+        let mut out = self.step(now, inputs);
+        if out.persist.is_none() {
+            return out;
+        }
+        let later = self.step(
+            now,
+            vec![Input::Durable {
+                version: out.persist_version,
+            }],
+        );
+        for (index, ticket) in std::mem::take(&mut out.wait_replies) {
+            let reply = later
+                .late_replies
+                .iter()
+                .find(|(t, _)| *t == ticket)
+                .map(|(_, r)| r.clone())
+                .expect("a reply for each waiting admin once durable");
+            out.replies.push((index, reply));
+        }
+        out.replies.sort_by_key(|(index, _)| *index);
+        out.leases.extend(later.leases);
+        out.preempt.extend(later.preempt);
+        out.annotations.extend(later.annotations);
+        out
     }
 }

@@ -30,7 +30,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
         j.usage = Some(usage("101", node, mj, false));
         j
     };
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0),
         vec![
             Input::Placement(placed),
@@ -59,7 +59,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
         ended: vec![usage("101", node, mj, true)],
         observe_only: false,
     };
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 11_000),
         vec![ended("n1", 4_000_000), ended("n3", 1 << 40)],
     );
@@ -68,7 +68,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
         out.final_acks.is_empty(),
         "nothing acknowledged before the record"
     );
-    let out = core.step(UnixMs(T0 + 12_000), vec![ended("n2", 3_000_000)]);
+    let out = core.step_saved(UnixMs(T0 + 12_000), vec![ended("n2", 3_000_000)]);
     assert_eq!(out.job_records.len(), 1);
     let r = &out.job_records[0];
     assert_eq!((r.energy_j, r.uid, r.nodes.len()), (7_000.0, ALICE, 2));
@@ -83,7 +83,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
     let acked: Vec<&String> = out.final_acks.keys().collect();
     assert_eq!(acked, ["n1", "n2"]);
     // Re-sent finals write nothing more, and are acknowledged again.
-    let out = core.step(UnixMs(T0 + 13_000), vec![ended("n1", 4_000_000)]);
+    let out = core.step_saved(UnixMs(T0 + 13_000), vec![ended("n1", 4_000_000)]);
     assert!(out.job_records.is_empty());
     assert_eq!(out.final_acks.get("n1").map(Vec::len), Some(1));
     // A malformed list of final shares (too many) is refused whole, and counted.
@@ -94,7 +94,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
         ended: vec![usage("101", "n1", 1, true); 17],
         observe_only: false,
     };
-    let out = core.step(UnixMs(T0 + 13_500), vec![flood]);
+    let out = core.step_saved(UnixMs(T0 + 13_500), vec![flood]);
     assert!(out.final_acks.is_empty() && out.job_records.is_empty());
     assert_eq!(core.sessions["n1"].refused_reports, 1);
     let ask = |uid| {
@@ -111,7 +111,7 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
             uid,
         )
     };
-    let out = core.step(UnixMs(T0 + 14_000), vec![ask(ALICE), ask(BOB), ask(0)]);
+    let out = core.step_saved(UnixMs(T0 + 14_000), vec![ask(ALICE), ask(BOB), ask(0)]);
     let counts: Vec<usize> = out
         .replies
         .iter()
@@ -128,14 +128,14 @@ fn a_job_s_nodes_shares_make_one_record_its_owner_reads() {
 fn an_admin_forgets_a_silent_node_but_not_a_live_one() {
     let mut core = running();
     let forget = |node: &str| AdminOp::ForgetNode { node: node.into() };
-    let out = core.step(UnixMs(T0 + 10), vec![admin(forget("n1"), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 10), vec![admin(forget("n1"), 0)]);
     assert_eq!(reply(&out).refusal(), Some(Refusal::NodeLive), "{out:?}");
-    let out = core.step(UnixMs(T0 + 10), vec![admin(forget("n9"), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 10), vec![admin(forget("n9"), 0)]);
     assert_eq!(reply(&out).refusal(), Some(Refusal::NoSuchNode));
     let later = T0 + (TTL_S * 1000.0) as u64 + 1_000;
-    let out = core.step(UnixMs(later), vec![admin(forget("n1"), 1000)]);
+    let out = core.step_saved(UnixMs(later), vec![admin(forget("n1"), 1000)]);
     assert!(!reply(&out).is_ok(), "root only");
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(later),
         vec![report("n2", vec![job("102", None)]), admin(forget("n1"), 0)],
     );
@@ -167,7 +167,7 @@ fn only_root_changes_the_budget_or_events_and_anyone_reads() {
         },
         AdminOp::EventCancel { id: 1 },
     ] {
-        let out = core.step(UnixMs(T0 + 1), vec![admin(op.clone(), 1000)]);
+        let out = core.step_saved(UnixMs(T0 + 1), vec![admin(op.clone(), 1000)]);
         let r = reply(&out);
         assert!(!r.is_ok(), "{op:?}");
         assert_eq!(
@@ -178,10 +178,10 @@ fn only_root_changes_the_budget_or_events_and_anyone_reads() {
     }
     assert_eq!(core.state().budget_w, None);
     assert!(core.state().events.is_empty());
-    let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, 1000)]);
+    let out = core.step_saved(UnixMs(T0 + 2), vec![admin(AdminOp::Status, 1000)]);
     assert!(reply(&out).is_ok() && reply(&out).status().is_some());
 
-    let out = core.step(UnixMs(T0 + 3), vec![budget_set(5000.0, None)]);
+    let out = core.step_saved(UnixMs(T0 + 3), vec![budget_set(5000.0, None)]);
     assert!(reply(&out).is_ok());
     assert_eq!(
         out.persist.as_ref().and_then(|s| s.budget_w),
@@ -189,7 +189,7 @@ fn only_root_changes_the_budget_or_events_and_anyone_reads() {
     );
     assert!(out.metrics.is_some(), "a change is allocated at once");
     assert_eq!(core.status(UnixMs(T0 + 3)).budget_w, 5000.0);
-    let out = core.step(UnixMs(T0 + 4), vec![budget_set(-1.0, None)]);
+    let out = core.step_saved(UnixMs(T0 + 4), vec![budget_set(-1.0, None)]);
     assert!(reply(&out)
         .error_message()
         .is_some_and(|e| e.contains("positive")));
@@ -205,11 +205,11 @@ fn events_are_numbered_validated_and_cancelled() {
         ramp_ms,
         domain: None,
     };
-    let out = core.step(UnixMs(T0 + 1), vec![admin(add(0, 0), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 1), vec![admin(add(0, 0), 0)]);
     assert!(reply(&out)
         .error_message()
         .is_some_and(|e| e.contains("twice its ramp")));
-    let out = core.step(UnixMs(T0 + 1), vec![admin(add(60_000, 30_001), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 1), vec![admin(add(60_000, 30_001), 0)]);
     assert!(!reply(&out).is_ok());
     assert_eq!(reply(&out).refusal(), Some(Refusal::EventOutOfRange));
     // What a VTN might serve, passed on by the VEN: refused, typed, never held.
@@ -228,17 +228,17 @@ fn events_are_numbered_validated_and_cancelled() {
             ramp_ms: 0,
             domain: None,
         };
-        let out = core.step(UnixMs(T0 + 1), vec![admin(op, 0)]);
+        let out = core.step_saved(UnixMs(T0 + 1), vec![admin(op, 0)]);
         assert_eq!(
             reply(&out).refusal(),
             Some(Refusal::EventOutOfRange),
             "{cut:?}"
         );
     }
-    let out = core.step(UnixMs(T0 + 1), vec![admin(add(u64::MAX, 0), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 1), vec![admin(add(u64::MAX, 0), 0)]);
     assert_eq!(reply(&out).refusal(), Some(Refusal::EventOutOfRange));
     assert!(core.state().events.is_empty());
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 1),
         vec![admin(add(60_000, 0), 0), admin(add(60_000, 0), 0)],
     );
@@ -250,13 +250,13 @@ fn events_are_numbered_validated_and_cancelled() {
         7000.0,
         "30 % off at once"
     );
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 2),
         vec![admin(AdminOp::EventCancel { id: 7 }, 0)],
     );
     assert_eq!(reply(&out).error_message(), Some("no event 7"));
     assert_eq!(reply(&out).refusal(), Some(Refusal::NoSuchEvent));
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 2),
         vec![admin(AdminOp::EventCancel { id: 1 }, 0)],
     );
@@ -269,15 +269,15 @@ fn events_are_numbered_validated_and_cancelled() {
     // accepted again when one ends.
     let most = powerflex_proto::event::MAX_PENDING_EVENTS;
     let inputs: Vec<Input> = (1..most).map(|_| admin(add(60_000, 0), 0)).collect();
-    let out = core.step(UnixMs(T0 + 3), inputs);
+    let out = core.step_saved(UnixMs(T0 + 3), inputs);
     assert!(out.replies.iter().all(|(_, r)| r.is_ok()));
-    let out = core.step(UnixMs(T0 + 3), vec![admin(add(120_000, 0), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 3), vec![admin(add(120_000, 0), 0)]);
     assert_eq!(reply(&out).refusal(), Some(Refusal::TooManyEvents));
     assert!(reply(&out)
         .error_message()
         .is_some_and(|e| e.contains("256")));
     assert_eq!(core.state().events.len(), most);
-    let out = core.step(UnixMs(T0 + 60_001), vec![admin(add(120_000, 0), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 60_001), vec![admin(add(120_000, 0), 0)]);
     assert!(reply(&out).is_ok(), "{:?}", reply(&out).error_message());
 }
 
@@ -287,18 +287,18 @@ fn events_are_numbered_validated_and_cancelled() {
 #[test]
 fn a_reload_below_a_domain_s_budget_puts_the_new_limit_in_force() {
     let mut core = racks();
-    core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
-    let out = core.step(
+    core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    let out = core.step_saved(
         UnixMs(T0 + 11_000),
         vec![budget_set(9_000.0, Some("rack-b"))],
     );
     assert!(reply(&out).is_ok());
     let lowered = with_racks(2_000.0);
-    core.step(
+    core.step_saved(
         UnixMs(T0 + 12_000),
         vec![Input::Reload(Box::new(Ok(lowered)))],
     );
-    core.step(
+    core.step_saved(
         UnixMs(T0 + 20_000),
         vec![
             report("n1", vec![job("101", None)]),
@@ -346,8 +346,8 @@ fn a_domain_s_rise_after_its_event_is_held_to_the_ramp_rate() {
             .and_then(|j| j.cap_w)
             .unwrap_or_else(|| panic!("{job} granted at {}", now - T0))
     };
-    core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
-    let out = core.step(
+    core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    let out = core.step_saved(
         UnixMs(T0 + 15_000),
         vec![admin(
             AdminOp::EventAdd {
@@ -363,7 +363,7 @@ fn a_domain_s_rise_after_its_event_is_held_to_the_ramp_rate() {
     assert!(reply(&out).is_ok());
     let cut = granted(&core, T0 + 15_000, "101");
     assert!(cut * 4.0 <= 1200.0 + 1e-6);
-    core.step(
+    core.step_saved(
         UnixMs(T0 + 25_000),
         vec![
             report("n1", vec![at_cap("101", cut)]),
@@ -375,7 +375,7 @@ fn a_domain_s_rise_after_its_event_is_held_to_the_ramp_rate() {
     // at most 20 W/s more than the last allocation's.
     let cut = granted(&core, T0 + 25_000, "101");
     assert!(cut * 4.0 <= 1200.0 + 1e-6);
-    core.step(
+    core.step_saved(
         UnixMs(T0 + 35_500),
         vec![
             report("n1", vec![at_cap("101", cut)]),
@@ -399,7 +399,7 @@ fn a_domain_s_rise_after_its_event_is_held_to_the_ramp_rate() {
 #[test]
 fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
     let mut core = racks();
-    core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
     let add = |domain: &str| AdminOp::EventAdd {
         cut: Cut::Target { budget_w: 1200.0 },
         start_ms: T0 + 20_000,
@@ -408,7 +408,7 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
         domain: Some(domain.into()),
     };
     // A domain the config does not declare is refused, naming those it does.
-    let out = core.step(UnixMs(T0 + 15_000), vec![admin(add("rack-z"), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 15_000), vec![admin(add("rack-z"), 0)]);
     let refused = reply(&out);
     assert_eq!(refused.refusal(), Some(Refusal::NoSuchDomain));
     let why = refused.error_message().unwrap_or_default();
@@ -416,9 +416,9 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
         why.contains("rack-z") && why.contains("feed-a, rack-a, rack-b"),
         "{why}"
     );
-    let out = core.step(UnixMs(T0 + 15_001), vec![admin(add("rack-a"), 0)]);
+    let out = core.step_saved(UnixMs(T0 + 15_001), vec![admin(add("rack-a"), 0)]);
     assert!(reply(&out).is_ok());
-    let out = core.step(UnixMs(T0 + 20_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 20_000), vec![Input::Tick]);
     let n1 = out.leases["n1"].clone();
     assert!(n1.caps["101"] * 4.0 <= 1200.0 + 1e-6, "rack-a cut: {n1:?}");
     assert!(n1.event_in_force);
@@ -449,7 +449,7 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
     assert_eq!((rack_b.budget_w, rack_b.event), (10_000.0, None));
     assert_eq!(rack_b.parent.as_deref(), Some("feed-a"));
     // An admin's budget for rack-b cuts rack-b, and survives a restart (state).
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 21_000),
         vec![budget_set(2000.0, Some("rack-b"))],
     );
@@ -468,7 +468,7 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
         ..job(id, None)
     };
     let rack_a_cap = n1.caps["101"];
-    core.step(
+    core.step_saved(
         UnixMs(T0 + 30_000),
         vec![
             report("n1", vec![at_cap("101", rack_a_cap)]),
@@ -486,13 +486,13 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
     };
     assert!(granted(&core, "102") * 4.0 <= 2000.0 + 1e-6);
     assert!(granted(&core, "101") * 4.0 <= 1200.0 + 1e-6);
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 31_000),
         vec![budget_set(2000.0, Some("nowhere"))],
     );
     assert_eq!(reply(&out).refusal(), Some(Refusal::NoSuchDomain));
     // Never above the breaker's limit.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 32_000),
         vec![budget_set(20_000.0, Some("rack-b"))],
     );
@@ -511,7 +511,7 @@ fn a_domain_event_cuts_its_own_nodes_and_nobody_else() {
 #[test]
 fn leases_announce_the_next_event_s_start() {
     let mut core = running();
-    let out = core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
     assert!(out.leases.values().all(|l| l.next_event_in_s.is_none()));
     let add = |start_ms| AdminOp::EventAdd {
         cut: Cut::Reduce { fraction: 0.3 },
@@ -520,7 +520,7 @@ fn leases_announce_the_next_event_s_start() {
         ramp_ms: 0,
         domain: None,
     };
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 20_000),
         vec![
             admin(add(T0 + 920_000), 0),
@@ -532,7 +532,7 @@ fn leases_announce_the_next_event_s_start() {
     for lease in out.leases.values() {
         assert_eq!(lease.next_event_in_s, Some(300.0), "the nearer one");
     }
-    let out = core.step(UnixMs(T0 + 330_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 330_000), vec![Input::Tick]);
     for lease in out.leases.values() {
         assert_eq!(lease.next_event_in_s, Some(590.0), "the first has started");
     }
@@ -606,7 +606,7 @@ fn leases_name_the_caps_an_announced_event_needs() {
 #[test]
 fn an_event_that_ended_is_dropped_and_saved() {
     let mut core = running();
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 1),
         vec![admin(
             AdminOp::EventAdd {
@@ -624,9 +624,9 @@ fn an_event_that_ended_is_dropped_and_saved() {
         core.status(UnixMs(T0 + 5000)).active_event.map(|e| e.id),
         Some(1)
     );
-    let out = core.step(UnixMs(T0 + 9_999), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 9_999), vec![Input::Tick]);
     assert_eq!(out.persist, None);
-    let out = core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
     assert_eq!(out.persist.map(|s| s.events), Some(Vec::new()));
     assert!(core.status(UnixMs(T0 + 10_000)).events.is_empty());
     assert_eq!(core.status(UnixMs(T0 + 10_000)).budget_w, 10_000.0);
@@ -640,24 +640,24 @@ fn a_reload_changes_the_budget_at_once_and_not_what_needs_a_restart() {
     new.lease_ttl_s = 60.0;
     new.period = Duration::from_secs(1);
     new.job_placement = JobPlacement::Slurm;
-    let out = core.step(UnixMs(T0 + 1), vec![Input::Reload(Box::new(Ok(new)))]);
+    let out = core.step_saved(UnixMs(T0 + 1), vec![Input::Reload(Box::new(Ok(new)))]);
     assert!(out.metrics.is_some(), "reallocated at once");
     assert_eq!(out.lease_ttl_s, 60.0);
     assert_eq!(core.status(UnixMs(T0 + 1)).base_budget_w, 8000.0);
     assert_eq!(core.settings().period, options().period);
     assert_eq!(core.settings().job_placement, options().job_placement);
     // A budget set by an admin still overrides the site config's.
-    core.step(UnixMs(T0 + 2), vec![budget_set(9000.0, None)]);
+    core.step_saved(UnixMs(T0 + 2), vec![budget_set(9000.0, None)]);
     let mut again = options();
     again.base_budget = Watts(7000.0);
-    core.step(UnixMs(T0 + 3), vec![Input::Reload(Box::new(Ok(again)))]);
+    core.step_saved(UnixMs(T0 + 3), vec![Input::Reload(Box::new(Ok(again)))]);
     assert_eq!(core.status(UnixMs(T0 + 3)).budget_w, 9000.0);
 }
 
 #[test]
 fn a_refused_reload_keeps_the_config_and_is_reported_until_a_valid_one() {
     let mut core = running();
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 1),
         vec![Input::Reload(Box::new(Err(MachineError::Config(
             "powerflex.toml: bad key".into(),
@@ -674,7 +674,7 @@ fn a_refused_reload_keeps_the_config_and_is_reported_until_a_valid_one() {
     );
     assert_eq!(status.base_budget_w, 10_000.0);
     let error_for = |core: &mut Controller, uid| {
-        let out = core.step(UnixMs(T0 + 2), vec![admin(AdminOp::Status, uid)]);
+        let out = core.step_saved(UnixMs(T0 + 2), vec![admin(AdminOp::Status, uid)]);
         reply(&out).status().and_then(|s| s.config_error.clone())
     };
     assert_eq!(
@@ -686,7 +686,7 @@ fn a_refused_reload_keeps_the_config_and_is_reported_until_a_valid_one() {
         error_for(&mut core, 1000).as_deref(),
         Some(owners::CONFIG_ERROR_FOR_USERS)
     );
-    core.step(UnixMs(T0 + 3), vec![Input::Reload(Box::new(Ok(options())))]);
+    core.step_saved(UnixMs(T0 + 3), vec![Input::Reload(Box::new(Ok(options())))]);
     assert_eq!(core.status(UnixMs(T0 + 3)).config_error, None);
 }
 
@@ -695,7 +695,7 @@ fn what_if_is_read_only() {
     let mut core = running();
     let before_state = core.state().clone();
     let before_status = core.status(UnixMs(T0 + 1));
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 1),
         vec![admin(
             AdminOp::WhatIf {
@@ -714,7 +714,7 @@ fn what_if_is_read_only() {
     assert_eq!(core.status(UnixMs(T0 + 1)), before_status);
     assert_eq!(allocations(&core), 1);
     // Every job's curve and cap: root's only, refused before it is computed.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 3),
         vec![admin(
             AdminOp::WhatIf {
@@ -763,7 +763,7 @@ fn a_user_reads_only_their_own_jobs_and_root_reads_all() {
         ],
     );
     let jobs_for = |core: &mut Controller, t: u64, uid: u32| -> Vec<String> {
-        let out = core.step(UnixMs(t), vec![admin(AdminOp::Status, uid)]);
+        let out = core.step_saved(UnixMs(t), vec![admin(AdminOp::Status, uid)]);
         let status = reply(&out).status().cloned().expect("status");
         assert_eq!(status.jobs_of_uid, (uid != 0).then_some(uid));
         assert_eq!(status.nodes.len(), 2, "every caller sees the nodes");

@@ -5,7 +5,7 @@ use super::*;
 #[test]
 fn a_job_is_annotated_only_when_its_text_changes() {
     let mut core = fresh();
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0),
         vec![hello("n1"), report("n1", vec![job("101", None)])],
     );
@@ -17,12 +17,12 @@ fn a_job_is_annotated_only_when_its_text_changes() {
         "{text}"
     );
     assert!(!text.contains(' '), "scontrol splits on spaces: {text}");
-    let out = core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
     assert!(
         out.metrics.is_some() && out.annotations.is_empty(),
         "{out:?}"
     );
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 20_000),
         vec![report("n1", vec![job("101", Some(1.5))]), Input::Tick],
     );
@@ -99,7 +99,7 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
     let mut first = vec![hello("n1"), hello("n2")];
     first.extend(reports(&caps, &mut rng));
     first.push(budget_set(8000.0, None));
-    core.step(UnixMs(T0), first);
+    core.step_saved(UnixMs(T0), first);
     let period_ms = options().period.as_millis() as u64;
     let periods = 60u64;
     let (mut sent_changes, mut fresh_changes) = (0usize, 0usize);
@@ -109,7 +109,7 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
         let now = T0 + i * period_ms;
         let mut inputs = reports(&caps, &mut rng);
         inputs.push(Input::Tick);
-        core.step(UnixMs(now), inputs);
+        core.step_saved(UnixMs(now), inputs);
         let sent: BTreeMap<String, f64> = core
             .last
             .as_ref()
@@ -119,7 +119,7 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
             .iter()
             .map(|j| (j.id.clone(), j.cap_w.0))
             .collect();
-        let out = core.step(
+        let out = core.step_saved(
             UnixMs(now + 1),
             vec![admin(
                 AdminOp::WhatIf {
@@ -205,7 +205,7 @@ fn history_keeps_one_sample_per_allocation() {
         .iter()
         .all(|s| s.caps.keys().eq(["101", "102"]) && s.budget_w == 10_000.0 && !s.simulated));
     // The step answers no history itself: it keeps none.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 15_002),
         vec![admin(
             AdminOp::History {
@@ -227,12 +227,12 @@ fn a_reallocation_lowers_first_and_raises_once_the_lowering_is_confirmed() {
     two_jobs_at_500_w(&mut core, "flex3");
     // Both jobs settle at their caps and confirm them.
     let t = T0 + 1000;
-    let out = core.step(UnixMs(t), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(t), vec![Input::Tick]);
     let (c1, c2) = (
         cap(&out, "n1", "101").expect("n1"),
         cap(&out, "n2", "102").expect("n2"),
     );
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t + 100),
         vec![
             at_cap("n1", "101", "flex3", c1),
@@ -244,7 +244,7 @@ fn a_reallocation_lowers_first_and_raises_once_the_lowering_is_confirmed() {
         "nothing held, nothing released: {out:?}"
     );
     // Job 102 becomes unmovable (flex0): 101 must give it its watts.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t + 200),
         vec![at_cap("n2", "102", "flex0", c2), Input::Tick],
     );
@@ -256,10 +256,10 @@ fn a_reallocation_lowers_first_and_raises_once_the_lowering_is_confirmed() {
         "n2's rise is held: {out:?}"
     );
     // n1 still reports its old cap: nothing moves.
-    let out = core.step(UnixMs(t + 300), vec![at_cap("n1", "101", "flex3", c1)]);
+    let out = core.step_saved(UnixMs(t + 300), vec![at_cap("n1", "101", "flex3", c1)]);
     assert!(out.leases.is_empty(), "{out:?}");
     // n1 confirms: n2's increase goes out.
-    let out = core.step(UnixMs(t + 400), vec![at_cap("n1", "101", "flex3", lowered)]);
+    let out = core.step_saved(UnixMs(t + 400), vec![at_cap("n1", "101", "flex3", lowered)]);
     let raised = cap(&out, "n2", "102").expect("released");
     assert!(raised > c2, "{out:?}");
     assert!(lowered * 4.0 + raised * 4.0 <= 4000.0 + 1e-6);
@@ -286,7 +286,7 @@ fn ramps_are_met_ahead_going_down_and_held_to_the_rate_going_up() {
             .map(|c| c * 4.0)
             .sum()
     };
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(5600.0, None),
@@ -308,7 +308,7 @@ fn ramps_are_met_ahead_going_down_and_held_to_the_rate_going_up() {
     );
     // 5 s in, a 10 s period and 10 s to confirm: the allocation looks to 25 s, half
     // way down the ramp (5 steps of 168 W), while the budget in force is untouched.
-    let out = core.step(UnixMs(T0 + 5_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 5_000), vec![Input::Tick]);
     let status = core.status(UnixMs(T0 + 5_000));
     assert_eq!(status.budget_w, 5600.0);
     assert_eq!(status.allocated_budget_w, Some(4760.0));
@@ -318,7 +318,7 @@ fn ramps_are_met_ahead_going_down_and_held_to_the_rate_going_up() {
     let mut t = T0 + 5_000;
     while t < T0 + 80_000 {
         t += 10_000;
-        core.step(UnixMs(t), vec![Input::Tick]);
+        core.step_saved(UnixMs(t), vec![Input::Tick]);
         let allocated = core
             .status(UnixMs(t))
             .allocated_budget_w
@@ -335,12 +335,12 @@ fn ramps_are_met_ahead_going_down_and_held_to_the_rate_going_up() {
         .expect("allocated");
     assert_eq!((t - T0, at_end), (85_000, 4920.0));
     assert_eq!(core.status(UnixMs(t)).budget_w, 5600.0);
-    core.step(UnixMs(t + 10_000), vec![Input::Tick]);
+    core.step_saved(UnixMs(t + 10_000), vec![Input::Tick]);
     assert_eq!(
         core.status(UnixMs(t + 10_000)).allocated_budget_w,
         Some(5420.0)
     );
-    core.step(UnixMs(t + 20_000), vec![Input::Tick]);
+    core.step_saved(UnixMs(t + 20_000), vec![Input::Tick]);
     assert_eq!(
         core.status(UnixMs(t + 20_000)).allocated_budget_w,
         Some(5600.0)
@@ -368,7 +368,7 @@ fn a_cut_deeper_than_caps_holds_out_no_job_of_an_observe_only_node() {
         },
         other => other,
     };
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(5600.0, None),
@@ -378,7 +378,7 @@ fn a_cut_deeper_than_caps_holds_out_no_job_of_an_observe_only_node() {
             observing(at_cap("n2", "102", "flex3,preempt=suspend", 700.0)),
         ],
     );
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 500),
         vec![admin(
             AdminOp::EventAdd {
@@ -401,7 +401,7 @@ fn a_cut_deeper_than_caps_holds_out_no_job_of_an_observe_only_node() {
 #[test]
 fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
     let mut core = fresh();
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(5600.0, None),
@@ -412,7 +412,7 @@ fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
         ],
     );
     // Announced 4.5 s ahead: the allocation the change triggers already suspends.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 500),
         vec![admin(
             AdminOp::EventAdd {
@@ -461,7 +461,7 @@ fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
     idle.cap_w = Some(200.0);
     idle.power_cap_w = Some(200.0);
     idle.power_w = Some(300.0);
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 10_000),
         vec![
             Input::Report {
@@ -476,7 +476,7 @@ fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
     );
     assert!(out.preempt.is_empty(), "{out:?}");
     // Over at 35 s: resumed.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 36_000),
         vec![
             at_cap("n1", "101", "flex0", 700.0),
@@ -497,7 +497,7 @@ fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
 #[test]
 fn a_node_that_does_not_confirm_is_counted_at_its_most() {
     let mut core = fresh();
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(6000.0, None),
@@ -507,13 +507,13 @@ fn a_node_that_does_not_confirm_is_counted_at_its_most() {
             at_cap("n2", "102", "flex3", 600.0),
         ],
     );
-    let out = core.step(UnixMs(T0 + 100), vec![budget_set(3000.0, None)]);
+    let out = core.step_saved(UnixMs(T0 + 100), vec![budget_set(3000.0, None)]);
     assert!(cap(&out, "n1", "101").is_some_and(|c| c < 600.0));
     // n2 confirms; n1 keeps reporting 600 W past the confirmation time.
     let c2 = cap(&out, "n2", "102").expect("n2");
-    core.step(UnixMs(T0 + 200), vec![at_cap("n2", "102", "flex3", c2)]);
+    core.step_saved(UnixMs(T0 + 200), vec![at_cap("n2", "102", "flex3", c2)]);
     let late = T0 + 100 + 10_000 + 1;
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(late),
         vec![at_cap("n1", "101", "flex3", 600.0), Input::Tick],
     );
@@ -537,7 +537,7 @@ fn at_once_sends_every_lease_immediately() {
         UnixMs(T0),
     );
     two_jobs_at_500_w(&mut core, "flex0");
-    let out = core.step(UnixMs(T0 + 100), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 100), vec![Input::Tick]);
     assert_eq!(
         cap(&out, "n2", "102"),
         Some(700.0),
@@ -556,7 +556,7 @@ fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rise
     let mut core = fresh();
     // Job 102 runs light (at most 300 W per GPU) on a prior: a curve in doubt, so it
     // gets its equal-split cap, and both start capped under 3.6 kW.
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(budget, None),
@@ -567,11 +567,11 @@ fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rise
         ],
     );
     let mut t = T0 + 1000;
-    let out = core.step(UnixMs(t), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(t), vec![Input::Tick]);
     let c1 = cap(&out, "n1", "101").expect("n1");
     let c2 = cap(&out, "n2", "102").expect("n2");
     assert!(c2 < 700.0, "102 must start capped: {out:?}");
-    core.step(
+    core.step_saved(
         UnixMs(t + 100),
         vec![
             at_cap("n1", "101", "flex3", c1),
@@ -580,7 +580,7 @@ fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rise
     );
     // 102 becomes unmovable (flex0): 101 is lowered at once, 102's rise held.
     t += 1000;
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t),
         vec![
             on_prior("n2", "102", "flex0", c2, 300.0_f64.min(c2)),
@@ -591,7 +591,7 @@ fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rise
     assert!(lowered < c1, "{out:?}");
     assert_eq!(cap(&out, "n2", "102"), Some(c2), "held: {out:?}");
     // Before n1 confirms, 102's load comes: it draws its cap under the cap it had.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t + 300),
         vec![on_prior("n2", "102", "flex0", c2, c2)],
     );
@@ -602,7 +602,7 @@ fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rise
     let relowered = cap(&out, "n1", "101").expect("n1 lowered again");
     // n1 confirms the first decrease. The increase decided while 102 was light must
     // not go out: at 700 W it draws 2.8 kW, and 101 is not yet down to make room.
-    let out = core.step(UnixMs(t + 400), vec![at_cap("n1", "101", "flex3", lowered)]);
+    let out = core.step_saved(UnixMs(t + 400), vec![at_cap("n1", "101", "flex3", lowered)]);
     if let Some(c) = cap(&out, "n2", "102") {
         assert!(
             lowered * 4.0 + c * 4.0 <= budget + 1e-6,
@@ -610,7 +610,7 @@ fn an_increase_held_for_a_confirmation_is_dropped_when_the_raised_jobs_draw_rise
         );
     }
     // Once 101 confirms the second decrease, 102 gets its full cap, within the budget.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t + 500),
         vec![at_cap("n1", "101", "flex3", relowered)],
     );
@@ -626,25 +626,25 @@ fn a_confirmation_in_the_same_batch_as_an_allocation_does_not_send_the_older_lea
     let mut core = fresh();
     two_jobs_at_500_w(&mut core, "flex3");
     let t = T0 + 1000;
-    let out = core.step(UnixMs(t), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(t), vec![Input::Tick]);
     let (c1, c2) = (
         cap(&out, "n1", "101").expect("n1"),
         cap(&out, "n2", "102").expect("n2"),
     );
-    core.step(
+    core.step_saved(
         UnixMs(t + 100),
         vec![
             at_cap("n1", "101", "flex3", c1),
             at_cap("n2", "102", "flex3", c2),
         ],
     );
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t + 200),
         vec![at_cap("n2", "102", "flex0", c2), Input::Tick],
     );
     let lowered = cap(&out, "n1", "101").expect("n1 lowered");
     // n1 confirms in the same batch as a cut to 3 kW.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(t + 300),
         vec![
             at_cap("n1", "101", "flex3", lowered),
