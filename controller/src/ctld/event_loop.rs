@@ -351,9 +351,10 @@ impl EventLoop<'_> {
                 let ours = l.leader.active() && epoch == l.leader.epoch() && epoch == core_epoch;
                 let input = match &outcome {
                     Ok(()) => Input::Durable { version },
+                    // The database thread's error names the database already.
                     Err(error) => Input::NotDurable {
                         version,
-                        error: format!("the leadership database: {error}"),
+                        error: error.clone(),
                     },
                 };
                 l.saved(epoch, outcome);

@@ -315,7 +315,7 @@ impl Worker {
             Ok(t) => Ok(t),
             Err(e) => {
                 self.client = None;
-                Err(format!("leadership database: {e}"))
+                Err(format!("leadership database: {}", describe(&e)))
             }
         }
     }
@@ -350,6 +350,20 @@ impl Worker {
             .map_err(|e| format!("cannot create the leadership tables: {e}"))?;
         info!(name = %self.options.name, "connected to the leadership database");
         Ok(client)
+    }
+}
+
+/// A database error with the server's own words where it sent some (`postgres` shows
+/// only `db error` for those): what an admin refused for it reads.
+fn describe(e: &postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!(
+            "{e}: {} {}: {}",
+            db.severity(),
+            db.code().code(),
+            db.message()
+        ),
+        None => e.to_string(),
     }
 }
 

@@ -180,12 +180,18 @@ mod tests {
         let now = clock.now();
         gate.open(3, Some(UnixMs(now.ms() + 60_000)));
         assert!(gate.allows(3));
-        assert!(!gate.allows(2), "a command of an earlier leadership is dropped");
+        assert!(
+            !gate.allows(2),
+            "a command of an earlier leadership is dropped"
+        );
         // The deadline passed (as for a leader paused past it): dropped.
         gate.open(3, Some(UnixMs(now.ms().saturating_sub(1))));
         assert!(!gate.allows(3));
         gate.open(3, Some(UnixMs(now.ms() + 60_000)));
         gate.close();
-        assert!(!gate.allows(3), "a controller that stopped steering runs nothing");
+        assert!(
+            !gate.allows(3),
+            "a controller that stopped steering runs nothing"
+        );
     }
 }

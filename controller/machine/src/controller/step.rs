@@ -412,7 +412,14 @@ impl Controller {
                     out.replies.push((index, reply));
                 }
                 Input::Reload(reload) => self.reload(*reload),
-                Input::Tick => self.allocate_now = true,
+                Input::Tick => {
+                    self.allocate_now = true;
+                    // While saves fail, each period tries one again: its success is
+                    // what lets admin changes in.
+                    if self.durability.save_error().is_some() {
+                        self.dirty = true;
+                    }
+                }
                 Input::Placement(read) => self.placement_read(*read),
                 Input::AccountingDb(view) => self.accounting_db = Some(view),
                 Input::Leadership(view) => {

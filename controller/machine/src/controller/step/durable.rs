@@ -18,12 +18,15 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use powerflex_core::Watts;
+use powerflex_proto::event::Event;
+
 use tracing::{error, info};
 
 use powerflex_proto::admin::{AdminReply, Refusal};
 
 use crate::controller::state::CtldState;
-use crate::preempt::Action;
+use crate::preempt::{Action, Preempted};
 
 use super::{Controller, Lease, Output};
 
@@ -31,17 +34,40 @@ use super::{Controller, Lease, Output};
 /// newest of those queued, so older ones are answered by a newer version's durability.
 const MAX_IN_FLIGHT: usize = 64;
 
+/// What of a state decides leases and Slurm commands: its budgets, events and held jobs
+/// (the nodes known, megabytes at a large site, are not kept twice).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Effects {
+    budget_w: Option<Watts>,
+    domain_budgets_w: BTreeMap<String, Watts>,
+    events: Vec<Event>,
+    next_event_id: u64,
+    preempted: BTreeMap<String, Preempted>,
+}
+
+impl Effects {
+    fn of(state: &CtldState) -> Effects {
+        Effects {
+            budget_w: state.budget_w,
+            domain_budgets_w: state.domain_budgets_w.clone(),
+            events: state.events.clone(),
+            next_event_id: state.next_event_id,
+            preempted: state.preempted.clone(),
+        }
+    }
+}
+
 /// What the durability of the state holds back, and why.
 #[derive(Debug, Default)]
 pub(super) struct Durability {
-    /// The newest state known durable: as loaded (a state file or a committed row), then
-    /// as the edge last confirmed.
-    durable: CtldState,
+    /// What the newest state known durable decides from: as loaded (a state file or a
+    /// committed row), then as the edge last confirmed.
+    durable: Effects,
     durable_version: u64,
     /// The newest version handed to the edge to save.
     version: u64,
-    /// Versions handed out and not yet answered, with their states.
-    in_flight: VecDeque<(u64, CtldState)>,
+    /// Versions handed out and not yet answered, with what their states decide from.
+    in_flight: VecDeque<(u64, Effects)>,
     /// Why the newest save failed, until a later one is durable: admin changes are
     /// refused with it meanwhile.
     save_error: Option<String>,
@@ -63,7 +89,7 @@ impl Durability {
     /// Starting from `loaded`, which is durable (read from where it was saved).
     pub(super) fn new(loaded: &CtldState) -> Durability {
         Durability {
-            durable: loaded.clone(),
+            durable: Effects::of(loaded),
             ..Durability::default()
         }
     }
@@ -82,7 +108,7 @@ impl Durability {
 /// Whether `a` and `b` lead to the same leases and Slurm commands at `now_ms`: the same
 /// budgets, the same events still pending and the same held jobs. The nodes known and
 /// events that ended differ without changing what a leader decides from them.
-fn same_effects(a: &CtldState, b: &CtldState, now_ms: u64) -> bool {
+fn same_effects(a: &CtldState, b: &Effects, now_ms: u64) -> bool {
     a.budget_w == b.budget_w
         && a.domain_budgets_w == b.domain_budgets_w
         && a.preempted == b.preempted
@@ -163,6 +189,7 @@ impl Controller {
             self.state.budget_w = durable.budget_w;
             self.state.domain_budgets_w = durable.domain_budgets_w.clone();
             self.state.events = durable.events.clone();
+            // Never lower: an id handed out once is not handed out again.
             self.state.next_event_id = self.state.next_event_id.max(durable.next_event_id);
             self.state.preempted = durable.preempted.clone();
             // Saved again, so that what a retry writes is what is in force (never the
@@ -211,7 +238,7 @@ impl Controller {
             if d.in_flight.len() == MAX_IN_FLIGHT {
                 d.in_flight.pop_front();
             }
-            d.in_flight.push_back((d.version, state.clone()));
+            d.in_flight.push_back((d.version, Effects::of(state)));
         }
         for (index, reply) in changes {
             if d.all_durable() {

@@ -125,8 +125,14 @@ fn a_failed_save_refuses_the_change_keeps_the_durable_state_and_refuses_changes_
         .sum();
     assert!(total > 2000.0 && total <= 4000.0 + 1e-6, "{tick:?}");
 
-    // A save that succeeds lets changes in again.
-    core.step(UnixMs(T0 + 11_100), vec![durable(again_version(&failed))]);
+    // Each period tries a save again; one that succeeds lets changes in again.
+    assert!(
+        tick.persist
+            .as_ref()
+            .is_some_and(|s| s.budget_w == before.budget_w),
+        "a save is tried again each period: {tick:?}"
+    );
+    core.step(UnixMs(T0 + 11_100), vec![durable(again_version(&tick))]);
     let out = core.step(UnixMs(T0 + 11_200), vec![budget_set(3000.0, None)]);
     assert!(
         out.replies.is_empty() && out.wait_replies.len() == 1,
