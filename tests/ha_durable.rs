@@ -508,6 +508,15 @@ fn nothing_takes_effect_before_it_is_committed_and_a_deposed_leader_runs_no_slur
         std::fs::read_to_string(&slurm_log).unwrap_or_default()
     );
 
+    // The second was queued, and dropped by the thawed leader rather than never decided.
+    let log_a = std::fs::read_to_string(a.dir.join("ctld.log")).unwrap_or_default();
+    assert!(
+        log_a.lines().any(|l| l
+            .contains("not run: the leadership that decided it no longer steers")
+            && l.contains("suspend")),
+        "ctld-a's queued suspension dropped, and logged so"
+    );
+
     stop.store(true, Ordering::SeqCst);
     for t in agents {
         t.join().expect("agent");
