@@ -24,6 +24,7 @@ pub mod flex;
 pub mod gpus;
 pub mod pfi;
 pub mod point;
+pub mod promise;
 pub mod rng;
 pub mod slurm_record;
 pub mod time;
