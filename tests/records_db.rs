@@ -56,6 +56,7 @@ fn share(job: &str, node: &str, energy_mj: u64, ended: bool) -> NodeUsage {
         slowdown_pct: Some(4.1),
         bound_pct: Some(25.0),
         bound_held: Some(true),
+        bound_judgement: None,
         saved_estimate_j: Some(1_234.5),
         work: Some(6.0e6),
         work_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
@@ -242,14 +243,16 @@ fn job_records_reach_postgresql_once_through_outages_and_restarts() {
     let mut ctld = site.start_ctld();
     phase("controller started");
     wait_until("the database connected", Duration::from_secs(30), || {
-        site.status()
-            .accounting_db
-            .filter(|db| db.connected && db.schema_version == Some(1))
+        site.status().accounting_db.filter(|db| {
+            db.connected
+                && db.schema_version
+                    == Some(powerflex_controller::ctld::records_db::schema_version())
+        })
     });
     assert_eq!(
         count(&pg, "SELECT count(*) FROM powerflex_migrations"),
-        1,
-        "one migration applied"
+        powerflex_controller::ctld::records_db::MIGRATIONS.len() as u64,
+        "every migration applied"
     );
     phase("connected and migrated");
     let (mut n1, mut n2) = (site.node("n1"), site.node("n2"));

@@ -553,6 +553,7 @@ mod tests {
             slowdown_pct: Some(5.0),
             bound_pct: Some(25.0),
             bound_held: Some(true),
+            bound_judgement: None,
             saved_estimate_j: saved,
             tokens_per_j: None,
             pfi: Some(3.0),

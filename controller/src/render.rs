@@ -136,7 +136,7 @@ pub fn render_jobs(jobs: &[SiteJobStatus]) -> String {
             bound(j.floor.as_ref()),
             match j.below_measured_w {
                 Some(lowest) => format!(
-                    "{}; guess below {lowest:.0} W",
+                    "{}; lower bound below {lowest:.0} W",
                     drift_text(j.drift.as_ref())
                 ),
                 None => drift_text(j.drift.as_ref()),
@@ -190,7 +190,7 @@ pub fn render_job_report(job: &SiteJobStatus) -> String {
     }
     if let Some(lowest) = job.below_measured_w {
         out.push_str(&format!(
-            "ON THE GUESS: its cap is below its lowest measured cap ({lowest:.0} W); the curve there is extrapolated until the agent's first window at the new cap\n"
+            "BELOW ITS READINGS: its cap is below its lowest measured cap ({lowest:.0} W); there it is planned on a physics lower bound of its speed (the chord from the GPU's static draw to its lowest reading) until the agent's first window at the new cap\n"
         ));
     }
     let slowdown = |top: f64, t: f64| {
@@ -306,11 +306,7 @@ pub fn render_job_record(r: &JobEnergyRecord) -> String {
             format!("{:.0}s", n.event_s),
             pct(n.power_throttled_s, n.throttle_known_s),
             n.slowdown_pct.map_or("-".into(), |s| format!("{s:.1}%")),
-            match n.bound_held {
-                Some(true) => "held".into(),
-                Some(false) => "BROKEN".into(),
-                None => "-".into(),
-            },
+            powerflex_proto::usage::bound_cell(n.bound_held, n.bound_judgement),
         ]);
     }
     out.push_str(&t.render());
@@ -352,11 +348,7 @@ pub fn render_accounting(records: &[JobEnergyRecord]) -> String {
             format!("{:.0}", r.avg_power_w),
             format!("{:.0}%", r.capped_pct),
             r.slowdown_pct.map_or("-".into(), |s| format!("{s:.1}%")),
-            match r.bound_held {
-                Some(true) => "held".into(),
-                Some(false) => "BROKEN".into(),
-                None => "-".into(),
-            },
+            r.bound_cell(),
             r.energy_source.name().to_string(),
         ]);
     }
@@ -390,13 +382,13 @@ pub fn render_accounting(records: &[JobEnergyRecord]) -> String {
 /// Energy records as CSV (one row per job; figures in SI units).
 pub fn accounting_csv(records: &[JobEnergyRecord]) -> String {
     let mut out = String::from(
-        "job_id,uid,tier,from_unix_ms,to_unix_ms,gpus,energy_j,energy_kwh,energy_source,avg_power_w,peak_power_w,capped_pct,event_s,slowdown_pct,bound_pct,bound_held,saved_estimate_j,simulated,account\n",
+        "job_id,uid,tier,from_unix_ms,to_unix_ms,gpus,energy_j,energy_kwh,energy_source,avg_power_w,peak_power_w,capped_pct,event_s,slowdown_pct,bound_pct,bound_held,saved_estimate_j,simulated,account,bound_past_s,bound_depth_pct\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
     for r in records {
         // Job ids hold no commas or quotes (validated on entry); a tier's commas become ;.
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             r.job_id,
             r.uid,
             r.tier.replace(',', ";"),
@@ -419,7 +411,9 @@ pub fn accounting_csv(records: &[JobEnergyRecord]) -> String {
             r.account
                 .as_deref()
                 .unwrap_or("")
-                .replace([',', '"', '\n', '\r'], "_")
+                .replace([',', '"', '\n', '\r'], "_"),
+            opt(r.bound_judgement.map(|j| j.past_s)),
+            opt(r.bound_judgement.and_then(|j| j.depth_pct)),
         ));
     }
     out
@@ -595,7 +589,7 @@ pub fn render_status(s: &CtldStatus) -> String {
         .collect();
     if !guessed.is_empty() {
         out.push_str(&format!(
-            "ON THE GUESS ({} jobs; capped below their lowest measured cap, where the curve is extrapolated until a window there lands): {}\n",
+            "BELOW THE READINGS ({} jobs; capped below their lowest measured cap, planned there on a physics lower bound of their speed until a window there lands): {}\n",
             guessed.len(),
             guessed.join(", ")
         ));
@@ -996,13 +990,13 @@ mod tests {
         s.jobs[1].below_measured_w = Some(400.0);
         let text = render_status(&s);
         assert!(
-            text.contains("ON THE GUESS (1 jobs; capped below their lowest measured cap, where the curve is extrapolated until a window there lands): 102 (300 W < 400 W)"),
+            text.contains("BELOW THE READINGS (1 jobs; capped below their lowest measured cap, planned there on a physics lower bound of their speed until a window there lands): 102 (300 W < 400 W)"),
             "{text}"
         );
-        assert!(!render_status(&status()).contains("ON THE GUESS"));
-        assert!(render_jobs(&s.jobs).contains("guess below 400 W"));
+        assert!(!render_status(&status()).contains("BELOW THE READINGS"));
+        assert!(render_jobs(&s.jobs).contains("lower bound below 400 W"));
         assert!(render_job_report(&s.jobs[1])
-            .contains("ON THE GUESS: its cap is below its lowest measured cap (400 W)"));
+            .contains("BELOW ITS READINGS: its cap is below its lowest measured cap (400 W)"));
     }
 
     #[test]

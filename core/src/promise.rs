@@ -149,9 +149,9 @@ mod tests {
         assert_eq!(j.held(), Some(false));
         assert_eq!(j.judged_s, 30.0);
         assert_eq!(j.past_s, 20.0);
-        assert!((j.depth_pct.unwrap() - 15.0).abs() < 1e-9);
+        assert!((j.depth_pct.expect("depth") - 15.0).abs() < 1e-9);
         assert_eq!(
-            j.verdict_text().unwrap(),
+            j.verdict_text().expect("verdict"),
             "NOT held (15.0 points past it at worst, for 20 s)"
         );
     }
@@ -161,7 +161,7 @@ mod tests {
         // 25.5 % slow: within the one-point tolerance.
         assert_eq!(w(74.5, 0.0, 0.0).past_pct(25.0), None);
         // 27 % slow: past it when measured precisely, within it at 2 % noise (4 points).
-        let past = w(73.0, 0.0, 0.0).past_pct(25.0).unwrap();
+        let past = w(73.0, 0.0, 0.0).past_pct(25.0).expect("past");
         assert!((past - 2.0).abs() < 1e-9, "{past}");
         assert_eq!(w(73.0, 0.02, 0.0).past_pct(25.0), None);
         // A walk may read 5 points past the bound, not more.
@@ -199,7 +199,7 @@ mod tests {
 
     #[test]
     fn records_without_the_judgement_read_as_not_judged() {
-        let j: BoundJudgement = serde_json::from_str("{}").unwrap();
+        let j: BoundJudgement = serde_json::from_str("{}").expect("parses");
         assert_eq!(j.held(), None);
     }
 }

@@ -308,9 +308,10 @@ pub struct SiteJobStatus {
     /// does not say (an older agent) or two nodes disagree: then only root sees the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner_uid: Option<u32>,
-    /// The job's lowest measured cap, W, when its granted cap is below it: there its curve
-    /// is a guess (extrapolated from the points above) until the agent's first window at
-    /// the new cap replaces it. None when the job runs on measured territory.
+    /// The job's lowest measured cap, W, when its granted cap is below it: there it is
+    /// planned on a physics lower bound of its speed (the chord from the GPU's static draw
+    /// to its lowest reading) until the agent's first window at the new cap replaces it.
+    /// None when the job runs where it was measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub below_measured_w: Option<f64>,
     /// Energy its GPUs used so far, summed over its nodes' running shares, J (from the

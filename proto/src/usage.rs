@@ -11,6 +11,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use powerflex_core::promise::BoundJudgement;
+
 /// The version of [`JobEnergyRecord`] this crate writes. A reader refuses a record of a
 /// newer version rather than misread it. Version 2 added `run_start_unix_ms` and
 /// `revision` (a requeued job's runs, late final shares); a version 1 record reads with
@@ -136,10 +138,15 @@ pub struct NodeUsage {
     /// The tier's bound, percent (none for tiers without one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_pct: Option<f64>,
-    /// Whether no cap the job ran at (for more than a sample) slowed it beyond its bound
-    /// on its measured curve.
+    /// Whether the bound held: no measurement window here read the job slower than its
+    /// bound against the same phase uncapped ([`powerflex_core::promise`]). None before
+    /// a window was judged, or for a tier without a bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_held: Option<bool>,
+    /// The windows judged, and when the bound did not hold, how long and how deep it was
+    /// broken. Absent in shares from older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_judgement: Option<BoundJudgement>,
     /// Energy saved against running uncapped for the same work, J: an ESTIMATE from the
     /// job's measured curve (the uncapped draw over the time the work would have taken
     /// uncapped, less the curve's draw at the caps held).
@@ -200,8 +207,13 @@ pub struct JobEnergyRecord {
     pub slowdown_pct: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_pct: Option<f64>,
+    /// See [`NodeUsage::bound_held`]: every node's windows held.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_held: Option<bool>,
+    /// The nodes' judgements merged (they measure the same time: the longest time past
+    /// the bound and the deepest window). Absent in records from older releases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_judgement: Option<BoundJudgement>,
     /// ESTIMATE (see [`NodeUsage::saved_estimate_j`]), summed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub saved_estimate_j: Option<f64>,
@@ -357,6 +369,17 @@ impl NodeUsage {
             check_figure(&field("cap cap_w"), c.cap_w)?;
             check_figure(&field("cap seconds"), c.seconds)?;
         }
+        if let Some(j) = self.bound_judgement {
+            for (name, v) in [
+                ("bound_judgement judged_s", j.judged_s),
+                ("bound_judgement past_s", j.past_s),
+            ] {
+                check_figure(&field(name), v)?;
+            }
+            if let Some(d) = j.depth_pct {
+                check_figure(&field("bound_judgement depth_pct"), d)?;
+            }
+        }
         for (name, v) in [
             ("slowdown_pct", self.slowdown_pct),
             ("bound_pct", self.bound_pct),
@@ -454,6 +477,10 @@ impl JobEnergyRecord {
                 .iter()
                 .filter_map(|s| s.bound_held)
                 .reduce(|a, b| a && b),
+            bound_judgement: shares
+                .iter()
+                .filter_map(|s| s.bound_judgement)
+                .reduce(|a, b| a.merge(&b)),
             saved_estimate_j: all_some(|s| s.saved_estimate_j).map(|v| v.iter().sum()),
             tokens_per_j,
             pfi: shares.iter().find_map(|s| s.pfi),
@@ -462,6 +489,27 @@ impl JobEnergyRecord {
             run_start_unix_ms: None,
             revision: 1,
         })
+    }
+
+    /// Whether the bound held, in the words every surface prints: "held", "NOT held (12.3
+    /// points past it at worst, for 40 s)", or "(no window judged)"; a record from an
+    /// older release, without the judgement, says only held or NOT held.
+    pub fn bound_text(&self) -> String {
+        match (
+            self.bound_held,
+            self.bound_judgement.and_then(|j| j.verdict_text()),
+        ) {
+            (Some(false), Some(text)) | (Some(true), Some(text)) => text,
+            (Some(true), None) => "held".into(),
+            (Some(false), None) => "NOT held".into(),
+            (None, _) => "(no window judged)".into(),
+        }
+    }
+
+    /// The bound's table cell: "held", "BROKEN +6.5 pt 40 s" (depth past the bound, time
+    /// past it), or "-" before a window was judged.
+    pub fn bound_cell(&self) -> String {
+        bound_cell(self.bound_held, self.bound_judgement)
     }
 
     /// The line a job's user reads at its end, e.g. "powerflex: 12.4 kWh on 8 GPUs,
@@ -484,11 +532,8 @@ impl JobEnergyRecord {
         if let Some(s) = self.slowdown_pct {
             line.push_str(&format!(", {s:.1} % slower"));
         }
-        match (self.bound_pct, self.bound_held) {
-            (Some(b), Some(true)) => line.push_str(&format!(", bound {b:.0} % held")),
-            (Some(b), Some(false)) => line.push_str(&format!(", bound {b:.0} % NOT held")),
-            (Some(b), None) => line.push_str(&format!(", bound {b:.0} % (no measured curve)")),
-            (None, _) => {}
+        if let Some(b) = self.bound_pct {
+            line.push_str(&format!(", bound {b:.0} % {}", self.bound_text()));
         }
         if let Some(saved) = self.saved_estimate_j.filter(|s| *s > 0.0) {
             line.push_str(&format!(", about {} saved (estimate)", human_energy(saved)));
@@ -503,6 +548,20 @@ impl JobEnergyRecord {
             line.push_str(" [SIMULATED GPUs]");
         }
         line
+    }
+}
+
+/// See [`JobEnergyRecord::bound_cell`]; a record from an older release says BROKEN alone.
+pub fn bound_cell(held: Option<bool>, judgement: Option<BoundJudgement>) -> String {
+    match (held, judgement) {
+        (Some(true), _) => "held".into(),
+        (Some(false), Some(j)) => format!(
+            "BROKEN +{:.1} pt {:.0} s",
+            j.depth_pct.unwrap_or(0.0),
+            j.past_s
+        ),
+        (Some(false), None) => "BROKEN".into(),
+        (None, _) => "-".into(),
     }
 }
 
@@ -593,6 +652,11 @@ mod tests {
             slowdown_pct: Some(3.0),
             bound_pct: Some(25.0),
             bound_held: Some(true),
+            bound_judgement: Some(BoundJudgement {
+                judged_s: 10.0,
+                past_s: 0.0,
+                depth_pct: None,
+            }),
             saved_estimate_j: Some(100.0),
             work: Some(1e6),
             work_unit: Some(ThroughputUnit::Tokens),
@@ -697,12 +761,22 @@ mod tests {
     fn a_node_that_broke_the_bound_marks_the_job() {
         let mut bad = share("n2", 1, true);
         bad.bound_held = Some(false);
+        bad.bound_judgement = Some(BoundJudgement {
+            judged_s: 10.0,
+            past_s: 4.0,
+            depth_pct: Some(6.5),
+        });
         bad.work_unit = Some(ThroughputUnit::Steps);
         let r = JobEnergyRecord::from_shares(vec![share("n1", 1, true), bad], vec!["n2".into()], 0)
             .expect("record");
         assert_eq!(r.bound_held, Some(false));
         assert_eq!(r.tokens_per_j, None, "steps do not make tokens");
-        assert!(r.summary_line().contains("NOT held"));
+        assert!(
+            r.summary_line()
+                .contains("bound 25 % NOT held (6.5 points past it at worst, for 4 s)"),
+            "{}",
+            r.summary_line()
+        );
         assert!(r.summary_line().contains("incomplete"));
         assert_eq!(human_energy(12.4 * J_PER_KWH), "12.40 kWh");
     }

@@ -541,6 +541,7 @@ mod tests {
             slowdown_pct: None,
             bound_pct: Some(25.0),
             bound_held: None,
+            bound_judgement: None,
             saved_estimate_j: None,
             work: None,
             work_unit: None,

@@ -36,6 +36,7 @@
 //! forms the agent reports and saves in `results`.
 
 use powerflex_core::calibration_design::{DesignParams, DesignWalk};
+use powerflex_core::promise::WindowRate;
 use powerflex_core::Watts;
 
 mod operation;
@@ -279,6 +280,8 @@ pub struct Calibration {
     /// A finished curve is being extended down to `reach`: the curve stays planned on
     /// while the walk reads the levels below it.
     extending: bool,
+    /// Windows read since the agent last took them, as the bound judges them.
+    judged: Vec<WindowRate>,
 }
 
 impl Calibration {
@@ -326,7 +329,46 @@ impl Calibration {
             deadline: None,
             reach: None,
             extending: false,
+            judged: Vec::new(),
         }
+    }
+
+    /// The windows read since the last call, each beside the same phase's uncapped rate,
+    /// for the job's bound ([`powerflex_core::promise`]); the agent keeps the judgement in
+    /// the job's accounting, which outlives the windows kept here.
+    pub fn take_judged(&mut self) -> Vec<WindowRate> {
+        std::mem::take(&mut self.judged)
+    }
+
+    /// `window` beside its phase's uncapped rate: the mean of this window set's windows
+    /// at the grid's top cap (a re-walk starts a new set, so the top is of the same
+    /// phase). None before the top is measured. A walk's window may read the calibration
+    /// allowance past the bound; a window in operation (a probe included) may not.
+    fn judged_window(&self, window: &Window) -> Option<WindowRate> {
+        let top = self.settings.grid.first()?;
+        let tops: Vec<&Window> = self
+            .windows
+            .iter()
+            .filter(|w| (w.cap.0 - top.0).abs() < 0.5 && w.throughput > 0.0)
+            .collect();
+        if tops.is_empty() {
+            return None;
+        }
+        let n = tops.len() as f64;
+        let uncapped_rate = tops.iter().map(|w| w.throughput).sum::<f64>() / n;
+        // The top's mean has its windows' noise over sqrt(n); the ratio carries both.
+        let top_noise_sq = tops.iter().map(|w| w.relative_noise.powi(2)).sum::<f64>() / (n * n);
+        Some(WindowRate {
+            seconds: self.settings.hold_s,
+            rate: window.throughput,
+            uncapped_rate,
+            relative_noise: (window.relative_noise.powi(2) + top_noise_sq).sqrt(),
+            slack_pct: if window.learned {
+                0.0
+            } else {
+                100.0 * self.settings.allowance
+            },
+        })
     }
 
     /// The design's knobs for this job: the site's, with the job's tier bound (plus the

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use powerflex_core::curve::CapCurve;
+use powerflex_core::promise::{BoundJudgement, WindowRate};
 use powerflex_core::Watts;
 use powerflex_proto::usage::ThroughputUnit;
 use powerflex_proto::usage::{CapTime, EnergySource, GpuEnergy, NodeUsage, MAX_CAP_TIMES};
@@ -43,13 +44,6 @@ pub fn max_observation_gap_ms(sample_interval_ms: u64) -> u64 {
         .saturating_mul(OBSERVATION_GAP_PERIODS)
         .max(MIN_OBSERVATION_GAP_MS)
 }
-
-/// A cap that slows the job beyond its bound by less than this (percent points) is
-/// within the curve's own uncertainty, not a broken bound.
-pub const BOUND_TOLERANCE_PCT: f64 = 1.0;
-
-/// A cap held less than this long (a sample or a walk's step) does not judge the bound, s.
-pub const BOUND_MIN_HELD_S: f64 = 2.0;
 
 /// One counter reading.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -141,6 +135,11 @@ pub struct JobUsage {
     /// follows once Slurm has stopped its steps, makes none again. Absent in older files.
     #[serde(default)]
     pub closed: bool,
+    /// The job's bound judged on its measurement windows here, each against the same
+    /// phase's uncapped rate ([`powerflex_core::promise`]). Absent in older files (then
+    /// judged from the next window on).
+    #[serde(default)]
+    pub bound: BoundJudgement,
 }
 
 /// The state an observation leaves in force until the next.
@@ -338,6 +337,14 @@ impl JobUsage {
         }
     }
 
+    /// A measurement window of the job here, judged against `bound_pct` (none: a tier
+    /// without a bound, nothing to judge).
+    pub fn window_judged(&mut self, window: WindowRate, bound_pct: Option<f64>) {
+        if let Some(bound) = bound_pct {
+            self.bound.judge(window, bound);
+        }
+    }
+
     /// Energy charged so far, mJ.
     pub fn energy_mj(&self) -> u64 {
         self.gpus
@@ -380,7 +387,7 @@ impl JobUsage {
             .map(|g| g.source)
             .reduce(EnergySource::combine)
             .unwrap_or(EnergySource::Counter);
-        let effect = curve.and_then(|c| self.effect(c, bound_pct));
+        let effect = curve.and_then(|c| self.effect(c));
         NodeUsage {
             job_id: job_id.to_string(),
             node: node.to_string(),
@@ -410,10 +417,11 @@ impl JobUsage {
                 .collect(),
             slowdown_pct: effect.map(|e| e.slowdown_pct),
             bound_pct,
-            bound_held: match (effect, bound_pct) {
-                (Some(e), Some(_)) => Some(e.bound_held),
-                _ => None,
-            },
+            bound_held: bound_pct.and_then(|_| self.bound.held()),
+            bound_judgement: bound_pct
+                .is_some()
+                .then_some(self.bound)
+                .filter(|j| j.held().is_some()),
             saved_estimate_j: effect.map(|e| e.saved_j),
             work: work.map(|w| w.0),
             work_unit: work.map(|w| w.1),
@@ -423,32 +431,25 @@ impl JobUsage {
         }
     }
 
-    /// What the caps held did to the job, on its measured curve.
-    fn effect(&self, curve: &CapCurve, bound_pct: Option<f64>) -> Option<Effect> {
+    /// What the caps held did to the job, on its measured curve: its average slowdown
+    /// and the energy saved (both estimates; the bound is judged on windows instead).
+    fn effect(&self, curve: &CapCurve) -> Option<Effect> {
         let top = curve.uncapped();
         if !top.throughput.is_finite() || top.throughput <= 0.0 {
             return None;
         }
         let (mut held_s, mut slow_s, mut capped_j, mut uncapped_j) = (0.0, 0.0, 0.0, 0.0);
-        let mut bound_held = true;
         for (&cap, &seconds) in &self.cap_seconds {
             let at = curve.at(Watts(f64::from(cap)));
             let relative = (at.throughput / top.throughput).clamp(0.0, 1.0);
-            let slowdown_pct = 100.0 * (1.0 - relative);
             held_s += seconds;
             slow_s += seconds * (1.0 - relative);
             capped_j += seconds * at.power_w.0;
             // The same work uncapped takes `relative` of the time at the uncapped draw.
             uncapped_j += seconds * relative * top.power_w.0;
-            if let Some(bound) = bound_pct {
-                if seconds >= BOUND_MIN_HELD_S && slowdown_pct > bound + BOUND_TOLERANCE_PCT {
-                    bound_held = false;
-                }
-            }
         }
         (held_s > 0.0).then(|| Effect {
             slowdown_pct: 100.0 * slow_s / held_s,
-            bound_held,
             saved_j: uncapped_j - capped_j,
         })
     }
@@ -457,7 +458,6 @@ impl JobUsage {
 #[derive(Debug, Clone, Copy)]
 struct Effect {
     slowdown_pct: f64,
-    bound_held: bool,
     saved_j: f64,
 }
 
@@ -614,7 +614,7 @@ mod tests {
     }
 
     #[test]
-    fn slowdown_saving_and_the_bound_come_from_the_curve_at_the_caps_held() {
+    fn slowdown_and_saving_come_from_the_curve_the_bound_from_the_windows() {
         let mut u = JobUsage::default();
         // 10 s at 700 W, then 10 s at 500 W, observed every second.
         for i in 0..=20u64 {
@@ -635,15 +635,42 @@ mod tests {
         );
         // 10 s at 700 W (0 % slower) and 10 s at 500 W (5 % slower).
         assert!((s.slowdown_pct.expect("slowdown") - 2.5).abs() < 1e-9);
-        assert_eq!(s.bound_held, Some(true));
+        assert_eq!(s.bound_held, None, "no window judged yet: no verdict");
+        assert_eq!(s.bound_judgement, None);
         // At 500 W: 10 s × 4000 W = 40 kJ; uncapped the same work takes 9.5 s × 5600 W.
         let saved = s.saved_estimate_j.expect("saved");
         assert!((saved - (9.5 * 5600.0 - 40_000.0)).abs() < 1e-6, "{saved}");
         assert_eq!(s.caps[0].cap_w, 700.0, "highest cap first");
-        // 10 s at 300 W is 40 % slower: beyond a 10 % bound.
-        for i in 21..=30u64 {
-            u.observe(obs(i * 1_000, 300.0, true), GAP_1S);
-        }
+        // A window at 95 of an uncapped 100 holds a 10 % bound; one at 60 is 30 points
+        // past it, whatever the curve says of the cap it ran at.
+        let window = |rate: f64| WindowRate {
+            seconds: 10.0,
+            rate,
+            uncapped_rate: 100.0,
+            relative_noise: 0.005,
+            slack_pct: 0.0,
+        };
+        u.window_judged(window(95.0), Some(10.0));
+        u.window_judged(window(60.0), None);
+        assert_eq!(
+            u.bound.judged_s, 10.0,
+            "a tier without a bound judges nothing"
+        );
+        u.window_judged(window(95.0), Some(10.0));
+        let s = u.share(
+            "7",
+            "n1",
+            1,
+            "flex1",
+            Some(&curve()),
+            Some(10.0),
+            None,
+            None,
+            true,
+            false,
+        );
+        assert_eq!(s.bound_held, Some(true));
+        u.window_judged(window(60.0), Some(10.0));
         let s = u.share(
             "7",
             "n1",
@@ -657,6 +684,15 @@ mod tests {
             false,
         );
         assert_eq!(s.bound_held, Some(false));
+        let j = s.bound_judgement.expect("judged");
+        assert_eq!((j.judged_s, j.past_s), (30.0, 10.0));
+        assert!((j.depth_pct.expect("depth") - 30.0).abs() < 1e-9);
+        // A share without a bound carries no verdict.
+        let unbounded = u.share("7", "n1", 1, "flex1", None, None, None, None, true, false);
+        assert_eq!(
+            (unbounded.bound_held, unbounded.bound_judgement),
+            (None, None)
+        );
     }
 
     #[test]

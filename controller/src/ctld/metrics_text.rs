@@ -267,6 +267,7 @@ mod tests {
                 slowdown_pct: None,
                 bound_pct: None,
                 bound_held: None,
+                bound_judgement: None,
                 saved_estimate_j: Some(energy_j / 10.0),
                 work: None,
                 work_unit: None,

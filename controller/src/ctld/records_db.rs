@@ -66,10 +66,11 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const MIGRATION_LOCK: i64 = 0x7066_6c78;
 
 /// The schema, one step per version; never edit a released step, add one.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "job energy records",
-    "CREATE TABLE powerflex_job_energy (
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "job energy records",
+        "CREATE TABLE powerflex_job_energy (
         job_id              text NOT NULL,
         run_unix_ms         bigint NOT NULL,
         revision            integer NOT NULL,
@@ -103,7 +104,15 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
     CREATE INDEX powerflex_job_energy_ended ON powerflex_job_energy (ended_at);
     CREATE INDEX powerflex_job_energy_uid ON powerflex_job_energy (uid, ended_at);
     CREATE INDEX powerflex_job_energy_account ON powerflex_job_energy (account, ended_at);",
-)];
+    ),
+    (
+        2,
+        "how long and how deep a job's bound was broken",
+        "ALTER TABLE powerflex_job_energy
+        ADD COLUMN bound_past_s    double precision,
+        ADD COLUMN bound_depth_pct double precision;",
+    ),
+];
 
 /// The schema version this controller writes.
 pub fn schema_version() -> i32 {
@@ -115,11 +124,11 @@ const INSERT: &str = "INSERT INTO powerflex_job_energy (
         written_at, started_at, ended_at, gpus, energy_j, energy_kwh, energy_source,
         avg_power_w, peak_power_w, capped_pct, event_s, power_throttled_pct,
         slowdown_pct, bound_pct, bound_held, saved_estimate_j, tokens_per_j, pfi,
-        incomplete_nodes, record, account, revision)
+        incomplete_nodes, record, account, revision, bound_past_s, bound_depth_pct)
     VALUES ($1, $2, $3, $4, $5, $6,
         to_timestamp($7::bigint / 1000.0), to_timestamp($8::bigint / 1000.0),
         to_timestamp($9::bigint / 1000.0), $10, $11, $12, $13, $14, $15, $16, $17, $18,
-        $19, $20, $21, $22, $23, $24, $25, $26::text::jsonb, $27, $28)
+        $19, $20, $21, $22, $23, $24, $25, $26::text::jsonb, $27, $28, $29, $30)
     ON CONFLICT (job_id, run_unix_ms) DO UPDATE SET
         record_version = EXCLUDED.record_version,
         simulated = EXCLUDED.simulated,
@@ -146,7 +155,9 @@ const INSERT: &str = "INSERT INTO powerflex_job_energy (
         incomplete_nodes = EXCLUDED.incomplete_nodes,
         record = EXCLUDED.record,
         account = EXCLUDED.account,
-        revision = EXCLUDED.revision
+        revision = EXCLUDED.revision,
+        bound_past_s = EXCLUDED.bound_past_s,
+        bound_depth_pct = EXCLUDED.bound_depth_pct
     WHERE powerflex_job_energy.revision < EXCLUDED.revision";
 
 /// A Unix-ms figure as PostgreSQL's bigint (clamped: a record's times come from agents).
@@ -653,6 +664,8 @@ fn insert(client: &mut postgres::Client, batch: &[&JobEnergyRecord]) -> Result<u
                     &json,
                     &r.account,
                     &revision_i32(r),
+                    &r.bound_judgement.map(|j| j.past_s),
+                    &r.bound_judgement.and_then(|j| j.depth_pct),
                 ],
             )
             .map_err(failed)?;

@@ -773,3 +773,51 @@ fn the_default_walk_finishes_within_minutes_and_measures_the_curve() {
         assert!(took_s <= within_s, "{took_s:.0} s");
     }
 }
+
+#[test]
+fn every_window_is_judged_against_the_same_sets_top_the_walk_with_its_allowance() {
+    use powerflex_core::promise::BoundJudgement;
+    // flex1: a 10 % bound, and the walk may read 5 points more.
+    let mut cal = Calibration::new(settings(), Some(0.10), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    assert_eq!(cal.phase, Phase::Done);
+    let walked = cal.take_judged();
+    assert!(walked.len() >= 3, "{walked:?}");
+    let top = 1000.0 * speed(700.0);
+    for w in &walked {
+        assert_eq!(w.slack_pct, 5.0, "a walk's window has the allowance");
+        assert!((w.uncapped_rate - top).abs() / top < 0.02, "{w:?}");
+        assert_eq!(w.seconds, settings().hold_s);
+    }
+    let mut judged = BoundJudgement::default();
+    for w in walked {
+        judged.judge(w, 10.0);
+    }
+    assert_eq!(
+        judged.held(),
+        Some(true),
+        "the walk stays within its allowance"
+    );
+    assert!(cal.take_judged().is_empty(), "taken once");
+    // Held at 600 W (7.1 % slower) in operation: within the bound.
+    let t = operate(&mut cal, &mut log, t, 120.0, 600.0, false);
+    let at_600 = cal.take_judged();
+    assert!(!at_600.is_empty());
+    assert!(at_600.iter().all(|w| w.slack_pct == 0.0));
+    for w in at_600 {
+        judged.judge(w, 10.0);
+    }
+    assert_eq!(judged.held(), Some(true));
+    // Held at 500 W (14.3 % slower) in operation: past the bound by about 4.3 points.
+    operate(&mut cal, &mut log, t, 120.0, 500.0, false);
+    let at_500 = cal.take_judged();
+    let past = at_500.len() as f64 * settings().hold_s;
+    for w in at_500 {
+        judged.judge(w, 10.0);
+    }
+    assert_eq!(judged.held(), Some(false));
+    let depth = judged.depth_pct.expect("depth");
+    assert!((depth - 4.3).abs() < 1.0, "depth {depth}");
+    assert!(judged.past_s > 0.0 && judged.past_s <= past, "{judged:?}");
+}

@@ -444,9 +444,13 @@ impl Calibration {
         self.clock_samples = 0;
     }
 
-    /// Adds a window, dropping the oldest at its cap beyond [`MAX_WINDOWS_PER_CAP`].
+    /// Adds a window, dropping the oldest at its cap beyond [`MAX_WINDOWS_PER_CAP`], and
+    /// hands it to the bound's judgement (see [`Calibration::take_judged`]).
     pub(super) fn push_window(&mut self, window: Window) {
         self.windows.push(window);
+        if let Some(judged) = self.judged_window(&window) {
+            self.judged.push(judged);
+        }
         let same = |w: &Window| (w.cap.0 - window.cap.0).abs() < 0.5;
         if self.windows.iter().filter(|w| same(w)).count() > MAX_WINDOWS_PER_CAP {
             if let Some(i) = self.windows.iter().position(same) {

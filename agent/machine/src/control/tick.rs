@@ -151,7 +151,14 @@ impl Job {
         }
         // Each window the walk reads is logged: a curve that came out wrong (a rate far
         // off, a flat top) can then be traced to the window that made it.
-        if let Some(window) = self.calibration.tick(now, &self.log, r.power) {
+        let walked = self.calibration.tick(now, &self.log, r.power);
+        // Every window read this period (walk and operation) judges the bound, in the
+        // accounting, which is saved with the job and outlives the windows.
+        let bound_pct = self.request.service.max_slowdown().map(|b| 100.0 * b.0);
+        for window in self.calibration.take_judged() {
+            self.usage.window_judged(window, bound_pct);
+        }
+        if let Some(window) = walked {
             tracing::info!(
                 job_id = %self.id,
                 cap_w = window.cap.0,

@@ -638,6 +638,7 @@ mod tests {
             slowdown_pct: None,
             bound_pct: None,
             bound_held: None,
+            bound_judgement: None,
             saved_estimate_j: None,
             work: None,
             work_unit: None,

@@ -172,6 +172,7 @@ fn usage(job: &str, node: &str, energy_mj: u64, ended: bool) -> NodeUsage {
         slowdown_pct: Some(2.0),
         bound_pct: Some(25.0),
         bound_held: Some(true),
+        bound_judgement: None,
         saved_estimate_j: None,
         work: None,
         work_unit: None,
