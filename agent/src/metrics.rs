@@ -63,10 +63,6 @@ pub fn render(s: &Snapshot, sockets: &ServerStats) -> String {
         [([node], s.progress_rejected as f64)],
     )
     .family(
-        &catalog::GPU_CLAIMS_REFUSED_TOTAL,
-        [([node], s.gpu_claims_refused as f64)],
-    )
-    .family(
         &catalog::GPU_FOREIGN_USE_TOTAL,
         [([node], s.gpu_foreign_use as f64)],
     );

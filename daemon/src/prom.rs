@@ -114,13 +114,6 @@ pub mod catalog {
         help: "Connections to the agent's sockets refused (socket control|progress; reason full|per_uid).",
         labels: ["node", "socket", "reason"],
     };
-    pub const GPU_CLAIMS_REFUSED_TOTAL: Family<1> = Family {
-        name: "powerflex_gpu_claims_refused_total",
-        kind: Kind::Counter,
-        help:
-            "GPU claims refused because other jobs' processes use the GPU (NVML's process lists).",
-        labels: ["node"],
-    };
     pub const GPU_FOREIGN_USE_TOTAL: Family<1> = Family {
         name: "powerflex_gpu_foreign_use_total",
         kind: Kind::Counter,
@@ -365,7 +358,6 @@ pub mod catalog {
             e(AGENT_CONNECTIONS_REFUSED_TOTAL, Agent),
             e(AGENT_CONNECTIONS_TIMED_OUT_TOTAL, Agent),
             e(PROGRESS_REPORTS_SKIPPED_TOTAL, Agent),
-            e(GPU_CLAIMS_REFUSED_TOTAL, Agent),
             e(GPU_FOREIGN_USE_TOTAL, Agent),
             e(BUDGET_WATTS, Controller),
             e(ALLOCATED_BUDGET_WATTS, Controller),

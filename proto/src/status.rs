@@ -544,7 +544,11 @@ pub struct AgentStatus {
     /// below [`AgentStatus::controller_epoch`] (a controller that lost leadership).
     #[serde(default)]
     pub leases_refused_epoch: u64,
-    /// GPU claims refused because other jobs' processes use the GPU.
+    /// Always 0 from this agent: a registration naming a GPU other jobs' processes use is
+    /// accepted (the GPU is the registering job's, their use foreign:
+    /// [`AgentStatus::gpu_foreign_use`]). Kept so that older readers, which require
+    /// the field, still parse the status.
+    #[serde(default)]
     pub gpu_claims_refused: u64,
     /// Times since the agent started that processes of another job began to use a GPU
     /// held by a job ([`GpuView::foreign_use`]).

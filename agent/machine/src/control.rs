@@ -335,14 +335,6 @@ pub struct ForeignGpuUse {
     pub used_by: Vec<String>,
 }
 
-/// A job's claim of a GPU that other jobs' processes use and its own do not.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuClaimRefused {
-    pub gpu: u32,
-    pub claimed_by: String,
-    pub used_by: Vec<String>,
-}
-
 /// A GPU whose limit, read back, is not what the agent last wrote: something else
 /// (`nvidia-smi -pl`, a GPU reset, a driver reload, a second agent) changed it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -382,8 +374,6 @@ pub struct Agent {
     /// edge publishes the status only after writing the caps and reading them back): the
     /// link reports at once when this rises, which confirms the new caps to the controller.
     leases_applied: u64,
-    /// GPU claims refused because other jobs' processes use the GPU.
-    gpu_claims_refused: u64,
     /// Onsets of foreign use on held GPUs ([`ForeignGpuUse`]).
     gpu_foreign_use: u64,
     /// Jobs the controller's last lease lets this agent probe (they run on this node
@@ -470,7 +460,6 @@ impl Agent {
             config_error: None,
             cap_mismatches: 0,
             leases_applied: 0,
-            gpu_claims_refused: 0,
             gpu_foreign_use: 0,
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,

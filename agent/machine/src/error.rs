@@ -37,9 +37,6 @@ pub enum MachineError {
         "GPU {gpu} belongs to running job {owner}; a step may register only the GPUs Slurm gave it"
     )]
     GpuOfRunningJob { gpu: u32, owner: String },
-    /// A registration names a GPU on which only other jobs' processes run.
-    #[error("GPU {gpu} runs processes of job {}: a step may register only the GPUs Slurm gave it", .used_by.join(", "))]
-    GpuUsedByOthers { gpu: u32, used_by: Vec<String> },
     /// A step end or a progress report names a job this agent does not know.
     #[error("no job {0} on this node")]
     NoSuchJob(String),

@@ -156,6 +156,33 @@ impl Agent {
         }
     }
 
+    /// Other jobs' processes that already ran on GPUs a step was just registered with
+    /// ([`ForeignGpuUse`], held by the step's job now): the same foreign use the process
+    /// scans find, noted at once so that it is counted, shown and logged from the
+    /// registration, once, not only from the next scan. Returns the onsets, to log.
+    pub(super) fn note_foreign_use_at_registration(
+        &mut self,
+        seen: Vec<ForeignGpuUse>,
+    ) -> Vec<ForeignGpuUse> {
+        let mut onsets = Vec::new();
+        for r in seen {
+            let Some(slot) = self.gpus.get_mut(r.gpu as usize) else {
+                continue;
+            };
+            if slot.job.as_deref() != Some(r.holder.as_str()) {
+                continue;
+            }
+            let used_by: BTreeSet<String> = r.used_by.iter().cloned().collect();
+            let onset = slot.foreign_jobs.is_empty() && !used_by.is_empty();
+            slot.foreign_jobs = used_by;
+            if onset {
+                onsets.push(r);
+            }
+        }
+        self.gpu_foreign_use += onsets.len() as u64;
+        onsets
+    }
+
     /// What NVML says uses each GPU, as jobs (from the agent's `/proc` reader: the job each
     /// running process belongs to; processes in no job are left out). A GPU Slurm gave to a
     /// job stays that job's, capped as the job is, whatever else runs on it: processes of

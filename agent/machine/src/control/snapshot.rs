@@ -24,7 +24,7 @@ impl Agent {
             leases_applied: self.leases_applied,
             controller_epoch: self.accepted_epoch,
             leases_refused_epoch: self.leases_refused_epoch,
-            gpu_claims_refused: self.gpu_claims_refused,
+            gpu_claims_refused: 0,
             gpu_foreign_use: self.gpu_foreign_use,
             enforce: self.settings.enforce,
             ended: self.unacked_finals(),

@@ -23,7 +23,7 @@ use powerflex_proto::{ControlAnswer, ControlOp, ControlReply, ProgressReport};
 use tracing::{error, info, info_span, warn};
 
 use super::{
-    Action, Agent, AgentSettings, CapMismatch, GpuClaimRefused, LeaseMessage, LeaseRefused,
+    Action, Agent, AgentSettings, CapMismatch, ForeignGpuUse, LeaseMessage, LeaseRefused,
     ReportSender, Snapshot, ADOPTED_STEP, BATCH_STEP_NAME,
 };
 use crate::gpu::{GpuError, GpuSample};
@@ -691,9 +691,9 @@ impl Agent {
     }
 
     /// A step registers (from its slurmstepd, root): a job holding its GPUs with no step
-    /// daemon left is ended (its end was lost), the GPUs checked against what runs on
-    /// them, the job registered, its GPUs read (its hold starts now) and capped before
-    /// the answer, since slurmstepd starts the tasks after it.
+    /// daemon left is ended (its end was lost), the job registered, other jobs' processes
+    /// already on its GPUs noted as foreign use, its GPUs read (its hold starts now) and
+    /// capped before the answer, since slurmstepd starts the tasks after it.
     fn register_step(
         &mut self,
         now: f64,
@@ -721,19 +721,18 @@ impl Agent {
                 }
             }
         }
-        let claimed =
-            self.claim_made_with_words(job_id, gpus, &facts.stepd_cluster, &facts.gpu_users);
-        let outcome = match claimed {
-            Some(refusal) => {
-                self.gpu_claims_refused += 1;
-                warn!(step_id = %step_id, gpu = refusal.gpu, used_by = ?refusal.used_by, "GPU claim refused at registration: other jobs' processes run on it");
-                Err(MachineError::GpuUsedByOthers {
-                    gpu: refusal.gpu,
-                    used_by: refusal.used_by,
-                })
+        // Other jobs' processes already on a GPU this step names (a stray process of an
+        // ended job, a debugger, a job run unmanaged) do not make the GPU theirs: the
+        // names come from the variable slurmstepd writes for the step, so Slurm gave the
+        // GPU to this job, and refusing it would leave the job running at the default.
+        let foreign =
+            self.other_jobs_on_claimed_gpus(job_id, gpus, &facts.stepd_cluster, &facts.gpu_users);
+        let outcome = self.register(now, job_id, step_id, uid, node, gpus, flex);
+        if outcome.is_ok() {
+            for r in self.note_foreign_use_at_registration(foreign) {
+                warn!(step_id = %step_id, gpu = r.gpu, used_by = ?r.used_by, "other jobs' processes already use a GPU Slurm gave this job; it is the job's, capped as the job is");
             }
-            None => self.register(now, job_id, step_id, uid, node, gpus, flex),
-        };
+        }
         match outcome {
             Ok(r) => {
                 // The registering peer is the step's slurmstepd (root): its cluster tells
@@ -762,29 +761,36 @@ impl Agent {
         }
     }
 
-    /// Of the GPUs a registration of `job_id` names, the first on which NVML lists
-    /// processes of other jobs (`users`, by their ancestry) and none of `job_id`'s: Slurm
-    /// gives a GPU to one job at a time, so such a claim was made with words (variables
-    /// the user exported), not by Slurm. Processes in no job, and GPUs NVML cannot list,
-    /// are no evidence either way.
-    fn claim_made_with_words(
+    /// The GPUs a registration of `job_id` names on which NVML lists processes of other
+    /// jobs (`users`, by their ancestry), with those jobs. Processes in no job, and GPUs
+    /// NVML cannot list, are left out: nothing is known of them.
+    fn other_jobs_on_claimed_gpus(
         &self,
         job_id: &str,
         gpus: &[String],
         cluster: &Option<Option<String>>,
         users: &BTreeMap<u32, BTreeSet<JobKey>>,
-    ) -> Option<GpuClaimRefused> {
-        let refs = parse_gpu_list(&gpus.join(",")).ok()?;
+    ) -> Vec<ForeignGpuUse> {
+        let Ok(refs) = parse_gpu_list(&gpus.join(",")) else {
+            return Vec::new();
+        };
         let mine = |k: &JobKey| k.0 == job_id && cluster.as_ref().is_none_or(|c| &k.1 == c);
-        refs.iter().find_map(|r| {
-            let gpu = self.slot_of(r)? as u32;
-            let on_it = users.get(&gpu)?;
-            (!on_it.is_empty() && !on_it.iter().any(mine)).then(|| GpuClaimRefused {
-                gpu,
-                claimed_by: job_id.to_string(),
-                used_by: on_it.iter().map(|(job, _)| job.clone()).collect(),
+        refs.iter()
+            .filter_map(|r| {
+                let gpu = self.slot_of(r)? as u32;
+                let others: Vec<String> = users
+                    .get(&gpu)?
+                    .iter()
+                    .filter(|k| !mine(k))
+                    .map(|(job, _)| job.clone())
+                    .collect();
+                (!others.is_empty()).then(|| ForeignGpuUse {
+                    gpu,
+                    holder: job_id.to_string(),
+                    used_by: others,
+                })
             })
-        })
+            .collect()
     }
 
     /// The agent as it starts: the saved defaults, the GPUs' first readings, the
