@@ -28,9 +28,9 @@ use powerflex_core::config::{BudgetMode, RawSiteConfig, SiteConfig};
 use powerflex_core::flex::parse_power_flex;
 use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
-use powerflex_proto::admin::AdminOp;
+use powerflex_proto::admin::{AdminAnswer, AdminOp, AdminReply};
 use powerflex_proto::event::Cut;
-use powerflex_proto::status::CalibrationState;
+use powerflex_proto::status::{CalibrationState, CtldStatus, DecisionView};
 
 use crate::physics::h200;
 use crate::site::{test_bed_site, JobSpec, Phase, Site, SiteOptions, QUANTUM_MS};
@@ -255,6 +255,12 @@ pub struct EventResult {
     pub gap_share: Option<f64>,
     /// Mean per-GPU cap of each job over the hold, W.
     pub mean_caps_w: BTreeMap<String, f64>,
+    /// The controller's status halfway through the hold (its budget, reserve, and each
+    /// job's grant, floor and measured curve): what a shortfall is diagnosed from.
+    pub controller: Option<CtldStatus>,
+    /// What the controller's policy decides at that moment on its own views (`what-if`):
+    /// the modelled power of each grant beside the draw.
+    pub decision: Option<DecisionView>,
 }
 
 impl EventResult {
@@ -646,7 +652,18 @@ fn event(
     rec.run(site, t.settle_s * 1000);
     let present = true_jobs(site, &scenario.jobs.jobs, limits)?;
     rec.hold = Some(Hold::default());
-    rec.run(site, (t.event_s - t.settle_s) * 1000);
+    let hold_ms = (t.event_s - t.settle_s) * 1000;
+    rec.run(site, hold_ms / 2);
+    let controller = site.controller_status();
+    let decision = match site.admin(AdminOp::WhatIf {
+        policy: scenario.policy,
+        budget_w: None,
+        ignore_tiers: false,
+    }) {
+        Some(AdminReply::Done(AdminAnswer::WhatIf(view))) => Some(*view),
+        _ => None,
+    };
+    rec.run(site, hold_ms - hold_ms / 2);
     let hold = rec.hold.take().unwrap_or_default();
     let n = hold.samples.max(1) as f64;
     let loaded_gpus: u32 = present.iter().map(|(j, _)| j.gpus).sum();
@@ -680,5 +697,7 @@ fn event(
         equal,
         oracle,
         mean_caps_w: hold.caps_w.into_iter().map(|(k, v)| (k, v / n)).collect(),
+        controller,
+        decision,
     })
 }

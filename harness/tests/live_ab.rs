@@ -68,7 +68,9 @@ fn failures(run: &AbRun) -> Vec<String> {
 }
 
 /// The caps behind each event's number: the controller's mean cap beside the equal
-/// split's and the oracle's, per job.
+/// split's and the oracle's, per job; and, halfway through the hold, the power the
+/// controller's allocation counts for each job beside what the job reports drawing (a
+/// budget left unspent shows as modelled watts no GPU draws).
 fn diagnosis(run: &AbRun) -> String {
     let mut s = String::new();
     for e in &run.events {
@@ -82,6 +84,29 @@ fn diagnosis(run: &AbRun) -> String {
                 e.mean_caps_w.get(id).copied().unwrap_or(f64::NAN),
                 e.equal.caps_w.get(id).copied().unwrap_or(f64::NAN),
                 e.oracle.caps_w.get(id).copied().unwrap_or(f64::NAN),
+            ));
+        }
+        let Some(allocation) = e.decision.as_ref().and_then(|d| d.allocation.as_ref()) else {
+            continue;
+        };
+        s.push_str(&format!(
+            "  the controller's allocation: {:.0} W modelled for the managed jobs of {:.0} W\n  job: per-GPU cap W, modelled W, reported draw W, planned slowdown, floor\n",
+            allocation.total_power_w.0, allocation.budget_w.0
+        ));
+        for j in &allocation.jobs {
+            let drawn = e
+                .controller
+                .as_ref()
+                .and_then(|c| c.jobs.iter().find(|v| v.job == j.id))
+                .map_or(f64::NAN, |v| v.power_w);
+            s.push_str(&format!(
+                "  {}: {:.0}, {:.0}, {:.0}, {:.1} %, {:?}\n",
+                j.id,
+                j.cap_w.0,
+                j.power_w.0,
+                drawn,
+                100.0 * j.slowdown,
+                j.floor
             ));
         }
     }
