@@ -760,7 +760,8 @@ impl Cluster {
         problems
     }
 
-    /// Processes of this cluster still running (see [`cluster_processes`]); none once
+    /// Processes of this cluster still running (those whose command line names its slurm.conf,
+    /// carry its marker, or are Slurm programs using its directory); none once
     /// [`Cluster::stop`] has returned.
     pub fn processes_left(&self) -> Vec<u32> {
         cluster_processes(&self.dir, &self.conf.display().to_string())

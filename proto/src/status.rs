@@ -551,7 +551,7 @@ pub struct AgentStatus {
     #[serde(default)]
     pub gpu_claims_refused: u64,
     /// Times since the agent started that processes of another job began to use a GPU
-    /// held by a job ([`GpuView::foreign_use`]).
+    /// held by a job ([`AgentGpuStatus::foreign_use`]).
     #[serde(default)]
     pub gpu_foreign_use: u64,
     /// Whether the agent writes limits; false in observe mode (`agent.enforce = false`).

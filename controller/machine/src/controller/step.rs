@@ -91,7 +91,7 @@ pub enum Input {
     },
     /// The state of [`Output::persist_version`] `version` (and every older one) is
     /// durable: the state file written and synced, or under `[controller.ha]` committed
-    /// to the leadership database. What was held for it goes out (see [`durable`]).
+    /// to the leadership database. What was held for it goes out (see the `durable` step).
     Durable { version: u64 },
     /// The state of `version` could not be made durable (`error` says why): the last
     /// durable state is put back in force and admin changes are refused until a later
@@ -115,7 +115,7 @@ pub struct Lease {
     /// still calibrating finish their walks before it (pre-positioning).
     pub next_event_in_s: Option<f64>,
     /// Per job of the node: the lowest per-GPU cap the next announced site event's plan
-    /// needs, W (see [`Controller::announced_event_caps`]): its walk reaches down to it,
+    /// needs, W (the announced event's plan): its walk reaches down to it,
     /// so the event's caps land where the job was measured. Empty while no event is
     /// announced.
     pub walk_to_w: BTreeMap<String, f64>,
@@ -125,7 +125,7 @@ pub struct Lease {
 
 /// What one [`Controller::step`] asks the I/O edge to do, in this order: persist, reply, lease,
 /// annotate, publish metrics. The leases, Slurm commands and annotations of a state not
-/// yet durable are held in the machine until it is (see [`durable`]), so everything here
+/// yet durable are held in the machine until it is (see the `durable` step), so everything here
 /// may be carried out at once; the edge answers the save with [`Input::Durable`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Output {
