@@ -92,11 +92,6 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
     for job in jobs {
         let id = &job["job"];
         assert_eq!(job["within_bound"], true, "job {id}: {job}");
-        // Within its bound means the controller's record says so, as accounting shows it
-        // (a flex0 job, never walked, has no window to judge: never capped, below).
-        if job["tier"] != "flex0" {
-            assert_eq!(job["bound_held_record"], true, "job {id}: {job}");
-        }
         if job["tier"] == "flex0" {
             assert!(
                 job["cap_during_w"][0].as_f64().expect("cap") >= 700.0,
@@ -186,12 +181,6 @@ fn the_demo_meets_a_grid_event_and_leaves_every_gpu_at_its_default() {
             assert!(tokens("oracle") >= tokens("tier-equal") * 0.999, "{c}");
         }
         assert!(row("oracle")["gap_recovered_pct"] == 100.0, "{c}");
-        // The gap's zero is the equal split within the tiers decided on the true curves:
-        // it holds every bound there, and the oracle keeps at least as much.
-        assert_eq!(c["gap_zero"], "tier-equal-true", "{c}");
-        assert_eq!(broken("tier-equal-true"), 0, "{c}");
-        assert!(row("tier-equal-true")["gap_recovered_pct"] == 0.0, "{c}");
-        assert!(tokens("oracle") >= tokens("tier-equal-true") * 0.999, "{c}");
         // A policy that breaks a bound gets no share of the tier-holding gap.
         for key in ["paper-equal", "paper-pfi"] {
             if broken(key) > 0 {
