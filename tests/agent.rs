@@ -685,9 +685,11 @@ fn an_agent_restarted_mid_walk_keeps_the_budget_and_walks_the_job_again() {
         f.log()
     );
     let caps: Vec<f64> = done.points.iter().map(|p| p.cap_w.0).collect();
-    // The grant (500 W a GPU) and the levels below it down to the tier's reach.
+    // The grant (500 W a GPU) and the levels below it that the chord bound shows within
+    // the tier (a walk topped at a grant below the maximum goes no lower): at least two,
+    // enough for the PFI checked below.
     assert!(
-        caps.len() >= 3,
+        caps.len() >= 2,
         "walked {caps:?} (stopped at the {:?} W level)",
         walking.calibration_level_w
     );
