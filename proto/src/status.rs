@@ -552,7 +552,8 @@ pub struct AgentStatus {
     pub gpu_claims_refused: u64,
     /// Times since the agent started that processes of another job began to use a GPU
     /// held by a job ([`AgentGpuStatus::foreign_use`]).
-    #[serde(default)]
+    // Left out at 0, so a status without foreign use reads as the releases before it wrote it.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub gpu_foreign_use: u64,
     /// Whether the agent writes limits; false in observe mode (`agent.enforce = false`).
     #[serde(default = "enforcing")]
@@ -730,4 +731,9 @@ mod tests {
             .to_string();
         assert!(e.contains("measured") && e.contains("prior"), "{e}");
     }
+}
+
+/// Whether a counter is 0 (left out of the wire form then).
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

@@ -545,7 +545,7 @@ fn leases_announce_the_next_event_s_start() {
 #[test]
 fn leases_name_the_caps_an_announced_event_needs() {
     let mut core = running();
-    let out = core.step(UnixMs(T0 + 10_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 10_000), vec![Input::Tick]);
     assert!(out.leases.values().all(|l| l.walk_to_w.is_empty()));
     let add = |fraction, start_ms| AdminOp::EventAdd {
         cut: Cut::Reduce { fraction },
@@ -554,7 +554,7 @@ fn leases_name_the_caps_an_announced_event_needs() {
         ramp_ms: 0,
         domain: None,
     };
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 20_000),
         vec![
             admin(add(0.3, T0 + 320_000), 0),
@@ -584,11 +584,11 @@ fn leases_name_the_caps_an_announced_event_needs() {
         .flat_map(|l| l.walk_to_w.values().copied())
         .collect();
     // Once both have started, nothing is announced.
-    let out = core.step(UnixMs(T0 + 930_000), vec![Input::Tick]);
+    let out = core.step_saved(UnixMs(T0 + 930_000), vec![Input::Tick]);
     assert!(out.leases.values().all(|l| l.walk_to_w.is_empty()));
     // The 60 % cut's plan goes deeper than the 30 % cut's would.
     let mut shallow = running();
-    let out = shallow.step(
+    let out = shallow.step_saved(
         UnixMs(T0 + 20_000),
         vec![admin(add(0.3, T0 + 320_000), 0), Input::Tick],
     );

@@ -664,7 +664,7 @@ fn a_confirmation_in_the_same_batch_as_an_allocation_does_not_send_the_older_lea
 #[test]
 fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut() {
     let mut core = fresh();
-    core.step(
+    core.step_saved(
         UnixMs(T0),
         vec![
             budget_set(5600.0, None),
@@ -674,7 +674,7 @@ fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut(
             at_cap("n2", "102", "flex3,preempt=suspend", 700.0),
         ],
     );
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 500),
         vec![admin(
             AdminOp::EventAdd {
@@ -702,7 +702,7 @@ fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut(
         power_w: 300.0,
         jobs: vec![idle.clone()],
     };
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 10_000),
         vec![
             at_cap("n1", "101", "flex0", 700.0),
@@ -717,7 +717,7 @@ fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut(
     );
     assert_eq!(core.status(UnixMs(T0 + 10_000)).preempted.len(), 1);
     // Over at 35 s: resumed, though its node still observes.
-    let out = core.step(
+    let out = core.step_saved(
         UnixMs(T0 + 36_000),
         vec![
             at_cap("n1", "101", "flex0", 700.0),
