@@ -675,6 +675,11 @@ pub struct AgentJobStatus {
     pub usage: Option<crate::usage::NodeUsage>,
 }
 
+/// Whether a counter is 0 (left out of the wire form then).
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -731,9 +736,4 @@ mod tests {
             .to_string();
         assert!(e.contains("measured") && e.contains("prior"), "{e}");
     }
-}
-
-/// Whether a counter is 0 (left out of the wire form then).
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
