@@ -3,6 +3,7 @@
 //! built binaries and the project's data are, how to run a binary and capture what it
 //! says, a guard that ends the processes it started by PID.
 
+pub mod ha_pair;
 pub mod lanes;
 pub mod link_peer;
 pub mod needs;

@@ -20,22 +20,17 @@
 //!   of its leadership (its queued suspension is dropped).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use powerflex::link_peer::{h200s, LinkPeer};
+use powerflex::ha_pair::{HarnessNode, Held, PairSite};
 use powerflex::needs::{can_run, Need};
 use powerflex::pg::PgBed;
-use powerflex::site_config::SiteBuilder;
-use powerflex::{binary, free_loopback_port, run, wait_until, write_site_key, Children};
-use powerflex_core::config::RawHa;
+use powerflex::{free_loopback_port, wait_until, write_site_key};
 use powerflex_daemon::os::{kill, Signal};
-use powerflex_proto::link::Body;
-use powerflex_proto::report::JobReport;
-use powerflex_proto::status::{CtldStatus, LeadershipRole};
+use powerflex_proto::status::LeadershipRole;
 
 const SITE_KEY: &str = "a site key for the durability test\n";
 const NODES: usize = 2;
@@ -50,214 +45,24 @@ const LEADER_TTL_S: u64 = 6;
 /// A session without a lease this long is left for the next address (as `powerflexd`).
 const SILENT_AFTER: Duration = Duration::from_secs(LEASE_TTL_S / 4);
 
-struct Ctld {
-    dir: PathBuf,
-    config: PathBuf,
-    addr: SocketAddr,
-}
+/// Both controllers' site: the base budget, the test bed's H200s and fail-safe.
+const SITE: PairSite = PairSite {
+    budget_w: BASE_BUDGET_W,
+    failsafe_w: FAILSAFE_W,
+    lease_ttl_s: LEASE_TTL_S,
+    leader_ttl_s: LEADER_TTL_S,
+};
 
-impl Ctld {
-    fn socket(&self) -> PathBuf {
-        self.dir.join("ctld.sock")
+/// Harness node `n`: one 4-GPU job that allows suspension, measured from 700 down to 200 W.
+fn harness_node(node: usize) -> HarnessNode {
+    HarnessNode {
+        node,
+        gpus: GPUS,
+        tier: "flex3,preempt=suspend",
+        points_w: &[700.0, 600.0, 500.0, 400.0, 300.0, 200.0],
+        site_key: SITE_KEY,
+        silent_after: SILENT_AFTER,
     }
-
-    /// Started with the logging `scontrol` in `bin` first on its `PATH`.
-    fn start(&self, bin: &Path) -> Children {
-        let _ = std::fs::remove_file(self.socket());
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("ctld.log"))
-            .expect("log");
-        let path = format!(
-            "{}:{}",
-            bin.display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let child = Command::new(binary("powerflex-ctld"))
-            .args(["--config", self.config.to_str().expect("utf-8")])
-            .env("RUST_LOG", "info")
-            .env("PATH", path)
-            .stderr(log)
-            .spawn()
-            .expect("powerflex-ctld");
-        let socket = self.socket();
-        wait_until("the admin socket", Duration::from_secs(20), || {
-            socket.exists().then_some(())
-        });
-        Children(vec![child])
-    }
-
-    fn status(&self) -> Option<CtldStatus> {
-        let out = self.ctl(&["status", "--format", "json"]);
-        serde_json::from_str(&out.stdout).ok()
-    }
-
-    fn role(&self) -> Option<LeadershipRole> {
-        self.status().and_then(|s| s.leadership).map(|l| l.role)
-    }
-
-    fn ctl(&self, args: &[&str]) -> powerflex::Ran {
-        let socket = self.socket();
-        let mut all: Vec<&str> = args.to_vec();
-        all.extend(["--socket", socket.to_str().expect("utf-8")]);
-        run(&binary("powerflexctl"), &all)
-    }
-}
-
-fn config(base: &Path, name: &'static str, own: SocketAddr, other: SocketAddr, url: &str) -> Ctld {
-    let dir = base.join(name);
-    std::fs::create_dir_all(&dir).expect("dir");
-    let config = dir.join("powerflex.toml");
-    let url = url.to_string();
-    SiteBuilder::new(BASE_BUDGET_W)
-        .placement_from_reports()
-        .h200(&[700.0, 600.0, 500.0, 400.0, 300.0], FAILSAFE_W)
-        .controller(own, LEASE_TTL_S, 1)
-        .key_file(&base.join("powerflex.key"))
-        .controller_paths(&dir.join("ctld.sock"), &dir.join("state"))
-        .edit(|raw| {
-            raw.facility.budget_mode = Some("hard".into());
-            raw.controller.standby_addresses = Some(vec![other.to_string()]);
-            raw.controller.ha = Some(RawHa {
-                name: name.into(),
-                url,
-                password_file: None,
-                timeout_s: Some(1),
-                leader_ttl_s: Some(LEADER_TTL_S),
-            });
-        })
-        .write(&config)
-        .unwrap_or_else(|e| panic!("{e}"));
-    Ctld {
-        dir,
-        config,
-        addr: own,
-    }
-}
-
-/// What one harness agent holds, as its agent would.
-#[derive(Debug, Clone, Default)]
-struct Held {
-    epoch: u64,
-    cap_w: Option<f64>,
-    lease_until: Option<Instant>,
-    /// Every lease accepted: (when, epoch, the job's cap).
-    leases: Vec<(Instant, u64, f64)>,
-}
-
-impl Held {
-    fn cap_in_force(&self, now: Instant) -> f64 {
-        let cap = self.cap_w.unwrap_or(700.0);
-        match self.lease_until {
-            Some(until) if now >= until => cap.min(FAILSAFE_W),
-            _ => cap,
-        }
-    }
-}
-
-fn report(node: usize, cap_w: f64) -> Body {
-    let gpus = f64::from(GPUS);
-    let throughput = |c: f64| 1000.0 * (1.0 - 0.5 * (1.0 - c / 700.0).powi(2));
-    Body::Report {
-        jobs: vec![JobReport {
-            job_id: format!("{}", 100 + node),
-            tier: "flex3,preempt=suspend".into(),
-            gpus: GPUS,
-            cap_w: Some(cap_w),
-            power_w: Some(cap_w * gpus),
-            throughput: Some(throughput(cap_w)),
-            throughput_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
-            pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
-            points: [700.0, 600.0, 500.0, 400.0, 300.0, 200.0]
-                .iter()
-                .map(|&c| [c, c * gpus, throughput(c)])
-                .map(powerflex_proto::point::from_array)
-                .collect(),
-            power_cap_w: Some(cap_w),
-            power_cap_steady_s: Some(10.0),
-            ..JobReport::default()
-        }],
-        power_w: cap_w * gpus,
-        failsafe: false,
-        cap_mismatches: 0,
-        ended: Vec::new(),
-        observe_only: false,
-    }
-}
-
-/// One harness agent: tries the controllers in turn, follows the one that leases it,
-/// refuses a lease of a lower epoch than it accepted, reports every second.
-fn agent(
-    node: usize,
-    controllers: Vec<SocketAddr>,
-    held: Arc<Mutex<Held>>,
-    stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let name = format!("n{node}");
-        let job = format!("{}", 100 + node);
-        let mut next = 0usize;
-        while !stop.load(Ordering::SeqCst) {
-            let addr = controllers[next % controllers.len()];
-            next += 1;
-            let Ok(mut peer) =
-                LinkPeer::connect(addr, SITE_KEY.trim().as_bytes(), &name, h200s(&name, 4))
-            else {
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            };
-            let cap = |h: &Arc<Mutex<Held>>| h.lock().expect("held").cap_in_force(Instant::now());
-            if peer.send(&report(node, cap(&held))).is_err() {
-                continue;
-            }
-            let mut next_report = Instant::now() + Duration::from_secs(1);
-            let mut last_lease = Instant::now();
-            while !stop.load(Ordering::SeqCst) && last_lease.elapsed() < SILENT_AFTER {
-                if Instant::now() >= next_report {
-                    next_report = Instant::now() + Duration::from_secs(1);
-                    if peer.send(&report(node, cap(&held))).is_err() {
-                        break;
-                    }
-                }
-                let asked = Instant::now();
-                match peer.recv(Duration::from_millis(200)) {
-                    Some(Ok(Body::Lease {
-                        caps, ttl_s, epoch, ..
-                    })) => {
-                        let mut h = held.lock().expect("held");
-                        if epoch < h.epoch {
-                            let accepted_epoch = h.epoch;
-                            drop(h);
-                            let _ = peer.send(&Body::Fenced {
-                                lease_epoch: epoch,
-                                accepted_epoch,
-                            });
-                            break;
-                        }
-                        let now = Instant::now();
-                        h.epoch = epoch;
-                        if let Some(&c) = caps.get(&job) {
-                            h.cap_w = Some(c);
-                            h.leases.push((now, epoch, c));
-                        }
-                        h.lease_until = Some(now + Duration::from_secs_f64(ttl_s));
-                        last_lease = now;
-                        let c = h.cap_in_force(now);
-                        drop(h);
-                        if peer.send(&report(node, c)).is_err() {
-                            break;
-                        }
-                    }
-                    Some(Ok(Body::Standby { .. })) | Some(Err(_)) => break,
-                    Some(Ok(_)) => {}
-                    None if asked.elapsed() < Duration::from_millis(100) => break,
-                    None => {}
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    })
 }
 
 /// The sum of the nodes' caps in force × GPUs, every 50 ms: (when, W).
@@ -340,22 +145,24 @@ fn nothing_takes_effect_before_it_is_committed_and_a_deposed_leader_runs_no_slur
     logging_scontrol(&bin, &slurm_log);
     let addr_a: SocketAddr = ([127, 0, 0, 1], free_loopback_port()).into();
     let addr_b: SocketAddr = ([127, 0, 0, 1], free_loopback_port()).into();
-    let a = config(&base, "ctld-a", addr_a, addr_b, &pg.url());
-    let b = config(&base, "ctld-b", addr_b, addr_a, &pg.url());
+    let a = SITE.pair_member(&base, "ctld-a", addr_a, addr_b, &pg.url());
+    let b = SITE.pair_member(&base, "ctld-b", addr_b, addr_a, &pg.url());
 
     // 1. A leads (epoch 1), B stands by, both nodes leased by A.
-    let mut proc_a = a.start(&bin);
+    let mut proc_a = a.start_with_path_first(&bin);
     wait_until("ctld-a active", Duration::from_secs(20), || {
         (a.role() == Some(LeadershipRole::Active)).then_some(())
     });
-    let mut proc_b = b.start(&bin);
+    let mut proc_b = b.start_with_path_first(&bin);
     wait_until("ctld-b standing by", Duration::from_secs(20), || {
         (b.role() == Some(LeadershipRole::Standby)).then_some(())
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let held: Vec<Arc<Mutex<Held>>> = (0..NODES).map(|_| Arc::default()).collect();
+    let held: Vec<Arc<Mutex<Held>>> = (0..NODES)
+        .map(|_| Arc::new(Mutex::new(Held::new(FAILSAFE_W))))
+        .collect();
     let agents: Vec<_> = (0..NODES)
-        .map(|n| agent(n, vec![a.addr, b.addr], held[n].clone(), stop.clone()))
+        .map(|n| harness_node(n).follow(vec![a.addr, b.addr], held[n].clone(), stop.clone()))
         .collect();
     wait_until(
         "both nodes leased by ctld-a",

@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use powerflex::link_peer::{h200s, LinkPeer};
+use powerflex::ha_pair::{HarnessNode, Held, PairCtld, PairSite};
 use powerflex::needs::{can_run, Need};
 use powerflex::pg::PgBed;
 use powerflex::site_config::SiteBuilder;
@@ -68,11 +68,8 @@ use powerflex::{
     binary, free_loopback_port, profile_dir, run, wait_until, write_node_keys, write_site_key,
     Children,
 };
-use powerflex_core::config::{RawHa, RawSiteConfig};
 use powerflex_daemon::os::{kill, Signal};
-use powerflex_proto::link::Body;
-use powerflex_proto::report::JobReport;
-use powerflex_proto::status::{AgentStatus, CtldStatus, LeadershipRole};
+use powerflex_proto::status::{AgentStatus, LeadershipRole};
 use powerflex_proto::{ControlOp, ControlReply, ControlRequest};
 use powerflex_sim::state::Node;
 
@@ -98,211 +95,27 @@ const LEASE_TTL_S: u64 = 20;
 const SILENT_AFTER: Duration = Duration::from_secs(LEASE_TTL_S / 4);
 const LEADER_TTL_S: u64 = 6;
 
+/// Both controllers' site: the base budget, the test bed's H200s and fail-safe.
+const SITE: PairSite = PairSite {
+    budget_w: BASE_BUDGET_W,
+    failsafe_w: FAILSAFE_W,
+    lease_ttl_s: LEASE_TTL_S,
+    leader_ttl_s: LEADER_TTL_S,
+};
+
+/// Harness node `n`: one 4-GPU flex3 job measured from 700 down to 300 W.
+fn harness_node(node: usize) -> HarnessNode {
+    HarnessNode {
+        node,
+        gpus: GPUS,
+        tier: "flex3",
+        points_w: &[700.0, 600.0, 500.0, 400.0, 300.0],
+        site_key: SITE_KEY,
+        silent_after: SILENT_AFTER,
+    }
+}
+
 /// One controller of the pair.
-struct Ctld {
-    name: &'static str,
-    dir: PathBuf,
-    config: PathBuf,
-    addr: SocketAddr,
-}
-
-impl Ctld {
-    fn socket(&self) -> PathBuf {
-        self.dir.join("ctld.sock")
-    }
-
-    fn start(&self) -> Children {
-        let _ = std::fs::remove_file(self.socket());
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("ctld.log"))
-            .expect("log");
-        let child = Command::new(binary("powerflex-ctld"))
-            .args(["--config", self.config.to_str().expect("utf-8")])
-            .env("RUST_LOG", "info")
-            .stderr(log)
-            .spawn()
-            .expect("powerflex-ctld");
-        let socket = self.socket();
-        wait_until("the admin socket", Duration::from_secs(20), || {
-            socket.exists().then_some(())
-        });
-        Children(vec![child])
-    }
-
-    fn try_status(&self) -> Option<CtldStatus> {
-        let out = run(
-            &binary("powerflexctl"),
-            &[
-                "status",
-                "--format",
-                "json",
-                "--socket",
-                self.socket().to_str().expect("utf-8"),
-            ],
-        );
-        serde_json::from_str(&out.stdout).ok()
-    }
-
-    fn role(&self) -> Option<LeadershipRole> {
-        self.try_status().and_then(|s| s.leadership).map(|l| l.role)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("ctld.log")).unwrap_or_default()
-    }
-}
-
-/// What one harness agent holds, as its agent would.
-#[derive(Debug, Clone)]
-struct Held {
-    /// The highest epoch a lease was accepted from.
-    epoch: u64,
-    /// The per-GPU cap of the last lease accepted (the default before any).
-    cap_w: f64,
-    lease_until: Option<Instant>,
-    /// Leases accepted, by epoch, with when the first of each came.
-    first_lease: BTreeMap<u64, Instant>,
-    leases: BTreeMap<u64, u64>,
-    refused: u64,
-}
-
-impl Held {
-    /// The cap on the node's GPUs now: the lease's while it lasts, then
-    /// min(fail-safe, last grant), as the agent's fail-safe rule.
-    fn cap_in_force(&self, now: Instant) -> f64 {
-        match self.lease_until {
-            Some(until) if now < until => self.cap_w,
-            Some(_) => self.cap_w.min(FAILSAFE_W),
-            None => self.cap_w,
-        }
-    }
-}
-
-fn report(node: usize, cap_w: f64) -> Body {
-    let gpus = f64::from(GPUS);
-    let throughput = |c: f64| 1000.0 * (1.0 - 0.5 * (1.0 - c / 700.0).powi(2));
-    Body::Report {
-        jobs: vec![JobReport {
-            job_id: format!("{}", 100 + node),
-            tier: "flex3".into(),
-            gpus: GPUS,
-            cap_w: Some(cap_w),
-            power_w: Some(cap_w * gpus),
-            throughput: Some(throughput(cap_w)),
-            throughput_unit: Some(powerflex_proto::usage::ThroughputUnit::Tokens),
-            pfi_source: Some(powerflex_proto::status::PfiSource::Measured),
-            points: [700.0, 600.0, 500.0, 400.0, 300.0]
-                .iter()
-                .map(|&c| [c, c * gpus, throughput(c)])
-                .map(powerflex_proto::point::from_array)
-                .collect(),
-            power_cap_w: Some(cap_w),
-            power_cap_steady_s: Some(10.0),
-            ..JobReport::default()
-        }],
-        power_w: cap_w * gpus,
-        failsafe: false,
-        cap_mismatches: 0,
-        ended: Vec::new(),
-        observe_only: false,
-    }
-}
-
-/// One harness agent's thread: connects to the controllers in turn and follows the
-/// one that steers.
-fn agent(
-    node: usize,
-    controllers: Vec<SocketAddr>,
-    held: Arc<Mutex<Held>>,
-    stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let name = format!("n{node}");
-        let job = format!("{}", 100 + node);
-        let mut next = 0usize;
-        let count = controllers.len();
-        // As the agent: an address that did not answer, or went silent, is set aside.
-        let mut set_aside: Vec<Option<Instant>> = vec![None; count];
-        while !stop.load(Ordering::SeqCst) {
-            let open =
-                |aside: &[Option<Instant>], i: usize| aside[i].is_none_or(|t| Instant::now() >= t);
-            let index = (0..count)
-                .map(|k| (next + k) % count)
-                .find(|&i| open(&set_aside, i))
-                .unwrap_or(next % count);
-            next = index + 1;
-            let addr = controllers[index];
-            let Ok(mut peer) =
-                LinkPeer::connect(addr, SITE_KEY.trim().as_bytes(), &name, h200s(&name, 4))
-            else {
-                set_aside[index] = Some(Instant::now() + SILENT_AFTER);
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            };
-            let cap =
-                |held: &Arc<Mutex<Held>>| held.lock().expect("held").cap_in_force(Instant::now());
-            if peer.send(&report(node, cap(&held))).is_err() {
-                continue;
-            }
-            let mut next_report = Instant::now() + Duration::from_secs(1);
-            let mut last_lease = Instant::now();
-            while !stop.load(Ordering::SeqCst) {
-                if last_lease.elapsed() >= SILENT_AFTER {
-                    set_aside[index] = Some(Instant::now() + SILENT_AFTER);
-                    break;
-                }
-                if Instant::now() >= next_report {
-                    next_report = Instant::now() + Duration::from_secs(1);
-                    if peer.send(&report(node, cap(&held))).is_err() {
-                        break;
-                    }
-                }
-                let asked = Instant::now();
-                match peer.recv(Duration::from_millis(200)) {
-                    Some(Ok(Body::Lease {
-                        caps, ttl_s, epoch, ..
-                    })) => {
-                        let mut h = held.lock().expect("held");
-                        if epoch < h.epoch {
-                            h.refused += 1;
-                            let accepted_epoch = h.epoch;
-                            drop(h);
-                            let _ = peer.send(&Body::Fenced {
-                                lease_epoch: epoch,
-                                accepted_epoch,
-                            });
-                            break;
-                        }
-                        let now = Instant::now();
-                        h.epoch = epoch;
-                        if let Some(&c) = caps.get(&job) {
-                            h.cap_w = c;
-                        }
-                        h.lease_until = Some(now + Duration::from_secs_f64(ttl_s));
-                        h.first_lease.entry(epoch).or_insert(now);
-                        last_lease = now;
-                        *h.leases.entry(epoch).or_default() += 1;
-                        let c = h.cap_w;
-                        drop(h);
-                        // Confirmed at once, as the agent does after reading back.
-                        if peer.send(&report(node, c)).is_err() {
-                            break;
-                        }
-                    }
-                    Some(Ok(Body::Standby { .. })) | Some(Err(_)) => break,
-                    Some(Ok(_)) => {}
-                    // A closed connection answers at once; a quiet one after the wait.
-                    None if asked.elapsed() < Duration::from_millis(100) => break,
-                    None => {}
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    })
-}
-
 /// One 50 ms sample.
 struct Sample {
     at: Instant,
@@ -419,57 +232,10 @@ impl RealNode {
     }
 }
 
-/// A controller's site config in `base/name`, listening at `own`: the budget, the
-/// lease, `hard` mode; `ha` adds what makes it one of a pair.
-fn site(
-    base: &Path,
-    name: &'static str,
-    own: SocketAddr,
-    ha: impl FnOnce(&mut RawSiteConfig),
-) -> Ctld {
-    let dir = base.join(name);
-    std::fs::create_dir_all(&dir).expect("dir");
-    let config = dir.join("powerflex.toml");
-    let key = base.join("powerflex.key");
-    SiteBuilder::new(BASE_BUDGET_W)
-        .placement_from_reports()
-        .h200(&[700.0, 600.0, 500.0, 400.0, 300.0], FAILSAFE_W)
-        .controller(own, LEASE_TTL_S, 1)
-        .key_file(&key)
-        .controller_paths(&dir.join("ctld.sock"), &dir.join("state"))
-        .edit(|raw| {
-            raw.facility.budget_mode = Some("hard".into());
-            ha(raw);
-        })
-        .write(&config)
-        .unwrap_or_else(|e| panic!("{e}"));
-    Ctld {
-        name,
-        dir,
-        config,
-        addr: own,
-    }
-}
-
-/// One controller of the pair, the other at `other`, both on the database at `url`.
-fn config(base: &Path, name: &'static str, own: SocketAddr, other: SocketAddr, url: &str) -> Ctld {
-    let url = url.to_string();
-    site(base, name, own, |raw| {
-        raw.controller.standby_addresses = Some(vec![other.to_string()]);
-        raw.controller.ha = Some(RawHa {
-            name: name.into(),
-            url,
-            password_file: None,
-            timeout_s: Some(1),
-            leader_ttl_s: Some(LEADER_TTL_S),
-        });
-    })
-}
-
 /// A single controller at `own` with the site's key and no `[controller.ha]` (epoch 0):
 /// a stale config started by mistake. Its budget is the base one, above the event's.
-fn rogue(base: &Path, own: SocketAddr) -> Ctld {
-    site(base, "ctld-rogue", own, |_| {})
+fn rogue(base: &Path, own: SocketAddr) -> PairCtld {
+    SITE.ctld(base, "ctld-rogue", own, |_| {})
 }
 
 /// When the last node (harness and real) got its first lease of `epoch`.
@@ -582,8 +348,8 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     write_site_key(&base.join("powerflex.key"), SITE_KEY);
     let addr_a: SocketAddr = ([127, 0, 0, 1], free_loopback_port()).into();
     let addr_b: SocketAddr = ([127, 0, 0, 1], free_loopback_port()).into();
-    let a = config(&base, "ctld-a", addr_a, addr_b, &pg.url());
-    let b = config(&base, "ctld-b", addr_b, addr_a, &pg.url());
+    let a = SITE.pair_member(&base, "ctld-a", addr_a, addr_b, &pg.url());
+    let b = SITE.pair_member(&base, "ctld-b", addr_b, addr_a, &pg.url());
     phase("PostgreSQL up");
 
     // 1. A takes leadership (epoch 1), B stands by.
@@ -593,7 +359,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     });
     let mut proc_b = b.start();
     wait_until("ctld-b standing by", Duration::from_secs(20), || {
-        b.try_status()
+        b.status()
             .and_then(|s| s.leadership)
             .filter(|l| l.role == LeadershipRole::Standby && l.holder.as_deref() == Some("ctld-a"))
     });
@@ -602,16 +368,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     // 2. The agents find the active one, whichever address they try first.
     let stop = Arc::new(AtomicBool::new(false));
     let held: Vec<Arc<Mutex<Held>>> = (0..NODES)
-        .map(|_| {
-            Arc::new(Mutex::new(Held {
-                epoch: 0,
-                cap_w: 700.0,
-                lease_until: None,
-                first_lease: BTreeMap::new(),
-                leases: BTreeMap::new(),
-                refused: 0,
-            }))
-        })
+        .map(|_| Arc::new(Mutex::new(Held::new(FAILSAFE_W))))
         .collect();
     // The harness agents stop for phase 9 (their own flag) and start again after it.
     let harness = |stop: &Arc<AtomicBool>| -> Vec<std::thread::JoinHandle<()>> {
@@ -622,7 +379,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
                 } else {
                     vec![b.addr, a.addr]
                 };
-                agent(n, order, held[n].clone(), stop.clone())
+                harness_node(n).follow(order, held[n].clone(), stop.clone())
             })
             .collect()
     };
@@ -718,7 +475,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
         leased_s <= LEASE_TTL_S as f64 / 2.0,
         "takeover within half a lease TTL: {leased_s:.2} s"
     );
-    let status_b = b.try_status().expect("ctld-b status");
+    let status_b = b.status().expect("ctld-b status");
     assert!(
         status_b.active_event.is_some(),
         "the event stays in force: {status_b:?}"
@@ -733,7 +490,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     // 5. The old primary, started again: it finds ctld-b holding and never steers.
     proc_a = a.start();
     wait_until("ctld-a standing by", Duration::from_secs(20), || {
-        a.try_status()
+        a.status()
             .and_then(|s| s.leadership)
             .filter(|l| l.role == LeadershipRole::Standby && l.holder.as_deref() == Some("ctld-b"))
     });
@@ -770,7 +527,14 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     );
     let leases_during_outage: u64 = held
         .iter()
-        .map(|h| h.lock().expect("held").leases.get(&3).copied().unwrap_or(0))
+        .map(|h| {
+            h.lock()
+                .expect("held")
+                .leases_by_epoch
+                .get(&3)
+                .copied()
+                .unwrap_or(0)
+        })
         .sum();
     assert_eq!(leases_during_outage, 0);
 
@@ -800,7 +564,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
         ),
         "one active controller: {roles:?}"
     );
-    let status = active.try_status().expect("status");
+    let status = active.status().expect("status");
     assert!(status.active_event.is_some(), "the event still in force");
     eprintln!(
         "recovered: {} active, every node leased at most {recovered_s:.2} s after the database accepted connections again (its restart took {restart_s:.2} s)",
@@ -966,7 +730,7 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
         real_leased_s <= LEASE_TTL_S as f64 / 2.0,
         "the real node leased by the new leader within half a lease: {real_leased_s:.2} s"
     );
-    let status = survivor.try_status().expect("status");
+    let status = survivor.status().expect("status");
     assert_eq!(status.leadership.as_ref().map(|l| l.epoch), Some(5));
     assert!(status.active_event.is_some(), "the event still in force");
     assert_eq!(
@@ -1079,9 +843,9 @@ fn a_standby_takes_over_from_a_killed_leader_and_a_lost_database_raises_no_cap()
     for h in &held {
         let h = h.lock().expect("held");
         assert!(
-            h.leases.keys().all(|e| (1..=5).contains(e)) && h.epoch == 5,
+            h.leases_by_epoch.keys().all(|e| (1..=5).contains(e)) && h.epoch == 5,
             "leases only from the five leaderships, the last one kept: {:?}",
-            h.leases
+            h.leases_by_epoch
         );
     }
     assert!(a.log().contains("leadership taken") && b.log().contains("stepping down"));

@@ -656,33 +656,26 @@ mod tests {
             u.bound.judged_s, 10.0,
             "a tier without a bound judges nothing"
         );
+        // The share as the agent sends it, under the 10 % bound.
+        let bounded_share = |u: &JobUsage| {
+            u.share(
+                "7",
+                "n1",
+                1,
+                "flex1",
+                Some(&curve()),
+                Some(10.0),
+                None,
+                None,
+                true,
+                false,
+            )
+        };
         u.window_judged(window(95.0), Some(10.0));
-        let s = u.share(
-            "7",
-            "n1",
-            1,
-            "flex1",
-            Some(&curve()),
-            Some(10.0),
-            None,
-            None,
-            true,
-            false,
-        );
+        let s = bounded_share(&u);
         assert_eq!(s.bound_held, Some(true));
         u.window_judged(window(60.0), Some(10.0));
-        let s = u.share(
-            "7",
-            "n1",
-            1,
-            "flex1",
-            Some(&curve()),
-            Some(10.0),
-            None,
-            None,
-            true,
-            false,
-        );
+        let s = bounded_share(&u);
         assert_eq!(s.bound_held, Some(false));
         let j = s.bound_judgement.expect("judged");
         assert_eq!((j.judged_s, j.past_s), (30.0, 10.0));

@@ -127,6 +127,33 @@ fn budget_set(budget_w: f64, domain: Option<&str>) -> Input {
     )
 }
 
+/// Root announces a cut to 3.3 kW 4.5 s ahead of `T0 + 5 s`, for 30 s: deeper than the
+/// caps of [`flex0_beside_a_suspendable_job`] reach.
+fn cut_below_the_caps_announced() -> Input {
+    admin(
+        AdminOp::EventAdd {
+            cut: Cut::Target { budget_w: 3300.0 },
+            start_ms: T0 + 5_000,
+            duration_ms: 30_000,
+            ramp_ms: 0,
+            domain: None,
+        },
+        0,
+    )
+}
+
+/// A 5.6 kW site: job 101 (flex0) on n1 and job 102 (flex3, suspendable) on n2, both at
+/// 700 W; `n2_job` may wrap job 102's report (observe mode, say).
+fn flex0_beside_a_suspendable_job(n2_job: impl FnOnce(Input) -> Input) -> Vec<Input> {
+    vec![
+        budget_set(5600.0, None),
+        hello("n1"),
+        at_cap("n1", "101", "flex0", 700.0),
+        hello("n2"),
+        n2_job(at_cap("n2", "102", "flex3,preempt=suspend", 700.0)),
+    ]
+}
+
 fn slurm_placed(jobs: &[(&str, &[&str], u32)]) -> Input {
     use powerflex_core::slurm_record::{SlurmJob, SlurmJobState};
     Input::Placement(Box::new(Ok(Placement {

@@ -368,29 +368,8 @@ fn a_cut_deeper_than_caps_holds_out_no_job_of_an_observe_only_node() {
         },
         other => other,
     };
-    core.step_saved(
-        UnixMs(T0),
-        vec![
-            budget_set(5600.0, None),
-            hello("n1"),
-            at_cap("n1", "101", "flex0", 700.0),
-            hello("n2"),
-            observing(at_cap("n2", "102", "flex3,preempt=suspend", 700.0)),
-        ],
-    );
-    let out = core.step_saved(
-        UnixMs(T0 + 500),
-        vec![admin(
-            AdminOp::EventAdd {
-                cut: Cut::Target { budget_w: 3300.0 },
-                start_ms: T0 + 5_000,
-                duration_ms: 30_000,
-                ramp_ms: 0,
-                domain: None,
-            },
-            0,
-        )],
-    );
+    core.step_saved(UnixMs(T0), flex0_beside_a_suspendable_job(observing));
+    let out = core.step_saved(UnixMs(T0 + 500), vec![cut_below_the_caps_announced()]);
     assert!(out.preempt.is_empty(), "{:?}", out.preempt);
     assert!(core.status(UnixMs(T0 + 500)).preempted.is_empty());
 }
@@ -401,30 +380,9 @@ fn a_cut_deeper_than_caps_holds_out_no_job_of_an_observe_only_node() {
 #[test]
 fn a_cut_deeper_than_caps_suspends_ahead_and_resumes_after() {
     let mut core = fresh();
-    core.step_saved(
-        UnixMs(T0),
-        vec![
-            budget_set(5600.0, None),
-            hello("n1"),
-            at_cap("n1", "101", "flex0", 700.0),
-            hello("n2"),
-            at_cap("n2", "102", "flex3,preempt=suspend", 700.0),
-        ],
-    );
+    core.step_saved(UnixMs(T0), flex0_beside_a_suspendable_job(|job| job));
     // Announced 4.5 s ahead: the allocation the change triggers already suspends.
-    let out = core.step_saved(
-        UnixMs(T0 + 500),
-        vec![admin(
-            AdminOp::EventAdd {
-                cut: Cut::Target { budget_w: 3300.0 },
-                start_ms: T0 + 5_000,
-                duration_ms: 30_000,
-                ramp_ms: 0,
-                domain: None,
-            },
-            0,
-        )],
-    );
+    let out = core.step_saved(UnixMs(T0 + 500), vec![cut_below_the_caps_announced()]);
     assert_eq!(
         out.preempt,
         [Action::Suspend { job: "102".into() }],
@@ -664,29 +622,8 @@ fn a_confirmation_in_the_same_batch_as_an_allocation_does_not_send_the_older_lea
 #[test]
 fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut() {
     let mut core = fresh();
-    core.step_saved(
-        UnixMs(T0),
-        vec![
-            budget_set(5600.0, None),
-            hello("n1"),
-            at_cap("n1", "101", "flex0", 700.0),
-            hello("n2"),
-            at_cap("n2", "102", "flex3,preempt=suspend", 700.0),
-        ],
-    );
-    let out = core.step_saved(
-        UnixMs(T0 + 500),
-        vec![admin(
-            AdminOp::EventAdd {
-                cut: Cut::Target { budget_w: 3300.0 },
-                start_ms: T0 + 5_000,
-                duration_ms: 30_000,
-                ramp_ms: 0,
-                domain: None,
-            },
-            0,
-        )],
-    );
+    core.step_saved(UnixMs(T0), flex0_beside_a_suspendable_job(|job| job));
+    let out = core.step_saved(UnixMs(T0 + 500), vec![cut_below_the_caps_announced()]);
     assert_eq!(out.preempt, [Action::Suspend { job: "102".into() }]);
     // Mid-cut, n2's agent comes back in observe mode (`agent.enforce = false`), still
     // reporting the suspended job.

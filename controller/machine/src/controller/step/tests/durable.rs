@@ -148,27 +148,9 @@ fn again_version(out: &Output) -> u64 {
 #[test]
 fn a_suspension_runs_only_once_the_held_set_is_durable() {
     let mut core = fresh();
-    core.step(
-        UnixMs(T0),
-        vec![
-            budget_set(5600.0, None),
-            hello("n1"),
-            at_cap("n1", "101", "flex0", 700.0),
-            hello("n2"),
-            at_cap("n2", "102", "flex3,preempt=suspend", 700.0),
-        ],
-    );
+    core.step(UnixMs(T0), flex0_beside_a_suspendable_job(|job| job));
     core.step(UnixMs(T0 + 1), vec![durable(1)]);
-    let cut = admin(
-        AdminOp::EventAdd {
-            cut: Cut::Target { budget_w: 3300.0 },
-            start_ms: T0 + 5_000,
-            duration_ms: 30_000,
-            ramp_ms: 0,
-            domain: None,
-        },
-        0,
-    );
+    let cut = cut_below_the_caps_announced();
     let out = core.step(UnixMs(T0 + 500), vec![cut]);
     let saved = out.persist.clone().expect("saved");
     assert!(saved.preempted.contains_key("102"));
