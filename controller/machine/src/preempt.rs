@@ -22,7 +22,7 @@
 //!   draw is unknown until they run again.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -183,12 +183,18 @@ fn helps(
         })
 }
 
-/// What each held job counts at (see [`Held`]).
+/// What each held job counts at (see [`Held`]), and each job someone else suspended
+/// (`suspended`, from Slurm's record): what it draws, at most its lowest cap per GPU.
 fn counted(
     held: &BTreeMap<String, Preempted>,
+    suspended: &BTreeSet<String>,
     jobs: &BTreeMap<String, Candidate>,
     now_ms: u64,
 ) -> Held {
+    let others = suspended
+        .iter()
+        .filter(|id| !held.contains_key(*id))
+        .map(|id| (id.clone(), None));
     held.iter()
         .map(|(id, p)| {
             // Just stopped (suspended, or requeued and being ended by Slurm): its GPUs at
@@ -200,6 +206,7 @@ fn counted(
             };
             (id.clone(), count)
         })
+        .chain(others)
         .collect()
 }
 
@@ -212,13 +219,25 @@ pub struct Outlook<'a> {
     /// Whether Slurm still holds a job (running, suspended or pending, not ended), from
     /// its own record; `None` without Slurm's record (`job_placement = "reports"`).
     pub in_slurm: Option<&'a dyn Fn(&str) -> bool>,
+    /// The jobs Slurm's record shows suspended that the controller did not suspend (an
+    /// admin's `scontrol suspend`). Their GPUs idle: each counts at what it draws, at
+    /// most its lowest cap per GPU, and is leased at that cap (see [`Held`]) instead of
+    /// holding its grant's watts from the running jobs; it is never picked to give way.
+    /// Once Slurm shows it running again it is allocated as any job: until then (up to
+    /// `controller.slurm_poll_s` and an allocation period) a resumed job runs at its
+    /// lowest cap.
+    pub suspended: &'a BTreeSet<String>,
 }
+
+/// No job suspended by anyone else.
+static NONE_SUSPENDED: BTreeSet<String> = BTreeSet::new();
 
 impl std::fmt::Debug for Outlook<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outlook")
             .field("cut_ahead", &self.cut_ahead)
             .field("in_slurm", &self.in_slurm.map(|_| "Slurm's record"))
+            .field("suspended", &self.suspended)
             .finish()
     }
 }
@@ -229,6 +248,7 @@ impl Outlook<'_> {
         Outlook {
             cut_ahead,
             in_slurm: None,
+            suspended: &NONE_SUSPENDED,
         }
     }
 }
@@ -291,7 +311,7 @@ pub fn plan(
                 &views,
                 budget,
                 settings,
-                &counted(now_held, &jobs, now_ms),
+                &counted(now_held, outlook.suspended, &jobs, now_ms),
                 in_force,
             )
         };
@@ -316,6 +336,7 @@ pub fn plan(
             .values()
             .filter(|c| c.preempt != Preempt::Never && c.bound.0 > 0.0)
             .filter(|c| !now_held.contains_key(&c.id))
+            .filter(|c| !outlook.suspended.contains(&c.id))
             .collect();
         order.sort_by(|a, b| {
             give_way_order(a.bound, b.bound)
@@ -514,6 +535,79 @@ mod tests {
         );
         assert!(p.held.is_empty() && p.actions.is_empty());
         assert!(!short(&p.decision));
+    }
+
+    /// A job an admin suspended (`scontrol suspend`; Slurm's record says so, the
+    /// controller did not) idles on its GPUs: it counts at what its node reports it
+    /// drawing, at most its lowest cap per GPU, and is leased there, so its grant's watts
+    /// go to the running jobs instead of being held for a job that draws nothing. It is
+    /// never picked to give way, nor resumed by the controller.
+    #[test]
+    fn a_job_suspended_by_an_admin_counts_at_its_idle_draw() {
+        let mut nodes = site();
+        // Job 14 suspended: its GPUs idle at 75 W each, its lease still 700 W.
+        nodes[3] = node("n4", vec![job("14", "flex3", 700.0, 75.0)]);
+        let suspended: BTreeSet<String> = ["14".to_string()].into();
+        let in_slurm = |_: &str| true;
+        let outlook = |suspended| Outlook {
+            cut_ahead: true,
+            in_slurm: Some(&in_slurm),
+            suspended,
+        };
+        let budget = Watts(8000.0);
+        let held = BTreeMap::new();
+        let with = plan(
+            &nodes,
+            budget,
+            &settings(),
+            &held,
+            outlook(&suspended),
+            &BTreeMap::new(),
+            T0,
+        );
+        let without = plan(
+            &nodes,
+            budget,
+            &settings(),
+            &held,
+            outlook(&NONE_SUSPENDED),
+            &BTreeMap::new(),
+            T0,
+        );
+        assert!(
+            with.held.is_empty() && with.actions.is_empty(),
+            "{:?}",
+            with.actions
+        );
+        assert_eq!(with.decision.leases["n4"].get("14"), Some(&200.0));
+        let allocation = with.decision.allocation.as_ref().expect("allocation");
+        assert!(
+            allocation.jobs.iter().all(|j| j.id != "14"),
+            "held out of the allocation: {allocation:?}"
+        );
+        // Counted at its 300 W, not at a grant: the others get the rest.
+        let cap = |p: &Plan, id: &str| p.decision.leases.values().find_map(|l| l.get(id).copied());
+        assert!(
+            cap(&with, "13") > cap(&without, "13"),
+            "{:?} vs {:?}",
+            cap(&with, "13"),
+            cap(&without, "13")
+        );
+        // Even when the budget is short, the controller does not pick it to give way.
+        let short_plan = plan(
+            &nodes,
+            Watts(5000.0),
+            &settings(),
+            &held,
+            outlook(&suspended),
+            &BTreeMap::new(),
+            T0,
+        );
+        assert!(
+            short_plan.actions.iter().all(|a| a.job() != "14"),
+            "{:?}",
+            short_plan.actions
+        );
     }
 
     /// Floors: flex0 2800 W, flex1 at its 10 % bound 2240 W (560 W per GPU), flex3 at the
@@ -796,6 +890,7 @@ mod tests {
         let slurm = |cut_ahead| Outlook {
             cut_ahead,
             in_slurm: Some(&alive),
+            suspended: &NONE_SUSPENDED,
         };
         // n3 silent for several allocations, the cut over meanwhile.
         let mut nodes = site();
@@ -840,6 +935,7 @@ mod tests {
             Outlook {
                 cut_ahead: true,
                 in_slurm: Some(&ended),
+                suspended: &NONE_SUSPENDED,
             },
             &BTreeMap::new(),
             T0 + 5 * STOP_GRACE_MS,

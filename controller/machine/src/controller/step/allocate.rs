@@ -287,12 +287,28 @@ impl Controller {
                     .is_some_and(|j| j.state != powerflex_core::slurm_record::SlurmJobState::Ended)
             })
         };
+        // Jobs someone else suspended (an admin's `scontrol suspend`): Slurm's record
+        // says so, the nodes' reports cannot (a stopped job and one between two steps
+        // draw alike). Without that record, none is known.
+        let suspended: BTreeSet<String> = match (self.options.job_placement, placement) {
+            (JobPlacement::Slurm, Some(p)) => p
+                .jobs
+                .iter()
+                .filter(|(id, j)| {
+                    j.state == powerflex_core::slurm_record::SlurmJobState::Suspended
+                        && !self.state.preempted.contains_key(*id)
+                })
+                .map(|(id, _)| id.clone())
+                .collect(),
+            _ => BTreeSet::new(),
+        };
         let outlook = preempt::Outlook {
             cut_ahead,
             in_slurm: match self.options.job_placement {
                 JobPlacement::Slurm => Some(&in_slurm),
                 JobPlacement::Reports => None,
             },
+            suspended: &suspended,
         };
         preempt::plan(
             views,
