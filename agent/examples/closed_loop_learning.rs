@@ -105,8 +105,10 @@ fn main() -> Result<(), String> {
         let truth = CapCurve::from_points(&rec.points).map_err(|e| e.to_string())?;
         let mut grid: Vec<Watts> = rec.points.iter().map(|p| p.cap_w).collect();
         grid.reverse();
+        let min_cap = grid.last().copied().unwrap_or(Watts(0.0));
         let settings = CalibrationSettings {
             grid,
+            min_cap,
             settle_s: 10.0,
             hold_s: 30.0,
             warmup_s: 60.0,

@@ -53,6 +53,14 @@ pub struct DesignParams {
     /// The most loss (1 − T/T_max) the walk may read or predict at a level: the job's
     /// tier bound plus the site's calibration allowance. `None` = no bound (offline).
     pub max_loss: Option<f64>,
+    /// With `max_loss`: the cap at or below which the job may make no progress at all
+    /// (the GPU's lowest cap), W. A level is then entered only where the chord from it
+    /// to the lowest level read shows the loss within `max_loss`: throughput is concave
+    /// in the cap above it, so the chord is a lower bound on the throughput there, and
+    /// the walk never steps into a knee it cannot see (the extrapolated loss per watt,
+    /// the design's own prediction, is a guess that a knee runs past). `None`: the
+    /// prediction alone (offline evaluation, which has no bound to keep).
+    pub zero_progress_cap_w: Option<f64>,
 }
 
 impl Default for DesignParams {
@@ -67,6 +75,7 @@ impl Default for DesignParams {
             max_windows_per_cap: 12,
             max_levels: 8,
             max_loss: None,
+            zero_progress_cap_w: None,
         }
     }
 }
@@ -518,6 +527,13 @@ impl DesignWalk {
         if index >= self.caps.len() {
             return self.start_top_up();
         }
+        // A step the physics cannot show within the bound is shortened to the lowest cap
+        // it can (an intermediate level), or the walk ends where it is.
+        match self.provable_step(self.caps[index]) {
+            Some(step) if step.0 > self.caps[index].0 + 0.5 => self.insert_step(index, step),
+            Some(_) => {}
+            None => return self.start_top_up(),
+        }
         let top = self.top.0;
         // The caps still to visit, down to the one the depth is predicted to reach, each
         // with its predicted loss; plan windows for all of them, spend on this one.
@@ -540,7 +556,7 @@ impl DesignWalk {
         // budget's reserve covers a prediction that falls short); and a tier's bound
         // must not be predicted to break there.
         let fits = planned[0] * (self.params.settle_s + self.params.window_s) <= remaining;
-        let within = self.params.max_loss.is_none_or(|m| planned[0] <= m);
+        let within = self.within_bound(self.caps[index], planned[0]);
         if !(fits && within) {
             return self.start_top_up();
         }
@@ -565,9 +581,17 @@ impl DesignWalk {
                     .collect();
                 self.caps.splice(index..deepest, picked);
                 target = 1;
-                // The first level kept may be deeper than the one priced above.
+                // The first level kept may be deeper than the one priced above, and
+                // deeper than the physics shows within the bound: then shortened.
+                match self.provable_step(self.caps[index]) {
+                    Some(step) if step.0 > self.caps[index].0 + 0.5 => {
+                        self.insert_step(index, step)
+                    }
+                    Some(_) => {}
+                    None => return self.start_top_up(),
+                }
                 loss = predicted_loss(&self.seen, self.caps[index].0, top);
-                if self.params.max_loss.is_some_and(|m| loss > m) {
+                if !self.within_bound(self.caps[index], loss) {
                     return self.start_top_up();
                 }
             }
@@ -581,6 +605,82 @@ impl DesignWalk {
             power: self.p_top,
             loss,
         };
+    }
+
+    /// The most loss `cap` may cost on the physics alone (see
+    /// [`DesignParams::zero_progress_cap_w`]): one minus the chord from the zero-progress
+    /// cap to the lowest level read (the top, before any). 0 without that cap.
+    fn provable_loss(&self, cap: f64) -> f64 {
+        let Some(zero) = self.params.zero_progress_cap_w else {
+            return 0.0;
+        };
+        let (c, l) = self
+            .seen
+            .iter()
+            .copied()
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .unwrap_or((self.top.0, 0.0));
+        if cap >= c {
+            return l.max(0.0);
+        }
+        if c <= zero || cap <= zero {
+            return 1.0;
+        }
+        (1.0 - (1.0 - l.clamp(0.0, 1.0)) * (cap - zero) / (c - zero)).clamp(0.0, 1.0)
+    }
+
+    /// Whether the walk may read `cap`, predicted to lose `predicted`: with the
+    /// zero-progress cap, where the physics shows the loss within `max_loss` (the chord is
+    /// a bound; the prediction, whose prior assumes a PFI of 2 everywhere, would stop a
+    /// flat job's walk at the first step its prior prices past a flex1 bound); without
+    /// it, where the prediction does.
+    fn within_bound(&self, cap: Watts, predicted: f64) -> bool {
+        match (self.params.max_loss, self.params.zero_progress_cap_w) {
+            (None, _) => true,
+            (Some(m), Some(_)) => self.provable_loss(cap.0) <= m + PROVABLE_SLACK,
+            (Some(m), None) => predicted <= m,
+        }
+    }
+
+    /// The cap the walk may step to on its way to `cap`: `cap` itself where
+    /// [`DesignWalk::provable_loss`] keeps it within `max_loss` (or nothing bounds the
+    /// walk), else the lowest whole watt where it does, when that is a step worth a
+    /// level (at least [`MIN_PROVABLE_STEP`] of the range below the lowest level read);
+    /// `None` when no such step is left.
+    fn provable_step(&self, cap: Watts) -> Option<Watts> {
+        let (Some(max_loss), Some(zero)) = (self.params.max_loss, self.params.zero_progress_cap_w)
+        else {
+            return Some(cap);
+        };
+        if self.provable_loss(cap.0) <= max_loss + PROVABLE_SLACK {
+            return Some(cap);
+        }
+        let (c, l) = self
+            .seen
+            .iter()
+            .copied()
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .unwrap_or((self.top.0, 0.0));
+        if c <= zero || l >= max_loss {
+            return None;
+        }
+        // The chord from (zero, 0) through the lowest level read reaches the loss
+        // `max_loss` at this cap; a whole watt above it keeps the loss within.
+        let at = zero + (1.0 - max_loss) / (1.0 - l.clamp(0.0, 1.0)) * (c - zero);
+        let step = at.ceil();
+        (step <= c - MIN_PROVABLE_STEP * (c - zero) && step > cap.0).then_some(Watts(step))
+    }
+
+    /// Puts the shortened step `step` at `caps[index]`, dropping the planned levels just
+    /// below it that lie closer to it than a level is worth (they would read the same
+    /// rate again at a settle's cost).
+    fn insert_step(&mut self, index: usize, step: Watts) {
+        let zero = self.params.zero_progress_cap_w.unwrap_or(0.0);
+        let close = step.0 - MIN_PROVABLE_STEP * (step.0 - zero).max(0.0);
+        while self.caps.get(index).is_some_and(|c| c.0 > close) && index + 1 < self.caps.len() {
+            self.caps.remove(index);
+        }
+        self.caps.insert(index, step);
     }
 
     /// Closes the level under way and moves on (or ends the walk at the depth).
@@ -797,6 +897,15 @@ fn relative_spread(readings: &[OperatingPoint]) -> f64 {
 /// the dev curves at 1 % noise.
 const COST_RESERVE: f64 = 0.2;
 
+/// Smallest step down a level shortened to what the physics shows within the bound is
+/// worth, as a share of the range from the zero-progress cap to the lowest level read:
+/// as the loss read nears the bound, the provable steps shrink towards nothing, and a
+/// walk of ever-closer levels would spend its budget measuring noise.
+const MIN_PROVABLE_STEP: f64 = 0.1;
+
+/// Rounding the chord's loss may carry past the bound at a step set exactly on it.
+const PROVABLE_SLACK: f64 = 1e-9;
+
 /// Smallest loss a window is priced at: near the top a window costs almost nothing, and
 /// without a floor the 1/√cost rule would spend everything there.
 const MIN_LOSS: f64 = 0.01;
@@ -876,6 +985,60 @@ mod tests {
         // 20 % below 230 W is 184 W: the walk stops at the first cap at or below it.
         let lowest = out.levels.last().expect("levels").cap_w;
         assert_eq!(lowest, Watts(175.0), "{:?}", out.levels);
+    }
+
+    /// With a bound and the cap where progress may stop, the walk never reads a level
+    /// past the bound on a concave curve, knee included: each step is one the chord from
+    /// that cap shows within it (shortened where the grid's next cap is not). Without
+    /// the anchor the design steps on its own prediction, and on a coarse grid reads
+    /// past the bound first.
+    #[test]
+    fn a_bounded_walk_reads_no_level_past_its_bound() {
+        // A knee at 200 W: full speed above, 60 % at 150 W, 20 % at the 100 W floor.
+        let knee = |cap: Watts| OperatingPoint {
+            cap_w: cap,
+            power_w: Watts(cap.0.min(230.0)),
+            throughput: (0.2 + 0.8 * (cap.0 - 100.0) / 100.0).min(1.0) * 100.0,
+        };
+        let caps = grid(250.0, 100.0, 50.0);
+        let loss = |c: Watts| 1.0 - knee(c).throughput / 100.0;
+        for max_loss in [0.05, 0.15, 0.3] {
+            let bounded = DesignParams {
+                expected_cut: 0.4,
+                max_loss: Some(max_loss),
+                zero_progress_cap_w: Some(100.0),
+                ..Default::default()
+            };
+            let out = run_design(&caps, &bounded, &mut |c| knee(c)).expect("design");
+            for r in &out.readings {
+                assert!(
+                    loss(r.cap_w) <= max_loss + 1e-9,
+                    "{max_loss}: read {} W at {:.3}",
+                    r.cap_w.0,
+                    loss(r.cap_w)
+                );
+            }
+            // Past the flat top, the walk reaches into the knee as far as it can show;
+            // at 5 % no step worth a level (a tenth of the range) is provable from the
+            // top, and the walk reads the top alone.
+            let deepest = out.levels.last().expect("levels").cap_w.0;
+            if max_loss >= 0.15 {
+                assert!(deepest < 200.0, "{max_loss}: {:?}", out.levels);
+            } else {
+                assert_eq!(out.levels.len(), 1, "{max_loss}: {:?}", out.levels);
+            }
+        }
+        let guessing = DesignParams {
+            expected_cut: 0.4,
+            max_loss: Some(0.3),
+            ..Default::default()
+        };
+        let out = run_design(&caps, &guessing, &mut |c| knee(c)).expect("design");
+        assert!(
+            out.readings.iter().any(|r| loss(r.cap_w) > 0.3),
+            "the prediction alone steps past the knee: {:?}",
+            out.levels
+        );
     }
 
     /// Pre-positioning: an announced event's plan needs the job at 150 W, deeper than the

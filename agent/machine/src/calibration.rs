@@ -52,6 +52,10 @@ pub struct CalibrationSettings {
     /// Per-GPU caps the design may visit, descending, the first being the uncapped
     /// setting: the site's `calibration_caps_w` when set, else every cap step of the GPU.
     pub grid: Vec<Watts>,
+    /// The GPU's lowest cap, W: where a job may make no progress at all, the anchor of
+    /// the chord that bounds its throughput below the levels read (the grid's lowest cap
+    /// may be above it when the site lists its calibration caps).
+    pub min_cap: Watts,
     /// Time a job gets to feel a new cap before it is measured, s.
     pub settle_s: f64,
     /// One measurement window, s.
@@ -86,6 +90,72 @@ const RESTORED_NOISE: f64 = 0.01;
 /// so no job slows by more than its clock (memory-bound jobs slow by less). The margin is
 /// for measurement noise and clock averaging.
 const CLOCK_SLOWDOWN_MARGIN: f64 = 0.05;
+
+/// How close to the top level's SM clock a window's clock may be for its cap to count as
+/// not binding (a fraction): a cap the GPUs run under at full clock does not slow the
+/// job, whatever its reports say, so every such window reads the same operating point.
+const CLOCK_UNBOUND_TOLERANCE: f64 = 0.01;
+
+/// The windows as the physics allows them to be read (see [`implausible`]): a cap does
+/// not slow a job by more than it slows the GPUs' SM clock, so
+/// - windows whose clock stayed at the top level's (within [`CLOCK_UNBOUND_TOLERANCE`])
+///   were not slowed by their cap: all of them read one rate, their mean (real curves
+///   that run below every cap are flat with a few percent of noise, which read alone
+///   would make a flat job look steep, as the Zeus ShuffleNet runs do);
+/// - a window whose clock fell reads at least that rate times its clock's share of the
+///   top's, less [`CLOCK_SLOWDOWN_MARGIN`]: a steeper reported loss is noise or words.
+///
+/// A report can then neither buy a floor its GPUs do not justify (a job claiming to slow
+/// more than its clock) nor cost the job its curve: what it measured is planned on, read
+/// as the clock allows. Windows without clocks, or a walk whose top level has none, are
+/// left as read. `None` when nothing changes.
+pub fn clock_bounded(windows: &[Window]) -> Option<Vec<Window>> {
+    let top_cap = windows
+        .iter()
+        .map(|w| w.cap.0)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let top_clocks: Vec<f64> = windows
+        .iter()
+        .filter(|w| (w.cap.0 - top_cap).abs() < 0.5)
+        .filter_map(|w| w.sm_clock_mhz.filter(|c| c.is_finite() && *c > 0.0))
+        .collect();
+    if top_clocks.is_empty() {
+        return None;
+    }
+    let top_clock = top_clocks.iter().sum::<f64>() / top_clocks.len() as f64;
+    let share = |w: &Window| {
+        w.sm_clock_mhz
+            .filter(|c| c.is_finite() && *c > 0.0)
+            .map(|c| c / top_clock)
+    };
+    let unbound = |w: &Window| share(w).is_some_and(|s| s >= 1.0 - CLOCK_UNBOUND_TOLERANCE);
+    let free: Vec<f64> = windows
+        .iter()
+        .filter(|w| unbound(w) && w.throughput.is_finite() && w.throughput > 0.0)
+        .map(|w| w.throughput)
+        .collect();
+    if free.is_empty() {
+        return None;
+    }
+    let rate = free.iter().sum::<f64>() / free.len() as f64;
+    let mut changed = false;
+    let read: Vec<Window> = windows
+        .iter()
+        .map(|w| {
+            let throughput = match share(w) {
+                _ if !(w.throughput.is_finite() && w.throughput > 0.0) => w.throughput,
+                Some(s) if s >= 1.0 - CLOCK_UNBOUND_TOLERANCE => rate,
+                Some(s) => w
+                    .throughput
+                    .max(rate * (s.min(1.0) - CLOCK_SLOWDOWN_MARGIN).max(0.0)),
+                None => w.throughput,
+            };
+            changed |= throughput != w.throughput;
+            Window { throughput, ..*w }
+        })
+        .collect();
+    changed.then_some(read)
+}
 
 /// Why the levels cannot be a true curve, if they cannot: at some cap the reported
 /// throughput fell further below the top level's than the SM clock did (beyond the margin
@@ -382,6 +452,9 @@ impl Calibration {
             max_loss: self
                 .bound
                 .map(|b| (b + self.settings.allowance).clamp(0.0, 1.0)),
+            // The GPU's lowest cap: the walk steps only where the chord from there
+            // shows its bound held, never into a knee its last levels cannot see.
+            zero_progress_cap_w: Some(self.settings.min_cap.0),
             ..DesignParams::default()
         }
     }

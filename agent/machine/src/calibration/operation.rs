@@ -105,11 +105,32 @@ impl Calibration {
         }
     }
 
+    /// The most loss `cap` may cost against uncapped on the physics alone when it lies
+    /// below the lowest level read: one minus the chord from the GPU's lowest cap (where
+    /// the job may make no progress) to that level, throughput being concave in the cap
+    /// above it. 0 at or above the lowest level (the curve's own reading holds there).
+    fn loss_bound_below(&self, cap: Watts) -> f64 {
+        let levels = self.levels();
+        let (Some(top), Some(lowest)) = (levels.first(), levels.last()) else {
+            return 1.0;
+        };
+        let zero = self.settings.min_cap.0;
+        if cap.0 >= lowest.cap.0 - 0.5 || top.throughput <= 0.0 {
+            return 0.0;
+        }
+        if lowest.cap.0 <= zero || cap.0 <= zero {
+            return 1.0;
+        }
+        let share = (lowest.throughput / top.throughput).clamp(0.0, 1.0);
+        (1.0 - share * (cap.0 - zero) / (lowest.cap.0 - zero)).clamp(0.0, 1.0)
+    }
+
     /// Decides whether to probe now, while the budget holds the job at `granted` below
     /// its uncapped cap (an event's hold): one window `step` below the grant, to learn
     /// the slope of the curve where the allocator decides. Only when the walk is done,
     /// the job has held the grant for [`PROBE_AFTER_WINDOWS`] windows, the probe cap is
-    /// at or above `min_cap`, the curve predicts the job within its tier bound there,
+    /// at or above `min_cap`, the curve predicts the job within its tier bound there (below
+    /// the lowest level read, the physics bound does: [`Calibration::loss_bound_below`]),
     /// that cap has fewer than [`PROBE_WINDOWS`] windows, and the probes so far cost less
     /// than the design's token budget over the job's life (a fraction of its tokens so
     /// far). Lowering a cap below the grant never costs the budget anything.
@@ -132,7 +153,8 @@ impl Calibration {
         if !settled || cap.0 < min_cap.0 - 0.5 {
             return;
         }
-        let loss = 1.0 - curve.at(cap).throughput / top.throughput;
+        let loss =
+            (1.0 - curve.at(cap).throughput / top.throughput).max(self.loss_bound_below(cap));
         if self.bound.is_some_and(|b| loss > b) {
             return;
         }

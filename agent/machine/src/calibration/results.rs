@@ -6,7 +6,9 @@ use powerflex_core::curve::{estimate_from_windows, CapCurve};
 use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
 
-use super::{Calibration, Level, Phase, Window, RESTORED_NOISE};
+use std::borrow::Cow;
+
+use super::{clock_bounded, Calibration, Level, Phase, Window, RESTORED_NOISE};
 
 impl Calibration {
     /// The windows to plan on: the job's current phase's only. The windows of a phase
@@ -17,13 +19,21 @@ impl Calibration {
         &self.windows
     }
 
-    /// The points to plan on, one per cap (see `best_windows`), highest cap first.
+    /// The points to plan on, one per cap (see `best_windows`), highest cap first, read
+    /// as the GPUs' clocks allow ([`clock_bounded`]).
     pub fn best_levels(&self) -> Vec<Level> {
-        pool(self.best_windows())
+        pool(&as_the_clock_allows(self.best_windows()))
     }
 
-    /// The levels of this walk (and what operation has added), highest cap first.
+    /// The levels of this walk (and what operation has added), highest cap first, read
+    /// as the GPUs' clocks allow ([`clock_bounded`]).
     pub fn levels(&self) -> Vec<Level> {
+        pool(&as_the_clock_allows(&self.windows))
+    }
+
+    /// The levels as the job reported them, before the clocks' reading: what
+    /// [`super::implausible`] judges.
+    pub fn reported_levels(&self) -> Vec<Level> {
         pool(&self.windows)
     }
 
@@ -52,7 +62,7 @@ impl Calibration {
         if self.phase != Phase::Done && !self.extending {
             return None;
         }
-        curve_of(&self.windows)
+        curve_of(&as_the_clock_allows(&self.windows))
     }
 
     /// The curve to plan on and report: the current phase's, once a walk has ended
@@ -103,6 +113,11 @@ impl Calibration {
             self.phase = Phase::Done;
         }
     }
+}
+
+/// `windows` read as the clocks allow ([`clock_bounded`]).
+fn as_the_clock_allows(windows: &[Window]) -> Cow<'_, [Window]> {
+    clock_bounded(windows).map_or(Cow::Borrowed(windows), Cow::Owned)
 }
 
 /// The curve of `windows` by [`estimate_from_windows`], the windows' own spread as the

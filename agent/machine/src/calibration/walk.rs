@@ -212,13 +212,10 @@ impl Calibration {
     }
 
     /// Whether the job is planned on the telemetry prior: it has not reported progress
-    /// yet, or its walk's curve was not believed ([`implausible`]).
+    /// yet. (A walk whose reports slowed more than the clock is planned as the clock
+    /// allows, not on the prior: see [`super::clock_bounded`].)
     pub fn on_telemetry_prior(&self) -> bool {
-        match self.phase {
-            Phase::NoSignal => true,
-            Phase::Skipped(_) => self.implausible.is_some(),
-            _ => false,
-        }
+        self.phase == Phase::NoSignal
     }
 
     /// Starts a design over the site's grid (only caps at or below `ceiling`, when the
@@ -239,7 +236,7 @@ impl Calibration {
                 max_loss,
                 top.0,
                 first.0,
-                self.settings.grid.last().map_or(0.0, |w| w.0),
+                self.settings.min_cap.0,
             ));
         }
         self.design = DesignWalk::new(&grid, &params).ok();
@@ -516,6 +513,7 @@ impl Calibration {
     fn start_rewalk(&mut self, now: f64) {
         self.rewalk_due = None;
         self.rewalks += 1;
+        self.implausible = None;
         self.registered_at = now;
         self.started_at = None;
         self.finished_at = None;
@@ -548,12 +546,13 @@ impl Calibration {
             Phase::Done
         } else if levels.len() < 2 {
             Phase::Skipped("too few levels measured".into())
-        } else if let Some(why) = implausible(&levels) {
-            // The job's own reports say it slowed more than its GPUs did: its curve is
-            // words, not a measurement. Plan on the telemetry prior, and say why.
-            self.implausible = Some(why.clone());
-            Phase::Skipped(format!("{why}; planned on the telemetry prior"))
         } else {
+            // The job's own reports say it slowed more than its GPUs did (noise on a flat
+            // curve, or words): its curve is planned as the clocks allow
+            // ([`super::clock_bounded`]), never dropped for a prior, and the flag says
+            // why.
+            self.implausible = implausible(&self.reported_levels())
+                .map(|why| format!("{why}: planned as the SM clock allows"));
             Phase::Done
         };
     }

@@ -29,6 +29,7 @@ impl AgentSettings {
             default_service: site.tiers.default.clone(),
             calibration: CalibrationSettings {
                 grid: model.calibration_grid(),
+                min_cap: model.min_cap_w,
                 settle_s: site.agent.calibration_settle_s,
                 hold_s: site.agent.calibration_hold_s,
                 budget_fraction: site.agent.calibration_budget,

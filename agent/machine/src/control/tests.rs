@@ -37,6 +37,7 @@ fn settings(node_budget: Option<Watts>) -> AgentSettings {
         default_service: Service::Unmanaged,
         calibration: CalibrationSettings {
             grid: [700.0, 600.0, 500.0].map(Watts).to_vec(),
+            min_cap: Watts(200.0),
             settle_s: 1.0,
             hold_s: 2.0,
             warmup_s: 1.0,
