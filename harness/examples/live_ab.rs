@@ -5,9 +5,16 @@
 //! true curves (the oracle too must let a tier give way).
 //!
 //! `cargo run --release -p powerflex-site-harness --example live_ab`
+//!
+//! One run only, with where its watts went (each job's grant and the power the
+//! controller's model counts for it beside what its GPUs truly drew over the hold):
+//! `... --example live_ab -- dev 41 optimal` (set, seed, policy).
 
-// The example's whole job is to print.
-#![allow(clippy::disallowed_macros)]
+// The example's whole job is to print, and to read which run to print from its command
+// line (the harness's library takes every setting as an argument).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
+use std::process::ExitCode;
 
 use powerflex_core::allocate::Policy;
 use powerflex_site_harness::ab::{self, AbRun, Scenario, Timing};
@@ -52,7 +59,91 @@ fn summary(run: &AbRun) -> String {
     )
 }
 
-fn main() {
+/// Each event's grants: the controller's modelled power per job (its `what-if` halfway
+/// through the hold) beside the job's true mean draw and cap over the hold.
+fn watts(run: &AbRun) -> String {
+    let mut s = String::new();
+    for e in &run.events {
+        let Some(decision) = &e.decision else {
+            continue;
+        };
+        s.push_str(&format!(
+            "event {}: budget {:.0} W, controller budget {:.0} W, reserved {:.0} W, true draw {:.0} W\n\n\
+             | job | grant W/GPU | modelled W | true mean cap W/GPU | true draw W | modelled − drawn W | equal split's cap (true) | oracle's cap (true) |\n\
+             | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+            e.event, e.budget_w, decision.budget_w, decision.reserved_w, e.draw_w
+        ));
+        let Some(allocation) = &decision.allocation else {
+            continue;
+        };
+        let mut gap = 0.0;
+        for j in &allocation.jobs {
+            let drawn = e.mean_draw_w.get(&j.id).copied().unwrap_or(0.0);
+            gap += j.power_w.0 - drawn;
+            s.push_str(&format!(
+                "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:+.0} | {:.0} | {:.0} |\n",
+                j.id,
+                j.cap_w.0,
+                j.power_w.0,
+                e.mean_caps_w.get(&j.id).copied().unwrap_or(0.0),
+                drawn,
+                j.power_w.0 - drawn,
+                e.equal.caps_w.get(&j.id).copied().unwrap_or(f64::NAN),
+                e.oracle.caps_w.get(&j.id).copied().unwrap_or(f64::NAN),
+            ));
+        }
+        s.push_str(&format!(
+            "\nallocation total {:.0} W, modelled − drawn {gap:+.0} W\n\n",
+            allocation.total_power_w.0
+        ));
+    }
+    s
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [set, seed, policy] = args.as_slice() {
+        let jobs = match set.as_str() {
+            "dev" => ab::dev_set(),
+            "paper" => ab::paper_set(),
+            other => {
+                eprintln!("live_ab: set {other:?} is neither `dev` nor `paper`");
+                return ExitCode::from(2);
+            }
+        };
+        let Ok(seed) = seed.parse::<u64>() else {
+            eprintln!("live_ab: seed {seed:?} is not a whole number");
+            return ExitCode::from(2);
+        };
+        let policy = match policy.as_str() {
+            "optimal" => Policy::Optimal,
+            "equal" => Policy::Equal,
+            other => {
+                eprintln!("live_ab: policy {other:?} is neither `optimal` nor `equal`");
+                return ExitCode::from(2);
+            }
+        };
+        match ab::run(&Scenario {
+            seed,
+            jobs,
+            policy,
+            timing: Timing::default(),
+        }) {
+            Ok(run) => {
+                println!("{}\n{}", run.table(), watts(&run));
+                println!("{}", summary(&run));
+            }
+            Err(e) => {
+                eprintln!("live_ab: the run failed: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
+    if !args.is_empty() {
+        eprintln!("usage: live_ab [SET SEED POLICY]  (SET: dev | paper; POLICY: optimal | equal)");
+        return ExitCode::from(2);
+    }
     let mut rows = Vec::new();
     for set in [ab::dev_set(), ab::paper_set()] {
         for seed in SEEDS {
@@ -82,4 +173,5 @@ fn main() {
     for row in rows {
         println!("{row}");
     }
+    ExitCode::SUCCESS
 }

@@ -255,6 +255,10 @@ pub struct EventResult {
     pub gap_share: Option<f64>,
     /// Mean per-GPU cap of each job over the hold, W.
     pub mean_caps_w: BTreeMap<String, f64>,
+    /// Mean true draw of each job's GPUs over the hold (the physics), W: beside the
+    /// power the controller's model counts for its grant, where a shortfall of the
+    /// draw against the budget comes from.
+    pub mean_draw_w: BTreeMap<String, f64>,
     /// The controller's status halfway through the hold (its budget, reserve, and each
     /// job's grant, floor and measured curve): what a shortfall is diagnosed from.
     pub controller: Option<CtldStatus>,
@@ -411,6 +415,7 @@ struct Hold {
     tokens: f64,
     draw_w: f64,
     caps_w: BTreeMap<String, f64>,
+    draws_w: BTreeMap<String, f64>,
 }
 
 /// Samples the site at every quantum.
@@ -427,6 +432,10 @@ impl Recorder {
         let dt_s = QUANTUM_MS as f64 / 1000.0;
         let mut tokens = 0.0;
         for r in &mut self.jobs {
+            if let Some(hold) = self.hold.as_mut() {
+                // Suspended jobs too: their GPUs' idle draw is part of what a grant holds.
+                *hold.draws_w.entry(r.id.clone()).or_default() += site.job_draw_w(&r.id);
+            }
             let Some(rate) = site.job_true_rate(&r.id) else {
                 continue;
             };
@@ -697,6 +706,7 @@ fn event(
         equal,
         oracle,
         mean_caps_w: hold.caps_w.into_iter().map(|(k, v)| (k, v / n)).collect(),
+        mean_draw_w: hold.draws_w.into_iter().map(|(k, v)| (k, v / n)).collect(),
         controller,
         decision,
     })

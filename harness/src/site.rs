@@ -1001,6 +1001,20 @@ impl Site {
         })
     }
 
+    /// What the GPUs job `id` holds draw now (the physics, not a reading), W.
+    pub fn job_draw_w(&self, id: &str) -> f64 {
+        self.jobs.get(id).map_or(0.0, |j| {
+            j.tasks
+                .iter()
+                .flat_map(|t| {
+                    t.gpus
+                        .iter()
+                        .map(|&g| self.nodes[t.node].gpus.gpus[g as usize].draw_w())
+                })
+                .sum()
+        })
+    }
+
     /// `scontrol suspend` (`resume`: `false`) by the site's admin: the job stops, its GPUs
     /// kept and idle, until resumed.
     pub fn suspend_job(&mut self, id: &str, suspend: bool) {

@@ -113,13 +113,14 @@ fn diagnosis(run: &AbRun) -> String {
     s
 }
 
-// Left out of the suite until the live loop keeps these promises: today every event's
-// hold is 3-10 % below the true equal split and four jobs pass their bound (BENCHMARKS.md,
-// "Live A/B on the site harness", has the table and the causes found). It also takes
-// about 450-700 s in a debug build. Run it with `--ignored`; the release example prints
-// the same table in seconds.
+// Left out of the suite until the live loop keeps both promises. Today (BENCHMARKS.md,
+// "Live A/B on the site harness") every bound holds in all twelve runs of the example,
+// but on the dev set every event's hold is 1.5-2.4 % below the true equal split (the
+// flex1 jobs' floors rest on walks the chord keeps shallow, and are planned higher than
+// their true curves need). It also takes about 450-700 s in a debug build. Run it with
+// `--ignored`; the release example prints the same table in seconds.
 #[test]
-#[ignore = "the live loop does not yet keep these promises (BENCHMARKS.md, Live A/B); run with --ignored"]
+#[ignore = "the dev set's holds are still 1.5-2.4 % below the true equal split (BENCHMARKS.md, Live A/B); run with --ignored"]
 fn the_live_loop_holds_every_bound_and_never_falls_below_the_equal_split() {
     let mut broken = Vec::new();
     for policy in [Policy::Optimal, Policy::Equal] {
