@@ -98,12 +98,12 @@ const CLOCK_UNBOUND_TOLERANCE: f64 = 0.01;
 
 /// The windows as the physics allows them to be read (see [`implausible`]): a cap does
 /// not slow a job by more than it slows the GPUs' SM clock, so
-/// - windows whose clock stayed at the top level's (within [`CLOCK_UNBOUND_TOLERANCE`])
+/// - windows whose clock stayed at the top level's (within `CLOCK_UNBOUND_TOLERANCE` (1 %))
 ///   were not slowed by their cap: all of them read one rate, their mean (real curves
 ///   that run below every cap are flat with a few percent of noise, which read alone
 ///   would make a flat job look steep, as the Zeus ShuffleNet runs do);
 /// - a window whose clock fell reads at least that rate times its clock's share of the
-///   top's, less [`CLOCK_SLOWDOWN_MARGIN`]: a steeper reported loss is noise or words.
+///   top's, less `CLOCK_SLOWDOWN_MARGIN` (5 %): a steeper reported loss is noise or words.
 ///
 /// A report can then neither buy a floor its GPUs do not justify (a job claiming to slow
 /// more than its clock) nor cost the job its curve: what it measured is planned on, read

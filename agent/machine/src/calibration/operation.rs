@@ -130,7 +130,7 @@ impl Calibration {
     /// the slope of the curve where the allocator decides. Only when the walk is done,
     /// the job has held the grant for [`PROBE_AFTER_WINDOWS`] windows, the probe cap is
     /// at or above `min_cap`, the curve predicts the job within its tier bound there (below
-    /// the lowest level read, the physics bound does: [`Calibration::loss_bound_below`]),
+    /// the lowest level read, the physics bound does: `Calibration::loss_bound_below`),
     /// that cap has fewer than [`PROBE_WINDOWS`] windows, and the probes so far cost less
     /// than the design's token budget over the job's life (a fraction of its tokens so
     /// far). Lowering a cap below the grant never costs the budget anything.
