@@ -201,6 +201,9 @@ pub struct DesignWalk {
     /// Walk time left before a deadline (an announced grid event's start), s: the design
     /// is compressed to end by then (see [`DesignWalk::finish_within`]). None: no deadline.
     time_left_s: Option<f64>,
+    /// A level read before this design (cap W, loss against the top), where the chord of
+    /// [`DesignParams::zero_progress_cap_w`] may start (see [`DesignWalk::chord_from`]).
+    read_before: Option<(f64, f64)>,
     stage: Stage,
 }
 
@@ -253,6 +256,7 @@ impl DesignWalk {
             spent: 0.0,
             ceiling: None,
             time_left_s: None,
+            read_before: None,
             stage: Stage::Top,
         })
     }
@@ -529,7 +533,9 @@ impl DesignWalk {
         }
         // A step the physics cannot show within the bound is shortened to the lowest cap
         // it can (an intermediate level), or the walk ends where it is.
+        // Nothing is provable under a ceiling the shortened step lies above.
         match self.provable_step(self.caps[index]) {
+            Some(step) if !self.allowed(step) => return self.start_top_up(),
             Some(step) if step.0 > self.caps[index].0 + 0.5 => self.insert_step(index, step),
             Some(_) => {}
             None => return self.start_top_up(),
@@ -584,6 +590,7 @@ impl DesignWalk {
                 // The first level kept may be deeper than the one priced above, and
                 // deeper than the physics shows within the bound: then shortened.
                 match self.provable_step(self.caps[index]) {
+                    Some(step) if !self.allowed(step) => return self.start_top_up(),
                     Some(step) if step.0 > self.caps[index].0 + 0.5 => {
                         self.insert_step(index, step)
                     }
@@ -607,6 +614,27 @@ impl DesignWalk {
         };
     }
 
+    /// A level read before this design (an earlier walk's lowest, `cap` losing `loss`
+    /// against the same top): an extension of a finished walk proves its steps from
+    /// there, not from the top, which would shorten its first step back above the
+    /// levels already read.
+    pub fn chord_from(&mut self, cap: Watts, loss: f64) {
+        if cap.0.is_finite() && cap.0 < self.top.0 && loss.is_finite() {
+            self.read_before = Some((cap.0, loss.clamp(0.0, 1.0)));
+        }
+    }
+
+    /// Where the chord of the zero-progress cap starts: the lowest level read (by this
+    /// design or before it), else the top.
+    fn chord_start(&self) -> (f64, f64) {
+        self.seen
+            .iter()
+            .copied()
+            .chain(self.read_before)
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .unwrap_or((self.top.0, 0.0))
+    }
+
     /// The most loss `cap` may cost on the physics alone (see
     /// [`DesignParams::zero_progress_cap_w`]): one minus the chord from the zero-progress
     /// cap to the lowest level read (the top, before any). 0 without that cap.
@@ -614,12 +642,7 @@ impl DesignWalk {
         let Some(zero) = self.params.zero_progress_cap_w else {
             return 0.0;
         };
-        let (c, l) = self
-            .seen
-            .iter()
-            .copied()
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .unwrap_or((self.top.0, 0.0));
+        let (c, l) = self.chord_start();
         if cap >= c {
             return l.max(0.0);
         }
@@ -655,12 +678,7 @@ impl DesignWalk {
         if self.provable_loss(cap.0) <= max_loss + PROVABLE_SLACK {
             return Some(cap);
         }
-        let (c, l) = self
-            .seen
-            .iter()
-            .copied()
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .unwrap_or((self.top.0, 0.0));
+        let (c, l) = self.chord_start();
         if c <= zero || l >= max_loss {
             return None;
         }
@@ -1039,6 +1057,68 @@ mod tests {
             "the prediction alone steps past the knee: {:?}",
             out.levels
         );
+    }
+
+    /// A budget that holds the job below the step the chord can show ends the walk:
+    /// the shortened step (501 W here) is above the 450 W grant, and nothing below the
+    /// grant is provable. Before, the step was put back at every tick and never read.
+    #[test]
+    fn a_provable_step_above_the_ceiling_ends_the_walk() {
+        let params = DesignParams {
+            max_loss: Some(0.3),
+            zero_progress_cap_w: Some(200.0),
+            ..Default::default()
+        };
+        let truth = |cap: Watts| OperatingPoint {
+            cap_w: cap,
+            power_w: Watts(cap.0),
+            throughput: 100.0 * (1.0 - 0.5 * (1.0 - cap.0 / 700.0)),
+        };
+        let mut walk = DesignWalk::new(&grid(700.0, 200.0, 100.0), &params).expect("design");
+        while walk.current() == Some(Watts(700.0)) {
+            walk.record(truth(Watts(700.0)));
+        }
+        let first = walk.current().expect("a first level");
+        assert_eq!(first, Watts(600.0));
+        walk.record(truth(first));
+        walk.hold_at_most(Watts(450.0));
+        for _ in 0..3 {
+            // The agent tells the design of the grant at every tick.
+            walk.hold_at_most(Watts(450.0));
+            assert!(
+                walk.current().is_none_or(|c| c.0 <= 450.5),
+                "{:?}",
+                walk.current()
+            );
+        }
+        assert!(walk.caps.len() <= 5, "{:?}", walk.caps);
+    }
+
+    /// An extension of a finished walk proves its steps from the lowest level already
+    /// read: with 15 % allowed and 600 W read at 2 % lost, its first step is 547 W, not
+    /// the 625 W a chord from the top would shorten it to (above what was read).
+    #[test]
+    fn an_extension_proves_its_steps_from_the_levels_already_read() {
+        let params = DesignParams {
+            max_loss: Some(0.15),
+            zero_progress_cap_w: Some(200.0),
+            ..Default::default()
+        };
+        let caps = [700.0, 500.0, 400.0].map(Watts);
+        let mut from_top = DesignWalk::new(&caps, &params).expect("design");
+        let mut extension = DesignWalk::new(&caps, &params).expect("design");
+        extension.chord_from(Watts(600.0), 0.02);
+        for walk in [&mut from_top, &mut extension] {
+            while walk.current() == Some(Watts(700.0)) {
+                walk.record(OperatingPoint {
+                    cap_w: Watts(700.0),
+                    power_w: Watts(700.0),
+                    throughput: 100.0,
+                });
+            }
+        }
+        assert_eq!(from_top.current(), Some(Watts(625.0)));
+        assert_eq!(extension.current(), Some(Watts(547.0)));
     }
 
     /// Pre-positioning: an announced event's plan needs the job at 150 W, deeper than the

@@ -312,6 +312,10 @@ impl Calibration {
         let Ok(mut design) = DesignWalk::new(&grid, &self.design_params()) else {
             return;
         };
+        // Its steps are proved from the lowest level already read, not from the top.
+        if top.throughput > 0.0 {
+            design.chord_from(lowest.cap, 1.0 - lowest.throughput / top.throughput);
+        }
         design.reach_down_to(cap);
         if let Some(deadline) = self.deadline.filter(|d| *d > now) {
             design.finish_within(deadline - now - self.settings.hold_s);
@@ -565,7 +569,8 @@ impl Calibration {
 /// Such a walk reads each level's rate against the rate at `top_w`, which is itself
 /// below uncapped by an amount it cannot measure. The chord under the concave curve
 /// (see `powerflex_core::workload::chord_safe_cap_w`), anchored at `lowest_w` (the
-/// lowest cap of the grid, where throughput is certainly at least 0), bounds it:
+/// GPU's lowest cap, `CalibrationSettings::min_cap`, where throughput is certainly at
+/// least 0), bounds it:
 /// `T(top)/T(uncapped) ≥ (top − lowest)/(uncapped − lowest)`, so a level losing `ℓ`
 /// against the top loses at most `1 − (1 − ℓ)·r` against uncapped. Where even the top
 /// may be past the bound, no level below it is allowed (0).
