@@ -21,7 +21,7 @@
 //!    point), its PFI (Eq. 1), how long the walk took and the tokens it cost the job
 //!    (uncapped rate minus the window's rate, over the window and its settle time),
 //!    also as a fraction of first-hour tokens. A curve the GPUs' clocks contradict
-//!    ([`implausible`]) is not believed.
+//!    ([`implausible`]) is read as the clocks allow ([`clock_bounded`]) and flagged.
 //! 4. **Learning in operation**: after the walk, every steady stretch at one cap (after
 //!    `settle_s`, with reports) is cut into windows that join the curve, so each event's
 //!    hold refines the points the allocator decides on. While an event holds a job below
@@ -94,12 +94,16 @@ const CLOCK_SLOWDOWN_MARGIN: f64 = 0.05;
 /// How close to the top level's SM clock a window's clock may be for its cap to count as
 /// not binding (a fraction): a cap the GPUs run under at full clock does not slow the
 /// job, whatever its reports say, so every such window reads the same operating point.
-const CLOCK_UNBOUND_TOLERANCE: f64 = 0.01;
+/// Tight: a cap that binds a little (the clock 1 % down) slows an inelastic job by about
+/// as much, and a walk that reads only such levels (a flex1 job's) must keep that loss;
+/// at 1 % the e2e test's PFI-5 job read as flat (PFI 2e13).
+const CLOCK_UNBOUND_TOLERANCE: f64 = 0.002;
 
 /// The windows as the physics allows them to be read (see [`implausible`]): a cap does
 /// not slow a job by more than it slows the GPUs' SM clock, so
-/// - windows whose clock stayed at the top level's (within `CLOCK_UNBOUND_TOLERANCE` (1 %))
-///   were not slowed by their cap: all of them read one rate, their mean (real curves
+/// - windows whose clock stayed at the top level's (within `CLOCK_UNBOUND_TOLERANCE` (0.2 %))
+///   were not slowed by their cap: each cap's such windows are moved together so that
+///   their mean is the mean of all of them (their spread kept: real curves
 ///   that run below every cap are flat with a few percent of noise, which read alone
 ///   would make a flat job look steep, as the Zeus ShuffleNet runs do);
 /// - a window whose clock fell reads at least that rate times its clock's share of the
@@ -138,13 +142,36 @@ pub fn clock_bounded(windows: &[Window]) -> Option<Vec<Window>> {
         return None;
     }
     let rate = free.iter().sum::<f64>() / free.len() as f64;
+    // Each cap's unbound windows are moved together onto that rate, so their spread
+    // (what the curve's uncertainty is read from) survives.
+    let mut at_cap: Vec<(f64, f64, usize)> = Vec::new();
+    for w in windows
+        .iter()
+        .filter(|w| unbound(w) && w.throughput.is_finite() && w.throughput > 0.0)
+    {
+        match at_cap
+            .iter_mut()
+            .find(|(c, _, _)| (c - w.cap.0).abs() < 0.5)
+        {
+            Some(e) => (e.1, e.2) = (e.1 + w.throughput, e.2 + 1),
+            None => at_cap.push((w.cap.0, w.throughput, 1)),
+        }
+    }
+    let cap_mean = |cap: f64| {
+        at_cap
+            .iter()
+            .find(|(c, _, _)| (c - cap).abs() < 0.5)
+            .map_or(rate, |&(_, sum, n)| sum / n as f64)
+    };
     let mut changed = false;
     let read: Vec<Window> = windows
         .iter()
         .map(|w| {
             let throughput = match share(w) {
                 _ if !(w.throughput.is_finite() && w.throughput > 0.0) => w.throughput,
-                Some(s) if s >= 1.0 - CLOCK_UNBOUND_TOLERANCE => rate,
+                Some(s) if s >= 1.0 - CLOCK_UNBOUND_TOLERANCE => {
+                    (w.throughput + rate - cap_mean(w.cap.0)).max(f64::MIN_POSITIVE)
+                }
                 Some(s) => w
                     .throughput
                     .max(rate * (s.min(1.0) - CLOCK_SLOWDOWN_MARGIN).max(0.0)),

@@ -105,32 +105,53 @@ impl Calibration {
         }
     }
 
-    /// The most loss `cap` may cost against uncapped on the physics alone when it lies
-    /// below the lowest level read: one minus the chord from the GPU's lowest cap (where
-    /// the job may make no progress) to that level, throughput being concave in the cap
-    /// above it. 0 at or above the lowest level (the curve's own reading holds there).
-    fn loss_bound_below(&self, cap: Watts) -> f64 {
-        let levels = self.levels();
+    /// The loss the job's own reports put at `cap` against uncapped: between two levels
+    /// read, their rates interpolated; below the lowest, the chord from the GPU's lowest
+    /// cap (where the job may make no progress) to that level, throughput being concave
+    /// in the cap above it. The reports as made, not as the clock allows
+    /// ([`super::clock_bounded`] may lift them): the job's own bound is judged on what it
+    /// says (a multi-GPU job runs at its slowest GPU's pace, which the mean clock may
+    /// not show).
+    fn reported_loss_at(&self, cap: Watts) -> f64 {
+        let levels = self.reported_levels();
         let (Some(top), Some(lowest)) = (levels.first(), levels.last()) else {
             return 1.0;
         };
-        let zero = self.settings.min_cap.0;
-        if cap.0 >= lowest.cap.0 - 0.5 || top.throughput <= 0.0 {
-            return 0.0;
-        }
-        if lowest.cap.0 <= zero || cap.0 <= zero {
+        if top.throughput <= 0.0 || !top.throughput.is_finite() {
             return 1.0;
         }
-        let share = (lowest.throughput / top.throughput).clamp(0.0, 1.0);
-        (1.0 - share * (cap.0 - zero) / (lowest.cap.0 - zero)).clamp(0.0, 1.0)
+        if cap.0 >= top.cap.0 - 0.5 {
+            return 0.0;
+        }
+        let zero = self.settings.min_cap.0;
+        let rate = if cap.0 >= lowest.cap.0 - 0.5 {
+            // Levels are highest cap first: the pair around `cap`.
+            let below = levels
+                .iter()
+                .position(|l| l.cap.0 <= cap.0 + 0.5)
+                .unwrap_or(0);
+            let (hi, lo) = (&levels[below.saturating_sub(1)], &levels[below]);
+            if hi.cap.0 - lo.cap.0 > 0.5 {
+                let f = (cap.0 - lo.cap.0) / (hi.cap.0 - lo.cap.0);
+                lo.throughput + f * (hi.throughput - lo.throughput)
+            } else {
+                lo.throughput
+            }
+        } else if lowest.cap.0 <= zero || cap.0 <= zero {
+            0.0
+        } else {
+            lowest.throughput * (cap.0 - zero) / (lowest.cap.0 - zero)
+        };
+        (1.0 - rate / top.throughput).clamp(0.0, 1.0)
     }
 
     /// Decides whether to probe now, while the budget holds the job at `granted` below
     /// its uncapped cap (an event's hold): one window `step` below the grant, to learn
     /// the slope of the curve where the allocator decides. Only when the walk is done,
     /// the job has held the grant for [`PROBE_AFTER_WINDOWS`] windows, the probe cap is
-    /// at or above `min_cap`, the curve predicts the job within its tier bound there (below
-    /// the lowest level read, the physics bound does: `Calibration::loss_bound_below`),
+    /// at or above `min_cap`, the curve and the job's own reports put it within its tier
+    /// bound there (below the lowest level read, on the physics bound: see
+    /// `Calibration::reported_loss_at`),
     /// that cap has fewer than [`PROBE_WINDOWS`] windows, and the probes so far cost less
     /// than the design's token budget over the job's life (a fraction of its tokens so
     /// far). Lowering a cap below the grant never costs the budget anything.
@@ -154,7 +175,7 @@ impl Calibration {
             return;
         }
         let loss =
-            (1.0 - curve.at(cap).throughput / top.throughput).max(self.loss_bound_below(cap));
+            (1.0 - curve.at(cap).throughput / top.throughput).max(self.reported_loss_at(cap));
         if self.bound.is_some_and(|b| loss > b) {
             return;
         }

@@ -496,13 +496,29 @@ fn windows_are_read_as_the_clock_allows() {
     let flat = [
         w(700.0, 1000.0, Some(1980.0)),
         w(650.0, 950.0, Some(1980.0)),
-        w(500.0, 1010.0, Some(1975.0)),
-        w(300.0, 960.0, Some(1970.0)),
+        w(500.0, 1010.0, Some(1978.0)),
+        w(300.0, 960.0, Some(1977.0)),
     ];
     let read = clock_bounded(&flat).expect("changed");
     for r in &read {
         assert!((r.throughput - 980.0).abs() < 1e-9, "{read:?}");
     }
+    // Two windows at one cap keep their spread, moved onto the common rate.
+    let spread = [
+        w(700.0, 1000.0, Some(1980.0)),
+        w(700.0, 1010.0, Some(1980.0)),
+        w(650.0, 950.0, Some(1980.0)),
+        w(650.0, 970.0, Some(1980.0)),
+    ];
+    let read = clock_bounded(&spread).expect("changed");
+    let at = |cap: f64| -> Vec<f64> {
+        read.iter()
+            .filter(|r| r.cap.0 == cap)
+            .map(|r| r.throughput)
+            .collect()
+    };
+    assert_eq!(at(700.0), [977.5, 987.5], "{read:?}");
+    assert_eq!(at(650.0), [972.5, 992.5], "{read:?}");
     // A cap that binds: the clock fell 20 %; a report of half the speed reads 75 %.
     let steep = [
         w(700.0, 1000.0, Some(2000.0)),
