@@ -220,7 +220,8 @@ fn power_as_budgeted(curve: &CapCurve, job: &SiteJob, mode: BudgetMode) -> CapCu
                     // come up at the raised cap on top of the watts its idle draw had lent
                     // the others (an overshoot the demo's job 4 shows). It is
                     // budgeted at its curve until its draw is back in the band or it has
-                    // been walked again (drift sends it to be). A prior is only a guess:
+                    // been walked again (drift sends it to be, where the job runs at a
+                    // cap it was measured at). A prior is only a guess:
                     // there the meter is the better word, and is taken.
                     let far_below = curve.source() != powerflex_core::curve::CurveSource::Prior
                         && measured < 1.0 - DRIFT_BAND;

@@ -665,8 +665,9 @@ pub struct AgentJobStatus {
     pub power_cap_w: Option<f64>,
     /// The calibration walk is under way (warm-up or a level).
     pub calibrating: bool,
-    /// Why the job's reported curve was not believed (it slowed more than its GPUs'
-    /// clocks): the job is planned on the telemetry prior. For the admin.
+    /// Why the job's reported curve was not taken as reported (it slowed more than its
+    /// GPUs' clocks): the job is planned on its readings as the clocks allow them (see
+    /// the agent's `clock_bounded`). For the admin.
     pub curve_implausible: Option<String>,
     /// How long that limit had held when `power_w` was sampled, seconds.
     pub power_cap_steady_s: Option<f64>,

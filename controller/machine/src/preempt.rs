@@ -100,6 +100,7 @@ struct Candidate {
     power_w: f64,
     /// Estimated draw once suspended, W.
     idle_w: f64,
+
     /// The nodes it runs on (for the power domains it draws through).
     nodes: Vec<String>,
 }
@@ -184,7 +185,15 @@ fn helps(
 }
 
 /// What each held job counts at (see [`Held`]), and each job someone else suspended
-/// (`suspended`, from Slurm's record): what it draws, at most its lowest cap per GPU.
+/// (`suspended`, from Slurm's record; see [`Outlook::suspended`]): what it draws, at most
+/// its lowest cap per GPU, where it is leased (in `hard` mode, that cap: see [`Held`]).
+/// In metered mode a resume by whoever suspended it brings its load back at that cap
+/// before a report says so: the draw may pass the budget by the difference for a report
+/// and an allocation period, as for any job whose load returns (the metered margin's
+/// business); counted at its lowest cap instead, the live A/B's third event planned a
+/// flex3 job past its bound for 250 W no GPU drew. A job allowed no slowdown, or one no
+/// live node reports, is left to the allocation (a flex0 job is never capped, suspended
+/// or not).
 fn counted(
     held: &BTreeMap<String, Preempted>,
     suspended: &BTreeSet<String>,
@@ -194,7 +203,10 @@ fn counted(
     let others = suspended
         .iter()
         .filter(|id| !held.contains_key(*id))
-        .map(|id| (id.clone(), None));
+        .filter_map(|id| {
+            jobs.get(id).filter(|c| c.bound.0 > 0.0)?;
+            Some((id.clone(), None))
+        });
     held.iter()
         .map(|(id, p)| {
             // Just stopped (suspended, or requeued and being ended by Slurm): its GPUs at
@@ -220,12 +232,12 @@ pub struct Outlook<'a> {
     /// its own record; `None` without Slurm's record (`job_placement = "reports"`).
     pub in_slurm: Option<&'a dyn Fn(&str) -> bool>,
     /// The jobs Slurm's record shows suspended that the controller did not suspend (an
-    /// admin's `scontrol suspend`). Their GPUs idle: each counts at what it draws, at
-    /// most its lowest cap per GPU, and is leased at that cap (see [`Held`]) instead of
-    /// holding its grant's watts from the running jobs; it is never picked to give way.
-    /// Once Slurm shows it running again it is allocated as any job: until then (up to
-    /// `controller.slurm_poll_s` and an allocation period) a resumed job runs at its
-    /// lowest cap.
+    /// admin's `scontrol suspend`, Slurm's own gang scheduling). Their GPUs idle: each
+    /// with a bound above zero counts at what it draws, at most its lowest cap per GPU,
+    /// and is leased at that cap (see [`Held`]) instead of holding its grant's watts from
+    /// the running jobs; it is never picked to give way. Once Slurm shows it running again
+    /// it is allocated as any job: until then (up to `controller.slurm_poll_s` and an
+    /// allocation period) a resumed job runs at its lowest cap.
     pub suspended: &'a BTreeSet<String>,
 }
 
@@ -585,14 +597,32 @@ mod tests {
             allocation.jobs.iter().all(|j| j.id != "14"),
             "held out of the allocation: {allocation:?}"
         );
-        // Counted at its 300 W, not at a grant: the others get the rest.
-        let cap = |p: &Plan, id: &str| p.decision.leases.values().find_map(|l| l.get(id).copied());
+        // Counted at its 300 W draw, not at its 2,800 W grant: the others get the rest.
+        let cap = |p: &Plan, id: &str| {
+            p.decision
+                .leases
+                .values()
+                .find_map(|l| l.get(id).copied())
+                .expect("leased")
+        };
         assert!(
             cap(&with, "13") > cap(&without, "13"),
-            "{:?} vs {:?}",
+            "{} vs {}",
             cap(&with, "13"),
             cap(&without, "13")
         );
+        // A flex0 job an admin suspended is never capped: left to the allocation.
+        let flex0: BTreeSet<String> = ["10".to_string()].into();
+        let p = plan(
+            &nodes,
+            budget,
+            &settings(),
+            &held,
+            outlook(&flex0),
+            &BTreeMap::new(),
+            T0,
+        );
+        assert_eq!(p.decision.leases["n1"].get("10"), Some(&700.0));
         // Even when the budget is short, the controller does not pick it to give way.
         let short_plan = plan(
             &nodes,

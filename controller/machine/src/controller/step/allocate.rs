@@ -289,7 +289,10 @@ impl Controller {
         };
         // Jobs someone else suspended (an admin's `scontrol suspend`): Slurm's record
         // says so, the nodes' reports cannot (a stopped job and one between two steps
-        // draw alike). Without that record, none is known.
+        // draw alike). Without that record, none is known. Not one powerflex suspended:
+        // held in its state, or, just resumed by it, still suspended in a record read
+        // before the resume (its AdminComment says powerflex suspended it); that one is
+        // allocated on its curve, as a job given back is.
         let suspended: BTreeSet<String> = match (self.options.job_placement, placement) {
             (JobPlacement::Slurm, Some(p)) => p
                 .jobs
@@ -297,6 +300,7 @@ impl Controller {
                 .filter(|(id, j)| {
                     j.state == powerflex_core::slurm_record::SlurmJobState::Suspended
                         && !self.state.preempted.contains_key(*id)
+                        && !super::slurm::held_by_powerflex(j, ";suspended:")
                 })
                 .map(|(id, _)| id.clone())
                 .collect(),

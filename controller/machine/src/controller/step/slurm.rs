@@ -133,11 +133,7 @@ impl Controller {
             if self.state.preempted.contains_key(id) || self.reconciled.contains(id) {
                 continue;
             }
-            let ours = |how: &str| {
-                job.admin_comment
-                    .split(" | ")
-                    .any(|part| part.starts_with("powerflex;") && part.contains(how))
-            };
+            let ours = |how: &str| held_by_powerflex(job, how);
             let action = match job.state {
                 SlurmJobState::Suspended if ours(";suspended:") => {
                     Action::Resume { job: id.clone() }
@@ -151,4 +147,12 @@ impl Controller {
         }
         out
     }
+}
+
+/// Whether Slurm's record of `job` says powerflex holds it `how` (`";suspended:"` or
+/// `";requeued:"` in its `AdminComment`, which only Slurm's admins and powerflex set).
+pub(super) fn held_by_powerflex(job: &powerflex_core::slurm_record::SlurmJob, how: &str) -> bool {
+    job.admin_comment
+        .split(" | ")
+        .any(|part| part.starts_with("powerflex;") && part.contains(how))
 }
