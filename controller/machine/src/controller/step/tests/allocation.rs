@@ -665,3 +665,72 @@ fn a_job_held_before_its_node_switched_to_observe_mode_is_resumed_after_the_cut(
     assert_eq!(out.preempt, [Action::Resume { job: "102".into() }]);
     assert!(core.state().preempted.is_empty());
 }
+
+/// Slurm's placement: job 101 (flex0) running on n1, job 102 on n2 in `state` with
+/// `admin_comment`.
+fn placed_with_102(
+    state: powerflex_core::slurm_record::SlurmJobState,
+    admin_comment: &str,
+) -> Input {
+    use powerflex_core::slurm_record::{SlurmJob, SlurmJobState};
+    let job = |node: &str, state, comment: &str| SlurmJob {
+        nodes: [node.to_string()].into(),
+        uid: 1001,
+        state,
+        admin_comment: comment.to_string(),
+        account: String::new(),
+        start_unix_s: Some(T0 / 1000 - 60),
+    };
+    Input::Placement(Box::new(Ok(Placement {
+        jobs: [
+            ("101".to_string(), job("n1", SlurmJobState::OnItsNodes, "")),
+            ("102".to_string(), job("n2", state, admin_comment)),
+        ]
+        .into(),
+        node_gpus: [("n1".to_string(), 4), ("n2".to_string(), 4)].into(),
+        read_at_ms: T0,
+    })))
+}
+
+/// A job an admin suspended (Slurm's record says so; powerflex did not) is leased at its
+/// lowest cap and counted at its idle draw; one Slurm's record shows suspended by
+/// powerflex (a resume this controller sent, not yet read back) is allocated as any job.
+#[test]
+fn a_job_an_admin_suspended_is_leased_at_its_lowest_cap_and_one_powerflex_resumed_is_not() {
+    use powerflex_core::slurm_record::SlurmJobState;
+    let run = |comment: &str| {
+        let mut o = options();
+        o.job_placement = JobPlacement::Slurm;
+        let mut core = Controller::new(o, Loaded::default(), UnixMs(T0));
+        // Job 102's GPUs idle at 75 W each under its 700 W cap.
+        let Input::Report { node, mut jobs, .. } = at_cap("n2", "102", "flex3", 700.0) else {
+            unreachable!("at_cap is a report")
+        };
+        jobs[0].power_w = Some(300.0);
+        core.step_saved(
+            UnixMs(T0),
+            vec![
+                budget_set(5600.0, None),
+                placed_with_102(SlurmJobState::Suspended, comment),
+                hello("n1"),
+                at_cap("n1", "101", "flex0", 700.0),
+                hello("n2"),
+                Input::Report {
+                    ended: Vec::new(),
+                    observe_only: false,
+                    node,
+                    power_w: 300.0,
+                    jobs,
+                },
+            ],
+        )
+    };
+    let admin = run("");
+    assert_eq!(cap(&admin, "n2", "102"), Some(200.0));
+    let ours = run("powerflex;tier=flex3;suspended:grid-cut-deeper-than-every-cap-floor");
+    assert!(
+        cap(&ours, "n2", "102").is_some_and(|c| c > 200.0),
+        "{:?}",
+        cap(&ours, "n2", "102")
+    );
+}
