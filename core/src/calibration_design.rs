@@ -1061,7 +1061,8 @@ mod tests {
 
     /// A budget that holds the job below the step the chord can show ends the walk:
     /// the shortened step (501 W here) is above the 450 W grant, and nothing below the
-    /// grant is provable. Before, the step was put back at every tick and never read.
+    /// grant is provable: the walk must not wait there, putting the step back at every
+    /// tick and reading nothing.
     #[test]
     fn a_provable_step_above_the_ceiling_ends_the_walk() {
         let params = DesignParams {

@@ -28,10 +28,10 @@ pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> 
     // bound expects, and only one slower than it has left the curve.
     let lowest_read = curve.lowest_read_cap().0;
     let below_readings = cap < lowest_read - 0.5;
-    // Below the readings the curve's power is the fitted model's guess, not a reading:
-    // a draw off it there says nothing about the job (a live A/B job on a real curve drew
-    // 10 % more at 200 W than the model carried down from its 230 W reading), and what the job does draw is
-    // paid for at once by the metered correction. Only a measured cap is judged.
+    // Below the readings the curve's power is the fitted model's guess, not a reading: a
+    // draw off it there says nothing about the job (a real curve may draw 10 % more at
+    // 200 W than the model carries down from a 230 W reading), and what the job does
+    // draw is paid for at once by the metered correction. Only a measured cap is judged.
     let power_ratio = (!below_readings
         && job.power_steady
         && job.power_from_every_node
@@ -53,11 +53,10 @@ pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> 
             // (the chord from the GPUs' static draw), since the window's caps may have
             // gone anywhere down to it. Throughput in proportion to the cap is no bound
             // (it runs to zero at 0 W, not at the static draw): a job judged on it is
-            // flagged for running as its true curve says, loses its curve and is planned
-            // on a prior past its bound (a BERT job of the live A/B, 200 W for most of
-            // the window, just raised to 370 W: 13 % under the proportional guess, and
-            // 250 s past its bound after). A new phase that slows a job less than this
-            // waits for a cap held the rate's window to show.
+            // flagged for running as its true curve says (a real BERT curve at 200 W runs
+            // 13 % under it), loses its curve and is planned on a prior past its bound.
+            // A new phase that slows a job less than this waits for a cap held the
+            // rate's window to show.
             let slowest = curve.throughput_bound_at(Watts(job.min_cap));
             let fastest = curve.at(Watts(job.max_cap)).throughput;
             if slowest > 0.0 && t < slowest * (1.0 - throughput_band) {

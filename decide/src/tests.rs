@@ -1167,9 +1167,9 @@ fn a_speed_no_cap_of_the_curve_explains_is_drift_even_while_the_cap_moves() {
 /// Below its lowest reading a job is judged only on what physics bounds: its rate
 /// against the chord from the GPUs' static draw (not against throughput in proportion to
 /// the cap, which a real curve's knee falls under), and its draw not at all (the power
-/// there is the model's guess; the metered correction pays for what it draws). A BERT
-/// job of the live A/B, walked down to 280 W and cut to 200 W by an event, was flagged
-/// on both, lost its curve and ran 216 s past its bound on a prior.
+/// there is the model's guess; the metered correction pays for what it draws). A job
+/// flagged there for running as its true curve says would lose its curve and be
+/// planned on a prior, past its bound.
 #[test]
 fn below_its_readings_a_job_is_judged_on_the_physics_bound_only() {
     // points(4.0): lowest reading 300 W (1200 W, 714 tok/s); the chord from the static

@@ -190,8 +190,9 @@ fn helps(
 /// In metered mode a resume by whoever suspended it brings its load back at that cap
 /// before a report says so: the draw may pass the budget by the difference for a report
 /// and an allocation period, as for any job whose load returns (the metered margin's
-/// business); counted at its lowest cap instead, the live A/B's third event planned a
-/// flex3 job past its bound for 250 W no GPU drew. A job allowed no slowdown, or one no
+/// business). Counted at its lowest cap, the watts between that and its idle draw would
+/// be held for nothing while it stays stopped, and where the budget is tight a running
+/// job's floor would give way for them. A job allowed no slowdown, or one no
 /// live node reports, is left to the allocation (a flex0 job is never capped, suspended
 /// or not).
 fn counted(

@@ -823,7 +823,7 @@ fn the_default_walk_finishes_within_minutes_and_measures_the_curve() {
         (0.5, speed as fn(f64) -> f64, 2.0, 0.0, 600.0),
         (0.25, flat_speed as fn(f64) -> f64, 8.0, 0.0, 600.0),
         // Steps the chord from the lowest cap shows within the bound add a level here
-        // (330 W before 298 W): 1,355 s, from 1,211 s.
+        // (330 W above 298 W).
         (0.25, flat_speed as fn(f64) -> f64, 8.0, 0.01, 1400.0),
     ] {
         let (took_s, cal) = default_site_walk(bound, speed, wander);
