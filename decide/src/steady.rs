@@ -39,13 +39,21 @@ pub(crate) fn keep_steady(
         return fresh;
     }
     // A job whose curve is in doubt gets its equal-split cap, not the cap a curve it has
-    // left once earned it.
+    // left once earned it. A step either way is not a move: the equal split shifts by a
+    // step with the others' draws from one period to the next, and a job on a prior whose
+    // cap changes is budgeted at its prior until its draw shows the new cap (cap x GPUs
+    // against a draw of half that for a job that draws little): a cap flipping by a step
+    // every period swung the site's allocation by 600 W with it.
     let doubt_moves = fresh
         .jobs
         .iter()
         .zip(&caps)
+        .zip(specs)
         .enumerate()
-        .any(|(i, (j, c))| in_doubt.get(i).copied().unwrap_or(false) && j.cap_w != *c);
+        .any(|(i, ((j, c), s))| {
+            in_doubt.get(i).copied().unwrap_or(false)
+                && (j.cap_w.0 - c.0).abs() > s.limits.step_w.0 + 0.5
+        });
     if doubt_moves {
         return fresh;
     }

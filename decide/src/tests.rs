@@ -294,6 +294,46 @@ fn a_what_if_that_ignores_tiers_cuts_a_flex0_job_like_the_others() {
     assert!(allocation.jobs.iter().all(|j| j.max_slowdown.is_none()));
 }
 
+/// A job in doubt (on a prior) keeps its cap in force while the equal split moves it by
+/// a step: its cap changing every period would make it budgeted at its prior each time
+/// (its draw not yet showing the new cap), and the whole allocation would swing with it.
+/// Further than a step, it gets its new equal-split cap.
+#[test]
+fn a_job_in_doubt_keeps_its_cap_while_the_equal_split_moves_it_by_a_step() {
+    let node = NodeView {
+        node: "n1".into(),
+        gpus: (0..5).map(gpu).collect(),
+        // A one-GPU job on a prior beside a measured four-GPU one: a step of its cap is
+        // 10 W, within what the steady rule lets go unused.
+        jobs: vec![
+            report("1", "flex3", 4, 2800.0, points(4.0)),
+            report("2", "flex3", 1, 700.0, Vec::new()),
+        ],
+        power_w: 3500.0,
+        live: true,
+    };
+    let hard = SiteSettings {
+        budget_mode: BudgetMode::Hard,
+        ..settings()
+    };
+    let fresh = decide(std::slice::from_ref(&node), Watts(2500.0), &hard);
+    assert!(fresh.drifted.is_empty(), "{:?}", fresh.drifted);
+    let (c1, c2) = (fresh.leases["n1"]["1"], fresh.leases["n1"]["2"]);
+    for (moved, kept) in [(-10.0, true), (-30.0, false)] {
+        let in_force: BTreeMap<String, f64> =
+            [("1".to_string(), c1), ("2".to_string(), c2 + moved)].into();
+        let d = decide_steady(
+            std::slice::from_ref(&node),
+            Watts(2500.0),
+            &hard,
+            &Held::new(),
+            &in_force,
+        );
+        let expected = if kept { c2 + moved } else { c2 };
+        assert_eq!(d.leases["n1"]["2"], expected, "{moved} W: {d:?}");
+    }
+}
+
 #[test]
 fn caps_in_force_give_way_when_the_budget_no_longer_binds_or_rises() {
     // Flat tops: capped at 600 W a job keeps 99.8 % of its speed, so the gain of
