@@ -43,17 +43,18 @@ pub(crate) fn keep_steady(
     // step with the others' draws from one period to the next, and a job on a prior whose
     // cap changes is budgeted at its prior until its draw shows the new cap (cap x GPUs
     // against a draw of half that for a job that draws little): a cap flipping by a step
-    // every period swung the site's allocation by 600 W with it.
-    let doubt_moves = fresh
-        .jobs
-        .iter()
-        .zip(&caps)
-        .zip(specs)
-        .enumerate()
-        .any(|(i, ((j, c), s))| {
-            in_doubt.get(i).copied().unwrap_or(false)
-                && (j.cap_w.0 - c.0).abs() > s.limits.step_w.0 + 0.5
-        });
+    // every period swings the whole allocation with it (600 W in the live A/B).
+    let doubt_moves =
+        fresh
+            .jobs
+            .iter()
+            .zip(&caps)
+            .zip(specs)
+            .enumerate()
+            .any(|(i, ((j, c), s))| {
+                in_doubt.get(i).copied().unwrap_or(false)
+                    && (j.cap_w.0 - c.0).abs() > s.limits.step_w.0 + 0.5
+            });
     if doubt_moves {
         return fresh;
     }
