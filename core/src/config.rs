@@ -177,7 +177,10 @@ pub struct RawGpuModel {
     /// within `min_cap_w..=max_cap_w`. Optional: absent or empty, the design chooses
     /// among every `cap_step_w` from `max_cap_w` down to `min_cap_w`. When given, these
     /// caps win as the candidates; the design still decides which of them to visit, how
-    /// many windows to read at each and when to stop.
+    /// many windows to read at each and when to stop. Where the step to the next
+    /// candidate is more than the chord from `min_cap_w` can show within the job's bound
+    /// plus the calibration allowance, the walk reads the lowest whole watt it can show
+    /// instead (for example 315 W between 400 and 300 W).
     #[serde(default)]
     pub calibration_caps_w: Vec<f64>,
     /// Per-GPU cap the agent applies when its controller lease expires, watts, within
