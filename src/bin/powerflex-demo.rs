@@ -2542,6 +2542,22 @@ impl Measured<'_> {
             let measured_pfi = view
                 .filter(|v| v.pfi_source == Some(PfiSource::Measured))
                 .and_then(|v| v.pfi);
+            // One standard error of that PFI, from the first node's curve: a shallow walk
+            // (a flex1 job's) knows it far less well than a deep one.
+            let pfi_sigma = view
+                .and_then(|v| v.curve.values().next())
+                .and_then(|curve| {
+                    let points: Vec<powerflex_core::point::OperatingPoint> = curve
+                        .iter()
+                        .map(|p| powerflex_core::point::OperatingPoint {
+                            cap_w: Watts(p.cap_w),
+                            power_w: Watts(p.power_w),
+                            throughput: p.throughput,
+                        })
+                        .collect();
+                    let sigma: Vec<f64> = curve.iter().map(|p| p.throughput_sigma).collect();
+                    powerflex_core::pfi::pfi_sigma(&points, &sigma)
+                });
             let true_grid: &[f64] = if walked.len() >= 2 {
                 &walked
             } else {
@@ -2620,7 +2636,7 @@ impl Measured<'_> {
                 "phase_change_to": change.map(|c| c.to),
                 "nodes": job.spec.nodes, "gpus_per_node": job.spec.gpus_per_node,
                 "power_flex": job.spec.power_flex(),
-                "bound": job.spec.bound, "pfi_true": true_pfi, "pfi_measured": measured_pfi,
+                "bound": job.spec.bound, "pfi_true": true_pfi, "pfi_measured": measured_pfi, "pfi_sigma": pfi_sigma,
                 "caps_walked_w": walked, "cap_before_w": [b_lo, b_hi], "cap_during_w": [d_lo, d_hi],
                 "tokens_per_s_before": tps_before, "tokens_per_s_during": tps_during, "slowdown": slowdown,
                 "within_bound": within, "equal_cap_w": equal_cap(id), "equal_slowdown": eq_slowdown,
