@@ -27,6 +27,7 @@
 
 use crate::point::OperatingPoint;
 use crate::units::Watts;
+use crate::workload::{chord_cap_for_loss, chord_loss};
 
 /// The knobs of the design. Defaults are the ones `powerflexctl evaluate` and the agent use.
 #[derive(Debug, Clone, PartialEq)]
@@ -533,12 +534,8 @@ impl DesignWalk {
         }
         // A step the physics cannot show within the bound is shortened to the lowest cap
         // it can (an intermediate level), or the walk ends where it is.
-        // Nothing is provable under a ceiling the shortened step lies above.
-        match self.provable_step(self.caps[index]) {
-            Some(step) if !self.allowed(step) => return self.start_top_up(),
-            Some(step) if step.0 > self.caps[index].0 + 0.5 => self.insert_step(index, step),
-            Some(_) => {}
-            None => return self.start_top_up(),
+        if !self.shorten_to_provable(index) {
+            return self.start_top_up();
         }
         let top = self.top.0;
         // The caps still to visit, down to the one the depth is predicted to reach, each
@@ -589,13 +586,8 @@ impl DesignWalk {
                 target = 1;
                 // The first level kept may be deeper than the one priced above, and
                 // deeper than the physics shows within the bound: then shortened.
-                match self.provable_step(self.caps[index]) {
-                    Some(step) if !self.allowed(step) => return self.start_top_up(),
-                    Some(step) if step.0 > self.caps[index].0 + 0.5 => {
-                        self.insert_step(index, step)
-                    }
-                    Some(_) => {}
-                    None => return self.start_top_up(),
+                if !self.shorten_to_provable(index) {
+                    return self.start_top_up();
                 }
                 loss = predicted_loss(&self.seen, self.caps[index].0, top);
                 if !self.within_bound(self.caps[index], loss) {
@@ -643,13 +635,7 @@ impl DesignWalk {
             return 0.0;
         };
         let (c, l) = self.chord_start();
-        if cap >= c {
-            return l.max(0.0);
-        }
-        if c <= zero || cap <= zero {
-            return 1.0;
-        }
-        (1.0 - (1.0 - l.clamp(0.0, 1.0)) * (cap - zero) / (c - zero)).clamp(0.0, 1.0)
+        chord_loss(cap, zero, c, l)
     }
 
     /// Whether the walk may read `cap`, predicted to lose `predicted`: with the
@@ -682,11 +668,25 @@ impl DesignWalk {
         if c <= zero || l >= max_loss {
             return None;
         }
-        // The chord from (zero, 0) through the lowest level read reaches the loss
-        // `max_loss` at this cap; a whole watt above it keeps the loss within.
-        let at = zero + (1.0 - max_loss) / (1.0 - l.clamp(0.0, 1.0)) * (c - zero);
-        let step = at.ceil();
+        // A whole watt above where the chord reaches `max_loss` keeps the loss within.
+        let step = chord_cap_for_loss(max_loss, zero, c, l).ceil();
         (step <= c - MIN_PROVABLE_STEP * (c - zero) && step > cap.0).then_some(Watts(step))
+    }
+
+    /// Makes `caps[index]` a step the physics shows within the bound: kept where it is
+    /// one, else the shortened step put before it ([`DesignWalk::insert_step`]). False
+    /// when no such step is left, or the only one lies above the ceiling (nothing under
+    /// the ceiling is provable then): the walk ends.
+    fn shorten_to_provable(&mut self, index: usize) -> bool {
+        match self.provable_step(self.caps[index]) {
+            Some(step) if !self.allowed(step) => false,
+            Some(step) if step.0 > self.caps[index].0 + 0.5 => {
+                self.insert_step(index, step);
+                true
+            }
+            Some(_) => true,
+            None => false,
+        }
     }
 
     /// Puts the shortened step `step` at `caps[index]`, dropping the planned levels just
@@ -1059,6 +1059,13 @@ mod tests {
         );
     }
 
+    /// Reads `walk`'s top windows, each `top`.
+    fn read_top(walk: &mut DesignWalk, top: OperatingPoint) {
+        while walk.current() == Some(top.cap_w) {
+            walk.record(top);
+        }
+    }
+
     /// A budget that holds the job below the step the chord can show ends the walk:
     /// the shortened step (501 W here) is above the 450 W grant, and nothing below the
     /// grant is provable: the walk must not wait there, putting the step back at every
@@ -1076,9 +1083,7 @@ mod tests {
             throughput: 100.0 * (1.0 - 0.5 * (1.0 - cap.0 / 700.0)),
         };
         let mut walk = DesignWalk::new(&grid(700.0, 200.0, 100.0), &params).expect("design");
-        while walk.current() == Some(Watts(700.0)) {
-            walk.record(truth(Watts(700.0)));
-        }
+        read_top(&mut walk, truth(Watts(700.0)));
         let first = walk.current().expect("a first level");
         assert_eq!(first, Watts(600.0));
         walk.record(truth(first));
@@ -1110,13 +1115,14 @@ mod tests {
         let mut extension = DesignWalk::new(&caps, &params).expect("design");
         extension.chord_from(Watts(600.0), 0.02);
         for walk in [&mut from_top, &mut extension] {
-            while walk.current() == Some(Watts(700.0)) {
-                walk.record(OperatingPoint {
+            read_top(
+                walk,
+                OperatingPoint {
                     cap_w: Watts(700.0),
                     power_w: Watts(700.0),
                     throughput: 100.0,
-                });
-            }
+                },
+            );
         }
         assert_eq!(from_top.current(), Some(Watts(625.0)));
         assert_eq!(extension.current(), Some(Watts(547.0)));

@@ -370,7 +370,33 @@ pub fn chord_safe_cap_w(max_slowdown: f64, min_cap_w: f64, max_cap_w: f64) -> f6
         return max_cap_w;
     }
     let lo = min_cap_w.min(max_cap_w);
-    (max_cap_w - bound * (max_cap_w - lo)).clamp(lo, max_cap_w)
+    chord_cap_for_loss(bound, lo, max_cap_w, 0.0).clamp(lo, max_cap_w)
+}
+
+/// The most loss (1 − T/T_max) cap `cap_w` may cost a job whose curve is concave in the
+/// cap above `zero_cap_w` (where it may make no progress at all) and which loses
+/// `from_loss` at `from_cap_w`: one minus the chord from `(zero_cap_w, 0)` to that point.
+/// At or above `from_cap_w` the chord says nothing beyond `from_loss`; at or below the
+/// zero cap, everything may be lost.
+pub fn chord_loss(cap_w: f64, zero_cap_w: f64, from_cap_w: f64, from_loss: f64) -> f64 {
+    let from_loss = from_loss.clamp(0.0, 1.0);
+    if cap_w >= from_cap_w {
+        return from_loss;
+    }
+    if from_cap_w <= zero_cap_w || cap_w <= zero_cap_w {
+        return 1.0;
+    }
+    (1.0 - (1.0 - from_loss) * (cap_w - zero_cap_w) / (from_cap_w - zero_cap_w)).clamp(0.0, 1.0)
+}
+
+/// The cap where [`chord_loss`] reaches `max_loss`: the lowest cap that chord shows
+/// within it (`from_cap_w` itself when `from_loss` already reaches `max_loss`).
+pub fn chord_cap_for_loss(max_loss: f64, zero_cap_w: f64, from_cap_w: f64, from_loss: f64) -> f64 {
+    let (max_loss, from_loss) = (max_loss.clamp(0.0, 1.0), from_loss.clamp(0.0, 1.0));
+    if from_loss >= max_loss || from_cap_w <= zero_cap_w {
+        return from_cap_w;
+    }
+    zero_cap_w + (1.0 - max_loss) / (1.0 - from_loss) * (from_cap_w - zero_cap_w)
 }
 
 /// The smallest bound the chord is trusted for. Real measured curves are not smooth: one

@@ -133,17 +133,9 @@ pub fn clock_bounded(windows: &[Window]) -> Option<Vec<Window>> {
             .map(|c| c / top_clock)
     };
     let unbound = |w: &Window| share(w).is_some_and(|s| s >= 1.0 - CLOCK_UNBOUND_TOLERANCE);
-    let free: Vec<f64> = windows
-        .iter()
-        .filter(|w| unbound(w) && w.throughput.is_finite() && w.throughput > 0.0)
-        .map(|w| w.throughput)
-        .collect();
-    if free.is_empty() {
-        return None;
-    }
-    let rate = free.iter().sum::<f64>() / free.len() as f64;
-    // Each cap's unbound windows are moved together onto that rate, so their spread
-    // (what the curve's uncertainty is read from) survives.
+    // The unbound windows per cap: (cap, summed rate, windows). Their common rate is the
+    // mean of all of them; each cap's are moved together onto it, so their spread (what
+    // the curve's uncertainty is read from) survives.
     let mut at_cap: Vec<(f64, f64, usize)> = Vec::new();
     for w in windows
         .iter()
@@ -157,6 +149,13 @@ pub fn clock_bounded(windows: &[Window]) -> Option<Vec<Window>> {
             None => at_cap.push((w.cap.0, w.throughput, 1)),
         }
     }
+    let (sum, n) = at_cap
+        .iter()
+        .fold((0.0, 0usize), |(s, n), &(_, sum, k)| (s + sum, n + k));
+    if n == 0 {
+        return None;
+    }
+    let rate = sum / n as f64;
     let cap_mean = |cap: f64| {
         at_cap
             .iter()

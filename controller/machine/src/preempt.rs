@@ -100,7 +100,6 @@ struct Candidate {
     power_w: f64,
     /// Estimated draw once suspended, W.
     idle_w: f64,
-
     /// The nodes it runs on (for the power domains it draws through).
     nodes: Vec<String>,
 }
@@ -567,26 +566,20 @@ mod tests {
             in_slurm: Some(&in_slurm),
             suspended,
         };
-        let budget = Watts(8000.0);
         let held = BTreeMap::new();
-        let with = plan(
-            &nodes,
-            budget,
-            &settings(),
-            &held,
-            outlook(&suspended),
-            &BTreeMap::new(),
-            T0,
-        );
-        let without = plan(
-            &nodes,
-            budget,
-            &settings(),
-            &held,
-            outlook(&NONE_SUSPENDED),
-            &BTreeMap::new(),
-            T0,
-        );
+        let plan_at = |budget_w: f64, suspended| {
+            plan(
+                &nodes,
+                Watts(budget_w),
+                &settings(),
+                &held,
+                outlook(suspended),
+                &BTreeMap::new(),
+                T0,
+            )
+        };
+        let with = plan_at(8000.0, &suspended);
+        let without = plan_at(8000.0, &NONE_SUSPENDED);
         assert!(
             with.held.is_empty() && with.actions.is_empty(),
             "{:?}",
@@ -614,26 +607,10 @@ mod tests {
         );
         // A flex0 job an admin suspended is never capped: left to the allocation.
         let flex0: BTreeSet<String> = ["10".to_string()].into();
-        let p = plan(
-            &nodes,
-            budget,
-            &settings(),
-            &held,
-            outlook(&flex0),
-            &BTreeMap::new(),
-            T0,
-        );
+        let p = plan_at(8000.0, &flex0);
         assert_eq!(p.decision.leases["n1"].get("10"), Some(&700.0));
         // Even when the budget is short, the controller does not pick it to give way.
-        let short_plan = plan(
-            &nodes,
-            Watts(5000.0),
-            &settings(),
-            &held,
-            outlook(&suspended),
-            &BTreeMap::new(),
-            T0,
-        );
+        let short_plan = plan_at(5000.0, &suspended);
         assert!(
             short_plan.actions.iter().all(|a| a.job() != "14"),
             "{:?}",

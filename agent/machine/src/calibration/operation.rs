@@ -137,10 +137,9 @@ impl Calibration {
             } else {
                 lo.throughput
             }
-        } else if lowest.cap.0 <= zero || cap.0 <= zero {
-            0.0
         } else {
-            lowest.throughput * (cap.0 - zero) / (lowest.cap.0 - zero)
+            let lowest_loss = 1.0 - lowest.throughput / top.throughput;
+            return powerflex_core::workload::chord_loss(cap.0, zero, lowest.cap.0, lowest_loss);
         };
         (1.0 - rate / top.throughput).clamp(0.0, 1.0)
     }
