@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use powerflex_core::allocate::{validate_spec, CapLimits, JobSpec};
 use powerflex_core::config::{BudgetMode, Objective};
-use powerflex_core::curve::{estimate_population, CapCurve, JobReadings, KnotSigma};
+use powerflex_core::curve::{estimate_population, CapCurve, CurveSource, JobReadings, KnotSigma};
+use powerflex_core::workload::chord_loss;
 use powerflex_core::flex::parse_power_flex;
 use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
@@ -121,10 +122,17 @@ pub(crate) fn job_specs(
     let mut in_doubt = BTreeSet::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
-        if let Some(d) = drift(id, job, &curve) {
-            drifted.push(d);
-            in_doubt.insert((*id).clone());
-        }
+        let curve = match drift(id, job, &curve) {
+            Some(d) => {
+                drifted.push(d);
+                in_doubt.insert((*id).clone());
+                // Its measurements left the curve (a new phase, most often): nothing
+                // the curve says about its slowdown holds, so its floor comes from what
+                // physics guarantees above its current rate, the chord.
+                chord_curve(job, &curve).unwrap_or(curve)
+            }
+            None => curve,
+        };
         if curve.source() == powerflex_core::curve::CurveSource::Prior {
             in_doubt.insert((*id).clone());
         }
@@ -174,6 +182,38 @@ pub(crate) fn job_specs(
         in_doubt,
     }
 }
+
+/// The curve a job is planned on once its measurements have left its measured curve
+/// `left`: throughput along the chord from the GPUs' static draw ([`STATIC_SHARE`] of
+/// their highest limit, where progress may be nil) to the uncapped point, scaled by the
+/// job's current rate. Whatever its new curve is, if it is concave above the static draw
+/// it lies on or above this chord, so the tier floor this curve gives
+/// (`static + (1 − bound) × (max − static)` per GPU) holds on the job's true curve; the
+/// curve it left may put that floor anywhere (in the demo, a phase ten times slower ran
+/// 27–32 % slow at its old phase's floor against a 25 % bound). Power stays as `left`
+/// measured it, budgeted as a measured curve is (a draw far below it, an idle job
+/// between steps, buys no raise).
+fn chord_curve(job: &SiteJob, left: &CapCurve) -> Option<CapCurve> {
+    let rate = job.throughput.filter(|t| t.is_finite() && *t > 0.0)?;
+    let zero_cap_w = STATIC_SHARE * job.max_cap;
+    let point = |cap: f64| OperatingPoint {
+        cap_w: Watts(cap),
+        power_w: left.at(Watts(cap)).power_w,
+        throughput: rate * (1.0 - chord_loss(cap, zero_cap_w, job.max_cap, 0.0)).max(0.01),
+    };
+    let mut knots = Vec::new();
+    let mut cap = job.max_cap;
+    while cap > job.min_cap + 1e-9 {
+        knots.push(point(cap));
+        cap -= CHORD_KNOT_STEP_W;
+    }
+    knots.push(point(job.min_cap));
+    CapCurve::with_source(&knots, CurveSource::Estimated, left.relative_uncertainty()).ok()
+}
+
+/// The spacing of a chord curve's knots, W: the chord is a straight line, so knots only
+/// carry the power `left` measured between them.
+const CHORD_KNOT_STEP_W: f64 = 50.0;
 
 /// The caps every node of `job` measured (part of a job's power is no estimate of all of
 /// it), with a usable power and throughput: a window that made no progress or read no

@@ -1445,3 +1445,44 @@ fn a_flat_curve_with_a_stalled_window_is_steered_and_cut_first() {
     assert!(other_cap > flat_cap, "{a:?}");
     assert!(a.broken_floors().next().is_none(), "{a:?}");
 }
+
+/// A job whose measurements left its curve (a new, steeper phase) is planned on the
+/// physics chord, not on the curve it left: its floor is where the chord from its GPUs'
+/// static draw holds its bound, whatever its new curve (concave above that draw) is. On
+/// its old curve the equal split would put it at 500 W, where a phase ten times slower
+/// may run past its bound.
+#[test]
+fn a_drifted_job_gets_no_lower_cap_than_the_chord_shows_within_its_bound() {
+    let plan = |throughput: f64| {
+        let mut moved = report("7", "flex2", 4, 2000.0, points(4.0));
+        moved.cap_w = Some(500.0);
+        moved.power_cap_w = Some(500.0);
+        moved.throughput = Some(throughput);
+        moved.power_cap_steady_s = Some(30.0);
+        let other = report("8", "flex3", 4, 2800.0, points(4.0));
+        let hard = SiteSettings {
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        };
+        decide(
+            &[node("n1", (0..8).map(gpu).collect(), vec![moved, other])],
+            Watts(4000.0),
+            &hard,
+        )
+    };
+    let on_curve = 1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0);
+    let steady = plan(on_curve);
+    assert!(steady.drifted.is_empty(), "{:?}", steady.drifted);
+    assert!(steady.leases["n1"]["7"] <= 500.0, "{steady:?}");
+    let moved = plan(on_curve * 0.1);
+    assert_eq!(moved.drifted.len(), 1, "{:?}", moved.drifted);
+    // The static draw is a quarter of 700 W: 175 + 0.75 x 525 = 568.75, snapped up to
+    // the 10 W grid from 200 W.
+    let cap = moved.leases["n1"]["7"];
+    assert_eq!(cap, 570.0, "{moved:?}");
+    // The budget still holds: the other job pays for the raise.
+    let total = 4.0 * (cap + moved.leases["n1"]["8"]);
+    assert!(total <= 4000.0 + 1e-6, "{total} W: {moved:?}");
+    let allocation = moved.allocation.expect("an allocation");
+    assert!(allocation.broken_floors().next().is_none(), "{allocation:?}");
+}
