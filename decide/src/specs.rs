@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use powerflex_core::allocate::{validate_spec, CapLimits, JobSpec};
 use powerflex_core::config::{BudgetMode, Objective};
 use powerflex_core::curve::{estimate_population, CapCurve, CurveSource, JobReadings, KnotSigma};
-use powerflex_core::workload::chord_loss;
 use powerflex_core::flex::parse_power_flex;
 use powerflex_core::point::OperatingPoint;
+use powerflex_core::workload::chord_loss;
 use powerflex_core::Watts;
 
 use crate::drift::{drift, DRIFT_BAND};

@@ -1484,5 +1484,8 @@ fn a_drifted_job_gets_no_lower_cap_than_the_chord_shows_within_its_bound() {
     let total = 4.0 * (cap + moved.leases["n1"]["8"]);
     assert!(total <= 4000.0 + 1e-6, "{total} W: {moved:?}");
     let allocation = moved.allocation.expect("an allocation");
-    assert!(allocation.broken_floors().next().is_none(), "{allocation:?}");
+    assert!(
+        allocation.broken_floors().next().is_none(),
+        "{allocation:?}"
+    );
 }
