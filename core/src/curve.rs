@@ -342,6 +342,46 @@ impl CapCurve {
         curve
     }
 
+    /// This curve with one more knot above its highest, for a job never read above that
+    /// knot (walked or learned only under a cut): at `cap_w` drawing `power_w` (at least
+    /// the highest knot's) and running `throughput_at_most`, the most the job may run
+    /// uncapped. Slowdown is judged against the uncapped rate, so a tier floor set
+    /// against the highest reading (the flat extension) is set against too little and
+    /// lets a cut past the bound; against the most the uncapped rate may be, with the
+    /// throughput between the highest reading and it taken along their chord (the least
+    /// a concave curve runs there relative to that top), the floor holds. This flatters
+    /// what a raise buys: a job planned on it must not be traded on (see
+    /// `allocate_cautious_doubting`'s `in_doubt`). Unchanged when `cap_w` is not above
+    /// the highest knot, or `power_w` or `throughput_at_most` is not a positive number.
+    pub fn with_unread_top(
+        &self,
+        cap_w: Watts,
+        power_w: Watts,
+        throughput_at_most: f64,
+    ) -> CapCurve {
+        let Some(top) = self.knots.last().copied() else {
+            return self.clone();
+        };
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if cap_w.0 <= top.cap_w.0 + 0.5 || !positive(power_w.0) || !positive(throughput_at_most) {
+            return self.clone();
+        }
+        let mut curve = self.clone();
+        let throughput = throughput_at_most.max(top.throughput);
+        curve.knots.push(OperatingPoint {
+            cap_w,
+            power_w: Watts(power_w.0.max(top.power_w.0)),
+            throughput,
+        });
+        if curve.lower_throughput.len() + 1 == curve.knots.len() {
+            curve.lower_throughput.push(throughput);
+        }
+        if let Some(&last) = curve.knot_sigma.last() {
+            curve.knot_sigma.push(last);
+        }
+        curve
+    }
+
     /// The same curve with each knot's power replaced by `power(cap_w, power_w)` (kept
     /// above 1 mW), throughput, source and uncertainty unchanged: the controller's
     /// correction of a job's power by what it measures, or the bound `cap × GPUs` the

@@ -103,7 +103,7 @@ pub(crate) fn job_specs(
             CapCurve::from_pfi_prior(
                 Watts(job.max_cap * f64::from(job.gpus)),
                 job.throughput.unwrap_or(1.0),
-                job.planning_pfi().unwrap_or(settings.default_pfi).max(0.5),
+                prior_pfi(job, settings),
                 Watts(job.min_cap),
                 Watts(job.max_cap),
                 Watts(50.0),
@@ -122,6 +122,12 @@ pub(crate) fn job_specs(
     let mut in_doubt = BTreeSet::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
+        // A curve never read at the GPUs' highest limit knows no uncapped rate: its
+        // floor is set against the most that rate may be, and it is not traded on.
+        let (curve, unread_top) = with_unread_top(curve, job);
+        if unread_top {
+            in_doubt.insert((*id).clone());
+        }
         let curve = match drift(id, job, &curve) {
             Some(d) => {
                 drifted.push(d);
@@ -180,6 +186,48 @@ pub(crate) fn job_specs(
         drifted,
         raw_tokens,
         in_doubt,
+    }
+}
+
+/// `curve` for a job never read at its GPUs' highest limit (its curve was measured only
+/// under a cut: a walk or learning after its old windows were set aside) with a knot at
+/// that limit running as fast as concavity allows: at most its highest reading scaled by
+/// the chord from the GPUs' static draw, `T(c_hi) × (max − s) / (c_hi − s)`. Its tier
+/// floor is then set against the most its uncapped rate may be, not against its highest
+/// reading (the flat extension), which would put the floor too low by as much as the
+/// cut the readings were taken under.
+/// Returns whether the knot was added. A prior (built up to the limit) is left as is.
+fn with_unread_top(curve: CapCurve, job: &SiteJob) -> (CapCurve, bool) {
+    let top = curve.uncapped();
+    if curve.source() == CurveSource::Prior || top.cap_w.0 >= job.max_cap - 0.5 {
+        return (curve, false);
+    }
+    let kept = 1.0 - chord_loss(top.cap_w.0, STATIC_SHARE * job.max_cap, job.max_cap, 0.0);
+    if kept <= 0.0 {
+        return (curve, false);
+    }
+    let extended = curve.with_unread_top(
+        Watts(job.max_cap),
+        Watts(job.max_cap * f64::from(job.gpus)),
+        top.throughput / kept,
+    );
+    let added = extended.knots().len() > curve.knots().len();
+    (extended, added)
+}
+
+/// The PFI a job without a measured curve is planned on: its own (measured on every
+/// node, or the agents' prior), else the site's default; never flatter than the chord
+/// from the GPUs' static draw (PFI `1 − STATIC_SHARE`) while the job is being walked:
+/// before its first walk, or after a phase change set its old windows aside, nothing
+/// measured says its curve is flatter than what physics guarantees, and a floor on a
+/// flatter guess may cut a steep job past its bound (the demo's job 4, its new phase
+/// on the site's default PFI of 1.3, ran 38 % slow against a 25 % bound).
+fn prior_pfi(job: &SiteJob, settings: &SiteSettings) -> f64 {
+    let pfi = job.planning_pfi().unwrap_or(settings.default_pfi).max(0.5);
+    if job.calibrating {
+        pfi.min(1.0 - STATIC_SHARE)
+    } else {
+        pfi
     }
 }
 

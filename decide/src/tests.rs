@@ -1489,3 +1489,69 @@ fn a_drifted_job_gets_no_lower_cap_than_the_chord_shows_within_its_bound() {
         "{allocation:?}"
     );
 }
+
+/// A job read only under a cut (its walk, or its learning after a phase change, never
+/// at its GPUs' highest limit) has no known uncapped rate: its floor is set against the
+/// most that rate may be under concavity, not against its highest reading, and it is
+/// not traded on. Against its reading at 500 W its bound would allow 300 W; against the
+/// most its uncapped rate may be, only the static draw's chord floor holds.
+#[test]
+fn a_job_never_read_uncapped_is_floored_against_the_most_its_top_may_be() {
+    let read_under_a_cut: Vec<[f64; 3]> = points(4.0)
+        .into_iter()
+        .filter(|p| p[0] <= 500.0)
+        .chain(std::iter::once([
+            400.0,
+            1600.0,
+            1000.0 * (1.0 - (1.0 - 400.0 / 700.0) / 2.0),
+        ]))
+        .collect();
+    let mut cut = report("7", "flex2", 4, 2000.0, read_under_a_cut);
+    cut.cap_w = Some(500.0);
+    cut.power_cap_w = Some(500.0);
+    cut.throughput = Some(1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0));
+    let other = report("8", "flex3", 4, 2800.0, points(4.0));
+    let hard = SiteSettings {
+        budget_mode: BudgetMode::Hard,
+        ..settings()
+    };
+    let d = decide(
+        &[node("n1", (0..8).map(gpu).collect(), vec![cut, other])],
+        Watts(3600.0),
+        &hard,
+    );
+    assert!(d.drifted.is_empty(), "{:?}", d.drifted);
+    // 175 + 0.75 x 525 = 568.75, snapped up to the 10 W grid.
+    assert_eq!(d.leases["n1"]["7"], 570.0, "{d:?}");
+    let total = 4.0 * (d.leases["n1"]["7"] + d.leases["n1"]["8"]);
+    assert!(total <= 3600.0 + 1e-6, "{total} W: {d:?}");
+}
+
+/// A job being walked with no curve yet (before its first walk, or after a phase change
+/// set its old windows aside) is planned on the chord from its GPUs' static draw, not on
+/// the site's default PFI: nothing measured says its curve is flatter. On a PFI of 1.3
+/// its 25 % bound would allow 470 W; the chord allows 570 W. Once it is not walking, its
+/// own PFI stands.
+#[test]
+fn a_job_walked_without_a_curve_is_floored_on_the_chord_not_a_flatter_prior() {
+    let plan = |calibrating: bool| {
+        let mut fresh = report("7", "flex2", 4, 2800.0, Vec::new());
+        fresh.calibrating = calibrating;
+        let other = report("8", "flex3", 4, 2800.0, points(4.0));
+        let hard = SiteSettings {
+            budget_mode: BudgetMode::Hard,
+            ..settings()
+        };
+        decide(
+            &[node("n1", (0..8).map(gpu).collect(), vec![fresh, other])],
+            Watts(3600.0),
+            &hard,
+        )
+    };
+    let walked = plan(true);
+    assert_eq!(walked.leases["n1"]["7"], 570.0, "{walked:?}");
+    let total = 4.0 * (walked.leases["n1"]["7"] + walked.leases["n1"]["8"]);
+    assert!(total <= 3600.0 + 1e-6, "{total} W: {walked:?}");
+    let settled = plan(false);
+    assert!(settled.leases["n1"]["7"] < 570.0, "{settled:?}");
+}
