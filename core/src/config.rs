@@ -335,9 +335,12 @@ pub struct RawAgent {
     /// node this long is ended without its epilog, seconds (5 to 3600, default 30).
     pub job_end_grace_s: Option<f64>,
     /// Least time from the end of a job's walk to walking it again when its measurements
-    /// leave its curve (a new phase), seconds (10 to 86400, default 600): each walk costs
-    /// the job tokens. The job's old curve is set aside at once; the walk starts when this
-    /// time has passed, however often the job changes.
+    /// leave its curve (a new phase), seconds (10 to 86400, default 120): each walk costs
+    /// the job tokens (at most its tier's bound plus the calibration allowance while it
+    /// lasts). The job's old curve is set aside at once and, until it is walked again, it
+    /// is planned on the chord from its GPUs' static draw, which holds its bound whatever
+    /// its new curve but costs the other jobs watts: the walk starts when this time has
+    /// passed, however often the job changes.
     pub calibration_rewalk_after_s: Option<f64>,
     /// Write power limits (default true). False is observe mode, for a site's first
     /// week: every job is measured, accounted and reported, the controller computes the
@@ -1841,7 +1844,7 @@ fn validate_agent(raw: RawAgent) -> Result<AgentConfig, ConfigError> {
         calibration_rewalk_after_s: seconds(
             "agent.calibration_rewalk_after_s",
             raw.calibration_rewalk_after_s,
-            600.0,
+            120.0,
             10.0,
             86_400.0,
         )?,
@@ -2513,7 +2516,7 @@ programs = ["gpu-dr"]
         assert_eq!(site.agent.calibration_rewalk_after_s, 30.0);
         let minimal = SiteConfig::from_toml_str(MINIMAL).expect("valid");
         assert_eq!(
-            minimal.agent.calibration_rewalk_after_s, 600.0,
+            minimal.agent.calibration_rewalk_after_s, 120.0,
             "the default"
         );
         let err = SiteConfig::from_toml_str(&plus("[agent]\ncalibration_rewalk_after_s = 5\n"))
@@ -3017,7 +3020,7 @@ nodes = \"gpu[01-04]\"
                     calibration_hold_s: 30.0,
                     calibration_budget: 0.02,
                     job_end_grace_s: 30.0,
-                    calibration_rewalk_after_s: 600.0,
+                    calibration_rewalk_after_s: 120.0,
                     enforce: true,
                     usage_log: true,
                     unregistered_gpu_use: UnregisteredGpuUse::Default,
