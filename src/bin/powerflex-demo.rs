@@ -2395,7 +2395,18 @@ fn report(
         && down.energy.records.iter().all(|r| r.energy_j > 0.0)
         && down.energy.plot.is_ok();
     m.write_summary(&per_job, &draw, &comparisons, energy, budget_w)?;
+    // One promise, one check: a job whose own record (what `accounting` and its
+    // end-of-job line show) says its bound was not held fails the run, whatever the
+    // demo's own window measured.
+    let records_broken: Vec<String> = down
+        .energy
+        .records
+        .iter()
+        .filter(|r| r.bound_held == Some(false))
+        .map(|r| r.summary_line())
+        .collect();
     let ok = per_job.promises_held
+        && records_broken.is_empty()
         && draw.draw_ok
         && draw.phases_ok
         && grid.ok()
@@ -2403,7 +2414,7 @@ fn report(
         && down.restored_by_agents
         && down.all_default
         && energy_ok;
-    m.print_verdict(ok);
+    m.print_verdict(ok, &records_broken);
     Ok(ok)
 }
 
@@ -3058,8 +3069,11 @@ impl Measured<'_> {
     }
 
     /// One line: every promise held, or where to look.
-    fn print_verdict(&self, ok: bool) {
+    fn print_verdict(&self, ok: bool, records_broken: &[String]) {
         let Measured { demo, .. } = *self;
+        for line in records_broken {
+            println!("\nBROKEN, by the controller's own record: {line}");
+        }
         if ok {
             println!("\nevery tier's promise held, the draw stayed within both events' budgets (through the phase change too), the OpenADR event arrived through the VEN and suspended and resumed exactly the job that allows it, flex0 was never capped, every GPU is back at its default cap, and the controller recorded every job's energy.");
         } else {
