@@ -842,7 +842,22 @@ impl Agent {
             .filter_map(|&g| self.gpus.get(g as usize))
             .map(|g| g.identity.uuid.clone())
             .collect();
-        let live = jobs_on_host.unwrap_or_default();
+        // A process table that could not be read says nothing about which jobs ended:
+        // every saved job is kept (its GPUs at the limits read back) until a tick reads
+        // the table, rather than all released to their defaults as if none ran.
+        let live = match jobs_on_host {
+            Some(live) => live,
+            None => {
+                warn!(
+                    jobs = saved_jobs.len(),
+                    "the host's step daemons could not be read at start: every job of the previous run is kept until they can be"
+                );
+                saved_jobs
+                    .iter()
+                    .map(|j| (j.job_id.clone(), j.cluster.clone()))
+                    .collect()
+            }
+        };
         self.restore_saved_jobs(now, now, saved_jobs, &live, &busy);
         if state_lost {
             self.adopt(now, adoptable);

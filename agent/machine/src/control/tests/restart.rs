@@ -214,3 +214,48 @@ fn unacknowledged_final_shares_are_bounded_and_a_job_ended_while_down_gets_one()
     assert_eq!(a.unacked_finals(), vec![share.clone()]);
     assert_eq!(a.take_records(), vec![share]);
 }
+
+/// A start that cannot read the host's step daemons (a transient /proc error) keeps
+/// every job the previous run saved, caps and all: treated as "no job runs", it would
+/// release their GPUs to the default limit while they train. A later tick that reads
+/// the table ends the jobs that are gone.
+#[test]
+fn a_start_that_cannot_read_the_step_daemons_keeps_the_saved_jobs() {
+    let mut before = agent(None);
+    before
+        .register(
+            0.0,
+            "7",
+            "0",
+            1000,
+            "n1",
+            &["0".into()],
+            "flex2,calibrate=off",
+        )
+        .expect("registered");
+    let saved = before.saved_state();
+    let start = |jobs_on_host: Option<BTreeSet<crate::JobKey>>| {
+        let mut a = Agent::new(settings(None), (0..2).map(gpu).collect(), 250, UnixMs(0));
+        a.step(
+            UnixMs(0),
+            vec![AgentInput::Start(Box::new(StartFacts {
+                saved: Some(saved.clone()),
+                samples: vec![(0, sample_at(300.0)), (1, sample_at(700.0))],
+                jobs_on_host,
+                ..StartFacts::default()
+            }))],
+        );
+        a
+    };
+    let unread = start(None);
+    assert_eq!(unread.jobs.keys().collect::<Vec<_>>(), ["7"]);
+    assert_eq!(unread.gpus[0].job.as_deref(), Some("7"));
+    assert!(
+        unread.unacked.is_empty(),
+        "no final share for a job that runs"
+    );
+    // Read and empty: the job ended while the agent was down.
+    let read = start(Some(BTreeSet::new()));
+    assert!(read.jobs.is_empty());
+    assert_eq!(read.unacked.len(), 1);
+}
