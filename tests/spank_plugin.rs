@@ -280,6 +280,34 @@ fn option_is_offered_validated_and_reaches_the_agents() {
         String::from_utf8_lossy(&srun.stderr)
     );
     assert_eq!(String::from_utf8_lossy(&srun.stdout).trim(), "flex1");
+    // An opted-out job registers its GPUs as `none`: they are a job's, left at their
+    // default limit, not use no job registered (which a site may hold at the fail-safe).
+    let none = c
+        .sbatch(
+            &[
+                "-N1",
+                "--gres=gpu:2",
+                "--power-flex=none",
+                "--wrap",
+                "sleep 5",
+            ],
+            None,
+        )
+        .expect("sbatch --power-flex=none");
+    let none_id = none.to_string();
+    let seen = wait_until(
+        "the opted-out job on its agent",
+        Duration::from_secs(30),
+        || {
+            ["n1", "n2"]
+                .iter()
+                .find_map(|n| site.status(n).jobs.into_iter().find(|j| j.job == none_id))
+        },
+    );
+    assert_eq!(seen.tier, "none", "{seen:?}");
+    assert_eq!(seen.gpus.len(), 2, "{seen:?}");
+    assert!(seen.cap_w.is_none_or(|c| c >= 700.0), "{seen:?}");
+    assert_eq!(c.wait_job_done(none, Duration::from_secs(60)), "COMPLETED");
     let bad = c.run("srun", &["-N1", "--power-flex=flex7", "true"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown tier \"flex7\""));

@@ -350,9 +350,11 @@ pub struct RawAgent {
     /// true).
     pub usage_log: Option<bool>,
     /// A GPU that NVML shows processes on while no registered job holds it (a job whose
-    /// registration failed, a process started outside Slurm, and also a `none` job, which
-    /// the plugin does not register): `"failsafe"` caps it at its model's fail-safe until
-    /// those processes are gone, `"default"` leaves it at its default limit (default).
+    /// registration failed, a process started outside Slurm; a `none` job is registered
+    /// as unmanaged and keeps its GPUs at their default): `"failsafe"` caps it at its
+    /// model's fail-safe until those processes are gone, `"default"` leaves it at its
+    /// default limit (default here, for configs written before the plugin registered
+    /// `none` jobs; the shipped config sets `"failsafe"`).
     pub unregistered_gpu_use: Option<String>,
 }
 
@@ -900,8 +902,8 @@ pub struct AgentConfig {
 pub enum UnregisteredGpuUse {
     /// Capped at the model's fail-safe until those processes are gone: a job that could
     /// not register, or a process outside Slurm, draws no more than a job whose node lost
-    /// its controller. So is a `--power-flex=none` job (the plugin registers only the
-    /// jobs powerflex manages): a site choosing this in effect allows no opt-out.
+    /// its controller. A `--power-flex=none` job is not: the plugin registers it as
+    /// unmanaged, so its GPUs are a job's, at their default.
     Failsafe,
     /// Left at its default limit (hard mode pays for it at its default).
     #[default]
@@ -2535,7 +2537,7 @@ programs = ["gpu-dr"]
         assert_eq!(
             minimal.agent.unregistered_gpu_use,
             UnregisteredGpuUse::Default,
-            "a none job is not registered: capping by default would undo the opt-out"
+            "configs written before the plugin registered none jobs keep their behaviour"
         );
         let site =
             SiteConfig::from_toml_str(&plus("[agent]\nunregistered_gpu_use = \"failsafe\"\n"))

@@ -374,8 +374,14 @@ pub fn on_step_start(
             flex = String::new();
         }
     }
-    if !service.is_managed() {
-        return StepStart::Skipped;
+    // An unmanaged step (an opt-out the site allows, or a site default of `none`) is
+    // registered too, as `none`: its GPUs are then a job's, left at their default limit,
+    // not use the agent sees no registration for (which a site may hold at the
+    // fail-safe, `agent.unregistered_gpu_use`). It gets no progress address, and a
+    // failure only logs: the step runs unmanaged either way.
+    let managed = service.is_managed();
+    if !managed {
+        flex = powerflex_core::flex::UNMANAGED.to_string();
     }
     let (Some(job_id), Some(step_id), Some(uid)) = (api.job_id(), api.step_id(), api.uid()) else {
         api.log_error("cannot read the job id, step id or uid; job runs unmanaged");
@@ -406,7 +412,7 @@ pub fn on_step_start(
         node,
         gpus,
     };
-    if !should_register(&service, &step) {
+    if !should_register(&step) {
         return StepStart::Skipped;
     }
     match send(
@@ -429,6 +435,16 @@ pub fn on_step_start(
                 step_name(step_id)
             ));
             StepStart::Registered(job_id.to_string(), step_name(step_id))
+        }
+        Ok(ControlReply::Refused(why)) if !managed => {
+            api.log_error(&format!(
+                "agent refused unmanaged job {job_id}: {why}; it runs unmanaged"
+            ));
+            StepStart::Skipped
+        }
+        Err(e) if !managed => {
+            api.log_error(&format!("{e}; unmanaged job {job_id} not registered"));
+            StepStart::Skipped
         }
         Ok(ControlReply::Refused(why)) => {
             api.log_error(&format!(
@@ -467,9 +483,11 @@ pub fn slurm_gpu_var(step_id: u32) -> &'static str {
     }
 }
 
-/// Whether a step should be registered at all: managed service, GPUs, not the extern step.
-pub fn should_register(service: &Service, step: &StepInfo) -> bool {
-    service.is_managed() && !step.gpus.is_empty() && step.step_id != EXTERN_STEP
+/// Whether a step should be registered at all: it has GPUs and is not the extern step.
+/// Managed or not: an unmanaged step's GPUs are registered as its own (see
+/// [`on_step_start`]).
+pub fn should_register(step: &StepInfo) -> bool {
+    !step.gpus.is_empty() && step.step_id != EXTERN_STEP
 }
 
 #[cfg(test)]
@@ -625,24 +643,15 @@ mod tests {
             line.contains("\"step_id\":\"batch\"") && line.contains("\"job_id\":\"42\""),
             "{line}"
         );
-        let table = site_policy(&Args::default()).expect("defaults").table;
-        let flex2 = parse_power_flex("flex2", &table).expect("ok").service;
-        assert!(should_register(&flex2, &step));
-        assert!(!should_register(&Service::Unmanaged, &step));
-        assert!(!should_register(
-            &flex2,
-            &StepInfo {
-                gpus: vec![],
-                ..step.clone()
-            }
-        ));
-        assert!(!should_register(
-            &flex2,
-            &StepInfo {
-                step_id: EXTERN_STEP,
-                ..step
-            }
-        ));
+        assert!(should_register(&step));
+        assert!(!should_register(&StepInfo {
+            gpus: vec![],
+            ..step.clone()
+        }));
+        assert!(!should_register(&StepInfo {
+            step_id: EXTERN_STEP,
+            ..step
+        }));
         assert_eq!(step_name(3), "3");
     }
 
@@ -731,12 +740,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pf-spank-optout-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let site = dir.join("powerflex.toml");
-        let text = include_str!("../../slurm-conf/powerflex.toml").replacen(
-            "[tiers]",
-            "[tiers]\nopt_out = \"listed\"\nopt_out_users = [\"svc-infer\"]",
-            1,
-        );
-        let text = text.replacen("default = \"none\"", "default = \"flex2\"", 1);
+        // The shipped config: only root may opt out, jobs without the option are flex0.
+        let shipped = include_str!("../../slurm-conf/powerflex.toml");
+        assert!(shipped.contains("opt_out = \"listed\"\nopt_out_users = []\n"));
+        assert!(shipped.contains("\ndefault = \"flex0\"\n"));
+        let text = shipped
+            .replacen("opt_out_users = []", "opt_out_users = [\"svc-infer\"]", 1)
+            .replacen("\ndefault = \"flex0\"\n", "\ndefault = \"flex2\"\n", 1);
         std::fs::write(&site, text).expect("write");
         let args = Args {
             site: Some(site.clone()),
@@ -878,20 +888,11 @@ mod tests {
     }
 
     #[test]
-    fn unmanaged_gpuless_and_extern_steps_stay_away_from_the_agent() {
+    fn gpuless_and_extern_steps_stay_away_from_the_agent() {
         let never =
             |_: &str, _: &str, _: &ControlRequest, _: Duration| -> Result<ControlReply, String> {
                 panic!("must not contact the agent")
             };
-        assert_eq!(
-            on_step_start(&mut with_gpus(), &Args::default(), None, never),
-            StepStart::Skipped,
-            "site default none"
-        );
-        assert_eq!(
-            on_step_start(&mut with_gpus(), &Args::default(), Some("none"), never),
-            StepStart::Skipped
-        );
         assert_eq!(
             on_step_start(&mut Fake::default(), &Args::default(), Some("flex1"), never),
             StepStart::Skipped,
@@ -903,6 +904,40 @@ mod tests {
             on_step_start(&mut ext, &Args::default(), Some("flex1"), never),
             StepStart::Skipped
         );
+    }
+
+    /// An unmanaged step with GPUs (the site's default `none`, or an opt-out it allows)
+    /// registers as `none`, so its GPUs are a job's at their default limit rather than
+    /// use the agent sees no registration for (held at the fail-safe where the site
+    /// says so). It gets no progress address, and an absent or refusing agent costs it
+    /// no warning: it runs unmanaged either way.
+    #[test]
+    fn an_unmanaged_step_registers_its_gpus_as_none_and_fails_quietly() {
+        for flex in [None, Some("none")] {
+            let mut fake = with_gpus();
+            let mut line = String::new();
+            let outcome = on_step_start(&mut fake, &Args::default(), flex, |_, _, r, _| {
+                line = r.to_line();
+                Ok(ControlReply::Done(ControlAnswer::Registered {
+                    tier: Some("none".into()),
+                    progress: None,
+                }))
+            });
+            assert_eq!(outcome, StepStart::Registered("42".into(), "0".into()));
+            assert!(line.contains("\"flex\":\"none\""), "{flex:?}: {line}");
+            assert!(!fake.exported.contains_key("POWERFLEX_PROGRESS"));
+            for reply in [
+                Err("cannot reach".to_string()),
+                Ok(ControlReply::Refused("GPU 0 belongs to job 9".into())),
+            ] {
+                let mut fake = with_gpus();
+                let outcome = on_step_start(&mut fake, &Args::default(), flex, |_, _, _, _| {
+                    reply.clone()
+                });
+                assert_eq!(outcome, StepStart::Skipped, "{flex:?}");
+                assert_eq!(fake.errors.borrow().len(), 1, "logged once");
+            }
+        }
     }
 
     #[test]
