@@ -300,7 +300,7 @@ fn allocate_uses_the_site_config() {
             "--curves",
             curves.to_str().expect("utf-8"),
             "--budget-w",
-            "200kW",
+            "10MW",
             "--site",
             site.to_str().expect("utf-8"),
             "--format",
@@ -309,12 +309,13 @@ fn allocate_uses_the_site_config() {
     );
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     let r: Value = serde_json::from_str(&out.stdout).expect("json");
-    // The example site's default tier is none: every job unmanaged and uncapped.
-    assert!(r["jobs"]
-        .as_array()
-        .expect("jobs")
-        .iter()
-        .all(|j| j["tier"] == "none"));
+    // The example site's default tier is flex0: every job managed, and never slowed.
+    let jobs = r["jobs"].as_array().expect("jobs");
+    assert!(!jobs.is_empty());
+    for j in jobs {
+        assert_eq!(j["tier"], "flex0", "{j}");
+        assert!(j["slowdown"].as_f64().is_some_and(|s| s <= 1e-9), "{j}");
+    }
     assert_eq!(r["policy"], "optimal");
 }
 
@@ -382,13 +383,21 @@ fn bad_input_gets_a_clear_error_and_a_non_zero_exit() {
 
     let curves = data_file("curves/paper_h200_synthetic.csv");
     let curves = curves.to_str().expect("utf-8");
-    let cut = run(&ctl(), &["evaluate", "--curves", curves, "--cut", "1.5"]);
+    let cut = run(&ctl(), &["evaluate", "--curves", curves, "--cut", "100%"]);
     assert_eq!(cut.code, Some(2), "a bad value is a usage error");
     assert!(
         cut.stderr
-            .contains("accepted: a fraction strictly between 0 and 1"),
+            .contains("accepted: a share strictly between 0 and 100 %"),
         "{}",
         cut.stderr
+    );
+    // A bare number above 1 is neither a fraction nor a percentage: refused, naming both.
+    let bare = run(&ctl(), &["evaluate", "--curves", curves, "--cut", "30"]);
+    assert_eq!(bare.code, Some(2), "{}", bare.stderr);
+    assert!(
+        bare.stderr.contains("(30%) or a fraction"),
+        "{}",
+        bare.stderr
     );
 
     let budget = run(
@@ -526,7 +535,27 @@ fn malformed_values_exit_2_naming_what_is_accepted() {
                 socket,
             ]),
             "--reduce",
-            "accepted: a percentage above 0",
+            "accepted: a share above 0 and at most all of it",
+        ),
+        // A bare number where a unit is expected says neither: refused, naming both.
+        (
+            words(&[
+                "event",
+                "add",
+                "--reduce",
+                "30",
+                "--duration",
+                "1h",
+                "--socket",
+                socket,
+            ]),
+            "--reduce",
+            "write it as a percentage (30%) or a fraction",
+        ),
+        (
+            words(&["budget", "set", "850", "--socket", socket]),
+            "<BUDGET>",
+            "has no unit; accepted: a number with W, kW or MW, e.g. 850kW or 850W",
         ),
         (
             words(&[
@@ -719,6 +748,22 @@ fn well_formed_event_values_get_past_the_command_line() {
             out.stderr
         );
     }
+    // A share as a fraction means what it does as a percentage; `--since -7d` is a value,
+    // not a flag, as the docs write it.
+    for argv in [
+        &["event", "add", "--reduce", "0.3", "--duration", "1h"][..],
+        &["accounting", "--since", "-7d", "--until", "now"][..],
+    ] {
+        let mut argv = argv.to_vec();
+        argv.extend(["--socket", "/nonexistent/powerflex-admin.sock"]);
+        let out = run(&ctl(), &argv);
+        assert_eq!(out.code, Some(1), "{argv:?}: {}", out.stderr);
+        assert!(
+            !out.stderr.contains("invalid value") && !out.stderr.contains("unexpected argument"),
+            "{argv:?}: {}",
+            out.stderr
+        );
+    }
 }
 
 /// The other binaries parse their values in clap too: a malformed one exits 2 with a
@@ -731,7 +776,7 @@ fn other_binaries_refuse_malformed_values_with_exit_2() {
             "powerflex-demo",
             &["--cut", "0.95"],
             "--cut",
-            "accepted: a share of the draw between 0 and 0.9",
+            "accepted: a share of the draw above 0 and below 90 %",
         ),
         (
             "powerflex-demo",
