@@ -210,7 +210,13 @@ fn allocate_on_a_curves_file_decides_what_the_controller_decides() {
         for policy in ["optimal", "equal", "pfi-proportional"] {
             say(&mut peers);
             let whatif = ctl(&[
-                "whatif", "--policy", policy, "--budget", budget, "--format", "json",
+                "whatif",
+                "--policy",
+                policy,
+                "--budget",
+                &format!("{budget}W"),
+                "--format",
+                "json",
             ]);
             assert_eq!(whatif.code, Some(0), "{}", whatif.stderr);
             let decision: DecisionView = serde_json::from_str(&whatif.stdout).expect("json");

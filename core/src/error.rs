@@ -9,7 +9,7 @@ use crate::evaluate::EvaluateError;
 use crate::flex::FlexError;
 use crate::gpus::GpuListError;
 use crate::slurm_record::SlurmRecordError;
-use crate::units::PowerParseError;
+use crate::units::{PowerParseError, ShareParseError};
 use crate::workload::PaperTableError;
 
 /// Any error from powerflex-core. Messages are lowercase, without a trailing period,
@@ -30,6 +30,8 @@ pub enum Error {
     Evaluate(#[from] EvaluateError),
     #[error(transparent)]
     Power(#[from] PowerParseError),
+    #[error(transparent)]
+    Share(#[from] ShareParseError),
     #[error(transparent)]
     PaperTable(#[from] PaperTableError),
     #[error(transparent)]

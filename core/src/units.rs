@@ -27,7 +27,8 @@ impl Watts {
         Watts(self.0.max(other.0))
     }
 
-    /// Parses `850kW`, `0.85 MW`, `700W` or a bare number of watts.
+    /// Parses `850kW`, `0.85 MW` or `700W`. A bare number is refused: `budget set 850`
+    /// meaning 850 W on a site budgeted in kilowatts would cut it to almost nothing.
     pub fn parse(text: &str) -> Result<Watts, PowerParseError> {
         let trimmed = text.trim();
         if trimmed.is_empty() {
@@ -42,7 +43,8 @@ impl Watts {
             .parse()
             .map_err(|_| PowerParseError::BadNumber(trimmed.to_string()))?;
         let scale = match unit.trim() {
-            "" | "W" | "w" => 1.0,
+            "" => return Err(PowerParseError::NoUnit(trimmed.to_string())),
+            "W" | "w" => 1.0,
             "kW" | "kw" | "KW" => 1e3,
             "MW" | "mw" => 1e6,
             other => return Err(PowerParseError::BadUnit(other.to_string())),
@@ -64,6 +66,48 @@ pub enum PowerParseError {
     BadNumber(String),
     #[error("unknown power unit \"{0}\"; accepted: W, kW, MW")]
     BadUnit(String),
+    #[error("\"{0}\" has no unit; accepted: a number with W, kW or MW, e.g. {0}kW or {0}W")]
+    NoUnit(String),
+}
+
+/// Parses a share, written as a percentage (`30%`) or a fraction (`0.3`): both mean the
+/// same in every command. A bare number above 1 (`30`) is refused, since it could mean
+/// either 30 % or a share of 30. The result is a fraction.
+pub fn parse_share(text: &str) -> Result<f64, ShareParseError> {
+    let trimmed = text.trim();
+    let bad = || ShareParseError::BadNumber(printable_share(trimmed));
+    let (number, percent) = match trimmed.strip_suffix('%') {
+        Some(n) => (n.trim(), true),
+        None => (trimmed, false),
+    };
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    if !value.is_finite() || value < 0.0 {
+        return Err(bad());
+    }
+    if percent {
+        Ok(value / 100.0)
+    } else if value > 1.0 {
+        Err(ShareParseError::Ambiguous(printable_share(trimmed)))
+    } else {
+        Ok(value)
+    }
+}
+
+/// User text shown in a message: at most 40 characters, control characters escaped.
+fn printable_share(text: &str) -> String {
+    text.chars()
+        .take(40)
+        .flat_map(char::escape_default)
+        .collect()
+}
+
+/// Why a share such as `30%` or `0.3` did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShareParseError {
+    #[error("\"{0}\" is not a share; accepted: a percentage (e.g. 30%) or a fraction (e.g. 0.3)")]
+    BadNumber(String),
+    #[error("\"{0}\" is a bare number above 1; write it as a percentage ({0}%) or a fraction (e.g. 0.3 for 30%)")]
+    Ambiguous(String),
 }
 
 impl fmt::Display for Watts {
@@ -151,7 +195,14 @@ mod tests {
         assert_eq!(Watts::parse("850kW"), Ok(Watts(850_000.0)));
         assert_eq!(Watts::parse("0.5 MW"), Ok(Watts(500_000.0)));
         assert_eq!(Watts::parse("700W"), Ok(Watts(700.0)));
-        assert_eq!(Watts::parse("700"), Ok(Watts(700.0)));
+        assert_eq!(
+            Watts::parse("700"),
+            Err(PowerParseError::NoUnit("700".into()))
+        );
+        assert!(Watts::parse("850")
+            .expect_err("no unit")
+            .to_string()
+            .contains("850kW or 850W"));
         assert_eq!(Watts::parse(""), Err(PowerParseError::Empty));
         assert_eq!(
             Watts::parse("5 GW"),
@@ -174,5 +225,29 @@ mod tests {
         assert_eq!(Watts(1_200_000.0).to_string(), "1.20 MW");
         assert_eq!(SlowdownFraction(0.25).to_string(), "25%");
         assert_eq!(SlowdownFraction(0.125).to_string(), "12.5%");
+    }
+
+    /// A percentage and a fraction mean the same; a bare number above 1 says neither.
+    #[test]
+    fn a_share_is_a_percentage_or_a_fraction_never_a_bare_number_above_one() {
+        assert_eq!(parse_share("30%"), Ok(0.3));
+        assert_eq!(parse_share(" 30 % "), Ok(0.3));
+        assert_eq!(parse_share("0.3"), Ok(0.3));
+        assert_eq!(parse_share("1"), Ok(1.0));
+        assert_eq!(parse_share("0.5%"), Ok(0.005));
+        assert_eq!(
+            parse_share("30"),
+            Err(ShareParseError::Ambiguous("30".into()))
+        );
+        assert!(parse_share("30")
+            .expect_err("ambiguous")
+            .to_string()
+            .contains("30%"));
+        for bad in ["", "%", "lots", "-0.1", "NaN", "inf%", "0.3%%"] {
+            assert!(
+                matches!(parse_share(bad), Err(ShareParseError::BadNumber(_))),
+                "{bad:?}"
+            );
+        }
     }
 }

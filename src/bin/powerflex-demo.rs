@@ -82,8 +82,9 @@ const OPENADR_LEAD_S: u64 = 8;
     about = "powerflex end to end on a local Slurm cluster with SIMULATED GPUs: calibration, a grid event, the result against the paper's baselines"
 )]
 struct Cli {
-    /// The grid event's cut, as a share of the cluster's measured draw before it.
-    #[arg(long, default_value = "0.3", value_name = "FRACTION", value_parser = cut_share)]
+    /// The grid event's cut, as a share of the cluster's measured draw before it: 30% or
+    /// 0.3 (the same cut).
+    #[arg(long, default_value = "30%", value_name = "SHARE", value_parser = cut_share)]
     cut: f64,
     /// How long the budget takes to step down at the start, and back up at the end, s.
     #[arg(long, default_value = "10", value_name = "S", value_parser = ramp_s)]
@@ -280,12 +281,15 @@ fn ranged(
     }
 }
 
+/// `--cut`: a share of the draw, as a percentage (`30%`) or a fraction (`0.3`), as every
+/// command reads a share.
 fn cut_share(text: &str) -> std::result::Result<f64, String> {
-    ranged(
-        text,
-        |v| v > 0.0 && v < 0.9,
-        "a share of the draw between 0 and 0.9, e.g. 0.3",
-    )
+    let accepted = "a share of the draw above 0 and below 90 %, as a percentage (e.g. 30%) or a fraction (e.g. 0.3)";
+    match powerflex_core::units::parse_share(text) {
+        Ok(v) if v > 0.0 && v < 0.9 => Ok(v),
+        Ok(v) => Err(format!("{v} is out of range; accepted: {accepted}")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn ramp_s(text: &str) -> std::result::Result<f64, String> {

@@ -148,8 +148,10 @@ pub enum ScheduleError {
     ZeroDuration(String),
     #[error("bad start \"{text}\": {reason}; accepted: now, +DURATION (e.g. +10m), or an RFC 3339 time with an offset (e.g. 2026-12-01T17:00:00Z, 2026-12-01T18:00:00+01:00)")]
     Start { text: String, reason: String },
-    #[error("bad reduction \"{0}\"; accepted: a percentage above 0 and at most 100, e.g. 30%")]
+    #[error("bad reduction \"{0}\"; accepted: a share above 0 and at most all of it, as a percentage (e.g. 30%) or a fraction (e.g. 0.3)")]
     Reduce(String),
+    #[error("bad reduction: {0}")]
+    Share(powerflex_core::units::ShareParseError),
 }
 
 /// Shows user text safely in a message: control characters escaped, long text cut.
@@ -199,12 +201,14 @@ pub fn parse_event_duration_ms(text: &str) -> Result<u64, ScheduleError> {
     }
 }
 
-/// Parses `30%` (or `30`) into a fraction in (0, 1].
+/// Parses `30%` or `0.3` (the same share, as every command reads one: see
+/// [`powerflex_core::units::parse_share`]) into a fraction in (0, 1]. A bare `30` is
+/// refused: it reads as 30 % to some and as 0.3 % to others.
 pub fn parse_reduce(text: &str) -> Result<f64, ScheduleError> {
-    let t = text.trim().trim_end_matches('%');
-    match t.parse::<f64>() {
-        Ok(p) if p.is_finite() && p > 0.0 && p <= 100.0 => Ok(p / 100.0),
-        _ => Err(ScheduleError::Reduce(printable(text))),
+    match powerflex_core::units::parse_share(text) {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        Ok(_) => Err(ScheduleError::Reduce(printable(text))),
+        Err(e) => Err(ScheduleError::Share(e)),
     }
 }
 
@@ -447,11 +451,19 @@ mod tests {
         assert_eq!(parse_duration_ms("PT3H"), Ok(3 * H));
         assert_eq!(parse_duration_ms("0s"), Ok(0), "a ramp may be 0");
         assert_eq!(parse_reduce("30%"), Ok(0.3));
+        assert_eq!(
+            parse_reduce("0.3"),
+            Ok(0.3),
+            "a fraction means what 30% does"
+        );
         assert!(
             parse_reduce("0%").is_err()
                 && parse_reduce("150%").is_err()
                 && parse_reduce("lots").is_err()
         );
+        // A bare 30 read as 0.3 % would shed almost nothing; as 30 % it is a guess.
+        let bare = parse_reduce("30").expect_err("ambiguous").to_string();
+        assert!(bare.contains("30%") && bare.contains("0.3"), "{bare}");
         assert_eq!(parse_start_ms("now", 5), Ok(5));
         assert_eq!(parse_start_ms("+10m", 5), Ok(600_005));
         assert_eq!(parse_start_ms("1970-01-01T00:00:01Z", 0), Ok(1000));

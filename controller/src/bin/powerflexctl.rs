@@ -159,7 +159,7 @@ enum Command {
         curves: String,
         /// Budget for the summed GPU power of these jobs: watts, or with a unit
         /// (850kW, 1.2MW).
-        #[arg(long, value_name = "W", value_parser = power)]
+        #[arg(long, value_name = "W", value_parser = watts_flag)]
         budget_w: Watts,
         /// Allocation policy [default: the site's, else optimal].
         #[arg(long, value_parser = ["optimal", "equal", "pfi-proportional"])]
@@ -329,8 +329,8 @@ struct EvaluateArgs {
     /// Curves CSV (see `pfi --help`); each job's points are its true curve.
     #[arg(long, value_name = "FILE")]
     curves: String,
-    /// Fraction of Σ P_max to shed, e.g. 0.3 for a 30 % cut.
-    #[arg(long, value_name = "F", value_parser = open_fraction)]
+    /// Share of Σ P_max to shed: 30% or 0.3 (the same cut).
+    #[arg(long, value_name = "SHARE", value_parser = open_fraction)]
     cut: f64,
     /// Jobs per workload, drawn with replacement from the file.
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = at_least_one)]
@@ -366,9 +366,9 @@ struct EvaluateArgs {
     /// first-hour tokens.
     #[arg(long, default_value_t = 0.02, value_name = "F", value_parser = budget_fraction)]
     calibration_budget: f64,
-    /// The deepest cut the site expects, a fraction; sets how deep the designed
-    /// calibration walks [default: the site config's facility.expected_cut_pct, else 0.3].
-    #[arg(long, value_name = "F", value_parser = open_fraction)]
+    /// The deepest cut the site expects, 30% or 0.3; sets how deep the designed
+    /// calibration walks [default: the site config's facility.expected_cut_pct, else 30%].
+    #[arg(long, value_name = "SHARE", value_parser = open_fraction)]
     expected_cut: Option<f64>,
     /// Site config (powerflex.toml) to take the expected cut from.
     #[arg(long, value_name = "FILE")]
@@ -403,11 +403,12 @@ struct EvaluateArgs {
 #[derive(Debug, clap::Args)]
 struct AccountingArgs {
     /// Jobs that ended after this: an RFC 3339 time (2026-12-01T00:00:00Z), `now`, or
-    /// -DURATION ago (-7d) [default: every record the controller keeps].
-    #[arg(long, value_parser = parse_when)]
+    /// -DURATION ago (-7d) [default: every record the controller keeps]. `--since -7d`
+    /// and `--since=-7d` both work.
+    #[arg(long, value_parser = parse_when, allow_hyphen_values = true)]
     since: Option<u64>,
     /// Jobs that ended at or before this (same forms) [default: now].
-    #[arg(long, value_parser = parse_when)]
+    #[arg(long, value_parser = parse_when, allow_hyphen_values = true)]
     until: Option<u64>,
     /// Only this user's jobs (a name or a uid; root only, a user sees their own).
     #[arg(long)]
@@ -462,9 +463,10 @@ enum BudgetAction {
 enum EventAction {
     /// Schedule a grid event: --reduce 30% or --target 600kW, from --start for --duration.
     Add {
-        /// Cut this share of the budget, e.g. 30%.
+        /// Cut this share of the site's base budget (not of its draw): 30% or 0.3.
         #[arg(
             long,
+            value_name = "SHARE",
             conflicts_with = "target",
             required_unless_present = "target",
             value_parser = parse_reduce
@@ -535,6 +537,16 @@ fn power(text: &str) -> Result<Watts, String> {
     Watts::parse(text).map_err(|e| e.to_string())
 }
 
+/// A flag whose name says watts (`--budget-w`): a bare number is watts there, and a
+/// unit is taken too.
+fn watts_flag(text: &str) -> Result<Watts, String> {
+    let trimmed = text.trim();
+    match trimmed.parse::<f64>() {
+        Ok(w) if w.is_finite() && w >= 0.0 => Ok(Watts(w)),
+        _ => power(trimmed),
+    }
+}
+
 /// A number, or a message naming the flag's accepted range.
 fn number(text: &str, accepted: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
@@ -555,11 +567,16 @@ fn in_range(text: &str, accepted: &str, ok: impl Fn(f64) -> bool) -> Result<f64,
     }
 }
 
-/// `--cut`: a share of the power strictly between 0 and 1.
+/// `--cut`: a share of the power strictly between 0 and 1, as a percentage (`30%`) or a
+/// fraction (`0.3`), as every command reads a share.
 fn open_fraction(text: &str) -> Result<f64, String> {
-    in_range(text, "a fraction strictly between 0 and 1, e.g. 0.3", |v| {
-        v > 0.0 && v < 1.0
-    })
+    let accepted =
+        "a share strictly between 0 and 100 %, as a percentage (e.g. 30%) or a fraction (e.g. 0.3)";
+    match powerflex_core::units::parse_share(text) {
+        Ok(v) if v > 0.0 && v < 1.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is out of range; accepted: {accepted}")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// One `--calibration-grid` entry: a fraction of the maximum cap.
