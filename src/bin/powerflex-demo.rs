@@ -630,10 +630,12 @@ fn demo_site(builder: SiteBuilder) -> SiteBuilder {
         )
         // Its results are judged in total tokens/s against equal-weight: the allocation
         // must maximise the same thing.
-        // The phase-changed job is not walked again within the demo: the site default
-        // waits 10 min after a walk, and a repeated walk also waits until the job's grant
-        // is uncapped (one started during a cut would judge slowdown against the grant).
         .edit(|raw| raw.facility.objective = Some("tokens".to_string()))
+        // The demo's hour is three minutes: the job that changes phase in event 1 is
+        // walked again 20 s after its last walk (the site default is 120 s), so its new
+        // curve is measured before the OpenADR event rather than planned on the chord
+        // through it (a floor the deep event cannot pay without a tier giving way).
+        .edit(|raw| raw.agent.calibration_rewalk_after_s = Some(20.0))
         .h200(&CALIBRATION_CAPS_W, 500.0)
         .calibration_s(2.0, 2.0, 5.0)
         .calibration_budget_pct(0.05)
