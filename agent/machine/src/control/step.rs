@@ -845,6 +845,7 @@ impl Agent {
         // A process table that could not be read says nothing about which jobs ended:
         // every saved job is kept (its GPUs at the limits read back) until a tick reads
         // the table, rather than all released to their defaults as if none ran.
+        let table_read = jobs_on_host.is_some();
         let live = match jobs_on_host {
             Some(live) => live,
             None => {
@@ -859,6 +860,16 @@ impl Agent {
             }
         };
         self.restore_saved_jobs(now, now, saved_jobs, &live, &busy);
+        if !table_read {
+            // Kept unseen: counted as seen now, so the first tick that reads the table
+            // ends those that are gone (after the grace), rather than holding their GPUs
+            // until a new job claims them.
+            for id in live.iter().map(|(id, _)| id) {
+                if let Some(job) = self.jobs.get_mut(id) {
+                    job.seen_alive_at = Some(now);
+                }
+            }
+        }
         if state_lost {
             self.adopt(now, adoptable);
         }

@@ -233,6 +233,7 @@ fn a_start_that_cannot_read_the_step_daemons_keeps_the_saved_jobs() {
             "flex2,calibrate=off",
         )
         .expect("registered");
+    before.set_job_cluster("7", Some("/etc/slurm/slurm.conf".into()), 0.0);
     let saved = before.saved_state();
     let start = |jobs_on_host: Option<BTreeSet<crate::JobKey>>| {
         let mut a = Agent::new(settings(None), (0..2).map(gpu).collect(), 250, UnixMs(0));
@@ -247,13 +248,16 @@ fn a_start_that_cannot_read_the_step_daemons_keeps_the_saved_jobs() {
         );
         a
     };
-    let unread = start(None);
+    let mut unread = start(None);
     assert_eq!(unread.jobs.keys().collect::<Vec<_>>(), ["7"]);
     assert_eq!(unread.gpus[0].job.as_deref(), Some("7"));
     assert!(
         unread.unacked.is_empty(),
         "no final share for a job that runs"
     );
+    // The table read at last, without job 7, past the grace: it is ended, not held.
+    let grace = unread.settings.job_end_grace_s;
+    assert_eq!(unread.jobs_alive(grace + 1.0, &BTreeSet::new()), ["7"]);
     // Read and empty: the job ended while the agent was down.
     let read = start(Some(BTreeSet::new()));
     assert!(read.jobs.is_empty());
