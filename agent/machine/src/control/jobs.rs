@@ -36,7 +36,6 @@ impl Agent {
         flex: &str,
     ) -> Result<Registered, MachineError> {
         let (request, indices) = self.checked_registration(now, job_id, node, gpus, flex)?;
-        let tier = request.to_string();
         let managed = request.service.is_managed();
         let settings = self.settings.calibration.clone();
         let bound = request.service.max_slowdown().map(|b| b.0);
@@ -44,9 +43,15 @@ impl Agent {
         // A job taken back after a lost state file runs under the site's most flexible
         // tier (`persist::adoption_tier`); its next step's registration, from slurmstepd,
         // carries the tier it was submitted with, and that one holds from then on.
+        // A job registered so far only by unmanaged steps (the plugin registers them as
+        // `none`: a batch step under a site default of `none`) takes the first managed
+        // step's request, as it did when unmanaged steps did not register: an `srun
+        // --power-flex=flex2` step in such a job is managed. A `none` step in a managed
+        // job leaves the job managed; its GPUs are the job's.
         if let Some(job) = self.jobs.get_mut(job_id) {
             let only_adopted = job.steps.len() == 1 && job.steps.contains(ADOPTED_STEP);
-            if only_adopted && job.request != request {
+            let first_managed = !job.request.service.is_managed() && managed;
+            if (only_adopted || first_managed) && job.request != request {
                 job.request = request.clone();
                 job.calibration =
                     Calibration::new(settings.clone(), bound, calibrate && managed, now);
@@ -72,6 +77,9 @@ impl Agent {
             usage: JobUsage::default(),
         });
         job.steps.insert(step_id.to_string());
+        // The step runs under the job's request, which may not be the one it asked for
+        // (a `none` step in a managed job): it is told that one.
+        let (tier, job_managed) = (job.request.to_string(), job.request.service.is_managed());
         for i in indices {
             if !job.gpus.contains(&i) {
                 job.gpus.push(i);
@@ -82,7 +90,7 @@ impl Agent {
         self.finish_jobs_without_gpus(Some(job_id), now);
         Ok(Registered {
             tier,
-            progress: managed.then(|| self.settings.progress_address.clone()),
+            progress: job_managed.then(|| self.settings.progress_address.clone()),
         })
     }
 

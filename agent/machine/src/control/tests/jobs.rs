@@ -454,3 +454,32 @@ fn an_adopted_job_takes_the_tier_its_next_registration_carries() {
         .expect("a later step");
     assert_eq!(a.jobs["5"].request.to_string(), "flex1");
 }
+
+/// The plugin registers unmanaged steps too. A job whose batch step registered as `none`
+/// (a site default of `none`) takes its first managed step's tier, as it did when
+/// unmanaged steps did not register; a `none` step in a managed job leaves it managed,
+/// and is told the job's tier.
+#[test]
+fn a_none_batch_step_gives_way_to_the_first_managed_step_and_not_back() {
+    let mut a = agent(None);
+    let gpus = ["0".to_string(), "1".to_string()];
+    let batch = a
+        .register(0.0, "8", "batch", 1000, "n1", &gpus, "none")
+        .expect("the batch step");
+    assert_eq!(
+        (batch.tier.as_str(), batch.progress.is_some()),
+        ("none", false)
+    );
+    assert!(!a.jobs["8"].managed());
+    let step = a
+        .register(1.0, "8", "0", 1000, "n1", &gpus, "flex2")
+        .expect("a managed step");
+    assert_eq!(step.tier, "flex2");
+    assert!(step.progress.is_some());
+    assert!(a.jobs["8"].managed());
+    let opted_out = a
+        .register(2.0, "8", "1", 1000, "n1", &gpus, "none")
+        .expect("a none step");
+    assert_eq!(opted_out.tier, "flex2", "told the job's tier");
+    assert!(a.jobs["8"].managed(), "the job stays managed");
+}
