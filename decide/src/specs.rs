@@ -122,12 +122,8 @@ pub(crate) fn job_specs(
     let mut in_doubt = BTreeSet::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
-        // A curve never read at the GPUs' highest limit knows no uncapped rate: its
-        // floor is set against the most that rate may be, and it is not traded on.
-        let (curve, unread_top) = with_unread_top(curve, job);
-        if unread_top {
-            in_doubt.insert((*id).clone());
-        }
+        // Drift is judged on what was measured, not on the top knot added below (a job
+        // raised to its maximum would read far below that knot's bound and be flagged).
         let curve = match drift(id, job, &curve) {
             Some(d) => {
                 drifted.push(d);
@@ -137,7 +133,16 @@ pub(crate) fn job_specs(
                 // physics guarantees above its current rate, the chord.
                 chord_curve(job, &curve).unwrap_or(curve)
             }
-            None => curve,
+            None => {
+                // A curve never read at the GPUs' highest limit knows no uncapped rate:
+                // its floor is set against the most that rate may be, and it is not
+                // traded on.
+                let (curve, unread_top) = with_unread_top(curve, job);
+                if unread_top {
+                    in_doubt.insert((*id).clone());
+                }
+                curve
+            }
         };
         if curve.source() == powerflex_core::curve::CurveSource::Prior {
             in_doubt.insert((*id).clone());
@@ -196,16 +201,20 @@ pub(crate) fn job_specs(
 /// floor is then set against the most its uncapped rate may be, not against its highest
 /// reading (the flat extension), which would put the floor too low by as much as the
 /// cut the readings were taken under.
+/// The least share of the uncapped rate a reading is taken to keep (see
+/// [`with_unread_top`]).
+const MIN_KEPT_SHARE: f64 = 0.05;
+
 /// Returns whether the knot was added. A prior (built up to the limit) is left as is.
 fn with_unread_top(curve: CapCurve, job: &SiteJob) -> (CapCurve, bool) {
     let top = curve.uncapped();
     if curve.source() == CurveSource::Prior || top.cap_w.0 >= job.max_cap - 0.5 {
         return (curve, false);
     }
-    let kept = 1.0 - chord_loss(top.cap_w.0, STATIC_SHARE * job.max_cap, job.max_cap, 0.0);
-    if kept <= 0.0 {
-        return (curve, false);
-    }
+    // A reading at or below the static draw bounds the uncapped rate by nothing: taken
+    // as at most twenty times it, which leaves no floor below the maximum for any bound.
+    let kept = (1.0 - chord_loss(top.cap_w.0, STATIC_SHARE * job.max_cap, job.max_cap, 0.0))
+        .max(MIN_KEPT_SHARE);
     let extended = curve.with_unread_top(
         Watts(job.max_cap),
         Watts(job.max_cap * f64::from(job.gpus)),
@@ -242,7 +251,13 @@ fn prior_pfi(job: &SiteJob, settings: &SiteSettings) -> f64 {
 /// measured it, budgeted as a measured curve is (a draw far below it, an idle job
 /// between steps, buys no raise).
 fn chord_curve(job: &SiteJob, left: &CapCurve) -> Option<CapCurve> {
-    let rate = job.throughput.filter(|t| t.is_finite() && *t > 0.0)?;
+    // The scale does not move the floor; a job that drifted on power alone, with no
+    // rate reported, takes the curve's own.
+    let rate = job
+        .throughput
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .or(Some(left.uncapped().throughput))
+        .filter(|t| t.is_finite() && *t > 0.0)?;
     let zero_cap_w = STATIC_SHARE * job.max_cap;
     let point = |cap: f64| OperatingPoint {
         cap_w: Watts(cap),
