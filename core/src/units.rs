@@ -42,8 +42,11 @@ impl Watts {
             .trim()
             .parse()
             .map_err(|_| PowerParseError::BadNumber(trimmed.to_string()))?;
+        if !value.is_finite() || value < 0.0 {
+            return Err(PowerParseError::BadNumber(trimmed.to_string()));
+        }
         let scale = match unit.trim() {
-            "" => return Err(PowerParseError::NoUnit(trimmed.to_string())),
+            "" => return Err(PowerParseError::NoUnit(printable_share(trimmed))),
             "W" | "w" => 1.0,
             "kW" | "kw" | "KW" => 1e3,
             "MW" | "mw" => 1e6,
@@ -198,6 +201,11 @@ mod tests {
         assert_eq!(
             Watts::parse("700"),
             Err(PowerParseError::NoUnit("700".into()))
+        );
+        assert_eq!(
+            Watts::parse("-5"),
+            Err(PowerParseError::BadNumber("-5".into())),
+            "the sign is judged before the unit"
         );
         assert!(Watts::parse("850")
             .expect_err("no unit")

@@ -600,9 +600,13 @@ fn positive_w(text: &str) -> Result<f64, String> {
 
 /// `--calibration-budget`: a fraction of first-hour tokens.
 fn budget_fraction(text: &str) -> Result<f64, String> {
-    in_range(text, "a fraction in (0, 0.5], e.g. 0.02", |v| {
-        v > 0.0 && v <= 0.5
-    })
+    let accepted =
+        "a share above 0 and at most 50 %, as a percentage (e.g. 2%) or a fraction (e.g. 0.02)";
+    match powerflex_core::units::parse_share(text) {
+        Ok(v) if v > 0.0 && v <= 0.5 => Ok(v),
+        Ok(v) => Err(format!("{v} is out of range; accepted: {accepted}")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// `--window-s`, `--event-hold-s`: seconds above 0.
