@@ -282,6 +282,26 @@ fn a_job_capped_from_the_start_is_walked_from_its_grant_down_within_its_bound() 
     assert!(low.remeasuring());
 }
 
+/// A grant between two levels of the grid (the demo's job 4, granted 570 W after a
+/// phase change) starts the walk at the grant itself: started at the next level below,
+/// the walk's top would be a cut no bound proved, held for a whole window.
+#[test]
+fn a_walk_under_a_grant_between_grid_levels_starts_at_the_grant() {
+    let granted = 570.0;
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    let (held, _) = walk_under(&mut cal, granted, 3000.0, speed);
+    let levels = cal.levels();
+    assert_eq!(
+        levels.first().map(|l| l.cap),
+        Some(Watts(granted)),
+        "the walk's top level is the grant: {levels:?}"
+    );
+    for (cap, _) in &held {
+        let slowdown = 1.0 - speed(*cap) / speed(700.0);
+        assert!(slowdown <= 0.30 + 1e-9, "{cap} W: {slowdown}");
+    }
+}
+
 #[test]
 fn the_loss_a_walk_below_uncapped_may_read_is_bounded_by_the_chord() {
     use super::walk::loss_below_ceiling;

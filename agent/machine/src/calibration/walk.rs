@@ -221,13 +221,22 @@ impl Calibration {
     /// Starts a design over the site's grid (only caps at or below `ceiling`, when the
     /// budget holds the job there).
     pub(super) fn start_design(&mut self, now: f64, ceiling: Option<Watts>) {
-        let grid: Vec<Watts> = self
+        let mut grid: Vec<Watts> = self
             .settings
             .grid
             .iter()
             .copied()
             .filter(|c| ceiling.is_none_or(|top| c.0 <= top.0 + 0.5))
             .collect();
+        // A walk under a grant starts at the grant itself. Started at the next level of
+        // the grid below it, its top would be a cut no bound proved (the demo's job 4,
+        // granted 570 W in a new, steeper phase, held 500 W for 18 s and ran 15-20
+        // points past its bound), and every level below would be judged against it.
+        if let Some(top) = ceiling.filter(|t| t.0 >= self.settings.min_cap.0) {
+            if grid.first().is_none_or(|g| g.0 < top.0 - 0.5) {
+                grid.insert(0, top);
+            }
+        }
         let mut params = self.design_params();
         if let (Some(max_loss), Some(top), Some(&first)) =
             (params.max_loss, grid.first(), self.settings.grid.first())
