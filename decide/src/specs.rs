@@ -194,6 +194,10 @@ pub(crate) fn job_specs(
     }
 }
 
+/// The least share of the uncapped rate a reading is taken to keep (see
+/// [`with_unread_top`]).
+const MIN_KEPT_SHARE: f64 = 0.05;
+
 /// `curve` for a job never read at its GPUs' highest limit (its curve was measured only
 /// under a cut: a walk or learning after its old windows were set aside) with a knot at
 /// that limit running as fast as concavity allows: at most its highest reading scaled by
@@ -201,10 +205,7 @@ pub(crate) fn job_specs(
 /// floor is then set against the most its uncapped rate may be, not against its highest
 /// reading (the flat extension), which would put the floor too low by as much as the
 /// cut the readings were taken under.
-/// The least share of the uncapped rate a reading is taken to keep (see
-/// [`with_unread_top`]).
-const MIN_KEPT_SHARE: f64 = 0.05;
-
+///
 /// Returns whether the knot was added. A prior (built up to the limit) is left as is.
 fn with_unread_top(curve: CapCurve, job: &SiteJob) -> (CapCurve, bool) {
     let top = curve.uncapped();
@@ -253,11 +254,10 @@ fn prior_pfi(job: &SiteJob, settings: &SiteSettings) -> f64 {
 fn chord_curve(job: &SiteJob, left: &CapCurve) -> Option<CapCurve> {
     // The scale does not move the floor; a job that drifted on power alone, with no
     // rate reported, takes the curve's own.
-    let rate = job
-        .throughput
-        .filter(|t| t.is_finite() && *t > 0.0)
-        .or(Some(left.uncapped().throughput))
-        .filter(|t| t.is_finite() && *t > 0.0)?;
+    let rate = [job.throughput, Some(left.uncapped().throughput)]
+        .into_iter()
+        .flatten()
+        .find(|t| t.is_finite() && *t > 0.0)?;
     let zero_cap_w = STATIC_SHARE * job.max_cap;
     let point = |cap: f64| OperatingPoint {
         cap_w: Watts(cap),

@@ -1446,6 +1446,21 @@ fn a_flat_curve_with_a_stalled_window_is_steered_and_cut_first() {
     assert!(a.broken_floors().next().is_none(), "{a:?}");
 }
 
+/// `job` beside a measured four-GPU flex3 job ("8") on one node of 8 GPUs, decided under
+/// `budget_w` in hard mode (each job counted at cap × GPUs).
+fn beside_a_flex3_job(job: JobReport, budget_w: f64) -> Decision {
+    let other = report("8", "flex3", 4, 2800.0, points(4.0));
+    let hard = SiteSettings {
+        budget_mode: BudgetMode::Hard,
+        ..settings()
+    };
+    decide(
+        &[node("n1", (0..8).map(gpu).collect(), vec![job, other])],
+        Watts(budget_w),
+        &hard,
+    )
+}
+
 /// A job whose measurements left its curve (a new, steeper phase) is planned on the
 /// physics chord, not on the curve it left: its floor is where the chord from its GPUs'
 /// static draw holds its bound, whatever its new curve (concave above that draw) is. On
@@ -1459,16 +1474,7 @@ fn a_drifted_job_gets_no_lower_cap_than_the_chord_shows_within_its_bound() {
         moved.power_cap_w = Some(500.0);
         moved.throughput = Some(throughput);
         moved.power_cap_steady_s = Some(30.0);
-        let other = report("8", "flex3", 4, 2800.0, points(4.0));
-        let hard = SiteSettings {
-            budget_mode: BudgetMode::Hard,
-            ..settings()
-        };
-        decide(
-            &[node("n1", (0..8).map(gpu).collect(), vec![moved, other])],
-            Watts(4000.0),
-            &hard,
-        )
+        beside_a_flex3_job(moved, 4000.0)
     };
     let on_curve = 1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0);
     let steady = plan(on_curve);
@@ -1510,16 +1516,7 @@ fn a_job_never_read_uncapped_is_floored_against_the_most_its_top_may_be() {
     cut.cap_w = Some(500.0);
     cut.power_cap_w = Some(500.0);
     cut.throughput = Some(1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0));
-    let other = report("8", "flex3", 4, 2800.0, points(4.0));
-    let hard = SiteSettings {
-        budget_mode: BudgetMode::Hard,
-        ..settings()
-    };
-    let d = decide(
-        &[node("n1", (0..8).map(gpu).collect(), vec![cut, other])],
-        Watts(3600.0),
-        &hard,
-    );
+    let d = beside_a_flex3_job(cut, 3600.0);
     assert!(d.drifted.is_empty(), "{:?}", d.drifted);
     // 175 + 0.75 x 525 = 568.75, snapped up to the 10 W grid.
     assert_eq!(d.leases["n1"]["7"], 570.0, "{d:?}");
@@ -1537,16 +1534,7 @@ fn a_job_walked_without_a_curve_is_floored_on_the_chord_not_a_flatter_prior() {
     let plan = |calibrating: bool| {
         let mut fresh = report("7", "flex2", 4, 2800.0, Vec::new());
         fresh.calibrating = calibrating;
-        let other = report("8", "flex3", 4, 2800.0, points(4.0));
-        let hard = SiteSettings {
-            budget_mode: BudgetMode::Hard,
-            ..settings()
-        };
-        decide(
-            &[node("n1", (0..8).map(gpu).collect(), vec![fresh, other])],
-            Watts(3600.0),
-            &hard,
-        )
+        beside_a_flex3_job(fresh, 3600.0)
     };
     let walked = plan(true);
     assert_eq!(walked.leases["n1"]["7"], 570.0, "{walked:?}");
