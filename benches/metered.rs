@@ -141,6 +141,7 @@ impl Job {
             power_cap_w: Some(self.cap_w),
             power_cap_steady_s: Some(self.cap_since.elapsed().as_secs_f64()),
             calibrating: false,
+            curve_in_question: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,

@@ -73,8 +73,14 @@ impl LinkOptions {
 /// Longest wait for the controller's challenge after the agent's open.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn leases_applied(snapshot: &SnapshotCell) -> u64 {
-    snapshot.read().map(|s| s.leases_applied).unwrap_or(0)
+/// What makes the link report at once rather than at its period: a lease applied (the
+/// caps read back confirm it) and a new step that put a job's curve in question (the
+/// controller plans that job anew).
+fn report_at_once_counters(snapshot: &SnapshotCell) -> (u64, u64) {
+    snapshot
+        .read()
+        .map(|s| (s.leases_applied, s.curve_questions))
+        .unwrap_or((0, 0))
 }
 
 /// The report the link sends now: the status's ([`NodeReport::of`]) as `Body::Report`.
@@ -305,7 +311,7 @@ fn serve(
     }
     let mut next_report = Instant::now();
     let mut turn: usize = 0;
-    let mut leases_reported = leases_applied(snapshot);
+    let mut reported_counters = report_at_once_counters(snapshot);
     // The machine's verdicts on the leases handed to it, oldest first.
     let mut verdicts: Vec<Receiver<Result<(), LeaseRefused>>> = Vec::new();
     let mut ended = Ended::Steered;
@@ -347,9 +353,10 @@ fn serve(
         }
         // A lease just applied is confirmed at once (the caps read back are in the
         // report), not at the next period: the controller holds increases until then.
-        let applied = leases_applied(snapshot);
-        if applied != leases_reported {
-            leases_reported = applied;
+        // A job's curve put in question by a new step is told at once too.
+        let counters = report_at_once_counters(snapshot);
+        if counters != reported_counters {
+            reported_counters = counters;
             next_report = Instant::now();
         }
         if Instant::now() >= next_report {

@@ -9,16 +9,21 @@ use powerflex_proto::status::Drift;
 /// How far measured power may stray from a measured curve before the job counts as
 /// drifted (a fraction); throughput may stray this much or three of the curve's standard
 /// errors, whichever is wider.
-pub(crate) const DRIFT_BAND: f64 = 0.10;
+pub const DRIFT_BAND: f64 = 0.10;
 /// How long a cap must have held before the throughput, a rate over the agent's last
 /// 10 s, is compared with the curve at that cap, s.
 const THROUGHPUT_WINDOW_S: f64 = 10.0;
 
 /// Whether `job`'s measurements at the cap in force left its measured `curve`'s band.
 /// Priors (no measured curve) and jobs being walked are not judged: their curve is a
-/// guess or incomplete, not a promise.
+/// guess or incomplete, not a promise. Nor is a job whose new step put its curve in
+/// question: its agent's first window after the step answers (the rate and draw here,
+/// read across the step's start, mix the two steps and an idle gap between them).
 pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> {
-    if curve.source() == powerflex_core::curve::CurveSource::Prior || job.calibrating {
+    if curve.source() == powerflex_core::curve::CurveSource::Prior
+        || job.calibrating
+        || job.curve_in_question
+    {
         return None;
     }
     let cap = job.cap_now_w?;

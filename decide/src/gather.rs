@@ -55,6 +55,8 @@ pub(crate) struct SiteJob {
     pub(crate) cap_steady_s: f64,
     /// Whether an agent is walking the job's calibration now.
     pub(crate) calibrating: bool,
+    /// Whether a new step put the job's curve in question on any of its nodes.
+    pub(crate) curve_in_question: bool,
 }
 
 impl SiteJob {
@@ -177,6 +179,7 @@ fn merge_report(
         job.cap_steady_s.min(held_s)
     };
     job.calibrating |= report.calibrating;
+    job.curve_in_question |= report.curve_in_question;
     job.power_from_every_node &= report.power_w.is_some();
     let job_default_w = if report.gpu_uuids.is_empty() {
         f64::from(report.gpus) * limits.default_w

@@ -41,6 +41,7 @@ mod steady;
 mod tiers;
 
 pub use self::decision::{decide, decide_holding, decide_steady, Decision, Held};
+pub use self::drift::DRIFT_BAND;
 pub use self::error::DecideError;
 pub use self::gather::{silent_node_reserve_w, unheard_node_view, UNHEARD_GPU_NAME};
 pub use self::settings::{site_gpu_model, NodeView, SiteDomains, SiteSettings, TierBounds};

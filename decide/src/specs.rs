@@ -133,6 +133,14 @@ pub(crate) fn job_specs(
                 // physics guarantees above its current rate, the chord.
                 chord_curve(job, &curve).unwrap_or(curve)
             }
+            // A new step may be a new phase, which runs on a curve nobody has read: until
+            // a window after it answers, its floor is the chord's as after a drift (the
+            // agent reports the step at once, so this plan comes before the new phase has
+            // run long at its old phase's cap).
+            None if job.curve_in_question => {
+                in_doubt.insert((*id).clone());
+                chord_curve(job, &curve).unwrap_or(curve)
+            }
             None => {
                 // A curve never read at the GPUs' highest limit knows no uncapped rate:
                 // its floor is set against the most that rate may be, and it is not
@@ -229,12 +237,12 @@ fn with_unread_top(curve: CapCurve, job: &SiteJob) -> (CapCurve, bool) {
 /// node, or the agents' prior), else the site's default; never flatter than the chord
 /// from the GPUs' static draw (PFI `1 − STATIC_SHARE`) while the job is being walked:
 /// before its first walk, or after a phase change set its old windows aside, nothing
-/// measured says its curve is flatter than what physics guarantees, and a floor on a
-/// flatter guess may cut a steep job past its bound (the demo's job 4, its new phase
+/// measured says its curve is flatter than what physics guarantees (nor while a new step
+/// has its curve in question), and a floor on a flatter guess may cut a steep job past its bound (the demo's job 4, its new phase
 /// on the site's default PFI of 1.3, ran 38 % slow against a 25 % bound).
 fn prior_pfi(job: &SiteJob, settings: &SiteSettings) -> f64 {
     let pfi = job.planning_pfi().unwrap_or(settings.default_pfi).max(0.5);
-    if job.calibrating {
+    if job.calibrating || job.curve_in_question {
         pfi.min(1.0 - STATIC_SHARE)
     } else {
         pfi

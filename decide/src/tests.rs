@@ -42,6 +42,7 @@ fn report(job: &str, tier: &str, gpus: u32, power: f64, points: Vec<[f64; 3]>) -
         power_cap_w: None,
         power_cap_steady_s: Some(10.0),
         calibrating: false,
+        curve_in_question: false,
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,
@@ -1542,4 +1543,29 @@ fn a_job_walked_without_a_curve_is_floored_on_the_chord_not_a_flatter_prior() {
     assert!(total <= 3600.0 + 1e-6, "{total} W: {walked:?}");
     let settled = plan(false);
     assert!(settled.leases["n1"]["7"] < 570.0, "{settled:?}");
+}
+
+/// A job whose new step put its curve in question is planned as a drifted one, on the
+/// chord from its GPUs' static draw, until a window after the step answers; it is not
+/// flagged drifted (no walk is asked of it: the agent's window decides). On its curve
+/// the budget puts it at 500 W or below.
+#[test]
+fn a_job_whose_new_step_questions_its_curve_is_floored_on_the_chord() {
+    let plan = |in_question: bool| {
+        let mut stepped = report("7", "flex2", 4, 2000.0, points(4.0));
+        stepped.cap_w = Some(500.0);
+        stepped.power_cap_w = Some(500.0);
+        stepped.power_cap_steady_s = Some(30.0);
+        stepped.throughput = Some(1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0));
+        stepped.curve_in_question = in_question;
+        beside_a_flex3_job(stepped, 4000.0)
+    };
+    let settled = plan(false);
+    assert!(settled.drifted.is_empty(), "{:?}", settled.drifted);
+    assert!(settled.leases["n1"]["7"] <= 500.0, "{settled:?}");
+    let questioned = plan(true);
+    assert!(questioned.drifted.is_empty(), "{:?}", questioned.drifted);
+    assert_eq!(questioned.leases["n1"]["7"], 570.0, "{questioned:?}");
+    let total = 4.0 * (questioned.leases["n1"]["7"] + questioned.leases["n1"]["8"]);
+    assert!(total <= 4000.0 + 1e-6, "{total} W: {questioned:?}");
 }

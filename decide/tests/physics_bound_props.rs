@@ -158,6 +158,7 @@ fn node(
         power_cap_w: None,
         power_cap_steady_s: Some(30.0),
         calibrating: false,
+        curve_in_question: false,
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,

@@ -59,6 +59,10 @@ pub struct JobReport {
     /// its points are not yet a whole curve).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub calibrating: bool,
+    /// A new step put the job's curve in question on this node (see
+    /// [`crate::status::AgentJobStatus::curve_in_question`]). Absent from older agents.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub curve_in_question: bool,
     /// The estimated curve with per-point uncertainty, highest cap first (`points` are
     /// its values): the controller plans with how well each point is known.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -140,6 +144,7 @@ impl NodeReport {
                     power_cap_w: j.power_cap_w,
                     power_cap_steady_s: j.power_cap_steady_s,
                     calibrating: j.calibrating,
+                    curve_in_question: j.curve_in_question,
                     curve: j.curve.clone(),
                     calibration_cost_pct: j.calibration_cost_pct,
                     // Slurm's job uid from the root slurmstepd's registration (or the

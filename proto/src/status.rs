@@ -536,6 +536,10 @@ pub struct AgentStatus {
     pub cap_mismatches: u64,
     /// Leases applied and read back since the agent started.
     pub leases_applied: u64,
+    /// New steps that put a job's curve in question since the agent started (see
+    /// [`AgentJobStatus::curve_in_question`]): the agent reports at once when this rises.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub curve_questions: u64,
     /// The highest controller leadership epoch a lease was accepted from (0: a single
     /// controller, or none yet).
     #[serde(default)]
@@ -665,6 +669,11 @@ pub struct AgentJobStatus {
     pub power_cap_w: Option<f64>,
     /// The calibration walk is under way (warm-up or a level).
     pub calibrating: bool,
+    /// A step of the job started after its curve was measured and no window since has
+    /// said whether the curve still holds (a new step may be a new phase): the job is
+    /// planned on what physics guarantees, not on the curve, until one does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub curve_in_question: bool,
     /// Why the job's reported curve was not taken as reported (it slowed more than its
     /// GPUs' clocks): the job is planned on its readings as the clocks allow them (see
     /// the agent's `clock_bounded`). For the admin.

@@ -378,6 +378,34 @@ pub struct Calibration {
     extending: bool,
     /// Windows read since the agent last took them, as the bound judges them.
     judged: Vec<WindowRate>,
+    /// Windows read before their window set had an uncapped rate to judge them against
+    /// (a walk started under a grant, a new phase read under a cut): judged when the
+    /// set's first top window is read, at most [`MAX_UNJUDGED_WINDOWS`], the newest.
+    unjudged: Vec<Window>,
+    /// A step of the job started at this time (agent seconds) after its curve was
+    /// measured: a new step may be a new phase, so the curve is in question until the
+    /// first window read after it answers (see [`Calibration::question_curve`]). The
+    /// controller plans the job meanwhile on what physics guarantees, not on the curve.
+    pub curve_questioned_at: Option<f64>,
+}
+
+/// Most windows kept waiting for their set's uncapped rate (a day of 5 s windows is far
+/// more than any cut holds a job below its top without a top window read).
+pub const MAX_UNJUDGED_WINDOWS: usize = 256;
+
+/// What the first window after a new step said of the job's curve
+/// ([`Calibration::question_curve`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepAnswer {
+    /// The window ran as the curve says at its cap: the curve still holds.
+    SameCurve,
+    /// The window left the curve's band (its rate or its draw): a new phase. Its windows
+    /// so far were set aside and it is walked again (see [`Calibration::rewalk`]).
+    LeftCurve {
+        cap: Watts,
+        throughput_ratio: f64,
+        power_ratio: Option<f64>,
+    },
 }
 
 impl Calibration {
@@ -426,6 +454,8 @@ impl Calibration {
             reach: None,
             extending: false,
             judged: Vec::new(),
+            unjudged: Vec::new(),
+            curve_questioned_at: None,
         }
     }
 
@@ -508,6 +538,26 @@ impl Calibration {
     /// Whether a probe holds the job below its grant now.
     pub fn probing(&self) -> bool {
         self.probe.is_some()
+    }
+
+    /// A step of the job started at `now`. A job with a measured curve (its walk done)
+    /// may have started a new phase with it (a fine-tuning after a pre-training, an
+    /// evaluation): until a window read after the step answers, its curve is in question
+    /// and the job is reported so. A stretch of learning under way is cut at the step,
+    /// so no window mixes the two. A job still being walked, or with no curve, has
+    /// nothing to question.
+    pub fn question_curve(&mut self, now: f64) {
+        if self.phase != Phase::Done || self.rewalk_due.is_some() || self.windows.is_empty() {
+            return;
+        }
+        self.curve_questioned_at = Some(now);
+        self.stretch = None;
+        self.probe = None;
+    }
+
+    /// Whether a new step has put the job's curve in question and no window has answered.
+    pub fn curve_in_question(&self) -> bool {
+        self.curve_questioned_at.is_some()
     }
 }
 

@@ -374,6 +374,11 @@ pub struct Agent {
     /// edge publishes the status only after writing the caps and reading them back): the
     /// link reports at once when this rises, which confirms the new caps to the controller.
     leases_applied: u64,
+    /// New steps that put a job's curve in question
+    /// ([`crate::calibration::Calibration::question_curve`]): the link reports at once
+    /// when this rises, so the controller plans the job on what physics guarantees
+    /// before its new phase runs long at its old phase's cap.
+    curve_questions: u64,
     /// Onsets of foreign use on held GPUs ([`ForeignGpuUse`]).
     gpu_foreign_use: u64,
     /// Jobs the controller's last lease lets this agent probe (they run on this node
@@ -460,6 +465,7 @@ impl Agent {
             config_error: None,
             cap_mismatches: 0,
             leases_applied: 0,
+            curve_questions: 0,
             gpu_foreign_use: 0,
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,

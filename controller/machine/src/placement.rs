@@ -148,6 +148,7 @@ mod tests {
             power_cap_w: None,
             power_cap_steady_s: None,
             calibrating: false,
+            curve_in_question: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: owner,

@@ -495,6 +495,7 @@ mod tests {
             power_cap_w: Some(cap_w),
             power_cap_steady_s: Some(10.0),
             calibrating: false,
+            curve_in_question: false,
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,

@@ -4,9 +4,11 @@
 //! contradict.
 
 use powerflex_core::Watts;
+use powerflex_decide::DRIFT_BAND;
 
 use super::{
-    Calibration, Phase, Probe, ProgressLog, Stretch, Window, PROBE_AFTER_WINDOWS, PROBE_WINDOWS,
+    Calibration, Phase, Probe, ProgressLog, StepAnswer, Stretch, Window, PROBE_AFTER_WINDOWS,
+    PROBE_WINDOWS,
 };
 
 impl Calibration {
@@ -35,29 +37,35 @@ impl Calibration {
     /// job's GPUs read back and since when it has held (agent seconds); the first
     /// `settle_s` of a stretch are not read. A window needs the job's reports (three or
     /// more) and its power; one without them is skipped, not guessed.
+    ///
+    /// While a new step has the curve in question ([`Calibration::question_curve`]), the
+    /// first window read after the step answers it instead of joining the curve as is:
+    /// see [`StepAnswer`], returned then.
     pub fn observe_operation(
         &mut self,
         now: f64,
         log: &ProgressLog,
         job_power: Option<Watts>,
         held: Option<(Watts, f64)>,
-    ) {
+    ) -> Option<StepAnswer> {
         if self.phase != Phase::Done {
             self.stretch = None;
-            return;
+            return None;
         }
         let Some((cap, held_since)) = held else {
             self.stretch = None;
-            return;
+            return None;
         };
         let fresh = self
             .stretch
             .as_ref()
             .is_none_or(|s| (s.cap.0 - cap.0).abs() > 0.5);
         if fresh {
+            // A stretch starts once both the cap and the job's step have settled.
+            let from = held_since.max(self.curve_questioned_at.unwrap_or(f64::NEG_INFINITY));
             self.stretch = Some(Stretch {
                 cap,
-                window_from: held_since + self.settings.settle_s,
+                window_from: from + self.settings.settle_s,
                 power_sum: 0.0,
                 power_samples: 0,
                 clock_sum: 0.0,
@@ -66,18 +74,16 @@ impl Calibration {
             });
         }
         let hold_s = self.settings.hold_s;
-        let Some(s) = self.stretch.as_mut() else {
-            return;
-        };
+        let s = self.stretch.as_mut()?;
         if now < s.window_from {
-            return;
+            return None;
         }
         if let Some(p) = job_power {
             s.power_sum += p.0;
             s.power_samples += 1;
         }
         if now < s.window_from + hold_s {
-            return;
+            return None;
         }
         let window = log
             .rate(s.window_from, now)
@@ -96,12 +102,55 @@ impl Calibration {
         s.power_samples = 0;
         s.clock_sum = 0.0;
         s.clock_samples = 0;
-        if let Some(w) = window {
-            s.windows += 1;
-            self.push_window(w);
-            if self.probe.is_some_and(|p| (p.cap.0 - cap.0).abs() < 0.5) {
-                self.end_probe(now);
+        let w = window?;
+        s.windows += 1;
+        let answer = self
+            .curve_questioned_at
+            .is_some()
+            .then(|| self.answer_question(now, &w));
+        self.push_window(w);
+        if self.probe.is_some_and(|p| (p.cap.0 - cap.0).abs() < 0.5) {
+            self.end_probe(now);
+        }
+        answer
+    }
+
+    /// The first window after a new step (see [`Calibration::question_curve`]) against
+    /// the curve at its cap, as the controller judges drift: its rate within
+    /// [`DRIFT_BAND`] (or three standard errors of the curve or of the window, whichever
+    /// is widest) and, where the cap was read, its draw within [`DRIFT_BAND`]. Below the
+    /// lowest cap read the curve is a lower bound on the rate: only a slower window has
+    /// left it. A window that left it sets the job's windows aside and asks for a walk
+    /// ([`Calibration::rewalk`]); the window itself then starts the new phase's set.
+    fn answer_question(&mut self, now: f64, w: &Window) -> StepAnswer {
+        self.curve_questioned_at = None;
+        let Some(curve) = self.curve() else {
+            return StepAnswer::SameCurve;
+        };
+        let predicted = curve.at(w.cap);
+        let below_readings = w.cap.0 < curve.lowest_read_cap().0 - 0.5;
+        let band = DRIFT_BAND
+            .max(3.0 * curve.relative_uncertainty())
+            .max(3.0 * w.relative_noise.max(0.0));
+        let throughput_ratio = if predicted.throughput > 0.0 {
+            w.throughput / predicted.throughput
+        } else {
+            1.0
+        };
+        let power_ratio =
+            (!below_readings && predicted.power_w.0 > 0.0).then(|| w.power.0 / predicted.power_w.0);
+        let rate_left =
+            throughput_ratio < 1.0 - band || (!below_readings && throughput_ratio > 1.0 + band);
+        let draw_left = power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND);
+        if rate_left || draw_left {
+            self.rewalk(now);
+            StepAnswer::LeftCurve {
+                cap: w.cap,
+                throughput_ratio,
+                power_ratio,
             }
+        } else {
+            StepAnswer::SameCurve
         }
     }
 

@@ -223,11 +223,22 @@ fn walk_under(
     until: f64,
     speed_at: impl Fn(f64) -> f64,
 ) -> (Vec<(f64, f64)>, f64) {
+    walk_under_grants(cal, |_| granted, until, speed_at)
+}
+
+/// [`walk_under`] with the grant a function of the time.
+fn walk_under_grants(
+    cal: &mut Calibration,
+    grant_at: impl Fn(f64) -> f64,
+    until: f64,
+    speed_at: impl Fn(f64) -> f64,
+) -> (Vec<(f64, f64)>, f64) {
     let mut log = ProgressLog::default();
     let (mut t, mut count) = (0.0f64, 0.0f64);
     let mut next_tick = 1.0;
     let mut held: Vec<(f64, f64)> = Vec::new();
     while t < until && cal.is_active() {
+        let granted = grant_at(t);
         let cap = cal.cap().map_or(granted, |c| c.0.min(granted));
         t += 0.1;
         count += 1000.0 * speed_at(cap) * 0.1;
@@ -239,6 +250,8 @@ fn walk_under(
         if t >= next_tick {
             if cal.cap().is_some_and(|level| granted < level.0 - 0.5) {
                 cal.held_below_level(t, Watts(granted));
+            } else {
+                cal.held_above_level(t, Watts(granted));
             }
             cal.tick(t, &log, Some(Watts(8.0 * cap)));
             next_tick += 1.0;
@@ -300,6 +313,55 @@ fn a_walk_under_a_grant_between_grid_levels_starts_at_the_grant() {
         let slowdown = 1.0 - speed(*cap) / speed(700.0);
         assert!(slowdown <= 0.30 + 1e-9, "{cap} W: {slowdown}");
     }
+}
+
+/// A walk that started at a grant reading its top when the grant rises (the controller
+/// plans a job walked without a curve on the chord, and raises it to the chord's floor)
+/// starts its top again at the new grant: held at the old one, a steep new phase would
+/// run its whole top past its bound (the demo's job 4, 17 s at 450 W, 7.5 points past).
+/// A rise of a step or two does not restart it.
+#[test]
+fn a_walk_whose_grant_rises_during_its_top_starts_again_at_the_new_grant() {
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    let (held, _) = walk_under_grants(
+        &mut cal,
+        |t| if t < 12.0 { 450.0 } else { 570.0 },
+        3000.0,
+        speed,
+    );
+    assert_eq!(cal.phase, Phase::Done);
+    let levels = cal.levels();
+    assert_eq!(
+        levels.first().map(|l| l.cap),
+        Some(Watts(570.0)),
+        "{levels:?}"
+    );
+    let at_450_after_the_rise: f64 = {
+        let mut t = 0.0;
+        let mut after = 0.0;
+        for (cap, s) in &held {
+            if t >= 13.0 && (*cap - 450.0).abs() < 0.5 {
+                after += s;
+            }
+            t += s;
+        }
+        after
+    };
+    assert!(at_450_after_the_rise < 1e-9, "{held:?}");
+    // A rise of 10 W (a rounding) leaves the top where it is.
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    walk_under_grants(
+        &mut cal,
+        |t| if t < 12.0 { 560.0 } else { 570.0 },
+        3000.0,
+        speed,
+    );
+    let levels = cal.levels();
+    assert_eq!(
+        levels.first().map(|l| l.cap),
+        Some(Watts(560.0)),
+        "{levels:?}"
+    );
 }
 
 #[test]
@@ -571,6 +633,21 @@ fn operate(
     granted: f64,
     may_probe: bool,
 ) -> f64 {
+    operate_as(cal, log, t0, seconds, granted, may_probe, speed).0
+}
+
+/// [`operate`] for a job running at `speed_of(cap)` of 1000 per second; returns the time
+/// reached and what the windows read said of a curve a new step put in question.
+fn operate_as(
+    cal: &mut Calibration,
+    log: &mut ProgressLog,
+    t0: f64,
+    seconds: f64,
+    granted: f64,
+    may_probe: bool,
+    speed_of: impl Fn(f64) -> f64,
+) -> (f64, Vec<StepAnswer>) {
+    let mut answers = Vec::new();
     let mut t = t0;
     let mut count = log.last().map_or(0.0, |l| l.1);
     let mut held: Option<(Watts, f64)> = None;
@@ -581,7 +658,7 @@ fn operate(
         t += 0.1;
         k += 1;
         let jitter = 1.0 + 0.01 * ((k * 7919 % 13) as f64 / 6.0 - 1.0);
-        count += 1000.0 * speed(cap) * 0.1 * jitter;
+        count += 1000.0 * speed_of(cap) * 0.1 * jitter;
         log.record(t, count);
         if t >= next_tick {
             next_tick += 1.0;
@@ -589,7 +666,7 @@ fn operate(
             if held.is_none_or(|(c, _)| (c.0 - cap).abs() > 0.5) {
                 held = Some((Watts(cap), t));
             }
-            cal.observe_operation(t, log, Some(Watts(8.0 * cap)), held);
+            answers.extend(cal.observe_operation(t, log, Some(Watts(8.0 * cap)), held));
             cal.check_probe(t, Some(Watts(granted)));
             if may_probe {
                 cal.consider_probe(t, Watts(granted), Watts(25.0), Watts(200.0));
@@ -600,7 +677,7 @@ fn operate(
             );
         }
     }
-    t
+    (t, answers)
 }
 
 #[test]
@@ -925,4 +1002,102 @@ fn every_window_is_judged_against_the_same_sets_top_the_walk_with_its_allowance(
     let depth = judged.depth_pct.expect("depth");
     assert!((depth - 4.3).abs() < 1.0, "depth {depth}");
     assert!(judged.past_s > 0.0 && judged.past_s <= past, "{judged:?}");
+}
+
+#[test]
+fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    let t = operate(&mut cal, &mut log, t, 30.0, 500.0, false);
+    let windows = cal.windows.len();
+    cal.question_curve(t);
+    assert!(cal.curve_in_question());
+    let (t, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, speed);
+    assert_eq!(answers.first(), Some(&StepAnswer::SameCurve), "{answers:?}");
+    assert_eq!(answers.len(), 1, "one window answers: {answers:?}");
+    assert!(!cal.curve_in_question());
+    assert!(!cal.remeasuring(), "the same curve is not walked again");
+    assert!(cal.windows.len() > windows, "its windows kept and added to");
+    // A later step questions it again.
+    cal.question_curve(t);
+    assert!(cal.curve_in_question());
+}
+
+#[test]
+fn a_new_step_that_left_the_curve_sets_it_aside_and_is_not_judged_on_the_old_top() {
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    let t = operate(&mut cal, &mut log, t, 30.0, 500.0, false);
+    cal.take_judged();
+    let walked = cal.windows.len();
+    cal.question_curve(t);
+    // The new step runs ten times slower at every cap (the demo's job 4: MoE fine-tuning,
+    // then dense pre-training).
+    let (_, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |c| {
+        speed(c) / 10.0
+    });
+    let Some(StepAnswer::LeftCurve {
+        throughput_ratio, ..
+    }) = answers.first().copied()
+    else {
+        panic!("the new phase must leave the curve: {answers:?}");
+    };
+    // The window that answered was read wholly after the step: no mix of the two.
+    assert!(
+        (throughput_ratio - 0.1).abs() < 0.02,
+        "ratio {throughput_ratio}"
+    );
+    assert!(!cal.curve_in_question());
+    assert!(cal.remeasuring(), "walked again (or due to be)");
+    assert_eq!(
+        cal.previous.len(),
+        walked,
+        "the old phase's windows set aside"
+    );
+    assert!(
+        cal.windows.len() < walked,
+        "the new set starts with the new phase"
+    );
+    // None of the new phase's windows is judged against the old phase's top (it would
+    // read 90 % slower): they wait for their own set's top.
+    let judged = cal.take_judged();
+    assert!(
+        judged
+            .iter()
+            .all(|w| w.slowdown_pct().is_some_and(|s| s < 30.0)),
+        "{judged:?}"
+    );
+}
+
+#[test]
+fn windows_without_their_sets_top_are_judged_when_it_is_read() {
+    let mut cal = Calibration::new(settings(), Some(0.10), true, 0.0);
+    let window = |cap: f64, throughput: f64| Window {
+        cap: Watts(cap),
+        power: Watts(8.0 * cap),
+        throughput,
+        relative_noise: 0.001,
+        sm_clock_mhz: None,
+        learned: true,
+    };
+    // Read under a cut first (a walk started at the grant): no uncapped rate yet.
+    cal.push_window(window(500.0, 700.0));
+    cal.push_window(window(500.0, 700.0));
+    assert!(cal.take_judged().is_empty(), "nothing to judge against yet");
+    // The top, read once the cut ends, judges them (30 % slower) and itself.
+    cal.push_window(window(700.0, 1000.0));
+    let judged = cal.take_judged();
+    assert_eq!(judged.len(), 3, "{judged:?}");
+    let past: Vec<f64> = judged.iter().filter_map(|w| w.past_pct(10.0)).collect();
+    assert_eq!(past.len(), 2, "{judged:?}");
+    assert!(past.iter().all(|p| (p - 20.0).abs() < 0.5), "{past:?}");
+    // A phase left sets its waiting windows aside with it: a set with no top yet.
+    let mut cal = Calibration::new(settings(), Some(0.10), true, 0.0);
+    cal.push_window(window(500.0, 700.0));
+    cal.phase = Phase::Done;
+    assert!(cal.rewalk(100.0).is_some());
+    cal.push_window(window(700.0, 50.0));
+    assert_eq!(cal.take_judged().len(), 1, "only the new set's own top");
 }

@@ -8,13 +8,18 @@ use powerflex_core::Watts;
 
 use super::{
     implausible, Calibration, Phase, ProgressLog, Window, BOUND_JUDGE_AFTER_S, BOUND_JUDGE_SPAN_S,
-    BOUND_JUDGE_Z, LEVEL_PRECISION, MAX_WINDOWS_PER_CAP, MIN_TOP_WINDOWS, NO_SIGNAL_WAITING,
+    BOUND_JUDGE_Z, LEVEL_PRECISION, MAX_UNJUDGED_WINDOWS, MAX_WINDOWS_PER_CAP, MIN_TOP_WINDOWS,
+    NO_SIGNAL_WAITING,
 };
 
 /// Windows whose rates must agree for warm-up to end, and the report gaps the window
 /// length is taken from.
 const STEADY_WINDOWS: usize = 5;
 const STEADY_GAPS: usize = 20;
+
+/// How far a grant must rise above the level a walk's top holds, a fraction of that
+/// level, for the top to start again at the new grant ([`Calibration::held_above_level`]).
+const GRANT_RISE_RESTARTS_TOP: f64 = 0.05;
 
 impl Calibration {
     /// Advances the walk. `job_power` is the job's summed GPU power now, when known.
@@ -455,11 +460,26 @@ impl Calibration {
     }
 
     /// Adds a window, dropping the oldest at its cap beyond [`MAX_WINDOWS_PER_CAP`], and
-    /// hands it to the bound's judgement (see [`Calibration::take_judged`]).
+    /// hands it to the bound's judgement (see [`Calibration::take_judged`]): at once when
+    /// its set has an uncapped rate, else when the set's first top window is read (then
+    /// every window waiting is judged against it).
     pub(super) fn push_window(&mut self, window: Window) {
         self.windows.push(window);
-        if let Some(judged) = self.judged_window(&window) {
-            self.judged.push(judged);
+        match self.judged_window(&window) {
+            Some(judged) => {
+                self.judged.push(judged);
+                for waiting in std::mem::take(&mut self.unjudged) {
+                    if let Some(judged) = self.judged_window(&waiting) {
+                        self.judged.push(judged);
+                    }
+                }
+            }
+            None => {
+                self.unjudged.push(window);
+                if self.unjudged.len() > MAX_UNJUDGED_WINDOWS {
+                    self.unjudged.remove(0);
+                }
+            }
         }
         let same = |w: &Window| (w.cap.0 - window.cap.0).abs() < 0.5;
         if self.windows.iter().filter(|w| same(w)).count() > MAX_WINDOWS_PER_CAP {
@@ -498,6 +518,35 @@ impl Calibration {
         }
     }
 
+    /// The budget now grants the job `granted`, above the level the walk holds. A walk
+    /// still reading its top started at an earlier grant (a walk under a grant starts at
+    /// the grant): it starts again at the new one (or at the grid's top), since its top
+    /// is what every level below is judged against, and a grant raised for the job's
+    /// bound (a job walked with no curve is planned on the chord) must not be held off
+    /// by a top taken under a lower one. Past its top the walk goes on as designed.
+    pub fn held_above_level(&mut self, now: f64, granted: Watts) {
+        let Phase::Walking { cap, .. } = self.phase else {
+            return;
+        };
+        let below_grid_top = self
+            .settings
+            .grid
+            .first()
+            .is_some_and(|top| cap.0 < top.0 - 0.5);
+        let in_top = self
+            .design
+            .as_ref()
+            .is_some_and(|d| d.top_throughput() <= 0.0);
+        // A grant that moves by a step or two (the allocation's rounding, a ramp's last
+        // watts) does not restart the top: only a rise of GRANT_RISE_RESTARTS_TOP.
+        let risen = granted.0 > cap.0 * (1.0 + GRANT_RISE_RESTARTS_TOP);
+        if !risen || !below_grid_top || !in_top {
+            return;
+        }
+        self.phase = Phase::Warmup;
+        self.start_design(now, Some(granted));
+    }
+
     /// The controller found the job's measurements outside its curve's band (a new phase,
     /// a drift): its windows so far are set aside at once (kept in `previous`, never
     /// planned on nor averaged with the new ones), and a walk is due when the last one
@@ -513,6 +562,9 @@ impl Calibration {
             .finished_at
             .map_or(now, |t| now.max(t + self.settings.rewalk_after_s));
         self.previous = std::mem::take(&mut self.windows);
+        // Windows of the old phase still waiting for its uncapped rate never get it.
+        self.unjudged.clear();
+        self.curve_questioned_at = None;
         self.stretch = None;
         self.probe = None;
         self.rewalk_due = Some(due);

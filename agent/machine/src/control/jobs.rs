@@ -76,7 +76,16 @@ impl Agent {
             warmup_logged_at: None,
             usage: JobUsage::default(),
         });
-        job.steps.insert(step_id.to_string());
+        let new_step = job.steps.insert(step_id.to_string());
+        if new_step && job.request.service.is_managed() {
+            // A new step may be a new phase: the curve is in question until a window
+            // after it answers, and the controller hears of it at once.
+            let asked = !job.calibration.curve_in_question();
+            job.calibration.question_curve(now);
+            if asked && job.calibration.curve_in_question() {
+                self.curve_questions += 1;
+            }
+        }
         // The step runs under the job's request, which may not be the one it asked for
         // (a `none` step in a managed job): it is told that one.
         let (tier, job_managed) = (job.request.to_string(), job.request.service.is_managed());

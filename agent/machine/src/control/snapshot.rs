@@ -22,6 +22,7 @@ impl Agent {
             config_error: self.config_error.clone(),
             cap_mismatches: self.cap_mismatches,
             leases_applied: self.leases_applied,
+            curve_questions: self.curve_questions,
             controller_epoch: self.accepted_epoch,
             leases_refused_epoch: self.leases_refused_epoch,
             gpu_claims_refused: 0,
@@ -99,6 +100,7 @@ impl Agent {
             // A probe holds the job below its grant: its draw and speed
             // there are not a drift from its curve at the grant.
             calibrating: cal.remeasuring() || cal.probing(),
+            curve_in_question: cal.curve_in_question(),
             curve_implausible: cal.implausible.clone(),
             power_cap_steady_s: j
                 .gpus

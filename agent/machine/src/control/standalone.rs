@@ -111,6 +111,7 @@ impl Agent {
             // Unsaid on purpose: a draw below the curve is never taken to lower it.
             power_cap_steady_s: None,
             calibrating: job.calibration.remeasuring() || job.calibration.probing(),
+            curve_in_question: job.calibration.curve_in_question(),
             // The measured points' uncertainties, for the cautious optimal policy.
             curve: job.curve_of(best.as_ref()),
             calibration_cost_pct: None,

@@ -5,7 +5,7 @@
 use powerflex_core::Watts;
 
 use super::{Action, Agent, Job, WARMUP_LOG_AFTER_S, WARMUP_LOG_EVERY_S};
-use crate::calibration::Phase;
+use crate::calibration::{Phase, StepAnswer};
 
 /// What a job's GPUs read and what it is granted, gathered before its calibration
 /// advances (the calibration is then borrowed mutably with the job).
@@ -139,9 +139,34 @@ impl Job {
     fn feed_calibration(&mut self, now: f64, r: &JobReadings, step: Watts) {
         if let Some(granted) = r.held_below {
             self.calibration.held_below_level(now, granted);
+        } else if let Some(granted) = r.granted {
+            self.calibration.held_above_level(now, granted);
         }
-        self.calibration
-            .observe_operation(now, &self.log, r.power, r.held);
+        match self
+            .calibration
+            .observe_operation(now, &self.log, r.power, r.held)
+        {
+            Some(StepAnswer::SameCurve) => {
+                tracing::info!(job_id = %self.id, "the job's new step runs on its curve");
+            }
+            Some(StepAnswer::LeftCurve {
+                cap,
+                throughput_ratio,
+                power_ratio,
+            }) => {
+                // A previous run's curve is the old phase's too.
+                self.restored_points.clear();
+                self.restored_pfi = None;
+                tracing::info!(
+                    job_id = %self.id,
+                    cap_w = cap.0,
+                    throughput_ratio,
+                    power_ratio,
+                    "the job's new step left its curve (a new phase): its old windows set aside, walking it again"
+                );
+            }
+            None => {}
+        }
         self.calibration.check_probe(now, r.granted);
         if let (true, Some(granted), Some(floor)) = (r.may_probe, r.granted, r.probe_floor) {
             self.calibration.consider_probe(now, granted, step, floor);

@@ -353,3 +353,45 @@ fn an_event_needing_lower_caps_extends_the_named_jobs_walks() {
         cal.phase
     );
 }
+
+/// A new step of a job with a curve puts the curve in question at once (the status and
+/// the report-at-once counter say so); the same step registering again, a step of a job
+/// still walking, and an unmanaged job's step do not.
+#[test]
+fn a_new_step_of_a_walked_job_puts_its_curve_in_question_at_once() {
+    let mut a = agent(None);
+    a.register(1.0, "7", "batch", 0, "n1", &["0".into()], "flex2")
+        .expect("registered");
+    a.register(1.5, "7", "0", 0, "n1", &["0".into()], "flex2")
+        .expect("registered");
+    assert_eq!(
+        a.curve_questions, 0,
+        "a job being walked has no curve to doubt"
+    );
+    a.jobs
+        .get_mut("7")
+        .expect("job")
+        .calibration
+        .restore(&[[700.0, 650.0, 1000.0], [500.0, 500.0, 900.0]].map(from_array));
+    a.register(2.0, "7", "0", 0, "n1", &["0".into()], "flex2")
+        .expect("registered again");
+    assert_eq!(a.curve_questions, 0, "the same step again is no new step");
+    a.register(3.0, "7", "1", 0, "n1", &["0".into()], "flex2")
+        .expect("registered");
+    assert_eq!(a.curve_questions, 1);
+    let view = a.snapshot(3.5);
+    assert_eq!(view.curve_questions, 1);
+    let seen = view.jobs.iter().find(|j| j.job == "7").expect("job");
+    assert!(seen.curve_in_question && !seen.calibrating);
+    assert!(!seen.points.is_empty(), "its curve is kept meanwhile");
+    // Another step while in question counts once.
+    a.register(4.0, "7", "2", 0, "n1", &["0".into()], "flex2")
+        .expect("registered");
+    assert_eq!(a.curve_questions, 1);
+    // An unmanaged job has no curve to doubt.
+    a.register(5.0, "8", "0", 0, "n1", &["1".into()], "none")
+        .expect("registered");
+    a.register(6.0, "8", "1", 0, "n1", &["1".into()], "none")
+        .expect("registered");
+    assert_eq!(a.curve_questions, 1);
+}

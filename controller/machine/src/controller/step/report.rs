@@ -113,6 +113,19 @@ impl Controller {
             let old = previous.iter().find(|o| o.job_id == new.job_id)?;
             draw_rose(old, new).then(|| (new.job_id.clone(), old.power_w, new.power_w))
         });
+        // A job whose new step put its curve in question is planned at once on what
+        // physics guarantees (see the decision's specs), not at the next period: its new
+        // phase may be running past its bound at its old phase's cap meanwhile.
+        let questioned: Vec<String> = jobs
+            .iter()
+            .filter(|new| {
+                new.curve_in_question
+                    && !previous
+                        .iter()
+                        .any(|o| o.job_id == new.job_id && o.curve_in_question)
+            })
+            .map(|j| j.job_id.clone())
+            .collect();
         s.view.power_w = power_w;
         s.last_seen_ms = now_ms;
         s.reported_since_hello = true;
@@ -126,6 +139,14 @@ impl Controller {
                 "a job's draw rose under an unchanged cap; held increases dropped, allocating now"
             );
             self.rollout.drop_held();
+            self.allocate_now = true;
+        }
+        if !questioned.is_empty() {
+            info!(
+                node,
+                jobs = ?questioned,
+                "a new step put a job's curve in question; allocating now"
+            );
             self.allocate_now = true;
         }
         // An agent reports right after its hello; the first report after a restart

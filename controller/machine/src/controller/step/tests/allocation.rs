@@ -734,3 +734,72 @@ fn a_job_an_admin_suspended_is_leased_at_its_lowest_cap_and_one_powerflex_resume
         cap(&ours, "n2", "102")
     );
 }
+
+/// A node says a new step put its job's curve in question: the controller allocates at
+/// once, not at its next period, and the job is raised to the chord's floor for its tier
+/// (570 W for flex2 on 700 W GPUs) once the other job's decrease is confirmed, within
+/// the budget throughout.
+#[test]
+fn a_curve_put_in_question_is_allocated_at_once_on_the_chord() {
+    let budget = 4000.0;
+    let on_curve = |cap: f64| 1000.0 * (1.0 - (1.0 - cap / 700.0) / 2.0);
+    let at = |node: &str, id: &str, tier: &str, cap_w: f64, in_question: bool| {
+        let Input::Report {
+            ended,
+            observe_only,
+            node,
+            power_w,
+            mut jobs,
+        } = at_cap(node, id, tier, cap_w)
+        else {
+            unreachable!("at_cap builds a report")
+        };
+        jobs[0].throughput = Some(on_curve(cap_w));
+        jobs[0].power_cap_w = Some(cap_w);
+        jobs[0].curve_in_question = in_question;
+        Input::Report {
+            ended,
+            observe_only,
+            node,
+            power_w,
+            jobs,
+        }
+    };
+    let mut core = fresh();
+    core.step_saved(
+        UnixMs(T0),
+        vec![
+            budget_set(budget, None),
+            hello("n1"),
+            at("n1", "101", "flex3", 500.0, false),
+            hello("n2"),
+            at("n2", "102", "flex2", 500.0, false),
+        ],
+    );
+    let t = T0 + 1000;
+    let out = core.step_saved(UnixMs(t), vec![Input::Tick]);
+    let (c1, c2) = (
+        cap(&out, "n1", "101").expect("n1"),
+        cap(&out, "n2", "102").expect("n2"),
+    );
+    assert!(c2 < 570.0, "on its curve, below the chord's floor: {out:?}");
+    core.step_saved(
+        UnixMs(t + 100),
+        vec![
+            at("n1", "101", "flex3", c1, false),
+            at("n2", "102", "flex2", c2, false),
+        ],
+    );
+    // A new step of 102: the report comes between two periods.
+    let out = core.step_saved(UnixMs(t + 300), vec![at("n2", "102", "flex2", c2, true)]);
+    assert!(out.metrics.is_some(), "allocated at once: {out:?}");
+    let lowered = cap(&out, "n1", "101").expect("101 lowered first");
+    assert!(lowered < c1, "{out:?}");
+    let out = core.step_saved(
+        UnixMs(t + 400),
+        vec![at("n1", "101", "flex3", lowered, false)],
+    );
+    let raised = cap(&out, "n2", "102").expect("102 raised once 101 confirmed");
+    assert_eq!(raised, 570.0, "{out:?}");
+    assert!(4.0 * (lowered + raised) <= budget + 1e-6, "{out:?}");
+}
