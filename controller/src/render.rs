@@ -484,6 +484,30 @@ pub fn leadership_line(l: &powerflex_proto::status::LeadershipView) -> String {
     line
 }
 
+/// What the site can shed now: the lowest budgets caps alone hold within every tier, and
+/// with the preemptable jobs held out, each beside the draw.
+fn shed_reach_line(reach: &powerflex_proto::status::ShedReach, draw_w: f64) -> String {
+    let shed = |floor_w: f64| Watts((draw_w - floor_w).max(0.0));
+    let mut line = format!(
+        "can shed now: to {} by caps alone with every tier's bound held ({} below the draw)",
+        Watts(reach.caps_w),
+        shed(reach.caps_w)
+    );
+    if reach.preemptable_jobs > 0 {
+        line.push_str(&format!(
+            "; to {} with {} preemptable job{} held out ({} below the draw)",
+            Watts(reach.with_preemption_w),
+            reach.preemptable_jobs,
+            if reach.preemptable_jobs == 1 { "" } else { "s" },
+            shed(reach.with_preemption_w)
+        ));
+    } else {
+        line.push_str("; no job's tier allows preemption");
+    }
+    line.push('\n');
+    line
+}
+
 pub fn accounting_db_line(db: &powerflex_proto::status::AccountingDbView) -> String {
     let dropped = if db.dropped > 0 {
         format!(
@@ -654,6 +678,9 @@ pub fn render_status(s: &CtldStatus) -> String {
             "SHORT {}: every managed job is at its lowest cap\n",
             Watts(short)
         ));
+    }
+    if let Some(reach) = &s.shed_reach {
+        out.push_str(&shed_reach_line(reach, s.draw_w));
     }
     if let Some(slurm) = &s.slurm {
         match (slurm.read_ms_ago, &slurm.error) {
@@ -831,6 +858,7 @@ mod tests {
             active_event: Some(event.clone()),
             events: vec![event],
             over_budget_w: Some(0.0),
+            shed_reach: None,
             nodes: vec![NodeStatus {
                 node: "n1".into(),
                 gpus: 8,
@@ -1045,6 +1073,28 @@ mod tests {
         ));
         assert!(text.contains("SHORT 250 W: every managed job is at its lowest cap\n"));
         assert!(!text.contains("active event"));
+    }
+
+    #[test]
+    fn what_the_site_can_shed_is_shown_beside_the_draw() {
+        let mut s = status();
+        s.draw_w = 14_600.0;
+        s.shed_reach = Some(powerflex_proto::status::ShedReach {
+            caps_w: 9467.0,
+            with_preemption_w: 7612.0,
+            preemptable_jobs: 1,
+        });
+        let text = render_status(&s);
+        assert!(
+            text.contains("can shed now: to 9467 W by caps alone with every tier's bound held (5133 W below the draw); to 7612 W with 1 preemptable job held out (6988 W below the draw)\n"),
+            "{text}"
+        );
+        s.shed_reach = Some(powerflex_proto::status::ShedReach {
+            caps_w: 9467.0,
+            with_preemption_w: 9467.0,
+            preemptable_jobs: 0,
+        });
+        assert!(render_status(&s).contains("; no job's tier allows preemption\n"));
     }
 
     #[test]

@@ -253,6 +253,15 @@ pub mod catalog {
         help: "Shortfall with every job at its lowest cap, W.",
         labels: [],
     };
+    /// What the site can shed now, as the lowest budget that holds every tier's bound:
+    /// `by="caps"` with caps alone, `by="preemption"` with the jobs whose tier allows it
+    /// held out too.
+    pub const SHED_REACH_WATTS: Family<1> = Family {
+        name: "powerflex_shed_reach_watts",
+        kind: Kind::Gauge,
+        help: "Lowest site budget that holds every job within its tier's bound, W: by caps alone, or with preemptable jobs held out too.",
+        labels: ["by"],
+    };
 
     /// Connections and messages the controller refused, by reason: on the agent link
     /// `version`, `mac`, `replay`, `stale`, `wrong_peer`, `malformed`, `oversize`,
@@ -378,6 +387,7 @@ pub mod catalog {
             e(REPORTS_REJECTED, Controller),
             e(FLOORS_BROKEN, Controller),
             e(OVER_BUDGET_WATTS, Controller),
+            e(SHED_REACH_WATTS, Controller),
             e(REFUSALS_TOTAL, Controller),
             e(JOB_RECORDS, Controller),
             e(TIER_ENERGY_JOULES, Controller),

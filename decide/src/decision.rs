@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use powerflex_core::allocate::{
-    allocate_cautious_doubting, allocate_within, Allocation, Caution, DomainLimit, JobSpec,
-    Maximised, Policy,
+    allocate_cautious_doubting, allocate_within, floor_point, Allocation, Caution, DomainLimit,
+    JobSpec, Maximised, Policy,
 };
 use powerflex_core::config::BudgetMode;
 use powerflex_core::Watts;
@@ -17,7 +17,7 @@ use crate::reserve::{domain_limits, hold_unplaced, unsteered_reserve_w};
 use crate::specs::{job_specs, Specs};
 use crate::steady::keep_steady;
 use crate::{NodeView, SiteSettings};
-use powerflex_proto::status::{Drift, Rejected};
+use powerflex_proto::status::{Drift, Rejected, ShedReach};
 
 /// The outcome of one allocation.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -40,6 +40,46 @@ pub struct Decision {
     /// What the allocation maximised: "tokens/s" (every managed job reports tokens) or
     /// "relative-speed" (the sum of each job's throughput over its uncapped throughput).
     pub objective: Maximised,
+    /// What the site can shed now: the lowest budgets that keep every floor, with every
+    /// job at its tier floor, and with the jobs whose tier allows it held out at idle.
+    pub shed_reach: Option<ShedReach>,
+}
+
+/// The lowest budgets that hold every managed job within its tier's bound: each job at
+/// its tier floor as the allocator would set it ([`floor_point`], its power as the
+/// budget counts it), plus what the allocation does not steer (`reserved_w`), over the
+/// metered margin; and the same with every job whose tier allows preemption at its GPUs'
+/// idle draw. A job whose spec the allocator refuses is left out (it is not steered).
+fn shed_reach(
+    specs: &[JobSpec],
+    preemptable_idle_w: &BTreeMap<String, f64>,
+    reserved_w: f64,
+    settings: &SiteSettings,
+) -> ShedReach {
+    let usable_share = match settings.budget_mode {
+        BudgetMode::Hard => 1.0,
+        BudgetMode::Metered { margin } => (1.0 - margin.clamp(0.0, 1.0)).max(1e-9),
+    };
+    let (mut caps_w, mut preempted_w) = (reserved_w, reserved_w);
+    let mut preemptable_jobs = 0;
+    for spec in specs {
+        let Ok(floor) = floor_point(spec) else {
+            continue;
+        };
+        caps_w += floor.power_w.0;
+        match preemptable_idle_w.get(&spec.id) {
+            Some(&idle_w) if idle_w < floor.power_w.0 => {
+                preempted_w += idle_w;
+                preemptable_jobs += 1;
+            }
+            _ => preempted_w += floor.power_w.0,
+        }
+    }
+    ShedReach {
+        caps_w: caps_w / usable_share,
+        with_preemption_w: preempted_w / usable_share,
+        preemptable_jobs,
+    }
 }
 
 /// The per-GPU cap a job not yet allocated starts at: min(fail-safe, budget / the site's
@@ -186,6 +226,7 @@ pub fn decide_steady(
         drifted,
         raw_tokens,
         in_doubt,
+        preemptable_idle_w,
     } = job_specs(&jobs, settings, held, &mut rejected);
     let reserved_jobs = unsteered_reserve_w(&jobs, &specs, held, settings);
     reserved += reserved_jobs.values().sum::<f64>();
@@ -211,5 +252,6 @@ pub fn decide_steady(
         } else {
             Maximised::RelativeSpeed
         },
+        shed_reach: Some(shed_reach(&specs, &preemptable_idle_w, reserved, settings)),
     }
 }

@@ -45,6 +45,7 @@ pub use self::drift::DRIFT_BAND;
 pub use self::error::DecideError;
 pub use self::gather::{silent_node_reserve_w, unheard_node_view, UNHEARD_GPU_NAME};
 pub use self::settings::{site_gpu_model, NodeView, SiteDomains, SiteSettings, TierBounds};
+pub use self::specs::SUSPENDED_SHARE_OF_DEFAULT;
 pub use self::steady::{STEADY_GAIN, STEADY_Z};
 pub use self::tiers::{apply_least_flexible_tiers, least_flexible_tiers};
 

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use powerflex_core::allocate::{validate_spec, CapLimits, JobSpec};
 use powerflex_core::config::{BudgetMode, Objective};
 use powerflex_core::curve::{estimate_population, CapCurve, CurveSource, JobReadings, KnotSigma};
-use powerflex_core::flex::parse_power_flex;
+use powerflex_core::flex::{parse_power_flex, Preempt};
 use powerflex_core::point::OperatingPoint;
 use powerflex_core::workload::chord_loss;
 use powerflex_core::Watts;
@@ -45,7 +45,15 @@ pub(crate) struct Specs {
     /// measured on every node) or a curve the job's measurements have left. Each gets its
     /// cap in the equal split.
     pub(crate) in_doubt: BTreeSet<String>,
+    /// The jobs whose tier allows them to be held out (never a bound of 0), with their
+    /// GPUs' draw once held out: idle ([`SUSPENDED_SHARE_OF_DEFAULT`] of their default
+    /// limits), W.
+    pub(crate) preemptable_idle_w: BTreeMap<String, f64>,
 }
+
+/// An idle GPU's draw as a share of its default limit, for a job held out: an idle
+/// H100/H200 draws 60-100 W of 700 W (the simulator: 75 W); 15 % is 105 W.
+pub const SUSPENDED_SHARE_OF_DEFAULT: f64 = 0.15;
 
 pub(crate) fn job_specs(
     jobs: &BTreeMap<String, SiteJob>,
@@ -120,6 +128,7 @@ pub(crate) fn job_specs(
     let mut specs = Vec::new();
     let mut drifted = Vec::new();
     let mut in_doubt = BTreeSet::new();
+    let mut preemptable_idle_w = BTreeMap::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
         // Drift is judged on what was measured, not on the top knot added below (a job
@@ -156,6 +165,10 @@ pub(crate) fn job_specs(
             in_doubt.insert((*id).clone());
         }
         let curve = power_as_budgeted(&curve, job, settings.budget_mode);
+        let bounded = request.service.max_slowdown().is_some_and(|b| b.0 > 0.0);
+        if bounded && settings.tiers.preempt_for(request) != Preempt::Never {
+            preemptable_idle_w.insert((*id).clone(), job.default_w * SUSPENDED_SHARE_OF_DEFAULT);
+        }
         specs.push(JobSpec {
             id: (*id).clone(),
             gpus: job.gpus,
@@ -194,11 +207,13 @@ pub(crate) fn job_specs(
             false
         }
     });
+    preemptable_idle_w.retain(|id, _| specs.iter().any(|s| &s.id == id));
     Specs {
         specs,
         drifted,
         raw_tokens,
         in_doubt,
+        preemptable_idle_w,
     }
 }
 

@@ -665,7 +665,7 @@ fn event(
     rec.run(site, hold_ms / 2);
     let controller = site.controller_status();
     let decision = match site.admin(AdminOp::WhatIf {
-        policy: scenario.policy,
+        policy: Some(scenario.policy),
         budget_w: None,
         ignore_tiers: false,
     }) {

@@ -65,10 +65,12 @@ pub enum AdminOp {
     EventCancel {
         id: u64,
     },
-    /// What `policy` would decide now, on the same curves and views as the controller's
-    /// own allocation, at `budget_w` (default: the budget in force). Read-only.
+    /// What `policy` (default: the site's own) would decide now, on the same curves and
+    /// views as the controller's own allocation, at `budget_w` (default: the budget in
+    /// force). Read-only.
     WhatIf {
-        policy: powerflex_core::allocate::Policy,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        policy: Option<powerflex_core::allocate::Policy>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         budget_w: Option<f64>,
         /// Leave the tiers' slowdown bounds out, as the paper's baselines do (every job
@@ -633,7 +635,7 @@ mod tests {
         }
         .changes_state());
         assert!(!AdminOp::WhatIf {
-            policy: powerflex_core::allocate::Policy::Equal,
+            policy: Some(powerflex_core::allocate::Policy::Equal),
             budget_w: None,
             ignore_tiers: true,
         }
@@ -654,7 +656,7 @@ mod tests {
         assert!(matches!(
             ok.op,
             AdminOp::WhatIf {
-                policy: powerflex_core::allocate::Policy::PfiProportional,
+                policy: Some(powerflex_core::allocate::Policy::PfiProportional),
                 ..
             }
         ));

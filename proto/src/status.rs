@@ -59,6 +59,10 @@ pub struct CtldStatus {
     /// Shortfall of the last allocation with every job at its lowest cap, W (none before
     /// the first allocation).
     pub over_budget_w: Option<f64>,
+    /// What the site can shed now (see [`ShedReach`]), from the last allocation's jobs;
+    /// none before the first allocation. Also shown to non-root callers: a site figure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shed_reach: Option<ShedReach>,
     pub nodes: Vec<NodeStatus>,
     pub jobs: Vec<SiteJobStatus>,
     /// Why the last site config reload was refused; none once one is accepted.
@@ -98,6 +102,21 @@ pub struct CtldStatus {
     /// the managed jobs is short by this much. None when every such node has spoken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unmanaged_reserve_w: Option<f64>,
+}
+
+/// What the site can shed now, as budgets: the lowest the caps alone hold with every job
+/// within its tier's bound, and with the jobs whose tier allows it held out too. Both
+/// count the power the allocation does not steer (idle and unmanaged GPUs, silent nodes,
+/// jobs already held out) as it is now, and the budget's metered margin.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ShedReach {
+    /// Every managed job at its tier's floor, W.
+    pub caps_w: f64,
+    /// As `caps_w`, with every job whose tier allows preemption (`preempt=suspend` or
+    /// `requeue`, never flex0) at its GPUs' idle draw instead, W.
+    pub with_preemption_w: f64,
+    /// The managed jobs that could be held out for `with_preemption_w`.
+    pub preemptable_jobs: u32,
 }
 
 /// One power domain as the controller sees it now.

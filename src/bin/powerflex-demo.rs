@@ -1542,7 +1542,7 @@ fn openadr_depth<'a>(demo: &Demo, jobs: &'a [Job]) -> Result<Depth<'a>> {
         .ok_or(format!("job {} is not in the allocation", pausable.id))?;
     let job_idle_w = f64::from(pausable.spec.nodes * pausable.spec.gpus_per_node)
         * DEFAULT_CAP_W
-        * powerflex_controller_machine::preempt::SUSPENDED_SHARE_OF_DEFAULT;
+        * powerflex_decide::SUSPENDED_SHARE_OF_DEFAULT;
     let freed_w = job_at_floor_w - job_idle_w;
     if freed_w < 100.0 {
         return Err(format!(

@@ -30,11 +30,9 @@ use powerflex_core::flex::{give_way_order, parse_power_flex, Preempt};
 use powerflex_core::units::SlowdownFraction;
 use powerflex_core::Watts;
 
-use powerflex_decide::{decide_steady, Decision, Held, NodeView, SiteSettings};
-
-/// An idle GPU's draw as a share of its default limit, for a job just suspended: an
-/// idle H100/H200 draws 60-100 W of 700 W (the simulator: 75 W); 15 % is 105 W.
-pub const SUSPENDED_SHARE_OF_DEFAULT: f64 = 0.15;
+use powerflex_decide::{
+    decide_steady, Decision, Held, NodeView, SiteSettings, SUSPENDED_SHARE_OF_DEFAULT,
+};
 
 /// How long a suspended job counts at the estimate before its reported draw is believed,
 /// ms: `scontrol suspend` stops it within a second and the agent reports within one

@@ -241,14 +241,16 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
-    /// What another policy would decide now, on the controller's own curves and views:
+    /// What a policy would decide now, on the controller's own curves and views:
     /// per-job cap, expected power, throughput and slowdown, and the totals. Read-only;
-    /// nothing is applied. `whatif --policy equal` is the tier-aware equal split;
-    /// `whatif --policy equal --ignore-tiers` is the paper's equal-weight baseline.
+    /// nothing is applied. `whatif --budget 9kW` is what the site's own policy would do
+    /// at 9 kW; `whatif --policy equal` is the tier-aware equal split; `whatif --policy
+    /// equal --ignore-tiers` is the paper's equal-weight baseline.
     Whatif {
-        /// optimal, equal or pfi-proportional.
-        #[arg(long, default_value = "equal", value_parser = policy_names())]
-        policy: powerflex_core::allocate::Policy,
+        /// optimal, equal or pfi-proportional [default: the site's own,
+        /// `controller.policy`].
+        #[arg(long, value_parser = policy_names())]
+        policy: Option<powerflex_core::allocate::Policy>,
         /// Budget to split, e.g. 11kW [default: the budget in force, events included].
         #[arg(long, value_parser = power)]
         budget: Option<Watts>,
@@ -1126,7 +1128,7 @@ fn accounting(args: AccountingArgs) -> Result<String, CtlError> {
 
 /// `whatif`: what a policy would decide now, read-only.
 fn whatif(
-    policy: Policy,
+    policy: Option<Policy>,
     budget: Option<Watts>,
     ignore_tiers: bool,
     args: &CtldArgs,

@@ -123,6 +123,15 @@ pub fn render(m: &MetricsSnapshot) -> String {
         )
         .family(&catalog::OVER_BUDGET_WATTS, [([], a.over_budget_w.0)]);
     }
+    if let Some(reach) = &m.decision.shed_reach {
+        w.family(
+            &catalog::SHED_REACH_WATTS,
+            [
+                (["caps"], reach.caps_w),
+                (["preemption"], reach.with_preemption_w),
+            ],
+        );
+    }
     w.finish()
 }
 
@@ -168,6 +177,11 @@ mod tests {
             drifted: vec![],
             start_cap_w: 300.0,
             objective: Objective::TokensPerS,
+            shed_reach: Some(powerflex_proto::status::ShedReach {
+                caps_w: 2500.0,
+                with_preemption_w: 1800.5,
+                preemptable_jobs: 1,
+            }),
         };
         let text = render(&MetricsSnapshot {
             decision: Arc::new(decision),
@@ -225,6 +239,8 @@ mod tests {
             "powerflex_floors_broken 0",
             "powerflex_job_preempted{job=\"78\",how=\"suspend\"} 1",
             "powerflex_over_budget_watts 0",
+            "powerflex_shed_reach_watts{by=\"caps\"} 2500",
+            "powerflex_shed_reach_watts{by=\"preemption\"} 1800.5",
             "powerflex_unmanaged_nodes 2",
             "powerflex_unmanaged_reserve_watts 5600",
         ] {
@@ -314,6 +330,7 @@ mod tests {
             drifted: vec![],
             start_cap_w: 300.0,
             objective: Objective::TokensPerS,
+            shed_reach: None,
         };
         let db = AccountingDbView {
             connected: false,

@@ -800,6 +800,18 @@ pub fn validate_spec(spec: &JobSpec) -> Result<(), AllocationError> {
     Ok(())
 }
 
+/// The job's tier floor as the allocator sets it when the budget leaves it nothing more:
+/// the lowest cap of its limits' grid at which its slowdown stays within its bound on
+/// the curve it is planned on (its measured lower bound, extended below its readings),
+/// and the power its curve counts there. A job with no bound: its lowest cap.
+pub fn floor_point(spec: &JobSpec) -> Result<OperatingPoint, AllocationError> {
+    let job = prepare(spec, true)?;
+    Ok(OperatingPoint {
+        cap_w: Watts(job.floor),
+        ..job.at(job.floor)
+    })
+}
+
 fn prepare(spec: &JobSpec, extrapolated: bool) -> Result<Prepared<'_>, AllocationError> {
     validate_spec(spec)?;
     let limits = &spec.limits;

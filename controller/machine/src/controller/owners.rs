@@ -308,6 +308,7 @@ mod tests {
             active_event: None,
             events: Vec::new(),
             over_budget_w: Some(0.0),
+            shed_reach: None,
             nodes: vec![NodeStatus {
                 node: "n1".into(),
                 gpus: 8,

@@ -102,6 +102,7 @@ pub fn build(
         active_event: active_event(base, &site_events, now_ms).cloned(),
         events: state.events.clone(),
         over_budget_w: allocation.map(|a| a.over_budget_w.0),
+        shed_reach: last.and_then(|d| d.shed_reach),
         nodes: sessions
             .values()
             .map(|s| NodeStatus {

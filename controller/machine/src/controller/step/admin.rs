@@ -123,7 +123,12 @@ impl Controller {
                 policy,
                 budget_w,
                 ignore_tiers,
-            } => self.what_if(policy, budget_w, ignore_tiers, now_ms),
+            } => self.what_if(
+                policy.unwrap_or(self.settings().site.policy),
+                budget_w,
+                ignore_tiers,
+                now_ms,
+            ),
         }
     }
 

@@ -699,7 +699,7 @@ fn what_if_is_read_only() {
         UnixMs(T0 + 1),
         vec![admin(
             AdminOp::WhatIf {
-                policy: Policy::Equal,
+                policy: Some(Policy::Equal),
                 budget_w: Some(3000.0),
                 ignore_tiers: false,
             },
@@ -718,7 +718,7 @@ fn what_if_is_read_only() {
         UnixMs(T0 + 3),
         vec![admin(
             AdminOp::WhatIf {
-                policy: Policy::Equal,
+                policy: Some(Policy::Equal),
                 budget_w: None,
                 ignore_tiers: false,
             },

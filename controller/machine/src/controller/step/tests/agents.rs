@@ -217,7 +217,7 @@ fn an_agent_that_stays_away_is_counted_at_its_failsafe_cap_after_half_a_lease() 
         UnixMs(T0 + 15_001),
         vec![admin(
             AdminOp::WhatIf {
-                policy: Policy::Optimal,
+                policy: Some(Policy::Optimal),
                 budget_w: None,
                 ignore_tiers: false,
             },

@@ -123,7 +123,7 @@ fn caps_settle_under_a_steady_budget_while_the_fresh_decision_swings() {
             UnixMs(now + 1),
             vec![admin(
                 AdminOp::WhatIf {
-                    policy: Policy::Optimal,
+                    policy: Some(Policy::Optimal),
                     budget_w: None,
                     ignore_tiers: false,
                 },
