@@ -395,3 +395,44 @@ fn a_new_step_of_a_walked_job_puts_its_curve_in_question_at_once() {
         .expect("registered");
     assert_eq!(a.curve_questions, 1);
 }
+
+/// A walk that holds its job below the grant says so in the status (the controller
+/// leases the job there and gives the rest to others); at its grant, or not walking, it
+/// says nothing.
+#[test]
+fn a_walk_below_its_grant_is_reported_with_its_level() {
+    let mut a = agent(None);
+    a.register(1.0, "7", "0", 0, "n1", &["0".into()], "flex2")
+        .expect("registered");
+    let lease = |a: &mut Agent, cap: f64| {
+        a.set_lease(
+            2.0,
+            BTreeMap::from([("7".to_string(), Watts(cap))]),
+            30.0,
+            None,
+        )
+    };
+    let walk_at = |a: &mut Agent, cap: f64| {
+        a.jobs.get_mut("7").expect("job").calibration.phase = crate::calibration::Phase::Walking {
+            cap: Watts(cap),
+            since: 2.0,
+            window_from: 4.0,
+        };
+    };
+    let reported = |a: &Agent| {
+        a.snapshot(3.0)
+            .jobs
+            .iter()
+            .find(|j| j.job == "7")
+            .expect("job")
+            .walk_below_grant_w
+    };
+    lease(&mut a, 570.0);
+    walk_at(&mut a, 400.0);
+    assert_eq!(reported(&a), Some(400.0));
+    lease(&mut a, 400.0);
+    assert_eq!(reported(&a), None, "at its grant");
+    lease(&mut a, 570.0);
+    a.jobs.get_mut("7").expect("job").calibration.phase = crate::calibration::Phase::Done;
+    assert_eq!(reported(&a), None, "not walking");
+}
