@@ -94,7 +94,6 @@ fn job_report(job: usize, gpus: u32, cap_w: f64) -> JobReport {
         power_cap_steady_s: Some(10.0),
         calibrating: false,
         curve_in_question: false,
-        walk_below_grant_w: None,
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,

@@ -142,7 +142,6 @@ impl Job {
             power_cap_steady_s: Some(self.cap_since.elapsed().as_secs_f64()),
             calibrating: false,
             curve_in_question: false,
-            walk_below_grant_w: None,
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: None,

@@ -57,9 +57,6 @@ pub(crate) struct SiteJob {
     pub(crate) calibrating: bool,
     /// Whether a new step put the job's curve in question on any of its nodes.
     pub(crate) curve_in_question: bool,
-    /// The per-GPU cap the job's walks hold it at below its grant, where every node says
-    /// so (the highest of them: a job has one cap); none where any node runs at its grant.
-    pub(crate) walk_below_grant_w: Option<f64>,
 }
 
 impl SiteJob {
@@ -183,14 +180,6 @@ fn merge_report(
     };
     job.calibrating |= report.calibrating;
     job.curve_in_question |= report.curve_in_question;
-    let walk_level = report
-        .walk_below_grant_w
-        .filter(|w| w.is_finite() && *w >= limits.min_cap && *w <= limits.max_cap);
-    job.walk_below_grant_w = match (first_node, job.walk_below_grant_w, walk_level) {
-        (true, _, level) => level,
-        (false, Some(a), Some(b)) => Some(a.max(b)),
-        (false, _, _) => None,
-    };
     job.power_from_every_node &= report.power_w.is_some();
     let job_default_w = if report.gpu_uuids.is_empty() {
         f64::from(report.gpus) * limits.default_w

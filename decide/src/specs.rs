@@ -165,18 +165,6 @@ pub(crate) fn job_specs(
             in_doubt.insert((*id).clone());
         }
         let curve = power_as_budgeted(&curve, job, settings.budget_mode);
-        // A job its walk holds below its grant (a walk under a cut reads levels below it)
-        // is held where the walk is until the walk ends: the watts between go to the
-        // others, not unspent. Its bound is the walk's to keep (a walk goes down only
-        // as far as its readings and the chord show the bound held), not the allocator's,
-        // which knows only a prior for it: a floor set on that prior above the walk's
-        // level would read as broken and hold others out for nothing.
-        let walk_level = job
-            .walk_below_grant_w
-            .map(|w| w.clamp(job.min_cap, job.max_cap));
-        if walk_level.is_some() {
-            in_doubt.insert((*id).clone());
-        }
         let bounded = request.service.max_slowdown().is_some_and(|b| b.0 > 0.0);
         if bounded && settings.tiers.preempt_for(request) != Preempt::Never {
             preemptable_idle_w.insert((*id).clone(), job.default_w * SUSPENDED_SHARE_OF_DEFAULT);
@@ -190,13 +178,13 @@ pub(crate) fn job_specs(
                 1.0 / curve.uncapped().throughput.max(1e-9)
             },
             curve,
-            max_slowdown: match (settings.tier_bounds, walk_level) {
-                (TierBounds::Honoured, None) => request.service.max_slowdown(),
-                _ => None,
+            max_slowdown: match settings.tier_bounds {
+                TierBounds::Honoured => request.service.max_slowdown(),
+                TierBounds::Ignored => None,
             },
             limits: CapLimits {
-                min_w: Watts(walk_level.unwrap_or(job.min_cap)),
-                max_w: Watts(walk_level.unwrap_or(job.max_cap)),
+                min_w: Watts(job.min_cap),
+                max_w: Watts(job.max_cap),
                 step_w: settings.cap_step,
             },
         });

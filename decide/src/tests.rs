@@ -43,7 +43,6 @@ fn report(job: &str, tier: &str, gpus: u32, power: f64, points: Vec<[f64; 3]>) -
         power_cap_steady_s: Some(10.0),
         calibrating: false,
         curve_in_question: false,
-        walk_below_grant_w: None,
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,
@@ -1634,37 +1633,4 @@ fn the_shed_reach_is_the_lowest_budget_that_holds_every_floor() {
         "below {} W: {below:?}",
         suspendable.with_preemption_w
     );
-}
-
-/// A job its walk holds below its grant (the walk reads levels under a cut) is leased
-/// where the walk is, and the watts between its grant and its walk go to the other job:
-/// budgeted at its grant, they would go unspent while the walk lasts (the live A/B's
-/// dev set drew 96 % of its second event's budget that way). Its bound is the walk's to
-/// keep: no floor of its prior is judged broken at the walk's level.
-#[test]
-fn a_job_walked_below_its_grant_is_held_there_and_its_watts_go_to_others() {
-    let plan = |walk: Option<f64>| {
-        let mut walked = report("7", "flex2", 4, 1000.0, Vec::new());
-        walked.calibrating = true;
-        walked.cap_w = Some(walk.unwrap_or(570.0));
-        walked.power_cap_w = walked.cap_w;
-        walked.power_w = Some(4.0 * walk.unwrap_or(570.0) * 0.6);
-        walked.walk_below_grant_w = walk;
-        beside_a_flex3_job(walked, 4000.0)
-    };
-    let at_grant = plan(None);
-    let grant = at_grant.leases["n1"]["7"];
-    assert!(grant >= 570.0, "the chord floor while walked: {at_grant:?}");
-    let walking = plan(Some(380.0));
-    assert_eq!(walking.leases["n1"]["7"], 380.0, "{walking:?}");
-    assert!(
-        walking.leases["n1"]["8"] > at_grant.leases["n1"]["8"],
-        "the other job gets the watts: {walking:?} against {at_grant:?}"
-    );
-    let allocation = walking.allocation.expect("an allocation");
-    assert!(
-        allocation.broken_floors().next().is_none(),
-        "{allocation:?}"
-    );
-    assert!(4.0 * (380.0 + walking.leases["n1"]["8"]) <= 4000.0 + 1e-6);
 }

@@ -159,7 +159,6 @@ fn node(
         power_cap_steady_s: Some(30.0),
         calibrating: false,
         curve_in_question: false,
-        walk_below_grant_w: None,
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,

@@ -63,10 +63,6 @@ pub struct JobReport {
     /// [`crate::status::AgentJobStatus::curve_in_question`]). Absent from older agents.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub curve_in_question: bool,
-    /// The per-GPU cap the job's walk holds it at on this node, below its grant (see
-    /// [`crate::status::AgentJobStatus::walk_below_grant_w`]). Absent from older agents.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub walk_below_grant_w: Option<f64>,
     /// The estimated curve with per-point uncertainty, highest cap first (`points` are
     /// its values): the controller plans with how well each point is known.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -149,7 +145,6 @@ impl NodeReport {
                     power_cap_steady_s: j.power_cap_steady_s,
                     calibrating: j.calibrating,
                     curve_in_question: j.curve_in_question,
-                    walk_below_grant_w: j.walk_below_grant_w,
                     curve: j.curve.clone(),
                     calibration_cost_pct: j.calibration_cost_pct,
                     // Slurm's job uid from the root slurmstepd's registration (or the

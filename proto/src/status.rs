@@ -693,11 +693,6 @@ pub struct AgentJobStatus {
     /// planned on what physics guarantees, not on the curve, until one does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub curve_in_question: bool,
-    /// The per-GPU cap the job's calibration walk holds it at now, where that is below
-    /// its grant (a walk under a cut reads levels below it), W: the controller leases
-    /// the job there and gives the watts the walk leaves to other jobs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub walk_below_grant_w: Option<f64>,
     /// Why the job's reported curve was not taken as reported (it slowed more than its
     /// GPUs' clocks): the job is planned on its readings as the clocks allow them (see
     /// the agent's `clock_bounded`). For the admin.

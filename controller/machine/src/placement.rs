@@ -149,7 +149,6 @@ mod tests {
             power_cap_steady_s: None,
             calibrating: false,
             curve_in_question: false,
-            walk_below_grant_w: None,
             curve: Vec::new(),
             calibration_cost_pct: None,
             owner_uid: owner,

@@ -8,21 +8,10 @@ use powerflex_core::workload::chord_safe_cap_w;
 use powerflex_core::Watts;
 
 use super::{Action, Agent, Job};
-use crate::calibration::Phase;
 use crate::gpu::GpuIdentity;
 
 impl Agent {
     /// The per-GPU cap the job should run at now (before calibration lowers it).
-    /// The cap the job's walk holds it at, where that is below its grant: the controller
-    /// leases the job there until the walk ends, and the watts between go to others.
-    pub(super) fn walk_below_grant(&self, now: f64, job: &Job) -> Option<Watts> {
-        let Phase::Walking { cap, .. } = job.calibration.phase else {
-            return None;
-        };
-        let granted = self.granted_cap(now, job)?;
-        (granted.0 > cap.0 + 0.5).then_some(cap)
-    }
-
     pub(super) fn granted_cap(&self, now: f64, job: &Job) -> Option<Watts> {
         if !job.managed() {
             return None;

@@ -101,7 +101,6 @@ impl Agent {
             // there are not a drift from its curve at the grant.
             calibrating: cal.remeasuring() || cal.probing(),
             curve_in_question: cal.curve_in_question(),
-            walk_below_grant_w: self.walk_below_grant(now, j).map(|w| w.0),
             curve_implausible: cal.implausible.clone(),
             power_cap_steady_s: j
                 .gpus

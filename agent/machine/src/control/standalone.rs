@@ -112,7 +112,6 @@ impl Agent {
             power_cap_steady_s: None,
             calibrating: job.calibration.remeasuring() || job.calibration.probing(),
             curve_in_question: job.calibration.curve_in_question(),
-            walk_below_grant_w: None,
             // The measured points' uncertainties, for the cautious optimal policy.
             curve: job.curve_of(best.as_ref()),
             calibration_cost_pct: None,

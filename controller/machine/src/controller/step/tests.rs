@@ -88,7 +88,6 @@ fn job(id: &str, pfi: Option<f64>) -> JobReport {
         power_cap_steady_s: Some(10.0),
         calibrating: false,
         curve_in_question: false,
-        walk_below_grant_w: None,
         curve: Vec::new(),
         calibration_cost_pct: None,
         owner_uid: None,
