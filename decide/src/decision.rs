@@ -48,11 +48,12 @@ pub struct Decision {
 /// The lowest budgets that hold every managed job within its tier's bound: each job at
 /// its tier floor as the allocator would set it ([`floor_point`], its power as the
 /// budget counts it), plus what the allocation does not steer (`reserved_w`), over the
-/// metered margin; and the same with every job whose tier allows preemption at its GPUs'
-/// idle draw. A job whose spec the allocator refuses is left out (it is not steered).
+/// metered margin; and the same with every job whose tier allows preemption counted as
+/// the preemption planner counts it once held out (idle draw metered, lowest caps hard).
+/// A job whose spec the allocator refuses is left out (it is not steered).
 fn shed_reach(
     specs: &[JobSpec],
-    preemptable_idle_w: &BTreeMap<String, f64>,
+    preemptable_held_w: &BTreeMap<String, f64>,
     reserved_w: f64,
     settings: &SiteSettings,
 ) -> ShedReach {
@@ -67,9 +68,9 @@ fn shed_reach(
             continue;
         };
         caps_w += floor.power_w.0;
-        match preemptable_idle_w.get(&spec.id) {
-            Some(&idle_w) if idle_w < floor.power_w.0 => {
-                preempted_w += idle_w;
+        match preemptable_held_w.get(&spec.id) {
+            Some(&held_w) if held_w < floor.power_w.0 => {
+                preempted_w += held_w;
                 preemptable_jobs += 1;
             }
             _ => preempted_w += floor.power_w.0,
@@ -226,7 +227,7 @@ pub fn decide_steady(
         drifted,
         raw_tokens,
         in_doubt,
-        preemptable_idle_w,
+        preemptable_held_w,
     } = job_specs(&jobs, settings, held, &mut rejected);
     let reserved_jobs = unsteered_reserve_w(&jobs, &specs, held, settings);
     reserved += reserved_jobs.values().sum::<f64>();
@@ -252,6 +253,6 @@ pub fn decide_steady(
         } else {
             Maximised::RelativeSpeed
         },
-        shed_reach: Some(shed_reach(&specs, &preemptable_idle_w, reserved, settings)),
+        shed_reach: Some(shed_reach(&specs, &preemptable_held_w, reserved, settings)),
     }
 }

@@ -45,10 +45,11 @@ pub(crate) struct Specs {
     /// measured on every node) or a curve the job's measurements have left. Each gets its
     /// cap in the equal split.
     pub(crate) in_doubt: BTreeSet<String>,
-    /// The jobs whose tier allows them to be held out (never a bound of 0), with their
-    /// GPUs' draw once held out: idle ([`SUSPENDED_SHARE_OF_DEFAULT`] of their default
-    /// limits), W.
-    pub(crate) preemptable_idle_w: BTreeMap<String, f64>,
+    /// The jobs whose tier allows them to be held out (never a bound of 0), with what
+    /// they count at once held out, as the preemption planner counts them after its
+    /// grace: idle draw ([`SUSPENDED_SHARE_OF_DEFAULT`] of their default limits) in
+    /// metered mode, their lowest cap on every GPU in hard mode (which trusts no meter), W.
+    pub(crate) preemptable_held_w: BTreeMap<String, f64>,
 }
 
 /// An idle GPU's draw as a share of its default limit, for a job held out: an idle
@@ -128,7 +129,7 @@ pub(crate) fn job_specs(
     let mut specs = Vec::new();
     let mut drifted = Vec::new();
     let mut in_doubt = BTreeSet::new();
-    let mut preemptable_idle_w = BTreeMap::new();
+    let mut preemptable_held_w = BTreeMap::new();
     for ((id, job, request), curve) in steerable.iter().zip(curves) {
         let Some(curve) = curve else { continue };
         // Drift is judged on what was measured, not on the top knot added below (a job
@@ -167,7 +168,11 @@ pub(crate) fn job_specs(
         let curve = power_as_budgeted(&curve, job, settings.budget_mode);
         let bounded = request.service.max_slowdown().is_some_and(|b| b.0 > 0.0);
         if bounded && settings.tiers.preempt_for(request) != Preempt::Never {
-            preemptable_idle_w.insert((*id).clone(), job.default_w * SUSPENDED_SHARE_OF_DEFAULT);
+            let held_w = match settings.budget_mode {
+                BudgetMode::Metered { .. } => job.default_w * SUSPENDED_SHARE_OF_DEFAULT,
+                BudgetMode::Hard => job.min_cap * f64::from(job.gpus),
+            };
+            preemptable_held_w.insert((*id).clone(), held_w);
         }
         specs.push(JobSpec {
             id: (*id).clone(),
@@ -207,13 +212,13 @@ pub(crate) fn job_specs(
             false
         }
     });
-    preemptable_idle_w.retain(|id, _| specs.iter().any(|s| &s.id == id));
+    preemptable_held_w.retain(|id, _| specs.iter().any(|s| &s.id == id));
     Specs {
         specs,
         drifted,
         raw_tokens,
         in_doubt,
-        preemptable_idle_w,
+        preemptable_held_w,
     }
 }
 

@@ -1572,65 +1572,63 @@ fn a_job_whose_new_step_questions_its_curve_is_floored_on_the_chord() {
 
 /// What the site can shed now is the lowest budget that holds every floor: at it, the
 /// allocation keeps every job within its bound; a little below it, it cannot. With a job
-/// whose tier allows suspension, the second figure counts that job at its GPUs' idle draw
-/// (15 % of their 700 W default on 4 GPUs: 420 W) instead of its floor.
+/// whose tier allows suspension, the second figure is the same with that job held out,
+/// counted as the preemption planner counts it after its grace: in hard mode at its
+/// lowest cap on every GPU (`None`), in metered mode at its idle draw.
 #[test]
 fn the_shed_reach_is_the_lowest_budget_that_holds_every_floor() {
-    let decide_at = |tier_of_8: &str, budget_w: f64| {
+    let nodes = |tier_of_8: &str| {
         let job = report("7", "flex2", 4, 2800.0, points(4.0));
         let other = report("8", tier_of_8, 4, 2800.0, points(4.0));
-        let hard = SiteSettings {
-            budget_mode: BudgetMode::Hard,
-            ..settings()
-        };
-        decide(
-            &[node("n1", (0..8).map(gpu).collect(), vec![job, other])],
-            Watts(budget_w),
-            &hard,
-        )
+        vec![node("n1", (0..8).map(gpu).collect(), vec![job, other])]
     };
-    let reach = decide_at("flex3", 5600.0).shed_reach.expect("a reach");
-    assert_eq!(reach.preemptable_jobs, 0);
-    assert_eq!(reach.caps_w, reach.with_preemption_w);
     let holds = |d: &Decision| {
         d.allocation
             .as_ref()
             .is_some_and(|a| a.over_budget_w.0 == 0.0 && a.broken_floors().next().is_none())
     };
-    let at = decide_at("flex3", reach.caps_w);
-    assert!(holds(&at), "at {} W: {at:?}", reach.caps_w);
-    let below = decide_at("flex3", reach.caps_w - 50.0);
-    assert!(!holds(&below), "below {} W: {below:?}", reach.caps_w);
-    let suspendable = decide_at("flex3,preempt=suspend", 5600.0)
-        .shed_reach
-        .expect("a reach");
-    assert_eq!(suspendable.preemptable_jobs, 1);
-    assert_eq!(suspendable.caps_w, reach.caps_w);
-    // With job 8 held out at its idle draw, the same: the figure holds every floor left,
-    // and a little less does not.
-    let held_out = |budget_w: f64| {
-        let job = report("7", "flex2", 4, 2800.0, points(4.0));
-        let other = report("8", "flex3,preempt=suspend", 4, 2800.0, points(4.0));
-        let hard = SiteSettings {
-            budget_mode: BudgetMode::Hard,
+    let idle_w = 4.0 * 700.0 * SUSPENDED_SHARE_OF_DEFAULT;
+    for (mode, held_as) in [
+        (BudgetMode::Hard, None),
+        (BudgetMode::Metered { margin: 0.0 }, Some(idle_w)),
+    ] {
+        let site = SiteSettings {
+            budget_mode: mode,
             ..settings()
         };
-        decide_holding(
-            &[node("n1", (0..8).map(gpu).collect(), vec![job, other])],
-            Watts(budget_w),
-            &hard,
-            &Held::from([(
-                "8".to_string(),
-                Some(4.0 * 700.0 * SUSPENDED_SHARE_OF_DEFAULT),
-            )]),
-        )
-    };
-    let at = held_out(suspendable.with_preemption_w);
-    assert!(holds(&at), "at {} W: {at:?}", suspendable.with_preemption_w);
-    let below = held_out(suspendable.with_preemption_w - 50.0);
-    assert!(
-        !holds(&below),
-        "below {} W: {below:?}",
-        suspendable.with_preemption_w
-    );
+        let reach = decide(&nodes("flex3"), Watts(5600.0), &site)
+            .shed_reach
+            .expect("a reach");
+        assert_eq!(reach.preemptable_jobs, 0, "{mode:?}");
+        assert_eq!(reach.caps_w, reach.with_preemption_w, "{mode:?}");
+        let at = decide(&nodes("flex3"), Watts(reach.caps_w), &site);
+        assert!(holds(&at), "{mode:?} at {} W: {at:?}", reach.caps_w);
+        let below = decide(&nodes("flex3"), Watts(reach.caps_w - 50.0), &site);
+        assert!(
+            !holds(&below),
+            "{mode:?} below {} W: {below:?}",
+            reach.caps_w
+        );
+        let suspendable = decide(&nodes("flex3,preempt=suspend"), Watts(5600.0), &site)
+            .shed_reach
+            .expect("a reach");
+        assert_eq!(suspendable.preemptable_jobs, 1, "{mode:?}");
+        assert_eq!(suspendable.caps_w, reach.caps_w, "{mode:?}");
+        assert!(suspendable.with_preemption_w < reach.caps_w, "{mode:?}");
+        let held = Held::from([("8".to_string(), held_as)]);
+        let held_out =
+            |w: f64| decide_holding(&nodes("flex3,preempt=suspend"), Watts(w), &site, &held);
+        let at = held_out(suspendable.with_preemption_w);
+        assert!(
+            holds(&at),
+            "{mode:?} at {} W: {at:?}",
+            suspendable.with_preemption_w
+        );
+        let below = held_out(suspendable.with_preemption_w - 50.0);
+        assert!(
+            !holds(&below),
+            "{mode:?} below {} W: {below:?}",
+            suspendable.with_preemption_w
+        );
+    }
 }

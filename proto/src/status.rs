@@ -113,7 +113,8 @@ pub struct ShedReach {
     /// Every managed job at its tier's floor, W.
     pub caps_w: f64,
     /// As `caps_w`, with every job whose tier allows preemption (`preempt=suspend` or
-    /// `requeue`, never flex0) at its GPUs' idle draw instead, W.
+    /// `requeue`, never flex0) held out instead: at its GPUs' idle draw in metered mode,
+    /// at their lowest cap in hard mode (which trusts no meter), W.
     pub with_preemption_w: f64,
     /// The managed jobs that could be held out for `with_preemption_w`.
     pub preemptable_jobs: u32,

@@ -382,12 +382,30 @@ pub struct Calibration {
     /// (a walk started under a grant, a new phase read under a cut): judged when the
     /// set's first top window is read, at most [`MAX_UNJUDGED_WINDOWS`], the newest.
     unjudged: Vec<Window>,
-    /// A step of the job started at this time (agent seconds) after its curve was
-    /// measured: a new step may be a new phase, so the curve is in question until the
-    /// first window read after it answers (see [`Calibration::question_curve`]). The
-    /// controller plans the job meanwhile on what physics guarantees, not on the curve.
-    pub curve_questioned_at: Option<f64>,
+    /// A step of the job started after its curve was measured: a new step may be a new
+    /// phase, so the curve is in question until a steady window read after it answers, or
+    /// [`QUESTION_TIMEOUT_WINDOWS`] windows' time passes (see
+    /// [`Calibration::question_curve`]). The controller plans the job meanwhile on what
+    /// physics guarantees, not on the curve.
+    pub curve_question: Option<CurveQuestion>,
 }
+
+/// A curve in question since a new step (see [`Calibration::question_curve`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CurveQuestion {
+    /// When the first step since the curve was last confirmed started (agent seconds): the
+    /// timeout runs from here, so steps that come faster than a window cannot keep the
+    /// question open for ever.
+    pub since: f64,
+    /// When the latest step started: no window that answers begins before it.
+    pub last_step: f64,
+}
+
+/// How long a curve stays in question without an answer, in windows of settle and hold:
+/// a new step that never runs steadily at one cap for a window (it reports no progress,
+/// its steps come faster than a window, its cap keeps moving) leaves the question to the
+/// controller's drift check, which judges the job's draw and rate at its cap in force.
+pub const QUESTION_TIMEOUT_WINDOWS: f64 = 6.0;
 
 /// Most windows kept waiting for their set's uncapped rate (a day of 5 s windows is far
 /// more than any cut holds a job below its top without a top window read).
@@ -406,6 +424,9 @@ pub enum StepAnswer {
         throughput_ratio: f64,
         power_ratio: Option<f64>,
     },
+    /// No steady window came within [`QUESTION_TIMEOUT_WINDOWS`] windows' time: the
+    /// question is dropped, and the controller's drift check judges the job again.
+    Unanswered { open_s: f64 },
 }
 
 impl Calibration {
@@ -455,7 +476,7 @@ impl Calibration {
             extending: false,
             judged: Vec::new(),
             unjudged: Vec::new(),
-            curve_questioned_at: None,
+            curve_question: None,
         }
     }
 
@@ -542,22 +563,27 @@ impl Calibration {
 
     /// A step of the job started at `now`. A job with a measured curve (its walk done)
     /// may have started a new phase with it (a fine-tuning after a pre-training, an
-    /// evaluation): until a window read after the step answers, its curve is in question
-    /// and the job is reported so. A stretch of learning under way is cut at the step,
-    /// so no window mixes the two. A job still being walked, or with no curve, has
-    /// nothing to question.
+    /// evaluation): until a steady window read after the step answers, its curve is in
+    /// question and the job is reported so. A stretch of learning under way is cut at the
+    /// step, so no window mixes the two. A step while the question is open moves only the
+    /// start of the next window, not the timeout. A job still being walked, or with no
+    /// curve, has nothing to question.
     pub fn question_curve(&mut self, now: f64) {
         if self.phase != Phase::Done || self.rewalk_due.is_some() || self.windows.is_empty() {
             return;
         }
-        self.curve_questioned_at = Some(now);
+        let since = self.curve_question.map_or(now, |q| q.since);
+        self.curve_question = Some(CurveQuestion {
+            since,
+            last_step: now,
+        });
         self.stretch = None;
         self.probe = None;
     }
 
     /// Whether a new step has put the job's curve in question and no window has answered.
     pub fn curve_in_question(&self) -> bool {
-        self.curve_questioned_at.is_some()
+        self.curve_question.is_some()
     }
 }
 

@@ -8,8 +8,29 @@ use powerflex_decide::DRIFT_BAND;
 
 use super::{
     Calibration, Phase, Probe, ProgressLog, StepAnswer, Stretch, Window, PROBE_AFTER_WINDOWS,
-    PROBE_WINDOWS,
+    PROBE_WINDOWS, QUESTION_TIMEOUT_WINDOWS,
 };
+
+/// Parts of a window whose rates must agree for it to answer a question: the job
+/// progressed through the whole window, steadily.
+const STEADY_PARTS: usize = 5;
+
+/// Whether the job's progress over the window of `hold_s` ending at `now` was steady: a
+/// rate in each of its [`STEADY_PARTS`] parts (each needs three reports), varying by
+/// less than `steady_cv` (the walk's warm-up rule).
+fn steady_over(log: &ProgressLog, now: f64, hold_s: f64, steady_cv: f64) -> bool {
+    let rates = log.window_rates(now, hold_s / STEADY_PARTS as f64, STEADY_PARTS);
+    if rates.len() < STEADY_PARTS {
+        return false;
+    }
+    let n = rates.len() as f64;
+    let mean = rates.iter().sum::<f64>() / n;
+    if !(mean.is_finite() && mean > 0.0) {
+        return false;
+    }
+    let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n).sqrt();
+    sd / mean < steady_cv
+}
 
 impl Calibration {
     /// The job's mean SM clock at `now`, MHz: kept over each window, to check the job's
@@ -52,6 +73,16 @@ impl Calibration {
             self.stretch = None;
             return None;
         }
+        if let Some(q) = self.curve_question {
+            let timeout =
+                QUESTION_TIMEOUT_WINDOWS * (self.settings.settle_s + self.settings.hold_s);
+            if now - q.since > timeout {
+                self.curve_question = None;
+                return Some(StepAnswer::Unanswered {
+                    open_s: now - q.since,
+                });
+            }
+        }
         let Some((cap, held_since)) = held else {
             self.stretch = None;
             return None;
@@ -62,7 +93,10 @@ impl Calibration {
             .is_none_or(|s| (s.cap.0 - cap.0).abs() > 0.5);
         if fresh {
             // A stretch starts once both the cap and the job's step have settled.
-            let from = held_since.max(self.curve_questioned_at.unwrap_or(f64::NEG_INFINITY));
+            let from = held_since.max(
+                self.curve_question
+                    .map_or(f64::NEG_INFINITY, |q| q.last_step),
+            );
             self.stretch = Some(Stretch {
                 cap,
                 window_from: from + self.settings.settle_s,
@@ -103,11 +137,15 @@ impl Calibration {
         s.clock_sum = 0.0;
         s.clock_samples = 0;
         let w = window?;
+        let questioned = self.curve_question.is_some();
+        if questioned && !steady_over(log, now, hold_s, self.settings.steady_cv) {
+            // A new step still starting (loading, compiling, warming its caches): its
+            // rate and draw say nothing of its curve yet. Not an answer, and not a
+            // reading to learn from.
+            return None;
+        }
         s.windows += 1;
-        let answer = self
-            .curve_questioned_at
-            .is_some()
-            .then(|| self.answer_question(now, &w));
+        let answer = questioned.then(|| self.answer_question(now, &w));
         self.push_window(w);
         if self.probe.is_some_and(|p| (p.cap.0 - cap.0).abs() < 0.5) {
             self.end_probe(now);
@@ -123,7 +161,7 @@ impl Calibration {
     /// left it. A window that left it sets the job's windows aside and asks for a walk
     /// ([`Calibration::rewalk`]); the window itself then starts the new phase's set.
     fn answer_question(&mut self, now: f64, w: &Window) -> StepAnswer {
-        self.curve_questioned_at = None;
+        self.curve_question = None;
         let Some(curve) = self.curve() else {
             return StepAnswer::SameCurve;
         };

@@ -633,11 +633,15 @@ fn operate(
     granted: f64,
     may_probe: bool,
 ) -> f64 {
-    operate_as(cal, log, t0, seconds, granted, may_probe, speed).0
+    operate_as(cal, log, t0, seconds, granted, may_probe, |_, c| {
+        Some(speed(c))
+    })
+    .0
 }
 
-/// [`operate`] for a job running at `speed_of(cap)` of 1000 per second; returns the time
-/// reached and what the windows read said of a curve a new step put in question.
+/// [`operate`] for a job running at `speed_of(t, cap)` of 1000 per second (`None`: no
+/// progress, no report); returns the time reached and what the windows read said of a
+/// curve a new step put in question.
 fn operate_as(
     cal: &mut Calibration,
     log: &mut ProgressLog,
@@ -645,7 +649,7 @@ fn operate_as(
     seconds: f64,
     granted: f64,
     may_probe: bool,
-    speed_of: impl Fn(f64) -> f64,
+    speed_of: impl Fn(f64, f64) -> Option<f64>,
 ) -> (f64, Vec<StepAnswer>) {
     let mut answers = Vec::new();
     let mut t = t0;
@@ -658,8 +662,10 @@ fn operate_as(
         t += 0.1;
         k += 1;
         let jitter = 1.0 + 0.01 * ((k * 7919 % 13) as f64 / 6.0 - 1.0);
-        count += 1000.0 * speed_of(cap) * 0.1 * jitter;
-        log.record(t, count);
+        if let Some(speed) = speed_of(t, cap) {
+            count += 1000.0 * speed * 0.1 * jitter;
+            log.record(t, count);
+        }
         if t >= next_tick {
             next_tick += 1.0;
             // The GPUs read back the cap written at the last tick.
@@ -1013,7 +1019,9 @@ fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
     let windows = cal.windows.len();
     cal.question_curve(t);
     assert!(cal.curve_in_question());
-    let (t, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, speed);
+    let (t, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |_, c| {
+        Some(speed(c))
+    });
     assert_eq!(answers.first(), Some(&StepAnswer::SameCurve), "{answers:?}");
     assert_eq!(answers.len(), 1, "one window answers: {answers:?}");
     assert!(!cal.curve_in_question());
@@ -1035,8 +1043,8 @@ fn a_new_step_that_left_the_curve_sets_it_aside_and_is_not_judged_on_the_old_top
     cal.question_curve(t);
     // The new step runs ten times slower at every cap (the demo's job 4: MoE fine-tuning,
     // then dense pre-training).
-    let (_, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |c| {
-        speed(c) / 10.0
+    let (_, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |_, c| {
+        Some(speed(c) / 10.0)
     });
     let Some(StepAnswer::LeftCurve {
         throughput_ratio, ..
@@ -1100,4 +1108,51 @@ fn windows_without_their_sets_top_are_judged_when_it_is_read() {
     assert!(cal.rewalk(100.0).is_some());
     cal.push_window(window(700.0, 50.0));
     assert_eq!(cal.take_judged().len(), 1, "only the new set's own top");
+}
+
+/// A new step that starts slowly (12 s of loading with no progress, then its first
+/// steps at a third of its pace) is not read as a new phase: only a window of steady
+/// progress answers, and it finds the same curve. A step that never runs steadily
+/// leaves the question after six windows' time, unanswered; later steps while the
+/// question is open do not push that time back.
+#[test]
+fn only_a_steady_window_answers_and_an_unanswered_question_times_out() {
+    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
+    let mut log = ProgressLog::default();
+    let t = operate_walk(&mut cal, &mut log);
+    let t = operate(&mut cal, &mut log, t, 30.0, 500.0, false);
+    let windows = cal.windows.len();
+    cal.question_curve(t);
+    let start = t;
+    let (t, answers) = operate_as(&mut cal, &mut log, t, 40.0, 500.0, false, |now, c| {
+        let since = now - start;
+        if since < 12.0 {
+            None
+        } else if since < 15.0 {
+            Some(speed(c) / 3.0)
+        } else {
+            Some(speed(c))
+        }
+    });
+    assert_eq!(answers, vec![StepAnswer::SameCurve], "{answers:?}");
+    assert!(!cal.remeasuring(), "the curve kept");
+    assert!(cal.windows.len() > windows);
+    // A step that reports nothing: unanswered after 6 x (settle 2 s + hold 5 s).
+    cal.question_curve(t);
+    let start = t;
+    let (t, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |_, _| None);
+    assert!(answers.is_empty(), "{answers:?}");
+    assert!(cal.curve_in_question());
+    // Another step meanwhile does not restart the clock.
+    cal.question_curve(t);
+    let (_, answers) = operate_as(&mut cal, &mut log, t, 15.0, 500.0, false, |_, _| None);
+    let [StepAnswer::Unanswered { open_s }] = answers[..] else {
+        panic!("{answers:?}");
+    };
+    assert!(
+        open_s > 42.0 && open_s < 44.0,
+        "open {open_s} s since {start}"
+    );
+    assert!(!cal.curve_in_question());
+    assert!(!cal.remeasuring(), "left to the drift check, not walked");
 }

@@ -564,7 +564,7 @@ impl Calibration {
         self.previous = std::mem::take(&mut self.windows);
         // Windows of the old phase still waiting for its uncapped rate never get it.
         self.unjudged.clear();
-        self.curve_questioned_at = None;
+        self.curve_question = None;
         self.stretch = None;
         self.probe = None;
         self.rewalk_due = Some(due);

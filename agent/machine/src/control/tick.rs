@@ -165,6 +165,13 @@ impl Job {
                     "the job's new step left its curve (a new phase): its old windows set aside, walking it again"
                 );
             }
+            Some(StepAnswer::Unanswered { open_s }) => {
+                tracing::info!(
+                    job_id = %self.id,
+                    open_s,
+                    "no steady window since the job's new step: its curve is no longer in question; the controller's drift check judges it"
+                );
+            }
             None => {}
         }
         self.calibration.check_probe(now, r.granted);
