@@ -1564,6 +1564,17 @@ fn openadr_depth<'a>(demo: &Demo, jobs: &'a [Job]) -> Result<Depth<'a>> {
         Watts(job_idle_w),
         Watts(target_w)
     ));
+    // The controller's own figure for the same depth (`status`: what the site can shed
+    // now, from its last allocation), beside the one found by bisecting `whatif`.
+    if let Some(reach) = status.shed_reach {
+        demo.progress.say(format!(
+            "      the controller's status says the same: caps alone hold every tier down to {} (bisected: {}), and {} with its {} preemptable job(s) held out",
+            Watts(reach.caps_w),
+            Watts(floors_w),
+            Watts(reach.with_preemption_w),
+            reach.preemptable_jobs
+        ));
+    }
     Ok(Depth {
         floors_w,
         pausable,
