@@ -6,6 +6,10 @@
 //!
 //! `cargo run --release -p powerflex-site-harness --example live_ab`
 //!
+//! `-- --new-step` (with or without one run's arguments): the phase-changing job's
+//! next phase starts as a new Slurm step, which its agents hear of, instead of running on
+//! in its first step.
+//!
 //! One run only, with where its watts went (each job's grant and the power the
 //! controller's model counts for it beside what its GPUs truly drew over the hold):
 //! `... --example live_ab -- dev 41 optimal` (set, seed, policy).
@@ -101,7 +105,10 @@ fn watts(run: &AbRun) -> String {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--new-step`: the phase-changing job's next phase starts as a new Slurm step.
+    let phase_as_new_step = args.iter().any(|a| a == "--new-step");
+    args.retain(|a| a != "--new-step");
     if let [set, seed, policy] = args.as_slice() {
         let jobs = match set.as_str() {
             "dev" => ab::dev_set(),
@@ -128,6 +135,7 @@ fn main() -> ExitCode {
             jobs,
             policy,
             timing: Timing::default(),
+            phase_as_new_step,
         }) {
             Ok(run) => {
                 println!("{}\n{}", run.table(), watts(&run));
@@ -141,7 +149,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if !args.is_empty() {
-        eprintln!("usage: live_ab [SET SEED POLICY]  (SET: dev | paper; POLICY: optimal | equal)");
+        eprintln!("usage: live_ab [--new-step] [SET SEED POLICY]  (SET: dev | paper; POLICY: optimal | equal; --new-step: the phase change starts a new Slurm step)");
         return ExitCode::from(2);
     }
     let mut rows = Vec::new();
@@ -153,6 +161,7 @@ fn main() -> ExitCode {
                     jobs: set.clone(),
                     policy,
                     timing: Timing::default(),
+                    phase_as_new_step,
                 }) {
                     Ok(run) => {
                         println!("{}", run.table());

@@ -70,6 +70,7 @@ fn job(
             Phase {
                 workload: Some(workload.to_string()),
                 length_s: f64::INFINITY,
+                new_step: false,
             },
             Phase::train(next),
         ];
@@ -206,6 +207,10 @@ pub struct Scenario {
     /// The controller's policy: the site's default `optimal`, or `equal`.
     pub policy: Policy,
     pub timing: Timing,
+    /// Whether the phase-changing job's next phase starts as a new Slurm step (its agents
+    /// hear of the step, as from `srun`) or runs on in its first step (found only by
+    /// the controller's drift check).
+    pub phase_as_new_step: bool,
 }
 
 /// The site the scenario runs on: the test bed's (its H200 model, lease, allocation
@@ -566,7 +571,13 @@ pub fn run(scenario: &Scenario) -> Result<AbRun, HarnessError> {
             worst_excess_at_s: 0.0,
             over_bound_s: 0.0,
         });
-        site.submit(spec.clone())?;
+        let mut spec = spec.clone();
+        if spec.id == set.phase_change {
+            for phase in spec.phases.iter_mut().skip(1) {
+                phase.new_step = scenario.phase_as_new_step;
+            }
+        }
+        site.submit(spec)?;
     }
     let mut rec = Recorder {
         started_ms: site.now_ms(),

@@ -37,7 +37,9 @@ use crate::HarnessError;
 pub type Disk = PersistedState;
 
 /// The step every task of a harness job runs in (the harness has one step per job).
-const STEP: &str = "0";
+/// The step id of a job's first step on every node (its later phases may start others:
+/// see [`crate::site::Phase::new_step`]).
+pub const FIRST_STEP: &str = "0";
 
 /// The agent's settings from the site config, as `powerflexd` reads them for its GPUs.
 pub fn settings(site: &SiteConfig, node: &str) -> Result<AgentSettings, HarnessError> {
@@ -140,6 +142,8 @@ pub struct TaskProgress {
 #[derive(Debug, Clone, Copy)]
 pub struct StepStart<'a> {
     pub job_id: &'a str,
+    /// Slurm's step id.
+    pub step_id: &'a str,
     /// Slurm's job uid.
     pub uid: u32,
     /// The job's GPUs on this node, by index.
@@ -311,7 +315,7 @@ impl NodeAgent {
     ) -> Result<Effects, String> {
         let op = ControlOp::Register {
             job_id: step.job_id.to_string(),
-            step_id: STEP.to_string(),
+            step_id: step.step_id.to_string(),
             uid: step.uid,
             node: self.agent.node().to_string(),
             gpus: step.gpus.iter().map(u32::to_string).collect(),

@@ -13,7 +13,7 @@ use powerflex_proto::status::{AgentStatus, CalibrationState, CtldStatus};
 use crate::controller::{Controller, Inbound, SavedState, Start};
 use crate::memory_link::{within_skew, Link, ToAgent, ToController};
 use crate::meter::Sample;
-use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress};
+use crate::node::{self, Disk, Effects, Host, NodeAgent, StepStart, TaskProgress, FIRST_STEP};
 use crate::physics::{Load, NodeGpus, Workload, Workloads};
 use crate::trace::Trace;
 use crate::HarnessError;
@@ -92,6 +92,10 @@ pub struct Phase {
     /// A workload of the library, or `None`: idle (setup, data loading).
     pub workload: Option<String>,
     pub length_s: f64,
+    /// The phase starts as a new Slurm step (a new `srun` in the batch script): its
+    /// processes register again with each node's agent, under the phase's index as the
+    /// step id. Otherwise it runs on in the step before it.
+    pub new_step: bool,
 }
 
 impl Phase {
@@ -99,6 +103,7 @@ impl Phase {
         Phase {
             workload: Some(workload.to_string()),
             length_s: f64::INFINITY,
+            new_step: false,
         }
     }
 }
@@ -469,6 +474,7 @@ impl Site {
             if let Some(agent) = n.agent.as_mut() {
                 let step = StepStart {
                     job_id: id,
+                    step_id: FIRST_STEP,
                     uid: job.spec.uid,
                     gpus: &task.gpus,
                     flex: &job.spec.flex,
@@ -696,8 +702,23 @@ impl Site {
             if phase != job.phase {
                 job.phase = phase;
                 let load = job.load();
+                let new_step = job.spec.phases[phase].new_step.then(|| phase.to_string());
                 for task in &job.tasks {
                     let n = &mut self.nodes[task.node];
+                    if let (Some(step_id), Some(agent)) = (&new_step, n.agent.as_mut()) {
+                        // The new step's processes register before they load the GPUs.
+                        let step = StepStart {
+                            job_id: id,
+                            step_id,
+                            uid: job.spec.uid,
+                            gpus: &task.gpus,
+                            flex: &job.spec.flex,
+                        };
+                        match agent.register(&mut n.gpus, &n.host, to_ms, &step) {
+                            Ok(effects) => save(n, effects),
+                            Err(why) => self.trace.note(&format!("registration refused: {why}")),
+                        }
+                    }
                     for &g in &task.gpus {
                         n.gpus.gpus[g as usize].set_load(to_ms, load.clone());
                     }
@@ -1295,6 +1316,7 @@ mod tests {
             Phase {
                 workload: Some(BERT.to_string()),
                 length_s: f64::INFINITY,
+                new_step: false,
             },
             Phase::train(FLAT),
         ];

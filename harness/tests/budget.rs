@@ -73,6 +73,7 @@ fn a_job_idle_for_its_first_minute_then_training_at_full_power_keeps_the_budget(
             Phase {
                 workload: None,
                 length_s: 60.0,
+                new_step: false,
             },
             Phase::train(TRAIN),
         ],
@@ -109,6 +110,7 @@ fn a_phase_change_to_a_heavier_profile_is_back_within_the_budget_in_two_periods(
             Phase {
                 workload: Some(LIGHT.into()),
                 length_s: 100.0,
+                new_step: false,
             },
             Phase::train(HEAVY),
         ],

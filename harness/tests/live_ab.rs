@@ -130,6 +130,7 @@ fn the_live_loop_holds_every_bound_and_never_falls_below_the_equal_split() {
             jobs: ab::dev_set(),
             policy,
             timing: Timing::default(),
+            phase_as_new_step: false,
         })
         .expect("the scenario runs");
         println!("{}", run.table());
