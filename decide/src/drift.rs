@@ -16,14 +16,14 @@ const THROUGHPUT_WINDOW_S: f64 = 10.0;
 
 /// Whether `job`'s measurements at the cap in force left its measured `curve`'s band.
 /// Priors (no measured curve) and jobs being walked are not judged: their curve is a
-/// guess or incomplete, not a promise. Nor is a job whose new step put its curve in
-/// question: its agent's first window after the step answers (the rate and draw here,
-/// read across the step's start, mix the two steps and an idle gap between them).
+/// guess or incomplete, not a promise. A job whose new step put its curve in question
+/// is judged on a draw above its curve only: its agent's first steady window after the
+/// step answers the rest (its rate, and a draw below the curve, read across the step's
+/// start, mix the two steps and the idle gap between them), but a new step that draws
+/// more than its curve allows at a settled cap is a new phase at once, and is walked
+/// again without waiting for that window.
 pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> {
-    if curve.source() == powerflex_core::curve::CurveSource::Prior
-        || job.calibrating
-        || job.curve_in_question
-    {
+    if curve.source() == powerflex_core::curve::CurveSource::Prior || job.calibrating {
         return None;
     }
     let cap = job.cap_now_w?;
@@ -74,8 +74,12 @@ pub(crate) fn drift(id: &str, job: &SiteJob, curve: &CapCurve) -> Option<Drift> 
         }
         None => None,
     };
-    let out = power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND)
-        || throughput_ratio.is_some_and(|r| (r - 1.0).abs() > throughput_band);
+    let out = if job.curve_in_question {
+        power_ratio.is_some_and(|r| r > 1.0 + DRIFT_BAND)
+    } else {
+        power_ratio.is_some_and(|r| (r - 1.0).abs() > DRIFT_BAND)
+            || throughput_ratio.is_some_and(|r| (r - 1.0).abs() > throughput_band)
+    };
     out.then(|| Drift {
         job: id.to_string(),
         cap_w: cap,

@@ -1632,3 +1632,28 @@ fn the_shed_reach_is_the_lowest_budget_that_holds_every_floor() {
         );
     }
 }
+
+/// While a new step has its curve in question, the drift check judges a draw above the
+/// curve only: a job drawing far more than its curve at a settled cap is a new phase at
+/// once (walked again), while a draw below it or a slow rate (the idle gap between two
+/// steps, the new step's start) is left to the agent's first steady window.
+#[test]
+fn a_job_in_question_drifts_on_a_draw_above_its_curve_only() {
+    let plan = |per_gpu_w: f64, throughput: f64| {
+        let mut stepped = report("7", "flex2", 4, 4.0 * per_gpu_w, points(4.0));
+        stepped.cap_w = Some(500.0);
+        stepped.power_cap_w = Some(500.0);
+        stepped.power_cap_steady_s = Some(30.0);
+        stepped.throughput = Some(throughput);
+        stepped.curve_in_question = true;
+        beside_a_flex3_job(stepped, 4000.0)
+    };
+    let on_curve = 1000.0 * (1.0 - (1.0 - 500.0 / 700.0) / 2.0);
+    assert!(plan(500.0, on_curve).drifted.is_empty());
+    assert!(
+        plan(150.0, on_curve * 0.1).drifted.is_empty(),
+        "idle between steps"
+    );
+    let heavier = plan(600.0, on_curve * 0.1);
+    assert_eq!(heavier.drifted.len(), 1, "{:?}", heavier.drifted);
+}
