@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use powerflex_core::allocate::FloorStatus;
 use powerflex_core::point::OperatingPoint;
 use powerflex_core::Watts;
-use powerflex_proto::event::Event;
+use powerflex_proto::event::{Cut, Event};
 use powerflex_proto::status::{CtldStatus, DecisionView, DomainStatus, NodeStatus, SiteJobStatus};
 use powerflex_proto::usage::JobEnergyRecord;
 
@@ -35,9 +35,17 @@ fn bound(floor: Option<&FloorStatus>) -> String {
     }
 }
 
-/// A cut as the wire writes it, e.g. `{"reduce":{"fraction":0.3}}`.
+/// A cut as an operator reads it, saying what it is a share of: `30 % of the base
+/// budget` (of the site's, or of the domain's its event names) or `down to 600 kW`.
 fn cut_text(event: &Event) -> String {
-    serde_json::to_string(&event.cut).unwrap_or_else(|_| "-".into())
+    match event.cut {
+        Cut::Reduce { fraction } => {
+            // Percent to two decimals, without trailing zeros: 30 %, 12.5 %.
+            let pct = (fraction * 10_000.0).round() / 100.0;
+            format!("{pct} % of the base budget")
+        }
+        Cut::Target { budget_w } => format!("down to {}", Watts(budget_w)),
+    }
 }
 
 pub fn render_nodes(nodes: &[NodeStatus]) -> String {
@@ -804,7 +812,6 @@ mod tests {
     use powerflex_core::allocate::{Allocation, JobAllocation, Maximised, Policy};
     use powerflex_core::units::SlowdownFraction;
     use powerflex_core::Watts;
-    use powerflex_proto::event::Cut;
     use powerflex_proto::status::{
         CurvePoint, CurveSnapshot, PfiSource, PreemptedView, SnapshotAfter,
     };
@@ -900,7 +907,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("active event 3: {\"reduce\":{\"fraction\":0.3}}\n"),
+            text.contains("active event 3: 30 % of the base budget\n"),
             "{text}"
         );
         assert!(text.contains("OVER THEIR BOUND (1 jobs; the budget cannot hold every tier): 102 (flex2,calibrate=off) by 4.2%"), "{text}");
@@ -1372,7 +1379,12 @@ mod tests {
             row,
             [
                 "3",
-                "{\"reduce\":{\"fraction\":0.3}}",
+                "30",
+                "%",
+                "of",
+                "the",
+                "base",
+                "budget",
                 "1970-01-01",
                 "00:00:01",
                 "UTC",
