@@ -471,20 +471,14 @@ impl Site {
             task.tokens = 0.0;
             let n = &mut self.nodes[task.node];
             n.host.live.insert(id.to_string());
-            if let Some(agent) = n.agent.as_mut() {
-                let step = StepStart {
-                    job_id: id,
-                    step_id: FIRST_STEP,
-                    uid: job.spec.uid,
-                    gpus: &task.gpus,
-                    flex: &job.spec.flex,
-                };
-                match agent.register(&mut n.gpus, &n.host, now_ms, &step) {
-                    Ok(effects) => save(n, effects),
-                    // Fail open: the job runs unmanaged, as the plugin lets it.
-                    Err(why) => self.trace.note(&format!("registration refused: {why}")),
-                }
-            }
+            let step = StepStart {
+                job_id: id,
+                step_id: FIRST_STEP,
+                uid: job.spec.uid,
+                gpus: &task.gpus,
+                flex: &job.spec.flex,
+            };
+            register_step(n, &mut self.trace, now_ms, &step);
             // The tasks start once slurmstepd has its answer.
             for &g in &task.gpus {
                 n.host
@@ -705,7 +699,7 @@ impl Site {
                 let new_step = job.spec.phases[phase].new_step.then(|| phase.to_string());
                 for task in &job.tasks {
                     let n = &mut self.nodes[task.node];
-                    if let (Some(step_id), Some(agent)) = (&new_step, n.agent.as_mut()) {
+                    if let Some(step_id) = &new_step {
                         // The new step's processes register before they load the GPUs.
                         let step = StepStart {
                             job_id: id,
@@ -714,10 +708,7 @@ impl Site {
                             gpus: &task.gpus,
                             flex: &job.spec.flex,
                         };
-                        match agent.register(&mut n.gpus, &n.host, to_ms, &step) {
-                            Ok(effects) => save(n, effects),
-                            Err(why) => self.trace.note(&format!("registration refused: {why}")),
-                        }
+                        register_step(n, &mut self.trace, to_ms, &step);
                     }
                     for &g in &task.gpus {
                         n.gpus.gpus[g as usize].set_load(to_ms, load.clone());
@@ -1212,6 +1203,18 @@ impl Site {
 }
 
 /// Saves the node's state when the edge would.
+/// A step registers with node `n`'s agent (when it runs one), its effects saved. A refusal
+/// fails open, as the plugin does: the step runs unmanaged, and the trace notes why.
+fn register_step(n: &mut Node, trace: &mut Trace, now_ms: u64, step: &StepStart<'_>) {
+    let Some(agent) = n.agent.as_mut() else {
+        return;
+    };
+    match agent.register(&mut n.gpus, &n.host, now_ms, step) {
+        Ok(effects) => save(n, effects),
+        Err(why) => trace.note(&format!("registration refused: {why}")),
+    }
+}
+
 fn save(n: &mut Node, effects: Effects) {
     if effects.save {
         if let Some(agent) = &n.agent {

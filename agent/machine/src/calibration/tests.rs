@@ -1010,12 +1010,19 @@ fn every_window_is_judged_against_the_same_sets_top_the_walk_with_its_allowance(
     assert!(judged.past_s > 0.0 && judged.past_s <= past, "{judged:?}");
 }
 
-#[test]
-fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
+/// A flex2 job walked to its end, then held at 500 W for 30 s in operation; returns the
+/// time reached.
+fn flex2_walked_then_held_at_500() -> (Calibration, ProgressLog, f64) {
     let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
     let mut log = ProgressLog::default();
     let t = operate_walk(&mut cal, &mut log);
     let t = operate(&mut cal, &mut log, t, 30.0, 500.0, false);
+    (cal, log, t)
+}
+
+#[test]
+fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
+    let (mut cal, mut log, t) = flex2_walked_then_held_at_500();
     let windows = cal.windows.len();
     cal.question_curve(t);
     assert!(cal.curve_in_question());
@@ -1034,10 +1041,7 @@ fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
 
 #[test]
 fn a_new_step_that_left_the_curve_sets_it_aside_and_is_not_judged_on_the_old_top() {
-    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
-    let mut log = ProgressLog::default();
-    let t = operate_walk(&mut cal, &mut log);
-    let t = operate(&mut cal, &mut log, t, 30.0, 500.0, false);
+    let (mut cal, mut log, t) = flex2_walked_then_held_at_500();
     cal.take_judged();
     let walked = cal.windows.len();
     cal.question_curve(t);
@@ -1117,10 +1121,7 @@ fn windows_without_their_sets_top_are_judged_when_it_is_read() {
 /// question is open do not push that time back.
 #[test]
 fn only_a_steady_window_answers_and_an_unanswered_question_times_out() {
-    let mut cal = Calibration::new(settings(), Some(0.25), true, 0.0);
-    let mut log = ProgressLog::default();
-    let t = operate_walk(&mut cal, &mut log);
-    let t = operate(&mut cal, &mut log, t, 30.0, 500.0, false);
+    let (mut cal, mut log, t) = flex2_walked_then_held_at_500();
     let windows = cal.windows.len();
     cal.question_curve(t);
     let start = t;

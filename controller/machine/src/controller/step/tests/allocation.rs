@@ -744,26 +744,13 @@ fn a_curve_put_in_question_is_allocated_at_once_on_the_chord() {
     let budget = 4000.0;
     let on_curve = |cap: f64| 1000.0 * (1.0 - (1.0 - cap / 700.0) / 2.0);
     let at = |node: &str, id: &str, tier: &str, cap_w: f64, in_question: bool| {
-        let Input::Report {
-            ended,
-            observe_only,
-            node,
-            power_w,
-            mut jobs,
-        } = at_cap(node, id, tier, cap_w)
-        else {
-            unreachable!("at_cap builds a report")
-        };
-        jobs[0].throughput = Some(on_curve(cap_w));
-        jobs[0].power_cap_w = Some(cap_w);
-        jobs[0].curve_in_question = in_question;
-        Input::Report {
-            ended,
-            observe_only,
-            node,
-            power_w,
-            jobs,
+        let mut report = at_cap(node, id, tier, cap_w);
+        if let Input::Report { jobs, .. } = &mut report {
+            jobs[0].throughput = Some(on_curve(cap_w));
+            jobs[0].power_cap_w = Some(cap_w);
+            jobs[0].curve_in_question = in_question;
         }
+        report
     };
     let mut core = fresh();
     core.step_saved(
