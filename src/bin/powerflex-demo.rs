@@ -46,6 +46,7 @@ use powerflex_controller::plot::Mark;
 use powerflex_core::allocate::CapLimits;
 use powerflex_core::compare::{self, round_to, Scored, TrueJob};
 use powerflex_core::config::{RawGrid, RawOpenAdr, SiteConfig};
+use powerflex_core::flex::Preempt;
 use powerflex_core::Watts;
 use powerflex_proto::event::Cut;
 use powerflex_proto::status::{
@@ -967,11 +968,33 @@ struct During {
     start_ms: u64,
     end_ms: u64,
     changes: Vec<PhaseChange>,
+    /// Every job the controller held out while the event was in force: a cut deeper than
+    /// every floor (a phase change can raise a job's floor in the middle of the hold).
+    held: Vec<HeldOut>,
     /// Every policy's decision in the middle of the hold, before any phase change.
     snapshot: Snapshot,
     /// After the event: its budget asked again, planned with what the event measured.
     replay: Snapshot,
     jobs: Vec<SiteJobStatus>,
+}
+
+/// A job the controller held out (suspended or requeued) during event 1, as its status
+/// showed it (read every second).
+#[derive(Debug, Clone)]
+struct HeldOut {
+    job: u32,
+    how: Preempt,
+    /// Since when the controller has held it out, and the last status that still did,
+    /// Unix ms.
+    since_ms: u64,
+    last_seen_ms: u64,
+}
+
+impl HeldOut {
+    /// Whether the hold overlaps the window `[from_ms, to_ms]`.
+    fn overlaps(&self, from_ms: u64, to_ms: u64) -> bool {
+        self.since_ms <= to_ms && self.last_seen_ms >= from_ms
+    }
 }
 
 /// The policies the demo compares, all asked of the controller (`whatif`, read-only) at
@@ -1081,6 +1104,7 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
     let mut draw = Vec::new();
     let mut snapshot: Option<Snapshot> = None;
     let mut changes = Vec::new();
+    let mut held: Vec<HeldOut> = Vec::new();
     let mut last_sample = Instant::now() - Duration::from_secs(60);
     let mut last_said = Instant::now() - Duration::from_secs(60);
     while event_start.elapsed().as_secs_f64() < to_s {
@@ -1088,6 +1112,7 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
         if last_sample.elapsed() >= Duration::from_secs(1) {
             demo.meter.sample(&demo.stack)?;
             last_sample = Instant::now();
+            note_held_out(demo, &mut held, event_start_ms);
         }
         draw.push((t, demo.stack.try_draw_w()?));
         if snapshot.is_none() && t >= change_at_s {
@@ -1210,10 +1235,44 @@ fn event(demo: &mut Demo, jobs: &[Job], before: &Before) -> Result<During> {
         draw,
         from_s,
         changes,
+        held,
         snapshot: snapshot.ok_or("the event ended before the what-if snapshot")?,
         replay,
         jobs: during_jobs,
     })
+}
+
+/// Records every job the controller's last status (read by the meter) holds out, and says
+/// so once per job: the cut went deeper than caps at every floor can hold.
+fn note_held_out(demo: &Demo, held: &mut Vec<HeldOut>, event_start_ms: u64) {
+    let Some(status) = &demo.meter.status else {
+        return;
+    };
+    let now = unix_ms();
+    for p in &status.preempted {
+        // Held out before this event (an earlier cut) is not this event's doing.
+        let Ok(job) = p.job.parse::<u32>() else {
+            continue;
+        };
+        if p.since_ms < event_start_ms {
+            continue;
+        }
+        match held.iter_mut().find(|h| h.job == job) {
+            Some(h) => h.last_seen_ms = now,
+            None => {
+                demo.progress.say(format!(
+                    "      job {job} held out by the controller ({}): caps at every floor no longer meet the budget",
+                    p.how
+                ));
+                held.push(HeldOut {
+                    job,
+                    how: p.how,
+                    since_ms: p.since_ms,
+                    last_seen_ms: now,
+                });
+            }
+        }
+    }
 }
 
 /// What the OpenADR event showed (all on SIMULATED GPUs).
@@ -2599,8 +2658,20 @@ impl Measured<'_> {
             };
             total_before += tps_before;
             total_during += tps_during;
-            let within = slowdown <= job.spec.bound + SLOWDOWN_TOLERANCE
-                && (job.spec.tier != "flex0" || d_lo >= DEFAULT_CAP_W);
+            // A job the controller held out in the judged window is judged on that, not on
+            // its tokens/s: the hold keeps the promise only if the job allowed it
+            // (`preempt=suspend`, what the demo submits it with).
+            let held_out = during
+                .held
+                .iter()
+                .find(|h| h.job == id && h.overlaps(during.from_ms, during_to));
+            let within = match held_out {
+                Some(h) => job.spec.suspend && h.how == Preempt::Suspend,
+                None => {
+                    slowdown <= job.spec.bound + SLOWDOWN_TOLERANCE
+                        && (job.spec.tier != "flex0" || d_lo >= DEFAULT_CAP_W)
+                }
+            };
             promises_held &= within;
             let cal = calibration
                 .jobs
@@ -2630,11 +2701,20 @@ impl Measured<'_> {
                 format!("{tps_before:.0}"),
                 format!("{tps_during:.0}"),
                 format!("{:.1} %", slowdown * 100.0),
-                format!(
-                    "{:.0} %{}",
-                    job.spec.bound * 100.0,
-                    if within { "" } else { " BROKEN" }
-                ),
+                match held_out {
+                    Some(h) => format!(
+                        "{:.0} %, held out ~{:.0} s ({}){}",
+                        job.spec.bound * 100.0,
+                        h.last_seen_ms.saturating_sub(h.since_ms) as f64 / 1000.0,
+                        h.how,
+                        if within { "" } else { " BROKEN: not allowed" }
+                    ),
+                    None => format!(
+                        "{:.0} %{}",
+                        job.spec.bound * 100.0,
+                        if within { "" } else { " BROKEN" }
+                    ),
+                },
                 equal_cap(id).map_or("700 W".into(), |c| format!("{c:.0} W")),
                 format!(
                     "{:.1} %{}",
@@ -2667,7 +2747,9 @@ impl Measured<'_> {
                 "bound": job.spec.bound, "pfi_true": true_pfi, "pfi_measured": measured_pfi, "pfi_sigma": pfi_sigma,
                 "caps_walked_w": walked, "cap_before_w": [b_lo, b_hi], "cap_during_w": [d_lo, d_hi],
                 "tokens_per_s_before": tps_before, "tokens_per_s_during": tps_during, "slowdown": slowdown,
-                "within_bound": within, "equal_cap_w": equal_cap(id), "equal_slowdown": eq_slowdown,
+                "within_bound": within,
+                "held_out_s": held_out.map(|h| h.last_seen_ms.saturating_sub(h.since_ms) as f64 / 1000.0),
+                "held_out_how": held_out.map(|h| h.how.name()), "equal_cap_w": equal_cap(id), "equal_slowdown": eq_slowdown,
                 "calibration_s": calibration_s, "calibration_cost_uncapped_s": cost_uncapped_s,
             }));
         }
@@ -2859,9 +2941,9 @@ impl Measured<'_> {
                 p["at_s"].as_f64().unwrap_or(0.0),
                 p["from"].as_str().unwrap_or(""),
                 p["to"].as_str().unwrap_or(""),
-                draw.settle_window,
                 Watts(p["transient_peak_w"].as_f64().unwrap_or(0.0)),
                 p["transient_over_s"].as_f64().unwrap_or(0.0),
+                draw.settle_window,
                 Watts(p["draw_max_after_two_periods_w"].as_f64().unwrap_or(0.0)),
                 if p["within_budget_after_two_periods"] == true {
                     "within the budget"
@@ -2872,6 +2954,14 @@ impl Measured<'_> {
         }
         if draw.seconds_over > 0.0 {
             println!("  seconds over the event budget   {:.1}", draw.seconds_over);
+        }
+        for h in &self.during.held {
+            println!(
+                "  job {} held out                 {} for ~{:.0} s: caps at every floor no longer met the budget (a phase change raises a floor); its tokens/s below count the hold",
+                h.job,
+                h.how,
+                h.last_seen_ms.saturating_sub(h.since_ms) as f64 / 1000.0
+            );
         }
         println!(
             "  tokens/s before                 {:.0}",
