@@ -347,10 +347,15 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
     };
     let first_caps = caps_now();
     let (mut settled_caps, mut settled_since) = (first_caps.clone(), Instant::now());
+    // Every move, for the failure message: which job moved, when and how far says whether
+    // it was a flap, a walk or a drift.
+    let mut moves: Vec<(f64, Vec<Option<f64>>)> = vec![(7.0, first_caps.clone())];
     while settled_since.elapsed() < Duration::from_secs(12) {
         assert!(
             event_started.elapsed() < Duration::from_secs(90),
-            "the caps did not settle within 90 s of the event: {settled_caps:?}"
+            "the caps did not settle within 90 s of the event: {settled_caps:?}; \
+             (s into the event, caps W) at every move: {moves:?}; the controller's log is {}",
+            base.join("ctld.log").display()
         );
         sample_draw_for(Duration::from_secs(1), &mut worst);
         // Within one cap step: metered mode hands the last step of headroom back and
@@ -365,13 +370,14 @@ fn a_thirty_percent_grid_event_is_met_within_every_tier_bound() {
                 (a, b) => a.is_some() != b.is_some(),
             });
         if moved {
+            moves.push((event_started.elapsed().as_secs_f64().round(), caps.clone()));
             (settled_caps, settled_since) = (caps, Instant::now());
         }
     }
     eprintln!(
         "event: uncapped {before_w:.0} W, budget {target_w:.0} W, highest draw {worst:.0} W \
          in {samples} samples at 50 ms; caps {first_caps:?} W at the ramp's end, settled at \
-         {settled_caps:?} W {:.0} s into the event",
+         {settled_caps:?} W {:.0} s into the event; moves {moves:?}",
         (settled_since - event_started).as_secs_f64()
     );
     // Slowdowns within bounds: throughput now against the job's uncapped throughput.

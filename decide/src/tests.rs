@@ -1657,3 +1657,89 @@ fn a_job_in_question_drifts_on_a_draw_above_its_curve_only() {
     let heavier = plan(600.0, on_curve * 0.1);
     assert_eq!(heavier.drifted.len(), 1, "{:?}", heavier.drifted);
 }
+
+/// Two jobs on one node, both on the same straight curve (PFI 2: every split of a total
+/// is worth the same), at the caps `in_force`, under a hard budget.
+fn steady_pair(tiers: [&str; 2], in_force: [f64; 2], budget_w: f64) -> Decision {
+    let jobs = tiers
+        .iter()
+        .zip(["1", "2"])
+        .map(|(tier, id)| report(id, tier, 4, 2800.0, points(4.0)))
+        .collect();
+    let hard = SiteSettings {
+        budget_mode: BudgetMode::Hard,
+        ..settings()
+    };
+    let caps: BTreeMap<String, f64> = [
+        ("1".to_string(), in_force[0]),
+        ("2".to_string(), in_force[1]),
+    ]
+    .into();
+    decide_steady(
+        &[node("n1", (0..8).map(gpu).collect(), jobs)],
+        Watts(budget_w),
+        &hard,
+        &Held::new(),
+        &caps,
+    )
+}
+
+/// Caps in force a few watts over a budget that fell are trimmed by one step where it
+/// costs least, not given up for a fresh split: a fresh split that moves the other job
+/// too makes two splits of the same worth trade places each time the draws move (CI run
+/// 98: 20 W per GPU back and forth every 1-5 s for 80 s).
+#[test]
+fn caps_in_force_over_the_budget_by_a_hair_are_trimmed_not_replaced() {
+    // 520 + 480 W on four GPUs each: 4000 W, the whole budget, and kept there.
+    let d = steady_pair(["flex3", "flex3"], [520.0, 480.0], 4000.0);
+    assert_eq!(
+        (d.leases["n1"]["1"], d.leases["n1"]["2"]),
+        (520.0, 480.0),
+        "{d:?}"
+    );
+    // 5 W less: one job one step down, the other where it was.
+    let d = steady_pair(["flex3", "flex3"], [520.0, 480.0], 3995.0);
+    let caps = (d.leases["n1"]["1"], d.leases["n1"]["2"]);
+    assert!(
+        caps == (510.0, 480.0) || caps == (520.0, 470.0),
+        "one step of one job: {caps:?}"
+    );
+    let a = d.allocation.expect("allocation");
+    assert!(a.total_power_w.0 <= 3995.0 + 1e-6, "{a:?}");
+    // Far over (a cut): no trim of four steps reaches it, and a fresh split is made.
+    let d = steady_pair(["flex3", "flex3"], [520.0, 480.0], 3000.0);
+    let a = d.allocation.expect("allocation");
+    assert!(a.total_power_w.0 <= 3000.0 + 1e-6, "{a:?}");
+}
+
+/// In a cut too deep for every floor, caps in force that break the same floors by no
+/// more than a fresh split stay; caps that break a floor the fresh split holds (a
+/// stricter tier's, which gives way last) do not.
+#[test]
+fn in_a_cut_below_the_floors_caps_in_force_stay_only_when_they_break_no_more() {
+    // Two flex1 jobs (bound 10 %: 560 W on this curve) at 500 W a GPU: both past their
+    // bound, by the same total however the 4000 W are split.
+    let d = steady_pair(["flex1", "flex1"], [510.0, 490.0], 4000.0);
+    assert_eq!(
+        (d.leases["n1"]["1"], d.leases["n1"]["2"]),
+        (510.0, 490.0),
+        "{d:?}"
+    );
+    let a = d.allocation.expect("allocation");
+    assert!(a.broken_floors().count() == 2, "{a:?}");
+    // A flex2 job (bound 25 %: about 350 W) gives way before a flex1 one: at 3440 W the
+    // flex1 job holds its floor. Caps in force that break the flex1 job's floor instead go.
+    let d = steady_pair(["flex2", "flex1"], [310.0, 550.0], 3440.0);
+    assert!(
+        d.leases["n1"]["2"] > 550.0,
+        "the stricter tier's floor: {d:?}"
+    );
+    let a = d.allocation.expect("allocation");
+    assert!(
+        a.jobs
+            .iter()
+            .find(|j| j.id == "2")
+            .is_some_and(|j| !j.floor.is_broken()),
+        "{a:?}"
+    );
+}
