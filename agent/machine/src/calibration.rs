@@ -388,6 +388,9 @@ pub struct Calibration {
     /// [`Calibration::question_curve`]). The controller plans the job meanwhile on what
     /// physics guarantees, not on the curve.
     pub curve_question: Option<CurveQuestion>,
+    /// When the last question was answered or timed out (agent seconds). A step within
+    /// `rewalk_after_s` of it is not questioned again (see [`Calibration::question_curve`]).
+    last_answered: Option<f64>,
 }
 
 /// A curve in question since a new step (see [`Calibration::question_curve`]).
@@ -477,6 +480,7 @@ impl Calibration {
             judged: Vec::new(),
             unjudged: Vec::new(),
             curve_question: None,
+            last_answered: None,
         }
     }
 
@@ -568,8 +572,21 @@ impl Calibration {
     /// step, so no window mixes the two. A step while the question is open moves only the
     /// start of the next window, not the timeout. A job still being walked, or with no
     /// curve, has nothing to question.
+    ///
+    /// A step within `rewalk_after_s` of the last answer (or timeout) is not questioned:
+    /// a job is planned on what physics guarantees while in question, which for a tight
+    /// tier is more than its measured floor, and a user who launched a stream of short
+    /// steps would otherwise keep it there, on the other jobs' watts. A real new phase
+    /// that soon is the controller's drift check's to find (its draw or its rate off the
+    /// curve), as between steps.
     pub fn question_curve(&mut self, now: f64) {
         if self.phase != Phase::Done || self.rewalk_due.is_some() || self.windows.is_empty() {
+            return;
+        }
+        let asked_lately = self
+            .last_answered
+            .is_some_and(|at| now < at + self.settings.rewalk_after_s);
+        if asked_lately && self.curve_question.is_none() {
             return;
         }
         let since = self.curve_question.map_or(now, |q| q.since);

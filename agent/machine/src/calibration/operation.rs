@@ -78,6 +78,7 @@ impl Calibration {
                 QUESTION_TIMEOUT_WINDOWS * (self.settings.settle_s + self.settings.hold_s);
             if now - q.since > timeout {
                 self.curve_question = None;
+                self.last_answered = Some(now);
                 return Some(StepAnswer::Unanswered {
                     open_s: now - q.since,
                 });
@@ -162,6 +163,7 @@ impl Calibration {
     /// ([`Calibration::rewalk`]); the window itself then starts the new phase's set.
     fn answer_question(&mut self, now: f64, w: &Window) -> StepAnswer {
         self.curve_question = None;
+        self.last_answered = Some(now);
         let Some(curve) = self.curve() else {
             return StepAnswer::SameCurve;
         };

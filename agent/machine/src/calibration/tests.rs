@@ -1034,9 +1034,46 @@ fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
     assert!(!cal.curve_in_question());
     assert!(!cal.remeasuring(), "the same curve is not walked again");
     assert!(cal.windows.len() > windows, "its windows kept and added to");
-    // A later step questions it again.
+    // A step soon after is not questioned; one `rewalk_after_s` after the answer is.
+    cal.question_curve(t + 1.0);
+    assert!(!cal.curve_in_question(), "asked lately");
+    let t = operate(
+        &mut cal,
+        &mut log,
+        t,
+        settings().rewalk_after_s,
+        500.0,
+        false,
+    );
     cal.question_curve(t);
     assert!(cal.curve_in_question());
+}
+
+/// A user who launches a short step every few seconds cannot keep the job's curve in
+/// question (planned on the chord, above its measured floor, on the others' watts): after
+/// each answer or timeout the job is not questioned for `rewalk_after_s`, so the share of
+/// its time in question is at most the timeout over that.
+#[test]
+fn a_stream_of_short_steps_keeps_the_curve_in_question_only_once_a_rewalk_period() {
+    let (mut cal, mut log, mut t) = flex2_walked_then_held_at_500();
+    let (mut in_question_s, start) = (0.0, t);
+    let span = 3.0 * settings().rewalk_after_s;
+    while t < start + span {
+        // A new `srun` every 4 s; the job's steady progress otherwise.
+        cal.question_curve(t);
+        let was = cal.curve_in_question();
+        t = operate(&mut cal, &mut log, t, 4.0, 500.0, false);
+        if was {
+            in_question_s += 4.0;
+        }
+    }
+    let timeout = QUESTION_TIMEOUT_WINDOWS * (settings().settle_s + settings().hold_s);
+    let most = 3.0 * (timeout + 8.0);
+    assert!(
+        in_question_s <= most,
+        "{in_question_s} s of {span} s in question (at most {most} s)"
+    );
+    assert!(in_question_s > 0.0, "the first step was questioned");
 }
 
 #[test]
@@ -1138,7 +1175,16 @@ fn only_a_steady_window_answers_and_an_unanswered_question_times_out() {
     assert_eq!(answers, vec![StepAnswer::SameCurve], "{answers:?}");
     assert!(!cal.remeasuring(), "the curve kept");
     assert!(cal.windows.len() > windows);
-    // A step that reports nothing: unanswered after 6 x (settle 2 s + hold 5 s).
+    // A step that reports nothing (once the answer is `rewalk_after_s` old: see
+    // `question_curve`): unanswered after 6 x (settle 2 s + hold 5 s).
+    let t = operate(
+        &mut cal,
+        &mut log,
+        t,
+        settings().rewalk_after_s,
+        500.0,
+        false,
+    );
     cal.question_curve(t);
     let start = t;
     let (t, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |_, _| None);
