@@ -196,6 +196,8 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         "add",
         "--reduce",
         "50%",
+        "--of",
+        "base",
         "--start",
         "now",
         "--duration",
@@ -266,6 +268,43 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
                 .then_some(())
         },
     );
+
+    // `--reduce` without `--of` is a share of the draw now, sent as the target it makes
+    // and said in the reply.
+    let read: CtldStatus =
+        serde_json::from_str(&ctl_run(&["status", "--format", "json"]).stdout).expect("status");
+    let add = ctl_run(&[
+        "event",
+        "add",
+        "--reduce",
+        "25%",
+        "--start",
+        "+1h",
+        "--duration",
+        "1h",
+    ]);
+    assert_eq!(add.code, Some(0), "{}", add.stderr);
+    assert!(
+        add.stdout.contains("25 % below the draw now"),
+        "{}",
+        add.stdout
+    );
+    let listed: Vec<powerflex_proto::event::Event> =
+        serde_json::from_str(&ctl_run(&["events", "--format", "json"]).stdout).expect("events");
+    let [planned] = &listed[..] else {
+        panic!("one event: {listed:?}");
+    };
+    let powerflex_proto::event::Cut::Target { budget_w } = planned.cut else {
+        panic!("a share of the draw is sent as its target: {planned:?}");
+    };
+    let expected = 0.75 * read.draw_w;
+    assert!(
+        (budget_w - expected).abs() <= 0.05 * expected,
+        "{budget_w} W against 75 % of the {} W draw",
+        read.draw_w
+    );
+    let cancel = ctl_run(&["event", "cancel", &planned.id.to_string()]);
+    assert_eq!(cancel.code, Some(0), "{}", cancel.stderr);
 
     // The views an admin reads.
     let status = ctl_run(&["status"]);

@@ -39,13 +39,15 @@ fn bound(floor: Option<&FloorStatus>) -> String {
 /// budget` (of the site's, or of the domain's its event names) or `down to 600 kW`.
 fn cut_text(event: &Event) -> String {
     match event.cut {
-        Cut::Reduce { fraction } => {
-            // Percent to two decimals, without trailing zeros: 30 %, 12.5 %.
-            let pct = (fraction * 10_000.0).round() / 100.0;
-            format!("{pct} % of the base budget")
-        }
+        Cut::Reduce { fraction } => format!("{} of the base budget", share_text(fraction)),
         Cut::Target { budget_w } => format!("down to {}", Watts(budget_w)),
     }
+}
+
+/// A share as a percentage to two decimals, without trailing zeros: `30 %`, `12.5 %`.
+pub fn share_text(fraction: f64) -> String {
+    let pct = (fraction * 10_000.0).round() / 100.0;
+    format!("{pct} %")
 }
 
 pub fn render_nodes(nodes: &[NodeStatus]) -> String {

@@ -461,11 +461,20 @@ enum BudgetAction {
     },
 }
 
+/// What an event's `--reduce` is a share of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ShareOf {
+    /// The metered draw when the event is added: what an operator asked to shed 30 % means.
+    Draw,
+    /// The base budget (`facility.gpu_budget_w` or the last `budget set`; a domain's limit).
+    Base,
+}
+
 #[derive(Debug, Subcommand)]
 enum EventAction {
     /// Schedule a grid event: --reduce 30% or --target 600kW, from --start for --duration.
     Add {
-        /// Cut this share of the site's base budget (not of its draw): 30% or 0.3.
+        /// Cut this share (30% or 0.3) of what `--of` names: by default the draw now.
         #[arg(
             long,
             value_name = "SHARE",
@@ -474,6 +483,11 @@ enum EventAction {
             value_parser = parse_reduce
         )]
         reduce: Option<f64>,
+        /// What `--reduce` is a share of: `draw`, the metered draw when the event is added
+        /// (the site's, or the domain's), sent as the target it makes; or `base`, the base
+        /// budget (the domain's limit), as a utility's simple level is.
+        #[arg(long, value_enum, default_value = "draw", conflicts_with = "target")]
+        of: ShareOf,
         /// Bring the budget to this power, e.g. 600kW.
         #[arg(long, value_parser = power)]
         target: Option<Watts>,
@@ -820,13 +834,22 @@ fn run(cli: Cli) -> Result<String, CtlError> {
         Command::Event { action } => match action {
             EventAction::Add {
                 reduce,
+                of,
                 target,
                 start,
                 duration,
                 ramp,
                 domain,
                 ctld: args,
-            } => event_add(reduce, target, start, duration, ramp, domain, &args),
+            } => event_add(
+                reduce.map(|share| (share, of)),
+                target,
+                start,
+                duration,
+                ramp,
+                domain,
+                &args,
+            ),
             EventAction::List { ctld: args, format } => list_events(&args, format),
             EventAction::Cancel { id, ctld: args } => event_cancel(id, &args),
         },
@@ -1165,9 +1188,40 @@ fn budget_set(budget: Watts, domain: Option<String>, args: &CtldArgs) -> Result<
     })
 }
 
-/// `event add`: schedules a grid event.
+/// The metered draw `event add --reduce` takes its share of: the site's, or the named
+/// domain's, as the controller's status has it now.
+fn draw_now(domain: Option<&str>, args: &CtldArgs) -> Result<Watts, CtlError> {
+    let status = status(args)?;
+    let draw_w = match domain {
+        None => status.draw_w,
+        Some(name) => {
+            status
+                .domains
+                .iter()
+                .find(|d| d.name == name)
+                .ok_or_else(|| {
+                    CtlError::Usage(format!(
+                        "the controller has no power domain \"{name}\" (`powerflexctl domains` lists them)"
+                    ))
+                })?
+                .draw_w
+        }
+    };
+    if !(draw_w.is_finite() && draw_w > 0.0) {
+        return Err(CtlError::Usage(format!(
+            "the controller reads no draw{} yet ({}): give --target, or --of base for a share of the base budget",
+            domain.map_or(String::new(), |d| format!(" in domain {d}")),
+            Watts(draw_w)
+        )));
+    }
+    Ok(Watts(draw_w))
+}
+
+/// `event add`: schedules a grid event. A share of the draw becomes the target it makes
+/// now (the controller's cuts of a share are of the base budget, which a utility's level
+/// means), and the reply says so.
 fn event_add(
-    reduce: Option<f64>,
+    reduce: Option<(f64, ShareOf)>,
     target: Option<Watts>,
     start: Start,
     duration: u64,
@@ -1175,11 +1229,29 @@ fn event_add(
     domain: Option<String>,
     args: &CtldArgs,
 ) -> Result<String, CtlError> {
-    let cut = match (reduce, target) {
-        (Some(fraction), _) => Cut::Reduce { fraction },
-        (None, Some(budget_w)) => Cut::Target {
-            budget_w: budget_w.0,
-        },
+    let (cut, said) = match (reduce, target) {
+        (Some((fraction, ShareOf::Base)), _) => (
+            Cut::Reduce { fraction },
+            format!("{} of the base budget", render::share_text(fraction)),
+        ),
+        (Some((fraction, ShareOf::Draw)), _) => {
+            let draw = draw_now(domain.as_deref(), args)?;
+            let budget_w = (draw.0 * (1.0 - fraction)).floor().max(0.0);
+            (
+                Cut::Target { budget_w },
+                format!(
+                    "{} below the draw now ({draw}): down to {}",
+                    render::share_text(fraction),
+                    Watts(budget_w)
+                ),
+            )
+        }
+        (None, Some(budget_w)) => (
+            Cut::Target {
+                budget_w: budget_w.0,
+            },
+            format!("down to {budget_w}"),
+        ),
         (None, None) => return Err(CtlError::Usage("give --reduce or --target".into())),
     };
     let start_ms = start.resolve(unix_ms());
@@ -1198,8 +1270,8 @@ fn event_add(
         return Err(missing("event id"));
     };
     Ok(match domain {
-        None => format!("event {id} scheduled\n"),
-        Some(d) => format!("event {id} scheduled for domain {d}\n"),
+        None => format!("event {id} scheduled: {said}\n"),
+        Some(d) => format!("event {id} scheduled for domain {d}: {said}\n"),
     })
 }
 
