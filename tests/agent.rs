@@ -1552,3 +1552,62 @@ fn another_job_s_process_on_a_job_s_gpu_leaves_it_the_job_s_and_capped() {
         "logged"
     );
 }
+
+/// Another power manager (here the test, writing the simulated GPU's limit as DPS or a
+/// BMC would) that keeps lowering a job's GPU below the agent's cap is left alone after
+/// the third time within two minutes: the GPU stays at its limit, status says it is held
+/// elsewhere; once the other manager lets go (its default limit back), the agent's cap is
+/// written again.
+#[test]
+fn a_gpu_another_power_manager_keeps_lower_is_not_fought() {
+    if !can_run(&[Need::Root]) {
+        return;
+    }
+    let mut f = Fixture::new("owner", Some(3000.0), 3600);
+    let reply = f.register("311", &["0", "1", "2", "3"], "flex3,calibrate=off");
+    assert!(reply.is_ok(), "{reply:?}");
+    f.simjob(
+        "311",
+        "0,1,2,3",
+        "llama-3.1-70b-dense-pt-8g-compile",
+        Some(reply.progress().expect("progress")),
+    );
+    let ours = wait_until("the budget to cap the job", Duration::from_secs(20), || {
+        let cap = f.limit_w(0);
+        (cap < 700.0 && cap > 250.0).then_some(cap)
+    });
+    // Lowered to 250 W three times, each once the agent has written its cap back.
+    for time in 1..=3 {
+        f.node
+            .set_power_limit(0, 250_000, 0)
+            .expect("the other manager's write");
+        if time < 3 {
+            wait_until(
+                "the agent's cap written back",
+                Duration::from_secs(10),
+                || (f.limit_w(0) > 250.0).then_some(()),
+            );
+        }
+    }
+    wait_until("GPU 0 held elsewhere", Duration::from_secs(10), || {
+        let s = f.status();
+        (s.gpus[0].owned_elsewhere && s.gpus_owned_elsewhere == 1).then_some(())
+    });
+    // Left at 250 W, sampled every 50 ms for 3 s.
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        assert_eq!(f.limit_w(0), 250.0, "the agent does not fight it");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The other manager lets go: the agent takes the GPU back at its cap.
+    f.node.set_power_limit(0, 700_000, 0).expect("let go");
+    wait_until("the agent's cap again", Duration::from_secs(10), || {
+        let cap = f.limit_w(0);
+        (cap < 700.0 && !f.status().gpus[0].owned_elsewhere).then_some(())
+    });
+    assert!(
+        f.limit_w(0) <= ours + 50.0,
+        "{} W against {ours} W",
+        f.limit_w(0)
+    );
+}

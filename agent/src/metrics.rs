@@ -35,6 +35,10 @@ pub fn render(s: &Snapshot, sockets: &ServerStats) -> String {
         .family(
             &catalog::GPU_DEGRADED,
             gpu_rows(|g| Some(if g.degraded.is_some() { 1.0 } else { 0.0 })),
+        )
+        .family(
+            &catalog::GPU_OWNED_ELSEWHERE,
+            gpu_rows(|g| Some(if g.owned_elsewhere { 1.0 } else { 0.0 })),
         );
     let job_rows = |value: fn(&JobView) -> Option<f64>| {
         s.jobs

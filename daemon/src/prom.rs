@@ -72,6 +72,12 @@ pub mod catalog {
         help: "1 when the GPU is out of service.",
         labels: ["node", "gpu", "uuid"],
     };
+    pub const GPU_OWNED_ELSEWHERE: Family<3> = Family {
+        name: "powerflex_gpu_owned_elsewhere",
+        kind: Kind::Gauge,
+        help: "1 when another power manager keeps the GPU's limit below powerflex's: powerflex does not write it, and the controller counts it at that limit.",
+        labels: ["node", "gpu", "uuid"],
+    };
     pub const JOB_PFI: Family<3> = Family {
         name: "powerflex_job_pfi",
         kind: Kind::Gauge,
@@ -358,6 +364,7 @@ pub mod catalog {
             e(GPU_DEFAULT_CAP_WATTS, Agent),
             e(GPU_ENERGY_JOULES_TOTAL, Agent),
             e(GPU_DEGRADED, Agent),
+            e(GPU_OWNED_ELSEWHERE, Agent),
             e(JOB_PFI, Agent),
             e(JOB_CAP_WATTS, Agent),
             e(JOB_THROUGHPUT, Agent),

@@ -110,7 +110,10 @@ impl NodeReport {
     /// GPUs it can steer. Otherwise a lower budget would reach only the healthy GPUs and
     /// the stuck one would carry the site over it.
     pub fn of(status: &AgentStatus, turn: usize) -> NodeReport {
-        let steerable = |g: &AgentGpuStatus| g.degraded.is_none() && g.power_w.is_some();
+        // A GPU another power manager holds is not steered either: it counts at the limit
+        // it reads, outside its job.
+        let steerable =
+            |g: &AgentGpuStatus| g.degraded.is_none() && g.power_w.is_some() && !g.owned_elsewhere;
         let power_w = status
             .gpus
             .iter()

@@ -579,6 +579,10 @@ pub struct AgentStatus {
     // Left out at 0, so a status without foreign use reads as the releases before it wrote it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub gpu_foreign_use: u64,
+    /// Times since the agent started that a GPU was found held by another power manager
+    /// ([`AgentGpuStatus::owned_elsewhere`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gpus_owned_elsewhere: u64,
     /// Whether the agent writes limits; false in observe mode (`agent.enforce = false`).
     #[serde(default = "enforcing")]
     pub enforce: bool,
@@ -636,6 +640,12 @@ pub struct AgentGpuStatus {
     /// Those other jobs (root's view only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub foreign_jobs: Vec<String>,
+    /// Another power manager (DPS, Mission Control's power steering, a BMC, an operator)
+    /// keeps this GPU's limit below the agent's: the agent does not write it, and it
+    /// counts outside its job at the limit it reads (`cap_w`) until that limit rises to
+    /// the agent's cap. powerflex does not co-manage GPU limits with another manager.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub owned_elsewhere: bool,
 }
 
 /// A process NVML lists on a GPU, as the agent attributes it.

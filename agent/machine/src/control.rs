@@ -160,7 +160,26 @@ pub struct GpuSlot {
     pub unregistered_since: Option<f64>,
     /// Other jobs than the holder whose processes NVML lists on this GPU (foreign use).
     pub foreign_jobs: BTreeSet<String>,
+    /// When (agent seconds) the limit was last found lowered behind the agent's back,
+    /// the most recent first, at most [`OWNER_OVERRIDES`] within [`OWNER_WINDOW_S`].
+    pub lowered_at: Vec<f64>,
+    /// Another power manager (DPS, Mission Control's power steering, a BMC, an operator)
+    /// holds this GPU's limit below the agent's: since when (agent seconds). The agent
+    /// stops writing it (see [`OWNER_OVERRIDES`]) until the limit rises to or past the
+    /// cap the agent wants, and the GPU counts outside its job at its enforced limit.
+    pub owned_elsewhere_since: Option<f64>,
 }
+
+/// Times within [`OWNER_WINDOW_S`] a GPU's limit must be found lowered below what the
+/// agent wrote before the agent takes it as held by another power manager and stops
+/// writing it: once is an operator's one-off (written back, as before), three times is
+/// something that keeps setting it, which the agent must not fight. Only a lower limit is
+/// yielded to; a higher one would carry the site over its budget and is always written
+/// back.
+pub const OWNER_OVERRIDES: usize = 3;
+
+/// The window [`OWNER_OVERRIDES`] are counted in, s.
+pub const OWNER_WINDOW_S: f64 = 120.0;
 
 impl GpuSlot {
     /// The limit `found` on GPU `gpu` against the one the agent last wrote or read: a
@@ -381,6 +400,8 @@ pub struct Agent {
     curve_questions: u64,
     /// Onsets of foreign use on held GPUs ([`ForeignGpuUse`]).
     gpu_foreign_use: u64,
+    /// Times a GPU was found held by another power manager ([`OWNER_OVERRIDES`]).
+    gpus_owned_elsewhere: u64,
     /// Jobs the controller's last lease lets this agent probe (they run on this node
     /// alone); none in standalone mode, where a job's other nodes are unknown.
     learn: BTreeSet<String>,
@@ -453,6 +474,8 @@ impl Agent {
                 nvml_processes: Vec::new(),
                 unregistered_since: None,
                 foreign_jobs: BTreeSet::new(),
+                lowered_at: Vec::new(),
+                owned_elsewhere_since: None,
             })
             .collect();
         Agent {
@@ -467,6 +490,7 @@ impl Agent {
             leases_applied: 0,
             curve_questions: 0,
             gpu_foreign_use: 0,
+            gpus_owned_elsewhere: 0,
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,
             event_in_force: false,

@@ -116,6 +116,10 @@ impl Agent {
                 self.gpus[gpu].would_cap = Some(desired);
                 continue;
             }
+            if !self.writable(now, gpu, desired) {
+                // Another power manager holds it lower: the agent does not fight it.
+                continue;
+            }
             if self.gpus[gpu]
                 .applied
                 .is_none_or(|a| (a.0 - desired.0).abs() > 0.5)
@@ -127,6 +131,33 @@ impl Agent {
             }
         }
         actions
+    }
+
+    /// Whether GPU `gpu` may be written now: true unless another power manager holds its
+    /// limit below the agent's (see [`super::OWNER_OVERRIDES`]). Once the limit it reads
+    /// is at or above `desired` (the other manager let go, or raised it), the agent takes
+    /// it back: writing `desired` then lowers it, which no budget forbids.
+    fn writable(&mut self, now: f64, gpu: usize, desired: Watts) -> bool {
+        let slot = &mut self.gpus[gpu];
+        let Some(since) = slot.owned_elsewhere_since else {
+            return true;
+        };
+        let Some(read) = slot.last.map(|s| s.cap) else {
+            return false;
+        };
+        if read.0 + 0.5 < desired.0 {
+            return false;
+        }
+        slot.owned_elsewhere_since = None;
+        slot.lowered_at.clear();
+        tracing::info!(
+            gpu,
+            limit_w = read.0,
+            cap_w = desired.0,
+            held_elsewhere_s = now - since,
+            "the other power manager let go of this GPU's limit: powerflex writes it again"
+        );
+        true
     }
 
     /// The cap GPU `gpu` should have now, clamped to what it accepts; `None` where it is

@@ -47,8 +47,9 @@ impl Agent {
                 // GPU is what it reads, not what was last written.
                 slot.applied = Some(s.cap);
                 slot.degraded = None;
-                if mismatch.is_some() {
+                if let Some(m) = &mismatch {
                     self.cap_mismatches += 1;
+                    self.note_lowered(now, m);
                 }
                 mismatch
             }
@@ -69,6 +70,7 @@ impl Agent {
     /// sampled one (a new grant written first would otherwise hide it).
     pub(super) fn cap_written(
         &mut self,
+        now: f64,
         gpu: u32,
         cap: Watts,
         found: Option<Watts>,
@@ -76,10 +78,40 @@ impl Agent {
         let slot = self.gpus.get_mut(gpu as usize)?;
         let mismatch = found.and_then(|found| slot.mismatch(gpu, found));
         slot.applied = Some(cap);
-        if mismatch.is_some() {
+        if let Some(m) = &mismatch {
             self.cap_mismatches += 1;
+            self.note_lowered(now, m);
         }
         mismatch
+    }
+
+    /// A limit found changed behind the agent's back: lowered below what the agent wrote
+    /// [`OWNER_OVERRIDES`](super::OWNER_OVERRIDES) times within
+    /// [`OWNER_WINDOW_S`](super::OWNER_WINDOW_S), the GPU is taken as held by another
+    /// power manager, and the agent stops writing it. A raised limit is only written back.
+    fn note_lowered(&mut self, now: f64, m: &CapMismatch) {
+        let Some(slot) = self.gpus.get_mut(m.gpu as usize) else {
+            return;
+        };
+        if m.found.0 >= m.expected.0 {
+            return;
+        }
+        slot.lowered_at
+            .retain(|&t| now - t <= super::OWNER_WINDOW_S);
+        slot.lowered_at.insert(0, now);
+        slot.lowered_at.truncate(super::OWNER_OVERRIDES);
+        if slot.owned_elsewhere_since.is_none() && slot.lowered_at.len() >= super::OWNER_OVERRIDES {
+            slot.owned_elsewhere_since = Some(now);
+            self.gpus_owned_elsewhere += 1;
+            tracing::warn!(
+                gpu = m.gpu,
+                enforced_w = m.found.0,
+                written_w = m.expected.0,
+                times = super::OWNER_OVERRIDES,
+                within_s = super::OWNER_WINDOW_S,
+                "another power manager keeps this GPU's limit below powerflex's: powerflex stops writing it and counts it at its enforced limit until that limit rises to powerflex's cap"
+            );
+        }
     }
 
     /// A cap write failed: a permanent or lost-device failure degrades that GPU only.

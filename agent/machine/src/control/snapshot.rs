@@ -27,6 +27,7 @@ impl Agent {
             leases_refused_epoch: self.leases_refused_epoch,
             gpu_claims_refused: 0,
             gpu_foreign_use: self.gpu_foreign_use,
+            gpus_owned_elsewhere: self.gpus_owned_elsewhere,
             enforce: self.settings.enforce,
             ended: self.unacked_finals(),
             gpus: self.gpus.iter().map(gpu_view).collect(),
@@ -143,6 +144,7 @@ fn gpu_view(g: &GpuSlot) -> GpuView {
         unregistered_use: g.unregistered_since.is_some(),
         foreign_use: !g.foreign_jobs.is_empty(),
         foreign_jobs: g.foreign_jobs.iter().cloned().collect(),
+        owned_elsewhere: g.owned_elsewhere_since.is_some(),
     }
 }
 

@@ -382,7 +382,7 @@ impl Agent {
                     }
                 }
                 AgentInput::GpuSamples(readings) => self.gpu_samples(now, readings),
-                AgentInput::CapWrites(results) => self.cap_writes_done(results),
+                AgentInput::CapWrites(results) => self.cap_writes_done(now, results),
                 AgentInput::JobsOnHost(alive) => {
                     for job_id in self.jobs_alive(now, &alive) {
                         warn!(job_id = %job_id, grace_s = self.settings.job_end_grace_s, "the job's step daemons are gone and its end never arrived; ending it");
@@ -589,7 +589,7 @@ impl Agent {
     }
 
     /// The results of an output's cap writes.
-    fn cap_writes_done(&mut self, results: Vec<CapWriteResult>) {
+    fn cap_writes_done(&mut self, now: f64, results: Vec<CapWriteResult>) {
         for r in results {
             match r.outcome {
                 Ok(found) => {
@@ -600,7 +600,7 @@ impl Agent {
                         job = job.as_deref().unwrap_or("-"),
                         "cap applied"
                     );
-                    if let Some(m) = self.cap_written(r.gpu, r.cap, found) {
+                    if let Some(m) = self.cap_written(now, r.gpu, r.cap, found) {
                         log_mismatch(&m, self.cap_mismatches, "found as a new cap was written");
                     }
                 }

@@ -64,7 +64,7 @@ fn caps_are_written_once_and_restored_at_job_end() {
     let first = caps(&a.tick(2.0));
     assert_eq!(first, vec![(0, 450.0), (1, 450.0)]);
     for (g, c) in first {
-        a.cap_written(g, Watts(c), None);
+        a.cap_written(0.0, g, Watts(c), None);
     }
     assert!(caps(&a.tick(3.0)).is_empty(), "written only on change");
     assert!(a.end_job("7", 0.0));
@@ -202,7 +202,7 @@ fn a_curve_walked_from_a_grant_down_lets_no_cap_rise_on_a_guess() {
 #[test]
 fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
     let mut a = job_7_capped_at_450();
-    a.cap_written(0, Watts(450.0), None);
+    a.cap_written(0.0, 0, Watts(450.0), None);
     let sample = a.gpus[0].last.expect("a sample of GPU 0");
     let same = a.sampled(
         0.0,
@@ -232,7 +232,7 @@ fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
     assert_eq!(a.cap_mismatches, 1);
     assert_eq!(a.snapshot(2.0).cap_mismatches, 1);
     assert_eq!(caps(&a.tick(2.0)), vec![(0, 450.0)], "written again");
-    a.cap_written(0, Watts(450.0), None);
+    a.cap_written(0.0, 0, Watts(450.0), None);
     // An idle GPU reset to another limit goes back to its default too.
     let idle = a.gpus[3].last.expect("a sample of GPU 3");
     assert!(a
@@ -255,7 +255,7 @@ fn a_limit_changed_behind_the_agents_back_is_found_counted_and_written_again() {
 fn a_limit_changed_behind_the_agents_back_is_found_when_a_new_cap_is_written() {
     let mut a = job_7_capped_at_450();
     assert_eq!(
-        a.cap_written(0, Watts(450.0), Some(Watts(700.0))),
+        a.cap_written(0.0, 0, Watts(450.0), Some(Watts(700.0))),
         None,
         "the default, read by the last sample"
     );
@@ -268,7 +268,7 @@ fn a_limit_changed_behind_the_agents_back_is_found_when_a_new_cap_is_written() {
     assert_eq!(caps(&a.tick(2.0)), vec![(0, 500.0)]);
     // The limit read just before writing 500 W: somebody set 700 W.
     assert_eq!(
-        a.cap_written(0, Watts(500.0), Some(Watts(700.0))),
+        a.cap_written(0.0, 0, Watts(500.0), Some(Watts(700.0))),
         Some(CapMismatch {
             gpu: 0,
             expected: Watts(450.0),
@@ -288,7 +288,7 @@ fn a_limit_changed_behind_the_agents_back_is_found_when_a_new_cap_is_written() {
     );
     assert_eq!(next, None);
     // A limit that could not be read before the write counts nothing.
-    assert_eq!(a.cap_written(0, Watts(500.0), None), None);
+    assert_eq!(a.cap_written(0.0, 0, Watts(500.0), None), None);
     assert_eq!(a.cap_mismatches, 1);
 }
 
@@ -315,4 +315,64 @@ fn a_reload_keeps_the_node_and_mode_and_reports_a_refusal() {
         Watts(250.0),
         "the settings in force stay"
     );
+}
+
+/// Another power manager (DPS, power steering, a BMC) that keeps lowering a GPU's limit
+/// below the agent's is not fought: once is written back, three times within the window
+/// and the agent stops writing that GPU, reports it held elsewhere (outside its job in
+/// the controller's report, counted at the limit it reads), and takes it back once the
+/// limit rises to the agent's cap. A raised limit is always written back.
+#[test]
+fn a_gpu_another_manager_keeps_lower_is_left_to_it_until_it_lets_go() {
+    let mut a = job_7_capped_at_450();
+    a.cap_written(0.0, 0, Watts(450.0), None);
+    let sample = a.gpus[0].last.expect("a sample of GPU 0");
+    let read = |a: &mut Agent, t: f64, cap: f64| {
+        a.sampled(
+            t,
+            0,
+            Ok(GpuSample {
+                cap: Watts(cap),
+                ..sample
+            }),
+        )
+    };
+    // Lowered to 300 W twice: written back each time.
+    for t in [10.0, 20.0] {
+        assert!(read(&mut a, t, 300.0).is_some());
+        assert_eq!(caps(&a.tick(t)), vec![(0, 450.0)], "written back at {t} s");
+        a.cap_written(t, 0, Watts(450.0), None);
+        assert!(read(&mut a, t + 0.5, 450.0).is_none());
+    }
+    assert!(!a.snapshot(25.0).gpus[0].owned_elsewhere);
+    // The third time within two minutes: left at 300 W.
+    assert!(read(&mut a, 30.0, 300.0).is_some());
+    assert!(caps(&a.tick(30.0)).is_empty(), "not fought");
+    assert!(caps(&a.tick(60.0)).is_empty(), "still not fought");
+    let snap = a.snapshot(60.0);
+    assert!(snap.gpus[0].owned_elsewhere);
+    assert_eq!(snap.gpus_owned_elsewhere, 1);
+    // The controller's report steers none of job 7's GPUs (its one GPU is held
+    // elsewhere), and counts GPU 0 at the 300 W it reads, not its draw.
+    let report = powerflex_proto::report::NodeReport::of(&snap, 0);
+    let job = report.jobs.iter().find(|j| j.job_id == "7").expect("job 7");
+    assert_eq!((job.gpus, job.power_w), (0, None), "{job:?}");
+    let others_w: f64 = snap.gpus[1..].iter().filter_map(|g| g.power_w).sum();
+    assert!(
+        (report.power_w - others_w - 300.0).abs() < 1e-6,
+        "{report:?}"
+    );
+    // The other manager lets go (the limit back at its default): the agent's cap again.
+    assert!(read(&mut a, 90.0, 700.0).is_some(), "a change from 300 W");
+    assert_eq!(caps(&a.tick(90.0)), vec![(0, 450.0)], "taken back");
+    assert!(!a.snapshot(90.0).gpus[0].owned_elsewhere);
+    // Raised behind its back, a GPU is written back however often that happens.
+    a.cap_written(90.0, 0, Watts(450.0), None);
+    for t in [100.0, 110.0, 120.0, 130.0] {
+        assert!(read(&mut a, t, 700.0).is_some());
+        assert_eq!(caps(&a.tick(t)), vec![(0, 450.0)], "a raise is never kept");
+        a.cap_written(t, 0, Watts(450.0), None);
+        read(&mut a, t + 0.5, 450.0);
+    }
+    assert!(!a.snapshot(130.0).gpus[0].owned_elsewhere);
 }

@@ -297,7 +297,7 @@ fn another_jobs_process_on_a_jobs_gpu_leaves_it_the_jobs_and_capped() {
     a.set_job_cluster("66", None, 0.0);
     let before = caps(&a.tick(0.5));
     for &(g, c) in &before {
-        a.cap_written(g, Watts(c), None);
+        a.cap_written(0.0, g, Watts(c), None);
     }
     let cap0 = a.gpus[0].applied.expect("GPU 0 capped");
     assert!(cap0.0 < 700.0, "{before:?}");
@@ -384,7 +384,7 @@ fn a_gpu_used_by_no_registered_job_is_held_at_the_failsafe_until_its_processes_g
     let tick = |a: &mut Agent, t: f64| {
         let set = caps(&a.tick(t));
         for &(g, c) in &set {
-            a.cap_written(g, Watts(c), None);
+            a.cap_written(0.0, g, Watts(c), None);
         }
         set
     };

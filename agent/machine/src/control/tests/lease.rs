@@ -14,7 +14,7 @@ fn a_lease_from_a_lower_epoch_is_refused_and_a_restart_keeps_refusing_it() {
     let written: Vec<(u32, f64)> = out.cap_writes.iter().map(|w| (w.gpu, w.cap.0)).collect();
     assert_eq!(written, vec![(0, 450.0), (1, 450.0)]);
     for w in &out.cap_writes {
-        a.cap_written(w.gpu, w.cap, None);
+        a.cap_written(0.0, w.gpu, w.cap, None);
     }
     // The old leader, still running, sends a higher cap: refused, nothing written.
     let out = a.step(UnixMs(2_000), vec![lease_of_epoch(700.0, 2)]);
@@ -86,7 +86,7 @@ fn a_lease_message_is_applied_at_once() {
     .expect("registered");
     let written = caps(&a.tick(1.0));
     for (g, c) in written {
-        a.cap_written(g, Watts(c), None);
+        a.cap_written(0.0, g, Watts(c), None);
     }
     let actions = a.apply_lease(
         2.0,
@@ -175,7 +175,7 @@ fn a_job_the_lease_does_not_cover_runs_at_the_failsafe_cap() {
         None,
     );
     assert_eq!(caps(&a.tick(2.0)), vec![(0, 600.0)]);
-    a.cap_written(0, Watts(600.0), None);
+    a.cap_written(0.0, 0, Watts(600.0), None);
     // Job 8 starts after the lease (the controller is away): not uncapped.
     a.register(3.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
         .expect("registered");
@@ -196,13 +196,13 @@ fn lease_expiry_brings_the_failsafe_cap() {
         !a.failsafe_active(10.0),
         "the link itself is not yet overdue"
     );
-    a.cap_written(2, Watts(500.0), None);
+    a.cap_written(0.0, 2, Watts(500.0), None);
     assert!(
         caps(&a.tick(31.0)).is_empty(),
         "no lease within the TTL: still fail-safe"
     );
     assert!(a.failsafe_active(31.0));
-    a.cap_written(2, Watts(500.0), None);
+    a.cap_written(0.0, 2, Watts(500.0), None);
     a.set_lease(
         40.0,
         BTreeMap::from([("7".to_string(), Watts(600.0))]),
@@ -210,7 +210,7 @@ fn lease_expiry_brings_the_failsafe_cap() {
         None,
     );
     assert_eq!(caps(&a.tick(41.0)), vec![(2, 600.0)]);
-    a.cap_written(2, Watts(600.0), None);
+    a.cap_written(0.0, 2, Watts(600.0), None);
     assert_eq!(
         caps(&a.tick(71.0)),
         vec![(2, 500.0)],
@@ -232,7 +232,7 @@ fn the_failsafe_never_raises_a_cap() {
         None,
     );
     assert_eq!(caps(&a.tick(2.0)), vec![(0, 250.0)]);
-    a.cap_written(0, Watts(250.0), None);
+    a.cap_written(0.0, 0, Watts(250.0), None);
     assert!(
         caps(&a.tick(40.0)).is_empty(),
         "lease over: stays at 250 W, below the 500 W fail-safe"
@@ -246,7 +246,7 @@ fn the_failsafe_never_raises_a_cap() {
         None,
     );
     assert_eq!(caps(&a.tick(42.0)), vec![(0, 650.0)]);
-    a.cap_written(0, Watts(650.0), None);
+    a.cap_written(0.0, 0, Watts(650.0), None);
     assert_eq!(caps(&a.tick(80.0)), vec![(0, 500.0)]);
 }
 
@@ -260,13 +260,13 @@ fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
     a.register(1.0, "8", "0", 0, "n1", &["1".into()], "flex3,calibrate=off")
         .expect("registered");
     assert_eq!(caps(&a.tick(2.0)), vec![(1, 450.0)]);
-    a.cap_written(1, Watts(450.0), None);
+    a.cap_written(0.0, 1, Watts(450.0), None);
     assert_eq!(
         caps(&a.tick(40.0)),
         vec![(1, 300.0)],
         "the lease lapsed: the controller is away, and the start cap stands"
     );
-    a.cap_written(1, Watts(300.0), None);
+    a.cap_written(0.0, 1, Watts(300.0), None);
     // A start cap above the fail-safe is held to it.
     a.set_lease(41.0, BTreeMap::new(), 30.0, Some(Watts(650.0)));
     assert_eq!(caps(&a.tick(42.0)), vec![(1, 500.0)]);
@@ -277,7 +277,7 @@ fn a_job_starting_during_a_cut_starts_at_the_leases_start_cap() {
         30.0,
         Some(Watts(-1.0)),
     );
-    a.cap_written(1, Watts(500.0), None);
+    a.cap_written(0.0, 1, Watts(500.0), None);
     assert!(caps(&a.tick(44.0)).is_empty());
 }
 
