@@ -17,9 +17,10 @@ pub const STEADY_GAIN: f64 = 0.005;
 /// alone moves the caps in about one period in forty, not one in six as at 1.
 pub const STEADY_Z: f64 = 2.0;
 
-/// In a cut too deep for every floor, how much more the caps in force may break floors
-/// (the sum of each broken job's slowdown past its bound) than a fresh split before they
-/// give way to it: a tenth of a point, below what one window's noise moves an estimate.
+/// In a cut too deep for every floor, how much more the caps in force may break a tier's
+/// floors (the sum of its broken jobs' slowdown past their bound) than a fresh split
+/// before they give way to it: a tenth of a point, below what one window's noise moves an
+/// estimate.
 const STEADY_FLOOR_EXCESS: f64 = 0.001;
 
 /// The most one-step cuts that bring caps in force back within the budget and every
@@ -46,15 +47,27 @@ fn fits(a: &Allocation, budget: Watts, domains: &[DomainLimit]) -> bool {
             .all(|(used, d)| used.power_w.0 <= d.limit.0 + 1e-6)
 }
 
-/// The sum of every broken floor's excess: slowdown past the bound, a fraction.
-fn floor_excess(a: &Allocation) -> f64 {
-    a.jobs
-        .iter()
-        .map(|j| match j.floor {
-            FloorStatus::Broken { excess } => excess,
-            _ => 0.0,
-        })
-        .sum()
+/// Whether `kept` breaks, in every tier (jobs of one bound), floors by no more in all
+/// than `fresh` does, within [`STEADY_FLOOR_EXCESS`]: a split of the same tier's breach
+/// between its jobs may stay, but no stricter tier may be worse off for a looser one (the
+/// tiers give way loosest first, and a sum over all of them would not see the order).
+fn breaks_no_more_per_tier(kept: &Allocation, fresh: &Allocation) -> bool {
+    let excess = |j: &powerflex_core::allocate::JobAllocation| match j.floor {
+        FloorStatus::Broken { excess } => excess,
+        _ => 0.0,
+    };
+    let mut by_tier: Vec<(f64, f64)> = Vec::new();
+    for (k, f) in kept.jobs.iter().zip(&fresh.jobs) {
+        let Some(bound) = k.max_slowdown.map(|b| b.0) else {
+            continue;
+        };
+        let delta = excess(k) - excess(f);
+        match by_tier.iter_mut().find(|(b, _)| (*b - bound).abs() < 1e-9) {
+            Some((_, sum)) => *sum += delta,
+            None => by_tier.push((bound, delta)),
+        }
+    }
+    by_tier.iter().all(|&(_, more)| more <= STEADY_FLOOR_EXCESS)
 }
 
 /// `kept`, or `kept` with at most [`TRIM_STEPS`] one-step cuts that bring it within the
@@ -189,13 +202,7 @@ pub(crate) fn keep_steady(
     let holds = if feasible {
         kept.broken_floors().next().is_none()
     } else {
-        fresh.over_budget_w.0 == 0.0
-            && kept
-                .jobs
-                .iter()
-                .zip(&fresh.jobs)
-                .all(|(k, f)| !k.floor.is_broken() || f.floor.is_broken())
-            && floor_excess(&kept) <= floor_excess(&fresh) + STEADY_FLOOR_EXCESS
+        fresh.over_budget_w.0 == 0.0 && breaks_no_more_per_tier(&kept, &fresh)
     };
     // Worth a change: more than the fixed share, and more than the curves' own noise
     // could show.

@@ -1742,4 +1742,14 @@ fn in_a_cut_below_the_floors_caps_in_force_stay_only_when_they_break_no_more() {
             .is_some_and(|j| !j.floor.is_broken()),
         "{a:?}"
     );
+    // Deeper (2800 W): the flex2 job at its lowest cap and the flex1 job past its bound
+    // too. Caps in force that spare the flex2 job at the flex1 job's cost, about the same
+    // breach in all, go: the stricter tier may not be worse off for the looser one.
+    let fresh = steady_pair(["flex2", "flex1"], [700.0, 700.0], 2800.0);
+    let fresh_flex1 = fresh.leases["n1"]["2"];
+    let d = steady_pair(["flex2", "flex1"], [260.0, 440.0], 2800.0);
+    assert!(
+        d.leases["n1"]["2"] > 440.0 && d.leases["n1"]["2"] == fresh_flex1,
+        "the flex1 job as the fresh split has it ({fresh_flex1} W): {d:?}"
+    );
 }
