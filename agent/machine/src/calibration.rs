@@ -391,7 +391,16 @@ pub struct Calibration {
     /// When the last question was answered or timed out (agent seconds). A step within
     /// `rewalk_after_s` of it is not questioned again (see [`Calibration::question_curve`]).
     last_answered: Option<f64>,
+    /// Questions in a row that timed out unanswered: each doubles how long new steps go
+    /// unquestioned after it (see [`Calibration::question_hold_off_s`]).
+    unanswered_in_row: u32,
 }
+
+/// After a question timed out unanswered, new steps go unquestioned for at least this
+/// many timeouts, doubled for each further one in a row (up to eight times that): a job
+/// whose steps never run steadily for a window spends at most a fifth of its time in
+/// question, then less and less.
+pub const UNANSWERED_HOLD_OFF_TIMEOUTS: f64 = 4.0;
 
 /// A curve in question since a new step (see [`Calibration::question_curve`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -481,6 +490,7 @@ impl Calibration {
             unjudged: Vec::new(),
             curve_question: None,
             last_answered: None,
+            unanswered_in_row: 0,
         }
     }
 
@@ -585,7 +595,7 @@ impl Calibration {
         }
         let asked_lately = self
             .last_answered
-            .is_some_and(|at| now < at + self.settings.rewalk_after_s);
+            .is_some_and(|at| now < at + self.question_hold_off_s());
         if asked_lately && self.curve_question.is_none() {
             return;
         }
@@ -596,6 +606,19 @@ impl Calibration {
         });
         self.stretch = None;
         self.probe = None;
+    }
+
+    /// How long after the last answer (or timeout) a new step is not questioned, s:
+    /// `rewalk_after_s` after an answer; after questions that timed out, at least
+    /// [`UNANSWERED_HOLD_OFF_TIMEOUTS`] timeouts, doubled for each further one in a row.
+    pub fn question_hold_off_s(&self) -> f64 {
+        if self.unanswered_in_row == 0 {
+            return self.settings.rewalk_after_s;
+        }
+        let timeout = QUESTION_TIMEOUT_WINDOWS * (self.settings.settle_s + self.settings.hold_s);
+        let doublings = self.unanswered_in_row.min(4) - 1;
+        let backoff = UNANSWERED_HOLD_OFF_TIMEOUTS * timeout * f64::from(1u32 << doublings);
+        self.settings.rewalk_after_s.max(backoff)
     }
 
     /// Whether a new step has put the job's curve in question and no window has answered.

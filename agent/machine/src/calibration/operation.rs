@@ -79,6 +79,7 @@ impl Calibration {
             if now - q.since > timeout {
                 self.curve_question = None;
                 self.last_answered = Some(now);
+                self.unanswered_in_row = self.unanswered_in_row.saturating_add(1);
                 return Some(StepAnswer::Unanswered {
                     open_s: now - q.since,
                 });
@@ -164,6 +165,7 @@ impl Calibration {
     fn answer_question(&mut self, now: f64, w: &Window) -> StepAnswer {
         self.curve_question = None;
         self.last_answered = Some(now);
+        self.unanswered_in_row = 0;
         let Some(curve) = self.curve() else {
             return StepAnswer::SameCurve;
         };
