@@ -168,7 +168,17 @@ pub struct GpuSlot {
     /// stops writing it (see [`OWNER_OVERRIDES`]) until the limit rises to or past the
     /// cap the agent wants, and the GPU counts outside its job at its enforced limit.
     pub owned_elsewhere_since: Option<f64>,
+    /// The limit such a GPU is counted at (the lowest read while held elsewhere): the
+    /// node's report counts it there, outside its job.
+    pub owned_limit: Option<Watts>,
+    /// A GPU taken back from another manager is written no higher than the limit it was
+    /// counted at, for this many more current leases (the controller's next one may have
+    /// been decided before it heard the GPU was back in its job): (ceiling, leases left).
+    pub take_back_ceiling: Option<(Watts, u8)>,
 }
+
+/// Current leases a taken-back GPU stays at most at the limit it was counted at.
+pub const TAKE_BACK_LEASES: u8 = 2;
 
 /// Times within [`OWNER_WINDOW_S`] a GPU's limit must be found lowered below what the
 /// agent wrote before the agent takes it as held by another power manager and stops
@@ -476,6 +486,8 @@ impl Agent {
                 foreign_jobs: BTreeSet::new(),
                 lowered_at: Vec::new(),
                 owned_elsewhere_since: None,
+                owned_limit: None,
+                take_back_ceiling: None,
             })
             .collect();
         Agent {

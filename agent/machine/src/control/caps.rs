@@ -120,6 +120,10 @@ impl Agent {
                 // Another power manager holds it lower: the agent does not fight it.
                 continue;
             }
+            let desired = match self.gpus[gpu].take_back_ceiling {
+                Some((ceiling, _)) => Watts(desired.0.min(ceiling.0)),
+                None => desired,
+            };
             if self.gpus[gpu]
                 .applied
                 .is_none_or(|a| (a.0 - desired.0).abs() > 0.5)
@@ -134,9 +138,12 @@ impl Agent {
     }
 
     /// Whether GPU `gpu` may be written now: true unless another power manager holds its
-    /// limit below the agent's (see [`super::OWNER_OVERRIDES`]). Once the limit it reads
-    /// is at or above `desired` (the other manager let go, or raised it), the agent takes
-    /// it back: writing `desired` then lowers it, which no budget forbids.
+    /// limit below the agent's (see [`super::OWNER_OVERRIDES`]) and no higher than the
+    /// limit the node's report counts it at. Once the limit it reads rises past that (the
+    /// other manager raised it or let go) or reaches `desired`, the agent takes it back,
+    /// and for [`super::TAKE_BACK_LEASES`] leases writes it no higher than the limit it
+    /// was counted at ([`super::GpuSlot::take_back_ceiling`]): the controller gave the
+    /// difference to other jobs.
     fn writable(&mut self, now: f64, gpu: usize, desired: Watts) -> bool {
         let slot = &mut self.gpus[gpu];
         let Some(since) = slot.owned_elsewhere_since else {
@@ -145,17 +152,28 @@ impl Agent {
         let Some(read) = slot.last.map(|s| s.cap) else {
             return false;
         };
-        if read.0 + 0.5 < desired.0 {
-            return false;
+        let counted = slot.owned_limit.unwrap_or(read);
+        if read.0 <= counted.0 + 0.5 {
+            // Still held at or below what the report counts: a lower limit is counted
+            // lower from now on.
+            slot.owned_limit = Some(Watts(read.0.min(counted.0)));
+            if read.0 + 0.5 < desired.0 {
+                return false;
+            }
         }
+        let controller_mode = self.controller_mode();
+        let slot = &mut self.gpus[gpu];
         slot.owned_elsewhere_since = None;
+        slot.owned_limit = None;
+        // In standalone mode the agent's own split counts the GPU in its job again at once.
+        slot.take_back_ceiling = controller_mode.then_some((counted, super::TAKE_BACK_LEASES));
         slot.lowered_at.clear();
         tracing::info!(
             gpu,
             limit_w = read.0,
             cap_w = desired.0,
             held_elsewhere_s = now - since,
-            "the other power manager let go of this GPU's limit: powerflex writes it again"
+            "this GPU's limit rose past the one it was counted at, or to powerflex's cap: the other power manager let go, and powerflex writes it again"
         );
         true
     }
@@ -169,6 +187,7 @@ impl Agent {
             return None;
         }
         let job = slot.job.as_ref().and_then(|j| self.jobs.get(j));
+        let ceiling = slot.take_back_ceiling.map_or(f64::INFINITY, |(c, _)| c.0);
         let desired = match job {
             None if slot.unregistered_since.is_some()
                 && self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe =>
@@ -202,6 +221,6 @@ impl Agent {
             None if held => return None,
             _ => desired,
         };
-        Some(clamp(desired, &slot.identity))
+        Some(clamp(Watts(desired.0.min(ceiling)), &slot.identity))
     }
 }

@@ -77,6 +77,14 @@ impl Agent {
         };
         let valid = |w: &Watts| w.0.is_finite() && w.0 >= 0.0;
         if current && ttl > 0.0 {
+            // A GPU taken back from another power manager stays at the limit it was
+            // counted at until leases decided since it came back.
+            for slot in &mut self.gpus {
+                slot.take_back_ceiling = match slot.take_back_ceiling {
+                    Some((c, left)) if left > 1 => Some((c, left - 1)),
+                    _ => None,
+                };
+            }
             // A current lease decides the caps from now on: the limits read back at
             // start no longer bound them.
             self.awaiting_current_lease = false;

@@ -102,6 +102,7 @@ impl Agent {
         slot.lowered_at.truncate(super::OWNER_OVERRIDES);
         if slot.owned_elsewhere_since.is_none() && slot.lowered_at.len() >= super::OWNER_OVERRIDES {
             slot.owned_elsewhere_since = Some(now);
+            slot.owned_limit = Some(m.found);
             self.gpus_owned_elsewhere += 1;
             tracing::warn!(
                 gpu = m.gpu,

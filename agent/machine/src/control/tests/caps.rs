@@ -362,12 +362,28 @@ fn a_gpu_another_manager_keeps_lower_is_left_to_it_until_it_lets_go() {
         (report.power_w - others_w - 300.0).abs() < 1e-6,
         "{report:?}"
     );
-    // The other manager lets go (the limit back at its default): the agent's cap again.
+    // The other manager lets go (the limit back at its default): taken back, first at
+    // the 300 W the controller counted it at (it gave the rest to other jobs), then, two
+    // leases on, at the agent's cap.
     assert!(read(&mut a, 90.0, 700.0).is_some(), "a change from 300 W");
-    assert_eq!(caps(&a.tick(90.0)), vec![(0, 450.0)], "taken back");
+    assert_eq!(
+        caps(&a.tick(90.0)),
+        vec![(0, 300.0)],
+        "taken back, at 300 W"
+    );
     assert!(!a.snapshot(90.0).gpus[0].owned_elsewhere);
+    a.cap_written(90.0, 0, Watts(300.0), None);
+    for t in [91.0, 92.0] {
+        a.set_lease(
+            t,
+            BTreeMap::from([("7".to_string(), Watts(450.0))]),
+            30.0,
+            None,
+        );
+    }
+    assert_eq!(caps(&a.tick(92.0)), vec![(0, 450.0)], "two leases on");
     // Raised behind its back, a GPU is written back however often that happens.
-    a.cap_written(90.0, 0, Watts(450.0), None);
+    a.cap_written(92.0, 0, Watts(450.0), None);
     for t in [100.0, 110.0, 120.0, 130.0] {
         assert!(read(&mut a, t, 700.0).is_some());
         assert_eq!(caps(&a.tick(t)), vec![(0, 450.0)], "a raise is never kept");
