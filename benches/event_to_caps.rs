@@ -338,6 +338,8 @@ fn event_to_caps(node_count: usize) -> Vec<(Duration, Duration)> {
                 "add",
                 "--reduce",
                 "30%",
+                "--of",
+                "base",
                 "--start",
                 "now",
                 "--duration",

@@ -98,6 +98,8 @@ fn ramp() {
             "add",
             "--reduce",
             "30%",
+            "--of",
+            "base",
             "--start",
             "+8s",
             "--duration",

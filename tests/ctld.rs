@@ -273,7 +273,8 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
     // and said in the reply.
     let read: CtldStatus =
         serde_json::from_str(&ctl_run(&["status", "--format", "json"]).stdout).expect("status");
-    let add = ctl_run(&[
+    // Not for an event that starts later (the draw then is not the draw now).
+    let later = ctl_run(&[
         "event",
         "add",
         "--reduce",
@@ -283,7 +284,23 @@ fn budget_and_events_reach_every_node_and_survive_a_controller_restart() {
         "--duration",
         "1h",
     ]);
+    assert_ne!(later.code, Some(0), "{}", later.stdout);
+    assert!(later.stderr.contains("starts later"), "{}", later.stderr);
+    let add = ctl_run(&[
+        "event",
+        "add",
+        "--reduce",
+        "25%",
+        "--start",
+        "now",
+        "--duration",
+        "1h",
+    ]);
     assert_eq!(add.code, Some(0), "{}", add.stderr);
+    // Nor while an event cuts the draw already.
+    let again = ctl_run(&["event", "add", "--reduce", "10%", "--duration", "1h"]);
+    assert_ne!(again.code, Some(0), "{}", again.stdout);
+    assert!(again.stderr.contains("in force"), "{}", again.stderr);
     assert!(
         add.stdout.contains("25 % below the draw now"),
         "{}",

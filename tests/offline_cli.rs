@@ -731,6 +731,8 @@ fn well_formed_event_values_get_past_the_command_line() {
                 "add",
                 "--reduce",
                 "30%",
+                "--of",
+                "base",
                 "--start",
                 start,
                 "--duration",

@@ -1189,13 +1189,21 @@ fn budget_set(budget: Watts, domain: Option<String>, args: &CtldArgs) -> Result<
 }
 
 /// The metered draw `event add --reduce` takes its share of: the site's, or the named
-/// domain's, as the controller's status has it now.
-fn draw_now(domain: Option<&str>, args: &CtldArgs) -> Result<Watts, CtlError> {
+/// domain's, as the controller's status has it now. Refused where that draw is not what
+/// the share should be of: an event cuts it already (30 % of a cut draw is a deeper cut
+/// than asked), or the event starts later (tonight's idle draw is no measure of
+/// tomorrow's).
+fn draw_now(domain: Option<&str>, start: Start, args: &CtldArgs) -> Result<Watts, CtlError> {
+    if start != Start::Now {
+        return Err(CtlError::Usage(
+            "--reduce is a share of the draw now, and this event starts later: give --target, or --of base for a share of the base budget".into(),
+        ));
+    }
     let status = status(args)?;
-    let draw_w = match domain {
-        None => status.draw_w,
+    let (draw_w, cut_by) = match domain {
+        None => (status.draw_w, status.active_event.map(|e| e.id)),
         Some(name) => {
-            status
+            let d = status
                 .domains
                 .iter()
                 .find(|d| d.name == name)
@@ -1203,10 +1211,15 @@ fn draw_now(domain: Option<&str>, args: &CtldArgs) -> Result<Watts, CtlError> {
                     CtlError::Usage(format!(
                         "the controller has no power domain \"{name}\" (`powerflexctl domains` lists them)"
                     ))
-                })?
-                .draw_w
+                })?;
+            (d.draw_w, d.event.or(status.active_event.map(|e| e.id)))
         }
     };
+    if let Some(id) = cut_by {
+        return Err(CtlError::Usage(format!(
+            "event {id} is in force, so the draw now is already cut: give --target, or --of base for a share of the base budget"
+        )));
+    }
     if !(draw_w.is_finite() && draw_w > 0.0) {
         return Err(CtlError::Usage(format!(
             "the controller reads no draw{} yet ({}): give --target, or --of base for a share of the base budget",
@@ -1235,7 +1248,7 @@ fn event_add(
             format!("{} of the base budget", render::share_text(fraction)),
         ),
         (Some((fraction, ShareOf::Draw)), _) => {
-            let draw = draw_now(domain.as_deref(), args)?;
+            let draw = draw_now(domain.as_deref(), start, args)?;
             let budget_w = (draw.0 * (1.0 - fraction)).floor().max(0.0);
             (
                 Cut::Target { budget_w },
