@@ -412,6 +412,8 @@ pub struct Agent {
     gpu_foreign_use: u64,
     /// Times a GPU was found held by another power manager ([`OWNER_OVERRIDES`]).
     gpus_owned_elsewhere: u64,
+    /// A GPU was found held elsewhere, or taken back, since the state was last saved.
+    owned_changed: bool,
     /// Jobs the controller's last lease lets this agent probe (they run on this node
     /// alone); none in standalone mode, where a job's other nodes are unknown.
     learn: BTreeSet<String>,
@@ -503,6 +505,7 @@ impl Agent {
             curve_questions: 0,
             gpu_foreign_use: 0,
             gpus_owned_elsewhere: 0,
+            owned_changed: false,
             learn: BTreeSet::new(),
             awaiting_current_lease: settings_controller_mode,
             event_in_force: false,

@@ -167,6 +167,7 @@ impl Agent {
         slot.owned_limit = None;
         // In standalone mode the agent's own split counts the GPU in its job again at once.
         slot.take_back_ceiling = controller_mode.then_some((counted, super::TAKE_BACK_LEASES));
+        self.owned_changed = true;
         slot.lowered_at.clear();
         tracing::info!(
             gpu,

@@ -104,6 +104,7 @@ impl Agent {
             slot.owned_elsewhere_since = Some(now);
             slot.owned_limit = Some(m.found);
             self.gpus_owned_elsewhere += 1;
+            self.owned_changed = true;
             tracing::warn!(
                 gpu = m.gpu,
                 enforced_w = m.found.0,

@@ -27,6 +27,15 @@ impl Agent {
                 .iter()
                 .map(|g| (g.identity.uuid.clone(), g.saved_default))
                 .collect(),
+            owned_elsewhere: self
+                .gpus
+                .iter()
+                .filter(|g| g.owned_elsewhere_since.is_some())
+                .filter_map(|g| {
+                    let counted = g.owned_limit.or(g.last.map(|s| s.cap))?;
+                    Some((g.identity.uuid.clone(), counted))
+                })
+                .collect(),
             jobs: self
                 .jobs
                 .values()

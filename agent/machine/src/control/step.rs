@@ -810,6 +810,11 @@ impl Agent {
                 if let Some(&default) = saved.saved_defaults.get(&slot.identity.uuid) {
                     slot.saved_default = default;
                 }
+                // Held by another power manager before the restart: still left to it.
+                if let Some(&counted) = saved.owned_elsewhere.get(&slot.identity.uuid) {
+                    slot.owned_elsewhere_since = Some(now);
+                    slot.owned_limit = Some(counted);
+                }
             }
         }
         // Every GPU's limit is read before anything is written: in controller mode it

@@ -44,6 +44,7 @@ impl Agent {
         // Final shares the controller never acknowledged go after a day (the state
         // file then drops them too).
         changed |= self.expire_unacked(now) > 0;
+        changed |= std::mem::take(&mut self.owned_changed);
         if changed {
             actions.push(Action::Persist);
         }

@@ -345,9 +345,38 @@ fn a_gpu_another_manager_keeps_lower_is_left_to_it_until_it_lets_go() {
         assert!(read(&mut a, t + 0.5, 450.0).is_none());
     }
     assert!(!a.snapshot(25.0).gpus[0].owned_elsewhere);
-    // The third time within two minutes: left at 300 W.
+    // The third time within two minutes: left at 300 W, and saved so.
     assert!(read(&mut a, 30.0, 300.0).is_some());
-    assert!(caps(&a.tick(30.0)).is_empty(), "not fought");
+    let acts = a.tick(30.0);
+    assert!(caps(&acts).is_empty(), "not fought");
+    assert!(acts.contains(&Action::Persist), "{acts:?}");
+    let uuid = a.gpus[0].identity.uuid.clone();
+    let saved = a.saved_state();
+    assert_eq!(saved.owned_elsewhere.get(&uuid), Some(&Watts(300.0)));
+    // A restarted agent leaves it alone from its first tick (no fight three times more).
+    let mut again = Agent::new(settings(None), (0..4).map(gpu).collect(), 250, UnixMs(0));
+    again.step(
+        UnixMs(40_000),
+        vec![AgentInput::Start(Box::new(StartFacts {
+            saved: Some(saved),
+            samples: (0..4)
+                .map(|g| (g, sample_at(if g == 0 { 300.0 } else { 700.0 })))
+                .collect(),
+            jobs_on_host: None,
+            ..StartFacts::default()
+        }))],
+    );
+    assert!(again.snapshot(40.0).gpus[0].owned_elsewhere);
+    again.set_lease(
+        41.0,
+        BTreeMap::from([("7".to_string(), Watts(450.0))]),
+        30.0,
+        None,
+    );
+    assert!(
+        caps(&again.tick(41.0)).iter().all(|&(g, _)| g != 0),
+        "GPU 0 not written after the restart"
+    );
     assert!(caps(&a.tick(60.0)).is_empty(), "still not fought");
     let snap = a.snapshot(60.0);
     assert!(snap.gpus[0].owned_elsewhere);
