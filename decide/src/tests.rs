@@ -1684,6 +1684,11 @@ fn steady_pair(tiers: [&str; 2], in_force: [f64; 2], budget_w: f64) -> Decision 
     )
 }
 
+/// The per-GPU caps [`steady_pair`]'s decision leases jobs 1 and 2.
+fn pair_caps(d: &Decision) -> (f64, f64) {
+    (d.leases["n1"]["1"], d.leases["n1"]["2"])
+}
+
 /// Caps in force a few watts over a budget that fell are trimmed by one step where it
 /// costs least, not given up for a fresh split: a fresh split that moves the other job
 /// too makes two splits of the same worth trade places each time the draws move (CI run
@@ -1692,14 +1697,10 @@ fn steady_pair(tiers: [&str; 2], in_force: [f64; 2], budget_w: f64) -> Decision 
 fn caps_in_force_over_the_budget_by_a_hair_are_trimmed_not_replaced() {
     // 520 + 480 W on four GPUs each: 4000 W, the whole budget, and kept there.
     let d = steady_pair(["flex3", "flex3"], [520.0, 480.0], 4000.0);
-    assert_eq!(
-        (d.leases["n1"]["1"], d.leases["n1"]["2"]),
-        (520.0, 480.0),
-        "{d:?}"
-    );
+    assert_eq!(pair_caps(&d), (520.0, 480.0), "{d:?}");
     // 5 W less: one job one step down, the other where it was.
     let d = steady_pair(["flex3", "flex3"], [520.0, 480.0], 3995.0);
-    let caps = (d.leases["n1"]["1"], d.leases["n1"]["2"]);
+    let caps = pair_caps(&d);
     assert!(
         caps == (510.0, 480.0) || caps == (520.0, 470.0),
         "one step of one job: {caps:?}"
@@ -1720,11 +1721,7 @@ fn in_a_cut_below_the_floors_caps_in_force_stay_only_when_they_break_no_more() {
     // Two flex1 jobs (bound 10 %: 560 W on this curve) at 500 W a GPU: both past their
     // bound, by the same total however the 4000 W are split.
     let d = steady_pair(["flex1", "flex1"], [510.0, 490.0], 4000.0);
-    assert_eq!(
-        (d.leases["n1"]["1"], d.leases["n1"]["2"]),
-        (510.0, 490.0),
-        "{d:?}"
-    );
+    assert_eq!(pair_caps(&d), (510.0, 490.0), "{d:?}");
     let a = d.allocation.expect("allocation");
     assert!(a.broken_floors().count() == 2, "{a:?}");
     // A flex2 job (bound 25 %: about 350 W) gives way before a flex1 one: at 3440 W the

@@ -164,17 +164,24 @@ pub struct GpuSlot {
     /// the most recent first, at most [`OWNER_OVERRIDES`] within [`OWNER_WINDOW_S`].
     pub lowered_at: Vec<f64>,
     /// Another power manager (DPS, Mission Control's power steering, a BMC, an operator)
-    /// holds this GPU's limit below the agent's: since when (agent seconds). The agent
-    /// stops writing it (see [`OWNER_OVERRIDES`]) until the limit rises to or past the
+    /// holds this GPU's limit below the agent's. The agent stops writing it (see
+    /// [`OWNER_OVERRIDES`]) until the limit rises past the one it is counted at or to the
     /// cap the agent wants, and the GPU counts outside its job at its enforced limit.
-    pub owned_elsewhere_since: Option<f64>,
-    /// The limit such a GPU is counted at (the lowest read while held elsewhere): the
-    /// node's report counts it there, outside its job.
-    pub owned_limit: Option<Watts>,
+    pub owned_elsewhere: Option<OwnedElsewhere>,
     /// A GPU taken back from another manager is written no higher than the limit it was
     /// counted at, for this many more current leases (the controller's next one may have
     /// been decided before it heard the GPU was back in its job): (ceiling, leases left).
     pub take_back_ceiling: Option<(Watts, u8)>,
+}
+
+/// A GPU another power manager holds ([`GpuSlot::owned_elsewhere`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OwnedElsewhere {
+    /// Since when (agent seconds).
+    pub since: f64,
+    /// The limit it is counted at (the lowest read while held): the node's report counts
+    /// it there, outside its job.
+    pub counted: Watts,
 }
 
 /// Current leases a taken-back GPU stays at most at the limit it was counted at.
@@ -487,8 +494,7 @@ impl Agent {
                 unregistered_since: None,
                 foreign_jobs: BTreeSet::new(),
                 lowered_at: Vec::new(),
-                owned_elsewhere_since: None,
-                owned_limit: None,
+                owned_elsewhere: None,
                 take_back_ceiling: None,
             })
             .collect();

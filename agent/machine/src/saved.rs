@@ -64,7 +64,7 @@ pub struct PersistedState {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub controller_epoch: u64,
     /// GPU UUID → the limit it is counted at, for each GPU another power manager holds
-    /// lower than the agent (`GpuSlot::owned_elsewhere_since`): a restarted agent leaves
+    /// lower than the agent (`GpuSlot::owned_elsewhere`): a restarted agent leaves
     /// it alone rather than fight it three times more. Absent in files from older agents,
     /// and when no GPU is held elsewhere (an older agent refuses a file that has it).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

@@ -1020,6 +1020,12 @@ fn flex2_walked_then_held_at_500() -> (Calibration, ProgressLog, f64) {
     (cal, log, t)
 }
 
+/// Runs the job steadily at 500 W for `rewalk_after_s`, past the hold-off after an
+/// answered question (see `Calibration::question_hold_off_s`); returns the time reached.
+fn past_the_hold_off(cal: &mut Calibration, log: &mut ProgressLog, t: f64) -> f64 {
+    operate(cal, log, t, settings().rewalk_after_s, 500.0, false)
+}
+
 #[test]
 fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
     let (mut cal, mut log, t) = flex2_walked_then_held_at_500();
@@ -1037,14 +1043,7 @@ fn a_new_step_on_the_same_curve_keeps_it_and_its_windows() {
     // A step soon after is not questioned; one `rewalk_after_s` after the answer is.
     cal.question_curve(t + 1.0);
     assert!(!cal.curve_in_question(), "asked lately");
-    let t = operate(
-        &mut cal,
-        &mut log,
-        t,
-        settings().rewalk_after_s,
-        500.0,
-        false,
-    );
+    let t = past_the_hold_off(&mut cal, &mut log, t);
     cal.question_curve(t);
     assert!(cal.curve_in_question());
 }
@@ -1195,14 +1194,7 @@ fn only_a_steady_window_answers_and_an_unanswered_question_times_out() {
     assert!(cal.windows.len() > windows);
     // A step that reports nothing (once the answer is `rewalk_after_s` old: see
     // `question_curve`): unanswered after 6 x (settle 2 s + hold 5 s).
-    let t = operate(
-        &mut cal,
-        &mut log,
-        t,
-        settings().rewalk_after_s,
-        500.0,
-        false,
-    );
+    let t = past_the_hold_off(&mut cal, &mut log, t);
     cal.question_curve(t);
     let start = t;
     let (t, answers) = operate_as(&mut cal, &mut log, t, 30.0, 500.0, false, |_, _| None);

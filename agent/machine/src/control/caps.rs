@@ -116,13 +116,10 @@ impl Agent {
                 self.gpus[gpu].would_cap = Some(desired);
                 continue;
             }
-            if !self.writable(now, gpu, desired) {
-                // Another power manager holds it lower: the agent does not fight it.
+            // Another power manager holding it lower is not fought; one taken back from
+            // it gets no more than it was counted at.
+            let Some(desired) = self.writable(now, gpu, desired) else {
                 continue;
-            }
-            let desired = match self.gpus[gpu].take_back_ceiling {
-                Some((ceiling, _)) => Watts(desired.0.min(ceiling.0)),
-                None => desired,
             };
             if self.gpus[gpu]
                 .applied
@@ -137,46 +134,48 @@ impl Agent {
         actions
     }
 
-    /// Whether GPU `gpu` may be written now: true unless another power manager holds its
-    /// limit below the agent's (see [`super::OWNER_OVERRIDES`]) and no higher than the
-    /// limit the node's report counts it at. Once the limit it reads rises past that (the
-    /// other manager raised it or let go) or reaches `desired`, the agent takes it back,
-    /// and for [`super::TAKE_BACK_LEASES`] leases writes it no higher than the limit it
-    /// was counted at ([`super::GpuSlot::take_back_ceiling`]): the controller gave the
-    /// difference to other jobs.
-    fn writable(&mut self, now: f64, gpu: usize, desired: Watts) -> bool {
-        let slot = &mut self.gpus[gpu];
-        let Some(since) = slot.owned_elsewhere_since else {
-            return true;
-        };
-        let Some(read) = slot.last.map(|s| s.cap) else {
-            return false;
-        };
-        let counted = slot.owned_limit.unwrap_or(read);
-        if read.0 <= counted.0 + 0.5 {
-            // Still held at or below what the report counts: a lower limit is counted
-            // lower from now on.
-            slot.owned_limit = Some(Watts(read.0.min(counted.0)));
-            if read.0 + 0.5 < desired.0 {
-                return false;
-            }
-        }
+    /// What GPU `gpu` may be written now, `desired` at most: nothing while another power
+    /// manager holds its limit below the agent's (see [`super::OWNER_OVERRIDES`]) and no
+    /// higher than the limit the node's report counts it at. Once the limit it reads rises
+    /// past that (the other manager raised it or let go) or reaches `desired`, the agent
+    /// takes it back, and for [`super::TAKE_BACK_LEASES`] leases writes it no higher than
+    /// the limit it was counted at ([`super::GpuSlot::take_back_ceiling`]): the controller
+    /// gave the difference to other jobs.
+    fn writable(&mut self, now: f64, gpu: usize, desired: Watts) -> Option<Watts> {
         let controller_mode = self.controller_mode();
         let slot = &mut self.gpus[gpu];
-        slot.owned_elsewhere_since = None;
-        slot.owned_limit = None;
-        // In standalone mode the agent's own split counts the GPU in its job again at once.
-        slot.take_back_ceiling = controller_mode.then_some((counted, super::TAKE_BACK_LEASES));
-        self.owned_changed = true;
-        slot.lowered_at.clear();
-        tracing::info!(
-            gpu,
-            limit_w = read.0,
-            cap_w = desired.0,
-            held_elsewhere_s = now - since,
-            "this GPU's limit rose past the one it was counted at, or to powerflex's cap: the other power manager let go, and powerflex writes it again"
-        );
-        true
+        if let Some(held) = slot.owned_elsewhere {
+            let read = slot.last?.cap;
+            if read.0 <= held.counted.0 + 0.5 {
+                // Still held at or below what the report counts: a lower limit is counted
+                // lower from now on.
+                slot.owned_elsewhere = Some(super::OwnedElsewhere {
+                    counted: Watts(read.0.min(held.counted.0)),
+                    ..held
+                });
+                if read.0 + 0.5 < desired.0 {
+                    return None;
+                }
+            }
+            slot.owned_elsewhere = None;
+            slot.lowered_at.clear();
+            // In standalone mode the agent's own split counts the GPU in its job again at
+            // once.
+            slot.take_back_ceiling =
+                controller_mode.then_some((held.counted, super::TAKE_BACK_LEASES));
+            self.owned_changed = true;
+            tracing::info!(
+                gpu,
+                limit_w = read.0,
+                cap_w = desired.0,
+                held_elsewhere_s = now - held.since,
+                "this GPU's limit rose past the one it was counted at, or to powerflex's cap: the other power manager let go, and powerflex writes it again"
+            );
+        }
+        Some(match self.gpus[gpu].take_back_ceiling {
+            Some((ceiling, _)) => Watts(desired.0.min(ceiling.0)),
+            None => desired,
+        })
     }
 
     /// The cap GPU `gpu` should have now, clamped to what it accepts; `None` where it is
@@ -188,7 +187,6 @@ impl Agent {
             return None;
         }
         let job = slot.job.as_ref().and_then(|j| self.jobs.get(j));
-        let ceiling = slot.take_back_ceiling.map_or(f64::INFINITY, |(c, _)| c.0);
         let desired = match job {
             None if slot.unregistered_since.is_some()
                 && self.settings.unregistered_gpu_use == UnregisteredGpuUse::Failsafe =>
@@ -222,6 +220,6 @@ impl Agent {
             None if held => return None,
             _ => desired,
         };
-        Some(clamp(Watts(desired.0.min(ceiling)), &slot.identity))
+        Some(clamp(desired, &slot.identity))
     }
 }

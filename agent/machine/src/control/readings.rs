@@ -100,9 +100,11 @@ impl Agent {
             .retain(|&t| now - t <= super::OWNER_WINDOW_S);
         slot.lowered_at.insert(0, now);
         slot.lowered_at.truncate(super::OWNER_OVERRIDES);
-        if slot.owned_elsewhere_since.is_none() && slot.lowered_at.len() >= super::OWNER_OVERRIDES {
-            slot.owned_elsewhere_since = Some(now);
-            slot.owned_limit = Some(m.found);
+        if slot.owned_elsewhere.is_none() && slot.lowered_at.len() >= super::OWNER_OVERRIDES {
+            slot.owned_elsewhere = Some(super::OwnedElsewhere {
+                since: now,
+                counted: m.found,
+            });
             self.gpus_owned_elsewhere += 1;
             self.owned_changed = true;
             tracing::warn!(

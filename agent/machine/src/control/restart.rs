@@ -30,11 +30,7 @@ impl Agent {
             owned_elsewhere: self
                 .gpus
                 .iter()
-                .filter(|g| g.owned_elsewhere_since.is_some())
-                .filter_map(|g| {
-                    let counted = g.owned_limit.or(g.last.map(|s| s.cap))?;
-                    Some((g.identity.uuid.clone(), counted))
-                })
+                .filter_map(|g| Some((g.identity.uuid.clone(), g.owned_elsewhere?.counted)))
                 .collect(),
             jobs: self
                 .jobs

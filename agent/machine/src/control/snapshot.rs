@@ -144,7 +144,7 @@ fn gpu_view(g: &GpuSlot) -> GpuView {
         unregistered_use: g.unregistered_since.is_some(),
         foreign_use: !g.foreign_jobs.is_empty(),
         foreign_jobs: g.foreign_jobs.iter().cloned().collect(),
-        owned_elsewhere: g.owned_elsewhere_since.is_some(),
+        owned_elsewhere: g.owned_elsewhere.is_some(),
     }
 }
 

@@ -812,8 +812,10 @@ impl Agent {
                 }
                 // Held by another power manager before the restart: still left to it.
                 if let Some(&counted) = saved.owned_elsewhere.get(&slot.identity.uuid) {
-                    slot.owned_elsewhere_since = Some(now);
-                    slot.owned_limit = Some(counted);
+                    slot.owned_elsewhere = Some(super::OwnedElsewhere {
+                        since: now,
+                        counted,
+                    });
                 }
             }
         }
